@@ -1,0 +1,83 @@
+// The CPU inference engine: the forward pass of design brief §2 over sessions' states.
+//
+// Weights are immutable and shared; each session's state (state_store/session_state.h) is read
+// and written only inside Prefill/Decode, which advance its position. Decode runs one token for
+// each of many sessions as one batch: the projections and FFNs are GEMMs over the batch
+// (OpenBLAS), the per-session work (attention over a session's cache, the SDM write/read) runs on
+// the engine's threads. A batch gives every session the logits it would get alone up to fp32
+// rounding: OpenBLAS orders its GEMM reductions differently for different batch sizes (measured:
+// relative differences ~1e-7), while the per-session work is bitwise independent of the batch.
+// The same calls with the same batch shapes are bitwise reproducible.
+//
+// Thread-safety: one Prefill/Decode call at a time per Engine (the scheduler's step loop); a
+// session must not appear twice in one batch.
+#ifndef SDMSERVE_ENGINE_ENGINE_H_
+#define SDMSERVE_ENGINE_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/model.h"
+#include "state_store/session_state.h"
+#include "state_store/state_layout.h"
+
+namespace sdm {
+
+struct EngineOptions {
+  int num_threads = 0;  // 0: one per hardware thread
+  // Prefill processes prompts in chunks of this many tokens (bounds activation memory).
+  int64_t prefill_chunk = 256;
+  // Accumulate wall time per part of the forward pass (benchmarks); off: no clock reads.
+  bool profile = false;
+};
+
+// Seconds spent in each part of the forward pass since the last ResetProfile().
+struct EngineProfile {
+  double attn_seconds = 0;  // full-attention mixers (projections, attention, output)
+  double swa_seconds = 0;   // sliding-window attention mixers
+  double sdm_seconds = 0;   // SDM mixers (projections, addressing, write/read, output)
+  double ffn_seconds = 0;   // norms and feed-forward blocks
+  double head_seconds = 0;  // embeddings, final norm and logits
+};
+
+class Engine {
+ public:
+  static absl::StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<const Model> model,
+                                                        const EngineOptions& options = {});
+  ~Engine();
+
+  const ModelConfig& config() const;
+  const Model& model() const;
+  int64_t vocab_size() const;
+
+  // The per-layer shape of a session's state for this model.
+  const StateLayout& state_layout() const;
+  std::unique_ptr<SessionState> NewSession() const;
+
+  // Feeds `tokens` (at least one) to `session`. If `logits` is non-null it receives the logits
+  // of the last token ([vocab]) or, with all_positions, of every token ([tokens, vocab]).
+  absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
+                       std::vector<float>* logits);
+
+  // Feeds tokens[b] to sessions[b] for every b, as one batch; logits is [B, vocab].
+  absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
+                      std::span<float> logits);
+
+  // Use Create(); Impl is private to engine.cc.
+  const EngineProfile& profile() const;
+  void ResetProfile();
+
+  class Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_ENGINE_ENGINE_H_

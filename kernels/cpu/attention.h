@@ -1,0 +1,48 @@
+// Causal (optionally sliding-window) multi-head attention with grouped KV heads over cached
+// key/value rows (design brief §2): a query at position p sees keys j with j <= p and, for a
+// window W > 0, p - j < W. Scores are scaled by 1/sqrt(head_dim). RoPE is applied by the caller.
+#ifndef SDMSERVE_KERNELS_CPU_ATTENTION_H_
+#define SDMSERVE_KERNELS_CPU_ATTENTION_H_
+
+#include <cstdint>
+#include <span>
+
+namespace sdm::kernels::cpu {
+
+// Cached rows at consecutive positions [first_pos, first_pos + count). Row r of the span is at
+// k + r * row_stride (and v likewise); kv head g occupies floats [g * head_dim, (g+1) * head_dim).
+struct KvSpan {
+  const float* k;
+  const float* v;
+  int64_t first_pos;
+  int64_t count;
+};
+
+struct AttentionShape {
+  int64_t n_heads = 0;
+  int64_t n_kv_heads = 0;
+  int64_t head_dim = 0;
+  int64_t window = 0;      // 0 = full causal attention
+  int64_t row_stride = 0;  // floats between consecutive cached rows (n_kv_heads * head_dim)
+};
+
+// First position a query at `pos` may see.
+inline int64_t FirstVisiblePosition(int64_t pos, int64_t window) {
+  return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
+}
+
+// One query head of one decode token at `pos`: q_head [head_dim] -> out_head [head_dim]. `spans`
+// cover exactly the visible positions, in increasing order. Safe to call concurrently for
+// different heads or sessions.
+void AttendDecodeHead(const float* q_head, int64_t head, int64_t pos, std::span<const KvSpan> spans,
+                      const AttentionShape& shape, float* out_head);
+
+// All heads of `num_tokens` consecutive queries at positions pos0.. (prefill). q and out are
+// [num_tokens, n_heads * head_dim]. `spans` cover [FirstVisiblePosition(pos0), pos0 + num_tokens)
+// in increasing order. Uses OpenBLAS: call from one thread.
+void AttendPrefill(const float* q, int64_t num_tokens, int64_t pos0, std::span<const KvSpan> spans,
+                   const AttentionShape& shape, float* out);
+
+}  // namespace sdm::kernels::cpu
+
+#endif  // SDMSERVE_KERNELS_CPU_ATTENTION_H_

@@ -1,0 +1,70 @@
+#include "kernels/cpu/parallel.h"
+
+namespace sdm::kernels::cpu {
+
+ThreadPool::ThreadPool(int num_threads) {
+  if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+}
+
+ThreadPool::~ThreadPool() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  for (std::thread& t : workers_) t.join();
+}
+
+void ThreadPool::RunShare(const std::function<void(int64_t)>& fn, int64_t n) {
+  for (int64_t i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) fn(i);
+}
+
+void ThreadPool::WorkerLoop() {
+  uint64_t seen = 0;
+  while (true) {
+    const std::function<void(int64_t)>* job = nullptr;
+    int64_t n = 0;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      if (stop_) return;
+      seen = generation_;
+      // A worker waking after its generation finished finds no job: nothing to do.
+      if (job_ == nullptr) continue;
+      job = job_;
+      n = job_size_;
+      ++busy_;
+    }
+    RunShare(*job, n);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (--busy_ == 0) done_.notify_one();
+    }
+  }
+}
+
+void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
+  if (n <= 0) return;
+  if (workers_.empty() || n == 1) {
+    for (int64_t i = 0; i < n; ++i) fn(i);
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = &fn;
+    job_size_ = n;
+    next_.store(0);
+    ++generation_;
+  }
+  wake_.notify_all();
+  RunShare(fn, n);
+  std::unique_lock<std::mutex> lock(mu_);
+  // Workers that woke for this generation hold busy_ until their share is done. A worker that
+  // has not woken yet finds next_ >= n and returns at once, so waiting on busy_ suffices once
+  // every index has been claimed.
+  done_.wait(lock, [&] { return busy_ == 0; });
+  job_ = nullptr;
+}
+
+}  // namespace sdm::kernels::cpu

@@ -1,0 +1,49 @@
+// A fixed pool of worker threads running index ranges: the "threads for the rest" of the CPU
+// engine (OpenBLAS has its own threads for GEMMs).
+//
+// ParallelFor(n, fn) calls fn(i) for every i in [0, n), spread over the pool and the calling
+// thread, and returns when all calls have returned. Calls from one thread at a time.
+#ifndef SDMSERVE_KERNELS_CPU_PARALLEL_H_
+#define SDMSERVE_KERNELS_CPU_PARALLEL_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace sdm::kernels::cpu {
+
+class ThreadPool {
+ public:
+  // num_threads counts the caller: 1 means run everything on the calling thread.
+  explicit ThreadPool(int num_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
+
+  void ParallelFor(int64_t n, const std::function<void(int64_t)>& fn);
+
+ private:
+  void WorkerLoop();
+  void RunShare(const std::function<void(int64_t)>& fn, int64_t n);
+
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable wake_;
+  std::condition_variable done_;
+  const std::function<void(int64_t)>* job_ = nullptr;  // guarded by mu_
+  int64_t job_size_ = 0;
+  uint64_t generation_ = 0;
+  int busy_ = 0;
+  bool stop_ = false;
+  std::atomic<int64_t> next_{0};
+};
+
+}  // namespace sdm::kernels::cpu
+
+#endif  // SDMSERVE_KERNELS_CPU_PARALLEL_H_

@@ -1,0 +1,36 @@
+#include "state_store/session_state.h"
+
+namespace sdm {
+
+SessionState::SessionState(const StateLayout& layout) {
+  layers_.reserve(layout.layers.size());
+  for (const LayerStateLayout& l : layout.layers) {
+    if (l.kind == LayerStateLayout::Kind::kSdm) {
+      layers_.emplace_back(std::in_place_type<SdmTable>, l);
+    } else {
+      layers_.emplace_back(std::in_place_type<KvCache>, l.kv_row_width, l.ring_capacity);
+    }
+  }
+}
+
+std::unique_ptr<SessionState> SessionState::Clone() const {
+  auto copy = std::make_unique<SessionState>(StateLayout{});
+  copy->position_ = position_;
+  copy->sampler_draws = sampler_draws;
+  copy->layers_.reserve(layers_.size());
+  for (const auto& layer : layers_) {
+    copy->layers_.push_back(std::visit(
+        [](const auto& l) -> std::variant<KvCache, SdmTable> { return l.Clone(); }, layer));
+  }
+  return copy;
+}
+
+int64_t SessionState::ResidentBytes() const {
+  int64_t bytes = 0;
+  for (const auto& layer : layers_) {
+    bytes += std::visit([](const auto& l) { return l.ResidentBytes(); }, layer);
+  }
+  return bytes;
+}
+
+}  // namespace sdm

@@ -1,0 +1,33 @@
+// The shape of one session's recurrent state, layer by layer, independent of the model config:
+// the state store knows shapes, never weights (the engine builds a StateLayout from its config).
+#ifndef SDMSERVE_STATE_STORE_STATE_LAYOUT_H_
+#define SDMSERVE_STATE_STORE_STATE_LAYOUT_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace sdm {
+
+struct LayerStateLayout {
+  enum class Kind { kKv, kSdm };
+  Kind kind = Kind::kKv;
+  // kKv: one key row and one value row of `kv_row_width` floats per cached token.
+  int64_t kv_row_width = 0;
+  int64_t ring_capacity = 0;  // > 0: only the last ring_capacity tokens are kept (sliding window)
+  // kSdm: `sdm_heads` tables of `slots_per_head` rows of `row_width` floats.
+  int64_t sdm_heads = 0;
+  int64_t slots_per_head = 0;
+  int64_t row_width = 0;
+  // Shared read-only initial memory M0, [sdm_heads * slots_per_head, row_width]; null means
+  // zeros. The shared_ptr keeps the model's storage alive as long as any session refers to it.
+  std::shared_ptr<const float> m0;
+};
+
+struct StateLayout {
+  std::vector<LayerStateLayout> layers;  // one per model layer
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_STATE_STORE_STATE_LAYOUT_H_

@@ -1,0 +1,215 @@
+#include "engine/engine.h"
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "engine/model.h"
+#include "engine/model_config.h"
+#include "gtest/gtest.h"
+
+namespace sdm {
+namespace {
+
+ModelConfig Tiny() {
+  auto c = PresetConfig("tiny");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+// All three layer types: swa (GQA, window 6), full attention, sdm with every option on.
+ModelConfig MiniHybrid() {
+  ModelConfig c = Tiny();
+  c.n_layers = 5;
+  c.swa_at = {0, 2};
+  c.attn_at = {3};
+  c.sdm_at = {1, 4};
+  c.swa_window = 6;
+  c.attn_gate = true;
+  c.sdm.query_batchnorm = true;
+  c.sdm.key_weighted_decay = true;
+  c.sdm.num_writes = 5;
+  c.sdm.num_reads = 11;
+  EXPECT_TRUE(FinalizeModelConfig(c).ok());
+  return c;
+}
+
+std::vector<int32_t> RandomTokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 257);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = tok(rng);
+  return t;
+}
+
+std::unique_ptr<Engine> MakeEngine(const ModelConfig& c, int64_t prefill_chunk = 256) {
+  EngineOptions o;
+  o.num_threads = 2;
+  o.prefill_chunk = prefill_chunk;
+  auto e = Engine::Create(RandomModel(c, 11), o);
+  EXPECT_TRUE(e.ok()) << e.status();
+  return *std::move(e);
+}
+
+double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double worst = 0, scale = 1e-6;
+  for (size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, static_cast<double>(std::abs(a[i] - b[i])));
+    scale = std::max(scale, static_cast<double>(std::abs(b[i])));
+  }
+  return worst / scale;
+}
+
+class EngineConfigTest : public testing::TestWithParam<int> {
+ protected:
+  ModelConfig Config() const { return GetParam() == 0 ? Tiny() : MiniHybrid(); }
+};
+
+TEST_P(EngineConfigTest, PrefillEqualsTokenByTokenDecode) {
+  const ModelConfig c = Config();
+  auto engine = MakeEngine(c);
+  const auto tokens = RandomTokens(30, 5);  // longer than the SWA windows
+  auto a = engine->NewSession();
+  std::vector<float> prefill;
+  ASSERT_TRUE(engine->Prefill(*a, tokens, /*all_positions=*/true, &prefill).ok());
+  ASSERT_EQ(a->position(), 30);
+
+  auto b = engine->NewSession();
+  std::vector<float> decoded, step(c.vocab_size);
+  for (int32_t t : tokens) {
+    SessionState* s = b.get();
+    ASSERT_TRUE(engine->Decode({&s, 1}, {&t, 1}, step).ok());
+    decoded.insert(decoded.end(), step.begin(), step.end());
+  }
+  ASSERT_EQ(prefill.size(), decoded.size());
+  EXPECT_LT(MaxRelDiff(prefill, decoded), 1e-4);
+}
+
+TEST_P(EngineConfigTest, PrefillChunkingDoesNotChangeLogits) {
+  const ModelConfig c = Config();
+  const auto tokens = RandomTokens(40, 6);
+  std::vector<float> whole, chunked;
+  auto e1 = MakeEngine(c, 256);
+  auto s1 = e1->NewSession();
+  ASSERT_TRUE(e1->Prefill(*s1, tokens, true, &whole).ok());
+  auto e2 = MakeEngine(c, 7);  // chunks smaller than, and crossing, the SWA window
+  auto s2 = e2->NewSession();
+  ASSERT_TRUE(e2->Prefill(*s2, tokens, true, &chunked).ok());
+  EXPECT_LT(MaxRelDiff(chunked, whole), 1e-4);
+  // Last-position logits are the last row of the all-position logits.
+  auto s3 = e2->NewSession();
+  std::vector<float> last;
+  ASSERT_TRUE(e2->Prefill(*s3, tokens, false, &last).ok());
+  std::vector<float> want(chunked.end() - c.vocab_size, chunked.end());
+  EXPECT_EQ(last, want);
+}
+
+TEST_P(EngineConfigTest, BatchEqualsEachSessionAlone) {
+  const ModelConfig c = Config();
+  auto engine = MakeEngine(c);
+  const int kSessions = 5, kSteps = 12;
+  std::vector<std::unique_ptr<SessionState>> batch, solo;
+  std::vector<std::vector<int32_t>> feeds;
+  for (int i = 0; i < kSessions; ++i) {
+    batch.push_back(engine->NewSession());
+    solo.push_back(engine->NewSession());
+    const auto prompt = RandomTokens(3 + 4 * i, 100 + i);  // different lengths and positions
+    ASSERT_TRUE(engine->Prefill(*batch.back(), prompt, false, nullptr).ok());
+    ASSERT_TRUE(engine->Prefill(*solo.back(), prompt, false, nullptr).ok());
+    feeds.push_back(RandomTokens(kSteps, 200 + i));
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    std::vector<SessionState*> ptrs;
+    std::vector<int32_t> toks;
+    for (int i = 0; i < kSessions; ++i) {
+      ptrs.push_back(batch[i].get());
+      toks.push_back(feeds[i][step]);
+    }
+    std::vector<float> batched(kSessions * c.vocab_size);
+    ASSERT_TRUE(engine->Decode(ptrs, toks, batched).ok());
+    for (int i = 0; i < kSessions; ++i) {
+      std::vector<float> alone(c.vocab_size);
+      SessionState* s = solo[i].get();
+      ASSERT_TRUE(engine->Decode({&s, 1}, {&toks[i], 1}, alone).ok());
+      std::vector<float> row(batched.begin() + i * c.vocab_size,
+                             batched.begin() + (i + 1) * c.vocab_size);
+      EXPECT_LT(MaxRelDiff(row, alone), 1e-5) << "session " << i << " step " << step;
+    }
+  }
+}
+
+TEST_P(EngineConfigTest, DeterministicAcrossRuns) {
+  const ModelConfig c = Config();
+  const auto tokens = RandomTokens(17, 9);
+  std::vector<float> a, b;
+  auto e = MakeEngine(c);
+  auto s1 = e->NewSession();
+  auto s2 = e->NewSession();
+  ASSERT_TRUE(e->Prefill(*s1, tokens, true, &a).ok());
+  ASSERT_TRUE(e->Prefill(*s2, tokens, true, &b).ok());
+  EXPECT_EQ(a, b);
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, EngineConfigTest, testing::Values(0, 1));
+
+TEST(EngineTest, SdmStateGrowsByDistinctSlotsWritten) {
+  auto engine = MakeEngine(Tiny());
+  auto s = engine->NewSession();
+  const int sdm_layer = 3;
+  EXPECT_EQ(s->sdm(sdm_layer).private_rows(), 0);
+  ASSERT_TRUE(engine->Prefill(*s, RandomTokens(5, 1), false, nullptr).ok());
+  const int64_t rows = s->sdm(sdm_layer).private_rows();
+  // 5 tokens x 2 heads x 8 writes at most, and at least one token's worth.
+  EXPECT_GE(rows, 2 * 8);
+  EXPECT_LE(rows, 5 * 2 * 8);
+}
+
+TEST(EngineTest, RejectsBadInput) {
+  const ModelConfig c = Tiny();
+  auto engine = MakeEngine(c);
+  auto s = engine->NewSession();
+  std::vector<float> logits(c.vocab_size);
+  std::vector<int32_t> bad = {static_cast<int32_t>(c.vocab_size)};
+  EXPECT_EQ(engine->Prefill(*s, bad, false, &logits).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->Prefill(*s, {}, false, &logits).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<int32_t> neg = {-1};
+  SessionState* p = s.get();
+  EXPECT_EQ(engine->Decode({&p, 1}, neg, logits).code(), absl::StatusCode::kInvalidArgument);
+  SessionState* twice[] = {p, p};
+  std::vector<int32_t> two = {1, 2};
+  std::vector<float> two_logits(2 * c.vocab_size);
+  EXPECT_EQ(engine->Decode(twice, two, two_logits).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<int32_t> one = {1};
+  EXPECT_EQ(engine->Decode({&p, 1}, one, two_logits).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s->position(), 0);  // nothing was consumed by the rejected calls
+}
+
+}  // namespace
+}  // namespace sdm
+
+namespace sdm {
+namespace {
+
+TEST(EngineTest, CloneContinuesExactlyLikeTheOriginal) {
+  const ModelConfig c = MiniHybrid();
+  auto engine = MakeEngine(c);
+  auto a = engine->NewSession();
+  ASSERT_TRUE(engine->Prefill(*a, RandomTokens(23, 3), false, nullptr).ok());
+  auto b = a->Clone();
+  EXPECT_EQ(b->position(), a->position());
+  EXPECT_EQ(b->ResidentBytes(), a->ResidentBytes());
+  const auto more = RandomTokens(9, 4);
+  std::vector<float> la, lb;
+  ASSERT_TRUE(engine->Prefill(*a, more, true, &la).ok());
+  ASSERT_TRUE(engine->Prefill(*b, more, true, &lb).ok());
+  EXPECT_EQ(la, lb);  // same calls, same shapes: bitwise equal
+  // The copy is independent: feeding only the original changes nothing in the copy.
+  const int64_t rows = b->sdm(1).private_rows();
+  ASSERT_TRUE(engine->Prefill(*a, RandomTokens(5, 5), false, nullptr).ok());
+  EXPECT_EQ(b->sdm(1).private_rows(), rows);
+  EXPECT_EQ(b->position(), a->position() - 5);
+}
+
+}  // namespace
+}  // namespace sdm

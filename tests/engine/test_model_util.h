@@ -1,0 +1,78 @@
+// Helpers shared by the engine tests: temporary directories, crafted safetensors files and
+// small model configs.
+#ifndef SDMSERVE_TESTS_ENGINE_TEST_MODEL_UTIL_H_
+#define SDMSERVE_TESTS_ENGINE_TEST_MODEL_UTIL_H_
+
+#include <stdlib.h>
+
+#include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <system_error>
+
+#include "engine/model_config.h"
+#include "gtest/gtest.h"
+
+namespace sdm::testing {
+
+// A fresh directory under $TEST_TMPDIR (or /tmp), removed with its contents by the destructor.
+class ScopedTempDir {
+ public:
+  ScopedTempDir() {
+    const char* base = std::getenv("TEST_TMPDIR");
+    std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/sdm_test_XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+    path_ = pattern;
+  }
+  ~ScopedTempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  ScopedTempDir(const ScopedTempDir&) = delete;
+  ScopedTempDir& operator=(const ScopedTempDir&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline void WriteFile(const std::filesystem::path& path, const std::string& bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << path;
+}
+
+inline std::string ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// The bytes of a safetensors file with the given header text and data region; the length field
+// is the header's size unless `length` overrides it.
+inline std::string SafetensorsBytes(const std::string& header, const std::string& data,
+                                    int64_t length = -1) {
+  const uint64_t n = length >= 0 ? static_cast<uint64_t>(length) : header.size();
+  std::string out(8, '\0');
+  std::memcpy(out.data(), &n, 8);
+  return out + header + data;
+}
+
+// Little-endian bytes of fp32 values.
+inline std::string FloatBytes(std::initializer_list<float> values) {
+  std::string out(values.size() * 4, '\0');
+  std::memcpy(out.data(), values.begin(), out.size());
+  return out;
+}
+
+inline ModelConfig TinyConfig() {
+  auto c = PresetConfig("tiny");
+  EXPECT_TRUE(c.ok()) << c.status();
+  return *c;
+}
+
+}  // namespace sdm::testing
+
+#endif  // SDMSERVE_TESTS_ENGINE_TEST_MODEL_UTIL_H_

@@ -1,0 +1,121 @@
+#include "state_store/session_state.h"
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace sdm {
+namespace {
+
+LayerStateLayout SdmLayout(std::shared_ptr<const float> m0) {
+  LayerStateLayout l;
+  l.kind = LayerStateLayout::Kind::kSdm;
+  l.sdm_heads = 2;
+  l.slots_per_head = 16;
+  l.row_width = 4;
+  l.m0 = std::move(m0);
+  return l;
+}
+
+TEST(SdmTableTest, UnwrittenSlotsReadM0) {
+  auto m0 = std::make_shared<float[]>(2 * 16 * 4);
+  for (int i = 0; i < 2 * 16 * 4; ++i) m0[i] = static_cast<float>(i);
+  SdmTable t(SdmLayout(std::shared_ptr<const float>(m0, m0.get())));
+  EXPECT_EQ(t.Row(1, 3)[2], static_cast<float>((16 + 3) * 4 + 2));
+  EXPECT_EQ(t.private_rows(), 0);
+  EXPECT_FALSE(t.IsPrivate(1, 3));
+}
+
+TEST(SdmTableTest, CopyOnWriteCountsDistinctSlots) {
+  auto m0 = std::make_shared<float[]>(2 * 16 * 4);
+  for (int i = 0; i < 2 * 16 * 4; ++i) m0[i] = 1.0f;
+  SdmTable t(SdmLayout(std::shared_ptr<const float>(m0, m0.get())));
+  std::map<std::pair<int, int>, float> written;  // slot -> expected value
+  const int writes[][2] = {{0, 1}, {0, 5}, {1, 1}, {0, 1}, {1, 15}, {0, 5}};
+  for (auto [h, s] : writes) {
+    float* row = t.MutableRow(h, s);
+    auto it = written.find({h, s});
+    EXPECT_EQ(row[0], it == written.end() ? 1.0f : it->second);  // first write copies M0
+    row[0] += 1.0f;
+    written[{h, s}] = row[0];
+  }
+  EXPECT_EQ(t.private_rows(), static_cast<int64_t>(written.size()));
+  // The shared M0 is never modified; the private row keeps its update.
+  EXPECT_EQ(m0[0 * 16 * 4 + 1 * 4], 1.0f);
+  EXPECT_GT(t.Row(0, 1)[0], 1.0f);
+  EXPECT_EQ(t.Row(0, 2)[0], 1.0f);
+}
+
+TEST(SdmTableTest, NullM0ReadsZeros) {
+  SdmTable t(SdmLayout(nullptr));
+  EXPECT_EQ(t.Row(0, 0)[3], 0.0f);
+  float* row = t.MutableRow(1, 7);
+  EXPECT_EQ(row[1], 0.0f);
+  row[1] = 2.0f;
+  EXPECT_EQ(t.Row(1, 7)[1], 2.0f);
+  EXPECT_EQ(t.Row(1, 6)[1], 0.0f);
+}
+
+TEST(KvCacheTest, FullCacheKeepsEveryPosition) {
+  KvCache c(3, 0);
+  for (int p = 0; p < 600; ++p) {
+    float* k = c.NextKeyRow();
+    float* v = c.NextValueRow();
+    for (int i = 0; i < 3; ++i) k[i] = p, v[i] = -p;
+    c.Commit();
+  }
+  EXPECT_EQ(c.length(), 600);
+  EXPECT_EQ(c.first_position(), 0);
+  EXPECT_EQ(c.KeyRow(0)[1], 0.0f);
+  EXPECT_EQ(c.KeyRow(599)[2], 599.0f);
+  EXPECT_EQ(c.ValueRow(300)[0], -300.0f);
+  // Spans are contiguous runs that never cross a page.
+  int64_t next = 10;
+  c.ForEachSpan(10, 600, [&](int64_t p, int64_t n, const float* k, const float* v) {
+    EXPECT_EQ(p, next);
+    for (int64_t i = 0; i < n; ++i) EXPECT_EQ(k[i * 3], static_cast<float>(p + i));
+    next = p + n;
+  });
+  EXPECT_EQ(next, 600);
+}
+
+TEST(KvCacheTest, RingKeepsTheLastPositions) {
+  KvCache c(1, 5);
+  for (int p = 0; p < 12; ++p) {
+    *c.NextKeyRow() = p;
+    *c.NextValueRow() = p;
+    c.Commit();
+  }
+  EXPECT_EQ(c.first_position(), 7);
+  std::vector<float> seen;
+  c.ForEachSpan(7, 12, [&](int64_t p, int64_t n, const float* k, const float*) {
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(k[i], static_cast<float>(p + i));
+      seen.push_back(k[i]);
+    }
+  });
+  EXPECT_EQ(seen, (std::vector<float>{7, 8, 9, 10, 11}));
+}
+
+TEST(SessionStateTest, BuildsOneStatePerLayer) {
+  StateLayout layout;
+  LayerStateLayout kv;
+  kv.kind = LayerStateLayout::Kind::kKv;
+  kv.kv_row_width = 8;
+  layout.layers = {kv, SdmLayout(nullptr)};
+  SessionState s(layout);
+  EXPECT_EQ(s.num_layers(), 2);
+  EXPECT_EQ(s.kv(0).row_width(), 8);
+  EXPECT_EQ(s.sdm(1).heads(), 2);
+  const int64_t before = s.ResidentBytes();
+  s.sdm(1).MutableRow(0, 0);
+  EXPECT_GT(s.ResidentBytes(), before);
+  EXPECT_EQ(s.position(), 0);
+  s.AdvancePosition();
+  EXPECT_EQ(s.position(), 1);
+}
+
+}  // namespace
+}  // namespace sdm

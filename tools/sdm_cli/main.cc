@@ -1,0 +1,456 @@
+// sdm-cli: runs a model on the CPU engine from the command line.
+//
+//   sdm-cli generate --model DIR --prompt TEXT [sampling flags] [--json]
+//       Streams a completion of BOS + the prompt's tokens to stdout.
+//   sdm-cli logits --model DIR --tokens 1,2,3 [--all]
+//       Prints the logits of exactly those tokens as one JSON object, for comparisons with other
+//       implementations (the reference tests read it): {"tokens": [...], "logits": [[...], ...]},
+//       one row per position with --all, else the last position's; floats as %.9g, which
+//       round-trips float32 (non-finite values as NaN / Infinity / -Infinity, as Python's json
+//       reads them).
+//   sdm-cli SUBCOMMAND --help documents every flag.
+//
+// Exit status: 0 on success; 2 on usage errors (unknown subcommand or flag, missing or bad flag
+// values, token ids outside the model's vocabulary), with a hint to --help; 1 on runtime failures
+// (a model that cannot be loaded, an engine error), with the error's message.
+//
+// Flags are Abseil flags (typed values, defaults and help text in one place), but argv is
+// dispatched here rather than by absl::ParseCommandLine: each subcommand accepts only its own
+// flags, and a bad flag must exit with status 2, where Abseil's parser exits with 1.
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/reflection.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+#include "nlohmann/json.hpp"
+#include "state_store/session_state.h"
+
+ABSL_FLAG(std::string, model, "",
+          "Model directory (config.json, model.safetensors, tokenizer file). Required.");
+ABSL_FLAG(int, threads, 0, "Engine threads; 0 = one per hardware thread.");
+// generate
+ABSL_FLAG(std::string, prompt, "", "Prompt text; the completion continues BOS + its tokens.");
+ABSL_FLAG(bool, no_bos, false, "Do not put BOS before the prompt's tokens.");
+ABSL_FLAG(int64_t, max_tokens, 64,
+          "Generate at most this many tokens (EOS and stop ids included). >= 1.");
+ABSL_FLAG(double, temperature, 0.0, "Sampling temperature; 0 = greedy (argmax). >= 0.");
+ABSL_FLAG(int, top_k, 0, "Sample among the k most probable tokens only; 0 = no limit.");
+ABSL_FLAG(double, top_p, 1.0,
+          "Sample from the smallest set of most probable tokens whose probability reaches top_p "
+          "(after top_k); in (0, 1], 1 = no limit.");
+ABSL_FLAG(uint64_t, seed, 0,
+          "Sampling seed: the same seed, prompt and flags give the same completion.");
+ABSL_FLAG(std::string, stop_ids, "",
+          "Comma-separated token ids that end the completion (besides the tokenizer's EOS); "
+          "the stop token's text is not printed.");
+ABSL_FLAG(bool, json, false,
+          "Instead of streaming text, print one JSON object at the end: prompt_tokens, tokens "
+          "(generated ids), text, finish_reason.");
+// logits
+ABSL_FLAG(std::string, tokens, "",
+          "Comma-separated token ids to feed, exactly (no BOS is added). Required, non-empty.");
+ABSL_FLAG(bool, all, false, "Print the logits of every position, not only the last.");
+
+namespace sdm {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+struct Subcommand {
+  const char* name;
+  const char* synopsis;
+  const char* description;
+  std::vector<std::string> flags;
+  std::function<int()> run;
+};
+
+int UsageError(absl::string_view subcommand, absl::string_view message) {
+  absl::FPrintF(stderr, "sdm-cli: %s\n", message);
+  if (subcommand.empty()) {
+    absl::FPrintF(stderr, "run 'sdm-cli --help' for usage\n");
+  } else {
+    absl::FPrintF(stderr, "run 'sdm-cli %s --help' for usage\n", subcommand);
+  }
+  return kExitUsage;
+}
+
+int Failure(const absl::Status& status) {
+  absl::FPrintF(stderr, "sdm-cli: %s\n", status.ToString());
+  return kExitFailure;
+}
+
+// `text` broken into lines of at most 100 columns (longer words stay whole), each indented.
+std::string Wrap(absl::string_view text, int indent) {
+  std::string out;
+  int column = 0;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (column > indent && column + 1 + static_cast<int>(word.size()) > 100) {
+      out += "\n";
+      column = 0;
+    }
+    if (column == 0) {
+      out.append(indent, ' ');
+      column = indent;
+    } else {
+      out += ' ';
+      ++column;
+    }
+    absl::StrAppend(&out, word);
+    column += static_cast<int>(word.size());
+  }
+  return out + "\n";
+}
+
+void PrintSubcommandHelp(const Subcommand& sub, FILE* out) {
+  absl::FPrintF(out, "usage:\n%s\n%s\nflags:\n", Wrap(sub.synopsis, 2), Wrap(sub.description, 0));
+  for (const std::string& name : sub.flags) {
+    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    const std::string default_value = flag->DefaultValue();
+    absl::FPrintF(out, "  --%s (default: %s)\n%s", name,
+                  default_value.empty() ? "\"\"" : default_value, Wrap(flag->Help(), 6));
+  }
+}
+
+void PrintMainHelp(const std::vector<Subcommand>& subs, FILE* out) {
+  absl::FPrintF(out, "usage: sdm-cli SUBCOMMAND [flags]\n\nsubcommands:\n");
+  for (const Subcommand& sub : subs) {
+    absl::FPrintF(out, "%s%s", Wrap(sub.synopsis, 2), Wrap(sub.description, 6));
+  }
+  absl::FPrintF(out,
+                "\n'sdm-cli SUBCOMMAND --help' lists the subcommand's flags.\n"
+                "Exit status: 0 ok, 1 runtime error, 2 usage error.\n");
+}
+
+// Sets the subcommand's flags from args ("--name=value", "--name value"; booleans also "--name"
+// and "--noname"). Returns an error message, empty on success.
+std::string SetFlags(const Subcommand& sub, const std::vector<std::string>& args) {
+  const auto allowed = [&](absl::string_view name) {
+    return std::find(sub.flags.begin(), sub.flags.end(), name) != sub.flags.end();
+  };
+  for (size_t i = 0; i < args.size(); ++i) {
+    absl::string_view arg = args[i];
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) {
+      return absl::StrCat("unexpected argument '", args[i], "'");
+    }
+    std::string name(arg);
+    std::string value;
+    bool has_value = false;
+    if (const size_t eq = arg.find('='); eq != absl::string_view::npos) {
+      name = std::string(arg.substr(0, eq));
+      value = std::string(arg.substr(eq + 1));
+      has_value = true;
+    }
+    absl::CommandLineFlag* flag = allowed(name) ? absl::FindCommandLineFlag(name) : nullptr;
+    if (flag == nullptr && !has_value && absl::StartsWith(name, "no") && allowed(name.substr(2))) {
+      flag = absl::FindCommandLineFlag(name.substr(2));
+      if (flag != nullptr && flag->IsOfType<bool>()) {
+        name = name.substr(2);
+        value = "false";
+        has_value = true;
+      } else {
+        flag = nullptr;
+      }
+    }
+    if (flag == nullptr) {
+      return absl::StrCat("unknown flag --", name, " for '", sub.name, "'");
+    }
+    if (!has_value) {
+      if (flag->IsOfType<bool>()) {
+        value = "true";
+      } else if (i + 1 < args.size()) {
+        value = args[++i];
+      } else {
+        return absl::StrCat("flag --", name, " needs a value");
+      }
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {
+      return absl::StrCat("bad value '", value, "' for --", name, ": ", error);
+    }
+  }
+  return "";
+}
+
+// "1,2,3" -> ids. Empty text gives no ids.
+absl::StatusOr<std::vector<int32_t>> ParseIds(absl::string_view text, absl::string_view flag) {
+  std::vector<int32_t> ids;
+  if (text.empty()) return ids;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t id = 0;
+    if (!absl::SimpleAtoi(part, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", flag, ": '", part, "' is not a token id (an integer)"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+struct LoadedEngine {
+  std::shared_ptr<const Model> model;
+  std::unique_ptr<Engine> engine;
+};
+
+absl::StatusOr<LoadedEngine> LoadEngine() {
+  absl::StatusOr<std::shared_ptr<const Model>> model = LoadModel(absl::GetFlag(FLAGS_model));
+  if (!model.ok()) return model.status();
+  EngineOptions options;
+  options.num_threads = absl::GetFlag(FLAGS_threads);
+  absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*model, options);
+  if (!engine.ok()) return engine.status();
+  return LoadedEngine{*std::move(model), *std::move(engine)};
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// ---- generate -------------------------------------------------------------------------------
+
+int RunGenerate() {
+  constexpr absl::string_view kSub = "generate";
+  if (absl::GetFlag(FLAGS_model).empty()) return UsageError(kSub, "--model is required");
+  if (absl::GetFlag(FLAGS_threads) < 0) return UsageError(kSub, "--threads must be >= 0");
+  const bool add_bos = !absl::GetFlag(FLAGS_no_bos);
+  const std::string prompt = absl::GetFlag(FLAGS_prompt);
+  if (prompt.empty() && !add_bos) {
+    return UsageError(kSub, "--prompt is empty and --no_bos is set: there is nothing to feed");
+  }
+  SamplingParams params;
+  params.temperature = absl::GetFlag(FLAGS_temperature);
+  params.top_k = absl::GetFlag(FLAGS_top_k);
+  params.top_p = absl::GetFlag(FLAGS_top_p);
+  params.seed = absl::GetFlag(FLAGS_seed);
+  params.max_tokens = absl::GetFlag(FLAGS_max_tokens);
+  absl::StatusOr<std::vector<int32_t>> stop_ids =
+      ParseIds(absl::GetFlag(FLAGS_stop_ids), "stop_ids");
+  if (!stop_ids.ok()) return UsageError(kSub, stop_ids.status().message());
+  params.stop_token_ids = *std::move(stop_ids);
+  // Everything but the stop ids' range can be checked before the (slow) model load.
+  if (absl::Status s = ValidateSamplingParams(params, std::numeric_limits<int32_t>::max());
+      !s.ok()) {
+    return UsageError(kSub, s.message());
+  }
+
+  absl::StatusOr<LoadedEngine> loaded = LoadEngine();
+  if (!loaded.ok()) return Failure(loaded.status());
+  Engine& engine = *loaded->engine;
+  if (absl::Status s = ValidateSamplingParams(params, engine.vocab_size()); !s.ok()) {
+    return UsageError(kSub, s.message());
+  }
+  absl::StatusOr<std::unique_ptr<Tokenizer>> tokenizer =
+      Tokenizer::Create(loaded->model->config, loaded->model->dir);
+  if (!tokenizer.ok()) return Failure(tokenizer.status());
+  const std::vector<int32_t> prompt_ids = (*tokenizer)->Encode(prompt, add_bos);
+  if (prompt_ids.empty()) {
+    return UsageError(kSub, "the prompt has no tokens (and the tokenizer has no BOS)");
+  }
+
+  const bool json = absl::GetFlag(FLAGS_json);
+  std::unique_ptr<SessionState> session = engine.NewSession();
+  std::vector<float> logits;
+  const auto prefill_start = std::chrono::steady_clock::now();
+  if (absl::Status s = engine.Prefill(*session, prompt_ids, /*all_positions=*/false, &logits);
+      !s.ok()) {
+    return Failure(s);
+  }
+  const double prefill_seconds = SecondsSince(prefill_start);
+
+  IncrementalDetokenizer detokenizer(**tokenizer);
+  std::string text;  // what was printed (or, with --json, would have been)
+  const auto emit = [&](const std::string& delta) {
+    text += delta;
+    if (!json && !delta.empty()) {
+      std::fwrite(delta.data(), 1, delta.size(), stdout);
+      std::fflush(stdout);
+    }
+  };
+  std::vector<int32_t> generated;
+  std::string finish_reason;
+  int64_t decode_steps = 0;
+  const auto decode_start = std::chrono::steady_clock::now();
+  while (true) {
+    const int32_t token = SampleToken(logits, params, session->sampler_draws);
+    ++session->sampler_draws;
+    generated.push_back(token);
+    if (token == (*tokenizer)->eos_id()) {
+      finish_reason = "eos";
+      break;
+    }
+    if (std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) !=
+        params.stop_token_ids.end()) {
+      finish_reason = "stop";
+      break;
+    }
+    emit(detokenizer.Add(token));
+    if (static_cast<int64_t>(generated.size()) >= params.max_tokens) {
+      finish_reason = "length";
+      break;
+    }
+    SessionState* sessions[] = {session.get()};
+    if (absl::Status s = engine.Decode(sessions, std::span<const int32_t>(&token, 1), logits);
+        !s.ok()) {
+      return Failure(s);
+    }
+    ++decode_steps;
+  }
+  const double decode_seconds = SecondsSince(decode_start);
+  emit(detokenizer.Flush());
+
+  if (json) {
+    nlohmann::json out;
+    out["prompt_tokens"] = prompt_ids;
+    out["tokens"] = generated;
+    out["text"] = text;
+    out["finish_reason"] = finish_reason;
+    // `text` is valid UTF-8 by construction; replace rather than throw regardless.
+    std::printf("%s\n", out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
+  } else if (isatty(fileno(stdout))) {
+    std::printf("\n");  // keep the shell prompt off the last line; pipes get the text verbatim
+  }
+  std::fflush(stdout);
+  absl::FPrintF(stderr,
+                "prompt_tokens=%d generated_tokens=%d prefill_s=%.4f decode_tokens_per_s=%.1f "
+                "finish_reason=%s\n",
+                prompt_ids.size(), generated.size(), prefill_seconds,
+                decode_steps > 0 ? decode_steps / decode_seconds : 0.0, finish_reason);
+  return kExitOk;
+}
+
+// ---- logits ---------------------------------------------------------------------------------
+
+void AppendJsonFloat(float v, std::string& out) {
+  if (std::isnan(v)) {
+    out += "NaN";
+  } else if (std::isinf(v)) {
+    out += v > 0 ? "Infinity" : "-Infinity";
+  } else {
+    absl::StrAppendFormat(&out, "%.9g", v);
+  }
+}
+
+int RunLogits() {
+  constexpr absl::string_view kSub = "logits";
+  if (absl::GetFlag(FLAGS_model).empty()) return UsageError(kSub, "--model is required");
+  if (absl::GetFlag(FLAGS_threads) < 0) return UsageError(kSub, "--threads must be >= 0");
+  absl::StatusOr<std::vector<int32_t>> tokens = ParseIds(absl::GetFlag(FLAGS_tokens), "tokens");
+  if (!tokens.ok()) return UsageError(kSub, tokens.status().message());
+  if (tokens->empty()) return UsageError(kSub, "--tokens is required (at least one token id)");
+
+  absl::StatusOr<LoadedEngine> loaded = LoadEngine();
+  if (!loaded.ok()) return Failure(loaded.status());
+  Engine& engine = *loaded->engine;
+  const int64_t vocab = engine.vocab_size();
+  for (const int32_t id : *tokens) {
+    if (id < 0 || id >= vocab) {
+      return UsageError(kSub, absl::StrCat("--tokens: id ", id,
+                                           " is outside the model's vocabulary [0, ", vocab, ")"));
+    }
+  }
+  const bool all = absl::GetFlag(FLAGS_all);
+  std::unique_ptr<SessionState> session = engine.NewSession();
+  std::vector<float> logits;
+  if (absl::Status s = engine.Prefill(*session, *tokens, all, &logits); !s.ok()) return Failure(s);
+  const size_t rows = all ? tokens->size() : 1;
+  if (logits.size() != rows * static_cast<size_t>(vocab)) {
+    return Failure(absl::InternalError(absl::StrCat("the engine returned ", logits.size(),
+                                                    " logits, expected ", rows, " x ", vocab)));
+  }
+
+  std::string out =
+      absl::StrCat("{\"tokens\": [", absl::StrJoin(*tokens, ", "), "], \"logits\": [");
+  for (size_t r = 0; r < rows; ++r) {
+    out += r == 0 ? "\n[" : ",\n[";
+    for (int64_t v = 0; v < vocab; ++v) {
+      if (v > 0) out += ", ";
+      AppendJsonFloat(logits[r * vocab + v], out);
+    }
+    out += "]";
+  }
+  out += "]}\n";
+  std::fwrite(out.data(), 1, out.size(), stdout);
+  std::fflush(stdout);
+  return kExitOk;
+}
+
+int Main(int argc, char** argv) {
+  const std::vector<Subcommand> subs = {
+      {"generate",
+       "sdm-cli generate --model DIR --prompt TEXT [--max_tokens N] [--temperature T] [flags]",
+       "Completes BOS + the prompt's tokens with the model, streaming the text to stdout; a "
+       "summary line (prompt_tokens, generated_tokens, prefill_s, decode_tokens_per_s, "
+       "finish_reason = eos|stop|length) goes to stderr.",
+       {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids",
+        "no_bos", "json", "threads"},
+       RunGenerate},
+      {"logits",
+       "sdm-cli logits --model DIR --tokens ID,... [--all] [--threads N]",
+       "Feeds exactly the given token ids and prints one JSON object: {\"tokens\": [...], "
+       "\"logits\": [[...], ...]}, one row of vocab_size floats (%.9g) for the last position, "
+       "or for every position with --all.",
+       {"model", "tokens", "all", "threads"},
+       RunLogits},
+  };
+  std::vector<std::string> args(argv + 1, argv + argc);
+  const auto is_help = [](absl::string_view a) {
+    return a == "--help" || a == "-h" || a == "-help";
+  };
+  if (args.empty()) {
+    PrintMainHelp(subs, stderr);
+    return kExitUsage;
+  }
+  if (is_help(args[0]) || args[0] == "help") {
+    PrintMainHelp(subs, stdout);
+    return kExitOk;
+  }
+  const auto sub = std::find_if(subs.begin(), subs.end(),
+                                [&](const Subcommand& s) { return args[0] == s.name; });
+  if (sub == subs.end()) {
+    return UsageError("", absl::StrCat("unknown subcommand '", args[0], "' (expected ",
+                                       absl::StrJoin(subs, " or ",
+                                                     [](std::string* out, const Subcommand& s) {
+                                                       out->append(s.name);
+                                                     }),
+                                       ")"));
+  }
+  args.erase(args.begin());
+  if (std::any_of(args.begin(), args.end(), is_help)) {
+    PrintSubcommandHelp(*sub, stdout);
+    return kExitOk;
+  }
+  if (const std::string error = SetFlags(*sub, args); !error.empty()) {
+    return UsageError(sub->name, error);
+  }
+  return sub->run();
+}
+
+}  // namespace
+}  // namespace sdm
+
+int main(int argc, char** argv) { return sdm::Main(argc, argv); }
