@@ -4,15 +4,18 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/weight_spec.h"
 #include "kernels/common/check.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/gemm.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/norm.h"
 #include "kernels/cpu/parallel.h"
@@ -20,6 +23,7 @@
 #include "kernels/cpu/sdm_addressing.h"
 #include "kernels/cpu/sdm_update.h"
 #include "kernels/cpu/vector_math.h"
+#include "xxhash.h"
 
 namespace sdm {
 namespace {
@@ -30,19 +34,21 @@ namespace cpu = kernels::cpu;
 // recurrence of a head is split into tiles that run on different threads.
 constexpr int64_t kSdmColumnTile = 128;
 
+using cpu::PackedMatrix;
+
 struct AttentionWeights {
-  const float* wq = nullptr;
-  const float* wk = nullptr;
-  const float* wv = nullptr;
-  const float* wo = nullptr;
-  const float* w_gate = nullptr;  // null unless attn_gate
+  const PackedMatrix* wq = nullptr;
+  const PackedMatrix* wk = nullptr;
+  const PackedMatrix* wv = nullptr;
+  const PackedMatrix* wo = nullptr;
+  const PackedMatrix* w_gate = nullptr;  // null unless attn_gate
   AttentionGeometry geom;
 };
 
 struct SdmWeights {
-  const float *wq_read, *bq_read, *wk_write, *bk_write, *wv_write, *bv_write;
-  const float *a_proj, *a_bias, *b_proj, *b_bias, *a_log, *dt_bias, *wo, *bo;
-  const float* wog = nullptr;  // output gate (optional)
+  const PackedMatrix *wq_read, *wk_write, *wv_write, *a_proj, *b_proj, *wo;
+  const float *bq_read, *bk_write, *bv_write, *a_bias, *b_bias, *a_log, *dt_bias, *bo;
+  const PackedMatrix* wog = nullptr;  // output gate (optional)
   const float* bog = nullptr;
   const float* norm_w = nullptr;  // readings LayerNorm (optional)
   const float* norm_b = nullptr;
@@ -55,7 +61,7 @@ struct LayerWeights {
   LayerType type;
   const float* attention_norm;
   const float* ffn_norm;
-  const float *w1, *w2, *w3;
+  const PackedMatrix *w1, *w2, *w3;
   AttentionWeights attn;
   SdmWeights sdm;
 };
@@ -97,40 +103,51 @@ class Engine::Impl {
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)) {
     const ModelWeights& w = *model_->weights;
+    // One row pool for every SDM layer and session of the model (forks share rows across
+    // sessions). Its cap (2^28 rows) is far beyond memory: budgets are the state store's job.
+    std::shared_ptr<RowPool> row_pool;
+    if (sdm_geom_.heads > 0 &&
+        std::count(cfg_.layer_types.begin(), cfg_.layer_types.end(), LayerType::kSdm) > 0) {
+      row_pool = std::make_shared<RowPool>(sdm_geom_.head_width);
+    }
     tok_embeddings_ = w.Get("tok_embeddings.weight").data();
     final_norm_ = w.Get("norm.weight").data();
-    output_ = cfg_.weight_tying ? tok_embeddings_ : w.Get("output.weight").data();
+    output_ = Pack(cfg_.weight_tying ? "tok_embeddings.weight" : "output.weight");
     for (int64_t i = 0; i < cfg_.n_layers; ++i) {
       const std::string p = absl::StrCat("layers.", i, ".");
       auto get = [&](const std::string& name) { return w.Get(p + name).data(); };
       auto opt = [&](const std::string& name) {
         return w.Has(p + name) ? w.Get(p + name).data() : nullptr;
       };
+      auto pack = [&](const std::string& name) { return Pack(p + name); };
+      auto opt_pack = [&](const std::string& name) {
+        return w.Has(p + name) ? Pack(p + name) : nullptr;
+      };
       LayerWeights l{};
       l.type = cfg_.layer_types[i];
       l.attention_norm = get("attention_norm.weight");
       l.ffn_norm = get("ffn_norm.weight");
-      l.w1 = get("feed_forward.w1.weight");
-      l.w2 = get("feed_forward.w2.weight");
-      l.w3 = get("feed_forward.w3.weight");
+      l.w1 = pack("feed_forward.w1.weight");
+      l.w2 = pack("feed_forward.w2.weight");
+      l.w3 = pack("feed_forward.w3.weight");
       LayerStateLayout state;
       if (l.type == LayerType::kSdm) {
         SdmWeights& s = l.sdm;
-        s.wq_read = get("attention.Wq_read.weight");
+        s.wq_read = pack("attention.Wq_read.weight");
         s.bq_read = get("attention.Wq_read.bias");
-        s.wk_write = get("attention.Wk_write.weight");
+        s.wk_write = pack("attention.Wk_write.weight");
         s.bk_write = get("attention.Wk_write.bias");
-        s.wv_write = get("attention.Wv_write.weight");
+        s.wv_write = pack("attention.Wv_write.weight");
         s.bv_write = get("attention.Wv_write.bias");
-        s.a_proj = get("attention.a_proj.weight");
+        s.a_proj = pack("attention.a_proj.weight");
         s.a_bias = get("attention.a_proj.bias");
-        s.b_proj = get("attention.b_proj.weight");
+        s.b_proj = pack("attention.b_proj.weight");
         s.b_bias = get("attention.b_proj.bias");
         s.a_log = get("attention.A_log");
         s.dt_bias = get("attention.dt_bias");
-        s.wo = get("attention.Wo.weight");
+        s.wo = pack("attention.Wo.weight");
         s.bo = get("attention.Wo.bias");
-        s.wog = opt("attention.Wog.weight");
+        s.wog = opt_pack("attention.Wog.weight");
         s.bog = opt("attention.Wog.bias");
         s.norm_w = opt("attention.readings_norm.weight");
         s.norm_b = opt("attention.readings_norm.bias");
@@ -147,14 +164,15 @@ class Engine::Impl {
         state.slots_per_head = sdm_geom_.slots_per_head;
         state.row_width = sdm_geom_.head_width;
         if (cfg_.sdm.backprop_on_memory) state.m0 = w.Share(p + "attention.memory");
+        state.row_pool = row_pool;
       } else {
         AttentionWeights& a = l.attn;
         a.geom = AttentionGeometryOf(cfg_, i);
-        a.wq = get("attention.wq.weight");
-        a.wk = get("attention.wk.weight");
-        a.wv = get("attention.wv.weight");
-        a.wo = get("attention.wo.weight");
-        a.w_gate = opt("attention.w_gate.weight");
+        a.wq = pack("attention.wq.weight");
+        a.wk = pack("attention.wk.weight");
+        a.wv = pack("attention.wv.weight");
+        a.wo = pack("attention.wo.weight");
+        a.w_gate = opt_pack("attention.w_gate.weight");
         state.kind = LayerStateLayout::Kind::kKv;
         state.kv_row_width = a.geom.n_kv_heads * a.geom.head_dim;
         // The ring holds the window plus one prefill chunk, so the first query of a chunk still
@@ -164,9 +182,11 @@ class Engine::Impl {
       layers_.push_back(l);
       layout_.layers.push_back(std::move(state));
     }
+    fingerprint_ = ComputeFingerprint();
   }
 
   const Model& model() const { return *model_; }
+  uint64_t fingerprint() const { return fingerprint_; }
   const ModelConfig& config() const { return cfg_; }
   const StateLayout& layout() const { return layout_; }
   const EngineProfile& profile() const { return profile_; }
@@ -230,6 +250,24 @@ class Engine::Impl {
   }
 
  private:
+  uint64_t ComputeFingerprint() const {
+    std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(),
+                                                                     &XXH64_freeState);
+    XXH64_state_t* h = state.get();
+    XXH64_reset(h, 0x5d3f);
+    const std::string config = ModelConfigToJson(cfg_);
+    XXH64_update(h, config.data(), config.size());
+    for (const TensorSpec& t : ExpectedTensors(cfg_)) {
+      XXH64_update(h, t.name.data(), t.name.size());
+      XXH64_update(h, t.shape.data(), t.shape.size() * sizeof(int64_t));
+      std::span<const float> v = model_->weights->Get(t.name);
+      const size_t stride = std::max<size_t>(1, v.size() / 256);
+      for (size_t i = 0; i < v.size(); i += stride) XXH64_update(h, &v[i], sizeof(float));
+      if (!v.empty()) XXH64_update(h, &v.back(), sizeof(float));
+    }
+    return XXH64_digest(h);
+  }
+
   absl::Status CheckTokens(std::span<const int32_t> tokens) const {
     for (int32_t t : tokens) {
       if (t < 0 || t >= cfg_.vocab_size) {
@@ -295,16 +333,16 @@ class Engine::Impl {
     for (int64_t i = 0; i < m; ++i) {
       cpu::RmsNorm(&x[logit_rows[i] * dim], final_norm_, 1, dim, eps, &h[i * dim]);
     }
-    cpu::Linear(h.data(), m, dim, output_, cfg_.vocab_size, nullptr, logits_out);
+    Linear(h.data(), m, output_, nullptr, logits_out);
     lap(profile_.head_seconds);
   }
 
   void FeedForward(const LayerWeights& l, const float* xn, int64_t n, float* out) {
     std::vector<float> h1(n * hidden_), h3(n * hidden_);
-    cpu::Linear(xn, n, cfg_.dim, l.w1, hidden_, nullptr, h1.data());
-    cpu::Linear(xn, n, cfg_.dim, l.w3, hidden_, nullptr, h3.data());
+    Linear(xn, n, l.w1, nullptr, h1.data());
+    Linear(xn, n, l.w3, nullptr, h3.data());
     cpu::SwiGlu(h1.data(), h3.data(), h1.data(), n * hidden_);
-    cpu::Linear(h1.data(), n, hidden_, l.w2, cfg_.dim, nullptr, out);
+    Linear(h1.data(), n, l.w2, nullptr, out);
   }
 
   void AttentionMixer(int64_t li, const AttentionWeights& a, const float* xn, int64_t n,
@@ -314,9 +352,9 @@ class Engine::Impl {
     const int64_t q_width = g.n_heads * g.head_dim;
     const int64_t kv_width = g.n_kv_heads * g.head_dim;
     std::vector<float> q(n * q_width), k(n * kv_width), v(n * kv_width), o(n * q_width);
-    cpu::Linear(xn, n, dim, a.wq, q_width, nullptr, q.data());
-    cpu::Linear(xn, n, dim, a.wk, kv_width, nullptr, k.data());
-    cpu::Linear(xn, n, dim, a.wv, kv_width, nullptr, v.data());
+    Linear(xn, n, a.wq, nullptr, q.data());
+    Linear(xn, n, a.wk, nullptr, k.data());
+    Linear(xn, n, a.wv, nullptr, v.data());
     const float theta = static_cast<float>(cfg_.rope_theta);
     const cpu::AttentionShape shape{g.n_heads, g.n_kv_heads, g.head_dim, g.window, kv_width};
     for (const Segment& s : segs) {
@@ -371,10 +409,10 @@ class Engine::Impl {
     }
     if (a.w_gate != nullptr) {
       std::vector<float> gate(n * q_width);
-      cpu::Linear(xn, n, dim, a.w_gate, q_width, nullptr, gate.data());
+      Linear(xn, n, a.w_gate, nullptr, gate.data());
       cpu::MulSigmoid(gate.data(), o.data(), n * q_width);
     }
-    cpu::Linear(o.data(), n, q_width, a.wo, dim, nullptr, out);
+    Linear(o.data(), n, a.wo, nullptr, out);
   }
 
   void SdmMixer(int64_t li, const SdmWeights& w, const float* xn, int64_t n,
@@ -389,11 +427,11 @@ class Engine::Impl {
     const int64_t n_r = cpu::AddressCount(args.num_reads, side);
 
     std::vector<float> rq(n * key_size), wk(n * key_size), v(n * dim), a(n * heads), b(n * heads);
-    cpu::Linear(xn, n, dim, w.wq_read, key_size, w.bq_read, rq.data());
-    cpu::Linear(xn, n, dim, w.wk_write, key_size, w.bk_write, wk.data());
-    cpu::Linear(xn, n, dim, w.wv_write, dim, w.bv_write, v.data());
-    cpu::Linear(xn, n, dim, w.a_proj, heads, w.a_bias, a.data());
-    cpu::Linear(xn, n, dim, w.b_proj, heads, w.b_bias, b.data());
+    Linear(xn, n, w.wq_read, w.bq_read, rq.data());
+    Linear(xn, n, w.wk_write, w.bk_write, wk.data());
+    Linear(xn, n, w.wv_write, w.bv_write, v.data());
+    Linear(xn, n, w.a_proj, w.a_bias, a.data());
+    Linear(xn, n, w.b_proj, w.b_bias, b.data());
     if (w.qbn_w != nullptr) {
       cpu::BatchNormEval(rq.data(), w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, n, key_size, 1e-5f);
       cpu::BatchNormEval(wk.data(), w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, n, key_size, 1e-5f);
@@ -479,10 +517,30 @@ class Engine::Impl {
     }
     if (w.wog != nullptr) {
       std::vector<float> gate(n * dim);
-      cpu::Linear(xn, n, dim, w.wog, dim, w.bog, gate.data());
+      Linear(xn, n, w.wog, w.bog, gate.data());
       cpu::MulSigmoid(gate.data(), readings.data(), n * dim);
     }
-    cpu::Linear(readings.data(), n, dim, w.wo, dim, w.bo, out);
+    Linear(readings.data(), n, w.wo, w.bo, out);
+  }
+
+  // Repacks a [out, in] weight for the batch-invariant GEMM (kernels/cpu/gemm.h), once.
+  const PackedMatrix* Pack(const std::string& name) {
+    const TensorSpecShape shape = ShapeOf(name);
+    packed_.emplace_back(model_->weights->Get(name).data(), shape.rows, shape.cols);
+    return &packed_.back();
+  }
+  struct TensorSpecShape {
+    int64_t rows, cols;
+  };
+  TensorSpecShape ShapeOf(const std::string& name) const {
+    for (const TensorSpec& t : specs_) {
+      if (t.name == name) return {t.shape[0], t.shape[1]};
+    }
+    SDM_CHECK(false);
+    return {0, 0};
+  }
+  void Linear(const float* x, int64_t m, const PackedMatrix* w, const float* bias, float* y) {
+    cpu::LinearInvariant(x, m, *w, bias, y, &pool_);
   }
 
   std::shared_ptr<const Model> model_;
@@ -493,10 +551,13 @@ class Engine::Impl {
   SdmGeometry sdm_geom_;
   const float* tok_embeddings_ = nullptr;
   const float* final_norm_ = nullptr;
-  const float* output_ = nullptr;
+  const PackedMatrix* output_ = nullptr;
+  std::vector<TensorSpec> specs_ = ExpectedTensors(cfg_);
+  std::deque<PackedMatrix> packed_;  // stable addresses
   std::vector<LayerWeights> layers_;
   StateLayout layout_;
   EngineProfile profile_;
+  uint64_t fingerprint_ = 0;
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
@@ -518,6 +579,7 @@ const Model& Engine::model() const { return impl_->model(); }
 int64_t Engine::vocab_size() const { return impl_->config().vocab_size; }
 const StateLayout& Engine::state_layout() const { return impl_->layout(); }
 const EngineProfile& Engine::profile() const { return impl_->profile(); }
+uint64_t Engine::fingerprint() const { return impl_->fingerprint(); }
 void Engine::ResetProfile() { impl_->ResetProfile(); }
 
 std::unique_ptr<SessionState> Engine::NewSession() const {

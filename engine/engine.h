@@ -3,11 +3,11 @@
 // Weights are immutable and shared; each session's state (state_store/session_state.h) is read
 // and written only inside Prefill/Decode, which advance its position. Decode runs one token for
 // each of many sessions as one batch: the projections and FFNs are GEMMs over the batch
-// (OpenBLAS), the per-session work (attention over a session's cache, the SDM write/read) runs on
-// the engine's threads. A batch gives every session the logits it would get alone up to fp32
-// rounding: OpenBLAS orders its GEMM reductions differently for different batch sizes (measured:
-// relative differences ~1e-7), while the per-session work is bitwise independent of the batch.
-// The same calls with the same batch shapes are bitwise reproducible.
+// (kernels/cpu/gemm.h, on weights repacked once at creation), the per-session work (attention over
+// a session's cache, the SDM write/read) runs on the engine's threads. A batch gives every session
+// exactly the logits it would get alone (bit for bit): the GEMMs are batch-invariant
+// (kernels/cpu/gemm.h) and the per-session work never depends on the batch. Prefill and
+// token-by-token decode agree to fp32 rounding (prefill attention reduces in a different order).
 //
 // Thread-safety: one Prefill/Decode call at a time per Engine (the scheduler's step loop); a
 // session must not appear twice in one batch.
@@ -53,6 +53,10 @@ class Engine {
   const ModelConfig& config() const;
   const Model& model() const;
   int64_t vocab_size() const;
+
+  // Identifies the model (config and weights) a session's state belongs to: a hash of the config
+  // and of every tensor's name, shape and a strided sample of its values.
+  uint64_t fingerprint() const;
 
   // The per-layer shape of a session's state for this model.
   const StateLayout& state_layout() const;

@@ -31,6 +31,17 @@ KvCache KvCache::Clone() const {
   return copy;
 }
 
+void KvCache::ResetForRestore(int64_t length) {
+  pages_.clear();
+  length_ = length;
+  // Slots in use: [0, length) for a full cache; the whole ring once it has wrapped.
+  const int64_t slots = (ring_ > 0 && length > ring_) ? ring_ : length;
+  const int64_t pages = (slots + kPageTokens - 1) / kPageTokens;
+  for (int64_t i = 0; i < pages; ++i) {
+    pages_.push_back(std::make_unique<float[]>(2 * kPageTokens * row_width_));
+  }
+}
+
 int64_t KvCache::ResidentBytes() const {
   return static_cast<int64_t>(pages_.size()) * 2 * kPageTokens * row_width_ *
          static_cast<int64_t>(sizeof(float));

@@ -65,6 +65,12 @@ class KvCache {
   // A deep copy (a new session continuing from the same history).
   KvCache Clone() const;
 
+  // Restoring a parked cache: sets the length to `length` with pages for every held position,
+  // whose rows the caller then fills through MutableKeyRow/MutableValueRow.
+  void ResetForRestore(int64_t length);
+  float* MutableKeyRow(int64_t pos) { return const_cast<float*>(Row(pos, /*value=*/false)); }
+  float* MutableValueRow(int64_t pos) { return const_cast<float*>(Row(pos, /*value=*/true)); }
+
  private:
   int64_t Slot(int64_t pos) const { return ring_ > 0 ? pos % ring_ : pos; }
   const float* Row(int64_t pos, bool value) const {

@@ -3,54 +3,140 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/strings/str_cat.h"
+#include "kernels/common/check.h"
+
 namespace sdm {
 
 SdmTable::SdmTable(const LayerStateLayout& layout)
-    : SdmTable(layout.sdm_heads, layout.slots_per_head, layout.row_width, layout.m0) {}
+    : heads_(layout.sdm_heads),
+      slots_per_head_(layout.slots_per_head),
+      row_width_(layout.row_width),
+      m0_(layout.m0),
+      pool_(layout.row_pool),
+      zeros_(layout.m0 ? 0 : layout.row_width, 0.0f),
+      slot_to_row_(layout.sdm_heads * layout.slots_per_head, -1) {
+  SDM_CHECK(pool_ != nullptr && pool_->row_width() == row_width_);
+}
 
-SdmTable::SdmTable(int64_t heads, int64_t slots_per_head, int64_t row_width,
-                   std::shared_ptr<const float> m0)
-    : heads_(heads),
-      slots_per_head_(slots_per_head),
-      row_width_(row_width),
-      m0_(std::move(m0)),
-      zeros_(m0_ ? 0 : row_width, 0.0f),
-      slot_to_row_(heads * slots_per_head, -1) {}
+SdmTable::~SdmTable() { ReleaseAll(); }
 
-SdmTable SdmTable::Clone() const {
-  SdmTable copy(heads_, slots_per_head_, row_width_, m0_);
-  copy.slot_to_row_ = slot_to_row_;
-  copy.num_rows_ = num_rows_;
-  for (const auto& chunk : chunks_) {
-    copy.chunks_.push_back(std::make_unique<float[]>(kRowsPerChunk * row_width_));
-    std::copy(chunk.get(), chunk.get() + kRowsPerChunk * row_width_, copy.chunks_.back().get());
+SdmTable::SdmTable(SdmTable&& o) noexcept
+    : heads_(o.heads_),
+      slots_per_head_(o.slots_per_head_),
+      row_width_(o.row_width_),
+      m0_(std::move(o.m0_)),
+      pool_(o.pool_),
+      zeros_(std::move(o.zeros_)),
+      slot_to_row_(std::move(o.slot_to_row_)),
+      num_rows_(o.num_rows_) {
+  o.slot_to_row_.clear();
+  o.num_rows_ = 0;
+}
+
+SdmTable& SdmTable::operator=(SdmTable&& o) noexcept {
+  if (this != &o) {
+    ReleaseAll();
+    heads_ = o.heads_;
+    slots_per_head_ = o.slots_per_head_;
+    row_width_ = o.row_width_;
+    m0_ = std::move(o.m0_);
+    pool_ = o.pool_;
+    zeros_ = std::move(o.zeros_);
+    slot_to_row_ = std::move(o.slot_to_row_);
+    num_rows_ = o.num_rows_;
+    o.slot_to_row_.clear();
+    o.num_rows_ = 0;
   }
-  return copy;
+  return *this;
+}
+
+void SdmTable::ReleaseAll() {
+  for (int32_t& r : slot_to_row_) {
+    if (r >= 0) pool_->Release(r);
+    r = -1;
+  }
+  num_rows_ = 0;
 }
 
 float* SdmTable::MutableRow(int64_t head, int64_t slot) {
   int32_t& r = slot_to_row_[head * slots_per_head_ + slot];
-  if (r < 0) {
-    if (num_rows_ % kRowsPerChunk == 0) {
-      chunks_.push_back(std::make_unique<float[]>(kRowsPerChunk * row_width_));
-    }
-    r = static_cast<int32_t>(num_rows_++);
-    float* row = chunks_[r / kRowsPerChunk].get() + (r % kRowsPerChunk) * row_width_;
+  if (r >= 0 && pool_->RefCount(r) == 1) return pool_->Row(r);
+  const int32_t fresh = pool_->Allocate();
+  if (fresh < 0) return nullptr;
+  float* row = pool_->Row(fresh);
+  if (r >= 0) {
+    // Shared with a fork: copy, then drop this table's reference to the shared row.
+    std::memcpy(row, pool_->Row(r), row_width_ * sizeof(float));
+    pool_->Release(r);
+  } else {
     if (m0_) {
       std::memcpy(row, m0_.get() + (head * slots_per_head_ + slot) * row_width_,
                   row_width_ * sizeof(float));
     } else {
       std::fill(row, row + row_width_, 0.0f);
     }
-    return row;
+    ++num_rows_;
   }
-  return chunks_[r / kRowsPerChunk].get() + (r % kRowsPerChunk) * row_width_;
+  r = fresh;
+  return row;
 }
 
-int64_t SdmTable::ResidentBytes() const {
-  return static_cast<int64_t>(chunks_.size()) * kRowsPerChunk * row_width_ *
-             static_cast<int64_t>(sizeof(float)) +
-         static_cast<int64_t>(slot_to_row_.size() * sizeof(int32_t));
+int64_t SdmTable::SharedRows() const {
+  int64_t n = 0;
+  for (int32_t r : slot_to_row_) n += (r >= 0 && pool_->RefCount(r) > 1);
+  return n;
+}
+
+SdmTable SdmTable::Fork() const {
+  LayerStateLayout l;
+  l.kind = LayerStateLayout::Kind::kSdm;
+  l.sdm_heads = heads_;
+  l.slots_per_head = slots_per_head_;
+  l.row_width = row_width_;
+  l.m0 = m0_;
+  l.row_pool = pool_;
+  SdmTable copy(l);
+  copy.slot_to_row_ = slot_to_row_;
+  copy.num_rows_ = num_rows_;
+  for (int32_t r : slot_to_row_) {
+    if (r >= 0) pool_->AddRef(r);
+  }
+  return copy;
+}
+
+SdmTable SdmTable::Clone() const {
+  SdmTable copy = Fork();
+  for (int32_t& r : copy.slot_to_row_) {
+    if (r < 0) continue;
+    const int32_t fresh = pool_->Allocate();
+    SDM_CHECK(fresh >= 0);
+    std::memcpy(pool_->Row(fresh), pool_->Row(r), row_width_ * sizeof(float));
+    pool_->Release(r);
+    r = fresh;
+  }
+  return copy;
+}
+
+absl::Status SdmTable::RestoreRow(int64_t head, int64_t slot, std::span<const float> values) {
+  if (head < 0 || head >= heads_ || slot < 0 || slot >= slots_per_head_) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("row (head ", head, ", slot ", slot, ") is outside the table"));
+  }
+  if (static_cast<int64_t>(values.size()) != row_width_) {
+    return absl::InvalidArgumentError("row width does not match the table");
+  }
+  int32_t& r = slot_to_row_[head * slots_per_head_ + slot];
+  if (r >= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("slot ", slot, " of head ", head, " appears twice"));
+  }
+  const int32_t fresh = pool_->Allocate();
+  if (fresh < 0) return absl::ResourceExhaustedError("the SDM row pool is exhausted");
+  std::memcpy(pool_->Row(fresh), values.data(), row_width_ * sizeof(float));
+  r = fresh;
+  ++num_rows_;
+  return absl::OkStatus();
 }
 
 }  // namespace sdm

@@ -2,31 +2,36 @@
 // over the model's shared initial memory M0 (design brief §4).
 //
 // A slot that was never written reads M0 (or zeros when the model has no learned memory). The
-// first write to a slot gives it a private row, initialised from M0; later writes update that
-// row in place. So a session's private bytes are (distinct slots written) x hd x 4, not the
-// table's full size. Row pointers stay valid until the table is destroyed (rows never move).
+// first write to a slot gives it a private row from the RowPool, initialised from M0; a row shared
+// with a fork is copied before its first write (reference counts in the pool). So a session's own
+// bytes are (distinct slots written) x hd x 4 plus a 4-byte table entry per slot — never the
+// table's full size. Row pointers stay valid while the table holds the row.
 //
-// Not thread-safe; one session is used by one thread at a time.
+// Not thread-safe; one session is used by one thread at a time (the pool itself is thread-safe,
+// so different sessions sharing it may run on different threads).
 #ifndef SDMSERVE_STATE_STORE_SDM_TABLE_H_
 #define SDMSERVE_STATE_STORE_SDM_TABLE_H_
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "state_store/row_pool.h"
 #include "state_store/state_layout.h"
 
 namespace sdm {
 
 class SdmTable {
  public:
+  // Uses layout.row_pool (which must have layout.row_width).
   explicit SdmTable(const LayerStateLayout& layout);
-  SdmTable(int64_t heads, int64_t slots_per_head, int64_t row_width,
-           std::shared_ptr<const float> m0);
+  ~SdmTable();
   SdmTable(const SdmTable&) = delete;
   SdmTable& operator=(const SdmTable&) = delete;
-  SdmTable(SdmTable&&) = default;
-  SdmTable& operator=(SdmTable&&) = default;
+  SdmTable(SdmTable&& other) noexcept;
+  SdmTable& operator=(SdmTable&& other) noexcept;
 
   int64_t heads() const { return heads_; }
   int64_t slots_per_head() const { return slots_per_head_; }
@@ -35,36 +40,57 @@ class SdmTable {
   // The current row of (head, slot): private if written, else M0's (or a zero row).
   const float* Row(int64_t head, int64_t slot) const {
     const int32_t r = slot_to_row_[head * slots_per_head_ + slot];
-    if (r >= 0) return PrivateRow(r);
+    if (r >= 0) return pool_->Row(r);
     return m0_ ? m0_.get() + (head * slots_per_head_ + slot) * row_width_ : zeros_.data();
   }
 
-  // A writable row for (head, slot), copied from M0 on first use.
+  // A writable row for (head, slot): copied from M0 on the first write, and from the shared row
+  // when a fork still shares it. Null only when the pool is exhausted.
   float* MutableRow(int64_t head, int64_t slot);
 
   bool IsPrivate(int64_t head, int64_t slot) const {
     return slot_to_row_[head * slots_per_head_ + slot] >= 0;
   }
+  // Slots that have their own row (written by this session or inherited from a fork's parent).
   int64_t private_rows() const { return num_rows_; }
-  // Bytes this session holds for the layer: private rows plus the slot->row table.
-  int64_t ResidentBytes() const;
+  // Of those, rows currently shared with another session (reference count > 1).
+  int64_t SharedRows() const;
+  // Bytes of the slot->row table.
+  int64_t TableBytes() const { return static_cast<int64_t>(slot_to_row_.size() * sizeof(int32_t)); }
+  // Bytes this session references: its rows (shared ones counted in full) plus the table.
+  int64_t ResidentBytes() const { return num_rows_ * pool_->row_bytes() + TableBytes(); }
 
-  // A deep copy of the private rows and table (M0 stays shared).
+  // A table sharing every row with this one (copy-on-write; the pool's counts go up).
+  SdmTable Fork() const;
+  // A table with its own copy of every row (nothing shared but M0). Precondition: the pool has
+  // room (SDM_CHECK).
   SdmTable Clone() const;
 
- private:
-  static constexpr int64_t kRowsPerChunk = 64;
-  const float* PrivateRow(int32_t r) const {
-    return chunks_[r / kRowsPerChunk].get() + (r % kRowsPerChunk) * row_width_;
+  // Calls fn(head, slot, row) for every slot with its own row, in slot order.
+  template <typename Fn>
+  void ForEachPrivateRow(Fn&& fn) const {
+    for (int64_t i = 0; i < static_cast<int64_t>(slot_to_row_.size()); ++i) {
+      if (slot_to_row_[i] >= 0) {
+        fn(i / slots_per_head_, i % slots_per_head_,
+           static_cast<const float*>(pool_->Row(slot_to_row_[i])));
+      }
+    }
   }
+
+  // Gives (head, slot) its own row holding `values` (restoring a parked session). Fails when the
+  // slot already has a row or the pool is exhausted.
+  absl::Status RestoreRow(int64_t head, int64_t slot, std::span<const float> values);
+
+ private:
+  void ReleaseAll();
 
   int64_t heads_;
   int64_t slots_per_head_;
   int64_t row_width_;
   std::shared_ptr<const float> m0_;
+  std::shared_ptr<RowPool> pool_;
   std::vector<float> zeros_;          // the row every unwritten slot reads when M0 is null
   std::vector<int32_t> slot_to_row_;  // [heads * slots_per_head], -1 = reads M0
-  std::vector<std::unique_ptr<float[]>> chunks_;
   int64_t num_rows_ = 0;
 };
 

@@ -13,17 +13,25 @@ SessionState::SessionState(const StateLayout& layout) {
   }
 }
 
-std::unique_ptr<SessionState> SessionState::Clone() const {
+std::unique_ptr<SessionState> SessionState::Copy(bool share_rows) const {
   auto copy = std::make_unique<SessionState>(StateLayout{});
   copy->position_ = position_;
+  copy->sampler_seed = sampler_seed;
   copy->sampler_draws = sampler_draws;
+  copy->pending_token = pending_token;
   copy->layers_.reserve(layers_.size());
   for (const auto& layer : layers_) {
-    copy->layers_.push_back(std::visit(
-        [](const auto& l) -> std::variant<KvCache, SdmTable> { return l.Clone(); }, layer));
+    if (const auto* t = std::get_if<SdmTable>(&layer)) {
+      copy->layers_.emplace_back(share_rows ? t->Fork() : t->Clone());
+    } else {
+      copy->layers_.emplace_back(std::get<KvCache>(layer).Clone());
+    }
   }
   return copy;
 }
+
+std::unique_ptr<SessionState> SessionState::Clone() const { return Copy(/*share_rows=*/false); }
+std::unique_ptr<SessionState> SessionState::Fork() const { return Copy(/*share_rows=*/true); }
 
 int64_t SessionState::ResidentBytes() const {
   int64_t bytes = 0;

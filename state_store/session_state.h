@@ -30,22 +30,36 @@ class SessionState {
   void AdvancePosition() { ++position_; }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  bool is_sdm(int64_t layer) const { return std::holds_alternative<SdmTable>(layers_[layer]); }
   // Precondition: the layer is of the matching kind (the engine's layout guarantees it).
   KvCache& kv(int64_t layer) { return std::get<KvCache>(layers_[layer]); }
   const KvCache& kv(int64_t layer) const { return std::get<KvCache>(layers_[layer]); }
   SdmTable& sdm(int64_t layer) { return std::get<SdmTable>(layers_[layer]); }
   const SdmTable& sdm(int64_t layer) const { return std::get<SdmTable>(layers_[layer]); }
 
-  // Draws taken from the session's sampler stream (see engine/sampler.h).
+  // The session's sampler stream (engine/sampler.h draws token i of a stream from
+  // (seed, draw index)): resuming a parked session continues the same stream.
+  uint64_t sampler_seed = 0;
   uint64_t sampler_draws = 0;
+  // The last sampled token that has not been fed back into the state yet (-1: none). A turn
+  // that ends on a sampled token leaves it here; the next turn feeds it first.
+  int32_t pending_token = -1;
 
   // Bytes of state this session holds (KV pages, private SDM rows, slot tables).
   int64_t ResidentBytes() const;
 
   // A deep copy: a new session whose continuation equals this one's (shares only M0).
   std::unique_ptr<SessionState> Clone() const;
+  // A copy that shares every SDM row copy-on-write (KV rows are copied); writing to either
+  // session copies only the rows it writes.
+  std::unique_ptr<SessionState> Fork() const;
+
+  // For restoring a parked session (state_store/state_codec.h).
+  void set_position(int64_t position) { position_ = position; }
 
  private:
+  std::unique_ptr<SessionState> Copy(bool share_rows) const;
+
   int64_t position_ = 0;
   std::vector<std::variant<KvCache, SdmTable>> layers_;
 };

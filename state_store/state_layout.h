@@ -7,6 +7,8 @@
 #include <memory>
 #include <vector>
 
+#include "state_store/row_pool.h"
+
 namespace sdm {
 
 struct LayerStateLayout {
@@ -22,6 +24,9 @@ struct LayerStateLayout {
   // Shared read-only initial memory M0, [sdm_heads * slots_per_head, row_width]; null means
   // zeros. The shared_ptr keeps the model's storage alive as long as any session refers to it.
   std::shared_ptr<const float> m0;
+  // Where the layer's private rows come from: one pool (of row_width floats) per model, shared
+  // by all its SDM layers and sessions, so forks can share rows across sessions.
+  std::shared_ptr<RowPool> row_pool;
 };
 
 struct StateLayout {

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import OrderedDict
 
 try:
     import numpy as np
@@ -405,6 +406,17 @@ def run_checks(args, work, results):
         engine_accepts(args, out)
         return f"{n} tensors, all BF16 rounded as torch rounds"
     check("convert_hybrid_bf16", convert_bf16)
+
+    def tied_output_weight_name():
+        # Some exporters save the tied output as output.weight: dropped after the same check.
+        s2 = OrderedDict((("output.weight" if k == "output.tied_module.weight" else k), v)
+                         for k, v in sd.items())
+        src = write_checkpoint(os.path.join(work, "tied_name"), s2, params_json(HYBRID_MODEL))
+        out = os.path.join(work, "out_tied_name")
+        expect_ok(src, out)
+        n, _ = check_tensors(out, sd, "keep", weight_tying=True)
+        return f"{n} tensors"
+    check("convert_tied_output_named_output_weight", tied_output_weight_name)
 
     def refuse_overwrite():
         expect_fail(step_dir, out_keep, ["--force"])

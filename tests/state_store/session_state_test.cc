@@ -9,13 +9,15 @@
 namespace sdm {
 namespace {
 
-LayerStateLayout SdmLayout(std::shared_ptr<const float> m0) {
+LayerStateLayout SdmLayout(std::shared_ptr<const float> m0,
+                           std::shared_ptr<RowPool> pool = std::make_shared<RowPool>(4)) {
   LayerStateLayout l;
   l.kind = LayerStateLayout::Kind::kSdm;
   l.sdm_heads = 2;
   l.slots_per_head = 16;
   l.row_width = 4;
   l.m0 = std::move(m0);
+  l.row_pool = std::move(pool);
   return l;
 }
 
@@ -56,6 +58,50 @@ TEST(SdmTableTest, NullM0ReadsZeros) {
   row[1] = 2.0f;
   EXPECT_EQ(t.Row(1, 7)[1], 2.0f);
   EXPECT_EQ(t.Row(1, 6)[1], 0.0f);
+}
+
+TEST(SdmTableTest, ForkSharesRowsUntilWritten) {
+  auto pool = std::make_shared<RowPool>(4);
+  SdmTable a(SdmLayout(nullptr, pool));
+  for (int s = 0; s < 5; ++s) a.MutableRow(0, s)[0] = static_cast<float>(s + 1);
+  EXPECT_EQ(pool->live_rows(), 5);
+  SdmTable b = a.Fork();
+  EXPECT_EQ(pool->live_rows(), 5);  // nothing copied
+  EXPECT_EQ(a.SharedRows(), 5);
+  EXPECT_EQ(b.SharedRows(), 5);
+  EXPECT_EQ(b.Row(0, 3), a.Row(0, 3));  // the same memory
+  b.MutableRow(0, 3)[0] = 100.0f;       // copy-on-write: one row copied
+  EXPECT_EQ(pool->live_rows(), 6);
+  EXPECT_EQ(a.Row(0, 3)[0], 4.0f);
+  EXPECT_EQ(b.Row(0, 3)[0], 100.0f);
+  EXPECT_EQ(a.SharedRows(), 4);
+  a.MutableRow(0, 0)[0] = -1.0f;  // the other side copies too
+  EXPECT_EQ(pool->live_rows(), 7);
+  EXPECT_EQ(b.Row(0, 0)[0], 1.0f);
+  b.MutableRow(1, 9)[0] = 7.0f;  // a fresh slot in the fork only
+  EXPECT_FALSE(a.IsPrivate(1, 9));
+  EXPECT_EQ(b.private_rows(), 6);
+  const int64_t shared_before = b.SharedRows();
+  const int64_t live_before = pool->live_rows();
+  {
+    SdmTable c = b.Clone();  // deep: owns a copy of every row
+    EXPECT_EQ(c.SharedRows(), 0);
+    EXPECT_EQ(b.SharedRows(), shared_before);
+    EXPECT_EQ(pool->live_rows(), live_before + c.private_rows());
+    EXPECT_EQ(c.Row(0, 3)[0], 100.0f);
+  }
+  EXPECT_EQ(pool->live_rows(), live_before);
+}
+
+TEST(SdmTableTest, ReleasingTablesReturnsRows) {
+  auto pool = std::make_shared<RowPool>(4);
+  {
+    SdmTable a(SdmLayout(nullptr, pool));
+    for (int s = 0; s < 3; ++s) a.MutableRow(1, s);
+    SdmTable b = a.Fork();
+    EXPECT_EQ(pool->live_rows(), 3);
+  }
+  EXPECT_EQ(pool->live_rows(), 0);
 }
 
 TEST(KvCacheTest, FullCacheKeepsEveryPosition) {
@@ -104,7 +150,8 @@ TEST(SessionStateTest, BuildsOneStatePerLayer) {
   LayerStateLayout kv;
   kv.kind = LayerStateLayout::Kind::kKv;
   kv.kv_row_width = 8;
-  layout.layers = {kv, SdmLayout(nullptr)};
+  layout.layers.push_back(kv);
+  layout.layers.push_back(SdmLayout(nullptr));
   SessionState s(layout);
   EXPECT_EQ(s.num_layers(), 2);
   EXPECT_EQ(s.kv(0).row_width(), 8);

@@ -2,31 +2,119 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
-#include <fstream>
+#include <limits>
+#include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/weight_spec.h"
 #include "kernels/cpu/linear.h"
 #include "nlohmann/json.hpp"
+#include "tools/sdm_bench/decode_report.h"
+#include "tools/sdm_bench/progress.h"
+#include "tools/sdm_bench/system_info.h"
 
 namespace sdm::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using nlohmann::json;
 
 double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
+
+// ---- Models ----
+
+// A CPU-sized model shaped like sdm_flagship: 3:1 SWA:global (SWA at 0-2 and 4-6, global at 3
+// and 7), SWA window 1024 with as many KV heads as query heads, full attention with 8 query and 4
+// KV heads (GQA, as the flagship's 16/8), and SDM layers with the flagship's per-head geometry
+// (s = 256, 65,536 slots of hd = 1024, W = R = 128, learned M0, normalised readings, output gate).
+absl::StatusOr<ModelConfig> CpuHybridConfig() {
+  absl::StatusOr<ModelConfig> c = PresetConfig("sdm_flagship");
+  if (!c.ok()) return c.status();
+  c->dim = 1024;
+  c->n_layers = 8;
+  c->n_heads = 8;
+  c->n_kv_heads = 4;
+  c->swa_n_heads = 8;
+  c->swa_n_kv_heads = 8;
+  c->swa_window = 1024;
+  c->attn_at = {};
+  c->swa_at = {0, 1, 2, 4, 5, 6};
+  c->sdm_at = {3, 7};
+  c->sdm.num_heads = 1;
+  if (auto s = FinalizeModelConfig(*c); !s.ok()) return s;
+  return c;
+}
+
+struct PairSpec {
+  const char* name;
+  const char* sdm_preset;  // nullptr: built in the tool (CpuHybridConfig)
+  const char* sdm_name;
+  const char* twin_preset;  // the preset the derived twin must equal (nullptr: none)
+  const char* twin_name;
+  std::vector<int64_t> contexts;
+  const char* description;
+};
+
+const std::vector<PairSpec>& Pairs() {
+  static const auto* pairs = new std::vector<PairSpec>{
+      {"tiny",
+       "tiny",
+       "tiny",
+       nullptr,
+       "tiny_attn",
+       {16, 64},
+       "test-sized (CI smoke test): 3 SWA layers + 1 SDM layer vs the same with full attention"},
+      {"debug",
+       "debug_sdm",
+       "debug_sdm",
+       "debug",
+       "debug",
+       {512, 2048, 8192, 16384},
+       "debug presets: 4 full-attention + 4 SDM layers vs 8 full-attention layers (dim 1024)"},
+      {"cpu_hybrid",
+       nullptr,
+       "cpu_hybrid_sdm",
+       nullptr,
+       "cpu_hybrid_attn",
+       {1024, 4096, 16384, 32768},
+       "CPU-sized flagship shape: dim 1024, 8 layers, SWA (window 1024) at 0-2 and 4-6, global "
+       "layers at 3 and 7: SDM (1 head of 65,536 slots x 1024, W = R = 128) vs full attention "
+       "(8 query / 4 KV heads)"},
+      {"flagship",
+       "sdm_flagship",
+       "sdm_flagship",
+       "baseline_1.4B",
+       "baseline_1.4B",
+       {1024, 4096, 16384, 32768, 131072},
+       "the 1.4B flagship (18 SWA + 6 SDM layers) vs baseline_1.4B (18 SWA + 6 full attention)"},
+      {"7b",
+       "sdm_7B",
+       "sdm_7B",
+       "baseline_7B",
+       "baseline_7B",
+       {1024, 4096, 16384, 32768, 131072},
+       "sdm_7B (24 SWA + 8 SDM layers) vs baseline_7B (24 SWA + 8 full attention)"},
+  };
+  return *pairs;
+}
+
+// ---- The bytes and FLOPs of one decode step ----
 
 // A dense layer of the decode step: y[B, n] = x[B, k] W^T.
 struct GemmShape {
@@ -44,6 +132,61 @@ std::vector<GemmShape> DecodeGemms(const Model& model) {
     gemms.push_back({model.weights->Get(t.name).data(), t.shape[0], t.shape[1]});
   }
   return gemms;
+}
+
+// Bytes of weights one decode step reads once, whatever the batch: every tensor as fp32 except
+// the learned SDM memory (its rows are counted per session) and the embedding table unless tied
+// (only the batch's rows are gathered; counted per session).
+double WeightBytesPerStep(const ModelConfig& c) {
+  double bytes = 0;
+  for (const TensorSpec& t : ExpectedTensors(c)) {
+    if (t.is_sdm_memory) continue;
+    if (t.name == "tok_embeddings.weight" && !c.weight_tying) continue;
+    bytes += 4.0 * static_cast<double>(NumElements(t));
+  }
+  return bytes;
+}
+
+// Bytes one session's decode step at context `ctx` must move (the token's embedding row, the K
+// and V rows of the visible positions of every attention layer plus the new row, and the SDM rows
+// (2W + R per head and layer)), split by kind.
+struct SessionStepBytes {
+  double kv = 0;   // full-attention layers
+  double swa = 0;  // sliding-window layers
+  double sdm = 0;  // SDM layers
+  double other = 0;
+  double total() const { return kv + swa + sdm + other; }
+};
+
+SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx) {
+  SessionStepBytes b;
+  b.other = 4.0 * c.dim;  // the embedding row
+  const SdmGeometry sg = SdmGeometryOf(c);
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    if (c.layer_types[i] == LayerType::kSdm) {
+      const int64_t w = std::min(c.sdm.num_writes, sg.slots_per_head);
+      const int64_t r = std::min(c.sdm.num_reads, sg.slots_per_head);
+      b.sdm += 4.0 * sg.heads * (2 * w + r) * sg.head_width;
+    } else {
+      const AttentionGeometry g = AttentionGeometryOf(c, i);
+      const int64_t visible = g.window > 0 ? std::min(ctx + 1, g.window) : ctx + 1;
+      // K and V rows read for every visible position, plus the new K and V rows written.
+      const double bytes = 4.0 * 2 * g.n_kv_heads * g.head_dim * (visible + 1);
+      (g.window > 0 ? b.swa : b.kv) += bytes;
+    }
+  }
+  return b;
+}
+
+// Bytes of K and V per cached token over the full-attention layers, fp32.
+double KvBytesPerToken(const ModelConfig& c) {
+  double bytes = 0;
+  for (int64_t i = 0; i < c.n_layers; ++i) {
+    if (c.layer_types[i] != LayerType::kAttn) continue;
+    const AttentionGeometry g = AttentionGeometryOf(c, i);
+    bytes += 4.0 * 2 * g.n_kv_heads * g.head_dim;
+  }
+  return bytes;
 }
 
 // FLOPs of one decoded token at context `ctx`: the GEMMs, attention over the visible keys, and
@@ -107,115 +250,527 @@ double Percentile(std::vector<double> v, double p) {
   return v[i];
 }
 
+std::string LayerSummary(const ModelConfig& c) {
+  int attn = 0, swa = 0, sdm = 0;
+  for (LayerType t : c.layer_types) {
+    attn += t == LayerType::kAttn;
+    swa += t == LayerType::kSwa;
+    sdm += t == LayerType::kSdm;
+  }
+  std::vector<std::string> parts;
+  if (swa > 0) parts.push_back(absl::StrCat(swa, " swa"));
+  if (attn > 0) parts.push_back(absl::StrCat(attn, " attn"));
+  if (sdm > 0) parts.push_back(absl::StrCat(sdm, " sdm"));
+  return absl::StrCat(c.n_layers, " layers: ", absl::StrJoin(parts, " + "));
+}
+
+json ModelJson(const BenchModel& m) {
+  const ParameterCounts p = CountParameters(m.config);
+  const SdmGeometry sg = SdmGeometryOf(m.config);
+  json j;
+  j["name"] = m.name;
+  j["role"] = m.role;
+  j["layers"] = LayerSummary(m.config);
+  j["dim"] = m.config.dim;
+  j["parameters_total"] = p.total;
+  j["parameters_without_m0"] = p.without_m0;
+  j["parameters_m0"] = p.m0;
+  j["weight_bytes_per_step"] = WeightBytesPerStep(m.config);
+  j["kv_bytes_per_token"] = KvBytesPerToken(m.config);
+  j["sdm_bytes_per_step_per_session"] = SessionBytesPerStep(m.config, 0).sdm;
+  j["sdm_state_bytes_max"] = 4.0 * static_cast<double>(SdmStateElements(m.config));
+  j["sdm_heads"] = sg.heads;
+  j["config"] = json::parse(ModelConfigToJson(m.config));
+  return j;
+}
+
+// ---- Running one model ----
+
+// The largest number of sessions of `state_bytes` each that fit in `budget_gb`.
+int64_t MaxBatch(double budget_gb, double state_bytes) {
+  if (state_bytes <= 0) return std::numeric_limits<int32_t>::max();
+  return static_cast<int64_t>(std::floor(budget_gb * 1e9 / state_bytes));
+}
+
+struct ModelRun {
+  const BenchModel* spec = nullptr;
+  std::shared_ptr<const Model> model;
+  std::unique_ptr<Engine> engine;
+  std::vector<GemmShape> gemms;
+  std::unique_ptr<SessionState> base;
+  std::map<int64_t, double> sgemm_gflops;  // by batch
+  std::mt19937 rng;
+  double state_bytes = 0;  // the base session's, at the current context
+  int64_t fit = 0;         // the largest batch whose state fits the budget (capped)
+};
+
+absl::Status Prefill(ModelRun& run, int64_t ctx, json& prefill_log) {
+  const int64_t todo = ctx - run.base->position();
+  if (todo <= 0) return absl::OkStatus();
+  const Clock::time_point t0 = Clock::now();
+  Progress bar(absl::StrFormat("%s: prefill to %d", run.spec->name, ctx), ctx, "tok");
+  bar.Update(run.base->position());
+  const int64_t slice = 1024;  // Prefill call size (the engine chunks it further)
+  for (int64_t done = 0; done < todo; done += slice) {
+    const auto toks =
+        RandomTokens(std::min(slice, todo - done), run.rng, run.spec->config.vocab_size);
+    if (auto s = run.engine->Prefill(*run.base, toks, false, nullptr); !s.ok()) return s;
+    bar.Update(run.base->position());
+  }
+  const double seconds = Seconds(t0, Clock::now());
+  bar.Finish(absl::StrFormat("%s: prefill %d -> %d tokens in %.1f s (%.0f tok/s)", run.spec->name,
+                             ctx - todo, ctx, seconds, todo / seconds),
+             /*keep=*/true);
+  prefill_log.push_back({{"model", run.spec->name},
+                         {"from", ctx - todo},
+                         {"to", ctx},
+                         {"seconds", seconds},
+                         {"tokens_per_s", todo / seconds}});
+  return absl::OkStatus();
+}
+
+absl::StatusOr<json> Measure(ModelRun& run, const std::string& group, int64_t ctx, int64_t b,
+                             const DecodeBenchOptions& opt, double bandwidth_gbps) {
+  const ModelConfig& config = run.spec->config;
+  if (!run.sgemm_gflops.count(b)) {
+    Progress bar(absl::StrFormat("%s: sgemm at batch %d", run.spec->name, b), 1, "");
+    run.sgemm_gflops[b] = MeasureSgemmRate(run.gemms, b);
+    bar.Finish("", /*keep=*/false);
+  }
+  Progress bar(absl::StrFormat("%s: ctx %d, batch %d", run.spec->name, ctx, b),
+               opt.warmup + opt.steps, "steps");
+  std::vector<std::unique_ptr<SessionState>> sessions;
+  std::vector<SessionState*> ptrs;
+  for (int64_t i = 0; i < b; ++i) {
+    sessions.push_back(run.base->Clone());
+    ptrs.push_back(sessions.back().get());
+  }
+  std::vector<float> logits(b * config.vocab_size);
+  std::vector<double> step_s;
+  for (int s = 0; s < opt.warmup + opt.steps; ++s) {
+    const auto toks = RandomTokens(b, run.rng, config.vocab_size);
+    if (s == opt.warmup) run.engine->ResetProfile();
+    const Clock::time_point t0 = Clock::now();
+    if (auto st = run.engine->Decode(ptrs, toks, logits); !st.ok()) return st;
+    if (s >= opt.warmup) step_s.push_back(Seconds(t0, Clock::now()));
+    bar.Update(s + 1);
+  }
+  bar.Finish("", /*keep=*/false);
+  const EngineProfile prof = run.engine->profile();
+  const double median = Percentile(step_s, 0.5);
+  const double p90 = Percentile(step_s, 0.9);
+  const double flops = b * DecodeFlopsPerToken(config, run.gemms, ctx);
+  const double gflops = flops / median / 1e9;
+  const double ms = 1e3 / opt.steps;
+  const SessionStepBytes sb = SessionBytesPerStep(config, ctx);
+  const double weight_bytes = WeightBytesPerStep(config);
+  const double step_bytes = weight_bytes + b * sb.total();
+  const double achieved = step_bytes / median / 1e9;
+  return json{{"group", group},
+              {"model", run.spec->name},
+              {"role", run.spec->role},
+              {"context", ctx},
+              {"batch", b},
+              {"fit_batch", b == run.fit},
+              {"steps", opt.steps},
+              {"ms_per_step_median", median * 1e3},
+              {"ms_per_step_p90", p90 * 1e3},
+              {"ms_per_step_min", *std::min_element(step_s.begin(), step_s.end()) * 1e3},
+              {"tokens_per_s", b / median},
+              {"bytes_per_step", step_bytes},
+              {"weight_bytes_per_step", weight_bytes},
+              {"kv_bytes_per_step_per_session", sb.kv},
+              {"swa_bytes_per_step_per_session", sb.swa},
+              {"sdm_bytes_per_step_per_session", sb.sdm},
+              {"achieved_gbps", achieved},
+              {"fraction_of_bandwidth", achieved / bandwidth_gbps},
+              {"gflops", gflops},
+              {"sgemm_gflops_same_shapes", run.sgemm_gflops[b]},
+              {"fraction_of_sgemm", gflops / run.sgemm_gflops[b]},
+              {"attn_ms_per_step", prof.attn_seconds * ms},
+              {"swa_ms_per_step", prof.swa_seconds * ms},
+              {"sdm_ms_per_step", prof.sdm_seconds * ms},
+              {"ffn_ms_per_step", prof.ffn_seconds * ms},
+              {"head_ms_per_step", prof.head_seconds * ms},
+              {"state_bytes_per_session", run.state_bytes},
+              {"max_batch_in_budget", MaxBatch(opt.state_budget_gb, run.state_bytes)}};
+}
+
+// Ratios of the SDM model's tokens/s to its twin's, and how each model's step time grows with
+// context, for a pair group.
+void Summarise(json& group, const json& rows) {
+  std::string sdm, attn;
+  for (const json& m : group["models"]) {
+    if (m["role"] == "sdm") sdm = m["name"];
+    if (m["role"] == "attention") attn = m["name"];
+  }
+  if (sdm.empty() || attn.empty()) return;
+  std::map<std::pair<int64_t, int64_t>, json> by_sdm, by_attn;  // (context, batch) -> row
+  std::map<int64_t, json> fit_sdm, fit_attn;                    // context -> row
+  for (const json& r : rows) {
+    if (r["group"] != group["name"]) continue;
+    const auto key = std::make_pair(r["context"].get<int64_t>(), r["batch"].get<int64_t>());
+    if (r["model"] == sdm) {
+      by_sdm[key] = r;
+      if (r["fit_batch"]) fit_sdm[key.first] = r;
+    } else if (r["model"] == attn) {
+      by_attn[key] = r;
+      if (r["fit_batch"]) fit_attn[key.first] = r;
+    }
+  }
+  json ratios = json::array();
+  int64_t longest = -1;
+  for (const auto& [key, s] : by_sdm) {
+    auto it = by_attn.find(key);
+    if (it == by_attn.end()) continue;
+    const json& a = it->second;
+    ratios.push_back(
+        {{"context", key.first},
+         {"batch", key.second},
+         {"sdm_tokens_per_s", s["tokens_per_s"]},
+         {"attention_tokens_per_s", a["tokens_per_s"]},
+         {"sdm_ms_per_step", s["ms_per_step_median"]},
+         {"attention_ms_per_step", a["ms_per_step_median"]},
+         {"ratio", s["tokens_per_s"].get<double>() / a["tokens_per_s"].get<double>()}});
+    longest = std::max(longest, key.first);
+  }
+  group["ratios"] = ratios;
+  json fit = json::array();
+  for (const auto& [ctx, s] : fit_sdm) {
+    auto it = fit_attn.find(ctx);
+    if (it == fit_attn.end()) continue;
+    fit.push_back(
+        {{"context", ctx},
+         {"sdm_batch", s["batch"]},
+         {"attention_batch", it->second["batch"]},
+         {"sdm_tokens_per_s", s["tokens_per_s"]},
+         {"attention_tokens_per_s", it->second["tokens_per_s"]},
+         {"ratio", s["tokens_per_s"].get<double>() / it->second["tokens_per_s"].get<double>()}});
+  }
+  group["fit_ratios"] = fit;
+  // Step-time growth from the shortest to the longest context, per model and batch measured at
+  // both.
+  json growth = json::array();
+  for (const auto* table : {&by_sdm, &by_attn}) {
+    if (table->empty()) continue;
+    int64_t lo = table->begin()->first.first, hi = lo;
+    for (const auto& [key, r] : *table) hi = std::max(hi, key.first);
+    for (const auto& [key, r] : *table) {
+      if (key.first != lo || lo == hi) continue;
+      auto it = table->find({hi, key.second});
+      if (it == table->end()) continue;
+      const double a = r["ms_per_step_median"], z = it->second["ms_per_step_median"];
+      growth.push_back(
+          {{"model", r["model"]},
+           {"batch", key.second},
+           {"shortest_context", lo},
+           {"longest_context", hi},
+           {"ms_shortest", a},
+           {"ms_longest", z},
+           {"growth", z / a},
+           {"global_layer_ms_shortest",
+            r["role"] == "sdm" ? r["sdm_ms_per_step"] : r["attn_ms_per_step"]},
+           {"global_layer_ms_longest",
+            r["role"] == "sdm" ? it->second["sdm_ms_per_step"] : it->second["attn_ms_per_step"]}});
+    }
+  }
+  group["growth"] = growth;
+  json headline;
+  headline["longest_common_context"] = longest;
+  json at_longest = json::array();
+  for (const json& r : ratios) {
+    if (r["context"] == longest) at_longest.push_back(r);
+  }
+  headline["ratios_at_longest_context"] = at_longest;
+  for (const json& f : fit) {
+    if (f["context"] == longest) headline["fit_ratio_at_longest_context"] = f;
+  }
+  group["headline"] = headline;
+}
+
 }  // namespace
 
+std::vector<std::string> PairNames() {
+  std::vector<std::string> names;
+  for (const PairSpec& p : Pairs()) names.push_back(p.name);
+  return names;
+}
+
+absl::StatusOr<ModelConfig> FullAttentionTwin(const ModelConfig& sdm_config) {
+  ModelConfig twin = sdm_config;
+  twin.attn_at.insert(twin.attn_at.end(), twin.sdm_at.begin(), twin.sdm_at.end());
+  std::sort(twin.attn_at.begin(), twin.attn_at.end());
+  twin.sdm_at.clear();
+  twin.layer_types.clear();
+  if (auto s = FinalizeModelConfig(twin); !s.ok()) return s;
+  return twin;
+}
+
+absl::StatusOr<BenchGroup> NamedPair(absl::string_view name,
+                                     const std::vector<std::string>& overrides) {
+  const PairSpec* spec = nullptr;
+  for (const PairSpec& p : Pairs()) {
+    if (name == p.name) spec = &p;
+  }
+  if (spec == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("unknown pair '", name, "' (known: ", absl::StrJoin(PairNames(), ", "), ")"));
+  }
+  absl::StatusOr<ModelConfig> sdm =
+      spec->sdm_preset != nullptr ? PresetConfig(spec->sdm_preset) : CpuHybridConfig();
+  if (!sdm.ok()) return sdm.status();
+  BenchGroup g;
+  g.name = spec->name;
+  g.description = spec->description;
+  g.default_contexts = spec->contexts;
+  // The twin derived before the overrides must equal the named baseline preset.
+  absl::StatusOr<ModelConfig> twin = FullAttentionTwin(*sdm);
+  if (!twin.ok()) return twin.status();
+  if (spec->twin_preset != nullptr) {
+    absl::StatusOr<ModelConfig> baseline = PresetConfig(spec->twin_preset);
+    if (!baseline.ok()) return baseline.status();
+    if (ModelConfigToJson(*baseline) != ModelConfigToJson(*twin)) {
+      return absl::InternalError(absl::StrCat("preset ", spec->twin_preset, " is not ",
+                                              spec->sdm_preset,
+                                              " with its SDM layers made full attention"));
+    }
+    g.twin_check = absl::StrCat("preset ", spec->twin_preset, " equals ", spec->sdm_name,
+                                " with every SDM layer made full attention (configs compared)");
+  } else {
+    g.twin_check = absl::StrCat(spec->twin_name, " is ", spec->sdm_name,
+                                " with every SDM layer made full attention (built by the tool)");
+  }
+  if (!overrides.empty()) {
+    if (auto s = ApplyConfigOverrides(*sdm, overrides); !s.ok()) return s;
+    twin = FullAttentionTwin(*sdm);
+    if (!twin.ok()) return twin.status();
+    g.twin_check +=
+        absl::StrCat("; --set applied to ", spec->sdm_name, " before deriving the twin");
+  }
+  g.models.push_back({spec->sdm_name, "sdm", *sdm});
+  g.models.push_back({spec->twin_name, "attention", *twin});
+  return g;
+}
+
 absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
-  nlohmann::json results = nlohmann::json::array();
-  const unsigned hw = std::thread::hardware_concurrency();
-  std::printf("# sdm-bench decode: %u hardware threads, engine threads %d, OpenBLAS threads %d\n",
-              hw, opt.threads, kernels::cpu::BlasThreads());
+  const Clock::time_point run_start = Clock::now();
+  // ---- The groups ----
+  std::vector<BenchGroup> groups;
+  for (const std::string& p : opt.pairs) {
+    absl::StatusOr<BenchGroup> g = NamedPair(p, opt.overrides);
+    if (!g.ok()) return g.status();
+    groups.push_back(*std::move(g));
+  }
+  if (!opt.presets.empty()) {
+    BenchGroup g;
+    g.name = "presets";
+    g.description = absl::StrCat("explicit list: ", absl::StrJoin(opt.presets, ", "));
+    g.default_contexts = {512, 4096, 16384};
+    for (const std::string& p : opt.presets) {
+      absl::StatusOr<ModelConfig> c = PresetConfig(p);
+      if (!c.ok()) return c.status();
+      if (auto s = ApplyConfigOverrides(*c, opt.overrides); !s.ok()) return s;
+      g.models.push_back({p, "model", *c});
+    }
+    groups.push_back(std::move(g));
+  }
+  if (groups.empty())
+    return absl::InvalidArgumentError("nothing to measure: no --pair or --presets");
+
+  json doc;
+  doc["tool"] = "sdm-bench decode";
+  doc["schema_version"] = 1;
+  doc["started_utc"] = UtcNow();
+  doc["command_line"] = opt.command_line;
+  doc["parameters"] = {
+      {"pair", opt.pairs},
+      {"presets", opt.presets},
+      {"set", opt.overrides},
+      {"contexts", opt.contexts.empty() ? json("each pair's default") : json(opt.contexts)},
+      {"batches", opt.batches},
+      {"fit_batch", opt.fit_batch},
+      {"max_batch", opt.max_batch},
+      {"steps", opt.steps},
+      {"warmup", opt.warmup},
+      {"threads", opt.threads},
+      {"prefill_chunk", opt.prefill_chunk},
+      {"state_budget_gb", opt.state_budget_gb},
+      {"seed", opt.seed},
+      {"bandwidth_mb", opt.bandwidth_mb},
+      {"json", opt.json_path},
+      {"csv", opt.csv_path},
+      {"report", opt.report_dir}};
+  doc["machine"] = MachineInfo();
+  doc["build"] = BuildInfo();
+  const int threads =
+      opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
+  doc["machine"]["engine_threads"] = threads;
+  doc["machine"]["blas_threads"] = kernels::cpu::BlasThreads();
+
+  std::printf(
+      "# sdm-bench decode: %s, %d hardware threads; engine threads %d, OpenBLAS threads %d\n",
+      doc["machine"]["cpu"].get<std::string>().c_str(),
+      doc["machine"]["hardware_threads"].get<int>(), threads, kernels::cpu::BlasThreads());
   std::printf("# steps %d (after %d warm-up), state budget %.1f GB, seed %llu\n", opt.steps,
               opt.warmup, opt.state_budget_gb, static_cast<unsigned long long>(opt.seed));
-  std::printf("%-10s %7s %5s %9s %9s %9s %8s %7s %8s %8s %8s %9s\n", "model", "context", "batch",
-              "ms/step", "p90 ms", "tok/s", "GFLOP/s", "%sgemm", "attn ms", "sdm ms", "ffn ms",
-              "MB/sess");
-  for (const std::string& preset : opt.presets) {
-    auto config = PresetConfig(preset);
-    if (!config.ok()) return config.status();
-    std::fprintf(stderr, "[%s] building random weights...\n", preset.c_str());
-    std::shared_ptr<const Model> model = RandomModel(*config, opt.seed);
-    EngineOptions eo;
-    eo.num_threads = opt.threads;
-    eo.profile = true;
-    auto engine_or = Engine::Create(model, eo);
-    if (!engine_or.ok()) return engine_or.status();
-    Engine& engine = **engine_or;
-    const std::vector<GemmShape> gemms = DecodeGemms(*model);
-    std::vector<double> sgemm_rate(opt.batches.size());
-    for (size_t i = 0; i < opt.batches.size(); ++i) {
-      sgemm_rate[i] = MeasureSgemmRate(gemms, opt.batches[i]);
+
+  // ---- Bandwidth: measured at the start, before each group and at the end; the best figure
+  // is the machine's (the machine is shared: a low figure means someone else was using it). ----
+  const int64_t bw_bytes = opt.bandwidth_mb * (int64_t{1} << 20);
+  json bw_log = json::array();
+  double bandwidth = 0;
+  auto measure_bandwidth = [&](const std::string& when) {
+    Progress bar(absl::StrCat("memory bandwidth (", when, ")"), 1, "");
+    const Bandwidth bw = MeasureBandwidth(bw_bytes, threads);
+    bar.Finish("", false);
+    bandwidth = std::max({bandwidth, bw.copy_gbps, bw.read_gbps});
+    bw_log.push_back({{"when", when},
+                      {"copy_gbps", bw.copy_gbps},
+                      {"read_gbps", bw.read_gbps},
+                      {"load_average", LoadAverage()}});
+    std::printf(
+        "# memory bandwidth (%s; %d threads, 2 x %lld MiB): copy %.1f GB/s (read + write), "
+        "read %.1f GB/s; best so far %.1f GB/s; load average %s\n",
+        when.c_str(), threads, static_cast<long long>(opt.bandwidth_mb), bw.copy_gbps, bw.read_gbps,
+        bandwidth, LoadAverageText().c_str());
+    std::fflush(stdout);
+  };
+  measure_bandwidth("start");
+
+  json rows = json::array();
+  json skipped = json::array();
+  doc["groups"] = json::array();
+  for (const BenchGroup& group : groups) {
+    std::vector<int64_t> contexts = opt.contexts.empty() ? group.default_contexts : opt.contexts;
+    std::sort(contexts.begin(), contexts.end());
+    contexts.erase(std::unique(contexts.begin(), contexts.end()), contexts.end());
+    json gj;
+    gj["name"] = group.name;
+    gj["description"] = group.description;
+    gj["twin_check"] = group.twin_check;
+    gj["contexts"] = contexts;
+    gj["models"] = json::array();
+    json prefill_log = json::array();
+    json capacity = json::array();
+    json sgemm = json::array();
+
+    std::printf("\n## %s: %s\n", group.name.c_str(), group.description.c_str());
+    if (&group != &groups.front()) measure_bandwidth(absl::StrCat("before ", group.name));
+    std::printf("# %-18s %-26s %14s %14s %12s %12s %12s\n", "model", "layers", "params",
+                "params w/o M0", "weights MB", "KV KB/token", "SDM MB/sess");
+    std::vector<ModelRun> runs(group.models.size());
+    for (size_t i = 0; i < group.models.size(); ++i) {
+      const BenchModel& m = group.models[i];
+      gj["models"].push_back(ModelJson(m));
+      const json& mj = gj["models"].back();
+      std::printf("# %-18s %-26s %14lld %14lld %12.1f %12.1f %12.1f\n", m.name.c_str(),
+                  mj["layers"].get<std::string>().c_str(),
+                  static_cast<long long>(mj["parameters_total"].get<int64_t>()),
+                  static_cast<long long>(mj["parameters_without_m0"].get<int64_t>()),
+                  mj["weight_bytes_per_step"].get<double>() / 1e6,
+                  mj["kv_bytes_per_token"].get<double>() / 1e3,
+                  mj["sdm_state_bytes_max"].get<double>() / 1e6);
     }
-    std::mt19937 rng(static_cast<uint32_t>(opt.seed));
-    auto base = engine.NewSession();
-    for (int64_t ctx : opt.contexts) {
-      // Real prefill, continuing from the previous context length.
-      const int64_t todo = ctx - base->position();
-      if (todo > 0) {
-        const Clock::time_point t0 = Clock::now();
-        const int64_t chunk = 1024;
-        for (int64_t done = 0; done < todo; done += chunk) {
-          const auto toks = RandomTokens(std::min(chunk, todo - done), rng, config->vocab_size);
-          if (auto s = engine.Prefill(*base, toks, false, nullptr); !s.ok()) return s;
-          std::fprintf(stderr, "\r[%s] prefill %lld/%lld tokens (%.1f s)", preset.c_str(),
-                       static_cast<long long>(base->position()), static_cast<long long>(ctx),
-                       Seconds(t0, Clock::now()));
-        }
-        std::fprintf(stderr, "\n");
+    if (!group.twin_check.empty()) std::printf("# twin: %s\n", group.twin_check.c_str());
+    std::fflush(stdout);
+    for (size_t i = 0; i < group.models.size(); ++i) {
+      ModelRun& run = runs[i];
+      run.spec = &group.models[i];
+      Progress bar(absl::StrCat(run.spec->name, ": random weights"), 1, "");
+      run.model = RandomModel(run.spec->config, opt.seed);
+      bar.Finish("", false);
+      EngineOptions eo;
+      eo.num_threads = opt.threads;
+      eo.profile = true;
+      eo.prefill_chunk = opt.prefill_chunk;
+      auto engine = Engine::Create(run.model, eo);
+      if (!engine.ok()) return engine.status();
+      run.engine = *std::move(engine);
+      run.gemms = DecodeGemms(*run.model);
+      run.base = run.engine->NewSession();
+      run.rng.seed(static_cast<uint32_t>(opt.seed + 7919 * i));
+    }
+    std::printf("%s\n", TableHeader().c_str());
+    std::fflush(stdout);
+    for (int64_t ctx : contexts) {
+      for (ModelRun& run : runs) {
+        if (auto s = Prefill(run, ctx, prefill_log); !s.ok()) return s;
+        run.state_bytes = static_cast<double>(run.base->ResidentBytes());
+        const int64_t fits = MaxBatch(opt.state_budget_gb, run.state_bytes);
+        run.fit = std::min(fits, opt.max_batch);
+        capacity.push_back({{"model", run.spec->name},
+                            {"context", ctx},
+                            {"state_bytes_per_session", run.state_bytes},
+                            {"max_batch_in_budget", fits}});
       }
-      const double session_bytes = static_cast<double>(base->ResidentBytes());
-      for (size_t bi = 0; bi < opt.batches.size(); ++bi) {
-        const int64_t b = opt.batches[bi];
-        if (b * session_bytes > opt.state_budget_gb * 1e9) {
-          std::printf("%-10s %7lld %5lld   skipped: %.1f GB of state exceeds the budget\n",
-                      preset.c_str(), static_cast<long long>(ctx), static_cast<long long>(b),
-                      b * session_bytes / 1e9);
-          continue;
+      std::set<int64_t> batches(opt.batches.begin(), opt.batches.end());
+      if (opt.fit_batch) {
+        for (const ModelRun& run : runs) {
+          if (run.fit > 0) batches.insert(run.fit);
         }
-        std::vector<std::unique_ptr<SessionState>> sessions;
-        std::vector<SessionState*> ptrs;
-        for (int64_t i = 0; i < b; ++i) {
-          sessions.push_back(base->Clone());
-          ptrs.push_back(sessions.back().get());
+      }
+      for (int64_t b : batches) {
+        for (ModelRun& run : runs) {
+          const bool listed = std::count(opt.batches.begin(), opt.batches.end(), b) > 0;
+          if (!listed && !(opt.fit_batch && b == run.fit)) continue;
+          if (b * run.state_bytes > opt.state_budget_gb * 1e9) {
+            const std::string reason = absl::StrFormat(
+                "%.2f GB of state exceeds the %.1f GB budget (fits %d)", b * run.state_bytes / 1e9,
+                opt.state_budget_gb, MaxBatch(opt.state_budget_gb, run.state_bytes));
+            ClearProgressLine();
+            std::printf("%-18s %7lld %5lld   skipped: %s\n", run.spec->name.c_str(),
+                        static_cast<long long>(ctx), static_cast<long long>(b), reason.c_str());
+            std::fflush(stdout);
+            skipped.push_back({{"group", group.name},
+                               {"model", run.spec->name},
+                               {"context", ctx},
+                               {"batch", b},
+                               {"reason", reason}});
+            continue;
+          }
+          absl::StatusOr<json> row = Measure(run, group.name, ctx, b, opt, bandwidth);
+          if (!row.ok()) return row.status();
+          ClearProgressLine();
+          std::printf("%s\n", TableRow(*row).c_str());
+          std::fflush(stdout);
+          rows.push_back(*std::move(row));
         }
-        std::vector<float> logits(b * config->vocab_size);
-        std::vector<double> step_s;
-        EngineProfile prof;
-        for (int s = 0; s < opt.warmup + opt.steps; ++s) {
-          const auto toks = RandomTokens(b, rng, config->vocab_size);
-          if (s == opt.warmup) engine.ResetProfile();
-          const Clock::time_point t0 = Clock::now();
-          if (auto st = engine.Decode(ptrs, toks, logits); !st.ok()) return st;
-          if (s >= opt.warmup) step_s.push_back(Seconds(t0, Clock::now()));
-        }
-        prof = engine.profile();
-        const double median = Percentile(step_s, 0.5);
-        const double p90 = Percentile(step_s, 0.9);
-        const double flops = b * DecodeFlopsPerToken(*config, gemms, ctx);
-        const double gflops = flops / median / 1e9;
-        const double frac = gflops / sgemm_rate[bi];
-        const double per_step = 1e3 / opt.steps;
-        std::printf("%-10s %7lld %5lld %9.2f %9.2f %9.1f %8.1f %6.1f%% %8.2f %8.2f %8.2f %9.1f\n",
-                    preset.c_str(), static_cast<long long>(ctx), static_cast<long long>(b),
-                    median * 1e3, p90 * 1e3, b / median, gflops, 100 * frac,
-                    (prof.attn_seconds + prof.swa_seconds) * per_step, prof.sdm_seconds * per_step,
-                    prof.ffn_seconds * per_step, session_bytes / 1e6);
-        std::fflush(stdout);
-        results.push_back({{"model", preset},
-                           {"context", ctx},
-                           {"batch", b},
-                           {"ms_per_step_median", median * 1e3},
-                           {"ms_per_step_p90", p90 * 1e3},
-                           {"tokens_per_s", b / median},
-                           {"gflops", gflops},
-                           {"sgemm_gflops_same_shapes", sgemm_rate[bi]},
-                           {"fraction_of_sgemm", frac},
-                           {"attn_ms_per_step", (prof.attn_seconds + prof.swa_seconds) * per_step},
-                           {"sdm_ms_per_step", prof.sdm_seconds * per_step},
-                           {"ffn_ms_per_step", prof.ffn_seconds * per_step},
-                           {"state_bytes_per_session", session_bytes}});
       }
     }
-    for (size_t i = 0; i < opt.batches.size(); ++i) {
-      std::printf("# %s: OpenBLAS sgemm at the step's shapes, batch %lld: %.1f GFLOP/s\n",
-                  preset.c_str(), static_cast<long long>(opt.batches[i]), sgemm_rate[i]);
+    for (const ModelRun& run : runs) {
+      for (const auto& [b, rate] : run.sgemm_gflops) {
+        sgemm.push_back({{"model", run.spec->name}, {"batch", b}, {"gflops", rate}});
+      }
     }
+    gj["prefill"] = prefill_log;
+    gj["capacity"] = capacity;
+    gj["sgemm"] = sgemm;
+    Summarise(gj, rows);
+    doc["groups"].push_back(gj);
+    std::printf("%s", GroupSummary(gj).c_str());
+    std::fflush(stdout);
+    // Free this group's models and sessions before the next group.
   }
-  if (!opt.json_path.empty()) {
-    std::ofstream out(opt.json_path);
-    out << results.dump(2) << "\n";
-    if (!out) return absl::InternalError(absl::StrCat("could not write ", opt.json_path));
-  }
-  return absl::OkStatus();
+
+  std::printf("\n");
+  measure_bandwidth("end");
+  // The %bw of every row is of the best bandwidth measured in the run (the terminal rows used the
+  // best figure measured before them).
+  for (json& r : rows) r["fraction_of_bandwidth"] = r["achieved_gbps"].get<double>() / bandwidth;
+  doc["bandwidth"] = {{"buffer_bytes", bw_bytes},
+                      {"threads", threads},
+                      {"measurements", bw_log},
+                      {"reference_gbps", bandwidth},
+                      {"reference",
+                       "the best of copy (read + write bytes) and read over every measurement of "
+                       "the run"}};
+  doc["machine"]["load_average_end"] = LoadAverage();
+  doc["machine"]["peak_rss_bytes"] = PeakRssBytes();
+  doc["results"] = rows;
+  doc["skipped"] = skipped;
+  doc["finished_utc"] = UtcNow();
+  doc["wall_seconds"] = Seconds(run_start, Clock::now());
+  return WriteOutputs(doc, opt);
 }
 
 }  // namespace sdm::bench

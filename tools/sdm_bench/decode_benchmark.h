@@ -1,13 +1,33 @@
-// `sdm-bench decode`: steady-state decode throughput of a model against batch size and context
-// length, on the engine directly (no server), with random weights built in memory.
+// `sdm-bench decode`: steady-state decode throughput of SDM models against their full-attention
+// twins, on the engine directly (no server), with random weights built in memory.
 //
-// Protocol (docs/benchmarks.md): one session is prefilled with random tokens to each context
-// length in turn (real prefill, continuing from the previous length); for each batch size B the
-// session is cloned B times (a deep copy of its KV cache and SDM rows: the same state a real
-// prefill of each would leave) and the B clones decode `warmup` untimed steps, then `steps` timed
-// steps of one token each. A batch size is skipped when B sessions' state would exceed the state
-// budget. The GEMMs of one decode step are also timed alone with OpenBLAS at the same shapes in
-// the same run; the step's FLOP rate is reported as a fraction of that sgemm rate.
+// Models are measured in groups: a pair (an SDM model and its twin, which differs only in its
+// global layers: every SDM layer becomes a full-attention layer, the SWA layers, MLPs, norms and
+// embeddings are the same), or the explicit list given by --presets. Within a group the models
+// are measured interleaved, context by context and batch by batch, so that the ratios between
+// them come from the same minutes of a shared, noisy machine.
+//
+// Protocol (docs/benchmarks.md):
+//  1. The machine's memory bandwidth is measured (multi-threaded memcpy and streaming read over
+//     buffers far larger than the caches), at the start and again at the end of the run.
+//  2. For each context length in increasing order, one session per model is prefilled with random
+//     tokens up to that length: real prefill (the engine's chunked Prefill), continuing from the
+//     previous length. There is no synthetic fill.
+//  3. For each batch size B that fits the state budget, the session is cloned B times (a deep
+//     copy: the same state a real prefill of each would leave) and the clones decode `warmup`
+//     untimed steps, then `steps` timed steps of one token each. The median and p90 step times,
+//     tokens/s (B / median) and the per-mixer profile are reported.
+//  4. Each step's bytes are modelled from the config: every weight read once per step as fp32 (the
+//     CPU engine's format; the embedding table only for the B rows gathered unless it is tied to
+//     the output), plus per session the K and V rows of the visible positions of each attention
+//     layer (all of them for full attention, the window for SWA) and per SDM layer and head
+//     (2W + R) rows of hd floats (W rows read and written, R rows read; design brief §4). Achieved
+//     bandwidth = bytes / median step time, reported as a fraction of the measured bandwidth.
+//  5. The step's GEMMs are also timed alone with OpenBLAS at the same shapes; the step's FLOP rate
+//     is reported as a fraction of that sgemm rate.
+// A batch size is skipped when B sessions' state (SessionState::ResidentBytes after the prefill)
+// would exceed the state budget; the largest batch that fits is reported for every context, and
+// the batch `fit` (BatchSpec::fit) measures it.
 #ifndef SDMSERVE_TOOLS_SDM_BENCH_DECODE_BENCHMARK_H_
 #define SDMSERVE_TOOLS_SDM_BENCH_DECODE_BENCHMARK_H_
 
@@ -16,19 +36,63 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "engine/model_config.h"
 
 namespace sdm::bench {
 
+// One model of a benchmark group.
+struct BenchModel {
+  std::string name;  // preset name, or the pair's name for a model built in the tool
+  std::string role;  // "sdm", "attention" (the twin), or "model" (explicit --presets list)
+  ModelConfig config;
+};
+
+// Models measured together (interleaved) over the same contexts.
+struct BenchGroup {
+  std::string name;  // the pair's name, or "presets"
+  std::vector<BenchModel> models;
+  std::vector<int64_t> default_contexts;
+  // For a pair: how the twin was checked to differ from the SDM model only in its global layers.
+  std::string twin_check;
+  std::string description;
+};
+
+// Names accepted by --pair.
+std::vector<std::string> PairNames();
+
+// The named pair with `overrides` (ApplyConfigOverrides assignments) applied to the SDM model
+// before its twin is derived. For preset pairs (debug, flagship, 7b) it checks that the derived
+// twin equals the named baseline preset.
+absl::StatusOr<BenchGroup> NamedPair(absl::string_view name,
+                                     const std::vector<std::string>& overrides);
+
+// The SDM model's full-attention twin: every SDM layer becomes a full-attention layer; nothing
+// else changes. Requires a finalized config.
+absl::StatusOr<ModelConfig> FullAttentionTwin(const ModelConfig& sdm_config);
+
 struct DecodeBenchOptions {
-  std::vector<std::string> presets = {"debug_sdm", "debug"};
-  std::vector<int64_t> contexts = {512, 4096, 16384};
-  std::vector<int64_t> batches = {1, 4, 8, 16, 32};
+  std::vector<std::string> pairs;      // named pairs (see PairNames())
+  std::vector<std::string> presets;    // an explicit group of presets (measured together)
+  std::vector<std::string> overrides;  // --set key=value, applied to every model
+  std::vector<int64_t> contexts;       // empty: each group's default contexts
+  std::vector<int64_t> batches = {1, 4, 16};
+  bool fit_batch = true;   // also measure the largest batch in the budget
+  int64_t max_batch = 32;  // cap of the `fit` batch
   int steps = 10;
   int warmup = 2;
-  int threads = 0;
-  double state_budget_gb = 8.0;
+  int threads = 0;              // engine threads (0: one per hardware thread)
+  int64_t prefill_chunk = 256;  // the engine's prefill chunk (EngineOptions)
+  double state_budget_gb = 6.0;
   uint64_t seed = 1;
-  std::string json_path;  // empty: no JSON file
+  int64_t bandwidth_mb = 512;  // size of each buffer of the bandwidth measurement
+  std::string json_path;       // empty: no JSON file
+  std::string csv_path;        // empty: no CSV file
+  std::string report_dir;      // empty: no report (report.md, results JSON/CSV, PNGs)
+  std::string python = "/usr/bin/python3";
+  std::string plot_script;   // empty: plot_decode.py next to the binary or in the source
+  std::string command_line;  // recorded in the report
 };
 
 absl::Status RunDecodeBenchmark(const DecodeBenchOptions& options);

@@ -1,8 +1,12 @@
 // sdm-bench: benchmarks of sdmserve (not tests; docs/benchmarks.md says how to reproduce each).
 //
-//   sdm-bench decode [--presets debug_sdm,debug] [--contexts 512,4096,16384]
-//                    [--batches 1,4,8,16,32] [--steps 10] [--warmup 2] [--threads 0]
-//                    [--state_budget_gb 8] [--seed 1] [--json FILE]
+//   sdm-bench decode [--pair debug,cpu_hybrid] [--presets P,...] [--set key=value ...]
+//                    [--contexts 512,2048,...] [--batches 1,4,16] [--fit_batch] [--max_batch 32]
+//                    [--steps 10] [--warmup 2] [--threads 0] [--prefill_chunk 256]
+//                    [--state_budget_gb 6] [--seed 1] [--bandwidth_mb 512]
+//                    [--json FILE] [--csv FILE] [--report DIR]
+//
+// Exit status: 0 on success, 2 on usage errors, 1 when the benchmark fails.
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -11,25 +15,52 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "tools/sdm_bench/decode_benchmark.h"
 
-ABSL_FLAG(std::vector<std::string>, presets, std::vector<std::string>({"debug_sdm", "debug"}),
-          "Model presets to compare (random weights, built in memory)");
-ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({"512", "4096", "16384"}),
-          "Context lengths reached by real prefill before each measurement");
-ABSL_FLAG(std::vector<std::string>, batches, std::vector<std::string>({"1", "4", "8", "16", "32"}),
+ABSL_FLAG(std::vector<std::string>, pair, std::vector<std::string>({}),
+          "Named pairs (SDM model vs its full-attention twin): tiny, debug, cpu_hybrid, flagship, "
+          "7b. Default: debug,cpu_hybrid when --presets is not given either");
+ABSL_FLAG(std::vector<std::string>, presets, std::vector<std::string>({}),
+          "An explicit list of presets measured together (random weights, built in memory)");
+ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({}),
+          "Context lengths reached by real prefill before each measurement (default: each "
+          "pair's own list)");
+ABSL_FLAG(std::vector<std::string>, batches, std::vector<std::string>({"1", "4", "16"}),
           "Decode batch sizes (sessions decoded together per step)");
-ABSL_FLAG(int, steps, 10, "Timed decode steps per (context, batch)");
+ABSL_FLAG(bool, fit_batch, true,
+          "Also measure the largest batch whose session state fits --state_budget_gb");
+ABSL_FLAG(int64_t, max_batch, 32, "Cap on the --fit_batch batch");
+ABSL_FLAG(int, steps, 10, "Timed decode steps per (model, context, batch)");
 ABSL_FLAG(int, warmup, 2, "Untimed decode steps before timing");
 ABSL_FLAG(int, threads, 0, "Engine threads (0: one per hardware thread)");
-ABSL_FLAG(double, state_budget_gb, 8.0, "Skip batch sizes whose session state exceeds this");
+ABSL_FLAG(int64_t, prefill_chunk, 256, "The engine's prefill chunk (tokens)");
+ABSL_FLAG(double, state_budget_gb, 6.0, "Skip batch sizes whose session state exceeds this");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random weights and tokens");
+ABSL_FLAG(int64_t, bandwidth_mb, 512,
+          "Size (MiB) of each of the two buffers of the memory-bandwidth measurement");
 ABSL_FLAG(std::string, json, "", "Also write the results as JSON to this file");
+ABSL_FLAG(std::string, csv, "", "Also write the results as CSV to this file");
+ABSL_FLAG(std::string, report, "",
+          "Write report.md, results.json, results.csv and PNG plots into this directory");
+ABSL_FLAG(std::string, python, "/usr/bin/python3", "Python with matplotlib, for the plots");
+ABSL_FLAG(std::string, plot_script, "",
+          "plot_decode.py (default: next to the binary, else in the source tree)");
 
 namespace {
 
-bool ParseInts(const std::vector<std::string>& in, std::vector<int64_t>& out, const char* what) {
+constexpr char kUsage[] = R"(sdmserve benchmarks.
+
+  sdm-bench decode [flags]   decode tokens/s of SDM models against their full-attention twins,
+                             vs context length and batch size (docs/benchmarks.md)
+
+  --set key=value (repeatable) overrides a config field of every model, as sdm-model does
+  (for a pair: of the SDM model, before its twin is derived).)";
+
+bool ParseInts(const std::vector<std::string>& in, std::vector<int64_t>& out, const char* what,
+               bool allow_empty) {
   out.clear();
   for (const std::string& s : in) {
     int64_t v = 0;
@@ -39,39 +70,81 @@ bool ParseInts(const std::vector<std::string>& in, std::vector<int64_t>& out, co
     }
     out.push_back(v);
   }
-  return !out.empty();
+  if (out.empty() && !allow_empty) {
+    std::fprintf(stderr, "sdm-bench: --%s needs at least one value\n", what);
+    return false;
+  }
+  return true;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "sdmserve benchmarks.\n  sdm-bench decode [flags]   decode tokens/s vs batch and context");
-  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  absl::SetProgramUsageMessage(kUsage);
+  std::vector<std::string> all_args(argv, argv + argc);
+  // `--set` repeats and its values hold commas (swa_at=[0,1]): take it out before absl parses.
+  std::vector<std::string> overrides;
+  std::vector<char*> rest = {argv[0]};
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--set" || a == "-set") {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "sdm-bench: --set needs key=value\n");
+        return 2;
+      }
+      overrides.push_back(argv[++i]);
+    } else if (a.rfind("--set=", 0) == 0) {
+      overrides.push_back(a.substr(6));
+    } else {
+      rest.push_back(argv[i]);
+    }
+  }
+  std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
   if (args.size() != 2 || std::string(args[1]) != "decode") {
     std::fprintf(stderr, "usage: sdm-bench decode [flags]  (see --help)\n");
     return 2;
   }
   sdm::bench::DecodeBenchOptions opt;
+  opt.pairs = absl::GetFlag(FLAGS_pair);
   opt.presets = absl::GetFlag(FLAGS_presets);
-  if (!ParseInts(absl::GetFlag(FLAGS_contexts), opt.contexts, "contexts") ||
-      !ParseInts(absl::GetFlag(FLAGS_batches), opt.batches, "batches")) {
+  if (opt.pairs.empty() && opt.presets.empty()) opt.pairs = {"debug", "cpu_hybrid"};
+  opt.overrides = overrides;
+  if (!ParseInts(absl::GetFlag(FLAGS_contexts), opt.contexts, "contexts", true) ||
+      !ParseInts(absl::GetFlag(FLAGS_batches), opt.batches, "batches", false)) {
     return 2;
   }
+  opt.fit_batch = absl::GetFlag(FLAGS_fit_batch);
+  opt.max_batch = absl::GetFlag(FLAGS_max_batch);
   opt.steps = absl::GetFlag(FLAGS_steps);
   opt.warmup = absl::GetFlag(FLAGS_warmup);
   opt.threads = absl::GetFlag(FLAGS_threads);
+  opt.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   opt.state_budget_gb = absl::GetFlag(FLAGS_state_budget_gb);
   opt.seed = absl::GetFlag(FLAGS_seed);
+  opt.bandwidth_mb = absl::GetFlag(FLAGS_bandwidth_mb);
   opt.json_path = absl::GetFlag(FLAGS_json);
-  if (opt.steps < 1 || opt.warmup < 0) {
-    std::fprintf(stderr, "sdm-bench: --steps must be >= 1 and --warmup >= 0\n");
+  opt.csv_path = absl::GetFlag(FLAGS_csv);
+  opt.report_dir = absl::GetFlag(FLAGS_report);
+  opt.python = absl::GetFlag(FLAGS_python);
+  opt.plot_script = absl::GetFlag(FLAGS_plot_script);
+  // The command as typed, with the binary's directory dropped.
+  std::string binary = all_args[0];
+  if (const size_t slash = binary.rfind('/'); slash != std::string::npos) {
+    binary = binary.substr(slash + 1);
+  }
+  all_args[0] = binary;
+  opt.command_line = absl::StrJoin(all_args, " ");
+  if (opt.steps < 1 || opt.warmup < 0 || opt.max_batch < 1 || opt.prefill_chunk < 1 ||
+      opt.bandwidth_mb < 1 || !(opt.state_budget_gb > 0)) {
+    std::fprintf(stderr,
+                 "sdm-bench: --steps, --max_batch, --prefill_chunk and --bandwidth_mb must be >= "
+                 "1, --warmup >= 0 and --state_budget_gb > 0\n");
     return 2;
   }
   absl::Status s = sdm::bench::RunDecodeBenchmark(opt);
   if (!s.ok()) {
     std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
-    return 1;
+    return absl::IsNotFound(s) || absl::IsInvalidArgument(s) ? 2 : 1;
   }
   return 0;
 }

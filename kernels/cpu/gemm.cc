@@ -1,0 +1,136 @@
+#include "kernels/cpu/gemm.h"
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace sdm::kernels::cpu {
+namespace {
+
+constexpr int64_t kPanel = PackedMatrix::kPanel;
+constexpr int64_t kRows = 6;     // x rows per micro-kernel: 12 accumulators + 2 panel vectors
+constexpr int64_t kDepth = 256;  // k per block: a panel slice (16 KB) stays in L1
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Rows [0, mr) of x (leading dimension ldx) times one panel -> y columns [0, nr). Continues the
+// accumulators held in y (or starts them at zero when `first`) over k values [k0, k1): splitting
+// k into blocks keeps each element's fma sequence in increasing k. The six rows are spelled out
+// so the twelve accumulators stay in registers.
+void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, int64_t k0,
+                 int64_t k1, bool first, float* y, int64_t ldy, int64_t nr) {
+  const float* x0 = x;
+  const float* x1 = x + (1 < mr ? 1 : 0) * ldx;
+  const float* x2 = x + (2 < mr ? 2 : 0) * ldx;
+  const float* x3 = x + (3 < mr ? 3 : 0) * ldx;
+  const float* x4 = x + (4 < mr ? 4 : 0) * ldx;
+  const float* x5 = x + (5 < mr ? 5 : 0) * ldx;
+  alignas(32) float in[kRows][kPanel];
+  for (int64_t i = 0; i < kRows; ++i) {
+    std::fill(in[i], in[i] + kPanel, 0.0f);
+    if (!first && i < mr) std::copy(y + i * ldy, y + i * ldy + nr, in[i]);
+  }
+  __m256 a00 = _mm256_load_ps(in[0]), a01 = _mm256_load_ps(in[0] + 8);
+  __m256 a10 = _mm256_load_ps(in[1]), a11 = _mm256_load_ps(in[1] + 8);
+  __m256 a20 = _mm256_load_ps(in[2]), a21 = _mm256_load_ps(in[2] + 8);
+  __m256 a30 = _mm256_load_ps(in[3]), a31 = _mm256_load_ps(in[3] + 8);
+  __m256 a40 = _mm256_load_ps(in[4]), a41 = _mm256_load_ps(in[4] + 8);
+  __m256 a50 = _mm256_load_ps(in[5]), a51 = _mm256_load_ps(in[5] + 8);
+  const float* w = panel + k0 * kPanel;
+  for (int64_t p = k0; p < k1; ++p, w += kPanel) {
+    const __m256 w0 = _mm256_loadu_ps(w);
+    const __m256 w1 = _mm256_loadu_ps(w + 8);
+    __m256 b = _mm256_broadcast_ss(x0 + p);
+    a00 = _mm256_fmadd_ps(b, w0, a00);
+    a01 = _mm256_fmadd_ps(b, w1, a01);
+    b = _mm256_broadcast_ss(x1 + p);
+    a10 = _mm256_fmadd_ps(b, w0, a10);
+    a11 = _mm256_fmadd_ps(b, w1, a11);
+    b = _mm256_broadcast_ss(x2 + p);
+    a20 = _mm256_fmadd_ps(b, w0, a20);
+    a21 = _mm256_fmadd_ps(b, w1, a21);
+    b = _mm256_broadcast_ss(x3 + p);
+    a30 = _mm256_fmadd_ps(b, w0, a30);
+    a31 = _mm256_fmadd_ps(b, w1, a31);
+    b = _mm256_broadcast_ss(x4 + p);
+    a40 = _mm256_fmadd_ps(b, w0, a40);
+    a41 = _mm256_fmadd_ps(b, w1, a41);
+    b = _mm256_broadcast_ss(x5 + p);
+    a50 = _mm256_fmadd_ps(b, w0, a50);
+    a51 = _mm256_fmadd_ps(b, w1, a51);
+  }
+  _mm256_store_ps(in[0], a00), _mm256_store_ps(in[0] + 8, a01);
+  _mm256_store_ps(in[1], a10), _mm256_store_ps(in[1] + 8, a11);
+  _mm256_store_ps(in[2], a20), _mm256_store_ps(in[2] + 8, a21);
+  _mm256_store_ps(in[3], a30), _mm256_store_ps(in[3] + 8, a31);
+  _mm256_store_ps(in[4], a40), _mm256_store_ps(in[4] + 8, a41);
+  _mm256_store_ps(in[5], a50), _mm256_store_ps(in[5] + 8, a51);
+  for (int64_t i = 0; i < mr; ++i) std::copy(in[i], in[i] + nr, y + i * ldy);
+}
+#else
+void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, int64_t k0,
+                 int64_t k1, bool first, float* y, int64_t ldy, int64_t nr) {
+  for (int64_t i = 0; i < mr; ++i) {
+    for (int64_t j = 0; j < nr; ++j) {
+      float acc = first ? 0.0f : y[i * ldy + j];
+      for (int64_t p = k0; p < k1; ++p) acc = std::fma(x[i * ldx + p], panel[p * kPanel + j], acc);
+      y[i * ldy + j] = acc;
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+PackedMatrix::PackedMatrix(const float* w, int64_t n, int64_t k)
+    : n_(n), k_(k), data_(std::make_unique<float[]>(((n + kPanel - 1) / kPanel) * k * kPanel)) {
+  for (int64_t p = 0; p < panels(); ++p) {
+    float* dst = data_.get() + p * k * kPanel;
+    for (int64_t c = 0; c < kPanel; ++c) {
+      const int64_t row = p * kPanel + c;
+      for (int64_t i = 0; i < k; ++i) dst[i * kPanel + c] = row < n ? w[row * k + i] : 0.0f;
+    }
+  }
+}
+
+float DotInOrder(const float* x, const float* w, int64_t k) {
+  float acc = 0.0f;
+  for (int64_t p = 0; p < k; ++p) acc = std::fma(x[p], w[p], acc);
+  return acc;
+}
+
+void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const float* bias, float* y,
+                     ThreadPool* pool) {
+  const int64_t n = w.n(), k = w.k();
+  // A task is a group of panels for every row: each panel is loaded once per row block.
+  constexpr int64_t kPanelsPerTask = 4;
+  const int64_t tasks = (w.panels() + kPanelsPerTask - 1) / kPanelsPerTask;
+  auto run = [&](int64_t t) {
+    const int64_t p1 = std::min(w.panels(), (t + 1) * kPanelsPerTask);
+    for (int64_t p = t * kPanelsPerTask; p < p1; ++p) {
+      const int64_t c0 = p * kPanel;
+      const int64_t nr = std::min(kPanel, n - c0);
+      for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
+        const int64_t k1 = std::min(k, k0 + kDepth);
+        for (int64_t i = 0; i < m; i += kRows) {
+          MicroKernel(x + i * k, k, std::min(kRows, m - i), w.panel(p), k0, k1, k0 == 0,
+                      y + i * n + c0, n, nr);
+        }
+      }
+      if (bias != nullptr) {
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = 0; j < nr; ++j) y[i * n + c0 + j] += bias[c0 + j];
+        }
+      }
+    }
+  };
+  if (pool == nullptr || tasks == 1) {
+    for (int64_t t = 0; t < tasks; ++t) run(t);
+  } else {
+    pool->ParallelFor(tasks, run);
+  }
+}
+
+}  // namespace sdm::kernels::cpu

@@ -1,0 +1,54 @@
+// Batch-invariant dense layers: y[m, n] = x[m, :] . w[n, :] (+ bias[n]).
+//
+// Every output element is one accumulator updated by a fused multiply-add for k = 0, 1, ... in
+// order, whatever m, the row's position in the batch, the thread count or the blocking. So a
+// session's logits do not depend on which other sessions share its decode step, and a prefill's
+// projections equal a decode's bit for bit. (OpenBLAS reorders its reductions with the batch
+// size: a batched session drifted from its solo run by ~1e-7, enough to flip a greedy argmax
+// near a tie; docs/architecture.md.)
+//
+// The weights are repacked once (PackedMatrix) into panels of 16 output columns stored k-major,
+// so the micro-kernel streams one panel and broadcasts x: the BLIS-style layout, with the k loop
+// never split.
+#ifndef SDMSERVE_KERNELS_CPU_GEMM_H_
+#define SDMSERVE_KERNELS_CPU_GEMM_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "kernels/cpu/parallel.h"
+
+namespace sdm::kernels::cpu {
+
+class PackedMatrix {
+ public:
+  static constexpr int64_t kPanel = 16;  // output columns per panel
+
+  PackedMatrix() = default;
+  // Packs w: [n, k] row-major (torch.nn.Linear's [out, in]).
+  PackedMatrix(const float* w, int64_t n, int64_t k);
+
+  int64_t n() const { return n_; }
+  int64_t k() const { return k_; }
+  int64_t panels() const { return (n_ + kPanel - 1) / kPanel; }
+  // Panel p: [k][16] floats, columns 16p..16p+15 (zero past n).
+  const float* panel(int64_t p) const { return data_.get() + p * k_ * kPanel; }
+  int64_t bytes() const { return panels() * k_ * kPanel * static_cast<int64_t>(sizeof(float)); }
+
+ private:
+  int64_t n_ = 0;
+  int64_t k_ = 0;
+  std::unique_ptr<float[]> data_;
+};
+
+// y[m, n] = x[m, k] w^T + bias (bias may be null). pool may be null (single thread); panels are
+// split across its threads.
+void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const float* bias, float* y,
+                     ThreadPool* pool);
+
+// The order every path reproduces, for tests: sum_k fma(x[k], w[k], acc) from acc = 0.
+float DotInOrder(const float* x, const float* w, int64_t k);
+
+}  // namespace sdm::kernels::cpu
+
+#endif  // SDMSERVE_KERNELS_CPU_GEMM_H_

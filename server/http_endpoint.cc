@@ -1,0 +1,105 @@
+#include "server/http_endpoint.h"
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "httplib.h"
+#include "server/metrics/prometheus_text.h"
+
+namespace sdm {
+
+class HttpEndpoint::Impl {
+ public:
+  Impl(const MetricsRegistry& registry, HealthCallback health, int threads)
+      : registry_(registry), health_(std::move(health)) {
+    // httplib takes ownership of the queue it is handed (and deletes it).
+    server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    server_.Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
+      response.set_content(registry_.RenderPrometheusText(), kPrometheusContentType);
+    });
+    server_.Get("/healthz", [this](const httplib::Request&, httplib::Response& response) {
+      const absl::Status health = health_ ? health_() : absl::OkStatus();
+      if (health.ok()) {
+        response.set_content("ok\n", "text/plain; charset=utf-8");
+      } else {
+        response.status = 503;
+        response.set_content(absl::StrCat("not serving: ", health.message(), "\n"),
+                             "text/plain; charset=utf-8");
+      }
+    });
+  }
+
+  ~Impl() {
+    if (thread_.joinable()) {
+      server_.stop();
+      thread_.join();
+    }
+  }
+
+  absl::Status Listen(const std::string& host, int port) {
+    errno = 0;
+    if (port == 0) {
+      port_ = server_.bind_to_any_port(host);
+    } else {
+      port_ = server_.bind_to_port(host, port) ? port : -1;
+    }
+    if (port_ < 0) {
+      const std::string reason = errno != 0 ? std::strerror(errno) : "invalid address";
+      return absl::UnavailableError(absl::StrCat("metrics endpoint: cannot listen on ", host, ":",
+                                                 port, " (", reason, ")"));
+    }
+    thread_ = std::thread([this] {
+      server_.listen_after_bind();
+      listener_exited_ = true;
+    });
+    // stop() is a no-op until the accept loop runs: wait for it, so the destructor can stop it.
+    while (!server_.is_running()) {
+      if (listener_exited_) {
+        return absl::UnavailableError(absl::StrCat("metrics endpoint: listening on ", host, ":",
+                                                   port_, " ended at once"));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return absl::OkStatus();
+  }
+
+  int port() const { return port_; }
+
+ private:
+  const MetricsRegistry& registry_;
+  const HealthCallback health_;
+  httplib::Server server_;
+  int port_ = -1;
+  std::atomic<bool> listener_exited_ = false;
+  std::thread thread_;
+};
+
+absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
+    const HttpEndpointOptions& options, const MetricsRegistry& registry, HealthCallback health) {
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics endpoint: port ", options.port, " is not in [0, 65535]"));
+  }
+  if (options.threads < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics endpoint: threads must be >= 1, got ", options.threads));
+  }
+  auto impl = std::make_unique<Impl>(registry, std::move(health), options.threads);
+  if (absl::Status status = impl->Listen(options.host, options.port); !status.ok()) return status;
+  return std::make_unique<HttpEndpoint>(std::move(impl));
+}
+
+HttpEndpoint::HttpEndpoint(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+HttpEndpoint::~HttpEndpoint() = default;
+
+int HttpEndpoint::port() const { return impl_->port(); }
+
+}  // namespace sdm

@@ -1,0 +1,73 @@
+// Per-tenant limits on sessions and session state, read from a JSON file:
+//
+//   {
+//     "default": {"max_sessions": 100, "max_state_bytes": "64GiB"},
+//     "tenants": {
+//       "research": {"max_sessions": 1000, "max_state_bytes": null},
+//       "trial":    {"max_sessions": 2}
+//     }
+//   }
+//
+// "default" applies to every tenant; an entry under "tenants" overrides some of its fields (a
+// field left out keeps the default's value; null means unlimited). Every field and both sections
+// are optional: without a file, or with "{}", nothing is limited. Counts are integers >= 0; byte
+// sizes are integers >= 0 or strings of an integer and a unit (B, KB, MB, GB, TB powers of 1000;
+// KiB, MiB, GiB, TiB powers of 1024). Unknown fields are rejected by name, so that a typo does not
+// silently leave a tenant unlimited. Tenant names follow IsValidTenantName (server/auth.h).
+//
+// Enforcement is the service's: a tenant at its limit gets RESOURCE_EXHAUSTED.
+//
+// Thread-safety: immutable after creation; For() may run concurrently.
+#ifndef SDMSERVE_SERVER_TENANT_LIMITS_H_
+#define SDMSERVE_SERVER_TENANT_LIMITS_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace sdm {
+
+struct TenantLimits {
+  // Sessions the tenant may hold at once; nullopt: unlimited.
+  std::optional<int64_t> max_sessions;
+  // Bytes of session state (Session.state_bytes summed over its sessions); nullopt: unlimited.
+  std::optional<int64_t> max_state_bytes;
+
+  bool operator==(const TenantLimits&) const = default;
+};
+
+class TenantLimitsConfig {
+ public:
+  // Nothing limited.
+  TenantLimitsConfig() = default;
+
+  // Errors (InvalidArgument, naming the field as in "tenants.trial.max_sessions"): malformed
+  // JSON, unknown fields, negative or non-integer values, bad units, bad tenant names.
+  static absl::StatusOr<TenantLimitsConfig> Parse(absl::string_view json_text);
+
+  // Reads and parses a file; errors name it. NotFound when it does not exist.
+  static absl::StatusOr<TenantLimitsConfig> FromFile(const std::filesystem::path& path);
+
+  // The limits of `tenant`: its entry over the default.
+  TenantLimits For(absl::string_view tenant) const;
+
+  const TenantLimits& default_limits() const { return default_; }
+
+ private:
+  TenantLimits default_;
+  std::map<std::string, TenantLimits, std::less<>> tenants_;
+};
+
+// "64GiB" -> 68719476736. Integers with an optional unit (see above); spaces between number and
+// unit are allowed. InvalidArgument otherwise, or on overflow.
+absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_SERVER_TENANT_LIMITS_H_

@@ -1,0 +1,391 @@
+#include "state_store/state_codec.h"
+
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "xxhash.h"
+
+namespace sdm {
+namespace {
+
+// Layout (all little-endian; docs/state-format.md):
+//   header: magic "SDMSTATE" | u32 version | u32 header bytes (48) | u64 fingerprint |
+//           u64 section count | u64 total bytes | u64 checksum of the preceding 40 bytes
+//   section: u32 type | u32 reserved (0) | u64 payload bytes | u64 payload checksum | payload
+constexpr char kMagic[8] = {'S', 'D', 'M', 'S', 'T', 'A', 'T', 'E'};
+constexpr uint64_t kHeaderBytes = 48;
+constexpr uint64_t kSectionHeaderBytes = 24;
+enum SectionType : uint32_t { kRecord = 1, kKv = 2, kSdm = 3 };
+
+uint64_t Checksum(const void* data, size_t n) { return XXH64(data, n, 0); }
+
+class Writer {
+ public:
+  void U32(uint32_t v) { Raw(&v, 4); }
+  void U64(uint64_t v) { Raw(&v, 8); }
+  void I64(int64_t v) { Raw(&v, 8); }
+  void I32(int32_t v) { Raw(&v, 4); }
+  void Str(absl::string_view s) {
+    U64(s.size());
+    Raw(s.data(), s.size());
+  }
+  void Floats(const float* p, int64_t n) { Raw(p, n * sizeof(float)); }
+  void Raw(const void* p, size_t n) {
+    const size_t at = out_.size();
+    out_.resize(at + n);
+    if (n) std::memcpy(out_.data() + at, p, n);
+  }
+  std::string& out() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  Reader(absl::string_view data, std::string what) : data_(data), what_(std::move(what)) {}
+  bool U32(uint32_t& v) { return Raw(&v, 4); }
+  bool U64(uint64_t& v) { return Raw(&v, 8); }
+  bool I64(int64_t& v) { return Raw(&v, 8); }
+  bool I32(int32_t& v) { return Raw(&v, 4); }
+  bool Str(std::string& s) {
+    uint64_t n = 0;
+    if (!U64(n) || n > remaining()) return false;
+    s.assign(data_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  // A view of n floats (copied out by the caller; the blob may be unaligned).
+  bool Span(uint64_t bytes, absl::string_view& out) {
+    if (bytes > remaining()) return false;
+    out = data_.substr(pos_, bytes);
+    pos_ += bytes;
+    return true;
+  }
+  bool Raw(void* p, size_t n) {
+    if (n > remaining()) return false;
+    std::memcpy(p, data_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  uint64_t remaining() const { return data_.size() - pos_; }
+  absl::Status Truncated() const {
+    return absl::DataLossError(absl::StrCat("session state ", what_, " is truncated"));
+  }
+
+ private:
+  absl::string_view data_;
+  size_t pos_ = 0;
+  std::string what_;
+};
+
+void AppendSection(Writer& w, uint32_t type, const std::string& payload) {
+  w.U32(type);
+  w.U32(0);
+  w.U64(payload.size());
+  w.U64(Checksum(payload.data(), payload.size()));
+  w.Raw(payload.data(), payload.size());
+}
+
+struct Header {
+  uint32_t version = 0;
+  uint64_t fingerprint = 0;
+  uint64_t sections = 0;
+  uint64_t total = 0;
+};
+
+absl::StatusOr<Header> ReadHeader(absl::string_view blob, uint64_t fingerprint,
+                                  uint64_t total_bytes) {
+  if (blob.size() < kHeaderBytes) {
+    return absl::DataLossError(absl::StrCat("session state is truncated: ", blob.size(),
+                                            " bytes, the header alone has ", kHeaderBytes));
+  }
+  if (std::memcmp(blob.data(), kMagic, 8) != 0) {
+    return absl::DataLossError("not a session state (bad magic)");
+  }
+  Reader r(blob.substr(8), "header");
+  Header h;
+  uint32_t header_bytes = 0;
+  uint64_t checksum = 0;
+  r.U32(h.version);
+  r.U32(header_bytes);
+  r.U64(h.fingerprint);
+  r.U64(h.sections);
+  r.U64(h.total);
+  r.U64(checksum);
+  if (checksum != Checksum(blob.data(), 40)) {
+    return absl::DataLossError("session state header checksum mismatch");
+  }
+  if (h.version != kStateFormatVersion) {
+    return absl::FailedPreconditionError(absl::StrCat("session state format version ", h.version,
+                                                      " is not supported (this build reads ",
+                                                      kStateFormatVersion, ")"));
+  }
+  if (header_bytes != kHeaderBytes) {
+    return absl::DataLossError("session state header has an unexpected size");
+  }
+  if (h.total != total_bytes) {
+    return absl::DataLossError(absl::StrCat("session state is ", total_bytes,
+                                            " bytes but its header says ", h.total,
+                                            " (truncated or padded)"));
+  }
+  if (h.fingerprint != fingerprint) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session state belongs to a different model (fingerprint ",
+                     absl::Hex(h.fingerprint), ", this model is ", absl::Hex(fingerprint), ")"));
+  }
+  return h;
+}
+
+struct Section {
+  uint32_t type = 0;
+  absl::string_view payload;
+};
+
+// Splits the blob after the header into checked sections.
+absl::StatusOr<std::vector<Section>> ReadSections(absl::string_view blob, const Header& h) {
+  Reader r(blob.substr(kHeaderBytes), "section table");
+  std::vector<Section> out;
+  if (h.sections > blob.size() / kSectionHeaderBytes) {
+    return absl::DataLossError("session state declares more sections than it can hold");
+  }
+  for (uint64_t i = 0; i < h.sections; ++i) {
+    Section s;
+    uint32_t reserved = 0;
+    uint64_t bytes = 0, checksum = 0;
+    if (!r.U32(s.type) || !r.U32(reserved) || !r.U64(bytes) || !r.U64(checksum) ||
+        !r.Span(bytes, s.payload)) {
+      return absl::DataLossError(absl::StrCat("session state is truncated in section ", i));
+    }
+    if (reserved != 0) {
+      return absl::DataLossError(
+          absl::StrCat("session state section ", i, " has a non-zero reserved field (corrupted)"));
+    }
+    if (Checksum(s.payload.data(), s.payload.size()) != checksum) {
+      return absl::DataLossError(
+          absl::StrCat("session state section ", i, " failed its checksum (corrupted)"));
+    }
+    out.push_back(s);
+  }
+  if (r.remaining() != 0) return absl::DataLossError("session state has trailing bytes");
+  return out;
+}
+
+absl::Status Corrupt(absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("session state is inconsistent: ", what));
+}
+
+absl::StatusOr<SessionRecord> ParseRecord(absl::string_view payload, int64_t& position,
+                                          uint64_t& seed, uint64_t& draws, int32_t& pending,
+                                          uint32_t& layers) {
+  Reader r(payload, "record");
+  SessionRecord rec;
+  if (!r.Str(rec.id) || !r.Str(rec.metadata) || !r.I64(rec.ttl_ms) ||
+      !r.I64(rec.last_used_unix_ms) || !r.I64(position) || !r.U64(seed) || !r.U64(draws) ||
+      !r.I32(pending) || !r.U32(layers) || r.remaining() != 0) {
+    return Corrupt("record section has the wrong size");
+  }
+  return rec;
+}
+
+}  // namespace
+
+std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
+                               uint64_t fingerprint) {
+  std::vector<std::pair<uint32_t, std::string>> sections;
+  {
+    Writer w;
+    w.Str(record.id);
+    w.Str(record.metadata);
+    w.I64(record.ttl_ms);
+    w.I64(record.last_used_unix_ms);
+    w.I64(state.position());
+    w.U64(state.sampler_seed);
+    w.U64(state.sampler_draws);
+    w.I32(state.pending_token);
+    w.U32(static_cast<uint32_t>(state.num_layers()));
+    sections.emplace_back(kRecord, std::move(w.out()));
+  }
+  for (int64_t li = 0; li < state.num_layers(); ++li) {
+    Writer w;
+    w.U32(static_cast<uint32_t>(li));
+    if (state.is_sdm(li)) {
+      const SdmTable& t = state.sdm(li);
+      w.U64(t.heads());
+      w.U64(t.slots_per_head());
+      w.U64(t.row_width());
+      w.U64(t.private_rows());
+      t.ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
+        w.U32(static_cast<uint32_t>(head * t.slots_per_head() + slot));
+      });
+      t.ForEachPrivateRow(
+          [&](int64_t, int64_t, const float* row) { w.Floats(row, t.row_width()); });
+      sections.emplace_back(kSdm, std::move(w.out()));
+    } else {
+      const KvCache& kv = state.kv(li);
+      w.U64(kv.row_width());
+      w.U64(kv.ring_capacity());
+      w.I64(kv.length());
+      w.I64(kv.first_position());
+      kv.ForEachSpan(kv.first_position(), kv.length(),
+                     [&](int64_t, int64_t n, const float* k, const float*) {
+                       w.Floats(k, n * kv.row_width());
+                     });
+      kv.ForEachSpan(kv.first_position(), kv.length(),
+                     [&](int64_t, int64_t n, const float*, const float* v) {
+                       w.Floats(v, n * kv.row_width());
+                     });
+      sections.emplace_back(kKv, std::move(w.out()));
+    }
+  }
+  uint64_t total = kHeaderBytes;
+  for (const auto& s : sections) total += kSectionHeaderBytes + s.second.size();
+  Writer out;
+  out.out().reserve(total);
+  out.Raw(kMagic, 8);
+  out.U32(kStateFormatVersion);
+  out.U32(kHeaderBytes);
+  out.U64(fingerprint);
+  out.U64(sections.size());
+  out.U64(total);
+  out.U64(Checksum(out.out().data(), 40));
+  for (const auto& [type, payload] : sections) AppendSection(out, type, payload);
+  return std::move(out.out());
+}
+
+absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first, uint64_t total_bytes,
+                                          uint64_t fingerprint) {
+  auto header = ReadHeader(first, fingerprint, total_bytes);
+  if (!header.ok()) return header.status();
+  if (first.size() < kRecordPrefixBytes || header->sections == 0) {
+    return absl::DataLossError("session state is truncated before its record");
+  }
+  uint32_t type = 0;
+  uint64_t bytes = 0;
+  std::memcpy(&type, first.data() + kHeaderBytes, 4);
+  std::memcpy(&bytes, first.data() + kHeaderBytes + 8, 8);
+  if (type != kRecord) return Corrupt("the first section is not the record");
+  if (bytes > total_bytes - kRecordPrefixBytes) {
+    return absl::DataLossError("session state is truncated in its record");
+  }
+  return kRecordPrefixBytes + bytes;
+}
+
+absl::StatusOr<SessionRecord> DecodeSessionRecord(absl::string_view prefix, uint64_t total_bytes,
+                                                  uint64_t fingerprint) {
+  auto size = RecordPrefixSize(prefix, total_bytes, fingerprint);
+  if (!size.ok()) return size.status();
+  if (prefix.size() < *size) return absl::DataLossError("session state is truncated in its record");
+  Header one_section;
+  one_section.sections = 1;
+  auto sections = ReadSections(prefix.substr(0, *size), one_section);
+  if (!sections.ok()) return sections.status();
+  int64_t position;
+  uint64_t seed, draws;
+  int32_t pending;
+  uint32_t layers;
+  return ParseRecord((*sections)[0].payload, position, seed, draws, pending, layers);
+}
+
+absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const StateLayout& layout,
+                                                  uint64_t fingerprint) {
+  auto header = ReadHeader(blob, fingerprint, blob.size());
+  if (!header.ok()) return header.status();
+  auto sections_or = ReadSections(blob, *header);
+  if (!sections_or.ok()) return sections_or.status();
+  const std::vector<Section>& sections = *sections_or;
+  if (sections.empty() || sections[0].type != kRecord) {
+    return Corrupt("the first section is not the record");
+  }
+  int64_t position = 0;
+  uint64_t seed = 0, draws = 0;
+  int32_t pending = -1;
+  uint32_t num_layers = 0;
+  auto record = ParseRecord(sections[0].payload, position, seed, draws, pending, num_layers);
+  if (!record.ok()) return record.status();
+  if (num_layers != layout.layers.size() || sections.size() != num_layers + 1) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session state has ", num_layers, " layers, the model has ", layout.layers.size()));
+  }
+  if (position < 0) return Corrupt("negative position");
+
+  DecodedSession out;
+  out.record = *std::move(record);
+  out.state = std::make_unique<SessionState>(layout);
+  SessionState& st = *out.state;
+  st.set_position(position);
+  st.sampler_seed = seed;
+  st.sampler_draws = draws;
+  st.pending_token = pending;
+  for (uint32_t li = 0; li < num_layers; ++li) {
+    const Section& sec = sections[li + 1];
+    const LayerStateLayout& l = layout.layers[li];
+    Reader r(sec.payload, absl::StrCat("layer ", li));
+    uint32_t layer = 0;
+    if (!r.U32(layer) || layer != li) return Corrupt(absl::StrCat("layer ", li, " out of order"));
+    if (l.kind == LayerStateLayout::Kind::kSdm) {
+      if (sec.type != kSdm) return Corrupt(absl::StrCat("layer ", li, " is not an SDM section"));
+      uint64_t heads = 0, slots = 0, width = 0, rows = 0;
+      if (!r.U64(heads) || !r.U64(slots) || !r.U64(width) || !r.U64(rows)) return r.Truncated();
+      if (static_cast<int64_t>(heads) != l.sdm_heads ||
+          static_cast<int64_t>(slots) != l.slots_per_head ||
+          static_cast<int64_t>(width) != l.row_width) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("layer ", li, ": SDM shape does not match the model"));
+      }
+      if (rows > heads * slots || r.remaining() != rows * (4 + width * sizeof(float))) {
+        return Corrupt(absl::StrCat("layer ", li, ": SDM section has the wrong size"));
+      }
+      std::vector<uint32_t> index(rows);
+      for (uint64_t i = 0; i < rows; ++i) r.U32(index[i]);
+      std::vector<float> row(width);
+      SdmTable& t = st.sdm(li);
+      for (uint64_t i = 0; i < rows; ++i) {
+        r.Raw(row.data(), width * sizeof(float));
+        if (index[i] >= heads * slots) {
+          return Corrupt(absl::StrCat("layer ", li, ": slot index out of range"));
+        }
+        if (auto s = t.RestoreRow(index[i] / slots, index[i] % slots, row); !s.ok()) {
+          if (s.code() == absl::StatusCode::kResourceExhausted) return s;
+          return Corrupt(absl::StrCat("layer ", li, ": ", s.message()));
+        }
+      }
+    } else {
+      if (sec.type != kKv) return Corrupt(absl::StrCat("layer ", li, " is not a KV section"));
+      uint64_t width = 0, ring = 0;
+      int64_t length = 0, first = 0;
+      if (!r.U64(width) || !r.U64(ring) || !r.I64(length) || !r.I64(first)) return r.Truncated();
+      if (static_cast<int64_t>(width) != l.kv_row_width ||
+          static_cast<int64_t>(ring) != l.ring_capacity) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("layer ", li, ": KV shape does not match the model"));
+      }
+      KvCache& kv = st.kv(li);
+      if (length != position || length < 0) {
+        return Corrupt(absl::StrCat("layer ", li, ": KV length differs from the position"));
+      }
+      // Sizes are checked before any page is allocated: a huge length must not reserve memory.
+      const int64_t held_from = (ring > 0 && length > static_cast<int64_t>(ring))
+                                    ? length - static_cast<int64_t>(ring)
+                                    : 0;
+      const uint64_t held = static_cast<uint64_t>(length - held_from);
+      const uint64_t row_pair_bytes = 2 * width * sizeof(float);  // width > 0: it matched
+      if (first != held_from || held > r.remaining() / row_pair_bytes ||
+          r.remaining() != held * row_pair_bytes) {
+        return Corrupt(absl::StrCat("layer ", li, ": KV section has the wrong size"));
+      }
+      kv.ResetForRestore(length);
+      for (int pass = 0; pass < 2; ++pass) {
+        for (int64_t p = first; p < length; ++p) {
+          float* dst = pass == 0 ? kv.MutableKeyRow(p) : kv.MutableValueRow(p);
+          r.Raw(dst, width * sizeof(float));
+        }
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace sdm

@@ -1,0 +1,59 @@
+// The serialised form of one session's state: what the host tier holds and what a snapshot file
+// contains (docs/state-format.md). Only what the session owns is written — position, sampler
+// stream, pending token, the KV rows still held, and the SDM rows it has written (with their slot
+// indices) — never the shared M0.
+//
+// Decoding checks everything before it builds anything: magic, version, sizes, every section's
+// checksum, the model fingerprint (a session cannot be resumed on a different model), and that
+// each section fits the engine's StateLayout. A bad blob is an error naming the problem:
+// DataLoss for damage (truncation, checksum), FailedPrecondition for a wrong version or model.
+#ifndef SDMSERVE_STATE_STORE_STATE_CODEC_H_
+#define SDMSERVE_STATE_STORE_STATE_CODEC_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "state_store/session_state.h"
+#include "state_store/state_layout.h"
+
+namespace sdm {
+
+inline constexpr uint32_t kStateFormatVersion = 1;
+
+// What the store keeps beside the state: the session's id and an opaque metadata string (the
+// server's owner, labels and TTL, as JSON).
+struct SessionRecord {
+  std::string id;
+  std::string metadata;
+  int64_t ttl_ms = -1;            // -1: never expires
+  int64_t last_used_unix_ms = 0;  // for TTL expiry after a restart
+};
+
+std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
+                               uint64_t model_fingerprint);
+
+struct DecodedSession {
+  SessionRecord record;
+  std::unique_ptr<SessionState> state;
+};
+
+absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const StateLayout& layout,
+                                                  uint64_t model_fingerprint);
+
+// Reads only the header and the record section, from a prefix of the blob (listing snapshots
+// without reading them whole). Checks the header, the record's checksum and the fingerprint;
+// `total_bytes` must be the size of the whole blob. Damage further on is found by
+// DecodeSessionState. kRecordPrefixBytes covers the header and the record section's header.
+inline constexpr uint64_t kRecordPrefixBytes = 48 + 24;
+// Size of the prefix holding the record (header + record section), from kRecordPrefixBytes.
+absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first_bytes, uint64_t total_bytes,
+                                          uint64_t model_fingerprint);
+absl::StatusOr<SessionRecord> DecodeSessionRecord(absl::string_view prefix, uint64_t total_bytes,
+                                                  uint64_t model_fingerprint);
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_STATE_STORE_STATE_CODEC_H_

@@ -1,0 +1,51 @@
+// The file operations of the disk tier, behind an interface so tests can inject faults (a full
+// disk, a write cut short, a crash between steps) the way LevelDB's Env does.
+//
+// WriteAtomically() is the only way a snapshot reaches its final name: the data goes to
+// `<path>.tmp`, is fsynced, renamed over `path`, and the directory is fsynced. A crash at any
+// point leaves either the previous file or the new one complete under `path`, plus possibly a
+// stray `.tmp` that the store removes when it opens.
+//
+// Thread-safety: the POSIX implementation is thread-safe for different paths.
+#ifndef SDMSERVE_STATE_STORE_STATE_FILES_H_
+#define SDMSERVE_STATE_STORE_STATE_FILES_H_
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace sdm {
+
+class StateFiles {
+ public:
+  virtual ~StateFiles() = default;
+
+  // The POSIX file system (a process-wide instance).
+  static StateFiles* Default();
+
+  absl::Status WriteAtomically(const std::filesystem::path& path, absl::string_view data);
+
+  virtual absl::StatusOr<std::string> Read(const std::filesystem::path& path);
+  // Up to n bytes from `offset` (fewer at the end of the file).
+  virtual absl::StatusOr<std::string> ReadRange(const std::filesystem::path& path, uint64_t offset,
+                                                uint64_t n);
+  // Names (not paths) of the regular files in `dir`.
+  virtual absl::StatusOr<std::vector<std::string>> List(const std::filesystem::path& dir);
+  virtual absl::Status Remove(const std::filesystem::path& path);
+  virtual absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to);
+  virtual absl::Status CreateDirs(const std::filesystem::path& dir);
+
+ protected:
+  // The steps of WriteAtomically, each a fault-injection point.
+  virtual absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data);
+  virtual absl::Status SyncDir(const std::filesystem::path& dir);
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_STATE_STORE_STATE_FILES_H_

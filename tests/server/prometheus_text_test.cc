@@ -1,0 +1,116 @@
+#include "server/metrics/prometheus_text.h"
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/server/prometheus_text_parser.h"
+
+namespace sdm {
+namespace {
+
+using ::sdm::testing::ParsedPage;
+using ::sdm::testing::ParsePrometheusText;
+
+TEST(PrometheusTextTest, MetricNames) {
+  EXPECT_TRUE(IsValidMetricName("sdm_requests_total"));
+  EXPECT_TRUE(IsValidMetricName("_x"));
+  EXPECT_TRUE(IsValidMetricName("job:rate5m"));
+  EXPECT_FALSE(IsValidMetricName(""));
+  EXPECT_FALSE(IsValidMetricName("1abc"));
+  EXPECT_FALSE(IsValidMetricName("a-b"));
+  EXPECT_FALSE(IsValidMetricName("a b"));
+  EXPECT_FALSE(IsValidMetricName("é"));
+}
+
+TEST(PrometheusTextTest, LabelNames) {
+  EXPECT_TRUE(IsValidLabelName("method"));
+  EXPECT_TRUE(IsValidLabelName("_a1"));
+  EXPECT_FALSE(IsValidLabelName(""));
+  EXPECT_FALSE(IsValidLabelName("__name__"));
+  EXPECT_FALSE(IsValidLabelName("a:b"));
+  EXPECT_FALSE(IsValidLabelName("9a"));
+}
+
+TEST(PrometheusTextTest, Escaping) {
+  EXPECT_EQ(EscapeLabelValue("plain"), "plain");
+  EXPECT_EQ(EscapeLabelValue("a\\b\"c\nd"), "a\\\\b\\\"c\\nd");
+  EXPECT_EQ(EscapeLabelValue("tab\tstays"), "tab\tstays");
+  // HELP text does not escape double quotes.
+  EXPECT_EQ(EscapeHelp("a\\b\"c\nd"), "a\\\\b\"c\\nd");
+}
+
+TEST(PrometheusTextTest, SampleValues) {
+  EXPECT_EQ(FormatSampleValue(0), "0");
+  EXPECT_EQ(FormatSampleValue(3), "3");
+  EXPECT_EQ(FormatSampleValue(-2.5), "-2.5");
+  EXPECT_EQ(FormatSampleValue(0.1), "0.1");
+  EXPECT_EQ(FormatSampleValue(1e21), "1e+21");
+  EXPECT_EQ(FormatSampleValue(std::numeric_limits<double>::infinity()), "+Inf");
+  EXPECT_EQ(FormatSampleValue(-std::numeric_limits<double>::infinity()), "-Inf");
+  EXPECT_EQ(FormatSampleValue(std::nan("")), "NaN");
+  // Shortest text that reads back as the same double.
+  const double third = 1.0 / 3.0;
+  EXPECT_EQ(std::stod(FormatSampleValue(third)), third);
+  EXPECT_EQ(std::stod(FormatSampleValue(9007199254740993.0)), 9007199254740993.0);
+}
+
+// The test parser must reject what the format (or our stricter rules) forbid; otherwise the
+// metrics tests that rely on it would prove nothing.
+TEST(PrometheusTextParserTest, AcceptsAWellFormedPage) {
+  const std::string page =
+      "# HELP a_total Things \\\\ done.\\nSecond line.\n"
+      "# TYPE a_total counter\n"
+      "a_total{x=\"1\",y=\"q\\\"\\\\\\n\"} 3\n"
+      "# HELP h Latency.\n"
+      "# TYPE h histogram\n"
+      "h_bucket{le=\"0.5\"} 1\n"
+      "h_bucket{le=\"1\"} 2\n"
+      "h_bucket{le=\"+Inf\"} 3\n"
+      "h_sum 4.5\n"
+      "h_count 3\n";
+  ParsedPage parsed;
+  std::string error;
+  ASSERT_TRUE(ParsePrometheusText(page, &parsed, &error)) << error;
+  ASSERT_EQ(parsed.families.size(), 2u);
+  EXPECT_EQ(parsed.families[0].help, "Things \\ done.\nSecond line.");
+  EXPECT_EQ(parsed.Value("a_total", {{"x", "1"}, {"y", "q\"\\\n"}}), 3);
+  EXPECT_EQ(parsed.Value("h_count"), 3);
+}
+
+TEST(PrometheusTextParserTest, RejectsMalformedPages) {
+  const char* const kBad[] = {
+      "c_total 1\n",                                                  // no HELP/TYPE
+      "# TYPE c_total counter\nc_total 1\n",                          // TYPE without HELP
+      "# HELP c_total C.\nc_total 1\n",                               // HELP without TYPE
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total 1",         // no final line feed
+      "# HELP c_total C.\n# TYPE c_total counter\n\nc_total 1\n",     // empty line
+      "# HELP c_total C.\n# TYPE c_total counter\n# note\nc_total 1\n",  // other comment
+      "# HELP c_total C.\n# TYPE c_total counter\nother 1\n",         // sample of another name
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total{} 1\n",     // empty label set
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"1\",} 1\n",  // trailing comma
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"\\t\"} 1\n",  // bad escape
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"1} 1\n",     // unterminated
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total 1 1700000000\n",  // timestamp
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total one\n",     // bad value
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total 1\nc_total 2\n",  // duplicate series
+      "# HELP c_total C.\n# TYPE c_total widget\nc_total 1\n",        // unknown type
+      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\nh_count 1\n",  // no +Inf
+      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\n"
+      "h_sum 1\nh_count 1\n",  // decreasing buckets
+      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_sum 1\nh_count 3\n",  // +Inf
+      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_count 2\n",  // no _sum
+      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"2\"} 1\nh_bucket{le=\"1\"} 1\n"
+      "h_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n",  // le out of order
+  };
+  for (const char* bad : kBad) {
+    ParsedPage parsed;
+    std::string error;
+    EXPECT_FALSE(ParsePrometheusText(bad, &parsed, &error)) << bad;
+  }
+}
+
+}  // namespace
+}  // namespace sdm

@@ -1,0 +1,186 @@
+// A StateFiles that injects faults into the disk tier's file operations, for tests (in the spirit
+// of LevelDB's FaultInjectionTestEnv).
+//
+// Each operation can be made to fail once, after a number of calls that succeed: a write cut short
+// after its first N bytes (what a crash or a full disk leaves in `<path>.tmp`), a failed rename, a
+// failed directory fsync, a full disk (ResourceExhausted, like ENOSPC). With crash_at_fault set,
+// the process is treated as dead from the moment the fault fires: every later operation that
+// would change the disk (write, rename, fsync, remove, mkdir) fails without touching it, so the
+// clean-up that WriteAtomically does after an error never happens and the directory is left
+// exactly as the crash left it.
+//
+// Everything else is the real POSIX implementation. Thread-safe.
+#ifndef SDMSERVE_TESTS_STATE_STORE_FAULT_INJECTION_FILES_H_
+#define SDMSERVE_TESTS_STATE_STORE_FAULT_INJECTION_FILES_H_
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <filesystem>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "state_store/state_files.h"
+
+namespace sdm::testing {
+
+class FaultInjectionFiles : public StateFiles {
+ public:
+  enum class Op {
+    kWriteAndSync,
+    kRename,
+    kSyncDir,
+    kRemove,
+    kCreateDirs,
+    kRead,
+    kReadRange,
+    kList,
+  };
+  static constexpr int kNumOps = 8;
+
+  struct Fault {
+    // The error the failing call returns.
+    absl::Status status = absl::InternalError("injected fault");
+    // Calls of the operation that succeed before the one that fails.
+    int skip = 0;
+    // kWriteAndSync only: >= 0 writes the first min(partial_bytes, size) bytes of the data (not
+    // fsynced) before failing; -1 fails before creating the file.
+    int64_t partial_bytes = -1;
+  };
+
+  // The next call of `op` (after fault.skip successful ones) fails with fault.status.
+  void FailNext(Op op, Fault fault) {
+    std::lock_guard<std::mutex> lock(mu_);
+    faults_[Index(op)] = std::move(fault);
+  }
+  // Common faults.
+  void FailWriteAfter(int64_t bytes) {
+    FailNext(Op::kWriteAndSync, {absl::InternalError("injected: write cut short"), 0, bytes});
+  }
+  void FailWriteNoSpace(int64_t bytes_written_first = -1) {
+    FailNext(Op::kWriteAndSync, {absl::ResourceExhaustedError("injected: No space left on device"),
+                                 0, bytes_written_first});
+  }
+  void FailRename() {
+    FailNext(Op::kRename, {absl::InternalError("injected: rename failed"), 0, -1});
+  }
+  void FailSyncDir() {
+    FailNext(Op::kSyncDir, {absl::InternalError("injected: directory fsync failed"), 0, -1});
+  }
+
+  // From the first injected fault on, operations that change the disk fail without effect.
+  void set_crash_at_fault(bool crash) {
+    std::lock_guard<std::mutex> lock(mu_);
+    crash_at_fault_ = crash;
+  }
+  bool crashed() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return crashed_;
+  }
+  // Injected faults that fired.
+  int faults_fired() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return fired_;
+  }
+  // Calls of `op` so far (failed ones included).
+  int calls(Op op) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return calls_[Index(op)];
+  }
+  // Clears pending faults and the crashed state (counters are kept).
+  void ClearFaults() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& f : faults_) f.reset();
+    crashed_ = false;
+  }
+
+  absl::StatusOr<std::string> Read(const std::filesystem::path& path) override {
+    if (auto s = Enter(Op::kRead, nullptr); !s.ok()) return s;
+    return StateFiles::Read(path);
+  }
+  absl::StatusOr<std::string> ReadRange(const std::filesystem::path& path, uint64_t offset,
+                                        uint64_t n) override {
+    if (auto s = Enter(Op::kReadRange, nullptr); !s.ok()) return s;
+    return StateFiles::ReadRange(path, offset, n);
+  }
+  absl::StatusOr<std::vector<std::string>> List(const std::filesystem::path& dir) override {
+    if (auto s = Enter(Op::kList, nullptr); !s.ok()) return s;
+    return StateFiles::List(dir);
+  }
+  absl::Status Remove(const std::filesystem::path& path) override {
+    if (auto s = Enter(Op::kRemove, nullptr); !s.ok()) return s;
+    return StateFiles::Remove(path);
+  }
+  absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to) override {
+    if (auto s = Enter(Op::kRename, nullptr); !s.ok()) return s;
+    return StateFiles::Rename(from, to);
+  }
+  absl::Status CreateDirs(const std::filesystem::path& dir) override {
+    if (auto s = Enter(Op::kCreateDirs, nullptr); !s.ok()) return s;
+    return StateFiles::CreateDirs(dir);
+  }
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data) override {
+    std::optional<Fault> fault;
+    if (auto s = Enter(Op::kWriteAndSync, &fault); !s.ok()) {
+      if (fault.has_value() && fault->partial_bytes >= 0) {
+        // The bytes that reached the file before the failure. Written with the real
+        // implementation (it also fsyncs, which only makes the partial file more certain).
+        const size_t n = static_cast<size_t>(
+            std::min<int64_t>(fault->partial_bytes, static_cast<int64_t>(data.size())));
+        StateFiles::WriteAndSync(path, data.substr(0, n)).IgnoreError();
+      }
+      return s;
+    }
+    return StateFiles::WriteAndSync(path, data);
+  }
+  absl::Status SyncDir(const std::filesystem::path& dir) override {
+    if (auto s = Enter(Op::kSyncDir, nullptr); !s.ok()) return s;
+    return StateFiles::SyncDir(dir);
+  }
+
+ private:
+  static int Index(Op op) { return static_cast<int>(op); }
+  static bool Mutates(Op op) {
+    return op == Op::kWriteAndSync || op == Op::kRename || op == Op::kSyncDir ||
+           op == Op::kRemove || op == Op::kCreateDirs;
+  }
+
+  // Counts the call; returns the error it must fail with, if any (and the fault that fired).
+  absl::Status Enter(Op op, std::optional<Fault>* fired) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++calls_[Index(op)];
+    if (crashed_ && Mutates(op)) {
+      return absl::UnavailableError("injected: the process crashed before this operation");
+    }
+    std::optional<Fault>& f = faults_[Index(op)];
+    if (!f.has_value()) return absl::OkStatus();
+    if (f->skip > 0) {
+      --f->skip;
+      return absl::OkStatus();
+    }
+    absl::Status status = f->status;
+    if (fired != nullptr) *fired = f;
+    f.reset();
+    ++fired_;
+    if (crash_at_fault_) crashed_ = true;
+    return status;
+  }
+
+  mutable std::mutex mu_;
+  std::array<std::optional<Fault>, kNumOps> faults_;
+  std::array<int, kNumOps> calls_{};
+  bool crash_at_fault_ = false;
+  bool crashed_ = false;
+  int fired_ = 0;
+};
+
+}  // namespace sdm::testing
+
+#endif  // SDMSERVE_TESTS_STATE_STORE_FAULT_INJECTION_FILES_H_

@@ -1,0 +1,329 @@
+#include "state_store/session_store.h"
+
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/model_config.h"
+#include "gtest/gtest.h"
+#include "kernels/common/check.h"
+#include "state_store/state_codec.h"
+
+namespace sdm {
+namespace {
+
+enum class Kind { kSdm, kFullAttention, kMixed };
+
+ModelConfig ConfigOf(Kind kind) {
+  ModelConfig c = *PresetConfig("tiny");
+  if (kind == Kind::kFullAttention) {
+    c.swa_at.clear();
+    c.sdm_at.clear();
+    c.attn_at = {0, 1, 2, 3};
+  } else if (kind == Kind::kMixed) {
+    c.n_layers = 5;
+    c.swa_at = {0, 2};
+    c.attn_at = {3};
+    c.sdm_at = {1, 4};
+    c.swa_window = 6;
+  }
+  SDM_CHECK(FinalizeModelConfig(c).ok());
+  return c;
+}
+
+std::vector<int32_t> Tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 257);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = tok(rng);
+  return t;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = std::filesystem::temp_directory_path() /
+            absl::StrCat("sdm_store_test_", ::getpid(), "_", counter_++);
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path path_;
+};
+
+class StoreTest : public testing::TestWithParam<Kind> {
+ protected:
+  void SetUp() override {
+    config_ = ConfigOf(GetParam());
+    EngineOptions o;
+    o.num_threads = 2;
+    auto e = Engine::Create(RandomModel(config_, 3), o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = *std::move(e);
+  }
+
+  std::unique_ptr<SessionStateStore> OpenStore(const std::filesystem::path& dir,
+                                               int64_t resident = int64_t{1} << 30,
+                                               int64_t host = int64_t{1} << 30) {
+    SessionStoreOptions o;
+    o.dir = dir;
+    o.resident_budget_bytes = resident;
+    o.host_budget_bytes = host;
+    o.background = false;
+    auto s = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), o);
+    SDM_CHECK(s.ok());
+    return *std::move(s);
+  }
+
+  // Feeds `tokens` one by one (batch 1) and returns every step's logits.
+  std::vector<float> DecodeEach(SessionState& s, const std::vector<int32_t>& tokens) {
+    std::vector<float> all, step(config_.vocab_size);
+    for (int32_t t : tokens) {
+      SessionState* p = &s;
+      SDM_CHECK(engine_->Decode({&p, 1}, {&t, 1}, step).ok());
+      all.insert(all.end(), step.begin(), step.end());
+    }
+    return all;
+  }
+
+  ModelConfig config_;
+  std::unique_ptr<Engine> engine_;
+};
+
+TEST_P(StoreTest, ResumeFromHostAndDiskAfterRestartIsBitExact) {
+  TempDir dir;
+  const auto prompt = Tokens(20, 1);  // past the SWA windows
+  const auto more = Tokens(8, 2);
+  // The reference: a session that never leaves residency.
+  auto control = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*control, prompt, false, nullptr).ok());
+  const std::vector<float> want = DecodeEach(*control, more);
+
+  {
+    auto store = OpenStore(dir.path());
+    ASSERT_TRUE(store->Create("s1", "meta-1").ok());
+    {
+      auto lease = store->Acquire("s1");
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      ASSERT_TRUE(engine_->Prefill(lease->state(), prompt, false, nullptr).ok());
+      lease->state().sampler_draws = 7;
+      lease->state().pending_token = 42;
+    }
+    ASSERT_TRUE(store->Park("s1", Tier::kHost).ok());
+    EXPECT_EQ(store->Get("s1")->tier, Tier::kHost);
+    ASSERT_TRUE(store->Park("s1", Tier::kDisk).ok());
+    EXPECT_EQ(store->Get("s1")->tier, Tier::kDisk);
+    const StoreStats st = store->Stats();
+    EXPECT_EQ(st.evictions[0], 1);
+    EXPECT_EQ(st.evictions[1], 1);
+    EXPECT_EQ(st.rows_live, 0);  // nothing of it stays resident
+  }
+  // A new store object reading the same directory (a restart).
+  auto store = OpenStore(dir.path());
+  EXPECT_TRUE(store->open_errors().empty());
+  auto info = store->Get("s1");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->tier, Tier::kDisk);
+  EXPECT_EQ(info->metadata, "meta-1");
+  auto lease = store->Acquire("s1");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), 20);
+  EXPECT_EQ(lease->state().sampler_draws, 7u);
+  EXPECT_EQ(lease->state().pending_token, 42);
+  EXPECT_EQ(DecodeEach(lease->state(), more), want);  // bit-identical
+  EXPECT_EQ(store->Stats().restores[2], 1);
+}
+
+TEST_P(StoreTest, ForkContinuesLikeAReplayAndSharesUntouchedRows) {
+  auto store = OpenStore({});
+  const auto prefix = Tokens(12, 3), a = Tokens(6, 4), b = Tokens(6, 5);
+  ASSERT_TRUE(store->Create("orig", "").ok());
+  {
+    auto lease = store->Acquire("orig");
+    ASSERT_TRUE(engine_->Prefill(lease->state(), prefix, false, nullptr).ok());
+  }
+  const int64_t rows_before = store->Stats().rows_live;
+  ASSERT_TRUE(store->Fork("orig", "copy", "forked").ok());
+  EXPECT_EQ(store->Stats().rows_live, rows_before);  // nothing copied yet
+  if (GetParam() != Kind::kFullAttention) {
+    EXPECT_GT(rows_before, 0);
+    EXPECT_EQ(store->Stats().rows_shared, rows_before);  // every row shared
+    EXPECT_EQ(store->Get("copy")->shared_rows, rows_before);
+  }
+  std::vector<float> got_a, got_b;
+  {
+    auto lease = store->Acquire("orig");
+    got_a = DecodeEach(lease->state(), a);
+  }
+  {
+    auto lease = store->Acquire("copy");
+    got_b = DecodeEach(lease->state(), b);
+  }
+  // Replays from scratch with the same calls.
+  auto ra = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*ra, prefix, false, nullptr).ok());
+  EXPECT_EQ(got_a, DecodeEach(*ra, a));
+  auto rb = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*rb, prefix, false, nullptr).ok());
+  EXPECT_EQ(got_b, DecodeEach(*rb, b));
+  if (GetParam() != Kind::kFullAttention) {
+    // Writing copied only the rows each side wrote; the rest stay shared.
+    const StoreStats st = store->Stats();
+    EXPECT_GT(st.rows_shared, 0);
+    EXPECT_LT(st.rows_shared, rows_before);
+    // Each shared row is referenced by exactly the two sessions.
+    const int64_t mapped = store->Get("orig")->private_rows + store->Get("copy")->private_rows;
+    EXPECT_EQ(st.rows_live, mapped - st.rows_shared);
+  }
+}
+
+TEST_P(StoreTest, EvictionUnderPressureKeepsEverySessionExact) {
+  TempDir dir;
+  // Room for about two resident sessions and less than one serialised one: the rest go to disk
+  // and come back.
+  auto probe = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*probe, Tokens(10, 9), false, nullptr).ok());
+  const int64_t one = probe->ResidentBytes();
+  const int64_t blob = EncodeSessionState(*probe, {}, 0).size();
+  auto store = OpenStore(dir.path(), 2 * one + 1, blob + blob / 2);
+  const int kSessions = 8, kRounds = 3;
+  std::vector<std::unique_ptr<SessionState>> controls;
+  for (int i = 0; i < kSessions; ++i) {
+    ASSERT_TRUE(store->Create(absl::StrCat("s", i), "").ok());
+    controls.push_back(engine_->NewSession());
+  }
+  for (int round = 0; round < kRounds; ++round) {
+    for (int i = 0; i < kSessions; ++i) {
+      const auto toks = Tokens(4, 100 * round + i);
+      auto lease = store->Acquire(absl::StrCat("s", i));
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      EXPECT_EQ(DecodeEach(lease->state(), toks), DecodeEach(*controls[i], toks))
+          << "session " << i << " round " << round;
+    }
+  }
+  const StoreStats st = store->Stats();
+  EXPECT_GT(st.evictions[0], 0);
+  EXPECT_GT(st.evictions[1], 0);
+  EXPECT_GT(st.restores[2], 0);
+  EXPECT_LE(st.bytes[0], 2 * one + 1 + one);  // the budget, plus the one just released
+  EXPECT_EQ(st.sessions[0] + st.sessions[1] + st.sessions[2], kSessions);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, StoreTest,
+                         testing::Values(Kind::kSdm, Kind::kFullAttention, Kind::kMixed));
+
+class StoreLimitsTest : public StoreTest {};
+
+TEST_P(StoreLimitsTest, ClearErrorsAndNothingLost) {
+  TempDir dir;
+  SessionStoreOptions o;
+  o.dir = dir.path();
+  o.background = false;
+  o.resident_budget_bytes = 1;
+  auto too_small = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), o);
+  if (GetParam() != Kind::kFullAttention) {
+    EXPECT_EQ(too_small.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(too_small.status().message().find("smaller than one session"), std::string::npos);
+  }
+  auto store = OpenStore(dir.path());
+  EXPECT_EQ(store->Acquire("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Create("bad id!", "").code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Create("../x", "").code(), absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store->Create("a", "").ok());
+  EXPECT_EQ(store->Create("a", "").code(), absl::StatusCode::kAlreadyExists);
+  {
+    auto lease = store->Acquire("a");
+    ASSERT_TRUE(lease.ok());
+    EXPECT_EQ(store->Acquire("a").status().code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(store->Delete("a").code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(store->Fork("a", "b", "").code(), absl::StatusCode::kAborted);
+    EXPECT_EQ(store->Park("a", Tier::kDisk).code(), absl::StatusCode::kAborted);
+  }
+  EXPECT_EQ(store->Fork("missing", "b", "").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->Park("a", Tier::kDisk).ok());
+  EXPECT_TRUE(std::filesystem::exists(dir.path() / "a.sdmstate"));
+  ASSERT_TRUE(store->Delete("a").ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "a.sdmstate"));
+  EXPECT_EQ(store->Delete("a").code(), absl::StatusCode::kNotFound);  // double delete
+}
+
+TEST_P(StoreLimitsTest, IdleSessionsExpireAfterTheirTtl) {
+  TempDir dir;
+  auto store = OpenStore(dir.path());
+  ASSERT_TRUE(store->Create("short", "", absl::Seconds(5)).ok());
+  ASSERT_TRUE(store->Create("forever", "").ok());
+  ASSERT_TRUE(store->Park("short", Tier::kDisk).ok());
+  EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Seconds(1)), 0);
+  EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Seconds(10)), 1);
+  EXPECT_EQ(store->Get("short").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_FALSE(std::filesystem::exists(dir.path() / "short.sdmstate"));
+  EXPECT_TRUE(store->Get("forever").ok());
+  EXPECT_EQ(store->Stats().expired, 1);
+}
+
+TEST_P(StoreLimitsTest, PersistAllThenRestartKeepsEverySession) {
+  TempDir dir;
+  std::vector<float> want;
+  const auto toks = Tokens(5, 77);
+  {
+    auto store = OpenStore(dir.path());
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(store->Create(absl::StrCat("p", i), absl::StrCat("m", i)).ok());
+      auto lease = store->Acquire(absl::StrCat("p", i));
+      ASSERT_TRUE(engine_->Prefill(lease->state(), Tokens(7, i), false, nullptr).ok());
+    }
+    ASSERT_TRUE(store->Fork("p1", "p1-fork", "f").ok());
+    ASSERT_TRUE(store->PersistAll().ok());
+    auto lease = store->Acquire("p1-fork");
+    auto copy = lease->state().Clone();
+    want = DecodeEach(*copy, toks);
+  }
+  auto store = OpenStore(dir.path());
+  EXPECT_EQ(store->List().size(), 4u);
+  EXPECT_EQ(store->Get("p2")->metadata, "m2");
+  auto lease = store->Acquire("p1-fork");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(DecodeEach(lease->state(), toks), want);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, StoreLimitsTest,
+                         testing::Values(Kind::kSdm, Kind::kFullAttention));
+
+TEST(StoreBackgroundTest, WorkerParksIdleSessionsOffTheCallingThread) {
+  ModelConfig c = ConfigOf(Kind::kSdm);
+  auto engine = *Engine::Create(RandomModel(c, 4), EngineOptions{});
+  TempDir dir;
+  SessionStoreOptions o;
+  o.dir = dir.path();
+  o.background = true;
+  auto probe = engine->NewSession();
+  ASSERT_TRUE(engine->Prefill(*probe, Tokens(6, 1), false, nullptr).ok());
+  o.resident_budget_bytes = probe->ResidentBytes() + 1;
+  o.host_budget_bytes = 1;  // everything parked goes on to disk
+  auto store = *SessionStateStore::Open(engine->state_layout(), engine->fingerprint(), o);
+  for (int i = 0; i < 4; ++i) {
+    ASSERT_TRUE(store->Create(absl::StrCat("b", i), "").ok());
+    auto lease = store->Acquire(absl::StrCat("b", i));
+    ASSERT_TRUE(engine->Prefill(lease->state(), Tokens(6, i), false, nullptr).ok());
+  }
+  // The worker moves the idle sessions down within a few of its one-second rounds.
+  for (int i = 0; i < 100 && store->Stats().sessions[2] < 3; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_GE(store->Stats().sessions[2], 3);
+  auto lease = store->Acquire("b0");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), 6);
+}
+
+}  // namespace
+}  // namespace sdm

@@ -1,0 +1,562 @@
+// Corruption detection in session snapshots (state_store/state_codec.h, session_store.h).
+//
+// Decoder: every single-byte change, every truncation, appended bytes, another format version,
+// another model, sections in the wrong order and self-consistent but wrong contents are each
+// refused with DATA_LOSS or FAILED_PRECONDITION, never accepted and never a crash.
+//
+// Store: a snapshot whose header or record is damaged is found by Open(), moved to
+// dir/quarantine/ (not deleted) and named in open_errors(); damage further in is found by the
+// session's Acquire(), which quarantines it then. Either way that session's Acquire() answers
+// with the reason, and every other session in the directory restores exactly.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "gtest/gtest.h"
+#include "state_store/session_store.h"
+#include "state_store/state_codec.h"
+#include "state_store/state_files.h"
+#include "tests/engine/test_model_util.h"
+#include "tests/state_store/snapshot_test_util.h"
+
+namespace sdm {
+namespace {
+
+using testing::BlobSection;
+using testing::FixChecksums;
+using testing::LoadAt;
+using testing::ParseSections;
+using testing::StoreAt;
+
+constexpr int32_t kProbe = 7;
+
+bool IsRefusal(const absl::Status& s) {
+  return s.code() == absl::StatusCode::kDataLoss ||
+         s.code() == absl::StatusCode::kFailedPrecondition;
+}
+
+// ---- The decoder, on the snapshot of a short session of the tiny model ----
+
+class SnapshotCodecCorruptionTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    engine_ = testing::TinyEngine();
+    auto session = engine_->NewSession();
+    ASSERT_TRUE(engine_->Prefill(*session, testing::RandomTokens(3, 5), false, nullptr).ok());
+    session->sampler_seed = 99;
+    session->sampler_draws = 3;
+    session->pending_token = 65;
+    good_ = EncodeSessionState(*session, SessionRecord{"victim", R"({"owner":"t"})", 60000, 1234},
+                               fp());
+    sections_ = ParseSections(good_);
+    ASSERT_EQ(sections_.size(), 5u);  // record, 3 x KV (swa), SDM
+    ASSERT_EQ(sections_.back().end(), good_.size());
+    ASSERT_TRUE(Decode(good_).ok());
+  }
+
+  uint64_t fp() const { return engine_->fingerprint(); }
+  absl::Status Decode(const std::string& blob, uint64_t fingerprint) const {
+    return DecodeSessionState(blob, engine_->state_layout(), fingerprint).status();
+  }
+  absl::Status Decode(const std::string& blob) const { return Decode(blob, fp()); }
+  // What Open() runs: the record from a prefix of the file.
+  absl::Status DecodeRecord(const std::string& blob) const {
+    auto size =
+        RecordPrefixSize(absl::string_view(blob).substr(0, kRecordPrefixBytes), blob.size(), fp());
+    if (!size.ok()) return size.status();
+    return DecodeSessionRecord(absl::string_view(blob).substr(0, *size), blob.size(), fp())
+        .status();
+  }
+  // Payload offset of field `offset` of section `i` (0 = record).
+  size_t At(size_t i, size_t offset) const { return sections_[i].payload() + offset; }
+
+  std::unique_ptr<Engine> engine_;
+  std::string good_;
+  std::vector<BlobSection> sections_;
+};
+
+TEST_F(SnapshotCodecCorruptionTest, GoodSnapshotRoundTrips) {
+  auto decoded = DecodeSessionState(good_, engine_->state_layout(), fp());
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->record.id, "victim");
+  EXPECT_EQ(decoded->record.metadata, R"({"owner":"t"})");
+  EXPECT_EQ(decoded->record.ttl_ms, 60000);
+  EXPECT_EQ(decoded->record.last_used_unix_ms, 1234);
+  EXPECT_EQ(decoded->state->position(), 3);
+  EXPECT_EQ(decoded->state->sampler_seed, 99u);
+  EXPECT_EQ(decoded->state->sampler_draws, 3u);
+  EXPECT_EQ(decoded->state->pending_token, 65);
+  EXPECT_EQ(EncodeSessionState(*decoded->state, decoded->record, fp()), good_);
+  EXPECT_TRUE(DecodeRecord(good_).ok());
+}
+
+TEST_F(SnapshotCodecCorruptionTest, EveryByteChangeIsDetected) {
+  std::mt19937 rng(20240601);
+  const size_t record_end = sections_[0].end();
+  int tried = 0;
+  for (size_t at = 0; at < good_.size(); ++at) {
+    // Every byte inverted, and one random single-bit flip per byte.
+    for (uint8_t mask : {uint8_t{0xFF}, static_cast<uint8_t>(1u << (rng() % 8))}) {
+      std::string bad = good_;
+      bad[at] = static_cast<char>(bad[at] ^ mask);
+      const absl::Status s = Decode(bad);
+      ASSERT_TRUE(IsRefusal(s)) << "byte " << at << " ^ " << int{mask} << ": " << s;
+      EXPECT_FALSE(s.message().empty());
+      // Open() reads only the header and the record: damage there is found at Open, damage
+      // beyond it only when the session is restored.
+      const absl::Status r = DecodeRecord(bad);
+      if (at < record_end) {
+        ASSERT_TRUE(IsRefusal(r)) << "record byte " << at << ": " << r;
+      } else {
+        ASSERT_TRUE(r.ok()) << "byte " << at << ": " << r;
+      }
+      ++tried;
+    }
+  }
+  EXPECT_EQ(tried, 2 * static_cast<int>(good_.size()));
+}
+
+TEST_F(SnapshotCodecCorruptionTest, EveryTruncationIsDetected) {
+  for (size_t n = 0; n < good_.size(); ++n) {
+    const std::string bad = good_.substr(0, n);
+    const absl::Status s = Decode(bad);
+    ASSERT_EQ(s.code(), absl::StatusCode::kDataLoss) << "truncated to " << n << ": " << s;
+    ASSERT_EQ(DecodeRecord(bad).code(), absl::StatusCode::kDataLoss) << "truncated to " << n;
+  }
+}
+
+TEST_F(SnapshotCodecCorruptionTest, AppendedBytesAreDetected) {
+  const BlobSection& last = sections_.back();
+  const std::string last_section = good_.substr(last.offset);
+  for (const std::string& extra : {std::string(1, '\0'), std::string(8, 'x'), std::string(24, '\0'),
+                                   std::string(4096, '\7'), last_section}) {
+    SCOPED_TRACE(absl::StrCat(extra.size(), " bytes appended"));
+    std::string bad = good_ + extra;
+    EXPECT_EQ(Decode(bad).code(), absl::StatusCode::kDataLoss);
+    EXPECT_EQ(DecodeRecord(bad).code(), absl::StatusCode::kDataLoss);
+    // Even with the header's total size updated (and its checksum): trailing bytes.
+    StoreAt<uint64_t>(bad, testing::kTotalOffset, bad.size());
+    FixChecksums(bad);
+    EXPECT_EQ(Decode(bad).code(), absl::StatusCode::kDataLoss);
+  }
+  // A whole extra section, declared in the header: more sections than the model has layers.
+  std::string bad = good_ + last_section;
+  StoreAt<uint64_t>(bad, testing::kTotalOffset, bad.size());
+  StoreAt<uint64_t>(bad, testing::kSectionCountOffset, sections_.size() + 1);
+  FixChecksums(bad);
+  EXPECT_TRUE(IsRefusal(Decode(bad))) << Decode(bad);
+}
+
+TEST_F(SnapshotCodecCorruptionTest, OtherFormatVersionIsRefused) {
+  for (uint32_t version : {0u, kStateFormatVersion + 1, 0xFFFFFFFFu}) {
+    std::string bad = good_;
+    StoreAt<uint32_t>(bad, testing::kVersionOffset, version);
+    // Without a matching header checksum it is plain damage...
+    EXPECT_EQ(Decode(bad).code(), absl::StatusCode::kDataLoss);
+    // ...with one, a version this build does not read.
+    FixChecksums(bad);
+    const absl::Status s = Decode(bad);
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), absl::StrCat("version ", version))) << s;
+    EXPECT_EQ(DecodeRecord(bad).code(), absl::StatusCode::kFailedPrecondition);
+  }
+}
+
+TEST_F(SnapshotCodecCorruptionTest, OtherModelIsRefused) {
+  // Another fingerprint.
+  absl::Status s = Decode(good_, fp() ^ 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_TRUE(absl::StrContains(s.message(), "different model")) << s;
+  // The same config with other weights has another fingerprint.
+  auto other = testing::TinyEngine(/*weight_seed=*/12);
+  ASSERT_NE(other->fingerprint(), fp());
+  s = DecodeSessionState(good_, other->state_layout(), other->fingerprint()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(DecodeSessionRecord(good_, good_.size(), other->fingerprint()).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // The fingerprint field rewritten (checksum updated): refused as another model's.
+  std::string bad = good_;
+  StoreAt<uint64_t>(bad, testing::kFingerprintOffset, fp() + 1);
+  FixChecksums(bad);
+  EXPECT_EQ(Decode(bad).code(), absl::StatusCode::kFailedPrecondition);
+  // A model with another layout (more layers).
+  auto config = PresetConfig("tiny");
+  ASSERT_TRUE(config.ok());
+  config->n_layers = 5;
+  config->swa_at = {0, 1, 2, 3};
+  config->sdm_at = {4};
+  ASSERT_TRUE(FinalizeModelConfig(*config).ok());
+  auto bigger = Engine::Create(RandomModel(*config, 11));
+  ASSERT_TRUE(bigger.ok()) << bigger.status();
+  s = DecodeSessionState(good_, (*bigger)->state_layout(), fp()).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+}
+
+TEST_F(SnapshotCodecCorruptionTest, SwappedSectionsAreDetected) {
+  for (size_t i = 0; i < sections_.size(); ++i) {
+    for (size_t j = i + 1; j < sections_.size(); ++j) {
+      const std::string bad = testing::SwapSections(good_, i, j);
+      ASSERT_EQ(bad.size(), good_.size());
+      const absl::Status s = Decode(bad);
+      EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss)
+          << "sections " << i << ", " << j << ": " << s;
+      // Open() sees the record moved away from the front.
+      EXPECT_EQ(DecodeRecord(bad).ok(), i != 0) << "sections " << i << ", " << j;
+    }
+  }
+}
+
+// Edits that keep every checksum valid: the decoder's own consistency checks must catch them.
+TEST_F(SnapshotCodecCorruptionTest, ConsistentChecksumsWrongContentsAreDetected) {
+  const size_t rec = 0, kv0 = 1, kv1 = 2, sdm = 4;
+  // Record payload: id (8 + 6), metadata (8 + 13), ttl, last used, then these fields.
+  const size_t position = 8 + 6 + 8 + 13 + 16;
+  const size_t num_layers = position + 8 + 8 + 8 + 4;
+  // KV payload: u32 layer | u64 width | u64 ring | i64 length | i64 first.
+  // SDM payload: u32 layer | u64 heads | u64 slots | u64 width | u64 rows | u32 index[rows].
+  const uint64_t sdm_rows = LoadAt<uint64_t>(good_, At(sdm, 28));
+  ASSERT_GE(sdm_rows, 2u);
+  struct Edit {
+    const char* what;
+    std::function<void(std::string&)> apply;
+    absl::StatusCode code;
+  };
+  const std::vector<Edit> edits = {
+      {"magic", [](std::string& b) { b[0] = 'X'; }, absl::StatusCode::kDataLoss},
+      {"header size", [](std::string& b) { StoreAt<uint32_t>(b, 12, 56); },
+       absl::StatusCode::kDataLoss},
+      {"no sections", [](std::string& b) { StoreAt<uint64_t>(b, testing::kSectionCountOffset, 0); },
+       absl::StatusCode::kDataLoss},
+      {"huge section count",
+       [](std::string& b) { StoreAt<uint64_t>(b, testing::kSectionCountOffset, ~uint64_t{0}); },
+       absl::StatusCode::kDataLoss},
+      {"unknown section type",
+       [&](std::string& b) { StoreAt<uint32_t>(b, sections_[kv1].offset, 7); },
+       absl::StatusCode::kDataLoss},
+      {"record section type",
+       [&](std::string& b) { StoreAt<uint32_t>(b, sections_[rec].offset, testing::kKvSection); },
+       absl::StatusCode::kDataLoss},
+      {"reserved field of a section",
+       [&](std::string& b) { StoreAt<uint32_t>(b, sections_[kv0].offset + 4, 1); },
+       absl::StatusCode::kDataLoss},
+      {"reserved field of the record",
+       [&](std::string& b) { StoreAt<uint32_t>(b, sections_[rec].offset + 4, 0x100); },
+       absl::StatusCode::kDataLoss},
+      {"record id length", [&](std::string& b) { StoreAt<uint64_t>(b, At(rec, 0), 1u << 30); },
+       absl::StatusCode::kDataLoss},
+      {"position", [&](std::string& b) { StoreAt<int64_t>(b, At(rec, position), 4); },
+       absl::StatusCode::kDataLoss},
+      {"negative position", [&](std::string& b) { StoreAt<int64_t>(b, At(rec, position), -1); },
+       absl::StatusCode::kDataLoss},
+      {"layer count", [&](std::string& b) { StoreAt<uint32_t>(b, At(rec, num_layers), 5); },
+       absl::StatusCode::kFailedPrecondition},
+      {"KV layer index", [&](std::string& b) { StoreAt<uint32_t>(b, At(kv1, 0), 0); },
+       absl::StatusCode::kDataLoss},
+      {"KV row width", [&](std::string& b) { StoreAt<uint64_t>(b, At(kv0, 4), 16); },
+       absl::StatusCode::kFailedPrecondition},
+      {"KV ring capacity", [&](std::string& b) { StoreAt<uint64_t>(b, At(kv0, 12), 0); },
+       absl::StatusCode::kFailedPrecondition},
+      {"KV length", [&](std::string& b) { StoreAt<int64_t>(b, At(kv0, 20), 2); },
+       absl::StatusCode::kDataLoss},
+      {"KV first position", [&](std::string& b) { StoreAt<int64_t>(b, At(kv0, 28), 1); },
+       absl::StatusCode::kDataLoss},
+      {"SDM heads", [&](std::string& b) { StoreAt<uint64_t>(b, At(sdm, 4), 1); },
+       absl::StatusCode::kFailedPrecondition},
+      {"SDM slots", [&](std::string& b) { StoreAt<uint64_t>(b, At(sdm, 12), 65); },
+       absl::StatusCode::kFailedPrecondition},
+      {"SDM row width", [&](std::string& b) { StoreAt<uint64_t>(b, At(sdm, 20), 31); },
+       absl::StatusCode::kFailedPrecondition},
+      {"SDM row count + 1",
+       [&](std::string& b) { StoreAt<uint64_t>(b, At(sdm, 28), sdm_rows + 1); },
+       absl::StatusCode::kDataLoss},
+      {"SDM row count > slots",
+       [&](std::string& b) { StoreAt<uint64_t>(b, At(sdm, 28), 2 * 64 + 1); },
+       absl::StatusCode::kDataLoss},
+      {"SDM slot index out of range",
+       [&](std::string& b) { StoreAt<uint32_t>(b, At(sdm, 36), 2 * 64); },
+       absl::StatusCode::kDataLoss},
+      {"SDM slot index repeated",
+       [&](std::string& b) { StoreAt<uint32_t>(b, At(sdm, 40), LoadAt<uint32_t>(b, At(sdm, 36))); },
+       absl::StatusCode::kDataLoss},
+  };
+  for (const Edit& edit : edits) {
+    std::string bad = good_;
+    edit.apply(bad);
+    FixChecksums(bad);
+    const absl::Status s = Decode(bad);
+    EXPECT_EQ(s.code(), edit.code) << edit.what << ": " << s;
+  }
+}
+
+// A self-consistent snapshot claiming an enormous history for a full-attention layer must be
+// refused from its sizes, before any memory is reserved for that history.
+TEST(SnapshotCodecHugeClaimTest, HugePositionIsRefusedWithoutAllocating) {
+  StateLayout layout;
+  LayerStateLayout kv;
+  kv.kind = LayerStateLayout::Kind::kKv;
+  kv.kv_row_width = 64;
+  layout.layers.push_back(kv);
+  SessionState state(layout);
+  for (int i = 0; i < 3; ++i) {
+    state.kv(0).NextKeyRow()[0] = 1.0f;
+    state.kv(0).NextValueRow()[0] = 2.0f;
+    state.kv(0).Commit();
+    state.AdvancePosition();
+  }
+  const std::string good = EncodeSessionState(state, SessionRecord{"s", ""}, 5);
+  ASSERT_TRUE(DecodeSessionState(good, layout, 5).ok());
+  auto sections = ParseSections(good);
+  ASSERT_EQ(sections.size(), 2u);
+  // 2^40 tokens of 64-float rows would be 512 TiB of pages.
+  const int64_t huge = int64_t{1} << 40;
+  std::string bad = good;
+  StoreAt<int64_t>(bad, sections[0].payload() + 8 + 1 + 8 + 0 + 16,
+                   huge);  // id "s", empty metadata
+  StoreAt<int64_t>(bad, sections[1].payload() + 20, huge);
+  FixChecksums(bad);
+  const absl::Status s = DecodeSessionState(bad, layout, 5).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+}
+
+// ---- Through the store: quarantine, errors, other sessions unaffected ----
+
+class SnapshotStoreCorruptionTest : public ::testing::Test {
+ protected:
+  struct Ref {
+    std::vector<int32_t> prompt;
+    std::vector<float> logits;
+  };
+
+  void SetUp() override {
+    engine_ = testing::TinyEngine();
+    refs_["victim"].prompt = testing::RandomTokens(3, 5);
+    refs_["alpha"].prompt = testing::RandomTokens(20, 6);
+    refs_["omega"].prompt = testing::RandomTokens(9, 7);
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    for (auto& [id, ref] : refs_) {
+      auto session = engine_->NewSession();
+      ASSERT_TRUE(engine_->Prefill(*session, ref.prompt, false, nullptr).ok());
+      ref.logits = testing::ProbeLogits(*engine_, *session, kProbe);
+      ASSERT_TRUE(store->Create(id, absl::StrCat("meta of ", id)).ok());
+      {
+        auto lease = store->Acquire(id);
+        ASSERT_TRUE(lease.ok());
+        ASSERT_TRUE(engine_->Prefill(lease->state(), ref.prompt, false, nullptr).ok());
+      }
+      ASSERT_TRUE(store->Park(id, Tier::kDisk).ok());
+    }
+    store.reset();
+    good_ = testing::ReadFile(Victim());
+    sections_ = ParseSections(good_);
+    ASSERT_EQ(sections_.size(), 5u);
+  }
+
+  std::filesystem::path Victim() const { return dir_.path() / "victim.sdmstate"; }
+  std::filesystem::path Quarantined() const {
+    return dir_.path() / "quarantine" / "victim.sdmstate";
+  }
+
+  std::unique_ptr<SessionStateStore> Open(uint64_t fingerprint = 0) {
+    SessionStoreOptions options;
+    options.dir = dir_.path();
+    options.background = false;
+    auto store = SessionStateStore::Open(
+        engine_->state_layout(), fingerprint != 0 ? fingerprint : engine_->fingerprint(), options);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // The other sessions restore exactly: same probe logits, bit for bit, as never-parked ones.
+  void ExpectOthersIntact(SessionStateStore& store) {
+    for (const char* id : {"alpha", "omega"}) {
+      SCOPED_TRACE(id);
+      auto lease = store.Acquire(id);
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      EXPECT_EQ(lease->state().position(), static_cast<int64_t>(refs_[id].prompt.size()));
+      auto copy = lease->state().Clone();
+      EXPECT_TRUE(
+          testing::BitwiseEqual(testing::ProbeLogits(*engine_, *copy, kProbe), refs_[id].logits));
+      auto info = store.Get(id);
+      ASSERT_TRUE(info.ok());
+      EXPECT_TRUE(info->error.empty());
+      EXPECT_EQ(info->metadata, absl::StrCat("meta of ", id));
+    }
+  }
+
+  // The victim's Acquire() refuses with the reason (and so do Fork and Park), and its file is in
+  // quarantine, byte for byte as it was found.
+  void ExpectVictimRefused(SessionStateStore& store, const std::string& bad,
+                           absl::string_view reason) {
+    auto lease = store.Acquire("victim");
+    ASSERT_FALSE(lease.ok());
+    const absl::Status s = lease.status();
+    EXPECT_TRUE(IsRefusal(s)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "victim")) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), reason)) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "quarantine")) << s;
+    EXPECT_EQ(store.Acquire("victim").status(), s);  // the same answer every time
+    EXPECT_TRUE(IsRefusal(store.Fork("victim", "copy", ""))) << store.Fork("victim", "copy", "");
+    auto info = store.Get("victim");
+    ASSERT_TRUE(info.ok());
+    EXPECT_FALSE(info->error.empty());
+    EXPECT_FALSE(std::filesystem::exists(Victim()));
+    ASSERT_TRUE(std::filesystem::exists(Quarantined()));
+    EXPECT_EQ(testing::ReadFile(Quarantined()), bad);
+    EXPECT_EQ(store.Stats().quarantined, 1);
+  }
+
+  // Writes `bad` as the victim's snapshot; checks that Open() finds it (when `at_open`) or that
+  // only the victim's Acquire() does, and that nothing else is affected.
+  void CheckCorruption(const std::string& bad, bool at_open, absl::string_view reason) {
+    std::filesystem::remove_all(dir_.path() / "quarantine");
+    testing::WriteFile(Victim(), bad);
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    const std::vector<std::string> errors = store->open_errors();
+    if (at_open) {
+      ASSERT_EQ(errors.size(), 1u);
+      EXPECT_TRUE(absl::StrContains(errors[0], "victim")) << errors[0];
+      EXPECT_TRUE(absl::StrContains(errors[0], reason)) << errors[0];
+      EXPECT_TRUE(std::filesystem::exists(Quarantined()));  // moved at Open
+    } else {
+      EXPECT_TRUE(errors.empty()) << errors[0];
+      EXPECT_EQ(store->Stats().quarantined, 0);
+      EXPECT_TRUE(std::filesystem::exists(Victim()));  // looks fine until it is read whole
+    }
+    ASSERT_NO_FATAL_FAILURE(ExpectVictimRefused(*store, bad, reason));
+    ExpectOthersIntact(*store);
+    store.reset();
+    // Reopened: the quarantined file is no longer a session, and nothing else changed.
+    auto again = Open();
+    ASSERT_NE(again, nullptr);
+    EXPECT_TRUE(again->open_errors().empty());
+    EXPECT_EQ(again->Acquire("victim").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(testing::ReadFile(Quarantined()), bad);
+    ExpectOthersIntact(*again);
+  }
+
+  testing::ScopedTempDir dir_;
+  std::unique_ptr<Engine> engine_;
+  std::map<std::string, Ref> refs_;
+  std::string good_;
+  std::vector<BlobSection> sections_;
+};
+
+TEST_F(SnapshotStoreCorruptionTest, UndamagedDirectoryRestoresEverySession) {
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_TRUE(store->open_errors().empty());
+  auto lease = store->Acquire("victim");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(testing::BitwiseEqual(testing::ProbeLogits(*engine_, lease->state(), kProbe),
+                                    refs_["victim"].logits));
+  ExpectOthersIntact(*store);
+}
+
+TEST_F(SnapshotStoreCorruptionTest, TruncatedSnapshotIsQuarantinedAtOpen) {
+  for (size_t n : {size_t{0}, size_t{20}, size_t{47}, size_t{60}, sections_[0].end(),
+                   good_.size() / 2, good_.size() - 1}) {
+    SCOPED_TRACE(absl::StrCat("truncated to ", n));
+    CheckCorruption(good_.substr(0, n), /*at_open=*/true, "truncated");
+  }
+}
+
+TEST_F(SnapshotStoreCorruptionTest, AppendedBytesAreQuarantinedAtOpen) {
+  CheckCorruption(good_ + "garbage", /*at_open=*/true, "padded");
+}
+
+TEST_F(SnapshotStoreCorruptionTest, DamagedHeaderIsQuarantinedAtOpen) {
+  std::string bad = good_;
+  bad[30] ^= 0x10;  // inside the total-size field
+  CheckCorruption(bad, /*at_open=*/true, "checksum");
+}
+
+TEST_F(SnapshotStoreCorruptionTest, DamagedRecordIsQuarantinedAtOpen) {
+  std::string bad = good_;
+  bad[sections_[0].payload() + 3] ^= 0x01;
+  CheckCorruption(bad, /*at_open=*/true, "checksum");
+}
+
+TEST_F(SnapshotStoreCorruptionTest, OtherVersionIsQuarantinedAtOpen) {
+  std::string bad = good_;
+  StoreAt<uint32_t>(bad, testing::kVersionOffset, kStateFormatVersion + 1);
+  FixChecksums(bad);
+  CheckCorruption(bad, /*at_open=*/true, "version");
+}
+
+TEST_F(SnapshotStoreCorruptionTest, OtherModelsSnapshotIsQuarantinedAtOpen) {
+  std::string bad = good_;
+  StoreAt<uint64_t>(bad, testing::kFingerprintOffset, engine_->fingerprint() ^ 0xFF);
+  FixChecksums(bad);
+  CheckCorruption(bad, /*at_open=*/true, "different model");
+}
+
+TEST_F(SnapshotStoreCorruptionTest, AnotherSessionsSnapshotUnderTheNameIsQuarantined) {
+  CheckCorruption(testing::ReadFile(dir_.path() / "alpha.sdmstate"), /*at_open=*/true,
+                  "holds session 'alpha'");
+}
+
+// Damage after the record passes Open() and is found by the session's first Acquire().
+TEST_F(SnapshotStoreCorruptionTest, DamagedPayloadIsFoundAtAcquire) {
+  for (size_t section : {size_t{1}, size_t{3}, size_t{4}}) {  // KV layers 0, 2; the SDM layer
+    for (size_t offset : {size_t{0}, size_t{13}, sections_[section].size - 1}) {
+      SCOPED_TRACE(absl::StrCat("section ", section, " byte ", offset));
+      std::string bad = good_;
+      bad[sections_[section].payload() + offset] ^= 0x40;
+      CheckCorruption(bad, /*at_open=*/false, "checksum");
+    }
+  }
+  std::string bad = good_;
+  bad[sections_[4].offset + 17] ^= 0x01;  // the SDM section's checksum field
+  CheckCorruption(bad, /*at_open=*/false, "checksum");
+}
+
+TEST_F(SnapshotStoreCorruptionTest, SwappedLayerSectionsAreFoundAtAcquire) {
+  CheckCorruption(testing::SwapSections(good_, 1, 2), /*at_open=*/false, "out of order");
+  CheckCorruption(testing::SwapSections(good_, 3, 4), /*at_open=*/false, "inconsistent");
+}
+
+// Byte flips at a fixed-seed sample of offsets plus a few fresh ones, through the store.
+TEST_F(SnapshotStoreCorruptionTest, RandomByteFlipsAreRefusedAndIsolated) {
+  std::vector<uint32_t> seeds = {1, 2, 3, 4, 5, 6, 7, 8};
+  std::random_device fresh;
+  for (int i = 0; i < 3; ++i) seeds.push_back(fresh());
+  for (uint32_t seed : seeds) {
+    std::mt19937 rng(seed);
+    const size_t at = rng() % good_.size();
+    const uint8_t mask = static_cast<uint8_t>(1 + rng() % 255);
+    SCOPED_TRACE(absl::StrCat("seed ", seed, ": byte ", at, " ^ ", int{mask}));
+    std::string bad = good_;
+    bad[at] = static_cast<char>(bad[at] ^ mask);
+    CheckCorruption(bad, /*at_open=*/at < sections_[0].end(), "");
+  }
+}
+
+// Opening the directory with another model: every snapshot is refused as another model's.
+TEST_F(SnapshotStoreCorruptionTest, StoreOfAnotherModelRefusesEverySnapshot) {
+  auto other = testing::TinyEngine(/*weight_seed=*/12);
+  auto store = Open(other->fingerprint());
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->open_errors().size(), 3u);
+  for (const char* id : {"alpha", "omega", "victim"}) {
+    const absl::Status s = store->Acquire(id).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "different model")) << s;
+    EXPECT_TRUE(
+        std::filesystem::exists(dir_.path() / "quarantine" / absl::StrCat(id, ".sdmstate")));
+  }
+}
+
+}  // namespace
+}  // namespace sdm

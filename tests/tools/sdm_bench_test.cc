@@ -1,0 +1,213 @@
+// Runs the built `sdm-bench` binary in CI size (the tiny preset, tiny contexts and batches) and
+// checks that it produces a well-formed report: exit code, the JSON document's keys and one row
+// per (model, context, batch), the CSV, and report.md naming every parameter. Benchmarks are not
+// tests: no timing is checked.
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/engine/test_model_util.h"
+
+namespace sdm {
+namespace {
+
+using ::sdm::testing::ReadFile;
+using ::sdm::testing::ScopedTempDir;
+using ::testing::HasSubstr;
+
+constexpr char kBinary[] = SDM_BINARY_DIR "/tools/sdm_bench/sdm-bench";
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+Result RunTool(const std::string& args) {
+  Result r;
+  FILE* pipe = ::popen((std::string(kBinary) + " " + args + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buffer;
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
+    r.output.append(buffer.data(), n);
+  }
+  const int status = ::pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// The keys every result row carries (the CSV columns, in order).
+const std::vector<std::string> kRowKeys = {
+    "group",
+    "model",
+    "role",
+    "context",
+    "batch",
+    "fit_batch",
+    "steps",
+    "ms_per_step_median",
+    "ms_per_step_p90",
+    "ms_per_step_min",
+    "tokens_per_s",
+    "bytes_per_step",
+    "weight_bytes_per_step",
+    "kv_bytes_per_step_per_session",
+    "swa_bytes_per_step_per_session",
+    "sdm_bytes_per_step_per_session",
+    "achieved_gbps",
+    "fraction_of_bandwidth",
+    "gflops",
+    "sgemm_gflops_same_shapes",
+    "fraction_of_sgemm",
+    "attn_ms_per_step",
+    "swa_ms_per_step",
+    "sdm_ms_per_step",
+    "ffn_ms_per_step",
+    "head_ms_per_step",
+    "state_bytes_per_session",
+    "max_batch_in_budget",
+};
+
+std::vector<std::string> Lines(const std::string& text) {
+  std::vector<std::string> lines;
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) lines.push_back(line);
+  }
+  return lines;
+}
+
+class SdmBenchToolTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(kBinary)) GTEST_SKIP() << "build the sdm-bench target first";
+  }
+  ScopedTempDir tmp_;
+};
+
+TEST_F(SdmBenchToolTest, DecodeWritesAWellFormedReport) {
+  const auto dir = tmp_.path() / "report";
+  const auto json_path = tmp_.path() / "out.json";
+  const auto csv_path = tmp_.path() / "out.csv";
+  // A pair (tiny vs its full-attention twin) and an explicit preset group.
+  const Result r = RunTool(
+      "decode --pair tiny --presets tiny --contexts 8,32 --batches 1,2 --fit_batch=false "
+      "--steps 2 --warmup 1 --bandwidth_mb 8 --json " +
+      json_path.string() + " --csv " + csv_path.string() + " --report " + dir.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("ms/step"));  // the table
+  EXPECT_THAT(r.output, HasSubstr("tiny_attn"));
+
+  const nlohmann::json doc = nlohmann::json::parse(ReadFile(json_path), nullptr, false);
+  ASSERT_FALSE(doc.is_discarded()) << "the JSON file does not parse";
+  for (const char* key : {"tool", "started_utc", "finished_utc", "command_line", "parameters",
+                          "machine", "build", "bandwidth", "groups", "results", "skipped"}) {
+    EXPECT_TRUE(doc.contains(key)) << key;
+  }
+  EXPECT_GT(doc["bandwidth"]["reference_gbps"].get<double>(), 0);
+  ASSERT_EQ(doc["groups"].size(), 2u);
+  const nlohmann::json& pair = doc["groups"][0];
+  EXPECT_EQ(pair["name"], "tiny");
+  ASSERT_EQ(pair["models"].size(), 2u);
+  EXPECT_EQ(pair["models"][0]["role"], "sdm");
+  EXPECT_EQ(pair["models"][1]["role"], "attention");
+  EXPECT_EQ(pair["models"][1]["name"], "tiny_attn");
+  // Parameter counts side by side: the twin has no M0, the SDM model's M0 is counted apart.
+  EXPECT_GT(pair["models"][0]["parameters_m0"].get<int64_t>(), 0);
+  EXPECT_EQ(pair["models"][1]["parameters_m0"].get<int64_t>(), 0);
+  EXPECT_EQ(pair["models"][0]["parameters_total"].get<int64_t>() -
+                pair["models"][0]["parameters_m0"].get<int64_t>(),
+            pair["models"][0]["parameters_without_m0"].get<int64_t>());
+  EXPECT_EQ(pair["ratios"].size(), 4u);  // 2 contexts x 2 batches
+  EXPECT_EQ(pair["headline"]["longest_common_context"], 32);
+  EXPECT_EQ(doc["groups"][1]["name"], "presets");
+
+  // One row per (model, context, batch): 3 models x 2 contexts x 2 batches, nothing skipped.
+  const nlohmann::json& rows = doc["results"];
+  ASSERT_EQ(rows.size(), 12u);
+  EXPECT_TRUE(doc["skipped"].empty());
+  std::set<std::tuple<std::string, std::string, int64_t, int64_t>> seen;
+  for (const nlohmann::json& row : rows) {
+    for (const std::string& key : kRowKeys) EXPECT_TRUE(row.contains(key)) << key;
+    EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
+    EXPECT_GT(row["bytes_per_step"].get<double>(), 0);
+    EXPECT_GT(row["state_bytes_per_session"].get<double>(), 0);
+    const auto key =
+        std::make_tuple(row["group"].get<std::string>(), row["model"].get<std::string>(),
+                        row["context"].get<int64_t>(), row["batch"].get<int64_t>());
+    EXPECT_TRUE(seen.insert(key).second) << row.dump();
+  }
+
+  const std::vector<std::string> csv = Lines(ReadFile(csv_path));
+  ASSERT_EQ(csv.size(), 13u);  // header + 12 rows
+  std::string header;
+  for (const std::string& key : kRowKeys) header += (header.empty() ? "" : ",") + key;
+  EXPECT_EQ(csv[0], header);
+
+  // The report directory: its own copies of the data, and report.md naming every parameter.
+  ASSERT_TRUE(std::filesystem::exists(dir / "report.md"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "results.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "results.csv"));
+  const std::string report = ReadFile(dir / "report.md");
+  for (const auto& [key, value] : doc["parameters"].items()) {
+    EXPECT_THAT(report, HasSubstr("`--" + key + "`")) << "report.md does not name --" << key;
+  }
+  for (const char* section : {"## Headline", "## Machine", "## Build", "## Protocol",
+                              "## Parameters", "## Models", "## Results: tiny", "## Plots"}) {
+    EXPECT_THAT(report, HasSubstr(section));
+  }
+  EXPECT_THAT(report, HasSubstr("tiny_attn"));
+  // Plots when matplotlib is there; otherwise the report says why there are none.
+  if (report.find("No plots:") == std::string::npos) {
+    for (const char* png : {"tokens_per_s_vs_context.png", "tokens_per_s_vs_batch.png",
+                            "step_ms_vs_context.png", "ratio_vs_context.png"}) {
+      ASSERT_TRUE(std::filesystem::exists(dir / png)) << png;
+      EXPECT_EQ(ReadFile(dir / png).substr(1, 3), "PNG") << png;
+      EXPECT_THAT(report, HasSubstr(png));
+    }
+  }
+}
+
+TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {
+  Result r = RunTool("decode --pair nope");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.output, HasSubstr("unknown pair 'nope'"));
+  EXPECT_THAT(r.output, HasSubstr("cpu_hybrid"));
+  r = RunTool("decode --pair tiny --contexts 0");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.output, HasSubstr("--contexts"));
+  r = RunTool("decode --pair tiny --set no_such_field=1");
+  EXPECT_EQ(r.code, 2);
+  r = RunTool("prefill");
+  EXPECT_EQ(r.code, 2);
+}
+
+TEST_F(SdmBenchToolTest, SkipsBatchesOverTheStateBudget) {
+  const auto json_path = tmp_.path() / "out.json";
+  const Result r = RunTool(
+      "decode --pair tiny --contexts 8 --batches 1,100000 --fit_batch=false --steps 1 "
+      "--warmup 0 --bandwidth_mb 8 --state_budget_gb 0.001 --json " +
+      json_path.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("skipped"));
+  const nlohmann::json doc = nlohmann::json::parse(ReadFile(json_path));
+  EXPECT_EQ(doc["results"].size(), 2u);
+  EXPECT_EQ(doc["skipped"].size(), 2u);
+  for (const nlohmann::json& row : doc["results"]) {
+    EXPECT_EQ(row["batch"], 1);
+    EXPECT_LT(row["max_batch_in_budget"].get<int64_t>(), 100000);
+  }
+}
+
+}  // namespace
+}  // namespace sdm

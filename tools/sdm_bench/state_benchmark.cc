@@ -1,0 +1,182 @@
+#include "tools/sdm_bench/state_benchmark.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/model_config.h"
+#include "nlohmann/json.hpp"
+#include "state_store/session_store.h"
+
+namespace sdm::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::vector<int32_t> RandomTokens(int64_t n, std::mt19937& rng) {
+  std::uniform_int_distribution<int32_t> tok(0, 255);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = tok(rng);
+  return t;
+}
+
+absl::Status Prefill(Engine& engine, SessionState& s, const std::vector<int32_t>& tokens,
+                     const char* what, const std::string& preset) {
+  const Clock::time_point t0 = Clock::now();
+  const int64_t chunk = 1024;
+  for (size_t done = 0; done < tokens.size(); done += chunk) {
+    const size_t n = std::min<size_t>(chunk, tokens.size() - done);
+    if (auto st =
+            engine.Prefill(s, std::span<const int32_t>(tokens).subspan(done, n), false, nullptr);
+        !st.ok()) {
+      return st;
+    }
+    std::fprintf(stderr, "\r[%s] %s %zu/%zu tokens (%.1f s)   ", preset.c_str(), what, done + n,
+                 tokens.size(), Since(t0));
+  }
+  std::fprintf(stderr, "\n");
+  return absl::OkStatus();
+}
+
+std::vector<float> NextLogits(Engine& engine, SessionState& s, int32_t token) {
+  std::vector<float> logits(engine.vocab_size());
+  SessionState* p = &s;
+  if (!engine.Decode({&p, 1}, {&token, 1}, logits).ok()) logits.clear();
+  return logits;
+}
+
+}  // namespace
+
+absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
+  nlohmann::json results = nlohmann::json::array();
+  const std::filesystem::path dir =
+      opt.dir.empty()
+          ? std::filesystem::temp_directory_path() / absl::StrCat("sdm-bench-state-", ::getpid())
+          : std::filesystem::path(opt.dir);
+  std::printf("# sdm-bench state: snapshot dir %s, engine threads %d, seed %llu\n", dir.c_str(),
+              opt.threads, static_cast<unsigned long long>(opt.seed));
+  std::printf("%-13s %6s %9s %10s %10s %8s %9s %9s %9s %9s %10s %9s %9s %6s\n", "model", "tokens",
+              "slots", "rows MB", "table MB", "KV MB", "full MB", "park h ms", "park d ms",
+              "resume h", "resume d", "prefill s", "x host", "exact");
+  for (const std::string& preset : opt.presets) {
+    auto config = PresetConfig(preset);
+    if (!config.ok()) return config.status();
+    std::fprintf(stderr, "[%s] building random weights...\n", preset.c_str());
+    auto model = RandomModel(*config, opt.seed);
+    EngineOptions eo;
+    eo.num_threads = opt.threads;
+    auto engine_or = Engine::Create(model, eo);
+    if (!engine_or.ok()) return engine_or.status();
+    Engine& engine = **engine_or;
+    const SdmGeometry g = SdmGeometryOf(*config);
+    int64_t sdm_layers = 0;
+    for (LayerType t : config->layer_types) sdm_layers += t == LayerType::kSdm;
+    const double full_table_mb = sdm_layers * g.heads * g.slots_per_head * g.head_width * 4 / 1e6;
+    std::mt19937 rng(static_cast<uint32_t>(opt.seed));
+    for (int64_t length : opt.lengths) {
+      std::filesystem::remove_all(dir);
+      SessionStoreOptions so;
+      so.dir = dir;
+      so.background = false;
+      const std::vector<int32_t> history = RandomTokens(length, rng);
+      const int32_t next = history.back();
+      std::vector<float> want;
+      int64_t rows = 0, table_bytes = 0, kv_bytes = 0, slots = 0;
+      double park_host = 0, park_disk = 0, resume_host = 0, resume_disk = 0, prefill = 0;
+      {
+        auto store_or = SessionStateStore::Open(engine.state_layout(), engine.fingerprint(), so);
+        if (!store_or.ok()) return store_or.status();
+        SessionStateStore& store = **store_or;
+        if (auto s = store.Create("bench", ""); !s.ok()) return s;
+        {
+          auto lease = store.Acquire("bench");
+          if (!lease.ok()) return lease.status();
+          const Clock::time_point t0 = Clock::now();
+          if (auto s = Prefill(engine, lease->state(), history, "prefill", preset); !s.ok()) {
+            return s;
+          }
+          prefill = Since(t0);
+          SessionState& st = lease->state();
+          for (int64_t l = 0; l < st.num_layers(); ++l) {
+            if (st.is_sdm(l)) {
+              slots += st.sdm(l).private_rows();
+              table_bytes += st.sdm(l).TableBytes();
+            } else {
+              kv_bytes += st.kv(l).ResidentBytes();
+            }
+          }
+          rows = slots;
+          // The reference continuation of a session that never leaves residency.
+          auto copy = st.Clone();
+          want = NextLogits(engine, *copy, next);
+        }
+        Clock::time_point t0 = Clock::now();
+        if (auto s = store.Park("bench", Tier::kHost); !s.ok()) return s;
+        park_host = Since(t0);
+        t0 = Clock::now();
+        {
+          auto lease = store.Acquire("bench");
+          if (!lease.ok()) return lease.status();
+          resume_host = Since(t0);
+        }
+        if (auto s = store.Park("bench", Tier::kHost); !s.ok()) return s;
+        t0 = Clock::now();
+        if (auto s = store.Park("bench", Tier::kDisk); !s.ok()) return s;
+        park_disk = Since(t0);
+      }
+      // A new store object reading the directory: resume from disk.
+      auto store_or = SessionStateStore::Open(engine.state_layout(), engine.fingerprint(), so);
+      if (!store_or.ok()) return store_or.status();
+      const Clock::time_point t0 = Clock::now();
+      auto lease = (*store_or)->Acquire("bench");
+      if (!lease.ok()) return lease.status();
+      resume_disk = Since(t0);
+      const bool exact = NextLogits(engine, lease->state(), next) == want;
+      const double rows_mb = rows * g.head_width * 4 / 1e6;
+      std::printf(
+          "%-13s %6lld %9lld %10.2f %10.2f %8.2f %9.1f %9.2f %9.2f %9.2f %10.2f %9.2f %9.0f %6s\n",
+          preset.c_str(), static_cast<long long>(length), static_cast<long long>(slots), rows_mb,
+          table_bytes / 1e6, kv_bytes / 1e6, full_table_mb, park_host * 1e3, park_disk * 1e3,
+          resume_host * 1e3, resume_disk * 1e3, prefill, prefill / resume_host,
+          exact ? "yes" : "NO");
+      std::fflush(stdout);
+      results.push_back({{"model", preset},
+                         {"tokens", length},
+                         {"distinct_slots_written", slots},
+                         {"private_row_bytes", rows * g.head_width * 4},
+                         {"row_bytes", g.head_width * 4},
+                         {"table_bytes", table_bytes},
+                         {"kv_bytes", kv_bytes},
+                         {"full_table_bytes", full_table_mb * 1e6},
+                         {"park_host_s", park_host},
+                         {"park_disk_s", park_disk},
+                         {"resume_host_s", resume_host},
+                         {"resume_disk_s", resume_disk},
+                         {"reprefill_s", prefill},
+                         {"reprefill_over_resume_host", prefill / resume_host},
+                         {"reprefill_over_resume_disk", prefill / resume_disk},
+                         {"exact", exact}});
+    }
+  }
+  if (opt.dir.empty()) std::filesystem::remove_all(dir);
+  if (!opt.json_path.empty()) {
+    std::ofstream out(opt.json_path);
+    out << results.dump(2) << "\n";
+    if (!out) return absl::InternalError(absl::StrCat("could not write ", opt.json_path));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace sdm::bench

@@ -1,0 +1,36 @@
+// `sdm-bench state`: what a session's state costs and how fast it moves (issue 3's benchmark).
+//
+// For each preset (random weights in memory) and each history length: one session is prefilled
+// with random tokens to that length inside a SessionStateStore, then measured:
+//   - bytes resident (private SDM rows + slot tables + KV pages) against the full SDM table size,
+//     with the number of distinct slots written that explains it;
+//   - time to park it (resident -> host, host -> disk) and to resume it (host -> resident,
+//     disk -> resident, the latter through a fresh store object reading the directory);
+//   - time to re-prefill the same history from scratch,
+// and the ratio re-prefill / resume, all in one run. Resumed sessions are checked to continue
+// exactly (the next token's logits equal the never-parked session's).
+#ifndef SDMSERVE_TOOLS_SDM_BENCH_STATE_BENCHMARK_H_
+#define SDMSERVE_TOOLS_SDM_BENCH_STATE_BENCHMARK_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+
+namespace sdm::bench {
+
+struct StateBenchOptions {
+  std::vector<std::string> presets = {"debug_sdm"};
+  std::vector<int64_t> lengths = {128, 1024, 8192};
+  int threads = 0;
+  uint64_t seed = 1;
+  std::string dir;  // snapshot directory (default: a temporary one)
+  std::string json_path;
+};
+
+absl::Status RunStateBenchmark(const StateBenchOptions& options);
+
+}  // namespace sdm::bench
+
+#endif  // SDMSERVE_TOOLS_SDM_BENCH_STATE_BENCHMARK_H_
