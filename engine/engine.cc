@@ -189,6 +189,7 @@ class Engine::Impl {
   uint64_t fingerprint() const { return fingerprint_; }
   const ModelConfig& config() const { return cfg_; }
   const StateLayout& layout() const { return layout_; }
+  const EngineOptions& options() const { return options_; }
   const EngineProfile& profile() const { return profile_; }
   void ResetProfile() { profile_ = EngineProfile{}; }
 
@@ -575,6 +576,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
 const ModelConfig& Engine::config() const { return impl_->config(); }
+const EngineOptions& Engine::options() const { return impl_->options(); }
 const Model& Engine::model() const { return impl_->model(); }
 int64_t Engine::vocab_size() const { return impl_->config().vocab_size; }
 const StateLayout& Engine::state_layout() const { return impl_->layout(); }

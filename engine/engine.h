@@ -51,6 +51,7 @@ class Engine {
   ~Engine();
 
   const ModelConfig& config() const;
+  const EngineOptions& options() const;
   const Model& model() const;
   int64_t vocab_size() const;
 

@@ -1,9 +1,11 @@
 // Internal to engine/tokenizer.cc: the boundary around SentencePiece.
 //
-// SentencePiece 0.1.97's public header declares `namespace absl { using std::string_view; }`,
-// which collides with the real Abseil in any translation unit that sees both. So the one file
-// that includes it (engine/sentencepiece_tokenizer.cc) includes no Abseil header, and this header,
-// its only interface, uses std types only. Nothing outside engine/tokenizer.cc should use it.
+// SentencePiece itself lives in a separate shared library, libsdm_sentencepiece_shim.so
+// (engine/sentencepiece_shim/), which Load() opens with dlopen() (the loader maps it once per
+// process): Debian 12's libsentencepiece bundles and exports protobuf 3.14, which must not meet
+// the libprotobuf 3.21 of the server in one symbol scope. sentencepiece_shim.h documents where the
+// library is looked for. This header, the only interface, uses std types only. Nothing outside
+// engine/tokenizer.cc should use it.
 //
 // Thread-safety: a loaded tokenizer is immutable; Encode/Decode may run concurrently.
 #ifndef SDMSERVE_ENGINE_SENTENCEPIECE_TOKENIZER_H_
@@ -15,17 +17,21 @@
 #include <string_view>
 #include <vector>
 
-namespace sentencepiece {
-class SentencePieceProcessor;
-}  // namespace sentencepiece
-
 namespace sdm::internal {
 
 class SentencePieceTokenizer {
  public:
-  // Loads a serialized SentencePiece model. On failure returns null and sets `*error` to
-  // SentencePiece's reason (the caller adds the file name).
-  static std::unique_ptr<SentencePieceTokenizer> Load(const std::string& path, std::string* error);
+  enum class LoadError {
+    // libsdm_sentencepiece_shim.so could not be loaded; the error names every path tried.
+    kShimUnavailable,
+    // The shim loaded but the model did not; the error is SentencePiece's reason.
+    kInvalidModel,
+  };
+
+  // Loads a serialized SentencePiece model through the shim library. On failure returns null and
+  // sets `*kind` and `*error` (the caller adds the model's file name).
+  static std::unique_ptr<SentencePieceTokenizer> Load(const std::string& path, LoadError* kind,
+                                                      std::string* error);
 
   ~SentencePieceTokenizer();
   SentencePieceTokenizer(const SentencePieceTokenizer&) = delete;
@@ -46,9 +52,12 @@ class SentencePieceTokenizer {
   int32_t eos_id() const;  // -1 if the model has none
 
  private:
-  explicit SentencePieceTokenizer(std::unique_ptr<sentencepiece::SentencePieceProcessor> sp);
+  // The open shim library and the model loaded through it (sentencepiece_tokenizer.cc).
+  struct Model;
 
-  std::unique_ptr<sentencepiece::SentencePieceProcessor> sp_;
+  explicit SentencePieceTokenizer(std::unique_ptr<const Model> model);
+
+  std::unique_ptr<const Model> model_;
   // A piece whose text is non-empty and starts with no whitespace, and that text: decoding
   // [anchor] + ids and removing the anchor's text decodes ids as a continuation. -1 if the
   // vocabulary has no such piece (then continuations decode like Decode()).

@@ -124,9 +124,15 @@ absl::StatusOr<std::unique_ptr<Tokenizer>> CreateSentencePiece(
     return absl::NotFoundError(absl::StrCat("SentencePiece model file ", path.string(),
                                             " (tokenizer.path) does not exist or is not a file"));
   }
+  internal::SentencePieceTokenizer::LoadError kind =
+      internal::SentencePieceTokenizer::LoadError::kInvalidModel;
   std::string error;
   std::unique_ptr<internal::SentencePieceTokenizer> sp =
-      internal::SentencePieceTokenizer::Load(path.string(), &error);
+      internal::SentencePieceTokenizer::Load(path.string(), &kind, &error);
+  if (sp == nullptr && kind == internal::SentencePieceTokenizer::LoadError::kShimUnavailable) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot load SentencePiece model file ", path.string(), ": ", error));
+  }
   if (sp == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot load SentencePiece model file ",
                                                    path.string(), " (corrupt?): ", error));

@@ -34,8 +34,10 @@ class Tokenizer {
  public:
   // The tokenizer `config` names, its file (if any) read from `model_dir`. Errors: an unknown
   // tokenizer name (InvalidArgument); a missing or unreadable SentencePiece file (NotFound,
-  // InvalidArgument), naming the file; a model whose vocab_size is smaller than the tokenizer's
-  // (InvalidArgument: the model could not embed every id the tokenizer produces).
+  // InvalidArgument), naming the file; for "sp", libsdm_sentencepiece_shim.so cannot be loaded
+  // (FailedPrecondition, naming the paths tried; engine/sentencepiece_shim/sentencepiece_shim.h);
+  // a model whose vocab_size is smaller than the tokenizer's (InvalidArgument: the model could
+  // not embed every id the tokenizer produces).
   static absl::StatusOr<std::unique_ptr<Tokenizer>> Create(const ModelConfig& config,
                                                            const std::filesystem::path& model_dir);
 

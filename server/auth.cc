@@ -76,25 +76,28 @@ absl::StatusOr<ApiKeyAuthenticator> ApiKeyAuthenticator::FromText(absl::string_v
     }
     for (const char c : key) {
       if (!IsKeyCharacter(c)) {
-        return LineError(source, line_number, "the key has a character that is not printable ASCII");
+        return LineError(source, line_number,
+                         "the key has a character that is not printable ASCII");
       }
     }
     if (!IsValidTenantName(tenant)) {
-      return LineError(source, line_number,
-                       absl::StrCat("tenant name '", tenant,
-                                    "' is not 1 to 64 characters of [A-Za-z0-9._-]"));
+      return LineError(
+          source, line_number,
+          absl::StrCat("tenant name '", tenant, "' is not 1 to 64 characters of [A-Za-z0-9._-]"));
     }
     const auto [it, inserted] = line_of_key.emplace(std::string(key), line_number);
     if (!inserted) {
-      return LineError(source, line_number,
-                       absl::StrCat("the same key as on line ", it->second, " (keys must be unique)"));
+      return LineError(
+          source, line_number,
+          absl::StrCat("the same key as on line ", it->second, " (keys must be unique)"));
     }
     result.entries_.push_back({std::string(key), std::string(tenant)});
   }
   if (result.entries_.empty()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(source, ": no keys (expected lines 'KEY TENANT'); without a key file every "
-                             "caller is the tenant 'default'"));
+        absl::StrCat(source,
+                     ": no keys (expected lines 'KEY TENANT'); without a key file every "
+                     "caller is the tenant 'default'"));
   }
   return result;
 }
@@ -126,12 +129,12 @@ absl::StatusOr<std::string> ApiKeyAuthenticator::TenantFor(absl::string_view aut
   const absl::string_view scheme = authorization.substr(0, kScheme.size());
   const absl::string_view key =
       absl::StripLeadingAsciiWhitespace(authorization.substr(scheme.size()));
-  const bool separated = authorization.size() > kScheme.size() &&
-                         (authorization[kScheme.size()] == ' ' || authorization[kScheme.size()] == '\t');
+  const bool separated =
+      authorization.size() > kScheme.size() &&
+      (authorization[kScheme.size()] == ' ' || authorization[kScheme.size()] == '\t');
   if (!absl::EqualsIgnoreCase(scheme, kScheme) || !separated || key.empty() ||
       absl::StrContains(key, ' ') || absl::StrContains(key, '\t')) {
-    return absl::UnauthenticatedError(
-        "malformed authorization metadata: expected 'Bearer <key>'");
+    return absl::UnauthenticatedError("malformed authorization metadata: expected 'Bearer <key>'");
   }
   // Compare with every key, without stopping at a match.
   const Entry* match = nullptr;

@@ -1,5 +1,7 @@
 #include "server/http_endpoint.h"
 
+#include <sys/socket.h>
+
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -21,6 +23,12 @@ class HttpEndpoint::Impl {
       : registry_(registry), health_(std::move(health)) {
     // httplib takes ownership of the queue it is handed (and deletes it).
     server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    // httplib's default is SO_REUSEPORT, which would let a second server share (and silently
+    // split the scrapes of) a port in use. SO_REUSEADDR only allows a quick restart.
+    server_.set_socket_options([](socket_t socket) {
+      const int yes = 1;
+      setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    });
     server_.Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
       response.set_content(registry_.RenderPrometheusText(), kPrometheusContentType);
     });
@@ -52,8 +60,8 @@ class HttpEndpoint::Impl {
     }
     if (port_ < 0) {
       const std::string reason = errno != 0 ? std::strerror(errno) : "invalid address";
-      return absl::UnavailableError(absl::StrCat("metrics endpoint: cannot listen on ", host, ":",
-                                                 port, " (", reason, ")"));
+      return absl::UnavailableError(
+          absl::StrCat("metrics endpoint: cannot listen on ", host, ":", port, " (", reason, ")"));
     }
     thread_ = std::thread([this] {
       server_.listen_after_bind();
@@ -62,8 +70,8 @@ class HttpEndpoint::Impl {
     // stop() is a no-op until the accept loop runs: wait for it, so the destructor can stop it.
     while (!server_.is_running()) {
       if (listener_exited_) {
-        return absl::UnavailableError(absl::StrCat("metrics endpoint: listening on ", host, ":",
-                                                   port_, " ended at once"));
+        return absl::UnavailableError(
+            absl::StrCat("metrics endpoint: listening on ", host, ":", port_, " ended at once"));
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }

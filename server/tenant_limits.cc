@@ -44,8 +44,8 @@ absl::StatusOr<std::optional<int64_t>> ParseLimit(const json& value, const std::
   if (value.is_null()) return std::optional<int64_t>();
   if (value.is_number_integer()) {
     // Also catches unsigned values above int64 (stored as unsigned, read back negative).
-    const bool negative = value.is_number_unsigned() ? value.get<uint64_t>() > INT64_MAX
-                                                     : value.get<int64_t>() < 0;
+    const bool negative =
+        value.is_number_unsigned() ? value.get<uint64_t>() > INT64_MAX : value.get<int64_t>() < 0;
     if (negative) {
       return absl::InvalidArgumentError(
           absl::StrCat(field, ": must be an integer in [0, 2^63), got ", value.dump()));
@@ -54,20 +54,21 @@ absl::StatusOr<std::optional<int64_t>> ParseLimit(const json& value, const std::
   }
   if (byte_size && value.is_string()) {
     absl::StatusOr<int64_t> bytes = ParseByteSize(value.get<std::string>());
-    if (!bytes.ok()) return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes.status().message()));
+    if (!bytes.ok())
+      return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes.status().message()));
     return std::optional<int64_t>(*bytes);
   }
-  return absl::InvalidArgumentError(
-      absl::StrCat(field, ": expected ", byte_size ? "a byte size (e.g. 68719476736 or \"64GiB\")"
-                                                   : "a non-negative integer",
-                   " or null, got ", value.dump()));
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": expected ",
+      byte_size ? "a byte size (e.g. 68719476736 or \"64GiB\")" : "a non-negative integer",
+      " or null, got ", value.dump()));
 }
 
 // Applies the fields present in `object` to `limits`.
 absl::Status ApplyLimits(const json& object, const std::string& path, TenantLimits& limits) {
   if (!object.is_object()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path, ": expected an object like {\"max_sessions\": 10}, got ", object.dump()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": expected an object like {\"max_sessions\": 10}, got ", object.dump()));
   }
   for (const auto& [key, value] : object.items()) {
     const std::string field = absl::StrCat(path, ".", key);
@@ -80,8 +81,8 @@ absl::Status ApplyLimits(const json& object, const std::string& path, TenantLimi
       if (!limit.ok()) return limit.status();
       limits.max_state_bytes = *limit;
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          field, ": unknown field (known: max_sessions, max_state_bytes)"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": unknown field (known: max_sessions, max_state_bytes)"));
     }
   }
   return absl::OkStatus();
@@ -92,15 +93,17 @@ absl::Status ApplyLimits(const json& object, const std::string& path, TenantLimi
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
   const absl::string_view trimmed = absl::StripAsciiWhitespace(text);
   size_t digits = 0;
-  while (digits < trimmed.size() && absl::ascii_isdigit(static_cast<unsigned char>(trimmed[digits]))) {
+  while (digits < trimmed.size() &&
+         absl::ascii_isdigit(static_cast<unsigned char>(trimmed[digits]))) {
     ++digits;
   }
   const absl::string_view unit = absl::StripLeadingAsciiWhitespace(trimmed.substr(digits));
   int64_t number = 0;
   if (digits == 0 || !absl::SimpleAtoi(trimmed.substr(0, digits), &number)) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "'", text, "' is not a byte size: expected an integer and an optional unit (B, KB, MB, GB, "
-                   "TB, KiB, MiB, GiB, TiB)"));
+        "'", text,
+        "' is not a byte size: expected an integer and an optional unit (B, KB, MB, GB, "
+        "TB, KiB, MiB, GiB, TiB)"));
   }
   for (const Unit& known : kUnits) {
     if (unit != known.name) continue;
@@ -159,8 +162,7 @@ absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::Parse(absl::string_view j
   return config;
 }
 
-absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::FromFile(
-    const std::filesystem::path& path) {
+absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::FromFile(const std::filesystem::path& path) {
   std::error_code error;
   if (!std::filesystem::is_regular_file(path, error)) {
     return absl::NotFoundError(
@@ -175,8 +177,7 @@ absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::FromFile(
   text << in.rdbuf();
   absl::StatusOr<TenantLimitsConfig> config = Parse(text.str());
   if (!config.ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(path.string(), ": ", config.status().message()));
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), ": ", config.status().message()));
   }
   return config;
 }

@@ -179,7 +179,13 @@ std::vector<std::string> SessionStateStore::open_errors() const {
 
 void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
                                    const absl::Status& why) {
-  const std::filesystem::path dest = options_.dir / "quarantine" / file.filename();
+  // A unique name: an earlier quarantined copy of the same session is never overwritten.
+  std::filesystem::path dest = options_.dir / "quarantine" / file.filename();
+  dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()));
+  for (int i = 1; std::filesystem::exists(dest); ++i) {
+    dest = options_.dir / "quarantine" / file.filename();
+    dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()), ".", i);
+  }
   absl::Status moved = options_.files->Rename(file, dest);
   e.broken =
       absl::Status(why.code(), absl::StrCat("session '", e.id,

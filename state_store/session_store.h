@@ -13,8 +13,9 @@
 // it had stayed resident. Forks share SDM rows copy-on-write while both are resident.
 //
 // On Open() the store lists the snapshots in `dir`. A snapshot that is truncated, corrupted, of
-// another format version or of another model is moved to `dir/quarantine/` (never deleted) and
-// that session's Acquire() answers DATA_LOSS with the reason; every other session is unaffected.
+// another format version or of another model is moved to `dir/quarantine/` under a unique name
+// (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
+// (version or model) with the reason; every other session is unaffected.
 //
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.

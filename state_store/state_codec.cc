@@ -357,8 +357,10 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
       uint64_t width = 0, ring = 0;
       int64_t length = 0, first = 0;
       if (!r.U64(width) || !r.U64(ring) || !r.I64(length) || !r.I64(first)) return r.Truncated();
-      if (static_cast<int64_t>(width) != l.kv_row_width ||
-          static_cast<int64_t>(ring) != l.ring_capacity) {
+      // A sliding-window ring may have been sized for another prefill chunk: any ring restores
+      // into any ring (the engine reads only the window, which both hold); full attention
+      // (ring 0) must stay full.
+      if (static_cast<int64_t>(width) != l.kv_row_width || (ring == 0) != (l.ring_capacity == 0)) {
         return absl::FailedPreconditionError(
             absl::StrCat("layer ", li, ": KV shape does not match the model"));
       }
@@ -377,9 +379,12 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
         return Corrupt(absl::StrCat("layer ", li, ": KV section has the wrong size"));
       }
       kv.ResetForRestore(length);
+      std::vector<float> skipped(width);
       for (int pass = 0; pass < 2; ++pass) {
         for (int64_t p = first; p < length; ++p) {
-          float* dst = pass == 0 ? kv.MutableKeyRow(p) : kv.MutableValueRow(p);
+          float* dst = p < kv.first_position() ? skipped.data()
+                       : pass == 0             ? kv.MutableKeyRow(p)
+                                               : kv.MutableValueRow(p);
           r.Raw(dst, width * sizeof(float));
         }
       }

@@ -2,7 +2,8 @@
 // engine (OpenBLAS has its own threads for GEMMs).
 //
 // ParallelFor(n, fn) calls fn(i) for every i in [0, n), spread over the pool and the calling
-// thread, and returns when all calls have returned. Calls from one thread at a time.
+// thread, and returns when all calls have returned. Concurrent callers are served one after the
+// other (fn must not call ParallelFor on the same pool).
 #ifndef SDMSERVE_KERNELS_CPU_PARALLEL_H_
 #define SDMSERVE_KERNELS_CPU_PARALLEL_H_
 
@@ -33,6 +34,7 @@ class ThreadPool {
   void RunShare(const std::function<void(int64_t)>& fn, int64_t n);
 
   std::vector<std::thread> workers_;
+  std::mutex call_mu_;  // one ParallelFor at a time
   std::mutex mu_;
   std::condition_variable wake_;
   std::condition_variable done_;

@@ -59,10 +59,9 @@ ServerMetrics::ServerMetrics(MetricsRegistry& registry)
       request_duration(registry.AddHistogram("sdm_request_duration_seconds",
                                              "End-to-end duration of RPCs, by method.",
                                              RequestDurationBuckets(), {"method"})),
-      requests_running(registry
-                           .AddGauge("sdm_requests_running",
-                                     "Generate requests in the running batch.")
-                           .WithLabels({})),
+      requests_running(
+          registry.AddGauge("sdm_requests_running", "Generate requests in the running batch.")
+              .WithLabels({})),
       requests_waiting(registry
                            .AddGauge("sdm_requests_waiting",
                                      "Generate requests queued, not yet admitted to the batch.")
@@ -73,8 +72,8 @@ ServerMetrics::ServerMetrics(MetricsRegistry& registry)
                      .WithLabels({})),
       sessions(registry.AddGauge("sdm_sessions", "Sessions, by the tier holding their state.",
                                  {"tier"})),
-      state_bytes(registry.AddGauge("sdm_state_bytes",
-                                    "Bytes of session state, by tier.", {"tier"})),
+      state_bytes(
+          registry.AddGauge("sdm_state_bytes", "Bytes of session state, by tier.", {"tier"})),
       state_offloads(registry.AddCounter("sdm_state_offloads_total",
                                          "Session states moved down to a tier (host or disk).",
                                          {"tier"})),

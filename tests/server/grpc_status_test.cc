@@ -109,8 +109,8 @@ CallResult CallGetSession(const absl::Status& server_status) {
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   EXPECT_NE(server, nullptr);
   EXPECT_GT(port, 0);
-  auto stub = v1::SdmService::NewStub(grpc::CreateChannel(
-      "127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  auto stub = v1::SdmService::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
   v1::GetSessionRequest request;
   request.set_session_id("chat-1");

@@ -120,9 +120,7 @@ TEST(MetricsTest, ExactRenderingOfOneOfEach) {
   auto registry = CreateMetricsRegistry();
   registry->AddCounter("c_total", "A counter.", {"k"}).WithLabels({"v"}).Increment(2);
   registry->AddGauge("g", "A gauge.").WithLabels({}).Set(0.25);
-  registry->AddHistogram("h_seconds", "A histogram.", {0.5, 2}, {"k"})
-      .WithLabels({"v"})
-      .Observe(1);
+  registry->AddHistogram("h_seconds", "A histogram.", {0.5, 2}, {"k"}).WithLabels({"v"}).Observe(1);
   EXPECT_EQ(registry->RenderPrometheusText(),
             "# HELP c_total A counter.\n"
             "# TYPE c_total counter\n"

@@ -82,26 +82,26 @@ TEST(PrometheusTextParserTest, AcceptsAWellFormedPage) {
 
 TEST(PrometheusTextParserTest, RejectsMalformedPages) {
   const char* const kBad[] = {
-      "c_total 1\n",                                                  // no HELP/TYPE
-      "# TYPE c_total counter\nc_total 1\n",                          // TYPE without HELP
-      "# HELP c_total C.\nc_total 1\n",                               // HELP without TYPE
-      "# HELP c_total C.\n# TYPE c_total counter\nc_total 1",         // no final line feed
-      "# HELP c_total C.\n# TYPE c_total counter\n\nc_total 1\n",     // empty line
-      "# HELP c_total C.\n# TYPE c_total counter\n# note\nc_total 1\n",  // other comment
-      "# HELP c_total C.\n# TYPE c_total counter\nother 1\n",         // sample of another name
-      "# HELP c_total C.\n# TYPE c_total counter\nc_total{} 1\n",     // empty label set
+      "c_total 1\n",                                                       // no HELP/TYPE
+      "# TYPE c_total counter\nc_total 1\n",                               // TYPE without HELP
+      "# HELP c_total C.\nc_total 1\n",                                    // HELP without TYPE
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total 1",              // no final line feed
+      "# HELP c_total C.\n# TYPE c_total counter\n\nc_total 1\n",          // empty line
+      "# HELP c_total C.\n# TYPE c_total counter\n# note\nc_total 1\n",    // other comment
+      "# HELP c_total C.\n# TYPE c_total counter\nother 1\n",              // sample of another name
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total{} 1\n",          // empty label set
       "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"1\",} 1\n",  // trailing comma
       "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"\\t\"} 1\n",  // bad escape
-      "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"1} 1\n",     // unterminated
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total{a=\"1} 1\n",      // unterminated
       "# HELP c_total C.\n# TYPE c_total counter\nc_total 1 1700000000\n",  // timestamp
-      "# HELP c_total C.\n# TYPE c_total counter\nc_total one\n",     // bad value
+      "# HELP c_total C.\n# TYPE c_total counter\nc_total one\n",           // bad value
       "# HELP c_total C.\n# TYPE c_total counter\nc_total 1\nc_total 2\n",  // duplicate series
-      "# HELP c_total C.\n# TYPE c_total widget\nc_total 1\n",        // unknown type
+      "# HELP c_total C.\n# TYPE c_total widget\nc_total 1\n",              // unknown type
       "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 1\nh_sum 1\nh_count 1\n",  // no +Inf
       "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"1\"} 2\nh_bucket{le=\"+Inf\"} 1\n"
       "h_sum 1\nh_count 1\n",  // decreasing buckets
       "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_sum 1\nh_count 3\n",  // +Inf
-      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_count 2\n",  // no _sum
+      "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"+Inf\"} 2\nh_count 2\n",           // no _sum
       "# HELP h H.\n# TYPE h histogram\nh_bucket{le=\"2\"} 1\nh_bucket{le=\"1\"} 1\n"
       "h_bucket{le=\"+Inf\"} 1\nh_sum 1\nh_count 1\n",  // le out of order
   };

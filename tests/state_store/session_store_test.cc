@@ -327,3 +327,55 @@ TEST(StoreBackgroundTest, WorkerParksIdleSessionsOffTheCallingThread) {
 
 }  // namespace
 }  // namespace sdm
+
+namespace sdm {
+namespace {
+
+// The SWA ring is sized window + prefill chunk: a snapshot taken by an engine with one chunk size
+// resumes exactly in an engine with another.
+TEST(StoreRingTest, SnapshotResumesUnderAnotherPrefillChunk) {
+  ModelConfig c = ConfigOf(Kind::kMixed);
+  auto model = RandomModel(c, 8);
+  EngineOptions small, large;
+  small.prefill_chunk = 4;
+  large.prefill_chunk = 64;
+  auto a = *Engine::Create(model, small);
+  auto b = *Engine::Create(model, large);
+  ASSERT_EQ(a->fingerprint(), b->fingerprint());
+  TempDir dir;
+  SessionStoreOptions o;
+  o.dir = dir.path();
+  o.background = false;
+  const auto prompt = Tokens(23, 4), more = Tokens(6, 5);
+  std::vector<float> want;
+  {
+    auto store = *SessionStateStore::Open(a->state_layout(), a->fingerprint(), o);
+    ASSERT_TRUE(store->Create("r", "").ok());
+    auto lease = store->Acquire("r");
+    ASSERT_TRUE(a->Prefill(lease->state(), prompt, false, nullptr).ok());
+    auto copy = lease->state().Clone();
+    for (int32_t t : more) {
+      std::vector<float> step(c.vocab_size);
+      SessionState* p = copy.get();
+      ASSERT_TRUE(a->Decode({&p, 1}, {&t, 1}, step).ok());
+      want.insert(want.end(), step.begin(), step.end());
+    }
+    lease = SessionLease();
+    ASSERT_TRUE(store->Park("r", Tier::kDisk).ok());
+  }
+  auto store = *SessionStateStore::Open(b->state_layout(), b->fingerprint(), o);
+  EXPECT_TRUE(store->open_errors().empty());
+  auto lease = store->Acquire("r");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  std::vector<float> got;
+  for (int32_t t : more) {
+    std::vector<float> step(c.vocab_size);
+    SessionState* p = &lease->state();
+    ASSERT_TRUE(b->Decode({&p, 1}, {&t, 1}, step).ok());
+    got.insert(got.end(), step.begin(), step.end());
+  }
+  EXPECT_EQ(got, want);
+}
+
+}  // namespace
+}  // namespace sdm

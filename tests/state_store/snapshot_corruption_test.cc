@@ -8,8 +8,13 @@
 // dir/quarantine/ (not deleted) and named in open_errors(); damage further in is found by the
 // session's Acquire(), which quarantines it then. Either way that session's Acquire() answers
 // with the reason, and every other session in the directory restores exactly.
+#include <sys/resource.h>
+
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 #include <memory>
@@ -31,6 +36,18 @@
 
 namespace sdm {
 namespace {
+
+// The one file quarantine/<id>.sdmstate.* in `dir`, or an empty path.
+std::filesystem::path QuarantinedCopy(const std::filesystem::path& dir, absl::string_view id) {
+  std::filesystem::path found;
+  const std::string prefix = absl::StrCat(id, ".sdmstate.");
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir / "quarantine", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(prefix, 0) == 0) found = e.path();
+  }
+  return found;
+}
 
 using testing::BlobSection;
 using testing::FixChecksums;
@@ -298,6 +315,18 @@ TEST_F(SnapshotCodecCorruptionTest, ConsistentChecksumsWrongContentsAreDetected)
   }
 }
 
+// Caps this process's address space at its current size plus `extra` bytes.
+void LimitAddressSpace(int64_t extra) {
+  std::ifstream status("/proc/self/status");
+  int64_t vm_kb = 0;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stoll(line.substr(7));
+  }
+  const rlim_t limit = static_cast<rlim_t>(vm_kb * 1024 + extra);
+  const struct rlimit rl = {limit, limit};
+  setrlimit(RLIMIT_AS, &rl);
+}
+
 // A self-consistent snapshot claiming an enormous history for a full-attention layer must be
 // refused from its sizes, before any memory is reserved for that history.
 TEST(SnapshotCodecHugeClaimTest, HugePositionIsRefusedWithoutAllocating) {
@@ -324,8 +353,17 @@ TEST(SnapshotCodecHugeClaimTest, HugePositionIsRefusedWithoutAllocating) {
                    huge);  // id "s", empty metadata
   StoreAt<int64_t>(bad, sections[1].payload() + 20, huge);
   FixChecksums(bad);
-  const absl::Status s = DecodeSessionState(bad, layout, 5).status();
-  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss) << s;
+  // Decoded in a child process with a capped address space, so that a decoder that reserved
+  // memory for the claimed history fails there (bad_alloc) instead of exhausting the machine.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        LimitAddressSpace(int64_t{512} << 20);
+        const absl::Status s = DecodeSessionState(bad, layout, 5).status();
+        std::fprintf(stderr, "%s\n", s.ToString().c_str());
+        std::_Exit(s.code() == absl::StatusCode::kDataLoss ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "DATA_LOSS");
 }
 
 // ---- Through the store: quarantine, errors, other sessions unaffected ----
@@ -363,9 +401,8 @@ class SnapshotStoreCorruptionTest : public ::testing::Test {
   }
 
   std::filesystem::path Victim() const { return dir_.path() / "victim.sdmstate"; }
-  std::filesystem::path Quarantined() const {
-    return dir_.path() / "quarantine" / "victim.sdmstate";
-  }
+  // The quarantined copy: quarantine/victim.sdmstate.<unix ms>[.n] (never overwritten).
+  std::filesystem::path Quarantined() const { return QuarantinedCopy(dir_.path(), "victim"); }
 
   std::unique_ptr<SessionStateStore> Open(uint64_t fingerprint = 0) {
     SessionStoreOptions options;
@@ -553,8 +590,7 @@ TEST_F(SnapshotStoreCorruptionTest, StoreOfAnotherModelRefusesEverySnapshot) {
     const absl::Status s = store->Acquire(id).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "different model")) << s;
-    EXPECT_TRUE(
-        std::filesystem::exists(dir_.path() / "quarantine" / absl::StrCat(id, ".sdmstate")));
+    EXPECT_FALSE(QuarantinedCopy(dir_.path(), id).empty()) << id;
   }
 }
 

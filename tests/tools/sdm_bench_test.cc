@@ -74,6 +74,9 @@ const std::vector<std::string> kRowKeys = {
     "sdm_ms_per_step",
     "ffn_ms_per_step",
     "head_ms_per_step",
+    "attn_layers_gbps",
+    "swa_layers_gbps",
+    "sdm_layers_gbps",
     "state_bytes_per_session",
     "max_batch_in_budget",
 };
@@ -176,6 +179,26 @@ TEST_F(SdmBenchToolTest, DecodeWritesAWellFormedReport) {
       EXPECT_THAT(report, HasSubstr(png));
     }
   }
+}
+
+TEST_F(SdmBenchToolTest, ReportRendersAnEarlierRunAgain) {
+  const auto json_path = tmp_.path() / "out.json";
+  Result r = RunTool(
+      "decode --pair tiny --contexts 8 --batches 1 --fit_batch=false --steps 1 "
+      "--warmup 0 --bandwidth_mb 8 --json " +
+      json_path.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto dir = tmp_.path() / "again";
+  r = RunTool("report --from " + json_path.string() + " --report " + dir.string() + " --csv " +
+              (tmp_.path() / "again.csv").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(ReadFile(dir / "report.md"), HasSubstr("## Results: tiny"));
+  EXPECT_EQ(Lines(ReadFile(tmp_.path() / "again.csv")).size(), 3u);  // header + 2 rows
+  EXPECT_EQ(nlohmann::json::parse(ReadFile(dir / "results.json"))["results"].size(), 2u);
+  r = RunTool("report --from " + (tmp_.path() / "missing.json").string());
+  EXPECT_EQ(r.code, 1);
+  r = RunTool("report");
+  EXPECT_EQ(r.code, 2);
 }
 
 TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <memory>
@@ -136,15 +137,38 @@ std::vector<GemmShape> DecodeGemms(const Model& model) {
 
 // Bytes of weights one decode step reads once, whatever the batch: every tensor as fp32 except
 // the learned SDM memory (its rows are counted per session) and the embedding table unless tied
-// (only the batch's rows are gathered; counted per session).
-double WeightBytesPerStep(const ModelConfig& c) {
-  double bytes = 0;
+// (only the batch's rows are gathered; counted per session). Split by the mixer a tensor belongs
+// to (layers.{i}.attention.*), the rest (norms, FFNs, output) in `other`.
+struct WeightBytes {
+  double attn = 0, swa = 0, sdm = 0, other = 0;
+  double total() const { return attn + swa + sdm + other; }
+};
+
+WeightBytes WeightBytesPerStep(const ModelConfig& c) {
+  WeightBytes w;
   for (const TensorSpec& t : ExpectedTensors(c)) {
     if (t.is_sdm_memory) continue;
     if (t.name == "tok_embeddings.weight" && !c.weight_tying) continue;
-    bytes += 4.0 * static_cast<double>(NumElements(t));
+    const double bytes = 4.0 * static_cast<double>(NumElements(t));
+    int64_t layer = -1;
+    if (std::sscanf(t.name.c_str(), "layers.%ld.attention.", &layer) == 1 &&
+        t.name.find(".attention.") != std::string::npos && layer >= 0 && layer < c.n_layers) {
+      switch (c.layer_types[layer]) {
+        case LayerType::kAttn:
+          w.attn += bytes;
+          break;
+        case LayerType::kSwa:
+          w.swa += bytes;
+          break;
+        case LayerType::kSdm:
+          w.sdm += bytes;
+          break;
+      }
+    } else {
+      w.other += bytes;
+    }
   }
-  return bytes;
+  return w;
 }
 
 // Bytes one session's decode step at context `ctx` must move (the token's embedding row, the K
@@ -275,7 +299,7 @@ json ModelJson(const BenchModel& m) {
   j["parameters_total"] = p.total;
   j["parameters_without_m0"] = p.without_m0;
   j["parameters_m0"] = p.m0;
-  j["weight_bytes_per_step"] = WeightBytesPerStep(m.config);
+  j["weight_bytes_per_step"] = WeightBytesPerStep(m.config).total();
   j["kv_bytes_per_token"] = KvBytesPerToken(m.config);
   j["sdm_bytes_per_step_per_session"] = SessionBytesPerStep(m.config, 0).sdm;
   j["sdm_state_bytes_max"] = 4.0 * static_cast<double>(SdmStateElements(m.config));
@@ -363,9 +387,14 @@ absl::StatusOr<json> Measure(ModelRun& run, const std::string& group, int64_t ct
   const double gflops = flops / median / 1e9;
   const double ms = 1e3 / opt.steps;
   const SessionStepBytes sb = SessionBytesPerStep(config, ctx);
-  const double weight_bytes = WeightBytesPerStep(config);
+  const WeightBytes wb = WeightBytesPerStep(config);
+  const double weight_bytes = wb.total();
   const double step_bytes = weight_bytes + b * sb.total();
   const double achieved = step_bytes / median / 1e9;
+  // A mixer's achieved bandwidth: its weights plus the batch's rows, over its profiled time.
+  auto mixer_gbps = [&](double weights, double per_session, double seconds) {
+    return seconds > 0 ? (weights + b * per_session) / (seconds / opt.steps) / 1e9 : 0.0;
+  };
   return json{{"group", group},
               {"model", run.spec->name},
               {"role", run.spec->role},
@@ -392,6 +421,9 @@ absl::StatusOr<json> Measure(ModelRun& run, const std::string& group, int64_t ct
               {"sdm_ms_per_step", prof.sdm_seconds * ms},
               {"ffn_ms_per_step", prof.ffn_seconds * ms},
               {"head_ms_per_step", prof.head_seconds * ms},
+              {"attn_layers_gbps", mixer_gbps(wb.attn, sb.kv, prof.attn_seconds)},
+              {"swa_layers_gbps", mixer_gbps(wb.swa, sb.swa, prof.swa_seconds)},
+              {"sdm_layers_gbps", mixer_gbps(wb.sdm, sb.sdm, prof.sdm_seconds)},
               {"state_bytes_per_session", run.state_bytes},
               {"max_batch_in_budget", MaxBatch(opt.state_budget_gb, run.state_bytes)}};
 }
@@ -431,7 +463,12 @@ void Summarise(json& group, const json& rows) {
          {"attention_tokens_per_s", a["tokens_per_s"]},
          {"sdm_ms_per_step", s["ms_per_step_median"]},
          {"attention_ms_per_step", a["ms_per_step_median"]},
-         {"ratio", s["tokens_per_s"].get<double>() / a["tokens_per_s"].get<double>()}});
+         {"ratio", s["tokens_per_s"].get<double>() / a["tokens_per_s"].get<double>()},
+         // The ratio if both steps ran at the same bandwidth: bytes per step, twin over SDM.
+         {"bandwidth_floor_ratio",
+          a["bytes_per_step"].get<double>() / s["bytes_per_step"].get<double>()},
+         {"attention_layers_gbps", a.value("attn_layers_gbps", 0.0)},
+         {"sdm_layers_gbps", s.value("sdm_layers_gbps", 0.0)}});
     longest = std::max(longest, key.first);
   }
   group["ratios"] = ratios;
@@ -445,7 +482,10 @@ void Summarise(json& group, const json& rows) {
          {"attention_batch", it->second["batch"]},
          {"sdm_tokens_per_s", s["tokens_per_s"]},
          {"attention_tokens_per_s", it->second["tokens_per_s"]},
-         {"ratio", s["tokens_per_s"].get<double>() / it->second["tokens_per_s"].get<double>()}});
+         {"ratio", s["tokens_per_s"].get<double>() / it->second["tokens_per_s"].get<double>()},
+         {"bandwidth_floor_ratio",
+          (s["batch"].get<double>() / s["bytes_per_step"].get<double>()) /
+              (it->second["batch"].get<double>() / it->second["bytes_per_step"].get<double>())}});
   }
   group["fit_ratios"] = fit;
   // Step-time growth from the shortest to the longest context, per model and batch measured at
@@ -550,6 +590,18 @@ absl::StatusOr<BenchGroup> NamedPair(absl::string_view name,
   g.models.push_back({spec->sdm_name, "sdm", *sdm});
   g.models.push_back({spec->twin_name, "attention", *twin});
   return g;
+}
+
+absl::Status RenderFromJson(const std::string& json_path, const DecodeBenchOptions& opt) {
+  std::ifstream in(json_path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", json_path));
+  json doc = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.contains("groups") || !doc.contains("results")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(json_path, " is not the JSON document of an sdm-bench decode run"));
+  }
+  for (json& g : doc["groups"]) Summarise(g, doc["results"]);
+  return WriteOutputs(doc, opt);
 }
 
 absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {

@@ -79,7 +79,7 @@ struct DecodeBenchOptions {
   std::vector<int64_t> contexts;       // empty: each group's default contexts
   std::vector<int64_t> batches = {1, 4, 16};
   bool fit_batch = true;   // also measure the largest batch in the budget
-  int64_t max_batch = 32;  // cap of the `fit` batch
+  int64_t max_batch = 16;  // cap of the `fit` batch
   int steps = 10;
   int warmup = 2;
   int threads = 0;              // engine threads (0: one per hardware thread)
@@ -96,6 +96,12 @@ struct DecodeBenchOptions {
 };
 
 absl::Status RunDecodeBenchmark(const DecodeBenchOptions& options);
+
+// `sdm-bench report --from FILE`: renders the outputs the options ask for (--json, --csv,
+// --report) again from an earlier run's JSON document, with the pair summaries recomputed from
+// its rows (new report layout or plots without measuring again). Only the output options and
+// python/plot_script are used.
+absl::Status RenderFromJson(const std::string& json_path, const DecodeBenchOptions& options);
 
 }  // namespace sdm::bench
 

@@ -159,6 +159,9 @@ const std::vector<std::string>& RowKeys() {
       "sdm_ms_per_step",
       "ffn_ms_per_step",
       "head_ms_per_step",
+      "attn_layers_gbps",
+      "swa_layers_gbps",
+      "sdm_layers_gbps",
       "state_bytes_per_session",
       "max_batch_in_budget",
   };
@@ -188,11 +191,13 @@ std::string GroupSummary(const json& g) {
   std::string out;
   if (!g.contains("ratios") || g["ratios"].empty()) return out;
   absl::StrAppend(&out, "# ", S(g["name"]), ": SDM / full-attention tokens/s (same batch)\n");
-  absl::StrAppendFormat(&out, "# %7s %5s %12s %12s %8s\n", "context", "batch", "SDM tok/s",
-                        "attn tok/s", "ratio");
+  absl::StrAppendFormat(&out, "# %7s %5s %12s %12s %8s %10s %10s\n", "context", "batch",
+                        "SDM tok/s", "attn tok/s", "ratio", "bw floor", "attn GB/s");
   for (const json& r : g["ratios"]) {
-    absl::StrAppendFormat(&out, "# %7d %5d %12.1f %12.1f %7.2fx\n", I(r["context"]), I(r["batch"]),
-                          D(r["sdm_tokens_per_s"]), D(r["attention_tokens_per_s"]), D(r["ratio"]));
+    absl::StrAppendFormat(&out, "# %7d %5d %12.1f %12.1f %7.2fx %9.2fx %10.1f\n", I(r["context"]),
+                          I(r["batch"]), D(r["sdm_tokens_per_s"]), D(r["attention_tokens_per_s"]),
+                          D(r["ratio"]), D(r["bandwidth_floor_ratio"]),
+                          D(r["attention_layers_gbps"]));
   }
   for (const json& f : g["fit_ratios"]) {
     absl::StrAppendFormat(&out,
@@ -255,7 +260,8 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
     if (h["ratios_at_longest_context"].empty()) continue;
     std::vector<std::string> parts;
     for (const json& r : h["ratios_at_longest_context"]) {
-      parts.push_back(absl::StrFormat("%.2fx at batch %d", D(r["ratio"]), I(r["batch"])));
+      parts.push_back(absl::StrFormat("%.2fx at batch %d (bandwidth floor %.2fx)", D(r["ratio"]),
+                                      I(r["batch"]), D(r["bandwidth_floor_ratio"])));
     }
     absl::StrAppendFormat(&md,
                           "- **%s**, at %d tokens of context (the longest measured): SDM / full "
@@ -327,7 +333,9 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       "- A measurement clones the session B times (`SessionState::Clone`, a deep copy), runs the "
       "warm-up steps untimed and then the timed steps, one token per session per step; it reports "
       "the median and p90 step time, tokens/s = B / median, and the engine's per-mixer profile "
-      "(attn, swa, sdm, ffn: ms per step).\n"
+      "(attn, swa, sdm, ffn: ms per step). attn/swa/sdm GB/s: each mixer kind's bytes (its "
+      "weights plus the batch's KV or SDM rows) over its profiled time: how close the "
+      "full-attention baseline and the SDM layers each come to the machine's bandwidth.\n"
       "- MB/step: the bytes one step must move, modelled from the config: every weight read once "
       "as fp32 (the embedding table only for the B gathered rows unless tied; the learned SDM "
       "memory M0 only through the rows touched), plus per session the K and V rows of every "
@@ -382,15 +390,22 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
     const std::string name = S(g["name"]);
     absl::StrAppendFormat(&md, "## Results: %s\n\n", name);
     if (g.contains("ratios") && !g["ratios"].empty()) {
-      absl::StrAppend(&md,
-                      "SDM against its twin at the same batch (median step):\n\n"
-                      "| context | batch | SDM tok/s | attention tok/s | ratio | SDM ms/step | "
-                      "attention ms/step |\n|---:|---:|---:|---:|---:|---:|---:|\n");
+      absl::StrAppend(
+          &md,
+          "SDM against its twin at the same batch (median step). *Bandwidth-floor ratio*: the "
+          "ratio if both steps moved their bytes at the same rate (the twin's MB/step over the "
+          "SDM model's); the measured ratio exceeds it when the twin's attention runs further "
+          "below the machine's bandwidth than the SDM model's step does (see *attention GB/s*, "
+          "the twin's full-attention layers' achieved rate).\n\n"
+          "| context | batch | SDM tok/s | attention tok/s | ratio | bandwidth-floor ratio | SDM "
+          "ms/step | attention ms/step | attention GB/s |\n"
+          "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       for (const json& r : g["ratios"]) {
-        absl::StrAppendFormat(&md, "| %d | %d | %.1f | %.1f | **%.2fx** | %.2f | %.2f |\n",
-                              I(r["context"]), I(r["batch"]), D(r["sdm_tokens_per_s"]),
-                              D(r["attention_tokens_per_s"]), D(r["ratio"]),
-                              D(r["sdm_ms_per_step"]), D(r["attention_ms_per_step"]));
+        absl::StrAppendFormat(
+            &md, "| %d | %d | %.1f | %.1f | **%.2fx** | %.2fx | %.2f | %.2f | %.1f |\n",
+            I(r["context"]), I(r["batch"]), D(r["sdm_tokens_per_s"]),
+            D(r["attention_tokens_per_s"]), D(r["ratio"]), D(r["bandwidth_floor_ratio"]),
+            D(r["sdm_ms_per_step"]), D(r["attention_ms_per_step"]), D(r["attention_layers_gbps"]));
       }
       absl::StrAppend(&md, "\n");
       if (!g["fit_ratios"].empty()) {
@@ -398,12 +413,12 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
             &md,
             "At the largest batch each model fits in the state budget (at most `--max_batch`):\n\n"
             "| context | SDM batch | SDM tok/s | attention batch | attention tok/s | "
-            "ratio |\n|---:|---:|---:|---:|---:|---:|\n");
+            "ratio | bandwidth-floor ratio |\n|---:|---:|---:|---:|---:|---:|---:|\n");
         for (const json& f : g["fit_ratios"]) {
-          absl::StrAppendFormat(&md, "| %d | %d | %.1f | %d | %.1f | **%.2fx** |\n",
+          absl::StrAppendFormat(&md, "| %d | %d | %.1f | %d | %.1f | **%.2fx** | %.2fx |\n",
                                 I(f["context"]), I(f["sdm_batch"]), D(f["sdm_tokens_per_s"]),
                                 I(f["attention_batch"]), D(f["attention_tokens_per_s"]),
-                                D(f["ratio"]));
+                                D(f["ratio"]), D(f["bandwidth_floor_ratio"]));
         }
         absl::StrAppend(&md, "\n");
       }
@@ -411,20 +426,22 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
     absl::StrAppend(&md,
                     "Every measurement (ms per mixer are per step, from the engine's profile):\n\n"
                     "| model | context | batch | ms/step | p90 ms | tok/s | MB/step | GB/s | %bw | "
-                    "GFLOP/s | %sgemm | attn ms | swa ms | sdm ms | ffn ms | MB/sess | fits |\n"
+                    "GFLOP/s | %sgemm | attn ms | swa ms | sdm ms | ffn ms | attn GB/s | swa GB/s "
+                    "| sdm GB/s | MB/sess | fits |\n"
                     "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
-                    "---:|---:|\n");
+                    "---:|---:|---:|---:|---:|\n");
     for (const json& r : doc["results"]) {
       if (S(r["group"]) != name) continue;
       absl::StrAppendFormat(
           &md,
           "| %s | %d | %d%s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f%% | %.2f | "
-          "%.2f | %.2f | %.2f | %.1f | %d |\n",
+          "%.2f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %d |\n",
           S(r["model"]), I(r["context"]), I(r["batch"]), r["fit_batch"].get<bool>() ? " (fit)" : "",
           D(r["ms_per_step_median"]), D(r["ms_per_step_p90"]), D(r["tokens_per_s"]),
           D(r["bytes_per_step"]) / 1e6, D(r["achieved_gbps"]), 100 * D(r["fraction_of_bandwidth"]),
           D(r["gflops"]), 100 * D(r["fraction_of_sgemm"]), D(r["attn_ms_per_step"]),
           D(r["swa_ms_per_step"]), D(r["sdm_ms_per_step"]), D(r["ffn_ms_per_step"]),
+          D(r["attn_layers_gbps"]), D(r["swa_layers_gbps"]), D(r["sdm_layers_gbps"]),
           D(r["state_bytes_per_session"]) / 1e6, I(r["max_batch_in_budget"]));
     }
     absl::StrAppend(&md, "\n");

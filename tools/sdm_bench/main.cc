@@ -1,10 +1,11 @@
 // sdm-bench: benchmarks of sdmserve (not tests; docs/benchmarks.md says how to reproduce each).
 //
 //   sdm-bench decode [--pair debug,cpu_hybrid] [--presets P,...] [--set key=value ...]
-//                    [--contexts 512,2048,...] [--batches 1,4,16] [--fit_batch] [--max_batch 32]
+//                    [--contexts 512,2048,...] [--batches 1,4,16] [--fit_batch] [--max_batch 16]
 //                    [--steps 10] [--warmup 2] [--threads 0] [--prefill_chunk 256]
 //                    [--state_budget_gb 6] [--seed 1] [--bandwidth_mb 512]
 //                    [--json FILE] [--csv FILE] [--report DIR]
+//   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
 //
 // Exit status: 0 on success, 2 on usage errors, 1 when the benchmark fails.
 #include <cstdio>
@@ -32,7 +33,7 @@ ABSL_FLAG(std::vector<std::string>, batches, std::vector<std::string>({"1", "4",
           "Decode batch sizes (sessions decoded together per step)");
 ABSL_FLAG(bool, fit_batch, true,
           "Also measure the largest batch whose session state fits --state_budget_gb");
-ABSL_FLAG(int64_t, max_batch, 32, "Cap on the --fit_batch batch");
+ABSL_FLAG(int64_t, max_batch, 16, "Cap on the --fit_batch batch");
 ABSL_FLAG(int, steps, 10, "Timed decode steps per (model, context, batch)");
 ABSL_FLAG(int, warmup, 2, "Untimed decode steps before timing");
 ABSL_FLAG(int, threads, 0, "Engine threads (0: one per hardware thread)");
@@ -46,6 +47,7 @@ ABSL_FLAG(std::string, csv, "", "Also write the results as CSV to this file");
 ABSL_FLAG(std::string, report, "",
           "Write report.md, results.json, results.csv and PNG plots into this directory");
 ABSL_FLAG(std::string, python, "/usr/bin/python3", "Python with matplotlib, for the plots");
+ABSL_FLAG(std::string, from, "", "report: the JSON document of an earlier decode run");
 ABSL_FLAG(std::string, plot_script, "",
           "plot_decode.py (default: next to the binary, else in the source tree)");
 
@@ -55,6 +57,8 @@ constexpr char kUsage[] = R"(sdmserve benchmarks.
 
   sdm-bench decode [flags]   decode tokens/s of SDM models against their full-attention twins,
                              vs context length and batch size (docs/benchmarks.md)
+  sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
+                             renders the report, plots and files of an earlier run again
 
   --set key=value (repeatable) overrides a config field of every model, as sdm-model does
   (for a pair: of the SDM model, before its twin is derived).)";
@@ -100,8 +104,11 @@ int main(int argc, char** argv) {
     }
   }
   std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
-  if (args.size() != 2 || std::string(args[1]) != "decode") {
-    std::fprintf(stderr, "usage: sdm-bench decode [flags]  (see --help)\n");
+  const std::string command = args.size() == 2 ? args[1] : "";
+  if (command != "decode" && command != "report") {
+    std::fprintf(stderr,
+                 "usage: sdm-bench decode [flags] | sdm-bench report --from FILE [flags]  (see "
+                 "--help)\n");
     return 2;
   }
   sdm::bench::DecodeBenchOptions opt;
@@ -140,6 +147,19 @@ int main(int argc, char** argv) {
                  "sdm-bench: --steps, --max_batch, --prefill_chunk and --bandwidth_mb must be >= "
                  "1, --warmup >= 0 and --state_budget_gb > 0\n");
     return 2;
+  }
+  if (command == "report") {
+    const std::string from = absl::GetFlag(FLAGS_from);
+    if (from.empty()) {
+      std::fprintf(stderr, "sdm-bench report: --from FILE is required\n");
+      return 2;
+    }
+    const absl::Status s = sdm::bench::RenderFromJson(from, opt);
+    if (!s.ok()) {
+      std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    return 0;
   }
   absl::Status s = sdm::bench::RunDecodeBenchmark(opt);
   if (!s.ok()) {

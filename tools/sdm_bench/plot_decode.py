@@ -47,7 +47,7 @@ def main(argv):
     def figure(title):
         n = len(groups)
         fig, axes = plt.subplots(1, n, figsize=(6.0 * n, 4.6), squeeze=False)
-        fig.suptitle("%s (%s)" % (title, machine), fontsize=10)
+        fig.suptitle("%s\n%s" % (title, machine), fontsize=10)
         return fig, axes[0]
 
     def save(fig, name):
@@ -104,7 +104,7 @@ def main(argv):
     save(fig, "tokens_per_s_vs_batch.png")
 
     # ms per step against context at one batch: the whole step and its global layers.
-    fig, axes = figure("ms per decode step vs context (solid/dashed: whole step; dotted: global layers)")
+    fig, axes = figure("ms per decode step vs context length")
     for ax, g in zip(axes, groups):
         gr = group_rows(g)
         contexts = sorted({r["context"] for r in gr})
@@ -122,10 +122,10 @@ def main(argv):
                 continue
             color = colors[i % len(colors)]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=marker, color=color,
-                    label="%s: step" % m["name"])
+                    label="%s: whole step" % m["name"])
             layer = "SDM layers" if m["role"] == "sdm" else "full-attention layers"
             ax.plot([p[0] for p in pts], [p[2] for p in pts], ls=":", marker=marker, color=color,
-                    label="%s: %s" % (m["name"], layer))
+                    label="%s: its %s" % (m["name"], layer))
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("ms per step (median), batch %d" % b)

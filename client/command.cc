@@ -1,0 +1,121 @@
+#include "client/command.h"
+
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace sdm::client {
+
+Command::Command(const ClientIo& io, std::string name, std::string synopsis,
+                 std::string description)
+    : io_(io),
+      name_(std::move(name)),
+      synopsis_(std::move(synopsis)),
+      description_(std::move(description)) {}
+
+std::optional<int> Command::Parse(absl::Span<const std::string> args) {
+  AddConnectionFlags(flags_, &connection_flags_);
+  if (WantsHelp(args)) {
+    *io_.out << "usage: " << synopsis_ << "\n\n" << description_ << "\n\nflags:\n" << flags_.Help();
+    return kExitOk;
+  }
+  absl::StatusOr<std::vector<std::string>> positional = flags_.Parse(args);
+  if (!positional.ok()) return UsageError(positional.status().message());
+  positional_ = *std::move(positional);
+  return std::nullopt;
+}
+
+std::optional<int> Command::Connect() {
+  absl::StatusOr<ConnectionOptions> options =
+      ResolveConnectionOptions(flags_, connection_flags_, io_.env);
+  if (!options.ok()) return UsageError(options.status().message());
+  connection_ = *std::move(options);
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = MakeChannel(connection_);
+  if (!channel.ok()) return UsageError(channel.status().message());
+  stub_ = sdm::v1::SdmService::NewStub(*channel);
+  return std::nullopt;
+}
+
+int Command::UsageError(absl::string_view message) const {
+  *io_.err << "sdm-client " << name_ << ": " << message << " (sdm-client " << name_
+           << " --help)\n";
+  return kExitUsage;
+}
+
+int Command::Failure(const grpc::Status& status) const {
+  *io_.err << "sdm-client: " << FormatStatus(status) << "\n";
+  return kExitFailure;
+}
+
+void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {
+  flags.AddInt("max_tokens", &values->max_tokens,
+               "generate at most this many tokens (server default: 256)");
+  flags.AddDouble("temperature", &values->temperature, "0: greedy; otherwise softmax temperature");
+  flags.AddInt("top_k", &values->top_k, "sample among the k most probable tokens; 0: no limit");
+  flags.AddDouble("top_p", &values->top_p, "nucleus sampling threshold in (0, 1]");
+  flags.AddString("seed", &values->seed, "sampler seed (unsigned 64-bit)");
+  flags.AddStringList("stop", &values->stop, "stop when the text contains this string");
+  flags.AddString("stop_ids", &values->stop_ids,
+                  "comma-separated token ids that stop generation (besides EOS)");
+  flags.AddBool("add_bos", &values->add_bos,
+                "put BOS before the prompt (unset: exactly when the sequence starts here)");
+}
+
+absl::Status ApplySamplingFlags(const FlagSet& flags, const SamplingFlags& values,
+                                sdm::v1::GenerateRequest& request) {
+  sdm::v1::SamplingParams& s = *request.mutable_sampling();
+  if (flags.IsSet("max_tokens")) s.set_max_tokens(values.max_tokens);
+  s.set_temperature(values.temperature);
+  s.set_top_k(static_cast<int32_t>(values.top_k));
+  if (values.top_k != s.top_k()) {
+    return absl::InvalidArgumentError(absl::StrCat("--top_k: ", values.top_k, " is too large"));
+  }
+  if (flags.IsSet("top_p")) s.set_top_p(values.top_p);
+  uint64_t seed = 0;
+  if (!absl::SimpleAtoi(values.seed, &seed)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--seed: '", values.seed, "' is not an unsigned 64-bit integer"));
+  }
+  s.set_seed(seed);
+  for (const std::string& stop : values.stop) s.add_stop(stop);
+  absl::StatusOr<std::vector<int32_t>> ids = ParseTokenIds(values.stop_ids, "--stop_ids");
+  if (!ids.ok()) return ids.status();
+  for (const int32_t id : *ids) s.add_stop_token_ids(id);
+  if (flags.IsSet("add_bos")) request.set_add_bos(values.add_bos);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> ParseTokenIds(absl::string_view text, absl::string_view what) {
+  std::vector<int32_t> ids;
+  if (absl::StripAsciiWhitespace(text).empty()) return ids;
+  for (absl::string_view part : absl::StrSplit(text, ',')) {
+    int32_t id = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(part), &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(what, ": '", part, "' is not a token id (expected e.g. 1,2,3)"));
+    }
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+absl::string_view FinishReasonName(sdm::v1::FinishReason reason) {
+  switch (reason) {
+    case sdm::v1::FINISH_REASON_LENGTH:
+      return "length";
+    case sdm::v1::FINISH_REASON_STOP:
+      return "stop";
+    case sdm::v1::FINISH_REASON_EOS:
+      return "eos";
+    case sdm::v1::FINISH_REASON_CANCELLED:
+      return "cancelled";
+    default:
+      return "unspecified";
+  }
+}
+
+}  // namespace sdm::client

@@ -1,0 +1,196 @@
+#include "client/connection.h"
+
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <utility>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace sdm::client {
+namespace {
+
+// Returns the environment's value of `name` when set and non-empty.
+std::optional<std::string> NonEmpty(const EnvLookup& env, absl::string_view name) {
+  if (!env) return std::nullopt;
+  std::optional<std::string> v = env(name);
+  if (v.has_value() && v->empty()) return std::nullopt;
+  return v;
+}
+
+}  // namespace
+
+EnvLookup ProcessEnv() {
+  return [](absl::string_view name) -> std::optional<std::string> {
+    const char* v = std::getenv(std::string(name).c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+void AddConnectionFlags(FlagSet& flags, ConnectionFlags* values) {
+  flags.AddString("host", &values->host,
+                  absl::StrCat("server address host:port (env SDM_HOST; default ", kDefaultHost,
+                               ")"));
+  flags.AddString("api_key", &values->api_key,
+                  "API key, sent as 'authorization: Bearer KEY' (env SDM_API_KEY)");
+  flags.AddBool("tls", &values->tls, "connect with TLS (env SDM_TLS=1; implied by --tls_ca)");
+  flags.AddString("tls_ca", &values->tls_ca,
+                  "PEM file of the CA certificates to trust; implies --tls (env SDM_TLS_CA; "
+                  "default: the system's roots)");
+  flags.AddDouble("timeout", &values->timeout, "deadline of each call in seconds; 0: none");
+}
+
+absl::StatusOr<ConnectionOptions> ResolveConnectionOptions(const FlagSet& flags,
+                                                           const ConnectionFlags& values,
+                                                           const EnvLookup& env) {
+  ConnectionOptions options;
+  if (flags.IsSet("host")) {
+    options.host = values.host;
+  } else if (auto v = NonEmpty(env, "SDM_HOST")) {
+    options.host = *v;
+  }
+  if (options.host.empty()) return absl::InvalidArgumentError("--host must not be empty");
+
+  if (flags.IsSet("api_key")) {
+    options.api_key = values.api_key;
+  } else if (auto v = NonEmpty(env, "SDM_API_KEY")) {
+    options.api_key = *v;
+  }
+  for (const char c : options.api_key) {
+    if (!absl::ascii_isprint(static_cast<unsigned char>(c)) || c == ' ') {
+      return absl::InvalidArgumentError(
+          "the API key must be printable ASCII without spaces (check --api_key / SDM_API_KEY)");
+    }
+  }
+
+  if (flags.IsSet("tls_ca")) {
+    options.tls_ca_file = values.tls_ca;
+  } else if (auto v = NonEmpty(env, "SDM_TLS_CA")) {
+    options.tls_ca_file = *v;
+  }
+  // --tls, else a --tls_ca flag, else SDM_TLS, else whether a CA file came from anywhere.
+  if (flags.IsSet("tls")) {
+    options.tls = values.tls;
+  } else if (flags.IsSet("tls_ca") && !values.tls_ca.empty()) {
+    options.tls = true;
+  } else if (auto v = NonEmpty(env, "SDM_TLS")) {
+    const std::string s = absl::AsciiStrToLower(*v);
+    if (s == "1" || s == "true" || s == "yes") {
+      options.tls = true;
+    } else if (s == "0" || s == "false" || s == "no") {
+      options.tls = false;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SDM_TLS must be 1/true or 0/false, got '", *v, "'"));
+    }
+  } else {
+    options.tls = !options.tls_ca_file.empty();
+  }
+  if (!options.tls) options.tls_ca_file.clear();
+  } else if (flags.IsSet("tls_ca") && !values.tls_ca.empty()) {
+    options.tls = true;
+  } else if (auto v = NonEmpty(env, "SDM_TLS")) {
+    const std::string s = absl::AsciiStrToLower(*v);
+    if (s == "1" || s == "true" || s == "yes") {
+      options.tls = true;
+    } else if (s == "0" || s == "false" || s == "no") {
+      options.tls = false;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("SDM_TLS must be 1/true or 0/false, got '", *v, "'"));
+    }
+  }
+  if (!options.tls_ca_file.empty() && !flags.IsSet("tls") && !NonEmpty(env, "SDM_TLS")) {
+    options.tls = true;  // a CA file (flag or environment) means TLS
+  }
+  if (!options.tls) options.tls_ca_file.clear();
+
+  if (values.timeout < 0) return absl::InvalidArgumentError("--timeout must be >= 0");
+  if (values.timeout > 0) options.timeout = absl::Seconds(values.timeout);
+  return options;
+}
+
+absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ConnectionOptions& options) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (options.tls) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca_file.empty()) {
+      std::ifstream in(options.tls_ca_file, std::ios::binary);
+      std::ostringstream pem;
+      pem << in.rdbuf();
+      if (!in || pem.str().empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("cannot read the CA file '", options.tls_ca_file, "' (--tls_ca)"));
+      }
+      ssl.pem_root_certs = pem.str();
+    }
+    credentials = grpc::SslCredentials(ssl);
+  } else {
+    credentials = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  return grpc::CreateCustomChannel(options.host, credentials, args);
+}
+
+void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& context) {
+  if (!options.api_key.empty()) {
+    context.AddMetadata("authorization", absl::StrCat("Bearer ", options.api_key));
+  }
+  if (options.timeout != absl::InfiniteDuration()) {
+    context.set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+  }
+}
+
+absl::string_view StatusCodeName(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return "OK";
+    case grpc::StatusCode::CANCELLED:
+      return "CANCELLED";
+    case grpc::StatusCode::UNKNOWN:
+      return "UNKNOWN";
+    case grpc::StatusCode::INVALID_ARGUMENT:
+      return "INVALID_ARGUMENT";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return "DEADLINE_EXCEEDED";
+    case grpc::StatusCode::NOT_FOUND:
+      return "NOT_FOUND";
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return "ALREADY_EXISTS";
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return "PERMISSION_DENIED";
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return "RESOURCE_EXHAUSTED";
+    case grpc::StatusCode::FAILED_PRECONDITION:
+      return "FAILED_PRECONDITION";
+    case grpc::StatusCode::ABORTED:
+      return "ABORTED";
+    case grpc::StatusCode::OUT_OF_RANGE:
+      return "OUT_OF_RANGE";
+    case grpc::StatusCode::UNIMPLEMENTED:
+      return "UNIMPLEMENTED";
+    case grpc::StatusCode::INTERNAL:
+      return "INTERNAL";
+    case grpc::StatusCode::UNAVAILABLE:
+      return "UNAVAILABLE";
+    case grpc::StatusCode::DATA_LOSS:
+      return "DATA_LOSS";
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return "UNAUTHENTICATED";
+    default:
+      return "UNKNOWN";
+  }
+}
+
+std::string FormatStatus(const grpc::Status& status) {
+  if (status.error_message().empty()) return std::string(StatusCodeName(status.error_code()));
+  return absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
+}
+
+}  // namespace sdm::client

@@ -1,0 +1,257 @@
+// sdm-client generate and sdm-client chat.
+#include <chrono>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "client/command.h"
+#include "nlohmann/json.hpp"
+
+namespace sdm::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// What one Generate call streamed.
+struct StreamOutcome {
+  grpc::Status status;
+  std::string text;
+  std::vector<int32_t> token_ids;
+  sdm::v1::FinishReason finish_reason = sdm::v1::FINISH_REASON_UNSPECIFIED;
+  sdm::v1::Usage usage;
+  double ttft_seconds = -1;  // until the first chunk with tokens; -1: none came
+  double seconds = 0;        // the whole call
+};
+
+// Runs one Generate call, writing each chunk's text to `echo` (when not null) as it arrives.
+StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& request,
+                             std::ostream* echo) {
+  StreamOutcome outcome;
+  grpc::ClientContext context;
+  command.Prepare(context);
+  const Clock::time_point start = Clock::now();
+  std::unique_ptr<grpc::ClientReader<sdm::v1::GenerateResponse>> reader =
+      command.stub().Generate(&context, request);
+  sdm::v1::GenerateResponse chunk;
+  while (reader->Read(&chunk)) {
+    if (chunk.token_ids_size() > 0 && outcome.ttft_seconds < 0) {
+      outcome.ttft_seconds = SecondsBetween(start, Clock::now());
+    }
+    outcome.token_ids.insert(outcome.token_ids.end(), chunk.token_ids().begin(),
+                             chunk.token_ids().end());
+    outcome.text += chunk.text();
+    if (echo != nullptr && !chunk.text().empty()) {
+      *echo << chunk.text() << std::flush;
+    }
+    if (chunk.finish_reason() != sdm::v1::FINISH_REASON_UNSPECIFIED) {
+      outcome.finish_reason = chunk.finish_reason();
+    }
+    if (chunk.has_usage()) outcome.usage = chunk.usage();
+  }
+  outcome.status = reader->Finish();
+  outcome.seconds = SecondsBetween(start, Clock::now());
+  return outcome;
+}
+
+// "finish_reason=length prompt_tokens=5 history_tokens=0 generated_tokens=16 ttft_ms=3.1
+// seconds=0.052 tokens_per_s=307.7"
+std::string SummaryLine(const StreamOutcome& o) {
+  std::string line = absl::StrFormat(
+      "finish_reason=%s prompt_tokens=%d history_tokens=%d generated_tokens=%d",
+      FinishReasonName(o.finish_reason), o.usage.prompt_tokens(), o.usage.history_tokens(),
+      o.usage.generated_tokens());
+  if (o.ttft_seconds >= 0) absl::StrAppendFormat(&line, " ttft_ms=%.1f", o.ttft_seconds * 1e3);
+  absl::StrAppendFormat(&line, " seconds=%.3f", o.seconds);
+  if (o.seconds > 0) {
+    absl::StrAppendFormat(&line, " tokens_per_s=%.1f", o.usage.generated_tokens() / o.seconds);
+  }
+  return line;
+}
+
+// The codes after which a chat turn can simply be retried: the session is still there.
+bool TurnErrorIsRecoverable(grpc::StatusCode code) {
+  return code == grpc::StatusCode::INVALID_ARGUMENT || code == grpc::StatusCode::ABORTED ||
+         code == grpc::StatusCode::RESOURCE_EXHAUSTED ||
+         code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::CANCELLED;
+}
+
+}  // namespace
+
+int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
+  Command command(io, "generate",
+                  "sdm-client generate --prompt TEXT [--session ID] [--max_tokens N] "
+                  "[--temperature T] [--top_k K] [--top_p P] [--seed S] [--stop STR]... "
+                  "[--stop_ids ID,...] [--json]",
+                  "Feeds the prompt to a session (or, without --session, to a one-shot sequence)\n"
+                  "and streams the completion to stdout as it is generated. The finish reason and\n"
+                  "token usage go to stderr. The prompt may also be the one positional argument;\n"
+                  "'-' reads it from stdin.");
+  std::string prompt;
+  std::string session;
+  bool json = false;
+  SamplingFlags sampling;
+  command.flags().AddString("prompt", &prompt, "the prompt text ('-': read stdin)");
+  command.flags().AddString("session", &session,
+                            "the session to continue (empty: a one-shot request)");
+  command.flags().AddBool("json", &json,
+                          "print one JSON object at the end instead of streaming: session_id, "
+                          "text, token_ids, finish_reason, usage");
+  AddSamplingFlags(command.flags(), &sampling);
+  if (std::optional<int> exit = command.Parse(args)) return *exit;
+
+  const size_t prompts = command.positional().size() + (command.flags().IsSet("prompt") ? 1 : 0);
+  if (prompts == 0) return command.UsageError("--prompt is required");
+  if (prompts > 1) return command.UsageError("give the prompt once: --prompt TEXT or one argument");
+  if (!command.flags().IsSet("prompt")) prompt = command.positional()[0];
+  if (prompt == "-") {
+    prompt.assign(std::istreambuf_iterator<char>(*io.in), std::istreambuf_iterator<char>());
+  }
+  if (prompt.empty()) return command.UsageError("the prompt is empty");
+
+  sdm::v1::GenerateRequest request;
+  request.set_session_id(session);
+  request.set_text(prompt);
+  if (absl::Status s = ApplySamplingFlags(command.flags(), sampling, request); !s.ok()) {
+    return command.UsageError(s.message());
+  }
+  if (std::optional<int> exit = command.Connect()) return *exit;
+
+  const StreamOutcome outcome = StreamGenerate(command, request, json ? nullptr : io.out);
+  if (!json && io.out_is_terminal && !outcome.text.empty() && outcome.text.back() != '\n') {
+    *io.out << "\n" << std::flush;
+  }
+  if (!outcome.status.ok()) return command.Failure(outcome.status);
+  if (json) {
+    nlohmann::json j;
+    j["session_id"] = session;
+    j["text"] = outcome.text;
+    j["token_ids"] = outcome.token_ids;
+    j["finish_reason"] = FinishReasonName(outcome.finish_reason);
+    j["usage"] = {{"prompt_tokens", outcome.usage.prompt_tokens()},
+                  {"history_tokens", outcome.usage.history_tokens()},
+                  {"generated_tokens", outcome.usage.generated_tokens()}};
+    *io.out << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n"
+            << std::flush;
+  }
+  *io.err << SummaryLine(outcome) << "\n";
+  return kExitOk;
+}
+
+int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
+  Command command(
+      io, "chat", "sdm-client chat --session ID [--create] [sampling flags]",
+      "An interactive conversation on one session: each line read from stdin is a turn (sent\n"
+      "with its newline), and the completion streams to stdout. The session keeps the whole\n"
+      "history in its state on the server, so leaving (/quit or end of input) and running\n"
+      "'sdm-client chat --session ID' later resumes the conversation where it stopped.\n"
+      "--create starts a new session (without --session, the server picks its id).\n"
+      "After each turn, stderr shows the tokens fed, the history carried and those generated.\n"
+      "Commands: /quit (or /exit) leaves, /session shows the session, /help lists them.");
+  std::string session_id;
+  bool create = false;
+  SamplingFlags sampling;
+  command.flags().AddString("session", &session_id, "the session to talk on");
+  command.flags().AddBool("create", &create, "create the session first");
+  AddSamplingFlags(command.flags(), &sampling);
+  if (std::optional<int> exit = command.Parse(args)) return *exit;
+  if (!command.positional().empty()) {
+    return command.UsageError(absl::StrCat("unexpected argument '", command.positional()[0], "'"));
+  }
+  if (session_id.empty() && !create) return command.UsageError("--session is required");
+  sdm::v1::GenerateRequest turn;
+  if (absl::Status s = ApplySamplingFlags(command.flags(), sampling, turn); !s.ok()) {
+    return command.UsageError(s.message());
+  }
+  if (std::optional<int> exit = command.Connect()) return *exit;
+
+  sdm::v1::Session session;
+  {
+    grpc::ClientContext context;
+    command.Prepare(context);
+    grpc::Status status;
+    if (create) {
+      sdm::v1::CreateSessionRequest request;
+      request.set_session_id(session_id);
+      status = command.stub().CreateSession(&context, request, &session);
+    } else {
+      sdm::v1::GetSessionRequest request;
+      request.set_session_id(session_id);
+      status = command.stub().GetSession(&context, request, &session);
+    }
+    if (!status.ok()) {
+      const int exit = command.Failure(status);
+      if (status.error_code() == grpc::StatusCode::NOT_FOUND && !create) {
+        *io.err << "(start a new conversation with --create)\n";
+      }
+      return exit;
+    }
+  }
+  turn.set_session_id(session.id());
+  int64_t position = session.position();
+  *io.err << "session " << session.id() << (create ? " created" : " resumed") << ": " << position
+          << " tokens of history. One line per turn; /quit leaves.\n";
+
+  bool failed = false;
+  std::string line;
+  while (true) {
+    if (io.in_is_terminal) *io.err << "> " << std::flush;
+    if (!std::getline(*io.in, line)) break;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    const absl::string_view trimmed = absl::StripAsciiWhitespace(line);
+    if (trimmed.empty()) continue;
+    if (trimmed == "/quit" || trimmed == "/exit") break;
+    if (trimmed == "/help") {
+      *io.err << "/quit or /exit: leave (the session stays on the server); /session: show it\n";
+      continue;
+    }
+    if (trimmed == "/session") {
+      grpc::ClientContext context;
+      command.Prepare(context);
+      sdm::v1::GetSessionRequest request;
+      request.set_session_id(session.id());
+      sdm::v1::Session now;
+      if (grpc::Status s = command.stub().GetSession(&context, request, &now); !s.ok()) {
+        *io.err << "sdm-client: " << FormatStatus(s) << "\n";
+        failed = true;
+        continue;
+      }
+      *io.err << "session " << now.id() << ": position " << now.position() << ", state_bytes "
+              << now.state_bytes() << ", tier " << sdm::v1::Tier_Name(now.tier()) << "\n";
+      continue;
+    }
+    if (absl::StartsWith(trimmed, "/")) {
+      *io.err << "unknown command " << trimmed << " (/help lists them)\n";
+      continue;
+    }
+    turn.set_text(absl::StrCat(line, "\n"));
+    const StreamOutcome outcome = StreamGenerate(command, turn, io.out);
+    if (!outcome.text.empty() && outcome.text.back() != '\n') *io.out << "\n";
+    *io.out << std::flush;
+    if (!outcome.status.ok()) {
+      *io.err << "sdm-client: " << FormatStatus(outcome.status) << "\n";
+      failed = true;
+      if (!TurnErrorIsRecoverable(outcome.status.error_code())) return kExitFailure;
+      continue;
+    }
+    const sdm::v1::Usage& u = outcome.usage;
+    position = u.history_tokens() + u.prompt_tokens() + u.generated_tokens();
+    *io.err << absl::StrFormat(
+        "[%d prompt tokens + %d history tokens carried, %d generated, finish %s, %.2f s]\n",
+        u.prompt_tokens(), u.history_tokens(), u.generated_tokens(),
+        FinishReasonName(outcome.finish_reason), outcome.seconds);
+  }
+  *io.err << "session " << session.id() << " kept at position " << position
+          << "; resume with: sdm-client chat --session " << session.id() << "\n";
+  return failed ? kExitFailure : kExitOk;
+}
+
+}  // namespace sdm::client

@@ -1,0 +1,139 @@
+// Scheduler: iteration-level continuous batching over the engine (design brief §6).
+//
+// One thread runs engine steps. Each step (1) admits waiting jobs while fewer than max_running
+// are running, (2) ends jobs that were cancelled or passed their deadline, (3) spends at most
+// prefill_token_budget prompt tokens on prefill chunks, oldest job first, so a long prompt never
+// stalls running streams for more than one chunk, and (4) decodes one token for every job past
+// its prompt, as one engine batch. Prompts are cut at multiples of the engine's prefill chunk and
+// decode is batch-invariant, so a job's tokens are bit for bit those it would get alone. Tokens are
+// sampled per job (engine/sampler.h) from the session's stream and handed to the job's observer
+// with their UTF-8 text delta; stop ids, the tokenizer's EOS, stop strings and max_tokens end a
+// job.
+//
+// Sessions: a job with a session id takes the session's lease from the SessionStateStore when it
+// is submitted — so a busy session (ABORTED), an unknown one (NOT_FOUND) or a broken snapshot
+// (DATA_LOSS) is refused before anything is streamed, and a parked session is restored off the
+// step thread — and holds it until it finishes. The last sampled token of a job is left in the
+// session as its pending token (not yet fed); the next job on the session feeds it first, so a
+// conversation's history is exactly the tokens it saw. A job without a session id runs on a
+// fresh state that is dropped at the end.
+//
+// Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs wait, before
+// the job has produced anything, so a client may retry.
+//
+// Thread-safety: Submit/Shutdown/counters from any thread. Observers are called on the step
+// thread and must not block.
+#ifndef SDMSERVE_SERVER_SCHEDULER_H_
+#define SDMSERVE_SERVER_SCHEDULER_H_
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "engine/sampler.h"
+#include "engine/tokenizer.h"
+#include "state_store/session_store.h"
+
+namespace sdm {
+
+enum class FinishReason { kLength, kStop, kEos, kCancelled, kDeadline, kError };
+absl::string_view FinishReasonName(FinishReason reason);
+
+struct Usage {
+  int64_t prompt_tokens = 0;     // tokens of this request's prompt fed to the model
+  int64_t history_tokens = 0;    // tokens already carried by the session's state (not re-read)
+  int64_t generated_tokens = 0;  // tokens sampled
+};
+
+struct GenerateJob {
+  std::string session_id;       // empty: one-shot
+  std::vector<int32_t> prompt;  // at least one token (BOS already added by the caller)
+  SamplingParams sampling;      // validated by the caller
+  std::vector<std::string> stop_strings;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+// Receives a job's output on the step thread.
+class JobObserver {
+ public:
+  virtual ~JobObserver() = default;
+  // One generated token and the text it completes (may be empty while a character or a possible
+  // stop string is incomplete). Not called for EOS, stop ids or text past a stop string.
+  virtual void OnToken(int32_t token, absl::string_view text) = 0;
+  // Exactly once. `error` is OK unless reason is kError.
+  virtual void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) = 0;
+  // Polled every step: true ends the job as cancelled within that step.
+  virtual bool IsCancelled() const = 0;
+};
+
+// Step-level events for metrics (optional).
+class SchedulerListener {
+ public:
+  virtual ~SchedulerListener() = default;
+  virtual void OnStep(int decode_batch, int64_t prefill_tokens, double seconds) {}
+  virtual void OnFirstToken(double seconds_since_submit) {}
+  virtual void OnInterToken(double seconds) {}
+  virtual void OnJobFinished(FinishReason reason, const Usage& usage, double seconds) {}
+};
+
+struct SchedulerOptions {
+  int max_running = 32;                // jobs decoded together
+  int max_waiting = 64;                // admitted-but-not-running jobs before RESOURCE_EXHAUSTED
+  int64_t prefill_token_budget = 256;  // prompt tokens per step
+};
+
+class Scheduler {
+ public:
+  Scheduler(Engine& engine, SessionStateStore& store, const Tokenizer& tokenizer,
+            const SchedulerOptions& options, SchedulerListener* listener = nullptr);
+  ~Scheduler();  // Shutdown(/*cancel=*/true)
+  Scheduler(const Scheduler&) = delete;
+  Scheduler& operator=(const Scheduler&) = delete;
+
+  // Queues a job. Errors (nothing was streamed): RESOURCE_EXHAUSTED (queue full), UNAVAILABLE
+  // (shutting down), INVALID_ARGUMENT (empty prompt), and the store's Acquire errors for the
+  // session (NOT_FOUND, ABORTED, DATA_LOSS, ...).
+  absl::Status Submit(GenerateJob job, std::shared_ptr<JobObserver> observer);
+
+  // Stops admitting; then lets running and waiting jobs finish (cancel=false) or cancels them
+  // (cancel=true); returns when the step thread has exited. Idempotent.
+  void Shutdown(bool cancel);
+
+  int running() const;
+  int waiting() const;
+
+ private:
+  struct Job;
+  void Loop();
+  void Step(std::vector<std::unique_ptr<Job>>& running);
+  void Emit(Job& job, int32_t token);
+  void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus());
+
+  Engine& engine_;
+  SessionStateStore& store_;
+  const Tokenizer& tokenizer_;
+  const SchedulerOptions options_;
+  SchedulerListener* listener_;
+
+  mutable std::mutex mu_;
+  std::condition_variable wake_;
+  std::deque<std::unique_ptr<Job>> waiting_;  // guarded by mu_
+  int running_count_ = 0;                     // guarded by mu_
+  bool accepting_ = true;                     // guarded by mu_
+  bool cancel_all_ = false;                   // guarded by mu_
+  bool stop_ = false;                         // guarded by mu_
+  std::thread thread_;
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_SERVER_SCHEDULER_H_

@@ -1,0 +1,237 @@
+// libFuzzer target for the session-state decoder (state_store/state_codec.h): any byte string
+// fed to DecodeSessionState, RecordPrefixSize and DecodeSessionRecord must give an error or a
+// valid session, never a crash, an out-of-bounds access, undefined behaviour or a huge
+// allocation (built with ASan and UBSan; see scripts/fuzz.sh).
+//
+// Input: one mode byte, then the blob. Mode bit 0 set: before decoding, the blob's total-size
+// field, every section checksum and the header checksum are recomputed, so that mutations reach
+// the checks behind the checksums (sizes, layer order, shapes, slot indices) instead of all being
+// stopped by the first checksum.
+//
+// Memory: the bytes allocated while decoding must stay within a constant plus a small multiple
+// of the blob's size (counted with the sanitizer allocator's malloc hook): a blob claiming a
+// huge history must be refused from its sizes, not after reserving memory for the claim.
+//
+// Properties checked on every blob that decodes: the record read from the prefix (as Open()
+// does) agrees with the full decode; the blob is refused under another model's fingerprint; and
+// re-encoding the decoded session gives a blob that decodes and re-encodes to itself.
+//
+// The layout is fixed and small (no model needed): a full-attention KV layer, an SDM layer and
+// a sliding-window KV layer whose ring wraps after 3 tokens.
+//
+// `state_codec_fuzzer --write-seeds=DIR` writes a seed corpus of valid blobs to DIR and exits.
+#include <sanitizer/allocator_interface.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "absl/strings/string_view.h"
+#include "state_store/session_state.h"
+#include "state_store/state_codec.h"
+#include "state_store/state_layout.h"
+#include "xxhash.h"
+
+namespace {
+
+constexpr uint64_t kFingerprint = 0x5d3c0dec5eed0001ull;
+constexpr int64_t kWidth = 4;
+constexpr int64_t kSdmHeads = 2;
+constexpr int64_t kSlots = 8;
+constexpr int64_t kRing = 3;
+
+sdm::StateLayout MakeLayout() {
+  sdm::LayerStateLayout full;
+  full.kind = sdm::LayerStateLayout::Kind::kKv;
+  full.kv_row_width = kWidth;
+  sdm::LayerStateLayout table;
+  table.kind = sdm::LayerStateLayout::Kind::kSdm;
+  table.sdm_heads = kSdmHeads;
+  table.slots_per_head = kSlots;
+  table.row_width = kWidth;
+  auto m0 = std::make_shared<float[]>(kSdmHeads * kSlots * kWidth);
+  for (int64_t i = 0; i < kSdmHeads * kSlots * kWidth; ++i) m0[i] = 0.25f * static_cast<float>(i);
+  table.m0 = std::shared_ptr<const float>(m0, m0.get());
+  table.row_pool = std::make_shared<sdm::RowPool>(kWidth, /*max_rows=*/4096);
+  sdm::LayerStateLayout ring = full;
+  ring.ring_capacity = kRing;
+  sdm::StateLayout layout;
+  layout.layers = {full, table, ring};
+  return layout;
+}
+
+const sdm::StateLayout& Layout() {
+  static const sdm::StateLayout layout = MakeLayout();
+  return layout;
+}
+
+// Bytes malloc'd while `counting` (the decoder runs single-threaded inside the fuzzer).
+bool counting = false;
+size_t allocated = 0;
+void OnMalloc(const volatile void*, size_t bytes) {
+  if (counting) allocated += bytes;
+}
+void OnFree(const volatile void*) {}
+constexpr size_t kAllocationSlack = size_t{1} << 20;
+constexpr size_t kAllocationPerBlobByte = 8;
+
+[[noreturn]] void Fail(const char* what) {
+  std::fprintf(stderr, "state_codec_fuzzer: property violated: %s\n", what);
+  std::abort();
+}
+
+template <typename T>
+T LoadAt(const std::string& b, size_t at) {
+  T v;
+  std::memcpy(&v, b.data() + at, sizeof(T));
+  return v;
+}
+template <typename T>
+void StoreAt(std::string& b, size_t at, T v) {
+  std::memcpy(b.data() + at, &v, sizeof(T));
+}
+
+// Recomputes what mode bit 0 promises (docs/state-format.md has the layout).
+void FixUp(std::string& b) {
+  if (b.size() < 48) return;
+  StoreAt<uint64_t>(b, 32, b.size());
+  size_t at = 48;
+  while (at + 24 <= b.size()) {
+    const uint64_t n = LoadAt<uint64_t>(b, at + 8);
+    if (n > b.size() - at - 24) break;
+    StoreAt<uint64_t>(b, at + 16, XXH64(b.data() + at + 24, n, 0));
+    at += 24 + n;
+  }
+  StoreAt<uint64_t>(b, 40, XXH64(b.data(), 40, 0));
+}
+
+void CheckBlob(const std::string& blob) {
+  const sdm::StateLayout& layout = Layout();
+  allocated = 0;
+  counting = true;
+  auto decoded = sdm::DecodeSessionState(blob, layout, kFingerprint);
+  counting = false;
+  if (allocated > kAllocationSlack + kAllocationPerBlobByte * blob.size()) {
+    std::fprintf(stderr, "decoding %zu bytes allocated %zu bytes (%s)\n", blob.size(), allocated,
+                 decoded.ok() ? "OK" : decoded.status().ToString().c_str());
+    Fail("decoding allocated far more memory than the blob's size");
+  }
+
+  // What Open() does: the record from a prefix of the file.
+  const absl::string_view view(blob);
+  auto prefix =
+      sdm::RecordPrefixSize(view.substr(0, sdm::kRecordPrefixBytes), blob.size(), kFingerprint);
+  absl::StatusOr<sdm::SessionRecord> record =
+      prefix.ok() ? sdm::DecodeSessionRecord(view.substr(0, *prefix), blob.size(), kFingerprint)
+                  : absl::StatusOr<sdm::SessionRecord>(prefix.status());
+  if (prefix.ok() && *prefix > blob.size()) Fail("record prefix larger than the blob");
+  // The whole blob as the prefix works too.
+  auto whole_record = sdm::DecodeSessionRecord(view, blob.size(), kFingerprint);
+  if (whole_record.ok() != record.ok()) Fail("record decodes from the whole blob but not a prefix");
+
+  if (!decoded.ok()) {
+    const absl::StatusCode code = decoded.status().code();
+    if (code != absl::StatusCode::kDataLoss && code != absl::StatusCode::kFailedPrecondition &&
+        code != absl::StatusCode::kResourceExhausted) {
+      Fail("decode error is neither DATA_LOSS nor FAILED_PRECONDITION");
+    }
+    return;
+  }
+  if (!record.ok()) Fail("blob decodes but its record does not");
+  if (record->id != decoded->record.id || record->metadata != decoded->record.metadata ||
+      record->ttl_ms != decoded->record.ttl_ms ||
+      record->last_used_unix_ms != decoded->record.last_used_unix_ms) {
+    Fail("record from the prefix differs from the full decode");
+  }
+  if (sdm::DecodeSessionState(blob, layout, kFingerprint ^ 1).ok()) {
+    Fail("blob decodes under another model's fingerprint");
+  }
+  // Encoding is canonical after one round (slot order may differ from a crafted blob's).
+  const std::string once = sdm::EncodeSessionState(*decoded->state, decoded->record, kFingerprint);
+  auto again = sdm::DecodeSessionState(once, layout, kFingerprint);
+  if (!again.ok()) Fail("re-encoded session does not decode");
+  if (again->state->position() != decoded->state->position()) Fail("position changed");
+  if (sdm::EncodeSessionState(*again->state, again->record, kFingerprint) != once) {
+    Fail("encoding is not stable");
+  }
+}
+
+// A valid session of `tokens` tokens with a recognisable fill.
+std::string ValidBlob(int tokens, const std::string& id, const std::string& metadata) {
+  sdm::SessionState state(Layout());
+  for (int t = 0; t < tokens; ++t) {
+    for (int layer : {0, 2}) {
+      float* k = state.kv(layer).NextKeyRow();
+      float* v = state.kv(layer).NextValueRow();
+      for (int64_t i = 0; i < kWidth; ++i) {
+        k[i] = static_cast<float>(t * 10 + i);
+        v[i] = -static_cast<float>(t * 10 + i);
+      }
+      state.kv(layer).Commit();
+    }
+    float* row = state.sdm(1).MutableRow(t % kSdmHeads, (t * 5) % kSlots);
+    row[t % kWidth] += 1.0f;
+    state.AdvancePosition();
+  }
+  state.sampler_seed = 7;
+  state.sampler_draws = static_cast<uint64_t>(tokens);
+  state.pending_token = tokens > 0 ? 65 : -1;
+  return sdm::EncodeSessionState(state, sdm::SessionRecord{id, metadata, 1000, 42}, kFingerprint);
+}
+
+int WriteSeeds(const std::filesystem::path& dir) {
+  std::filesystem::create_directories(dir);
+  int n = 0;
+  for (int tokens : {0, 1, 2, 3, 4, 7}) {
+    const std::string blob = ValidBlob(tokens, "s" + std::to_string(tokens), R"({"k":"v"})");
+    CheckBlob(blob);  // the seeds themselves must pass
+    for (char mode : {'\0', '\1'}) {
+      std::ofstream out(dir / ("seed_" + std::to_string(n++)), std::ios::binary);
+      out << mode << blob;
+      if (!out) return 1;
+    }
+  }
+  // Regression: a checksum-consistent blob claiming 2^20 tokens for the full-attention layer
+  // (the decoder once reserved pages for the claim before checking the section's size).
+  const std::string id = "s7", metadata = "m";
+  std::string huge = ValidBlob(7, id, metadata);
+  const size_t record = 48 + 24;
+  const size_t position = record + 8 + id.size() + 8 + metadata.size() + 16;
+  const size_t kv_length = record + LoadAt<uint64_t>(huge, 48 + 8) + 24 + 20;
+  StoreAt<int64_t>(huge, position, int64_t{1} << 20);
+  StoreAt<int64_t>(huge, kv_length, int64_t{1} << 20);
+  FixUp(huge);
+  CheckBlob(huge);
+  std::ofstream out(dir / ("seed_" + std::to_string(n++)), std::ios::binary);
+  out << '\1' << huge;
+  if (!out) return 1;
+  std::printf("wrote %d seeds to %s\n", n, dir.c_str());
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
+  __sanitizer_install_malloc_and_free_hooks(OnMalloc, OnFree);
+  constexpr std::string_view kFlag = "--write-seeds=";
+  for (int i = 1; i < *argc; ++i) {
+    const std::string_view arg = (*argv)[i];
+    if (arg.substr(0, kFlag.size()) == kFlag) std::exit(WriteSeeds(arg.substr(kFlag.size())));
+  }
+  return 0;
+}
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size == 0) return 0;
+  std::string blob(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] & 1) FixUp(blob);
+  CheckBlob(blob);
+  return 0;
+}

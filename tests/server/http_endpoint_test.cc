@@ -1,0 +1,154 @@
+#include "server/http_endpoint.h"
+
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "server/metrics/metrics.h"
+#include "tests/server/prometheus_text_parser.h"
+
+namespace sdm {
+namespace {
+
+using ::sdm::testing::ParsedPage;
+using ::sdm::testing::ParsePrometheusText;
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+HttpEndpointOptions Loopback(int port = 0) {
+  HttpEndpointOptions options;
+  options.host = "127.0.0.1";
+  options.port = port;
+  return options;
+}
+
+TEST(HttpEndpointTest, ServesMetricsOnAChosenPort) {
+  auto registry = CreateMetricsRegistry();
+  Counter& tokens = registry->AddCounter("sdm_generated_tokens_total", "Tokens.").WithLabels({});
+  absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint =
+      HttpEndpoint::Start(Loopback(), *registry);
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  ASSERT_GT(port, 0);
+
+  httplib::Client client("127.0.0.1", port);
+  tokens.Increment(42);
+  const httplib::Result response = client.Get("/metrics");
+  ASSERT_TRUE(response) << httplib::to_string(response.error());
+  EXPECT_EQ(response->status, 200);
+  EXPECT_THAT(response->get_header_value("Content-Type"), StartsWith("text/plain; version=0.0.4"));
+  ParsedPage page;
+  std::string error;
+  ASSERT_TRUE(ParsePrometheusText(response->body, &page, &error)) << error;
+  EXPECT_EQ(page.Value("sdm_generated_tokens_total"), 42);
+
+  // Each scrape renders afresh.
+  tokens.Increment();
+  const httplib::Result again = client.Get("/metrics");
+  ASSERT_TRUE(again);
+  ASSERT_TRUE(ParsePrometheusText(again->body, &page, &error)) << error;
+  EXPECT_EQ(page.Value("sdm_generated_tokens_total"), 43);
+}
+
+TEST(HttpEndpointTest, HealthFollowsTheCallback) {
+  auto registry = CreateMetricsRegistry();
+  std::atomic<bool> draining = false;
+  auto endpoint = HttpEndpoint::Start(Loopback(), *registry, [&]() -> absl::Status {
+    if (draining) return absl::UnavailableError("draining: 3 requests still running");
+    return absl::OkStatus();
+  });
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  httplib::Client client("127.0.0.1", (*endpoint)->port());
+
+  httplib::Result healthy = client.Get("/healthz");
+  ASSERT_TRUE(healthy);
+  EXPECT_EQ(healthy->status, 200);
+  EXPECT_EQ(healthy->body, "ok\n");
+
+  draining = true;
+  httplib::Result unhealthy = client.Get("/healthz");
+  ASSERT_TRUE(unhealthy);
+  EXPECT_EQ(unhealthy->status, 503);
+  EXPECT_EQ(unhealthy->body, "not serving: draining: 3 requests still running\n");
+
+  draining = false;
+  EXPECT_EQ(client.Get("/healthz")->status, 200);
+}
+
+TEST(HttpEndpointTest, WithoutACallbackItIsHealthy) {
+  auto registry = CreateMetricsRegistry();
+  auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+  ASSERT_TRUE(endpoint.ok());
+  httplib::Client client("127.0.0.1", (*endpoint)->port());
+  EXPECT_EQ(client.Get("/healthz")->status, 200);
+}
+
+TEST(HttpEndpointTest, OtherPathsAreNotFound) {
+  auto registry = CreateMetricsRegistry();
+  auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+  ASSERT_TRUE(endpoint.ok());
+  httplib::Client client("127.0.0.1", (*endpoint)->port());
+  const httplib::Result response = client.Get("/");
+  ASSERT_TRUE(response);
+  EXPECT_EQ(response->status, 404);
+  EXPECT_EQ(client.Get("/metrics/extra")->status, 404);
+  EXPECT_EQ(client.Post("/metrics", "", "text/plain")->status, 404);
+}
+
+TEST(HttpEndpointTest, APortInUseIsAnErrorNamingIt) {
+  auto registry = CreateMetricsRegistry();
+  auto first = HttpEndpoint::Start(Loopback(), *registry);
+  ASSERT_TRUE(first.ok());
+  const int port = (*first)->port();
+  auto second = HttpEndpoint::Start(Loopback(port), *registry);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(second.status().message(), HasSubstr("127.0.0.1:" + std::to_string(port)));
+  EXPECT_THAT(second.status().message(), HasSubstr("Address already in use"));
+}
+
+TEST(HttpEndpointTest, BadOptionsAreRejected) {
+  auto registry = CreateMetricsRegistry();
+  EXPECT_EQ(HttpEndpoint::Start(Loopback(70000), *registry).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  HttpEndpointOptions options = Loopback();
+  options.threads = 0;
+  EXPECT_EQ(HttpEndpoint::Start(options, *registry).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  options = Loopback();
+  options.host = "not an address";
+  EXPECT_FALSE(HttpEndpoint::Start(options, *registry).ok());
+}
+
+TEST(HttpEndpointTest, DestroyingStopsListening) {
+  auto registry = CreateMetricsRegistry();
+  int port = 0;
+  {
+    auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+    ASSERT_TRUE(endpoint.ok());
+    port = (*endpoint)->port();
+    httplib::Client client("127.0.0.1", port);
+    EXPECT_TRUE(client.Get("/healthz"));
+  }
+  httplib::Client client("127.0.0.1", port);
+  client.set_connection_timeout(1);
+  EXPECT_FALSE(client.Get("/healthz"));
+  // The port is free again.
+  auto again = HttpEndpoint::Start(Loopback(port), *registry);
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
+TEST(HttpEndpointTest, StartAndStopRepeatedly) {
+  auto registry = CreateMetricsRegistry();
+  for (int i = 0; i < 20; ++i) {
+    auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+    ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  }
+}
+
+}  // namespace
+}  // namespace sdm

@@ -1,0 +1,308 @@
+#include "server/scheduler.h"
+
+#include <atomic>
+#include <condition_variable>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/model_config.h"
+#include "engine/tokenizer.h"
+#include "gtest/gtest.h"
+#include "kernels/common/check.h"
+
+namespace sdm {
+namespace {
+
+// Collects a job's output; Wait() blocks until it finished.
+class Collector : public JobObserver {
+ public:
+  void OnToken(int32_t token, absl::string_view text) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    tokens.push_back(token);
+    this->text += std::string(text);
+    if (cancel_after > 0 && static_cast<int>(tokens.size()) >= cancel_after) cancelled = true;
+  }
+  void OnFinish(FinishReason r, const Usage& u, const absl::Status& e) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    reason = r;
+    usage = u;
+    error = e;
+    finished = true;
+    cv_.notify_all();
+  }
+  bool IsCancelled() const override { return cancelled.load(); }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return finished; });
+  }
+
+  std::vector<int32_t> tokens;
+  std::string text;
+  FinishReason reason = FinishReason::kError;
+  Usage usage;
+  absl::Status error;
+  bool finished = false;
+  int cancel_after = 0;
+  std::atomic<bool> cancelled{false};
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+std::vector<int32_t> Tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 255);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = tok(rng);
+  return t;
+}
+
+class SchedulerTest : public testing::Test {
+ protected:
+  void SetUp() override {
+    ModelConfig c = *PresetConfig("tiny");
+    auto e = Engine::Create(RandomModel(c, 5), EngineOptions{});
+    ASSERT_TRUE(e.ok());
+    engine_ = *std::move(e);
+    tokenizer_ = Tokenizer::CreateByteTokenizer();
+    dir_ = std::filesystem::temp_directory_path() / absl::StrCat("sdm_sched_", ::getpid());
+    std::filesystem::remove_all(dir_);
+    OpenStore();
+  }
+  void TearDown() override {
+    scheduler_.reset();
+    store_.reset();
+    std::filesystem::remove_all(dir_);
+  }
+  void OpenStore() {
+    SessionStoreOptions o;
+    o.dir = dir_;
+    auto s = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = *std::move(s);
+  }
+  void StartScheduler(SchedulerOptions o = {}) {
+    scheduler_ = std::make_unique<Scheduler>(*engine_, *store_, *tokenizer_, o);
+  }
+
+  // Greedy generation computed directly with the engine, one session alone: the reference. Like
+  // the scheduler it stops after n tokens or at EOS (not returned); `last` receives the final
+  // sampled token (EOS included), which a session keeps pending.
+  std::vector<int32_t> Direct(SessionState& s, const std::vector<int32_t>& prompt, int n,
+                              int32_t* last = nullptr) {
+    std::vector<float> logits;
+    SDM_CHECK(engine_->Prefill(s, prompt, false, &logits).ok());
+    SamplingParams greedy;
+    std::vector<int32_t> out;
+    int32_t token = SampleToken(logits, greedy, 0);
+    std::vector<float> step(engine_->vocab_size());
+    while (true) {
+      if (last != nullptr) *last = token;
+      if (token == tokenizer_->eos_id()) break;
+      out.push_back(token);
+      if (static_cast<int>(out.size()) >= n) break;
+      SessionState* p = &s;
+      SDM_CHECK(engine_->Decode({&p, 1}, {&token, 1}, step).ok());
+      token = SampleToken(step, greedy, 0);
+    }
+    return out;
+  }
+
+  GenerateJob Job(std::string session, std::vector<int32_t> prompt, int max_tokens) {
+    GenerateJob j;
+    j.session_id = std::move(session);
+    j.prompt = std::move(prompt);
+    j.sampling.max_tokens = max_tokens;
+    j.sampling.stop_token_ids = {};
+    return j;
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::filesystem::path dir_;
+  std::unique_ptr<SessionStateStore> store_;
+  std::unique_ptr<Scheduler> scheduler_;
+};
+
+TEST_F(SchedulerTest, OneShotGreedyEqualsDirectEngine) {
+  StartScheduler();
+  const auto prompt = Tokens(9, 1);
+  auto c = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", prompt, 12), c).ok());
+  c->Wait();
+  EXPECT_EQ(c->reason, FinishReason::kLength);
+  scheduler_.reset();
+  auto s = engine_->NewSession();
+  EXPECT_EQ(c->tokens, Direct(*s, prompt, 12));
+  EXPECT_EQ(c->usage.prompt_tokens, 9);
+  EXPECT_EQ(c->usage.history_tokens, 0);
+  EXPECT_EQ(c->usage.generated_tokens, 12);
+  EXPECT_EQ(c->text, tokenizer_->Decode(c->tokens));
+}
+
+TEST_F(SchedulerTest, ConcurrentSessionsEqualTheirSoloRuns) {
+  SchedulerOptions o;
+  o.max_running = 32;
+  o.prefill_token_budget = 40;  // prompts are spread over several steps
+  StartScheduler(o);
+  const int kJobs = 32, kTokens = 10;
+  std::vector<std::shared_ptr<Collector>> out;
+  for (int i = 0; i < kJobs; ++i) {
+    const std::string id = absl::StrCat("c", i);
+    ASSERT_TRUE(store_->Create(id, "").ok());
+    out.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(Job(id, Tokens(5 + i % 7, 10 + i), kTokens), out.back()).ok());
+  }
+  for (auto& c : out) c->Wait();
+  scheduler_.reset();  // the engine serves one caller at a time: the references come after
+  for (int i = 0; i < kJobs; ++i) {
+    auto s = engine_->NewSession();
+    EXPECT_EQ(out[i]->tokens, Direct(*s, Tokens(5 + i % 7, 10 + i), kTokens)) << "job " << i;
+  }
+}
+
+TEST_F(SchedulerTest, SessionTurnsContinueTheConversationAndSurviveARestart) {
+  StartScheduler();
+  ASSERT_TRUE(store_->Create("chat", "").ok());
+  const auto p1 = Tokens(6, 2), p2 = Tokens(4, 3), p3 = Tokens(3, 4);
+  auto run = [&](const std::vector<int32_t>& p) {
+    auto c = std::make_shared<Collector>();
+    SDM_CHECK(scheduler_->Submit(Job("chat", p, 5), c).ok());
+    c->Wait();
+    return c;
+  };
+  auto t1 = run(p1);
+  auto t2 = run(p2);
+  // p1 and the fed generated tokens of t1; its last sampled token pends.
+  EXPECT_EQ(t2->usage.history_tokens, 6 + t1->usage.generated_tokens - 1);
+  // Restart: park everything to disk, new store and scheduler.
+  scheduler_.reset();
+  ASSERT_TRUE(store_->PersistAll().ok());
+  store_.reset();
+  OpenStore();
+  StartScheduler();
+  auto t3 = run(p3);
+  scheduler_.reset();
+  // Reference: one session fed exactly the same history.
+  auto s = engine_->NewSession();
+  int32_t pending = -1;
+  EXPECT_EQ(t1->tokens, Direct(*s, p1, 5, &pending));
+  std::vector<int32_t> feed2 = {pending};
+  feed2.insert(feed2.end(), p2.begin(), p2.end());
+  EXPECT_EQ(t2->tokens, Direct(*s, feed2, 5, &pending));
+  std::vector<int32_t> feed3 = {pending};
+  feed3.insert(feed3.end(), p3.begin(), p3.end());
+  EXPECT_EQ(t3->tokens, Direct(*s, feed3, 5));
+}
+
+TEST_F(SchedulerTest, BusyAndUnknownSessionsAreRefusedBeforeStreaming) {
+  StartScheduler();
+  ASSERT_TRUE(store_->Create("busy", "").ok());
+  auto lease = store_->Acquire("busy");
+  ASSERT_TRUE(lease.ok());
+  auto c = std::make_shared<Collector>();
+  EXPECT_EQ(scheduler_->Submit(Job("busy", Tokens(3, 1), 3), c).code(), absl::StatusCode::kAborted);
+  EXPECT_EQ(scheduler_->Submit(Job("ghost", Tokens(3, 1), 3), c).code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(scheduler_->Submit(Job("", {}, 3), c).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(c->finished);  // nothing was streamed
+}
+
+TEST_F(SchedulerTest, CancellationFreesTheSequenceWithinAStep) {
+  SchedulerOptions o;
+  o.max_running = 1;
+  StartScheduler(o);
+  auto first = std::make_shared<Collector>();
+  first->cancel_after = 2;
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 1000), first).ok());
+  auto second = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 2), 3), second).ok());
+  first->Wait();
+  EXPECT_EQ(first->reason, FinishReason::kCancelled);
+  EXPECT_LE(first->tokens.size(), 3u);  // ended within one step of the request
+  second->Wait();
+  EXPECT_TRUE(second->reason == FinishReason::kLength || second->reason == FinishReason::kEos);
+}
+
+TEST_F(SchedulerTest, DeadlineEndsTheJobAndFreesItsPlace) {
+  SchedulerOptions o;
+  o.max_running = 1;
+  StartScheduler(o);
+  auto c = std::make_shared<Collector>();
+  GenerateJob j = Job("", Tokens(4, 1), 100000);
+  j.deadline = absl::Now();  // already past when its first step runs
+  ASSERT_TRUE(scheduler_->Submit(std::move(j), c).ok());
+  auto next = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 2), 3), next).ok());
+  c->Wait();
+  EXPECT_EQ(c->reason, FinishReason::kDeadline);
+  EXPECT_TRUE(c->tokens.empty());
+  next->Wait();  // the only running place was freed
+  EXPECT_NE(next->reason, FinishReason::kDeadline);
+}
+
+TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
+  SchedulerOptions o;
+  o.max_running = 1;
+  o.max_waiting = 2;
+  StartScheduler(o);
+  std::vector<std::shared_ptr<Collector>> jobs;
+  absl::Status refused;
+  for (int i = 0; i < 10 && refused.ok(); ++i) {
+    jobs.push_back(std::make_shared<Collector>());
+    refused = scheduler_->Submit(Job("", Tokens(4, i), 200), jobs.back());
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_FALSE(jobs.back()->finished);  // the refused job never started
+  jobs.pop_back();
+  for (auto& j : jobs) j->Wait();
+  auto after = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 99), 2), after).ok());
+  after->Wait();
+  // Ends normally: its length, or EOS when the random model samples it first.
+  EXPECT_TRUE(after->reason == FinishReason::kLength || after->reason == FinishReason::kEos);
+}
+
+TEST_F(SchedulerTest, StopIdsAndStopStrings) {
+  StartScheduler();
+  const auto prompt = Tokens(5, 7);
+  auto free_run = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", prompt, 8), free_run).ok());
+  free_run->Wait();
+  ASSERT_EQ(free_run->tokens.size(), 8u);
+  // Stop at the 4th token's id.
+  auto by_id = std::make_shared<Collector>();
+  GenerateJob j = Job("", prompt, 8);
+  j.sampling.stop_token_ids = {free_run->tokens[3]};
+  ASSERT_TRUE(scheduler_->Submit(std::move(j), by_id).ok());
+  by_id->Wait();
+  EXPECT_EQ(by_id->reason, FinishReason::kStop);
+  const size_t first =
+      std::find(free_run->tokens.begin(), free_run->tokens.end(), free_run->tokens[3]) -
+      free_run->tokens.begin();
+  EXPECT_EQ(by_id->tokens.size(), first);  // the stop id itself is not streamed
+  // Stop string: a byte model's tokens are bytes; stop on two consecutive generated bytes when
+  // they form valid text, else on one.
+  std::string stop = tokenizer_->Decode(
+      std::vector<int32_t>(free_run->tokens.begin() + 4, free_run->tokens.begin() + 6));
+  if (stop.empty() || stop.find("\xEF\xBF\xBD") != std::string::npos) GTEST_SKIP();
+  auto by_string = std::make_shared<Collector>();
+  GenerateJob k = Job("", prompt, 8);
+  k.stop_strings = {stop};
+  ASSERT_TRUE(scheduler_->Submit(std::move(k), by_string).ok());
+  by_string->Wait();
+  EXPECT_EQ(by_string->reason, FinishReason::kStop);
+  const std::string full = tokenizer_->Decode(free_run->tokens);
+  EXPECT_EQ(by_string->text, full.substr(0, full.find(stop)));
+}
+
+}  // namespace
+}  // namespace sdm
