@@ -45,16 +45,17 @@ std::string HumanBytes(int64_t bytes) {
   return u == 0 ? absl::StrCat(bytes, " B") : absl::StrFormat("%.1f %s", v, units[u]);
 }
 
-std::string TierName(sdm::v1::Tier tier) {
-  switch (tier) {
-    case sdm::v1::TIER_RESIDENT:
-      return "resident";
-    case sdm::v1::TIER_HOST:
-      return "host";
-    case sdm::v1::TIER_DISK:
-      return "disk";
+// The short names of config.json ("attn", "swa", "sdm").
+std::string LayerTypeName(sdm::v1::LayerType type) {
+  switch (type) {
+    case sdm::v1::LAYER_TYPE_ATTENTION:
+      return "attn";
+    case sdm::v1::LAYER_TYPE_SLIDING_WINDOW:
+      return "swa";
+    case sdm::v1::LAYER_TYPE_SPARSE_DELTA_MEMORY:
+      return "sdm";
     default:
-      return "-";
+      return "unspecified";
   }
 }
 
@@ -213,8 +214,9 @@ int SessionsCreateOrFork(absl::Span<const std::string> args, const ClientIo& io,
   std::string ttl;
   std::vector<std::string> labels;
   bool json = false;
-  command.flags().AddString("ttl", &ttl, "delete the session after it is idle this long "
-                                         "(seconds, or 90s, 1h30m)");
+  command.flags().AddString("ttl", &ttl,
+                            "delete the session after it is idle this long "
+                            "(seconds, or 90s, 1h30m)");
   command.flags().AddStringList("label", &labels, "a label KEY=VALUE of the new session");
   command.flags().AddBool("json", &json, "print the new Session message as JSON");
   if (std::optional<int> exit = command.Parse(args)) return *exit;
@@ -386,7 +388,7 @@ int RunInfo(absl::Span<const std::string> args, const ClientIo& io) {
       << "dim: " << info.dim() << ", layers: " << info.n_layers() << "\n";
   std::map<std::string, int> layer_counts;
   for (const int t : info.layer_types()) {
-    ++layer_counts[sdm::v1::LayerType_Name(static_cast<sdm::v1::LayerType>(t))];
+    ++layer_counts[LayerTypeName(static_cast<sdm::v1::LayerType>(t))];
   }
   out << "layer types: " << absl::StrJoin(layer_counts, ", ", absl::PairFormatter(" x")) << "\n";
   if (info.swa_window() > 0) out << "sliding window: " << info.swa_window() << "\n";
@@ -398,8 +400,7 @@ int RunInfo(absl::Span<const std::string> args, const ClientIo& io) {
   }
   out << "vocab_size: " << info.vocab_size() << "\n"
       << "tokenizer: " << info.tokenizer().name() << " (bos " << info.tokenizer().bos_id()
-      << ", eos " << info.tokenizer().eos_id() << ", " << info.tokenizer().vocab_size()
-      << " ids)\n"
+      << ", eos " << info.tokenizer().eos_id() << ", " << info.tokenizer().vocab_size() << " ids)\n"
       << "parameters: " << info.parameters() << " (" << info.parameters_without_memory()
       << " without the SDM memory)\n"
       << "max_sdm_state_bytes: " << info.max_sdm_state_bytes() << " ("

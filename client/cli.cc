@@ -1,5 +1,7 @@
 #include "client/cli.h"
 
+#include <algorithm>
+
 #include "absl/types/span.h"
 #include "client/command.h"
 
@@ -21,14 +23,56 @@ commands:
 
 connection (every command): --host HOST:PORT (env SDM_HOST, default 127.0.0.1:50051),
   --api_key KEY (env SDM_API_KEY), --tls (env SDM_TLS), --tls_ca FILE (env SDM_TLS_CA),
-  --timeout SECONDS. Flags win over the environment.
+  --timeout SECONDS, before or after the command. Flags win over the environment.
 'sdm-client COMMAND --help' documents a command's flags. Exit status: 0 ok, 1 a call failed
 (the gRPC status code and message are printed), 2 usage error.
 )";
 
+// Moves connection flags written before the command ("sdm-client --host H:P info") to just
+// after it (after "sessions SUB" for sessions), where the command's parser reads them. Returns
+// false, with `error` set, for anything else before the command.
+bool HoistLeadingFlags(std::vector<std::string>& args, std::string& error) {
+  std::vector<std::string> leading;
+  size_t i = 0;
+  while (i < args.size() && args[i].size() > 1 && args[i][0] == '-' && args[i] != "--") {
+    const std::string& arg = args[i];
+    if (arg == "--help" || arg == "-h" || arg == "-help") break;
+    std::string name = arg.substr(arg[1] == '-' ? 2 : 1);
+    const bool has_value = name.find('=') != std::string::npos;
+    name = name.substr(0, name.find('='));
+    if (name == "host" || name == "api_key" || name == "tls_ca" || name == "timeout") {
+      leading.push_back(arg);
+      if (!has_value) {
+        if (i + 1 >= args.size()) {
+          error = "--" + name + " needs a value";
+          return false;
+        }
+        leading.push_back(args[++i]);
+      }
+    } else if (name == "tls" || name == "notls") {
+      leading.push_back(arg);
+    } else {
+      error = "unknown flag --" + name + " before the command (only connection flags go there)";
+      return false;
+    }
+    ++i;
+  }
+  if (leading.empty()) return true;
+  args.erase(args.begin(), args.begin() + i);
+  size_t insert_at = std::min<size_t>(1, args.size());
+  if (!args.empty() && args[0] == "sessions" && args.size() > 1) insert_at = 2;
+  args.insert(args.begin() + insert_at, leading.begin(), leading.end());
+  return true;
+}
+
 }  // namespace
 
-int RunSdmClient(const std::vector<std::string>& args, const ClientIo& io) {
+int RunSdmClient(const std::vector<std::string>& original_args, const ClientIo& io) {
+  std::vector<std::string> args = original_args;
+  if (std::string error; !HoistLeadingFlags(args, error)) {
+    *io.err << "sdm-client: " << error << "\n" << kUsage;
+    return kExitUsage;
+  }
   if (args.empty()) {
     *io.err << kUsage;
     return kExitUsage;

@@ -8,8 +8,8 @@
 //   sdm-client info [--json]
 //
 // Every subcommand takes the connection flags of client/connection.h (--host, --api_key, --tls,
-// --tls_ca, --timeout; environment SDM_HOST, SDM_API_KEY, SDM_TLS, SDM_TLS_CA) and documents its
-// own flags with --help.
+// --tls_ca, --timeout; environment SDM_HOST, SDM_API_KEY, SDM_TLS, SDM_TLS_CA), after the
+// command or before it (`sdm-client --host H:P info`), and documents its own flags with --help.
 //
 // Exit status: 0 on success; 1 when a call fails (the gRPC status code's name and message go to
 // stderr: "sdm-client: NOT_FOUND: ..."); 2 on usage errors (unknown subcommand or flag, a

@@ -41,8 +41,7 @@ std::optional<int> Command::Connect() {
 }
 
 int Command::UsageError(absl::string_view message) const {
-  *io_.err << "sdm-client " << name_ << ": " << message << " (sdm-client " << name_
-           << " --help)\n";
+  *io_.err << "sdm-client " << name_ << ": " << message << " (sdm-client " << name_ << " --help)\n";
   return kExitUsage;
 }
 
@@ -52,8 +51,8 @@ int Command::Failure(const grpc::Status& status) const {
 }
 
 void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {
-  flags.AddInt("max_tokens", &values->max_tokens,
-               "generate at most this many tokens (server default: 256)");
+  flags.AddInt("max_tokens", &values->max_tokens, "generate at most this many tokens");
+  flags.SetDefaultText("max_tokens", "unset: the server's, 256");
   flags.AddDouble("temperature", &values->temperature, "0: greedy; otherwise softmax temperature");
   flags.AddInt("top_k", &values->top_k, "sample among the k most probable tokens; 0: no limit");
   flags.AddDouble("top_p", &values->top_p, "nucleus sampling threshold in (0, 1]");
@@ -61,8 +60,8 @@ void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {
   flags.AddStringList("stop", &values->stop, "stop when the text contains this string");
   flags.AddString("stop_ids", &values->stop_ids,
                   "comma-separated token ids that stop generation (besides EOS)");
-  flags.AddBool("add_bos", &values->add_bos,
-                "put BOS before the prompt (unset: exactly when the sequence starts here)");
+  flags.AddBool("add_bos", &values->add_bos, "put the tokenizer's BOS before the prompt");
+  flags.SetDefaultText("add_bos", "unset: exactly when the sequence starts here");
 }
 
 absl::Status ApplySamplingFlags(const FlagSet& flags, const SamplingFlags& values,
@@ -101,6 +100,19 @@ absl::StatusOr<std::vector<int32_t>> ParseTokenIds(absl::string_view text, absl:
     ids.push_back(id);
   }
   return ids;
+}
+
+std::string TierName(sdm::v1::Tier tier) {
+  switch (tier) {
+    case sdm::v1::TIER_RESIDENT:
+      return "resident";
+    case sdm::v1::TIER_HOST:
+      return "host";
+    case sdm::v1::TIER_DISK:
+      return "disk";
+    default:
+      return "-";
+  }
 }
 
 absl::string_view FinishReasonName(sdm::v1::FinishReason reason) {

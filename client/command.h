@@ -87,6 +87,9 @@ absl::Status ApplySamplingFlags(const FlagSet& flags, const SamplingFlags& value
 // Parses "1,2,3" (spaces allowed around ids). INVALID_ARGUMENT names `what`.
 absl::StatusOr<std::vector<int32_t>> ParseTokenIds(absl::string_view text, absl::string_view what);
 
+// "resident", "host", "disk", or "-".
+std::string TierName(sdm::v1::Tier tier);
+
 // "length", "stop", "eos", "cancelled", or "unspecified".
 absl::string_view FinishReasonName(sdm::v1::FinishReason reason);
 

@@ -33,9 +33,9 @@ EnvLookup ProcessEnv() {
 }
 
 void AddConnectionFlags(FlagSet& flags, ConnectionFlags* values) {
-  flags.AddString("host", &values->host,
-                  absl::StrCat("server address host:port (env SDM_HOST; default ", kDefaultHost,
-                               ")"));
+  flags.AddString(
+      "host", &values->host,
+      absl::StrCat("server address host:port (env SDM_HOST; default ", kDefaultHost, ")"));
   flags.AddString("api_key", &values->api_key,
                   "API key, sent as 'authorization: Bearer KEY' (env SDM_API_KEY)");
   flags.AddBool("tls", &values->tls, "connect with TLS (env SDM_TLS=1; implied by --tls_ca)");
@@ -90,23 +90,6 @@ absl::StatusOr<ConnectionOptions> ResolveConnectionOptions(const FlagSet& flags,
     }
   } else {
     options.tls = !options.tls_ca_file.empty();
-  }
-  if (!options.tls) options.tls_ca_file.clear();
-  } else if (flags.IsSet("tls_ca") && !values.tls_ca.empty()) {
-    options.tls = true;
-  } else if (auto v = NonEmpty(env, "SDM_TLS")) {
-    const std::string s = absl::AsciiStrToLower(*v);
-    if (s == "1" || s == "true" || s == "yes") {
-      options.tls = true;
-    } else if (s == "0" || s == "false" || s == "no") {
-      options.tls = false;
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("SDM_TLS must be 1/true or 0/false, got '", *v, "'"));
-    }
-  }
-  if (!options.tls_ca_file.empty() && !flags.IsSet("tls") && !NonEmpty(env, "SDM_TLS")) {
-    options.tls = true;  // a CA file (flag or environment) means TLS
   }
   if (!options.tls) options.tls_ca_file.clear();
 

@@ -18,7 +18,9 @@ namespace {
 
 // Prints a short default value (the help line's "(default: ...)").
 struct DefaultText {
-  std::string operator()(std::string* v) const { return v->empty() ? "" : absl::StrCat("\"", *v, "\""); }
+  std::string operator()(std::string* v) const {
+    return v->empty() ? "" : absl::StrCat("\"", *v, "\"");
+  }
   std::string operator()(int64_t* v) const { return absl::StrCat(*v); }
   std::string operator()(double* v) const { return absl::StrFormat("%g", *v); }
   std::string operator()(bool* v) const { return *v ? "true" : "false"; }
@@ -81,6 +83,10 @@ const FlagSet::Flag* FlagSet::Find(absl::string_view name) const {
     if (f.name == name) return &f;
   }
   return nullptr;
+}
+
+void FlagSet::SetDefaultText(absl::string_view name, std::string text) {
+  if (Flag* f = Find(name)) f->default_text = std::move(text);
 }
 
 bool FlagSet::IsSet(absl::string_view name) const {

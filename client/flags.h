@@ -39,6 +39,9 @@ class FlagSet {
   void AddBool(std::string name, bool* out, std::string help);
   void AddStringList(std::string name, std::vector<std::string>* out, std::string help);
 
+  // Replaces the default Help() shows for `name` (e.g. "unset: the server's default").
+  void SetDefaultText(absl::string_view name, std::string text);
+
   // Parses `args` (without the program or subcommand name), writing the flags' values, and
   // returns the positional arguments in order. INVALID_ARGUMENT names the offending flag: an
   // unknown flag, a missing value, a value of the wrong type (integers in decimal, finite

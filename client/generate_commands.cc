@@ -65,10 +65,10 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
 // "finish_reason=length prompt_tokens=5 history_tokens=0 generated_tokens=16 ttft_ms=3.1
 // seconds=0.052 tokens_per_s=307.7"
 std::string SummaryLine(const StreamOutcome& o) {
-  std::string line = absl::StrFormat(
-      "finish_reason=%s prompt_tokens=%d history_tokens=%d generated_tokens=%d",
-      FinishReasonName(o.finish_reason), o.usage.prompt_tokens(), o.usage.history_tokens(),
-      o.usage.generated_tokens());
+  std::string line =
+      absl::StrFormat("finish_reason=%s prompt_tokens=%d history_tokens=%d generated_tokens=%d",
+                      FinishReasonName(o.finish_reason), o.usage.prompt_tokens(),
+                      o.usage.history_tokens(), o.usage.generated_tokens());
   if (o.ttft_seconds >= 0) absl::StrAppendFormat(&line, " ttft_ms=%.1f", o.ttft_seconds * 1e3);
   absl::StrAppendFormat(&line, " seconds=%.3f", o.seconds);
   if (o.seconds > 0) {
@@ -225,7 +225,7 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
         continue;
       }
       *io.err << "session " << now.id() << ": position " << now.position() << ", state_bytes "
-              << now.state_bytes() << ", tier " << sdm::v1::Tier_Name(now.tier()) << "\n";
+              << now.state_bytes() << ", tier " << TierName(now.tier()) << "\n";
       continue;
     }
     if (absl::StartsWith(trimmed, "/")) {
@@ -245,7 +245,7 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
     const sdm::v1::Usage& u = outcome.usage;
     position = u.history_tokens() + u.prompt_tokens() + u.generated_tokens();
     *io.err << absl::StrFormat(
-        "[%d prompt tokens + %d history tokens carried, %d generated, finish %s, %.2f s]\n",
+        "[%d prompt tokens + %d history tokens carried, %d generated, finish %s, %.3f s]\n",
         u.prompt_tokens(), u.history_tokens(), u.generated_tokens(),
         FinishReasonName(outcome.finish_reason), outcome.seconds);
   }

@@ -18,8 +18,9 @@ namespace sdm::internal {
 namespace {
 
 // Sanitizer runtimes refuse RTLD_DEEPBIND (ASan aborts the process). Without it the shim still
-// loads, but its libsentencepiece then binds protobuf symbols to the process's libprotobuf first,
-// so a sanitized binary must not also load libprotobuf.
+// loads, but its libsentencepiece then binds protobuf symbols to the process's libprotobuf first:
+// in a sanitized binary that also loads libprotobuf, loading a model fails (protobuf's version
+// check) or crashes.
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr bool kSanitized = true;
 #elif defined(__has_feature)
@@ -119,6 +120,8 @@ bool FindShim(DlHandle* handle, SdmSpShimApi* api, std::string* error) {
   for (const std::string& path : ShimCandidates()) {
     std::string reason;
     if (OpenShim(path, handle, api, &reason)) return true;
+    // dlerror() texts usually start with the path already.
+    if (reason.rfind(path + ": ", 0) == 0) reason.erase(0, path.size() + 2);
     tried += "\n  " + path + ": " + reason;
   }
   *error = std::string("cannot load the SentencePiece shim library " SDM_SP_SHIM_FILE_NAME

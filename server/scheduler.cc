@@ -61,6 +61,7 @@ struct Scheduler::Job {
   size_t max_stop = 0;
   Clock::time_point submitted = Clock::now();
   Clock::time_point last_token;
+  bool had_pending = false;  // to_feed starts with the session's pending token
   bool done = false;
 };
 
@@ -112,6 +113,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   if (st.pending_token >= 0) {
     job->to_feed.push_back(st.pending_token);
     st.pending_token = -1;
+    job->had_pending = true;
   }
   job->to_feed.insert(job->to_feed.end(), job->spec.prompt.begin(), job->spec.prompt.end());
   job->usage.prompt_tokens = static_cast<int64_t>(job->to_feed.size());
@@ -120,10 +122,16 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     job->max_stop = std::max(job->max_stop, s.size());
   }
   std::lock_guard<std::mutex> lock(mu_);
-  if (!accepting_) return absl::UnavailableError("the server is shutting down");
-  if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
-    return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
-                                                     " requests waiting); retry later"));
+  absl::Status refused;
+  if (!accepting_) {
+    refused = absl::UnavailableError("the server is shutting down");
+  } else if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
+    refused = absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
+                                                        " requests waiting); retry later"));
+  }
+  if (!refused.ok()) {
+    // disabled
+    return refused;
   }
   waiting_.push_back(std::move(job));
   wake_.notify_all();
@@ -257,13 +265,17 @@ void Scheduler::Emit(Job& job, int32_t token) {
   ++job.usage.generated_tokens;
   job.next_input = token;  // fed by the next decode, or left pending when the job ends here
   const SamplingParams& p = job.spec.sampling;
-  if (token == tokenizer_.eos_id()) {
-    Finish(job, FinishReason::kEos);
-    return;
-  }
-  if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
-      p.stop_token_ids.end()) {
-    Finish(job, FinishReason::kStop);
+  const bool eos = token == tokenizer_.eos_id();
+  if (eos || std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+                 p.stop_token_ids.end()) {
+    // The text held back is final now; a stop string still cuts it.
+    std::string rest = std::move(job.held) + job.detok.Flush();
+    job.held.clear();
+    for (const std::string& s : job.spec.stop_strings) {
+      if (!s.empty()) rest = rest.substr(0, rest.find(s));
+    }
+    job.observer->OnEndToken(token, rest);
+    Finish(job, eos ? FinishReason::kEos : FinishReason::kStop);
     return;
   }
   const bool last = job.usage.generated_tokens >= p.max_tokens;
@@ -292,7 +304,11 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   if (job.done) return;
   job.done = true;
   // The last sampled token has not been fed: the session keeps it for its next request.
-  if (job.next_input >= 0) job.state->pending_token = job.next_input;
+  if (job.next_input >= 0) {
+    job.state->pending_token = job.next_input;
+  } else if (job.fed == 0 && job.had_pending) {
+    job.state->pending_token = job.to_feed[0];  // ended before reading anything: keep it
+  }
   job.next_input = -1;
   // Back to the store (which may park it) before the observer hears of the end, so a client
   // that sends its next turn right away finds the session free.

@@ -69,6 +69,10 @@ class JobObserver {
   // One generated token and the text it completes (may be empty while a character or a possible
   // stop string is incomplete). Not called for EOS, stop ids or text past a stop string.
   virtual void OnToken(int32_t token, absl::string_view text) = 0;
+  // The token that ended the job, the tokenizer's EOS or a stop id (which OnToken does not
+  // report), and the text held back until then (an incomplete character as U+FFFD, or the start
+  // of a stop string that can no longer complete). Called just before OnFinish; default: ignored.
+  virtual void OnEndToken(int32_t token, absl::string_view text) {}
   // Exactly once. `error` is OK unless reason is kError.
   virtual void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) = 0;
   // Polled every step: true ends the job as cancelled within that step.

@@ -59,6 +59,7 @@ struct SessionStateStore::Entry {
   std::string blob;                     // kHost
   int64_t disk_bytes = 0;               // kDisk: snapshot file size
   int64_t position = -1;                // last known
+  bool pending = false;                 // with position: state->pending_token >= 0
   bool in_use = false;                  // pinned by a lease
   bool busy = false;                    // being moved by the store, outside the lock
   uint64_t tick = 0;                    // LRU order
@@ -83,6 +84,7 @@ struct SessionStateStore::Entry {
       own_bytes -= t.private_rows() * t.row_width() * static_cast<int64_t>(sizeof(float));
     }
     position = state->position();
+    pending = state->pending_token >= 0;
   }
 };
 
@@ -382,7 +384,7 @@ absl::Status SessionStateStore::Delete(absl::string_view id) {
 }
 
 absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view dst,
-                                     absl::string_view metadata) {
+                                     absl::string_view metadata, absl::Duration ttl) {
   if (!ValidId(dst)) return InvalidId(dst);
   std::unique_lock<std::mutex> lock(mu_);
   Entry* e = nullptr;
@@ -431,9 +433,10 @@ absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view ds
   n->metadata = std::string(metadata);
   n->state = std::move(copy);
   n->Refresh();
-  n->ttl = e->ttl;
+  n->ttl = ttl > absl::ZeroDuration() ? ttl : e->ttl;
   n->tick = ++clock_;
   n->last_used = absl::Now();
+  e->last_used = n->last_used;  // a fork uses its source
   entries_.emplace(std::string(dst), std::move(n));
   if (options_.background) {
     changed_.notify_all();
@@ -472,6 +475,7 @@ absl::StatusOr<SessionInfo> SessionStateStore::Get(absl::string_view id) const {
   info.tier = e.tier;
   info.in_use = e.in_use;
   info.position = e.position;
+  info.pending_token = e.position >= 0 && e.pending;
   info.last_used = e.last_used;
   info.ttl = e.ttl;
   if (!e.broken.ok()) info.error = std::string(e.broken.message());

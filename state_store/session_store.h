@@ -67,10 +67,11 @@ struct SessionInfo {
   std::string metadata;
   Tier tier = Tier::kResident;
   bool in_use = false;
-  int64_t position = -1;     // tokens in the history; -1 when not known without loading
-  int64_t bytes = 0;         // in its current tier
-  int64_t private_rows = 0;  // resident only: SDM rows it maps
-  int64_t shared_rows = 0;   // resident only: of those, shared with a fork
+  int64_t position = -1;       // tokens in the history; -1 when not known without loading
+  bool pending_token = false;  // position known: a sampled token waits to be fed (not counted)
+  int64_t bytes = 0;           // in its current tier
+  int64_t private_rows = 0;    // resident only: SDM rows it maps
+  int64_t shared_rows = 0;     // resident only: of those, shared with a fork
   absl::Time last_used;
   absl::Duration ttl;
   std::string error;  // non-empty: its snapshot failed its checks (quarantined)
@@ -143,8 +144,9 @@ class SessionStateStore {
   // NOT_FOUND; ABORTED while in use. Removes its snapshot file too.
   absl::Status Delete(absl::string_view id);
   // A new session `dst` continuing from `src` (which must not be in use); shares SDM rows
-  // copy-on-write when `src` is resident.
-  absl::Status Fork(absl::string_view src, absl::string_view dst, absl::string_view metadata);
+  // copy-on-write when `src` is resident. ttl <= 0: the source's.
+  absl::Status Fork(absl::string_view src, absl::string_view dst, absl::string_view metadata,
+                    absl::Duration ttl = absl::ZeroDuration());
   absl::Status SetMetadata(absl::string_view id, absl::string_view metadata);
 
   absl::StatusOr<SessionInfo> Get(absl::string_view id) const;

@@ -4,8 +4,8 @@
 // Models are measured in groups: a pair (an SDM model and its twin, which differs only in its
 // global layers: every SDM layer becomes a full-attention layer, the SWA layers, MLPs, norms and
 // embeddings are the same), or the explicit list given by --presets. Within a group the models
-// are measured interleaved, context by context and batch by batch, so that the ratios between
-// them come from the same minutes of a shared, noisy machine.
+// are measured interleaved, context by context, batch by batch and step by step, so that the ratios
+// between them come from the same seconds of a shared, noisy machine.
 //
 // Protocol (docs/benchmarks.md):
 //  1. The machine's memory bandwidth is measured (multi-threaded memcpy and streaming read over
@@ -13,21 +13,24 @@
 //  2. For each context length in increasing order, one session per model is prefilled with random
 //     tokens up to that length: real prefill (the engine's chunked Prefill), continuing from the
 //     previous length. There is no synthetic fill.
-//  3. For each batch size B that fits the state budget, the session is cloned B times (a deep
-//     copy: the same state a real prefill of each would leave) and the clones decode `warmup`
-//     untimed steps, then `steps` timed steps of one token each. The median and p90 step times,
-//     tokens/s (B / median) and the per-mixer profile are reported.
+//  3. For each batch size B that fits the state budget, each model's session is cloned B times (a
+//     deep copy: the same state a real prefill of each would leave); then the models' steps
+//     alternate (one step of each model in turn, one token per session): `warmup` untimed
+//     rounds, then `steps` timed rounds, so that load from other processes falls on all models
+//     alike. The median and p90 step times, tokens/s (B / median) and the per-mixer profile are
+//     reported. A pair holds both models' clones at once: up to twice the (per-model) budget.
 //  4. Each step's bytes are modelled from the config: every weight read once per step as fp32 (the
 //     CPU engine's format; the embedding table only for the B rows gathered unless it is tied to
 //     the output), plus per session the K and V rows of the visible positions of each attention
 //     layer (all of them for full attention, the window for SWA) and per SDM layer and head
 //     (2W + R) rows of hd floats (W rows read and written, R rows read; design brief §4). Achieved
-//     bandwidth = bytes / median step time, reported as a fraction of the measured bandwidth.
+//     bandwidth = bytes / median step time, reported as a fraction of the best streaming-read
+//     rate measured in the run (the step's bytes are reads; the copy rate is reported beside it).
 //  5. The step's GEMMs are also timed alone with OpenBLAS at the same shapes; the step's FLOP rate
 //     is reported as a fraction of that sgemm rate.
 // A batch size is skipped when B sessions' state (SessionState::ResidentBytes after the prefill)
 // would exceed the state budget; the largest batch that fits is reported for every context, and
-// the batch `fit` (BatchSpec::fit) measures it.
+// fit_batch measures it too (at most max_batch).
 #ifndef SDMSERVE_TOOLS_SDM_BENCH_DECODE_BENCHMARK_H_
 #define SDMSERVE_TOOLS_SDM_BENCH_DECODE_BENCHMARK_H_
 
@@ -82,9 +85,9 @@ struct DecodeBenchOptions {
   int64_t max_batch = 16;  // cap of the `fit` batch
   int steps = 10;
   int warmup = 2;
-  int threads = 0;              // engine threads (0: one per hardware thread)
-  int64_t prefill_chunk = 256;  // the engine's prefill chunk (EngineOptions)
-  double state_budget_gb = 6.0;
+  int threads = 0;               // engine threads (0: one per hardware thread)
+  int64_t prefill_chunk = 256;   // the engine's prefill chunk (EngineOptions)
+  double state_budget_gb = 4.0;  // per model
   uint64_t seed = 1;
   int64_t bandwidth_mb = 512;  // size of each buffer of the bandwidth measurement
   std::string json_path;       // empty: no JSON file

@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <filesystem>
 #include <fstream>
@@ -63,7 +64,9 @@ const std::map<std::string, std::string>& ParamMeanings() {
       {"prefill_chunk",
        "the engine's prefill chunk in tokens (also sizes the SWA ring: window + "
        "chunk)"},
-      {"state_budget_gb", "session-state budget in GB: a batch whose state exceeds it is skipped"},
+      {"state_budget_gb",
+       "session-state budget in GB, per model: a batch whose state exceeds it is skipped (a pair "
+       "holds both models' batches at once)"},
       {"seed", "seed of the random weights and tokens"},
       {"bandwidth_mb", "size in MiB of each of the two buffers of the bandwidth measurement"},
       {"json", "JSON output file"},
@@ -271,10 +274,25 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       const json& f = h["fit_ratio_at_longest_context"];
       absl::StrAppendFormat(&md,
                             "; at the largest batch each fits in the budget, at most --max_batch "
-                            "(SDM %d, attention %d): %.2fx",
-                            I(f["sdm_batch"]), I(f["attention_batch"]), D(f["ratio"]));
+                            "(SDM %d, attention %d): %.2fx (bandwidth floor %.2fx)",
+                            I(f["sdm_batch"]), I(f["attention_batch"]), D(f["ratio"]),
+                            D(f["bandwidth_floor_ratio"]));
     }
     absl::StrAppend(&md, ".\n");
+    double attn_gbps = 0;
+    for (const json& r : h["ratios_at_longest_context"]) {
+      attn_gbps = std::max(attn_gbps, D(r["attention_layers_gbps"]));
+    }
+    const double reference = D(doc["bandwidth"]["reference_gbps"]);
+    if (reference > 0) {
+      absl::StrAppendFormat(
+          &md,
+          "  - The twin's full-attention layers moved their bytes at %.1f GB/s at most there, "
+          "%.0f%% of the measured read bandwidth (%.1f GB/s): the measured ratio includes how far "
+          "this engine's attention kernel is from the bandwidth bound. The bandwidth-floor ratio "
+          "is what both models moving their bytes at the same rate would give.\n",
+          attn_gbps, 100 * attn_gbps / reference, reference);
+    }
     for (const json& x : g["growth"]) {
       absl::StrAppendFormat(&md,
                             "  - %s, batch %d: step time %.2f ms at %d tokens, %.2f ms at %d "
@@ -326,22 +344,25 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       "## Protocol\n\n"
       "- Engine level (no server), CPU backend, fp32 weights and state, random weights built in "
       "memory from the seed (reference initialisation), random tokens.\n"
-      "- The models of a pair are measured interleaved: for each context (increasing), each "
+      "- The models of a pair are measured together: for each context (increasing), each "
       "model's one session is brought to that context by **real prefill** (the engine's chunked "
       "`Prefill`, continuing from the previous context; there is no synthetic fill); then for "
-      "each batch size, each model in turn.\n"
-      "- A measurement clones the session B times (`SessionState::Clone`, a deep copy), runs the "
-      "warm-up steps untimed and then the timed steps, one token per session per step; it reports "
-      "the median and p90 step time, tokens/s = B / median, and the engine's per-mixer profile "
-      "(attn, swa, sdm, ffn: ms per step). attn/swa/sdm GB/s: each mixer kind's bytes (its "
-      "weights plus the batch's KV or SDM rows) over its profiled time: how close the "
-      "full-attention baseline and the SDM layers each come to the machine's bandwidth.\n"
+      "each batch size B, each model's session is cloned B times (`SessionState::Clone`, a deep "
+      "copy) and the models' decode steps alternate, one step of each in turn (one token per "
+      "session per step): the warm-up rounds untimed, then the timed rounds. So load from other "
+      "processes on this shared machine falls on both models alike. Reported: the median and "
+      "p90 step time, tokens/s = B / median, and the engine's per-mixer profile (attn, swa, sdm, "
+      "ffn: ms per step). attn/swa/sdm GB/s: each mixer kind's bytes (its weights plus the "
+      "batch's KV or SDM rows) over its profiled time: how close the full-attention baseline and "
+      "the SDM layers each come to the machine's bandwidth.\n"
       "- MB/step: the bytes one step must move, modelled from the config: every weight read once "
       "as fp32 (the embedding table only for the B gathered rows unless tied; the learned SDM "
       "memory M0 only through the rows touched), plus per session the K and V rows of every "
       "visible position of each attention layer (all positions for full attention, the window for "
       "SWA) and per SDM layer and head (2W + R) rows of hd floats. GB/s = MB/step / median step "
-      "time; %bw = GB/s as a fraction of the bandwidth measured in the same run.\n"
+      "time; %bw = GB/s as a fraction of the best streaming-read bandwidth measured in the same "
+      "run (the step's bytes are reads; copy bandwidth, counting read + write bytes as the design "
+      "brief does for the GPU, is listed under Machine).\n"
       "- GFLOP/s: the step's FLOPs (GEMMs, attention over the visible keys, SDM row updates) / "
       "median step time; %sgemm: as a fraction of OpenBLAS sgemm timed alone on exactly the "
       "step's GEMM shapes at the same batch, in the same run.\n"

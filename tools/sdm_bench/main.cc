@@ -3,7 +3,7 @@
 //   sdm-bench decode [--pair debug,cpu_hybrid] [--presets P,...] [--set key=value ...]
 //                    [--contexts 512,2048,...] [--batches 1,4,16] [--fit_batch] [--max_batch 16]
 //                    [--steps 10] [--warmup 2] [--threads 0] [--prefill_chunk 256]
-//                    [--state_budget_gb 6] [--seed 1] [--bandwidth_mb 512]
+//                    [--state_budget_gb 4] [--seed 1] [--bandwidth_mb 512]
 //                    [--json FILE] [--csv FILE] [--report DIR]
 //   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
 //
@@ -38,7 +38,9 @@ ABSL_FLAG(int, steps, 10, "Timed decode steps per (model, context, batch)");
 ABSL_FLAG(int, warmup, 2, "Untimed decode steps before timing");
 ABSL_FLAG(int, threads, 0, "Engine threads (0: one per hardware thread)");
 ABSL_FLAG(int64_t, prefill_chunk, 256, "The engine's prefill chunk (tokens)");
-ABSL_FLAG(double, state_budget_gb, 6.0, "Skip batch sizes whose session state exceeds this");
+ABSL_FLAG(double, state_budget_gb, 4.0,
+          "Per model: skip batch sizes whose session state exceeds this many GB (a pair holds both "
+          "models' batches at once)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random weights and tokens");
 ABSL_FLAG(int64_t, bandwidth_mb, 512,
           "Size (MiB) of each of the two buffers of the memory-bandwidth measurement");

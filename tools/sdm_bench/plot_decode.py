@@ -7,7 +7,9 @@ Writes into OUT_DIR, one subplot per group (pair) in each figure:
   tokens_per_s_vs_context.png  tokens/s against context length, per model and batch size
   tokens_per_s_vs_batch.png    tokens/s against batch size, per model and context length
   step_ms_vs_context.png       ms per step and the global layers' share of it, against context
-  ratio_vs_context.png         SDM / full-attention tokens/s at the same batch, against context
+  ratio_vs_context.png         SDM / full-attention tokens/s at the same batch, against context,
+                               measured (solid) and at the bandwidth floor (dashed: the twin's
+                               bytes per step over the SDM model's)
 and prints the names of the files it wrote, one per line. Exits with status 3 when matplotlib is
 missing (Debian: apt-get install python3-matplotlib), 2 on bad arguments.
 """
@@ -137,14 +139,20 @@ def main(argv):
 
     # SDM / attention ratio against context.
     if any(g.get("ratios") for g in groups):
-        fig, axes = figure("SDM / full-attention tokens/s at the same batch")
+        fig, axes = figure("SDM / full-attention tokens/s at the same batch "
+                           "(dashed: if both moved their bytes at the same rate)")
         for ax, g in zip(axes, groups):
             ratios = g.get("ratios", [])
             batches = sorted({r["batch"] for r in ratios if r["batch"] in listed})
             for i, b in enumerate(batches):
-                pts = sorted((r["context"], r["ratio"]) for r in ratios if r["batch"] == b)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                        color=colors[i % len(colors)], label="batch %d" % b)
+                pts = sorted((r["context"], r["ratio"], r.get("bandwidth_floor_ratio"))
+                             for r in ratios if r["batch"] == b)
+                color = colors[i % len(colors)]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color,
+                        label="batch %d: measured" % b)
+                if all(p[2] is not None for p in pts):
+                    ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", marker=".",
+                            color=color, label="batch %d: bandwidth floor" % b)
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_xscale("log", base=2)
             ax.set_xlabel("context length (tokens)")

@@ -86,7 +86,9 @@ Bandwidth MeasureBandwidth(int64_t buffer_bytes, int threads) {
   auto rounds = [&](auto&& one_round, double bytes_per_round) {
     double best = 0;
     const Clock::time_point t0 = Clock::now();
-    for (int r = 0; r < 4 || std::chrono::duration<double>(Clock::now() - t0).count() < 0.6; ++r) {
+    // At least 4 rounds; more (up to 40) until 0.6 s have passed.
+    for (int r = 0;
+         r < 4 || (r < 40 && std::chrono::duration<double>(Clock::now() - t0).count() < 0.6); ++r) {
       best = std::max(best, bytes_per_round / one_round() / 1e9);
     }
     return best;

@@ -1,0 +1,242 @@
+// sdm-server: serves one model over gRPC (docs/api.md).
+//
+//   sdm-server --model DIR [flags]
+//   sdm-server --flagfile=server.flags      (one --flag=value per line; '#' starts a comment)
+//   sdm-server --help                       (every flag, its default and meaning)
+//
+// Prints "listening on HOST:PORT" on stdout once the gRPC port accepts calls. SIGINT or SIGTERM
+// starts a graceful shutdown (server/server.h); a second signal exits at once.
+//
+// Exit status: 0 after a clean shutdown; 1 when the server cannot start (the model cannot be
+// loaded, a file is invalid, a port cannot be bound: the reason is printed) or when sessions
+// could not be persisted at shutdown; 2 on usage errors.
+#include <signal.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "absl/flags/commandlineflag.h"
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
+#include "absl/flags/usage.h"
+#include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
+#include "absl/time/time.h"
+#include "server/server.h"
+#include "server/tenant_limits.h"
+
+ABSL_FLAG(std::string, model, "",
+          "Model directory (config.json, model.safetensors and, for SentencePiece models, the "
+          "tokenizer file). Required.");
+ABSL_FLAG(std::string, model_name, "",
+          "Name reported by GetModelInfo; empty: the model directory's name.");
+ABSL_FLAG(std::string, host, "127.0.0.1",
+          "Address of the gRPC port: 127.0.0.1 (this machine only), 0.0.0.0 (every IPv4 "
+          "interface), :: (every interface).");
+ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free port (printed at start).");
+ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
+          "Address of the HTTP /metrics and /healthz port.");
+ABSL_FLAG(int, metrics_port, 9090,
+          "HTTP port of /metrics (Prometheus text) and /healthz; 0 picks a free port, -1 "
+          "disables it.");
+ABSL_FLAG(std::string, state_dir, "sdm-state",
+          "Directory of session snapshots (created if missing; relative to the working "
+          "directory). Sessions are written there at shutdown and when memory budgets are "
+          "exceeded, and resume after a restart. Empty: no disk tier, sessions are lost at exit.");
+ABSL_FLAG(std::string, resident_budget, "4GiB",
+          "Bytes of session state kept resident in the engine before the least recently used "
+          "idle sessions are parked in host memory (units B, KB, MB, GB, KiB, MiB, GiB, ...).");
+ABSL_FLAG(std::string, host_budget, "8GiB",
+          "Bytes of parked session state kept in host memory before the oldest are written to "
+          "the state directory.");
+ABSL_FLAG(absl::Duration, session_ttl, absl::InfiniteDuration(),
+          "Idle sessions created without their own ttl are deleted after this long (e.g. 30m, "
+          "24h); inf: never.");
+ABSL_FLAG(int, max_running, 32, "Sequences decoded together in one engine step (the batch).");
+ABSL_FLAG(int, max_waiting, 64,
+          "Generate requests queued for a place in the batch; more are refused with "
+          "RESOURCE_EXHAUSTED and a retry hint.");
+ABSL_FLAG(int64_t, prefill_token_budget, 256,
+          "Prompt tokens prefilled per engine step, so that long prompts do not stall running "
+          "streams.");
+ABSL_FLAG(int64_t, prefill_chunk, 256, "Prompt tokens per engine prefill call.");
+ABSL_FLAG(int64_t, max_prompt_tokens, 8192,
+          "Longest prompt accepted, in tokens including an added BOS (INVALID_ARGUMENT above).");
+ABSL_FLAG(int64_t, max_tokens_limit, 4096, "Largest max_tokens a Generate request may ask for.");
+ABSL_FLAG(int, threads, 0, "Engine threads; 0: one per hardware thread.");
+ABSL_FLAG(std::string, api_keys, "",
+          "File of API keys, one 'KEY TENANT' pair per line (docs/api.md). With it, every call "
+          "needs 'authorization: Bearer KEY'; without it, every caller is the tenant 'default'.");
+ABSL_FLAG(std::string, tenant_limits, "",
+          "JSON file of per-tenant limits on sessions and state bytes (docs/api.md); empty: no "
+          "limits.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain for TLS on the gRPC port (with --tls_key); empty: plaintext.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+          "On SIGINT/SIGTERM, how long requests in flight may finish before they are cancelled "
+          "(their sessions are kept and persisted).");
+
+namespace {
+
+constexpr int kExitFailure = 1;
+constexpr int kExitUsage = 2;
+
+constexpr char kUsage[] =
+    "usage: sdm-server --model DIR [flags]\n"
+    "\n"
+    "Serves a Sparse Delta Memory model over gRPC (sdm.v1.SdmService, grpc.health.v1, server\n"
+    "reflection), with Prometheus metrics and /healthz over HTTP. The defaults serve the model on\n"
+    "this machine's CPU at 127.0.0.1:50051 (metrics on 127.0.0.1:9090), with sessions saved\n"
+    "under ./sdm-state. SIGINT or SIGTERM shuts it down gracefully.\n"
+    "\n"
+    "Flags may also come from a file: --flagfile=PATH reads one --name=value per line (lines\n"
+    "starting with '#' are comments); flags after it on the command line override it.\n";
+
+// `text` wrapped at 100 columns, each line indented.
+std::string Wrap(absl::string_view text, int indent) {
+  std::string out;
+  int column = 0;
+  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    if (column > indent && column + 1 + static_cast<int>(word.size()) > 100) {
+      out += "\n";
+      column = 0;
+    }
+    if (column == 0) {
+      out.append(indent, ' ');
+      column = indent;
+    } else {
+      out += ' ';
+      ++column;
+    }
+    absl::StrAppend(&out, word);
+    column += static_cast<int>(word.size());
+  }
+  return out + "\n";
+}
+
+void PrintHelp() {
+  std::vector<const absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::EndsWith(flag->Filename(), "server/main.cc")) flags.push_back(flag);
+  }
+  std::sort(flags.begin(), flags.end(),
+            [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
+  std::string out = absl::StrCat(kUsage, "\nflags:\n");
+  for (const absl::CommandLineFlag* flag : flags) {
+    const std::string value = flag->DefaultValue();
+    absl::StrAppend(&out, "  --", flag->Name(), " (default: ", value.empty() ? "\"\"" : value,
+                    ")\n", Wrap(flag->Help(), 6));
+  }
+  absl::StrAppend(&out,
+                  "\nExit status: 0 after a clean shutdown, 1 when the server cannot start "
+                  "or persist its sessions, 2 on usage errors.\n");
+  std::fwrite(out.data(), 1, out.size(), stdout);
+}
+
+int UsageError(absl::string_view message) {
+  absl::FPrintF(stderr, "sdm-server: %s\nrun 'sdm-server --help' for usage\n", message);
+  return kExitUsage;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-help" || arg == "-h" || arg == "--helpfull" ||
+        arg == "--helpshort") {
+      PrintHelp();
+      return 0;
+    }
+  }
+  absl::SetProgramUsageMessage(kUsage);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    return UsageError(absl::StrCat("unexpected argument '", positional[1], "'"));
+  }
+
+  sdm::ServerOptions options;
+  options.model_dir = absl::GetFlag(FLAGS_model);
+  if (options.model_dir.empty()) return UsageError("--model is required");
+  options.model_name = absl::GetFlag(FLAGS_model_name);
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  for (const auto& [flag, value, out] :
+       {std::tuple{"resident_budget", absl::GetFlag(FLAGS_resident_budget),
+                   &options.resident_budget_bytes},
+        std::tuple{"host_budget", absl::GetFlag(FLAGS_host_budget), &options.host_budget_bytes}}) {
+    absl::StatusOr<int64_t> bytes = sdm::ParseByteSize(value);
+    if (!bytes.ok()) return UsageError(absl::StrCat("--", flag, ": ", bytes.status().message()));
+    *out = *bytes;
+  }
+  options.session_ttl = absl::GetFlag(FLAGS_session_ttl);
+  if (options.session_ttl <= absl::ZeroDuration()) {
+    return UsageError("--session_ttl must be positive (inf: never expire)");
+  }
+  options.scheduler.max_running = absl::GetFlag(FLAGS_max_running);
+  options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);
+  options.scheduler.prefill_token_budget = absl::GetFlag(FLAGS_prefill_token_budget);
+  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
+  options.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  options.threads = absl::GetFlag(FLAGS_threads);
+  options.api_keys_file = absl::GetFlag(FLAGS_api_keys);
+  options.tenant_limits_file = absl::GetFlag(FLAGS_tenant_limits);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+
+  // Signals are handled by sigwait below: block them before any thread starts, so that every
+  // thread inherits the mask.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<sdm::SdmServer>> server = sdm::SdmServer::Start(options);
+  if (!server.ok()) {
+    absl::FPrintF(stderr, "sdm-server: %s\n", server.status().ToString());
+    return kExitFailure;
+  }
+  std::string metrics = "off";
+  if ((*server)->metrics_port() > 0) {
+    metrics =
+        absl::StrCat("http://", options.metrics_host, ":", (*server)->metrics_port(), "/metrics");
+  }
+  absl::PrintF("listening on %s (metrics: %s)\n", (*server)->address(), metrics);
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&signals, &signal_number);
+  absl::FPrintF(stderr, "sdm-server: %s: shutting down (grace %s; a second signal exits now)\n",
+                signal_number == SIGINT ? "SIGINT" : "SIGTERM",
+                absl::FormatDuration(options.shutdown_grace));
+  std::thread([signals] {
+    int second = 0;
+    sigwait(&signals, &second);
+    std::_Exit(kExitFailure);
+  }).detach();
+  const absl::Status persisted = (*server)->Shutdown();
+  if (!persisted.ok()) {
+    absl::FPrintF(stderr, "sdm-server: %s\n", persisted.ToString());
+    return kExitFailure;
+  }
+  absl::FPrintF(
+      stderr, "sdm-server: stopped; sessions saved in %s\n",
+      options.state_dir.empty() ? "(nowhere: no --state_dir)" : options.state_dir.string());
+  return 0;
+}

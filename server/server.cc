@@ -1,0 +1,325 @@
+#include "server/server.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/tokenizer.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/grpcpp.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "server/auth.h"
+#include "server/http_endpoint.h"
+#include "server/metrics/metrics.h"
+#include "server/metrics/server_metrics.h"
+#include "server/service.h"
+#include "server/tenant_limits.h"
+#include "state_store/session_store.h"
+
+namespace sdm {
+namespace {
+
+constexpr char kServiceName[] = "sdm.v1.SdmService";
+// After the grace period and the cancellation of what was left, how long streams get to send
+// their final chunk before the gRPC server cancels them; then how long other calls get.
+constexpr absl::Duration kFinalWriteGrace = absl::Seconds(5);
+constexpr auto kUnaryGrace = std::chrono::milliseconds(200);
+
+std::string HostPort(const std::string& host, int port) {
+  if (absl::StrContains(host, ':') && !absl::StartsWith(host, "[")) {
+    return absl::StrCat("[", host, "]:", port);
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+absl::StatusOr<std::string> ReadTextFile(const std::filesystem::path& path,
+                                         absl::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) {
+    return absl::NotFoundError(absl::StrCat("cannot read the ", what, " ", path.string()));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+absl::Status ValidateOptions(const ServerOptions& o) {
+  if (o.model_dir.empty()) return absl::InvalidArgumentError("a model directory is required");
+  if (o.port < 0 || o.port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat("port must be in [0, 65535], got ", o.port));
+  }
+  if (o.metrics_port < -1 || o.metrics_port > 65535) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "metrics_port must be in [0, 65535], or -1 for no HTTP endpoint, got ", o.metrics_port));
+  }
+  if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and its key (or neither)");
+  }
+  if (o.resident_budget_bytes < 0 || o.host_budget_bytes < 0) {
+    return absl::InvalidArgumentError("state budgets must not be negative");
+  }
+  if (o.threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  if (o.prefill_chunk < 1) return absl::InvalidArgumentError("prefill_chunk must be >= 1");
+  if (o.scheduler.max_running < 1 || o.scheduler.max_waiting < 0 ||
+      o.scheduler.prefill_token_budget < 1) {
+    return absl::InvalidArgumentError(
+        "max_running and prefill_token_budget must be >= 1, max_waiting >= 0");
+  }
+  if (o.max_prompt_tokens < 1 || o.max_tokens_limit < 1) {
+    return absl::InvalidArgumentError("max_prompt_tokens and max_tokens_limit must be >= 1");
+  }
+  if (o.shutdown_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("shutdown_grace must not be negative");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+class SdmServer::Impl final : public SchedulerListener {
+ public:
+  explicit Impl(const ServerOptions& o) : options(o) {}
+
+  absl::Status Init();
+  absl::Status Shutdown();
+
+  // SchedulerListener, on the step thread.
+  void OnStep(int decode_batch, int64_t prefill_tokens, double seconds) override {
+    if (decode_batch > 0) metrics->batch_size.Observe(decode_batch);
+  }
+  void OnFirstToken(double seconds) override { metrics->time_to_first_token.Observe(seconds); }
+  void OnInterToken(double seconds) override { metrics->inter_token_latency.Observe(seconds); }
+
+  // At every scrape: gauges from the scheduler and the store, counters from the store's totals.
+  void UpdateGauges();
+
+  const ServerOptions options;
+  ApiKeyAuthenticator auth;
+  TenantLimitsConfig tenant_limits;
+  std::shared_ptr<const Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<SessionStateStore> store;
+  std::unique_ptr<MetricsRegistry> registry;
+  std::unique_ptr<ServerMetrics> metrics;
+  std::unique_ptr<Scheduler> scheduler;
+  std::unique_ptr<SdmServiceImpl> service;
+  std::unique_ptr<grpc::Server> grpc_server;
+  std::unique_ptr<HttpEndpoint> http;
+  int port = 0;
+  int metrics_port = 0;
+  std::atomic<bool> draining{false};
+
+  std::mutex shutdown_mu;
+  bool shut_down = false;        // guarded by shutdown_mu
+  absl::Status shutdown_result;  // guarded by shutdown_mu
+
+  std::mutex gauges_mu;
+  StoreStats last_stats;  // guarded by gauges_mu
+};
+
+absl::Status SdmServer::Impl::Init() {
+  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  // The small files first: a typo there should not wait for the model to load.
+  if (!options.api_keys_file.empty()) {
+    absl::StatusOr<ApiKeyAuthenticator> a = ApiKeyAuthenticator::FromFile(options.api_keys_file);
+    if (!a.ok()) return a.status();
+    auth = *std::move(a);
+  }
+  if (!options.tenant_limits_file.empty()) {
+    absl::StatusOr<TenantLimitsConfig> l = TenantLimitsConfig::FromFile(options.tenant_limits_file);
+    if (!l.ok()) return l.status();
+    tenant_limits = *std::move(l);
+  }
+  std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
+  if (!options.tls_cert_file.empty()) {
+    absl::StatusOr<std::string> cert = ReadTextFile(options.tls_cert_file, "TLS certificate");
+    if (!cert.ok()) return cert.status();
+    absl::StatusOr<std::string> key = ReadTextFile(options.tls_key_file, "TLS key");
+    if (!key.ok()) return key.status();
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    credentials = grpc::SslServerCredentials(ssl);
+  }
+
+  absl::StatusOr<std::shared_ptr<const Model>> m = LoadModel(options.model_dir);
+  if (!m.ok()) {
+    return absl::Status(m.status().code(),
+                        absl::StrCat("cannot load the model from ", options.model_dir.string(),
+                                     ": ", m.status().message()));
+  }
+  model = *std::move(m);
+  absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Create(model->config, model->dir);
+  if (!t.ok()) return t.status();
+  tokenizer = *std::move(t);
+  EngineOptions engine_options;
+  engine_options.num_threads = options.threads;
+  engine_options.prefill_chunk = options.prefill_chunk;
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(model, engine_options);
+  if (!e.ok()) return e.status();
+  engine = *std::move(e);
+
+  SessionStoreOptions store_options;
+  store_options.resident_budget_bytes = options.resident_budget_bytes;
+  store_options.host_budget_bytes = options.host_budget_bytes;
+  store_options.dir = options.state_dir;
+  store_options.default_ttl = options.session_ttl;
+  absl::StatusOr<std::unique_ptr<SessionStateStore>> st =
+      SessionStateStore::Open(engine->state_layout(), engine->fingerprint(), store_options);
+  if (!st.ok()) {
+    return absl::Status(st.status().code(),
+                        absl::StrCat("cannot open the state directory ", options.state_dir.string(),
+                                     ": ", st.status().message()));
+  }
+  store = *std::move(st);
+  for (const std::string& error : store->open_errors()) {
+    std::fprintf(stderr, "sdm-server: warning: %s\n", error.c_str());
+  }
+
+  registry = CreateMetricsRegistry();
+  metrics = std::make_unique<ServerMetrics>(*registry);
+  registry->AddCollectHook([this] { UpdateGauges(); });
+  scheduler = std::make_unique<Scheduler>(*engine, *store, *tokenizer, options.scheduler, this);
+
+  ServiceOptions service_options;
+  service_options.model_name = options.model_name;
+  service_options.max_prompt_tokens = options.max_prompt_tokens;
+  service_options.max_tokens_limit = options.max_tokens_limit;
+  service = std::make_unique<SdmServiceImpl>(
+      ServiceDeps{*model, *engine, *tokenizer, *store, *scheduler, *metrics, auth, tenant_limits},
+      service_options);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  const std::string address = HostPort(options.host, options.port);
+  builder.AddListeningPort(address, credentials, &port);
+  builder.RegisterService(service.get());
+  grpc_server = builder.BuildAndStart();
+  if (grpc_server == nullptr || port == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", address, " (in use, or not an address of this host)"));
+  }
+  grpc_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+
+  if (options.metrics_port >= 0) {
+    HttpEndpointOptions http_options;
+    http_options.host = options.metrics_host;
+    http_options.port = options.metrics_port;
+    absl::StatusOr<std::unique_ptr<HttpEndpoint>> h =
+        HttpEndpoint::Start(http_options, *registry, [this]() -> absl::Status {
+          if (draining.load()) return absl::UnavailableError("draining before shutdown");
+          return absl::OkStatus();
+        });
+    if (!h.ok()) return h.status();
+    http = *std::move(h);
+    metrics_port = http->port();
+  }
+  return absl::OkStatus();
+}
+
+void SdmServer::Impl::UpdateGauges() {
+  std::lock_guard<std::mutex> lock(gauges_mu);
+  if (scheduler != nullptr) {
+    metrics->requests_running.Set(scheduler->running());
+    metrics->requests_waiting.Set(scheduler->waiting());
+  }
+  if (store == nullptr) return;
+  const StoreStats s = store->Stats();
+  for (int t = 0; t < kNumTiers; ++t) {
+    const absl::string_view tier = TierName(static_cast<Tier>(t));
+    metrics->sessions.WithLabels({tier}).Set(static_cast<double>(s.sessions[t]));
+    metrics->state_bytes.WithLabels({tier}).Set(static_cast<double>(s.bytes[t]));
+  }
+  const auto add = [](Counter& counter, int64_t now, int64_t before) {
+    if (now > before) counter.Increment(static_cast<double>(now - before));
+  };
+  const int resident = static_cast<int>(Tier::kResident);
+  const int host = static_cast<int>(Tier::kHost);
+  const int disk = static_cast<int>(Tier::kDisk);
+  // A move out of resident lands on host, a move out of host on disk.
+  add(metrics->state_offloads.WithLabels({kTierHost}), s.evictions[resident],
+      last_stats.evictions[resident]);
+  add(metrics->state_offloads.WithLabels({kTierDisk}), s.evictions[host],
+      last_stats.evictions[host]);
+  add(metrics->state_restores.WithLabels({kTierHost}), s.restores[host], last_stats.restores[host]);
+  add(metrics->state_restores.WithLabels({kTierDisk}), s.restores[disk], last_stats.restores[disk]);
+  add(metrics->snapshot_errors, s.snapshot_errors + s.quarantined,
+      last_stats.snapshot_errors + last_stats.quarantined);
+  last_stats = s;
+}
+
+absl::Status SdmServer::Impl::Shutdown() {
+  std::lock_guard<std::mutex> lock(shutdown_mu);
+  if (shut_down) return shutdown_result;
+  shut_down = true;
+  // 1. Stop admitting.
+  draining.store(true);
+  if (service != nullptr) service->StopAdmitting();
+  if (grpc_server != nullptr) grpc_server->GetHealthCheckService()->SetServingStatus(false);
+  // 2. Let the requests in flight finish, up to the grace period.
+  const absl::Time give_up = absl::Now() + options.shutdown_grace;
+  while (scheduler != nullptr && service != nullptr && absl::Now() < give_up &&
+         (scheduler->running() + scheduler->waiting() > 0 || service->active_generates() > 0)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  // 3. Cancel the rest: their streams end with FINISH_REASON_CANCELLED.
+  if (scheduler != nullptr) scheduler->Shutdown(/*cancel=*/true);
+  // 4. Stop the gRPC server once the last chunks are out. gRPC's own drain would wait for idle
+  // client connections to close until its deadline, hence the wait for the streams here and a
+  // short deadline, which cancels the calls still open then.
+  if (grpc_server != nullptr) {
+    const absl::Time streams_done = absl::Now() + kFinalWriteGrace;
+    while (service != nullptr && service->active_generates() > 0 && absl::Now() < streams_done) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    grpc_server->Shutdown(std::chrono::system_clock::now() + kUnaryGrace);
+  }
+  // 5. Persist every session.
+  if (store != nullptr && !options.state_dir.empty()) {
+    shutdown_result = store->PersistAll();
+  }
+  // 6. The HTTP endpoint last, so that the drain can be watched.
+  http.reset();
+  return shutdown_result;
+}
+
+absl::StatusOr<std::unique_ptr<SdmServer>> SdmServer::Start(const ServerOptions& options) {
+  auto impl = std::make_unique<Impl>(options);
+  if (absl::Status s = impl->Init(); !s.ok()) {
+    impl->Shutdown().IgnoreError();  // nothing was served; persists nothing new
+    return s;
+  }
+  return std::make_unique<SdmServer>(std::move(impl));
+}
+
+SdmServer::SdmServer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+SdmServer::~SdmServer() {
+  if (impl_ != nullptr) impl_->Shutdown().IgnoreError();
+}
+
+int SdmServer::port() const { return impl_->port; }
+int SdmServer::metrics_port() const { return impl_->metrics_port; }
+
+std::string SdmServer::address() const {
+  std::string host = impl_->options.host;
+  if (host == "0.0.0.0") host = "127.0.0.1";
+  if (host == "::") host = "::1";
+  return HostPort(host, impl_->port);
+}
+
+absl::Status SdmServer::Shutdown() { return impl_->Shutdown(); }
+
+const MetricsRegistry& SdmServer::metrics() const { return *impl_->registry; }
+
+}  // namespace sdm

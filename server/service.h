@@ -1,0 +1,186 @@
+// SdmServiceImpl: the sdm.v1.SdmService RPCs (proto/sdm/v1/sdm.proto, docs/api.md) on top of the
+// engine, the session store and the scheduler. Protobuf <-> native conversion happens here and
+// nowhere below.
+//
+// Every RPC uses gRPC's callback API. Each call first authenticates (ApiKeyAuthenticator: the
+// `authorization: Bearer KEY` metadata names the tenant), then validates everything it was sent,
+// and only then acts; every failure is an absl::Status turned into the call's gRPC status by
+// ToGrpcStatus (server/grpc_status.h), with a message naming the field or session and what to do.
+//
+// Tenancy: sessions are stored under keys derived from (tenant, id) (server/tenancy.h), and
+// every lookup checks the owner in the session's metadata, so another tenant's session is
+// NOT_FOUND exactly like one that does not exist. Per-tenant limits (TenantLimitsConfig) are
+// enforced at CreateSession and ForkSession (sessions and state bytes) and at Generate on a
+// session (state bytes), as RESOURCE_EXHAUSTED with a retry hint.
+//
+// Generate: validated, tokenized (BOS policy in docs/api.md), then submitted to the Scheduler,
+// which refuses a full queue, a busy or unknown session before anything is sent. Tokens reach the
+// call through a GenerateStream (server/generate_stream.h), which never blocks the scheduler's step
+// thread: chunks not yet written are merged into one pending chunk, so a slow reader receives
+// fewer, larger chunks; memory stays bounded by max_tokens_limit. Client cancellation and the
+// call's deadline end the job within one scheduler step.
+//
+// Thread-safety: the RPC methods run concurrently on gRPC's threads; StopAdmitting() may be
+// called from any thread. Everything passed in ServiceDeps must outlive the service.
+#ifndef SDMSERVE_SERVER_SERVICE_H_
+#define SDMSERVE_SERVER_SERVICE_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/tokenizer.h"
+#include "grpcpp/grpcpp.h"
+#include "sdm/v1/sdm.grpc.pb.h"
+#include "server/auth.h"
+#include "server/metrics/server_metrics.h"
+#include "server/scheduler.h"
+#include "server/tenancy.h"
+#include "server/tenant_limits.h"
+#include "state_store/session_store.h"
+
+namespace sdm {
+
+struct ServiceOptions {
+  // The model's name in ModelInfo; empty: the model directory's name.
+  std::string model_name;
+  // Limits on a prompt (tokens, with an added BOS) and on SamplingParams.max_tokens.
+  int64_t max_prompt_tokens = 8192;
+  int64_t max_tokens_limit = 4096;
+  // max_tokens when the request leaves it unset (at most max_tokens_limit).
+  int64_t default_max_tokens = 256;
+  // Retry hints sent with RESOURCE_EXHAUSTED.
+  absl::Duration queue_full_retry_after = absl::Seconds(1);
+  absl::Duration tenant_limit_retry_after = absl::Seconds(30);
+};
+
+// Limits on what a Generate request may carry besides the prompt.
+inline constexpr int kMaxStopStrings = 16;
+inline constexpr size_t kMaxStopStringBytes = 256;
+inline constexpr int kMaxStopTokenIds = 1024;
+
+struct ServiceDeps {
+  const Model& model;
+  const Engine& engine;
+  const Tokenizer& tokenizer;
+  SessionStateStore& store;
+  Scheduler& scheduler;
+  ServerMetrics& metrics;
+  const ApiKeyAuthenticator& auth;
+  const TenantLimitsConfig& tenant_limits;
+};
+
+class SdmServiceImpl final : public v1::SdmService::CallbackService {
+ public:
+  SdmServiceImpl(const ServiceDeps& deps, const ServiceOptions& options);
+  ~SdmServiceImpl() override;
+
+  // From now on, Generate calls are refused with UNAVAILABLE (graceful shutdown: the server
+  // drains). Other RPCs keep working until the gRPC server stops.
+  void StopAdmitting();
+
+  // Generate calls whose reactor has not finished yet.
+  int active_generates() const { return active_generates_.load(); }
+
+  const v1::ModelInfo& model_info() const { return model_info_; }
+
+  grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
+      grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const v1::CreateSessionRequest* request,
+                                          v1::Session* response) override;
+  grpc::ServerUnaryReactor* GetSession(grpc::CallbackServerContext* context,
+                                       const v1::GetSessionRequest* request,
+                                       v1::Session* response) override;
+  grpc::ServerUnaryReactor* ListSessions(grpc::CallbackServerContext* context,
+                                         const v1::ListSessionsRequest* request,
+                                         v1::ListSessionsResponse* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
+                                          const v1::DeleteSessionRequest* request,
+                                          v1::DeleteSessionResponse* response) override;
+  grpc::ServerUnaryReactor* ForkSession(grpc::CallbackServerContext* context,
+                                        const v1::ForkSessionRequest* request,
+                                        v1::Session* response) override;
+  grpc::ServerUnaryReactor* Tokenize(grpc::CallbackServerContext* context,
+                                     const v1::TokenizeRequest* request,
+                                     v1::TokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* Detokenize(grpc::CallbackServerContext* context,
+                                       const v1::DetokenizeRequest* request,
+                                       v1::DetokenizeResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelInfo(grpc::CallbackServerContext* context,
+                                         const v1::GetModelInfoRequest* request,
+                                         v1::ModelInfo* response) override;
+
+ private:
+  using Clock = std::chrono::steady_clock;
+
+  // A session of the caller's tenant, found in the store.
+  struct OwnedSession {
+    std::string key;  // the store's key
+    SessionInfo info;
+    SessionMetadata metadata;
+  };
+  // What the tenant holds now.
+  struct TenantUsage {
+    int64_t sessions = 0;
+    int64_t state_bytes = 0;
+  };
+
+  // The caller's tenant, or UNAUTHENTICATED.
+  absl::StatusOr<std::string> TenantOf(const grpc::CallbackServerContext& context) const;
+  // Runs a unary RPC body (after authentication), records its metrics and finishes the call.
+  template <typename Body>
+  grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, absl::string_view method,
+                                  Body&& body);
+  void RecordRequest(absl::string_view method, absl::StatusCode code, Clock::time_point start);
+
+  // NOT_FOUND unless `tenant` owns a session `id`.
+  absl::StatusOr<OwnedSession> FindSession(absl::string_view tenant, absl::string_view id) const;
+  TenantUsage UsageOf(absl::string_view tenant) const;
+  // RESOURCE_EXHAUSTED when one more session (new_session) or any more state would pass the
+  // tenant's limits.
+  absl::Status CheckTenantLimits(absl::string_view tenant, bool new_session) const;
+  // A store error about `key`, as the caller should see it (its id, not the key).
+  absl::Status UserFacing(const absl::Status& status, absl::string_view key,
+                          absl::string_view id) const;
+  void FillSession(const SessionInfo& info, const SessionMetadata& metadata,
+                   v1::Session& out) const;
+  // Everything Generate checks and computes before it submits; the prompt in `job` has BOS.
+  absl::Status PrepareGenerate(const grpc::CallbackServerContext& context,
+                               const v1::GenerateRequest& request, GenerateJob& job,
+                               std::string& store_key, std::string& user_id);
+
+  absl::Status DoCreateSession(absl::string_view tenant, const v1::CreateSessionRequest& request,
+                               v1::Session& response);
+  absl::Status DoGetSession(absl::string_view tenant, const v1::GetSessionRequest& request,
+                            v1::Session& response);
+  absl::Status DoListSessions(absl::string_view tenant, const v1::ListSessionsRequest& request,
+                              v1::ListSessionsResponse& response);
+  absl::Status DoDeleteSession(absl::string_view tenant, const v1::DeleteSessionRequest& request);
+  absl::Status DoForkSession(absl::string_view tenant, const v1::ForkSessionRequest& request,
+                             v1::Session& response);
+  absl::Status DoDetokenize(const v1::DetokenizeRequest& request, v1::DetokenizeResponse& response);
+
+  const ServiceDeps deps_;
+  const ServiceOptions options_;
+  v1::ModelInfo model_info_;
+  std::atomic<bool> admitting_{true};
+  std::atomic<int> active_generates_{0};
+  // Serialises session creation (Create, Fork) so that a tenant's limits are checked and the
+  // session added as one step.
+  std::mutex create_mu_;
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_SERVER_SERVICE_H_

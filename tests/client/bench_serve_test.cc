@@ -1,0 +1,411 @@
+// sdm-bench serve: its statistics on known inputs, distribution parsing, and whole runs against
+// a fake SdmService on loopback.
+#include "client/bench_serve.h"
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "client/distribution.h"
+#include "client/latency_stats.h"
+#include "gmock/gmock.h"
+#include "grpcpp/create_channel.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/client/fake_sdm_service.h"
+
+namespace sdm::client {
+namespace {
+
+using ::testing::DoubleNear;
+using ::testing::ElementsAre;
+using testing::FakeServer;
+using ::testing::HasSubstr;
+using ::testing::Pointwise;
+
+// ---- percentiles ----------------------------------------------------------------------------
+
+TEST(LatencyStatsTest, PercentilesInterpolateBetweenRanks) {
+  const std::vector<double> four = {1, 2, 3, 4};
+  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 0), 1);
+  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 50), 2.5);
+  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 90), 3.7);
+  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 100), 4);
+  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 150), 4);  // clamped
+  EXPECT_DOUBLE_EQ(PercentileOfSorted(std::vector<double>{7}, 99), 7);
+  EXPECT_TRUE(std::isnan(PercentileOfSorted({}, 50)));
+}
+
+TEST(LatencyStatsTest, SummarizeOneToAHundred) {
+  std::vector<double> samples;
+  for (int i = 100; i >= 1; --i) samples.push_back(i);  // unsorted on purpose
+  const LatencySummary s = Summarize(samples);
+  EXPECT_EQ(s.count, 100);
+  EXPECT_DOUBLE_EQ(s.mean, 50.5);
+  EXPECT_DOUBLE_EQ(s.min, 1);
+  EXPECT_DOUBLE_EQ(s.p50, 50.5);
+  EXPECT_DOUBLE_EQ(s.p90, 90.1);
+  EXPECT_DOUBLE_EQ(s.p99, 99.01);
+  EXPECT_DOUBLE_EQ(s.max, 100);
+
+  const LatencySummary empty = Summarize({});
+  EXPECT_EQ(empty.count, 0);
+  EXPECT_TRUE(std::isnan(empty.p50));
+}
+
+// ---- distributions --------------------------------------------------------------------------
+
+TEST(DistributionTest, ParsesEveryForm) {
+  absl::StatusOr<Distribution> d = Distribution::Parse("64");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->kind(), Distribution::Kind::kFixed);
+  EXPECT_EQ(d->ToString(), "64");
+  d = Distribution::Parse("fixed:8");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->ToString(), "8");
+  d = Distribution::Parse("uniform:16:64");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->kind(), Distribution::Kind::kUniform);
+  EXPECT_EQ(d->a(), 16);
+  EXPECT_EQ(d->b(), 64);
+  EXPECT_EQ(d->Mean(), 40);
+  EXPECT_EQ(d->ToString(), "uniform:16:64");
+  d = Distribution::Parse("normal:128:32.5");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->kind(), Distribution::Kind::kNormal);
+  EXPECT_EQ(d->ToString(), "normal:128:32.5");
+  EXPECT_EQ(Distribution::Parse(d->ToString())->ToString(), d->ToString());
+}
+
+TEST(DistributionTest, RejectsMalformedText) {
+  for (const char* bad :
+       {"", "0", "-4", "abc", "fixed:0", "uniform:1", "uniform:0:3", "uniform:5:3", "uniform:a:b",
+        "normal:0:1", "normal:10:-1", "normal:10:nan", "gamma:1:2", "uniform:1:2:3"}) {
+    absl::StatusOr<Distribution> d = Distribution::Parse(bad);
+    EXPECT_FALSE(d.ok()) << bad;
+    if (!d.ok()) {
+      EXPECT_THAT(d.status().message(), HasSubstr("uniform:A:B")) << bad;
+    }
+  }
+}
+
+TEST(DistributionTest, SamplesStayInRangeAndAreReproducible) {
+  const Distribution uniform = *Distribution::Parse("uniform:3:6");
+  std::mt19937_64 rng(7);
+  std::set<int64_t> seen;
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t v = uniform.Sample(rng);
+    ASSERT_GE(v, 3);
+    ASSERT_LE(v, 6);
+    seen.insert(v);
+  }
+  EXPECT_EQ(seen, (std::set<int64_t>{3, 4, 5, 6}));
+
+  const Distribution normal = *Distribution::Parse("normal:2:50");
+  double sum = 0;
+  for (int i = 0; i < 2000; ++i) {
+    const int64_t v = normal.Sample(rng);
+    ASSERT_GE(v, 1);  // clamped
+    sum += v;
+  }
+  EXPECT_GT(sum / 2000, 2);  // the clamp lifts the mean
+  EXPECT_EQ(Distribution::Parse("normal:10:0")->Sample(rng), 10);
+  EXPECT_EQ(Distribution::Fixed(5).Sample(rng), 5);
+
+  std::mt19937_64 a(42), b(42);
+  for (int i = 0; i < 100; ++i) ASSERT_EQ(uniform.Sample(a), uniform.Sample(b));
+}
+
+// ---- per-request timing and aggregation -----------------------------------------------------
+
+TEST(BenchServeTest, TimeStreamSplitsChunkGapsPerToken) {
+  // An empty first chunk, then 1 token at 100 ms, 1 at 150 ms, 2 at 350 ms, the final chunk.
+  const std::vector<std::pair<double, int64_t>> chunks = {
+      {0.01, 0}, {0.1, 1}, {0.15, 1}, {0.35, 2}, {0.4, 0}};
+  const StreamTiming t = TimeStream(chunks);
+  EXPECT_DOUBLE_EQ(t.ttft, 0.1);
+  EXPECT_THAT(t.itl, Pointwise(DoubleNear(1e-12), std::vector<double>{0.05, 0.1, 0.1}));
+
+  // Tokens of the first chunk beyond the first add no samples.
+  const std::vector<std::pair<double, int64_t>> bunched = {{0.2, 3}, {0.5, 1}};
+  const StreamTiming u = TimeStream(bunched);
+  EXPECT_DOUBLE_EQ(u.ttft, 0.2);
+  EXPECT_THAT(u.itl, Pointwise(DoubleNear(1e-12), std::vector<double>{0.3}));
+
+  EXPECT_EQ(TimeStream({}).ttft, -1);
+}
+
+TEST(BenchServeTest, AggregateCountsTokensRatesAndErrors) {
+  std::vector<RequestRecord> records(5);
+  for (int i = 0; i < 3; ++i) {
+    records[i].prompt_tokens = 10;
+    records[i].generated_tokens = 20;
+    records[i].ttft = 0.01 * (i + 1);  // 10, 20, 30 ms
+    records[i].e2e = 0.1 * (i + 1);    // 100, 200, 300 ms
+  }
+  records[2].reused_session = true;
+  records[2].history_tokens = 50;
+  records[3].code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  records[4].code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  const BenchServeResult r = Aggregate(records, {0.001, 0.002, 0.003, 0.004}, 2.0);
+  EXPECT_EQ(r.requests, 5);
+  EXPECT_EQ(r.ok, 3);
+  EXPECT_EQ(r.reused, 1);
+  EXPECT_EQ(r.output_tokens, 60);
+  EXPECT_EQ(r.prompt_tokens, 30);
+  EXPECT_EQ(r.history_tokens, 50);
+  EXPECT_DOUBLE_EQ(r.output_tokens_per_s, 30);
+  EXPECT_DOUBLE_EQ(r.requests_per_s, 1.5);
+  EXPECT_DOUBLE_EQ(r.prompt_tokens_per_s, 15);
+  EXPECT_EQ(r.errors_by_code, (std::map<std::string, int64_t>{{"RESOURCE_EXHAUSTED", 2}}));
+  EXPECT_EQ(r.ttft_ms.count, 3);
+  EXPECT_NEAR(r.ttft_ms.p50, 20, 1e-9);
+  EXPECT_NEAR(r.e2e_ms.p99, 298, 1e-9);
+  EXPECT_EQ(r.itl_ms.count, 4);
+  EXPECT_NEAR(r.itl_ms.p50, 2.5, 1e-9);
+
+  const nlohmann::json j = ToJson(r);
+  EXPECT_EQ(j["requests"]["errors"]["RESOURCE_EXHAUSTED"], 2);
+  EXPECT_EQ(j["throughput"]["output_tokens_per_s"], 30.0);
+  EXPECT_EQ(j["ttft_ms"]["count"], 3);
+  const std::string report = FormatReport(r);
+  EXPECT_THAT(report, HasSubstr("errors: RESOURCE_EXHAUSTED 2"));
+  EXPECT_THAT(report, HasSubstr("30.0 output tokens/s"));
+  EXPECT_THAT(report, HasSubstr("TTFT"));
+
+  // No samples: null in JSON, "-" in the table.
+  const BenchServeResult none = Aggregate({}, {}, 1.0);
+  EXPECT_TRUE(ToJson(none)["ttft_ms"]["p50"].is_null());
+  EXPECT_THAT(FormatReport(none), HasSubstr("errors: none"));
+}
+
+TEST(BenchServeTest, ValidateOptions) {
+  BenchServeOptions o;
+  EXPECT_TRUE(ValidateOptions(o).ok());
+  o.concurrency = 0;
+  EXPECT_FALSE(ValidateOptions(o).ok());
+  o = BenchServeOptions();
+  o.session_reuse = 1.5;
+  EXPECT_FALSE(ValidateOptions(o).ok());
+  o.session_reuse = 0.5;
+  o.sessions = 0;
+  EXPECT_FALSE(ValidateOptions(o).ok());
+  o = BenchServeOptions();
+  o.requests = 0;
+  EXPECT_FALSE(ValidateOptions(o).ok());
+  o.duration = absl::Seconds(1);
+  EXPECT_TRUE(ValidateOptions(o).ok());
+}
+
+// ---- whole runs against the fake ------------------------------------------------------------
+
+class BenchServeRunTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(server_.ok());
+    connection_.host = server_.address();
+    stub_ = sdm::v1::SdmService::NewStub(
+        grpc::CreateChannel(connection_.host, grpc::InsecureChannelCredentials()));
+  }
+
+  FakeServer server_;
+  ConnectionOptions connection_;
+  std::unique_ptr<sdm::v1::SdmService::Stub> stub_;
+};
+
+TEST_F(BenchServeRunTest, RunsEveryRequestAndReusesSessionsOneCallAtATime) {
+  server_.service().set_chunk_delay(absl::Milliseconds(1));
+  BenchServeOptions o;
+  o.concurrency = 4;
+  o.requests = 24;
+  o.warmup = 2;
+  o.prompt_tokens = *Distribution::Parse("uniform:3:9");
+  o.max_tokens = Distribution::Fixed(5);
+  o.session_reuse = 0.5;
+  o.sessions = 2;
+  o.session_prefix = "b";
+  std::ostringstream log;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->requests, 24);
+  EXPECT_EQ(r->ok, 24) << FormatReport(*r);  // no ABORTED: a session never runs two calls
+  EXPECT_TRUE(r->errors_by_code.empty());
+  EXPECT_EQ(r->output_tokens, 24 * 5);
+  EXPECT_EQ(r->ttft_ms.count, 24);
+  EXPECT_EQ(r->itl_ms.count, 24 * 4);
+  EXPECT_EQ(r->e2e_ms.count, 24);
+  EXPECT_GT(r->output_tokens_per_s, 0);
+  EXPECT_GE(r->itl_ms.p50, 0.5);  // the fake waits 1 ms before each token
+  EXPECT_EQ(r->model, "fake");
+
+  // The fake saw the warmup too; prompts are ids of the tokenizer other than BOS and EOS.
+  const auto requests = server_.service().generate_requests();
+  ASSERT_EQ(requests.size(), 26u);
+  int64_t with_session = 0;
+  for (const auto& q : requests) {
+    ASSERT_TRUE(q.has_token_ids());
+    EXPECT_GE(q.token_ids().ids_size(), 3);
+    EXPECT_LE(q.token_ids().ids_size(), 9);
+    for (const int32_t id : q.token_ids().ids()) {
+      EXPECT_GE(id, 0);
+      EXPECT_LT(id, 256);
+    }
+    EXPECT_EQ(q.sampling().max_tokens(), 5);
+    if (!q.session_id().empty()) {
+      ++with_session;
+      EXPECT_TRUE(q.session_id() == "b-0" || q.session_id() == "b-1") << q.session_id();
+    }
+  }
+  EXPECT_GT(with_session, 0);
+  EXPECT_LT(with_session, 26);
+  EXPECT_GT(r->reused, 0);
+  EXPECT_GT(r->history_tokens, 0);  // reused sessions carried earlier turns
+  // The sessions were created, then deleted at the end.
+  EXPECT_EQ(server_.service().calls("CreateSession").size(), 2u);
+  EXPECT_EQ(server_.service().calls("DeleteSession").size(), 2u);
+  EXPECT_FALSE(server_.service().HasSession("b-0"));
+}
+
+TEST_F(BenchServeRunTest, TheSamePlanForTheSameSeed) {
+  BenchServeOptions o;
+  o.requests = 6;
+  o.prompt_tokens = *Distribution::Parse("uniform:1:50");
+  o.max_tokens = *Distribution::Parse("uniform:1:4");
+  o.seed = 9;
+  std::ostringstream log;
+  ASSERT_TRUE(RunBenchServe(*stub_, connection_, o, log).ok());
+  ASSERT_TRUE(RunBenchServe(*stub_, connection_, o, log).ok());
+  const auto q = server_.service().generate_requests();
+  ASSERT_EQ(q.size(), 12u);
+  // Each request's plan depends on (seed, index) only; one worker runs them in order.
+  for (int i = 0; i < 6; ++i) {
+    EXPECT_EQ(q[i].SerializeAsString(), q[i + 6].SerializeAsString()) << i;
+  }
+}
+
+TEST_F(BenchServeRunTest, DurationModeRunsUntilTheTimeIsUp) {
+  server_.service().set_chunk_delay(absl::Milliseconds(2));
+  BenchServeOptions o;
+  o.concurrency = 2;
+  o.duration = absl::Milliseconds(300);
+  o.max_tokens = Distribution::Fixed(3);
+  std::ostringstream log;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_GT(r->ok, 2);
+  EXPECT_GE(r->wall_seconds, 0.3);
+  EXPECT_LT(r->wall_seconds, 5);
+}
+
+TEST_F(BenchServeRunTest, FailedCallsAreCountedByCode) {
+  server_.service().FailNext("Generate",
+                             grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full"), 3);
+  BenchServeOptions o;
+  o.requests = 5;
+  o.max_tokens = Distribution::Fixed(2);
+  std::ostringstream log;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->ok, 2);
+  EXPECT_EQ(r->errors_by_code.at("RESOURCE_EXHAUSTED"), 3);
+  EXPECT_EQ(r->output_tokens, 4);
+  EXPECT_EQ(r->ttft_ms.count, 2);
+}
+
+TEST_F(BenchServeRunTest, SetupFailuresAreReturned) {
+  server_.service().FailNext("GetModelInfo",
+                             grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no key"));
+  std::ostringstream log;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, BenchServeOptions(), log);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_THAT(r.status().message(), HasSubstr("no key"));
+}
+
+// ---- the command line -----------------------------------------------------------------------
+
+struct CommandResult {
+  int exit;
+  std::string out;
+  std::string err;
+};
+
+CommandResult RunCommand(const std::vector<std::string>& args) {
+  std::istringstream in;
+  std::ostringstream out, err;
+  ClientIo io;
+  io.in = &in;
+  io.out = &out;
+  io.err = &err;
+  io.env = [](absl::string_view) { return std::nullopt; };
+  const int exit = RunBenchServeCommand(args, io);
+  return {exit, out.str(), err.str()};
+}
+
+TEST_F(BenchServeRunTest, CommandPrintsTheTableAndWritesJson) {
+  const std::string json_path = ::testing::TempDir() + "/bench_serve_test.json";
+  std::remove(json_path.c_str());
+  const CommandResult r =
+      RunCommand({"serve", "--host", server_.address(), "--concurrency", "2", "--requests", "6",
+                  "--prompt_tokens", "uniform:2:4", "--max_tokens", "3", "--session_reuse", "1",
+                  "--sessions", "2", "--json", json_path});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("concurrency 2, 6 requests"));
+  EXPECT_THAT(r.out, HasSubstr("6 requests continued a session"));
+  EXPECT_THAT(r.out, HasSubstr("TTFT"));
+  EXPECT_THAT(r.out, HasSubstr("ITL"));
+  EXPECT_THAT(r.out, HasSubstr("E2E"));
+  std::ifstream file(json_path);
+  ASSERT_TRUE(file.good());
+  const nlohmann::json j = nlohmann::json::parse(file);
+  EXPECT_EQ(j["config"]["concurrency"], 2);
+  EXPECT_EQ(j["config"]["prompt_tokens"], "uniform:2:4");
+  EXPECT_EQ(j["requests"]["ok"], 6);
+  EXPECT_EQ(j["tokens"]["output"], 18);
+  for (const char* key : {"ttft_ms", "itl_ms", "e2e_ms"}) {
+    for (const char* stat : {"p50", "p90", "p99"}) {
+      EXPECT_TRUE(j[key][stat].is_number()) << key << "." << stat;
+    }
+  }
+}
+
+TEST_F(BenchServeRunTest, CommandUsageErrorsAndFailures) {
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"--prompt_tokens", "uniform:9:3"},
+           {"--max_tokens", "lots"},
+           {"--concurrency", "0"},
+           {"--session_reuse", "2"},
+           {"--duration", "forever"},
+           {"--seed", "x"},
+           {"--bogus"},
+           {"extra"},
+       }) {
+    std::vector<std::string> full = args;
+    full.push_back("--host");
+    full.push_back(server_.address());
+    const CommandResult r = RunCommand(full);
+    EXPECT_EQ(r.exit, kExitUsage) << ::testing::PrintToString(args);
+  }
+  EXPECT_TRUE(server_.service().calls().empty());
+
+  server_.service().FailNext("Generate", grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"),
+                             100);
+  CommandResult r = RunCommand({"--host", server_.address(), "--requests", "3"});
+  EXPECT_EQ(r.exit, kExitFailure);  // every measured call failed
+  EXPECT_THAT(r.out, HasSubstr("errors: UNAVAILABLE 3"));
+
+  server_.service().FailNext("GetModelInfo",
+                             grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no key"));
+  r = RunCommand({"--host", server_.address()});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("UNAUTHENTICATED"));
+
+  EXPECT_EQ(RunCommand({"--help"}).exit, kExitOk);
+}
+
+}  // namespace
+}  // namespace sdm::client

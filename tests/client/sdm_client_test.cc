@@ -1,0 +1,579 @@
+// sdm-client against a fake SdmService on loopback: streaming, chat resumption, sessions,
+// error mapping to exit codes, and where the connection options come from.
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "client/cli.h"
+#include "client/connection.h"
+#include "client/flags.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "tests/client/fake_sdm_service.h"
+
+namespace sdm::client {
+namespace {
+
+using ::testing::ElementsAre;
+using testing::FakeServer;
+using ::testing::HasSubstr;
+using ::testing::IsEmpty;
+using ::testing::Not;
+
+struct RunResult {
+  int exit = -1;
+  std::string out;
+  std::string err;
+};
+
+EnvLookup MapEnv(std::map<std::string, std::string> env) {
+  return [env = std::move(env)](absl::string_view name) -> std::optional<std::string> {
+    auto it = env.find(std::string(name));
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+RunResult RunClient(const std::vector<std::string>& args, const std::string& stdin_text = "",
+                    std::map<std::string, std::string> env = {}) {
+  std::istringstream in(stdin_text);
+  std::ostringstream out, err;
+  ClientIo io;
+  io.in = &in;
+  io.out = &out;
+  io.err = &err;
+  io.env = MapEnv(std::move(env));
+  RunResult r;
+  r.exit = RunSdmClient(args, io);
+  r.out = out.str();
+  r.err = err.str();
+  return r;
+}
+
+class SdmClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(server_.ok()); }
+
+  // `sdm-client COMMAND --host FAKE ARGS...`
+  RunResult Run(const std::string& command, std::vector<std::string> args,
+                const std::string& stdin_text = "") {
+    std::vector<std::string> full;
+    std::istringstream words(command);
+    for (std::string w; words >> w;) full.push_back(w);
+    full.push_back("--host");
+    full.push_back(server_.address());
+    full.insert(full.end(), args.begin(), args.end());
+    return RunClient(full, stdin_text);
+  }
+
+  FakeServer server_;
+};
+
+// ---- generate -------------------------------------------------------------------------------
+
+TEST_F(SdmClientTest, GenerateStreamsAndConcatenatesTheChunks) {
+  server_.service().set_tokens_per_chunk(2);
+  const RunResult r = Run("generate", {"--prompt", "Hello", "--max_tokens", "5"});
+  EXPECT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "t0 t1 t2 t3 t4 ");
+  EXPECT_THAT(r.err, HasSubstr("finish_reason=length"));
+  EXPECT_THAT(r.err, HasSubstr("prompt_tokens=6 history_tokens=0 generated_tokens=5"));
+  const auto requests = server_.service().generate_requests();
+  ASSERT_EQ(requests.size(), 1u);
+  EXPECT_EQ(requests[0].text(), "Hello");
+  EXPECT_EQ(requests[0].session_id(), "");
+  EXPECT_EQ(requests[0].sampling().max_tokens(), 5);
+}
+
+TEST_F(SdmClientTest, GenerateSendsEverySamplingFlag) {
+  const RunResult r =
+      Run("generate", {"The prompt", "--temperature=0.7", "--top_k", "5", "--top_p", "0.9",
+                       "--seed", "18446744073709551615", "--stop", "a", "--stop", "b b",
+                       "--stop_ids", "1, 2", "--noadd_bos", "--max_tokens", "1"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  const auto requests = server_.service().generate_requests();
+  ASSERT_EQ(requests.size(), 1u);
+  const sdm::v1::GenerateRequest& q = requests[0];
+  EXPECT_EQ(q.text(), "The prompt");
+  EXPECT_DOUBLE_EQ(q.sampling().temperature(), 0.7);
+  EXPECT_EQ(q.sampling().top_k(), 5);
+  ASSERT_TRUE(q.sampling().has_top_p());
+  EXPECT_DOUBLE_EQ(q.sampling().top_p(), 0.9);
+  EXPECT_EQ(q.sampling().seed(), 18446744073709551615ull);
+  EXPECT_THAT(q.sampling().stop(), ElementsAre("a", "b b"));
+  EXPECT_THAT(q.sampling().stop_token_ids(), ElementsAre(1, 2));
+  ASSERT_TRUE(q.has_add_bos());
+  EXPECT_FALSE(q.add_bos());
+}
+
+TEST_F(SdmClientTest, GenerateLeavesUnsetFlagsToTheServer) {
+  ASSERT_EQ(Run("generate", {"--prompt", "x", "--session", ""}).exit, kExitOk);
+  const auto requests = server_.service().generate_requests();
+  ASSERT_EQ(requests.size(), 1u);
+  EXPECT_FALSE(requests[0].sampling().has_max_tokens());
+  EXPECT_FALSE(requests[0].sampling().has_top_p());
+  EXPECT_FALSE(requests[0].has_add_bos());
+}
+
+TEST_F(SdmClientTest, GenerateReadsThePromptFromStdin) {
+  const RunResult r = Run("generate", {"--prompt", "-", "--max_tokens", "1"}, "from stdin\n");
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(server_.service().generate_requests().at(0).text(), "from stdin\n");
+}
+
+TEST_F(SdmClientTest, GenerateJsonPrintsOneObject) {
+  server_.service().set_tokens_per_chunk(3);
+  const RunResult r = Run("generate", {"--prompt", "hi", "--max_tokens", "4", "--json"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["text"], "t0 t1 t2 t3 ");
+  EXPECT_EQ(j["token_ids"], nlohmann::json({100, 101, 102, 103}));
+  EXPECT_EQ(j["finish_reason"], "length");
+  EXPECT_EQ(j["usage"]["generated_tokens"], 4);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], 3);
+}
+
+TEST_F(SdmClientTest, GenerateOnASessionCarriesItsHistory) {
+  ASSERT_EQ(Run("sessions create", {"s"}).exit, kExitOk);
+  ASSERT_EQ(Run("generate", {"--prompt", "abc", "--session", "s", "--max_tokens", "2"}).exit,
+            kExitOk);
+  const RunResult r = Run("generate", {"--prompt", "de", "--session", "s", "--max_tokens", "2"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  // First call: BOS + 3 bytes + 2 generated = 6 tokens of history for the second.
+  EXPECT_THAT(r.err, HasSubstr("prompt_tokens=2 history_tokens=6 generated_tokens=2"));
+}
+
+// ---- errors and exit codes ------------------------------------------------------------------
+
+TEST_F(SdmClientTest, UsageErrorsExitWithTwoAndCallNothing) {
+  for (const auto& [command, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"generate", {}},
+           {"generate", {"--prompt", "a", "b"}},
+           {"generate", {"--prompt", ""}},
+           {"generate", {"--prompt", "a", "--stop_ids", "1,x"}},
+           {"generate", {"--prompt", "a", "--seed", "-1"}},
+           {"generate", {"--prompt", "a", "--max_tokens", "many"}},
+           {"generate", {"--prompt", "a", "--frobnicate"}},
+           {"generate", {"--prompt", "a", "--timeout", "-1"}},
+           {"chat", {}},
+           {"sessions get", {}},
+           {"sessions fork", {}},
+           {"sessions create", {"x", "--ttl", "soon"}},
+           {"sessions list", {"--label", "novalue"}},
+           {"sessions frob", {}},
+           {"tokenize", {}},
+           {"detokenize", {"1,a"}},
+           {"info", {"extra"}},
+           {"teleport", {}},
+       }) {
+    const RunResult r = Run(command, args);
+    EXPECT_EQ(r.exit, kExitUsage) << command << " " << ::testing::PrintToString(args);
+    EXPECT_THAT(r.err, Not(IsEmpty()));
+  }
+  EXPECT_THAT(server_.service().calls(), IsEmpty());
+  EXPECT_EQ(RunClient({}).exit, kExitUsage);
+}
+
+TEST_F(SdmClientTest, HelpExitsWithZero) {
+  const RunResult r = Run("generate", {"--help"});
+  EXPECT_EQ(r.exit, kExitOk);
+  EXPECT_THAT(r.out, HasSubstr("--max_tokens"));
+  EXPECT_THAT(r.out, HasSubstr("--api_key"));
+  EXPECT_EQ(RunClient({"help"}).exit, kExitOk);
+}
+
+TEST_F(SdmClientTest, FailedCallsPrintTheCodeAndExitWithOne) {
+  server_.service().FailNext("Generate",
+                             grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full"));
+  RunResult r = Run("generate", {"--prompt", "a"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_EQ(r.out, "");
+  EXPECT_THAT(r.err, HasSubstr("RESOURCE_EXHAUSTED: queue full"));
+
+  r = Run("generate", {"--prompt", "a", "--session", "missing"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("NOT_FOUND: session 'missing' not found"));
+
+  server_.service().FailNext("GetModelInfo",
+                             grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown API key"));
+  r = Run("info", {});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("UNAUTHENTICATED: unknown API key"));
+
+  r = Run("sessions delete", {"nope"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
+}
+
+TEST(SdmClientErrorsTest, AnUnreachableServerIsUnavailable) {
+  std::string address;
+  {
+    FakeServer gone;
+    address = gone.address();
+  }
+  const RunResult r = RunClient({"info", "--host", address, "--timeout", "5"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+}
+
+TEST(SdmClientErrorsTest, AnUnreadableCaFileIsAUsageError) {
+  const RunResult r =
+      RunClient({"info", "--host", "127.0.0.1:1", "--tls_ca", "/nonexistent/ca.pem"});
+  EXPECT_EQ(r.exit, kExitUsage);
+  EXPECT_THAT(r.err, HasSubstr("/nonexistent/ca.pem"));
+}
+
+// A server certificate for 127.0.0.1 made with the openssl command; empty when unavailable.
+struct TestCertificate {
+  std::string dir;
+  std::string cert_pem;
+  std::string key_pem;
+};
+std::optional<TestCertificate> MakeCertificate() {
+  TestCertificate c;
+  c.dir = ::testing::TempDir() + "/sdm_client_tls";
+  const std::string command = "mkdir -p " + c.dir +
+                              " && openssl req -x509 -newkey rsa:2048 -nodes -days 1 -subj " +
+                              "/CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1 -keyout " + c.dir +
+                              "/key.pem -out " + c.dir + "/cert.pem >/dev/null 2>&1";
+  if (std::system(command.c_str()) != 0) return std::nullopt;
+  const auto read = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  };
+  c.cert_pem = read(c.dir + "/cert.pem");
+  c.key_pem = read(c.dir + "/key.pem");
+  if (c.cert_pem.empty() || c.key_pem.empty()) return std::nullopt;
+  return c;
+}
+
+TEST(SdmClientTlsTest, TlsWithTheServersCaFromAFlagOrTheEnvironment) {
+  const std::optional<TestCertificate> cert = MakeCertificate();
+  if (!cert.has_value()) GTEST_SKIP() << "the openssl command cannot make a certificate";
+  grpc::SslServerCredentialsOptions ssl;
+  ssl.pem_key_cert_pairs.push_back({cert->key_pem, cert->cert_pem});
+  FakeServer server(grpc::SslServerCredentials(ssl));
+  ASSERT_TRUE(server.ok());
+  const std::string ca = cert->dir + "/cert.pem";
+
+  RunResult r = RunClient({"info", "--host", server.address(), "--tls_ca", ca, "--api_key", "k"});
+  EXPECT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("(tls)"));
+  r = RunClient({"info", "--host", server.address()}, "", {{"SDM_TLS_CA", ca}});
+  EXPECT_EQ(r.exit, kExitOk) << r.err;
+  // Plaintext against a TLS port fails: --tls=false wins over the environment.
+  r = RunClient({"info", "--host", server.address(), "--tls=false", "--timeout", "5"}, "",
+                {{"SDM_TLS_CA", ca}});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+  // TLS with the system's roots does not trust a self-signed certificate.
+  r = RunClient({"info", "--host", server.address(), "--tls", "--timeout", "5"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+  EXPECT_EQ(server.service().calls("GetModelInfo").size(), 2u);
+}
+
+// ---- chat -----------------------------------------------------------------------------------
+
+TEST_F(SdmClientTest, ChatResumesASessionAcrossInvocations) {
+  RunResult first = Run("chat", {"--session", "c1", "--create", "--max_tokens", "3"},
+                        "hello\n\nworld\n/quit\nnot sent\n");
+  ASSERT_EQ(first.exit, kExitOk) << first.err;
+  EXPECT_EQ(first.out, "t0 t1 t2 \nt0 t1 t2 \n");
+  // hello\n: BOS + 6 bytes, 3 generated -> 10 tokens of history for the second turn.
+  EXPECT_THAT(first.err, HasSubstr("[7 prompt tokens + 0 history tokens carried, 3 generated"));
+  EXPECT_THAT(first.err, HasSubstr("[6 prompt tokens + 10 history tokens carried, 3 generated"));
+  EXPECT_THAT(first.err, HasSubstr("kept at position 19"));
+
+  // Later, another process: no --create, the same id, the history is still there.
+  RunResult second = Run("chat", {"--session", "c1", "--max_tokens", "2"}, "again\n");
+  ASSERT_EQ(second.exit, kExitOk) << second.err;
+  EXPECT_THAT(second.err, HasSubstr("resumed: 19 tokens of history"));
+  EXPECT_THAT(second.err, HasSubstr("[6 prompt tokens + 19 history tokens carried, 2 generated"));
+
+  std::vector<std::string> methods;
+  for (const auto& call : server_.service().calls()) {
+    methods.push_back(call.method + " " + call.session_id);
+  }
+  EXPECT_THAT(methods, ElementsAre("CreateSession c1", "Generate c1", "Generate c1",
+                                   "GetSession c1", "Generate c1"));
+  std::vector<std::string> texts;
+  for (const auto& q : server_.service().generate_requests()) texts.push_back(q.text());
+  EXPECT_THAT(texts, ElementsAre("hello\n", "world\n", "again\n"));
+  EXPECT_EQ(server_.service().Position("c1"), 27);
+}
+
+TEST_F(SdmClientTest, ChatOnAMissingSessionSuggestsCreate) {
+  const RunResult r = Run("chat", {"--session", "nope"}, "hi\n");
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
+  EXPECT_THAT(r.err, HasSubstr("--create"));
+  EXPECT_TRUE(server_.service().calls("Generate").empty());
+}
+
+TEST_F(SdmClientTest, ChatCreateWithoutAnIdUsesTheServersId) {
+  const RunResult r = Run("chat", {"--create", "--max_tokens", "1"}, "x\n");
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.err, HasSubstr("session auto-1 created"));
+  EXPECT_EQ(server_.service().generate_requests().at(0).session_id(), "auto-1");
+}
+
+TEST_F(SdmClientTest, ChatGoesOnAfterARecoverableErrorButReportsIt) {
+  server_.service().FailNext("Generate",
+                             grpc::Status(grpc::StatusCode::ABORTED, "already generating"));
+  const RunResult r =
+      Run("chat", {"--session", "c", "--create", "--max_tokens", "1"}, "one\ntwo\n");
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("ABORTED: already generating"));
+  EXPECT_EQ(r.out, "t0 \n");
+  EXPECT_EQ(server_.service().calls("Generate").size(), 2u);
+}
+
+TEST_F(SdmClientTest, ChatStopsAtAnUnrecoverableError) {
+  server_.service().FailNext("Generate", grpc::Status(grpc::StatusCode::DATA_LOSS, "corrupt"));
+  const RunResult r = Run("chat", {"--session", "c", "--create"}, "one\ntwo\n");
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("DATA_LOSS: corrupt"));
+  EXPECT_EQ(server_.service().calls("Generate").size(), 1u);
+}
+
+// ---- sessions, tokenize, info ---------------------------------------------------------------
+
+TEST_F(SdmClientTest, SessionsCreateGetForkListDelete) {
+  RunResult r = Run("sessions create", {"s1", "--label", "team=nlp", "--ttl", "1h"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("id: s1"));
+  EXPECT_THAT(r.out, HasSubstr("labels: team=nlp"));
+  EXPECT_THAT(r.out, HasSubstr("ttl: 3600s"));
+
+  r = Run("sessions fork", {"s1", "s2"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_TRUE(server_.service().HasSession("s2"));
+
+  r = Run("sessions get", {"s1", "--json"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["id"], "s1");
+  EXPECT_EQ(j["labels"]["team"], "nlp");
+  EXPECT_EQ(j["tier"], "TIER_RESIDENT");
+
+  r = Run("sessions list", {});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("ID"));
+  EXPECT_THAT(r.out, HasSubstr("s1 "));
+  EXPECT_THAT(r.out, HasSubstr("s2 "));
+
+  r = Run("sessions list", {"--label", "team=nlp", "--json"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  const nlohmann::json list = nlohmann::json::parse(r.out);
+  ASSERT_EQ(list["sessions"].size(), 1u);
+  EXPECT_EQ(list["sessions"][0]["id"], "s1");
+
+  r = Run("sessions delete", {"s1", "s2"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "deleted s1\ndeleted s2\n");
+  EXPECT_FALSE(server_.service().HasSession("s1"));
+  EXPECT_EQ(Run("sessions get", {"s1"}).exit, kExitFailure);
+}
+
+TEST_F(SdmClientTest, SessionsListFollowsEveryPage) {
+  for (const char* id : {"a", "b", "c", "d", "e"}) {
+    ASSERT_EQ(Run("sessions create", {id}).exit, kExitOk);
+  }
+  const RunResult r = Run("sessions list", {"--page_size", "2", "--json"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  std::vector<std::string> ids;
+  for (const auto& s : j["sessions"]) ids.push_back(s["id"]);
+  EXPECT_THAT(ids, ElementsAre("a", "b", "c", "d", "e"));
+  EXPECT_EQ(server_.service().calls("ListSessions").size(), 3u);
+}
+
+TEST_F(SdmClientTest, TokenizeDetokenizeAndInfo) {
+  RunResult r = Run("tokenize", {"hi", "--add_bos"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "256,104,105\n");
+  EXPECT_THAT(r.err, HasSubstr("3 tokens"));
+
+  r = Run("detokenize", {"104,105"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(r.out, "hi");
+  r = Run("detokenize", {"999"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("INVALID_ARGUMENT"));
+
+  r = Run("info", {});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("model: fake"));
+  EXPECT_THAT(r.out, HasSubstr("max_prompt_tokens: 1024"));
+  EXPECT_THAT(r.out, HasSubstr("layer types: sdm x1, swa x1"));
+  r = Run("info", {"--json"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out)["max_tokens_limit"], "512");  // int64 as a string
+}
+
+// ---- connection options ---------------------------------------------------------------------
+
+TEST_F(SdmClientTest, ApiKeyAndHostComeFromTheEnvironmentUnlessAFlagIsGiven) {
+  const std::string fake = server_.address();
+  // Everything from the environment.
+  RunResult r = RunClient({"info"}, "", {{"SDM_HOST", fake}, {"SDM_API_KEY", "sk-from-env"}});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  // Flags win, host and key alike.
+  r = RunClient({"info", "--host", fake, "--api_key", "sk-from-flag"}, "",
+                {{"SDM_HOST", "127.0.0.1:1"}, {"SDM_API_KEY", "sk-from-env"}});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  // An empty flag still wins: no key at all.
+  r = RunClient({"info", "--host", fake, "--api_key="}, "", {{"SDM_API_KEY", "sk-from-env"}});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+
+  std::vector<std::string> keys;
+  for (const auto& call : server_.service().calls()) keys.push_back(call.authorization);
+  EXPECT_THAT(keys, ElementsAre("Bearer sk-from-env", "Bearer sk-from-flag", ""));
+}
+
+TEST_F(SdmClientTest, ConnectionFlagsMayComeBeforeTheCommand) {
+  ASSERT_EQ(RunClient({"--host", server_.address(), "sessions", "create", "x"}).exit, kExitOk);
+  RunResult r = RunClient(
+      {"--host=" + server_.address(), "--api_key", "sk-k", "--notls", "sessions", "list"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_THAT(r.out, HasSubstr("x "));
+  r = RunClient({"--host", server_.address(), "info"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  EXPECT_EQ(server_.service().calls().at(1).authorization, "Bearer sk-k");
+
+  EXPECT_EQ(RunClient({"--max_tokens", "3", "generate", "--prompt", "a"}).exit, kExitUsage);
+  EXPECT_EQ(RunClient({"--host"}).exit, kExitUsage);
+  EXPECT_EQ(RunClient({"--host", server_.address()}).exit, kExitUsage);  // no command
+}
+
+TEST(ConnectionOptionsTest, DefaultsFlagsAndEnvironment) {
+  const auto resolve = [](std::vector<std::string> args, std::map<std::string, std::string> env) {
+    FlagSet flags;
+    ConnectionFlags values;
+    AddConnectionFlags(flags, &values);
+    EXPECT_TRUE(flags.Parse(args).ok());
+    return ResolveConnectionOptions(flags, values, MapEnv(std::move(env)));
+  };
+  absl::StatusOr<ConnectionOptions> o = resolve({}, {});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->host, "127.0.0.1:50051");
+  EXPECT_EQ(o->api_key, "");
+  EXPECT_FALSE(o->tls);
+  EXPECT_EQ(o->timeout, absl::InfiniteDuration());
+
+  o = resolve({}, {{"SDM_HOST", "h:1"}, {"SDM_API_KEY", "k"}, {"SDM_TLS_CA", "/ca.pem"}});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->host, "h:1");
+  EXPECT_EQ(o->api_key, "k");
+  EXPECT_TRUE(o->tls);  // a CA file means TLS
+  EXPECT_EQ(o->tls_ca_file, "/ca.pem");
+
+  o = resolve({"--host=f:2", "--api_key", "fk", "--tls_ca", "/f.pem", "--timeout", "1.5"},
+              {{"SDM_HOST", "h:1"}, {"SDM_API_KEY", "k"}, {"SDM_TLS_CA", "/ca.pem"}});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->host, "f:2");
+  EXPECT_EQ(o->api_key, "fk");
+  EXPECT_TRUE(o->tls);
+  EXPECT_EQ(o->tls_ca_file, "/f.pem");
+  EXPECT_EQ(o->timeout, absl::Milliseconds(1500));
+
+  // --tls=false wins over the environment's CA; SDM_TLS alone turns TLS on (system roots).
+  o = resolve({"--tls=false"}, {{"SDM_TLS_CA", "/ca.pem"}});
+  ASSERT_TRUE(o.ok());
+  EXPECT_FALSE(o->tls);
+  EXPECT_EQ(o->tls_ca_file, "");
+  o = resolve({}, {{"SDM_TLS", "1"}});
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o->tls);
+  EXPECT_EQ(o->tls_ca_file, "");
+  o = resolve({"--tls"}, {{"SDM_TLS", "0"}});
+  ASSERT_TRUE(o.ok());
+  EXPECT_TRUE(o->tls);
+
+  // Empty environment variables count as unset.
+  o = resolve({}, {{"SDM_HOST", ""}, {"SDM_API_KEY", ""}});
+  ASSERT_TRUE(o.ok());
+  EXPECT_EQ(o->host, "127.0.0.1:50051");
+  EXPECT_EQ(o->api_key, "");
+
+  EXPECT_FALSE(resolve({"--host="}, {}).ok());
+  EXPECT_FALSE(resolve({}, {{"SDM_API_KEY", "bad key"}}).ok());
+  EXPECT_FALSE(resolve({}, {{"SDM_TLS", "maybe"}}).ok());
+  EXPECT_FALSE(resolve({"--timeout=-2"}, {}).ok());
+}
+
+TEST(ConnectionOptionsTest, StatusCodeNames) {
+  EXPECT_EQ(StatusCodeName(grpc::StatusCode::OK), "OK");
+  EXPECT_EQ(StatusCodeName(grpc::StatusCode::RESOURCE_EXHAUSTED), "RESOURCE_EXHAUSTED");
+  EXPECT_EQ(StatusCodeName(grpc::StatusCode::UNAUTHENTICATED), "UNAUTHENTICATED");
+  EXPECT_EQ(StatusCodeName(static_cast<grpc::StatusCode>(99)), "UNKNOWN");
+  EXPECT_EQ(FormatStatus(grpc::Status(grpc::StatusCode::NOT_FOUND, "x")), "NOT_FOUND: x");
+  EXPECT_EQ(FormatStatus(grpc::Status(grpc::StatusCode::ABORTED, "")), "ABORTED");
+}
+
+// ---- flags ----------------------------------------------------------------------------------
+
+TEST(FlagSetTest, ParsesEveryForm) {
+  FlagSet flags;
+  std::string s = "default";
+  int64_t n = 0;
+  double d = 0;
+  bool b = true;
+  bool c = false;
+  std::vector<std::string> list = {"x"};
+  flags.AddString("s", &s, "");
+  flags.AddInt("n", &n, "");
+  flags.AddDouble("d", &d, "");
+  flags.AddBool("b", &b, "");
+  flags.AddBool("c", &c, "");
+  flags.AddStringList("l", &list, "");
+  absl::StatusOr<std::vector<std::string>> pos =
+      flags.Parse({"p1", "--s", "v", "-n=-3", "--d", "2.5", "--nob", "--c", "--l", "a", "--l=b",
+                   "-", "--", "--s", "p3"});
+  ASSERT_TRUE(pos.ok()) << pos.status();
+  EXPECT_THAT(*pos, ElementsAre("p1", "-", "--s", "p3"));
+  EXPECT_EQ(s, "v");
+  EXPECT_EQ(n, -3);
+  EXPECT_EQ(d, 2.5);
+  EXPECT_FALSE(b);
+  EXPECT_TRUE(c);
+  EXPECT_THAT(list, ElementsAre("a", "b"));  // replaces the default
+  EXPECT_TRUE(flags.IsSet("s"));
+  EXPECT_TRUE(flags.IsSet("b"));
+  EXPECT_THAT(flags.Help(), HasSubstr("--s (string, default \"default\")"));
+}
+
+TEST(FlagSetTest, RejectsWhatItCannotParse) {
+  const auto parse = [](std::vector<std::string> args) {
+    FlagSet flags;
+    int64_t n = 0;
+    double d = 0;
+    bool b = false;
+    std::string s;
+    flags.AddInt("n", &n, "");
+    flags.AddDouble("d", &d, "");
+    flags.AddBool("b", &b, "");
+    flags.AddString("s", &s, "");
+    return flags.Parse(args).status();
+  };
+  EXPECT_TRUE(parse({"--n", "1"}).ok());
+  EXPECT_THAT(parse({"--x"}).message(), HasSubstr("unknown flag --x"));
+  EXPECT_THAT(parse({"--s"}).message(), HasSubstr("--s needs a value"));
+  EXPECT_THAT(parse({"--n", "1.5"}).message(), HasSubstr("not an integer"));
+  EXPECT_THAT(parse({"--d", "nan"}).message(), HasSubstr("not a finite number"));
+  EXPECT_THAT(parse({"--b=maybe"}).message(), HasSubstr("expected true or false"));
+  EXPECT_THAT(parse({"--nob=true"}).message(), HasSubstr("takes no value"));
+  EXPECT_THAT(parse({"--nos"}).message(), HasSubstr("unknown flag"));
+  EXPECT_TRUE(WantsHelp({"a", "--help"}));
+  EXPECT_FALSE(WantsHelp({"--", "--help"}));
+}
+
+}  // namespace
+}  // namespace sdm::client

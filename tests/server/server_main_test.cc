@@ -1,0 +1,165 @@
+// The sdm-server binary: --help, exit statuses, start-up from a flag file, graceful SIGTERM.
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "sdm/v1/sdm.grpc.pb.h"
+#include "tests/server/server_test_util.h"
+
+extern char** environ;
+
+namespace sdm::testing {
+namespace {
+
+const std::string kServer = SDM_BINARY_DIR "/server/sdm-server";
+
+struct ProcessRun {
+  int status = -1;  // exit status, or -1
+  std::string out, err;
+};
+
+// Runs the server with `args` to completion (for runs that end by themselves).
+ProcessRun RunServer(const std::string& args) {
+  ProcessRun r;
+  const std::string command =
+      absl::StrCat("'", kServer, "' ", args, " 2>'", ::testing::TempDir(), "/stderr.txt'");
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buffer[4096];
+  for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) r.out.append(buffer, n);
+  const int raw = ::pclose(pipe);
+  r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  r.err = ReadFile(::testing::TempDir() + "/stderr.txt");
+  return r;
+}
+
+class ServerMainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!std::filesystem::exists(kServer)) GTEST_SKIP() << kServer << " is not built";
+  }
+  ScopedTempDir dir_;
+};
+
+TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
+  const ProcessRun r = RunServer("--help");
+  EXPECT_EQ(r.status, 0);
+  for (const char* flag : {"model",
+                           "model_name",
+                           "host",
+                           "port",
+                           "metrics_host",
+                           "metrics_port",
+                           "state_dir",
+                           "resident_budget",
+                           "host_budget",
+                           "session_ttl",
+                           "max_running",
+                           "max_waiting",
+                           "prefill_token_budget",
+                           "prefill_chunk",
+                           "max_prompt_tokens",
+                           "max_tokens_limit",
+                           "threads",
+                           "api_keys",
+                           "tenant_limits",
+                           "tls_cert",
+                           "tls_key",
+                           "shutdown_grace"}) {
+    EXPECT_THAT(r.out, ::testing::HasSubstr(absl::StrCat("--", flag, " (default: "))) << flag;
+  }
+  EXPECT_THAT(r.out, ::testing::HasSubstr("--flagfile"));
+}
+
+TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
+  EXPECT_EQ(RunServer("").status, 2);  // no --model
+  EXPECT_EQ(RunServer("--model x --resident_budget 12parsecs").status, 2);
+  const ProcessRun missing =
+      RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
+  EXPECT_EQ(missing.status, 1);
+  EXPECT_THAT(missing.err, ::testing::HasSubstr("cannot load the model"));
+  EXPECT_THAT(missing.err, ::testing::HasSubstr("absent"));
+}
+
+// Reads one line from `fd` within `timeout`; empty on timeout or end of file.
+std::string ReadLine(int fd, std::chrono::milliseconds timeout) {
+  std::string line;
+  const auto give_up = std::chrono::steady_clock::now() + timeout;
+  while (std::chrono::steady_clock::now() < give_up) {
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 50) <= 0) continue;
+    char c;
+    if (::read(fd, &c, 1) != 1) break;
+    if (c == '\n') return line;
+    line += c;
+  }
+  return "";
+}
+
+TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
+  const std::filesystem::path state = dir_.path() / "state";
+  const std::filesystem::path flags = dir_.path() / "server.flags";
+  WriteFile(flags, absl::StrCat("# test configuration\n--model=", TinyModelDir().string(),
+                                "\n--port=0\n--metrics_port=-1\n--threads=1\n--state_dir=",
+                                state.string(), "\n--shutdown_grace=1s\n"));
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  const std::string flagfile = absl::StrCat("--flagfile=", flags.string());
+  std::vector<char*> argv = {const_cast<char*>(kServer.c_str()),
+                             const_cast<char*>(flagfile.c_str()), nullptr};
+  pid_t pid = 0;
+  ASSERT_EQ(::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+
+  const std::string line = ReadLine(out[0], std::chrono::seconds(30));
+  ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
+  const std::string address = line.substr(13, line.find(' ', 13) - 13);
+  auto stub =
+      v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  v1::ModelInfo info;
+  EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
+  EXPECT_EQ(info.name(), "tiny-model");
+  {
+    grpc::ClientContext create_context;
+    v1::CreateSessionRequest request;
+    request.set_session_id("saved");
+    v1::Session session;
+    EXPECT_TRUE(stub->CreateSession(&create_context, request, &session).ok());
+  }
+
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  int raw = 0;
+  ASSERT_EQ(::waitpid(pid, &raw, 0), pid);
+  ::close(out[0]);
+  ASSERT_TRUE(WIFEXITED(raw));
+  EXPECT_EQ(WEXITSTATUS(raw), 0);
+  // The session was persisted at shutdown.
+  bool saved = false;
+  for (const auto& entry : std::filesystem::directory_iterator(state)) {
+    saved = saved || entry.path().filename().string().find("saved") != std::string::npos;
+  }
+  EXPECT_TRUE(saved);
+}
+
+}  // namespace
+}  // namespace sdm::testing

@@ -1,0 +1,193 @@
+// Helpers for tests that talk to a real SdmServer over loopback gRPC: a tiny random model on disk,
+// server options sized for tests, and a client-side Generate that collects a whole stream.
+#ifndef SDMSERVE_TESTS_SERVER_SERVER_TEST_UTIL_H_
+#define SDMSERVE_TESTS_SERVER_SERVER_TEST_UTIL_H_
+
+#include <chrono>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/model_config.h"
+#include "engine/model_writer.h"
+#include "engine/safetensors.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "sdm/v1/sdm.grpc.pb.h"
+#include "server/server.h"
+#include "tests/engine/test_model_util.h"
+#include "tests/server/prometheus_text_parser.h"
+
+namespace sdm::testing {
+
+// A directory holding the "tiny" preset with random weights (seed 7), written once per process.
+inline const std::filesystem::path& TinyModelDir() {
+  static ScopedTempDir dir;  // removed at exit
+  static const std::filesystem::path model = [] {
+    const std::filesystem::path path = dir.path() / "tiny-model";
+    std::filesystem::create_directories(path);
+    RandomModelOptions options;
+    options.seed = 7;
+    options.threads = 1;
+    const absl::Status s = WriteRandomModel(TinyConfig(), path, options);
+    EXPECT_TRUE(s.ok()) << s;
+    return path;
+  }();
+  return model;
+}
+
+// The same model with the output row of EOS (id 257) zeroed: its logit is always 0, below the
+// maximum of the 257 other (random) logits, so greedy decoding never ends a stream by itself.
+// Long streams (cancellation, deadlines, queueing, shutdown) run on it.
+inline const std::filesystem::path& NoEosModelDir() {
+  static const std::filesystem::path model = [] {
+    const std::filesystem::path path = TinyModelDir().parent_path() / "tiny-model-no-eos";
+    std::filesystem::create_directories(path);
+    RandomModelOptions options;
+    options.seed = 7;
+    options.threads = 1;
+    const absl::Status s = WriteRandomModel(TinyConfig(), path, options);
+    EXPECT_TRUE(s.ok()) << s;
+    const std::filesystem::path weights = path / "model.safetensors";
+    absl::StatusOr<SafetensorsIndex> index = ReadSafetensorsIndex(weights);
+    EXPECT_TRUE(index.ok()) << index.status();
+    const SafetensorsEntry* output = index.ok() ? index->Find("output.weight") : nullptr;
+    EXPECT_TRUE(output != nullptr && output->dtype == TensorDtype::kF32);
+    if (output == nullptr) return path;
+    const int64_t dim = output->shape[1];
+    std::fstream f(weights, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(index->data_offset + output->begin + 257 * dim * 4);
+    const std::string zeros(static_cast<size_t>(dim * 4), '\0');
+    f.write(zeros.data(), static_cast<std::streamsize>(zeros.size()));
+    EXPECT_TRUE(f.good());
+    return path;
+  }();
+  return model;
+}
+
+// A server on free loopback ports (gRPC and HTTP), one engine thread, snapshots in `state_dir`.
+inline ServerOptions TestOptions(const std::filesystem::path& state_dir) {
+  ServerOptions o;
+  o.model_dir = NoEosModelDir();
+  o.host = "127.0.0.1";
+  o.port = 0;
+  o.metrics_host = "127.0.0.1";
+  o.metrics_port = 0;
+  o.state_dir = state_dir;
+  o.threads = 1;
+  o.max_prompt_tokens = 256;
+  o.max_tokens_limit = 1'000'000;  // long streams for cancellation tests
+  o.shutdown_grace = absl::Seconds(5);
+  return o;
+}
+
+struct Served {
+  std::unique_ptr<SdmServer> server;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::SdmService::Stub> stub;
+};
+
+inline Served Serve(const ServerOptions& options) {
+  Served s;
+  absl::StatusOr<std::unique_ptr<SdmServer>> server = SdmServer::Start(options);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return s;
+  s.server = *std::move(server);
+  s.channel = grpc::CreateChannel(s.server->address(), grpc::InsecureChannelCredentials());
+  s.stub = v1::SdmService::NewStub(s.channel);
+  return s;
+}
+
+struct CallOptions {
+  std::string api_key = "";  // sent as "authorization: Bearer KEY" when set
+  std::chrono::milliseconds timeout{60'000};
+  int cancel_after_chunks = 0;  // > 0: the client cancels after this many chunks
+};
+
+inline void Prepare(grpc::ClientContext& context, const CallOptions& call) {
+  if (!call.api_key.empty()) context.AddMetadata("authorization", "Bearer " + call.api_key);
+  context.set_deadline(std::chrono::system_clock::now() + call.timeout);
+}
+
+// A whole Generate stream, as the client saw it.
+struct Completion {
+  grpc::Status status;
+  std::vector<int32_t> tokens;
+  std::string text;
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  v1::Usage usage;
+  int chunks = 0;
+  std::multimap<std::string, std::string> trailers;
+};
+
+inline Completion Generate(v1::SdmService::Stub& stub, const v1::GenerateRequest& request,
+                           const CallOptions& call = {}) {
+  grpc::ClientContext context;
+  Prepare(context, call);
+  Completion c;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader =
+      stub.Generate(&context, request);
+  v1::GenerateResponse chunk;
+  while (reader->Read(&chunk)) {
+    ++c.chunks;
+    c.tokens.insert(c.tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+    c.text += chunk.text();
+    if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      EXPECT_EQ(c.finish, v1::FINISH_REASON_UNSPECIFIED) << "two final chunks";
+      c.finish = chunk.finish_reason();
+      c.usage = chunk.usage();
+    }
+    if (call.cancel_after_chunks > 0 && c.chunks == call.cancel_after_chunks) context.TryCancel();
+  }
+  c.status = reader->Finish();
+  for (const auto& [key, value] : context.GetServerTrailingMetadata()) {
+    c.trailers.emplace(std::string(key.data(), key.size()),
+                       std::string(value.data(), value.size()));
+  }
+  return c;
+}
+
+inline v1::GenerateRequest TextRequest(const std::string& text, int64_t max_tokens,
+                                       const std::string& session = "") {
+  v1::GenerateRequest r;
+  r.set_text(text);
+  r.set_session_id(session);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  return r;
+}
+
+inline v1::GenerateRequest IdsRequest(const std::vector<int32_t>& ids, int64_t max_tokens,
+                                      const std::string& session = "") {
+  v1::GenerateRequest r;
+  for (int32_t id : ids) r.mutable_token_ids()->add_ids(id);
+  r.set_session_id(session);
+  r.mutable_sampling()->set_max_tokens(max_tokens);
+  return r;
+}
+
+// The /metrics page of the server's HTTP port, parsed (a parse failure fails the test).
+inline ParsedPage ScrapeMetrics(int port) {
+  httplib::Client client("127.0.0.1", port);
+  const httplib::Result response = client.Get("/metrics");
+  ParsedPage page;
+  EXPECT_TRUE(response) << "GET /metrics failed";
+  if (!response) return page;
+  EXPECT_EQ(response->status, 200);
+  std::string error;
+  EXPECT_TRUE(ParsePrometheusText(response->body, &page, &error)) << error;
+  return page;
+}
+
+inline double MetricValue(const ParsedPage& page, const std::string& name,
+                          const std::map<std::string, std::string>& labels = {}) {
+  return page.Value(name, labels).value_or(0.0);
+}
+
+}  // namespace sdm::testing
+
+#endif  // SDMSERVE_TESTS_SERVER_SERVER_TEST_UTIL_H_

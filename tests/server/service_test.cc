@@ -1,0 +1,995 @@
+// The gRPC service end to end: SdmServer in-process on 127.0.0.1, a tiny random model written to
+// a temporary directory, the generated stub over a real channel.
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "gmock/gmock.h"
+#include "grpcpp/impl/client_unary_call.h"
+#include "grpcpp/support/sync_stream.h"
+#include "gtest/gtest.h"
+#include "nlohmann/json.hpp"
+#include "server/auth.h"
+#include "server/grpc_status.h"
+#include "server/tenancy.h"
+#include "tests/server/server_test_util.h"
+
+namespace sdm::testing {
+namespace {
+
+using ::testing::Contains;
+using ::testing::ElementsAreArray;
+using ::testing::Not;
+
+class ServiceTest : public ::testing::Test {
+ protected:
+  ServerOptions Options() const { return TestOptions(dir_.path() / "state"); }
+  ScopedTempDir dir_;
+};
+
+// Waits (up to 5 s) until the session is no longer generating; false on timeout.
+bool WaitUntilIdle(v1::SdmService::Stub& stub, const std::string& id,
+                   const std::string& api_key = "") {
+  for (int i = 0; i < 500; ++i) {
+    grpc::ClientContext context;
+    Prepare(context, {.api_key = api_key});
+    v1::GetSessionRequest request;
+    request.set_session_id(id);
+    v1::Session session;
+    if (stub.GetSession(&context, request, &session).ok() && !session.generating()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+// Waits (up to 5 s) until the metric has `value`: the server records a call's outcome just
+// after the client has heard it.
+bool WaitForMetric(int port, const std::string& name,
+                   const std::map<std::string, std::string>& labels, double value) {
+  for (int i = 0; i < 500; ++i) {
+    if (MetricValue(ScrapeMetrics(port), name, labels) == value) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return false;
+}
+
+grpc::Status CreateSession(v1::SdmService::Stub& stub, const std::string& id,
+                           v1::Session* out = nullptr, const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::CreateSessionRequest request;
+  request.set_session_id(id);
+  v1::Session session;
+  grpc::Status s = stub.CreateSession(&context, request, &session);
+  if (out != nullptr) *out = session;
+  return s;
+}
+
+grpc::Status GetSession(v1::SdmService::Stub& stub, const std::string& id, v1::Session* out,
+                        const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  return stub.GetSession(&context, request, out);
+}
+
+grpc::Status ForkSession(v1::SdmService::Stub& stub, const std::string& from, const std::string& to,
+                         v1::Session* out = nullptr, const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::ForkSessionRequest request;
+  request.set_session_id(from);
+  request.set_new_session_id(to);
+  v1::Session session;
+  grpc::Status s = stub.ForkSession(&context, request, &session);
+  if (out != nullptr) *out = session;
+  return s;
+}
+
+grpc::Status DeleteSession(v1::SdmService::Stub& stub, const std::string& id,
+                           const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::DeleteSessionRequest request;
+  request.set_session_id(id);
+  v1::DeleteSessionResponse response;
+  return stub.DeleteSession(&context, request, &response);
+}
+
+std::string Bytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& slice : slices) {
+    out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return out;
+}
+
+grpc::ByteBuffer Buffer(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// grpc.health.v1.Health/Check{service}, encoded by hand (field 1, a string); returns the
+// response's bytes: "\x08\x01" SERVING, "\x08\x02" NOT_SERVING.
+std::string HealthCheck(grpc::Channel& channel, const std::string& service) {
+  grpc::ClientContext context;
+  Prepare(context, {});
+  grpc::ByteBuffer response;
+  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      &channel,
+      grpc::internal::RpcMethod("/grpc.health.v1.Health/Check",
+                                grpc::internal::RpcMethod::NORMAL_RPC),
+      &context, Buffer(std::string("\x0a") + static_cast<char>(service.size()) + service),
+      &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return Bytes(response);
+}
+
+const std::string kServing("\x08\x01", 2), kNotServing("\x08\x02", 2);
+
+// ---- Generate -------------------------------------------------------------------------------
+
+TEST_F(ServiceTest, GreedyGenerateEqualsSdmCli) {
+  const std::string cli = SDM_BINARY_DIR "/tools/sdm_cli/sdm-cli";
+  if (!std::filesystem::exists(cli)) GTEST_SKIP() << cli << " is not built";
+  ServerOptions o = Options();
+  o.model_dir = TinyModelDir();  // the unmodified model: EOS may end the stream
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  // Prompts of this model's greedy completions that run to their length, and that end with EOS
+  // (whose text, held back so far, is flushed: here an incomplete character becomes U+FFFD).
+  int eos_endings = 0;
+  for (const std::string prompt : {"Hello, SDM", "xyz", "Once upon a time"}) {
+    SCOPED_TRACE(prompt);
+    const Completion c = Generate(*s.stub, TextRequest(prompt, 200));
+    ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+
+    const std::string command =
+        absl::StrCat("'", cli, "' generate --model '", TinyModelDir().string(), "' --prompt '",
+                     prompt, "' --max_tokens 200 --threads 1 --json 2>/dev/null");
+    FILE* pipe = ::popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string out;
+    char buffer[4096];
+    for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) out.append(buffer, n);
+    ASSERT_EQ(::pclose(pipe), 0) << command;
+    const nlohmann::json json = nlohmann::json::parse(out);
+    EXPECT_EQ(c.tokens, json["tokens"].get<std::vector<int32_t>>());
+    EXPECT_EQ(c.text, json["text"].get<std::string>());
+    EXPECT_EQ(c.usage.prompt_tokens(), static_cast<int64_t>(json["prompt_tokens"].size()));
+    EXPECT_EQ(c.usage.prompt_tokens(), static_cast<int64_t>(prompt.size()) + 1);  // BOS
+    EXPECT_EQ(c.usage.history_tokens(), 0);
+    EXPECT_EQ(c.usage.generated_tokens(), static_cast<int64_t>(c.tokens.size()));
+    const std::string reason = json["finish_reason"];
+    EXPECT_EQ(c.finish, reason == "eos" ? v1::FINISH_REASON_EOS : v1::FINISH_REASON_LENGTH);
+    eos_endings += reason == "eos";
+    EXPECT_GT(c.chunks, 1);  // streamed, not one reply
+  }
+  EXPECT_GT(eos_endings, 0) << "no prompt exercised EOS: pick another for this model";
+}
+
+TEST_F(ServiceTest, ThirtyTwoConcurrentStreamsEachEqualTheirSoloRun) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  constexpr int kStreams = 32;
+  const auto prompt = [](int i) {
+    return absl::StrCat("stream ", i, ": ", std::string(static_cast<size_t>(i % 9), 'x'));
+  };
+  for (int i = 0; i < kStreams; ++i) ASSERT_TRUE(CreateSession(*s.stub, absl::StrCat("c", i)).ok());
+  std::vector<Completion> together(kStreams);
+  {
+    std::atomic<int> ready{0};
+    std::vector<std::thread> clients;
+    for (int i = 0; i < kStreams; ++i) {
+      clients.emplace_back([&, i] {
+        // Start together, so that the streams share engine steps.
+        ready.fetch_add(1);
+        while (ready.load() < kStreams) std::this_thread::yield();
+        together[i] = Generate(*s.stub, TextRequest(prompt(i), 24, absl::StrCat("c", i)));
+      });
+    }
+    for (std::thread& t : clients) t.join();
+  }
+  // Batches of more than one sequence did run.
+  const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
+  EXPECT_LT(MetricValue(page, "sdm_batch_size_bucket", {{"le", "1"}}),
+            MetricValue(page, "sdm_batch_size_count"));
+  for (int i = 0; i < kStreams; ++i) {
+    const std::string id = absl::StrCat("solo", i);
+    ASSERT_TRUE(CreateSession(*s.stub, id).ok());
+    const Completion solo = Generate(*s.stub, TextRequest(prompt(i), 24, id));
+    ASSERT_TRUE(together[i].status.ok()) << i << ": " << together[i].status.error_message();
+    ASSERT_TRUE(solo.status.ok()) << solo.status.error_message();
+    EXPECT_EQ(together[i].tokens, solo.tokens) << "stream " << i;
+    EXPECT_EQ(together[i].text, solo.text) << "stream " << i;
+    EXPECT_EQ(together[i].usage.generated_tokens(), solo.usage.generated_tokens());
+  }
+}
+
+TEST_F(ServiceTest, CancellationMidStreamFreesTheSequence) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;  // the next request runs only if the cancelled one left
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "long").ok());
+  const Completion cancelled =
+      Generate(*s.stub, TextRequest("a long story", 1'000'000, "long"), {.cancel_after_chunks = 3});
+  EXPECT_EQ(cancelled.status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(cancelled.chunks, 3);
+  ASSERT_TRUE(WaitUntilIdle(*s.stub, "long"));
+  // The only place in the batch is free again: a one-shot and the same session both run.
+  const Completion next =
+      Generate(*s.stub, TextRequest("next", 4), {.timeout = std::chrono::seconds(20)});
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  const Completion again = Generate(*s.stub, TextRequest(" again", 4, "long"));
+  EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+  EXPECT_GE(again.usage.history_tokens(), 3);  // what the cancelled call read and generated
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_total",
+                            {{"method", "Generate"}, {"code", "CANCELLED"}}, 1));
+}
+
+TEST_F(ServiceTest, DeadlineExceededFreesTheSequence) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "slow").ok());
+  const auto start = std::chrono::steady_clock::now();
+  const Completion late = Generate(*s.stub, TextRequest("a long story", 1'000'000, "slow"),
+                                   {.timeout = std::chrono::milliseconds(300)});
+  EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  ASSERT_TRUE(WaitUntilIdle(*s.stub, "slow"));
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_total",
+                            {{"method", "Generate"}, {"code", "DEADLINE_EXCEEDED"}}, 1));
+  const Completion next = Generate(*s.stub, TextRequest("next", 4));
+  EXPECT_TRUE(next.status.ok()) << next.status.error_message();
+  const Completion again = Generate(*s.stub, TextRequest(" again", 4, "slow"));
+  EXPECT_TRUE(again.status.ok()) << again.status.error_message();
+}
+
+TEST_F(ServiceTest, FullQueueIsResourceExhaustedWithPushbackAndTheServerKeepsServing) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;
+  o.scheduler.max_waiting = 1;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "chat").ok());
+  ASSERT_TRUE(Generate(*s.stub, TextRequest("first", 5, "chat")).status.ok());
+  // One running (it has streamed a chunk), one waiting.
+  grpc::ClientContext running_context, waiting_context;
+  Prepare(running_context, {});
+  Prepare(waiting_context, {});
+  auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  auto waiting = s.stub->Generate(&waiting_context, TextRequest("waiting", 1'000'000));
+  bool queued = false;
+  for (int i = 0; i < 500 && !queued; ++i) {
+    queued = MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_waiting") == 1;
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(queued);
+  // Refused on a session: the session is left exactly as it was.
+  const Completion refused = Generate(*s.stub, TextRequest("refused", 4, "chat"));
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.status.error_message(), ::testing::HasSubstr("queue is full"));
+  EXPECT_EQ(refused.chunks, 0);  // rejected before any response: safe to retry
+  ASSERT_EQ(refused.trailers.count(kRetryPushbackKey), 1u);
+  EXPECT_EQ(refused.trailers.find(kRetryPushbackKey)->second, "1000");
+  running_context.TryCancel();
+  waiting_context.TryCancel();
+  while (running->Read(&chunk)) {
+  }
+  while (waiting->Read(&chunk)) {
+  }
+  EXPECT_EQ(running->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(waiting->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // The client learns of its cancellation at once; the server ends both jobs within a step or two.
+  bool idle = false;
+  for (int i = 0; i < 500 && !idle; ++i) {
+    const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
+    idle = MetricValue(page, "sdm_requests_running") == 0 &&
+           MetricValue(page, "sdm_requests_waiting") == 0;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(idle);
+  const Completion after = Generate(*s.stub, TextRequest(" second", 6, "chat"));
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+  ASSERT_TRUE(CreateSession(*s.stub, "ref").ok());
+  ASSERT_TRUE(Generate(*s.stub, TextRequest("first", 5, "ref")).status.ok());
+  const Completion ref = Generate(*s.stub, TextRequest(" second", 6, "ref"));
+  EXPECT_EQ(after.tokens, ref.tokens);
+  EXPECT_EQ(after.usage.history_tokens(), ref.usage.history_tokens());
+}
+
+TEST_F(ServiceTest, StopStringsStopIdsAndTokenIdPrompts) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const Completion free_run = Generate(*s.stub, IdsRequest({1, 2, 3, 4}, 16));
+  ASSERT_TRUE(free_run.status.ok());
+  ASSERT_GE(free_run.tokens.size(), 6u);
+  // A stop id: the stream ends with it (in token_ids, without text), FINISH_REASON_STOP.
+  v1::GenerateRequest by_id = IdsRequest({1, 2, 3, 4}, 16);
+  by_id.mutable_sampling()->add_stop_token_ids(free_run.tokens[4]);
+  const Completion stopped = Generate(*s.stub, by_id);
+  ASSERT_TRUE(stopped.status.ok());
+  EXPECT_EQ(stopped.finish, v1::FINISH_REASON_STOP);
+  const auto first = std::find(free_run.tokens.begin(), free_run.tokens.end(), free_run.tokens[4]);
+  EXPECT_EQ(stopped.tokens, std::vector<int32_t>(free_run.tokens.begin(), first + 1));
+  EXPECT_EQ(stopped.usage.generated_tokens(), static_cast<int64_t>(stopped.tokens.size()));
+  // The same prompt as ids equals the text prompt of those bytes.
+  const Completion as_text = Generate(*s.stub, TextRequest("\x01\x02\x03\x04", 16));
+  EXPECT_EQ(as_text.tokens, free_run.tokens);
+}
+
+TEST_F(ServiceTest, GracefulShutdownDrainsCancelsLeftoversAndPersistsSessions) {
+  ServerOptions o = Options();
+  o.shutdown_grace = absl::Seconds(2);
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "kept").ok());
+  grpc::ClientContext context;
+  Prepare(context, {});
+  auto stream = s.stub->Generate(&context, TextRequest("endless", 1'000'000, "kept"));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(stream->Read(&chunk));
+  std::thread stopper([&] { EXPECT_TRUE(s.server->Shutdown().ok()); });
+  // While it drains: not serving, and new Generate calls are refused (retryable elsewhere).
+  httplib::Client http("127.0.0.1", s.server->metrics_port());
+  bool draining = false;
+  for (int i = 0; i < 100 && !draining; ++i) {
+    const httplib::Result health = http.Get("/healthz");
+    draining = health && health->status == 503;
+    if (!draining) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_TRUE(draining);
+  EXPECT_EQ(HealthCheck(*s.channel, "sdm.v1.SdmService"), kNotServing);
+  EXPECT_EQ(Generate(*s.stub, TextRequest("late", 2)).status.error_code(),
+            grpc::StatusCode::UNAVAILABLE);
+  // After the grace period the stream is cancelled by the server: a final chunk, status OK.
+  v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
+  int64_t generated = 0;
+  while (stream->Read(&chunk)) {
+    if (chunk.finish_reason() != v1::FINISH_REASON_UNSPECIFIED) {
+      finish = chunk.finish_reason();
+      generated = chunk.usage().generated_tokens();
+    }
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+  stopper.join();
+  EXPECT_EQ(finish, v1::FINISH_REASON_CANCELLED);
+  EXPECT_GT(generated, 0);
+  s = Served();
+  // The session was written at shutdown and carries what was generated.
+  Served again = Serve(o);
+  ASSERT_NE(again.server, nullptr);
+  v1::Session session;
+  ASSERT_TRUE(GetSession(*again.stub, "kept", &session).ok());
+  EXPECT_EQ(session.tier(), v1::TIER_DISK);
+  const Completion next = Generate(*again.stub, TextRequest("!", 2, "kept"));
+  ASSERT_TRUE(next.status.ok()) << next.status.error_message();
+  EXPECT_EQ(next.usage.history_tokens(), 1 + 7 + generated);  // BOS, "endless", the output
+}
+
+// ---- Sessions -------------------------------------------------------------------------------
+
+TEST_F(ServiceTest, SessionResumedAfterRestartContinuesExactly) {
+  const ServerOptions o = Options();
+  const std::string turn1 = "The first turn.", turn2 = " And the second one.";
+  Completion resumed1, resumed2;
+  {
+    Served a = Serve(o);
+    ASSERT_NE(a.server, nullptr);
+    ASSERT_TRUE(CreateSession(*a.stub, "chat").ok());
+    resumed1 = Generate(*a.stub, TextRequest(turn1, 10, "chat"));
+    ASSERT_TRUE(resumed1.status.ok());
+    ASSERT_TRUE(a.server->Shutdown().ok());
+  }
+  Served b = Serve(o);
+  ASSERT_NE(b.server, nullptr);
+  v1::Session session;
+  ASSERT_TRUE(GetSession(*b.stub, "chat", &session).ok());
+  EXPECT_EQ(session.tier(), v1::TIER_DISK);
+  resumed2 = Generate(*b.stub, TextRequest(turn2, 10, "chat"));
+  ASSERT_TRUE(resumed2.status.ok()) << resumed2.status.error_message();
+  // The same conversation on a session that never left the server.
+  ASSERT_TRUE(CreateSession(*b.stub, "ref").ok());
+  const Completion ref1 = Generate(*b.stub, TextRequest(turn1, 10, "ref"));
+  const Completion ref2 = Generate(*b.stub, TextRequest(turn2, 10, "ref"));
+  EXPECT_EQ(resumed1.tokens, ref1.tokens);
+  EXPECT_EQ(resumed2.tokens, ref2.tokens);
+  EXPECT_EQ(resumed2.text, ref2.text);
+  // Its history was carried by the state, not read again: the prompt is only the new turn.
+  const int64_t history = 1 + static_cast<int64_t>(turn1.size()) + ref1.usage.generated_tokens();
+  EXPECT_EQ(resumed2.usage.history_tokens(), history);
+  EXPECT_EQ(resumed2.usage.prompt_tokens(), static_cast<int64_t>(turn2.size()));
+  EXPECT_EQ(ref2.usage.history_tokens(), history);
+  ASSERT_TRUE(GetSession(*b.stub, "chat", &session).ok());
+  EXPECT_EQ(session.position(),
+            history + static_cast<int64_t>(turn2.size()) + resumed2.usage.generated_tokens());
+  EXPECT_EQ(MetricValue(ScrapeMetrics(b.server->metrics_port()), "sdm_state_restores_total",
+                        {{"tier", "disk"}}),
+            1);
+}
+
+TEST_F(ServiceTest, SessionsParkedByTheBudgetsResumeExactly) {
+  // The smallest budgets: a session that has read anything leaves the engine for host memory as
+  // soon as it is idle, then host memory for disk.
+  ServerOptions o = Options();
+  o.resident_budget_bytes = 512;  // one empty session (its SDM slot tables)
+  o.host_budget_bytes = 1;
+  Served tight = Serve(o);
+  ASSERT_NE(tight.server, nullptr);
+  ServerOptions roomy_options = TestOptions(dir_.path() / "roomy");
+  Served roomy = Serve(roomy_options);
+  ASSERT_NE(roomy.server, nullptr);
+  std::vector<int32_t> parked, resident;
+  for (Served* s : {&tight, &roomy}) {
+    ASSERT_TRUE(CreateSession(*s->stub, "chat").ok());
+    for (const char* turn : {"one", " two", " three"}) {
+      const Completion c = Generate(*s->stub, TextRequest(turn, 6, "chat"));
+      ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+      auto& out = s == &tight ? parked : resident;
+      out.insert(out.end(), c.tokens.begin(), c.tokens.end());
+      if (s == &tight) {
+        // Wait until the store has moved it to disk before the next turn.
+        v1::Session session;
+        for (int i = 0; i < 500; ++i) {
+          ASSERT_TRUE(GetSession(*s->stub, "chat", &session).ok());
+          if (session.tier() == v1::TIER_DISK) break;
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+        EXPECT_EQ(session.tier(), v1::TIER_DISK);
+      }
+    }
+  }
+  EXPECT_EQ(parked, resident);
+  const ParsedPage page = ScrapeMetrics(tight.server->metrics_port());
+  EXPECT_GE(MetricValue(page, "sdm_state_offloads_total", {{"tier", "host"}}), 3);
+  EXPECT_GE(MetricValue(page, "sdm_state_offloads_total", {{"tier", "disk"}}), 3);
+  EXPECT_GE(MetricValue(page, "sdm_state_restores_total", {{"tier", "disk"}}), 2);
+  EXPECT_EQ(MetricValue(page, "sdm_sessions", {{"tier", "disk"}}), 1);
+}
+
+TEST_F(ServiceTest, CreateGetListForkDelete) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  // Create with labels and a ttl; an empty id gets a server-chosen one.
+  for (int i = 0; i < 5; ++i) {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id(absl::StrCat("s", i));
+    (*request.mutable_labels())["team"] = i % 2 == 0 ? "even" : "odd";
+    request.mutable_ttl()->set_seconds(3600);
+    v1::Session session;
+    ASSERT_TRUE(s.stub->CreateSession(&context, request, &session).ok());
+    EXPECT_EQ(session.id(), absl::StrCat("s", i));
+    EXPECT_EQ(session.position(), 0);
+    EXPECT_EQ(session.ttl().seconds(), 3600);
+    EXPECT_GT(session.expire_time().seconds(), session.last_used_time().seconds());
+    EXPECT_EQ(session.labels().at("team"), i % 2 == 0 ? "even" : "odd");
+    EXPECT_EQ(session.tier(), v1::TIER_RESIDENT);
+  }
+  v1::Session picked;
+  ASSERT_TRUE(CreateSession(*s.stub, "", &picked).ok());
+  EXPECT_FALSE(picked.id().empty());
+  ASSERT_TRUE(ValidateSessionId(picked.id()).ok());
+
+  // Pages of 2, in id order, each session once.
+  std::vector<std::string> listed;
+  std::string token;
+  int pages = 0;
+  do {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::ListSessionsRequest request;
+    request.set_page_size(2);
+    request.set_page_token(token);
+    v1::ListSessionsResponse response;
+    ASSERT_TRUE(s.stub->ListSessions(&context, request, &response).ok());
+    for (const auto& session : response.sessions()) listed.push_back(session.id());
+    token = response.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 10);
+  std::vector<std::string> expected = {"s0", "s1", "s2", "s3", "s4", picked.id()};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(listed, expected);
+  EXPECT_EQ(pages, 3);
+
+  // A label selector; its token is not valid with another selector.
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::ListSessionsRequest request;
+    request.set_page_size(1);
+    (*request.mutable_label_selector())["team"] = "odd";
+    v1::ListSessionsResponse response;
+    ASSERT_TRUE(s.stub->ListSessions(&context, request, &response).ok());
+    ASSERT_EQ(response.sessions_size(), 1);
+    EXPECT_EQ(response.sessions(0).id(), "s1");
+    grpc::ClientContext context2;
+    Prepare(context2, {});
+    v1::ListSessionsRequest other;
+    other.set_page_token(response.next_page_token());
+    (*other.mutable_label_selector())["team"] = "even";
+    EXPECT_EQ(s.stub->ListSessions(&context2, other, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  // A fork continues exactly like its source.
+  ASSERT_TRUE(Generate(*s.stub, TextRequest("shared history", 6, "s0")).status.ok());
+  v1::Session fork;
+  ASSERT_TRUE(ForkSession(*s.stub, "s0", "s0-fork", &fork).ok());
+  EXPECT_EQ(fork.id(), "s0-fork");
+  EXPECT_TRUE(fork.labels().empty());  // not inherited
+  v1::Session source;
+  ASSERT_TRUE(GetSession(*s.stub, "s0", &source).ok());
+  EXPECT_EQ(fork.position(), source.position());
+  EXPECT_GT(fork.position(), 0);
+  const Completion from_source = Generate(*s.stub, TextRequest(" next", 8, "s0"));
+  const Completion from_fork = Generate(*s.stub, TextRequest(" next", 8, "s0-fork"));
+  ASSERT_TRUE(from_source.status.ok() && from_fork.status.ok());
+  EXPECT_EQ(from_source.tokens, from_fork.tokens);
+  EXPECT_EQ(from_source.usage.history_tokens(), from_fork.usage.history_tokens());
+
+  // Delete; then it is gone.
+  EXPECT_TRUE(DeleteSession(*s.stub, "s0-fork").ok());
+  v1::Session gone;
+  EXPECT_EQ(GetSession(*s.stub, "s0-fork", &gone).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(DeleteSession(*s.stub, "s0-fork").error_code(), grpc::StatusCode::NOT_FOUND);
+}
+
+TEST_F(ServiceTest, CorruptSnapshotIsDataLossForThatSessionOnly) {
+  const ServerOptions o = Options();
+  {
+    Served a = Serve(o);
+    ASSERT_NE(a.server, nullptr);
+    for (const char* id : {"good", "bad"}) {
+      ASSERT_TRUE(CreateSession(*a.stub, id).ok());
+      ASSERT_TRUE(Generate(*a.stub, TextRequest("some history", 8, id)).status.ok());
+    }
+    ASSERT_TRUE(a.server->Shutdown().ok());
+  }
+  // Damage the body of "bad"'s snapshot (its record, read at start-up, stays intact).
+  const std::filesystem::path file =
+      o.state_dir / absl::StrCat(SessionStoreKey(kDefaultTenant, "bad"), ".sdmstate");
+  ASSERT_TRUE(std::filesystem::exists(file));
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(std::filesystem::file_size(file) - 16));
+    f.write("\xde\xad\xbe\xef\xde\xad\xbe\xef", 8);
+  }
+  Served b = Serve(o);
+  ASSERT_NE(b.server, nullptr);
+  const Completion broken = Generate(*b.stub, TextRequest(" more", 4, "bad"));
+  EXPECT_EQ(broken.status.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_THAT(broken.status.error_message(), ::testing::HasSubstr("'bad'"));
+  EXPECT_EQ(ForkSession(*b.stub, "bad", "copy").error_code(), grpc::StatusCode::DATA_LOSS);
+  const Completion fine = Generate(*b.stub, TextRequest(" more", 4, "good"));
+  EXPECT_TRUE(fine.status.ok()) << fine.status.error_message();
+  EXPECT_GE(MetricValue(ScrapeMetrics(b.server->metrics_port()), "sdm_snapshot_errors_total"), 1);
+  EXPECT_TRUE(DeleteSession(*b.stub, "bad").ok());  // what the message tells the user to do
+}
+
+// ---- Errors ---------------------------------------------------------------------------------
+
+TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
+  ServerOptions o = Options();
+  o.max_prompt_tokens = 64;
+  o.max_tokens_limit = 100'000;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "mine").ok());
+
+  struct Case {
+    std::string name;
+    v1::GenerateRequest request;
+    grpc::StatusCode code;
+  };
+  std::vector<Case> cases;
+  const auto add = [&](std::string name, grpc::StatusCode code, auto edit) {
+    v1::GenerateRequest r = TextRequest("valid prompt", 4);
+    edit(r);
+    cases.push_back({std::move(name), std::move(r), code});
+  };
+  using C = grpc::StatusCode;
+  add("no prompt", C::INVALID_ARGUMENT, [](auto& r) { r.clear_text(); });
+  add("empty text", C::INVALID_ARGUMENT, [](auto& r) { r.set_text(""); });
+  add("empty ids", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_token_ids(); });
+  add("negative id", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_token_ids()->add_ids(-1); });
+  add("id = vocab", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_token_ids()->add_ids(258); });
+  add("huge id", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_token_ids()->add_ids(std::numeric_limits<int32_t>::max()); });
+  add("text over the limit", C::INVALID_ARGUMENT,
+      [](auto& r) { r.set_text(std::string(64, 'a')); });  // 65 tokens with BOS
+  add("ids over the limit", C::INVALID_ARGUMENT, [](auto& r) {
+    for (int i = 0; i < 65; ++i) r.mutable_token_ids()->add_ids(i);
+  });
+  add("max_tokens 0", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_max_tokens(0); });
+  add("max_tokens negative", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_max_tokens(-5); });
+  add("max_tokens over the limit", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_max_tokens(100'001); });
+  add("temperature negative", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_temperature(-0.5); });
+  add("temperature NaN", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_temperature(std::nan("")); });
+  add("temperature inf", C::INVALID_ARGUMENT, [](auto& r) {
+    r.mutable_sampling()->set_temperature(std::numeric_limits<double>::infinity());
+  });
+  add("top_k negative", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_sampling()->set_top_k(-1); });
+  add("top_p 0", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_sampling()->set_top_p(0); });
+  add("top_p above 1", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_sampling()->set_top_p(1.5); });
+  add("top_p NaN", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_top_p(std::nan("")); });
+  add("empty stop string", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->add_stop(""); });
+  add("too many stop strings", C::INVALID_ARGUMENT, [](auto& r) {
+    for (int i = 0; i < 17; ++i) r.mutable_sampling()->add_stop("x");
+  });
+  add("stop id out of range", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->add_stop_token_ids(9999); });
+  add("malformed session id", C::INVALID_ARGUMENT, [](auto& r) { r.set_session_id("no spaces"); });
+  add("session id too long", C::INVALID_ARGUMENT,
+      [](auto& r) { r.set_session_id(std::string(129, 'a')); });
+  add("unknown session", C::NOT_FOUND, [](auto& r) { r.set_session_id("ghost"); });
+
+  for (const Case& c : cases) {
+    const Completion out = Generate(*s.stub, c.request);
+    EXPECT_EQ(out.status.error_code(), c.code) << c.name << ": " << out.status.error_message();
+    EXPECT_FALSE(out.status.error_message().empty()) << c.name;
+    EXPECT_EQ(out.chunks, 0) << c.name;
+  }
+
+  // A session already generating: ABORTED for Generate, Delete and Fork on it.
+  grpc::ClientContext busy_context;
+  Prepare(busy_context, {});
+  auto busy = s.stub->Generate(&busy_context, TextRequest("busy", 100'000, "mine"));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(busy->Read(&chunk));
+  EXPECT_EQ(Generate(*s.stub, TextRequest("again", 4, "mine")).status.error_code(),
+            grpc::StatusCode::ABORTED);
+  EXPECT_EQ(DeleteSession(*s.stub, "mine").error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_EQ(ForkSession(*s.stub, "mine", "copy").error_code(), grpc::StatusCode::ABORTED);
+  busy_context.TryCancel();
+  while (busy->Read(&chunk)) {
+  }
+  busy->Finish();
+  ASSERT_TRUE(WaitUntilIdle(*s.stub, "mine"));  // the server hears of the cancellation a bit later
+
+  // Sessions and tokenizer RPCs.
+  EXPECT_EQ(CreateSession(*s.stub, "mine").error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  EXPECT_EQ(CreateSession(*s.stub, "bad/id").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id("labelled");
+    (*request.mutable_labels())["Upper"] = "x";
+    v1::Session out;
+    EXPECT_EQ(s.stub->CreateSession(&context, request, &out).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id("negative-ttl");
+    request.mutable_ttl()->set_seconds(-1);
+    v1::Session out;
+    EXPECT_EQ(s.stub->CreateSession(&context, request, &out).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  v1::Session out;
+  EXPECT_EQ(GetSession(*s.stub, "ghost", &out).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(DeleteSession(*s.stub, "ghost").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ForkSession(*s.stub, "ghost", "copy").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ForkSession(*s.stub, "mine", "mine").error_code(), grpc::StatusCode::ALREADY_EXISTS);
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::ListSessionsRequest request;
+    request.set_page_size(-1);
+    v1::ListSessionsResponse response;
+    EXPECT_EQ(s.stub->ListSessions(&context, request, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::ListSessionsRequest request;
+    request.set_page_token("not a token");
+    v1::ListSessionsResponse response;
+    EXPECT_EQ(s.stub->ListSessions(&context, request, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::DetokenizeRequest request;
+    request.add_token_ids(65);
+    request.add_token_ids(258);
+    v1::DetokenizeResponse response;
+    EXPECT_EQ(s.stub->Detokenize(&context, request, &response).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+
+  // Still serving, correctly.
+  const Completion valid = Generate(*s.stub, TextRequest("valid prompt", 4, "mine"));
+  EXPECT_TRUE(valid.status.ok()) << valid.status.error_message();
+  EXPECT_EQ(valid.usage.generated_tokens(), static_cast<int64_t>(valid.tokens.size()));
+}
+
+TEST_F(ServiceTest, TokenizeDetokenizeAndModelInfo) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::TokenizeRequest request;
+    request.set_text("hé");
+    request.set_add_bos(true);
+    v1::TokenizeResponse response;
+    ASSERT_TRUE(s.stub->Tokenize(&context, request, &response).ok());
+    EXPECT_THAT(response.token_ids(), ElementsAreArray(std::vector<int32_t>{256, 'h', 0xC3, 0xA9}));
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::DetokenizeRequest request;
+    for (int id : {256, int{'h'}, 0xC3, 0xA9, 257, 0xC3}) request.add_token_ids(id);
+    v1::DetokenizeResponse response;
+    ASSERT_TRUE(s.stub->Detokenize(&context, request, &response).ok());
+    EXPECT_EQ(response.text(), "h\xC3\xA9\xEF\xBF\xBD");  // a cut character is U+FFFD
+  }
+  grpc::ClientContext context;
+  Prepare(context, {});
+  v1::ModelInfo info;
+  ASSERT_TRUE(s.stub->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+  EXPECT_EQ(info.name(), "tiny-model-no-eos");  // the directory's name
+  EXPECT_EQ(info.summary(), "dim 64, 4 layers (3 swa window 8, 1 sdm 2x64x32), vocab 258");
+  EXPECT_EQ(info.vocab_size(), 258);
+  EXPECT_EQ(info.n_layers(), 4);
+  ASSERT_EQ(info.layer_types_size(), 4);
+  EXPECT_EQ(info.layer_types(3), v1::LAYER_TYPE_SPARSE_DELTA_MEMORY);
+  EXPECT_EQ(info.sdm().slots_per_head(), 64);
+  EXPECT_EQ(info.tokenizer().name(), "bytes");
+  EXPECT_EQ(info.tokenizer().bos_id(), 256);
+  EXPECT_EQ(info.tokenizer().eos_id(), 257);
+  EXPECT_EQ(info.max_prompt_tokens(), 256);
+  EXPECT_EQ(info.max_tokens_limit(), 1'000'000);
+  EXPECT_GT(info.parameters(), info.parameters_without_memory());
+  EXPECT_FALSE(info.config_json().empty());
+}
+
+// ---- Auth and tenancy -----------------------------------------------------------------------
+
+TEST_F(ServiceTest, TenantsAreIsolatedAndLimited) {
+  ServerOptions o = Options();
+  o.api_keys_file = dir_.path() / "keys.txt";
+  WriteFile(o.api_keys_file,
+            "# key tenant\n"
+            "sk-aaaaaaaaaaaaaaaaaaaa tenant-a\n"
+            "sk-bbbbbbbbbbbbbbbbbbbb tenant-b\n"
+            "sk-cccccccccccccccccccc tenant-c\n");
+  o.tenant_limits_file = dir_.path() / "limits.json";
+  WriteFile(
+      o.tenant_limits_file,
+      R"({"tenants": {"tenant-b": {"max_sessions": 2}, "tenant-c": {"max_state_bytes": 1}}})");
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const std::string a = "sk-aaaaaaaaaaaaaaaaaaaa", b = "sk-bbbbbbbbbbbbbbbbbbbb",
+                    c = "sk-cccccccccccccccccccc";
+
+  // No key, a malformed one, an unknown one: UNAUTHENTICATED, on every RPC.
+  for (const std::string& key : {std::string(), std::string("sk-unknown-key-0000000000")}) {
+    EXPECT_EQ(Generate(*s.stub, TextRequest("hi", 2), {.api_key = key}).status.error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    grpc::ClientContext context;
+    Prepare(context, {.api_key = key});
+    v1::ModelInfo info;
+    EXPECT_EQ(s.stub->GetModelInfo(&context, {}, &info).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(CreateSession(*s.stub, "x", nullptr, key).error_code(),
+              grpc::StatusCode::UNAUTHENTICATED);
+  }
+  {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Basic " + a);
+    v1::ModelInfo info;
+    const grpc::Status status = s.stub->GetModelInfo(&context, {}, &info);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_THAT(status.error_message(), Not(::testing::HasSubstr(a)));
+  }
+
+  // Tenant A's session is invisible to B: NOT_FOUND everywhere, as for a missing id.
+  ASSERT_TRUE(CreateSession(*s.stub, "chat", nullptr, a).ok());
+  ASSERT_TRUE(Generate(*s.stub, TextRequest("a's secret", 4, "chat"), {.api_key = a}).status.ok());
+  v1::Session seen;
+  ASSERT_TRUE(GetSession(*s.stub, "chat", &seen, a).ok());
+  const int64_t a_position = seen.position();
+  EXPECT_EQ(GetSession(*s.stub, "chat", &seen, b).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Generate(*s.stub, TextRequest("hi", 2, "chat"), {.api_key = b}).status.error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ForkSession(*s.stub, "chat", "stolen", nullptr, b).error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(DeleteSession(*s.stub, "chat", b).error_code(), grpc::StatusCode::NOT_FOUND);
+  {
+    grpc::ClientContext context;
+    Prepare(context, {.api_key = b});
+    v1::ListSessionsResponse response;
+    ASSERT_TRUE(s.stub->ListSessions(&context, {}, &response).ok());
+    EXPECT_EQ(response.sessions_size(), 0);
+  }
+  // B may use the same id for its own session; each tenant sees its own.
+  ASSERT_TRUE(CreateSession(*s.stub, "chat", nullptr, b).ok());
+  ASSERT_TRUE(Generate(*s.stub, TextRequest("b's own", 6, "chat"), {.api_key = b}).status.ok());
+  ASSERT_TRUE(GetSession(*s.stub, "chat", &seen, a).ok());
+  EXPECT_EQ(seen.position(), a_position);
+  {
+    grpc::ClientContext context;
+    Prepare(context, {.api_key = a});
+    v1::ListSessionsResponse response;
+    ASSERT_TRUE(s.stub->ListSessions(&context, {}, &response).ok());
+    ASSERT_EQ(response.sessions_size(), 1);
+    EXPECT_EQ(response.sessions(0).id(), "chat");
+    EXPECT_EQ(response.sessions(0).position(), a_position);
+  }
+  // The longest ids work too (their store key is hashed).
+  const std::string long_id(128, 'z');
+  ASSERT_TRUE(CreateSession(*s.stub, long_id, nullptr, a).ok());
+  ASSERT_TRUE(GetSession(*s.stub, long_id, &seen, a).ok());
+  EXPECT_EQ(seen.id(), long_id);
+  EXPECT_EQ(GetSession(*s.stub, long_id, &seen, b).error_code(), grpc::StatusCode::NOT_FOUND);
+
+  // B: at most 2 sessions.
+  ASSERT_TRUE(CreateSession(*s.stub, "second", nullptr, b).ok());
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = b});
+  v1::CreateSessionRequest third;
+  third.set_session_id("third");
+  v1::Session created;
+  const grpc::Status limited = s.stub->CreateSession(&context, third, &created);
+  EXPECT_EQ(limited.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(limited.error_message(), ::testing::HasSubstr("max_sessions"));
+  EXPECT_EQ(context.GetServerTrailingMetadata().count(kRetryPushbackKey), 1u);
+  EXPECT_EQ(ForkSession(*s.stub, "chat", "fork", nullptr, b).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_TRUE(DeleteSession(*s.stub, "second", b).ok());
+  EXPECT_TRUE(CreateSession(*s.stub, "third", nullptr, b).ok());
+
+  // C: at most 1 byte of state, so its first session is also its last, and cannot grow.
+  ASSERT_TRUE(CreateSession(*s.stub, "one", nullptr, c).ok());
+  EXPECT_EQ(CreateSession(*s.stub, "two", nullptr, c).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(Generate(*s.stub, TextRequest("grow", 2, "one"), {.api_key = c}).status.error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // One-shot requests hold no state: not limited.
+  EXPECT_TRUE(Generate(*s.stub, TextRequest("one-shot", 2), {.api_key = c}).status.ok());
+}
+
+TEST_F(ServiceTest, TlsWhenACertificateIsConfigured) {
+  const std::filesystem::path cert = dir_.path() / "cert.pem", key = dir_.path() / "key.pem";
+  const std::string command = absl::StrCat(
+      "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1 "
+      "-subj /CN=localhost -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -keyout '",
+      key.string(), "' -out '", cert.string(), "' >/dev/null 2>&1");
+  if (std::system(command.c_str()) != 0) GTEST_SKIP() << "no openssl to make a certificate";
+  ServerOptions o = Options();
+  o.tls_cert_file = cert;
+  o.tls_key_file = key;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ReadFile(cert);
+  auto secure =
+      v1::SdmService::NewStub(grpc::CreateChannel(s.server->address(), grpc::SslCredentials(ssl)));
+  const Completion c = Generate(*secure, TextRequest("over TLS", 4));
+  EXPECT_TRUE(c.status.ok()) << c.status.error_message();
+  EXPECT_EQ(c.usage.generated_tokens(), 4);
+  // The port serves TLS only.
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  v1::ModelInfo info;
+  EXPECT_FALSE(s.stub->GetModelInfo(&context, {}, &info).ok());
+}
+
+// ---- Metrics, health, reflection ------------------------------------------------------------
+
+TEST_F(ServiceTest, MetricsMoveWithTheTraffic) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const ParsedPage before = ScrapeMetrics(s.server->metrics_port());
+  const std::map<std::string, std::string> ok = {{"method", "Generate"}, {"code", "OK"}};
+  const std::map<std::string, std::string> bad = {{"method", "Generate"},
+                                                  {"code", "INVALID_ARGUMENT"}};
+  ASSERT_TRUE(CreateSession(*s.stub, "m").ok());
+  const Completion first = Generate(*s.stub, TextRequest("count me", 5, "m"));
+  const Completion second = Generate(*s.stub, TextRequest(" and me", 3, "m"));
+  ASSERT_TRUE(first.status.ok() && second.status.ok());
+  EXPECT_FALSE(Generate(*s.stub, TextRequest("", 5)).status.ok());
+  const ParsedPage after = ScrapeMetrics(s.server->metrics_port());
+
+  const auto delta = [&](const std::string& name, const std::map<std::string, std::string>& l) {
+    return MetricValue(after, name, l) - MetricValue(before, name, l);
+  };
+  EXPECT_EQ(delta("sdm_requests_total", ok), 2);
+  EXPECT_EQ(delta("sdm_requests_total", bad), 1);
+  EXPECT_EQ(delta("sdm_requests_total", {{"method", "CreateSession"}, {"code", "OK"}}), 1);
+  EXPECT_EQ(delta("sdm_prompt_tokens_total", {}),
+            first.usage.prompt_tokens() + second.usage.prompt_tokens());
+  EXPECT_EQ(delta("sdm_history_tokens_total", {}), second.usage.history_tokens());
+  EXPECT_EQ(delta("sdm_generated_tokens_total", {}),
+            first.usage.generated_tokens() + second.usage.generated_tokens());
+  EXPECT_EQ(delta("sdm_time_to_first_token_seconds_count", {}), 2);
+  EXPECT_EQ(delta("sdm_inter_token_latency_seconds_count", {}),
+            first.usage.generated_tokens() + second.usage.generated_tokens() - 2);
+  EXPECT_EQ(delta("sdm_request_duration_seconds_count", {{"method", "Generate"}}), 3);
+  EXPECT_GE(delta("sdm_batch_size_count", {}), 1);
+  EXPECT_EQ(MetricValue(after, "sdm_sessions", {{"tier", "resident"}}), 1);
+  EXPECT_GT(MetricValue(after, "sdm_state_bytes", {{"tier", "resident"}}), 0);
+  // The gauge is read at scrape time; the step that finished the last job may still be ending.
+  bool idle = false;
+  for (int i = 0; i < 500 && !idle; ++i) {
+    idle = MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_running") == 0;
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(idle);
+  for (const char* family :
+       {"sdm_state_offloads_total", "sdm_state_restores_total", "sdm_snapshot_errors_total"}) {
+    EXPECT_NE(after.Family(family), nullptr) << family;
+  }
+
+  httplib::Client http("127.0.0.1", s.server->metrics_port());
+  const httplib::Result health = http.Get("/healthz");
+  ASSERT_TRUE(health);
+  EXPECT_EQ(health->status, 200);
+  EXPECT_EQ(health->body, "ok\n");
+}
+
+TEST_F(ServiceTest, HealthAndReflectionServices) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  EXPECT_EQ(HealthCheck(*s.channel, "sdm.v1.SdmService"), kServing);
+  EXPECT_EQ(HealthCheck(*s.channel, ""), kServing);
+
+  // grpc.reflection.v1alpha.ServerReflection: list_services (field 7).
+  grpc::ClientContext context;
+  Prepare(context, {});
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> stream(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          s.channel.get(),
+          grpc::internal::RpcMethod(
+              "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+              grpc::internal::RpcMethod::BIDI_STREAMING),
+          &context));
+  ASSERT_TRUE(stream->Write(Buffer(std::string("\x3a\x00", 2))));
+  stream->WritesDone();
+  grpc::ByteBuffer reply;
+  ASSERT_TRUE(stream->Read(&reply));
+  const std::string listed = Bytes(reply);
+  EXPECT_THAT(listed, ::testing::HasSubstr("sdm.v1.SdmService"));
+  EXPECT_THAT(listed, ::testing::HasSubstr("grpc.health.v1.Health"));
+  while (stream->Read(&reply)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+}  // namespace
+}  // namespace sdm::testing
