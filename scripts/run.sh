@@ -1,28 +1,64 @@
 #!/usr/bin/env bash
 # The README's main command: installs missing dependencies, builds, creates the default model if
-# there is none, and generates a completion with it.
+# there is none, starts sdm-server on it, shows a completion, then a session that is parked,
+# survives a server restart and resumes without re-reading its history.
 #
-#   scripts/run.sh [PROMPT]             (environment: SDM_MODEL_DIR, SDM_PRESET, SDM_BUILD_DIR)
+#   scripts/run.sh [PROMPT]   (environment: SDM_MODEL_DIR, SDM_PRESET, SDM_BUILD_DIR, SDM_PORT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${1:-"Sparse delta memory keeps a whole conversation in a fixed-size state, so"}
 BUILD_DIR=${SDM_BUILD_DIR:-build}
 PRESET=${SDM_PRESET:-debug_sdm}
 MODEL_DIR=${SDM_MODEL_DIR:-models/$PRESET}
+PORT=${SDM_PORT:-50051}
+STATE_DIR=${SDM_STATE_DIR:-sdm-state}
 
 bash scripts/install-deps.sh
 if [ ! -f "$BUILD_DIR/build.ninja" ]; then
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 fi
-cmake --build "$BUILD_DIR" -j"$(nproc)" --target sdm-model sdm-cli
+cmake --build "$BUILD_DIR" -j"$(nproc)" --target sdm-model sdm-cli sdm-server sdm-client
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
   echo "run: creating a randomly initialised $PRESET model in $MODEL_DIR (no trained weights ship"
   echo "     with the project; convert one with tools/convert_reference_checkpoint.py)"
   "$BUILD_DIR/tools/sdm_model/sdm-model" init --preset "$PRESET" --seed 0 --out "$MODEL_DIR"
 fi
-"$BUILD_DIR/tools/sdm_model/sdm-model" info "$MODEL_DIR"
+
+SERVER="$BUILD_DIR/server/sdm-server"
+CLIENT=("$BUILD_DIR/client/sdm-client" --host "127.0.0.1:$PORT")
+server_pid=""
+start_server() {
+  "$SERVER" --model "$MODEL_DIR" --port "$PORT" --metrics_port 0 --state_dir "$STATE_DIR" &
+  server_pid=$!
+  for _ in $(seq 1 120); do
+    "${CLIENT[@]}" info >/dev/null 2>&1 && return 0
+    sleep 0.5
+  done
+  echo "run: the server did not come up" >&2
+  return 1
+}
+stop_server() {
+  [ -n "$server_pid" ] || return 0
+  kill -TERM "$server_pid" 2>/dev/null || true
+  wait "$server_pid" 2>/dev/null || true
+  server_pid=""
+}
+trap stop_server EXIT
+
+start_server
 echo
-echo "run: sdm-cli generate --model $MODEL_DIR --prompt \"$PROMPT\" --max_tokens 48"
-"$BUILD_DIR/tools/sdm_cli/sdm-cli" generate --model "$MODEL_DIR" --prompt "$PROMPT" \
-  --max_tokens 48 --temperature 0.8 --top_p 0.95 --seed 1
+echo "== a completion (random weights: the text is noise, the mechanics are real)"
+"${CLIENT[@]}" generate --prompt "$PROMPT" --max_tokens 32 --temperature 0
+echo
+SESSION="demo-$(date +%s)"
+echo "== session $SESSION: first turn"
+"${CLIENT[@]}" sessions create "$SESSION"
+"${CLIENT[@]}" generate --session "$SESSION" --prompt "$PROMPT" --max_tokens 16 --temperature 0
+echo
+echo "== restarting the server (sessions are persisted to $STATE_DIR)"
+stop_server
+start_server
+echo "== session $SESSION resumed: its history is carried by the state, not re-read"
+"${CLIENT[@]}" generate --session "$SESSION" --prompt " and then" --max_tokens 16 --temperature 0
+"${CLIENT[@]}" sessions get "$SESSION"

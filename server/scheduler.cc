@@ -130,7 +130,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
                                                         " requests waiting); retry later"));
   }
   if (!refused.ok()) {
-    // disabled
+    if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
     return refused;
   }
   waiting_.push_back(std::move(job));

@@ -316,6 +316,41 @@ TEST_F(ServiceTest, FullQueueIsResourceExhaustedWithPushbackAndTheServerKeepsSer
   EXPECT_EQ(after.usage.history_tokens(), ref.usage.history_tokens());
 }
 
+TEST_F(ServiceTest, ACallCancelledWhileQueuedLeavesItsSessionUnchanged) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  for (const char* id : {"chat", "ref"}) {
+    ASSERT_TRUE(CreateSession(*s.stub, id).ok());
+    ASSERT_TRUE(Generate(*s.stub, TextRequest("first", 5, id)).status.ok());
+  }
+  // The only running place is taken; a turn on "chat" waits, then is cancelled.
+  grpc::ClientContext running_context, queued_context;
+  Prepare(running_context, {});
+  Prepare(queued_context, {});
+  auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  auto queued = s.stub->Generate(&queued_context, TextRequest("never read", 4, "chat"));
+  ASSERT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_waiting", {}, 1));
+  queued_context.TryCancel();
+  running_context.TryCancel();
+  while (queued->Read(&chunk)) {
+  }
+  while (running->Read(&chunk)) {
+  }
+  EXPECT_EQ(queued->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  running->Finish();
+  ASSERT_TRUE(WaitUntilIdle(*s.stub, "chat"));
+  // "chat" continues as if the cancelled call had never been made.
+  const Completion chat = Generate(*s.stub, TextRequest(" second", 6, "chat"));
+  const Completion ref = Generate(*s.stub, TextRequest(" second", 6, "ref"));
+  ASSERT_TRUE(chat.status.ok() && ref.status.ok());
+  EXPECT_EQ(chat.tokens, ref.tokens);
+  EXPECT_EQ(chat.usage.history_tokens(), ref.usage.history_tokens());
+}
+
 TEST_F(ServiceTest, StopStringsStopIdsAndTokenIdPrompts) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);

@@ -201,6 +201,15 @@ TEST_F(SdmBenchToolTest, ReportRendersAnEarlierRunAgain) {
   EXPECT_EQ(r.code, 2);
 }
 
+TEST_F(SdmBenchToolTest, StateSubcommandRuns) {
+  const auto json_path = tmp_.path() / "state.json";
+  const Result r = RunTool("state --presets tiny --lengths 16 --dir " +
+                           (tmp_.path() / "snap").string() + " --json " + json_path.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tiny"));
+  EXPECT_FALSE(nlohmann::json::parse(ReadFile(json_path), nullptr, false).is_discarded());
+}
+
 TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {
   Result r = RunTool("decode --pair nope");
   EXPECT_EQ(r.code, 2);

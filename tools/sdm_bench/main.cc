@@ -6,9 +6,14 @@
 //                    [--state_budget_gb 4] [--seed 1] [--bandwidth_mb 512]
 //                    [--json FILE] [--csv FILE] [--report DIR]
 //   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
+//   sdm-bench state [--presets debug_sdm] [--lengths 128,1024,8192] [--dir DIR] [--json FILE]
 //
 // Exit status: 0 on success, 2 on usage errors, 1 when the benchmark fails.
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -20,6 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "tools/sdm_bench/decode_benchmark.h"
+#include "tools/sdm_bench/state_benchmark.h"
 
 ABSL_FLAG(std::vector<std::string>, pair, std::vector<std::string>({}),
           "Named pairs (SDM model vs its full-attention twin): tiny, debug, cpu_hybrid, flagship, "
@@ -49,6 +55,9 @@ ABSL_FLAG(std::string, csv, "", "Also write the results as CSV to this file");
 ABSL_FLAG(std::string, report, "",
           "Write report.md, results.json, results.csv and PNG plots into this directory");
 ABSL_FLAG(std::string, python, "/usr/bin/python3", "Python with matplotlib, for the plots");
+ABSL_FLAG(std::vector<std::string>, lengths, std::vector<std::string>({}),
+          "state: history lengths (default 128,1024,8192)");
+ABSL_FLAG(std::string, dir, "", "state: snapshot directory (default: a temporary one)");
 ABSL_FLAG(std::string, from, "", "report: the JSON document of an earlier decode run");
 ABSL_FLAG(std::string, plot_script, "",
           "plot_decode.py (default: next to the binary, else in the source tree)");
@@ -61,6 +70,9 @@ constexpr char kUsage[] = R"(sdmserve benchmarks.
                              vs context length and batch size (docs/benchmarks.md)
   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
                              renders the report, plots and files of an earlier run again
+  sdm-bench state [--presets debug_sdm] [--lengths 128,1024,8192] [--dir DIR] [--json FILE]
+                             what a session's state costs and how fast it parks and resumes
+  sdm-bench serve [flags]    load generator against a running sdm-server (sdm-bench-serve)
 
   --set key=value (repeatable) overrides a config field of every model, as sdm-model does
   (for a pair: of the SDM model, before its twin is derived).)";
@@ -86,6 +98,16 @@ bool ParseInts(const std::vector<std::string>& in, std::vector<int64_t>& out, co
 }  // namespace
 
 int main(int argc, char** argv) {
+  // `serve` is the gRPC load generator, a sibling binary (sdm-bench-serve, built with the server):
+  // sdm-bench itself stays free of gRPC.
+  if (argc > 1 && std::strcmp(argv[1], "serve") == 0) {
+    const std::string serve =
+        (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "sdm-bench-serve")
+            .string();
+    execv(serve.c_str(), argv + 1);
+    std::perror((serve + " (built only with -DSDM_SERVER=ON)").c_str());
+    return 1;
+  }
   absl::SetProgramUsageMessage(kUsage);
   std::vector<std::string> all_args(argv, argv + argc);
   // `--set` repeats and its values hold commas (swa_at=[0,1]): take it out before absl parses.
@@ -107,11 +129,27 @@ int main(int argc, char** argv) {
   }
   std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
   const std::string command = args.size() == 2 ? args[1] : "";
-  if (command != "decode" && command != "report") {
-    std::fprintf(stderr,
-                 "usage: sdm-bench decode [flags] | sdm-bench report --from FILE [flags]  (see "
-                 "--help)\n");
+  if (command != "decode" && command != "report" && command != "state") {
+    std::fprintf(stderr, "usage: sdm-bench decode|report|state [flags]  (see --help)\n");
     return 2;
+  }
+  if (command == "state") {
+    sdm::bench::StateBenchOptions so;
+    if (!absl::GetFlag(FLAGS_presets).empty()) so.presets = absl::GetFlag(FLAGS_presets);
+    if (!absl::GetFlag(FLAGS_lengths).empty() &&
+        !ParseInts(absl::GetFlag(FLAGS_lengths), so.lengths, "lengths", false)) {
+      return 2;
+    }
+    so.threads = absl::GetFlag(FLAGS_threads);
+    so.seed = absl::GetFlag(FLAGS_seed);
+    so.dir = absl::GetFlag(FLAGS_dir);
+    so.json_path = absl::GetFlag(FLAGS_json);
+    const absl::Status s = sdm::bench::RunStateBenchmark(so);
+    if (!s.ok()) {
+      std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
+      return 1;
+    }
+    return 0;
   }
   sdm::bench::DecodeBenchOptions opt;
   opt.pairs = absl::GetFlag(FLAGS_pair);
