@@ -9,12 +9,14 @@
 //
 // Protocol (docs/benchmarks.md):
 //  1. The machine's memory bandwidth is measured (multi-threaded memcpy and streaming read over
-//     buffers far larger than the caches), at the start and again at the end of the run.
+//     buffers far larger than the caches), at the start, before each group and at the end of the
+//     run; the best read rate is the reference.
 //  2. For each context length in increasing order, one session per model is prefilled with random
 //     tokens up to that length: real prefill (the engine's chunked Prefill), continuing from the
 //     previous length. There is no synthetic fill.
 //  3. For each batch size B that fits the state budget, each model's session is cloned B times (a
-//     deep copy: the same state a real prefill of each would leave); then the models' steps
+//     deep copy: the same state a real prefill of each would leave; with fit_batch, a last round
+//     puts each model at its own largest batch in the budget); then the models' steps
 //     alternate (one step of each model in turn, one token per session): `warmup` untimed
 //     rounds, then `steps` timed rounds, so that load from other processes falls on all models
 //     alike. The median and p90 step times, tokens/s (B / median) and the per-mixer profile are
@@ -27,7 +29,8 @@
 //     bandwidth = bytes / median step time, reported as a fraction of the best streaming-read
 //     rate measured in the run (the step's bytes are reads; the copy rate is reported beside it).
 //  5. The step's GEMMs are also timed alone with OpenBLAS at the same shapes; the step's FLOP rate
-//     is reported as a fraction of that sgemm rate.
+//     is reported as a fraction of that sgemm rate (the engine itself uses its batch-invariant
+//     GEMM, kernels/cpu/gemm.h, so the fraction can exceed 1).
 // A batch size is skipped when B sessions' state (SessionState::ResidentBytes after the prefill)
 // would exceed the state budget; the largest batch that fits is reported for every context, and
 // fit_batch measures it too (at most max_batch).
