@@ -11,7 +11,7 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece
   nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev
+  libxxhash-dev libssl-dev openssl
   python3-torch python3-numpy python3-matplotlib
 )
 
