@@ -284,18 +284,30 @@ void SessionStateStore::WaitIdle(std::unique_lock<std::mutex>& lock, Entry& e) {
   changed_.wait(lock, [&] { return !e.busy; });
 }
 
-absl::StatusOr<SessionLease> SessionStateStore::Acquire(absl::string_view id) {
-  std::unique_lock<std::mutex> lock(mu_);
-  Entry* e = nullptr;
+absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(
+    std::unique_lock<std::mutex>& lock, absl::string_view id) {
   while (true) {
     auto it = entries_.find(id);
     if (it == entries_.end()) {
       return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
     }
-    e = it->second.get();
-    if (!e->busy) break;
-    changed_.wait(lock);
+    if (!it->second->busy) return it->second.get();
+    changed_.wait(lock);  // the entry may be gone when it wakes: look it up again
   }
+}
+
+absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e) const {
+  if (e.tier == Tier::kHost) return DecodeSessionState(e.blob, layout_, fingerprint_);
+  auto blob = options_.files->Read(PathOf(e.id));
+  if (!blob.ok()) return blob.status();
+  return DecodeSessionState(*blob, layout_, fingerprint_);
+}
+
+absl::StatusOr<SessionLease> SessionStateStore::Acquire(absl::string_view id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  absl::StatusOr<Entry*> found = FindIdle(lock, id);
+  if (!found.ok()) return found.status();
+  Entry* e = *found;
   if (!e->broken.ok()) return e->broken;
   if (e->in_use) {
     return absl::AbortedError(
@@ -306,16 +318,8 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(absl::string_view id) {
     const Tier from = e->tier;
     e->busy = true;
     lock.unlock();
-    absl::StatusOr<DecodedSession> decoded = absl::UnknownError("unreachable");
-    std::filesystem::path path;
-    if (from == Tier::kHost) {
-      decoded = DecodeSessionState(e->blob, layout_, fingerprint_);
-    } else {
-      path = PathOf(e->id);
-      auto blob = options_.files->Read(path);
-      decoded = blob.ok() ? DecodeSessionState(*blob, layout_, fingerprint_)
-                          : absl::StatusOr<DecodedSession>(blob.status());
-    }
+    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e);
+    const std::filesystem::path path = PathOf(e->id);
     lock.lock();
     e->busy = false;
     if (!decoded.ok()) {
@@ -362,43 +366,27 @@ void SessionStateStore::Release(const std::string& id) {
 
 absl::Status SessionStateStore::Delete(absl::string_view id) {
   std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    auto it = entries_.find(id);
-    if (it == entries_.end()) {
-      return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
-    }
-    Entry& e = *it->second;
-    if (e.in_use) {
-      return absl::AbortedError(absl::StrCat("session '", id, "' is in use; cancel it first"));
-    }
-    if (e.busy) {
-      changed_.wait(lock);
-      continue;
-    }
-    if (!options_.dir.empty()) {
-      if (auto s = options_.files->Remove(PathOf(id)); !s.ok()) return s;
-    }
-    entries_.erase(it);
-    return absl::OkStatus();
+  absl::StatusOr<Entry*> e = FindIdle(lock, id);
+  if (!e.ok()) return e.status();
+  if ((*e)->in_use) {
+    return absl::AbortedError(absl::StrCat("session '", id, "' is in use; cancel it first"));
   }
+  if (!options_.dir.empty()) {
+    if (auto s = options_.files->Remove(PathOf(id)); !s.ok()) return s;
+  }
+  entries_.erase(entries_.find(id));
+  return absl::OkStatus();
 }
 
 absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view dst,
                                      absl::string_view metadata, absl::Duration ttl) {
   if (!ValidId(dst)) return InvalidId(dst);
   std::unique_lock<std::mutex> lock(mu_);
-  Entry* e = nullptr;
-  while (true) {
-    if (entries_.count(dst) > 0) {
-      return absl::AlreadyExistsError(absl::StrCat("session '", dst, "' already exists"));
-    }
-    auto it = entries_.find(src);
-    if (it == entries_.end()) {
-      return absl::NotFoundError(absl::StrCat("session '", src, "' not found"));
-    }
-    e = it->second.get();
-    if (!e->busy) break;
-    changed_.wait(lock);
+  absl::StatusOr<Entry*> found = FindIdle(lock, src);
+  if (!found.ok()) return found.status();
+  Entry* e = *found;
+  if (entries_.count(dst) > 0) {
+    return absl::AlreadyExistsError(absl::StrCat("session '", dst, "' already exists"));
   }
   if (!e->broken.ok()) return e->broken;
   if (e->in_use) {
@@ -411,14 +399,7 @@ absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view ds
   } else {
     e->busy = true;
     lock.unlock();
-    absl::StatusOr<DecodedSession> decoded = absl::UnknownError("unreachable");
-    if (e->tier == Tier::kHost) {
-      decoded = DecodeSessionState(e->blob, layout_, fingerprint_);
-    } else {
-      auto blob = options_.files->Read(PathOf(e->id));
-      decoded = blob.ok() ? DecodeSessionState(*blob, layout_, fingerprint_)
-                          : absl::StatusOr<DecodedSession>(blob.status());
-    }
+    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e);
     lock.lock();
     e->busy = false;
     changed_.notify_all();
@@ -448,18 +429,10 @@ absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view ds
 
 absl::Status SessionStateStore::SetMetadata(absl::string_view id, absl::string_view metadata) {
   std::unique_lock<std::mutex> lock(mu_);
-  while (true) {
-    auto it = entries_.find(id);
-    if (it == entries_.end()) {
-      return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
-    }
-    if (it->second->busy) {
-      changed_.wait(lock);
-      continue;
-    }
-    it->second->metadata = std::string(metadata);
-    return absl::OkStatus();
-  }
+  absl::StatusOr<Entry*> e = FindIdle(lock, id);
+  if (!e.ok()) return e.status();
+  (*e)->metadata = std::string(metadata);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<SessionInfo> SessionStateStore::Get(absl::string_view id) const {
@@ -570,16 +543,9 @@ bool SessionStateStore::ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Ti
 
 absl::Status SessionStateStore::Park(absl::string_view id, Tier tier) {
   std::unique_lock<std::mutex> lock(mu_);
-  Entry* e = nullptr;
-  while (true) {
-    auto it = entries_.find(id);
-    if (it == entries_.end()) {
-      return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
-    }
-    e = it->second.get();
-    if (!e->busy) break;
-    changed_.wait(lock);
-  }
+  absl::StatusOr<Entry*> found = FindIdle(lock, id);
+  if (!found.ok()) return found.status();
+  Entry* e = *found;
   if (!e->broken.ok()) return e->broken;
   if (e->in_use) return absl::AbortedError(absl::StrCat("session '", id, "' is in use"));
   if (tier == Tier::kDisk && options_.dir.empty()) {

@@ -183,6 +183,10 @@ class SessionStateStore {
   int64_t HostBytesLocked() const;
   void WorkerLoop();
   void WaitIdle(std::unique_lock<std::mutex>& lock, Entry& e);
+  // The entry of `id` once no store operation is moving it; NOT_FOUND if there is none.
+  absl::StatusOr<Entry*> FindIdle(std::unique_lock<std::mutex>& lock, absl::string_view id);
+  // Reads a parked (host or disk) entry's state; called without the lock while it is busy.
+  absl::StatusOr<DecodedSession> DecodeParked(const Entry& e) const;
 
   StateLayout layout_;
   const uint64_t fingerprint_;
