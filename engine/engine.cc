@@ -1,224 +1,150 @@
 #include "engine/engine.h"
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstring>
-#include <deque>
+#include <memory>
 #include <set>
 #include <string>
-#include <vector>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "engine/engine_backend.h"
 #include "engine/weight_spec.h"
-#include "kernels/common/check.h"
-#include "kernels/common/sdm_math.h"
-#include "kernels/cpu/attention.h"
-#include "kernels/cpu/gemm.h"
-#include "kernels/cpu/linear.h"
-#include "kernels/cpu/norm.h"
-#include "kernels/cpu/parallel.h"
-#include "kernels/cpu/rope.h"
-#include "kernels/cpu/sdm_addressing.h"
-#include "kernels/cpu/sdm_update.h"
-#include "kernels/cpu/vector_math.h"
+#include "kernels/cuda/cuda_runtime_info.h"
 #include "xxhash.h"
 
 namespace sdm {
 namespace {
 
-namespace cpu = kernels::cpu;
-
-// Columns of an SDM row handled by one task: rows are independent across columns, so the
-// recurrence of a head is split into tiles that run on different threads.
-constexpr int64_t kSdmColumnTile = 128;
-
-using cpu::PackedMatrix;
-
-struct AttentionWeights {
-  const PackedMatrix* wq = nullptr;
-  const PackedMatrix* wk = nullptr;
-  const PackedMatrix* wv = nullptr;
-  const PackedMatrix* wo = nullptr;
-  const PackedMatrix* w_gate = nullptr;  // null unless attn_gate
-  AttentionGeometry geom;
-};
-
-struct SdmWeights {
-  const PackedMatrix *wq_read, *wk_write, *wv_write, *a_proj, *b_proj, *wo;
-  const float *bq_read, *bk_write, *bv_write, *a_bias, *b_bias, *a_log, *dt_bias, *bo;
-  const PackedMatrix* wog = nullptr;  // output gate (optional)
-  const float* bog = nullptr;
-  const float* norm_w = nullptr;  // readings LayerNorm (optional)
-  const float* norm_b = nullptr;
-  // Eval-mode BatchNorm of the read (query) and write (key) scores (optional).
-  const float *qbn_w = nullptr, *qbn_b = nullptr, *qbn_mean = nullptr, *qbn_var = nullptr;
-  const float *kbn_w = nullptr, *kbn_b = nullptr, *kbn_mean = nullptr, *kbn_var = nullptr;
-};
-
-struct LayerWeights {
-  LayerType type;
-  const float* attention_norm;
-  const float* ffn_norm;
-  const PackedMatrix *w1, *w2, *w3;
-  AttentionWeights attn;
-  SdmWeights sdm;
-};
-
-cpu::AddressAct ToKernel(AddressActivation a) {
-  switch (a) {
-    case AddressActivation::kSoftmax:
-      return cpu::AddressAct::kSoftmax;
-    case AddressActivation::kL2Normalize:
-      return cpu::AddressAct::kL2Normalize;
-    case AddressActivation::kIdentity:
-      return cpu::AddressAct::kIdentity;
-    case AddressActivation::kSigmoid:
-      return cpu::AddressAct::kSigmoid;
-    case AddressActivation::kRelu:
-      return cpu::AddressAct::kRelu;
+// The host format of a session's state for this model (design brief §5).
+StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
+                             const EngineOptions& options) {
+  const SdmGeometry sdm = SdmGeometryOf(cfg);
+  // One row pool for every SDM layer and session of the model (forks share rows across
+  // sessions). Its cap (2^28 rows) is far beyond memory: budgets are the state store's job.
+  std::shared_ptr<RowPool> row_pool;
+  if (sdm.heads > 0 &&
+      std::count(cfg.layer_types.begin(), cfg.layer_types.end(), LayerType::kSdm) > 0) {
+    row_pool = std::make_shared<RowPool>(sdm.head_width);
   }
-  return cpu::AddressAct::kSoftmax;
+  StateLayout layout;
+  for (int64_t i = 0; i < cfg.n_layers; ++i) {
+    LayerStateLayout state;
+    if (cfg.layer_types[i] == LayerType::kSdm) {
+      state.kind = LayerStateLayout::Kind::kSdm;
+      state.sdm_heads = sdm.heads;
+      state.slots_per_head = sdm.slots_per_head;
+      state.row_width = sdm.head_width;
+      if (cfg.sdm.backprop_on_memory) {
+        state.m0 = w.Share(absl::StrCat("layers.", i, ".attention.memory"));
+      }
+      state.row_pool = row_pool;
+    } else {
+      const AttentionGeometry g = AttentionGeometryOf(cfg, i);
+      state.kind = LayerStateLayout::Kind::kKv;
+      state.kv_row_width = g.n_kv_heads * g.head_dim;
+      // The ring holds the window plus one prefill chunk, so the first query of a chunk still
+      // sees its whole window after the chunk's own keys were appended.
+      state.ring_capacity = g.window > 0 ? g.window + options.prefill_chunk : 0;
+    }
+    layout.layers.push_back(std::move(state));
+  }
+  return layout;
 }
 
-// A run of consecutive tokens of one session inside a forward call: a decode batch has one
-// segment of length 1 per session, a prefill chunk one segment.
-struct Segment {
-  SessionState* session;
-  int64_t first_row;  // row of the segment's first token in the activations
-  int64_t length;
-  int64_t pos0;  // position of its first token
-};
+// A hash of the config and of every tensor's name, shape and a strided sample of its values.
+uint64_t ComputeFingerprint(const Model& model) {
+  std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(),
+                                                                   &XXH64_freeState);
+  XXH64_state_t* h = state.get();
+  XXH64_reset(h, 0x5d3f);
+  const std::string config = ModelConfigToJson(model.config);
+  XXH64_update(h, config.data(), config.size());
+  for (const TensorSpec& t : ExpectedTensors(model.config)) {
+    XXH64_update(h, t.name.data(), t.name.size());
+    XXH64_update(h, t.shape.data(), t.shape.size() * sizeof(int64_t));
+    std::span<const float> v = model.weights->Get(t.name);
+    const size_t stride = std::max<size_t>(1, v.size() / 256);
+    for (size_t i = 0; i < v.size(); i += stride) XXH64_update(h, &v[i], sizeof(float));
+    if (!v.empty()) XXH64_update(h, &v.back(), sizeof(float));
+  }
+  return XXH64_digest(h);
+}
 
 }  // namespace
+
+kernels::AddressAct ToAddressAct(AddressActivation a) {
+  switch (a) {
+    case AddressActivation::kSoftmax:
+      return kernels::AddressAct::kSoftmax;
+    case AddressActivation::kL2Normalize:
+      return kernels::AddressAct::kL2Normalize;
+    case AddressActivation::kIdentity:
+      return kernels::AddressAct::kIdentity;
+    case AddressActivation::kSigmoid:
+      return kernels::AddressAct::kSigmoid;
+    case AddressActivation::kRelu:
+      return kernels::AddressAct::kRelu;
+  }
+  return kernels::AddressAct::kSoftmax;
+}
+
+const char* EngineDeviceName(EngineDevice device) {
+  switch (device) {
+    case EngineDevice::kAuto:
+      return "auto";
+    case EngineDevice::kCpu:
+      return "cpu";
+    case EngineDevice::kCuda:
+      return "cuda";
+  }
+  return "?";
+}
+
+absl::StatusOr<EngineDevice> ParseEngineDevice(std::string_view name) {
+  for (EngineDevice d : {EngineDevice::kAuto, EngineDevice::kCpu, EngineDevice::kCuda}) {
+    if (name == EngineDeviceName(d)) return d;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown device '",
+                                                 absl::string_view(name.data(), name.size()),
+                                                 "': expected auto, cpu or cuda"));
+}
 
 class Engine::Impl {
  public:
   Impl(std::shared_ptr<const Model> model, const EngineOptions& options)
       : model_(std::move(model)),
-        cfg_(model_->config),
         options_(options),
-        pool_(options.num_threads),
-        hidden_(FfnHiddenDim(cfg_)),
-        sdm_geom_(SdmGeometryOf(cfg_)) {
-    const ModelWeights& w = *model_->weights;
-    // One row pool for every SDM layer and session of the model (forks share rows across
-    // sessions). Its cap (2^28 rows) is far beyond memory: budgets are the state store's job.
-    std::shared_ptr<RowPool> row_pool;
-    if (sdm_geom_.heads > 0 &&
-        std::count(cfg_.layer_types.begin(), cfg_.layer_types.end(), LayerType::kSdm) > 0) {
-      row_pool = std::make_shared<RowPool>(sdm_geom_.head_width);
+        layout_(BuildStateLayout(model_->config, *model_->weights, options)),
+        fingerprint_(ComputeFingerprint(*model_)) {}
+
+  absl::Status Init() {
+    EngineDevice device = options_.device;
+    if (device == EngineDevice::kAuto) {
+      device = kernels::cuda::DeviceCount() > 0 ? EngineDevice::kCuda : EngineDevice::kCpu;
     }
-    tok_embeddings_ = w.Get("tok_embeddings.weight").data();
-    final_norm_ = w.Get("norm.weight").data();
-    output_ = Pack(cfg_.weight_tying ? "tok_embeddings.weight" : "output.weight");
-    for (int64_t i = 0; i < cfg_.n_layers; ++i) {
-      const std::string p = absl::StrCat("layers.", i, ".");
-      auto get = [&](const std::string& name) { return w.Get(p + name).data(); };
-      auto opt = [&](const std::string& name) {
-        return w.Has(p + name) ? w.Get(p + name).data() : nullptr;
-      };
-      auto pack = [&](const std::string& name) { return Pack(p + name); };
-      auto opt_pack = [&](const std::string& name) {
-        return w.Has(p + name) ? Pack(p + name) : nullptr;
-      };
-      LayerWeights l{};
-      l.type = cfg_.layer_types[i];
-      l.attention_norm = get("attention_norm.weight");
-      l.ffn_norm = get("ffn_norm.weight");
-      l.w1 = pack("feed_forward.w1.weight");
-      l.w2 = pack("feed_forward.w2.weight");
-      l.w3 = pack("feed_forward.w3.weight");
-      LayerStateLayout state;
-      if (l.type == LayerType::kSdm) {
-        SdmWeights& s = l.sdm;
-        s.wq_read = pack("attention.Wq_read.weight");
-        s.bq_read = get("attention.Wq_read.bias");
-        s.wk_write = pack("attention.Wk_write.weight");
-        s.bk_write = get("attention.Wk_write.bias");
-        s.wv_write = pack("attention.Wv_write.weight");
-        s.bv_write = get("attention.Wv_write.bias");
-        s.a_proj = pack("attention.a_proj.weight");
-        s.a_bias = get("attention.a_proj.bias");
-        s.b_proj = pack("attention.b_proj.weight");
-        s.b_bias = get("attention.b_proj.bias");
-        s.a_log = get("attention.A_log");
-        s.dt_bias = get("attention.dt_bias");
-        s.wo = pack("attention.Wo.weight");
-        s.bo = get("attention.Wo.bias");
-        s.wog = opt_pack("attention.Wog.weight");
-        s.bog = opt("attention.Wog.bias");
-        s.norm_w = opt("attention.readings_norm.weight");
-        s.norm_b = opt("attention.readings_norm.bias");
-        s.qbn_w = opt("attention.query_bn.weight");
-        s.qbn_b = opt("attention.query_bn.bias");
-        s.qbn_mean = opt("attention.query_bn.running_mean");
-        s.qbn_var = opt("attention.query_bn.running_var");
-        s.kbn_w = opt("attention.key_bn.weight");
-        s.kbn_b = opt("attention.key_bn.bias");
-        s.kbn_mean = opt("attention.key_bn.running_mean");
-        s.kbn_var = opt("attention.key_bn.running_var");
-        state.kind = LayerStateLayout::Kind::kSdm;
-        state.sdm_heads = sdm_geom_.heads;
-        state.slots_per_head = sdm_geom_.slots_per_head;
-        state.row_width = sdm_geom_.head_width;
-        if (cfg_.sdm.backprop_on_memory) state.m0 = w.Share(p + "attention.memory");
-        state.row_pool = row_pool;
-      } else {
-        AttentionWeights& a = l.attn;
-        a.geom = AttentionGeometryOf(cfg_, i);
-        a.wq = pack("attention.wq.weight");
-        a.wk = pack("attention.wk.weight");
-        a.wv = pack("attention.wv.weight");
-        a.wo = pack("attention.wo.weight");
-        a.w_gate = opt_pack("attention.w_gate.weight");
-        state.kind = LayerStateLayout::Kind::kKv;
-        state.kv_row_width = a.geom.n_kv_heads * a.geom.head_dim;
-        // The ring holds the window plus one prefill chunk, so the first query of a chunk still
-        // sees its whole window after the chunk's own keys were appended.
-        state.ring_capacity = a.geom.window > 0 ? a.geom.window + options_.prefill_chunk : 0;
-      }
-      layers_.push_back(l);
-      layout_.layers.push_back(std::move(state));
-    }
-    fingerprint_ = ComputeFingerprint();
+    options_.device = device;
+    const EngineContext context{model_, options_, &layout_};
+    absl::StatusOr<std::unique_ptr<EngineBackend>> backend =
+        device == EngineDevice::kCuda ? CreateCudaBackend(context) : CreateCpuBackend(context);
+    if (!backend.ok()) return backend.status();
+    backend_ = *std::move(backend);
+    return absl::OkStatus();
   }
 
   const Model& model() const { return *model_; }
-  uint64_t fingerprint() const { return fingerprint_; }
-  const ModelConfig& config() const { return cfg_; }
-  const StateLayout& layout() const { return layout_; }
+  const ModelConfig& config() const { return model_->config; }
   const EngineOptions& options() const { return options_; }
-  const EngineProfile& profile() const { return profile_; }
-  void ResetProfile() { profile_ = EngineProfile{}; }
+  const StateLayout& layout() const { return layout_; }
+  uint64_t fingerprint() const { return fingerprint_; }
+  EngineBackend& backend() const { return *backend_; }
 
   absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
                        std::vector<float>* logits) {
     if (tokens.empty()) return absl::InvalidArgumentError("prefill needs at least one token");
     if (auto s = CheckTokens(tokens); !s.ok()) return s;
     if (auto s = CheckSession(session); !s.ok()) return s;
-    const int64_t vocab = cfg_.vocab_size;
-    if (logits != nullptr) {
-      logits->assign((all_positions ? static_cast<int64_t>(tokens.size()) : 1) * vocab, 0.0f);
-    }
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    for (int64_t start = 0; start < n; start += options_.prefill_chunk) {
-      const int64_t len = std::min(options_.prefill_chunk, n - start);
-      std::vector<Segment> segs = {{&session, 0, len, session.position()}};
-      const bool last_chunk = start + len == n;
-      std::vector<int64_t> rows;
-      float* out = nullptr;
-      if (logits != nullptr && all_positions) {
-        for (int64_t r = 0; r < len; ++r) rows.push_back(r);
-        out = logits->data() + start * vocab;
-      } else if (logits != nullptr && last_chunk) {
-        rows.push_back(len - 1);
-        out = logits->data();
-      }
-      Forward(tokens.subspan(start, len), segs, rows, out);
-    }
-    return absl::OkStatus();
+    return backend_->Prefill(session, tokens, all_positions, logits);
   }
 
   absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
@@ -228,337 +154,46 @@ class Engine::Impl {
       return absl::InvalidArgumentError(
           absl::StrCat("decode got ", b, " sessions but ", tokens.size(), " tokens"));
     }
-    if (static_cast<int64_t>(logits.size()) != b * cfg_.vocab_size) {
+    if (static_cast<int64_t>(logits.size()) != b * config().vocab_size) {
       return absl::InvalidArgumentError(absl::StrCat("decode logits buffer holds ", logits.size(),
-                                                     " floats, needs ", b * cfg_.vocab_size));
+                                                     " floats, needs ", b * config().vocab_size));
     }
     if (b == 0) return absl::OkStatus();
     if (auto s = CheckTokens(tokens); !s.ok()) return s;
     std::set<const SessionState*> seen;
-    std::vector<Segment> segs;
-    std::vector<int64_t> rows;
-    for (int64_t i = 0; i < b; ++i) {
-      if (sessions[i] == nullptr) return absl::InvalidArgumentError("decode got a null session");
-      if (!seen.insert(sessions[i]).second) {
+    for (SessionState* s : sessions) {
+      if (s == nullptr) return absl::InvalidArgumentError("decode got a null session");
+      if (!seen.insert(s).second) {
         return absl::InvalidArgumentError("a session appears twice in one decode batch");
       }
-      if (auto s = CheckSession(*sessions[i]); !s.ok()) return s;
-      segs.push_back({sessions[i], i, 1, sessions[i]->position()});
-      rows.push_back(i);
+      if (auto st = CheckSession(*s); !st.ok()) return st;
     }
-    Forward(tokens, segs, rows, logits.data());
-    return absl::OkStatus();
+    return backend_->Decode(sessions, tokens, logits);
   }
 
  private:
-  uint64_t ComputeFingerprint() const {
-    std::unique_ptr<XXH64_state_t, decltype(&XXH64_freeState)> state(XXH64_createState(),
-                                                                     &XXH64_freeState);
-    XXH64_state_t* h = state.get();
-    XXH64_reset(h, 0x5d3f);
-    const std::string config = ModelConfigToJson(cfg_);
-    XXH64_update(h, config.data(), config.size());
-    for (const TensorSpec& t : ExpectedTensors(cfg_)) {
-      XXH64_update(h, t.name.data(), t.name.size());
-      XXH64_update(h, t.shape.data(), t.shape.size() * sizeof(int64_t));
-      std::span<const float> v = model_->weights->Get(t.name);
-      const size_t stride = std::max<size_t>(1, v.size() / 256);
-      for (size_t i = 0; i < v.size(); i += stride) XXH64_update(h, &v[i], sizeof(float));
-      if (!v.empty()) XXH64_update(h, &v.back(), sizeof(float));
-    }
-    return XXH64_digest(h);
-  }
-
   absl::Status CheckTokens(std::span<const int32_t> tokens) const {
     for (int32_t t : tokens) {
-      if (t < 0 || t >= cfg_.vocab_size) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("token id ", t, " is outside the vocabulary [0, ", cfg_.vocab_size, ")"));
+      if (t < 0 || t >= config().vocab_size) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "token id ", t, " is outside the vocabulary [0, ", config().vocab_size, ")"));
       }
     }
     return absl::OkStatus();
   }
 
   absl::Status CheckSession(const SessionState& s) const {
-    if (s.num_layers() != cfg_.n_layers) {
+    if (s.num_layers() != config().n_layers) {
       return absl::InvalidArgumentError("session state was made for a different model");
     }
     return absl::OkStatus();
   }
 
-  // Runs the model over `tokens` (one row each, grouped into `segs`), advancing every session,
-  // and writes the logits of `logit_rows` (in that order) to `logits_out`.
-  void Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
-               std::span<const int64_t> logit_rows, float* logits_out) {
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    const int64_t dim = cfg_.dim;
-    // Profiling: the clock is read only when enabled.
-    using Clock = std::chrono::steady_clock;
-    Clock::time_point mark = options_.profile ? Clock::now() : Clock::time_point{};
-    auto lap = [&](double& bucket) {
-      if (!options_.profile) return;
-      const Clock::time_point now = Clock::now();
-      bucket += std::chrono::duration<double>(now - mark).count();
-      mark = now;
-    };
-    std::vector<float> x(n * dim), xn(n * dim), tmp(n * dim);
-    for (int64_t r = 0; r < n; ++r) {
-      std::memcpy(&x[r * dim], tok_embeddings_ + static_cast<int64_t>(tokens[r]) * dim,
-                  dim * sizeof(float));
-    }
-    const float eps = static_cast<float>(cfg_.norm_eps);
-    lap(profile_.head_seconds);
-    for (int64_t li = 0; li < cfg_.n_layers; ++li) {
-      const LayerWeights& l = layers_[li];
-      cpu::RmsNorm(x.data(), l.attention_norm, n, dim, eps, xn.data());
-      lap(profile_.ffn_seconds);
-      if (l.type == LayerType::kSdm) {
-        SdmMixer(li, l.sdm, xn.data(), n, segs, tmp.data());
-        lap(profile_.sdm_seconds);
-      } else {
-        AttentionMixer(li, l.attn, xn.data(), n, segs, tmp.data());
-        lap(l.type == LayerType::kSwa ? profile_.swa_seconds : profile_.attn_seconds);
-      }
-      cpu::AddInPlace(tmp.data(), x.data(), n * dim);
-      cpu::RmsNorm(x.data(), l.ffn_norm, n, dim, eps, xn.data());
-      FeedForward(l, xn.data(), n, tmp.data());
-      cpu::AddInPlace(tmp.data(), x.data(), n * dim);
-      lap(profile_.ffn_seconds);
-    }
-    for (const Segment& s : segs) {
-      for (int64_t t = 0; t < s.length; ++t) s.session->AdvancePosition();
-    }
-    if (logit_rows.empty() || logits_out == nullptr) return;
-    const int64_t m = static_cast<int64_t>(logit_rows.size());
-    std::vector<float> h(m * dim);
-    for (int64_t i = 0; i < m; ++i) {
-      cpu::RmsNorm(&x[logit_rows[i] * dim], final_norm_, 1, dim, eps, &h[i * dim]);
-    }
-    Linear(h.data(), m, output_, nullptr, logits_out);
-    lap(profile_.head_seconds);
-  }
-
-  void FeedForward(const LayerWeights& l, const float* xn, int64_t n, float* out) {
-    std::vector<float> h1(n * hidden_), h3(n * hidden_);
-    Linear(xn, n, l.w1, nullptr, h1.data());
-    Linear(xn, n, l.w3, nullptr, h3.data());
-    cpu::SwiGlu(h1.data(), h3.data(), h1.data(), n * hidden_);
-    Linear(h1.data(), n, l.w2, nullptr, out);
-  }
-
-  void AttentionMixer(int64_t li, const AttentionWeights& a, const float* xn, int64_t n,
-                      std::span<const Segment> segs, float* out) {
-    const AttentionGeometry& g = a.geom;
-    const int64_t dim = cfg_.dim;
-    const int64_t q_width = g.n_heads * g.head_dim;
-    const int64_t kv_width = g.n_kv_heads * g.head_dim;
-    std::vector<float> q(n * q_width), k(n * kv_width), v(n * kv_width), o(n * q_width);
-    Linear(xn, n, a.wq, nullptr, q.data());
-    Linear(xn, n, a.wk, nullptr, k.data());
-    Linear(xn, n, a.wv, nullptr, v.data());
-    const float theta = static_cast<float>(cfg_.rope_theta);
-    const cpu::AttentionShape shape{g.n_heads, g.n_kv_heads, g.head_dim, g.window, kv_width};
-    for (const Segment& s : segs) {
-      KvCache& cache = s.session->kv(li);
-      for (int64_t t = 0; t < s.length; ++t) {
-        const int64_t r = s.first_row + t;
-        const int64_t pos = s.pos0 + t;
-        cpu::ApplyRope(&q[r * q_width], g.n_heads, g.head_dim, pos, theta);
-        cpu::ApplyRope(&k[r * kv_width], g.n_kv_heads, g.head_dim, pos, theta);
-        SDM_CHECK(cache.length() == pos);
-        std::memcpy(cache.NextKeyRow(), &k[r * kv_width], kv_width * sizeof(float));
-        std::memcpy(cache.NextValueRow(), &v[r * kv_width], kv_width * sizeof(float));
-        cache.Commit();
-      }
-    }
-    auto spans_for = [&](const KvCache& cache, int64_t begin, int64_t end) {
-      std::vector<cpu::KvSpan> spans;
-      cache.ForEachSpan(begin, end,
-                        [&](int64_t p, int64_t count, const float* kr, const float* vr) {
-                          spans.push_back({kr, vr, p, count});
-                        });
-      return spans;
-    };
-    // Single-token segments (decode) run per (segment, head) on the pool; longer segments
-    // (prefill) use GEMMs on this thread.
-    std::vector<const Segment*> singles;
-    for (const Segment& s : segs) {
-      if (s.length == 1) {
-        singles.push_back(&s);
-      } else {
-        const KvCache& cache = s.session->kv(li);
-        auto spans =
-            spans_for(cache, cpu::FirstVisiblePosition(s.pos0, g.window), s.pos0 + s.length);
-        cpu::AttendPrefill(&q[s.first_row * q_width], s.length, s.pos0, spans, shape,
-                           &o[s.first_row * q_width]);
-      }
-    }
-    if (!singles.empty()) {
-      std::vector<std::vector<cpu::KvSpan>> spans(singles.size());
-      for (size_t i = 0; i < singles.size(); ++i) {
-        const Segment& s = *singles[i];
-        spans[i] =
-            spans_for(s.session->kv(li), cpu::FirstVisiblePosition(s.pos0, g.window), s.pos0 + 1);
-      }
-      pool_.ParallelFor(static_cast<int64_t>(singles.size()) * g.n_heads, [&](int64_t task) {
-        const int64_t i = task / g.n_heads;
-        const int64_t h = task % g.n_heads;
-        const int64_t r = singles[i]->first_row;
-        cpu::AttendDecodeHead(&q[r * q_width + h * g.head_dim], h, singles[i]->pos0, spans[i],
-                              shape, &o[r * q_width + h * g.head_dim]);
-      });
-    }
-    if (a.w_gate != nullptr) {
-      std::vector<float> gate(n * q_width);
-      Linear(xn, n, a.w_gate, nullptr, gate.data());
-      cpu::MulSigmoid(gate.data(), o.data(), n * q_width);
-    }
-    Linear(o.data(), n, a.wo, nullptr, out);
-  }
-
-  void SdmMixer(int64_t li, const SdmWeights& w, const float* xn, int64_t n,
-                std::span<const Segment> segs, float* out) {
-    const SdmArgs& args = cfg_.sdm;
-    const int64_t dim = cfg_.dim;
-    const int64_t heads = sdm_geom_.heads;
-    const int64_t side = sdm_geom_.side;
-    const int64_t hd = sdm_geom_.head_width;
-    const int64_t key_size = sdm_geom_.key_size;
-    const int64_t n_w = cpu::AddressCount(args.num_writes, side);
-    const int64_t n_r = cpu::AddressCount(args.num_reads, side);
-
-    std::vector<float> rq(n * key_size), wk(n * key_size), v(n * dim), a(n * heads), b(n * heads);
-    Linear(xn, n, w.wq_read, w.bq_read, rq.data());
-    Linear(xn, n, w.wk_write, w.bk_write, wk.data());
-    Linear(xn, n, w.wv_write, w.bv_write, v.data());
-    Linear(xn, n, w.a_proj, w.a_bias, a.data());
-    Linear(xn, n, w.b_proj, w.b_bias, b.data());
-    if (w.qbn_w != nullptr) {
-      cpu::BatchNormEval(rq.data(), w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, n, key_size, 1e-5f);
-      cpu::BatchNormEval(wk.data(), w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, n, key_size, 1e-5f);
-    }
-
-    // Addressing and gates of every (row, head): independent, so all in parallel.
-    std::vector<int32_t> w_slot(n * heads * n_w), r_slot(n * heads * n_r);
-    std::vector<float> w_val(n * heads * n_w), r_val(n * heads * n_r);
-    const int64_t n_alpha = args.key_weighted_decay ? n_w : 1;
-    std::vector<float> alpha(n * heads * n_alpha), beta(n * heads);
-    pool_.ParallelFor(n * heads, [&](int64_t task) {
-      thread_local cpu::AddressScratch scratch;
-      const int64_t r = task / heads;
-      const int64_t h = task % heads;
-      std::span<int32_t> ws(&w_slot[task * n_w], n_w);
-      std::span<float> wv(&w_val[task * n_w], n_w);
-      std::span<int32_t> rs(&r_slot[task * n_r], n_r);
-      std::span<float> rv(&r_val[task * n_r], n_r);
-      cpu::SelectSlots(&wk[r * key_size + h * 2 * side], side, args.num_writes, ws, wv, scratch);
-      cpu::ActivateAddress(ToKernel(args.write_act), static_cast<float>(args.write_act_scale), wv);
-      cpu::SelectSlots(&rq[r * key_size + h * 2 * side], side, args.num_reads, rs, rv, scratch);
-      cpu::ActivateAddress(ToKernel(args.read_act), static_cast<float>(args.read_act_scale), rv);
-      const float g = kernels::SdmLogDecay(w.a_log[h], a[r * heads + h], w.dt_bias[h]);
-      beta[task] = kernels::Sigmoid(b[r * heads + h]);
-      if (args.key_weighted_decay) {
-        for (int64_t i = 0; i < n_w; ++i) alpha[task * n_w + i] = std::exp(g * wv[i]);
-      } else {
-        alpha[task] = std::exp(g);
-      }
-    });
-
-    // Row pointers, resolved in token order on this thread (copy-on-write allocation is not
-    // thread-safe). Write rows first for every token, read rows after: a read slot whose private
-    // row is allocated by a later token of the same segment still holds M0 when the recurrence
-    // (sequential in tokens within each column tile) reads it.
-    std::vector<float*> w_rows(n * heads * n_w);
-    std::vector<const float*> r_rows(n * heads * n_r);
-    for (const Segment& s : segs) {
-      SdmTable& table = s.session->sdm(li);
-      for (int64_t t = 0; t < s.length; ++t) {
-        const int64_t r = s.first_row + t;
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t base = (r * heads + h) * n_w;
-          for (int64_t i = 0; i < n_w; ++i)
-            w_rows[base + i] = table.MutableRow(h, w_slot[base + i]);
-        }
-      }
-      for (int64_t t = 0; t < s.length; ++t) {
-        const int64_t r = s.first_row + t;
-        for (int64_t h = 0; h < heads; ++h) {
-          const int64_t base = (r * heads + h) * n_r;
-          for (int64_t j = 0; j < n_r; ++j) r_rows[base + j] = table.Row(h, r_slot[base + j]);
-        }
-      }
-    }
-
-    // The recurrence: sequential over a segment's tokens, parallel over (segment, head, tile).
-    const cpu::SdmRule rule = args.update_rule == UpdateRule::kSlotResidual
-                                  ? cpu::SdmRule::kSlotResidual
-                                  : cpu::SdmRule::kSharedResidual;
-    std::vector<float> readings(n * dim);
-    const int64_t tiles = (hd + kSdmColumnTile - 1) / kSdmColumnTile;
-    pool_.ParallelFor(static_cast<int64_t>(segs.size()) * heads * tiles, [&](int64_t task) {
-      const Segment& s = segs[task / (heads * tiles)];
-      const int64_t h = (task / tiles) % heads;
-      const int64_t c0 = (task % tiles) * kSdmColumnTile;
-      const int64_t c1 = std::min(hd, c0 + kSdmColumnTile);
-      for (int64_t t = 0; t < s.length; ++t) {
-        const int64_t rh = (s.first_row + t) * heads + h;
-        cpu::SdmWriteColumns(std::span<float* const>(&w_rows[rh * n_w], n_w),
-                             std::span<const float>(&w_val[rh * n_w], n_w),
-                             std::span<const float>(&alpha[rh * n_alpha], n_alpha), beta[rh],
-                             &v[(s.first_row + t) * dim + h * hd], rule, c0, c1);
-        cpu::SdmReadColumns(std::span<const float* const>(&r_rows[rh * n_r], n_r),
-                            std::span<const float>(&r_val[rh * n_r], n_r),
-                            &readings[(s.first_row + t) * dim + h * hd], c0, c1);
-      }
-    });
-
-    if (w.norm_w != nullptr) {
-      cpu::LayerNorm(readings.data(), w.norm_w, w.norm_b, n * heads, hd,
-                     static_cast<float>(args.norm_eps));
-    }
-    if (w.wog != nullptr) {
-      std::vector<float> gate(n * dim);
-      Linear(xn, n, w.wog, w.bog, gate.data());
-      cpu::MulSigmoid(gate.data(), readings.data(), n * dim);
-    }
-    Linear(readings.data(), n, w.wo, w.bo, out);
-  }
-
-  // Repacks a [out, in] weight for the batch-invariant GEMM (kernels/cpu/gemm.h), once.
-  const PackedMatrix* Pack(const std::string& name) {
-    const TensorSpecShape shape = ShapeOf(name);
-    packed_.emplace_back(model_->weights->Get(name).data(), shape.rows, shape.cols);
-    return &packed_.back();
-  }
-  struct TensorSpecShape {
-    int64_t rows, cols;
-  };
-  TensorSpecShape ShapeOf(const std::string& name) const {
-    for (const TensorSpec& t : specs_) {
-      if (t.name == name) return {t.shape[0], t.shape[1]};
-    }
-    SDM_CHECK(false);
-    return {0, 0};
-  }
-  void Linear(const float* x, int64_t m, const PackedMatrix* w, const float* bias, float* y) {
-    cpu::LinearInvariant(x, m, *w, bias, y, &pool_);
-  }
-
   std::shared_ptr<const Model> model_;
-  const ModelConfig& cfg_;
   EngineOptions options_;
-  cpu::ThreadPool pool_;
-  int64_t hidden_;
-  SdmGeometry sdm_geom_;
-  const float* tok_embeddings_ = nullptr;
-  const float* final_norm_ = nullptr;
-  const PackedMatrix* output_ = nullptr;
-  std::vector<TensorSpec> specs_ = ExpectedTensors(cfg_);
-  std::deque<PackedMatrix> packed_;  // stable addresses
-  std::vector<LayerWeights> layers_;
   StateLayout layout_;
-  EngineProfile profile_;
-  uint64_t fingerprint_ = 0;
+  uint64_t fingerprint_;
+  std::unique_ptr<EngineBackend> backend_;
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
@@ -569,8 +204,17 @@ absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Mod
   if (options.prefill_chunk < 1) {
     return absl::InvalidArgumentError("prefill_chunk must be at least 1");
   }
-  return std::make_unique<Engine>(std::make_unique<Impl>(std::move(model), options));
+  auto impl = std::make_unique<Impl>(std::move(model), options);
+  if (auto s = impl->Init(); !s.ok()) return s;
+  return std::make_unique<Engine>(std::move(impl));
 }
+
+#if !defined(SDM_HAVE_CUDA)
+absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(const EngineContext&) {
+  return absl::UnavailableError(
+      "this build has no CUDA backend (nvcc was not found at configure time, or -DSDM_CUDA=OFF)");
+}
+#endif
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
@@ -580,9 +224,14 @@ const EngineOptions& Engine::options() const { return impl_->options(); }
 const Model& Engine::model() const { return impl_->model(); }
 int64_t Engine::vocab_size() const { return impl_->config().vocab_size; }
 const StateLayout& Engine::state_layout() const { return impl_->layout(); }
-const EngineProfile& Engine::profile() const { return impl_->profile(); }
+const EngineProfile& Engine::profile() const { return impl_->backend().profile(); }
 uint64_t Engine::fingerprint() const { return impl_->fingerprint(); }
-void Engine::ResetProfile() { impl_->ResetProfile(); }
+void Engine::ResetProfile() { impl_->backend().ResetProfile(); }
+EngineDevice Engine::device() const { return impl_->backend().device(); }
+std::string Engine::DescribeDevice() const { return impl_->backend().Describe(); }
+int64_t Engine::device_state_capacity_bytes() const {
+  return impl_->backend().StateCapacityBytes();
+}
 
 std::unique_ptr<SessionState> Engine::NewSession() const {
   return std::make_unique<SessionState>(impl_->layout());

@@ -1,4 +1,8 @@
-// The CPU inference engine: the forward pass of design brief §2 over sessions' states.
+// The inference engine: the forward pass of design brief §2 over sessions' states, on the CPU or
+// on a CUDA device (EngineOptions::device; engine/engine_backend.h). The contract below is the
+// CPU backend's; the CUDA backend (design brief §7) computes the same model with bf16 weights and
+// state and fp32 accumulation, so it matches the CPU within bf16 tolerance, not bit for bit, and
+// its batches are not guaranteed batch-invariant (cuBLASLt may pick another kernel per batch size).
 //
 // Weights are immutable and shared; each session's state (state_store/session_state.h) is read
 // and written only inside Prefill/Decode, which advance its position. Decode runs one token for
@@ -17,6 +21,8 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,12 +33,27 @@
 
 namespace sdm {
 
+// Where the forward pass runs. kAuto: CUDA when the build has it and a device is present, else
+// the CPU.
+enum class EngineDevice { kAuto, kCpu, kCuda };
+
+// "auto", "cpu", "cuda" (what --device flags accept).
+const char* EngineDeviceName(EngineDevice device);
+absl::StatusOr<EngineDevice> ParseEngineDevice(std::string_view name);
+
 struct EngineOptions {
-  int num_threads = 0;  // 0: one per hardware thread
+  EngineDevice device = EngineDevice::kCpu;
+  int num_threads = 0;  // 0: one per hardware thread (CPU backend; the CUDA backend's host side)
   // Prefill processes prompts in chunks of this many tokens (bounds activation memory).
   int64_t prefill_chunk = 256;
   // Accumulate wall time per part of the forward pass (benchmarks); off: no clock reads.
   bool profile = false;
+  // CUDA backend: the longest context a full-attention layer can hold (sizes its page tables).
+  int64_t max_context = 131072;
+  // CUDA backend: bytes of device memory for sessions' state (KV pages and SDM rows); 0: this
+  // share of the memory left free once weights and workspaces are allocated.
+  int64_t device_state_bytes = 0;
+  double device_state_fraction = 0.85;
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().
@@ -52,6 +73,13 @@ class Engine {
 
   const ModelConfig& config() const;
   const EngineOptions& options() const;
+  // The device the forward pass runs on (never kAuto) and a one-line description of it.
+  EngineDevice device() const;
+  std::string DescribeDevice() const;
+  // Bytes of session state the device holds whatever its mix of KV pages and SDM rows; a state
+  // store budget for resident sessions above it can make steps fail with RESOURCE_EXHAUSTED.
+  // 0 on the CPU (bounded by host RAM only).
+  int64_t device_state_capacity_bytes() const;
   const Model& model() const;
   int64_t vocab_size() const;
 
@@ -72,10 +100,10 @@ class Engine {
   absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
                       std::span<float> logits);
 
-  // Use Create(); Impl is private to engine.cc.
   const EngineProfile& profile() const;
   void ResetProfile();
 
+  // Use Create(); Impl is private to engine.cc.
   class Impl;
   explicit Engine(std::unique_ptr<Impl> impl);
 

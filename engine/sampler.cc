@@ -6,47 +6,22 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/common/check.h"
+#include "kernels/common/philox.h"
+#include "kernels/common/sampling_math.h"
 
 namespace sdm {
-namespace {
 
-// Lowest id among the largest non-NaN logits; 0 if all are NaN.
-int32_t Argmax(std::span<const float> logits) {
-  int32_t best = -1;
-  for (size_t i = 0; i < logits.size(); ++i) {
-    if (std::isnan(logits[i])) continue;
-    if (best < 0 || logits[i] > logits[best]) best = static_cast<int32_t>(i);
-  }
-  return best < 0 ? 0 : best;
-}
-
-}  // namespace
-
+// The generator and the per-row arithmetic live in kernels/common/ so that the CUDA sampler
+// (kernels/cuda/sampling.cu) runs the same code; these are thin wrappers.
 std::array<uint32_t, 4> Philox4x32_10(std::array<uint32_t, 4> counter,
                                       std::array<uint32_t, 2> key) {
-  constexpr uint64_t kMul0 = 0xD2511F53;
-  constexpr uint64_t kMul1 = 0xCD9E8D57;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9;  // the key schedule's increments
-  constexpr uint32_t kWeyl1 = 0xBB67AE85;
-  for (int round = 0; round < 10; ++round) {
-    if (round > 0) {
-      key[0] += kWeyl0;
-      key[1] += kWeyl1;
-    }
-    const uint64_t p0 = kMul0 * counter[0];
-    const uint64_t p1 = kMul1 * counter[2];
-    counter = {static_cast<uint32_t>(p1 >> 32) ^ counter[1] ^ key[0], static_cast<uint32_t>(p1),
-               static_cast<uint32_t>(p0 >> 32) ^ counter[3] ^ key[1], static_cast<uint32_t>(p0)};
-  }
-  return counter;
+  const kernels::PhiloxBlock x = kernels::Philox4x32_10(
+      kernels::PhiloxBlock{{counter[0], counter[1], counter[2], counter[3]}}, key[0], key[1]);
+  return {x.v[0], x.v[1], x.v[2], x.v[3]};
 }
 
 double UniformDraw(uint64_t seed, uint64_t draw_index) {
-  const std::array<uint32_t, 4> x = Philox4x32_10(
-      {static_cast<uint32_t>(draw_index), static_cast<uint32_t>(draw_index >> 32), 0, 0},
-      {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32)});
-  const uint64_t bits = ((static_cast<uint64_t>(x[0]) << 32) | x[1]) >> 11;  // 53 bits
-  return static_cast<double>(bits) * 0x1.0p-53;
+  return kernels::UniformDraw(seed, draw_index);
 }
 
 absl::Status ValidateSamplingParams(const SamplingParams& params, int64_t vocab_size) {
@@ -80,91 +55,61 @@ int32_t SampleToken(std::span<const float> logits, const SamplingParams& params,
                     uint64_t draw_index) {
   SDM_CHECK(!logits.empty());
   SDM_CHECK(params.temperature >= 0);
-  if (params.temperature == 0) return Argmax(logits);
+  const int64_t n = static_cast<int64_t>(logits.size());
+  const int32_t best = kernels::SampleArgmax(logits.data(), n);
+  if (params.temperature == 0) return best;
 
-  const int32_t best = Argmax(logits);
   const float max_logit = logits[best];
   // All NaN, or every probability exp(-inf) = 0: nothing to sample from.
-  if (std::isnan(max_logit) || max_logit == -std::numeric_limits<float>::infinity()) return best;
-  const bool max_is_inf = std::isinf(max_logit);
-  // Unnormalised probability exp((l - max) / T) <= 1, computed in double so that neither the
-  // shift nor the division overflows; with +inf logits, those alone share the mass.
-  const auto weight = [&](int32_t id) -> double {
-    const float l = logits[id];
-    if (std::isnan(l)) return 0.0;
-    if (max_is_inf) return l == max_logit ? 1.0 : 0.0;
-    return std::exp((static_cast<double>(l) - max_logit) / params.temperature);
-  };
-  const double u = UniformDraw(params.seed, draw_index);
-  const int32_t n = static_cast<int32_t>(logits.size());
-
+  if (kernels::SampleIsNan(max_logit) || max_logit == -std::numeric_limits<float>::infinity()) {
+    return best;
+  }
+  const kernels::SampleWeightParams wp{max_logit, kernels::SampleIsPosInf(max_logit),
+                                       params.temperature};
+  const double u = kernels::UniformDraw(params.seed, draw_index);
   const bool restrict_k = params.top_k > 0 && params.top_k < n;
   const bool restrict_p = params.top_p < 1.0;
+  // Mass sums follow the chunked order of kernels/common/sampling_math.h (the GPU's too).
+  std::vector<double> chunk(kernels::CdfChunkCount(n));
+  std::vector<double> group_end(kernels::CdfGroupCount(n));
+  double cum = 0;
+
   if (!restrict_k && !restrict_p) {
     // The whole distribution, in id order: no sort needed.
-    double total = 0;
-    for (int32_t id = 0; id < n; ++id) total += weight(id);
-    const double target = u * total;
-    double cumulative = 0;
-    int32_t last_positive = best;
-    for (int32_t id = 0; id < n; ++id) {
-      const double w = weight(id);
-      if (w <= 0) continue;
-      cumulative += w;
-      last_positive = id;
-      if (target < cumulative) return id;
-    }
-    return last_positive;  // u * total rounded up to total
+    const auto weight_at = [&](int64_t id) { return kernels::SampleWeight(logits[id], wp); };
+    const double total = kernels::CdfBuild(weight_at, n, chunk.data(), group_end.data());
+    const int64_t id =
+        kernels::CdfFind(weight_at, n, chunk.data(), group_end.data(), u * total, true, &cum);
+    // Not found: u * total rounded up to total.
+    return static_cast<int32_t>(id < n ? id : kernels::LastPositive(weight_at, n, best));
   }
 
   // Tokens with probability 0 can neither be drawn nor bring the nucleus closer to top_p, so only
   // the others are sorted: by descending logit (= descending probability), ties by lowest id.
   struct Candidate {
-    int32_t id;
+    uint64_t key;
     double weight;
   };
   std::vector<Candidate> candidates;
-  for (int32_t id = 0; id < n; ++id) {
-    const double w = weight(id);
-    if (w > 0) candidates.push_back({id, w});
+  for (int64_t id = 0; id < n; ++id) {
+    const double w = kernels::SampleWeight(logits[id], wp);
+    if (w > 0)
+      candidates.push_back({kernels::SampleOrderKey(logits[id], static_cast<int32_t>(id)), w});
   }
   SDM_CHECK(!candidates.empty());  // the argmax has weight 1
-  const auto before = [&](const Candidate& a, const Candidate& b) {
-    const float la = logits[a.id];
-    const float lb = logits[b.id];
-    return la > lb || (la == lb && a.id < b.id);
-  };
-  size_t kept = candidates.size();
-  if (restrict_k && static_cast<size_t>(params.top_k) < kept) {
-    kept = static_cast<size_t>(params.top_k);
+  const auto before = [](const Candidate& a, const Candidate& b) { return a.key < b.key; };
+  int64_t kept = static_cast<int64_t>(candidates.size());
+  if (restrict_k && params.top_k < kept) {
+    kept = params.top_k;
     std::partial_sort(candidates.begin(), candidates.begin() + kept, candidates.end(), before);
   } else {
     std::sort(candidates.begin(), candidates.end(), before);
   }
-
-  // Sums run in the same order everywhere, so the nucleus' running sum ends exactly at `total`
-  // and the inverse CDF below retraces the same partial sums.
-  double total = 0;
-  for (size_t j = 0; j < kept; ++j) total += candidates[j].weight;
-  if (restrict_p) {
-    const double threshold = params.top_p * total;
-    double cumulative = 0;
-    for (size_t j = 0; j < kept; ++j) {
-      cumulative += candidates[j].weight;
-      if (cumulative >= threshold) {
-        kept = j + 1;
-        total = cumulative;
-        break;
-      }
-    }
-  }
-  const double target = u * total;
-  double cumulative = 0;
-  for (size_t j = 0; j < kept; ++j) {
-    cumulative += candidates[j].weight;
-    if (target < cumulative) return candidates[j].id;
-  }
-  return candidates[kept - 1].id;  // u * total rounded up to total
+  const auto weight_at = [&](int64_t j) { return candidates[j].weight; };
+  const double total = kernels::CdfBuild(weight_at, kept, chunk.data(), group_end.data());
+  const int64_t j = kernels::CdfDrawSorted(weight_at, kept, chunk.data(), group_end.data(), total,
+                                           restrict_p, params.top_p, u);
+  return kernels::SampleOrderKeyId(candidates[j].key);
 }
 
 }  // namespace sdm

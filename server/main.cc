@@ -73,6 +73,9 @@ ABSL_FLAG(int64_t, max_prompt_tokens, 8192,
           "Longest prompt accepted, in tokens including an added BOS (INVALID_ARGUMENT above).");
 ABSL_FLAG(int64_t, max_tokens_limit, 4096, "Largest max_tokens a Generate request may ask for.");
 ABSL_FLAG(int, threads, 0, "Engine threads; 0: one per hardware thread.");
+ABSL_FLAG(std::string, device, "auto",
+          "Where the engine runs: auto (CUDA when a device is present, else the CPU), cpu or "
+          "cuda.");
 ABSL_FLAG(std::string, api_keys, "",
           "File of API keys, one 'KEY TENANT' pair per line (docs/api.md). With it, every call "
           "needs 'authorization: Bearer KEY'; without it, every caller is the tenant 'default'.");
@@ -193,6 +196,11 @@ int main(int argc, char** argv) {
   options.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   options.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
   options.threads = absl::GetFlag(FLAGS_threads);
+  {
+    absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
+    if (!device.ok()) return UsageError(absl::StrCat("--device: ", device.status().message()));
+    options.device = *device;
+  }
   options.api_keys_file = absl::GetFlag(FLAGS_api_keys);
   options.tenant_limits_file = absl::GetFlag(FLAGS_tenant_limits);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);

@@ -162,14 +162,27 @@ absl::Status SdmServer::Impl::Init() {
   if (!t.ok()) return t.status();
   tokenizer = *std::move(t);
   EngineOptions engine_options;
+  engine_options.device = options.device;
   engine_options.num_threads = options.threads;
   engine_options.prefill_chunk = options.prefill_chunk;
   absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(model, engine_options);
   if (!e.ok()) return e.status();
   engine = *std::move(e);
+  std::fprintf(stderr, "sdm-server: engine: %s\n", engine->DescribeDevice().c_str());
 
   SessionStoreOptions store_options;
   store_options.resident_budget_bytes = options.resident_budget_bytes;
+  // On a device, resident sessions live in its fixed state arenas: a larger budget would let
+  // steps fail for want of device memory instead of parking idle sessions.
+  if (const int64_t cap = engine->device_state_capacity_bytes();
+      cap > 0 && store_options.resident_budget_bytes > cap) {
+    std::fprintf(stderr,
+                 "sdm-server: resident budget lowered from %lld to %lld bytes (device state "
+                 "capacity)\n",
+                 static_cast<long long>(store_options.resident_budget_bytes),
+                 static_cast<long long>(cap));
+    store_options.resident_budget_bytes = cap;
+  }
   store_options.host_budget_bytes = options.host_budget_bytes;
   store_options.dir = options.state_dir;
   store_options.default_ttl = options.session_ttl;

@@ -32,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "engine/engine.h"
 #include "server/scheduler.h"
 
 namespace sdm {
@@ -69,6 +70,8 @@ struct ServerOptions {
   // Idle sessions are deleted after this long unless created with their own ttl.
   absl::Duration session_ttl = absl::InfiniteDuration();
 
+  // Where the engine runs: auto (CUDA when a device is present), cpu or cuda.
+  EngineDevice device = EngineDevice::kAuto;
   // Engine threads; 0: one per hardware thread.
   int threads = 0;
   // Prompt tokens per prefill chunk of the engine.

@@ -1,5 +1,9 @@
 #include "state_store/session_state.h"
 
+#include <utility>
+
+#include "kernels/common/check.h"
+
 namespace sdm {
 
 SessionState::SessionState(const StateLayout& layout) {
@@ -14,6 +18,8 @@ SessionState::SessionState(const StateLayout& layout) {
 }
 
 std::unique_ptr<SessionState> SessionState::Copy(bool share_rows) const {
+  // The host layers are stale while on device; copying them would fork an old state.
+  SDM_CHECK(device_ == nullptr);
   auto copy = std::make_unique<SessionState>(StateLayout{});
   copy->position_ = position_;
   copy->sampler_seed = sampler_seed;
@@ -33,8 +39,21 @@ std::unique_ptr<SessionState> SessionState::Copy(bool share_rows) const {
 std::unique_ptr<SessionState> SessionState::Clone() const { return Copy(/*share_rows=*/false); }
 std::unique_ptr<SessionState> SessionState::Fork() const { return Copy(/*share_rows=*/true); }
 
+void SessionState::AttachDevice(std::unique_ptr<DeviceResidency> residency) {
+  SDM_CHECK(residency != nullptr);
+  SDM_CHECK(device_ == nullptr);  // two device copies: which one is the truth?
+  device_ = std::move(residency);
+}
+
+absl::Status SessionState::SyncToHost() {
+  if (device_ == nullptr) return absl::OkStatus();
+  if (absl::Status s = device_->CopyToHost(*this); !s.ok()) return s;
+  device_.reset();
+  return absl::OkStatus();
+}
+
 int64_t SessionState::ResidentBytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = device_ != nullptr ? device_->DeviceBytes() : 0;
   for (const auto& layer : layers_) {
     bytes += std::visit([](const auto& l) { return l.ResidentBytes(); }, layer);
   }

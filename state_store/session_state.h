@@ -4,6 +4,12 @@
 // engine reads and writes a session only through these accessors; the store owns where the
 // storage lives (resident, host, disk) and moves it while the session is not in a step.
 //
+// Device residency (state_store/device_residency.h): an accelerator backend may attach a
+// DeviceResidency while it keeps the session's layers in device memory. While attached the
+// device copy is the truth and the host layers are stale; position, sampler fields and
+// pending_token stay current on the host. Whoever reads or copies the layers on the host
+// (codec, Clone, Fork, parking) calls SyncToHost() first.
+//
 // Not thread-safe: a session takes part in at most one engine step at a time.
 #ifndef SDMSERVE_STATE_STORE_SESSION_STATE_H_
 #define SDMSERVE_STATE_STORE_SESSION_STATE_H_
@@ -13,6 +19,8 @@
 #include <variant>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "state_store/device_residency.h"
 #include "state_store/kv_cache.h"
 #include "state_store/sdm_table.h"
 #include "state_store/state_layout.h"
@@ -45,14 +53,33 @@ class SessionState {
   // that ends on a sampled token leaves it here; the next turn feeds it first.
   int32_t pending_token = -1;
 
-  // Bytes of state this session holds (KV pages, private SDM rows, slot tables).
+  // Bytes of state this session holds: its host layers (KV pages, private SDM rows, slot tables)
+  // plus, while on device, device()->DeviceBytes(). Both count: the stale host copy still
+  // occupies RAM while the device copy occupies HBM, and the store budgets the sum.
   int64_t ResidentBytes() const;
 
   // A deep copy: a new session whose continuation equals this one's (shares only M0).
+  // Precondition: !on_device() (SDM_CHECK; these cannot report a failed copy, so callers
+  // SyncToHost() first). The copy is host-only.
   std::unique_ptr<SessionState> Clone() const;
   // A copy that shares every SDM row copy-on-write (KV rows are copied); writing to either
-  // session copies only the rows it writes.
+  // session copies only the rows it writes. Same precondition as Clone().
   std::unique_ptr<SessionState> Fork() const;
+
+  // Hands the layers' truth to `residency` (called by a backend after it copied the layers to
+  // the device). Precondition: not on device already (SDM_CHECK) and residency non-null.
+  void AttachDevice(std::unique_ptr<DeviceResidency> residency);
+  // The attached residency; null while host-only.
+  DeviceResidency* device() const { return device_.get(); }
+  bool on_device() const { return device_ != nullptr; }
+  // Makes the host layers current: no-op when host-only; else copies the device layers back
+  // and detaches (destroying the residency frees its device memory). On error the session
+  // stays on device (the device copy is intact, the host layers may be partly written and are
+  // still stale) and the error is returned.
+  absl::Status SyncToHost();
+  // Drops the residency without copying back (the device copy is lost; the host layers stay
+  // as stale as they were). For sessions being deleted, or a backend discarding its copy.
+  void DetachDevice() { device_.reset(); }
 
   // For restoring a parked session (state_store/state_codec.h).
   void set_position(int64_t position) { position_ = position; }
@@ -62,6 +89,9 @@ class SessionState {
 
   int64_t position_ = 0;
   std::vector<std::variant<KvCache, SdmTable>> layers_;
+  // Declared after layers_ so that it is destroyed first: a residency may refer to the host
+  // layers (e.g. pinned staging registered over them) until it is gone.
+  std::unique_ptr<DeviceResidency> device_;
 };
 
 }  // namespace sdm

@@ -1,7 +1,10 @@
 #include "state_store/session_store.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <set>
 #include <system_error>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -35,6 +38,13 @@ int64_t ToMs(absl::Duration d) {
 }
 absl::Duration FromMs(int64_t ms) {
   return ms < 0 ? absl::InfiniteDuration() : absl::Milliseconds(ms);
+}
+
+// A failed device -> host copy, naming the session; keeps the residency's code.
+absl::Status SyncError(absl::string_view id, const absl::Status& why) {
+  return absl::Status(
+      why.code(),
+      absl::StrCat("session '", id, "' could not be copied back from the device: ", why.message()));
 }
 
 }  // namespace
@@ -374,7 +384,12 @@ absl::Status SessionStateStore::Delete(absl::string_view id) {
   if (!options_.dir.empty()) {
     if (auto s = options_.files->Remove(PathOf(id)); !s.ok()) return s;
   }
-  entries_.erase(entries_.find(id));
+  auto it = entries_.find(id);
+  std::unique_ptr<Entry> dead = std::move(it->second);
+  entries_.erase(it);
+  lock.unlock();
+  // Destroyed outside the lock: freeing a device residency may wait on the device.
+  dead.reset();
   return absl::OkStatus();
 }
 
@@ -395,6 +410,25 @@ absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view ds
   }
   std::unique_ptr<SessionState> copy;
   if (e->tier == Tier::kResident) {
+    if (e->state->on_device()) {
+      // Its host layers are stale. Synced outside the lock (it waits on the device); busy
+      // keeps every other store operation off this entry meanwhile.
+      e->busy = true;
+      SessionState* state = e->state.get();
+      lock.unlock();
+      const absl::Status synced = state->SyncToHost();
+      lock.lock();
+      e->busy = false;
+      e->Refresh();
+      changed_.notify_all();
+      if (!synced.ok()) {
+        ++counters_.sync_errors;
+        return SyncError(e->id, synced);
+      }
+      if (entries_.count(dst) > 0) {
+        return absl::AlreadyExistsError(absl::StrCat("session '", dst, "' already exists"));
+      }
+    }
     copy = e->state->Fork();
   } else {
     e->busy = true;
@@ -502,24 +536,39 @@ int64_t SessionStateStore::HostBytesLocked() const {
   return bytes;
 }
 
-bool SessionStateStore::ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Tier target) {
-  if (e.in_use || e.busy || !e.broken.ok()) return false;
+absl::Status SessionStateStore::ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Tier target) {
+  if (e.in_use || e.busy || !e.broken.ok()) {
+    return absl::AbortedError(absl::StrCat("session '", e.id, "' cannot be moved now"));
+  }
   e.busy = true;
-  bool ok = true;
+  absl::Status status;
   if (e.tier == Tier::kResident && target != Tier::kResident) {
     std::unique_ptr<SessionState> state = std::move(e.state);
     SessionRecord record{e.id, e.metadata, ToMs(e.ttl), absl::ToUnixMillis(e.last_used)};
     lock.unlock();
-    std::string blob = EncodeSessionState(*state, record, fingerprint_);
-    state.reset();  // returns its rows to the pool
+    // A session on device has stale host layers: copy them back before encoding them.
+    absl::Status synced = state->SyncToHost();
+    absl::StatusOr<std::string> blob = synced.ok()
+                                           ? TryEncodeSessionState(*state, record, fingerprint_)
+                                           : absl::StatusOr<std::string>(SyncError(e.id, synced));
+    if (blob.ok()) state.reset();  // returns its rows to the pool
     lock.lock();
-    e.blob = std::move(blob);
-    e.tier = Tier::kHost;
-    ++counters_.evictions[static_cast<int>(Tier::kResident)];
+    if (blob.ok()) {
+      e.blob = *std::move(blob);
+      e.tier = Tier::kHost;
+      ++counters_.evictions[static_cast<int>(Tier::kResident)];
+    } else {
+      // Only this session failed: it stays resident and usable on its device copy. Its host
+      // layers may have been partly written, so its byte count is taken again.
+      e.state = std::move(state);
+      e.Refresh();
+      ++counters_.sync_errors;
+      status = blob.status();
+    }
   }
-  if (e.tier == Tier::kHost && target == Tier::kDisk) {
+  if (status.ok() && e.tier == Tier::kHost && target == Tier::kDisk) {
     if (options_.dir.empty()) {
-      ok = false;
+      status = absl::FailedPreconditionError("the store has no snapshot directory");
     } else {
       lock.unlock();
       absl::Status s = options_.files->WriteAtomically(PathOf(e.id), e.blob);
@@ -532,13 +581,14 @@ bool SessionStateStore::ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Ti
         ++counters_.evictions[static_cast<int>(Tier::kHost)];
       } else {
         ++counters_.snapshot_errors;
-        ok = false;
+        status = absl::UnavailableError(
+            absl::StrCat("could not write the snapshot of session '", e.id, "': ", s.message()));
       }
     }
   }
   e.busy = false;
   changed_.notify_all();
-  return ok;
+  return status;
 }
 
 absl::Status SessionStateStore::Park(absl::string_view id, Tier tier) {
@@ -552,11 +602,7 @@ absl::Status SessionStateStore::Park(absl::string_view id, Tier tier) {
     return absl::FailedPreconditionError("the store has no snapshot directory");
   }
   if (static_cast<int>(e->tier) >= static_cast<int>(tier)) return absl::OkStatus();
-  if (!ParkOne(lock, *e, tier)) {
-    return absl::UnavailableError(
-        absl::StrCat("could not write the snapshot of session '", id, "'"));
-  }
-  return absl::OkStatus();
+  return ParkOne(lock, *e, tier);
 }
 
 absl::Status SessionStateStore::PersistAll() {
@@ -577,7 +623,9 @@ absl::Status SessionStateStore::PersistAll() {
       skipped.push_back(id);
       continue;
     }
-    if (!ParkOne(lock, e, Tier::kDisk)) failed.push_back(id);
+    if (absl::Status s = ParkOne(lock, e, Tier::kDisk); !s.ok()) {
+      failed.push_back(absl::StrCat(id, " (", s.message(), ")"));
+    }
   }
   if (!failed.empty()) {
     return absl::UnavailableError(
@@ -591,32 +639,46 @@ absl::Status SessionStateStore::PersistAll() {
 }
 
 void SessionStateStore::Rebalance(std::unique_lock<std::mutex>& lock) {
+  // Sessions whose device copy would not come back in this pass (retried in the next one).
+  std::set<std::string, std::less<>> unsynced;
   auto lru = [&](Tier tier) -> Entry* {
     Entry* best = nullptr;
     for (auto& [id, e] : entries_) {
       if (e->tier != tier || e->in_use || e->busy || !e->broken.ok()) continue;
+      if (unsynced.count(id) > 0) continue;
       if (best == nullptr || e->tick < best->tick) best = e.get();
     }
     return best;
   };
   while (!stop_ && ResidentBytesLocked() > options_.resident_budget_bytes) {
     Entry* e = lru(Tier::kResident);
-    if (e == nullptr || !ParkOne(lock, *e, Tier::kHost)) break;
+    if (e == nullptr) break;
+    // Resident -> host fails only in the device sync, which concerns this session alone.
+    if (absl::Status s = ParkOne(lock, *e, Tier::kHost); !s.ok()) {
+      std::fprintf(stderr, "sdm state store: eviction skipped a session: %s\n",
+                   s.ToString().c_str());
+      unsynced.insert(e->id);
+    }
   }
   if (options_.dir.empty()) return;
   while (!stop_ && HostBytesLocked() > options_.host_budget_bytes) {
     Entry* e = lru(Tier::kHost);
-    if (e == nullptr || !ParkOne(lock, *e, Tier::kDisk)) break;
+    // A failed write most likely fails for every session (disk full): stop until the next pass.
+    if (e == nullptr || !ParkOne(lock, *e, Tier::kDisk).ok()) break;
   }
 }
 
 int SessionStateStore::ExpireIdle(absl::Time now) {
+  // Declared before the lock guard, so destroyed after it is released: freeing a device
+  // residency may wait on the device.
+  std::vector<std::unique_ptr<Entry>> dead;
   std::lock_guard<std::mutex> lock(mu_);
   int expired = 0;
   for (auto it = entries_.begin(); it != entries_.end();) {
     Entry& e = *it->second;
     if (!e.in_use && !e.busy && e.ttl != absl::InfiniteDuration() && now - e.last_used > e.ttl) {
       if (!options_.dir.empty()) options_.files->Remove(PathOf(e.id)).IgnoreError();
+      dead.push_back(std::move(it->second));
       it = entries_.erase(it);
       ++expired;
     } else {

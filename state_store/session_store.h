@@ -17,6 +17,15 @@
 // (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
 // (version or model) with the reason; every other session is unaffected.
 //
+// Device residency (state_store/device_residency.h): on an accelerator backend a resident
+// session's layers may live in device memory. Its resident bytes then count the device bytes
+// and the stale host copy (which still occupies RAM). Every path that reads or copies its layers
+// on the host syncs it first (SessionState::SyncToHost()): parking to host or disk, PersistAll,
+// Fork. A failed sync is an error of that session only: it stays resident and usable, the caller
+// gets the status, and background eviction logs it, counts StoreStats::sync_errors and parks
+// other sessions instead. Syncs and the destruction of residencies happen outside the store's
+// lock. Deleting or expiring a session destroys its residency (freeing its device memory).
+//
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
 #ifndef SDMSERVE_STATE_STORE_SESSION_STORE_H_
@@ -85,6 +94,7 @@ struct StoreStats {
   int64_t rows_live = 0;                     // SDM rows allocated (resident)
   int64_t rows_shared = 0;                   // of those, referenced by more than one session
   int64_t snapshot_errors = 0;               // failed disk writes
+  int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
   int64_t quarantined = 0;
   int64_t expired = 0;
   int64_t in_use = 0;
@@ -144,7 +154,8 @@ class SessionStateStore {
   // NOT_FOUND; ABORTED while in use. Removes its snapshot file too.
   absl::Status Delete(absl::string_view id);
   // A new session `dst` continuing from `src` (which must not be in use); shares SDM rows
-  // copy-on-write when `src` is resident. ttl <= 0: the source's.
+  // copy-on-write when `src` is resident. ttl <= 0: the source's. A source on device is synced
+  // to the host first (it then stays resident, host-only); a failed sync is returned.
   absl::Status Fork(absl::string_view src, absl::string_view dst, absl::string_view metadata,
                     absl::Duration ttl = absl::ZeroDuration());
   absl::Status SetMetadata(absl::string_view id, absl::string_view metadata);
@@ -152,10 +163,13 @@ class SessionStateStore {
   absl::StatusOr<SessionInfo> Get(absl::string_view id) const;
   std::vector<SessionInfo> List() const;  // sorted by id
 
-  // Moves an idle session down to `tier` now (resident -> host -> disk), synchronously.
+  // Moves an idle session down to `tier` now (resident -> host -> disk), synchronously. A
+  // session on device is synced to the host first; if that fails it stays resident and the
+  // residency's error is returned.
   absl::Status Park(absl::string_view id, Tier tier);
   // Writes every session that is not on disk yet to disk and waits (graceful shutdown). Sessions
-  // in use are skipped and reported.
+  // in use are skipped and reported; so are those whose device copy could not be synced (they
+  // stay resident).
   absl::Status PersistAll();
   // Deletes idle sessions whose TTL has passed at `now` (also run by the worker every second).
   int ExpireIdle(absl::Time now);
@@ -178,7 +192,9 @@ class SessionStateStore {
 
   // Eviction work; `lock` is held on entry and exit, released around serialisation and I/O.
   void Rebalance(std::unique_lock<std::mutex>& lock);
-  bool ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Tier target);
+  // Moves `e` down to `target`. Errors: the device sync of a resident session (it stays
+  // resident), or the snapshot write (it stays on host).
+  absl::Status ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Tier target);
   int64_t ResidentBytesLocked() const;
   int64_t HostBytesLocked() const;
   void WorkerLoop();

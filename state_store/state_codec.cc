@@ -5,6 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/common/check.h"
 #include "xxhash.h"
 
 namespace sdm {
@@ -192,8 +193,20 @@ absl::StatusOr<SessionRecord> ParseRecord(absl::string_view payload, int64_t& po
 
 }  // namespace
 
+absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
+                                                  const SessionRecord& record,
+                                                  uint64_t fingerprint) {
+  if (state.on_device()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session '", record.id,
+                     "' is on the device: its host state is stale (sync it to the host first)"));
+  }
+  return EncodeSessionState(state, record, fingerprint);
+}
+
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t fingerprint) {
+  SDM_CHECK(!state.on_device());
   std::vector<std::pair<uint32_t, std::string>> sections;
   {
     Writer w;

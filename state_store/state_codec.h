@@ -32,6 +32,13 @@ struct SessionRecord {
   int64_t last_used_unix_ms = 0;  // for TTL expiry after a restart
 };
 
+// The serialised session. FailedPrecondition while `state` is on device: its host layers are
+// stale (state_store/device_residency.h), so the caller must SyncToHost() first.
+absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
+                                                  const SessionRecord& record,
+                                                  uint64_t model_fingerprint);
+// The same for a state known to be host-only (tests, tools). Precondition: !state.on_device()
+// (SDM_CHECK: encoding stale layers would silently lose the session's recent tokens).
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t model_fingerprint);
 

@@ -7,6 +7,8 @@
 #include <cstdint>
 #include <span>
 
+#include "kernels/common/attention_math.h"
+
 namespace sdm::kernels::cpu {
 
 // Cached rows at consecutive positions [first_pos, first_pos + count). Row r of the span is at
@@ -26,10 +28,8 @@ struct AttentionShape {
   int64_t row_stride = 0;  // floats between consecutive cached rows (n_kv_heads * head_dim)
 };
 
-// First position a query at `pos` may see.
-inline int64_t FirstVisiblePosition(int64_t pos, int64_t window) {
-  return (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0;
-}
+// First position a query at `pos` may see (shared with the CUDA kernels).
+using ::sdm::kernels::FirstVisiblePosition;
 
 // One query head of one decode token at `pos`: q_head [head_dim] -> out_head [head_dim]. `spans`
 // cover exactly the visible positions, in increasing order. Safe to call concurrently for

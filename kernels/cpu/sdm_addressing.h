@@ -1,4 +1,6 @@
-// Product-key addressing of the SDM layer (design brief §2).
+// Product-key addressing of the SDM layer (design brief §2) on the CPU: thin wrappers over the
+// shared host/device helpers in kernels/common/sdm_addressing_math.h (which the CUDA kernels use
+// too), so the CPU tests cover the selection the GPU runs.
 //
 // A head's 2s scores split into half A (first s) and half B (next s); slot (a, b) = a * s + b
 // scores A[a] + B[b]. The top K slots are found from the top min(K, s) of each half and their
@@ -12,23 +14,22 @@
 #include <span>
 #include <vector>
 
+#include "kernels/common/sdm_addressing_math.h"
+
 namespace sdm::kernels::cpu {
 
-// Number of slots the addressing selects: min(k, min(k, s)^2).
-int64_t AddressCount(int64_t k, int64_t side);
+using AddressAct = kernels::AddressAct;
+using kernels::AddressCount;  // min(k, min(k, s)^2)
 
 // Selects the top slots for `scores` [2 * side]. Writes AddressCount(k, side) slots, sorted
 // ascending, to `slots` and their score sums to `sums`. `scratch` is reused between calls.
 struct AddressScratch {
   std::vector<int32_t> idx_a, idx_b;
-  std::vector<float> cand_sum;
-  std::vector<int32_t> cand_slot;
-  std::vector<int32_t> order;
+  std::vector<uint64_t> keys;
+  std::vector<int32_t> hist;
 };
 void SelectSlots(const float* scores, int64_t side, int64_t k, std::span<int32_t> slots,
                  std::span<float> sums, AddressScratch& scratch);
-
-enum class AddressAct { kSoftmax, kL2Normalize, kIdentity, kSigmoid, kRelu };
 
 // Turns the selected sums into weights in place: softmax(scale * x), x / (|x|_2 + 1e-12),
 // identity, sigmoid or relu (scale applies to softmax only, as in the reference).

@@ -292,6 +292,36 @@ TEST(SampleTokenTest, NanNeverSampledInfinityTakesAllTheMass) {
   EXPECT_EQ(SampleToken(std::vector<float>{kNan, kNan}, Sampling(1.0), 0), 0);
 }
 
+TEST(SampleTokenTest, NucleusBoundaryIsReachedInclusively) {
+  // Four equal logits: every weight is exactly 1 and the cumulative masses 1, 2, 3, 4 are exact,
+  // so the nucleus rule "mass reaches top_p of the total" (>=) decides alone; the CUDA sampler
+  // follows the same rule (kernels/common/sampling_math.h).
+  const std::vector<float> logits(4, 0.25f);
+  EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 0, /*top_p=*/0.5, 3), 400)),
+            (std::set<int32_t>{0, 1}));
+  EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 0, std::nextafter(0.5, 1.0), 3), 400)),
+            (std::set<int32_t>{0, 1, 2}));
+  EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 0, 0.25, 3), 100)), (std::set<int32_t>{0}));
+  // With top_k = 3 the total is 3: 2 / 3 reaches top_p = 0.6, so ids 0 and 1 remain.
+  EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 3, 0.6, 3), 400)), (std::set<int32_t>{0, 1}));
+}
+
+TEST(SampleTokenTest, InverseCdfOverEqualWeightsSplitsTheUnitIntervalEvenly) {
+  // n equal weights: the token is floor(u * n) exactly (target u * n against the integers 1..n,
+  // strict comparison), in id order and, restricted by top_k, in sorted order, which for equal
+  // logits is id order too.
+  for (const int n : {2, 3, 7, 258}) {
+    const std::vector<float> logits(n, -1.0f);
+    for (uint64_t i = 0; i < 300; ++i) {
+      const int32_t want = static_cast<int32_t>(std::floor(UniformDraw(21, i) * n));
+      ASSERT_EQ(SampleToken(logits, Sampling(1.0, 0, 1.0, 21), i), want) << n;
+      ASSERT_EQ(SampleToken(logits, Sampling(1.0, n - 1, 1.0, 21), i),
+                static_cast<int32_t>(std::floor(UniformDraw(21, i) * (n - 1))))
+          << n;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Validation
 

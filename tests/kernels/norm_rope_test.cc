@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/common/rope_math.h"
 #include "kernels/cpu/norm.h"
 #include "kernels/cpu/rope.h"
 
@@ -94,6 +95,68 @@ TEST(RopeTest, RelativePositionOnly) {
     return d;
   };
   EXPECT_NEAR(dot_at(10, 7), dot_at(103, 100), 1e-4);
+}
+
+// The SDM_HOST_DEVICE helpers of kernels/common/rope_math.h, shared with the CUDA ApplyRope.
+TEST(RopeMathTest, InverseFrequencyAndAngle) {
+  // theta^(-2i/head_dim): pair 0 has frequency 1, pair head_dim/4 has theta^(-1/2).
+  EXPECT_EQ(RopeInvFreq(0, 64, 10000.0f), 1.0f);
+  EXPECT_NEAR(RopeInvFreq(16, 64, 10000.0f), 0.01, 1e-8);
+  EXPECT_NEAR(RopeInvFreq(31, 64, 500000.0f), std::pow(500000.0, -62.0 / 64.0), 1e-12);
+  // The angle is the fp32 product of the position and the frequency, exact for integer
+  // positions when the frequency is 1.
+  EXPECT_EQ(RopeAngle(123456, 1.0f), 123456.0f);
+  const float f = RopeInvFreq(5, 128, 10000.0f);
+  EXPECT_EQ(RopeAngle(777, f), 777.0f * f);
+}
+
+TEST(RopeMathTest, PairRotationMatchesCosSinAndPreservesNorm) {
+  std::mt19937 rng(21);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> angle_dist(-100.0f, 100.0f);
+  for (int t = 0; t < 1000; ++t) {
+    const float x0 = normal(rng), x1 = normal(rng);
+    const float angle = angle_dist(rng);
+    const double c = std::cos(static_cast<double>(angle)), s = std::sin(static_cast<double>(angle));
+    float y0 = x0, y1 = x1;
+    RopeRotatePair(std::cos(angle), std::sin(angle), &y0, &y1);
+    // Counter-clockwise rotation: (x0 c - x1 s, x0 s + x1 c).
+    const double scale = std::fabs(x0) + std::fabs(x1);
+    EXPECT_NEAR(y0, x0 * c - x1 * s, 1e-6 * scale);
+    EXPECT_NEAR(y1, x0 * s + x1 * c, 1e-6 * scale);
+    const double before = static_cast<double>(x0) * x0 + static_cast<double>(x1) * x1;
+    const double after = static_cast<double>(y0) * y0 + static_cast<double>(y1) * y1;
+    EXPECT_NEAR(after, before, 1e-6 * before);
+  }
+  // Quarter turn: (1, 0) -> (0, 1) -> (-1, 0).
+  float a = 1.0f, b = 0.0f;
+  RopeRotatePair(0.0f, 1.0f, &a, &b);
+  EXPECT_EQ(a, 0.0f);
+  EXPECT_EQ(b, 1.0f);
+  RopeRotatePair(0.0f, 1.0f, &a, &b);
+  EXPECT_EQ(a, -1.0f);
+  EXPECT_EQ(b, 0.0f);
+}
+
+TEST(RopeMathTest, CpuApplyRopeIsTheHelperPerPair) {
+  // cpu::ApplyRope is RopeInvFreq -> RopeAngle -> cos/sin -> RopeRotatePair for every pair of
+  // every head, bit for bit (the CUDA kernel uses the same helpers).
+  std::mt19937 rng(22);
+  std::normal_distribution<float> normal;
+  const int64_t n_heads = 3, head_dim = 16, pos = 54321;
+  const float theta = 10000.0f;
+  std::vector<float> x(n_heads * head_dim);
+  for (float& v : x) v = normal(rng);
+  std::vector<float> want = x;
+  for (int64_t h = 0; h < n_heads; ++h) {
+    for (int64_t i = 0; i < head_dim / 2; ++i) {
+      const float angle = RopeAngle(pos, RopeInvFreq(i, head_dim, theta));
+      float* p = &want[h * head_dim + 2 * i];
+      RopeRotatePair(std::cos(angle), std::sin(angle), &p[0], &p[1]);
+    }
+  }
+  ApplyRope(x.data(), n_heads, head_dim, pos, theta);
+  EXPECT_EQ(x, want);
 }
 
 }  // namespace

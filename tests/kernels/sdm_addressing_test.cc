@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/common/sdm_addressing_math.h"
 
 namespace sdm::kernels::cpu {
 namespace {
@@ -129,6 +132,212 @@ TEST(SdmAddressingTest, Activations) {
   std::vector<float> sg = {0.0f};
   ActivateAddress(AddressAct::kSigmoid, 1.0f, sg);
   EXPECT_FLOAT_EQ(sg[0], 0.5f);
+}
+
+// The selection before it moved into the shared helpers (partial_sort of each half by (value
+// desc, index asc), nth_element over the k_sub^2 sums by (sum desc, slot asc), sorted by slot).
+// The shared radix-select version must reproduce it bit for bit, including on ties and NaN.
+float LegacyKey(float v) { return std::isnan(v) ? -std::numeric_limits<float>::infinity() : v; }
+void LegacyTop(const float* values, int64_t n, int64_t k, std::vector<int32_t>& out) {
+  out.resize(n);
+  std::iota(out.begin(), out.end(), 0);
+  std::partial_sort(out.begin(), out.begin() + k, out.end(), [values](int32_t x, int32_t y) {
+    const float vx = LegacyKey(values[x]), vy = LegacyKey(values[y]);
+    return vx > vy || (vx == vy && x < y);
+  });
+  out.resize(k);
+}
+void LegacySelect(const float* scores, int64_t side, int64_t k, std::vector<int32_t>& slots,
+                  std::vector<float>& sums) {
+  const int64_t k_sub = std::min(k, side);
+  const int64_t count = AddressCount(k, side);
+  std::vector<int32_t> ia, ib;
+  LegacyTop(scores, side, k_sub, ia);
+  LegacyTop(scores + side, side, k_sub, ib);
+  std::vector<float> cs;
+  std::vector<int32_t> cl;
+  for (int64_t i = 0; i < k_sub; ++i) {
+    for (int64_t j = 0; j < k_sub; ++j) {
+      cs.push_back(scores[ia[i]] + scores[side + ib[j]]);
+      cl.push_back(static_cast<int32_t>(ia[i] * side + ib[j]));
+    }
+  }
+  std::vector<int32_t> order(cs.size());
+  std::iota(order.begin(), order.end(), 0);
+  auto better = [&](int32_t x, int32_t y) {
+    const float vx = LegacyKey(cs[x]), vy = LegacyKey(cs[y]);
+    return vx > vy || (vx == vy && cl[x] < cl[y]);
+  };
+  if (count < static_cast<int64_t>(order.size())) {
+    std::nth_element(order.begin(), order.begin() + count, order.end(), better);
+  }
+  order.resize(count);
+  std::sort(order.begin(), order.end(), [&](int32_t x, int32_t y) { return cl[x] < cl[y]; });
+  slots.clear();
+  sums.clear();
+  for (int32_t o : order) {
+    slots.push_back(cl[o]);
+    sums.push_back(cs[o]);
+  }
+}
+
+uint32_t Bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+}
+
+// Scores mixing normal values, a small set of repeated values (ties), NaN, +-inf and -0.
+std::vector<float> NastyScores(std::mt19937& rng, int64_t n) {
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> kind(0, 19);
+  const float values[] = {0.0f, -0.0f, 0.5f, -0.5f, 1.0f};
+  std::vector<float> out(n);
+  for (float& x : out) {
+    const int c = kind(rng);
+    if (c == 0) {
+      x = std::nanf("");
+    } else if (c == 1) {
+      x = -std::numeric_limits<float>::infinity();
+    } else if (c == 2) {
+      x = std::numeric_limits<float>::infinity();
+    } else if (c < 10) {
+      x = values[c % 5];
+    } else {
+      x = normal(rng);
+    }
+  }
+  return out;
+}
+
+void ExpectMatchesLegacy(const std::vector<float>& scores, int64_t s, int64_t k) {
+  const int64_t count = AddressCount(k, s);
+  std::vector<int32_t> slots(count);
+  std::vector<float> sums(count);
+  AddressScratch scratch;
+  SelectSlots(scores.data(), s, k, slots, sums, scratch);
+  std::vector<int32_t> want_slots;
+  std::vector<float> want_sums;
+  LegacySelect(scores.data(), s, k, want_slots, want_sums);
+  ASSERT_EQ(slots, want_slots) << "s=" << s << " k=" << k;
+  for (int64_t i = 0; i < count; ++i) ASSERT_EQ(Bits(sums[i]), Bits(want_sums[i])) << i;
+}
+
+void CheckLegacyOnSeed(uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  for (int64_t s : {1, 2, 5, 8, 17, 64, 256}) {
+    for (int64_t k : {1, 3, 8, 32, 128, 256, 300}) {
+      const int reps = s >= 64 ? 2 : 10;
+      for (int rep = 0; rep < reps; ++rep) {
+        std::vector<float> scores = NastyScores(rng, 2 * s);
+        ExpectMatchesLegacy(scores, s, k);
+        for (float& x : scores) x = normal(rng);
+        ExpectMatchesLegacy(scores, s, k);
+      }
+    }
+  }
+}
+
+TEST(SdmAddressingTest, SharedHelpersMatchLegacySelection) { CheckLegacyOnSeed(77); }
+
+TEST(SdmAddressingTest, SharedHelpersMatchLegacySelectionFreshSeed) {
+  std::random_device rd;
+  const uint32_t seed = rd();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  CheckLegacyOnSeed(seed);
+}
+
+TEST(SdmAddressingTest, OrderKeyIsMonotoneWithNanAndZeroRules) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const float ordered[] = {-inf, -3.0f, -1e-30f, 0.0f, 1e-38f, 2.0f, 3e38f, inf};
+  for (size_t i = 0; i + 1 < std::size(ordered); ++i) {
+    EXPECT_LT(AddressOrderKey(ordered[i]), AddressOrderKey(ordered[i + 1])) << i;
+  }
+  EXPECT_EQ(AddressOrderKey(-0.0f), AddressOrderKey(0.0f));
+  EXPECT_EQ(AddressOrderKey(std::nanf("")), AddressOrderKey(-inf));
+  EXPECT_EQ(AddressOrderKey(-std::nanf("")), AddressOrderKey(-inf));
+  // Equal values: the lower index ranks first (larger key).
+  EXPECT_GT(AddressRankKey(1.0f, 3, 1), AddressRankKey(1.0f, 4, 1));
+  EXPECT_GT(AddressRankKey(1.5f, 200, 1), AddressRankKey(1.0f, 0, 1));
+  EXPECT_EQ(AddressIndexBytes(1), 1);
+  EXPECT_EQ(AddressIndexBytes(256), 1);
+  EXPECT_EQ(AddressIndexBytes(257), 2);
+  EXPECT_EQ(AddressIndexBytes(65536), 2);
+  EXPECT_EQ(AddressIndexBytes(65537), 3);
+}
+
+TEST(SdmAddressingTest, RankOfIsThePositionInTheSortedOrder) {
+  // AddressRankOf is what the GPU uses for each half; it must be a permutation that agrees with
+  // the legacy (value desc, index asc, NaN last) sort.
+  std::mt19937 rng(2024);
+  for (int64_t n : {1, 2, 7, 64, 256}) {
+    for (int rep = 0; rep < 5; ++rep) {
+      std::vector<float> v = NastyScores(rng, n);
+      std::vector<int32_t> want;
+      LegacyTop(v.data(), n, n, want);
+      for (int64_t pos = 0; pos < n; ++pos) {
+        ASSERT_EQ(AddressRankOf(v.data(), n, want[pos]), pos) << "n=" << n;
+      }
+    }
+  }
+}
+
+TEST(SdmAddressingTest, KthLargestKeyFindsTheKthKey) {
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint64_t> any;
+  std::vector<int32_t> hist(256);
+  for (int bits : {32, 40, 48, 64}) {
+    std::vector<uint64_t> keys(300);
+    for (size_t i = 0; i < keys.size(); ++i) {
+      // Distinct keys sharing long prefixes, so that several passes matter.
+      const uint64_t mask = bits == 64 ? ~uint64_t{0} : (uint64_t{1} << bits) - 1;
+      keys[i] = ((any(rng) & 0xf0f) << (bits - 16) | i) & mask;
+    }
+    std::vector<uint64_t> sorted = keys;
+    std::sort(sorted.rbegin(), sorted.rend());
+    for (int64_t k : {1, 2, 150, 299, 300}) {
+      std::vector<uint64_t> scratch = keys;  // overwritten
+      const uint64_t got =
+          KthLargestKey(scratch.data(), static_cast<int64_t>(keys.size()), k, bits, hist.data());
+      EXPECT_EQ(got, sorted[k - 1]) << "bits=" << bits << " k=" << k;
+    }
+  }
+}
+
+TEST(SdmAddressingTest, ActivationsAreBitIdenticalToTheirDefinitions) {
+  // The legacy CPU softmax and L2, written out; pieces the GPU uses give the same results.
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal;
+  for (int rep = 0; rep < 20; ++rep) {
+    std::vector<float> x(1 + rep * 13);
+    for (float& e : x) e = 3 * normal(rng);
+    const float scale = 0.5f + rep * 0.1f;
+    std::vector<float> sm = x;
+    float max_v = -std::numeric_limits<float>::infinity();
+    for (float& e : sm) max_v = std::max(max_v, e *= scale);
+    double sum = 0;
+    for (float& e : sm) sum += (e = std::exp(e - max_v));
+    const float inv = static_cast<float>(1.0 / sum);
+    for (float& e : sm) e *= inv;
+    std::vector<float> got = x;
+    ActivateAddress(AddressAct::kSoftmax, scale, got);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(Bits(got[i]), Bits(sm[i]));
+
+    double ss = 0;
+    for (float e : x) ss += static_cast<double>(e) * e;
+    const float denom = static_cast<float>(std::sqrt(ss)) + 1e-12f;
+    got = x;
+    ActivateAddress(AddressAct::kL2Normalize, scale, got);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(Bits(got[i]), Bits(x[i] / denom));
+
+    got = x;
+    ActivateAddress(AddressAct::kIdentity, scale, got);
+    EXPECT_EQ(got, x);
+  }
+  // NaN never becomes the running max.
+  EXPECT_EQ(AddressMaxStep(1.0f, std::nanf("")), 1.0f);
+  EXPECT_EQ(AddressMaxStep(1.0f, 2.0f), 2.0f);
 }
 
 }  // namespace

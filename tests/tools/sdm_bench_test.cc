@@ -1,7 +1,8 @@
 // Runs the built `sdm-bench` binary in CI size (the tiny preset, tiny contexts and batches) and
 // checks that it produces a well-formed report: exit code, the JSON document's keys and one row
 // per (model, context, batch), the CSV, and report.md naming every parameter. Benchmarks are not
-// tests: no timing is checked.
+// tests: no timing is checked. Also the --device flag (cpu works, a bad name and an absent device
+// fail with clear messages) and `kernels` where it cannot run (no CUDA build or no device).
 #include <sys/wait.h>
 
 #include <array>
@@ -15,6 +16,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cuda/cuda_runtime_info.h"
 #include "nlohmann/json.hpp"
 #include "tests/engine/test_model_util.h"
 
@@ -79,6 +81,8 @@ const std::vector<std::string> kRowKeys = {
     "sdm_layers_gbps",
     "state_bytes_per_session",
     "max_batch_in_budget",
+    "device",
+    "engine",
 };
 
 std::vector<std::string> Lines(const std::string& text) {
@@ -239,6 +243,110 @@ TEST_F(SdmBenchToolTest, SkipsBatchesOverTheStateBudget) {
     EXPECT_EQ(row["batch"], 1);
     EXPECT_LT(row["max_batch_in_budget"].get<int64_t>(), 100000);
   }
+}
+
+TEST_F(SdmBenchToolTest, DeviceCpuIsRecordedInEveryOutput) {
+  const auto json_path = tmp_.path() / "out.json";
+  const auto csv_path = tmp_.path() / "out.csv";
+  const auto dir = tmp_.path() / "report";
+  const Result r = RunTool(
+      "decode --device cpu --pair tiny --contexts 8 --batches 1 --fit_batch=false --steps 1 "
+      "--warmup 0 --bandwidth_mb 8 --json " +
+      json_path.string() + " --csv " + csv_path.string() + " --report " + dir.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  // The terminal names the device and each engine's own description.
+  EXPECT_THAT(r.output, HasSubstr("# device: cpu (--device cpu)"));
+  EXPECT_THAT(r.output, HasSubstr("tiny engine: cpu"));
+  const nlohmann::json doc = nlohmann::json::parse(ReadFile(json_path), nullptr, false);
+  ASSERT_FALSE(doc.is_discarded());
+  EXPECT_EQ(doc["parameters"]["device"], "cpu");
+  EXPECT_EQ(doc["device"]["requested"], "cpu");
+  EXPECT_EQ(doc["device"]["resolved"], "cpu");
+  const std::string described = doc["device"]["description"].get<std::string>();
+  EXPECT_THAT(described, ::testing::StartsWith("cpu"));
+  EXPECT_EQ(doc["device"]["engines"].size(), 2u);  // the pair's two engines
+  EXPECT_EQ(doc["bandwidth"]["kind"], "host memory");
+  ASSERT_EQ(doc["results"].size(), 2u);
+  for (const nlohmann::json& row : doc["results"]) {
+    EXPECT_EQ(row["device"], "cpu");
+    EXPECT_EQ(row["engine"], described);
+    EXPECT_TRUE(row["sgemm_gflops_same_shapes"].is_number());  // CPU only
+  }
+  // The CSV's engine column is quoted when the description holds commas ("cpu, 2 threads").
+  const std::vector<std::string> csv = Lines(ReadFile(csv_path));
+  ASSERT_EQ(csv.size(), 3u);
+  if (described.find(',') != std::string::npos) {
+    EXPECT_THAT(csv[1], HasSubstr(",cpu,\"" + described + "\""));
+  } else {
+    EXPECT_THAT(csv[1], HasSubstr(",cpu," + described));
+  }
+  const std::string report = ReadFile(dir / "report.md");
+  EXPECT_THAT(report, HasSubstr("`--device` | cpu (resolved to cpu)"));
+  EXPECT_THAT(report, HasSubstr("| engine of tiny | " + described));
+}
+
+TEST_F(SdmBenchToolTest, StateRecordsTheDevice) {
+  const auto json_path = tmp_.path() / "state.json";
+  const Result r = RunTool("state --device cpu --presets tiny --lengths 16 --dir " +
+                           (tmp_.path() / "snap").string() + " --json " + json_path.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tiny engine: cpu"));
+  const nlohmann::json rows = nlohmann::json::parse(ReadFile(json_path), nullptr, false);
+  ASSERT_TRUE(rows.is_array());
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_EQ(rows[0]["device"], "cpu");
+  EXPECT_TRUE(rows[0]["device_to_host_s"].is_null());  // nothing to sync on the CPU
+  EXPECT_TRUE(rows[0]["exact"].get<bool>());
+}
+
+TEST_F(SdmBenchToolTest, RejectsUnknownDevices) {
+  for (const char* command : {"decode --pair tiny --contexts 8", "state --presets tiny"}) {
+    const Result r = RunTool(std::string(command) + " --device bogus");
+    EXPECT_EQ(r.code, 2) << command;
+    EXPECT_THAT(r.output, HasSubstr("unknown device 'bogus'")) << command;
+    EXPECT_THAT(r.output, HasSubstr("auto, cpu or cuda")) << command;
+  }
+}
+
+// --device cuda where no device can be had fails before building any model, with a message that
+// says why; it never crashes. (Where a device is present the decode would run for real: a
+// benchmark, not a test, so the case is skipped there.)
+TEST_F(SdmBenchToolTest, DeviceCudaWithoutADeviceFailsClearly) {
+  if (kernels::cuda::DeviceCount() > 0) GTEST_SKIP() << "a CUDA device is present";
+  for (const char* command : {"decode --pair tiny --contexts 8 --batches 1 --fit_batch=false "
+                              "--steps 1 --warmup 0 --bandwidth_mb 8",
+                              "state --presets tiny --lengths 16"}) {
+    const Result r = RunTool(std::string(command) + " --device cuda");
+    EXPECT_NE(r.code, 0) << command;
+    EXPECT_GT(r.code, 0) << "killed by a signal? " << r.output;  // -1: not a normal exit
+    EXPECT_THAT(r.output, HasSubstr("--device cuda")) << command;
+#if defined(SDM_HAVE_CUDA)
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("no CUDA device")) << command;
+#else
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_THAT(r.output, HasSubstr("built without CUDA")) << command;
+#endif
+    EXPECT_THAT(r.output, ::testing::Not(HasSubstr("ms/step"))) << "it measured something";
+  }
+  // auto falls back to the CPU.
+  const Result r = RunTool(
+      "decode --device auto --pair tiny --contexts 8 --batches 1 --fit_batch=false --steps 1 "
+      "--warmup 0 --bandwidth_mb 8");
+  EXPECT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("# device: cpu (--device auto)"));
+}
+
+TEST_F(SdmBenchToolTest, KernelsNeedsCudaAndADevice) {
+  if (kernels::cuda::DeviceCount() > 0) GTEST_SKIP() << "a CUDA device is present";
+  const Result r = RunTool("kernels --kernel_reps 1");
+#if defined(SDM_HAVE_CUDA)
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("no CUDA device"));
+#else
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("built without CUDA"));
+#endif
 }
 
 }  // namespace

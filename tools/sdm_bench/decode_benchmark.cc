@@ -25,6 +25,7 @@
 #include "kernels/cpu/linear.h"
 #include "nlohmann/json.hpp"
 #include "tools/sdm_bench/decode_report.h"
+#include "tools/sdm_bench/device_info.h"
 #include "tools/sdm_bench/progress.h"
 #include "tools/sdm_bench/system_info.h"
 
@@ -135,21 +136,26 @@ std::vector<GemmShape> DecodeGemms(const Model& model) {
   return gemms;
 }
 
-// Bytes of weights one decode step reads once, whatever the batch: every tensor as fp32 except
-// the learned SDM memory (its rows are counted per session) and the embedding table unless tied
-// (only the batch's rows are gathered; counted per session). Split by the mixer a tensor belongs
-// to (layers.{i}.attention.*), the rest (norms, FFNs, output) in `other`.
+// Bytes per stored value of the matrices, KV rows and SDM rows each engine keeps: fp32 on the CPU,
+// bf16 on CUDA (design brief §7; the CUDA engine keeps vectors such as norms and biases in fp32).
+double ElemBytes(EngineDevice device) { return device == EngineDevice::kCuda ? 2.0 : 4.0; }
+
+// Bytes of weights one decode step reads once, whatever the batch: every matrix at `elem` bytes
+// per value and every vector as fp32, except the learned SDM memory (its rows are counted per
+// session) and the embedding table unless tied (only the batch's rows are gathered; counted per
+// session). Split by the mixer a tensor belongs to (layers.{i}.attention.*), the rest (norms, FFNs,
+// output) in `other`.
 struct WeightBytes {
   double attn = 0, swa = 0, sdm = 0, other = 0;
   double total() const { return attn + swa + sdm + other; }
 };
 
-WeightBytes WeightBytesPerStep(const ModelConfig& c) {
+WeightBytes WeightBytesPerStep(const ModelConfig& c, double elem) {
   WeightBytes w;
   for (const TensorSpec& t : ExpectedTensors(c)) {
     if (t.is_sdm_memory) continue;
     if (t.name == "tok_embeddings.weight" && !c.weight_tying) continue;
-    const double bytes = 4.0 * static_cast<double>(NumElements(t));
+    const double bytes = (t.shape.size() == 2 ? elem : 4.0) * static_cast<double>(NumElements(t));
     int64_t layer = -1;
     if (std::sscanf(t.name.c_str(), "layers.%ld.attention.", &layer) == 1 &&
         t.name.find(".attention.") != std::string::npos && layer >= 0 && layer < c.n_layers) {
@@ -182,33 +188,33 @@ struct SessionStepBytes {
   double total() const { return kv + swa + sdm + other; }
 };
 
-SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx) {
+SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double elem) {
   SessionStepBytes b;
-  b.other = 4.0 * c.dim;  // the embedding row
+  b.other = elem * c.dim;  // the embedding row
   const SdmGeometry sg = SdmGeometryOf(c);
   for (int64_t i = 0; i < c.n_layers; ++i) {
     if (c.layer_types[i] == LayerType::kSdm) {
       const int64_t w = std::min(c.sdm.num_writes, sg.slots_per_head);
       const int64_t r = std::min(c.sdm.num_reads, sg.slots_per_head);
-      b.sdm += 4.0 * sg.heads * (2 * w + r) * sg.head_width;
+      b.sdm += elem * sg.heads * (2 * w + r) * sg.head_width;
     } else {
       const AttentionGeometry g = AttentionGeometryOf(c, i);
       const int64_t visible = g.window > 0 ? std::min(ctx + 1, g.window) : ctx + 1;
       // K and V rows read for every visible position, plus the new K and V rows written.
-      const double bytes = 4.0 * 2 * g.n_kv_heads * g.head_dim * (visible + 1);
+      const double bytes = elem * 2 * g.n_kv_heads * g.head_dim * (visible + 1);
       (g.window > 0 ? b.swa : b.kv) += bytes;
     }
   }
   return b;
 }
 
-// Bytes of K and V per cached token over the full-attention layers, fp32.
-double KvBytesPerToken(const ModelConfig& c) {
+// Bytes of K and V per cached token over the full-attention layers, at `elem` bytes per value.
+double KvBytesPerToken(const ModelConfig& c, double elem) {
   double bytes = 0;
   for (int64_t i = 0; i < c.n_layers; ++i) {
     if (c.layer_types[i] != LayerType::kAttn) continue;
     const AttentionGeometry g = AttentionGeometryOf(c, i);
-    bytes += 4.0 * 2 * g.n_kv_heads * g.head_dim;
+    bytes += elem * 2 * g.n_kv_heads * g.head_dim;
   }
   return bytes;
 }
@@ -288,7 +294,7 @@ std::string LayerSummary(const ModelConfig& c) {
   return absl::StrCat(c.n_layers, " layers: ", absl::StrJoin(parts, " + "));
 }
 
-json ModelJson(const BenchModel& m) {
+json ModelJson(const BenchModel& m, double elem) {
   const ParameterCounts p = CountParameters(m.config);
   const SdmGeometry sg = SdmGeometryOf(m.config);
   json j;
@@ -299,10 +305,10 @@ json ModelJson(const BenchModel& m) {
   j["parameters_total"] = p.total;
   j["parameters_without_m0"] = p.without_m0;
   j["parameters_m0"] = p.m0;
-  j["weight_bytes_per_step"] = WeightBytesPerStep(m.config).total();
-  j["kv_bytes_per_token"] = KvBytesPerToken(m.config);
-  j["sdm_bytes_per_step_per_session"] = SessionBytesPerStep(m.config, 0).sdm;
-  j["sdm_state_bytes_max"] = 4.0 * static_cast<double>(SdmStateElements(m.config));
+  j["weight_bytes_per_step"] = WeightBytesPerStep(m.config, elem).total();
+  j["kv_bytes_per_token"] = KvBytesPerToken(m.config, elem);
+  j["sdm_bytes_per_step_per_session"] = SessionBytesPerStep(m.config, 0, elem).sdm;
+  j["sdm_state_bytes_max"] = elem * static_cast<double>(SdmStateElements(m.config));
   j["sdm_heads"] = sg.heads;
   j["config"] = json::parse(ModelConfigToJson(m.config));
   return j;
@@ -316,40 +322,104 @@ int64_t MaxBatch(double budget_gb, double state_bytes) {
   return static_cast<int64_t>(std::floor(budget_gb * 1e9 / state_bytes));
 }
 
+// Members in destruction order that matters: sessions (pool, base) are declared after the engine
+// so that they go first, while the engine's device memory they came from still exists.
 struct ModelRun {
   const BenchModel* spec = nullptr;
   std::shared_ptr<const Model> model;
   std::unique_ptr<Engine> engine;
   std::vector<GemmShape> gemms;
-  std::unique_ptr<SessionState> base;
-  std::map<int64_t, double> sgemm_gflops;  // by batch
+  std::unique_ptr<SessionState> base;  // CPU: the one prefilled session, cloned per batch
+  // CUDA: sessions each prefilled on the device; a batch of B decodes the first B.
+  std::vector<std::unique_ptr<SessionState>> pool;
+  bool pool_limited = false;  // the device's session memory ran out once: the pool only shrinks
+  std::string pool_limit;     // why
+  std::map<int64_t, double> sgemm_gflops;  // by batch (CPU only)
   std::mt19937 rng;
-  double state_bytes = 0;  // the base session's, at the current context
+  double state_bytes = 0;  // per session at the current context
   int64_t fit = 0;         // the largest batch whose state fits the budget (capped)
 };
+
+// Brings `session` to `ctx` tokens by real prefill of random tokens, in slices of 1024 (the
+// engine chunks them further); `bar` counts tokens done over all the sessions of one phase.
+absl::Status PrefillSession(ModelRun& run, SessionState& session, int64_t ctx, Progress& bar,
+                            int64_t& done_total) {
+  const int64_t slice = 1024;
+  while (session.position() < ctx) {
+    const int64_t n = std::min(slice, ctx - session.position());
+    const auto toks = RandomTokens(n, run.rng, run.spec->config.vocab_size);
+    if (auto s = run.engine->Prefill(session, toks, false, nullptr); !s.ok()) return s;
+    done_total += n;
+    bar.Update(done_total);
+  }
+  return absl::OkStatus();
+}
 
 absl::Status Prefill(ModelRun& run, int64_t ctx, json& prefill_log) {
   const int64_t todo = ctx - run.base->position();
   if (todo <= 0) return absl::OkStatus();
   const Clock::time_point t0 = Clock::now();
-  Progress bar(absl::StrFormat("%s: prefill to %d", run.spec->name, ctx), ctx, "tok");
-  bar.Update(run.base->position());
-  const int64_t slice = 1024;  // Prefill call size (the engine chunks it further)
-  for (int64_t done = 0; done < todo; done += slice) {
-    const auto toks =
-        RandomTokens(std::min(slice, todo - done), run.rng, run.spec->config.vocab_size);
-    if (auto s = run.engine->Prefill(*run.base, toks, false, nullptr); !s.ok()) return s;
-    bar.Update(run.base->position());
-  }
+  Progress bar(absl::StrFormat("%s: prefill to %d", run.spec->name, ctx), todo, "tok");
+  int64_t done = 0;
+  if (auto s = PrefillSession(run, *run.base, ctx, bar, done); !s.ok()) return s;
   const double seconds = Seconds(t0, Clock::now());
   bar.Finish(absl::StrFormat("%s: prefill %d -> %d tokens in %.1f s (%.0f tok/s)", run.spec->name,
                              ctx - todo, ctx, seconds, todo / seconds),
              /*keep=*/true);
   prefill_log.push_back({{"model", run.spec->name},
+                         {"sessions", 1},
                          {"from", ctx - todo},
                          {"to", ctx},
                          {"seconds", seconds},
                          {"tokens_per_s", todo / seconds}});
+  return absl::OkStatus();
+}
+
+// CUDA: brings the first `target` sessions of the pool (created as needed) to `ctx` tokens, each
+// by its own prefill on the device. When the device's session memory runs out, the pool keeps the
+// sessions before the one that failed, less one more (headroom for the decode steps' new SDM rows
+// and KV pages), and stays limited from then on.
+absl::Status FillPool(ModelRun& run, int64_t ctx, int64_t target, json& prefill_log) {
+  if (run.pool_limited) target = std::min<int64_t>(target, run.pool.size());
+  int64_t todo = 0, from = ctx;
+  for (int64_t i = 0; i < target; ++i) {
+    const int64_t pos = i < static_cast<int64_t>(run.pool.size()) ? run.pool[i]->position() : 0;
+    todo += std::max<int64_t>(0, ctx - pos);
+    from = std::min(from, pos);
+  }
+  if (todo <= 0) return absl::OkStatus();
+  const Clock::time_point t0 = Clock::now();
+  Progress bar(absl::StrFormat("%s: prefill %d sessions to %d", run.spec->name, target, ctx), todo,
+               "tok");
+  int64_t done = 0;
+  for (int64_t i = 0; i < target; ++i) {
+    if (i == static_cast<int64_t>(run.pool.size())) run.pool.push_back(run.engine->NewSession());
+    absl::Status s = PrefillSession(run, *run.pool[i], ctx, bar, done);
+    if (s.ok()) continue;
+    if (!absl::IsResourceExhausted(s)) return s;
+    // Destroying a session frees its device state (its residency).
+    run.pool.resize(i);
+    if (run.pool.size() > 1) run.pool.pop_back();
+    run.pool_limited = true;
+    run.pool_limit = absl::StrFormat(
+        "the device's session memory held %d sessions at %d tokens (one more is kept free for "
+        "the decode steps): %s",
+        i, ctx, s.message());
+    std::printf("# %s: %s\n", run.spec->name.c_str(), run.pool_limit.c_str());
+    break;
+  }
+  const double seconds = Seconds(t0, Clock::now());
+  bar.Finish(
+      absl::StrFormat("%s: prefill of %d sessions %d -> %d tokens: %d tokens in %.1f s "
+                      "(%.0f tok/s)",
+                      run.spec->name, run.pool.size(), from, ctx, done, seconds, done / seconds),
+      /*keep=*/true);
+  prefill_log.push_back({{"model", run.spec->name},
+                         {"sessions", run.pool.size()},
+                         {"from", from},
+                         {"to", ctx},
+                         {"seconds", seconds},
+                         {"tokens_per_s", done / seconds}});
   return absl::OkStatus();
 }
 
@@ -366,11 +436,14 @@ struct Point {
 absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& points,
                                                   const std::string& group, int64_t ctx,
                                                   const DecodeBenchOptions& opt,
-                                                  double bandwidth_gbps) {
+                                                  EngineDevice device, double bandwidth_gbps) {
+  const bool cuda = device == EngineDevice::kCuda;
+  const double elem = ElemBytes(device);
   std::vector<std::string> names;
   for (const Point& p : points) {
     names.push_back(absl::StrFormat("%s x%d", p.run->spec->name, p.batch));
-    if (!p.run->sgemm_gflops.count(p.batch)) {
+    // OpenBLAS on the host says nothing about a device's GEMMs.
+    if (!cuda && !p.run->sgemm_gflops.count(p.batch)) {
       Progress bar(absl::StrFormat("%s: sgemm at batch %d", p.run->spec->name, p.batch), 1, "");
       p.run->sgemm_gflops[p.batch] = MeasureSgemmRate(p.run->gemms, p.batch);
       bar.Finish("", /*keep=*/false);
@@ -388,14 +461,19 @@ absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& poin
   for (const Point& p : points) {
     ModelRun* run = p.run;
     const int64_t b = p.batch;
-    Progress bar(absl::StrFormat("%s: %d clones at %d tokens", run->spec->name, b, ctx), 1, "");
     Trial t{run, b, {}, {}, std::vector<float>(b * run->spec->config.vocab_size), {}};
-    for (int64_t i = 0; i < b; ++i) {
-      t.sessions.push_back(run->base->Clone());
-      t.ptrs.push_back(t.sessions.back().get());
+    if (cuda) {
+      // The caller made sure the pool holds b sessions.
+      for (int64_t i = 0; i < b; ++i) t.ptrs.push_back(run->pool[i].get());
+    } else {
+      Progress bar(absl::StrFormat("%s: %d clones at %d tokens", run->spec->name, b, ctx), 1, "");
+      for (int64_t i = 0; i < b; ++i) {
+        t.sessions.push_back(run->base->Clone());
+        t.ptrs.push_back(t.sessions.back().get());
+      }
+      bar.Finish("", false);
     }
     trials.push_back(std::move(t));
-    bar.Finish("", false);
   }
   Progress bar(absl::StrFormat("ctx %d: %s", ctx, absl::StrJoin(names, " + ")),
                opt.warmup + opt.steps, "steps");
@@ -422,8 +500,8 @@ absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& poin
     const double flops = b * DecodeFlopsPerToken(config, run.gemms, ctx);
     const double gflops = flops / median / 1e9;
     const double ms = 1e3 / opt.steps;
-    const SessionStepBytes sb = SessionBytesPerStep(config, ctx);
-    const WeightBytes wb = WeightBytesPerStep(config);
+    const SessionStepBytes sb = SessionBytesPerStep(config, ctx, elem);
+    const WeightBytes wb = WeightBytesPerStep(config, elem);
     const double weight_bytes = wb.total();
     const double step_bytes = weight_bytes + b * sb.total();
     const double achieved = step_bytes / median / 1e9;
@@ -431,11 +509,13 @@ absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& poin
     auto mixer_gbps = [&](double weights, double per_session, double seconds) {
       return seconds > 0 ? (weights + b * per_session) / (seconds / opt.steps) / 1e9 : 0.0;
     };
-    const double sgemm = run.sgemm_gflops.at(b);
+    const json sgemm = cuda ? json() : json(run.sgemm_gflops.at(b));
     rows.push_back(
         json{{"group", group},
              {"model", run.spec->name},
              {"role", run.spec->role},
+             {"device", EngineDeviceName(device)},
+             {"engine", run.engine->DescribeDevice()},
              {"context", ctx},
              {"batch", b},
              {"fit_batch", b == run.fit},
@@ -454,7 +534,7 @@ absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& poin
              {"fraction_of_bandwidth", achieved / bandwidth_gbps},
              {"gflops", gflops},
              {"sgemm_gflops_same_shapes", sgemm},
-             {"fraction_of_sgemm", gflops / sgemm},
+             {"fraction_of_sgemm", cuda ? json() : json(gflops / sgemm.get<double>())},
              {"attn_ms_per_step", prof.attn_seconds * ms},
              {"swa_ms_per_step", prof.swa_seconds * ms},
              {"sdm_ms_per_step", prof.sdm_seconds * ms},
@@ -464,7 +544,8 @@ absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& poin
              {"swa_layers_gbps", mixer_gbps(wb.swa, sb.swa, prof.swa_seconds)},
              {"sdm_layers_gbps", mixer_gbps(wb.sdm, sb.sdm, prof.sdm_seconds)},
              {"state_bytes_per_session", run.state_bytes},
-             {"max_batch_in_budget", MaxBatch(opt.state_budget_gb, run.state_bytes)}});
+             {"max_batch_in_budget", cuda ? static_cast<int64_t>(run.pool.size())
+                                          : MaxBatch(opt.state_budget_gb, run.state_bytes)}});
   }
   return rows;
 }
@@ -647,6 +728,11 @@ absl::Status RenderFromJson(const std::string& json_path, const DecodeBenchOptio
 
 absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   const Clock::time_point run_start = Clock::now();
+  absl::StatusOr<EngineDevice> resolved = ResolveBenchDevice(opt.device);
+  if (!resolved.ok()) return resolved.status();
+  const EngineDevice device = *resolved;
+  const bool cuda = device == EngineDevice::kCuda;
+  const double elem = ElemBytes(device);
   // ---- The groups ----
   std::vector<BenchGroup> groups;
   for (const std::string& p : opt.pairs) {
@@ -676,6 +762,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   doc["started_utc"] = UtcNow();
   doc["command_line"] = opt.command_line;
   doc["parameters"] = {
+      {"device", EngineDeviceName(opt.device)},
       {"pair", opt.pairs},
       {"presets", opt.presets},
       {"set", opt.overrides},
@@ -688,6 +775,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
       {"threads", opt.threads},
       {"prefill_chunk", opt.prefill_chunk},
       {"state_budget_gb", opt.state_budget_gb},
+      {"device_state_gb", opt.device_state_gb},
       {"seed", opt.seed},
       {"bandwidth_mb", opt.bandwidth_mb},
       {"json", opt.json_path},
@@ -695,6 +783,12 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
       {"report", opt.report_dir}};
   doc["machine"] = MachineInfo();
   doc["build"] = BuildInfo();
+  // The device: what was asked, what it resolved to, and each engine's own description (filled
+  // in as the engines are created; the first one's is the run's headline).
+  doc["device"] = {{"requested", EngineDeviceName(opt.device)},
+                   {"resolved", EngineDeviceName(device)},
+                   {"description", ""},
+                   {"engines", json::array()}};
   const int threads =
       opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
   doc["machine"]["engine_threads"] = threads;
@@ -704,34 +798,82 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
       "# sdm-bench decode: %s, %d hardware threads; engine threads %d, OpenBLAS threads %d\n",
       doc["machine"]["cpu"].get<std::string>().c_str(),
       doc["machine"]["hardware_threads"].get<int>(), threads, kernels::cpu::BlasThreads());
-  std::printf("# steps %d (after %d warm-up), state budget %.1f GB, seed %llu\n", opt.steps,
-              opt.warmup, opt.state_budget_gb, static_cast<unsigned long long>(opt.seed));
+  std::printf("# device: %s (--device %s)\n", EngineDeviceName(device),
+              EngineDeviceName(opt.device));
+  if (cuda) {
+    std::printf(
+        "# steps %d (after %d warm-up); models measured one after the other, sessions "
+        "prefilled on the device; seed %llu\n",
+        opt.steps, opt.warmup, static_cast<unsigned long long>(opt.seed));
+  } else {
+    std::printf("# steps %d (after %d warm-up), state budget %.1f GB, seed %llu\n", opt.steps,
+                opt.warmup, opt.state_budget_gb, static_cast<unsigned long long>(opt.seed));
+  }
 
   // ---- Bandwidth: measured at the start, before each group and at the end; the best figure
-  // is the machine's (the machine is shared: a low figure means someone else was using it). A
-  // decode step's bytes are reads (weights, KV rows, SDM rows; only the W written SDM rows and the
-  // new K/V rows are written), so %bw is of the streaming-read rate; the copy rate (read + write
-  // bytes, the design brief's convention for the GPU) is reported beside it. ----
-  const int64_t bw_bytes = opt.bandwidth_mb * (int64_t{1} << 20);
+  // is the machine's (the machine is shared: a low figure means someone else was using it). On
+  // the CPU a decode step's bytes are reads (weights, KV rows, SDM rows; only the W written SDM
+  // rows and the new K/V rows are written), so %bw is of the streaming-read rate; the copy rate
+  // (read + write bytes, the design brief's convention for the GPU) is reported beside it. On
+  // CUDA the reference is the device's device-to-device copy rate (read + write bytes), the
+  // ceiling the design brief's §4 floor is computed from. ----
+  const int64_t bw_bytes =
+      (cuda ? std::max<int64_t>(opt.bandwidth_mb, 2048) : opt.bandwidth_mb) * (int64_t{1} << 20);
+  constexpr int kDeviceCopyReps = 10;
   json bw_log = json::array();
   double bandwidth = 0;
-  auto measure_bandwidth = [&](const std::string& when) {
-    Progress bar(absl::StrCat("memory bandwidth (", when, ")"), 1, "");
-    const Bandwidth bw = MeasureBandwidth(bw_bytes, threads);
-    bar.Finish("", false);
-    bandwidth = std::max(bandwidth, bw.read_gbps);
-    bw_log.push_back({{"when", when},
-                      {"copy_gbps", bw.copy_gbps},
-                      {"read_gbps", bw.read_gbps},
-                      {"load_average", LoadAverage()}});
-    std::printf(
-        "# memory bandwidth (%s; %d threads, 2 x %lld MiB): copy %.1f GB/s (read + write), "
-        "read %.1f GB/s; best read so far %.1f GB/s; load average %s\n",
-        when.c_str(), threads, static_cast<long long>(opt.bandwidth_mb), bw.copy_gbps, bw.read_gbps,
-        bandwidth, LoadAverageText().c_str());
+  auto measure_bandwidth = [&](const std::string& when) -> absl::Status {
+    Progress bar(absl::StrCat(cuda ? "device copy bandwidth (" : "memory bandwidth (", when, ")"),
+                 1, "");
+    if (cuda) {
+      absl::StatusOr<DeviceCopyBandwidth> bw =
+          MeasureDeviceCopyBandwidth(bw_bytes, /*warmup=*/2, kDeviceCopyReps);
+      bar.Finish("", false);
+      if (!bw.ok()) return bw.status();
+      bandwidth = std::max(bandwidth, bw->median_gbps);
+      bw_log.push_back({{"when", when},
+                        {"kind", "device copy"},
+                        {"copy_gbps", bw->median_gbps},
+                        {"copy_best_gbps", bw->best_gbps},
+                        {"read_gbps", json()},
+                        {"reps", bw->reps},
+                        {"load_average", LoadAverage()}});
+      std::printf(
+          "# device copy bandwidth (%s; cudaMemcpy device to device, 2 x %lld MiB, median of %d): "
+          "%.1f GB/s (read + write; best copy %.1f GB/s); best median so far %.1f GB/s\n",
+          when.c_str(), static_cast<long long>(bw_bytes >> 20), bw->reps, bw->median_gbps,
+          bw->best_gbps, bandwidth);
+    } else {
+      const Bandwidth bw = MeasureBandwidth(bw_bytes, threads);
+      bar.Finish("", false);
+      bandwidth = std::max(bandwidth, bw.read_gbps);
+      bw_log.push_back({{"when", when},
+                        {"kind", "host memory"},
+                        {"copy_gbps", bw.copy_gbps},
+                        {"read_gbps", bw.read_gbps},
+                        {"load_average", LoadAverage()}});
+      std::printf(
+          "# memory bandwidth (%s; %d threads, 2 x %lld MiB): copy %.1f GB/s (read + write), "
+          "read %.1f GB/s; best read so far %.1f GB/s; load average %s\n",
+          when.c_str(), threads, static_cast<long long>(opt.bandwidth_mb), bw.copy_gbps,
+          bw.read_gbps, bandwidth, LoadAverageText().c_str());
+    }
     std::fflush(stdout);
+    return absl::OkStatus();
   };
-  measure_bandwidth("start");
+  if (auto s = measure_bandwidth("start"); !s.ok()) return s;
+
+  // The longest position any session reaches: the largest context plus the decode steps of
+  // every round measured there (CUDA page tables are sized for it).
+  int64_t longest_context = 0;
+  for (const BenchGroup& g : groups) {
+    for (int64_t c : opt.contexts.empty() ? g.default_contexts : opt.contexts) {
+      longest_context = std::max(longest_context, c);
+    }
+  }
+  const int64_t max_position =
+      longest_context + static_cast<int64_t>(opt.batches.size() + 1) * (opt.warmup + opt.steps) +
+      64;
 
   json rows = json::array();
   json skipped = json::array();
@@ -751,13 +893,14 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
     json sgemm = json::array();
 
     std::printf("\n## %s: %s\n", group.name.c_str(), group.description.c_str());
-    if (&group != &groups.front()) measure_bandwidth(absl::StrCat("before ", group.name));
+    if (&group != &groups.front()) {
+      if (auto s = measure_bandwidth(absl::StrCat("before ", group.name)); !s.ok()) return s;
+    }
     std::printf("# %-18s %-26s %14s %14s %12s %12s %12s\n", "model", "layers", "params",
                 "params w/o M0", "weights MB", "KV KB/token", "SDM MB/sess");
-    std::vector<ModelRun> runs(group.models.size());
     for (size_t i = 0; i < group.models.size(); ++i) {
       const BenchModel& m = group.models[i];
-      gj["models"].push_back(ModelJson(m));
+      gj["models"].push_back(ModelJson(m, elem));
       const json& mj = gj["models"].back();
       std::printf("# %-18s %-26s %14lld %14lld %12.1f %12.1f %12.1f\n", m.name.c_str(),
                   mj["layers"].get<std::string>().c_str(),
@@ -769,91 +912,168 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
     }
     if (!group.twin_check.empty()) std::printf("# twin: %s\n", group.twin_check.c_str());
     std::fflush(stdout);
-    for (size_t i = 0; i < group.models.size(); ++i) {
-      ModelRun& run = runs[i];
-      run.spec = &group.models[i];
-      Progress bar(absl::StrCat(run.spec->name, ": random weights"), 1, "");
-      run.model = RandomModel(run.spec->config, opt.seed);
-      bar.Finish("", false);
-      EngineOptions eo;
-      eo.num_threads = opt.threads;
-      eo.profile = true;
-      eo.prefill_chunk = opt.prefill_chunk;
-      auto engine = Engine::Create(run.model, eo);
-      if (!engine.ok()) return engine.status();
-      run.engine = *std::move(engine);
-      run.gemms = DecodeGemms(*run.model);
-      run.base = run.engine->NewSession();
-      run.rng.seed(static_cast<uint32_t>(opt.seed + 7919 * i));
+    std::vector<int64_t> listed = opt.batches;
+    std::sort(listed.begin(), listed.end());
+    listed.erase(std::unique(listed.begin(), listed.end()), listed.end());
+    // CUDA: each pool holds as many sessions as the largest batch asked for.
+    const int64_t pool_target =
+        std::max(listed.empty() ? int64_t{1} : listed.back(), opt.fit_batch ? opt.max_batch : 1);
+
+    // Phases: the models measured together. On the CPU all of a group's models, interleaved; on
+    // CUDA one model at a time, its engine and sessions freed before the next one's are made.
+    std::vector<std::vector<size_t>> phases;
+    if (cuda) {
+      for (size_t i = 0; i < group.models.size(); ++i) phases.push_back({i});
+    } else {
+      phases.emplace_back();
+      for (size_t i = 0; i < group.models.size(); ++i) phases.back().push_back(i);
     }
-    std::printf("%s\n", TableHeader().c_str());
-    std::fflush(stdout);
-    for (int64_t ctx : contexts) {
-      for (ModelRun& run : runs) {
-        if (auto s = Prefill(run, ctx, prefill_log); !s.ok()) return s;
-        run.state_bytes = static_cast<double>(run.base->ResidentBytes());
-        const int64_t fits = MaxBatch(opt.state_budget_gb, run.state_bytes);
-        run.fit = std::min(fits, opt.max_batch);
-        capacity.push_back({{"model", run.spec->name},
-                            {"context", ctx},
-                            {"state_bytes_per_session", run.state_bytes},
-                            {"max_batch_in_budget", fits}});
+    bool header_printed = false;
+    for (const std::vector<size_t>& phase : phases) {
+      std::vector<ModelRun> runs(phase.size());
+      for (size_t k = 0; k < phase.size(); ++k) {
+        const size_t i = phase[k];
+        ModelRun& run = runs[k];
+        run.spec = &group.models[i];
+        Progress bar(absl::StrCat(run.spec->name, ": random weights"), 1, "");
+        run.model = RandomModel(run.spec->config, opt.seed);
+        bar.Finish("", false);
+        EngineOptions eo;
+        eo.device = device;
+        eo.num_threads = opt.threads;
+        // On CUDA the per-part profile synchronises after every layer, which would distort the
+        // step time: the device figures are whole steps only.
+        eo.profile = !cuda;
+        eo.prefill_chunk = opt.prefill_chunk;
+        // Size the device's arenas for the longest context measured (not the default 128k).
+        eo.max_context = max_position;
+        if (opt.device_state_gb > 0) {
+          eo.device_state_bytes = static_cast<int64_t>(opt.device_state_gb * 1e9);
+        }
+        auto engine = Engine::Create(run.model, eo);
+        if (!engine.ok()) {
+          return absl::Status(
+              engine.status().code(),
+              absl::StrCat(run.spec->name, ": creating the engine on ", EngineDeviceName(device),
+                           ": ", engine.status().message()));
+        }
+        run.engine = *std::move(engine);
+        const std::string described = run.engine->DescribeDevice();
+        std::printf("# %s engine: %s\n", run.spec->name.c_str(), described.c_str());
+        std::fflush(stdout);
+        gj["models"][i]["engine"] = described;
+        doc["device"]["engines"].push_back({{"model", run.spec->name}, {"engine", described}});
+        if (doc["device"]["description"].get<std::string>().empty()) {
+          doc["device"]["description"] = described;
+        }
+        run.gemms = DecodeGemms(*run.model);
+        if (!cuda) run.base = run.engine->NewSession();
+        run.rng.seed(static_cast<uint32_t>(opt.seed + 7919 * i));
       }
-      // The listed batches, all models together at the same batch; then each model at the
-      // largest batch it fits, all models together (a model whose largest batch is a listed one
-      // is measured there once, in this last round).
-      std::vector<std::vector<Point>> rounds;
-      std::vector<std::string> skip_lines;  // printed after this context's measurements
-      std::vector<int64_t> listed = opt.batches;
-      std::sort(listed.begin(), listed.end());
-      listed.erase(std::unique(listed.begin(), listed.end()), listed.end());
-      for (int64_t b : listed) {
-        std::vector<Point> round;
+      if (!header_printed) {
+        std::printf("%s\n", TableHeader().c_str());
+        header_printed = true;
+      }
+      std::fflush(stdout);
+      for (int64_t ctx : contexts) {
         for (ModelRun& run : runs) {
-          if (opt.fit_batch && b == run.fit) continue;  // measured in the fit round
-          if (b * run.state_bytes > opt.state_budget_gb * 1e9) {
-            const std::string reason = absl::StrFormat(
-                "%.2f GB of state exceeds the %.1f GB budget (fits %d)", b * run.state_bytes / 1e9,
-                opt.state_budget_gb, MaxBatch(opt.state_budget_gb, run.state_bytes));
-            skip_lines.push_back(
-                absl::StrFormat("%-18s %7d %5d   skipped: %s", run.spec->name, ctx, b, reason));
-            skipped.push_back({{"group", group.name},
-                               {"model", run.spec->name},
-                               {"context", ctx},
-                               {"batch", b},
-                               {"reason", reason}});
+          int64_t fits = 0;
+          if (cuda) {
+            if (auto s = FillPool(run, ctx, pool_target, prefill_log); !s.ok()) return s;
+            double total = 0;
+            for (const auto& session : run.pool) total += session->ResidentBytes();
+            run.state_bytes = run.pool.empty() ? 0 : total / run.pool.size();
+            fits = static_cast<int64_t>(run.pool.size());
+          } else {
+            if (auto s = Prefill(run, ctx, prefill_log); !s.ok()) return s;
+            run.state_bytes = static_cast<double>(run.base->ResidentBytes());
+            fits = MaxBatch(opt.state_budget_gb, run.state_bytes);
+          }
+          run.fit = std::min(fits, opt.max_batch);
+          json cap = {{"model", run.spec->name},
+                      {"context", ctx},
+                      {"state_bytes_per_session", run.state_bytes},
+                      {"max_batch_in_budget", fits}};
+          if (cuda) {
+            cap["limited_by_device_memory"] = run.pool_limited;
+            if (run.pool_limited) cap["limit"] = run.pool_limit;
+          }
+          capacity.push_back(cap);
+        }
+        // The listed batches, all models together at the same batch; then each model at the
+        // largest batch it fits, all models together (a model whose largest batch is a listed
+        // one is measured there once, in this last round).
+        std::vector<std::vector<Point>> rounds;
+        std::vector<std::string> skip_lines;  // printed after this context's measurements
+        auto skip = [&](const ModelRun& run, int64_t b, const std::string& reason) {
+          skip_lines.push_back(
+              absl::StrFormat("%-18s %7d %5d   skipped: %s", run.spec->name, ctx, b, reason));
+          skipped.push_back({{"group", group.name},
+                             {"model", run.spec->name},
+                             {"context", ctx},
+                             {"batch", b},
+                             {"reason", reason}});
+        };
+        for (int64_t b : listed) {
+          std::vector<Point> round;
+          for (ModelRun& run : runs) {
+            if (opt.fit_batch && b == run.fit) continue;  // measured in the fit round
+            if (cuda && b > static_cast<int64_t>(run.pool.size())) {
+              skip(run, b,
+                   absl::StrFormat("the device's session memory holds %d sessions at this "
+                                   "context",
+                                   run.pool.size()));
+              continue;
+            }
+            if (!cuda && b * run.state_bytes > opt.state_budget_gb * 1e9) {
+              skip(run, b,
+                   absl::StrFormat("%.2f GB of state exceeds the %.1f GB budget (fits %d)",
+                                   b * run.state_bytes / 1e9, opt.state_budget_gb,
+                                   MaxBatch(opt.state_budget_gb, run.state_bytes)));
+              continue;
+            }
+            round.push_back({&run, b});
+          }
+          rounds.push_back(round);
+        }
+        if (opt.fit_batch) {
+          std::vector<Point> round;
+          for (ModelRun& run : runs) {
+            if (run.fit > 0) round.push_back({&run, run.fit});
+          }
+          rounds.push_back(round);
+        }
+        for (const std::vector<Point>& round : rounds) {
+          if (round.empty()) continue;
+          absl::StatusOr<std::vector<json>> measured =
+              MeasureTogether(round, group.name, ctx, opt, device, bandwidth);
+          if (cuda && absl::IsResourceExhausted(measured.status())) {
+            // Out of device memory in a step (new rows or pages): this point cannot be measured
+            // here; the rest of the run goes on.
+            for (const Point& p : round) {
+              skip(*p.run, p.batch,
+                   absl::StrCat("out of device memory during the decode steps: ",
+                                measured.status().message()));
+            }
             continue;
           }
-          round.push_back({&run, b});
+          if (!measured.ok()) return measured.status();
+          ClearProgressLine();
+          for (json& row : *measured) {
+            std::printf("%s\n", TableRow(row).c_str());
+            rows.push_back(std::move(row));
+          }
+          std::fflush(stdout);
         }
-        rounds.push_back(round);
-      }
-      if (opt.fit_batch) {
-        std::vector<Point> round;
-        for (ModelRun& run : runs) {
-          if (run.fit > 0) round.push_back({&run, run.fit});
-        }
-        rounds.push_back(round);
-      }
-      for (const std::vector<Point>& round : rounds) {
-        if (round.empty()) continue;
-        absl::StatusOr<std::vector<json>> measured =
-            MeasureTogether(round, group.name, ctx, opt, bandwidth);
-        if (!measured.ok()) return measured.status();
-        ClearProgressLine();
-        for (json& row : *measured) {
-          std::printf("%s\n", TableRow(row).c_str());
-          rows.push_back(std::move(row));
-        }
+        for (const std::string& line : skip_lines) std::printf("%s\n", line.c_str());
         std::fflush(stdout);
       }
-      for (const std::string& line : skip_lines) std::printf("%s\n", line.c_str());
-      std::fflush(stdout);
-    }
-    for (const ModelRun& run : runs) {
-      for (const auto& [b, rate] : run.sgemm_gflops) {
-        sgemm.push_back({{"model", run.spec->name}, {"batch", b}, {"gflops", rate}});
+      for (const ModelRun& run : runs) {
+        for (const auto& [b, rate] : run.sgemm_gflops) {
+          sgemm.push_back({{"model", run.spec->name}, {"batch", b}, {"gflops", rate}});
+        }
       }
+      // Leaving the phase frees its models, engines and sessions (device memory included).
     }
     gj["prefill"] = prefill_log;
     gj["capacity"] = capacity;
@@ -862,21 +1082,24 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
     doc["groups"].push_back(gj);
     std::printf("%s", GroupSummary(gj).c_str());
     std::fflush(stdout);
-    // Free this group's models and sessions before the next group.
   }
 
   std::printf("\n");
-  measure_bandwidth("end");
+  if (auto s = measure_bandwidth("end"); !s.ok()) return s;
   // The %bw of every row is of the best bandwidth measured in the run (the terminal rows used the
   // best figure measured before them).
   for (json& r : rows) r["fraction_of_bandwidth"] = r["achieved_gbps"].get<double>() / bandwidth;
-  doc["bandwidth"] = {{"buffer_bytes", bw_bytes},
-                      {"threads", threads},
-                      {"measurements", bw_log},
-                      {"reference_gbps", bandwidth},
-                      {"reference",
-                       "the best streaming-read rate over every measurement of the run (a decode "
-                       "step's bytes are reads)"}};
+  doc["bandwidth"] = {
+      {"buffer_bytes", bw_bytes},
+      {"threads", threads},
+      {"kind", cuda ? "device copy" : "host memory"},
+      {"measurements", bw_log},
+      {"reference_gbps", bandwidth},
+      {"reference",
+       cuda ? "the best device-to-device copy rate (cudaMemcpy, median of 10 copies, read + write "
+              "bytes) over every measurement of the run"
+            : "the best streaming-read rate over every measurement of the run (a decode step's "
+              "bytes are reads)"}};
   doc["machine"]["load_average_end"] = LoadAverage();
   doc["machine"]["peak_rss_bytes"] = PeakRssBytes();
   doc["results"] = rows;

@@ -34,6 +34,24 @@
 // A batch size is skipped when B sessions' state (SessionState::ResidentBytes after the prefill)
 // would exceed the state budget; the largest batch that fits is reported for every context, and
 // fit_batch measures it too (at most max_batch).
+//
+// On the CUDA engine (device kCuda; docs/benchmarks.md, "CUDA (H200)") three things differ:
+//  - the bandwidth reference is the device's own device-to-device copy rate (cudaMemcpy between
+//    two device buffers of at least 2 GiB, cudaEvent timing, median of 10 copies, read + write
+//    bytes), and bytes are modelled at the CUDA engine's formats (bf16 matrices, KV and SDM rows;
+//    fp32 vectors); there is no sgemm comparison;
+//  - the models of a group are measured one after the other, each with the device to itself (a
+//    pair's batch-64 states do not fit in one device's memory together; a dedicated device has
+//    no other tenants whose load interleaving would have to share out);
+//  - sessions are not cloned: a clone is a host copy (SessionState::Clone needs the host layers),
+//    and B host copies of a long context would hold B x the state in host RAM. Instead each model
+//    keeps a pool of sessions, each brought to every context by its own real prefill on the
+//    device, whose host layers stay empty (device residency: the device copy is the truth). A
+//    batch of B uses the first B sessions of the pool. The pool is as large as the largest batch
+//    asked for; when the device's session memory runs out during a prefill, the pool keeps the
+//    sessions that fit, less one (headroom for the decode steps' new rows and pages), and larger
+//    batches are skipped with the reason. Positions advance by warmup + steps per measurement, so
+//    a batch measured after another at the same context starts that many tokens later.
 #ifndef SDMSERVE_TOOLS_SDM_BENCH_DECODE_BENCHMARK_H_
 #define SDMSERVE_TOOLS_SDM_BENCH_DECODE_BENCHMARK_H_
 
@@ -44,6 +62,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "engine/engine.h"
 #include "engine/model_config.h"
 
 namespace sdm::bench {
@@ -79,6 +98,8 @@ absl::StatusOr<BenchGroup> NamedPair(absl::string_view name,
 absl::StatusOr<ModelConfig> FullAttentionTwin(const ModelConfig& sdm_config);
 
 struct DecodeBenchOptions {
+  EngineDevice device = EngineDevice::kAuto;  // resolved by ResolveBenchDevice (device_info.h)
+  double device_state_gb = 0;          // CUDA: session-state memory (0: the engine's default share)
   std::vector<std::string> pairs;      // named pairs (see PairNames())
   std::vector<std::string> presets;    // an explicit group of presets (measured together)
   std::vector<std::string> overrides;  // --set key=value, applied to every model
@@ -90,9 +111,9 @@ struct DecodeBenchOptions {
   int warmup = 2;
   int threads = 0;               // engine threads (0: one per hardware thread)
   int64_t prefill_chunk = 256;   // the engine's prefill chunk (EngineOptions)
-  double state_budget_gb = 4.0;  // per model
+  double state_budget_gb = 4.0;  // per model (CPU; on CUDA the device's memory bounds the batch)
   uint64_t seed = 1;
-  int64_t bandwidth_mb = 512;  // size of each buffer of the bandwidth measurement
+  int64_t bandwidth_mb = 512;  // size of each buffer of the bandwidth measurement (CUDA: >= 2048)
   std::string json_path;       // empty: no JSON file
   std::string csv_path;        // empty: no CSV file
   std::string report_dir;      // empty: no report (report.md, results JSON/CSV, PNGs)

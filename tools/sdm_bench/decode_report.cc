@@ -49,6 +49,12 @@ std::string ParamValue(const json& v) {
 
 const std::map<std::string, std::string>& ParamMeanings() {
   static const auto* m = new std::map<std::string, std::string>{
+      {"device",
+       "where the engine runs: auto (CUDA when built with it and a device is present), cpu or "
+       "cuda"},
+      {"device_state_gb",
+       "CUDA: device memory for sessions' state in GB (0: the engine's default share of what the "
+       "weights leave free)"},
       {"pair", "named pairs measured: an SDM model and its full-attention twin"},
       {"presets", "explicit presets measured together as one group"},
       {"set",
@@ -65,10 +71,12 @@ const std::map<std::string, std::string>& ParamMeanings() {
        "the engine's prefill chunk in tokens (also sizes the SWA ring: window + "
        "chunk)"},
       {"state_budget_gb",
-       "session-state budget in GB, per model: a batch whose state exceeds it is skipped (a pair "
-       "holds both models' batches at once)"},
+       "CPU: session-state budget in GB, per model: a batch whose state exceeds it is skipped (a "
+       "pair holds both models' batches at once); on CUDA the device's memory bounds the batch"},
       {"seed", "seed of the random weights and tokens"},
-      {"bandwidth_mb", "size in MiB of each of the two buffers of the bandwidth measurement"},
+      {"bandwidth_mb",
+       "size in MiB of each of the two buffers of the bandwidth measurement (CUDA: at least "
+       "2048)"},
       {"json", "JSON output file"},
       {"csv", "CSV output file"},
       {"report", "report directory (report.md, results.json, results.csv, plots)"},
@@ -130,6 +138,22 @@ std::string Load(const json& v) {
 }
 
 std::string Gb(double bytes) { return absl::StrFormat("%.2f", bytes / 1e9); }
+
+bool OnCuda(const json& doc) {
+  return doc.contains("device") && doc["device"].is_object() &&
+         doc["device"].value("resolved", "") == "cuda";
+}
+
+// A CSV cell: quoted (RFC 4180) when it holds a comma, a quote or a line break.
+std::string CsvCell(const std::string& v) {
+  if (v.find_first_of(",\"\n") == std::string::npos) return v;
+  std::string out = "\"";
+  for (char c : v) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
 std::string Mb(double bytes) { return absl::StrFormat("%.1f", bytes / 1e6); }
 
 }  // namespace
@@ -167,6 +191,8 @@ const std::vector<std::string>& RowKeys() {
       "sdm_layers_gbps",
       "state_bytes_per_session",
       "max_batch_in_budget",
+      "device",
+      "engine",
   };
   return *keys;
 }
@@ -179,15 +205,18 @@ std::string TableHeader() {
 }
 
 std::string TableRow(const json& r) {
+  const json none;
+  const json& sgemm = r.contains("fraction_of_sgemm") ? r["fraction_of_sgemm"] : none;
   return absl::StrFormat(
-      "%-18s %7d %5d %9.2f %9.2f %9.1f %8.1f %7.2f %5.1f%% %8.1f %6.1f%% %8.2f %8.2f %8.2f %8.2f "
+      "%-18s %7d %5d %9.2f %9.2f %9.1f %8.1f %7.2f %5.1f%% %8.1f %7s %8.2f %8.2f %8.2f %8.2f "
       "%9.1f %5d%s",
       S(r["model"]), I(r["context"]), I(r["batch"]), D(r["ms_per_step_median"]),
       D(r["ms_per_step_p90"]), D(r["tokens_per_s"]), D(r["bytes_per_step"]) / 1e6,
       D(r["achieved_gbps"]), 100 * D(r["fraction_of_bandwidth"]), D(r["gflops"]),
-      100 * D(r["fraction_of_sgemm"]), D(r["attn_ms_per_step"]), D(r["swa_ms_per_step"]),
-      D(r["sdm_ms_per_step"]), D(r["ffn_ms_per_step"]), D(r["state_bytes_per_session"]) / 1e6,
-      I(r["max_batch_in_budget"]), r["fit_batch"].get<bool>() ? " (fit)" : "");
+      sgemm.is_number() ? absl::StrFormat("%.1f%%", 100 * D(sgemm)) : std::string("-"),
+      D(r["attn_ms_per_step"]), D(r["swa_ms_per_step"]), D(r["sdm_ms_per_step"]),
+      D(r["ffn_ms_per_step"]), D(r["state_bytes_per_session"]) / 1e6, I(r["max_batch_in_budget"]),
+      r["fit_batch"].get<bool>() ? " (fit)" : "");
 }
 
 std::string GroupSummary(const json& g) {
@@ -228,7 +257,7 @@ std::string CsvText(const json& doc) {
     for (const std::string& k : RowKeys()) {
       const json& v = r.contains(k) ? r[k] : json();
       if (v.is_string()) {
-        cells.push_back(v.get<std::string>());
+        cells.push_back(CsvCell(v.get<std::string>()));
       } else if (v.is_number_float()) {
         cells.push_back(absl::StrFormat("%.6g", v.get<double>()));
       } else if (v.is_null()) {
@@ -288,10 +317,10 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       absl::StrAppendFormat(
           &md,
           "  - The twin's full-attention layers moved their bytes at %.1f GB/s at most there, "
-          "%.0f%% of the measured read bandwidth (%.1f GB/s): the measured ratio includes how far "
+          "%.0f%% of the measured %s bandwidth (%.1f GB/s): the measured ratio includes how far "
           "this engine's attention kernel is from the bandwidth bound. The bandwidth-floor ratio "
           "is what both models moving their bytes at the same rate would give.\n",
-          attn_gbps, 100 * attn_gbps / reference, reference);
+          attn_gbps, 100 * attn_gbps / reference, OnCuda(doc) ? "device copy" : "read", reference);
     }
     for (const json& x : g["growth"]) {
       absl::StrAppendFormat(&md,
@@ -312,11 +341,26 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
   absl::StrAppendFormat(&md, "| hardware threads | %d |\n", I(m["hardware_threads"]));
   absl::StrAppendFormat(&md, "| memory | %.1f GiB |\n", D(m["memory_gib"]));
   absl::StrAppendFormat(&md, "| kernel | %s |\n", S(m["kernel"]));
+  if (doc.contains("device") && doc["device"].is_object()) {
+    absl::StrAppendFormat(&md, "| `--device` | %s (resolved to %s) |\n",
+                          S(doc["device"]["requested"]), S(doc["device"]["resolved"]));
+    for (const json& e : doc["device"]["engines"]) {
+      absl::StrAppendFormat(&md, "| engine of %s | %s |\n", S(e["model"]), S(e["engine"]));
+    }
+  }
   absl::StrAppendFormat(&md, "| engine threads / OpenBLAS threads | %d / %d |\n",
                         I(m["engine_threads"]), I(m["blas_threads"]));
   absl::StrAppendFormat(&md, "| load average (1, 5, 15 min) at start / end | %s / %s |\n",
                         Load(m["load_average_start"]), Load(m["load_average_end"]));
   for (const json& x : bw["measurements"]) {
+    if (x.value("kind", "") == "device copy") {
+      absl::StrAppendFormat(&md,
+                            "| device copy bandwidth, %s (cudaMemcpy device to device, 2 x %d MiB, "
+                            "median of %d) | %.1f GB/s (read + write; best copy %.1f GB/s) |\n",
+                            S(x["when"]), I(bw["buffer_bytes"]) >> 20, I(x["reps"]),
+                            D(x["copy_gbps"]), D(x["copy_best_gbps"]));
+      continue;
+    }
     absl::StrAppendFormat(&md,
                           "| memory bandwidth, %s (%d threads, 2 x %d MiB buffers; load %s) | "
                           "copy %.1f GB/s (read + write), read %.1f GB/s |\n",
@@ -339,40 +383,80 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
                         b["git_dirty"].get<bool>() ? " with uncommitted changes" : "");
 
   // ---- Protocol ----
-  absl::StrAppend(
-      &md,
-      "## Protocol\n\n"
-      "- Engine level (no server), CPU backend, fp32 weights and state, random weights built in "
-      "memory from the seed (reference initialisation), random tokens.\n"
-      "- The models of a pair are measured together: for each context (increasing), each "
-      "model's one session is brought to that context by **real prefill** (the engine's chunked "
-      "`Prefill`, continuing from the previous context; there is no synthetic fill); then for "
-      "each batch size B, each model's session is cloned B times (`SessionState::Clone`, a deep "
-      "copy) and the models' decode steps alternate, one step of each in turn (one token per "
-      "session per step): the warm-up rounds untimed, then the timed rounds. So load from other "
-      "processes on this shared machine falls on both models alike. Reported: the median and "
-      "p90 step time, tokens/s = B / median, and the engine's per-mixer profile (attn, swa, sdm, "
-      "ffn: ms per step). attn/swa/sdm GB/s: each mixer kind's bytes (its weights plus the "
-      "batch's KV or SDM rows) over its profiled time: how close the full-attention baseline and "
-      "the SDM layers each come to the machine's bandwidth.\n"
-      "- MB/step: the bytes one step must move, modelled from the config: every weight read once "
-      "as fp32 (the embedding table only for the B gathered rows unless tied; the learned SDM "
-      "memory M0 only through the rows touched), plus per session the K and V rows of every "
-      "visible position of each attention layer (all positions for full attention, the window for "
-      "SWA) and per SDM layer and head (2W + R) rows of hd floats. GB/s = MB/step / median step "
-      "time; %bw = GB/s as a fraction of the best streaming-read bandwidth measured in the same "
-      "run (the step's bytes are reads; copy bandwidth, counting read + write bytes as the design "
-      "brief does for the GPU, is listed under Machine).\n"
-      "- GFLOP/s: the step's FLOPs (GEMMs, attention over the visible keys, SDM row updates) / "
-      "median step time; %sgemm: as a fraction of OpenBLAS sgemm timed alone on exactly the "
-      "step's GEMM shapes at the same batch, in the same run. The engine multiplies with its own "
-      "batch-invariant GEMM (`kernels/cpu/gemm.h`), not OpenBLAS, so over 100% means the "
-      "engine's whole step beats OpenBLAS on its GEMMs alone.\n"
-      "- MB/sess: `SessionState::ResidentBytes()` after the prefill (KV pages, SDM private rows "
-      "and slot tables, SWA rings); fits: the largest batch whose state fits the budget (weights "
-      "are not counted). Batches over the budget are skipped and listed.\n"
-      "- The machine is shared and noisy: compare models only through ratios measured in this "
-      "one run.\n\n");
+  if (OnCuda(doc)) {
+    absl::StrAppend(
+        &md,
+        "## Protocol\n\n"
+        "- Engine level (no server), CUDA backend (bf16 weights, KV and SDM rows; fp32 "
+        "activations and accumulation), random weights built in memory from the seed (reference "
+        "initialisation), random tokens.\n"
+        "- The models of a group are measured **one after the other**, each with the device to "
+        "itself (its engine and sessions are freed before the next model's are made): a pair's "
+        "large batches do not fit in one device's memory together, and a dedicated device has no "
+        "other tenants whose load interleaving would have to share out.\n"
+        "- Each model keeps a pool of sessions, each brought to every context (increasing) by its "
+        "own **real prefill** on the device (the engine's chunked `Prefill`, continuing from the "
+        "previous context; no synthetic fill, no host copies). A batch of B decodes the pool's "
+        "first B sessions: the warm-up steps untimed, then the timed steps (one token per session "
+        "per step). When the device's session memory runs out during a prefill, the pool keeps "
+        "the sessions that fit less one (headroom for the decode steps) and larger batches are "
+        "skipped with the reason. Decode steps advance positions, so a batch measured after "
+        "another at the same context starts up to (warm-up + steps) tokens later per earlier "
+        "round.\n"
+        "- Step times are host wall time around `Engine::Decode` (which ends with one device "
+        "synchronisation); the per-mixer ms come from the engine's profile.\n"
+        "- MB/step: the bytes one step must move, modelled from the config at the CUDA engine's "
+        "formats: every matrix once in bf16 and every vector in fp32 (the embedding table only "
+        "for the B gathered rows unless tied; M0 only through the rows touched), plus per session "
+        "the bf16 K and V rows of every visible position of each attention layer (all positions "
+        "for full attention, the window for SWA) and per SDM layer and head (2W + R) rows of hd "
+        "bf16 values. GB/s = MB/step / median step time; %bw = GB/s as a fraction of the "
+        "device's device-to-device copy bandwidth (cudaMemcpy, read + write bytes, median of 10 "
+        "copies, best of the measurements at the start, before each group and at the end), the "
+        "ceiling the design brief's floor is computed from.\n"
+        "- GFLOP/s: the step's FLOPs / median step time; there is no sgemm comparison on CUDA "
+        "(the `%sgemm` column is empty).\n"
+        "- MB/sess: the mean `SessionState::ResidentBytes()` of the pool after the prefill (device "
+        "KV pages, private SDM rows and slot tables; the host layers of a device-resident session "
+        "stay empty); fits: how many sessions the pool holds at that context.\n\n");
+  } else {
+    absl::StrAppend(
+        &md,
+        "## Protocol\n\n"
+        "- Engine level (no server), CPU backend, fp32 weights and state, random weights built in "
+        "memory from the seed (reference initialisation), random tokens.\n"
+        "- The models of a pair are measured together: for each context (increasing), each "
+        "model's one session is brought to that context by **real prefill** (the engine's chunked "
+        "`Prefill`, continuing from the previous context; there is no synthetic fill); then for "
+        "each batch size B, each model's session is cloned B times (`SessionState::Clone`, a deep "
+        "copy) and the models' decode steps alternate, one step of each in turn (one token per "
+        "session per step): the warm-up rounds untimed, then the timed rounds. So load from other "
+        "processes on this shared machine falls on both models alike. Reported: the median and "
+        "p90 step time, tokens/s = B / median, and the engine's per-mixer profile (attn, swa, sdm, "
+        "ffn: ms per step). attn/swa/sdm GB/s: each mixer kind's bytes (its weights plus the "
+        "batch's KV or SDM rows) over its profiled time: how close the full-attention baseline and "
+        "the SDM layers each come to the machine's bandwidth.\n"
+        "- MB/step: the bytes one step must move, modelled from the config: every weight read once "
+        "as fp32 (the embedding table only for the B gathered rows unless tied; the learned SDM "
+        "memory M0 only through the rows touched), plus per session the K and V rows of every "
+        "visible position of each attention layer (all positions for full attention, the window "
+        "for "
+        "SWA) and per SDM layer and head (2W + R) rows of hd floats. GB/s = MB/step / median step "
+        "time; %bw = GB/s as a fraction of the best streaming-read bandwidth measured in the same "
+        "run (the step's bytes are reads; copy bandwidth, counting read + write bytes as the "
+        "design "
+        "brief does for the GPU, is listed under Machine).\n"
+        "- GFLOP/s: the step's FLOPs (GEMMs, attention over the visible keys, SDM row updates) / "
+        "median step time; %sgemm: as a fraction of OpenBLAS sgemm timed alone on exactly the "
+        "step's GEMM shapes at the same batch, in the same run. The engine multiplies with its own "
+        "batch-invariant GEMM (`kernels/cpu/gemm.h`), not OpenBLAS, so over 100% means the "
+        "engine's whole step beats OpenBLAS on its GEMMs alone.\n"
+        "- MB/sess: `SessionState::ResidentBytes()` after the prefill (KV pages, SDM private rows "
+        "and slot tables, SWA rings); fits: the largest batch whose state fits the budget (weights "
+        "are not counted). Batches over the budget are skipped and listed.\n"
+        "- The machine is shared and noisy: compare models only through ratios measured in this "
+        "one run.\n\n");
+  }
 
   // ---- Parameters ----
   absl::StrAppend(&md, "## Parameters\n\n| parameter | value | meaning |\n|---|---|---|\n");
@@ -457,15 +541,19 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       if (S(r["group"]) != name) continue;
       absl::StrAppendFormat(
           &md,
-          "| %s | %d | %d%s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %.1f%% | %.2f | "
+          "| %s | %d | %d%s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %s | %.2f | "
           "%.2f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %d |\n",
           S(r["model"]), I(r["context"]), I(r["batch"]), r["fit_batch"].get<bool>() ? " (fit)" : "",
           D(r["ms_per_step_median"]), D(r["ms_per_step_p90"]), D(r["tokens_per_s"]),
           D(r["bytes_per_step"]) / 1e6, D(r["achieved_gbps"]), 100 * D(r["fraction_of_bandwidth"]),
-          D(r["gflops"]), 100 * D(r["fraction_of_sgemm"]), D(r["attn_ms_per_step"]),
-          D(r["swa_ms_per_step"]), D(r["sdm_ms_per_step"]), D(r["ffn_ms_per_step"]),
-          D(r["attn_layers_gbps"]), D(r["swa_layers_gbps"]), D(r["sdm_layers_gbps"]),
-          D(r["state_bytes_per_session"]) / 1e6, I(r["max_batch_in_budget"]));
+          D(r["gflops"]),
+          r.contains("fraction_of_sgemm") && r["fraction_of_sgemm"].is_number()
+              ? absl::StrFormat("%.1f%%", 100 * D(r["fraction_of_sgemm"]))
+              : std::string("-"),
+          D(r["attn_ms_per_step"]), D(r["swa_ms_per_step"]), D(r["sdm_ms_per_step"]),
+          D(r["ffn_ms_per_step"]), D(r["attn_layers_gbps"]), D(r["swa_layers_gbps"]),
+          D(r["sdm_layers_gbps"]), D(r["state_bytes_per_session"]) / 1e6,
+          I(r["max_batch_in_budget"]));
     }
     absl::StrAppend(&md, "\n");
     std::vector<std::string> skipped;
@@ -475,7 +563,8 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
                                         I(s["context"]), I(s["batch"]), S(s["reason"])));
     }
     if (!skipped.empty()) {
-      absl::StrAppend(&md, "Skipped (state budget): ", absl::StrJoin(skipped, "; "), ".\n\n");
+      absl::StrAppend(&md, OnCuda(doc) ? "Skipped (device memory): " : "Skipped (state budget): ",
+                      absl::StrJoin(skipped, "; "), ".\n\n");
     }
     absl::StrAppend(&md,
                     "Session state and the largest batch in the budget:\n\n"
@@ -487,17 +576,21 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
     }
     absl::StrAppend(&md,
                     "\nPrefill (real, random tokens):\n\n"
-                    "| model | from | to | seconds | tok/s |\n|---|---:|---:|---:|---:|\n");
+                    "| model | sessions | from | to | seconds | tok/s |\n"
+                    "|---|---:|---:|---:|---:|---:|\n");
     for (const json& p : g["prefill"]) {
-      absl::StrAppendFormat(&md, "| %s | %d | %d | %.1f | %.0f |\n", S(p["model"]), I(p["from"]),
-                            I(p["to"]), D(p["seconds"]), D(p["tokens_per_s"]));
+      absl::StrAppendFormat(&md, "| %s | %d | %d | %d | %.1f | %.0f |\n", S(p["model"]),
+                            p.contains("sessions") ? I(p["sessions"]) : 1, I(p["from"]), I(p["to"]),
+                            D(p["seconds"]), D(p["tokens_per_s"]));
     }
-    absl::StrAppend(&md,
-                    "\nOpenBLAS sgemm on the step's GEMM shapes:\n\n"
-                    "| model | batch | GFLOP/s |\n|---|---:|---:|\n");
-    for (const json& s : g["sgemm"]) {
-      absl::StrAppendFormat(&md, "| %s | %d | %.1f |\n", S(s["model"]), I(s["batch"]),
-                            D(s["gflops"]));
+    if (!g["sgemm"].empty()) {
+      absl::StrAppend(&md,
+                      "\nOpenBLAS sgemm on the step's GEMM shapes:\n\n"
+                      "| model | batch | GFLOP/s |\n|---|---:|---:|\n");
+      for (const json& s : g["sgemm"]) {
+        absl::StrAppendFormat(&md, "| %s | %d | %.1f |\n", S(s["model"]), I(s["batch"]),
+                              D(s["gflops"]));
+      }
     }
     absl::StrAppend(&md, "\n");
   }

@@ -1,16 +1,22 @@
 // sdm-bench: benchmarks of sdmserve (not tests; docs/benchmarks.md says how to reproduce each).
 //
-//   sdm-bench decode [--pair debug,cpu_hybrid] [--presets P,...] [--set key=value ...]
+//   sdm-bench decode [--device auto|cpu|cuda] [--pair debug,cpu_hybrid] [--presets P,...]
+//                    [--set key=value ...]
 //                    [--contexts 512,2048,...] [--batches 1,4,16] [--fit_batch] [--max_batch 16]
 //                    [--steps 10] [--warmup 2] [--threads 0] [--prefill_chunk 256]
-//                    [--state_budget_gb 4] [--seed 1] [--bandwidth_mb 512]
-//                    [--json FILE] [--csv FILE] [--report DIR]
+//                    [--state_budget_gb 4] [--device_state_gb 0] [--seed 1]
+//                    [--bandwidth_mb 512] [--json FILE] [--csv FILE] [--report DIR]
 //   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
-//   sdm-bench state [--presets debug_sdm] [--lengths 128,1024,8192] [--dir DIR] [--json FILE]
+//   sdm-bench state [--device auto|cpu|cuda] [--presets debug_sdm] [--lengths 128,1024,8192]
+//                   [--dir DIR] [--json FILE]
+//   sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20]
+//                     [--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]
 //
-// Exit status: 0 on success, 2 on usage errors, 1 when the benchmark fails.
+// Exit status: 0 on success, 2 on usage errors (including --device cuda or `kernels` on a build
+// without CUDA), 1 when the benchmark fails (including "no CUDA device").
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,12 +26,31 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "engine/engine.h"
 #include "tools/sdm_bench/decode_benchmark.h"
+#include "tools/sdm_bench/device_info.h"
 #include "tools/sdm_bench/state_benchmark.h"
+
+#if defined(SDM_HAVE_CUDA)
+#include "tools/sdm_bench/kernel_benchmark.h"
+#endif
+
+ABSL_FLAG(std::string, device, "auto",
+          "decode, state: where the engine runs: auto (CUDA when built with it and a device is "
+          "present, else the CPU), cpu or cuda");
+ABSL_FLAG(double, device_state_gb, 0,
+          "decode on CUDA: device memory for sessions' state in GB (0: the engine's default share "
+          "of what the weights leave free)");
+ABSL_FLAG(std::vector<std::string>, kernel_batches, std::vector<std::string>({"1", "8", "64"}),
+          "kernels: batch sizes of the SDM step and attention decode microbenchmarks");
+ABSL_FLAG(int64_t, kernel_context, 32768, "kernels: cached positions per attention sequence");
+ABSL_FLAG(int, kernel_reps, 20, "kernels: timed repetitions (the median is reported)");
+ABSL_FLAG(int, kernel_warmup, 3, "kernels: untimed repetitions first");
 
 ABSL_FLAG(std::vector<std::string>, pair, std::vector<std::string>({}),
           "Named pairs (SDM model vs its full-attention twin): tiny, debug, cpu_hybrid, flagship, "
@@ -72,6 +97,12 @@ constexpr char kUsage[] = R"(sdmserve benchmarks.
                              renders the report, plots and files of an earlier run again
   sdm-bench state [--presets debug_sdm] [--lengths 128,1024,8192] [--dir DIR] [--json FILE]
                              what a session's state costs and how fast it parks and resumes
+  sdm-bench kernels [--kernel_batches 1,8,64] [--json FILE]
+                             CUDA microbenchmarks (copy, SDM step, attention decode, park and
+                             resume) against the device's copy bandwidth (CUDA builds only)
+
+  --device auto|cpu|cuda (decode, state) picks the engine's backend; auto is CUDA when this build
+  has it and a device is present.
   sdm-bench serve [flags]    load generator against a running sdm-server (sdm-bench-serve)
 
   --set key=value (repeatable) overrides a config field of every model, as sdm-model does
@@ -93,6 +124,17 @@ bool ParseInts(const std::vector<std::string>& in, std::vector<int64_t>& out, co
     return false;
   }
   return true;
+}
+
+// The exit status of a failed run: 2 for usage errors (a bad flag value, a device this build
+// cannot have), 1 otherwise.
+int ExitCode(const absl::Status& s) {
+  return absl::IsNotFound(s) || absl::IsInvalidArgument(s) || absl::IsUnimplemented(s) ? 2 : 1;
+}
+
+int Fail(const absl::Status& s) {
+  std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
+  return ExitCode(s);
 }
 
 }  // namespace
@@ -129,12 +171,54 @@ int main(int argc, char** argv) {
   }
   std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
   const std::string command = args.size() == 2 ? args[1] : "";
-  if (command != "decode" && command != "report" && command != "state") {
-    std::fprintf(stderr, "usage: sdm-bench decode|report|state [flags]  (see --help)\n");
+  if (command != "decode" && command != "report" && command != "state" && command != "kernels") {
+    std::fprintf(stderr, "usage: sdm-bench decode|report|state|kernels [flags]  (see --help)\n");
     return 2;
+  }
+  if (command == "kernels") {
+#if defined(SDM_HAVE_CUDA)
+    sdm::bench::KernelBenchOptions ko;
+    if (!ParseInts(absl::GetFlag(FLAGS_kernel_batches), ko.batches, "kernel_batches", false)) {
+      return 2;
+    }
+    ko.context = absl::GetFlag(FLAGS_kernel_context);
+    ko.reps = absl::GetFlag(FLAGS_kernel_reps);
+    ko.warmup = absl::GetFlag(FLAGS_kernel_warmup);
+    ko.copy_mb = std::max<int64_t>(absl::GetFlag(FLAGS_bandwidth_mb), 2048);
+    ko.seed = absl::GetFlag(FLAGS_seed);
+    ko.json_path = absl::GetFlag(FLAGS_json);
+    ko.command_line = absl::StrJoin(all_args, " ");
+    if (ko.context < 1 || ko.reps < 1 || ko.warmup < 0) {
+      std::fprintf(stderr,
+                   "sdm-bench kernels: --kernel_context and --kernel_reps must be >= 1, "
+                   "--kernel_warmup >= 0\n");
+      return 2;
+    }
+    const absl::Status s = sdm::bench::RunKernelBenchmark(ko);
+    return s.ok() ? 0 : Fail(s);
+#else
+    std::fprintf(stderr,
+                 "sdm-bench kernels: this sdm-bench was built without CUDA (configure where nvcc "
+                 "is found, with -DSDM_CUDA=ON)\n");
+    return 2;
+#endif
+  }
+  absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) {
+    std::fprintf(stderr, "sdm-bench: --device: %s\n",
+                 std::string(device.status().message()).c_str());
+    return 2;
+  }
+  if (command != "report") {
+    // Fail before building any model when the device cannot be had.
+    if (absl::StatusOr<sdm::EngineDevice> resolved = sdm::bench::ResolveBenchDevice(*device);
+        !resolved.ok()) {
+      return Fail(resolved.status());
+    }
   }
   if (command == "state") {
     sdm::bench::StateBenchOptions so;
+    so.device = *device;
     if (!absl::GetFlag(FLAGS_presets).empty()) so.presets = absl::GetFlag(FLAGS_presets);
     if (!absl::GetFlag(FLAGS_lengths).empty() &&
         !ParseInts(absl::GetFlag(FLAGS_lengths), so.lengths, "lengths", false)) {
@@ -152,6 +236,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   sdm::bench::DecodeBenchOptions opt;
+  opt.device = *device;
+  opt.device_state_gb = absl::GetFlag(FLAGS_device_state_gb);
   opt.pairs = absl::GetFlag(FLAGS_pair);
   opt.presets = absl::GetFlag(FLAGS_presets);
   if (opt.pairs.empty() && opt.presets.empty()) opt.pairs = {"debug", "cpu_hybrid"};
@@ -182,10 +268,10 @@ int main(int argc, char** argv) {
   all_args[0] = binary;
   opt.command_line = absl::StrJoin(all_args, " ");
   if (opt.steps < 1 || opt.warmup < 0 || opt.max_batch < 1 || opt.prefill_chunk < 1 ||
-      opt.bandwidth_mb < 1 || !(opt.state_budget_gb > 0)) {
+      opt.bandwidth_mb < 1 || !(opt.state_budget_gb > 0) || !(opt.device_state_gb >= 0)) {
     std::fprintf(stderr,
                  "sdm-bench: --steps, --max_batch, --prefill_chunk and --bandwidth_mb must be >= "
-                 "1, --warmup >= 0 and --state_budget_gb > 0\n");
+                 "1, --warmup >= 0, --state_budget_gb > 0 and --device_state_gb >= 0\n");
     return 2;
   }
   if (command == "report") {
@@ -202,9 +288,5 @@ int main(int argc, char** argv) {
     return 0;
   }
   absl::Status s = sdm::bench::RunDecodeBenchmark(opt);
-  if (!s.ok()) {
-    std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
-    return absl::IsNotFound(s) || absl::IsInvalidArgument(s) ? 2 : 1;
-  }
-  return 0;
+  return s.ok() ? 0 : Fail(s);
 }

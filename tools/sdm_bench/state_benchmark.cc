@@ -15,6 +15,7 @@
 #include "engine/model_config.h"
 #include "nlohmann/json.hpp"
 #include "state_store/session_store.h"
+#include "tools/sdm_bench/device_info.h"
 
 namespace sdm::bench {
 namespace {
@@ -60,6 +61,8 @@ std::vector<float> NextLogits(Engine& engine, SessionState& s, int32_t token) {
 }  // namespace
 
 absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
+  absl::StatusOr<EngineDevice> device = ResolveBenchDevice(opt.device);
+  if (!device.ok()) return device.status();
   nlohmann::json results = nlohmann::json::array();
   const std::filesystem::path dir =
       opt.dir.empty()
@@ -76,10 +79,13 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
     std::fprintf(stderr, "[%s] building random weights...\n", preset.c_str());
     auto model = RandomModel(*config, opt.seed);
     EngineOptions eo;
+    eo.device = *device;
     eo.num_threads = opt.threads;
     auto engine_or = Engine::Create(model, eo);
     if (!engine_or.ok()) return engine_or.status();
     Engine& engine = **engine_or;
+    const std::string described = engine.DescribeDevice();
+    std::printf("# %s engine: %s\n", preset.c_str(), described.c_str());
     const SdmGeometry g = SdmGeometryOf(*config);
     int64_t sdm_layers = 0;
     for (LayerType t : config->layer_types) sdm_layers += t == LayerType::kSdm;
@@ -95,6 +101,7 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       std::vector<float> want;
       int64_t rows = 0, table_bytes = 0, kv_bytes = 0, slots = 0;
       double park_host = 0, park_disk = 0, resume_host = 0, resume_disk = 0, prefill = 0;
+      double device_to_host = -1;  // CUDA: the SyncToHost of the prefilled session
       {
         auto store_or = SessionStateStore::Open(engine.state_layout(), engine.fingerprint(), so);
         if (!store_or.ok()) return store_or.status();
@@ -109,6 +116,13 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
           }
           prefill = Since(t0);
           SessionState& st = lease->state();
+          if (st.on_device()) {
+            // The host layers are stale while the device holds the state: bring them back
+            // before reading or cloning them (SessionState::Clone requires it).
+            const Clock::time_point t1 = Clock::now();
+            if (auto s = st.SyncToHost(); !s.ok()) return s;
+            device_to_host = Since(t1);
+          }
           for (int64_t l = 0; l < st.num_layers(); ++l) {
             if (st.is_sdm(l)) {
               slots += st.sdm(l).private_rows();
@@ -143,7 +157,10 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       auto lease = (*store_or)->Acquire("bench");
       if (!lease.ok()) return lease.status();
       resume_disk = Since(t0);
+      // On CUDA the first step after a resume also uploads the state to the device.
+      const Clock::time_point t1 = Clock::now();
       const bool exact = NextLogits(engine, lease->state(), next) == want;
+      const double first_step = Since(t1);
       const double rows_mb = rows * g.head_width * 4 / 1e6;
       std::printf(
           "%-13s %6lld %9lld %10.2f %10.2f %8.2f %9.1f %9.2f %9.2f %9.2f %10.2f %9.2f %9.0f %6s\n",
@@ -151,8 +168,16 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
           table_bytes / 1e6, kv_bytes / 1e6, full_table_mb, park_host * 1e3, park_disk * 1e3,
           resume_host * 1e3, resume_disk * 1e3, prefill, prefill / resume_host,
           exact ? "yes" : "NO");
+      if (device_to_host >= 0) {
+        std::printf(
+            "#   %s at %lld tokens: device -> host sync %.2f ms; first step after the "
+            "resume from disk (upload + one decode step) %.2f ms\n",
+            preset.c_str(), static_cast<long long>(length), device_to_host * 1e3, first_step * 1e3);
+      }
       std::fflush(stdout);
       results.push_back({{"model", preset},
+                         {"device", EngineDeviceName(engine.device())},
+                         {"engine", described},
                          {"tokens", length},
                          {"distinct_slots_written", slots},
                          {"private_row_bytes", rows * g.head_width * 4},
@@ -167,6 +192,9 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
                          {"reprefill_s", prefill},
                          {"reprefill_over_resume_host", prefill / resume_host},
                          {"reprefill_over_resume_disk", prefill / resume_disk},
+                         {"device_to_host_s",
+                          device_to_host >= 0 ? nlohmann::json(device_to_host) : nlohmann::json()},
+                         {"first_step_after_resume_s", first_step},
                          {"exact", exact}});
     }
   }

@@ -9,6 +9,14 @@
 //   - time to re-prefill the same history from scratch,
 // and the ratio re-prefill / resume, all in one run. Resumed sessions are checked to continue
 // exactly (the next token's logits equal the never-parked session's).
+//
+// On the CUDA engine (device kCuda) the session is prefilled on the device, where its state then
+// lives (device residency). Its host layers are brought back by SessionState::SyncToHost() before
+// anything reads or copies them: that device -> host copy is timed on its own (device_to_host_s),
+// the reference continuation comes from a clone of the synced state, and parking then starts from
+// the host copy. The engine uploads a resumed session at its first step, so the time of that
+// first step (host -> device upload plus one decode step) is reported too
+// (first_step_after_resume_s). Every JSON row names the engine's device.
 #ifndef SDMSERVE_TOOLS_SDM_BENCH_STATE_BENCHMARK_H_
 #define SDMSERVE_TOOLS_SDM_BENCH_STATE_BENCHMARK_H_
 
@@ -17,10 +25,12 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/engine.h"
 
 namespace sdm::bench {
 
 struct StateBenchOptions {
+  EngineDevice device = EngineDevice::kAuto;
   std::vector<std::string> presets = {"debug_sdm"};
   std::vector<int64_t> lengths = {128, 1024, 8192};
   int threads = 0;

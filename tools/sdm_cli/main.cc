@@ -52,6 +52,9 @@
 ABSL_FLAG(std::string, model, "",
           "Model directory (config.json, model.safetensors, tokenizer file). Required.");
 ABSL_FLAG(int, threads, 0, "Engine threads; 0 = one per hardware thread.");
+ABSL_FLAG(std::string, device, "auto",
+          "Where the engine runs: auto (CUDA when a device is present, else the CPU), cpu or "
+          "cuda.");
 // generate
 ABSL_FLAG(std::string, prompt, "", "Prompt text; the completion continues BOS + its tokens.");
 ABSL_FLAG(bool, no_bos, false, "Do not put BOS before the prompt's tokens.");
@@ -222,6 +225,9 @@ absl::StatusOr<LoadedEngine> LoadEngine() {
   if (!model.ok()) return model.status();
   EngineOptions options;
   options.num_threads = absl::GetFlag(FLAGS_threads);
+  absl::StatusOr<EngineDevice> device = ParseEngineDevice(absl::GetFlag(FLAGS_device));
+  if (!device.ok()) return device.status();
+  options.device = *device;
   absl::StatusOr<std::unique_ptr<Engine>> engine = Engine::Create(*model, options);
   if (!engine.ok()) return engine.status();
   return LoadedEngine{*std::move(model), *std::move(engine)};
@@ -407,14 +413,14 @@ int Main(int argc, char** argv) {
        "summary line (prompt_tokens, generated_tokens, prefill_s, decode_tokens_per_s, "
        "finish_reason = eos|stop|length) goes to stderr.",
        {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids",
-        "no_bos", "json", "threads"},
+        "no_bos", "json", "threads", "device"},
        RunGenerate},
       {"logits",
-       "sdm-cli logits --model DIR --tokens ID,... [--all] [--threads N]",
+       "sdm-cli logits --model DIR --tokens ID,... [--all] [--threads N] [--device D]",
        "Feeds exactly the given token ids and prints one JSON object: {\"tokens\": [...], "
        "\"logits\": [[...], ...]}, one row of vocab_size floats (%.9g) for the last position, "
        "or for every position with --all.",
-       {"model", "tokens", "all", "threads"},
+       {"model", "tokens", "all", "threads", "device"},
        RunLogits},
   };
   std::vector<std::string> args(argv + 1, argv + argc);

@@ -1,0 +1,752 @@
+// The CUDA backend (design brief §7): the forward pass of engine/cpu_backend.cc with bf16 weights
+// and state on the device, fp32 activations and accumulation, cuBLASLt for every dense layer and
+// kernels/cuda/ for the rest. Sessions become device-resident on their first step
+// (engine/cuda/device_state.h) and stay so until the state store parks them.
+//
+// A step: (1) upload sessions that are not resident and give their attention layers the pages
+// the step's positions need; (2) reserve the SDM rows the step may allocate (copy-on-write can
+// take at most rows * heads * writes per SDM layer); (3) copy the step's small integer arrays
+// (tokens, positions, segments, per-layer table pointers) to the device in one transfer; (4) run
+// the layers on the compute stream; (5) copy the logits back with the free-row count and the
+// row counters, and synchronise once.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "engine/cuda/device_state.h"
+#include "engine/engine_backend.h"
+#include "engine/weight_spec.h"
+#include "kernels/common/device_layout.h"
+#include "kernels/common/sdm_addressing_math.h"
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/gemm.h"
+#include "kernels/cuda/sdm.h"
+
+namespace sdm {
+namespace {
+
+namespace kc = kernels::cuda;
+using bf16 = __nv_bfloat16;
+
+#define SDM_RETURN_IF_ERROR(expr)                                  \
+  do {                                                             \
+    if (absl::Status sdm_s_ = (expr); !sdm_s_.ok()) return sdm_s_; \
+  } while (0)
+
+// A dense layer's weight on the device: [out, in] bf16.
+struct DeviceMatrix {
+  const bf16* w = nullptr;
+  int64_t out = 0, in = 0;
+};
+
+struct AttentionLayer {
+  DeviceMatrix wq, wk, wv, wo, w_gate;  // w_gate.w null unless attn_gate
+  AttentionGeometry geom;
+};
+
+struct SdmLayer {
+  DeviceMatrix wq_read, wk_write, wv_write, a_proj, b_proj, wo, wog;  // wog.w null if no gate
+  const float *bq_read, *bk_write, *bv_write, *a_bias, *b_bias, *a_log, *dt_bias, *bo;
+  const float* bog = nullptr;
+  const float *norm_w = nullptr, *norm_b = nullptr;
+  const float *qbn_w = nullptr, *qbn_b = nullptr, *qbn_mean = nullptr, *qbn_var = nullptr;
+  const float *kbn_w = nullptr, *kbn_b = nullptr, *kbn_mean = nullptr, *kbn_var = nullptr;
+  const bf16* m0 = nullptr;
+};
+
+struct Layer {
+  LayerType type;
+  const float* attention_norm;
+  const float* ffn_norm;
+  DeviceMatrix w1, w2, w3;
+  AttentionLayer attn;
+  SdmLayer sdm;
+};
+
+// Device activations for up to `rows` rows; grown on demand.
+struct Workspace {
+  int64_t rows = 0;
+  kc::DeviceBuffer<float> x, tmp, q, k, v, o, gate, h1, h3, logits;
+  kc::DeviceBuffer<bf16> xb, ob, hb, final_b;
+  // SDM
+  kc::DeviceBuffer<float> rq, wkey, sv, a, b, log_decay, beta, w_weights, r_weights, readings;
+  kc::DeviceBuffer<int32_t> w_slots, r_slots, w_rows, r_refs;
+  kc::DeviceBuffer<float> attn_scratch;
+  // The step's integers and pointers (one upload) and their pinned host image.
+  kc::DeviceBuffer<unsigned char> step;
+  kc::PinnedBuffer<unsigned char> step_host;
+};
+
+class CudaBackend : public EngineBackend {
+ public:
+  explicit CudaBackend(const EngineContext& context)
+      : model_(context.model),
+        cfg_(model_->config),
+        options_(context.options),
+        layout_(*context.layout),
+        hidden_(FfnHiddenDim(cfg_)),
+        sdm_geom_(SdmGeometryOf(cfg_)) {}
+
+  absl::Status Init() {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+      cudaGetLastError();
+      return absl::UnavailableError("no CUDA device is present");
+    }
+    cudaDeviceProp prop{};
+    SDM_RETURN_IF_CUDA(cudaGetDeviceProperties(&prop, 0), "querying the device");
+    device_name_ = prop.name;
+    if (!gemm_.Init()) return absl::InternalError("cuBLASLt: " + gemm_.error());
+    SDM_RETURN_IF_ERROR(UploadWeights());
+
+    // What is left becomes session state: KV pages and SDM rows.
+    size_t free_bytes = 0, total_bytes = 0;
+    SDM_RETURN_IF_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes), "querying device memory");
+    // Keep room for activations of a large step (and cuBLASLt's workspace).
+    const int64_t activation_reserve = int64_t{2} << 30;
+    int64_t state_bytes = options_.device_state_bytes;
+    if (state_bytes <= 0) {
+      state_bytes = static_cast<int64_t>((static_cast<double>(free_bytes) - activation_reserve) *
+                                         options_.device_state_fraction);
+    }
+    if (state_bytes <= 0) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("the weights leave no device memory for session state (%.2f GiB free)",
+                          free_bytes / double(1 << 30)));
+    }
+    DeviceStateSizes sizes;
+    sizes.max_context = options_.max_context;
+    // Arenas in proportion to what one session needs at most: its SDM table fully written, its
+    // sliding-window rings full, its full-attention caches at max_context. Session state of
+    // `sessions` such sessions then fits exactly, and shorter sessions fit more.
+    sizes.kv_pages.assign(cfg_.n_layers, 0);
+    const int64_t row_bytes = sdm_geom_.head_width * static_cast<int64_t>(sizeof(bf16));
+    int64_t need = 0;
+    int64_t sdm_rows_per_session = 0;
+    std::vector<int64_t> pages_per_session(cfg_.n_layers, 0);
+    for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+      const LayerStateLayout& ls = layout_.layers[l];
+      if (ls.kind == LayerStateLayout::Kind::kSdm) {
+        sdm_rows_per_session += ls.sdm_heads * ls.slots_per_head;
+        need += ls.sdm_heads * ls.slots_per_head * row_bytes;
+      } else {
+        const int64_t page_bytes = kernels::KvPageElements(ls.kv_row_width) * sizeof(bf16);
+        pages_per_session[l] =
+            ls.ring_capacity > 0
+                ? kernels::KvRingPages(ls.ring_capacity)
+                : (options_.max_context + kernels::kKvPageTokens - 1) / kernels::kKvPageTokens;
+        need += pages_per_session[l] * page_bytes;
+      }
+    }
+    const double sessions = need > 0 ? static_cast<double>(state_bytes) / need : 0;
+    if (sessions < 1) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%.2f GiB of device memory for session state cannot hold one session (%.2f GiB at "
+          "max_context %d); lower --max_context or free device memory",
+          state_bytes / double(1 << 30), need / double(1 << 30), options_.max_context));
+    }
+    sizes.sdm_rows =
+        std::min<int64_t>(static_cast<int64_t>(sessions * sdm_rows_per_session), INT32_MAX - 1);
+    for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+      sizes.kv_pages[l] =
+          std::min<int64_t>(static_cast<int64_t>(sessions * pages_per_session[l]), INT32_MAX - 1);
+    }
+    std::vector<const bf16*> m0(cfg_.n_layers, nullptr);
+    for (int64_t l = 0; l < cfg_.n_layers; ++l) {
+      if (layers_[l].type == LayerType::kSdm) m0[l] = layers_[l].sdm.m0;
+    }
+    absl::StatusOr<std::shared_ptr<CudaDeviceContext>> ctx =
+        CudaDeviceContext::Create(layout_, sizes, std::move(m0));
+    if (!ctx.ok()) return ctx.status();
+    ctx_ = *std::move(ctx);
+    state_bytes_ = state_bytes;
+    // Sessions of a different mix than the sizing assumed (say, many short ones) can fill one
+    // arena before the bytes add up to this; then a step fails with RESOURCE_EXHAUSTED and
+    // the state store parks sessions.
+    state_capacity_bytes_ = state_bytes;
+    sessions_at_max_ = sessions;
+    return absl::OkStatus();
+  }
+
+  EngineDevice device() const override { return EngineDevice::kCuda; }
+  std::string Describe() const override {
+    return absl::StrFormat(
+        "cuda, %s, weights %.2f GiB, session state %.2f GiB (%.0f sessions at full state)",
+        device_name_, weight_bytes_ / double(1 << 30), state_bytes_ / double(1 << 30),
+        sessions_at_max_);
+  }
+  int64_t StateCapacityBytes() const override { return state_capacity_bytes_; }
+  const EngineProfile& profile() const override { return profile_; }
+  void ResetProfile() override { profile_ = EngineProfile{}; }
+
+  absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
+                       std::vector<float>* logits) override {
+    const int64_t vocab = cfg_.vocab_size;
+    if (logits != nullptr) {
+      logits->assign((all_positions ? static_cast<int64_t>(tokens.size()) : 1) * vocab, 0.0f);
+    }
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    for (int64_t start = 0; start < n; start += options_.prefill_chunk) {
+      const int64_t len = std::min(options_.prefill_chunk, n - start);
+      std::vector<Segment> segs = {{&session, 0, len, session.position()}};
+      std::vector<int64_t> rows;
+      float* out = nullptr;
+      if (logits != nullptr && all_positions) {
+        for (int64_t r = 0; r < len; ++r) rows.push_back(r);
+        out = logits->data() + start * vocab;
+      } else if (logits != nullptr && start + len == n) {
+        rows.push_back(len - 1);
+        out = logits->data();
+      }
+      SDM_RETURN_IF_ERROR(Forward(tokens.subspan(start, len), segs, rows, out));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
+                      std::span<float> logits) override {
+    std::vector<Segment> segs;
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < static_cast<int64_t>(sessions.size()); ++i) {
+      segs.push_back({sessions[i], i, 1, sessions[i]->position()});
+      rows.push_back(i);
+    }
+    return Forward(tokens, segs, rows, logits.data());
+  }
+
+ private:
+  // ---- weights ---------------------------------------------------------------------------------
+
+  absl::Status UploadWeights() {
+    const ModelWeights& w = *model_->weights;
+    std::vector<bf16> staging;
+    for (const TensorSpec& t : ExpectedTensors(cfg_)) {
+      std::span<const float> v = w.Get(t.name);
+      // Matrices (and M0, and the embedding table) in bf16; vectors stay fp32.
+      if (t.shape.size() == 2) {
+        staging.resize(v.size());
+        for (size_t i = 0; i < v.size(); ++i) staging[i] = __float2bfloat16_rn(v[i]);
+        kc::DeviceBuffer<bf16> buf;
+        SDM_RETURN_IF_CUDA(buf.Allocate(v.size()), "allocating weights");
+        SDM_RETURN_IF_CUDA(
+            cudaMemcpy(buf.get(), staging.data(), buf.bytes(), cudaMemcpyHostToDevice),
+            "uploading weights");
+        weight_bytes_ += static_cast<int64_t>(buf.bytes());
+        matrices_[t.name] = {buf.get(), t.shape[0], t.shape[1]};
+        bf16_buffers_.push_back(std::move(buf));
+      } else {
+        kc::DeviceBuffer<float> buf;
+        SDM_RETURN_IF_CUDA(buf.Allocate(v.size()), "allocating weights");
+        SDM_RETURN_IF_CUDA(cudaMemcpy(buf.get(), v.data(), buf.bytes(), cudaMemcpyHostToDevice),
+                           "uploading weights");
+        weight_bytes_ += static_cast<int64_t>(buf.bytes());
+        vectors_[t.name] = buf.get();
+        f32_buffers_.push_back(std::move(buf));
+      }
+    }
+    auto mat = [&](const std::string& name) { return matrices_.at(name); };
+    auto opt_mat = [&](const std::string& name) {
+      auto it = matrices_.find(name);
+      return it == matrices_.end() ? DeviceMatrix{} : it->second;
+    };
+    auto vec = [&](const std::string& name) { return vectors_.at(name); };
+    auto opt_vec = [&](const std::string& name) -> const float* {
+      auto it = vectors_.find(name);
+      return it == vectors_.end() ? nullptr : it->second;
+    };
+    tok_embeddings_ = mat("tok_embeddings.weight").w;
+    final_norm_ = vec("norm.weight");
+    output_ = mat(cfg_.weight_tying ? "tok_embeddings.weight" : "output.weight");
+    for (int64_t i = 0; i < cfg_.n_layers; ++i) {
+      const std::string p = absl::StrCat("layers.", i, ".");
+      Layer l{};
+      l.type = cfg_.layer_types[i];
+      l.attention_norm = vec(p + "attention_norm.weight");
+      l.ffn_norm = vec(p + "ffn_norm.weight");
+      l.w1 = mat(p + "feed_forward.w1.weight");
+      l.w2 = mat(p + "feed_forward.w2.weight");
+      l.w3 = mat(p + "feed_forward.w3.weight");
+      if (l.type == LayerType::kSdm) {
+        SdmLayer& s = l.sdm;
+        const std::string a = p + "attention.";
+        s.wq_read = mat(a + "Wq_read.weight");
+        s.bq_read = vec(a + "Wq_read.bias");
+        s.wk_write = mat(a + "Wk_write.weight");
+        s.bk_write = vec(a + "Wk_write.bias");
+        s.wv_write = mat(a + "Wv_write.weight");
+        s.bv_write = vec(a + "Wv_write.bias");
+        s.a_proj = mat(a + "a_proj.weight");
+        s.a_bias = vec(a + "a_proj.bias");
+        s.b_proj = mat(a + "b_proj.weight");
+        s.b_bias = vec(a + "b_proj.bias");
+        s.a_log = vec(a + "A_log");
+        s.dt_bias = vec(a + "dt_bias");
+        s.wo = mat(a + "Wo.weight");
+        s.bo = vec(a + "Wo.bias");
+        s.wog = opt_mat(a + "Wog.weight");
+        s.bog = opt_vec(a + "Wog.bias");
+        s.norm_w = opt_vec(a + "readings_norm.weight");
+        s.norm_b = opt_vec(a + "readings_norm.bias");
+        s.qbn_w = opt_vec(a + "query_bn.weight");
+        s.qbn_b = opt_vec(a + "query_bn.bias");
+        s.qbn_mean = opt_vec(a + "query_bn.running_mean");
+        s.qbn_var = opt_vec(a + "query_bn.running_var");
+        s.kbn_w = opt_vec(a + "key_bn.weight");
+        s.kbn_b = opt_vec(a + "key_bn.bias");
+        s.kbn_mean = opt_vec(a + "key_bn.running_mean");
+        s.kbn_var = opt_vec(a + "key_bn.running_var");
+        s.m0 = opt_mat(a + "memory").w;
+      } else {
+        AttentionLayer& at = l.attn;
+        at.geom = AttentionGeometryOf(cfg_, i);
+        at.wq = mat(p + "attention.wq.weight");
+        at.wk = mat(p + "attention.wk.weight");
+        at.wv = mat(p + "attention.wv.weight");
+        at.wo = mat(p + "attention.wo.weight");
+        at.w_gate = opt_mat(p + "attention.w_gate.weight");
+      }
+      layers_.push_back(l);
+    }
+    return absl::OkStatus();
+  }
+
+  // ---- the step --------------------------------------------------------------------------------
+
+  int64_t AddressCount(int64_t k) const { return kernels::AddressCount(k, sdm_geom_.side); }
+
+  absl::Status EnsureWorkspace(int64_t rows, int64_t max_visible) {
+    Workspace& ws = ws_;
+    if (rows > ws.rows) {
+      int64_t r = 64;  // capacity grows in powers of two
+      while (r < rows) r *= 2;
+      const int64_t dim = cfg_.dim;
+      int64_t q_width = dim, kv_width = 0;
+      for (const Layer& l : layers_) {
+        if (l.type == LayerType::kSdm) continue;
+        q_width = std::max(q_width, l.attn.geom.n_heads * l.attn.geom.head_dim);
+        kv_width = std::max(kv_width, l.attn.geom.n_kv_heads * l.attn.geom.head_dim);
+      }
+      const int64_t heads = sdm_geom_.heads;
+      const int64_t n_w = heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
+      const int64_t n_r = heads > 0 ? AddressCount(cfg_.sdm.num_reads) : 0;
+      struct F {
+        kc::DeviceBuffer<float>* b;
+        int64_t n;
+      };
+      for (F f : {F{&ws.x, r * dim},
+                  F{&ws.tmp, r * dim},
+                  F{&ws.q, r * q_width},
+                  F{&ws.k, r * kv_width},
+                  F{&ws.v, r * kv_width},
+                  F{&ws.o, r * q_width},
+                  F{&ws.gate, r * std::max(dim, q_width)},
+                  F{&ws.h1, r * hidden_},
+                  F{&ws.h3, r * hidden_},
+                  F{&ws.logits, r * cfg_.vocab_size},
+                  F{&ws.rq, r * sdm_geom_.key_size},
+                  F{&ws.wkey, r * sdm_geom_.key_size},
+                  F{&ws.sv, heads > 0 ? r * dim : 0},
+                  F{&ws.a, r * heads},
+                  F{&ws.b, r * heads},
+                  F{&ws.log_decay, r * heads},
+                  F{&ws.beta, r * heads},
+                  F{&ws.w_weights, r * heads * n_w},
+                  F{&ws.r_weights, r * heads * n_r},
+                  F{&ws.readings, heads > 0 ? r * dim : 0}}) {
+        SDM_RETURN_IF_CUDA(f.b->Allocate(f.n), "allocating activations");
+      }
+      struct B {
+        kc::DeviceBuffer<bf16>* b;
+        int64_t n;
+      };
+      for (B b : {B{&ws.xb, r * std::max(dim, q_width)}, B{&ws.ob, r * std::max(dim, q_width)},
+                  B{&ws.hb, r * hidden_}, B{&ws.final_b, r * dim}}) {
+        SDM_RETURN_IF_CUDA(b.b->Allocate(b.n), "allocating activations");
+      }
+      struct I {
+        kc::DeviceBuffer<int32_t>* b;
+        int64_t n;
+      };
+      for (I i : {I{&ws.w_slots, r * heads * n_w}, I{&ws.r_slots, r * heads * n_r},
+                  I{&ws.w_rows, r * heads * n_w}, I{&ws.r_refs, r * heads * n_r}}) {
+        SDM_RETURN_IF_CUDA(i.b->Allocate(i.n), "allocating activations");
+      }
+      ws.rows = r;
+    }
+    int64_t scratch = 0;
+    for (const Layer& l : layers_) {
+      if (l.type == LayerType::kSdm) continue;
+      const kc::AttentionDims dims = Dims(l.attn.geom);
+      scratch = std::max(scratch, kc::AttentionDecodeScratchFloats(rows, dims, max_visible));
+    }
+    if (scratch > static_cast<int64_t>(ws.attn_scratch.size())) {
+      SDM_RETURN_IF_CUDA(ws.attn_scratch.Allocate(scratch), "allocating attention scratch");
+    }
+    return absl::OkStatus();
+  }
+
+  static kc::AttentionDims Dims(const AttentionGeometry& g) {
+    kc::AttentionDims d;
+    d.n_heads = static_cast<int32_t>(g.n_heads);
+    d.n_kv_heads = static_cast<int32_t>(g.n_kv_heads);
+    d.head_dim = static_cast<int32_t>(g.head_dim);
+    d.window = g.window;
+    return d;
+  }
+
+  // Device pointers into the step's upload (see Forward).
+  struct StepArrays {
+    const int32_t* tokens;
+    const int32_t* positions;  // [n] per row
+    const int32_t* row_seq;    // [n] segment of each row
+    const int32_t* seg_first;  // [S]
+    const int32_t* seg_len;    // [S]
+    const int32_t* seg_pos;    // [S] position of each segment's last token (decode queries)
+    // Per layer [S] device pointers: page tables (attention) or slot tables (SDM); row counters
+    // (SDM).
+    std::vector<int32_t* const*> tables;
+    std::vector<int32_t* const*> counters;
+  };
+
+  absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
+                       std::span<const int64_t> logit_rows, float* logits_out) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t num_segs = static_cast<int64_t>(segs.size());
+    const int64_t dim = cfg_.dim;
+    cudaStream_t stream = ctx_->compute();
+
+    // (1) Residency and pages.
+    int64_t max_visible = 1;
+    std::vector<CudaSessionState*> dev(num_segs);
+    for (int64_t s = 0; s < num_segs; ++s) {
+      SessionState& session = *segs[s].session;
+      if (!session.on_device()) {
+        absl::StatusOr<std::unique_ptr<CudaSessionState>> up =
+            CudaSessionState::Upload(ctx_, session);
+        if (!up.ok()) return up.status();
+        session.AttachDevice(*std::move(up));
+      }
+      dev[s] = dynamic_cast<CudaSessionState*>(session.device());
+      if (dev[s] == nullptr) {
+        return absl::FailedPreconditionError(
+            "session is resident on another backend's device; sync it to the host first");
+      }
+      SDM_RETURN_IF_ERROR(dev[s]->EnsurePages(segs[s].pos0 + segs[s].length));
+      max_visible = std::max(max_visible, segs[s].pos0 + segs[s].length);
+    }
+    // (2) Rows copy-on-write may take.
+    const int64_t n_w = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
+    const int64_t n_r = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_reads) : 0;
+    const int64_t n_sdm = ctx_->num_sdm_layers();
+    if (n_sdm > 0) SDM_RETURN_IF_ERROR(ctx_->ReserveRows(n * sdm_geom_.heads * n_w * n_sdm));
+    SDM_RETURN_IF_ERROR(EnsureWorkspace(n, max_visible));
+
+    // (3) One upload of the step's integers and pointers.
+    Workspace& ws = ws_;
+    const int64_t n_layers = cfg_.n_layers;
+    const size_t int_count = 3 * n + 3 * num_segs;
+    const size_t ptr_count = 2 * n_layers * num_segs;
+    const size_t bytes = ptr_count * sizeof(void*) + int_count * sizeof(int32_t);
+    if (ws.step.size() < bytes) {
+      SDM_RETURN_IF_CUDA(ws.step.Allocate(bytes * 2), "allocating step arrays");
+      SDM_RETURN_IF_CUDA(ws.step_host.Allocate(bytes * 2), "allocating step arrays");
+    }
+    unsigned char* h = ws.step_host.get();
+    auto** hp = reinterpret_cast<int32_t**>(h);
+    auto* hi = reinterpret_cast<int32_t*>(h + ptr_count * sizeof(void*));
+    for (int64_t l = 0; l < n_layers; ++l) {
+      const int64_t si = ctx_->sdm_index(l);
+      for (int64_t s = 0; s < num_segs; ++s) {
+        hp[(2 * l) * num_segs + s] = si >= 0 ? dev[s]->sdm_table(l) : dev[s]->page_table(l);
+        hp[(2 * l + 1) * num_segs + s] =
+            si >= 0 ? ctx_->row_counter(dev[s]->counter_slot(), si) : nullptr;
+      }
+    }
+    int32_t* h_tokens = hi;
+    int32_t* h_pos = h_tokens + n;
+    int32_t* h_seq = h_pos + n;
+    int32_t* h_first = h_seq + n;
+    int32_t* h_len = h_first + num_segs;
+    int32_t* h_segpos = h_len + num_segs;
+    for (int64_t r = 0; r < n; ++r) h_tokens[r] = tokens[r];
+    for (int64_t s = 0; s < num_segs; ++s) {
+      h_first[s] = static_cast<int32_t>(segs[s].first_row);
+      h_len[s] = static_cast<int32_t>(segs[s].length);
+      h_segpos[s] = static_cast<int32_t>(segs[s].pos0 + segs[s].length - 1);
+      for (int64_t t = 0; t < segs[s].length; ++t) {
+        h_pos[segs[s].first_row + t] = static_cast<int32_t>(segs[s].pos0 + t);
+        h_seq[segs[s].first_row + t] = static_cast<int32_t>(s);
+      }
+    }
+    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
+                       "uploading step arrays");
+    StepArrays arr;
+    int32_t* const* dp = reinterpret_cast<int32_t* const*>(ws.step.get());
+    auto* di = reinterpret_cast<const int32_t*>(ws.step.get() + ptr_count * sizeof(void*));
+    arr.tokens = di;
+    arr.positions = di + n;
+    arr.row_seq = di + 2 * n;
+    arr.seg_first = di + 3 * n;
+    arr.seg_len = arr.seg_first + num_segs;
+    arr.seg_pos = arr.seg_len + num_segs;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      arr.tables.push_back(dp + (2 * l) * num_segs);
+      arr.counters.push_back(dp + (2 * l + 1) * num_segs);
+    }
+
+    // (4) The layers.
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point mark = Clock::now();
+    auto lap = [&](double& bucket) -> absl::Status {
+      if (!options_.profile) return absl::OkStatus();
+      SDM_RETURN_IF_CUDA(cudaStreamSynchronize(stream), "profiling");
+      const Clock::time_point now = Clock::now();
+      bucket += std::chrono::duration<double>(now - mark).count();
+      mark = now;
+      return absl::OkStatus();
+    };
+    const float eps = static_cast<float>(cfg_.norm_eps);
+    SDM_RETURN_IF_CUDA(kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream),
+                       "embedding");
+    SDM_RETURN_IF_ERROR(lap(profile_.head_seconds));
+    const bool decode =
+        std::all_of(segs.begin(), segs.end(), [](const Segment& s) { return s.length == 1; });
+    for (int64_t li = 0; li < n_layers; ++li) {
+      const Layer& l = layers_[li];
+      SDM_RETURN_IF_CUDA(
+          kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
+          "attention norm");
+      if (l.type == LayerType::kSdm) {
+        SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
+        SDM_RETURN_IF_ERROR(lap(profile_.sdm_seconds));
+      } else {
+        SDM_RETURN_IF_ERROR(AttentionMixer(li, l.attn, n, decode, segs, arr, max_visible));
+        SDM_RETURN_IF_ERROR(
+            lap(l.type == LayerType::kSwa ? profile_.swa_seconds : profile_.attn_seconds));
+      }
+      SDM_RETURN_IF_CUDA(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual");
+      SDM_RETURN_IF_CUDA(
+          kc::RmsNorm(ws.x.get(), l.ffn_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
+          "ffn norm");
+      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
+      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
+      SDM_RETURN_IF_CUDA(kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream),
+                         "swiglu");
+      SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
+      SDM_RETURN_IF_CUDA(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual");
+      SDM_RETURN_IF_ERROR(lap(profile_.ffn_seconds));
+    }
+
+    // (5) Logits, counters, one synchronisation.
+    const int64_t m = static_cast<int64_t>(logit_rows.size());
+    if (m > 0 && logits_out != nullptr) {
+      const float* rows_in = ws.x.get();
+      bool identity = m == n;
+      for (int64_t i = 0; identity && i < m; ++i) identity = logit_rows[i] == i;
+      if (!identity) {
+        for (int64_t i = 0; i < m; ++i) {
+          SDM_RETURN_IF_CUDA(
+              cudaMemcpyAsync(ws.tmp.get() + i * dim, ws.x.get() + logit_rows[i] * dim,
+                              dim * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+              "gathering logit rows");
+        }
+        rows_in = ws.tmp.get();
+      }
+      SDM_RETURN_IF_CUDA(
+          kc::RmsNorm(rows_in, final_norm_, m, dim, eps, nullptr, ws.final_b.get(), stream),
+          "final norm");
+      SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
+      SDM_RETURN_IF_CUDA(
+          cudaMemcpyAsync(logits_out, ws.logits.get(), m * cfg_.vocab_size * sizeof(float),
+                          cudaMemcpyDeviceToHost, stream),
+          "downloading logits");
+    }
+    SDM_RETURN_IF_ERROR(ctx_->StartRefresh());
+    SDM_RETURN_IF_CUDA(cudaStreamSynchronize(stream), "decode step");
+    ctx_->FinishRefresh();
+    SDM_RETURN_IF_ERROR(lap(profile_.head_seconds));
+    for (const Segment& s : segs) {
+      for (int64_t t = 0; t < s.length; ++t) s.session->AdvancePosition();
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status Linear(const bf16* x, int64_t m, const DeviceMatrix& w, const float* bias,
+                      float* y) {
+    if (!gemm_.Linear(x, m, w.w, w.out, w.in, bias, y, ctx_->compute())) {
+      return absl::InternalError("cuBLASLt: " + gemm_.error());
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status AttentionMixer(int64_t li, const AttentionLayer& a, int64_t n, bool decode,
+                              std::span<const Segment> segs, const StepArrays& arr,
+                              int64_t max_visible) {
+    Workspace& ws = ws_;
+    cudaStream_t stream = ctx_->compute();
+    const AttentionGeometry& g = a.geom;
+    const int64_t q_width = g.n_heads * g.head_dim;
+    const float theta = static_cast<float>(cfg_.rope_theta);
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wk, nullptr, ws.k.get()));
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wv, nullptr, ws.v.get()));
+    SDM_RETURN_IF_CUDA(
+        kc::ApplyRope(ws.q.get(), n, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope");
+    SDM_RETURN_IF_CUDA(
+        kc::ApplyRope(ws.k.get(), n, g.n_kv_heads, g.head_dim, arr.positions, theta, stream),
+        "rope");
+    kc::KvLayerView view = ctx_->kv_arena(li);
+    view.page_tables = arr.tables[li];
+    SDM_RETURN_IF_CUDA(
+        kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
+        "kv append");
+    const kc::AttentionDims dims = Dims(g);
+    if (decode) {
+      SDM_RETURN_IF_CUDA(
+          kc::AttentionDecode(ws.q.get(), static_cast<int64_t>(segs.size()), arr.seg_pos,
+                              max_visible, view, dims, ws.attn_scratch.get(), ws.o.get(), stream),
+          "decode attention");
+    } else {
+      for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
+        const int64_t row = segs[s].first_row;
+        SDM_RETURN_IF_CUDA(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length,
+                                                segs[s].pos0, static_cast<int32_t>(s), view, dims,
+                                                ws.o.get() + row * q_width, stream),
+                           "prefill attention");
+      }
+    }
+    if (a.w_gate.w != nullptr) {
+      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
+      SDM_RETURN_IF_CUDA(kc::MulSigmoid(ws.gate.get(), ws.o.get(), n * q_width, stream),
+                         "attention gate");
+    }
+    SDM_RETURN_IF_CUDA(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert");
+    return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
+  }
+
+  absl::Status SdmMixer(int64_t li, const SdmLayer& w, int64_t n, int64_t n_w, int64_t n_r,
+                        std::span<const Segment> segs, const StepArrays& arr) {
+    Workspace& ws = ws_;
+    cudaStream_t stream = ctx_->compute();
+    const SdmArgs& args = cfg_.sdm;
+    const int64_t dim = cfg_.dim;
+    const int64_t heads = sdm_geom_.heads;
+    const int64_t key_size = sdm_geom_.key_size;
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wq_read, w.bq_read, ws.rq.get()));
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wk_write, w.bk_write, ws.wkey.get()));
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wv_write, w.bv_write, ws.sv.get()));
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
+    if (w.qbn_w != nullptr) {
+      SDM_RETURN_IF_CUDA(kc::BatchNormEval(ws.rq.get(), w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, n,
+                                           key_size, 1e-5f, stream),
+                         "query batchnorm");
+      SDM_RETURN_IF_CUDA(kc::BatchNormEval(ws.wkey.get(), w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var,
+                                           n, key_size, 1e-5f, stream),
+                         "key batchnorm");
+    }
+    SDM_RETURN_IF_CUDA(
+        kc::SdmAddress(ws.wkey.get(), n, heads, sdm_geom_.side, args.num_writes,
+                       ToAddressAct(args.write_act), static_cast<float>(args.write_act_scale),
+                       ws.w_slots.get(), ws.w_weights.get(), stream),
+        "write addressing");
+    SDM_RETURN_IF_CUDA(
+        kc::SdmAddress(ws.rq.get(), n, heads, sdm_geom_.side, args.num_reads,
+                       ToAddressAct(args.read_act), static_cast<float>(args.read_act_scale),
+                       ws.r_slots.get(), ws.r_weights.get(), stream),
+        "read addressing");
+    SDM_RETURN_IF_CUDA(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n, heads,
+                                    ws.log_decay.get(), ws.beta.get(), stream),
+                       "sdm gates");
+    kc::SdmSegments sg;
+    sg.first_row = arr.seg_first;
+    sg.length = arr.seg_len;
+    sg.tables = arr.tables[li];
+    sg.row_counts = arr.counters[li];
+    sg.num = static_cast<int64_t>(segs.size());
+    sg.max_length = 0;
+    for (const Segment& s : segs) sg.max_length = std::max(sg.max_length, s.length);
+    kc::SdmDims dims;
+    dims.heads = heads;
+    dims.side = sdm_geom_.side;
+    dims.row_width = sdm_geom_.head_width;
+    SDM_RETURN_IF_CUDA(
+        kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0,
+                           ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
+        "sdm row preparation");
+    kc::SdmStepArgs step;
+    step.w_rows = ws.w_rows.get();
+    step.w_weights = ws.w_weights.get();
+    step.n_w = n_w;
+    step.r_refs = ws.r_refs.get();
+    step.r_weights = ws.r_weights.get();
+    step.n_r = n_r;
+    step.log_decay = ws.log_decay.get();
+    step.beta = ws.beta.get();
+    step.v = ws.sv.get();
+    step.key_weighted_decay = args.key_weighted_decay;
+    step.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
+    step.m0 = w.m0;
+    step.readings = ws.readings.get();
+    SDM_RETURN_IF_CUDA(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step");
+    if (w.norm_w != nullptr) {
+      SDM_RETURN_IF_CUDA(
+          kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads, sdm_geom_.head_width,
+                        static_cast<float>(args.norm_eps), stream),
+          "readings norm");
+    }
+    if (w.wog.w != nullptr) {
+      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
+      SDM_RETURN_IF_CUDA(kc::MulSigmoid(ws.gate.get(), ws.readings.get(), n * dim, stream),
+                         "output gate");
+    }
+    SDM_RETURN_IF_CUDA(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert");
+    return Linear(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get());
+  }
+
+  std::shared_ptr<const Model> model_;
+  const ModelConfig& cfg_;
+  EngineOptions options_;
+  const StateLayout& layout_;
+  int64_t hidden_;
+  SdmGeometry sdm_geom_;
+  std::string device_name_;
+  kc::BlasLtGemm gemm_;
+  std::vector<kc::DeviceBuffer<bf16>> bf16_buffers_;
+  std::vector<kc::DeviceBuffer<float>> f32_buffers_;
+  std::map<std::string, DeviceMatrix> matrices_;
+  std::map<std::string, const float*> vectors_;
+  int64_t weight_bytes_ = 0;
+  int64_t state_bytes_ = 0;
+  int64_t state_capacity_bytes_ = 0;
+  double sessions_at_max_ = 0;  // sessions of max_context the arenas are sized for
+  const bf16* tok_embeddings_ = nullptr;
+  const float* final_norm_ = nullptr;
+  DeviceMatrix output_;
+  std::vector<Layer> layers_;
+  std::shared_ptr<CudaDeviceContext> ctx_;
+  Workspace ws_;
+  EngineProfile profile_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCudaBackend(const EngineContext& context) {
+  auto backend = std::make_unique<CudaBackend>(context);
+  if (absl::Status s = backend->Init(); !s.ok()) return s;
+  return backend;
+}
+
+}  // namespace sdm

@@ -1,0 +1,62 @@
+// Row-wise and elementwise kernels of the CUDA backend, each with the contract of its CPU twin in
+// kernels/cpu/ (named beside it). All pointers are device memory; every function enqueues its
+// work on `stream` and returns the launch error (cudaSuccess if enqueued). Activations are fp32;
+// matrix inputs for cuBLASLt are bf16 (kernels/cuda/gemm.h); small weight vectors (norm weights,
+// biases, gates) are fp32.
+#ifndef SDMSERVE_KERNELS_CUDA_ELEMENTWISE_H_
+#define SDMSERVE_KERNELS_CUDA_ELEMENTWISE_H_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sdm::kernels::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// out[r] = table[tokens[r]] as fp32, for r < n; table is [vocab, dim] bf16.
+cudaError_t EmbeddingLookup(const bf16* table, const int32_t* tokens, int64_t n, int64_t dim,
+                            float* out, cudaStream_t stream);
+
+// cpu::RmsNorm: x [rows, n] -> x * rsqrt(mean(x^2) + eps) * w. Writes fp32 to out_f32 and/or
+// bf16 to out_bf16 (either may be null).
+cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, float eps,
+                    float* out_f32, bf16* out_bf16, cudaStream_t stream);
+
+// cpu::LayerNorm in place over rows of n (weight and bias may both be null: no affine).
+cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps,
+                      cudaStream_t stream);
+
+// cpu::BatchNormEval in place: x [rows, n], per-column running statistics.
+cudaError_t BatchNormEval(float* x, const float* w, const float* b, const float* mean,
+                          const float* var, int64_t rows, int64_t n, float eps,
+                          cudaStream_t stream);
+
+// cpu::ApplyRope for every row r of x [rows, n_heads * head_dim] at position positions[r]
+// (adjacent pairs, kernels/common/rope_math.h).
+cudaError_t ApplyRope(float* x, int64_t rows, int64_t n_heads, int64_t head_dim,
+                      const int32_t* positions, float theta, cudaStream_t stream);
+
+// cpu::AddInPlace: y += x.
+cudaError_t AddInPlace(const float* x, float* y, int64_t n, cudaStream_t stream);
+// y[r, c] += bias[c] for y [rows, cols].
+cudaError_t AddBias(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream);
+// cpu::SwiGlu: out = silu(gate) * up, written as bf16 (the input of the w2 GEMM).
+cudaError_t SwiGlu(const float* gate, const float* up, int64_t n, bf16* out, cudaStream_t stream);
+// cpu::MulSigmoid: x *= sigmoid(g).
+cudaError_t MulSigmoid(const float* g, float* x, int64_t n, cudaStream_t stream);
+
+cudaError_t FloatToBf16(const float* x, int64_t n, bf16* out, cudaStream_t stream);
+cudaError_t Bf16ToFloat(const bf16* x, int64_t n, float* out, cudaStream_t stream);
+
+// SDM gates (design brief §2) for a, b [rows, heads] (a_proj / b_proj outputs, biases added):
+// log_decay = SdmLogDecay(a_log[h], a, dt_bias[h]) and beta = Sigmoid(b)
+// (kernels/common/sdm_math.h). The decay itself, exp(g) or exp(g * k_i), is taken by SdmStep.
+cudaError_t SdmGates(const float* a, const float* b, const float* a_log, const float* dt_bias,
+                     int64_t rows, int64_t heads, float* log_decay, float* beta,
+                     cudaStream_t stream);
+
+}  // namespace sdm::kernels::cuda
+
+#endif  // SDMSERVE_KERNELS_CUDA_ELEMENTWISE_H_

@@ -1,0 +1,737 @@
+// The SDM layer on the GPU (kernels/cuda/sdm.h; design brief §2, §7). Selection and update math
+// come from the SDM_HOST_DEVICE helpers that the CPU kernels use (kernels/common/
+// sdm_addressing_math.h, sdm_math.h), so the CPU tests cover them.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/device_layout.h"
+#include "kernels/common/sdm_addressing_math.h"
+#include "kernels/common/sdm_math.h"
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/sdm.h"
+
+namespace sdm::kernels::cuda {
+namespace {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Limits of the kernels' fixed-size shared arrays.
+constexpr int64_t kMaxSelected = 256;  // slots per (row, head): AddressCount(k, s) <= 256
+constexpr int64_t kMaxSide = 1024;     // s; candidates k_sub^2 <= 65536, slots < 2^20
+
+bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+__device__ __forceinline__ unsigned LaneMaskLt(int lane) { return (1u << lane) - 1u; }
+
+// Block-wide reduction with `op` (every thread of the block calls it; blockDim a multiple of
+// 32). scratch: 32 entries of shared memory; reusable right after the call returns.
+template <typename T, typename Op>
+__device__ T BlockReduce(T x, T* scratch, Op op) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(kFullMask, x, o));
+  __syncthreads();  // a previous call may still be reading scratch
+  if (lane == 0) scratch[warp] = x;
+  __syncthreads();
+  T r = scratch[0];
+  for (int w = 1; w < warps; ++w) r = op(r, scratch[w]);
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Addressing: one block of kAddressThreads per (row, head).
+//   1. Each half's top k_sub by rank: a thread per element counts the elements whose rank key
+//      (precomputed in shared memory) is larger; no synchronisation.
+//   2. The count-th largest candidate rank key by an MSD radix select over the k_sub^2 candidate
+//      sums (computed on the fly, never stored): per 8-bit digit a shared histogram built with
+//      warp-aggregated atomics, then RadixSelectDigit on one thread.
+//   3. Candidates with key >= threshold (exactly count of them: keys are distinct) are appended
+//      to shared memory, then placed by rank of slot, so the output is sorted ascending.
+//   4. Activation with block reductions (same final formulas as the CPU's serial helper).
+// A thread visits candidates e = tid, tid + blockDim, ... as (i, j) = (e / k_sub, e % k_sub),
+// advanced incrementally to avoid a 64-bit division per candidate.
+constexpr int kAddressThreads = 256;
+
+struct CandidateCursor {
+  int32_t i, j, step_i, step_j, k_sub;
+  __device__ CandidateCursor(int64_t start, int64_t step, int64_t k)
+      : i(static_cast<int32_t>(start / k)),
+        j(static_cast<int32_t>(start % k)),
+        step_i(static_cast<int32_t>(step / k)),
+        step_j(static_cast<int32_t>(step % k)),
+        k_sub(static_cast<int32_t>(k)) {}
+  __device__ void Advance() {
+    i += step_i;
+    j += step_j;
+    if (j >= k_sub) {
+      j -= k_sub;
+      ++i;
+    }
+  }
+};
+
+__global__ void __launch_bounds__(kAddressThreads)
+    AddressKernel(const float* scores, int64_t side, int64_t k, AddressAct act, float scale,
+                  int32_t* slots_out, float* weights_out) {
+  // Dynamic: scores [2 * side] (half A then half B), then their rank keys [2 * side].
+  extern __shared__ float sc[];
+  uint64_t* half_key = reinterpret_cast<uint64_t*>(sc + 2 * side);  // 8-byte aligned: 8 * side
+  __shared__ int32_t idx[2][kMaxSelected];
+  __shared__ int32_t hist[256];
+  __shared__ int32_t sel_slot[kMaxSelected], out_slot[kMaxSelected];
+  __shared__ float sel_sum[kMaxSelected], out_sum[kMaxSelected];
+  __shared__ int32_t sel_n, sh_digit;
+  __shared__ int64_t sh_remaining;
+  __shared__ float red_f[32];
+  __shared__ double red_d[32];
+
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t rh = blockIdx.x;
+  const float* src = scores + rh * 2 * side;
+  const int half_bytes = AddressIndexBytes(side);
+  for (int64_t i = tid; i < 2 * side; i += blockDim.x) {
+    const float x = src[i];
+    sc[i] = x;
+    half_key[i] = AddressRankKey(x, i < side ? i : i - side, half_bytes);
+  }
+  if (tid == 0) sel_n = 0;
+  __syncthreads();
+
+  const int64_t k_sub = AddressSubCount(k, side);
+  const int64_t count = AddressCount(k, side);
+  for (int64_t i = tid; i < 2 * side; i += blockDim.x) {
+    const int half = i >= side ? 1 : 0;
+    const uint64_t* keys = half_key + half * side;
+    const uint64_t mine = half_key[i];
+    int64_t rank = 0;  // AddressRankOf over precomputed keys
+    for (int64_t j = 0; j < side; ++j) rank += keys[j] > mine ? 1 : 0;
+    if (rank < k_sub) idx[half][rank] = static_cast<int32_t>(i - half * side);
+  }
+  __syncthreads();
+
+  const int64_t n = k_sub * k_sub;
+  const int slot_bytes = AddressIndexBytes(side * side);
+  uint64_t threshold = 0;  // count == n: every candidate
+  if (count < n) {
+    uint64_t prefix = 0, prefix_mask = 0;
+    if (tid == 0) sh_remaining = count;
+    for (int shift = AddressRankKeyBits(slot_bytes) - 8; shift >= 0; shift -= 8) {
+      for (int d = tid; d < 256; d += blockDim.x) hist[d] = 0;
+      __syncthreads();
+      // Uniform trip count per warp, so the warp-wide match below sees every lane.
+      CandidateCursor cur(tid, blockDim.x, k_sub);
+      for (int64_t base = 0; base < n; base += blockDim.x, cur.Advance()) {
+        int digit = -1;
+        if (base + tid < n) {
+          const uint64_t key =
+              AddressCandidateOf(sc, side, idx[0][cur.i], idx[1][cur.j], slot_bytes).key;
+          if ((key & prefix_mask) == prefix) digit = static_cast<int>((key >> shift) & 0xff);
+        }
+        const unsigned peers = __match_any_sync(kFullMask, digit);
+        if (digit >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+      }
+      __syncthreads();
+      if (tid == 0) {
+        int64_t remaining = sh_remaining;
+        sh_digit = RadixSelectDigit(hist, &remaining);
+        sh_remaining = remaining;
+      }
+      __syncthreads();
+      prefix |= static_cast<uint64_t>(sh_digit) << shift;
+      prefix_mask |= uint64_t{0xff} << shift;
+    }
+    threshold = prefix;
+  }
+
+  CandidateCursor cur(tid, blockDim.x, k_sub);
+  for (int64_t e = tid; e < n; e += blockDim.x, cur.Advance()) {
+    const AddressCandidate c =
+        AddressCandidateOf(sc, side, idx[0][cur.i], idx[1][cur.j], slot_bytes);
+    if (c.key >= threshold) {
+      const int pos = atomicAdd(&sel_n, 1);
+      if (pos < kMaxSelected) {
+        sel_slot[pos] = c.slot;
+        sel_sum[pos] = c.sum;
+      }
+    }
+  }
+  __syncthreads();
+  for (int64_t t = tid; t < count; t += blockDim.x) {
+    const int32_t mine = sel_slot[t];
+    int rank = 0;
+    for (int64_t u = 0; u < count; ++u) rank += sel_slot[u] < mine ? 1 : 0;
+    out_slot[rank] = mine;
+    out_sum[rank] = sel_sum[t];
+  }
+  __syncthreads();
+
+  // count <= kMaxSelected == blockDim.x: thread t owns output t.
+  const bool has = tid < count;
+  float x = has ? out_sum[tid] : 0.0f;
+  float y = x;
+  if (act == AddressAct::kSoftmax) {
+    x *= scale;
+    const float max_v = BlockReduce(has ? x : -INFINITY, red_f,
+                                    [](float a, float b) { return fmaxf(a, b); });  // skips NaN
+    const float ex = has ? expf(x - max_v) : 0.0f;
+    const double sum =
+        BlockReduce(static_cast<double>(ex), red_d, [](double a, double b) { return a + b; });
+    y = ex * AddressSoftmaxInv(sum);
+  } else if (act == AddressAct::kL2Normalize) {
+    const double ss = BlockReduce(has ? static_cast<double>(x) * x : 0.0, red_d,
+                                  [](double a, double b) { return a + b; });
+    y = x / AddressL2Denominator(ss);
+  } else {
+    y = AddressActPointwise(act, x);
+  }
+  if (has) {
+    slots_out[rh * count + tid] = out_slot[tid];
+    weights_out[rh * count + tid] = y;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row copies (a warp per row). kVec16: 16-byte accesses (row_width % 8 == 0, aligned pointers).
+template <bool kVec16>
+__device__ void WarpCopyRow(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_t width, int lane) {
+  if constexpr (kVec16) {
+    uint4* d = reinterpret_cast<uint4*>(dst);
+    const uint4* s = reinterpret_cast<const uint4*>(src);
+    for (int64_t c = lane; c < width / 8; c += 32)
+      d[c] = s != nullptr ? s[c] : make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t c = lane; c < width; c += 32)
+      dst[c] = src != nullptr ? src[c] : __float2bfloat16(0.0f);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copy-on-write preparation, three kernels in stream order:
+//   PrepareAllocKernel: a warp per (segment, head) walks that segment's write entries in token
+//     then slot order, 32 at a time. A slot still at kSdmNoRow gets a row popped from the free
+//     list (one atomicSub per chunk; lanes take consecutive entries in lane order), the table is
+//     updated, and a later entry of the same slot (same chunk: __match_any_sync leader; later
+//     chunk: it sees the table) gets the same row. The allocating entry's w_rows is marked
+//     -2 - row so the next kernel knows which rows to initialise.
+//   PrepareCopyKernel: a warp per marked entry copies M0's row (or zeros) into the new row.
+//   PrepareRefsKernel: clears the marks and resolves the read references from the tables, now
+//     that every allocation of the batch is done.
+// Free-list exhaustion (a broken precondition) leaves the slot at kSdmNoRow, writes kSdmNoRow to
+// w_rows (SdmStep skips such writes) and leaves *free_count negative for the engine to see.
+constexpr int kPrepareThreads = 128;
+
+__global__ void __launch_bounds__(kPrepareThreads)
+    PrepareAllocKernel(const int32_t* w_slots, int64_t n_w, SdmSegments segs, int64_t heads,
+                       int64_t slots_per_head, int32_t* free_list, int32_t* free_count,
+                       int32_t* w_rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (group >= segs.num * heads) return;  // whole warps exit together
+  const int64_t seg = group / heads, h = group % heads;
+  const int64_t first = segs.first_row[seg];
+  const int64_t total = static_cast<int64_t>(segs.length[seg]) * n_w;
+  int32_t* table = segs.tables[seg] + h * slots_per_head;
+  int32_t allocated = 0;
+  for (int64_t base = 0; base < total; base += 32) {
+    const int64_t w = base + lane;
+    const bool valid = w < total;
+    const int64_t e = ((first + w / n_w) * heads + h) * n_w + w % n_w;
+    const int32_t slot = valid ? w_slots[e] : -1;
+    const bool in_range = valid && slot >= 0 && slot < slots_per_head;
+    const int32_t entry = in_range ? table[slot] : kSdmNoRow;
+    const bool need = in_range && entry == kSdmNoRow;
+    // Lanes needing the same slot group together; the lowest lane allocates.
+    const unsigned same = __match_any_sync(kFullMask, need ? slot : -1 - lane);
+    const int leader = __ffs(same) - 1;
+    const bool is_new = need && lane == leader;
+    const unsigned news = __ballot_sync(kFullMask, is_new);
+    int32_t top = 0;
+    if (news != 0) {
+      if (lane == 0) top = atomicSub(free_count, __popc(news));
+      top = __shfl_sync(kFullMask, top, 0);
+    }
+    int32_t row = entry;
+    if (is_new) {
+      const int32_t pos = top - 1 - __popc(news & LaneMaskLt(lane));
+      row = pos >= 0 ? free_list[pos] : kSdmNoRow;
+      if (row >= 0) table[slot] = row;
+    }
+    const int32_t leader_row = __shfl_sync(kFullMask, row, leader);
+    if (need) row = leader_row;
+    if (valid) w_rows[e] = (is_new && row >= 0) ? -2 - row : row;
+    allocated += __popc(__ballot_sync(kFullMask, is_new && row >= 0));
+    __syncwarp();  // this chunk's table writes are seen by the next chunk's reads
+  }
+  if (lane == 0 && allocated > 0 && segs.row_counts != nullptr && segs.row_counts[seg] != nullptr) {
+    atomicAdd(segs.row_counts[seg], allocated);
+  }
+}
+
+template <bool kVec16>
+__global__ void __launch_bounds__(kPrepareThreads)
+    PrepareCopyKernel(const int32_t* w_slots, int64_t n_w, SdmSegments segs, int64_t heads,
+                      int64_t slots_per_head, const __nv_bfloat16* m0, __nv_bfloat16* rows,
+                      int64_t width, const int32_t* w_rows) {
+  const int lane = threadIdx.x & 31;
+  const int64_t q = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  for (int64_t seg = blockIdx.y; seg < segs.num; seg += gridDim.y) {
+    const int64_t per_row = heads * n_w;
+    if (q >= segs.length[seg] * per_row) continue;
+    const int64_t e = segs.first_row[seg] * per_row + q;
+    const int32_t mark = w_rows[e];
+    if (mark > -2) continue;
+    const int64_t row = -2 - static_cast<int64_t>(mark);
+    const int64_t h = (e / n_w) % heads;
+    const __nv_bfloat16* src =
+        m0 != nullptr ? m0 + (h * slots_per_head + w_slots[e]) * width : nullptr;
+    WarpCopyRow<kVec16>(rows + row * width, src, width, lane);
+  }
+}
+
+__global__ void __launch_bounds__(kPrepareThreads)
+    PrepareRefsKernel(int64_t n_w, const int32_t* r_slots, int64_t n_r, SdmSegments segs,
+                      int64_t heads, int64_t slots_per_head, int32_t* w_rows, int32_t* r_refs) {
+  const int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t seg = blockIdx.y; seg < segs.num; seg += gridDim.y) {
+    const int64_t len = segs.length[seg], first = segs.first_row[seg];
+    if (q < len * heads * n_w) {
+      const int64_t e = first * heads * n_w + q;
+      const int32_t mark = w_rows[e];
+      if (mark <= -2) w_rows[e] = -2 - mark;
+    } else if (q < len * heads * (n_w + n_r)) {
+      const int64_t e = first * heads * n_r + (q - len * heads * n_w);
+      const int64_t h = (e / n_r) % heads;
+      const int32_t slot = r_slots[e];
+      const int32_t entry = segs.tables[seg][h * slots_per_head + slot];
+      r_refs[e] = entry >= 0 ? entry : SdmM0Ref(h, slot, slots_per_head);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused write + read. Tiling: block (segment, column tile, head) with kStepWarps warps. A
+// tile is 32 lanes x kVec columns (kVec = 8: 16-byte bf16 loads, 256 columns = 512 B of a row
+// per warp access, fully coalesced). The columns are independent (design brief §7), so a block
+// owns its tile of every row of its head for the whole segment and walks the segment's tokens
+// in order with no inter-block communication. Within a token the warps split the rows (warp w
+// takes rows w, w + 8, ...), each warp keeping kBatch rows' loads in flight, and per-warp
+// column partial sums are combined through shared memory:
+//   stage   indices, weights, decays, v tile into shared memory          | sync
+//   A       vhat partials = sum_i k_i alpha_i M_i (shared residual only) | sync
+//           delta = beta (v - vhat) per column                            | sync
+//   B       M_i = SdmSharedResidual / SdmSlotResidual(alpha_i M_i, ...), stored as bf16 | sync
+//   read    y partials = sum_j q_j M_j (arena row, M0 row or zeros)      | sync
+//           y per column -> readings
+// B re-reads the rows A read (same warp, same lanes; L1/L2 hits). The sync after B makes the
+// block's bf16 stores visible to the read and to the next token (rows are plain global loads,
+// never the non-coherent read-only path). No other block touches these columns of these rows.
+constexpr int kStepThreads = 256;
+constexpr int kStepWarps = kStepThreads / 32;
+constexpr int kBatch = 4;
+
+template <int kVec>
+__device__ __forceinline__ void LoadBf16(const __nv_bfloat16* p, float (&x)[kVec]) {
+  if constexpr (kVec == 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h2 = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h2[i]);
+      x[2 * i] = f.x;
+      x[2 * i + 1] = f.y;
+    }
+  } else if constexpr (kVec == 2) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+    x[0] = f.x;
+    x[1] = f.y;
+  } else {
+    x[0] = __bfloat162float(*p);
+  }
+}
+
+template <int kVec>
+__device__ __forceinline__ void StoreBf16(__nv_bfloat16* p, const float (&x)[kVec]) {
+  if constexpr (kVec == 8) {
+    uint4 raw;
+    __nv_bfloat162* h2 = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h2[i] = __floats2bfloat162_rn(x[2 * i], x[2 * i + 1]);
+    *reinterpret_cast<uint4*>(p) = raw;
+  } else if constexpr (kVec == 2) {
+    *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x[0], x[1]);
+  } else {
+    *p = __float2bfloat16_rn(x[0]);
+  }
+}
+
+template <int kVec>
+__global__ void __launch_bounds__(kStepThreads)
+    StepKernel(SdmStepArgs args, SdmSegments segs, int64_t heads, int64_t width,
+               __nv_bfloat16* rows, int64_t tiles) {
+  constexpr int kTile = 32 * kVec;
+  __shared__ int32_t s_wrow[kMaxSelected], s_rref[kMaxSelected];
+  __shared__ float s_k[kMaxSelected], s_alpha[kMaxSelected], s_q[kMaxSelected];
+  __shared__ __align__(16) float s_part[kStepWarps][kTile];
+  __shared__ float s_delta[kTile], s_v[kTile];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t seg = blockIdx.x / tiles;
+  const int64_t tile = blockIdx.x % tiles;
+  const int64_t h = blockIdx.y;
+  const int64_t first = segs.first_row[seg], len = segs.length[seg];
+  const int64_t n_w = args.n_w, n_r = args.n_r;
+  const int64_t c_lane = tile * kTile + lane * kVec;  // this lane's first column
+  const bool active = c_lane < width;                 // width % kVec == 0
+  const int64_t c_tid = tile * kTile + tid;           // column of the per-column steps
+  const bool shared_residual = !args.slot_residual;
+
+  for (int64_t t = 0; t < len; ++t) {
+    const int64_t r = first + t;
+    const int64_t rh = r * heads + h;
+    const float g = args.log_decay[rh];
+    const float beta = args.beta[rh];
+    for (int64_t i = tid; i < n_w; i += kStepThreads) {
+      const float k = args.w_weights[rh * n_w + i];
+      s_wrow[i] = args.w_rows[rh * n_w + i];
+      s_k[i] = k;
+      s_alpha[i] = expf(args.key_weighted_decay ? g * k : g);
+    }
+    for (int64_t j = tid; j < n_r; j += kStepThreads) {
+      s_rref[j] = args.r_refs[rh * n_r + j];
+      s_q[j] = args.r_weights[rh * n_r + j];
+    }
+    if (tid < kTile) s_v[tid] = c_tid < width ? args.v[rh * width + c_tid] : 0.0f;
+    __syncthreads();
+
+    if (shared_residual) {
+      float acc[kVec] = {};
+      if (active) {
+        for (int64_t i0 = warp; i0 < n_w; i0 += kStepWarps * kBatch) {
+          float x[kBatch][kVec];
+          float ka[kBatch];
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+            const int64_t i = i0 + b * kStepWarps;
+            const int32_t row = i < n_w ? s_wrow[i] : kSdmNoRow;
+            ka[b] = row >= 0 ? s_k[i] * s_alpha[i] : 0.0f;
+            if (row >= 0) {
+              LoadBf16<kVec>(rows + row * width + c_lane, x[b]);
+            } else {
+#pragma unroll
+              for (int c = 0; c < kVec; ++c) x[b][c] = 0.0f;
+            }
+          }
+#pragma unroll
+          for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) acc[c] += ka[b] * x[b][c];
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) s_part[warp][lane * kVec + c] = acc[c];
+      __syncthreads();
+      if (tid < kTile) {
+        float vhat = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kStepWarps; ++w) vhat += s_part[w][tid];
+        s_delta[tid] = beta * (s_v[tid] - vhat);
+      }
+      __syncthreads();
+    }
+
+    if (active) {
+      for (int64_t i0 = warp; i0 < n_w; i0 += kStepWarps * kBatch) {
+        float x[kBatch][kVec];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t i = i0 + b * kStepWarps;
+          const int32_t row = i < n_w ? s_wrow[i] : kSdmNoRow;
+          if (row >= 0) LoadBf16<kVec>(rows + row * width + c_lane, x[b]);
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t i = i0 + b * kStepWarps;
+          const int32_t row = i < n_w ? s_wrow[i] : kSdmNoRow;
+          if (row < 0) continue;
+          const float a = s_alpha[i], k = s_k[i];
+          const int base = lane * kVec;
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) {
+            const float mt = a * x[b][c];
+            x[b][c] = shared_residual ? SdmSharedResidual(mt, k, s_delta[base + c])
+                                      : SdmSlotResidual(mt, k, beta, s_v[base + c]);
+          }
+          StoreBf16<kVec>(rows + row * width + c_lane, x[b]);
+        }
+      }
+    }
+    __syncthreads();
+
+    float acc[kVec] = {};
+    if (active) {
+      for (int64_t j0 = warp; j0 < n_r; j0 += kStepWarps * kBatch) {
+        float x[kBatch][kVec];
+        float qb[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int64_t j = j0 + b * kStepWarps;
+          const __nv_bfloat16* src = nullptr;
+          qb[b] = 0.0f;
+          if (j < n_r) {
+            const int32_t ref = s_rref[j];
+            qb[b] = s_q[j];
+            if (ref >= 0) {
+              src = rows + static_cast<int64_t>(ref) * width;
+            } else if (args.m0 != nullptr) {
+              src = args.m0 + SdmM0RowOf(ref) * width;
+            }
+          }
+          if (src != nullptr) {
+            LoadBf16<kVec>(src + c_lane, x[b]);
+          } else {
+            qb[b] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) x[b][c] = 0.0f;
+          }
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+          for (int c = 0; c < kVec; ++c) acc[c] += qb[b] * x[b][c];
+        }
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kVec; ++c) s_part[warp][lane * kVec + c] = acc[c];
+    __syncthreads();
+    if (tid < kTile && c_tid < width) {
+      float y = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kStepWarps; ++w) y += s_part[w][tid];
+      args.readings[rh * width + c_tid] = y;
+    }
+    // The next token's staging touches no array read above; its first phase writes s_part
+    // only after the next __syncthreads, which every thread reaches after this reduction.
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Release, gather, scatter, free-list initialisation.
+constexpr int kMoveThreads = 256;
+
+__global__ void ReleaseKernel(int32_t* table, int64_t n_slots, int32_t* free_list,
+                              int32_t* free_count) {
+  const int lane = threadIdx.x & 31;
+  // Uniform trip count per warp (base is per block), so the ballot sees every lane.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n_slots;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const int32_t row = i < n_slots ? table[i] : kSdmNoRow;
+    const bool has = row >= 0;
+    const unsigned mask = __ballot_sync(kFullMask, has);
+    if (mask == 0) continue;
+    const int leader = __ffs(mask) - 1;
+    int32_t pos = 0;
+    if (lane == leader) pos = atomicAdd(free_count, __popc(mask));
+    pos = __shfl_sync(kFullMask, pos, leader);
+    if (has) {
+      free_list[pos + __popc(mask & LaneMaskLt(lane))] = row;
+      table[i] = kSdmNoRow;
+    }
+  }
+}
+
+template <bool kVec16>
+__global__ void GatherKernel(const __nv_bfloat16* rows, int64_t width, const int32_t* row_ids,
+                             int64_t count, __nv_bfloat16* dst) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (i >= count) return;
+  WarpCopyRow<kVec16>(dst + i * width, rows + static_cast<int64_t>(row_ids[i]) * width, width,
+                      threadIdx.x & 31);
+}
+
+template <bool kVec16>
+__global__ void ScatterKernel(const __nv_bfloat16* src, const int32_t* slot_ids, int64_t count,
+                              int32_t* table, __nv_bfloat16* rows, int64_t width,
+                              int32_t* free_list, int32_t* free_count) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (i >= count) return;  // whole warps
+  const int lane = threadIdx.x & 31;
+  int32_t row = kSdmNoRow;
+  if (lane == 0) {
+    const int32_t pos = atomicSub(free_count, 1) - 1;
+    row = pos >= 0 ? free_list[pos] : kSdmNoRow;
+  }
+  row = __shfl_sync(kFullMask, row, 0);
+  if (row < 0) return;  // free list exhausted: *free_count stays negative
+  WarpCopyRow<kVec16>(rows + static_cast<int64_t>(row) * width, src + i * width, width, lane);
+  if (lane == 0) table[slot_ids[i]] = row;
+}
+
+__global__ void InitFreeListKernel(int32_t* free_list, int32_t* free_count, int64_t capacity) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < capacity;
+       i += stride) {
+    free_list[i] = static_cast<int32_t>(i);
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *free_count = static_cast<int32_t>(capacity);
+}
+
+unsigned int WarpBlocks(int64_t warps, int threads) {
+  return static_cast<unsigned int>((warps * 32 + threads - 1) / threads);
+}
+
+unsigned int CappedBlocks(int64_t n, int threads) {
+  const int64_t b = (n + threads - 1) / threads;
+  return static_cast<unsigned int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+}  // namespace
+
+cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t side, int64_t k,
+                       AddressAct act, float scale, int32_t* slots, float* weights,
+                       cudaStream_t stream) {
+  if (rows < 0 || heads < 0 || side <= 0 || k < 0) return cudaErrorInvalidValue;
+  const int64_t count = AddressCount(k, side);
+  if (rows * heads == 0 || count == 0) return cudaSuccess;
+  if (side > kMaxSide || count > kMaxSelected || rows * heads > INT32_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = static_cast<size_t>(2 * side) * (sizeof(float) + sizeof(uint64_t));
+  AddressKernel<<<static_cast<unsigned int>(rows * heads), kAddressThreads, smem, stream>>>(
+      scores, side, k, act, scale, slots, weights);
+  return cudaGetLastError();
+}
+
+cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r_slots, int64_t n_r,
+                           const SdmSegments& segs, const SdmDims& dims, const __nv_bfloat16* m0,
+                           const SdmRowArena& arena, int32_t* w_rows, int32_t* r_refs,
+                           cudaStream_t stream) {
+  if (n_w < 0 || n_r < 0 || segs.num < 0 || dims.heads <= 0 || dims.side <= 0 ||
+      dims.row_width != arena.row_width) {
+    return cudaErrorInvalidValue;
+  }
+  if (segs.num == 0 || segs.max_length <= 0) return cudaSuccess;
+  const int64_t slots_per_head = dims.side * dims.side;
+  const int64_t width = dims.row_width;
+  const unsigned int seg_blocks = static_cast<unsigned int>(segs.num < 65535 ? segs.num : 65535);
+  if (n_w > 0) {
+    PrepareAllocKernel<<<WarpBlocks(segs.num * dims.heads, kPrepareThreads), kPrepareThreads, 0,
+                         stream>>>(w_slots, n_w, segs, dims.heads, slots_per_head, arena.free_list,
+                                   arena.free_count, w_rows);
+    SDM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    const dim3 grid(WarpBlocks(segs.max_length * dims.heads * n_w, kPrepareThreads), seg_blocks);
+    const bool vec16 =
+        width % 8 == 0 && Aligned(arena.rows, 16) && (m0 == nullptr || Aligned(m0, 16));
+    if (vec16) {
+      PrepareCopyKernel<true><<<grid, kPrepareThreads, 0, stream>>>(
+          w_slots, n_w, segs, dims.heads, slots_per_head, m0, arena.rows, width, w_rows);
+    } else {
+      PrepareCopyKernel<false><<<grid, kPrepareThreads, 0, stream>>>(
+          w_slots, n_w, segs, dims.heads, slots_per_head, m0, arena.rows, width, w_rows);
+    }
+    SDM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  if (n_w + n_r > 0) {
+    const int64_t per_seg = segs.max_length * dims.heads * (n_w + n_r);
+    const dim3 grid(static_cast<unsigned int>((per_seg + kPrepareThreads - 1) / kPrepareThreads),
+                    seg_blocks);
+    PrepareRefsKernel<<<grid, kPrepareThreads, 0, stream>>>(n_w, r_slots, n_r, segs, dims.heads,
+                                                            slots_per_head, w_rows, r_refs);
+    SDM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmDims& dims,
+                    const SdmRowArena& arena, cudaStream_t stream) {
+  if (args.n_w < 0 || args.n_r < 0 || args.n_w > kMaxSelected || args.n_r > kMaxSelected ||
+      segs.num < 0 || dims.heads <= 0 || dims.heads > 65535 || dims.row_width <= 0 ||
+      dims.row_width != arena.row_width) {
+    return cudaErrorInvalidValue;
+  }
+  if (segs.num == 0) return cudaSuccess;
+  const int64_t width = dims.row_width;
+  // 16-byte tiles when the grid is wide enough to fill the GPU (decode batches); 4-byte tiles
+  // (4x more blocks) for few long segments (prefill); scalar for odd widths.
+  constexpr int64_t kWideGrid = 264;  // ~2 blocks per SM on an H200 (132 SMs)
+  const bool vec8_ok =
+      width % 8 == 0 && Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
+  const bool vec2_ok =
+      width % 2 == 0 && Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
+  const int64_t tiles8 = (width + 255) / 256;
+  int vec = 1;
+  if (vec8_ok && (segs.num * dims.heads * tiles8 >= kWideGrid || !vec2_ok)) {
+    vec = 8;
+  } else if (vec2_ok) {
+    vec = 2;
+  }
+  const int64_t tile_cols = 32 * vec;
+  const int64_t tiles = (width + tile_cols - 1) / tile_cols;
+  if (segs.num * tiles > INT32_MAX) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned int>(segs.num * tiles),
+                  static_cast<unsigned int>(dims.heads));
+  if (vec == 8) {
+    StepKernel<8>
+        <<<grid, kStepThreads, 0, stream>>>(args, segs, dims.heads, width, arena.rows, tiles);
+  } else if (vec == 2) {
+    StepKernel<2>
+        <<<grid, kStepThreads, 0, stream>>>(args, segs, dims.heads, width, arena.rows, tiles);
+  } else {
+    StepKernel<1>
+        <<<grid, kStepThreads, 0, stream>>>(args, segs, dims.heads, width, arena.rows, tiles);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,
+                           cudaStream_t stream) {
+  if (n_slots < 0) return cudaErrorInvalidValue;
+  if (n_slots == 0) return cudaSuccess;
+  ReleaseKernel<<<CappedBlocks(n_slots, kMoveThreads), kMoveThreads, 0, stream>>>(
+      table, n_slots, arena.free_list, arena.free_count);
+  return cudaGetLastError();
+}
+
+cudaError_t SdmGatherRows(const SdmRowArena& arena, const int32_t* row_ids, int64_t count,
+                          __nv_bfloat16* dst, cudaStream_t stream) {
+  if (count < 0 || arena.row_width <= 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int64_t width = arena.row_width;
+  const unsigned int blocks = WarpBlocks(count, kMoveThreads);
+  if (width % 8 == 0 && Aligned(arena.rows, 16) && Aligned(dst, 16)) {
+    GatherKernel<true><<<blocks, kMoveThreads, 0, stream>>>(arena.rows, width, row_ids, count, dst);
+  } else {
+    GatherKernel<false>
+        <<<blocks, kMoveThreads, 0, stream>>>(arena.rows, width, row_ids, count, dst);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t SdmScatterRows(const __nv_bfloat16* src, const int32_t* slot_ids, int64_t count,
+                           int32_t* table, const SdmRowArena& arena, cudaStream_t stream) {
+  if (count < 0 || arena.row_width <= 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int64_t width = arena.row_width;
+  const unsigned int blocks = WarpBlocks(count, kMoveThreads);
+  if (width % 8 == 0 && Aligned(arena.rows, 16) && Aligned(src, 16)) {
+    ScatterKernel<true><<<blocks, kMoveThreads, 0, stream>>>(
+        src, slot_ids, count, table, arena.rows, width, arena.free_list, arena.free_count);
+  } else {
+    ScatterKernel<false><<<blocks, kMoveThreads, 0, stream>>>(
+        src, slot_ids, count, table, arena.rows, width, arena.free_list, arena.free_count);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t SdmInitFreeList(const SdmRowArena& arena, int64_t capacity, cudaStream_t stream) {
+  if (capacity < 0 || capacity > INT32_MAX) return cudaErrorInvalidValue;
+  InitFreeListKernel<<<CappedBlocks(capacity, kMoveThreads), kMoveThreads, 0, stream>>>(
+      arena.free_list, arena.free_count, capacity);
+  return cudaGetLastError();
+}
+
+}  // namespace sdm::kernels::cuda

@@ -1,0 +1,110 @@
+// The SDM layer on the GPU (design brief §2, §7): product-key addressing, copy-on-write row
+// allocation from a device free list, the fused write-then-read step tiled over row columns, and
+// the row moves used to park and resume sessions. Row layout and references:
+// kernels/common/device_layout.h. Rows and M0 are bf16; gates, weights, v and readings fp32;
+// arithmetic fp32. All pointers are device memory; work is enqueued on `stream`.
+//
+// A batch is a list of segments: segment s is rows seg_first_row[s] .. + seg_length[s] - 1 of the
+// activations, consecutive tokens of one session whose layer table is tables[s]. A decode batch
+// has one single-token segment per session; a prefill chunk is one segment.
+#ifndef SDMSERVE_KERNELS_CUDA_SDM_H_
+#define SDMSERVE_KERNELS_CUDA_SDM_H_
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/common/sdm_addressing_math.h"
+
+namespace sdm::kernels::cuda {
+
+// The device row arena every SDM layer of every resident session draws from.
+struct SdmRowArena {
+  __nv_bfloat16* rows = nullptr;  // [capacity, row_width]
+  int32_t* free_list = nullptr;   // [capacity]: entries [0, *free_count) are free row indices
+  int32_t* free_count = nullptr;  // device scalar
+  int64_t row_width = 0;
+};
+
+struct SdmDims {
+  int64_t heads = 0;
+  int64_t side = 0;       // s; slots per head = s * s
+  int64_t row_width = 0;  // head width hd
+};
+
+struct SdmSegments {
+  const int32_t* first_row = nullptr;  // [num]
+  const int32_t* length = nullptr;     // [num]
+  int32_t* const* tables = nullptr;    // [num] device pointers to [heads * s * s] slot->row
+  // [num] device pointers to one int32 per table counting its private rows (SdmPrepareRows adds
+  // the rows it allocates; the engine reads them back for memory accounting). May be null.
+  int32_t* const* row_counts = nullptr;
+  int64_t num = 0;
+  int64_t max_length = 0;  // longest segment (1 for decode)
+};
+
+// Product-key addressing of every (row, head): scores [rows, heads * 2 * side] (half A then half
+// B per head, BatchNorm already applied). Writes n = AddressCount(k, side) slots per (row, head),
+// sorted ascending, to slots [rows, heads, n] and their activated weights (act, scale) to
+// weights [rows, heads, n]. Same selection, ties and NaN order as cpu::SelectSlots
+// (kernels/common/sdm_addressing_math.h).
+cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t side, int64_t k,
+                       AddressAct act, float scale, int32_t* slots, float* weights,
+                       cudaStream_t stream);
+
+// Copy-on-write: for every segment, in token order, every write slot w_slots [rows, heads, n_w]
+// whose table entry is kSdmNoRow gets a row popped from the arena's free list, initialised from
+// M0 (m0 [heads * s * s, row_width], or zeros when m0 is null); the table is updated. Then writes
+// w_rows [rows, heads, n_w] (row indices) and, from the tables after every allocation of the
+// batch, r_refs [rows, heads, n_r] for r_slots (row index, or SdmM0Ref for a slot still at M0).
+// Precondition: the free list holds at least rows * heads * n_w entries (the engine reserves
+// before the step), and no session appears in two segments.
+cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r_slots, int64_t n_r,
+                           const SdmSegments& segs, const SdmDims& dims, const __nv_bfloat16* m0,
+                           const SdmRowArena& arena, int32_t* w_rows, int32_t* r_refs,
+                           cudaStream_t stream);
+
+struct SdmStepArgs {
+  const int32_t* w_rows = nullptr;   // [rows, heads, n_w] from SdmPrepareRows
+  const float* w_weights = nullptr;  // [rows, heads, n_w] activated write weights k_i
+  int64_t n_w = 0;
+  const int32_t* r_refs = nullptr;   // [rows, heads, n_r] from SdmPrepareRows
+  const float* r_weights = nullptr;  // [rows, heads, n_r] activated read weights q_j
+  int64_t n_r = 0;
+  const float* log_decay = nullptr;   // [rows, heads] g (SdmGates)
+  const float* beta = nullptr;        // [rows, heads]
+  const float* v = nullptr;           // [rows, heads * row_width]
+  bool key_weighted_decay = false;    // alpha_i = exp(g * k_i) instead of exp(g)
+  bool slot_residual = false;         // update_rule: slot_residual instead of shared residual
+  const __nv_bfloat16* m0 = nullptr;  // for M0 references (null: zeros)
+  float* readings = nullptr;          // [rows, heads * row_width] out
+};
+
+// The write (cpu::SdmWriteColumns) then the read after write (cpu::SdmReadColumns) of every
+// (segment, head), sequential over a segment's tokens, each block owning a tile of columns.
+// Written rows are stored as bf16; the read sees the stored values.
+cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmDims& dims,
+                    const SdmRowArena& arena, cudaStream_t stream);
+
+// Returns every row of table [n_slots] to the free list and resets its entries to kSdmNoRow.
+cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,
+                           cudaStream_t stream);
+
+// dst[i] = arena row row_ids[i] for i < count (dst contiguous [count, row_width]): gathers a
+// session's private rows for a device-to-host copy.
+cudaError_t SdmGatherRows(const SdmRowArena& arena, const int32_t* row_ids, int64_t count,
+                          __nv_bfloat16* dst, cudaStream_t stream);
+
+// For i < count: pops a row, copies src[i] ([count, row_width] contiguous) into it and sets
+// table[slot_ids[i]] to it (slot_ids index the table: head * s * s + slot). The free list must
+// hold `count` entries.
+cudaError_t SdmScatterRows(const __nv_bfloat16* src, const int32_t* slot_ids, int64_t count,
+                           int32_t* table, const SdmRowArena& arena, cudaStream_t stream);
+
+// Initialises a free list holding every row: free_list[i] = i, *free_count = capacity.
+cudaError_t SdmInitFreeList(const SdmRowArena& arena, int64_t capacity, cudaStream_t stream);
+
+}  // namespace sdm::kernels::cuda
+
+#endif  // SDMSERVE_KERNELS_CUDA_SDM_H_

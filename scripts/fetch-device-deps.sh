@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Downloads (here, where Debian's registry is reachable) the Debian packages the engine, kernels,
+# tests and benchmarks need at build time into .devdeps/, for scripts/device-check.sh on the lent
+# GPU machine, which reaches no registry and has CUDA, cmake and a compiler but not these
+# libraries. .devdeps/ is gitignored; name it in the device tool's `carry` list (about 16 MB).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+packages=(
+  libabsl-dev libabsl20220623 libgtest-dev libgmock-dev
+  libopenblas-dev libopenblas0 libopenblas0-pthread libopenblas-pthread-dev libgfortran5 libquadmath0
+  libxxhash-dev libxxhash0 nlohmann-json3-dev
+  libsentencepiece-dev libsentencepiece0 libprotobuf-lite32
+  pkgconf pkgconf-bin libpkgconf3
+)
+mkdir -p .devdeps
+cd .devdeps
+# apt-get download writes into the current directory; _apt may not be able to, which only warns.
+apt-get download "${packages[@]}" 2>&1 | grep -v "^W: Download is performed unsandboxed" || true
+count=$(ls ./*.deb | wc -l)
+if [[ "$count" -lt "${#packages[@]}" ]]; then
+  echo "fetch-device-deps: expected ${#packages[@]} packages, have $count" >&2
+  exit 1
+fi
+echo "fetch-device-deps: $count packages, $(du -sh . | cut -f1) in .devdeps/"

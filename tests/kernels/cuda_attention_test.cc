@@ -1,0 +1,549 @@
+// CUDA attention (kernels/cuda/attention.h) against the CPU kernels (kernels/cpu/attention.h)
+// over the same bf16-rounded keys and values, on paged caches built on the device: shuffled
+// pages, sliding-window rings that wrap several times, sequences of different lengths (one
+// longer than several split-K chunks), full and windowed attention, GQA groups of 1, 2, 3, 8 and
+// 16. Skips without a device (and on builds without CUDA).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/common/attention_math.h"
+#include "kernels/common/device_layout.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cuda/cuda_runtime_info.h"
+#if defined(SDM_HAVE_CUDA)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/attention.h"
+#include "kernels/cuda/cuda_util.h"
+#endif
+
+namespace sdm::kernels {
+namespace {
+
+#define SDM_SKIP_WITHOUT_DEVICE()                                          \
+  do {                                                                     \
+    if (cuda::DeviceCount() == 0) {                                        \
+      GTEST_SKIP() << "no CUDA device (" << cuda::DescribeDevice() << ")"; \
+    }                                                                      \
+  } while (0)
+
+#if defined(SDM_HAVE_CUDA)
+
+#define ASSERT_CUDA_OK(expr)                                                    \
+  do {                                                                          \
+    const cudaError_t err_ = (expr);                                            \
+    ASSERT_EQ(err_, cudaSuccess) << #expr << ": " << cuda::CudaErrorText(err_); \
+  } while (0)
+
+// bf16 round to nearest even, as __float2bfloat16_rn does (inputs are finite here).
+uint16_t ToBf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+float FromBf16Bits(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+template <typename T>
+cudaError_t Upload(cuda::DeviceBuffer<T>& dst, const std::vector<T>& src) {
+  SDM_CUDA_RETURN_IF_ERROR(dst.Allocate(src.size()));
+  return cudaMemcpy(dst.get(), src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice);
+}
+
+template <typename T>
+cudaError_t Download(std::vector<T>& dst, const T* src, size_t n) {
+  dst.resize(n);
+  return cudaMemcpy(dst.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost);
+}
+
+struct Config {
+  int32_t n_heads;
+  int32_t n_kv_heads;
+  int32_t head_dim;
+  int64_t window;       // 0: full attention
+  int64_t ring_tokens;  // window + prefill chunk for rings; unused for full attention
+  std::vector<int64_t> lengths;
+};
+
+// One attention layer's paged cache for a batch of sequences, filled through KvAppend with
+// positions 0 .. length - 1 of each sequence, plus the host copies of what it must hold: the
+// keys and values rounded to bf16, as fp32 (what the CPU kernels attend over).
+class PagedCache {
+ public:
+  PagedCache(const Config& c, uint32_t seed) : c_(c) {
+    kv_width_ = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
+    ring_pages_ = c.window > 0 ? KvRingPages(c.ring_tokens) : 0;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (int64_t len : c.lengths) {
+      std::vector<float> k(len * kv_width_), v(len * kv_width_);
+      for (float& x : k) x = normal(rng);
+      for (float& x : v) x = normal(rng);
+      k_raw_.push_back(k);
+      v_raw_.push_back(v);
+      for (float& x : k) x = FromBf16Bits(ToBf16Bits(x));
+      for (float& x : v) x = FromBf16Bits(ToBf16Bits(x));
+      k_.push_back(std::move(k));
+      v_.push_back(std::move(v));
+    }
+    // Page tables over a shuffled arena with a few pages nobody owns, so that contiguous or
+    // identity page numbering cannot hide an indexing mistake.
+    int64_t pages = 3;
+    for (int64_t len : c.lengths) pages += TablePages(len);
+    std::vector<int32_t> perm(pages);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    int64_t next = 0;
+    for (int64_t len : c.lengths) {
+      std::vector<int32_t> table(TablePages(len));
+      for (int32_t& p : table) p = perm[next++];
+      tables_.push_back(std::move(table));
+    }
+    num_pages_ = pages;
+  }
+
+  // Allocates the device side and appends every position, a page's worth of positions of every
+  // sequence per KvAppend call (rows of one call never share a ring slot), with a padding row
+  // (position -1, garbage values) in each call that must be skipped.
+  cudaError_t Build() {
+    SDM_CUDA_RETURN_IF_ERROR(arena_.Allocate(num_pages_ * KvPageElements(kv_width_)));
+    // 0xffff is a bf16 NaN: reading any slot that was never written poisons the result.
+    SDM_CUDA_RETURN_IF_ERROR(cudaMemset(arena_.get(), 0xff, arena_.bytes()));
+    std::vector<const int32_t*> table_ptrs;
+    d_tables_.resize(tables_.size());
+    for (size_t s = 0; s < tables_.size(); ++s) {
+      SDM_CUDA_RETURN_IF_ERROR(Upload(d_tables_[s], tables_[s]));
+      table_ptrs.push_back(d_tables_[s].get());
+    }
+    SDM_CUDA_RETURN_IF_ERROR(Upload(d_table_ptrs_, table_ptrs));
+    const int64_t max_len = *std::max_element(c_.lengths.begin(), c_.lengths.end());
+    for (int64_t p0 = 0; p0 < max_len; p0 += kKvPageTokens) {
+      std::vector<float> k, v;
+      std::vector<int32_t> seq, pos;
+      for (size_t s = 0; s < c_.lengths.size(); ++s) {
+        for (int64_t p = p0; p < std::min(p0 + kKvPageTokens, c_.lengths[s]); ++p) {
+          k.insert(k.end(), &k_raw_[s][p * kv_width_], &k_raw_[s][(p + 1) * kv_width_]);
+          v.insert(v.end(), &v_raw_[s][p * kv_width_], &v_raw_[s][(p + 1) * kv_width_]);
+          seq.push_back(static_cast<int32_t>(s));
+          pos.push_back(static_cast<int32_t>(p));
+        }
+      }
+      k.insert(k.end(), kv_width_, 1e30f);
+      v.insert(v.end(), kv_width_, -1e30f);
+      seq.push_back(0);
+      pos.push_back(-1);
+      cuda::DeviceBuffer<float> dk, dv;
+      cuda::DeviceBuffer<int32_t> dseq, dpos;
+      SDM_CUDA_RETURN_IF_ERROR(Upload(dk, k));
+      SDM_CUDA_RETURN_IF_ERROR(Upload(dv, v));
+      SDM_CUDA_RETURN_IF_ERROR(Upload(dseq, seq));
+      SDM_CUDA_RETURN_IF_ERROR(Upload(dpos, pos));
+      SDM_CUDA_RETURN_IF_ERROR(cuda::KvAppend(dk.get(), dv.get(), static_cast<int64_t>(seq.size()),
+                                              dseq.get(), dpos.get(), View(), nullptr));
+      SDM_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // before the buffers are freed
+    }
+    return cudaSuccess;
+  }
+
+  cuda::KvLayerView View() {
+    cuda::KvLayerView view;
+    view.pool = arena_.get();
+    view.kv_width = kv_width_;
+    view.ring_pages = ring_pages_;
+    view.page_tables = d_table_ptrs_.get();
+    return view;
+  }
+
+  // First position still held for sequence s (rings keep the last ring_pages pages' worth).
+  int64_t FirstHeld(size_t s) const {
+    if (ring_pages_ == 0) return 0;
+    return std::max<int64_t>(0, c_.lengths[s] - int64_t{ring_pages_} * kKvPageTokens);
+  }
+
+  int64_t TablePages(int64_t len) const {
+    return ring_pages_ > 0 ? ring_pages_
+                           : std::max<int64_t>(1, (len + kKvPageTokens - 1) / kKvPageTokens);
+  }
+
+  cpu::AttentionShape Shape() const {
+    return {c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.window, kv_width_};
+  }
+  cuda::AttentionDims Dims() const { return {c_.n_heads, c_.n_kv_heads, c_.head_dim, c_.window}; }
+  // Span of sequence s over positions [first, last].
+  cpu::KvSpan Span(size_t s, int64_t first, int64_t last) const {
+    return {&k_[s][first * kv_width_], &v_[s][first * kv_width_], first, last - first + 1};
+  }
+
+  const Config& config() const { return c_; }
+  int64_t kv_width() const { return kv_width_; }
+  const std::vector<int32_t>& table(size_t s) const { return tables_[s]; }
+  const std::vector<float>& k(size_t s) const { return k_[s]; }
+  const std::vector<float>& v(size_t s) const { return v_[s]; }
+  const __nv_bfloat16* arena() const { return arena_.get(); }
+  int64_t num_pages() const { return num_pages_; }
+
+ private:
+  Config c_;
+  int64_t kv_width_ = 0;
+  int32_t ring_pages_ = 0;
+  int64_t num_pages_ = 0;
+  std::vector<std::vector<float>> k_raw_, v_raw_, k_, v_;
+  std::vector<std::vector<int32_t>> tables_;
+  cuda::DeviceBuffer<__nv_bfloat16> arena_;
+  std::vector<cuda::DeviceBuffer<int32_t>> d_tables_;
+  cuda::DeviceBuffer<const int32_t*> d_table_ptrs_;
+};
+
+// Tolerance. Both sides attend over identical bf16-rounded keys and values in fp32, so they
+// differ only in summation order (dot products of head_dim terms, softmax sums of up to a few
+// thousand terms) and in exp (the device uses exp2 on log2(e)-prescaled scores): a few 1e-7
+// relative on each weight, ~1e-5 on outputs of size ~1-4. 1e-4 * (1 + |want|) leaves a wide
+// margin and still catches a single key missing or counted twice (~1/visible ~ 4e-4 of the
+// output for the longest sequence, far more for shorter ones); wrong pages read NaN.
+void ExpectClose(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size());
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const float tol = 1e-4f * (1.0f + std::abs(want[i]));
+    ASSERT_TRUE(std::abs(got[i] - want[i]) <= tol)
+        << what << " element " << i << ": got " << got[i] << " want " << want[i];
+    worst = std::max(worst, static_cast<double>(std::abs(got[i] - want[i])));
+  }
+  testing::Test::RecordProperty(std::string(what) + "_max_abs_err", std::to_string(worst));
+}
+
+void CheckAppend(PagedCache& cache) {
+  std::vector<uint16_t> arena;
+  ASSERT_CUDA_OK(Download(arena, reinterpret_cast<const uint16_t*>(cache.arena()),
+                          cache.num_pages() * KvPageElements(cache.kv_width())));
+  const Config& c = cache.config();
+  const int32_t ring = c.window > 0 ? KvRingPages(c.ring_tokens) : 0;
+  for (size_t s = 0; s < c.lengths.size(); ++s) {
+    for (int64_t p = cache.FirstHeld(s); p < c.lengths[s]; ++p) {
+      const int32_t page = cache.table(s)[KvPageTableIndex(p, ring)];
+      for (bool value : {false, true}) {
+        const int64_t off = KvRowOffset(page, p, cache.kv_width(), value);
+        const std::vector<float>& want = value ? cache.v(s) : cache.k(s);
+        for (int64_t i = 0; i < cache.kv_width(); ++i) {
+          ASSERT_EQ(arena[off + i], ToBf16Bits(want[p * cache.kv_width() + i]))
+              << "seq " << s << " pos " << p << (value ? " value " : " key ") << i;
+        }
+      }
+    }
+  }
+}
+
+// Decode of the last position of every sequence (its key is the last one appended).
+void CheckDecode(PagedCache& cache, uint32_t seed, int64_t max_visible_override = -1) {
+  const Config& c = cache.config();
+  const int64_t batch = static_cast<int64_t>(c.lengths.size());
+  const int64_t width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(batch * width);
+  for (float& x : q) x = 2.0f * normal(rng);  // sharper softmax than unit queries
+  std::vector<int32_t> positions(batch);
+  int64_t max_visible = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    positions[b] = static_cast<int32_t>(c.lengths[b] - 1);
+    max_visible =
+        std::max(max_visible, positions[b] - FirstVisiblePosition(positions[b], c.window) + 1);
+  }
+  if (max_visible_override > 0) max_visible = max_visible_override;
+
+  cuda::DeviceBuffer<float> dq, dout, dscratch;
+  cuda::DeviceBuffer<int32_t> dpos;
+  ASSERT_CUDA_OK(Upload(dq, q));
+  ASSERT_CUDA_OK(Upload(dpos, positions));
+  ASSERT_CUDA_OK(dout.Allocate(batch * width));
+  ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));  // NaN: every output is written
+  const int64_t scratch = cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible);
+  ASSERT_CUDA_OK(dscratch.Allocate(scratch));
+  cuda::CudaStream stream;
+  ASSERT_CUDA_OK(stream.Create());
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), batch, dpos.get(), max_visible, cache.View(),
+                                       cache.Dims(), dscratch.get(), dout.get(), stream.get()));
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
+  std::vector<float> got;
+  ASSERT_CUDA_OK(Download(got, dout.get(), batch * width));
+
+  std::vector<float> want(batch * width);
+  const cpu::AttentionShape shape = cache.Shape();
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pos = positions[b];
+    const cpu::KvSpan span = cache.Span(b, FirstVisiblePosition(pos, c.window), pos);
+    for (int64_t h = 0; h < c.n_heads; ++h) {
+      cpu::AttendDecodeHead(&q[b * width + h * c.head_dim], h, pos, {&span, 1}, shape,
+                            &want[b * width + h * c.head_dim]);
+    }
+  }
+  ExpectClose(got, want, "decode");
+}
+
+// Prefill of the last `num_tokens` positions of sequence `seq` (the ring holds window + chunk).
+void CheckPrefill(PagedCache& cache, int32_t seq, int64_t num_tokens, uint32_t seed) {
+  const Config& c = cache.config();
+  const int64_t width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t pos0 = c.lengths[seq] - num_tokens;
+  ASSERT_GE(pos0, 0);
+  ASSERT_GE(FirstVisiblePosition(pos0, c.window), cache.FirstHeld(seq)) << "ring too small";
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(num_tokens * width);
+  for (float& x : q) x = 2.0f * normal(rng);
+
+  cuda::DeviceBuffer<float> dq, dout;
+  ASSERT_CUDA_OK(Upload(dq, q));
+  ASSERT_CUDA_OK(dout.Allocate(num_tokens * width));
+  ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
+  cuda::CudaStream stream;
+  ASSERT_CUDA_OK(stream.Create());
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), num_tokens, pos0, seq, cache.View(), cache.Dims(),
+                                        dout.get(), stream.get()));
+  ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
+  std::vector<float> got;
+  ASSERT_CUDA_OK(Download(got, dout.get(), num_tokens * width));
+
+  std::vector<float> want(num_tokens * width);
+  const cpu::KvSpan span =
+      cache.Span(seq, FirstVisiblePosition(pos0, c.window), pos0 + num_tokens - 1);
+  cpu::AttendPrefill(q.data(), num_tokens, pos0, {&span, 1}, cache.Shape(), want.data());
+  ExpectClose(got, want, "prefill");
+}
+
+// Builds the cache for `c` with `seed` and runs the append, decode and prefill checks.
+void RunConfig(const Config& c, uint32_t seed,
+               const std::vector<std::pair<int32_t, int64_t>>& prefills) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  PagedCache cache(c, seed);
+  ASSERT_CUDA_OK(cache.Build());
+  ASSERT_NO_FATAL_FAILURE(CheckAppend(cache));
+  ASSERT_NO_FATAL_FAILURE(CheckDecode(cache, seed + 1));
+  for (const auto& [seq, tokens] : prefills) {
+    SCOPED_TRACE(testing::Message() << "prefill seq " << seq << " tokens " << tokens);
+    ASSERT_NO_FATAL_FAILURE(CheckPrefill(cache, seq, tokens, seed + 2));
+  }
+}
+
+// baseline_1.4B's full attention (16 q heads, 8 kv heads, head_dim 128); lengths around page and
+// chunk (512) boundaries and one of 5+ chunks.
+Config BaselineFull() { return {16, 8, 128, 0, 0, {1, 37, 64, 65, 512, 513, 1337, 2600}}; }
+// Windowed GQA with a group of 3; the window spans 3 chunks; the longest sequence wraps its
+// ring (window 1100 + chunk 300 -> 22 pages, 1408 positions) about three times.
+Config WindowedGroup3() { return {6, 2, 64, 1100, 1100 + 300, {5, 1099, 1100, 1101, 2000, 4100}}; }
+// The tiny preset's SWA layers: 4 q heads, 2 kv heads, head_dim 16, window 8.
+Config TinySwa() { return {4, 2, 16, 8, 8 + 64, {1, 3, 8, 9, 200}}; }
+// head_dim 256, one kv head for 8 query heads (the widest decode block).
+Config WideGroup8() { return {8, 1, 256, 0, 0, {100, 1030}}; }
+// A group of 16 (split over two decode blocks) and head_dim 24 (not a power of two).
+Config Group16Hd24() { return {16, 1, 24, 0, 0, {50, 700}}; }
+
+uint32_t FreshSeed() { return std::random_device{}(); }
+
+#endif  // SDM_HAVE_CUDA
+
+TEST(CudaAttentionTest, BaselineFullAttention) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const std::vector<std::pair<int32_t, int64_t>> prefills = {{3, 65}, {6, 200}, {7, 2600}};
+  RunConfig(BaselineFull(), 11, prefills);
+  RunConfig(BaselineFull(), FreshSeed(), prefills);
+#endif
+}
+
+TEST(CudaAttentionTest, SlidingWindowRingGroup3) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const std::vector<std::pair<int32_t, int64_t>> prefills = {{0, 5}, {4, 300}, {5, 300}};
+  RunConfig(WindowedGroup3(), 12, prefills);
+  RunConfig(WindowedGroup3(), FreshSeed(), prefills);
+#endif
+}
+
+TEST(CudaAttentionTest, TinySlidingWindow) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const std::vector<std::pair<int32_t, int64_t>> prefills = {{2, 8}, {3, 1}, {4, 64}};
+  RunConfig(TinySwa(), 13, prefills);
+  RunConfig(TinySwa(), FreshSeed(), prefills);
+#endif
+}
+
+TEST(CudaAttentionTest, WideHeadsGroup8) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  RunConfig(WideGroup8(), 14, {{1, 130}});
+  RunConfig(WideGroup8(), FreshSeed(), {{0, 100}});
+#endif
+}
+
+TEST(CudaAttentionTest, Group16OddHeadDim) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  RunConfig(Group16Hd24(), 15, {{1, 97}});
+  RunConfig(Group16Hd24(), FreshSeed(), {{0, 50}});
+#endif
+}
+
+TEST(CudaAttentionTest, DecodeGridSizesDoNotChangeTheResult) {
+  // A grid sized for more positions than any sequence has (idle chunk blocks), and one sized
+  // for fewer (the last chunk takes the rest): both still attend over exactly the visible keys.
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  PagedCache cache(BaselineFull(), 16);
+  ASSERT_CUDA_OK(cache.Build());
+  ASSERT_NO_FATAL_FAILURE(CheckDecode(cache, 17, /*max_visible_override=*/5000));
+  ASSERT_NO_FATAL_FAILURE(CheckDecode(cache, 18, /*max_visible_override=*/600));
+  ASSERT_NO_FATAL_FAILURE(CheckDecode(cache, 19, /*max_visible_override=*/1));
+#endif
+}
+
+TEST(CudaAttentionTest, WindowEdgeIsExact) {
+  // Window 3, query at position 5 sees 3, 4, 5 and not 2. Key 2 matches the query overwhelmingly
+  // and carries value 1000; the visible values are all 1, so any leak moves the output far from
+  // exactly 1 (decode) and the prefill row of position 2, which sees key 2, is ~1000.
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int32_t hd = 8;
+  Config c = {1, 1, hd, 3, 3 + 64, {6}};
+  PagedCache cache(c, 1);
+  // Overwrite the random rows through a second append of hand-made rows.
+  std::vector<float> k(6 * hd, 0.0f), v(6 * hd, 0.0f);
+  k[2 * hd] = 100.0f;
+  for (int d = 0; d < hd; ++d) v[2 * hd + d] = 1000.0f;
+  for (int p = 3; p < 6; ++p) {
+    for (int d = 0; d < hd; ++d) v[p * hd + d] = 1.0f;
+  }
+  ASSERT_CUDA_OK(cache.Build());
+  cuda::DeviceBuffer<float> dk, dv, dq, dout;
+  cuda::DeviceBuffer<int32_t> dseq, dpos;
+  ASSERT_CUDA_OK(Upload(dk, k));
+  ASSERT_CUDA_OK(Upload(dv, v));
+  ASSERT_CUDA_OK(Upload(dseq, std::vector<int32_t>(6, 0)));
+  ASSERT_CUDA_OK(Upload(dpos, std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
+  ASSERT_CUDA_OK(
+      cuda::KvAppend(dk.get(), dv.get(), 6, dseq.get(), dpos.get(), cache.View(), nullptr));
+  std::vector<float> q(4 * hd, 0.0f);
+  for (int t = 0; t < 4; ++t) q[t * hd] = 1.0f;
+  ASSERT_CUDA_OK(Upload(dq, q));
+  ASSERT_CUDA_OK(dout.Allocate(4 * hd));
+  // Decode of the query at position 5 (the last row of q).
+  cuda::DeviceBuffer<int32_t> dposition;
+  ASSERT_CUDA_OK(Upload(dposition, std::vector<int32_t>{5}));
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get() + 3 * hd, 1, dposition.get(), 3, cache.View(),
+                                       cache.Dims(), nullptr, dout.get(), nullptr));
+  std::vector<float> got;
+  ASSERT_CUDA_OK(Download(got, dout.get(), hd));
+  for (int d = 0; d < hd; ++d) EXPECT_EQ(got[d], 1.0f) << d;
+  // Prefill of positions 2..5.
+  ASSERT_CUDA_OK(
+      cuda::AttentionPrefill(dq.get(), 4, 2, 0, cache.View(), cache.Dims(), dout.get(), nullptr));
+  ASSERT_CUDA_OK(Download(got, dout.get(), 4 * hd));
+  EXPECT_NEAR(got[0], 1000.0f, 1e-2);  // position 2 sees itself
+  EXPECT_EQ(got[3 * hd], 1.0f);        // position 5 no longer sees position 2
+#endif
+}
+
+TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  PagedCache cache(TinySwa(), 2);
+  ASSERT_CUDA_OK(cache.Build());
+  cuda::AttentionDims dims = cache.Dims();
+  dims.n_kv_heads = 3;  // 4 heads do not group over 3 kv heads (and kv_width disagrees)
+  EXPECT_EQ(cuda::AttentionPrefill(nullptr, 1, 0, 0, cache.View(), dims, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  dims = cache.Dims();
+  dims.head_dim = 12;  // not a multiple of 8
+  EXPECT_EQ(
+      cuda::AttentionDecode(nullptr, 1, nullptr, 1, cache.View(), dims, nullptr, nullptr, nullptr),
+      cudaErrorInvalidValue);
+  // Nothing to do is not an error.
+  EXPECT_EQ(cuda::AttentionPrefill(nullptr, 0, 0, 0, cache.View(), cache.Dims(), nullptr, nullptr),
+            cudaSuccess);
+  EXPECT_EQ(cuda::KvAppend(nullptr, nullptr, 0, nullptr, nullptr, cache.View(), nullptr),
+            cudaSuccess);
+#endif
+}
+
+TEST(CudaAttentionTest, DecodeBandwidth32kBatch64) {
+  // The design brief's §4 comparison point: baseline_1.4B full attention, batch 64 at 32k
+  // context. Reports the KV bytes read per second (no assertion: a measurement for the lead).
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int64_t batch = 64, context = 32768;
+  const cuda::AttentionDims dims = {16, 8, 128, 0};
+  const int64_t kv_width = 8 * 128;
+  const int64_t pages_per_seq = context / kKvPageTokens;
+  cuda::DeviceBuffer<__nv_bfloat16> arena;
+  if (arena.Allocate(batch * pages_per_seq * KvPageElements(kv_width)) != cudaSuccess) {
+    GTEST_SKIP() << "not enough device memory for the 8.6 GB cache";
+  }
+  ASSERT_CUDA_OK(cudaMemset(arena.get(), 0, arena.bytes()));
+  std::vector<cuda::DeviceBuffer<int32_t>> tables(batch);
+  std::vector<const int32_t*> ptrs;
+  for (int64_t b = 0; b < batch; ++b) {
+    std::vector<int32_t> t(pages_per_seq);
+    for (int64_t i = 0; i < pages_per_seq; ++i) t[i] = static_cast<int32_t>(i * batch + b);
+    ASSERT_CUDA_OK(Upload(tables[b], t));
+    ptrs.push_back(tables[b].get());
+  }
+  cuda::DeviceBuffer<const int32_t*> dptrs;
+  ASSERT_CUDA_OK(Upload(dptrs, ptrs));
+  cuda::KvLayerView view;
+  view.pool = arena.get();
+  view.kv_width = kv_width;
+  view.page_tables = dptrs.get();
+  cuda::DeviceBuffer<float> dq, dout, dscratch;
+  cuda::DeviceBuffer<int32_t> dpos;
+  ASSERT_CUDA_OK(Upload(dq, std::vector<float>(batch * 16 * 128, 0.5f)));
+  ASSERT_CUDA_OK(Upload(dpos, std::vector<int32_t>(batch, static_cast<int32_t>(context - 1))));
+  ASSERT_CUDA_OK(dout.Allocate(batch * 16 * 128));
+  ASSERT_CUDA_OK(dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, dims, context)));
+  cuda::CudaStream stream;
+  cuda::CudaEvent start, stop;
+  ASSERT_CUDA_OK(stream.Create());
+  ASSERT_CUDA_OK(start.Create(/*timing=*/true));
+  ASSERT_CUDA_OK(stop.Create(/*timing=*/true));
+  auto run = [&] {
+    return cuda::AttentionDecode(dq.get(), batch, dpos.get(), context, view, dims, dscratch.get(),
+                                 dout.get(), stream.get());
+  };
+  ASSERT_CUDA_OK(run());  // warm-up
+  const int iters = 10;
+  ASSERT_CUDA_OK(cudaEventRecord(start.get(), stream.get()));
+  for (int i = 0; i < iters; ++i) ASSERT_CUDA_OK(run());
+  ASSERT_CUDA_OK(cudaEventRecord(stop.get(), stream.get()));
+  ASSERT_CUDA_OK(cudaEventSynchronize(stop.get()));
+  float ms = 0;
+  ASSERT_CUDA_OK(cudaEventElapsedTime(&ms, start.get(), stop.get()));
+  const double per_call_ms = ms / iters;
+  const double bytes = static_cast<double>(arena.bytes());
+  const double gbps = bytes / (per_call_ms * 1e-3) / 1e9;
+  std::printf("decode 32k x 64 (one layer, %.2f GB of KV): %.3f ms, %.0f GB/s\n", bytes / 1e9,
+              per_call_ms, gbps);
+  RecordProperty("decode_ms", std::to_string(per_call_ms));
+  RecordProperty("decode_gbps", std::to_string(gbps));
+  std::vector<float> out;
+  ASSERT_CUDA_OK(Download(out, dout.get(), 16 * 128));
+  for (float x : out) ASSERT_EQ(x, 0.0f);  // zero values: the output is exactly zero
+#endif
+}
+
+}  // namespace
+}  // namespace sdm::kernels

@@ -1,0 +1,475 @@
+// The CUDA row-wise and elementwise kernels (kernels/cuda/elementwise.h) against their CPU twins
+// on random inputs: one fixed seed and one fresh seed per run (printed on failure). Every test
+// skips without a device (and on builds without CUDA).
+//
+// Tolerances. Kernels evaluate the CPU formula in the same operation order, so the remaining
+// differences are (a) reduction order: fp32 block trees on the device, double sums on the CPU,
+// (b) device transcendentals (expf, powf, sincosf: within 2 ulp; glibc within 1) and (c) fused
+// multiply-adds, which nvcc and gcc may each contract differently (1 rounding, 2^-24 relative).
+// Each check states its bound. bf16 outputs are compared in bits: the device's bf16 must be the
+// round-to-nearest-even of its own fp32 value exactly, and within 1 bf16 ulp (one step of the
+// bit pattern) of the CPU value rounded, since a few fp32 ulps can cross a rounding boundary.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/norm.h"
+#include "kernels/cpu/rope.h"
+#include "kernels/cpu/vector_math.h"
+#include "kernels/cuda/cuda_runtime_info.h"
+#if defined(SDM_HAVE_CUDA)
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
+#endif
+
+namespace sdm::kernels {
+namespace {
+
+#if defined(SDM_HAVE_CUDA)
+using cuda::bf16;
+using cuda::DeviceBuffer;
+
+// Round-to-nearest-even fp32 -> bf16 bits, independent of the CUDA headers (NaN -> quiet NaN).
+uint16_t Bf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float Bf16Value(uint16_t bits) {
+  const uint32_t u = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// Distance in bf16 steps between two finite values of the same sign (or zero).
+int Bf16Steps(uint16_t a, uint16_t b) {
+  // Map sign-magnitude bits onto a monotonic integer line.
+  auto line = [](uint16_t x) { return (x & 0x8000) ? -static_cast<int>(x & 0x7fff) : x & 0x7fff; };
+  return std::abs(line(a) - line(b));
+}
+
+std::vector<uint32_t> Seeds() { return {12345u, std::random_device{}()}; }
+
+template <typename T>
+DeviceBuffer<T> Upload(const std::vector<T>& host) {
+  DeviceBuffer<T> d(host.size());
+  EXPECT_TRUE(d.ok());
+  EXPECT_EQ(cudaMemcpy(d.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+            cudaSuccess);
+  return d;
+}
+
+// bf16 data travels as its bit patterns (uint16_t on the host).
+DeviceBuffer<bf16> UploadBf16(const std::vector<uint16_t>& bits) {
+  DeviceBuffer<bf16> d(bits.size());
+  EXPECT_TRUE(d.ok());
+  EXPECT_EQ(cudaMemcpy(d.get(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  return d;
+}
+
+template <typename T>
+std::vector<T> Download(const DeviceBuffer<T>& d) {
+  std::vector<T> host(d.size());
+  EXPECT_EQ(cudaMemcpy(host.data(), d.get(), d.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+std::vector<uint16_t> DownloadBf16(const DeviceBuffer<bf16>& d) {
+  std::vector<uint16_t> host(d.size());
+  EXPECT_EQ(cudaMemcpy(host.data(), d.get(), d.bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+  return host;
+}
+
+std::vector<float> Normal(std::mt19937& rng, size_t n, float mean, float stddev) {
+  std::normal_distribution<float> dist(mean, stddev);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+#endif  // SDM_HAVE_CUDA
+
+class CudaElementwiseTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (cuda::DeviceCount() == 0) {
+      GTEST_SKIP() << "no CUDA device (" << cuda::DescribeDevice() << ")";
+    }
+#if defined(SDM_HAVE_CUDA)
+    ASSERT_EQ(stream_.Create(), cudaSuccess);
+#endif
+  }
+
+#if defined(SDM_HAVE_CUDA)
+  // Waits for the stream and checks that nothing failed asynchronously.
+  void Sync() { ASSERT_EQ(cudaStreamSynchronize(stream_.get()), cudaSuccess); }
+  cudaStream_t stream() const { return stream_.get(); }
+
+ private:
+  cuda::CudaStream stream_;
+#endif
+};
+
+#if defined(SDM_HAVE_CUDA)
+
+TEST_F(CudaElementwiseTest, EmbeddingLookupCopiesRowsExactly) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t vocab = 50;
+    for (const int64_t dim : {64, 13}) {  // 16-byte vector path, scalar path
+      SCOPED_TRACE(testing::Message() << "dim " << dim);
+      std::vector<uint16_t> table(vocab * dim);
+      for (uint16_t& b : table) b = Bf16Bits(Normal(rng, 1, 0.0f, 1.0f)[0]);
+      const int64_t n = 37;
+      std::vector<int32_t> tokens(n);
+      std::uniform_int_distribution<int32_t> tok(0, vocab - 1);
+      for (int32_t& t : tokens) t = tok(rng);
+      tokens[0] = vocab - 1;  // the last row is reachable
+      auto d_table = UploadBf16(table);
+      auto d_tokens = Upload(tokens);
+      DeviceBuffer<float> d_out(n * dim);
+      ASSERT_EQ(cuda::EmbeddingLookup(d_table.get(), d_tokens.get(), n, dim, d_out.get(), stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<float> out = Download(d_out);
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < dim; ++c) {
+          ASSERT_EQ(out[r * dim + c], Bf16Value(table[tokens[r] * dim + c])) << r << "," << c;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, RmsNormMatchesCpu) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const int64_t n : {2048, 37}) {  // vector path, scalar path
+      SCOPED_TRACE(testing::Message() << "n " << n);
+      const int64_t rows = 5;
+      const std::vector<float> x = Normal(rng, rows * n, 0.3f, 2.0f);
+      const std::vector<float> w = Normal(rng, n, 1.0f, 0.2f);
+      std::vector<float> want(rows * n);
+      cpu::RmsNorm(x.data(), w.data(), rows, n, 1e-5f, want.data());
+
+      auto d_x = Upload(x);
+      auto d_w = Upload(w);
+      DeviceBuffer<float> d_out(rows * n);
+      DeviceBuffer<bf16> d_bf(rows * n), d_bf_only(rows * n);
+      ASSERT_EQ(
+          cuda::RmsNorm(d_x.get(), d_w.get(), rows, n, 1e-5f, d_out.get(), d_bf.get(), stream()),
+          cudaSuccess);
+      ASSERT_EQ(
+          cuda::RmsNorm(d_x.get(), d_w.get(), rows, n, 1e-5f, nullptr, d_bf_only.get(), stream()),
+          cudaSuccess);
+      // In place (out_f32 aliases x), as the CPU twin allows.
+      ASSERT_EQ(cuda::RmsNorm(d_x.get(), d_w.get(), rows, n, 1e-5f, d_x.get(), nullptr, stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<float> got = Download(d_out);
+      const std::vector<float> in_place = Download(d_x);
+      const std::vector<uint16_t> bf = DownloadBf16(d_bf), bf_only = DownloadBf16(d_bf_only);
+      for (int64_t i = 0; i < rows * n; ++i) {
+        // out = x * inv * w: all of the difference is in the common factor inv (fp32 tree vs
+        // double sum of n squares: ~sqrt(n) * 2^-24 relative, < 1e-5 for these n) plus the two
+        // multiplications' roundings. So the bound is relative, element by element.
+        ASSERT_NEAR(got[i], want[i], 1e-5f * std::fabs(want[i])) << i;
+        ASSERT_EQ(in_place[i], got[i]) << i;
+        ASSERT_EQ(bf[i], Bf16Bits(got[i])) << i;
+        ASSERT_EQ(bf_only[i], bf[i]) << i;
+        ASSERT_LE(Bf16Steps(bf[i], Bf16Bits(want[i])), 1) << i;
+      }
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, LayerNormMatchesCpu) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const int64_t n : {1024, 32, 37}) {
+      SCOPED_TRACE(testing::Message() << "n " << n);
+      const int64_t rows = 6;
+      const std::vector<float> x = Normal(rng, rows * n, 0.5f, 2.0f);
+      const std::vector<float> w = Normal(rng, n, 1.0f, 0.2f);
+      const std::vector<float> b = Normal(rng, n, 0.0f, 0.5f);
+      const std::vector<float> ones(n, 1.0f), zeros(n, 0.0f);
+      std::vector<float> want = x, want_plain = x;
+      cpu::LayerNorm(want.data(), w.data(), b.data(), rows, n, 1e-6f);
+      cpu::LayerNorm(want_plain.data(), ones.data(), zeros.data(), rows, n, 1e-6f);
+
+      auto d_x = Upload(x);
+      auto d_plain = Upload(x);
+      auto d_w = Upload(w);
+      auto d_b = Upload(b);
+      ASSERT_EQ(cuda::LayerNorm(d_x.get(), d_w.get(), d_b.get(), rows, n, 1e-6f, stream()),
+                cudaSuccess);
+      ASSERT_EQ(cuda::LayerNorm(d_plain.get(), nullptr, nullptr, rows, n, 1e-6f, stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<float> got = Download(d_x), got_plain = Download(d_plain);
+      for (int64_t i = 0; i < rows * n; ++i) {
+        // Normalised values are O(1); the fp32 mean and variance carry ~1e-7 and ~1e-6 relative
+        // error (mean shifts every value alike, variance scales it), hence 1e-5 * (1 + |want|).
+        ASSERT_NEAR(got[i], want[i], 1e-5f * (1.0f + std::fabs(want[i]))) << i;
+        ASSERT_NEAR(got_plain[i], want_plain[i], 1e-5f * (1.0f + std::fabs(want_plain[i]))) << i;
+      }
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, BatchNormEvalMatchesCpu) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t rows = 7, n = 33;
+    const std::vector<float> x = Normal(rng, rows * n, 0.0f, 3.0f);
+    const std::vector<float> w = Normal(rng, n, 1.0f, 0.3f);
+    const std::vector<float> b = Normal(rng, n, 0.0f, 0.5f);
+    const std::vector<float> mean = Normal(rng, n, 0.0f, 1.0f);
+    std::vector<float> var = Normal(rng, n, 0.0f, 1.0f);
+    for (float& v : var) v = v * v + 0.1f;
+    std::vector<float> want = x;
+    cpu::BatchNormEval(want.data(), w.data(), b.data(), mean.data(), var.data(), rows, n, 1e-5f);
+    auto d_x = Upload(x);
+    auto d_w = Upload(w);
+    auto d_b = Upload(b);
+    auto d_m = Upload(mean);
+    auto d_v = Upload(var);
+    ASSERT_EQ(cuda::BatchNormEval(d_x.get(), d_w.get(), d_b.get(), d_m.get(), d_v.get(), rows, n,
+                                  1e-5f, stream()),
+              cudaSuccess);
+    Sync();
+    const std::vector<float> got = Download(d_x);
+    for (int64_t i = 0; i < rows * n; ++i) {
+      // Same IEEE operations in the same order; only a contracted multiply-add may differ (one
+      // rounding of the larger of the product and b).
+      const int64_t j = i % n;
+      ASSERT_NEAR(got[i], want[i], 1e-6f * (std::fabs(want[i]) + std::fabs(b[j]))) << i;
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, ApplyRopeMatchesCpu) {
+  struct Case {
+    int64_t n_heads, head_dim;
+    float theta;
+    int32_t max_pos;
+    float tol;  // relative to |x0| + |x1| of the pair
+  };
+  // Frequencies come from the host (bit-identical to the CPU's), so angles agree exactly and
+  // only sincosf (2 ulp) vs glibc (1 ulp) differs: 3 ulp of a value <= 1 times |x0| + |x1|,
+  // plus the rotation's roundings. head_dim 7 is odd (last dim untouched, scalar path).
+  // head_dim 2048 exceeds the host table (device powf, within 2 ulp), so there each ulp of
+  // frequency costs pos ulps of angle: positions stay small and the bound is looser.
+  const Case cases[] = {{4, 64, 10000.0f, 200000, 2e-6f},
+                        {3, 6, 500000.0f, 100000, 2e-6f},
+                        {2, 7, 10000.0f, 1000, 2e-6f},
+                        {1, 2048, 10000.0f, 40, 2e-5f}};
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const Case& c : cases) {
+      SCOPED_TRACE(testing::Message() << "head_dim " << c.head_dim);
+      const int64_t rows = 9, width = c.n_heads * c.head_dim;
+      const std::vector<float> x = Normal(rng, rows * width, 0.0f, 1.0f);
+      std::vector<int32_t> pos(rows);
+      std::uniform_int_distribution<int32_t> pd(0, c.max_pos);
+      for (int32_t& p : pos) p = pd(rng);
+      pos[0] = 0;
+      pos[1] = c.max_pos;
+      std::vector<float> want = x;
+      for (int64_t r = 0; r < rows; ++r) {
+        cpu::ApplyRope(&want[r * width], c.n_heads, c.head_dim, pos[r], c.theta);
+      }
+      auto d_x = Upload(x);
+      auto d_pos = Upload(pos);
+      ASSERT_EQ(
+          cuda::ApplyRope(d_x.get(), rows, c.n_heads, c.head_dim, d_pos.get(), c.theta, stream()),
+          cudaSuccess);
+      Sync();
+      const std::vector<float> got = Download(d_x);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < c.n_heads; ++h) {
+          for (int64_t d = 0; d < c.head_dim; ++d) {
+            const int64_t i = r * width + h * c.head_dim + d;
+            const int64_t p0 = r * width + h * c.head_dim + (d & ~int64_t{1});
+            if (d == c.head_dim - 1 && c.head_dim % 2 == 1) {
+              ASSERT_EQ(got[i], x[i]);  // the unpaired last dim of an odd head
+              continue;
+            }
+            const float scale = std::fabs(x[p0]) + std::fabs(x[p0 + 1]);
+            ASSERT_NEAR(got[i], want[i], c.tol * scale)
+                << "row " << r << " pos " << pos[r] << " head " << h << " dim " << d;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, AddInPlaceAndAddBiasAreExact) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t n = 1003;  // vectors plus a tail
+    const std::vector<float> x = Normal(rng, n + 1, 0.0f, 1.0f);
+    const std::vector<float> y = Normal(rng, n + 1, 0.0f, 1.0f);
+    for (const int64_t offset : {0, 1}) {  // aligned (vector) and misaligned (scalar)
+      std::vector<float> want = y;
+      cpu::AddInPlace(x.data() + offset, want.data() + offset, n);
+      auto d_x = Upload(x);
+      auto d_y = Upload(y);
+      ASSERT_EQ(cuda::AddInPlace(d_x.get() + offset, d_y.get() + offset, n, stream()), cudaSuccess);
+      Sync();
+      EXPECT_EQ(Download(d_y), want) << "offset " << offset;
+    }
+    for (const int64_t cols : {64, 13}) {
+      const int64_t rows = 5;
+      const std::vector<float> m = Normal(rng, rows * cols, 0.0f, 1.0f);
+      const std::vector<float> bias = Normal(rng, cols, 0.0f, 1.0f);
+      std::vector<float> want = m;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) want[r * cols + c] += bias[c];
+      }
+      auto d_m = Upload(m);
+      auto d_b = Upload(bias);
+      ASSERT_EQ(cuda::AddBias(d_m.get(), d_b.get(), rows, cols, stream()), cudaSuccess);
+      Sync();
+      EXPECT_EQ(Download(d_m), want) << "cols " << cols;
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, SwiGluAndMulSigmoidMatchCpu) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t n = 1001;
+    const std::vector<float> gate = Normal(rng, n + 1, 0.0f, 4.0f);
+    const std::vector<float> up = Normal(rng, n + 1, 0.0f, 2.0f);
+    for (const int64_t offset : {0, 1}) {
+      SCOPED_TRACE(testing::Message() << "offset " << offset);
+      std::vector<float> want(n);
+      cpu::SwiGlu(gate.data() + offset, up.data() + offset, want.data(), n);
+      auto d_g = Upload(gate);
+      auto d_u = Upload(up);
+      DeviceBuffer<bf16> d_out(n);
+      ASSERT_EQ(cuda::SwiGlu(d_g.get() + offset, d_u.get() + offset, n, d_out.get(), stream()),
+                cudaSuccess);
+      // MulSigmoid in place on `up`.
+      std::vector<float> want_ms(up.begin() + offset, up.begin() + offset + n);
+      cpu::MulSigmoid(gate.data() + offset, want_ms.data(), n);
+      ASSERT_EQ(cuda::MulSigmoid(d_g.get() + offset, d_u.get() + offset, n, stream()), cudaSuccess);
+      Sync();
+      const std::vector<uint16_t> got = DownloadBf16(d_out);
+      const std::vector<float> got_ms = Download(d_u);
+      for (int64_t i = 0; i < n; ++i) {
+        // silu through expf (2 ulp) and one division: a few fp32 ulps, so at most one bf16 step
+        // after rounding; the bf16 value is within half a bf16 ulp (2^-9 relative) of fp32.
+        ASSERT_LE(Bf16Steps(got[i], Bf16Bits(want[i])), 1) << i;
+        ASSERT_NEAR(Bf16Value(got[i]), want[i], std::ldexp(std::fabs(want[i]), -8)) << i;
+        // sigmoid: expf (2 ulp), 1 + e and 1 / (.) (1 ulp each), the product (1 ulp).
+        ASSERT_NEAR(got_ms[offset + i], want_ms[i], 1e-6f * std::fabs(want_ms[i])) << i;
+      }
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, Bf16ConversionsRoundToNearestEven) {
+  // Every bf16 bit pattern widens exactly.
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+  auto d_all = UploadBf16(all);
+  DeviceBuffer<float> d_wide(all.size());
+  ASSERT_EQ(cuda::Bf16ToFloat(d_all.get(), all.size(), d_wide.get(), stream()), cudaSuccess);
+  Sync();
+  const std::vector<float> wide = Download(d_wide);
+  for (uint32_t i = 0; i < 65536; ++i) {
+    if (std::isnan(Bf16Value(all[i]))) {
+      ASSERT_TRUE(std::isnan(wide[i])) << i;
+    } else {
+      ASSERT_EQ(wide[i], Bf16Value(all[i])) << i;
+    }
+  }
+
+  const float inf = std::numeric_limits<float>::infinity();
+  auto bits_to_float = [](uint32_t u) {
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  };
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    std::vector<float> x = Normal(rng, 1003, 0.0f, 100.0f);
+    // Ties (to even, both directions), signed zeros, infinities, NaN, subnormals, overflow.
+    const float specials[] = {0.0f,
+                              -0.0f,
+                              inf,
+                              -inf,
+                              std::numeric_limits<float>::quiet_NaN(),
+                              bits_to_float(0x3f808000u),  // tie, rounds down to 0x3f80
+                              bits_to_float(0x3f818000u),  // tie, rounds up to 0x3f82
+                              bits_to_float(0xbf818000u),
+                              bits_to_float(0x00000001u),
+                              bits_to_float(0x00418000u),
+                              std::numeric_limits<float>::max(),
+                              1e-3f};
+    std::copy(std::begin(specials), std::end(specials), x.begin() + 3);
+    std::uniform_int_distribution<uint32_t> bits;
+    for (int i = 20; i < 120; ++i) {
+      x[i] = bits_to_float(bits(rng));  // arbitrary patterns
+    }
+    for (const int64_t offset : {0, 1}) {
+      SCOPED_TRACE(testing::Message() << "offset " << offset);
+      const int64_t n = static_cast<int64_t>(x.size()) - offset;
+      auto d_x = Upload(x);
+      DeviceBuffer<bf16> d_out(n);
+      ASSERT_EQ(cuda::FloatToBf16(d_x.get() + offset, n, d_out.get(), stream()), cudaSuccess);
+      Sync();
+      const std::vector<uint16_t> got = DownloadBf16(d_out);
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = x[offset + i];
+        if (std::isnan(v)) {
+          ASSERT_TRUE(std::isnan(Bf16Value(got[i]))) << i;
+        } else {
+          ASSERT_EQ(got[i], Bf16Bits(v)) << i << " value " << v;
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaElementwiseTest, EmptyInputsLaunchNothing) {
+  // n = 0 must not launch a zero-block grid (a launch error).
+  EXPECT_EQ(cuda::AddInPlace(nullptr, nullptr, 0, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::SwiGlu(nullptr, nullptr, 0, nullptr, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::RmsNorm(nullptr, nullptr, 0, 64, 1e-5f, nullptr, nullptr, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::LayerNorm(nullptr, nullptr, nullptr, 0, 64, 1e-5f, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::ApplyRope(nullptr, 0, 4, 64, nullptr, 1e4f, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::EmbeddingLookup(nullptr, nullptr, 0, 64, nullptr, stream()), cudaSuccess);
+  Sync();
+}
+
+#else
+
+// Keeps the suite visible (as skipped, from SetUp) in builds without CUDA.
+TEST_F(CudaElementwiseTest, BuiltWithoutCuda) {}
+
+#endif  // SDM_HAVE_CUDA
+
+}  // namespace
+}  // namespace sdm::kernels

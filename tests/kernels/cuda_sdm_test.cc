@@ -1,0 +1,646 @@
+// The CUDA SDM kernels (kernels/cuda/sdm.h) against their CPU twins: addressing against
+// cpu::SelectSlots + cpu::ActivateAddress, copy-on-write preparation against a host walk of the
+// same tables, the fused step against cpu::SdmWriteColumns / cpu::SdmReadColumns over an fp32
+// copy of the rows, and the row moves (release, gather, scatter, free-list init) for exact
+// accounting. Skips without a device (and on builds without CUDA).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <set>
+#include <span>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/common/device_layout.h"
+#include "kernels/cpu/sdm_addressing.h"
+#include "kernels/cpu/sdm_update.h"
+#include "kernels/cuda/cuda_runtime_info.h"
+#if defined(SDM_HAVE_CUDA)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/sdm.h"
+#endif
+
+namespace sdm::kernels {
+namespace {
+
+#define SDM_SKIP_WITHOUT_DEVICE()                                        \
+  if (cuda::DeviceCount() == 0) {                                        \
+    GTEST_SKIP() << "no CUDA device (" << cuda::DescribeDevice() << ")"; \
+  }
+
+#if defined(SDM_HAVE_CUDA)
+
+uint32_t FreshSeed() {
+  std::random_device rd;
+  return rd();
+}
+
+template <typename T>
+cuda::DeviceBuffer<T> Upload(const std::vector<T>& host) {
+  cuda::DeviceBuffer<T> dev(host.size());
+  EXPECT_TRUE(dev.ok());
+  if (!host.empty()) {
+    EXPECT_EQ(cudaMemcpy(dev.get(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+  return dev;
+}
+
+template <typename T>
+std::vector<T> Download(const T* dev, size_t n) {
+  std::vector<T> host(n);
+  if (n > 0) {
+    EXPECT_EQ(cudaMemcpy(host.data(), dev, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  return host;
+}
+
+int32_t DownloadScalar(const int32_t* dev) { return Download(dev, 1)[0]; }
+
+float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+__nv_bfloat16 ToBf16(float x) { return __float2bfloat16_rn(x); }
+uint16_t BitsOf(__nv_bfloat16 x) {
+  uint16_t b;
+  std::memcpy(&b, &x, sizeof(b));
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Addressing. Slots must equal the CPU's exactly (same integer selection). Weights are fp32 on
+// both sides; they differ only by expf's last-ulp differences (CUDA's expf is within 2 ulp) and
+// the order of the softmax/L2 reductions, so a relative bound of 1e-5 is ample.
+
+std::vector<float> Scores(std::mt19937& rng, int64_t n, bool nasty) {
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> kind(0, 9);
+  std::vector<float> out(n);
+  for (float& x : out) {
+    x = normal(rng);
+    if (!nasty) continue;
+    const int c = kind(rng);
+    if (c == 0) x = std::nanf("");
+    if (c == 1 || c == 2) x = 0.5f;  // ties
+    if (c == 3) x = -0.0f;
+    if (c == 4) x = 0.0f;
+  }
+  return out;
+}
+
+void CheckAddress(uint32_t seed, int64_t side, int64_t k, AddressAct act, float scale, bool nasty) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed << " side " << side << " k " << k << " act "
+                                  << static_cast<int>(act) << " nasty " << nasty);
+  std::mt19937 rng(seed);
+  const int64_t rows = 19, heads = 2;
+  const int64_t count = AddressCount(k, side);
+  std::vector<float> scores = Scores(rng, rows * heads * 2 * side, nasty);
+  auto d_scores = Upload(scores);
+  cuda::DeviceBuffer<int32_t> d_slots(rows * heads * count);
+  cuda::DeviceBuffer<float> d_weights(rows * heads * count);
+  ASSERT_EQ(cuda::SdmAddress(d_scores.get(), rows, heads, side, k, act, scale, d_slots.get(),
+                             d_weights.get(), nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<int32_t> slots = Download(d_slots.get(), d_slots.size());
+  const std::vector<float> weights = Download(d_weights.get(), d_weights.size());
+
+  cpu::AddressScratch scratch;
+  std::vector<int32_t> want_slots(count);
+  std::vector<float> want(count);
+  for (int64_t rh = 0; rh < rows * heads; ++rh) {
+    cpu::SelectSlots(&scores[rh * 2 * side], side, k, want_slots, want, scratch);
+    cpu::ActivateAddress(act, scale, want);
+    for (int64_t i = 0; i < count; ++i) {
+      ASSERT_EQ(slots[rh * count + i], want_slots[i]) << "rh " << rh << " i " << i;
+      const float got = weights[rh * count + i];
+      if (std::isnan(want[i])) {
+        EXPECT_TRUE(std::isnan(got)) << "rh " << rh << " i " << i;
+      } else {
+        EXPECT_NEAR(got, want[i], 1e-5f * std::abs(want[i]) + 1e-7f) << "rh " << rh << " i " << i;
+      }
+    }
+  }
+}
+
+#endif  // SDM_HAVE_CUDA
+
+TEST(CudaSdmTest, AddressMatchesCpu) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  // Presets (tiny s=8 k=8, debug_sdm s=64 k=32, flagship s=256 k=128) plus edge shapes: every
+  // candidate selected (k >= k_sub^2), k = s, k > 256 with a small side, a side needing 3
+  // slot-key bytes.
+  CheckAddress(1, 8, 8, AddressAct::kSoftmax, 1.0f, false);
+  CheckAddress(2, 64, 32, AddressAct::kSoftmax, 0.5f, false);
+  CheckAddress(3, 256, 128, AddressAct::kSoftmax, 1.0f, false);
+  CheckAddress(4, 256, 256, AddressAct::kSoftmax, 2.0f, false);
+  CheckAddress(5, 16, 300, AddressAct::kIdentity, 1.0f, false);
+  CheckAddress(6, 5, 3, AddressAct::kL2Normalize, 1.0f, false);
+  CheckAddress(7, 300, 17, AddressAct::kSigmoid, 1.0f, false);
+  CheckAddress(8, 64, 64, AddressAct::kRelu, 1.0f, false);
+  CheckAddress(9, 2, 1, AddressAct::kSoftmax, 1.0f, false);
+#endif
+}
+
+TEST(CudaSdmTest, AddressMatchesCpuWithTiesAndNan) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  CheckAddress(11, 8, 8, AddressAct::kSoftmax, 1.0f, true);
+  CheckAddress(12, 64, 32, AddressAct::kL2Normalize, 1.0f, true);
+  CheckAddress(13, 256, 128, AddressAct::kIdentity, 1.0f, true);
+  CheckAddress(14, 16, 256, AddressAct::kRelu, 1.0f, true);
+#endif
+}
+
+TEST(CudaSdmTest, AddressMatchesCpuFreshSeed) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const uint32_t seed = FreshSeed();
+  CheckAddress(seed, 256, 128, AddressAct::kSoftmax, 1.0f, seed % 2 == 0);
+  CheckAddress(seed + 1, 64, 32, AddressAct::kSoftmax, 1.0f, seed % 2 == 1);
+#endif
+}
+
+#if defined(SDM_HAVE_CUDA)
+
+// ---------------------------------------------------------------------------------------------
+// Preparation + step + row moves on one batch.
+struct Scenario {
+  int64_t heads = 2, side = 4, width = 96;
+  std::vector<int32_t> lengths;  // tokens per segment (one session each)
+  int64_t k_w = 8, k_r = 8;
+  bool m0 = true;
+  bool key_weighted_decay = false;
+  bool slot_residual = false;
+  double prepopulated = 0.3;  // fraction of slots holding a private row before the batch
+  uint32_t seed = 1;
+};
+
+void RunScenario(const Scenario& sc) {
+  SCOPED_TRACE(testing::Message() << "seed " << sc.seed << " heads " << sc.heads << " side "
+                                  << sc.side << " width " << sc.width << " segments "
+                                  << sc.lengths.size());
+  std::mt19937 rng(sc.seed);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  const int64_t heads = sc.heads, side = sc.side, width = sc.width;
+  const int64_t ss = side * side, n_slots = heads * ss;
+  const int64_t n_w = AddressCount(sc.k_w, side), n_r = AddressCount(sc.k_r, side);
+  const int64_t num = static_cast<int64_t>(sc.lengths.size());
+  std::vector<int32_t> first(num);
+  int64_t rows = 0;
+  for (int64_t s = 0; s < num; ++s) {
+    first[s] = static_cast<int32_t>(rows);
+    rows += sc.lengths[s];
+  }
+  const int64_t max_length = *std::max_element(sc.lengths.begin(), sc.lengths.end());
+
+  // Arena: rows handed out to the prepopulated slots first, the rest shuffled into the free
+  // list. Every row (free ones too) starts with random values so the M0 copy is visible.
+  std::vector<std::vector<int32_t>> tables(num, std::vector<int32_t>(n_slots, kSdmNoRow));
+  std::vector<int32_t> pre_count(num, 0);
+  int64_t pre_total = 0;
+  for (int64_t s = 0; s < num; ++s) {
+    for (int32_t& e : tables[s]) {
+      if (uni(rng) < sc.prepopulated) {
+        e = 0;  // numbered below
+        ++pre_count[s];
+        ++pre_total;
+      }
+    }
+  }
+  const int64_t capacity = pre_total + rows * heads * n_w + 7;  // the step's reserve + slack
+  std::vector<int32_t> perm(capacity);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  int64_t next = 0;
+  for (auto& table : tables) {
+    for (int32_t& e : table) {
+      if (e == 0) e = perm[next++];
+    }
+  }
+  std::vector<int32_t> free_list(perm.begin() + pre_total, perm.end());
+  const int32_t free_before = static_cast<int32_t>(free_list.size());
+  std::vector<__nv_bfloat16> arena(capacity * width);
+  for (auto& x : arena) x = ToBf16(0.5f * normal(rng));
+  std::vector<__nv_bfloat16> m0;
+  if (sc.m0) {
+    m0.resize(n_slots * width);
+    for (auto& x : m0) x = ToBf16(0.5f * normal(rng));
+  }
+
+  // Addressing from the CPU twin (distinct slots per (token, head), sorted).
+  std::vector<int32_t> w_slots(rows * heads * n_w), r_slots(rows * heads * n_r);
+  std::vector<float> w_weights(rows * heads * n_w), r_weights(rows * heads * n_r);
+  cpu::AddressScratch scratch;
+  for (int64_t rh = 0; rh < rows * heads; ++rh) {
+    std::vector<float> wsc = Scores(rng, 2 * side, false), rsc = Scores(rng, 2 * side, false);
+    std::span<int32_t> ws(&w_slots[rh * n_w], n_w), rs(&r_slots[rh * n_r], n_r);
+    std::span<float> wv(&w_weights[rh * n_w], n_w), rv(&r_weights[rh * n_r], n_r);
+    cpu::SelectSlots(wsc.data(), side, sc.k_w, ws, wv, scratch);
+    cpu::ActivateAddress(AddressAct::kSoftmax, 2.0f, wv);
+    cpu::SelectSlots(rsc.data(), side, sc.k_r, rs, rv, scratch);
+    cpu::ActivateAddress(AddressAct::kSoftmax, 2.0f, rv);
+  }
+  std::vector<float> log_decay(rows * heads), beta(rows * heads), v(rows * heads * width);
+  for (float& g : log_decay) g = -0.05f - 0.95f * uni(rng);  // alpha in [0.37, 0.95]
+  for (float& b : beta) b = 0.1f + 0.8f * uni(rng);
+  for (float& x : v) x = normal(rng);
+
+  // Device state.
+  cuda::DeviceBuffer<__nv_bfloat16> d_rows = Upload(arena);
+  auto d_free = Upload(free_list);
+  auto d_free_count = Upload(std::vector<int32_t>{free_before});
+  std::vector<cuda::DeviceBuffer<int32_t>> d_tables;
+  std::vector<int32_t*> table_ptrs;
+  for (int64_t s = 0; s < num; ++s) {
+    d_tables.push_back(Upload(tables[s]));
+    table_ptrs.push_back(d_tables.back().get());
+  }
+  auto d_row_counts = Upload(pre_count);
+  std::vector<int32_t*> count_ptrs;
+  for (int64_t s = 0; s < num; ++s) count_ptrs.push_back(d_row_counts.get() + s);
+  auto d_table_ptrs = Upload(table_ptrs);
+  auto d_count_ptrs = Upload(count_ptrs);
+  auto d_first = Upload(first);
+  auto d_lengths = Upload(sc.lengths);
+  auto d_m0 = Upload(m0);
+  auto d_w_slots = Upload(w_slots);
+  auto d_r_slots = Upload(r_slots);
+  auto d_w_weights = Upload(w_weights);
+  auto d_r_weights = Upload(r_weights);
+  auto d_log_decay = Upload(log_decay);
+  auto d_beta = Upload(beta);
+  auto d_v = Upload(v);
+  cuda::DeviceBuffer<int32_t> d_w_rows(w_slots.size()), d_r_refs(r_slots.size());
+  cuda::DeviceBuffer<float> d_readings(rows * heads * width);
+
+  cuda::SdmRowArena arena_desc;
+  arena_desc.rows = d_rows.get();
+  arena_desc.free_list = d_free.get();
+  arena_desc.free_count = d_free_count.get();
+  arena_desc.row_width = width;
+  cuda::SdmDims dims;
+  dims.heads = heads;
+  dims.side = side;
+  dims.row_width = width;
+  cuda::SdmSegments segs;
+  segs.first_row = d_first.get();
+  segs.length = d_lengths.get();
+  segs.tables = d_table_ptrs.get();
+  segs.row_counts = d_count_ptrs.get();
+  segs.num = num;
+  segs.max_length = max_length;
+  const __nv_bfloat16* m0_ptr = sc.m0 ? d_m0.get() : nullptr;
+
+  ASSERT_EQ(cuda::SdmPrepareRows(d_w_slots.get(), n_w, d_r_slots.get(), n_r, segs, dims, m0_ptr,
+                                 arena_desc, d_w_rows.get(), d_r_refs.get(), nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  // --- Preparation: tables, references, accounting and row contents. ---
+  const std::vector<int32_t> w_rows = Download(d_w_rows.get(), w_slots.size());
+  const std::vector<int32_t> r_refs = Download(d_r_refs.get(), r_slots.size());
+  std::vector<std::vector<int32_t>> after(num);
+  for (int64_t s = 0; s < num; ++s) after[s] = Download(d_tables[s].get(), n_slots);
+  const int32_t free_after = DownloadScalar(d_free_count.get());
+  const std::vector<int32_t> free_list_after = Download(d_free.get(), capacity);
+  const std::vector<int32_t> row_counts = Download(d_row_counts.get(), num);
+  const std::vector<__nv_bfloat16> prepared = Download(d_rows.get(), arena.size());
+
+  int64_t total_new = 0;
+  std::vector<int32_t> new_rows;
+  for (int64_t s = 0; s < num; ++s) {
+    std::vector<bool> written(n_slots, false);
+    for (int64_t t = 0; t < sc.lengths[s]; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < n_w; ++i) {
+          written[h * ss + w_slots[((first[s] + t) * heads + h) * n_w + i]] = true;
+        }
+      }
+    }
+    int64_t seg_new = 0;
+    for (int64_t e = 0; e < n_slots; ++e) {
+      if (tables[s][e] >= 0) {
+        ASSERT_EQ(after[s][e], tables[s][e]) << "existing rows are kept";
+      } else if (written[e]) {
+        ASSERT_GE(after[s][e], 0) << "a written slot gets a row";
+        new_rows.push_back(after[s][e]);
+        ++seg_new;
+        // The new row starts as M0's row (or zeros), bit for bit.
+        for (int64_t c = 0; c < width; ++c) {
+          const uint16_t want = sc.m0 ? BitsOf(m0[e * width + c]) : BitsOf(ToBf16(0.0f));
+          ASSERT_EQ(BitsOf(prepared[after[s][e] * width + c]), want) << "slot " << e;
+        }
+      } else {
+        ASSERT_EQ(after[s][e], kSdmNoRow) << "an unwritten slot stays at M0";
+      }
+    }
+    EXPECT_EQ(row_counts[s], pre_count[s] + seg_new) << "segment " << s;
+    total_new += seg_new;
+  }
+  // Exactly the rows popped from the top of the free list, each once.
+  EXPECT_EQ(free_after, free_before - total_new);
+  ASSERT_GE(free_after, 0);
+  for (int32_t i = 0; i < free_after; ++i) ASSERT_EQ(free_list_after[i], free_list[i]);
+  std::vector<int32_t> popped(free_list.begin() + free_after, free_list.begin() + free_before);
+  std::sort(popped.begin(), popped.end());
+  std::sort(new_rows.begin(), new_rows.end());
+  EXPECT_EQ(new_rows, popped);
+  // Rows not handed out are untouched by the preparation.
+  std::set<int32_t> new_set(new_rows.begin(), new_rows.end());
+  for (int64_t r = 0; r < capacity; ++r) {
+    if (new_set.count(static_cast<int32_t>(r)) != 0) continue;
+    for (int64_t c = 0; c < width; ++c) {
+      ASSERT_EQ(BitsOf(prepared[r * width + c]), BitsOf(arena[r * width + c])) << "row " << r;
+    }
+  }
+  // References.
+  for (int64_t s = 0; s < num; ++s) {
+    for (int64_t t = 0; t < sc.lengths[s]; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t rh = (first[s] + t) * heads + h;
+        for (int64_t i = 0; i < n_w; ++i) {
+          ASSERT_EQ(w_rows[rh * n_w + i], after[s][h * ss + w_slots[rh * n_w + i]]);
+        }
+        for (int64_t j = 0; j < n_r; ++j) {
+          const int32_t slot = r_slots[rh * n_r + j];
+          const int32_t entry = after[s][h * ss + slot];
+          ASSERT_EQ(r_refs[rh * n_r + j], entry >= 0 ? entry : SdmM0Ref(h, slot, ss));
+        }
+      }
+    }
+  }
+
+  // --- The step. ---
+  cuda::SdmStepArgs args;
+  args.w_rows = d_w_rows.get();
+  args.w_weights = d_w_weights.get();
+  args.n_w = n_w;
+  args.r_refs = d_r_refs.get();
+  args.r_weights = d_r_weights.get();
+  args.n_r = n_r;
+  args.log_decay = d_log_decay.get();
+  args.beta = d_beta.get();
+  args.v = d_v.get();
+  args.key_weighted_decay = sc.key_weighted_decay;
+  args.slot_residual = sc.slot_residual;
+  args.m0 = m0_ptr;
+  args.readings = d_readings.get();
+  ASSERT_EQ(cuda::SdmStep(args, segs, dims, arena_desc, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<__nv_bfloat16> stepped = Download(d_rows.get(), arena.size());
+  const std::vector<float> readings = Download(d_readings.get(), rows * heads * width);
+
+  // CPU twin over an fp32 copy of the prepared rows. After each token's write the written rows
+  // are rounded to bf16, as the GPU stores them, so both sides read the same values and differ
+  // only by fp32 summation order and expf ulps (~1e-7 relative) -- except where such a tiny
+  // difference crosses a bf16 rounding boundary (one bf16 ulp, 2^-8 relative), which can then
+  // propagate through later tokens of that column. Hence: almost every written element must be
+  // bit-identical, and every element within a few bf16 ulps of the arena's largest magnitude.
+  std::vector<float> ref(prepared.size());
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] = ToFloat(prepared[i]);
+  std::vector<float> m0f(m0.size()), zeros(width, 0.0f);
+  for (size_t i = 0; i < m0.size(); ++i) m0f[i] = ToFloat(m0[i]);
+  std::vector<float> want_readings(readings.size(), 0.0f);
+  std::vector<float> read_scale(readings.size(), 0.0f);  // sum_j |q_j M_j[c]|
+  const cpu::SdmRule rule =
+      sc.slot_residual ? cpu::SdmRule::kSlotResidual : cpu::SdmRule::kSharedResidual;
+  std::set<int32_t> written_rows;
+  for (int64_t s = 0; s < num; ++s) {
+    for (int64_t t = 0; t < sc.lengths[s]; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t rh = (first[s] + t) * heads + h;
+        std::vector<float*> wp(n_w);
+        std::vector<float> alpha;
+        for (int64_t i = 0; i < n_w; ++i) {
+          wp[i] = &ref[static_cast<int64_t>(w_rows[rh * n_w + i]) * width];
+          written_rows.insert(w_rows[rh * n_w + i]);
+          if (sc.key_weighted_decay)
+            alpha.push_back(std::exp(log_decay[rh] * w_weights[rh * n_w + i]));
+        }
+        if (!sc.key_weighted_decay) alpha.push_back(std::exp(log_decay[rh]));
+        cpu::SdmWriteColumns(wp, std::span<const float>(&w_weights[rh * n_w], n_w), alpha, beta[rh],
+                             &v[rh * width], rule, 0, width);
+        for (float* p : wp) {
+          for (int64_t c = 0; c < width; ++c) p[c] = ToFloat(ToBf16(p[c]));
+        }
+        std::vector<const float*> rp(n_r);
+        for (int64_t j = 0; j < n_r; ++j) {
+          const int32_t r = r_refs[rh * n_r + j];
+          rp[j] = r >= 0 ? &ref[static_cast<int64_t>(r) * width]
+                         : (sc.m0 ? &m0f[SdmM0RowOf(r) * width] : zeros.data());
+          for (int64_t c = 0; c < width; ++c) {
+            read_scale[rh * width + c] += std::abs(r_weights[rh * n_r + j] * rp[j][c]);
+          }
+        }
+        cpu::SdmReadColumns(rp, std::span<const float>(&r_weights[rh * n_r], n_r),
+                            &want_readings[rh * width], 0, width);
+      }
+    }
+  }
+  float max_abs = 0.0f;
+  for (float x : ref) max_abs = std::max(max_abs, std::abs(x));
+  const float row_tol = 4.0f * std::ldexp(1.0f, -8) * max_abs;
+  int64_t checked = 0, exact = 0;
+  for (int64_t r = 0; r < capacity; ++r) {
+    const bool was_written = written_rows.count(static_cast<int32_t>(r)) != 0;
+    for (int64_t c = 0; c < width; ++c) {
+      const int64_t i = r * width + c;
+      if (!was_written) {
+        ASSERT_EQ(BitsOf(stepped[i]), BitsOf(prepared[i])) << "unwritten row " << r << " changed";
+        continue;
+      }
+      ++checked;
+      exact += BitsOf(stepped[i]) == BitsOf(ToBf16(ref[i])) ? 1 : 0;
+      ASSERT_NEAR(ToFloat(stepped[i]), ref[i], row_tol) << "row " << r << " col " << c;
+    }
+  }
+  EXPECT_GE(exact, checked * 95 / 100) << exact << " of " << checked << " bit-identical";
+  int64_t close = 0;
+  for (size_t i = 0; i < readings.size(); ++i) {
+    const float s = read_scale[i];
+    ASSERT_NEAR(readings[i], want_readings[i], std::ldexp(1.0f, -6) * s + 1e-6f) << "reading " << i;
+    close += std::abs(readings[i] - want_readings[i]) <= 1e-5f * s + 1e-6f ? 1 : 0;
+  }
+  EXPECT_GE(close, static_cast<int64_t>(readings.size()) * 90 / 100);
+
+  // --- Gather / scatter round trip of segment 0's private rows. ---
+  std::vector<int32_t> slot_ids, row_ids;
+  for (int64_t e = 0; e < n_slots; ++e) {
+    if (after[0][e] >= 0) {
+      slot_ids.push_back(static_cast<int32_t>(e));
+      row_ids.push_back(after[0][e]);
+    }
+  }
+  const int64_t count = static_cast<int64_t>(row_ids.size());
+  auto d_row_ids = Upload(row_ids);
+  auto d_slot_ids = Upload(slot_ids);
+  cuda::DeviceBuffer<__nv_bfloat16> d_gathered(count * width), d_regathered(count * width);
+  ASSERT_EQ(cuda::SdmGatherRows(arena_desc, d_row_ids.get(), count, d_gathered.get(), nullptr),
+            cudaSuccess);
+  // Release segment 0's table first so the scatter has rows to pop (fork-free: rows return).
+  ASSERT_EQ(cuda::SdmReleaseRows(d_tables[0].get(), n_slots, arena_desc, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(DownloadScalar(d_free_count.get()), free_after + count);
+  for (int32_t e : Download(d_tables[0].get(), n_slots)) ASSERT_EQ(e, kSdmNoRow);
+  const std::vector<__nv_bfloat16> gathered = Download(d_gathered.get(), count * width);
+  for (int64_t i = 0; i < count; ++i) {
+    for (int64_t c = 0; c < width; ++c) {
+      ASSERT_EQ(BitsOf(gathered[i * width + c]), BitsOf(stepped[row_ids[i] * width + c]));
+    }
+  }
+  ASSERT_EQ(cuda::SdmScatterRows(d_gathered.get(), d_slot_ids.get(), count, d_tables[0].get(),
+                                 arena_desc, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(DownloadScalar(d_free_count.get()), free_after);
+  const std::vector<int32_t> restored = Download(d_tables[0].get(), n_slots);
+  std::vector<int32_t> restored_rows;
+  for (int64_t e = 0; e < n_slots; ++e) {
+    if (after[0][e] >= 0) {
+      ASSERT_GE(restored[e], 0);
+      restored_rows.push_back(restored[e]);
+    } else {
+      ASSERT_EQ(restored[e], kSdmNoRow);
+    }
+  }
+  auto d_restored_rows = Upload(restored_rows);
+  ASSERT_EQ(
+      cuda::SdmGatherRows(arena_desc, d_restored_rows.get(), count, d_regathered.get(), nullptr),
+      cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<__nv_bfloat16> regathered = Download(d_regathered.get(), count * width);
+  for (int64_t i = 0; i < count * width; ++i) {
+    ASSERT_EQ(BitsOf(regathered[i]), BitsOf(gathered[i])) << i;
+  }
+
+  // --- Release every table: every row handed out comes back exactly once. ---
+  for (int64_t s = 0; s < num; ++s) {
+    ASSERT_EQ(cuda::SdmReleaseRows(d_tables[s].get(), n_slots, arena_desc, nullptr), cudaSuccess);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(DownloadScalar(d_free_count.get()), capacity);
+  std::vector<int32_t> all = Download(d_free.get(), capacity);
+  std::sort(all.begin(), all.end());
+  std::vector<int32_t> want_all(perm.begin(), perm.begin() + capacity);
+  std::sort(want_all.begin(), want_all.end());
+  EXPECT_EQ(all, want_all);
+}
+
+#endif  // SDM_HAVE_CUDA
+
+TEST(CudaSdmTest, MultiTokenSegmentsWithM0) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  // 16 slots, 8 written per token: slots are rewritten across tokens of a segment, so the
+  // sequential recurrence and copy-on-write deduplication matter. width 96: 4-byte tiles.
+  Scenario sc;
+  sc.lengths = {5, 1, 7};
+  sc.seed = 21;
+  RunScenario(sc);
+#endif
+}
+
+TEST(CudaSdmTest, ZeroM0KeyWeightedDecayWideRows) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  Scenario sc;
+  sc.heads = 1;
+  sc.side = 8;
+  sc.width = 1024;
+  sc.k_w = 32;
+  sc.k_r = 16;
+  sc.lengths = {6, 3};
+  sc.m0 = false;
+  sc.key_weighted_decay = true;
+  sc.seed = 22;
+  RunScenario(sc);
+#endif
+}
+
+TEST(CudaSdmTest, SlotResidualOddWidth) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  Scenario sc;  // width 33: the scalar path
+  sc.width = 33;
+  sc.lengths = {4, 4, 2};
+  sc.slot_residual = true;
+  sc.seed = 23;
+  RunScenario(sc);
+#endif
+}
+
+TEST(CudaSdmTest, DecodeBatchWideGrid) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  // 140 single-token segments x 2 heads x 2 tiles: the 16-byte tile path.
+  Scenario sc;
+  sc.side = 8;
+  sc.width = 512;
+  sc.lengths.assign(140, 1);
+  sc.seed = 24;
+  RunScenario(sc);
+#endif
+}
+
+TEST(CudaSdmTest, FlagshipShapes) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  Scenario sc;  // sdm_flagship: H=2, s=256, hd=1024, W=R=128
+  sc.side = 256;
+  sc.width = 1024;
+  sc.k_w = sc.k_r = 128;
+  sc.lengths = {1, 3, 1, 2};
+  sc.prepopulated = 0.01;
+  sc.seed = 25;
+  RunScenario(sc);
+#endif
+}
+
+TEST(CudaSdmTest, FreshSeeds) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const uint32_t seed = FreshSeed();
+  Scenario a;
+  a.lengths = {3, 9, 1};
+  a.key_weighted_decay = seed % 2 == 0;
+  a.m0 = seed % 3 != 0;
+  a.seed = seed;
+  RunScenario(a);
+  Scenario b;
+  b.side = 8;
+  b.width = 256;
+  b.lengths.assign(150, 1);
+  b.lengths[7] = 4;
+  b.slot_residual = seed % 2 == 1;
+  b.seed = seed + 1;
+  RunScenario(b);
+#endif
+}
+
+TEST(CudaSdmTest, InitFreeListHoldsEveryRow) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int64_t capacity = 100003;
+  cuda::DeviceBuffer<int32_t> list(capacity), count(1);
+  cuda::SdmRowArena arena;
+  arena.free_list = list.get();
+  arena.free_count = count.get();
+  arena.row_width = 8;
+  ASSERT_EQ(cuda::SdmInitFreeList(arena, capacity, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(DownloadScalar(count.get()), capacity);
+  const std::vector<int32_t> got = Download(list.get(), capacity);
+  for (int64_t i = 0; i < capacity; ++i) ASSERT_EQ(got[i], i);
+#endif
+}
+
+}  // namespace
+}  // namespace sdm::kernels

@@ -1,0 +1,564 @@
+// The state store honours device residency (state_store/device_residency.h): a session whose
+// layers live "on the device" is synced back to the host before anything reads or copies them.
+//
+// The device is faked on the CPU. FakeResidency keeps its own copy of the session (decoded from
+// the session's encoding into the engine's row pool, so it never counts in the store's pool),
+// "device steps" run the CPU engine on that copy, and attaching overwrites the host layers with
+// NaN, so any path that reads stale host layers shows up as a wrong encoding or NaN logits.
+// Controls are plain host sessions fed the same tokens; comparisons are bit for bit.
+#include "state_store/device_residency.h"
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/engine.h"
+#include "engine/model.h"
+#include "engine/model_config.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "kernels/common/check.h"
+#include "state_store/session_state.h"
+#include "state_store/session_store.h"
+#include "state_store/state_codec.h"
+
+namespace sdm {
+namespace {
+
+using ::testing::HasSubstr;
+
+// Large next to a tiny session's host bytes, so budgets in these tests are decided by it.
+constexpr int64_t kDeviceBytes = int64_t{4} << 20;
+
+// What a test observes of a residency, surviving its destruction.
+struct Probe {
+  int copies = 0;          // successful CopyToHost calls
+  int failed_copies = 0;   // CopyToHost calls answered with the injected error
+  bool fail = false;       // CopyToHost fails while set
+  bool destroyed = false;  // the residency was destroyed (its "device memory" freed)
+};
+
+class FakeResidency : public DeviceResidency {
+ public:
+  FakeResidency(std::unique_ptr<SessionState> device_copy, std::shared_ptr<Probe> probe)
+      : copy_(std::move(device_copy)), probe_(std::move(probe)) {}
+  ~FakeResidency() override { probe_->destroyed = true; }
+
+  SessionState& copy() { return *copy_; }
+
+  absl::Status CopyToHost(SessionState& host) override {
+    if (probe_->fail) {
+      ++probe_->failed_copies;
+      return absl::InternalError("injected device copy failure");
+    }
+    if (host.position() != copy_->position() || host.num_layers() != copy_->num_layers()) {
+      return absl::InternalError("host and device disagree on the position");
+    }
+    for (int64_t l = 0; l < copy_->num_layers(); ++l) {
+      if (copy_->is_sdm(l)) {
+        // The device's rows are a superset of the host's (it only ever writes more slots).
+        SdmTable& dst = host.sdm(l);
+        absl::Status status;
+        copy_->sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float* row) {
+          float* out = dst.MutableRow(head, slot);
+          if (out == nullptr) {
+            status = absl::ResourceExhaustedError("host row pool is full");
+            return;
+          }
+          std::memcpy(out, row, dst.row_width() * sizeof(float));
+        });
+        if (!status.ok()) return status;
+      } else {
+        const KvCache& src = copy_->kv(l);
+        KvCache& dst = host.kv(l);
+        dst.ResetForRestore(src.length());
+        for (int64_t p = src.first_position(); p < src.length(); ++p) {
+          std::memcpy(dst.MutableKeyRow(p), src.KeyRow(p), src.row_width() * sizeof(float));
+          std::memcpy(dst.MutableValueRow(p), src.ValueRow(p), src.row_width() * sizeof(float));
+        }
+      }
+    }
+    ++probe_->copies;
+    return absl::OkStatus();
+  }
+
+  int64_t DeviceBytes() const override { return kDeviceBytes; }
+
+ private:
+  std::unique_ptr<SessionState> copy_;
+  std::shared_ptr<Probe> probe_;
+};
+
+// Every held host row becomes NaN: from here on only the device copy holds the session.
+void Poison(SessionState& s) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int64_t l = 0; l < s.num_layers(); ++l) {
+    if (s.is_sdm(l)) {
+      SdmTable& t = s.sdm(l);
+      std::vector<std::pair<int64_t, int64_t>> slots;
+      t.ForEachPrivateRow([&](int64_t h, int64_t slot, const float*) {
+        slots.push_back({h, slot});
+      });
+      for (auto [h, slot] : slots) {
+        float* row = t.MutableRow(h, slot);
+        SDM_CHECK(row != nullptr);
+        std::fill(row, row + t.row_width(), nan);
+      }
+    } else {
+      KvCache& kv = s.kv(l);
+      for (int64_t p = kv.first_position(); p < kv.length(); ++p) {
+        std::fill(kv.MutableKeyRow(p), kv.MutableKeyRow(p) + kv.row_width(), nan);
+        std::fill(kv.MutableValueRow(p), kv.MutableValueRow(p) + kv.row_width(), nan);
+      }
+    }
+  }
+}
+
+std::vector<int32_t> Tokens(int n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> tok(0, 255);
+  std::vector<int32_t> t(n);
+  for (auto& x : t) x = tok(rng);
+  return t;
+}
+
+bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+bool HasNan(const std::vector<float>& v) {
+  for (float x : v) {
+    if (std::isnan(x)) return true;
+  }
+  return false;
+}
+
+class TempDir {
+ public:
+  TempDir() {
+    path_ = std::filesystem::temp_directory_path() /
+            absl::StrCat("sdm_device_residency_test_", ::getpid(), "_", counter_++);
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path path_;
+};
+
+class DeviceResidencyTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    // Every state kind: sliding-window (ring wraps within the prompt), SDM, full attention.
+    config_ = *PresetConfig("tiny");
+    config_.n_layers = 5;
+    config_.swa_at = {0, 2};
+    config_.attn_at = {3};
+    config_.sdm_at = {1, 4};
+    config_.swa_window = 6;
+    ASSERT_TRUE(FinalizeModelConfig(config_).ok());
+    EngineOptions o;
+    o.num_threads = 1;
+    o.prefill_chunk = 8;
+    auto e = Engine::Create(RandomModel(config_, 5), o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = *std::move(e);
+  }
+
+  std::unique_ptr<SessionStateStore> OpenStore(const std::filesystem::path& dir,
+                                               int64_t resident = int64_t{1} << 30) {
+    SessionStoreOptions o;
+    o.dir = dir;
+    o.resident_budget_bytes = resident;
+    o.host_budget_bytes = int64_t{1} << 30;
+    o.background = false;
+    auto s = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), o);
+    SDM_CHECK(s.ok());
+    return *std::move(s);
+  }
+
+  // Moves `host` to the fake device: the device copy is host's current content, host's layers
+  // become NaN.
+  std::shared_ptr<Probe> Attach(SessionState& host) {
+    auto probe = std::make_shared<Probe>();
+    auto decoded = DecodeSessionState(EncodeSessionState(host, {}, engine_->fingerprint()),
+                                      engine_->state_layout(), engine_->fingerprint());
+    SDM_CHECK(decoded.ok());
+    Poison(host);
+    host.AttachDevice(std::make_unique<FakeResidency>(std::move(decoded->state), probe));
+    return probe;
+  }
+
+  // A decode step "on the device": the engine runs on the device copy; the host keeps the
+  // position current (device_residency.h), its layers stay stale.
+  void DeviceDecode(SessionState& host, const std::vector<int32_t>& tokens) {
+    auto* fake = static_cast<FakeResidency*>(host.device());
+    ASSERT_NE(fake, nullptr);
+    std::vector<float> logits(engine_->vocab_size());
+    for (int32_t t : tokens) {
+      SessionState* batch[] = {&fake->copy()};
+      ASSERT_TRUE(engine_->Decode(batch, {&t, 1}, logits).ok());
+      host.AdvancePosition();
+    }
+  }
+
+  void HostDecode(SessionState& s, const std::vector<int32_t>& tokens) {
+    std::vector<float> logits(engine_->vocab_size());
+    for (int32_t t : tokens) {
+      SessionState* batch[] = {&s};
+      ASSERT_TRUE(engine_->Decode(batch, {&t, 1}, logits).ok());
+    }
+  }
+
+  // Logits of feeding `tokens` one at a time, all steps concatenated (advances `s`).
+  std::vector<float> Continue(SessionState& s, const std::vector<int32_t>& tokens) {
+    std::vector<float> all, step(engine_->vocab_size());
+    for (int32_t t : tokens) {
+      SessionState* batch[] = {&s};
+      SDM_CHECK(engine_->Decode(batch, {&t, 1}, step).ok());
+      all.insert(all.end(), step.begin(), step.end());
+    }
+    return all;
+  }
+
+  // The encoding of the state alone (same record), for bit-exact content comparisons.
+  std::string Content(const SessionState& s) {
+    return EncodeSessionState(s, SessionRecord{"x", ""}, engine_->fingerprint());
+  }
+  // Compared as a bool: a failure must not print megabytes of binary.
+  bool SameContent(const SessionState& a, const SessionState& b) {
+    return Content(a) == Content(b);
+  }
+
+  // A host session that took `prompt` by prefill and then `steps` one by one.
+  std::unique_ptr<SessionState> Control(const std::vector<int32_t>& prompt,
+                                        const std::vector<int32_t>& steps) {
+    auto s = engine_->NewSession();
+    SDM_CHECK(engine_->Prefill(*s, prompt, false, nullptr).ok());
+    HostDecode(*s, steps);
+    return s;
+  }
+
+  // Creates `id` in `store`, prefills `prompt` on the host, moves it to the device and runs
+  // `steps` there. Returns the residency's probe.
+  std::shared_ptr<Probe> CreateOnDevice(SessionStateStore& store, const std::string& id,
+                                        const std::vector<int32_t>& prompt,
+                                        const std::vector<int32_t>& steps) {
+    SDM_CHECK(store.Create(id, "meta").ok());
+    auto lease = store.Acquire(id);
+    SDM_CHECK(lease.ok());
+    SDM_CHECK(engine_->Prefill(lease->state(), prompt, false, nullptr).ok());
+    auto probe = Attach(lease->state());
+    DeviceDecode(lease->state(), steps);
+    return probe;
+  }
+
+  ModelConfig config_;
+  std::unique_ptr<Engine> engine_;
+  const std::vector<int32_t> prompt_ = Tokens(20, 1);  // past the SWA window (ring of 14)
+  const std::vector<int32_t> steps_ = Tokens(5, 2);
+  const std::vector<int32_t> more_ = Tokens(6, 3);
+};
+
+// ---- SessionState on its own ----
+
+TEST_F(DeviceResidencyTest, SyncToHostCopiesBackAndDetaches) {
+  auto control = Control(prompt_, steps_);
+  auto s = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*s, prompt_, false, nullptr).ok());
+  const int64_t host_bytes = s->ResidentBytes();
+  EXPECT_FALSE(s->on_device());
+  EXPECT_TRUE(s->SyncToHost().ok());  // host-only: nothing to do
+
+  auto probe = Attach(*s);
+  EXPECT_TRUE(s->on_device());
+  EXPECT_EQ(s->ResidentBytes(), host_bytes + kDeviceBytes);
+  DeviceDecode(*s, steps_);
+
+  probe->fail = true;
+  const absl::Status failed = s->SyncToHost();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_TRUE(s->on_device());  // still attached: the device copy is the truth
+  EXPECT_FALSE(probe->destroyed);
+
+  probe->fail = false;
+  ASSERT_TRUE(s->SyncToHost().ok());
+  EXPECT_FALSE(s->on_device());
+  EXPECT_EQ(s->device(), nullptr);
+  EXPECT_TRUE(probe->destroyed);
+  EXPECT_EQ(probe->copies, 1);
+  EXPECT_TRUE(SameContent(*s, *control));
+  EXPECT_TRUE(BitwiseEqual(Continue(*s, more_), Continue(*control, more_)));
+}
+
+TEST_F(DeviceResidencyTest, DetachDeviceDropsWithoutCopying) {
+  auto s = engine_->NewSession();
+  auto probe = Attach(*s);
+  s->DetachDevice();
+  EXPECT_FALSE(s->on_device());
+  EXPECT_TRUE(probe->destroyed);
+  EXPECT_EQ(probe->copies, 0);
+}
+
+TEST_F(DeviceResidencyTest, DestroyingTheSessionDestroysItsResidency) {
+  auto s = engine_->NewSession();
+  auto probe = Attach(*s);
+  s.reset();
+  EXPECT_TRUE(probe->destroyed);
+  EXPECT_EQ(probe->copies, 0);
+}
+
+TEST_F(DeviceResidencyTest, EncodingAnOnDeviceSessionIsRefused) {
+  auto control = Control(prompt_, steps_);
+  auto s = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*s, prompt_, false, nullptr).ok());
+  auto probe = Attach(*s);
+  DeviceDecode(*s, steps_);
+  absl::StatusOr<std::string> refused =
+      TryEncodeSessionState(*s, SessionRecord{"x", ""}, engine_->fingerprint());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition) << refused.status();
+  EXPECT_THAT(refused.status().message(), HasSubstr("device"));
+  EXPECT_EQ(probe->copies, 0);  // the codec never syncs on its own
+
+  ASSERT_TRUE(s->SyncToHost().ok());
+  absl::StatusOr<std::string> blob =
+      TryEncodeSessionState(*s, SessionRecord{"x", ""}, engine_->fingerprint());
+  ASSERT_TRUE(blob.ok()) << blob.status();
+  EXPECT_TRUE(*blob == Content(*control)) << "encodings differ";
+}
+
+TEST_F(DeviceResidencyTest, CopiesOfAnOnDeviceSessionAreProgrammingErrors) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto s = engine_->NewSession();
+  auto probe = Attach(*s);
+  EXPECT_DEATH(s->Clone(), "check failed");
+  EXPECT_DEATH(s->Fork(), "check failed");
+  EXPECT_DEATH(EncodeSessionState(*s, {}, engine_->fingerprint()), "check failed");
+  EXPECT_DEATH(s->AttachDevice(std::make_unique<FakeResidency>(engine_->NewSession(), probe)),
+               "check failed");
+}
+
+// ---- Through the store ----
+
+TEST_F(DeviceResidencyTest, ParkingSyncsAndResumesBitExact) {
+  for (Tier tier : {Tier::kHost, Tier::kDisk}) {
+    SCOPED_TRACE(TierName(tier));
+    TempDir dir;
+    auto store = OpenStore(dir.path());
+    auto control = Control(prompt_, steps_);
+    auto probe = CreateOnDevice(*store, "s", prompt_, steps_);
+
+    ASSERT_TRUE(store->Park("s", tier).ok());
+    EXPECT_EQ(probe->copies, 1);
+    EXPECT_TRUE(probe->destroyed);
+    EXPECT_EQ(store->Get("s")->tier, tier);
+    EXPECT_EQ(store->Get("s")->position, static_cast<int64_t>(prompt_.size() + steps_.size()));
+
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_FALSE(lease->state().on_device());
+    EXPECT_TRUE(SameContent(lease->state(), *control));
+    const std::vector<float> got = Continue(lease->state(), more_);
+    EXPECT_FALSE(HasNan(got));
+    EXPECT_TRUE(BitwiseEqual(got, Continue(*control, more_)));
+  }
+}
+
+TEST_F(DeviceResidencyTest, BudgetEvictionSyncs) {
+  auto control = Control(prompt_, steps_);
+  // Room for one session on device, not two: releasing the second evicts the first (LRU).
+  auto store = OpenStore({}, kDeviceBytes + kDeviceBytes / 2);
+  auto a = CreateOnDevice(*store, "a", prompt_, steps_);
+  EXPECT_EQ(store->Get("a")->tier, Tier::kResident);
+  auto b = CreateOnDevice(*store, "b", prompt_, steps_);
+  EXPECT_EQ(store->Get("a")->tier, Tier::kHost);
+  EXPECT_EQ(store->Get("b")->tier, Tier::kResident);
+  EXPECT_EQ(a->copies, 1);
+  EXPECT_TRUE(a->destroyed);
+  EXPECT_EQ(b->copies, 0);
+  auto lease = store->Acquire("a");  // evicts b in turn when released
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(SameContent(lease->state(), *control));
+}
+
+TEST_F(DeviceResidencyTest, PersistAllSyncsEverySession) {
+  TempDir dir;
+  auto control = Control(prompt_, steps_);
+  std::shared_ptr<Probe> probes[2];
+  {
+    auto store = OpenStore(dir.path());
+    probes[0] = CreateOnDevice(*store, "a", prompt_, steps_);
+    probes[1] = CreateOnDevice(*store, "b", prompt_, steps_);
+    ASSERT_TRUE(store->PersistAll().ok());
+    for (const auto& p : probes) {
+      EXPECT_EQ(p->copies, 1);
+      EXPECT_TRUE(p->destroyed);
+    }
+    EXPECT_EQ(store->Stats().sessions[static_cast<int>(Tier::kDisk)], 2);
+  }
+  auto store = OpenStore(dir.path());  // a restart reads what was persisted
+  for (const char* id : {"a", "b"}) {
+    auto lease = store->Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_TRUE(SameContent(lease->state(), *control)) << id;
+  }
+}
+
+TEST_F(DeviceResidencyTest, ForkSyncsTheSourceFirst) {
+  TempDir dir;
+  auto store = OpenStore(dir.path());
+  auto control = Control(prompt_, steps_);
+  auto probe = CreateOnDevice(*store, "src", prompt_, steps_);
+  ASSERT_TRUE(store->Fork("src", "dst", "forked").ok());
+  EXPECT_EQ(probe->copies, 1);
+  EXPECT_TRUE(probe->destroyed);
+  EXPECT_EQ(store->Get("src")->tier, Tier::kResident);  // synced in place, not parked
+
+  for (const char* id : {"src", "dst"}) {
+    SCOPED_TRACE(id);
+    auto lease = store->Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_FALSE(lease->state().on_device());
+    EXPECT_TRUE(SameContent(lease->state(), *control));
+    auto expected = control->Clone();
+    const std::vector<float> got = Continue(lease->state(), more_);
+    EXPECT_FALSE(HasNan(got));
+    EXPECT_TRUE(BitwiseEqual(got, Continue(*expected, more_)));
+  }
+}
+
+TEST_F(DeviceResidencyTest, FailedSyncKeepsThatSessionResidentAndUsable) {
+  TempDir dir;
+  auto control = Control(prompt_, steps_);
+  auto store = OpenStore(dir.path());
+  auto bad = CreateOnDevice(*store, "bad", prompt_, steps_);
+  auto good = CreateOnDevice(*store, "good", prompt_, steps_);
+  bad->fail = true;
+
+  // Park: the residency's error, naming the session; it stays resident on its device copy.
+  absl::Status parked = store->Park("bad", Tier::kHost);
+  EXPECT_EQ(parked.code(), absl::StatusCode::kInternal) << parked;
+  EXPECT_THAT(parked.message(), HasSubstr("'bad'"));
+  EXPECT_THAT(parked.message(), HasSubstr("injected"));
+  EXPECT_EQ(store->Get("bad")->tier, Tier::kResident);
+  EXPECT_FALSE(bad->destroyed);
+  EXPECT_EQ(store->Stats().sync_errors, 1);
+  EXPECT_GE(store->Get("bad")->bytes, kDeviceBytes);
+
+  // Fork: refused the same way, no half-made fork left behind.
+  absl::Status forked = store->Fork("bad", "bad2", "");
+  EXPECT_EQ(forked.code(), absl::StatusCode::kInternal) << forked;
+  EXPECT_EQ(store->Get("bad2").status().code(), absl::StatusCode::kNotFound);
+
+  // PersistAll: everything else still goes to disk; the failure is reported.
+  absl::Status persisted = store->PersistAll();
+  EXPECT_EQ(persisted.code(), absl::StatusCode::kUnavailable) << persisted;
+  EXPECT_THAT(persisted.message(), HasSubstr("bad"));
+  EXPECT_THAT(persisted.message(), ::testing::Not(HasSubstr("good")));
+  EXPECT_EQ(store->Get("good")->tier, Tier::kDisk);
+  EXPECT_EQ(good->copies, 1);
+  EXPECT_EQ(store->Get("bad")->tier, Tier::kResident);
+  EXPECT_EQ(store->Stats().sync_errors, 3);
+
+  // Still usable: it steps on on the device, and once the device answers it parks exactly.
+  {
+    auto lease = store->Acquire("bad");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_TRUE(lease->state().on_device());
+    DeviceDecode(lease->state(), more_);
+  }
+  HostDecode(*control, more_);
+  bad->fail = false;
+  ASSERT_TRUE(store->Park("bad", Tier::kDisk).ok());
+  EXPECT_TRUE(bad->destroyed);
+  auto lease = store->Acquire("bad");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(SameContent(lease->state(), *control));
+}
+
+TEST_F(DeviceResidencyTest, EvictionSkipsASessionThatFailsToSyncAndParksOthers) {
+  auto control = Control(prompt_, steps_);
+  // Room for one session on device, not two.
+  auto store = OpenStore({}, kDeviceBytes + kDeviceBytes / 2);
+  auto bad = CreateOnDevice(*store, "bad", prompt_, steps_);
+  bad->fail = true;
+  // Releasing "good" puts the store over budget: "bad" is least recently used but cannot be
+  // synced, so eviction logs it and parks "good" instead.
+  auto good = CreateOnDevice(*store, "good", prompt_, steps_);
+  EXPECT_GE(bad->failed_copies, 1);
+  EXPECT_EQ(store->Get("bad")->tier, Tier::kResident);
+  EXPECT_EQ(store->Get("good")->tier, Tier::kHost);
+  EXPECT_EQ(good->copies, 1);
+  EXPECT_TRUE(good->destroyed);
+  EXPECT_FALSE(bad->destroyed);
+  EXPECT_GE(store->Stats().sync_errors, 1);
+  EXPECT_LE(store->Stats().bytes[static_cast<int>(Tier::kResident)],
+            kDeviceBytes + kDeviceBytes / 2);
+
+  auto lease = store->Acquire("good");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(SameContent(lease->state(), *control));
+}
+
+TEST_F(DeviceResidencyTest, ResidentBytesAndStatsCountDeviceBytes) {
+  auto store = OpenStore({});
+  ASSERT_TRUE(store->Create("s", "").ok());
+  int64_t host_info = 0, host_stats = 0;
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok());
+    ASSERT_TRUE(engine_->Prefill(lease->state(), prompt_, false, nullptr).ok());
+  }
+  host_info = store->Get("s")->bytes;
+  host_stats = store->Stats().bytes[static_cast<int>(Tier::kResident)];
+  ASSERT_GT(host_info, 0);
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok());
+    const int64_t before = lease->state().ResidentBytes();
+    Attach(lease->state());
+    EXPECT_EQ(lease->state().ResidentBytes(), before + kDeviceBytes);
+  }
+  // Both the stale host copy and the device copy count.
+  EXPECT_EQ(store->Get("s")->bytes, host_info + kDeviceBytes);
+  EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kResident)], host_stats + kDeviceBytes);
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok());
+    ASSERT_TRUE(lease->state().SyncToHost().ok());
+  }
+  EXPECT_EQ(store->Get("s")->bytes, host_info);
+  EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kResident)], host_stats);
+}
+
+TEST_F(DeviceResidencyTest, DeletingOrExpiringASessionDestroysItsResidency) {
+  auto store = OpenStore({});
+  auto deleted = CreateOnDevice(*store, "deleted", prompt_, steps_);
+  ASSERT_TRUE(store->Delete("deleted").ok());
+  EXPECT_TRUE(deleted->destroyed);
+  EXPECT_EQ(deleted->copies, 0);  // nothing is copied back for a session that is gone
+
+  ASSERT_TRUE(store->Create("expiring", "", absl::Seconds(1)).ok());
+  std::shared_ptr<Probe> expiring;
+  {
+    auto lease = store->Acquire("expiring");
+    ASSERT_TRUE(lease.ok());
+    expiring = Attach(lease->state());
+  }
+  EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Hours(1)), 1);
+  EXPECT_TRUE(expiring->destroyed);
+  EXPECT_EQ(expiring->copies, 0);
+  EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kResident)], 0);
+}
+
+}  // namespace
+}  // namespace sdm
