@@ -1,6 +1,7 @@
 #include "engine/engine.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <memory>
 #include <set>
 #include <string>
@@ -119,7 +120,8 @@ class Engine::Impl {
         fingerprint_(ComputeFingerprint(*model_)) {}
 
   absl::Status Init() {
-    EngineDevice device = options_.device;
+    const EngineDevice asked = options_.device;
+    EngineDevice device = asked;
     if (device == EngineDevice::kAuto) {
       device = kernels::cuda::DeviceCount() > 0 ? EngineDevice::kCuda : EngineDevice::kCpu;
     }
@@ -127,6 +129,14 @@ class Engine::Impl {
     const EngineContext context{model_, options_, &layout_};
     absl::StatusOr<std::unique_ptr<EngineBackend>> backend =
         device == EngineDevice::kCuda ? CreateCudaBackend(context) : CreateCpuBackend(context);
+    if (!backend.ok() && device == EngineDevice::kCuda && asked == EngineDevice::kAuto) {
+      // auto means "the GPU if it works": say why not, and run on the CPU.
+      std::fprintf(stderr, "sdm engine: CUDA backend unavailable (%s); using the CPU\n",
+                   std::string(backend.status().message()).c_str());
+      options_.device = EngineDevice::kCpu;
+      const EngineContext cpu_context{model_, options_, &layout_};
+      backend = CreateCpuBackend(cpu_context);
+    }
     if (!backend.ok()) return backend.status();
     backend_ = *std::move(backend);
     return absl::OkStatus();

@@ -439,7 +439,8 @@ class CudaBackend : public EngineBackend {
         session.AttachDevice(*std::move(up));
       }
       dev[s] = dynamic_cast<CudaSessionState*>(session.device());
-      if (dev[s] == nullptr) {
+      // Another engine's residency has tables into that engine's arenas.
+      if (dev[s] == nullptr || dev[s]->context() != ctx_.get()) {
         return absl::FailedPreconditionError(
             "session is resident on another backend's device; sync it to the host first");
       }
@@ -450,7 +451,17 @@ class CudaBackend : public EngineBackend {
     const int64_t n_w = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
     const int64_t n_r = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_reads) : 0;
     const int64_t n_sdm = ctx_->num_sdm_layers();
-    if (n_sdm > 0) SDM_RETURN_IF_ERROR(ctx_->ReserveRows(n * sdm_geom_.heads * n_w * n_sdm));
+    if (n_sdm > 0) {
+      // A segment takes at most n_w rows per token and head, and never more than a table has
+      // slots: without that cap a long prefill chunk reserves many sessions' worth of rows
+      // (256 tokens x 32 writes = 2x debug_sdm's 4096 slots) and fails on an arena that can
+      // hold the session.
+      int64_t rows = 0;
+      for (const Segment& s : segs) {
+        rows += std::min(s.length * n_w, sdm_geom_.slots_per_head) * sdm_geom_.heads;
+      }
+      SDM_RETURN_IF_ERROR(ctx_->ReserveRows(rows * n_sdm));
+    }
     SDM_RETURN_IF_ERROR(EnsureWorkspace(n, max_visible));
 
     // (3) One upload of the step's integers and pointers.

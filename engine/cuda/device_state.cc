@@ -161,7 +161,27 @@ int64_t CudaDeviceContext::free_rows_lower_bound() const {
 }
 
 absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (rows <= free_rows_) {
+      free_rows_ -= rows;
+      return absl::OkStatus();
+    }
+  }
+  // The bound is stale after sessions were released (parked, deleted) since the last step's
+  // refresh; without this re-read a step that fails here could never succeed again, however
+  // many sessions the store parks. No allocation is pending (see the header), so once the
+  // compute stream is idle the device count is exact. cudaMemcpy runs on the legacy stream,
+  // which does not wait for the non-blocking compute stream: hence the synchronisation first.
+  int32_t device_free = 0;
+  if (free_count_.get() != nullptr) {
+    SDM_RETURN_IF_CUDA(cudaStreamSynchronize(compute()), "waiting for released rows");
+    SDM_RETURN_IF_CUDA(
+        cudaMemcpy(&device_free, free_count_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost),
+        "reading the free row count");
+  }
   std::lock_guard<std::mutex> lock(mu_);
+  free_rows_ = device_free;
   if (rows > free_rows_) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "device SDM row memory is full (", free_rows_, " rows free of ", sizes_.sdm_rows,
@@ -382,7 +402,13 @@ absl::Status CudaSessionState::EnsurePages(int64_t end) {
     if (have >= needed) continue;
     for (int64_t i = have; i < needed; ++i) {
       absl::StatusOr<int32_t> page = ctx_->AllocatePage(l);
-      if (!page.ok()) return page.status();
+      if (!page.ok()) {
+        // Give back this call's pages: the mirror must only hold pages the device table has
+        // (a retry starts copying at pages.size(), so kept pages would stay garbage entries).
+        ctx_->FreePages(l, std::vector<int32_t>(layer.pages.begin() + have, layer.pages.end()));
+        layer.pages.resize(have);
+        return page.status();
+      }
       layer.pages.push_back(*page);
     }
     // The mirror never reallocates (reserved to `entries`), and entries once written never

@@ -86,7 +86,10 @@ class CudaDeviceContext {
 
   // Free rows as of the last refresh, minus what was reserved since: a lower bound.
   int64_t free_rows_lower_bound() const;
-  // Takes `rows` from the lower bound; ResourceExhausted if it would go negative.
+  // Takes `rows` from the lower bound. When it is too low, first re-reads the device's count
+  // (rows released since the last step), synchronising the compute stream; ResourceExhausted
+  // if even that is short. Call only when no allocation is pending on the compute stream
+  // (before a step enqueues its work, or before an upload's scatter).
   absl::Status ReserveRows(int64_t rows);
   // Enqueues copies of the free-row count and the counters to pinned host memory on the compute
   // stream; FinishRefresh (after the stream was synchronised) publishes them.
@@ -136,6 +139,8 @@ class CudaSessionState final : public DeviceResidency {
   int32_t* sdm_table(int64_t layer) const { return layers_[layer].table.get(); }
   int32_t* page_table(int64_t layer) const { return layers_[layer].table.get(); }
   int32_t counter_slot() const { return counter_slot_; }
+  // The context whose arenas hold this session (tables index them).
+  const CudaDeviceContext* context() const { return ctx_.get(); }
 
  private:
   explicit CudaSessionState(std::shared_ptr<CudaDeviceContext> ctx) : ctx_(std::move(ctx)) {}

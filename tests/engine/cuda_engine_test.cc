@@ -13,6 +13,7 @@
 
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/model_config.h"
 #include "engine/model_weights.h"
 #include "engine/weight_spec.h"
 #include "gtest/gtest.h"
@@ -109,14 +110,24 @@ Engines MakeEngines(const std::string& preset, int64_t prefill_chunk) {
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   o.device = EngineDevice::kCuda;
   o.device_state_bytes = int64_t{2} << 30;
+  // The arenas must hold one session at max_context: debug_sdm's four full-attention layers
+  // need 2 GiB of KV at the default 131072, more than the 2 GiB above. The sessions here are
+  // short.
+  o.max_context = 4096;
   auto cuda = Engine::Create(model, o);
   EXPECT_TRUE(cuda.ok()) << cuda.status();
-  return {*std::move(cpu), *std::move(cuda)};
+  // A failed engine is null (the callers ASSERT on it), not a crash of the whole test binary.
+  return {cpu.ok() ? *std::move(cpu) : nullptr, cuda.ok() ? *std::move(cuda) : nullptr};
 }
 
 // bf16 at GEMM inputs and in the state: logits agree to ~1e-2 relative (a float32-only error
 // would be ~1e-6; a wrong kernel gives O(1)).
 constexpr double kLogitTolerance = 3e-2;
+// tiny addresses 8 of 64 slots per head: a near-tie in the top-k that bf16 rounding flips moves
+// 1/8 of a head's write or read, so isolated positions differ by 5-17% and whole arrays by up
+// to ~5% (measured under a CPU emulation of the kernels, round-to-nearest and stochastic
+// rounding alike). Still far below the O(1) of a wrong kernel.
+constexpr double kTinyLogitTolerance = 8e-2;
 
 class CudaVsCpuTest : public ::testing::TestWithParam<std::string> {};
 
@@ -125,6 +136,7 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
   Engines e = MakeEngines(GetParam(), /*prefill_chunk=*/16);
   ASSERT_NE(e.cuda, nullptr);
   EXPECT_EQ(e.cuda->device(), EngineDevice::kCuda);
+  const double tolerance = GetParam() == "tiny" ? kTinyLogitTolerance : kLogitTolerance;
   const int64_t vocab = e.cpu->vocab_size();
   constexpr int kSessions = 3;
   std::vector<std::unique_ptr<SessionState>> cpu_s, gpu_s;
@@ -137,7 +149,7 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
     ASSERT_TRUE(e.cpu->Prefill(*cpu_s[i], prompt, /*all_positions=*/true, &lc).ok());
     absl::Status st = e.cuda->Prefill(*gpu_s[i], prompt, /*all_positions=*/true, &lg);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_LT(RelativeError(lg, lc), kLogitTolerance) << "prefill, session " << i;
+    EXPECT_LT(RelativeError(lg, lc), tolerance) << "prefill, session " << i;
   }
   std::vector<SessionState*> cpu_ptr, gpu_ptr;
   for (int i = 0; i < kSessions; ++i) {
@@ -150,7 +162,7 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
     ASSERT_TRUE(e.cpu->Decode(cpu_ptr, tokens, lc).ok());
     absl::Status st = e.cuda->Decode(gpu_ptr, tokens, lg);
     ASSERT_TRUE(st.ok()) << st;
-    EXPECT_LT(RelativeError(lg, lc), kLogitTolerance) << "decode step " << step;
+    EXPECT_LT(RelativeError(lg, lc), tolerance) << "decode step " << step;
     for (int i = 0; i < kSessions; ++i) EXPECT_EQ(gpu_s[i]->position(), cpu_s[i]->position());
   }
 }
@@ -238,6 +250,45 @@ TEST(CudaEngineTest, FullDeviceStateIsResourceExhausted) {
     last = (*e)->Prefill(*sessions.back(), RandomTokens(64, (*e)->vocab_size(), i), false, nullptr);
   }
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
+}
+
+// A step that ran out of KV pages part-way (and of rows) succeeds once other sessions free
+// theirs: no half-recorded pages, no stale free-row bound. Sized for two sessions of
+// max_context; a long single-chunk prefill must fit without reserving more rows than a session
+// can own.
+TEST(CudaEngineTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  ASSERT_TRUE(ApplyConfigOverrides(*c, {"swa_at=[]", "attn_at=[0,1,2]"}).ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  EngineOptions o;
+  auto cpu = Engine::Create(model, o);
+  ASSERT_TRUE(cpu.ok()) << cpu.status();
+  o.device = EngineDevice::kCuda;
+  o.max_context = 256;  // 4 pages of 64 positions per layer and session
+  // Per session: SDM rows (2 heads x 64 slots x 32 bf16) + 3 layers x 4 pages of 8 KiB.
+  o.device_state_bytes = 2 * (8192 + 3 * 4 * 8192);
+  auto gpu = Engine::Create(model, o);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  const int64_t vocab = (*gpu)->vocab_size();
+  auto a = (*gpu)->NewSession();
+  auto b = (*gpu)->NewSession();
+  auto s = (*gpu)->NewSession();
+  absl::Status st = (*gpu)->Prefill(*a, RandomTokens(200, vocab, 1), false, nullptr);
+  ASSERT_TRUE(st.ok()) << st;  // 4 pages per layer, every slot
+  st = (*gpu)->Prefill(*b, RandomTokens(100, vocab, 2), false, nullptr);
+  ASSERT_TRUE(st.ok()) << st;  // 2 pages per layer
+  const std::vector<int32_t> prompt = RandomTokens(200, vocab, 3);
+  std::vector<float> on_gpu, on_cpu;
+  st = (*gpu)->Prefill(*s, prompt, false, &on_gpu);  // needs 4 pages, 2 are left
+  EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  a.reset();  // what the store does when it parks or deletes a session
+  st = (*gpu)->Prefill(*s, prompt, false, &on_gpu);
+  ASSERT_TRUE(st.ok()) << st;
+  auto reference = (*cpu)->NewSession();
+  ASSERT_TRUE((*cpu)->Prefill(*reference, prompt, false, &on_cpu).ok());
+  EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
 }
 
 #endif  // SDM_HAVE_CUDA

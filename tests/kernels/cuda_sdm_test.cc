@@ -155,6 +155,9 @@ TEST(CudaSdmTest, AddressMatchesCpuWithTiesAndNan) {
   CheckAddress(12, 64, 32, AddressAct::kL2Normalize, 1.0f, true);
   CheckAddress(13, 256, 128, AddressAct::kIdentity, 1.0f, true);
   CheckAddress(14, 16, 256, AddressAct::kRelu, 1.0f, true);
+  // k_sub = 17 (not a divisor of the block size: the candidate cursor wraps) and 3-byte slot
+  // keys, with tied sums.
+  CheckAddress(15, 300, 17, AddressAct::kSoftmax, 1.0f, true);
 #endif
 }
 
@@ -255,7 +258,12 @@ void RunScenario(const Scenario& sc) {
 
   // Device state.
   cuda::DeviceBuffer<__nv_bfloat16> d_rows = Upload(arena);
-  auto d_free = Upload(free_list);
+  // The device free list has room for every row of the arena (SdmRowArena::free_list is
+  // [capacity]): releasing every table at the end pushes all `capacity` rows back. Entries past
+  // *free_count are garbage.
+  std::vector<int32_t> free_storage(capacity, -7);
+  std::copy(free_list.begin(), free_list.end(), free_storage.begin());
+  auto d_free = Upload(free_storage);
   auto d_free_count = Upload(std::vector<int32_t>{free_before});
   std::vector<cuda::DeviceBuffer<int32_t>> d_tables;
   std::vector<int32_t*> table_ptrs;
