@@ -1,0 +1,227 @@
+#!/usr/bin/env bash
+# Runs the CUDA kernel tests and the CUDA engine test on this CPU under the fiber emulator in
+# tools/cuda_emulator/ (see its README.md for what the emulator models and what it cannot).
+# A hand-run verification tool for machines without a GPU; NOT part of CI or ctest, and no
+# substitute for scripts/device-check.sh on a real device.
+#
+# Usage: scripts/emulate-cuda.sh [options]
+#   -b, --build-dir DIR   where to build (default /tmp/sdm-emu)
+#   --cmake-build DIR     reuse an existing CPU-only CMake build (-DSDM_CUDA=OFF) for the
+#                         project's libraries; default: configure and build DIR/cmake here
+#   -t, --tests LIST      comma-separated subset of: selftest,attention,sdm,elementwise,sampling,engine
+#                         (default: all of them)
+#   -f, --filter PATTERN  gtest filter for every test binary (replaces the defaults below)
+#   --all                 run every engine test (default: the cheap ones and the CUDA-vs-CPU
+#                         comparison for the tiny and debug_hybrid presets; the rest take ~8 min)
+#   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
+#                         environment is passed through as well)
+#   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with)
+#   -j N                  parallel compile jobs (default: nproc)
+# Exit status: 0 when every selected binary passed.
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+EMU="$ROOT/tools/cuda_emulator"
+BUILD=/tmp/sdm-emu
+CMAKE_BUILD=""
+TESTS="selftest,attention,sdm,elementwise,sampling,engine"
+FILTER=""
+ALL=0
+ASAN=1
+JOBS="$(nproc)"
+
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    -b | --build-dir) BUILD="$2"; shift 2 ;;
+    --cmake-build) CMAKE_BUILD="$2"; shift 2 ;;
+    -t | --tests) TESTS="$2"; shift 2 ;;
+    -f | --filter) FILTER="$2"; shift 2 ;;
+    --all) ALL=1; shift ;;
+    --order) export EMU_ORDER="$2"; shift 2 ;;
+    --no-asan) ASAN=0; shift ;;
+    -j) JOBS="$2"; shift 2 ;;
+    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    *) echo "unknown option: $1" >&2; exit 2 ;;
+  esac
+done
+want() { [[ ",$TESTS," == *",$1,"* ]]; }
+
+mkdir -p "$BUILD"
+BUILD="$(cd "$BUILD" && pwd)"
+LOGS="$BUILD/logs"
+mkdir -p "$LOGS" "$BUILD/gen" "$BUILD/obj-k" "$BUILD/obj-e" "$BUILD/bin"
+
+# --- 1. CPU-only CMake build: the project's libraries and the link line of a test binary. ---
+if [[ -z "$CMAKE_BUILD" ]]; then
+  CMAKE_BUILD="$BUILD/cmake"
+  echo "== CPU-only CMake build in $CMAKE_BUILD (log: $LOGS/cmake.log)"
+  if ! { cmake -S "$ROOT" -B "$CMAKE_BUILD" -DSDM_CUDA=OFF -DSDM_SERVER=OFF \
+           -DCMAKE_BUILD_TYPE=Release &&
+         cmake --build "$CMAKE_BUILD" --target engine_cuda_engine_test -j "$JOBS"; } \
+       >"$LOGS/cmake.log" 2>&1; then
+    tail -30 "$LOGS/cmake.log"
+    echo "CMake build failed" >&2
+    exit 1
+  fi
+fi
+CMAKE_BUILD="$(cd "$CMAKE_BUILD" && pwd)"
+LINK_TXT="$CMAKE_BUILD/tests/CMakeFiles/engine_cuda_engine_test.dir/link.txt"
+if [[ ! -f "$LINK_TXT" ]] || grep -q "SDM_CUDA:BOOL=ON" "$CMAKE_BUILD/CMakeCache.txt"; then
+  echo "$CMAKE_BUILD is not a CPU-only build with engine_cuda_engine_test" >&2
+  exit 1
+fi
+# Everything after the output name: the project's static libraries, absl, OpenBLAS, gtest_main.
+LIBS="$(sed -e 's/^.*-o engine_cuda_engine_test *//' -e "s#\.\./#$CMAKE_BUILD/#g" "$LINK_TXT")"
+
+# --- 2. Compile helpers (parallel, rebuild when the source or the emulator changed). ---
+rm -f "$BUILD/compile-failed"
+pids=()
+compile() {  # compile OUT.o SRC FLAGS...; rebuilds when SRC or an emulator header is newer
+  local out="$1" src="$2"; shift 2
+  if [[ -f "$out" && "$out" -nt "$src" && "$out" -nt "$0" ]] &&
+     ! find "$EMU" -newer "$out" -name '*.h' | grep -q . ; then
+    return 0
+  fi
+  # Runs in the background; a failure leaves a marker file (a subshell cannot set variables).
+  { g++ "$@" -c "$src" -o "$out" >"$out.log" 2>&1 ||
+    { echo "compile failed: $src (see $out.log)" >&2; tail -20 "$out.log" >&2;
+      rm -f "$out"; touch "$BUILD/compile-failed"; }; } &
+  pids+=($!)
+  if [[ ${#pids[@]} -ge $JOBS ]]; then wait "${pids[0]}"; pids=("${pids[@]:1}"); fi
+}
+wait_all() { for p in "${pids[@]}"; do wait "$p"; done; pids=(); }
+transform() {  # transform DIALECT(kernels|engine) CU OUT
+  python3 "$EMU/$1/transform.py" "$2" "$3" 2>>"$LOGS/transform.log"
+}
+
+COMMON_DEFS=(-DSDM_HAVE_CUDA=1 -DGTEST_HAS_PTHREAD=1 "-DSDM_SOURCE_DIR=\"$ROOT\""
+             "-DSDM_BINARY_DIR=\"$CMAKE_BUILD\"" -I"$ROOT"
+             -I/usr/include/x86_64-linux-gnu/openblas-pthread)
+KERNEL_TESTS=()
+for t in attention sdm elementwise sampling; do want "$t" && KERNEL_TESTS+=("$t"); done
+
+# --- 3. Kernel tests: tools/cuda_emulator/kernels (fail-fast scheduler, EMU_ORDER), ASan. ---
+SAN=()
+[[ $ASAN == 1 ]] && SAN=(-fsanitize=address,undefined -fno-omit-frame-pointer
+                         -fno-sanitize-recover=undefined)
+KFL=(-std=c++20 -g -w "${COMMON_DEFS[@]}" -I"$EMU/kernels/include" "${SAN[@]}")
+# Kernel translation units get FMA contraction, as nvcc contracts by default.
+KERN_FL=("${KFL[@]}" -O2 -march=x86-64-v3 -ffp-contract=fast)
+if [[ ${#KERNEL_TESTS[@]} -gt 0 ]] || want selftest; then
+  echo "== building kernel-emulator binaries in $BUILD (asan=$ASAN)"
+  KO="$BUILD/obj-k"
+  compile "$KO/emu.o" "$EMU/kernels/emu.cc" "${KFL[@]}" -O1
+  if [[ ${#KERNEL_TESTS[@]} -gt 0 ]]; then
+    for cu in "$ROOT"/kernels/cuda/*.cu; do
+      name="$(basename "$cu" .cu)"
+      # gemm.cu needs cuBLASLt; the kernel tests here do not test it; runtime_info is faked.
+      [[ $name == gemm || $name == cuda_runtime_info ]] && continue
+      transform kernels "$cu" "$BUILD/gen/k_$name.cc"
+      compile "$KO/$name.o" "$BUILD/gen/k_$name.cc" "${KERN_FL[@]}"
+    done
+    for t in "${KERNEL_TESTS[@]}"; do
+      compile "$KO/${t}_test.o" "$ROOT/tests/kernels/cuda_${t}_test.cc" "${KFL[@]}" -O1
+    done
+  fi
+  if want selftest; then
+    for s in selftest neg; do
+      transform kernels "$EMU/kernels/$s.cu" "$BUILD/gen/$s.cc"
+      compile "$KO/$s.o" "$BUILD/gen/$s.cc" "${KFL[@]}" -O1
+    done
+  fi
+  wait_all
+  [[ -f "$BUILD/compile-failed" ]] && exit 1
+  if [[ ${#KERNEL_TESTS[@]} -gt 0 ]]; then
+    rm -f "$KO/libemu_kernels.a"
+    ar rcs "$KO/libemu_kernels.a" $(ls "$KO"/*.o | grep -v -e '_test.o$' -e '/emu.o$' \
+                                      -e '/selftest.o$' -e '/neg.o$')
+    for t in "${KERNEL_TESTS[@]}"; do
+      # The emulator objects come first so that its DeviceCount() (1) is the one linked.
+      g++ "${SAN[@]}" -o "$BUILD/bin/cuda_${t}_test" "$KO/${t}_test.o" "$KO/emu.o" \
+        "$KO/libemu_kernels.a" $LIBS || exit 1
+    done
+  fi
+  if want selftest; then
+    for s in selftest neg; do g++ "${SAN[@]}" -o "$BUILD/bin/$s" "$KO/$s.o" "$KO/emu.o" || exit 1; done
+  fi
+fi
+
+# --- 4. Engine test: tools/cuda_emulator/engine (allocation tracking, naive GEMM). ---
+if want engine; then
+  echo "== building the emulated engine test in $BUILD"
+  EO="$BUILD/obj-e"
+  EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 "${COMMON_DEFS[@]}" -I"$EMU/engine/include")
+  ESRCS=("$EMU/engine/emu.cc" "$EMU/engine/gemm_emu.cc" "$ROOT/engine/engine.cc"
+         "$ROOT"/engine/cuda/*.cc "$ROOT/tests/engine/cuda_engine_test.cc")
+  for cu in "$ROOT"/kernels/cuda/*.cu; do
+    name="$(basename "$cu" .cu)"
+    [[ $name == gemm ]] && continue  # replaced by gemm_emu.cc
+    transform engine "$cu" "$BUILD/gen/e_$name.cc"
+    ESRCS+=("$BUILD/gen/e_$name.cc")
+  done
+  EOBJS=()
+  for s in "${ESRCS[@]}"; do
+    o="$EO/$(basename "$s" .cc).o"
+    EOBJS+=("$o")
+    compile "$o" "$s" "${EFL[@]}"
+  done
+  wait_all
+  [[ -f "$BUILD/compile-failed" ]] && exit 1
+  # The recompiled engine.o (with SDM_HAVE_CUDA) precedes libsdm_engine.a, so it is the one used.
+  g++ -o "$BUILD/bin/cuda_engine_test" "${EOBJS[@]}" $LIBS || exit 1
+fi
+
+# --- 5. Run. ---
+export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0}"  # fiber stacks are kept on purpose
+ENGINE_DEFAULT="CudaEngineTest.ParsesDeviceNames:CudaEngineTest.AskingForCudaWithoutADeviceIsAClearError"
+ENGINE_DEFAULT+=":CudaEngineTest.StepSucceedsAfterExhaustionOnceMemoryIsFreed"
+ENGINE_DEFAULT+=":Presets/CudaVsCpuTest.*/0:Presets/CudaVsCpuTest.*/2"  # tiny, debug_hybrid
+SUMMARY=()
+OVERALL=0
+run_gtest() {  # run_gtest NAME BINARY FILTER
+  local name="$1" bin="$2" filter="$3" log="$LOGS/$1.log" rc start
+  echo "== running $name${filter:+ (filter $filter)}${EMU_ORDER:+ EMU_ORDER=$EMU_ORDER}"
+  start=$SECONDS
+  "$bin" ${filter:+--gtest_filter="$filter"} >"$log" 2>&1
+  rc=$?
+  local passed failed skipped
+  passed="$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)"
+  failed="$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= tests?, listed)' "$log" | tail -1)"
+  skipped="$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= tests?, listed)' "$log" | tail -1)"
+  local verdict=PASS
+  [[ $rc != 0 ]] && verdict=FAIL && OVERALL=1
+  [[ $rc != 0 ]] && grep -E 'EMU|FAILED|Failure|ERROR' "$log" | head -10
+  SUMMARY+=("$(printf '%-5s %-22s passed=%-3s failed=%-3s skipped=%-3s %4ss  %s' "$verdict" \
+    "$name" "${passed:-0}" "${failed:-0}" "${skipped:-0}" "$((SECONDS - start))" "$log")")
+}
+if want selftest; then
+  log="$LOGS/selftest.log"
+  "$BUILD/bin/selftest" >"$log" 2>&1
+  rc=$?
+  # neg.cu plants one bug per mode; each must be caught ("EMU FAILURE", nonzero exit).
+  caught=0
+  for mode in 0 1 2 3; do
+    # The subshell keeps bash's "Aborted" notice in the log.
+    if ! ("$BUILD/bin/neg" "$mode"; exit $?) >"$log.neg$mode" 2>&1 && grep -q "EMU FAILURE" "$log.neg$mode"; then
+      caught=$((caught + 1))
+    fi
+    cat "$log.neg$mode" >>"$log"
+    rm -f "$log.neg$mode"
+  done
+  verdict=PASS
+  [[ $rc != 0 || $caught != 4 ]] && verdict=FAIL && OVERALL=1
+  SUMMARY+=("$(printf '%-5s %-22s intrinsics rc=%s, planted bugs caught %s/4  %s' "$verdict" \
+    selftest "$rc" "$caught" "$log")")
+fi
+for t in "${KERNEL_TESTS[@]}"; do run_gtest "cuda_${t}_test" "$BUILD/bin/cuda_${t}_test" "$FILTER"; done
+if want engine; then
+  f="$FILTER"
+  [[ -z $f && $ALL == 0 ]] && f="$ENGINE_DEFAULT"
+  run_gtest cuda_engine_test "$BUILD/bin/cuda_engine_test" "$f"
+fi
+
+echo
+echo "== emulate-cuda summary (EMU_ORDER=${EMU_ORDER:-fwd}, asan=$ASAN)"
+printf '%s\n' "${SUMMARY[@]}"
+[[ $OVERALL == 0 ]] && echo "ALL PASSED" || echo "SOME FAILED"
+exit $OVERALL

@@ -1,0 +1,563 @@
+// Cooperative-fiber emulation of CUDA blocks: every CUDA thread is a fiber; __syncthreads and
+// warp collectives are barriers; divergent warp collectives or barrier deadlocks abort.
+// Host runtime: device memory is malloc'd (ASan-visible) and registered so that memcpy kinds,
+// ranges and GEMM operands can be checked; streams and events are synchronous.
+#include <sanitizer/common_interface_defs.h>
+#if !defined(__SANITIZE_ADDRESS__)
+#define __sanitizer_start_switch_fiber(...) ((void)0)
+#define __sanitizer_finish_switch_fiber(...) ((void)0)
+#endif
+
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "cuda_runtime.h"
+
+extern "C" void emu_switch(void** from_sp, void* to_sp);
+asm(R"(
+.text
+.globl emu_switch
+.type emu_switch,@function
+emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+)");
+
+namespace emu {
+enum State { kRunnable, kWaitBlock, kWaitWarp, kDone };
+enum WarpOp { kOpNone, kOpExchange, kOpBallot, kOpMatch, kOpSync, kOpPost };
+constexpr size_t kStack = 128 * 1024;
+struct Thread {
+  void* sp = nullptr;
+  char* stack = nullptr;
+  State state = kDone;
+  uint3 tid{};
+  int lane = 0;
+  int warp = 0;
+  WarpOp op = kOpNone;
+  unsigned mask = 0;
+  uint64_t bits = 0;
+};
+Thread* g_cur = nullptr;
+dim3 g_block_idx, g_block_dim, g_grid_dim;
+static void* g_sched_sp = nullptr;
+static std::vector<Thread> g_threads;
+static int g_nthreads = 0;
+static void (*g_fn)(void*) = nullptr;
+static void* g_ctx = nullptr;
+static char* g_smem = nullptr;
+static const void* g_main_bottom = nullptr;
+static size_t g_main_size = 0;
+static cudaError_t g_last_error = cudaSuccess;
+static long g_launches = 0;
+static std::mutex g_mu;  // host bookkeeping (the store may call from other threads)
+static std::map<uintptr_t, size_t> g_device, g_pinned;
+static size_t g_device_bytes = 0;
+constexpr size_t kDeviceCapacity = size_t{8} << 30;
+static std::vector<std::pair<void*, size_t>> g_static_shared;
+
+uint3 CurThreadIdx() { return g_cur->tid; }
+int LaneId() { return g_cur->lane; }
+void* SharedMem() { return g_smem; }
+
+static void Fail(const char* what) {
+  std::fprintf(stderr, "EMU FAILURE: %s at block (%u,%u,%u) thread %u (launch #%ld)\n", what,
+               g_block_idx.x, g_block_idx.y, g_block_idx.z, g_cur ? g_cur->tid.x : 0u, g_launches);
+  std::abort();
+}
+static void HostFail(const std::string& what) {
+  std::fprintf(stderr, "EMU HOST FAILURE: %s\n", what.c_str());
+  std::abort();
+}
+
+static int FillByte() {
+  static int b = [] {
+    const char* e = std::getenv("EMU_FILL");
+    return e ? static_cast<int>(std::strtol(e, nullptr, 0)) : 0xff;
+  }();
+  return b;
+}
+
+bool RegisterShared(void* p, size_t n) {
+  g_static_shared.push_back({p, n});
+  std::memset(p, FillByte(), n);
+  return true;
+}
+
+static void Yield() {
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, g_main_bottom, g_main_size);
+  emu_switch(&g_cur->sp, g_sched_sp);
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+}
+
+void SyncThreads() {
+  g_cur->state = kWaitBlock;
+  Yield();
+}
+
+static void WarpWait(WarpOp op, unsigned mask) {
+  g_cur->op = op;
+  g_cur->mask = mask;
+  g_cur->state = kWaitWarp;
+  Yield();
+}
+
+uint64_t WarpExchange(uint64_t bits, unsigned mask, int src) {
+  g_cur->bits = bits;
+  WarpWait(kOpExchange, mask);
+  if (src < 0 || src > 31) Fail("shuffle source lane out of range");
+  const uint64_t r = g_threads[g_cur->warp * 32 + src].bits;
+  WarpWait(kOpPost, mask);
+  return r;
+}
+
+unsigned WarpBallot(bool pred, unsigned mask) {
+  g_cur->bits = pred ? 1 : 0;
+  WarpWait(kOpBallot, mask);
+  unsigned r = 0;
+  const int base = g_cur->warp * 32;
+  for (int i = 0; i < 32 && base + i < g_nthreads; ++i) {
+    if (g_threads[base + i].bits != 0) r |= 1u << i;
+  }
+  WarpWait(kOpPost, mask);
+  return r & mask;
+}
+
+unsigned WarpMatchAny(uint64_t bits, unsigned mask) {
+  g_cur->bits = bits;
+  WarpWait(kOpMatch, mask);
+  unsigned r = 0;
+  const int base = g_cur->warp * 32;
+  for (int i = 0; i < 32 && base + i < g_nthreads; ++i) {
+    if (g_threads[base + i].bits == bits) r |= 1u << i;
+  }
+  WarpWait(kOpPost, mask);
+  return r & mask;
+}
+
+void WarpSync(unsigned mask) { WarpWait(kOpSync, mask); }
+
+static void Entry() {
+  __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
+  g_fn(g_ctx);
+  g_cur->state = kDone;
+  __sanitizer_start_switch_fiber(nullptr, g_main_bottom, g_main_size);
+  emu_switch(&g_cur->sp, g_sched_sp);
+  std::abort();
+}
+
+static void RunBlock(size_t smem) {
+  const int n = g_nthreads;
+  if (static_cast<int>(g_threads.size()) < n) g_threads.resize(n);
+  const size_t smem_alloc = smem == 0 ? 16 : (smem + 15) / 16 * 16;
+  g_smem = static_cast<char*>(std::aligned_alloc(16, smem_alloc));
+  std::memset(g_smem, FillByte(), smem_alloc);  // garbage
+  for (auto& [p, sz] : g_static_shared) std::memset(p, FillByte(), sz);
+  for (int i = 0; i < n; ++i) {
+    Thread& t = g_threads[i];
+    if (t.stack == nullptr) t.stack = static_cast<char*>(std::malloc(kStack));
+    uint64_t* sp =
+        reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(t.stack + kStack) & ~uintptr_t{15});
+    *--sp = 0;
+    *--sp = reinterpret_cast<uint64_t>(&Entry);
+    for (int r = 0; r < 6; ++r) *--sp = 0;
+    t.sp = sp;
+    t.state = kRunnable;
+    t.op = kOpNone;
+    t.tid = {static_cast<unsigned>(i % g_block_dim.x),
+             static_cast<unsigned>((i / g_block_dim.x) % g_block_dim.y),
+             static_cast<unsigned>(i / (g_block_dim.x * g_block_dim.y))};
+    t.lane = i % 32;
+    t.warp = i / 32;
+  }
+  for (;;) {
+    for (int i = 0; i < n; ++i) {
+      Thread& t = g_threads[i];
+      if (t.state != kRunnable) continue;
+      g_cur = &t;
+      void* fake = nullptr;
+      __sanitizer_start_switch_fiber(&fake, t.stack, kStack);
+      emu_switch(&g_sched_sp, t.sp);
+      __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+    }
+    g_cur = nullptr;
+    bool released = false;
+    for (int w = 0; w * 32 < n; ++w) {
+      const int lo = w * 32, hi = std::min(n, lo + 32);
+      int ww = 0;
+      for (int i = lo; i < hi; ++i) ww += g_threads[i].state == kWaitWarp;
+      if (ww == 0) continue;
+      g_cur = &g_threads[lo];
+      if (ww != hi - lo) Fail("divergent warp collective (not every lane of the warp arrived)");
+      const WarpOp op = g_threads[lo].op;
+      const unsigned mask = g_threads[lo].mask;
+      for (int i = lo; i < hi; ++i) {
+        if (g_threads[i].op != op) Fail("lanes of a warp in different warp collectives");
+        if (g_threads[i].mask != mask) Fail("lanes of a warp pass different masks");
+      }
+      const unsigned full = hi - lo == 32 ? 0xffffffffu : ((1u << (hi - lo)) - 1u);
+      if (mask != full) Fail("warp collective mask is not the set of arriving lanes");
+      for (int i = lo; i < hi; ++i) g_threads[i].state = kRunnable;
+      released = true;
+    }
+    g_cur = nullptr;
+    if (released) continue;
+    int done = 0, wait_block = 0;
+    for (int i = 0; i < n; ++i) {
+      done += g_threads[i].state == kDone;
+      wait_block += g_threads[i].state == kWaitBlock;
+    }
+    if (done == n) break;
+    if (done > 0 && wait_block > 0) Fail("__syncthreads after some threads exited");
+    if (wait_block + done != n) Fail("deadlock");
+    for (int i = 0; i < n; ++i) {
+      if (g_threads[i].state == kWaitBlock) g_threads[i].state = kRunnable;
+    }
+  }
+  std::free(g_smem);
+  g_smem = nullptr;
+}
+
+static std::set<cudaStream_t> g_streams;
+static std::set<cudaEvent_t> g_events;
+
+static void CheckStream(cudaStream_t s, const char* what) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (s != nullptr && g_streams.count(s) == 0) {
+    HostFail(std::string(what) + ": stream was never created or is destroyed");
+  }
+}
+
+void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
+  ++g_launches;
+  CheckStream(s, "kernel launch");
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 ||
+      grid.y > 65535 || grid.z > 65535 || block.z > 64 || grid.x > 0x7fffffffu ||
+      smem > 227 * 1024) {
+    if (std::getenv("EMU_VERBOSE")) {
+      std::fprintf(stderr, "EMU: invalid launch config grid (%u,%u,%u) block (%u,%u,%u) smem %zu\n",
+                   grid.x, grid.y, grid.z, block.x, block.y, block.z, smem);
+    }
+    g_last_error = cudaErrorInvalidConfiguration;
+    return;
+  }
+  if (threads % 32 != 0) {
+    std::fprintf(stderr, "EMU NOTE: block of %lu threads (not a multiple of 32)\n",
+                 static_cast<unsigned long>(threads));
+  }
+  g_fn = fn;
+  g_ctx = ctx;
+  g_grid_dim = grid;
+  g_block_dim = block;
+  g_nthreads = static_cast<int>(threads);
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        g_block_idx = dim3(x, y, z);
+        RunBlock(smem);
+      }
+}
+
+// The allocation holding [p, p + n), or {0, 0}.
+static std::pair<uintptr_t, size_t> Find(const std::map<uintptr_t, size_t>& m, const void* p) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  auto it = m.upper_bound(a);
+  if (it == m.begin()) return {0, 0};
+  --it;
+  if (a >= it->first && a < it->first + std::max<size_t>(it->second, 1)) return *it;
+  return {0, 0};
+}
+
+bool IsDevicePtr(const void* p, size_t n) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto [base, size] = Find(g_device, p);
+  if (base == 0) return false;
+  return reinterpret_cast<uintptr_t>(p) + n <= base + size;
+}
+
+enum Kind { kHost, kPinned, kDevice };
+static Kind KindOf(const void* p, size_t n, const char* what) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto [base, size] = Find(g_device, p);
+  if (base != 0) {
+    if (reinterpret_cast<uintptr_t>(p) + n > base + size) {
+      HostFail(std::string(what) + ": device range of " + std::to_string(n) +
+               " bytes runs past its allocation (" + std::to_string(size) + " bytes, offset " +
+               std::to_string(reinterpret_cast<uintptr_t>(p) - base) + ")");
+    }
+    return kDevice;
+  }
+  auto [pb, ps] = Find(g_pinned, p);
+  if (pb != 0) {
+    if (reinterpret_cast<uintptr_t>(p) + n > pb + ps) {
+      HostFail(std::string(what) + ": pinned range runs past its allocation");
+    }
+    return kPinned;
+  }
+  return kHost;
+}
+
+static cudaError_t Copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
+                        const char* what) {
+  if (n == 0) return cudaSuccess;
+  if (dst == nullptr || src == nullptr) HostFail(std::string(what) + ": null pointer");
+  const Kind d = KindOf(dst, n, what), s = KindOf(src, n, what);
+  auto fail = [&](const char* why) {
+    HostFail(std::string(what) + ": " + why + " (kind " + std::to_string(kind) + ", " +
+             std::to_string(n) + " bytes)");
+  };
+  switch (kind) {
+    case cudaMemcpyHostToDevice:
+      if (d != kDevice) fail("destination is not device memory");
+      if (s == kDevice) fail("source is device memory");
+      break;
+    case cudaMemcpyDeviceToHost:
+      if (s != kDevice) fail("source is not device memory");
+      if (d == kDevice) fail("destination is device memory");
+      break;
+    case cudaMemcpyDeviceToDevice:
+      if (s != kDevice || d != kDevice) fail("not device to device");
+      break;
+    case cudaMemcpyHostToHost:
+      if (s == kDevice || d == kDevice) fail("device memory in a host-to-host copy");
+      break;
+    default:
+      break;
+  }
+  std::memmove(dst, src, n);
+  return cudaSuccess;
+}
+}  // namespace emu
+
+using namespace emu;
+
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+  if (p == nullptr) return cudaErrorInvalidValue;
+  *p = nullptr;
+  if (bytes == 0) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_device_bytes + bytes > kDeviceCapacity) {
+      g_last_error = cudaErrorMemoryAllocation;
+      return cudaErrorMemoryAllocation;
+    }
+  }
+  void* m = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+  if (m == nullptr) return cudaErrorMemoryAllocation;
+  std::memset(m, FillByte(), bytes);  // uninitialised device memory is garbage
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_device[reinterpret_cast<uintptr_t>(m)] = bytes;
+  g_device_bytes += bytes;
+  *p = m;
+  return cudaSuccess;
+}
+cudaError_t cudaFree(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_device.find(reinterpret_cast<uintptr_t>(p));
+    if (it == g_device.end()) HostFail("cudaFree of a pointer cudaMalloc did not return");
+    g_device_bytes -= it->second;
+    g_device.erase(it);
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  std::memset(*p, FillByte(), bytes);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_pinned[reinterpret_cast<uintptr_t>(*p)] = bytes;
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  if (p == nullptr) return cudaSuccess;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto it = g_pinned.find(reinterpret_cast<uintptr_t>(p));
+    if (it == g_pinned.end()) HostFail("cudaFreeHost of a pointer cudaMallocHost did not return");
+    g_pinned.erase(it);
+  }
+  std::free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
+  return Copy(dst, src, n, k, "cudaMemcpy");
+}
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind k,
+                            cudaStream_t s) {
+  CheckStream(s, "cudaMemcpyAsync");
+  return Copy(dst, src, n, k, "cudaMemcpyAsync");
+}
+cudaError_t cudaMemset(void* p, int v, size_t n) {
+  if (n == 0) return cudaSuccess;
+  if (KindOf(p, n, "cudaMemset") != kDevice) HostFail("cudaMemset on non-device memory");
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
+  CheckStream(s, "cudaMemsetAsync");
+  return cudaMemset(p, v, n);
+}
+cudaError_t cudaGetLastError() {
+  const cudaError_t e = g_last_error;
+  g_last_error = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() { return g_last_error; }
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration:
+      return "cudaErrorInvalidConfiguration";
+    default:
+      return "cudaErrorOther";
+  }
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaErrorMemoryAllocation ? "out of memory" : "emulated error";
+}
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidValue; }
+cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  if (d != 0) return cudaErrorInvalidValue;
+  std::memset(p, 0, sizeof(*p));
+  std::snprintf(p->name, sizeof(p->name), "CPU fiber emulator");
+  p->totalGlobalMem = kDeviceCapacity;
+  p->sharedMemPerBlock = 48 << 10;
+  p->sharedMemPerBlockOptin = 227 << 10;
+  p->multiProcessorCount = 132;
+  p->major = 9;
+  p->minor = 0;
+  p->warpSize = 32;
+  p->maxThreadsPerBlock = 1024;
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  *free_bytes = kDeviceCapacity - g_device_bytes;
+  *total_bytes = kDeviceCapacity;
+  return cudaSuccess;
+}
+cudaError_t cudaDriverGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
+cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = 13000;
+  return cudaSuccess;
+}
+
+struct EmuStream {
+  int id;
+};
+struct EmuEvent {
+  bool recorded;
+};
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = new EmuStream{0};
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_streams.insert(*s);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_streams.erase(s) == 0) HostFail("cudaStreamDestroy of an unknown stream");
+  }
+  delete s;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  CheckStream(s, "cudaStreamSynchronize");
+  return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  CheckStream(s, "cudaStreamWaitEvent");
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_events.count(e) == 0) HostFail("cudaStreamWaitEvent on an unknown event");
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = new EmuEvent{false};
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_events.insert(*e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_events.erase(e) == 0) HostFail("cudaEventDestroy of an unknown event");
+  }
+  delete e;
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  CheckStream(s, "cudaEventRecord");
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_events.count(e) == 0) HostFail("cudaEventRecord on an unknown event");
+  e->recorded = true;
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
+  *ms = 1;
+  return cudaSuccess;
+}
+cudaError_t EmuFuncSetAttribute(const void*, cudaFuncAttribute, int value) {
+  return value <= 227 * 1024 ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+int EmuBf16Mode() {
+  static int m = [] {
+    const char* e = std::getenv("EMU_BF16_MODE");
+    return e ? std::atoi(e) : 0;
+  }();
+  return m;
+}
+uint32_t EmuRand16() {
+  static uint64_t x = [] {
+    const char* e = std::getenv("EMU_SEED");
+    return 0x9e3779b97f4a7c15ull ^ (e ? std::strtoull(e, nullptr, 0) * 0x100000001b3ull : 0);
+  }();
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return static_cast<uint32_t>(x & 0xffff);
+}
