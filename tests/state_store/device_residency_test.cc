@@ -27,6 +27,7 @@
 #include "state_store/session_state.h"
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"
+#include "tests/engine/test_model_util.h"
 
 namespace sdm {
 namespace {
@@ -138,22 +139,6 @@ bool HasNan(const std::vector<float>& v) {
   }
   return false;
 }
-
-class TempDir {
- public:
-  TempDir() {
-    path_ = std::filesystem::temp_directory_path() /
-            absl::StrCat("sdm_device_residency_test_", ::getpid(), "_", counter_++);
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~TempDir() { std::filesystem::remove_all(path_); }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
-};
 
 class DeviceResidencyTest : public ::testing::Test {
  protected:
@@ -352,7 +337,7 @@ TEST_F(DeviceResidencyTest, CopiesOfAnOnDeviceSessionAreProgrammingErrors) {
 TEST_F(DeviceResidencyTest, ParkingSyncsAndResumesBitExact) {
   for (Tier tier : {Tier::kHost, Tier::kDisk}) {
     SCOPED_TRACE(TierName(tier));
-    TempDir dir;
+    testing::ScopedTempDir dir;
     auto store = OpenStore(dir.path());
     auto control = Control(prompt_, steps_);
     auto probe = CreateOnDevice(*store, "s", prompt_, steps_);
@@ -391,7 +376,7 @@ TEST_F(DeviceResidencyTest, BudgetEvictionSyncs) {
 }
 
 TEST_F(DeviceResidencyTest, PersistAllSyncsEverySession) {
-  TempDir dir;
+  testing::ScopedTempDir dir;
   auto control = Control(prompt_, steps_);
   std::shared_ptr<Probe> probes[2];
   {
@@ -414,7 +399,7 @@ TEST_F(DeviceResidencyTest, PersistAllSyncsEverySession) {
 }
 
 TEST_F(DeviceResidencyTest, ForkSyncsTheSourceFirst) {
-  TempDir dir;
+  testing::ScopedTempDir dir;
   auto store = OpenStore(dir.path());
   auto control = Control(prompt_, steps_);
   auto probe = CreateOnDevice(*store, "src", prompt_, steps_);
@@ -437,7 +422,7 @@ TEST_F(DeviceResidencyTest, ForkSyncsTheSourceFirst) {
 }
 
 TEST_F(DeviceResidencyTest, FailedSyncKeepsThatSessionResidentAndUsable) {
-  TempDir dir;
+  testing::ScopedTempDir dir;
   auto control = Control(prompt_, steps_);
   auto store = OpenStore(dir.path());
   auto bad = CreateOnDevice(*store, "bad", prompt_, steps_);
