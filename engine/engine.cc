@@ -17,7 +17,7 @@
 namespace sdm {
 namespace {
 
-// The host format of a session's state for this model (design brief §5).
+// The host format of a session's state for this model (docs/model-spec.md §7).
 StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
                              const EngineOptions& options) {
   const SdmGeometry sdm = SdmGeometryOf(cfg);

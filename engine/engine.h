@@ -1,6 +1,6 @@
-// The inference engine: the forward pass of design brief §2 over sessions' states, on the CPU or
+// The inference engine: the forward pass of docs/model-spec.md over sessions' states, on CPU or
 // on a CUDA device (EngineOptions::device; engine/engine_backend.h). The contract below is the
-// CPU backend's; the CUDA backend (design brief §7) computes the same model with bf16 weights and
+// CPU backend's; the CUDA backend (docs/model-spec.md §6) runs the same model with bf16 weights and
 // state and fp32 accumulation, so it matches the CPU within bf16 tolerance, not bit for bit, and
 // its batches are not guaranteed batch-invariant (cuBLASLt may pick another kernel per batch size).
 //

@@ -639,7 +639,7 @@ int64_t FullAttentionKvElementsPerToken(const ModelConfig& c) {
   return total;
 }
 
-// ---- Presets (design brief §3; the reference's apps/main/configs) ----
+// ---- Presets (docs/model-spec.md §8; the reference's apps/main/configs) ----
 
 namespace {
 

@@ -1,7 +1,7 @@
 // The model's configuration: the reference implementation's `model` arguments (Lingua's
 // LMTransformerArgs with SparseDeltaMemoryArgs), plus the tokenizer. This is the one config
 // struct of the project; every shape is derived from it here (docs/model-format.md lists the
-// fields and design brief §2 the semantics).
+// fields and docs/model-spec.md the semantics).
 //
 // ParseModelConfig() validates everything a model needs before any weight is read: layer lists
 // that partition the layers, head counts that divide, slots_per_head a perfect square, known
@@ -26,7 +26,7 @@ absl::string_view LayerTypeName(LayerType type);
 // Activation applied to the K selected product-key scores (reference `read_act`/`write_act`).
 enum class AddressActivation { kSoftmax, kL2Normalize, kIdentity, kSigmoid, kRelu };
 
-// Opt-in alternative to the reference's shared-residual delta rule (design brief §2).
+// Opt-in alternative to the reference's shared-residual delta rule (docs/model-spec.md §5.4).
 enum class UpdateRule { kSharedResidual, kSlotResidual };
 
 struct SdmArgs {
@@ -126,7 +126,7 @@ AttentionGeometry AttentionGeometryOf(const ModelConfig& config, int64_t layer);
 
 SdmGeometry SdmGeometryOf(const ModelConfig& config);
 
-// Names of the presets `sdm-model init --preset` knows (design brief §3).
+// Names of the presets `sdm-model init --preset` knows (docs/model-spec.md §8).
 std::vector<std::string> PresetNames();
 
 // A preset's config (finalized). Unknown names are an error listing the known ones.

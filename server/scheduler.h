@@ -1,4 +1,4 @@
-// Scheduler: iteration-level continuous batching over the engine (design brief §6).
+// Scheduler: iteration-level continuous batching over the engine (docs/model-spec.md §10).
 //
 // One thread runs engine steps. Each step (1) admits waiting jobs while fewer than max_running
 // are running, (2) ends jobs that were cancelled or passed their deadline, (3) spends at most

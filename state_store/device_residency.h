@@ -1,4 +1,4 @@
-// A session's state while an accelerator backend keeps it in device memory (design brief §5:
+// A session's state while an accelerator backend keeps it in device memory (docs/model-spec.md §7:
 // the resident tier lives in HBM on the CUDA backend).
 //
 // The host SessionState stays the canonical format (the codec, forks and the host/disk tiers use

@@ -1,5 +1,5 @@
 // Rows of SDM memory (hd floats each) shared by every session of a model: the unit that
-// copy-on-write, fork, parking and snapshots move (design brief §4).
+// copy-on-write, fork, parking and snapshots move (docs/model-spec.md §5.6).
 //
 // A row has a reference count: a session's table holds one reference per slot it maps to the row;
 // Fork() adds references instead of copying; a writer whose row is shared takes a private copy

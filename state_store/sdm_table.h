@@ -1,5 +1,5 @@
 // One session's memory for one SDM layer: per head, s^2 rows of hd floats, held copy-on-write
-// over the model's shared initial memory M0 (design brief §4).
+// over the model's shared initial memory M0 (docs/model-spec.md §5.6).
 //
 // A slot that was never written reads M0 (or zeros when the model has no learned memory). The
 // first write to a slot gives it a private row from the RowPool, initialised from M0; a row shared

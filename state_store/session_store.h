@@ -1,4 +1,4 @@
-// SessionStateStore: where every session's state lives between engine steps (design brief §5).
+// SessionStateStore: where every session's state lives between steps (docs/model-spec.md §7).
 //
 // Tiers: resident (SessionState objects the engine can step; on the CPU backend a bounded "hot"
 // budget), host (the compact serialised form, state_codec.h) and disk (one snapshot file per

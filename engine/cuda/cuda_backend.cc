@@ -1,4 +1,4 @@
-// The CUDA backend (design brief §7): the forward pass of engine/cpu_backend.cc with bf16 weights
+// The CUDA backend (docs/model-spec.md §6): engine/cpu_backend.cc's forward pass with bf16 weights
 // and state on the device, fp32 activations and accumulation, cuBLASLt for every dense layer and
 // kernels/cuda/ for the rest. Sessions become device-resident on their first step
 // (engine/cuda/device_state.h) and stay so until the state store parks them.

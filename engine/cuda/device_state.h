@@ -1,4 +1,4 @@
-// Sessions' state in device memory for the CUDA backend (design brief §5, §7; layout in
+// Sessions' state in device memory for the CUDA backend (docs/model-spec.md §7, §6; layout in
 // kernels/common/device_layout.h).
 //
 // CudaDeviceContext owns what all device-resident sessions share: the compute and transfer

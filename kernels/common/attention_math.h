@@ -1,5 +1,5 @@
-// Attention math shared by the CPU kernels, the CUDA kernels and their tests (design brief §2,
-// §7): the causal/sliding window, and the partial softmax state that lets attention over a long
+// Attention math shared by the CPU kernels, the CUDA kernels and their tests (docs/model-spec.md
+// §4, §6): the causal/sliding window, and the partial softmax state that lets attention over a long
 // context be split into chunks reduced independently (split-K, "flash decoding") and merged.
 //
 // Partial softmax state. For scores s_j (in log2 units: s_j = log2(e) * q.k_j / sqrt(head_dim), so

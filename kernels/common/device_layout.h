@@ -1,6 +1,6 @@
 // Where a session's state lives in the CUDA backend's device memory, as index math shared by the
-// kernels, the engine that allocates the memory and the CPU tests that check it (design brief §5,
-// §7). Pure functions on integers: no CUDA types, so host code and tests include it freely.
+// kernels, the engine that allocates the memory and the CPU tests that check it (docs/model-spec.md
+// §7, §6). Pure functions on integers: no CUDA types, so host code and tests include it freely.
 //
 // KV cache (attn and swa layers). Each attention layer owns an arena of pages; a page holds
 // kKvPageTokens consecutive positions of one sequence: first their key rows, then their value

@@ -1,4 +1,4 @@
-// Rotary position embedding over adjacent pairs (design brief §2), shared by the CPU and CUDA
+// Rotary position embedding over adjacent pairs (docs/model-spec.md §4.2), shared by CPU and CUDA
 // kernels: dims 2i and 2i+1 of a head rotate by angle pos * theta^(-2i/head_dim).
 //
 // The inverse frequency and the angle are fp32 and computed in the order of the reference's

@@ -1,4 +1,4 @@
-// Product-key addressing of one SDM head (design brief §2), as SDM_HOST_DEVICE helpers shared by
+// Product-key addressing of an SDM head (docs/model-spec.md §5.2), SDM_HOST_DEVICE helpers for
 // the CPU kernels (kernels/cpu/sdm_addressing.h) and the CUDA kernels (kernels/cuda/sdm.h).
 //
 // A head's 2s scores split into half A (first s) and half B (next s); slot (a, b) = a * s + b

@@ -1,4 +1,4 @@
-// Scalar math of the SDM layer (design brief §2), shared by the CPU and CUDA kernels.
+// Scalar math of the SDM layer (docs/model-spec.md §5.1, §5.4), shared by the CPU and CUDA kernels.
 //
 // Gates per head: g = -exp(A_log) * softplus(a + dt_bias) (log decay, alpha = exp(g)),
 // beta = sigmoid(b). The update of one write row i, column c, given the decayed value

@@ -1,5 +1,5 @@
 // Causal (optionally sliding-window) multi-head attention with grouped KV heads over cached
-// key/value rows (design brief §2): a query at position p sees keys j with j <= p and, for a
+// key/value rows (docs/model-spec.md §4): a query at position p sees keys j with j <= p and, for a
 // window W > 0, p - j < W. Scores are scaled by 1/sqrt(head_dim). RoPE is applied by the caller.
 #ifndef SDMSERVE_KERNELS_CPU_ATTENTION_H_
 #define SDMSERVE_KERNELS_CPU_ATTENTION_H_

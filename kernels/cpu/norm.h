@@ -1,4 +1,4 @@
-// Normalisations of the model (design brief §2), computed in fp32 with double accumulation.
+// Normalisations of the model (docs/model-spec.md §3, §5), in fp32 with double accumulation.
 #ifndef SDMSERVE_KERNELS_CPU_NORM_H_
 #define SDMSERVE_KERNELS_CPU_NORM_H_
 

@@ -1,4 +1,4 @@
-// Rotary position embedding over adjacent pairs (design brief §2): dims 2i and 2i+1 of each head
+// Rotary embedding over adjacent pairs (docs/model-spec.md §4.2): dims 2i and 2i+1 of each head
 // rotate by angle pos * theta^(-2i/head_dim). Frequencies and angles are computed in fp32 the
 // way the reference's precomputed table is, so long positions round alike.
 #ifndef SDMSERVE_KERNELS_CPU_ROPE_H_

@@ -1,4 +1,4 @@
-// Product-key addressing of the SDM layer (design brief §2) on the CPU: thin wrappers over the
+// Product-key addressing (docs/model-spec.md §5.2) on the CPU: thin wrappers over the
 // shared host/device helpers in kernels/common/sdm_addressing_math.h (which the CUDA kernels use
 // too), so the CPU tests cover the selection the GPU runs.
 //

@@ -1,4 +1,4 @@
-// The SDM write and read of one head for one token (design brief §2), over rows given by
+// SDM write and read of one head for one token (docs/model-spec.md §5.4, §5.5), over rows given by
 // pointer, restricted to a column range so callers can tile the row width across threads
 // (columns are independent).
 //

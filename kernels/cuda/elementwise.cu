@@ -309,7 +309,7 @@ struct ToFloatOp {
   __device__ void Scalar(int64_t i) const { out[i] = __bfloat162float(x[i]); }
 };
 
-// Gates of design brief §2 through the shared helpers of kernels/common/sdm_math.h.
+// Gates of docs/model-spec.md §5.1 through the shared helpers of kernels/common/sdm_math.h.
 struct SdmGatesOp {
   const float* a;
   const float* b;

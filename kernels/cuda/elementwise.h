@@ -50,7 +50,7 @@ cudaError_t MulSigmoid(const float* g, float* x, int64_t n, cudaStream_t stream)
 cudaError_t FloatToBf16(const float* x, int64_t n, bf16* out, cudaStream_t stream);
 cudaError_t Bf16ToFloat(const bf16* x, int64_t n, float* out, cudaStream_t stream);
 
-// SDM gates (design brief §2) for a, b [rows, heads] (a_proj / b_proj outputs, biases added):
+// SDM gates (docs/model-spec.md §5.1) for a, b [rows, heads] (a_proj, b_proj outputs plus biases):
 // log_decay = SdmLogDecay(a_log[h], a, dt_bias[h]) and beta = Sigmoid(b)
 // (kernels/common/sdm_math.h). The decay itself, exp(g) or exp(g * k_i), is taken by SdmStep.
 cudaError_t SdmGates(const float* a, const float* b, const float* a_log, const float* dt_bias,

@@ -14,8 +14,8 @@
 // no algorithm with that epilogue (or reject the attribute), we fall back to the plain GEMM plus
 // the AddBias kernel of elementwise.h.
 //
-// Precision: bf16 A and B, fp32 C and D, CUBLAS_COMPUTE_32F (fp32 accumulation, design brief
-// §7), fp32 alpha = 1 and beta = 0 (C is not read).
+// Precision: bf16 A and B, fp32 C and D, CUBLAS_COMPUTE_32F (fp32 accumulation,
+// docs/model-spec.md §6), fp32 alpha = 1 and beta = 0 (C is not read).
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 

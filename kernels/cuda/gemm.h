@@ -1,5 +1,5 @@
 // Dense layers on the GPU through cuBLASLt: y = x W^T (+ bias) with W in PyTorch's Linear layout
-// [out, in], bf16 inputs and fp32 accumulation and output (design brief §7).
+// [out, in], bf16 inputs and fp32 accumulation and output (docs/model-spec.md §6).
 #ifndef SDMSERVE_KERNELS_CUDA_GEMM_H_
 #define SDMSERVE_KERNELS_CUDA_GEMM_H_
 

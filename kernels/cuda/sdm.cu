@@ -1,4 +1,4 @@
-// The SDM layer on the GPU (kernels/cuda/sdm.h; design brief §2, §7). Selection and update math
+// The SDM layer on the GPU (see sdm.h; docs/model-spec.md §5, §6). Selection and update math
 // come from the SDM_HOST_DEVICE helpers that the CPU kernels use (kernels/common/
 // sdm_addressing_math.h, sdm_math.h), so the CPU tests cover them.
 #include <cuda_bf16.h>
@@ -313,7 +313,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
 // ---------------------------------------------------------------------------------------------
 // The fused write + read. Tiling: block (segment, column tile, head) with kStepWarps warps. A
 // tile is 32 lanes x kVec columns (kVec = 8: 16-byte bf16 loads, 256 columns = 512 B of a row
-// per warp access, fully coalesced). The columns are independent (design brief §7), so a block
+// per warp access, coalesced). The columns are independent (docs/model-spec.md §5.7), so a block
 // owns its tile of every row of its head for the whole segment and walks the segment's tokens
 // in order with no inter-block communication. Within a token the warps split the rows (warp w
 // takes rows w, w + 8, ...), each warp keeping kBatch rows' loads in flight, and per-warp

@@ -1,4 +1,4 @@
-// The SDM layer on the GPU (design brief §2, §7): product-key addressing, copy-on-write row
+// The SDM layer on the GPU (docs/model-spec.md §5, §6): product-key addressing, copy-on-write row
 // allocation from a device free list, the fused write-then-read step tiled over row columns, and
 // the row moves used to park and resume sessions. Row layout and references:
 // kernels/common/device_layout.h. Rows and M0 are bf16; gates, weights, v and readings fp32;

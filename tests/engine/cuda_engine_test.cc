@@ -1,4 +1,4 @@
-// The CUDA backend against the CPU backend (design brief §8, step 2: CPU vs CUDA logits), and
+// The CUDA backend against the CPU backend (docs/model-spec.md §11: CPU vs CUDA logits), and
 // the exactness of a session parked to the host and resumed on the device. The CPU model gets
 // the same bf16-rounded matrices the device holds, so the remaining differences are bf16
 // activations at GEMM inputs and bf16 SDM rows and KV rows: a few bf16 ulps per layer.

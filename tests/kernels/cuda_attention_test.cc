@@ -482,7 +482,7 @@ TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
 }
 
 TEST(CudaAttentionTest, DecodeBandwidth32kBatch64) {
-  // The design brief's §4 comparison point: baseline_1.4B full attention, batch 64 at 32k
+  // The comparison point of docs/model-spec.md §9: baseline_1.4B full attention, batch 64 at 32k
   // context. Reports the KV bytes read per second (no assertion: a measurement for the lead).
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)

@@ -17,7 +17,7 @@ namespace sdm::kernels {
 namespace {
 
 TEST(SdmMathTest, GatesMatchTheirDefinitions) {
-  // Shared host/device helpers, checked on the CPU against the formulas of design brief §2.
+  // Shared host/device helpers, checked on the CPU against the formulas of docs/model-spec.md §5.1.
   EXPECT_FLOAT_EQ(Softplus(0.0f), std::log(2.0f));
   EXPECT_FLOAT_EQ(Softplus(30.0f), 30.0f);  // torch's threshold: identity above 20
   EXPECT_NEAR(Softplus(-5.0f), std::log1p(std::exp(-5.0)), 1e-7);

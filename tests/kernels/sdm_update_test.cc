@@ -27,7 +27,7 @@ std::vector<const float*> ConstRowPtrs(const Table& t, const std::vector<int32_t
 }
 
 TEST(SdmUpdateTest, TwoSlotExampleSharedResidual) {
-  // Design brief §2: alpha=0.8, beta=0.5, M=[2.5, 5], k=[0.5, 0.5], v=10 -> [3.75, 5.75].
+  // docs/model-spec.md §5.4: alpha=0.8, beta=0.5, M=[2.5, 5], k=[0.5, 0.5], v=10 -> [3.75, 5.75].
   Table m = {{2.5f}, {5.0f}};
   const float v = 10.0f;
   std::vector<float> k = {0.5f, 0.5f}, alpha = {0.8f};

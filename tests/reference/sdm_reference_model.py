@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Independent float64 reference of the SDM hybrid language model (design brief §2).
+"""Independent float64 reference of the SDM hybrid language model (docs/model-spec.md).
 
 This file is the project's oracle for whole-model logits. It is written from the model
-specification (docs + design brief §2), not from the C++ engine, and shares no code with it:
+specification (docs/model-spec.md), not from the C++ engine, and shares no code with it:
 the only things the two have in common are the file formats (config.json, safetensors) and the
 tensor names. Everything is computed in float64 with the most direct formulation available:
 
@@ -600,7 +600,7 @@ def self_test(seed: int = 0) -> List[str]:
     """Checks the oracle against facts that do not depend on it. Returns failure messages."""
     failures = []
     f64 = torch.float64
-    # 1. The two-slot example of design brief §2 (shared residual) and the paper's Eq. 4.
+    # 1. The two-slot example of docs/model-spec.md §5.4 (shared residual) and the paper's Eq. 4.
     rows = torch.tensor([[2.5], [5.0]], dtype=f64)
     k = torch.tensor([0.5, 0.5], dtype=f64)
     alpha = torch.tensor([0.8, 0.8], dtype=f64)

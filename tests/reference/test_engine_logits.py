@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Engine logits vs the independent float64 reference (design brief §8, step 2).
+"""Engine logits vs the independent float64 reference (docs/model-spec.md §11).
 
 usage: /usr/bin/python3 test_engine_logits.py PATH/TO/sdm-model PATH/TO/sdm-cli [-k SUBSTRING] [--keep]
 

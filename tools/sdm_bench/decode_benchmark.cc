@@ -137,7 +137,7 @@ std::vector<GemmShape> DecodeGemms(const Model& model) {
 }
 
 // Bytes per stored value of the matrices, KV rows and SDM rows each engine keeps: fp32 on the CPU,
-// bf16 on CUDA (design brief §7; the CUDA engine keeps vectors such as norms and biases in fp32).
+// bf16 on CUDA (docs/model-spec.md §6; the CUDA engine keeps vectors (norms, biases) in fp32).
 double ElemBytes(EngineDevice device) { return device == EngineDevice::kCuda ? 2.0 : 4.0; }
 
 // Bytes of weights one decode step reads once, whatever the batch: every matrix at `elem` bytes
@@ -814,9 +814,9 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   // is the machine's (the machine is shared: a low figure means someone else was using it). On
   // the CPU a decode step's bytes are reads (weights, KV rows, SDM rows; only the W written SDM
   // rows and the new K/V rows are written), so %bw is of the streaming-read rate; the copy rate
-  // (read + write bytes, the design brief's convention for the GPU) is reported beside it. On
+  // (read + write bytes, the GPU convention of docs/model-spec.md §9) is reported beside it. On
   // CUDA the reference is the device's device-to-device copy rate (read + write bytes), the
-  // ceiling the design brief's §4 floor is computed from. ----
+  // ceiling the floor of docs/model-spec.md §9 is computed from. ----
   const int64_t bw_bytes =
       (cuda ? std::max<int64_t>(opt.bandwidth_mb, 2048) : opt.bandwidth_mb) * (int64_t{1} << 20);
   constexpr int kDeviceCopyReps = 10;

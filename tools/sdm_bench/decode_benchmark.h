@@ -25,7 +25,7 @@
 //     CPU engine's format; the embedding table only for the B rows gathered unless it is tied to
 //     the output), plus per session the K and V rows of the visible positions of each attention
 //     layer (all of them for full attention, the window for SWA) and per SDM layer and head
-//     (2W + R) rows of hd floats (W rows read and written, R rows read; design brief §4). Achieved
+//     (2W + R) rows of hd floats (W read and written, R read; docs/model-spec.md §9). Achieved
 //     bandwidth = bytes / median step time, reported as a fraction of the best streaming-read
 //     rate measured in the run (the step's bytes are reads; the copy rate is reported beside it).
 //  5. The step's GEMMs are also timed alone with OpenBLAS at the same shapes; the step's FLOP rate

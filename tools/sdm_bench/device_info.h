@@ -24,8 +24,8 @@ absl::StatusOr<EngineDevice> ResolveBenchDevice(EngineDevice requested);
 
 // Device-to-device cudaMemcpy between two device buffers of `buffer_bytes` each on a dedicated
 // stream: `warmup` untimed copies, then `reps` copies each timed with cudaEvents. Rates count the
-// bytes read plus the bytes written (2 x buffer_bytes per copy), the design brief's convention
-// (§4: "~4.3 TB/s measured copy bandwidth" on an H200).
+// bytes read plus the bytes written (2 x buffer_bytes per copy), the GPU convention of
+// docs/model-spec.md §9 (about 4.3 TB/s on an H200).
 struct DeviceCopyBandwidth {
   int64_t buffer_bytes = 0;
   int reps = 0;

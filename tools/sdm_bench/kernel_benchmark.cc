@@ -38,7 +38,7 @@ using nlohmann::json;
 constexpr double kKernelTargetFraction = 0.70;  // SDM step and attention decode, of copy
 constexpr double kParkTargetGbps = 25.0;        // each way through pinned host memory
 
-// sdm_flagship's SDM geometry (design brief §3) and baseline_1.4B's full attention.
+// sdm_flagship's SDM geometry (docs/model-spec.md §8) and baseline_1.4B's full attention.
 constexpr int64_t kSdmHeads = 2, kSdmSide = 256, kSdmWidth = 1024, kSdmW = 128, kSdmR = 128;
 constexpr int64_t kSdmSlots = kSdmSide * kSdmSide;
 constexpr int64_t kSdmLayers = 6;

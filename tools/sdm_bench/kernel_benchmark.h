@@ -11,7 +11,7 @@
 //   - sdm step: SdmStep alone on prepared rows, and SdmPrepareRows + SdmStep (the slots already
 //     have rows: the steady state), sdm_flagship geometry (2 heads, s = 256, hd = 1024,
 //     W = R = 128); bytes = per (session, head) W rows read + W rows written + R rows read, 2 B a
-//     value (design brief §4); target >= 70% of copy;
+//     value (docs/model-spec.md §9); target >= 70% of copy;
 //   - attention decode: AttentionDecode over `context` cached positions per sequence,
 //     baseline_1.4B geometry (16 query / 8 KV heads, head_dim 128), pages scattered at random in
 //     the arena; bytes = the K and V rows read; target >= 70% of copy;

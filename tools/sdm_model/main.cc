@@ -130,7 +130,7 @@ std::string HumanCount(double n) {
   return absl::StrFormat("%.0f", n);
 }
 
-// Decimal units, as the design brief quotes sizes (24.6 KB = 24,576 bytes).
+// Decimal units, as docs/model-spec.md §8 quotes sizes (24.6 KB = 24,576 bytes).
 std::string HumanBytes(double bytes) {
   if (bytes >= 1e9) return absl::StrFormat("%.2f GB", bytes / 1e9);
   if (bytes >= 1e6) return absl::StrFormat("%.2f MB", bytes / 1e6);
