@@ -9,7 +9,7 @@ PACKAGES=(
   libabsl-dev
   libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
   libsentencepiece-dev sentencepiece
-  nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev
+  nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libssl-dev openssl
   python3-torch python3-numpy python3-matplotlib

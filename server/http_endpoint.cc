@@ -13,14 +13,14 @@
 
 #include "absl/strings/str_cat.h"
 #include "httplib.h"
-#include "server/metrics/prometheus_text.h"
+#include "server/metrics/exposition.h"
 
 namespace sdm {
 
 class HttpEndpoint::Impl {
  public:
-  Impl(const MetricsRegistry& registry, HealthCallback health, int threads)
-      : registry_(registry), health_(std::move(health)) {
+  Impl(MetricsCallback metrics, HealthCallback health, int threads)
+      : metrics_(std::move(metrics)), health_(std::move(health)) {
     // httplib takes ownership of the queue it is handed (and deletes it).
     server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
     // httplib's default is SO_REUSEPORT, which would let a second server share (and silently
@@ -30,7 +30,7 @@ class HttpEndpoint::Impl {
       setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     });
     server_.Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
-      response.set_content(registry_.RenderPrometheusText(), kPrometheusContentType);
+      response.set_content(metrics_(), kPrometheusContentType);
     });
     server_.Get("/healthz", [this](const httplib::Request&, httplib::Response& response) {
       const absl::Status health = health_ ? health_() : absl::OkStatus();
@@ -81,7 +81,7 @@ class HttpEndpoint::Impl {
   int port() const { return port_; }
 
  private:
-  const MetricsRegistry& registry_;
+  const MetricsCallback metrics_;
   const HealthCallback health_;
   httplib::Server server_;
   int port_ = -1;
@@ -90,7 +90,7 @@ class HttpEndpoint::Impl {
 };
 
 absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
-    const HttpEndpointOptions& options, const MetricsRegistry& registry, HealthCallback health) {
+    const HttpEndpointOptions& options, MetricsCallback metrics, HealthCallback health) {
   if (options.port < 0 || options.port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics endpoint: port ", options.port, " is not in [0, 65535]"));
@@ -99,7 +99,8 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("metrics endpoint: threads must be >= 1, got ", options.threads));
   }
-  auto impl = std::make_unique<Impl>(registry, std::move(health), options.threads);
+  if (!metrics) return absl::InvalidArgumentError("metrics endpoint: no metrics callback");
+  auto impl = std::make_unique<Impl>(std::move(metrics), std::move(health), options.threads);
   if (absl::Status status = impl->Listen(options.host, options.port); !status.ok()) return status;
   return std::make_unique<HttpEndpoint>(std::move(impl));
 }

@@ -1,6 +1,8 @@
 // The server's plain-HTTP port, for operators and their tools (not for clients of the model):
 //
-//   GET /metrics   200, the registry's Prometheus text (Content-Type text/plain; version=0.0.4)
+//   GET /metrics   200, the page the metrics callback renders (the server's: its prometheus-cpp
+//                  registry, server/metrics/exposition.h), as Content-Type
+//                  text/plain; version=0.0.4
 //   GET /healthz   200 "ok", or 503 "not serving: <reason>" when the health callback returns an
 //                  error (e.g. the model is still loading, or the server is draining)
 //   anything else  404
@@ -8,8 +10,8 @@
 // An HttpEndpoint listens from Start() until it is destroyed, on its own threads (cpp-httplib:
 // one accepting, a small pool answering).
 //
-// Thread-safety: Start() and the destructor from one thread; `health` and the registry's
-// RenderPrometheusText() are called on the endpoint's threads, possibly concurrently.
+// Thread-safety: Start() and the destructor from one thread; the `metrics` and `health` callbacks
+// are called on the endpoint's threads, possibly concurrently.
 #ifndef SDMSERVE_SERVER_HTTP_ENDPOINT_H_
 #define SDMSERVE_SERVER_HTTP_ENDPOINT_H_
 
@@ -19,7 +21,6 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "server/metrics/metrics.h"
 
 namespace sdm {
 
@@ -34,14 +35,17 @@ struct HttpEndpointOptions {
 
 class HttpEndpoint {
  public:
+  // The /metrics page in the Prometheus text format, rendered afresh for every scrape.
+  using MetricsCallback = std::function<std::string()>;
   // OK while the server can serve; otherwise the reason it cannot (its message is the 503 body).
   using HealthCallback = std::function<absl::Status()>;
 
   // Listens on options.host:options.port and returns once requests are being accepted.
-  // `registry` must outlive the endpoint. An empty `health` means always serving. Errors: the
-  // address cannot be bound (Unavailable, naming it), bad options (InvalidArgument).
+  // `metrics` must be set; an empty `health` means always serving. What the callbacks refer to
+  // must outlive the endpoint. Errors: the address cannot be bound (Unavailable, naming it), bad
+  // options (InvalidArgument).
   static absl::StatusOr<std::unique_ptr<HttpEndpoint>> Start(const HttpEndpointOptions& options,
-                                                             const MetricsRegistry& registry,
+                                                             MetricsCallback metrics,
                                                              HealthCallback health = {});
 
   // Stops listening, waits for requests in progress to finish and for the threads to end.

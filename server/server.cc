@@ -17,9 +17,10 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
+#include "prometheus/registry.h"
 #include "server/auth.h"
 #include "server/http_endpoint.h"
-#include "server/metrics/metrics.h"
+#include "server/metrics/exposition.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service.h"
 #include "server/tenant_limits.h"
@@ -109,7 +110,7 @@ class SdmServer::Impl final : public SchedulerListener {
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<SessionStateStore> store;
-  std::unique_ptr<MetricsRegistry> registry;
+  std::unique_ptr<prometheus::Registry> registry;
   std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<Scheduler> scheduler;
   std::unique_ptr<SdmServiceImpl> service;
@@ -198,9 +199,8 @@ absl::Status SdmServer::Impl::Init() {
     std::fprintf(stderr, "sdm-server: warning: %s\n", error.c_str());
   }
 
-  registry = CreateMetricsRegistry();
+  registry = std::make_unique<prometheus::Registry>(prometheus::Registry::InsertBehavior::Throw);
   metrics = std::make_unique<ServerMetrics>(*registry);
-  registry->AddCollectHook([this] { UpdateGauges(); });
   scheduler = std::make_unique<Scheduler>(*engine, *store, *tokenizer, options.scheduler, this);
 
   ServiceOptions service_options;
@@ -228,8 +228,13 @@ absl::Status SdmServer::Impl::Init() {
     HttpEndpointOptions http_options;
     http_options.host = options.metrics_host;
     http_options.port = options.metrics_port;
-    absl::StatusOr<std::unique_ptr<HttpEndpoint>> h =
-        HttpEndpoint::Start(http_options, *registry, [this]() -> absl::Status {
+    absl::StatusOr<std::unique_ptr<HttpEndpoint>> h = HttpEndpoint::Start(
+        http_options,
+        [this] {
+          UpdateGauges();
+          return RenderPrometheusText(*registry);
+        },
+        [this]() -> absl::Status {
           if (draining.load()) return absl::UnavailableError("draining before shutdown");
           return absl::OkStatus();
         });
@@ -250,22 +255,20 @@ void SdmServer::Impl::UpdateGauges() {
   const StoreStats s = store->Stats();
   for (int t = 0; t < kNumTiers; ++t) {
     const absl::string_view tier = TierName(static_cast<Tier>(t));
-    metrics->sessions.WithLabels({tier}).Set(static_cast<double>(s.sessions[t]));
-    metrics->state_bytes.WithLabels({tier}).Set(static_cast<double>(s.bytes[t]));
+    metrics->Sessions(tier).Set(static_cast<double>(s.sessions[t]));
+    metrics->StateBytes(tier).Set(static_cast<double>(s.bytes[t]));
   }
-  const auto add = [](Counter& counter, int64_t now, int64_t before) {
+  const auto add = [](prometheus::Counter& counter, int64_t now, int64_t before) {
     if (now > before) counter.Increment(static_cast<double>(now - before));
   };
   const int resident = static_cast<int>(Tier::kResident);
   const int host = static_cast<int>(Tier::kHost);
   const int disk = static_cast<int>(Tier::kDisk);
   // A move out of resident lands on host, a move out of host on disk.
-  add(metrics->state_offloads.WithLabels({kTierHost}), s.evictions[resident],
-      last_stats.evictions[resident]);
-  add(metrics->state_offloads.WithLabels({kTierDisk}), s.evictions[host],
-      last_stats.evictions[host]);
-  add(metrics->state_restores.WithLabels({kTierHost}), s.restores[host], last_stats.restores[host]);
-  add(metrics->state_restores.WithLabels({kTierDisk}), s.restores[disk], last_stats.restores[disk]);
+  add(metrics->StateOffloads(kTierHost), s.evictions[resident], last_stats.evictions[resident]);
+  add(metrics->StateOffloads(kTierDisk), s.evictions[host], last_stats.evictions[host]);
+  add(metrics->StateRestores(kTierHost), s.restores[host], last_stats.restores[host]);
+  add(metrics->StateRestores(kTierDisk), s.restores[disk], last_stats.restores[disk]);
   add(metrics->snapshot_errors, s.snapshot_errors + s.quarantined,
       last_stats.snapshot_errors + last_stats.quarantined);
   last_stats = s;
@@ -332,7 +335,5 @@ std::string SdmServer::address() const {
 }
 
 absl::Status SdmServer::Shutdown() { return impl_->Shutdown(); }
-
-const MetricsRegistry& SdmServer::metrics() const { return *impl_->registry; }
 
 }  // namespace sdm

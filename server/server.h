@@ -37,8 +37,6 @@
 
 namespace sdm {
 
-class MetricsRegistry;
-
 struct ServerOptions {
   // The model directory (config.json, model.safetensors, tokenizer file). Required.
   std::filesystem::path model_dir;
@@ -105,9 +103,6 @@ class SdmServer {
   // Graceful shutdown (see above). Returns the outcome of persisting the sessions (OK without a
   // state directory).
   absl::Status Shutdown();
-
-  // The metrics the HTTP endpoint serves.
-  const MetricsRegistry& metrics() const;
 
   class Impl;
   explicit SdmServer(std::unique_ptr<Impl> impl);

@@ -178,7 +178,7 @@ absl::StatusOr<std::string> SdmServiceImpl::TenantOf(
 void SdmServiceImpl::RecordRequest(absl::string_view method, absl::StatusCode code,
                                    Clock::time_point start) {
   deps_.metrics.Request(method, code).Increment();
-  deps_.metrics.request_duration.WithLabels({method}).Observe(
+  deps_.metrics.RequestDuration(method).Observe(
       std::chrono::duration<double>(Clock::now() - start).count());
 }
 

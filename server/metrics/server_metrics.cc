@@ -1,104 +1,155 @@
 #include "server/metrics/server_metrics.h"
 
 #include <string>
-#include <vector>
+#include <utility>
 
 namespace sdm {
 namespace {
 
+using prometheus::BuildCounter;
+using prometheus::BuildGauge;
+using prometheus::BuildHistogram;
+
 // Latency buckets, in seconds. Time to first token includes queueing and prefill; inter-token
 // latency is one decode step (sub-millisecond to a few hundred milliseconds); a request's
 // duration spans a Tokenize call to a long generation.
-const std::vector<double>& TimeToFirstTokenBuckets() {
-  static const std::vector<double> kBuckets = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
-                                               0.5,   1,      2.5,   5,    10,    30,   60};
+const prometheus::Histogram::BucketBoundaries& TimeToFirstTokenBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60};
   return kBuckets;
 }
 
-const std::vector<double>& InterTokenLatencyBuckets() {
-  static const std::vector<double> kBuckets = {0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025,
-                                               0.05,   0.1,   0.25,   0.5,   1,    2.5};
+const prometheus::Histogram::BucketBoundaries& InterTokenLatencyBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5};
   return kBuckets;
 }
 
-const std::vector<double>& RequestDurationBuckets() {
-  static const std::vector<double> kBuckets = {0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1,  2.5,
-                                               5,     10,    30,   60,   120, 300, 600};
+const prometheus::Histogram::BucketBoundaries& RequestDurationBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {
+      0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600};
   return kBuckets;
 }
+
+// Sequences per step: powers of two up to 512.
+const prometheus::Histogram::BucketBoundaries& BatchSizeBuckets() {
+  static const prometheus::Histogram::BucketBoundaries kBuckets = {1,  2,  4,   8,   16,
+                                                                   32, 64, 128, 256, 512};
+  return kBuckets;
+}
+
+prometheus::Labels TierLabel(absl::string_view tier) { return {{"tier", std::string(tier)}}; }
 
 }  // namespace
 
-ServerMetrics::ServerMetrics(MetricsRegistry& registry)
-    : requests(registry.AddCounter("sdm_requests_total",
-                                   "RPCs finished, by method and gRPC status code.",
-                                   {"method", "code"})),
-      prompt_tokens(registry
-                        .AddCounter("sdm_prompt_tokens_total",
-                                    "Prompt tokens fed to the model (including an added BOS).")
-                        .WithLabels({})),
-      history_tokens(registry
-                         .AddCounter("sdm_history_tokens_total",
-                                     "Tokens of history carried by session state when a "
-                                     "Generate started: reused, not read again.")
-                         .WithLabels({})),
-      generated_tokens(
-          registry.AddCounter("sdm_generated_tokens_total", "Tokens generated.").WithLabels({})),
-      time_to_first_token(registry
-                              .AddHistogram("sdm_time_to_first_token_seconds",
-                                            "Time from the start of a Generate call to its first "
-                                            "token, queueing and prefill included.",
-                                            TimeToFirstTokenBuckets())
-                              .WithLabels({})),
-      inter_token_latency(
-          registry
-              .AddHistogram("sdm_inter_token_latency_seconds",
-                            "Time between consecutive generated tokens of one stream.",
-                            InterTokenLatencyBuckets())
-              .WithLabels({})),
-      request_duration(registry.AddHistogram("sdm_request_duration_seconds",
-                                             "End-to-end duration of RPCs, by method.",
-                                             RequestDurationBuckets(), {"method"})),
-      requests_running(
-          registry.AddGauge("sdm_requests_running", "Generate requests in the running batch.")
-              .WithLabels({})),
-      requests_waiting(registry
-                           .AddGauge("sdm_requests_waiting",
-                                     "Generate requests queued, not yet admitted to the batch.")
-                           .WithLabels({})),
-      batch_size(registry
-                     .AddHistogram("sdm_batch_size", "Sequences in each engine step.",
-                                   ExponentialBuckets(1, 2, 10))
-                     .WithLabels({})),
-      sessions(registry.AddGauge("sdm_sessions", "Sessions, by the tier holding their state.",
-                                 {"tier"})),
-      state_bytes(
-          registry.AddGauge("sdm_state_bytes", "Bytes of session state, by tier.", {"tier"})),
-      state_offloads(registry.AddCounter("sdm_state_offloads_total",
-                                         "Session states moved down to a tier (host or disk).",
-                                         {"tier"})),
-      state_restores(registry.AddCounter(
-          "sdm_state_restores_total",
-          "Session states brought back to the engine, by the tier they came from.", {"tier"})),
-      snapshot_errors(registry
-                          .AddCounter("sdm_snapshot_errors_total",
-                                      "Snapshots that failed to write, or failed their checks "
-                                      "when read back.")
-                          .WithLabels({})) {
+ServerMetrics::ServerMetrics(prometheus::Registry& registry)
+    : prompt_tokens(BuildCounter()
+                        .Name("sdm_prompt_tokens_total")
+                        .Help("Prompt tokens fed to the model (including an added BOS).")
+                        .Register(registry)
+                        .Add({})),
+      history_tokens(BuildCounter()
+                         .Name("sdm_history_tokens_total")
+                         .Help("Tokens of history carried by session state when a Generate "
+                               "started: reused, not read again.")
+                         .Register(registry)
+                         .Add({})),
+      generated_tokens(BuildCounter()
+                           .Name("sdm_generated_tokens_total")
+                           .Help("Tokens generated.")
+                           .Register(registry)
+                           .Add({})),
+      time_to_first_token(BuildHistogram()
+                              .Name("sdm_time_to_first_token_seconds")
+                              .Help("Time from the start of a Generate call to its first token, "
+                                    "queueing and prefill included.")
+                              .Register(registry)
+                              .Add({}, TimeToFirstTokenBuckets())),
+      inter_token_latency(BuildHistogram()
+                              .Name("sdm_inter_token_latency_seconds")
+                              .Help("Time between consecutive generated tokens of one stream.")
+                              .Register(registry)
+                              .Add({}, InterTokenLatencyBuckets())),
+      requests_running(BuildGauge()
+                           .Name("sdm_requests_running")
+                           .Help("Generate requests in the running batch.")
+                           .Register(registry)
+                           .Add({})),
+      requests_waiting(BuildGauge()
+                           .Name("sdm_requests_waiting")
+                           .Help("Generate requests queued, not yet admitted to the batch.")
+                           .Register(registry)
+                           .Add({})),
+      batch_size(BuildHistogram()
+                     .Name("sdm_batch_size")
+                     .Help("Sequences in each engine step.")
+                     .Register(registry)
+                     .Add({}, BatchSizeBuckets())),
+      snapshot_errors(BuildCounter()
+                          .Name("sdm_snapshot_errors_total")
+                          .Help("Snapshots that failed to write, or failed their checks when read "
+                                "back.")
+                          .Register(registry)
+                          .Add({})),
+      requests_(BuildCounter()
+                    .Name("sdm_requests_total")
+                    .Help("RPCs finished, by method and gRPC status code.")
+                    .Register(registry)),
+      request_duration_(BuildHistogram()
+                            .Name("sdm_request_duration_seconds")
+                            .Help("End-to-end duration of RPCs, by method.")
+                            .Register(registry)),
+      sessions_(BuildGauge()
+                    .Name("sdm_sessions")
+                    .Help("Sessions, by the tier holding their state.")
+                    .Register(registry)),
+      state_bytes_(BuildGauge()
+                       .Name("sdm_state_bytes")
+                       .Help("Bytes of session state, by tier.")
+                       .Register(registry)),
+      state_offloads_(BuildCounter()
+                          .Name("sdm_state_offloads_total")
+                          .Help("Session states moved down to a tier (host or disk).")
+                          .Register(registry)),
+      state_restores_(
+          BuildCounter()
+              .Name("sdm_state_restores_total")
+              .Help("Session states brought back to the engine, by the tier they came from.")
+              .Register(registry)) {
   for (const absl::string_view tier : {kTierResident, kTierHost, kTierDisk}) {
-    sessions.WithLabels({tier});
-    state_bytes.WithLabels({tier});
+    Sessions(tier);
+    StateBytes(tier);
   }
   for (const absl::string_view tier : {kTierHost, kTierDisk}) {
-    state_offloads.WithLabels({tier});
-    state_restores.WithLabels({tier});
+    StateOffloads(tier);
+    StateRestores(tier);
   }
 }
 
-Counter& ServerMetrics::Request(absl::string_view method, absl::StatusCode code) {
+prometheus::Counter& ServerMetrics::Request(absl::string_view method, absl::StatusCode code) {
   std::string code_name = absl::StatusCodeToString(code);
   if (code_name.empty()) code_name = "UNKNOWN";
-  return requests.WithLabels({method, code_name});
+  return requests_.Add({{"method", std::string(method)}, {"code", std::move(code_name)}});
+}
+
+prometheus::Histogram& ServerMetrics::RequestDuration(absl::string_view method) {
+  return request_duration_.Add({{"method", std::string(method)}}, RequestDurationBuckets());
+}
+
+prometheus::Gauge& ServerMetrics::Sessions(absl::string_view tier) {
+  return sessions_.Add(TierLabel(tier));
+}
+
+prometheus::Gauge& ServerMetrics::StateBytes(absl::string_view tier) {
+  return state_bytes_.Add(TierLabel(tier));
+}
+
+prometheus::Counter& ServerMetrics::StateOffloads(absl::string_view tier) {
+  return state_offloads_.Add(TierLabel(tier));
+}
+
+prometheus::Counter& ServerMetrics::StateRestores(absl::string_view tier) {
+  return state_restores_.Add(TierLabel(tier));
 }
 
 }  // namespace sdm

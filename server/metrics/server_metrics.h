@@ -1,6 +1,8 @@
-// Every metric the server exports, declared in one place with its name, unit and labels
-// (docs/api.md lists them for operators). Names follow Prometheus conventions: base units in the
-// name (_seconds, _bytes), counters ending in _total, the "sdm_" prefix.
+// Every metric the server exports, declared in one place with its name, unit, labels and help
+// (docs/api.md lists them for operators). The metrics are prometheus-cpp's, registered in a
+// prometheus::Registry that the server renders on /metrics (server/metrics/exposition.h). Names
+// follow Prometheus conventions: base units in the name (_seconds, _bytes), counters ending in
+// _total, the "sdm_" prefix.
 //
 //   sdm_requests_total{method,code}        counter    RPCs finished, by method and gRPC code
 //   sdm_prompt_tokens_total                counter    prompt tokens fed to the model
@@ -18,13 +20,25 @@
 //   sdm_state_restores_total{tier}         counter    sessions brought back from a tier
 //   sdm_snapshot_errors_total              counter    snapshots that failed their checks
 //
-// Thread-safety: the members are thread-safe metrics (server/metrics/metrics.h).
+// Labelled series are reached through the functions below, so that label names are spelled only
+// in server_metrics.cc (prometheus-cpp families do not declare their label names: a misspelt
+// name would silently start a new series).
+//
+// Help texts are one line without backslashes: prometheus-cpp 1.0 writes HELP lines unescaped.
+//
+// Thread-safety: everything is thread-safe. The unlabelled metrics are references to keep; the
+// labelled accessors look the series up under the family's lock (prometheus-cpp), and the
+// references they return stay valid for the registry's lifetime.
 #ifndef SDMSERVE_SERVER_METRICS_SERVER_METRICS_H_
 #define SDMSERVE_SERVER_METRICS_SERVER_METRICS_H_
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
-#include "server/metrics/metrics.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
 
 namespace sdm {
 
@@ -33,30 +47,47 @@ inline constexpr absl::string_view kTierResident = "resident";
 inline constexpr absl::string_view kTierHost = "host";
 inline constexpr absl::string_view kTierDisk = "disk";
 
-struct ServerMetrics {
-  // Registers the families in `registry` (once per registry), and creates the tier series at 0
-  // so that they are exported before the first session.
-  explicit ServerMetrics(MetricsRegistry& registry);
+class ServerMetrics {
+ public:
+  // Registers the families in `registry`, which must outlive this object, and creates the tier
+  // series at 0 so that they are exported before the first session. Registering twice in one
+  // registry is a programming error (prometheus-cpp throws on a registry created with
+  // InsertBehavior::Throw, as the server's is; its default, Merge, shares the families).
+  explicit ServerMetrics(prometheus::Registry& registry);
+
+  ServerMetrics(const ServerMetrics&) = delete;
+  ServerMetrics& operator=(const ServerMetrics&) = delete;
 
   // The counter of one finished RPC: `method` is the RPC name ("Generate"), the code label the
-  // canonical code name ("OK", "INVALID_ARGUMENT", ...).
-  Counter& Request(absl::string_view method, absl::StatusCode code);
+  // canonical code name ("OK", "INVALID_ARGUMENT", ...; "UNKNOWN" for a code outside the enum).
+  prometheus::Counter& Request(absl::string_view method, absl::StatusCode code);
+  // The duration histogram of one RPC method.
+  prometheus::Histogram& RequestDuration(absl::string_view method);
+  // Per tier (kTierResident, kTierHost, kTierDisk): sessions and state bytes held there, and
+  // session states moved down to it or brought back from it.
+  prometheus::Gauge& Sessions(absl::string_view tier);
+  prometheus::Gauge& StateBytes(absl::string_view tier);
+  prometheus::Counter& StateOffloads(absl::string_view tier);
+  prometheus::Counter& StateRestores(absl::string_view tier);
 
-  Family<Counter>& requests;
-  Counter& prompt_tokens;
-  Counter& history_tokens;
-  Counter& generated_tokens;
-  Histogram& time_to_first_token;
-  Histogram& inter_token_latency;
-  Family<Histogram>& request_duration;
-  Gauge& requests_running;
-  Gauge& requests_waiting;
-  Histogram& batch_size;
-  Family<Gauge>& sessions;
-  Family<Gauge>& state_bytes;
-  Family<Counter>& state_offloads;
-  Family<Counter>& state_restores;
-  Counter& snapshot_errors;
+  // The unlabelled metrics.
+  prometheus::Counter& prompt_tokens;
+  prometheus::Counter& history_tokens;
+  prometheus::Counter& generated_tokens;
+  prometheus::Histogram& time_to_first_token;
+  prometheus::Histogram& inter_token_latency;
+  prometheus::Gauge& requests_running;
+  prometheus::Gauge& requests_waiting;
+  prometheus::Histogram& batch_size;
+  prometheus::Counter& snapshot_errors;
+
+ private:
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Histogram>& request_duration_;
+  prometheus::Family<prometheus::Gauge>& sessions_;
+  prometheus::Family<prometheus::Gauge>& state_bytes_;
+  prometheus::Family<prometheus::Counter>& state_offloads_;
+  prometheus::Family<prometheus::Counter>& state_restores_;
 };
 
 }  // namespace sdm

@@ -8,7 +8,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
-#include "server/metrics/metrics.h"
+#include "prometheus/counter.h"
+#include "prometheus/registry.h"
+#include "server/metrics/exposition.h"
 #include "tests/server/prometheus_text_parser.h"
 
 namespace sdm {
@@ -26,11 +28,20 @@ HttpEndpointOptions Loopback(int port = 0) {
   return options;
 }
 
+// The /metrics page of `registry`, as the server serves its own.
+HttpEndpoint::MetricsCallback PageOf(const prometheus::Registry& registry) {
+  return [&registry] { return RenderPrometheusText(registry); };
+}
+
 TEST(HttpEndpointTest, ServesMetricsOnAChosenPort) {
-  auto registry = CreateMetricsRegistry();
-  Counter& tokens = registry->AddCounter("sdm_generated_tokens_total", "Tokens.").WithLabels({});
+  prometheus::Registry registry;
+  prometheus::Counter& tokens = prometheus::BuildCounter()
+                                    .Name("sdm_generated_tokens_total")
+                                    .Help("Tokens.")
+                                    .Register(registry)
+                                    .Add({});
   absl::StatusOr<std::unique_ptr<HttpEndpoint>> endpoint =
-      HttpEndpoint::Start(Loopback(), *registry);
+      HttpEndpoint::Start(Loopback(), PageOf(registry));
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   const int port = (*endpoint)->port();
   ASSERT_GT(port, 0);
@@ -55,9 +66,9 @@ TEST(HttpEndpointTest, ServesMetricsOnAChosenPort) {
 }
 
 TEST(HttpEndpointTest, HealthFollowsTheCallback) {
-  auto registry = CreateMetricsRegistry();
+  prometheus::Registry registry;
   std::atomic<bool> draining = false;
-  auto endpoint = HttpEndpoint::Start(Loopback(), *registry, [&]() -> absl::Status {
+  auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry), [&]() -> absl::Status {
     if (draining) return absl::UnavailableError("draining: 3 requests still running");
     return absl::OkStatus();
   });
@@ -80,16 +91,16 @@ TEST(HttpEndpointTest, HealthFollowsTheCallback) {
 }
 
 TEST(HttpEndpointTest, WithoutACallbackItIsHealthy) {
-  auto registry = CreateMetricsRegistry();
-  auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+  prometheus::Registry registry;
+  auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
   ASSERT_TRUE(endpoint.ok());
   httplib::Client client("127.0.0.1", (*endpoint)->port());
   EXPECT_EQ(client.Get("/healthz")->status, 200);
 }
 
 TEST(HttpEndpointTest, OtherPathsAreNotFound) {
-  auto registry = CreateMetricsRegistry();
-  auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+  prometheus::Registry registry;
+  auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
   ASSERT_TRUE(endpoint.ok());
   httplib::Client client("127.0.0.1", (*endpoint)->port());
   const httplib::Result response = client.Get("/");
@@ -100,11 +111,11 @@ TEST(HttpEndpointTest, OtherPathsAreNotFound) {
 }
 
 TEST(HttpEndpointTest, APortInUseIsAnErrorNamingIt) {
-  auto registry = CreateMetricsRegistry();
-  auto first = HttpEndpoint::Start(Loopback(), *registry);
+  prometheus::Registry registry;
+  auto first = HttpEndpoint::Start(Loopback(), PageOf(registry));
   ASSERT_TRUE(first.ok());
   const int port = (*first)->port();
-  auto second = HttpEndpoint::Start(Loopback(port), *registry);
+  auto second = HttpEndpoint::Start(Loopback(port), PageOf(registry));
   ASSERT_FALSE(second.ok());
   EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
   EXPECT_THAT(second.status().message(), HasSubstr("127.0.0.1:" + std::to_string(port)));
@@ -112,23 +123,25 @@ TEST(HttpEndpointTest, APortInUseIsAnErrorNamingIt) {
 }
 
 TEST(HttpEndpointTest, BadOptionsAreRejected) {
-  auto registry = CreateMetricsRegistry();
-  EXPECT_EQ(HttpEndpoint::Start(Loopback(70000), *registry).status().code(),
+  prometheus::Registry registry;
+  EXPECT_EQ(HttpEndpoint::Start(Loopback(70000), PageOf(registry)).status().code(),
             absl::StatusCode::kInvalidArgument);
   HttpEndpointOptions options = Loopback();
   options.threads = 0;
-  EXPECT_EQ(HttpEndpoint::Start(options, *registry).status().code(),
+  EXPECT_EQ(HttpEndpoint::Start(options, PageOf(registry)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(HttpEndpoint::Start(Loopback(), HttpEndpoint::MetricsCallback()).status().code(),
             absl::StatusCode::kInvalidArgument);
   options = Loopback();
   options.host = "not an address";
-  EXPECT_FALSE(HttpEndpoint::Start(options, *registry).ok());
+  EXPECT_FALSE(HttpEndpoint::Start(options, PageOf(registry)).ok());
 }
 
 TEST(HttpEndpointTest, DestroyingStopsListening) {
-  auto registry = CreateMetricsRegistry();
+  prometheus::Registry registry;
   int port = 0;
   {
-    auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+    auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
     ASSERT_TRUE(endpoint.ok());
     port = (*endpoint)->port();
     httplib::Client client("127.0.0.1", port);
@@ -138,14 +151,14 @@ TEST(HttpEndpointTest, DestroyingStopsListening) {
   client.set_connection_timeout(1);
   EXPECT_FALSE(client.Get("/healthz"));
   // The port is free again.
-  auto again = HttpEndpoint::Start(Loopback(port), *registry);
+  auto again = HttpEndpoint::Start(Loopback(port), PageOf(registry));
   EXPECT_TRUE(again.ok()) << again.status();
 }
 
 TEST(HttpEndpointTest, StartAndStopRepeatedly) {
-  auto registry = CreateMetricsRegistry();
+  prometheus::Registry registry;
   for (int i = 0; i < 20; ++i) {
-    auto endpoint = HttpEndpoint::Start(Loopback(), *registry);
+    auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
     ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   }
 }

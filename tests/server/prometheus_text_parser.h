@@ -1,6 +1,6 @@
 // A strict parser of the Prometheus text exposition format 0.0.4, written independently of the
-// renderer (server/metrics/) so that tests check pages against the format rather than against
-// the renderer's own helpers. Stricter than Prometheus itself where our pages must be:
+// renderer (prometheus-cpp's TextSerializer, through server/metrics/exposition.h) so that tests
+// check pages against the format. Stricter than Prometheus itself where our pages must be:
 //   - the page is empty or ends with a line feed; no empty lines, no comments other than
 //     "# HELP name text" and "# TYPE name type";
 //   - every family has HELP, then TYPE, then its samples, contiguously; names are unique;

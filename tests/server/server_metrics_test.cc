@@ -1,12 +1,16 @@
 #include "server/metrics/server_metrics.h"
 
 #include <map>
-#include <memory>
+#include <set>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "tests/server/metrics_test_util.h"
 #include "tests/server/prometheus_text_parser.h"
 
 namespace sdm {
@@ -14,52 +18,116 @@ namespace {
 
 using ::sdm::testing::ParsedFamily;
 using ::sdm::testing::ParsedPage;
-using ::sdm::testing::ParsePrometheusText;
+using ::sdm::testing::ParsedSample;
+using ::sdm::testing::RenderAndParse;
+using ::testing::ElementsAre;
 
-ParsedPage Render(const MetricsRegistry& registry) {
-  const std::string text = registry.RenderPrometheusText();
-  ParsedPage page;
-  std::string error;
-  EXPECT_TRUE(ParsePrometheusText(text, &page, &error)) << error << "\n" << text;
-  return page;
+// The label names of a family's samples, `le` left out.
+std::set<std::string> LabelNames(const ParsedFamily& family) {
+  std::set<std::string> names;
+  for (const ParsedSample& sample : family.samples) {
+    for (const auto& [name, value] : sample.labels) {
+      if (name != "le") names.insert(name);
+    }
+  }
+  return names;
 }
 
-// The names, types and label names that docs/api.md promises operators.
-TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
-  auto registry = CreateMetricsRegistry();
-  ServerMetrics metrics(*registry);
-  const std::map<std::string, std::string> expected = {
-      {"sdm_requests_total", "counter"},
-      {"sdm_prompt_tokens_total", "counter"},
-      {"sdm_history_tokens_total", "counter"},
-      {"sdm_generated_tokens_total", "counter"},
-      {"sdm_time_to_first_token_seconds", "histogram"},
-      {"sdm_inter_token_latency_seconds", "histogram"},
-      {"sdm_request_duration_seconds", "histogram"},
-      {"sdm_requests_running", "gauge"},
-      {"sdm_requests_waiting", "gauge"},
-      {"sdm_batch_size", "histogram"},
-      {"sdm_sessions", "gauge"},
-      {"sdm_state_bytes", "gauge"},
-      {"sdm_state_offloads_total", "counter"},
-      {"sdm_state_restores_total", "counter"},
-      {"sdm_snapshot_errors_total", "counter"},
-  };
-  const ParsedPage page = Render(*registry);
-  std::map<std::string, std::string> actual;
-  for (const ParsedFamily& family : page.families) {
-    actual[family.name] = family.type;
-    EXPECT_FALSE(family.help.empty()) << family.name;
+// The `le` bounds of the buckets of a histogram with one series, in page order.
+std::vector<std::string> BucketBounds(const ParsedPage& page, const std::string& name) {
+  std::vector<std::string> bounds;
+  const ParsedFamily* family = page.Family(name);
+  if (family == nullptr) return bounds;
+  for (const ParsedSample& sample : family->samples) {
+    if (sample.name == name + "_bucket") bounds.push_back(sample.labels.at("le"));
   }
-  EXPECT_EQ(actual, expected);
-  EXPECT_THAT(metrics.requests.label_names(), ::testing::ElementsAre("method", "code"));
-  EXPECT_THAT(metrics.request_duration.label_names(), ::testing::ElementsAre("method"));
+  return bounds;
+}
+
+// The names, types, label names and help texts that docs/api.md promises operators.
+TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
+  prometheus::Registry registry(prometheus::Registry::InsertBehavior::Throw);
+  ServerMetrics metrics(registry);
+  // The labelled request families are exported from their first series on.
+  metrics.Request("Generate", absl::StatusCode::kOk);
+  metrics.RequestDuration("Generate");
+
+  struct Declared {
+    std::string type;
+    std::set<std::string> labels;
+    std::string help;
+  };
+  const std::map<std::string, Declared> expected = {
+      {"sdm_requests_total",
+       {"counter", {"method", "code"}, "RPCs finished, by method and gRPC status code."}},
+      {"sdm_prompt_tokens_total",
+       {"counter", {}, "Prompt tokens fed to the model (including an added BOS)."}},
+      {"sdm_history_tokens_total",
+       {"counter",
+        {},
+        "Tokens of history carried by session state when a Generate started: reused, not read "
+        "again."}},
+      {"sdm_generated_tokens_total", {"counter", {}, "Tokens generated."}},
+      {"sdm_time_to_first_token_seconds",
+       {"histogram",
+        {},
+        "Time from the start of a Generate call to its first token, queueing and prefill "
+        "included."}},
+      {"sdm_inter_token_latency_seconds",
+       {"histogram", {}, "Time between consecutive generated tokens of one stream."}},
+      {"sdm_request_duration_seconds",
+       {"histogram", {"method"}, "End-to-end duration of RPCs, by method."}},
+      {"sdm_requests_running", {"gauge", {}, "Generate requests in the running batch."}},
+      {"sdm_requests_waiting",
+       {"gauge", {}, "Generate requests queued, not yet admitted to the batch."}},
+      {"sdm_batch_size", {"histogram", {}, "Sequences in each engine step."}},
+      {"sdm_sessions", {"gauge", {"tier"}, "Sessions, by the tier holding their state."}},
+      {"sdm_state_bytes", {"gauge", {"tier"}, "Bytes of session state, by tier."}},
+      {"sdm_state_offloads_total",
+       {"counter", {"tier"}, "Session states moved down to a tier (host or disk)."}},
+      {"sdm_state_restores_total",
+       {"counter",
+        {"tier"},
+        "Session states brought back to the engine, by the tier they came from."}},
+      {"sdm_snapshot_errors_total",
+       {"counter", {}, "Snapshots that failed to write, or failed their checks when read back."}},
+  };
+  const ParsedPage page = RenderAndParse(registry);
+  std::map<std::string, Declared> actual;
+  for (const ParsedFamily& family : page.families) {
+    actual[family.name] = {family.type, LabelNames(family), family.help};
+  }
+  ASSERT_EQ(actual.size(), expected.size());
+  for (const auto& [name, declared] : expected) {
+    ASSERT_EQ(actual.count(name), 1u) << name;
+    EXPECT_EQ(actual[name].type, declared.type) << name;
+    EXPECT_EQ(actual[name].labels, declared.labels) << name;
+    EXPECT_EQ(actual[name].help, declared.help) << name;
+  }
+}
+
+TEST(ServerMetricsTest, HistogramBucketBounds) {
+  prometheus::Registry registry;
+  ServerMetrics metrics(registry);
+  const ParsedPage page = RenderAndParse(registry);
+  EXPECT_THAT(BucketBounds(page, "sdm_time_to_first_token_seconds"),
+              ElementsAre("0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1", "0.25", "0.5",
+                          "1", "2.5", "5", "10", "30", "60", "+Inf"));
+  EXPECT_THAT(BucketBounds(page, "sdm_inter_token_latency_seconds"),
+              ElementsAre("0.0005", "0.001", "0.0025", "0.005", "0.01", "0.025", "0.05", "0.1",
+                          "0.25", "0.5", "1", "2.5", "+Inf"));
+  EXPECT_THAT(BucketBounds(page, "sdm_batch_size"),
+              ElementsAre("1", "2", "4", "8", "16", "32", "64", "128", "256", "512", "+Inf"));
+  metrics.RequestDuration("Tokenize").Observe(0.002);
+  EXPECT_THAT(BucketBounds(RenderAndParse(registry), "sdm_request_duration_seconds"),
+              ElementsAre("0.001", "0.005", "0.01", "0.05", "0.1", "0.5", "1", "2.5", "5", "10",
+                          "30", "60", "120", "300", "600", "+Inf"));
 }
 
 TEST(ServerMetricsTest, TierSeriesExistBeforeTheFirstSession) {
-  auto registry = CreateMetricsRegistry();
-  ServerMetrics metrics(*registry);
-  const ParsedPage page = Render(*registry);
+  prometheus::Registry registry;
+  ServerMetrics metrics(registry);
+  const ParsedPage page = RenderAndParse(registry);
   for (const char* tier : {"resident", "host", "disk"}) {
     EXPECT_EQ(page.Value("sdm_sessions", {{"tier", tier}}), 0) << tier;
     EXPECT_EQ(page.Value("sdm_state_bytes", {{"tier", tier}}), 0) << tier;
@@ -70,11 +138,14 @@ TEST(ServerMetricsTest, TierSeriesExistBeforeTheFirstSession) {
   }
   EXPECT_EQ(page.Value("sdm_snapshot_errors_total"), 0);
   EXPECT_EQ(page.Value("sdm_time_to_first_token_seconds_count"), 0);
+  // No RPC has finished yet: no request series.
+  EXPECT_EQ(page.Family("sdm_requests_total"), nullptr);
+  EXPECT_EQ(page.Family("sdm_request_duration_seconds"), nullptr);
 }
 
 TEST(ServerMetricsTest, RecordsMove) {
-  auto registry = CreateMetricsRegistry();
-  ServerMetrics metrics(*registry);
+  prometheus::Registry registry;
+  ServerMetrics metrics(registry);
   metrics.Request("Generate", absl::StatusCode::kOk).Increment();
   metrics.Request("Generate", absl::StatusCode::kInvalidArgument).Increment();
   metrics.Request("Generate", absl::StatusCode::kInvalidArgument).Increment();
@@ -83,17 +154,17 @@ TEST(ServerMetricsTest, RecordsMove) {
   metrics.generated_tokens.Increment(3);
   metrics.time_to_first_token.Observe(0.02);
   metrics.inter_token_latency.Observe(0.004);
-  metrics.request_duration.WithLabels({"Generate"}).Observe(1.5);
+  metrics.RequestDuration("Generate").Observe(1.5);
   metrics.requests_running.Set(7);
   metrics.requests_waiting.Set(2);
   metrics.batch_size.Observe(7);
-  metrics.sessions.WithLabels({kTierHost}).Set(3);
-  metrics.state_bytes.WithLabels({kTierHost}).Set(3e9);
-  metrics.state_offloads.WithLabels({kTierDisk}).Increment();
-  metrics.state_restores.WithLabels({kTierHost}).Increment();
+  metrics.Sessions(kTierHost).Set(3);
+  metrics.StateBytes(kTierHost).Set(3e9);
+  metrics.StateOffloads(kTierDisk).Increment();
+  metrics.StateRestores(kTierHost).Increment();
   metrics.snapshot_errors.Increment();
 
-  const ParsedPage page = Render(*registry);
+  const ParsedPage page = RenderAndParse(registry);
   EXPECT_EQ(page.Value("sdm_requests_total", {{"method", "Generate"}, {"code", "OK"}}), 1);
   EXPECT_EQ(
       page.Value("sdm_requests_total", {{"method", "Generate"}, {"code", "INVALID_ARGUMENT"}}), 2);
@@ -104,24 +175,51 @@ TEST(ServerMetricsTest, RecordsMove) {
   EXPECT_EQ(page.Value("sdm_time_to_first_token_seconds_bucket", {{"le", "0.01"}}), 0);
   EXPECT_EQ(page.Value("sdm_inter_token_latency_seconds_count"), 1);
   EXPECT_EQ(page.Value("sdm_request_duration_seconds_count", {{"method", "Generate"}}), 1);
+  EXPECT_EQ(
+      page.Value("sdm_request_duration_seconds_bucket", {{"method", "Generate"}, {"le", "2.5"}}),
+      1);
+  EXPECT_EQ(
+      page.Value("sdm_request_duration_seconds_bucket", {{"method", "Generate"}, {"le", "1"}}), 0);
   EXPECT_EQ(page.Value("sdm_requests_running"), 7);
   EXPECT_EQ(page.Value("sdm_requests_waiting"), 2);
   EXPECT_EQ(page.Value("sdm_batch_size_bucket", {{"le", "8"}}), 1);
   EXPECT_EQ(page.Value("sdm_batch_size_bucket", {{"le", "4"}}), 0);
   EXPECT_EQ(page.Value("sdm_sessions", {{"tier", "host"}}), 3);
+  EXPECT_EQ(page.Value("sdm_sessions", {{"tier", "resident"}}), 0);
   EXPECT_EQ(page.Value("sdm_state_bytes", {{"tier", "host"}}), 3e9);
   EXPECT_EQ(page.Value("sdm_state_offloads_total", {{"tier", "disk"}}), 1);
+  EXPECT_EQ(page.Value("sdm_state_offloads_total", {{"tier", "host"}}), 0);
   EXPECT_EQ(page.Value("sdm_state_restores_total", {{"tier", "host"}}), 1);
   EXPECT_EQ(page.Value("sdm_snapshot_errors_total"), 1);
 }
 
+TEST(ServerMetricsTest, LabelledAccessorsReturnOneSeriesPerLabelValue) {
+  prometheus::Registry registry;
+  ServerMetrics metrics(registry);
+  EXPECT_EQ(&metrics.Request("Tokenize", absl::StatusCode::kOk),
+            &metrics.Request("Tokenize", absl::StatusCode::kOk));
+  EXPECT_NE(&metrics.Request("Tokenize", absl::StatusCode::kOk),
+            &metrics.Request("Tokenize", absl::StatusCode::kNotFound));
+  EXPECT_EQ(&metrics.RequestDuration("Tokenize"), &metrics.RequestDuration("Tokenize"));
+  EXPECT_NE(&metrics.RequestDuration("Tokenize"), &metrics.RequestDuration("Generate"));
+  EXPECT_EQ(&metrics.Sessions(kTierDisk), &metrics.Sessions(kTierDisk));
+  EXPECT_NE(&metrics.Sessions(kTierDisk), &metrics.Sessions(kTierHost));
+}
+
 TEST(ServerMetricsTest, UnknownStatusCodesCountAsUnknown) {
-  auto registry = CreateMetricsRegistry();
-  ServerMetrics metrics(*registry);
+  prometheus::Registry registry;
+  ServerMetrics metrics(registry);
   metrics.Request("GetSession", static_cast<absl::StatusCode>(99)).Increment();
-  EXPECT_EQ(Render(*registry).Value("sdm_requests_total",
-                                    {{"method", "GetSession"}, {"code", "UNKNOWN"}}),
+  EXPECT_EQ(RenderAndParse(registry).Value("sdm_requests_total",
+                                           {{"method", "GetSession"}, {"code", "UNKNOWN"}}),
             1);
+}
+
+// The server's registry refuses a second registration of the same names.
+TEST(ServerMetricsTest, RegisteringTwiceInOneRegistryThrows) {
+  prometheus::Registry registry(prometheus::Registry::InsertBehavior::Throw);
+  ServerMetrics metrics(registry);
+  EXPECT_THROW(ServerMetrics again(registry), std::invalid_argument);
 }
 
 }  // namespace
