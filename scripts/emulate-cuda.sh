@@ -19,7 +19,8 @@
 #                         comparison for the tiny and debug_hybrid presets; the rest take ~8 min)
 #   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
 #                         environment is passed through as well)
-#   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with)
+#   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with,
+#                         or $EMU_ASAN)
 #   -j N                  parallel compile jobs (default: nproc)
 #   --build-only          build the selected binaries, run nothing
 #   --run-only            run the selected binaries built before (exit 77, "skipped", when one
@@ -36,7 +37,7 @@ FILTER="${EMU_FILTER:-}"
 BUILD_STEP=1
 RUN_STEP=1
 ALL=0
-ASAN=1
+ASAN="${EMU_ASAN:-1}"
 JOBS="$(nproc)"
 
 while [[ $# -gt 0 ]]; do
@@ -79,13 +80,24 @@ if [[ -z "$CMAKE_BUILD" ]]; then
   fi
 fi
 CMAKE_BUILD="$(cd "$CMAKE_BUILD" && pwd)"
+# The link line of engine_cuda_engine_test: everything after the output name is the project's
+# static libraries, absl, OpenBLAS and gtest_main. Makefile trees keep it in link.txt (paths
+# relative to tests/), Ninja trees give it with `ninja -t commands` (relative to the tree).
 LINK_TXT="$CMAKE_BUILD/tests/CMakeFiles/engine_cuda_engine_test.dir/link.txt"
-if [[ ! -f "$LINK_TXT" ]] || grep -q "SDM_CUDA:BOOL=ON" "$CMAKE_BUILD/CMakeCache.txt"; then
-  echo "$CMAKE_BUILD is not a CPU-only build with engine_cuda_engine_test" >&2
+LIBS=""
+if ! grep -q "SDM_CUDA:BOOL=ON" "$CMAKE_BUILD/CMakeCache.txt" 2>/dev/null; then
+  if [[ -f "$LINK_TXT" ]]; then
+    LIBS="$(sed -e 's/^.*-o engine_cuda_engine_test *//' -e "s#\.\./#$CMAKE_BUILD/#g" "$LINK_TXT")"
+  elif [[ -f "$CMAKE_BUILD/build.ninja" && -x "$CMAKE_BUILD/tests/engine_cuda_engine_test" ]]; then
+    LIBS="$(ninja -C "$CMAKE_BUILD" -t commands tests/engine_cuda_engine_test | tail -1 |
+            sed -e 's/^.*-o tests\/engine_cuda_engine_test *//' -e 's/ *&&.*$//')"
+    LIBS="$(for w in $LIBS; do [[ $w == /* || $w == -* ]] && echo "$w" || echo "$CMAKE_BUILD/$w"; done)"
+  fi
+fi
+if [[ -z "$LIBS" ]]; then
+  echo "$CMAKE_BUILD is not a CPU-only build with engine_cuda_engine_test built" >&2
   exit 1
 fi
-# Everything after the output name: the project's static libraries, absl, OpenBLAS, gtest_main.
-LIBS="$(sed -e 's/^.*-o engine_cuda_engine_test *//' -e "s#\.\./#$CMAKE_BUILD/#g" "$LINK_TXT")"
 
 # --- 2. Compile helpers (parallel, rebuild when the source or the emulator changed). ---
 rm -f "$BUILD/compile-failed"
@@ -117,7 +129,7 @@ COMMON_DEFS=(-DSDM_HAVE_CUDA=1 -DGTEST_HAS_PTHREAD=1 "-DSDM_SOURCE_DIR=\"$ROOT\"
 SAN=()
 [[ $ASAN == 1 ]] && SAN=(-fsanitize=address,undefined -fno-omit-frame-pointer
                          -fno-sanitize-recover=undefined)
-KFL=(-std=c++20 -g -w "${COMMON_DEFS[@]}" -I"$EMU/kernels/include" "${SAN[@]}")
+KFL=(-std=c++20 -g -w "${COMMON_DEFS[@]}" -I"$EMU/kernels/include" -I"$EMU/include" "${SAN[@]}")
 # Kernel translation units get FMA contraction, as nvcc contracts by default.
 KERN_FL=("${KFL[@]}" -O2 -march=x86-64-v3 -ffp-contract=fast)
 if [[ ${#KERNEL_TESTS[@]} -gt 0 ]] || want selftest; then
@@ -163,7 +175,7 @@ fi
 if want engine; then
   echo "== building the emulated engine test in $BUILD"
   EO="$BUILD/obj-e"
-  EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 "${COMMON_DEFS[@]}" -I"$EMU/engine/include")
+  EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 "${COMMON_DEFS[@]}" -I"$EMU/engine/include" -I"$EMU/include")
   ESRCS=("$EMU/engine/emu.cc" "$EMU/engine/gemm_emu.cc" "$ROOT/engine/engine.cc"
          "$ROOT"/engine/cuda/*.cc "$ROOT/tests/engine/cuda_engine_test.cc")
   for cu in "$ROOT"/kernels/cuda/*.cu; do
