@@ -2,14 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <limits>
-#include <map>
 #include <memory>
-#include <random>
-#include <set>
 #include <string>
 #include <thread>
 #include <utility>
