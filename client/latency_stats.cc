@@ -1,21 +1,12 @@
 #include "client/latency_stats.h"
 
 #include <algorithm>
-#include <cmath>
 #include <limits>
 #include <numeric>
 
-namespace sdm::client {
+#include "common/percentile.h"
 
-double PercentileOfSorted(absl::Span<const double> sorted, double p) {
-  if (sorted.empty()) return std::numeric_limits<double>::quiet_NaN();
-  p = std::clamp(p, 0.0, 100.0);
-  const double rank = p / 100.0 * static_cast<double>(sorted.size() - 1);
-  const size_t k = static_cast<size_t>(std::floor(rank));
-  if (k + 1 >= sorted.size()) return sorted.back();
-  const double f = rank - static_cast<double>(k);
-  return sorted[k] + (sorted[k + 1] - sorted[k]) * f;
-}
+namespace sdm::client {
 
 LatencySummary Summarize(std::vector<double> samples) {
   const double nan = std::numeric_limits<double>::quiet_NaN();

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Runs the CUDA kernel tests and the CUDA engine test on this CPU under the fiber emulator in
-# tools/cuda_emulator/ (see its README.md for what the emulator models and what it cannot).
-# A hand-run verification tool for machines without a GPU; NOT part of CI or ctest, and no
-# substitute for scripts/device-check.sh on a real device.
+# tests/cuda_emulator/ (see its README.md for what the emulator models and what it cannot).
+# A hand-run verification tool for machines without a GPU; NOT part of CI, and no substitute for
+# scripts/device-check.sh on a real device. A CPU-only CMake tree configured with
+# -DSDM_CUDA=OFF -DSDM_CUDA_EMULATOR=ON runs this script as the ctest label `cuda_emulator`
+# (tests/cuda_emulator/CMakeLists.txt): `ctest -L cuda_emulator`.
 #
 # Usage: scripts/emulate-cuda.sh [options]
 #   -b, --build-dir DIR   where to build (default /tmp/sdm-emu)
@@ -10,24 +12,32 @@
 #                         project's libraries; default: configure and build DIR/cmake here
 #   -t, --tests LIST      comma-separated subset of: selftest,attention,sdm,elementwise,sampling,engine
 #                         (default: all of them)
-#   -f, --filter PATTERN  gtest filter for every test binary (replaces the defaults below)
+#                         (default: all of them, or $EMU_TESTS)
+#   -f, --filter PATTERN  gtest filter for every test binary (replaces the defaults below;
+#                         default: $EMU_FILTER)
 #   --all                 run every engine test (default: the cheap ones and the CUDA-vs-CPU
 #                         comparison for the tiny and debug_hybrid presets; the rest take ~8 min)
 #   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
 #                         environment is passed through as well)
-#   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with)
+#   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with,
+#                         or $EMU_ASAN)
 #   -j N                  parallel compile jobs (default: nproc)
+#   --build-only          build the selected binaries, run nothing
+#   --run-only            run the selected binaries built before (exit 77, "skipped", when one
+#                         was not built)
 # Exit status: 0 when every selected binary passed.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-EMU="$ROOT/tools/cuda_emulator"
+EMU="$ROOT/tests/cuda_emulator"
 BUILD=/tmp/sdm-emu
 CMAKE_BUILD=""
-TESTS="selftest,attention,sdm,elementwise,sampling,engine"
-FILTER=""
+TESTS="${EMU_TESTS:-selftest,attention,sdm,elementwise,sampling,engine}"
+FILTER="${EMU_FILTER:-}"
+BUILD_STEP=1
+RUN_STEP=1
 ALL=0
-ASAN=1
+ASAN="${EMU_ASAN:-1}"
 JOBS="$(nproc)"
 
 while [[ $# -gt 0 ]]; do
@@ -40,7 +50,9 @@ while [[ $# -gt 0 ]]; do
     --order) export EMU_ORDER="$2"; shift 2 ;;
     --no-asan) ASAN=0; shift ;;
     -j) JOBS="$2"; shift 2 ;;
-    -h | --help) sed -n '2,22p' "$0"; exit 0 ;;
+    --build-only) RUN_STEP=0; shift ;;
+    --run-only) BUILD_STEP=0; shift ;;
+    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
 done
@@ -51,6 +63,9 @@ BUILD="$(cd "$BUILD" && pwd)"
 LOGS="$BUILD/logs"
 mkdir -p "$LOGS" "$BUILD/gen" "$BUILD/obj-k" "$BUILD/obj-e" "$BUILD/bin"
 
+KERNEL_TESTS=()
+for t in attention sdm elementwise sampling; do want "$t" && KERNEL_TESTS+=("$t"); done
+if [[ $BUILD_STEP == 1 ]]; then
 # --- 1. CPU-only CMake build: the project's libraries and the link line of a test binary. ---
 if [[ -z "$CMAKE_BUILD" ]]; then
   CMAKE_BUILD="$BUILD/cmake"
@@ -65,17 +80,29 @@ if [[ -z "$CMAKE_BUILD" ]]; then
   fi
 fi
 CMAKE_BUILD="$(cd "$CMAKE_BUILD" && pwd)"
+# The link line of engine_cuda_engine_test: everything after the output name is the project's
+# static libraries, absl, OpenBLAS and gtest_main. Makefile trees keep it in link.txt (paths
+# relative to tests/), Ninja trees give it with `ninja -t commands` (relative to the tree).
 LINK_TXT="$CMAKE_BUILD/tests/CMakeFiles/engine_cuda_engine_test.dir/link.txt"
-if [[ ! -f "$LINK_TXT" ]] || grep -q "SDM_CUDA:BOOL=ON" "$CMAKE_BUILD/CMakeCache.txt"; then
-  echo "$CMAKE_BUILD is not a CPU-only build with engine_cuda_engine_test" >&2
+LIBS=""
+if ! grep -q "SDM_CUDA:BOOL=ON" "$CMAKE_BUILD/CMakeCache.txt" 2>/dev/null; then
+  if [[ -f "$LINK_TXT" ]]; then
+    LIBS="$(sed -e 's/^.*-o engine_cuda_engine_test *//' -e "s#\.\./#$CMAKE_BUILD/#g" "$LINK_TXT")"
+  elif [[ -f "$CMAKE_BUILD/build.ninja" && -x "$CMAKE_BUILD/tests/engine_cuda_engine_test" ]]; then
+    LIBS="$(ninja -C "$CMAKE_BUILD" -t commands tests/engine_cuda_engine_test | tail -1 |
+            sed -e 's/^.*-o tests\/engine_cuda_engine_test *//' -e 's/ *&&.*$//')"
+    LIBS="$(for w in $LIBS; do [[ $w == /* || $w == -* ]] && echo "$w" || echo "$CMAKE_BUILD/$w"; done)"
+  fi
+fi
+if [[ -z "$LIBS" ]]; then
+  echo "$CMAKE_BUILD is not a CPU-only build with engine_cuda_engine_test built" >&2
   exit 1
 fi
-# Everything after the output name: the project's static libraries, absl, OpenBLAS, gtest_main.
-LIBS="$(sed -e 's/^.*-o engine_cuda_engine_test *//' -e "s#\.\./#$CMAKE_BUILD/#g" "$LINK_TXT")"
 
 # --- 2. Compile helpers (parallel, rebuild when the source or the emulator changed). ---
 rm -f "$BUILD/compile-failed"
 pids=()
+CCACHE="$(command -v ccache || true)"  # reruns after an unrelated change cost little
 compile() {  # compile OUT.o SRC FLAGS...; rebuilds when SRC or an emulator header is newer
   local out="$1" src="$2"; shift 2
   if [[ -f "$out" && "$out" -nt "$src" && "$out" -nt "$0" ]] &&
@@ -83,7 +110,7 @@ compile() {  # compile OUT.o SRC FLAGS...; rebuilds when SRC or an emulator head
     return 0
   fi
   # Runs in the background; a failure leaves a marker file (a subshell cannot set variables).
-  { g++ "$@" -c "$src" -o "$out" >"$out.log" 2>&1 ||
+  { $CCACHE g++ "$@" -c "$src" -o "$out" >"$out.log" 2>&1 ||
     { echo "compile failed: $src (see $out.log)" >&2; tail -20 "$out.log" >&2;
       rm -f "$out"; touch "$BUILD/compile-failed"; }; } &
   pids+=($!)
@@ -97,14 +124,12 @@ transform() {  # transform DIALECT(kernels|engine) CU OUT
 COMMON_DEFS=(-DSDM_HAVE_CUDA=1 -DGTEST_HAS_PTHREAD=1 "-DSDM_SOURCE_DIR=\"$ROOT\""
              "-DSDM_BINARY_DIR=\"$CMAKE_BUILD\"" -I"$ROOT"
              -I/usr/include/x86_64-linux-gnu/openblas-pthread)
-KERNEL_TESTS=()
-for t in attention sdm elementwise sampling; do want "$t" && KERNEL_TESTS+=("$t"); done
 
-# --- 3. Kernel tests: tools/cuda_emulator/kernels (fail-fast scheduler, EMU_ORDER), ASan. ---
+# --- 3. Kernel tests: tests/cuda_emulator/kernels (fail-fast scheduler, EMU_ORDER), ASan. ---
 SAN=()
 [[ $ASAN == 1 ]] && SAN=(-fsanitize=address,undefined -fno-omit-frame-pointer
                          -fno-sanitize-recover=undefined)
-KFL=(-std=c++20 -g -w "${COMMON_DEFS[@]}" -I"$EMU/kernels/include" "${SAN[@]}")
+KFL=(-std=c++20 -g -w "${COMMON_DEFS[@]}" -I"$EMU/kernels/include" -I"$EMU/include" "${SAN[@]}")
 # Kernel translation units get FMA contraction, as nvcc contracts by default.
 KERN_FL=("${KFL[@]}" -O2 -march=x86-64-v3 -ffp-contract=fast)
 if [[ ${#KERNEL_TESTS[@]} -gt 0 ]] || want selftest; then
@@ -146,11 +171,11 @@ if [[ ${#KERNEL_TESTS[@]} -gt 0 ]] || want selftest; then
   fi
 fi
 
-# --- 4. Engine test: tools/cuda_emulator/engine (allocation tracking, naive GEMM). ---
+# --- 4. Engine test: tests/cuda_emulator/engine (allocation tracking, naive GEMM). ---
 if want engine; then
   echo "== building the emulated engine test in $BUILD"
   EO="$BUILD/obj-e"
-  EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 "${COMMON_DEFS[@]}" -I"$EMU/engine/include")
+  EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 "${COMMON_DEFS[@]}" -I"$EMU/engine/include" -I"$EMU/include")
   ESRCS=("$EMU/engine/emu.cc" "$EMU/engine/gemm_emu.cc" "$ROOT/engine/engine.cc"
          "$ROOT"/engine/cuda/*.cc "$ROOT/tests/engine/cuda_engine_test.cc")
   for cu in "$ROOT"/kernels/cuda/*.cu; do
@@ -171,7 +196,17 @@ if want engine; then
   g++ -o "$BUILD/bin/cuda_engine_test" "${EOBJS[@]}" $LIBS || exit 1
 fi
 
+fi  # BUILD_STEP
+[[ $RUN_STEP == 1 ]] || exit 0
+
 # --- 5. Run. ---
+if [[ $BUILD_STEP == 0 ]]; then
+  for b in $(want selftest && echo selftest neg) ${KERNEL_TESTS[@]/#/cuda_} \
+           $(want engine && echo cuda_engine); do
+    [[ $b == cuda_* ]] && b="${b}_test"
+    [[ -x "$BUILD/bin/$b" ]] || { echo "$BUILD/bin/$b was not built"; exit 77; }
+  done
+fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0}"  # fiber stacks are kept on purpose
 ENGINE_DEFAULT="CudaEngineTest.ParsesDeviceNames:CudaEngineTest.AskingForCudaWithoutADeviceIsAClearError"
 ENGINE_DEFAULT+=":CudaEngineTest.StepSucceedsAfterExhaustionOnceMemoryIsFreed"

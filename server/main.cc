@@ -29,8 +29,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "absl/strings/str_split.h"
 #include "absl/time/time.h"
+#include "common/command_line.h"
 #include "server/server.h"
 #include "server/tenant_limits.h"
 
@@ -105,28 +105,6 @@ constexpr char kUsage[] =
     "Flags may also come from a file: --flagfile=PATH reads one --name=value per line (lines\n"
     "starting with '#' are comments); flags after it on the command line override it.\n";
 
-// `text` wrapped at 100 columns, each line indented.
-std::string Wrap(absl::string_view text, int indent) {
-  std::string out;
-  int column = 0;
-  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
-    if (column > indent && column + 1 + static_cast<int>(word.size()) > 100) {
-      out += "\n";
-      column = 0;
-    }
-    if (column == 0) {
-      out.append(indent, ' ');
-      column = indent;
-    } else {
-      out += ' ';
-      ++column;
-    }
-    absl::StrAppend(&out, word);
-    column += static_cast<int>(word.size());
-  }
-  return out + "\n";
-}
-
 void PrintHelp() {
   std::vector<const absl::CommandLineFlag*> flags;
   for (const auto& [name, flag] : absl::GetAllFlags()) {
@@ -135,11 +113,7 @@ void PrintHelp() {
   std::sort(flags.begin(), flags.end(),
             [](const auto* a, const auto* b) { return a->Name() < b->Name(); });
   std::string out = absl::StrCat(kUsage, "\nflags:\n");
-  for (const absl::CommandLineFlag* flag : flags) {
-    const std::string value = flag->DefaultValue();
-    absl::StrAppend(&out, "  --", flag->Name(), " (default: ", value.empty() ? "\"\"" : value,
-                    ")\n", Wrap(flag->Help(), 6));
-  }
+  for (const absl::CommandLineFlag* flag : flags) absl::StrAppend(&out, sdm::cli::FlagHelp(*flag));
   absl::StrAppend(&out,
                   "\nExit status: 0 after a clean shutdown, 1 when the server cannot start "
                   "or persist its sessions, 2 on usage errors.\n");

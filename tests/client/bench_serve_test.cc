@@ -30,17 +30,7 @@ using ::testing::Pointwise;
 
 // ---- percentiles ----------------------------------------------------------------------------
 
-TEST(LatencyStatsTest, PercentilesInterpolateBetweenRanks) {
-  const std::vector<double> four = {1, 2, 3, 4};
-  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 0), 1);
-  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 50), 2.5);
-  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 90), 3.7);
-  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 100), 4);
-  EXPECT_DOUBLE_EQ(PercentileOfSorted(four, 150), 4);  // clamped
-  EXPECT_DOUBLE_EQ(PercentileOfSorted(std::vector<double>{7}, 99), 7);
-  EXPECT_TRUE(std::isnan(PercentileOfSorted({}, 50)));
-}
-
+// The percentile convention itself is tested in tests/common/percentile_test.cc.
 TEST(LatencyStatsTest, SummarizeOneToAHundred) {
   std::vector<double> samples;
   for (int i = 100; i >= 1; --i) samples.push_back(i);  // unsorted on purpose

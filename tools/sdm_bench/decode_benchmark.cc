@@ -2,14 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <limits>
-#include <map>
 #include <memory>
-#include <random>
-#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -18,13 +13,17 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/percentile.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/weight_spec.h"
 #include "kernels/cpu/linear.h"
 #include "nlohmann/json.hpp"
+#include "tools/sdm_bench/byte_model.h"
+#include "tools/sdm_bench/decode_measure.h"
 #include "tools/sdm_bench/decode_report.h"
+#include "tools/sdm_bench/decode_summary.h"
 #include "tools/sdm_bench/device_info.h"
 #include "tools/sdm_bench/progress.h"
 #include "tools/sdm_bench/system_info.h"
@@ -116,170 +115,6 @@ const std::vector<PairSpec>& Pairs() {
   return *pairs;
 }
 
-// ---- The bytes and FLOPs of one decode step ----
-
-// A dense layer of the decode step: y[B, n] = x[B, k] W^T.
-struct GemmShape {
-  const float* w;
-  int64_t n, k;
-};
-
-// Every matrix product of one decode step: all 2-D weights except the embedding gather (unless
-// tied, when it is also the output layer) and the SDM memory (read sparsely, not multiplied).
-std::vector<GemmShape> DecodeGemms(const Model& model) {
-  std::vector<GemmShape> gemms;
-  for (const TensorSpec& t : ExpectedTensors(model.config)) {
-    if (t.shape.size() != 2 || t.is_sdm_memory) continue;
-    if (t.name == "tok_embeddings.weight" && !model.config.weight_tying) continue;
-    gemms.push_back({model.weights->Get(t.name).data(), t.shape[0], t.shape[1]});
-  }
-  return gemms;
-}
-
-// Bytes per stored value of the matrices, KV rows and SDM rows each engine keeps: fp32 on the CPU,
-// bf16 on CUDA (docs/model-spec.md §6; the CUDA engine keeps vectors (norms, biases) in fp32).
-double ElemBytes(EngineDevice device) { return device == EngineDevice::kCuda ? 2.0 : 4.0; }
-
-// Bytes of weights one decode step reads once, whatever the batch: every matrix at `elem` bytes
-// per value and every vector as fp32, except the learned SDM memory (its rows are counted per
-// session) and the embedding table unless tied (only the batch's rows are gathered; counted per
-// session). Split by the mixer a tensor belongs to (layers.{i}.attention.*), the rest (norms, FFNs,
-// output) in `other`.
-struct WeightBytes {
-  double attn = 0, swa = 0, sdm = 0, other = 0;
-  double total() const { return attn + swa + sdm + other; }
-};
-
-WeightBytes WeightBytesPerStep(const ModelConfig& c, double elem) {
-  WeightBytes w;
-  for (const TensorSpec& t : ExpectedTensors(c)) {
-    if (t.is_sdm_memory) continue;
-    if (t.name == "tok_embeddings.weight" && !c.weight_tying) continue;
-    const double bytes = (t.shape.size() == 2 ? elem : 4.0) * static_cast<double>(NumElements(t));
-    int64_t layer = -1;
-    if (std::sscanf(t.name.c_str(), "layers.%ld.attention.", &layer) == 1 &&
-        t.name.find(".attention.") != std::string::npos && layer >= 0 && layer < c.n_layers) {
-      switch (c.layer_types[layer]) {
-        case LayerType::kAttn:
-          w.attn += bytes;
-          break;
-        case LayerType::kSwa:
-          w.swa += bytes;
-          break;
-        case LayerType::kSdm:
-          w.sdm += bytes;
-          break;
-      }
-    } else {
-      w.other += bytes;
-    }
-  }
-  return w;
-}
-
-// Bytes one session's decode step at context `ctx` must move (the token's embedding row, the K
-// and V rows of the visible positions of every attention layer plus the new row, and the SDM rows
-// (2W + R per head and layer)), split by kind.
-struct SessionStepBytes {
-  double kv = 0;   // full-attention layers
-  double swa = 0;  // sliding-window layers
-  double sdm = 0;  // SDM layers
-  double other = 0;
-  double total() const { return kv + swa + sdm + other; }
-};
-
-SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double elem) {
-  SessionStepBytes b;
-  b.other = elem * c.dim;  // the embedding row
-  const SdmGeometry sg = SdmGeometryOf(c);
-  for (int64_t i = 0; i < c.n_layers; ++i) {
-    if (c.layer_types[i] == LayerType::kSdm) {
-      const int64_t w = std::min(c.sdm.num_writes, sg.slots_per_head);
-      const int64_t r = std::min(c.sdm.num_reads, sg.slots_per_head);
-      b.sdm += elem * sg.heads * (2 * w + r) * sg.head_width;
-    } else {
-      const AttentionGeometry g = AttentionGeometryOf(c, i);
-      const int64_t visible = g.window > 0 ? std::min(ctx + 1, g.window) : ctx + 1;
-      // K and V rows read for every visible position, plus the new K and V rows written.
-      const double bytes = elem * 2 * g.n_kv_heads * g.head_dim * (visible + 1);
-      (g.window > 0 ? b.swa : b.kv) += bytes;
-    }
-  }
-  return b;
-}
-
-// Bytes of K and V per cached token over the full-attention layers, at `elem` bytes per value.
-double KvBytesPerToken(const ModelConfig& c, double elem) {
-  double bytes = 0;
-  for (int64_t i = 0; i < c.n_layers; ++i) {
-    if (c.layer_types[i] != LayerType::kAttn) continue;
-    const AttentionGeometry g = AttentionGeometryOf(c, i);
-    bytes += elem * 2 * g.n_kv_heads * g.head_dim;
-  }
-  return bytes;
-}
-
-// FLOPs of one decoded token at context `ctx`: the GEMMs, attention over the visible keys, and
-// the SDM row updates and reads.
-double DecodeFlopsPerToken(const ModelConfig& c, const std::vector<GemmShape>& gemms, int64_t ctx) {
-  double flops = 0;
-  for (const GemmShape& g : gemms) flops += 2.0 * g.n * g.k;
-  const SdmGeometry sg = SdmGeometryOf(c);
-  for (int64_t i = 0; i < c.n_layers; ++i) {
-    if (c.layer_types[i] == LayerType::kSdm) {
-      // write: decay, prediction, update (~5 flops per cell of W rows); read: 2 per cell of R.
-      flops += static_cast<double>(sg.heads) * sg.head_width *
-               (5.0 * c.sdm.num_writes + 2.0 * c.sdm.num_reads);
-    } else {
-      const AttentionGeometry g = AttentionGeometryOf(c, i);
-      const int64_t visible = g.window > 0 ? std::min(ctx, g.window) : ctx;
-      flops += 4.0 * visible * g.n_heads * g.head_dim;
-    }
-  }
-  return flops;
-}
-
-// OpenBLAS sgemm rate (GFLOP/s) on exactly the step's GEMM shapes at batch `b`.
-double MeasureSgemmRate(const std::vector<GemmShape>& gemms, int64_t b) {
-  int64_t max_k = 0, max_n = 0;
-  for (const GemmShape& g : gemms) {
-    max_k = std::max(max_k, g.k);
-    max_n = std::max(max_n, g.n);
-  }
-  std::vector<float> x(b * max_k, 0.01f), y(b * max_n);
-  double flops_per_round = 0;
-  for (const GemmShape& g : gemms) flops_per_round += 2.0 * b * g.n * g.k;
-  auto round = [&] {
-    for (const GemmShape& g : gemms) {
-      kernels::cpu::Linear(x.data(), b, g.k, g.w, g.n, nullptr, y.data());
-    }
-  };
-  round();  // warm up
-  int rounds = 0;
-  const Clock::time_point start = Clock::now();
-  double elapsed = 0;
-  while (rounds < 3 || (rounds < 30 && elapsed < 0.5)) {
-    round();
-    ++rounds;
-    elapsed = Seconds(start, Clock::now());
-  }
-  return flops_per_round * rounds / elapsed / 1e9;
-}
-
-std::vector<int32_t> RandomTokens(int64_t n, std::mt19937& rng, int64_t vocab) {
-  std::uniform_int_distribution<int32_t> tok(
-      0, static_cast<int32_t>(std::min<int64_t>(vocab, 256)) - 1);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = tok(rng);
-  return t;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
-  return v[i];
-}
-
 std::string LayerSummary(const ModelConfig& c) {
   int attn = 0, swa = 0, sdm = 0;
   for (LayerType t : c.layer_types) {
@@ -294,6 +129,8 @@ std::string LayerSummary(const ModelConfig& c) {
   return absl::StrCat(c.n_layers, " layers: ", absl::StrJoin(parts, " + "));
 }
 
+// A model's entry in the run's record: its layers, parameter counts and the byte model's figures
+// for one step (byte_model.h).
 json ModelJson(const BenchModel& m, double elem) {
   const ParameterCounts p = CountParameters(m.config);
   const SdmGeometry sg = SdmGeometryOf(m.config);
@@ -314,340 +151,69 @@ json ModelJson(const BenchModel& m, double elem) {
   return j;
 }
 
-// ---- Running one model ----
-
-// The largest number of sessions of `state_bytes` each that fit in `budget_gb`.
-int64_t MaxBatch(double budget_gb, double state_bytes) {
-  if (state_bytes <= 0) return std::numeric_limits<int32_t>::max();
-  return static_cast<int64_t>(std::floor(budget_gb * 1e9 / state_bytes));
-}
-
-// Members in destruction order that matters: sessions (pool, base) are declared after the engine
-// so that they go first, while the engine's device memory they came from still exists.
-struct ModelRun {
-  const BenchModel* spec = nullptr;
-  std::shared_ptr<const Model> model;
-  std::unique_ptr<Engine> engine;
-  std::vector<GemmShape> gemms;
-  std::unique_ptr<SessionState> base;  // CPU: the one prefilled session, cloned per batch
-  // CUDA: sessions each prefilled on the device; a batch of B decodes the first B.
-  std::vector<std::unique_ptr<SessionState>> pool;
-  bool pool_limited = false;  // the device's session memory ran out once: the pool only shrinks
-  std::string pool_limit;     // why
-  std::map<int64_t, double> sgemm_gflops;  // by batch (CPU only)
-  std::mt19937 rng;
-  double state_bytes = 0;  // per session at the current context
-  int64_t fit = 0;         // the largest batch whose state fits the budget (capped)
-};
-
-// Brings `session` to `ctx` tokens by real prefill of random tokens, in slices of 1024 (the
-// engine chunks them further); `bar` counts tokens done over all the sessions of one phase.
-absl::Status PrefillSession(ModelRun& run, SessionState& session, int64_t ctx, Progress& bar,
-                            int64_t& done_total) {
-  const int64_t slice = 1024;
-  while (session.position() < ctx) {
-    const int64_t n = std::min(slice, ctx - session.position());
-    const auto toks = RandomTokens(n, run.rng, run.spec->config.vocab_size);
-    if (auto s = run.engine->Prefill(session, toks, false, nullptr); !s.ok()) return s;
-    done_total += n;
-    bar.Update(done_total);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status Prefill(ModelRun& run, int64_t ctx, json& prefill_log) {
-  const int64_t todo = ctx - run.base->position();
-  if (todo <= 0) return absl::OkStatus();
-  const Clock::time_point t0 = Clock::now();
-  Progress bar(absl::StrFormat("%s: prefill to %d", run.spec->name, ctx), todo, "tok");
-  int64_t done = 0;
-  if (auto s = PrefillSession(run, *run.base, ctx, bar, done); !s.ok()) return s;
-  const double seconds = Seconds(t0, Clock::now());
-  bar.Finish(absl::StrFormat("%s: prefill %d -> %d tokens in %.1f s (%.0f tok/s)", run.spec->name,
-                             ctx - todo, ctx, seconds, todo / seconds),
-             /*keep=*/true);
-  prefill_log.push_back({{"model", run.spec->name},
-                         {"sessions", 1},
-                         {"from", ctx - todo},
-                         {"to", ctx},
-                         {"seconds", seconds},
-                         {"tokens_per_s", todo / seconds}});
-  return absl::OkStatus();
-}
-
-// CUDA: brings the first `target` sessions of the pool (created as needed) to `ctx` tokens, each
-// by its own prefill on the device. When the device's session memory runs out, the pool keeps the
-// sessions before the one that failed, less one more (headroom for the decode steps' new SDM rows
-// and KV pages), and stays limited from then on.
-absl::Status FillPool(ModelRun& run, int64_t ctx, int64_t target, json& prefill_log) {
-  if (run.pool_limited) target = std::min<int64_t>(target, run.pool.size());
-  int64_t todo = 0, from = ctx;
-  for (int64_t i = 0; i < target; ++i) {
-    const int64_t pos = i < static_cast<int64_t>(run.pool.size()) ? run.pool[i]->position() : 0;
-    todo += std::max<int64_t>(0, ctx - pos);
-    from = std::min(from, pos);
-  }
-  if (todo <= 0) return absl::OkStatus();
-  const Clock::time_point t0 = Clock::now();
-  Progress bar(absl::StrFormat("%s: prefill %d sessions to %d", run.spec->name, target, ctx), todo,
-               "tok");
-  int64_t done = 0;
-  for (int64_t i = 0; i < target; ++i) {
-    if (i == static_cast<int64_t>(run.pool.size())) run.pool.push_back(run.engine->NewSession());
-    absl::Status s = PrefillSession(run, *run.pool[i], ctx, bar, done);
-    if (s.ok()) continue;
-    if (!absl::IsResourceExhausted(s)) return s;
-    // Destroying a session frees its device state (its residency).
-    run.pool.resize(i);
-    if (run.pool.size() > 1) run.pool.pop_back();
-    run.pool_limited = true;
-    run.pool_limit = absl::StrFormat(
-        "the device's session memory held %d sessions at %d tokens (one more is kept free for "
-        "the decode steps): %s",
-        i, ctx, s.message());
-    std::printf("# %s: %s\n", run.spec->name.c_str(), run.pool_limit.c_str());
-    break;
-  }
-  const double seconds = Seconds(t0, Clock::now());
-  bar.Finish(
-      absl::StrFormat("%s: prefill of %d sessions %d -> %d tokens: %d tokens in %.1f s "
-                      "(%.0f tok/s)",
-                      run.spec->name, run.pool.size(), from, ctx, done, seconds, done / seconds),
-      /*keep=*/true);
-  prefill_log.push_back({{"model", run.spec->name},
-                         {"sessions", run.pool.size()},
-                         {"from", from},
-                         {"to", ctx},
-                         {"seconds", seconds},
-                         {"tokens_per_s", done / seconds}});
-  return absl::OkStatus();
-}
-
-// One model at one batch size, within a joint measurement.
-struct Point {
-  ModelRun* run;
-  int64_t batch;
-};
-
-// Measures every point at context `ctx` together: each model's session is cloned `batch` times,
-// then the models' decode steps alternate (warm-up rounds, then timed rounds: one step of each
-// model in turn), so that the load other processes put on a shared machine falls on all of them
-// alike. One row per point.
-absl::StatusOr<std::vector<json>> MeasureTogether(const std::vector<Point>& points,
-                                                  const std::string& group, int64_t ctx,
-                                                  const DecodeBenchOptions& opt,
-                                                  EngineDevice device, double bandwidth_gbps) {
+// One result row: a point's timing joined with the byte model (bytes, achieved bandwidth), the
+// FLOP model and the run's state (sgemm rate, state bytes, largest batch). The keys are
+// RowKeys() (decode_report.h).
+json ResultRow(const PointTiming& t, const std::string& group,
+               const std::vector<std::string>& measured_with, int64_t ctx,
+               const DecodeBenchOptions& opt, EngineDevice device, double bandwidth_gbps) {
   const bool cuda = device == EngineDevice::kCuda;
   const double elem = ElemBytes(device);
-  std::vector<std::string> names;
-  for (const Point& p : points) {
-    names.push_back(absl::StrFormat("%s x%d", p.run->spec->name, p.batch));
-    // OpenBLAS on the host says nothing about a device's GEMMs.
-    if (!cuda && !p.run->sgemm_gflops.count(p.batch)) {
-      Progress bar(absl::StrFormat("%s: sgemm at batch %d", p.run->spec->name, p.batch), 1, "");
-      p.run->sgemm_gflops[p.batch] = MeasureSgemmRate(p.run->gemms, p.batch);
-      bar.Finish("", /*keep=*/false);
-    }
-  }
-  struct Trial {
-    ModelRun* run;
-    int64_t b;
-    std::vector<std::unique_ptr<SessionState>> sessions;
-    std::vector<SessionState*> ptrs;
-    std::vector<float> logits;
-    std::vector<double> step_s;
+  const ModelRun& run = *t.point.run;
+  const int64_t b = t.point.batch;
+  const ModelConfig& config = run.spec->config;
+  const EngineProfile& prof = t.profile;
+  const double median = Percentile(t.step_seconds, 50);
+  const double p90 = Percentile(t.step_seconds, 90);
+  const double flops = b * DecodeFlopsPerToken(config, ctx);
+  const double gflops = flops / median / 1e9;
+  const double ms = 1e3 / opt.steps;
+  const SessionStepBytes sb = SessionBytesPerStep(config, ctx, elem);
+  const WeightBytes wb = WeightBytesPerStep(config, elem);
+  const double weight_bytes = wb.total();
+  const double step_bytes = StepBytes(config, ctx, b, elem);
+  const double achieved = step_bytes / median / 1e9;
+  // A mixer's achieved bandwidth: its weights plus the batch's rows, over its profiled time.
+  auto mixer_gbps = [&](double weights, double per_session, double seconds) {
+    return seconds > 0 ? (weights + b * per_session) / (seconds / opt.steps) / 1e9 : 0.0;
   };
-  std::vector<Trial> trials;
-  for (const Point& p : points) {
-    ModelRun* run = p.run;
-    const int64_t b = p.batch;
-    Trial t{run, b, {}, {}, std::vector<float>(b * run->spec->config.vocab_size), {}};
-    if (cuda) {
-      // The caller made sure the pool holds b sessions.
-      for (int64_t i = 0; i < b; ++i) t.ptrs.push_back(run->pool[i].get());
-    } else {
-      Progress bar(absl::StrFormat("%s: %d clones at %d tokens", run->spec->name, b, ctx), 1, "");
-      for (int64_t i = 0; i < b; ++i) {
-        t.sessions.push_back(run->base->Clone());
-        t.ptrs.push_back(t.sessions.back().get());
-      }
-      bar.Finish("", false);
-    }
-    trials.push_back(std::move(t));
-  }
-  Progress bar(absl::StrFormat("ctx %d: %s", ctx, absl::StrJoin(names, " + ")),
-               opt.warmup + opt.steps, "steps");
-  for (int s = 0; s < opt.warmup + opt.steps; ++s) {
-    for (Trial& t : trials) {
-      const auto toks = RandomTokens(t.b, t.run->rng, t.run->spec->config.vocab_size);
-      if (s == opt.warmup) t.run->engine->ResetProfile();
-      const Clock::time_point t0 = Clock::now();
-      if (auto st = t.run->engine->Decode(t.ptrs, toks, t.logits); !st.ok()) return st;
-      if (s >= opt.warmup) t.step_s.push_back(Seconds(t0, Clock::now()));
-    }
-    bar.Update(s + 1);
-  }
-  bar.Finish("", /*keep=*/false);
-
-  std::vector<json> rows;
-  for (const Trial& t : trials) {
-    const ModelRun& run = *t.run;
-    const int64_t b = t.b;
-    const ModelConfig& config = run.spec->config;
-    const EngineProfile prof = run.engine->profile();
-    const double median = Percentile(t.step_s, 0.5);
-    const double p90 = Percentile(t.step_s, 0.9);
-    const double flops = b * DecodeFlopsPerToken(config, run.gemms, ctx);
-    const double gflops = flops / median / 1e9;
-    const double ms = 1e3 / opt.steps;
-    const SessionStepBytes sb = SessionBytesPerStep(config, ctx, elem);
-    const WeightBytes wb = WeightBytesPerStep(config, elem);
-    const double weight_bytes = wb.total();
-    const double step_bytes = weight_bytes + b * sb.total();
-    const double achieved = step_bytes / median / 1e9;
-    // A mixer's achieved bandwidth: its weights plus the batch's rows, over its profiled time.
-    auto mixer_gbps = [&](double weights, double per_session, double seconds) {
-      return seconds > 0 ? (weights + b * per_session) / (seconds / opt.steps) / 1e9 : 0.0;
-    };
-    const json sgemm = cuda ? json() : json(run.sgemm_gflops.at(b));
-    rows.push_back(
-        json{{"group", group},
-             {"model", run.spec->name},
-             {"role", run.spec->role},
-             {"device", EngineDeviceName(device)},
-             {"engine", run.engine->DescribeDevice()},
-             {"context", ctx},
-             {"batch", b},
-             {"fit_batch", b == run.fit},
-             {"steps", opt.steps},
-             {"measured_with", names},
-             {"ms_per_step_median", median * 1e3},
-             {"ms_per_step_p90", p90 * 1e3},
-             {"ms_per_step_min", *std::min_element(t.step_s.begin(), t.step_s.end()) * 1e3},
-             {"tokens_per_s", b / median},
-             {"bytes_per_step", step_bytes},
-             {"weight_bytes_per_step", weight_bytes},
-             {"kv_bytes_per_step_per_session", sb.kv},
-             {"swa_bytes_per_step_per_session", sb.swa},
-             {"sdm_bytes_per_step_per_session", sb.sdm},
-             {"achieved_gbps", achieved},
-             {"fraction_of_bandwidth", achieved / bandwidth_gbps},
-             {"gflops", gflops},
-             {"sgemm_gflops_same_shapes", sgemm},
-             {"fraction_of_sgemm", cuda ? json() : json(gflops / sgemm.get<double>())},
-             {"attn_ms_per_step", prof.attn_seconds * ms},
-             {"swa_ms_per_step", prof.swa_seconds * ms},
-             {"sdm_ms_per_step", prof.sdm_seconds * ms},
-             {"ffn_ms_per_step", prof.ffn_seconds * ms},
-             {"head_ms_per_step", prof.head_seconds * ms},
-             {"attn_layers_gbps", mixer_gbps(wb.attn, sb.kv, prof.attn_seconds)},
-             {"swa_layers_gbps", mixer_gbps(wb.swa, sb.swa, prof.swa_seconds)},
-             {"sdm_layers_gbps", mixer_gbps(wb.sdm, sb.sdm, prof.sdm_seconds)},
-             {"state_bytes_per_session", run.state_bytes},
-             {"max_batch_in_budget", cuda ? static_cast<int64_t>(run.pool.size())
-                                          : MaxBatch(opt.state_budget_gb, run.state_bytes)}});
-  }
-  return rows;
-}
-
-// Ratios of the SDM model's tokens/s to its twin's, and how each model's step time grows with
-// context, for a pair group.
-void Summarise(json& group, const json& rows) {
-  std::string sdm, attn;
-  for (const json& m : group["models"]) {
-    if (m["role"] == "sdm") sdm = m["name"];
-    if (m["role"] == "attention") attn = m["name"];
-  }
-  if (sdm.empty() || attn.empty()) return;
-  std::map<std::pair<int64_t, int64_t>, json> by_sdm, by_attn;  // (context, batch) -> row
-  std::map<int64_t, json> fit_sdm, fit_attn;                    // context -> row
-  for (const json& r : rows) {
-    if (r["group"] != group["name"]) continue;
-    const auto key = std::make_pair(r["context"].get<int64_t>(), r["batch"].get<int64_t>());
-    if (r["model"] == sdm) {
-      by_sdm[key] = r;
-      if (r["fit_batch"]) fit_sdm[key.first] = r;
-    } else if (r["model"] == attn) {
-      by_attn[key] = r;
-      if (r["fit_batch"]) fit_attn[key.first] = r;
-    }
-  }
-  json ratios = json::array();
-  int64_t longest = -1;
-  for (const auto& [key, s] : by_sdm) {
-    auto it = by_attn.find(key);
-    if (it == by_attn.end()) continue;
-    const json& a = it->second;
-    ratios.push_back(
-        {{"context", key.first},
-         {"batch", key.second},
-         {"sdm_tokens_per_s", s["tokens_per_s"]},
-         {"attention_tokens_per_s", a["tokens_per_s"]},
-         {"sdm_ms_per_step", s["ms_per_step_median"]},
-         {"attention_ms_per_step", a["ms_per_step_median"]},
-         {"ratio", s["tokens_per_s"].get<double>() / a["tokens_per_s"].get<double>()},
-         // The ratio if both steps ran at the same bandwidth: bytes per step, twin over SDM.
-         {"bandwidth_floor_ratio",
-          a["bytes_per_step"].get<double>() / s["bytes_per_step"].get<double>()},
-         {"attention_layers_gbps", a.value("attn_layers_gbps", 0.0)},
-         {"sdm_layers_gbps", s.value("sdm_layers_gbps", 0.0)}});
-    longest = std::max(longest, key.first);
-  }
-  group["ratios"] = ratios;
-  json fit = json::array();
-  for (const auto& [ctx, s] : fit_sdm) {
-    auto it = fit_attn.find(ctx);
-    if (it == fit_attn.end()) continue;
-    fit.push_back(
-        {{"context", ctx},
-         {"sdm_batch", s["batch"]},
-         {"attention_batch", it->second["batch"]},
-         {"sdm_tokens_per_s", s["tokens_per_s"]},
-         {"attention_tokens_per_s", it->second["tokens_per_s"]},
-         {"ratio", s["tokens_per_s"].get<double>() / it->second["tokens_per_s"].get<double>()},
-         {"bandwidth_floor_ratio",
-          (s["batch"].get<double>() / s["bytes_per_step"].get<double>()) /
-              (it->second["batch"].get<double>() / it->second["bytes_per_step"].get<double>())}});
-  }
-  group["fit_ratios"] = fit;
-  // Step-time growth from the shortest to the longest context, per model and batch measured at
-  // both.
-  json growth = json::array();
-  for (const auto* table : {&by_sdm, &by_attn}) {
-    if (table->empty()) continue;
-    int64_t lo = table->begin()->first.first, hi = lo;
-    for (const auto& [key, r] : *table) hi = std::max(hi, key.first);
-    for (const auto& [key, r] : *table) {
-      if (key.first != lo || lo == hi) continue;
-      auto it = table->find({hi, key.second});
-      if (it == table->end()) continue;
-      const double a = r["ms_per_step_median"], z = it->second["ms_per_step_median"];
-      growth.push_back(
-          {{"model", r["model"]},
-           {"batch", key.second},
-           {"shortest_context", lo},
-           {"longest_context", hi},
-           {"ms_shortest", a},
-           {"ms_longest", z},
-           {"growth", z / a},
-           {"global_layer_ms_shortest",
-            r["role"] == "sdm" ? r["sdm_ms_per_step"] : r["attn_ms_per_step"]},
-           {"global_layer_ms_longest",
-            r["role"] == "sdm" ? it->second["sdm_ms_per_step"] : it->second["attn_ms_per_step"]}});
-    }
-  }
-  group["growth"] = growth;
-  json headline;
-  headline["longest_common_context"] = longest;
-  json at_longest = json::array();
-  for (const json& r : ratios) {
-    if (r["context"] == longest) at_longest.push_back(r);
-  }
-  headline["ratios_at_longest_context"] = at_longest;
-  for (const json& f : fit) {
-    if (f["context"] == longest) headline["fit_ratio_at_longest_context"] = f;
-  }
-  group["headline"] = headline;
+  const json sgemm = cuda ? json() : json(run.sgemm_gflops.at(b));
+  return json{
+      {"group", group},
+      {"model", run.spec->name},
+      {"role", run.spec->role},
+      {"device", EngineDeviceName(device)},
+      {"engine", run.engine->DescribeDevice()},
+      {"context", ctx},
+      {"batch", b},
+      {"fit_batch", b == run.fit},
+      {"steps", opt.steps},
+      {"measured_with", measured_with},
+      {"ms_per_step_median", median * 1e3},
+      {"ms_per_step_p90", p90 * 1e3},
+      {"ms_per_step_min", *std::min_element(t.step_seconds.begin(), t.step_seconds.end()) * 1e3},
+      {"tokens_per_s", b / median},
+      {"bytes_per_step", step_bytes},
+      {"weight_bytes_per_step", weight_bytes},
+      {"kv_bytes_per_step_per_session", sb.kv},
+      {"swa_bytes_per_step_per_session", sb.swa},
+      {"sdm_bytes_per_step_per_session", sb.sdm},
+      {"achieved_gbps", achieved},
+      {"fraction_of_bandwidth", achieved / bandwidth_gbps},
+      {"gflops", gflops},
+      {"sgemm_gflops_same_shapes", sgemm},
+      {"fraction_of_sgemm", cuda ? json() : json(gflops / sgemm.get<double>())},
+      {"attn_ms_per_step", prof.attn_seconds * ms},
+      {"swa_ms_per_step", prof.swa_seconds * ms},
+      {"sdm_ms_per_step", prof.sdm_seconds * ms},
+      {"ffn_ms_per_step", prof.ffn_seconds * ms},
+      {"head_ms_per_step", prof.head_seconds * ms},
+      {"attn_layers_gbps", mixer_gbps(wb.attn, sb.kv, prof.attn_seconds)},
+      {"swa_layers_gbps", mixer_gbps(wb.swa, sb.swa, prof.swa_seconds)},
+      {"sdm_layers_gbps", mixer_gbps(wb.sdm, sb.sdm, prof.sdm_seconds)},
+      {"state_bytes_per_session", run.state_bytes},
+      {"max_batch_in_budget", cuda ? static_cast<int64_t>(run.pool.size())
+                                   : MaxBatch(opt.state_budget_gb, run.state_bytes)}};
 }
 
 }  // namespace
@@ -722,7 +288,7 @@ absl::Status RenderFromJson(const std::string& json_path, const DecodeBenchOptio
     return absl::InvalidArgumentError(
         absl::StrCat(json_path, " is not the JSON document of an sdm-bench decode run"));
   }
-  for (json& g : doc["groups"]) Summarise(g, doc["results"]);
+  for (json& g : doc["groups"]) SummarisePair(g, doc["results"]);
   return WriteOutputs(doc, opt);
 }
 
@@ -985,7 +551,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
             run.state_bytes = run.pool.empty() ? 0 : total / run.pool.size();
             fits = static_cast<int64_t>(run.pool.size());
           } else {
-            if (auto s = Prefill(run, ctx, prefill_log); !s.ok()) return s;
+            if (auto s = PrefillBase(run, ctx, prefill_log); !s.ok()) return s;
             run.state_bytes = static_cast<double>(run.base->ResidentBytes());
             fits = MaxBatch(opt.state_budget_gb, run.state_bytes);
           }
@@ -1045,8 +611,8 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
         }
         for (const std::vector<Point>& round : rounds) {
           if (round.empty()) continue;
-          absl::StatusOr<std::vector<json>> measured =
-              MeasureTogether(round, group.name, ctx, opt, device, bandwidth);
+          absl::StatusOr<std::vector<PointTiming>> measured =
+              MeasureTogether(round, ctx, opt.warmup, opt.steps, cuda);
           if (cuda && absl::IsResourceExhausted(measured.status())) {
             // Out of device memory in a step (new rows or pages): this point cannot be measured
             // here; the rest of the run goes on.
@@ -1059,7 +625,12 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
           }
           if (!measured.ok()) return measured.status();
           ClearProgressLine();
-          for (json& row : *measured) {
+          std::vector<std::string> measured_with;
+          for (const Point& p : round) {
+            measured_with.push_back(absl::StrFormat("%s x%d", p.run->spec->name, p.batch));
+          }
+          for (const PointTiming& timing : *measured) {
+            json row = ResultRow(timing, group.name, measured_with, ctx, opt, device, bandwidth);
             std::printf("%s\n", TableRow(row).c_str());
             rows.push_back(std::move(row));
           }
@@ -1078,7 +649,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
     gj["prefill"] = prefill_log;
     gj["capacity"] = capacity;
     gj["sgemm"] = sgemm;
-    Summarise(gj, rows);
+    SummarisePair(gj, rows);
     doc["groups"].push_back(gj);
     std::printf("%s", GroupSummary(gj).c_str());
     std::fflush(stdout);

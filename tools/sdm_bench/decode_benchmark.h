@@ -1,6 +1,11 @@
 // `sdm-bench decode`: steady-state decode throughput of SDM models against their full-attention
 // twins, on the engine directly (no server), with random weights built in memory.
 //
+// The parts: this file (the models measured, the run's sequence and its record),
+// decode_measure.h (prefill and the timed steps), byte_model.h (the bytes and FLOPs a step must
+// move: the bandwidth floor), decode_summary.h (pair ratios from the rows) and decode_report.h
+// (terminal table, JSON, CSV, report.md and plots).
+//
 // Models are measured in groups: a pair (an SDM model and its twin, which differs only in its
 // global layers: every SDM layer becomes a full-attention layer, the SWA layers, MLPs, norms and
 // embeddings are the same), or the explicit list given by --presets. Within a group the models

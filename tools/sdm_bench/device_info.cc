@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/percentile.h"
 #include "kernels/cuda/cuda_runtime_info.h"
 
 #if defined(SDM_HAVE_CUDA)
@@ -111,7 +112,7 @@ absl::StatusOr<DeviceCopyBandwidth> MeasureDeviceCopyBandwidth(int64_t buffer_by
   DeviceCopyBandwidth bw;
   bw.buffer_bytes = buffer_bytes;
   bw.reps = reps;
-  bw.median_s = times[times.size() / 2];
+  bw.median_s = PercentileOfSorted(times, 50);
   bw.min_s = times.front();
   bw.median_gbps = 2.0 * static_cast<double>(buffer_bytes) / bw.median_s / 1e9;
   bw.best_gbps = 2.0 * static_cast<double>(buffer_bytes) / bw.min_s / 1e9;

@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/percentile.h"
 #include "kernels/common/device_layout.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_runtime_info.h"
@@ -137,7 +138,7 @@ absl::StatusOr<Timing> Time(cudaStream_t stream, int warmup, int reps,
     if (i >= warmup) times.push_back(ms * 1e-3);
   }
   std::sort(times.begin(), times.end());
-  return Timing{times[times.size() / 2], times.front()};
+  return Timing{PercentileOfSorted(times, 50), times.front()};
 }
 
 // One line of the table (and of the JSON document).

@@ -14,6 +14,8 @@
 //
 // Exit status: 0 on success, 2 on usage errors (including --device cuda or `kernels` on a build
 // without CUDA), 1 when the benchmark fails (including "no CUDA device").
+// Flags are Abseil flags, dispatched by subcommand by common/command_line.h: each subcommand
+// accepts only its own (`sdm-bench SUBCOMMAND --help` lists them).
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,13 +26,12 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/parse.h"
-#include "absl/flags/usage.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/command_line.h"
 #include "engine/engine.h"
 #include "tools/sdm_bench/decode_benchmark.h"
 #include "tools/sdm_bench/device_info.h"
@@ -57,6 +58,10 @@ ABSL_FLAG(std::vector<std::string>, pair, std::vector<std::string>({}),
           "7b. Default: debug,cpu_hybrid when --presets is not given either");
 ABSL_FLAG(std::vector<std::string>, presets, std::vector<std::string>({}),
           "An explicit list of presets measured together (random weights, built in memory)");
+ABSL_FLAG(sdm::cli::RepeatedFlag, set, {},
+          "Overrides a config field of every model, as sdm-model does (repeatable: --set "
+          "n_layers=4 --set swa_at=[0,1]; for a pair, of the SDM model before its twin is "
+          "derived)");
 ABSL_FLAG(std::vector<std::string>, contexts, std::vector<std::string>({}),
           "Context lengths reached by real prefill before each measurement (default: each "
           "pair's own list)");
@@ -89,25 +94,6 @@ ABSL_FLAG(std::string, plot_script, "",
 
 namespace {
 
-constexpr char kUsage[] = R"(sdmserve benchmarks.
-
-  sdm-bench decode [flags]   decode tokens/s of SDM models against their full-attention twins,
-                             vs context length and batch size (docs/benchmarks.md)
-  sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
-                             renders the report, plots and files of an earlier run again
-  sdm-bench state [--presets debug_sdm] [--lengths 128,1024,8192] [--dir DIR] [--json FILE]
-                             what a session's state costs and how fast it parks and resumes
-  sdm-bench kernels [--kernel_batches 1,8,64] [--json FILE]
-                             CUDA microbenchmarks (copy, SDM step, attention decode, park and
-                             resume) against the device's copy bandwidth (CUDA builds only)
-
-  --device auto|cpu|cuda (decode, state) picks the engine's backend; auto is CUDA when this build
-  has it and a device is present.
-  sdm-bench serve [flags]    load generator against a running sdm-server (sdm-bench-serve)
-
-  --set key=value (repeatable) overrides a config field of every model, as sdm-model does
-  (for a pair: of the SDM model, before its twin is derived).)";
-
 bool ParseInts(const std::vector<std::string>& in, std::vector<int64_t>& out, const char* what,
                bool allow_empty) {
   out.clear();
@@ -137,114 +123,86 @@ int Fail(const absl::Status& s) {
   return ExitCode(s);
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  // `serve` is the gRPC load generator, a sibling binary (sdm-bench-serve, built with the server):
-  // sdm-bench itself stays free of gRPC.
-  if (argc > 1 && std::strcmp(argv[1], "serve") == 0) {
-    const std::string serve =
-        (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "sdm-bench-serve")
-            .string();
-    execv(serve.c_str(), argv + 1);
-    std::perror((serve + " (built only with -DSDM_SERVER=ON)").c_str());
-    return 1;
-  }
-  absl::SetProgramUsageMessage(kUsage);
-  std::vector<std::string> all_args(argv, argv + argc);
-  // `--set` repeats and its values hold commas (swa_at=[0,1]): take it out before absl parses.
-  std::vector<std::string> overrides;
-  std::vector<char*> rest = {argv[0]};
-  for (int i = 1; i < argc; ++i) {
-    const std::string a = argv[i];
-    if (a == "--set" || a == "-set") {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "sdm-bench: --set needs key=value\n");
-        return 2;
-      }
-      overrides.push_back(argv[++i]);
-    } else if (a.rfind("--set=", 0) == 0) {
-      overrides.push_back(a.substr(6));
-    } else {
-      rest.push_back(argv[i]);
-    }
-  }
-  std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
-  const std::string command = args.size() == 2 ? args[1] : "";
-  if (command != "decode" && command != "report" && command != "state" && command != "kernels") {
-    std::fprintf(stderr, "usage: sdm-bench decode|report|state|kernels [flags]  (see --help)\n");
-    return 2;
-  }
-  if (command == "kernels") {
-#if defined(SDM_HAVE_CUDA)
-    sdm::bench::KernelBenchOptions ko;
-    if (!ParseInts(absl::GetFlag(FLAGS_kernel_batches), ko.batches, "kernel_batches", false)) {
-      return 2;
-    }
-    ko.context = absl::GetFlag(FLAGS_kernel_context);
-    ko.reps = absl::GetFlag(FLAGS_kernel_reps);
-    ko.warmup = absl::GetFlag(FLAGS_kernel_warmup);
-    ko.copy_mb = std::max<int64_t>(absl::GetFlag(FLAGS_bandwidth_mb), 2048);
-    ko.seed = absl::GetFlag(FLAGS_seed);
-    ko.json_path = absl::GetFlag(FLAGS_json);
-    ko.command_line = absl::StrJoin(all_args, " ");
-    if (ko.context < 1 || ko.reps < 1 || ko.warmup < 0) {
-      std::fprintf(stderr,
-                   "sdm-bench kernels: --kernel_context and --kernel_reps must be >= 1, "
-                   "--kernel_warmup >= 0\n");
-      return 2;
-    }
-    const absl::Status s = sdm::bench::RunKernelBenchmark(ko);
-    return s.ok() ? 0 : Fail(s);
-#else
-    std::fprintf(stderr,
-                 "sdm-bench kernels: this sdm-bench was built without CUDA (configure where nvcc "
-                 "is found, with -DSDM_CUDA=ON)\n");
-    return 2;
-#endif
-  }
+// --device, or a usage error.
+absl::StatusOr<sdm::EngineDevice> DeviceFromFlag() {
   absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
   if (!device.ok()) {
-    std::fprintf(stderr, "sdm-bench: --device: %s\n",
-                 std::string(device.status().message()).c_str());
+    return absl::InvalidArgumentError(absl::StrCat("--device: ", device.status().message()));
+  }
+  return device;
+}
+
+int RunKernels(const std::string& command_line) {
+#if defined(SDM_HAVE_CUDA)
+  sdm::bench::KernelBenchOptions ko;
+  if (!ParseInts(absl::GetFlag(FLAGS_kernel_batches), ko.batches, "kernel_batches", false)) {
     return 2;
   }
-  if (command != "report") {
-    // Fail before building any model when the device cannot be had.
-    if (absl::StatusOr<sdm::EngineDevice> resolved = sdm::bench::ResolveBenchDevice(*device);
-        !resolved.ok()) {
-      return Fail(resolved.status());
-    }
+  ko.context = absl::GetFlag(FLAGS_kernel_context);
+  ko.reps = absl::GetFlag(FLAGS_kernel_reps);
+  ko.warmup = absl::GetFlag(FLAGS_kernel_warmup);
+  ko.copy_mb = std::max<int64_t>(absl::GetFlag(FLAGS_bandwidth_mb), 2048);
+  ko.seed = absl::GetFlag(FLAGS_seed);
+  ko.json_path = absl::GetFlag(FLAGS_json);
+  ko.command_line = command_line;
+  if (ko.context < 1 || ko.reps < 1 || ko.warmup < 0) {
+    std::fprintf(stderr,
+                 "sdm-bench kernels: --kernel_context and --kernel_reps must be >= 1, "
+                 "--kernel_warmup >= 0\n");
+    return 2;
   }
-  if (command == "state") {
-    sdm::bench::StateBenchOptions so;
-    so.device = *device;
-    if (!absl::GetFlag(FLAGS_presets).empty()) so.presets = absl::GetFlag(FLAGS_presets);
-    if (!absl::GetFlag(FLAGS_lengths).empty() &&
-        !ParseInts(absl::GetFlag(FLAGS_lengths), so.lengths, "lengths", false)) {
-      return 2;
-    }
-    so.threads = absl::GetFlag(FLAGS_threads);
-    so.seed = absl::GetFlag(FLAGS_seed);
-    so.dir = absl::GetFlag(FLAGS_dir);
-    so.json_path = absl::GetFlag(FLAGS_json);
-    const absl::Status s = sdm::bench::RunStateBenchmark(so);
-    if (!s.ok()) {
-      std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
-      return 1;
-    }
-    return 0;
+  const absl::Status s = sdm::bench::RunKernelBenchmark(ko);
+  return s.ok() ? 0 : Fail(s);
+#else
+  std::fprintf(stderr,
+               "sdm-bench kernels: this sdm-bench was built without CUDA (configure where nvcc "
+               "is found, with -DSDM_CUDA=ON)\n");
+  return 2;
+#endif
+}
+
+int RunState() {
+  absl::StatusOr<sdm::EngineDevice> device = DeviceFromFlag();
+  if (!device.ok()) return Fail(device.status());
+  // Fail before building any model when the device cannot be had.
+  if (absl::StatusOr<sdm::EngineDevice> resolved = sdm::bench::ResolveBenchDevice(*device);
+      !resolved.ok()) {
+    return Fail(resolved.status());
   }
+  sdm::bench::StateBenchOptions so;
+  so.device = *device;
+  if (!absl::GetFlag(FLAGS_presets).empty()) so.presets = absl::GetFlag(FLAGS_presets);
+  if (!absl::GetFlag(FLAGS_lengths).empty() &&
+      !ParseInts(absl::GetFlag(FLAGS_lengths), so.lengths, "lengths", false)) {
+    return 2;
+  }
+  so.threads = absl::GetFlag(FLAGS_threads);
+  so.seed = absl::GetFlag(FLAGS_seed);
+  so.dir = absl::GetFlag(FLAGS_dir);
+  so.json_path = absl::GetFlag(FLAGS_json);
+  const absl::Status s = sdm::bench::RunStateBenchmark(so);
+  if (!s.ok()) {
+    std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
+
+// The decode options from the flags (`report` uses only its output flags), or a usage error.
+absl::StatusOr<sdm::bench::DecodeBenchOptions> DecodeOptionsFromFlags(
+    const std::string& command_line) {
+  absl::StatusOr<sdm::EngineDevice> device = DeviceFromFlag();
+  if (!device.ok()) return device.status();
   sdm::bench::DecodeBenchOptions opt;
   opt.device = *device;
   opt.device_state_gb = absl::GetFlag(FLAGS_device_state_gb);
   opt.pairs = absl::GetFlag(FLAGS_pair);
   opt.presets = absl::GetFlag(FLAGS_presets);
   if (opt.pairs.empty() && opt.presets.empty()) opt.pairs = {"debug", "cpu_hybrid"};
-  opt.overrides = overrides;
+  opt.overrides = absl::GetFlag(FLAGS_set).values;
   if (!ParseInts(absl::GetFlag(FLAGS_contexts), opt.contexts, "contexts", true) ||
       !ParseInts(absl::GetFlag(FLAGS_batches), opt.batches, "batches", false)) {
-    return 2;
+    return absl::InvalidArgumentError("");  // ParseInts said why
   }
   opt.fit_batch = absl::GetFlag(FLAGS_fit_batch);
   opt.max_batch = absl::GetFlag(FLAGS_max_batch);
@@ -260,33 +218,103 @@ int main(int argc, char** argv) {
   opt.report_dir = absl::GetFlag(FLAGS_report);
   opt.python = absl::GetFlag(FLAGS_python);
   opt.plot_script = absl::GetFlag(FLAGS_plot_script);
-  // The command as typed, with the binary's directory dropped.
-  std::string binary = all_args[0];
-  if (const size_t slash = binary.rfind('/'); slash != std::string::npos) {
-    binary = binary.substr(slash + 1);
-  }
-  all_args[0] = binary;
-  opt.command_line = absl::StrJoin(all_args, " ");
+  opt.command_line = command_line;
   if (opt.steps < 1 || opt.warmup < 0 || opt.max_batch < 1 || opt.prefill_chunk < 1 ||
       opt.bandwidth_mb < 1 || !(opt.state_budget_gb > 0) || !(opt.device_state_gb >= 0)) {
-    std::fprintf(stderr,
-                 "sdm-bench: --steps, --max_batch, --prefill_chunk and --bandwidth_mb must be >= "
-                 "1, --warmup >= 0, --state_budget_gb > 0 and --device_state_gb >= 0\n");
-    return 2;
+    return absl::InvalidArgumentError(
+        "--steps, --max_batch, --prefill_chunk and --bandwidth_mb must be >= 1, --warmup >= 0, "
+        "--state_budget_gb > 0 and --device_state_gb >= 0");
   }
-  if (command == "report") {
-    const std::string from = absl::GetFlag(FLAGS_from);
-    if (from.empty()) {
-      std::fprintf(stderr, "sdm-bench report: --from FILE is required\n");
-      return 2;
-    }
-    const absl::Status s = sdm::bench::RenderFromJson(from, opt);
-    if (!s.ok()) {
-      std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
-      return 1;
-    }
-    return 0;
+  return opt;
+}
+
+int RunDecode(const std::string& command_line) {
+  absl::StatusOr<sdm::bench::DecodeBenchOptions> opt = DecodeOptionsFromFlags(command_line);
+  if (!opt.ok()) return opt.status().message().empty() ? 2 : Fail(opt.status());
+  // Fail before building any model when the device cannot be had.
+  if (absl::StatusOr<sdm::EngineDevice> resolved = sdm::bench::ResolveBenchDevice(opt->device);
+      !resolved.ok()) {
+    return Fail(resolved.status());
   }
-  absl::Status s = sdm::bench::RunDecodeBenchmark(opt);
+  const absl::Status s = sdm::bench::RunDecodeBenchmark(*opt);
   return s.ok() ? 0 : Fail(s);
+}
+
+int RunReport(const std::string& command_line) {
+  const std::string from = absl::GetFlag(FLAGS_from);
+  if (from.empty()) return sdm::cli::UsageError("sdm-bench", "report", "--from FILE is required");
+  absl::StatusOr<sdm::bench::DecodeBenchOptions> opt = DecodeOptionsFromFlags(command_line);
+  if (!opt.ok()) return opt.status().message().empty() ? 2 : Fail(opt.status());
+  const absl::Status s = sdm::bench::RenderFromJson(from, *opt);
+  if (!s.ok()) {
+    std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  // `serve` is the gRPC load generator, a sibling binary (sdm-bench-serve, built with the server):
+  // sdm-bench itself stays free of gRPC.
+  if (argc > 1 && std::strcmp(argv[1], "serve") == 0) {
+    const std::string serve =
+        (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "sdm-bench-serve")
+            .string();
+    execv(serve.c_str(), argv + 1);
+    std::perror((serve + " (built only with -DSDM_SERVER=ON)").c_str());
+    return 1;
+  }
+  // The command as typed, with the binary's directory dropped (recorded in the reports).
+  std::vector<std::string> all_args(argv, argv + argc);
+  all_args[0] = std::filesystem::path(all_args[0]).filename().string();
+  const std::string command_line = absl::StrJoin(all_args, " ");
+
+  const std::vector<std::string> output_flags = {"json", "csv", "report", "python", "plot_script"};
+  std::vector<std::string> decode_flags = {
+      "device",        "device_state_gb", "pair",      "presets",     "set",    "contexts",
+      "batches",       "fit_batch",       "max_batch", "steps",       "warmup", "threads",
+      "prefill_chunk", "state_budget_gb", "seed",      "bandwidth_mb"};
+  decode_flags.insert(decode_flags.end(), output_flags.begin(), output_flags.end());
+  std::vector<std::string> report_flags = {"from"};
+  report_flags.insert(report_flags.end(), output_flags.begin(), output_flags.end());
+
+  sdm::cli::Program program;
+  program.name = "sdm-bench";
+  program.footer =
+      "sdm-bench serve [flags]: the load generator against a running sdm-server (the binary "
+      "sdm-bench-serve, built with the server; 'sdm-bench serve --help' lists its flags).\n"
+      "docs/benchmarks.md says how to reproduce each benchmark.";
+  program.subcommands = {
+      {"decode",
+       "sdm-bench decode [--device auto|cpu|cuda] [--pair debug,cpu_hybrid] [--presets P,...] "
+       "[--set key=value ...] [--contexts 512,2048,...] [--batches 1,4,16] [--report DIR] "
+       "[flags]",
+       "Decode tokens/s of SDM models against their full-attention twins, vs context length and "
+       "batch size (docs/benchmarks.md); --device auto is CUDA when this build has it and a "
+       "device is present.",
+       decode_flags, /*max_positional=*/0,
+       [&](const sdm::cli::ParsedArgs&) { return RunDecode(command_line); }},
+      {"report", "sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]",
+       "Renders the report, plots and files of an earlier decode run again.", report_flags,
+       /*max_positional=*/0, [&](const sdm::cli::ParsedArgs&) { return RunReport(command_line); }},
+      {"state",
+       "sdm-bench state [--device auto|cpu|cuda] [--presets debug_sdm] [--lengths "
+       "128,1024,8192] [--dir DIR] [--json FILE]",
+       "What a session's state costs and how fast it parks and resumes against re-prefill.",
+       {"device", "presets", "lengths", "threads", "seed", "dir", "json"},
+       /*max_positional=*/0,
+       [](const sdm::cli::ParsedArgs&) { return RunState(); }},
+      {"kernels",
+       "sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20] "
+       "[--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]",
+       "CUDA microbenchmarks (copy, SDM step, attention decode, park and resume) against the "
+       "device's copy bandwidth (CUDA builds only).",
+       {"kernel_batches", "kernel_context", "kernel_reps", "kernel_warmup", "bandwidth_mb", "seed",
+        "json"},
+       /*max_positional=*/0,
+       [&](const sdm::cli::ParsedArgs&) { return RunKernels(command_line); }},
+  };
+  return sdm::cli::RunProgram(program, argc, argv);
 }

@@ -14,9 +14,8 @@
 // values, token ids outside the model's vocabulary), with a hint to --help; 1 on runtime failures
 // (a model that cannot be loaded, an engine error), with the error's message.
 //
-// Flags are Abseil flags (typed values, defaults and help text in one place), but argv is
-// dispatched here rather than by absl::ParseCommandLine: each subcommand accepts only its own
-// flags, and a bad flag must exit with status 2, where Abseil's parser exits with 1.
+// Flags are Abseil flags, dispatched by subcommand by common/command_line.h (each subcommand
+// accepts only its own flags; a bad flag exits with status 2).
 #include <unistd.h>
 
 #include <algorithm>
@@ -24,24 +23,21 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include "absl/flags/commandlineflag.h"
 #include "absl/flags/flag.h"
-#include "absl/flags/reflection.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/string_view.h"
+#include "common/command_line.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
@@ -81,123 +77,16 @@ ABSL_FLAG(bool, all, false, "Print the logits of every position, not only the la
 namespace sdm {
 namespace {
 
-constexpr int kExitOk = 0;
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
-
-struct Subcommand {
-  const char* name;
-  const char* synopsis;
-  const char* description;
-  std::vector<std::string> flags;
-  std::function<int()> run;
-};
+using cli::kExitFailure;
+using cli::kExitOk;
 
 int UsageError(absl::string_view subcommand, absl::string_view message) {
-  absl::FPrintF(stderr, "sdm-cli: %s\n", message);
-  if (subcommand.empty()) {
-    absl::FPrintF(stderr, "run 'sdm-cli --help' for usage\n");
-  } else {
-    absl::FPrintF(stderr, "run 'sdm-cli %s --help' for usage\n", subcommand);
-  }
-  return kExitUsage;
+  return cli::UsageError("sdm-cli", subcommand, message);
 }
 
 int Failure(const absl::Status& status) {
   absl::FPrintF(stderr, "sdm-cli: %s\n", status.ToString());
   return kExitFailure;
-}
-
-// `text` broken into lines of at most 100 columns (longer words stay whole), each indented.
-std::string Wrap(absl::string_view text, int indent) {
-  std::string out;
-  int column = 0;
-  for (absl::string_view word : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
-    if (column > indent && column + 1 + static_cast<int>(word.size()) > 100) {
-      out += "\n";
-      column = 0;
-    }
-    if (column == 0) {
-      out.append(indent, ' ');
-      column = indent;
-    } else {
-      out += ' ';
-      ++column;
-    }
-    absl::StrAppend(&out, word);
-    column += static_cast<int>(word.size());
-  }
-  return out + "\n";
-}
-
-void PrintSubcommandHelp(const Subcommand& sub, FILE* out) {
-  absl::FPrintF(out, "usage:\n%s\n%s\nflags:\n", Wrap(sub.synopsis, 2), Wrap(sub.description, 0));
-  for (const std::string& name : sub.flags) {
-    const absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
-    const std::string default_value = flag->DefaultValue();
-    absl::FPrintF(out, "  --%s (default: %s)\n%s", name,
-                  default_value.empty() ? "\"\"" : default_value, Wrap(flag->Help(), 6));
-  }
-}
-
-void PrintMainHelp(const std::vector<Subcommand>& subs, FILE* out) {
-  absl::FPrintF(out, "usage: sdm-cli SUBCOMMAND [flags]\n\nsubcommands:\n");
-  for (const Subcommand& sub : subs) {
-    absl::FPrintF(out, "%s%s", Wrap(sub.synopsis, 2), Wrap(sub.description, 6));
-  }
-  absl::FPrintF(out,
-                "\n'sdm-cli SUBCOMMAND --help' lists the subcommand's flags.\n"
-                "Exit status: 0 ok, 1 runtime error, 2 usage error.\n");
-}
-
-// Sets the subcommand's flags from args ("--name=value", "--name value"; booleans also "--name"
-// and "--noname"). Returns an error message, empty on success.
-std::string SetFlags(const Subcommand& sub, const std::vector<std::string>& args) {
-  const auto allowed = [&](absl::string_view name) {
-    return std::find(sub.flags.begin(), sub.flags.end(), name) != sub.flags.end();
-  };
-  for (size_t i = 0; i < args.size(); ++i) {
-    absl::string_view arg = args[i];
-    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) {
-      return absl::StrCat("unexpected argument '", args[i], "'");
-    }
-    std::string name(arg);
-    std::string value;
-    bool has_value = false;
-    if (const size_t eq = arg.find('='); eq != absl::string_view::npos) {
-      name = std::string(arg.substr(0, eq));
-      value = std::string(arg.substr(eq + 1));
-      has_value = true;
-    }
-    absl::CommandLineFlag* flag = allowed(name) ? absl::FindCommandLineFlag(name) : nullptr;
-    if (flag == nullptr && !has_value && absl::StartsWith(name, "no") && allowed(name.substr(2))) {
-      flag = absl::FindCommandLineFlag(name.substr(2));
-      if (flag != nullptr && flag->IsOfType<bool>()) {
-        name = name.substr(2);
-        value = "false";
-        has_value = true;
-      } else {
-        flag = nullptr;
-      }
-    }
-    if (flag == nullptr) {
-      return absl::StrCat("unknown flag --", name, " for '", sub.name, "'");
-    }
-    if (!has_value) {
-      if (flag->IsOfType<bool>()) {
-        value = "true";
-      } else if (i + 1 < args.size()) {
-        value = args[++i];
-      } else {
-        return absl::StrCat("flag --", name, " needs a value");
-      }
-    }
-    std::string error;
-    if (!flag->ParseFrom(value, &error)) {
-      return absl::StrCat("bad value '", value, "' for --", name, ": ", error);
-    }
-  }
-  return "";
 }
 
 // "1,2,3" -> ids. Empty text gives no ids.
@@ -406,7 +295,9 @@ int RunLogits() {
 }
 
 int Main(int argc, char** argv) {
-  const std::vector<Subcommand> subs = {
+  cli::Program program;
+  program.name = "sdm-cli";
+  program.subcommands = {
       {"generate",
        "sdm-cli generate --model DIR --prompt TEXT [--max_tokens N] [--temperature T] [flags]",
        "Completes BOS + the prompt's tokens with the model, streaming the text to stdout; a "
@@ -414,46 +305,18 @@ int Main(int argc, char** argv) {
        "finish_reason = eos|stop|length) goes to stderr.",
        {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids",
         "no_bos", "json", "threads", "device"},
-       RunGenerate},
+       /*max_positional=*/0,
+       [](const cli::ParsedArgs&) { return RunGenerate(); }},
       {"logits",
        "sdm-cli logits --model DIR --tokens ID,... [--all] [--threads N] [--device D]",
        "Feeds exactly the given token ids and prints one JSON object: {\"tokens\": [...], "
        "\"logits\": [[...], ...]}, one row of vocab_size floats (%.9g) for the last position, "
        "or for every position with --all.",
        {"model", "tokens", "all", "threads", "device"},
-       RunLogits},
+       /*max_positional=*/0,
+       [](const cli::ParsedArgs&) { return RunLogits(); }},
   };
-  std::vector<std::string> args(argv + 1, argv + argc);
-  const auto is_help = [](absl::string_view a) {
-    return a == "--help" || a == "-h" || a == "-help";
-  };
-  if (args.empty()) {
-    PrintMainHelp(subs, stderr);
-    return kExitUsage;
-  }
-  if (is_help(args[0]) || args[0] == "help") {
-    PrintMainHelp(subs, stdout);
-    return kExitOk;
-  }
-  const auto sub = std::find_if(subs.begin(), subs.end(),
-                                [&](const Subcommand& s) { return args[0] == s.name; });
-  if (sub == subs.end()) {
-    return UsageError("", absl::StrCat("unknown subcommand '", args[0], "' (expected ",
-                                       absl::StrJoin(subs, " or ",
-                                                     [](std::string* out, const Subcommand& s) {
-                                                       out->append(s.name);
-                                                     }),
-                                       ")"));
-  }
-  args.erase(args.begin());
-  if (std::any_of(args.begin(), args.end(), is_help)) {
-    PrintSubcommandHelp(*sub, stdout);
-    return kExitOk;
-  }
-  if (const std::string error = SetFlags(*sub, args); !error.empty()) {
-    return UsageError(sub->name, error);
-  }
-  return sub->run();
+  return cli::RunProgram(program, argc, argv);
 }
 
 }  // namespace

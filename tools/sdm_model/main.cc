@@ -7,6 +7,8 @@
 //
 // Exit status: 0 on success, 2 on usage errors (bad flags, unknown preset, invalid override),
 // 1 on failures (I/O, a non-empty output directory without --force, a malformed model).
+// Flags are Abseil flags, dispatched by subcommand by common/command_line.h; `sdm-model help` and
+// `sdm-model SUBCOMMAND --help` document them.
 // docs/model-format.md describes the directory format and these commands.
 #include <unistd.h>
 
@@ -20,95 +22,47 @@
 #include <string>
 #include <vector>
 
+#include "absl/flags/flag.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "common/command_line.h"
 #include "engine/model_config.h"
 #include "engine/model_writer.h"
 #include "engine/safetensors.h"
 #include "engine/weight_file_check.h"
 #include "engine/weight_spec.h"
 
+ABSL_FLAG(std::string, preset, "", "init (required), info: the preset the config starts from.");
+ABSL_FLAG(std::optional<uint64_t>, seed, std::nullopt,
+          "init (required): seed of the random weights; the same seed gives the same weights.");
+ABSL_FLAG(std::string, out, "",
+          "init (required): the model directory to write; it must be empty or absent unless "
+          "--force.");
+ABSL_FLAG(sdm::cli::RepeatedFlag, set, {},
+          "Overrides a config field (repeatable; dotted keys reach sdm_args, values are JSON): "
+          "--set n_layers=2 --set sdm_at=[1] --set sdm_args.num_writes=16.");
+ABSL_FLAG(std::string, dtype, "",
+          "init: fp32 or bf16 (default: fp32 below 1e9 parameters, bf16 above).");
+ABSL_FLAG(bool, force, false,
+          "init: write into a non-empty directory (its config.json and model.safetensors are "
+          "overwritten).");
+
 namespace sdm {
 namespace {
 
-constexpr int kExitFailure = 1;
-constexpr int kExitUsage = 2;
+using cli::kExitFailure;
+using cli::kExitOk;
 
-constexpr char kUsage[] =
-    R"(usage:
-  sdm-model init --preset NAME --seed S --out DIR [--set key=value ...] [--dtype fp32|bf16] [--force]
-      Writes DIR/config.json and DIR/model.safetensors with randomly initialised weights
-      (the reference's initialisation; the same seed gives the same weights). --set overrides a
-      config field (repeatable; dotted keys reach sdm_args, values are JSON:
-      --set n_layers=2 --set sdm_at=[1] --set sdm_args.num_writes=16). The default dtype is fp32
-      below 1e9 parameters and bf16 above. DIR must be empty or absent unless --force.
-  sdm-model info DIR
-  sdm-model info --preset NAME [--set key=value ...]
-      Describes a model: config, layer types, parameter counts, SDM state and KV-cache sizes, and
-      for DIR the weight file (only its header is read).
-presets: )";
-
-void PrintUsage(FILE* out) {
-  std::fprintf(out, "%s%s\n", kUsage, absl::StrJoin(PresetNames(), ", ").c_str());
-}
-
-int UsageError(const std::string& message) {
-  std::fprintf(stderr, "sdm-model: %s\n", message.c_str());
-  std::fprintf(stderr, "run 'sdm-model help' for usage\n");
-  return kExitUsage;
+int UsageError(absl::string_view subcommand, const std::string& message) {
+  return cli::UsageError("sdm-model", subcommand, message);
 }
 
 int Failure(const std::string& message) {
   std::fprintf(stderr, "sdm-model: %s\n", message.c_str());
   return kExitFailure;
-}
-
-// Flags of one subcommand: "--name value" or "--name=value"; `--set` may repeat.
-struct Args {
-  std::map<std::string, std::string> values;
-  std::vector<std::string> sets;
-  bool force = false;
-  std::vector<std::string> positional;
-};
-
-absl::StatusOr<Args> ParseArgs(int argc, char** argv, const std::vector<std::string>& known) {
-  Args args;
-  for (int i = 0; i < argc; ++i) {
-    std::string arg = argv[i];
-    if (arg.rfind("--", 0) != 0) {
-      args.positional.push_back(arg);
-      continue;
-    }
-    std::string name = arg.substr(2);
-    std::optional<std::string> value;
-    if (size_t eq = name.find('='); eq != std::string::npos) {
-      value = name.substr(eq + 1);
-      name = name.substr(0, eq);
-    }
-    if (name == "force") {
-      if (value.has_value()) return absl::InvalidArgumentError("--force takes no value");
-      args.force = true;
-      continue;
-    }
-    if (std::find(known.begin(), known.end(), name) == known.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
-    }
-    if (!value.has_value()) {
-      if (i + 1 >= argc)
-        return absl::InvalidArgumentError(absl::StrCat("--", name, " needs a value"));
-      value = argv[++i];
-    }
-    if (name == "set") {
-      args.sets.push_back(*value);
-    } else if (!args.values.emplace(name, *value).second) {
-      return absl::InvalidArgumentError(absl::StrCat("--", name, " given twice"));
-    }
-  }
-  return args;
 }
 
 // ---- Formatting ----
@@ -140,14 +94,15 @@ std::string HumanBytes(double bytes) {
 
 // ---- Config from a preset and overrides ----
 
-// Usage errors (unknown preset, bad override) come back as InvalidArgument/NotFound.
-absl::StatusOr<ModelConfig> ConfigFromFlags(const Args& args) {
-  auto it = args.values.find("preset");
-  if (it == args.values.end()) return absl::InvalidArgumentError("--preset is required");
-  auto config = PresetConfig(it->second);
+// The config of --preset with every --set applied (all at once: moving layers between lists
+// takes several assignments). Usage errors (unknown preset, bad override) come back as
+// InvalidArgument/NotFound.
+absl::StatusOr<ModelConfig> ConfigFromFlags() {
+  const std::string preset = absl::GetFlag(FLAGS_preset);
+  if (preset.empty()) return absl::InvalidArgumentError("--preset is required");
+  auto config = PresetConfig(preset);
   if (!config.ok()) return config.status();
-  // All at once: moving layers between lists takes several assignments.
-  if (auto s = ApplyConfigOverrides(*config, args.sets); !s.ok()) return s;
+  if (auto s = ApplyConfigOverrides(*config, absl::GetFlag(FLAGS_set).values); !s.ok()) return s;
   return config;
 }
 
@@ -195,34 +150,23 @@ class ProgressBar {
   int last_decile_ = 0;
 };
 
-int Init(int argc, char** argv) {
-  auto args = ParseArgs(argc, argv, {"preset", "seed", "out", "set", "dtype"});
-  if (!args.ok()) return UsageError(std::string(args.status().message()));
-  if (!args->positional.empty()) {
-    return UsageError(absl::StrCat("unexpected argument '", args->positional.front(), "'"));
-  }
-  auto config = ConfigFromFlags(*args);
-  if (!config.ok()) return UsageError(std::string(config.status().message()));
-  uint64_t seed = 0;
-  auto seed_it = args->values.find("seed");
-  if (seed_it == args->values.end()) return UsageError("--seed is required");
-  if (!absl::SimpleAtoi(seed_it->second, &seed)) {
-    return UsageError(
-        absl::StrCat("--seed must be a non-negative integer, got '", seed_it->second, "'"));
-  }
-  auto out_it = args->values.find("out");
-  if (out_it == args->values.end() || out_it->second.empty())
-    return UsageError("--out is required");
-  const std::filesystem::path dir = out_it->second;
+int Init() {
+  constexpr absl::string_view kSub = "init";
+  auto config = ConfigFromFlags();
+  if (!config.ok()) return UsageError(kSub, std::string(config.status().message()));
+  const std::optional<uint64_t> seed = absl::GetFlag(FLAGS_seed);
+  if (!seed.has_value()) return UsageError(kSub, "--seed is required");
+  if (absl::GetFlag(FLAGS_out).empty()) return UsageError(kSub, "--out is required");
+  const std::filesystem::path dir = absl::GetFlag(FLAGS_out);
 
   TensorDtype dtype = DefaultModelDtype(*config);
-  if (auto it = args->values.find("dtype"); it != args->values.end()) {
-    if (it->second == "fp32" || it->second == "f32") {
+  if (const std::string d = absl::GetFlag(FLAGS_dtype); !d.empty()) {
+    if (d == "fp32" || d == "f32") {
       dtype = TensorDtype::kF32;
-    } else if (it->second == "bf16") {
+    } else if (d == "bf16") {
       dtype = TensorDtype::kBF16;
     } else {
-      return UsageError(absl::StrCat("--dtype must be fp32 or bf16, got '", it->second, "'"));
+      return UsageError(kSub, absl::StrCat("--dtype must be fp32 or bf16, got '", d, "'"));
     }
   }
 
@@ -231,7 +175,7 @@ int Init(int argc, char** argv) {
     if (!std::filesystem::is_directory(dir, ec)) {
       return Failure(absl::StrCat(dir.string(), " exists and is not a directory"));
     }
-    if (!std::filesystem::is_empty(dir, ec) && !args->force) {
+    if (!std::filesystem::is_empty(dir, ec) && !absl::GetFlag(FLAGS_force)) {
       return Failure(absl::StrCat(dir.string(),
                                   " is not empty; refusing to write into it (use --force to "
                                   "overwrite its config.json and model.safetensors)"));
@@ -246,11 +190,11 @@ int Init(int argc, char** argv) {
   ProgressBar bar(/*show=*/isatty(STDERR_FILENO) || total_bytes > 256'000'000,
                   /*tty=*/isatty(STDERR_FILENO));
   RandomModelOptions options;
-  options.seed = seed;
+  options.seed = *seed;
   options.dtype = dtype;
   options.progress = [&](int64_t written, int64_t total) { bar.Update(written, total); };
   options.metadata["generator"] = "sdm-model init";
-  options.metadata["preset"] = args->values.at("preset");
+  options.metadata["preset"] = absl::GetFlag(FLAGS_preset);
   if (auto s = WriteRandomModel(*config, dir, options); !s.ok()) {
     return Failure(std::string(s.message()));
   }
@@ -397,23 +341,24 @@ bool PrintWeightFile(const ModelConfig& c, const std::filesystem::path& file) {
   return check.ok();
 }
 
-int Info(int argc, char** argv) {
-  auto args = ParseArgs(argc, argv, {"preset", "set"});
-  if (!args.ok()) return UsageError(std::string(args.status().message()));
-  const bool from_preset = args->values.contains("preset");
-  if (from_preset == (args->positional.size() == 1) || args->positional.size() > 1) {
-    return UsageError("info takes a model directory or --preset NAME");
+int Info(const cli::ParsedArgs& args) {
+  constexpr absl::string_view kSub = "info";
+  const bool from_preset = args.given.contains("preset");
+  if (from_preset == (args.positional.size() == 1)) {
+    return UsageError(kSub, "info takes a model directory or --preset NAME");
   }
-  if (!from_preset && !args->sets.empty()) return UsageError("--set applies to --preset only");
+  if (!from_preset && args.given.contains("set")) {
+    return UsageError(kSub, "--set applies to --preset only");
+  }
   ModelConfig config;
   std::filesystem::path dir;
   if (from_preset) {
-    auto c = ConfigFromFlags(*args);
-    if (!c.ok()) return UsageError(std::string(c.status().message()));
+    auto c = ConfigFromFlags();
+    if (!c.ok()) return UsageError(kSub, std::string(c.status().message()));
     config = *std::move(c);
-    std::printf("model: preset %s\n", args->values.at("preset").c_str());
+    std::printf("model: preset %s\n", absl::GetFlag(FLAGS_preset).c_str());
   } else {
-    dir = args->positional.front();
+    dir = args.positional.front();
     const std::filesystem::path path = dir / "config.json";
     std::error_code ec;
     if (!std::filesystem::is_regular_file(path, ec)) {
@@ -433,22 +378,31 @@ int Info(int argc, char** argv) {
   PrintConfig(config);
   PrintSizes(config);
   if (!from_preset && !PrintWeightFile(config, dir / "model.safetensors")) return kExitFailure;
-  return 0;
+  return kExitOk;
 }
 
 int Main(int argc, char** argv) {
-  if (argc < 2) {
-    PrintUsage(stderr);
-    return kExitUsage;
-  }
-  const std::string command = argv[1];
-  if (command == "help" || command == "--help" || command == "-h") {
-    PrintUsage(stdout);
-    return 0;
-  }
-  if (command == "init") return Init(argc - 2, argv + 2);
-  if (command == "info") return Info(argc - 2, argv + 2);
-  return UsageError(absl::StrCat("unknown command '", command, "' (init, info, help)"));
+  cli::Program program;
+  program.name = "sdm-model";
+  program.footer = absl::StrCat("presets: ", absl::StrJoin(PresetNames(), ", "));
+  program.subcommands = {
+      {"init",
+       "sdm-model init --preset NAME --seed S --out DIR [--set key=value ...] [--dtype fp32|bf16] "
+       "[--force]",
+       "Writes DIR/config.json and DIR/model.safetensors with randomly initialised weights (the "
+       "reference's initialisation; the same seed gives the same weights).",
+       {"preset", "seed", "out", "set", "dtype", "force"},
+       /*max_positional=*/0,
+       [](const cli::ParsedArgs&) { return Init(); }},
+      {"info",
+       "sdm-model info DIR | sdm-model info --preset NAME [--set key=value ...]",
+       "Describes a model: config, layer types, parameter counts, SDM state and KV-cache sizes, "
+       "and for DIR the weight file (only its header is read).",
+       {"preset", "set"},
+       /*max_positional=*/1,
+       Info},
+  };
+  return cli::RunProgram(program, argc, argv);
 }
 
 }  // namespace

@@ -1,14 +1,41 @@
-// Emulated bf16 (bit layout of CUDA's __nv_bfloat16; conversions round to nearest even, NaN ->
-// canonical 0x7fff as cvt.rn.bf16.f32 and the host __float2bfloat16 do).
+// Emulated bf16, shared by both emulator dialects (kernels/, engine/): the bit layout of CUDA's
+// __nv_bfloat16 with its float conversions (as the CUDA headers give host and device code);
+// conversions round to nearest even, NaN -> canonical 0x7fff as cvt.rn.bf16.f32 and the host
+// __float2bfloat16 do.
+// Diagnostics: EMU_BF16_MODE=1 (with EMU_SEED) rounds stochastically instead, to see how much a
+// tolerance depends on rounding luck.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #include "cuda_runtime.h"
+inline int EmuBf16Mode() {
+  static const int mode = [] {
+    const char* e = std::getenv("EMU_BF16_MODE");
+    return e ? std::atoi(e) : 0;
+  }();
+  return mode;
+}
+inline uint32_t EmuRand16() {
+  static uint64_t x = [] {
+    const char* e = std::getenv("EMU_SEED");
+    return 0x9e3779b97f4a7c15ull ^ (e ? std::strtoull(e, nullptr, 0) * 0x100000001b3ull : 0);
+  }();
+  x ^= x << 13;
+  x ^= x >> 7;
+  x ^= x << 17;
+  return static_cast<uint32_t>(x & 0xffff);
+}
 inline uint16_t EmuBf16Rne(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fffu;
+  if (EmuBf16Mode() == 1) {
+    if ((u & 0x7f800000u) == 0x7f800000u) return static_cast<uint16_t>(u >> 16);
+    u += EmuRand16();
+    return static_cast<uint16_t>(u >> 16);
+  }
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);
 }

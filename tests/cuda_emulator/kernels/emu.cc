@@ -1,11 +1,5 @@
 // Cooperative-fiber emulation of CUDA blocks: every CUDA thread is a fiber; __syncthreads and
 // warp shuffles are barriers; divergent shuffles or barrier deadlocks abort.
-#include <sanitizer/common_interface_defs.h>
-#if !defined(__SANITIZE_ADDRESS__)
-#define __sanitizer_start_switch_fiber(...) ((void)0)
-#define __sanitizer_finish_switch_fiber(...) ((void)0)
-#endif
-
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -15,29 +9,7 @@
 #include <vector>
 
 #include "cuda_runtime.h"
-
-extern "C" void emu_switch(void** from_sp, void* to_sp);
-asm(R"(
-.text
-.globl emu_switch
-.type emu_switch,@function
-emu_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-)");
+#include "emu_fiber_switch.h"
 
 namespace emu {
 enum State { kRunnable, kWaitBlock, kWaitWarp, kDone };

@@ -2,12 +2,6 @@
 // warp collectives are barriers; divergent warp collectives or barrier deadlocks abort.
 // Host runtime: device memory is malloc'd (ASan-visible) and registered so that memcpy kinds,
 // ranges and GEMM operands can be checked; streams and events are synchronous.
-#include <sanitizer/common_interface_defs.h>
-#if !defined(__SANITIZE_ADDRESS__)
-#define __sanitizer_start_switch_fiber(...) ((void)0)
-#define __sanitizer_finish_switch_fiber(...) ((void)0)
-#endif
-
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -16,29 +10,7 @@
 #include <string>
 
 #include "cuda_runtime.h"
-
-extern "C" void emu_switch(void** from_sp, void* to_sp);
-asm(R"(
-.text
-.globl emu_switch
-.type emu_switch,@function
-emu_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-)");
+#include "emu_fiber_switch.h"
 
 namespace emu {
 enum State { kRunnable, kWaitBlock, kWaitWarp, kDone };
@@ -542,22 +514,4 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
 }
 cudaError_t EmuFuncSetAttribute(const void*, cudaFuncAttribute, int value) {
   return value <= 227 * 1024 ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-int EmuBf16Mode() {
-  static int m = [] {
-    const char* e = std::getenv("EMU_BF16_MODE");
-    return e ? std::atoi(e) : 0;
-  }();
-  return m;
-}
-uint32_t EmuRand16() {
-  static uint64_t x = [] {
-    const char* e = std::getenv("EMU_SEED");
-    return 0x9e3779b97f4a7c15ull ^ (e ? std::strtoull(e, nullptr, 0) * 0x100000001b3ull : 0);
-  }();
-  x ^= x << 13;
-  x ^= x >> 7;
-  x ^= x << 17;
-  return static_cast<uint32_t>(x & 0xffff);
 }

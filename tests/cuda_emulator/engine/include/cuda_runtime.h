@@ -1,0 +1,115 @@
+// CPU emulation of the part of the CUDA runtime the sdmserve kernels and CUDA backend use
+// (testing only). Every CUDA thread is a fiber (emu.cc); warp intrinsics are warp barriers.
+#pragma once
+#include "emu_cuda_common.h"
+
+#define __shared__ static
+#define __constant__ static
+
+namespace emu {
+struct Thread;
+extern Thread* g_cur;
+extern dim3 g_block_idx, g_block_dim, g_grid_dim;
+uint3 CurThreadIdx();
+void SyncThreads();
+int LaneId();
+void* SharedMem();
+// Warp collectives: every lane of the warp must arrive (else the emulator aborts).
+// Exchange: publishes `bits` (8 bytes) and `mask`, returns lane src's bits.
+uint64_t WarpExchange(uint64_t bits, unsigned mask, int src_lane);
+// Ballot of pred; match_any of bits (lanes with equal bits).
+unsigned WarpBallot(bool pred, unsigned mask);
+unsigned WarpMatchAny(uint64_t bits, unsigned mask);
+void WarpSync(unsigned mask);
+void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, cudaStream_t s);
+template <class F>
+void Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr) {
+  RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem, s);
+}
+// Device-memory bookkeeping for the host-side checks.
+bool IsDevicePtr(const void* p, size_t n);
+// Static __shared__ arrays (transform.py): refilled with garbage before every block.
+bool RegisterShared(void* p, size_t n);
+}  // namespace emu
+
+#define threadIdx (::emu::CurThreadIdx())
+#define blockIdx (::emu::g_block_idx)
+#define blockDim (::emu::g_block_dim)
+#define gridDim (::emu::g_grid_dim)
+constexpr int warpSize = 32;
+inline void __syncthreads() { emu::SyncThreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { emu::WarpSync(mask); }
+
+template <class T>
+inline T EmuShfl(unsigned mask, T v, int src) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable_v<T>);
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  bits = emu::WarpExchange(bits, mask, src);
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+template <class T>
+inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  const int lane = emu::LaneId();
+  return EmuShfl(mask, v, (lane & ~(width - 1)) + (src & (width - 1)));
+}
+template <class T>
+inline T __shfl_xor_sync(unsigned mask, T v, int off, int width = 32) {
+  const int lane = emu::LaneId();
+  int src = lane ^ off;
+  if ((src & ~(width - 1)) != (lane & ~(width - 1))) src = lane;
+  return EmuShfl(mask, v, src);
+}
+template <class T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  const int lane = emu::LaneId();
+  int src = lane + static_cast<int>(d);
+  if ((src & ~(width - 1)) != (lane & ~(width - 1)) || src > 31) src = lane;
+  return EmuShfl(mask, v, src);
+}
+template <class T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned d, int width = 32) {
+  const int lane = emu::LaneId();
+  int src = lane - static_cast<int>(d);
+  if (src < (lane & ~(width - 1))) src = lane;
+  return EmuShfl(mask, v, src);
+}
+inline unsigned __ballot_sync(unsigned mask, int pred) { return emu::WarpBallot(pred != 0, mask); }
+inline int __any_sync(unsigned mask, int pred) { return emu::WarpBallot(pred != 0, mask) != 0; }
+inline int __all_sync(unsigned mask, int pred) { return emu::WarpBallot(pred != 0, mask) == mask; }
+template <class T>
+inline unsigned __match_any_sync(unsigned mask, T v) {
+  static_assert(sizeof(T) <= 8);
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  return emu::WarpMatchAny(bits, mask);
+}
+inline unsigned __activemask() { return 0xffffffffu; }
+
+cudaError_t cudaGetDeviceCount(int* n);
+cudaError_t cudaSetDevice(int d);
+cudaError_t cudaGetDevice(int* d);
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d);
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
+cudaError_t cudaDriverGetVersion(int* v);
+cudaError_t cudaRuntimeGetVersion(int* v);
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags);
+cudaError_t cudaStreamCreate(cudaStream_t* s);
+cudaError_t cudaStreamDestroy(cudaStream_t s);
+cudaError_t cudaStreamSynchronize(cudaStream_t s);
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags = 0);
+cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);
+cudaError_t cudaEventCreate(cudaEvent_t* e);
+cudaError_t cudaEventDestroy(cudaEvent_t e);
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s = nullptr);
+cudaError_t cudaEventSynchronize(cudaEvent_t e);
+cudaError_t cudaEventQuery(cudaEvent_t e);
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b);
+cudaError_t EmuFuncSetAttribute(const void* fn, cudaFuncAttribute attr, int value);
+template <class K>
+cudaError_t cudaFuncSetAttribute(K k, cudaFuncAttribute a, int v) {
+  return EmuFuncSetAttribute(reinterpret_cast<const void*>(k), a, v);
+}
