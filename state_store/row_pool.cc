@@ -1,6 +1,6 @@
 #include "state_store/row_pool.h"
 
-#include "kernels/common/check.h"
+#include "base/check.h"
 
 namespace sdm {
 

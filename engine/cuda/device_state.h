@@ -25,6 +25,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/sdm.h"
@@ -34,16 +35,9 @@
 
 namespace sdm {
 
-// CUDA errors as statuses: out-of-memory is RESOURCE_EXHAUSTED, the rest INTERNAL.
+// CUDA errors as statuses: out-of-memory is RESOURCE_EXHAUSTED, the rest INTERNAL. Propagate
+// with SDM_RETURN_IF_ERROR(CudaStatus(cudaCall(...), "what")) (base/status_macros.h).
 absl::Status CudaStatus(cudaError_t err, const char* what);
-
-// Returns CudaStatus(expr, what) from the enclosing function unless it is OK.
-#define SDM_RETURN_IF_CUDA(expr, what)                                    \
-  do {                                                                    \
-    if (absl::Status sdm_s_ = CudaStatus((expr), (what)); !sdm_s_.ok()) { \
-      return sdm_s_;                                                      \
-    }                                                                     \
-  } while (0)
 
 struct DeviceStateSizes {
   int64_t sdm_rows = 0;           // rows in the SDM arena

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <set>
@@ -16,7 +14,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/match.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/common/check.h"
+#include "base/check.h"
 #include "server/metrics/prometheus_text.h"
 
 namespace sdm {
@@ -24,10 +22,7 @@ namespace {
 
 // Registration errors are programming errors in a constant table: abort, naming the metric.
 void CheckRegistration(bool ok, absl::string_view name, const char* problem) {
-  if (ok) return;
-  std::fprintf(stderr, "metric \"%.*s\": %s\n", static_cast<int>(name.size()), name.data(),
-               problem);
-  std::abort();
+  SDM_CHECK(ok) << "metric \"" << name << "\": " << problem;
 }
 
 class AtomicCounter final : public Counter {
