@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "engine/engine.h"
@@ -120,12 +121,12 @@ class SdmServer::Impl final : public SchedulerListener {
   int metrics_port = 0;
   std::atomic<bool> draining{false};
 
-  std::mutex shutdown_mu;
-  bool shut_down = false;        // guarded by shutdown_mu
-  absl::Status shutdown_result;  // guarded by shutdown_mu
+  absl::Mutex shutdown_mu;
+  bool shut_down ABSL_GUARDED_BY(shutdown_mu) = false;
+  absl::Status shutdown_result ABSL_GUARDED_BY(shutdown_mu);
 
-  std::mutex gauges_mu;
-  StoreStats last_stats;  // guarded by gauges_mu
+  absl::Mutex gauges_mu;
+  StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
 };
 
 absl::Status SdmServer::Impl::Init() {
@@ -230,7 +231,7 @@ absl::Status SdmServer::Impl::Init() {
 }
 
 void SdmServer::Impl::UpdateGauges() {
-  std::lock_guard<std::mutex> lock(gauges_mu);
+  absl::MutexLock lock(&gauges_mu);
   if (scheduler != nullptr) {
     metrics->requests_running.Set(scheduler->running());
     metrics->requests_waiting.Set(scheduler->waiting());
@@ -261,7 +262,7 @@ void SdmServer::Impl::UpdateGauges() {
 }
 
 absl::Status SdmServer::Impl::Shutdown() {
-  std::lock_guard<std::mutex> lock(shutdown_mu);
+  absl::MutexLock lock(&shutdown_mu);
   if (shut_down) return shutdown_result;
   shut_down = true;
   // 1. Stop admitting.

@@ -31,6 +31,8 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
 absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
     const StateLayout& layout, const DeviceStateSizes& sizes, std::vector<const bf16*> m0) {
   std::shared_ptr<CudaDeviceContext> ctx(new CudaDeviceContext(layout, sizes));
+  // Nothing else sees ctx yet; the lock only lets the thread-safety analysis check the writes.
+  absl::MutexLock init_lock(&ctx->mu_);
   SDM_RETURN_IF_ERROR(CudaStatus(ctx->compute_.Create(), "creating the compute stream"));
   SDM_RETURN_IF_ERROR(CudaStatus(ctx->transfer_.Create(), "creating the transfer stream"));
   const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
@@ -115,7 +117,7 @@ int64_t CudaDeviceContext::page_bytes(int64_t layer) const {
 }
 
 absl::StatusOr<int32_t> CudaDeviceContext::AllocatePage(int64_t layer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<int32_t>& free = free_pages_[layer];
   if (free.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -128,12 +130,12 @@ absl::StatusOr<int32_t> CudaDeviceContext::AllocatePage(int64_t layer) {
 }
 
 void CudaDeviceContext::FreePages(int64_t layer, const std::vector<int32_t>& pages) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   free_pages_[layer].insert(free_pages_[layer].end(), pages.begin(), pages.end());
 }
 
 absl::StatusOr<int32_t> CudaDeviceContext::AllocateCounterSlot() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (free_slots_.empty()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("more than ", sizes_.max_sessions, " sessions resident on the device"));
@@ -144,7 +146,7 @@ absl::StatusOr<int32_t> CudaDeviceContext::AllocateCounterSlot() {
 }
 
 void CudaDeviceContext::FreeCounterSlot(int32_t slot) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (int64_t i = 0; i < std::max<int64_t>(1, num_sdm_layers_); ++i) {
     counters_published_[slot * std::max<int64_t>(1, num_sdm_layers_) + i] = 0;
   }
@@ -156,18 +158,18 @@ int32_t* CudaDeviceContext::row_counter(int32_t slot, int64_t sdm_index) const {
 }
 
 int32_t CudaDeviceContext::row_count(int32_t slot, int64_t sdm_index) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return counters_published_[slot * std::max<int64_t>(1, num_sdm_layers_) + sdm_index];
 }
 
 int64_t CudaDeviceContext::free_rows_lower_bound() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return free_rows_;
 }
 
 absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (rows <= free_rows_) {
       free_rows_ -= rows;
       return absl::OkStatus();
@@ -185,7 +187,7 @@ absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
         cudaMemcpy(&device_free, free_count_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost),
         "reading the free row count"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   free_rows_ = device_free;
   if (rows > free_rows_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -212,7 +214,7 @@ absl::Status CudaDeviceContext::StartRefresh() {
 }
 
 void CudaDeviceContext::FinishRefresh() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (free_count_.get() != nullptr) free_rows_ = *free_count_host_.get();
   std::memcpy(counters_published_.data(), counters_host_.get(), counters_.bytes());
 }

@@ -19,12 +19,13 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
@@ -106,11 +107,11 @@ class CudaDeviceContext {
   kernels::cuda::PinnedBuffer<int32_t> free_count_host_, counters_host_;
   std::vector<kernels::cuda::DeviceBuffer<__nv_bfloat16>> kv_pools_;  // per layer
 
-  mutable std::mutex mu_;
-  std::vector<std::vector<int32_t>> free_pages_;  // per layer
-  std::vector<int32_t> free_slots_;
-  int64_t free_rows_ = 0;
-  std::vector<int32_t> counters_published_;
+  mutable absl::Mutex mu_;
+  std::vector<std::vector<int32_t>> free_pages_ ABSL_GUARDED_BY(mu_);  // per layer
+  std::vector<int32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  int64_t free_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int32_t> counters_published_ ABSL_GUARDED_BY(mu_);
 };
 
 // One session's residency on the device.
