@@ -131,7 +131,6 @@ bool FindShim(DlHandle* handle, SdmSpShimApi* api, std::string* error) {
 
 // Aborts, printing the shim's reason, when a call that cannot fail on a loaded model failed.
 void CheckShimCall(int rc, const char* error, const char* what) {
-  if (rc == 0) return;
   SDM_CHECK(rc == 0) << "SentencePiece " << what
                      << " failed: " << (error != nullptr ? error : "(no reason given)");
 }
