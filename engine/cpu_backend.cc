@@ -9,9 +9,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/check.h"
 #include "engine/engine_backend.h"
 #include "engine/weight_spec.h"
-#include "kernels/common/check.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/gemm.h"

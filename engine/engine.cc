@@ -1,7 +1,6 @@
 #include "engine/engine.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <memory>
 #include <set>
 #include <string>
@@ -9,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "engine/engine_backend.h"
 #include "engine/weight_spec.h"
 #include "kernels/cuda/cuda_runtime_info.h"
@@ -131,8 +131,8 @@ class Engine::Impl {
         device == EngineDevice::kCuda ? CreateCudaBackend(context) : CreateCpuBackend(context);
     if (!backend.ok() && device == EngineDevice::kCuda && asked == EngineDevice::kAuto) {
       // auto means "the GPU if it works": say why not, and run on the CPU.
-      std::fprintf(stderr, "sdm engine: CUDA backend unavailable (%s); using the CPU\n",
-                   std::string(backend.status().message()).c_str());
+      SDM_LOG(WARNING) << "sdm engine: CUDA backend unavailable (" << backend.status().message()
+                       << "); using the CPU";
       options_.device = EngineDevice::kCpu;
       const EngineContext cpu_context{model_, options_, &layout_};
       backend = CreateCpuBackend(cpu_context);

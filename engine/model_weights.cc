@@ -1,17 +1,16 @@
 #include "engine/model_weights.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <cstring>
 #include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/check.h"
 #include "engine/safetensors.h"
 #include "engine/weight_file_check.h"
 #include "engine/weight_init.h"
 #include "engine/weight_spec.h"
-#include "kernels/common/check.h"
 
 namespace sdm {
 
@@ -112,7 +111,8 @@ absl::StatusOr<std::shared_ptr<const ModelWeights>> ModelWeights::FromArrays(
     }
   }
   if (arrays.size() != expected.size()) {
-    for (const auto& [name, unused] : arrays) {
+    for (const auto& entry : arrays) {
+      const std::string& name = entry.first;  // clang 14 cannot capture a structured binding
       const bool known = std::any_of(expected.begin(), expected.end(),
                                      [&](const TensorSpec& s) { return s.name == name; });
       if (!known) {
@@ -132,11 +132,7 @@ absl::StatusOr<std::shared_ptr<const ModelWeights>> ModelWeights::FromArrays(
 
 std::span<const float> ModelWeights::Get(absl::string_view name) const {
   auto it = tensors_.find(name);
-  if (it == tensors_.end()) {
-    std::fprintf(stderr, "ModelWeights::Get: no tensor '%.*s'\n", static_cast<int>(name.size()),
-                 name.data());
-  }
-  SDM_CHECK(it != tensors_.end());
+  SDM_CHECK(it != tensors_.end()) << "ModelWeights::Get: no tensor '" << name << "'";
   return it->second;
 }
 

@@ -5,7 +5,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/check.h"
+#include "base/check.h"
 #include "kernels/common/philox.h"
 #include "kernels/common/sampling_math.h"
 

@@ -4,15 +4,14 @@
 
 #include <dlfcn.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <system_error>
 #include <type_traits>
 #include <utility>
 
+#include "base/check.h"
 #include "engine/sentencepiece_shim/sentencepiece_shim.h"
-#include "kernels/common/check.h"
 
 namespace sdm::internal {
 namespace {
@@ -132,10 +131,8 @@ bool FindShim(DlHandle* handle, SdmSpShimApi* api, std::string* error) {
 
 // Aborts, printing the shim's reason, when a call that cannot fail on a loaded model failed.
 void CheckShimCall(int rc, const char* error, const char* what) {
-  if (rc == 0) return;
-  std::fprintf(stderr, "SentencePiece %s failed: %s\n", what,
-               error != nullptr ? error : "(no reason given)");
-  SDM_CHECK(rc == 0);
+  SDM_CHECK(rc == 0) << "SentencePiece " << what
+                     << " failed: " << (error != nullptr ? error : "(no reason given)");
 }
 
 }  // namespace

@@ -7,8 +7,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "base/check.h"
 #include "engine/sentencepiece_tokenizer.h"
-#include "kernels/common/check.h"
 
 namespace sdm {
 namespace {

@@ -5,7 +5,7 @@
 #include <thread>
 #include <vector>
 
-#include "kernels/common/check.h"
+#include "base/check.h"
 
 namespace sdm {
 namespace {

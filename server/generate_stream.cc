@@ -31,7 +31,7 @@ GenerateStream::GenerateStream(Writer* writer, grpc::CallbackServerContext* cont
 
 void GenerateStream::Reject(const absl::Status& status) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     job_done_ = true;
     final_status_ = status;
     has_pending_ = false;
@@ -41,7 +41,7 @@ void GenerateStream::Reject(const absl::Status& status) {
 
 void GenerateStream::OnToken(int32_t token, absl::string_view text) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (broken_) return;
     pending_.add_token_ids(token);
     pending_.mutable_text()->append(text.data(), text.size());
@@ -57,7 +57,7 @@ void GenerateStream::OnEndToken(int32_t token, absl::string_view text) {
 
 void GenerateStream::OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     // The scheduler counts a session's pending token (the previous request's last generated
     // token, read now) as prompt; the API counts it as history.
     const int64_t carried = usage.prompt_tokens - prompt_tokens_;
@@ -104,7 +104,7 @@ void GenerateStream::OnCancel() { cancelled_.store(true); }
 
 void GenerateStream::OnWriteDone(bool ok) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     writing_ = false;
     if (!ok) {
       // The client is gone or cancelled: stop the job and drop what it has not received.
@@ -122,7 +122,7 @@ void GenerateStream::Pump() {
   absl::Status status;
   v1::Usage usage;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (finished_ || writing_) return;
     if (has_pending_ && !broken_) {
       in_flight_.Clear();

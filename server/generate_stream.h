@@ -32,10 +32,11 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "sdm/v1/sdm.pb.h"
@@ -83,16 +84,18 @@ class GenerateStream final : public JobObserver {
   absl::Time deadline_ = absl::InfiniteFuture();
   std::atomic<bool> cancelled_{false};  // by the client (or its stream broke)
 
-  std::mutex mu_;
-  v1::GenerateResponse pending_;    // not written yet; guarded by mu_
-  bool has_pending_ = false;        // guarded by mu_
-  v1::GenerateResponse in_flight_;  // being written (only touched while !writing_)
-  bool writing_ = false;            // guarded by mu_
-  bool broken_ = false;             // a write failed; guarded by mu_
-  bool job_done_ = false;           // guarded by mu_
-  absl::Status final_status_;       // valid once job_done_; guarded by mu_
-  v1::Usage usage_;                 // guarded by mu_
-  bool finished_ = false;           // Finish called; guarded by mu_
+  absl::Mutex mu_;
+  v1::GenerateResponse pending_ ABSL_GUARDED_BY(mu_);  // not written yet
+  bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
+  // Being written: filled under mu_ when writing_ is set, read by gRPC until OnWriteDone clears
+  // writing_ (so not ABSL_GUARDED_BY: the write itself runs outside the lock).
+  v1::GenerateResponse in_flight_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool broken_ ABSL_GUARDED_BY(mu_) = false;  // a write failed
+  bool job_done_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status final_status_ ABSL_GUARDED_BY(mu_);  // valid once job_done_
+  v1::Usage usage_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;  // Finish called
 };
 
 // The write reactor of a Generate call. gRPC owns it from the handler's return until OnDone,

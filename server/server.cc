@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdio>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -10,6 +9,9 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
+#include "base/log.h"
+#include "base/status_macros.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/tokenizer.h"
@@ -120,35 +122,29 @@ class SdmServer::Impl final : public SchedulerListener {
   int metrics_port = 0;
   std::atomic<bool> draining{false};
 
-  std::mutex shutdown_mu;
-  bool shut_down = false;        // guarded by shutdown_mu
-  absl::Status shutdown_result;  // guarded by shutdown_mu
+  absl::Mutex shutdown_mu;
+  bool shut_down ABSL_GUARDED_BY(shutdown_mu) = false;
+  absl::Status shutdown_result ABSL_GUARDED_BY(shutdown_mu);
 
-  std::mutex gauges_mu;
-  StoreStats last_stats;  // guarded by gauges_mu
+  absl::Mutex gauges_mu;
+  StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
 };
 
 absl::Status SdmServer::Impl::Init() {
-  if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  SDM_RETURN_IF_ERROR(ValidateOptions(options));
   // The small files first: a typo there should not wait for the model to load.
   if (!options.api_keys_file.empty()) {
-    absl::StatusOr<ApiKeyAuthenticator> a = ApiKeyAuthenticator::FromFile(options.api_keys_file);
-    if (!a.ok()) return a.status();
-    auth = *std::move(a);
+    SDM_ASSIGN_OR_RETURN(auth, ApiKeyAuthenticator::FromFile(options.api_keys_file));
   }
   if (!options.tenant_limits_file.empty()) {
-    absl::StatusOr<TenantLimitsConfig> l = TenantLimitsConfig::FromFile(options.tenant_limits_file);
-    if (!l.ok()) return l.status();
-    tenant_limits = *std::move(l);
+    SDM_ASSIGN_OR_RETURN(tenant_limits, TenantLimitsConfig::FromFile(options.tenant_limits_file));
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!options.tls_cert_file.empty()) {
-    absl::StatusOr<std::string> cert = ReadTextFile(options.tls_cert_file, "TLS certificate");
-    if (!cert.ok()) return cert.status();
-    absl::StatusOr<std::string> key = ReadTextFile(options.tls_key_file, "TLS key");
-    if (!key.ok()) return key.status();
+    SDM_ASSIGN_OR_RETURN(std::string cert, ReadTextFile(options.tls_cert_file, "TLS certificate"));
+    SDM_ASSIGN_OR_RETURN(std::string key, ReadTextFile(options.tls_key_file, "TLS key"));
     grpc::SslServerCredentialsOptions ssl;
-    ssl.pem_key_cert_pairs.push_back({*key, *cert});
+    ssl.pem_key_cert_pairs.push_back({key, cert});
     credentials = grpc::SslServerCredentials(ssl);
   }
 
@@ -159,17 +155,13 @@ absl::Status SdmServer::Impl::Init() {
                                      ": ", m.status().message()));
   }
   model = *std::move(m);
-  absl::StatusOr<std::unique_ptr<Tokenizer>> t = Tokenizer::Create(model->config, model->dir);
-  if (!t.ok()) return t.status();
-  tokenizer = *std::move(t);
+  SDM_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Create(model->config, model->dir));
   EngineOptions engine_options;
   engine_options.device = options.device;
   engine_options.num_threads = options.threads;
   engine_options.prefill_chunk = options.prefill_chunk;
-  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(model, engine_options);
-  if (!e.ok()) return e.status();
-  engine = *std::move(e);
-  std::fprintf(stderr, "sdm-server: engine: %s\n", engine->DescribeDevice().c_str());
+  SDM_ASSIGN_OR_RETURN(engine, Engine::Create(model, engine_options));
+  SDM_LOG(INFO) << "sdm-server: engine: " << engine->DescribeDevice();
 
   SessionStoreOptions store_options;
   store_options.resident_budget_bytes = options.resident_budget_bytes;
@@ -177,11 +169,9 @@ absl::Status SdmServer::Impl::Init() {
   // steps fail for want of device memory instead of parking idle sessions.
   if (const int64_t cap = engine->device_state_capacity_bytes();
       cap > 0 && store_options.resident_budget_bytes > cap) {
-    std::fprintf(stderr,
-                 "sdm-server: resident budget lowered from %lld to %lld bytes (device state "
-                 "capacity)\n",
-                 static_cast<long long>(store_options.resident_budget_bytes),
-                 static_cast<long long>(cap));
+    SDM_LOG(WARNING) << "sdm-server: resident budget lowered from "
+                     << store_options.resident_budget_bytes << " to " << cap
+                     << " bytes (device state capacity)";
     store_options.resident_budget_bytes = cap;
   }
   store_options.host_budget_bytes = options.host_budget_bytes;
@@ -196,7 +186,7 @@ absl::Status SdmServer::Impl::Init() {
   }
   store = *std::move(st);
   for (const std::string& error : store->open_errors()) {
-    std::fprintf(stderr, "sdm-server: warning: %s\n", error.c_str());
+    SDM_LOG(WARNING) << "sdm-server: " << error;
   }
 
   registry = std::make_unique<prometheus::Registry>(prometheus::Registry::InsertBehavior::Throw);
@@ -228,25 +218,25 @@ absl::Status SdmServer::Impl::Init() {
     HttpEndpointOptions http_options;
     http_options.host = options.metrics_host;
     http_options.port = options.metrics_port;
-    absl::StatusOr<std::unique_ptr<HttpEndpoint>> h = HttpEndpoint::Start(
-        http_options,
-        [this] {
-          UpdateGauges();
-          return RenderPrometheusText(*registry);
-        },
-        [this]() -> absl::Status {
-          if (draining.load()) return absl::UnavailableError("draining before shutdown");
-          return absl::OkStatus();
-        });
-    if (!h.ok()) return h.status();
-    http = *std::move(h);
+    SDM_ASSIGN_OR_RETURN(http, HttpEndpoint::Start(
+                                   http_options,
+                                   [this] {
+                                     UpdateGauges();
+                                     return RenderPrometheusText(*registry);
+                                   },
+                                   [this]() -> absl::Status {
+                                     if (draining.load()) {
+                                       return absl::UnavailableError("draining before shutdown");
+                                     }
+                                     return absl::OkStatus();
+                                   }));
     metrics_port = http->port();
   }
   return absl::OkStatus();
 }
 
 void SdmServer::Impl::UpdateGauges() {
-  std::lock_guard<std::mutex> lock(gauges_mu);
+  absl::MutexLock lock(&gauges_mu);
   if (scheduler != nullptr) {
     metrics->requests_running.Set(scheduler->running());
     metrics->requests_waiting.Set(scheduler->waiting());
@@ -275,7 +265,7 @@ void SdmServer::Impl::UpdateGauges() {
 }
 
 absl::Status SdmServer::Impl::Shutdown() {
-  std::lock_guard<std::mutex> lock(shutdown_mu);
+  absl::MutexLock lock(&shutdown_mu);
   if (shut_down) return shutdown_result;
   shut_down = true;
   // 1. Stop admitting.

@@ -1,6 +1,6 @@
 #include "state_store/row_pool.h"
 
-#include "kernels/common/check.h"
+#include "base/check.h"
 
 namespace sdm {
 
@@ -10,7 +10,7 @@ RowPool::RowPool(int64_t row_width, int64_t max_rows) : row_width_(row_width), m
 }
 
 int32_t RowPool::Allocate() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   int32_t row;
   if (!free_.empty()) {
     row = free_.back();
@@ -40,14 +40,14 @@ void RowPool::Release(int32_t row) {
   SDM_CHECK(before > 0);
   if (before == 2) shared_rows_.fetch_sub(1, std::memory_order_relaxed);
   if (before == 1) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     free_.push_back(row);
     live_rows_.fetch_sub(1, std::memory_order_relaxed);
   }
 }
 
 int64_t RowPool::reserved_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return static_cast<int64_t>(chunks_.size()) * kChunkRows * row_bytes();
 }
 

@@ -14,8 +14,10 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace sdm {
 
@@ -61,10 +63,12 @@ class RowPool {
 
   const int64_t row_width_;
   const int64_t max_rows_;
-  mutable std::mutex mu_;
-  std::vector<std::unique_ptr<Chunk>> chunks_;  // reserved to max_rows / kChunkRows: never moves
-  std::vector<int32_t> free_;                   // guarded by mu_
-  int64_t next_row_ = 0;                        // guarded by mu_: rows ever handed out
+  mutable absl::Mutex mu_;
+  // Appended under mu_, read without it (Row, RefCount): reserved to max_rows / kChunkRows, so
+  // its elements never move. Not ABSL_GUARDED_BY for that reason.
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::vector<int32_t> free_ ABSL_GUARDED_BY(mu_);
+  int64_t next_row_ ABSL_GUARDED_BY(mu_) = 0;  // rows ever handed out
   std::atomic<int64_t> live_rows_{0};
   std::atomic<int64_t> shared_rows_{0};
 };

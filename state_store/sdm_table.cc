@@ -4,7 +4,7 @@
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/common/check.h"
+#include "base/check.h"
 
 namespace sdm {
 

@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "kernels/common/check.h"
+#include "base/check.h"
 
 namespace sdm {
 

@@ -1,7 +1,6 @@
 #include "state_store/session_store.h"
 
 #include <algorithm>
-#include <cstdio>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -9,7 +8,8 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/common/check.h"
+#include "base/check.h"
+#include "base/log.h"
 #include "state_store/state_codec.h"
 
 namespace sdm {
@@ -655,8 +655,7 @@ void SessionStateStore::Rebalance(std::unique_lock<std::mutex>& lock) {
     if (e == nullptr) break;
     // Resident -> host fails only in the device sync, which concerns this session alone.
     if (absl::Status s = ParkOne(lock, *e, Tier::kHost); !s.ok()) {
-      std::fprintf(stderr, "sdm state store: eviction skipped a session: %s\n",
-                   s.ToString().c_str());
+      SDM_LOG(WARNING) << "sdm state store: eviction skipped a session: " << s;
       unsynced.insert(e->id);
     }
   }

@@ -5,7 +5,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/common/check.h"
+#include "base/check.h"
 #include "xxhash.h"
 
 namespace sdm {

@@ -23,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/status_macros.h"
 #include "engine/cuda/device_state.h"
 #include "engine/engine_backend.h"
 #include "engine/weight_spec.h"
@@ -39,11 +40,6 @@ namespace {
 
 namespace kc = kernels::cuda;
 using bf16 = __nv_bfloat16;
-
-#define SDM_RETURN_IF_ERROR(expr)                                  \
-  do {                                                             \
-    if (absl::Status sdm_s_ = (expr); !sdm_s_.ok()) return sdm_s_; \
-  } while (0)
 
 // A dense layer's weight on the device: [out, in] bf16.
 struct DeviceMatrix {
@@ -106,14 +102,15 @@ class CudaBackend : public EngineBackend {
       return absl::UnavailableError("no CUDA device is present");
     }
     cudaDeviceProp prop{};
-    SDM_RETURN_IF_CUDA(cudaGetDeviceProperties(&prop, 0), "querying the device");
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaGetDeviceProperties(&prop, 0), "querying the device"));
     device_name_ = prop.name;
     if (!gemm_.Init()) return absl::InternalError("cuBLASLt: " + gemm_.error());
     SDM_RETURN_IF_ERROR(UploadWeights());
 
     // What is left becomes session state: KV pages and SDM rows.
     size_t free_bytes = 0, total_bytes = 0;
-    SDM_RETURN_IF_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes), "querying device memory");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "querying device memory"));
     // Keep room for activations of a large step (and cuBLASLt's workspace).
     const int64_t activation_reserve = int64_t{2} << 30;
     int64_t state_bytes = options_.device_state_bytes;
@@ -239,18 +236,19 @@ class CudaBackend : public EngineBackend {
         staging.resize(v.size());
         for (size_t i = 0; i < v.size(); ++i) staging[i] = __float2bfloat16_rn(v[i]);
         kc::DeviceBuffer<bf16> buf;
-        SDM_RETURN_IF_CUDA(buf.Allocate(v.size()), "allocating weights");
-        SDM_RETURN_IF_CUDA(
-            cudaMemcpy(buf.get(), staging.data(), buf.bytes(), cudaMemcpyHostToDevice),
-            "uploading weights");
+        SDM_RETURN_IF_ERROR(CudaStatus(buf.Allocate(v.size()), "allocating weights"));
+        SDM_RETURN_IF_ERROR(
+            CudaStatus(cudaMemcpy(buf.get(), staging.data(), buf.bytes(), cudaMemcpyHostToDevice),
+                       "uploading weights"));
         weight_bytes_ += static_cast<int64_t>(buf.bytes());
         matrices_[t.name] = {buf.get(), t.shape[0], t.shape[1]};
         bf16_buffers_.push_back(std::move(buf));
       } else {
         kc::DeviceBuffer<float> buf;
-        SDM_RETURN_IF_CUDA(buf.Allocate(v.size()), "allocating weights");
-        SDM_RETURN_IF_CUDA(cudaMemcpy(buf.get(), v.data(), buf.bytes(), cudaMemcpyHostToDevice),
-                           "uploading weights");
+        SDM_RETURN_IF_ERROR(CudaStatus(buf.Allocate(v.size()), "allocating weights"));
+        SDM_RETURN_IF_ERROR(
+            CudaStatus(cudaMemcpy(buf.get(), v.data(), buf.bytes(), cudaMemcpyHostToDevice),
+                       "uploading weights"));
         weight_bytes_ += static_cast<int64_t>(buf.bytes());
         vectors_[t.name] = buf.get();
         f32_buffers_.push_back(std::move(buf));
@@ -365,7 +363,7 @@ class CudaBackend : public EngineBackend {
                   F{&ws.w_weights, r * heads * n_w},
                   F{&ws.r_weights, r * heads * n_r},
                   F{&ws.readings, heads > 0 ? r * dim : 0}}) {
-        SDM_RETURN_IF_CUDA(f.b->Allocate(f.n), "allocating activations");
+        SDM_RETURN_IF_ERROR(CudaStatus(f.b->Allocate(f.n), "allocating activations"));
       }
       struct B {
         kc::DeviceBuffer<bf16>* b;
@@ -373,7 +371,7 @@ class CudaBackend : public EngineBackend {
       };
       for (B b : {B{&ws.xb, r * std::max(dim, q_width)}, B{&ws.ob, r * std::max(dim, q_width)},
                   B{&ws.hb, r * hidden_}, B{&ws.final_b, r * dim}}) {
-        SDM_RETURN_IF_CUDA(b.b->Allocate(b.n), "allocating activations");
+        SDM_RETURN_IF_ERROR(CudaStatus(b.b->Allocate(b.n), "allocating activations"));
       }
       struct I {
         kc::DeviceBuffer<int32_t>* b;
@@ -381,7 +379,7 @@ class CudaBackend : public EngineBackend {
       };
       for (I i : {I{&ws.w_slots, r * heads * n_w}, I{&ws.r_slots, r * heads * n_r},
                   I{&ws.w_rows, r * heads * n_w}, I{&ws.r_refs, r * heads * n_r}}) {
-        SDM_RETURN_IF_CUDA(i.b->Allocate(i.n), "allocating activations");
+        SDM_RETURN_IF_ERROR(CudaStatus(i.b->Allocate(i.n), "allocating activations"));
       }
       ws.rows = r;
     }
@@ -392,7 +390,8 @@ class CudaBackend : public EngineBackend {
       scratch = std::max(scratch, kc::AttentionDecodeScratchFloats(rows, dims, max_visible));
     }
     if (scratch > static_cast<int64_t>(ws.attn_scratch.size())) {
-      SDM_RETURN_IF_CUDA(ws.attn_scratch.Allocate(scratch), "allocating attention scratch");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(ws.attn_scratch.Allocate(scratch), "allocating attention scratch"));
     }
     return absl::OkStatus();
   }
@@ -471,8 +470,8 @@ class CudaBackend : public EngineBackend {
     const size_t ptr_count = 2 * n_layers * num_segs;
     const size_t bytes = ptr_count * sizeof(void*) + int_count * sizeof(int32_t);
     if (ws.step.size() < bytes) {
-      SDM_RETURN_IF_CUDA(ws.step.Allocate(bytes * 2), "allocating step arrays");
-      SDM_RETURN_IF_CUDA(ws.step_host.Allocate(bytes * 2), "allocating step arrays");
+      SDM_RETURN_IF_ERROR(CudaStatus(ws.step.Allocate(bytes * 2), "allocating step arrays"));
+      SDM_RETURN_IF_ERROR(CudaStatus(ws.step_host.Allocate(bytes * 2), "allocating step arrays"));
     }
     unsigned char* h = ws.step_host.get();
     auto** hp = reinterpret_cast<int32_t**>(h);
@@ -501,8 +500,9 @@ class CudaBackend : public EngineBackend {
         h_seq[segs[s].first_row + t] = static_cast<int32_t>(s);
       }
     }
-    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
-                       "uploading step arrays");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
+                   "uploading step arrays"));
     StepArrays arr;
     int32_t* const* dp = reinterpret_cast<int32_t* const*>(ws.step.get());
     auto* di = reinterpret_cast<const int32_t*>(ws.step.get() + ptr_count * sizeof(void*));
@@ -522,23 +522,23 @@ class CudaBackend : public EngineBackend {
     Clock::time_point mark = Clock::now();
     auto lap = [&](double& bucket) -> absl::Status {
       if (!options_.profile) return absl::OkStatus();
-      SDM_RETURN_IF_CUDA(cudaStreamSynchronize(stream), "profiling");
+      SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "profiling"));
       const Clock::time_point now = Clock::now();
       bucket += std::chrono::duration<double>(now - mark).count();
       mark = now;
       return absl::OkStatus();
     };
     const float eps = static_cast<float>(cfg_.norm_eps);
-    SDM_RETURN_IF_CUDA(kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream),
-                       "embedding");
+    SDM_RETURN_IF_ERROR(CudaStatus(
+        kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream), "embedding"));
     SDM_RETURN_IF_ERROR(lap(profile_.head_seconds));
     const bool decode =
         std::all_of(segs.begin(), segs.end(), [](const Segment& s) { return s.length == 1; });
     for (int64_t li = 0; li < n_layers; ++li) {
       const Layer& l = layers_[li];
-      SDM_RETURN_IF_CUDA(
+      SDM_RETURN_IF_ERROR(CudaStatus(
           kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
-          "attention norm");
+          "attention norm"));
       if (l.type == LayerType::kSdm) {
         SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
         SDM_RETURN_IF_ERROR(lap(profile_.sdm_seconds));
@@ -547,16 +547,18 @@ class CudaBackend : public EngineBackend {
         SDM_RETURN_IF_ERROR(
             lap(l.type == LayerType::kSwa ? profile_.swa_seconds : profile_.attn_seconds));
       }
-      SDM_RETURN_IF_CUDA(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual");
-      SDM_RETURN_IF_CUDA(
-          kc::RmsNorm(ws.x.get(), l.ffn_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
-          "ffn norm");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(kc::RmsNorm(ws.x.get(), l.ffn_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
+                     "ffn norm"));
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
-      SDM_RETURN_IF_CUDA(kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream),
-                         "swiglu");
+      SDM_RETURN_IF_ERROR(CudaStatus(
+          kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream), "swiglu"));
       SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
-      SDM_RETURN_IF_CUDA(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
       SDM_RETURN_IF_ERROR(lap(profile_.ffn_seconds));
     }
 
@@ -568,24 +570,24 @@ class CudaBackend : public EngineBackend {
       for (int64_t i = 0; identity && i < m; ++i) identity = logit_rows[i] == i;
       if (!identity) {
         for (int64_t i = 0; i < m; ++i) {
-          SDM_RETURN_IF_CUDA(
-              cudaMemcpyAsync(ws.tmp.get() + i * dim, ws.x.get() + logit_rows[i] * dim,
-                              dim * sizeof(float), cudaMemcpyDeviceToDevice, stream),
-              "gathering logit rows");
+          SDM_RETURN_IF_ERROR(
+              CudaStatus(cudaMemcpyAsync(ws.tmp.get() + i * dim, ws.x.get() + logit_rows[i] * dim,
+                                         dim * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+                         "gathering logit rows"));
         }
         rows_in = ws.tmp.get();
       }
-      SDM_RETURN_IF_CUDA(
+      SDM_RETURN_IF_ERROR(CudaStatus(
           kc::RmsNorm(rows_in, final_norm_, m, dim, eps, nullptr, ws.final_b.get(), stream),
-          "final norm");
+          "final norm"));
       SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
-      SDM_RETURN_IF_CUDA(
+      SDM_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpyAsync(logits_out, ws.logits.get(), m * cfg_.vocab_size * sizeof(float),
                           cudaMemcpyDeviceToHost, stream),
-          "downloading logits");
+          "downloading logits"));
     }
     SDM_RETURN_IF_ERROR(ctx_->StartRefresh());
-    SDM_RETURN_IF_CUDA(cudaStreamSynchronize(stream), "decode step");
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "decode step"));
     ctx_->FinishRefresh();
     SDM_RETURN_IF_ERROR(lap(profile_.head_seconds));
     for (const Segment& s : segs) {
@@ -613,37 +615,39 @@ class CudaBackend : public EngineBackend {
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wk, nullptr, ws.k.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wv, nullptr, ws.v.get()));
-    SDM_RETURN_IF_CUDA(
-        kc::ApplyRope(ws.q.get(), n, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope");
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(
+        kc::ApplyRope(ws.q.get(), n, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope"));
+    SDM_RETURN_IF_ERROR(CudaStatus(
         kc::ApplyRope(ws.k.get(), n, g.n_kv_heads, g.head_dim, arr.positions, theta, stream),
-        "rope");
+        "rope"));
     kc::KvLayerView view = ctx_->kv_arena(li);
     view.page_tables = arr.tables[li];
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(
         kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
-        "kv append");
+        "kv append"));
     const kc::AttentionDims dims = Dims(g);
     if (decode) {
-      SDM_RETURN_IF_CUDA(
+      SDM_RETURN_IF_ERROR(CudaStatus(
           kc::AttentionDecode(ws.q.get(), static_cast<int64_t>(segs.size()), arr.seg_pos,
                               max_visible, view, dims, ws.attn_scratch.get(), ws.o.get(), stream),
-          "decode attention");
+          "decode attention"));
     } else {
       for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
         const int64_t row = segs[s].first_row;
-        SDM_RETURN_IF_CUDA(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length,
-                                                segs[s].pos0, static_cast<int32_t>(s), view, dims,
-                                                ws.o.get() + row * q_width, stream),
-                           "prefill attention");
+        SDM_RETURN_IF_ERROR(
+            CudaStatus(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length,
+                                            segs[s].pos0, static_cast<int32_t>(s), view, dims,
+                                            ws.o.get() + row * q_width, stream),
+                       "prefill attention"));
       }
     }
     if (a.w_gate.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
-      SDM_RETURN_IF_CUDA(kc::MulSigmoid(ws.gate.get(), ws.o.get(), n * q_width, stream),
-                         "attention gate");
+      SDM_RETURN_IF_ERROR(CudaStatus(kc::MulSigmoid(ws.gate.get(), ws.o.get(), n * q_width, stream),
+                                     "attention gate"));
     }
-    SDM_RETURN_IF_CUDA(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert"));
     return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
   }
 
@@ -661,26 +665,26 @@ class CudaBackend : public EngineBackend {
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
     if (w.qbn_w != nullptr) {
-      SDM_RETURN_IF_CUDA(kc::BatchNormEval(ws.rq.get(), w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, n,
-                                           key_size, 1e-5f, stream),
-                         "query batchnorm");
-      SDM_RETURN_IF_CUDA(kc::BatchNormEval(ws.wkey.get(), w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var,
-                                           n, key_size, 1e-5f, stream),
-                         "key batchnorm");
+      SDM_RETURN_IF_ERROR(CudaStatus(kc::BatchNormEval(ws.rq.get(), w.qbn_w, w.qbn_b, w.qbn_mean,
+                                                       w.qbn_var, n, key_size, 1e-5f, stream),
+                                     "query batchnorm"));
+      SDM_RETURN_IF_ERROR(CudaStatus(kc::BatchNormEval(ws.wkey.get(), w.kbn_w, w.kbn_b, w.kbn_mean,
+                                                       w.kbn_var, n, key_size, 1e-5f, stream),
+                                     "key batchnorm"));
     }
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(
         kc::SdmAddress(ws.wkey.get(), n, heads, sdm_geom_.side, args.num_writes,
                        ToAddressAct(args.write_act), static_cast<float>(args.write_act_scale),
                        ws.w_slots.get(), ws.w_weights.get(), stream),
-        "write addressing");
-    SDM_RETURN_IF_CUDA(
+        "write addressing"));
+    SDM_RETURN_IF_ERROR(CudaStatus(
         kc::SdmAddress(ws.rq.get(), n, heads, sdm_geom_.side, args.num_reads,
                        ToAddressAct(args.read_act), static_cast<float>(args.read_act_scale),
                        ws.r_slots.get(), ws.r_weights.get(), stream),
-        "read addressing");
-    SDM_RETURN_IF_CUDA(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n, heads,
-                                    ws.log_decay.get(), ws.beta.get(), stream),
-                       "sdm gates");
+        "read addressing"));
+    SDM_RETURN_IF_ERROR(CudaStatus(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n,
+                                                heads, ws.log_decay.get(), ws.beta.get(), stream),
+                                   "sdm gates"));
     kc::SdmSegments sg;
     sg.first_row = arr.seg_first;
     sg.length = arr.seg_len;
@@ -693,10 +697,10 @@ class CudaBackend : public EngineBackend {
     dims.heads = heads;
     dims.side = sdm_geom_.side;
     dims.row_width = sdm_geom_.head_width;
-    SDM_RETURN_IF_CUDA(
-        kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0,
-                           ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
-        "sdm row preparation");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0,
+                                      ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
+                   "sdm row preparation"));
     kc::SdmStepArgs step;
     step.w_rows = ws.w_rows.get();
     step.w_weights = ws.w_weights.get();
@@ -711,19 +715,21 @@ class CudaBackend : public EngineBackend {
     step.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
     step.m0 = w.m0;
     step.readings = ws.readings.get();
-    SDM_RETURN_IF_CUDA(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
     if (w.norm_w != nullptr) {
-      SDM_RETURN_IF_CUDA(
-          kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads, sdm_geom_.head_width,
-                        static_cast<float>(args.norm_eps), stream),
-          "readings norm");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads,
+                                   sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
+                     "readings norm"));
     }
     if (w.wog.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
-      SDM_RETURN_IF_CUDA(kc::MulSigmoid(ws.gate.get(), ws.readings.get(), n * dim, stream),
-                         "output gate");
+      SDM_RETURN_IF_ERROR(CudaStatus(
+          kc::MulSigmoid(ws.gate.get(), ws.readings.get(), n * dim, stream), "output gate"));
     }
-    SDM_RETURN_IF_CUDA(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert"));
     return Linear(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get());
   }
 

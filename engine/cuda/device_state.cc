@@ -31,8 +31,10 @@ absl::Status CudaStatus(cudaError_t err, const char* what) {
 absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
     const StateLayout& layout, const DeviceStateSizes& sizes, std::vector<const bf16*> m0) {
   std::shared_ptr<CudaDeviceContext> ctx(new CudaDeviceContext(layout, sizes));
-  SDM_RETURN_IF_CUDA(ctx->compute_.Create(), "creating the compute stream");
-  SDM_RETURN_IF_CUDA(ctx->transfer_.Create(), "creating the transfer stream");
+  // Nothing else sees ctx yet; the lock only lets the thread-safety analysis check the writes.
+  absl::MutexLock init_lock(&ctx->mu_);
+  SDM_RETURN_IF_ERROR(CudaStatus(ctx->compute_.Create(), "creating the compute stream"));
+  SDM_RETURN_IF_ERROR(CudaStatus(ctx->transfer_.Create(), "creating the transfer stream"));
   const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
   ctx->m0_ = std::move(m0);
   ctx->m0_.resize(n_layers, nullptr);
@@ -46,9 +48,9 @@ absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
       ctx->row_width_ = ls.row_width;
     } else if (l < static_cast<int64_t>(sizes.kv_pages.size()) && sizes.kv_pages[l] > 0) {
       const int64_t pages = sizes.kv_pages[l];
-      SDM_RETURN_IF_CUDA(
-          ctx->kv_pools_[l].Allocate(pages * kernels::KvPageElements(ls.kv_row_width)),
-          "allocating a KV page arena");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(ctx->kv_pools_[l].Allocate(pages * kernels::KvPageElements(ls.kv_row_width)),
+                     "allocating a KV page arena"));
       std::vector<int32_t>& free = ctx->free_pages_[l];
       free.resize(pages);
       // Popped from the back: hand out low pages first.
@@ -56,27 +58,32 @@ absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
     }
   }
   if (ctx->num_sdm_layers_ > 0 && sizes.sdm_rows > 0) {
-    SDM_RETURN_IF_CUDA(ctx->rows_.Allocate(sizes.sdm_rows * ctx->row_width_),
-                       "allocating the SDM row arena");
-    SDM_RETURN_IF_CUDA(ctx->free_list_.Allocate(sizes.sdm_rows), "allocating the row free list");
-    SDM_RETURN_IF_CUDA(ctx->free_count_.Allocate(1), "allocating the row free count");
-    SDM_RETURN_IF_CUDA(kc::SdmInitFreeList(ctx->row_arena(), sizes.sdm_rows, ctx->compute()),
-                       "initialising the row free list");
+    SDM_RETURN_IF_ERROR(CudaStatus(ctx->rows_.Allocate(sizes.sdm_rows * ctx->row_width_),
+                                   "allocating the SDM row arena"));
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(ctx->free_list_.Allocate(sizes.sdm_rows), "allocating the row free list"));
+    SDM_RETURN_IF_ERROR(CudaStatus(ctx->free_count_.Allocate(1), "allocating the row free count"));
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(kc::SdmInitFreeList(ctx->row_arena(), sizes.sdm_rows, ctx->compute()),
+                   "initialising the row free list"));
     ctx->free_rows_ = sizes.sdm_rows;
   }
   const int64_t counters = sizes.max_sessions * std::max<int64_t>(1, ctx->num_sdm_layers_);
-  SDM_RETURN_IF_CUDA(ctx->counters_.Allocate(counters), "allocating row counters");
-  SDM_RETURN_IF_CUDA(
+  SDM_RETURN_IF_ERROR(CudaStatus(ctx->counters_.Allocate(counters), "allocating row counters"));
+  SDM_RETURN_IF_ERROR(CudaStatus(
       cudaMemsetAsync(ctx->counters_.get(), 0, counters * sizeof(int32_t), ctx->compute()),
-      "clearing row counters");
-  SDM_RETURN_IF_CUDA(ctx->counters_host_.Allocate(counters), "allocating pinned counters");
-  SDM_RETURN_IF_CUDA(ctx->free_count_host_.Allocate(1), "allocating the pinned free count");
+      "clearing row counters"));
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(ctx->counters_host_.Allocate(counters), "allocating pinned counters"));
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(ctx->free_count_host_.Allocate(1), "allocating the pinned free count"));
   ctx->counters_published_.assign(counters, 0);
   ctx->free_slots_.resize(sizes.max_sessions);
   for (int64_t i = 0; i < sizes.max_sessions; ++i) {
     ctx->free_slots_[i] = static_cast<int32_t>(sizes.max_sessions - 1 - i);
   }
-  SDM_RETURN_IF_CUDA(cudaStreamSynchronize(ctx->compute()), "initialising device state");
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamSynchronize(ctx->compute()), "initialising device state"));
   return ctx;
 }
 
@@ -110,7 +117,7 @@ int64_t CudaDeviceContext::page_bytes(int64_t layer) const {
 }
 
 absl::StatusOr<int32_t> CudaDeviceContext::AllocatePage(int64_t layer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<int32_t>& free = free_pages_[layer];
   if (free.empty()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -123,12 +130,12 @@ absl::StatusOr<int32_t> CudaDeviceContext::AllocatePage(int64_t layer) {
 }
 
 void CudaDeviceContext::FreePages(int64_t layer, const std::vector<int32_t>& pages) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   free_pages_[layer].insert(free_pages_[layer].end(), pages.begin(), pages.end());
 }
 
 absl::StatusOr<int32_t> CudaDeviceContext::AllocateCounterSlot() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (free_slots_.empty()) {
     return absl::ResourceExhaustedError(
         absl::StrCat("more than ", sizes_.max_sessions, " sessions resident on the device"));
@@ -139,7 +146,7 @@ absl::StatusOr<int32_t> CudaDeviceContext::AllocateCounterSlot() {
 }
 
 void CudaDeviceContext::FreeCounterSlot(int32_t slot) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   for (int64_t i = 0; i < std::max<int64_t>(1, num_sdm_layers_); ++i) {
     counters_published_[slot * std::max<int64_t>(1, num_sdm_layers_) + i] = 0;
   }
@@ -151,18 +158,18 @@ int32_t* CudaDeviceContext::row_counter(int32_t slot, int64_t sdm_index) const {
 }
 
 int32_t CudaDeviceContext::row_count(int32_t slot, int64_t sdm_index) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return counters_published_[slot * std::max<int64_t>(1, num_sdm_layers_) + sdm_index];
 }
 
 int64_t CudaDeviceContext::free_rows_lower_bound() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return free_rows_;
 }
 
 absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (rows <= free_rows_) {
       free_rows_ -= rows;
       return absl::OkStatus();
@@ -175,12 +182,12 @@ absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
   // which does not wait for the non-blocking compute stream: hence the synchronisation first.
   int32_t device_free = 0;
   if (free_count_.get() != nullptr) {
-    SDM_RETURN_IF_CUDA(cudaStreamSynchronize(compute()), "waiting for released rows");
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(compute()), "waiting for released rows"));
+    SDM_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpy(&device_free, free_count_.get(), sizeof(int32_t), cudaMemcpyDeviceToHost),
-        "reading the free row count");
+        "reading the free row count"));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   free_rows_ = device_free;
   if (rows > free_rows_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -194,18 +201,20 @@ absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
 
 absl::Status CudaDeviceContext::StartRefresh() {
   if (free_count_.get() != nullptr) {
-    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(free_count_host_.get(), free_count_.get(), sizeof(int32_t),
-                                       cudaMemcpyDeviceToHost, compute()),
-                       "reading the free row count");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(free_count_host_.get(), free_count_.get(), sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, compute()),
+                   "reading the free row count"));
   }
-  SDM_RETURN_IF_CUDA(cudaMemcpyAsync(counters_host_.get(), counters_.get(), counters_.bytes(),
-                                     cudaMemcpyDeviceToHost, compute()),
-                     "reading the row counters");
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(cudaMemcpyAsync(counters_host_.get(), counters_.get(), counters_.bytes(),
+                                 cudaMemcpyDeviceToHost, compute()),
+                 "reading the row counters"));
   return absl::OkStatus();
 }
 
 void CudaDeviceContext::FinishRefresh() {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (free_count_.get() != nullptr) free_rows_ = *free_count_host_.get();
   std::memcpy(counters_published_.data(), counters_host_.get(), counters_.bytes());
 }
@@ -240,11 +249,12 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     const LayerStateLayout& ls = layout.layers[l];
     Layer& layer = s->layers_[l];
     if (IsSdm(ls)) {
-      SDM_RETURN_IF_CUDA(layer.table.Allocate(SlotsOf(ls)), "allocating an SDM slot table");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(layer.table.Allocate(SlotsOf(ls)), "allocating an SDM slot table"));
       // 0xff bytes make every entry kSdmNoRow (-1).
-      SDM_RETURN_IF_CUDA(
-          cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
-          "clearing an SDM slot table");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
+                     "clearing an SDM slot table"));
       SdmUpload up{l, {}, staging_elems / ls.row_width};
       host.sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
         up.slot_ids.push_back(static_cast<int32_t>(head * ls.slots_per_head + slot));
@@ -252,8 +262,8 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
       staging_elems += static_cast<int64_t>(up.slot_ids.size()) * ls.row_width;
       sdm_uploads.push_back(std::move(up));
     } else {
-      SDM_RETURN_IF_CUDA(layer.table.Allocate(ctx->page_table_entries(l)),
-                         "allocating a page table");
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(layer.table.Allocate(ctx->page_table_entries(l)), "allocating a page table"));
       layer.pages.reserve(ctx->page_table_entries(l));
     }
   }
@@ -274,7 +284,8 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   if (staging_elems == 0) return s;
 
   kc::PinnedBuffer<bf16> staging;
-  SDM_RETURN_IF_CUDA(staging.Allocate(staging_elems), "allocating pinned upload staging");
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(staging.Allocate(staging_elems), "allocating pinned upload staging"));
   for (const SdmUpload& up : sdm_uploads) {
     const int64_t w = layout.layers[up.layer].row_width;
     bf16* dst = staging.get() + up.offset * w;
@@ -314,50 +325,56 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   kc::DeviceBuffer<bf16> row_staging;
   kc::DeviceBuffer<int32_t> slot_ids;
   if (total_rows > 0) {
-    SDM_RETURN_IF_CUDA(row_staging.Allocate(total_rows * ctx->row_arena().row_width),
-                       "allocating row upload staging");
-    SDM_RETURN_IF_CUDA(slot_ids.Allocate(total_rows), "allocating slot upload staging");
+    SDM_RETURN_IF_ERROR(CudaStatus(row_staging.Allocate(total_rows * ctx->row_arena().row_width),
+                                   "allocating row upload staging"));
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(slot_ids.Allocate(total_rows), "allocating slot upload staging"));
   }
   std::vector<int32_t> all_slots;
   for (const SdmUpload& up : sdm_uploads) {
     all_slots.insert(all_slots.end(), up.slot_ids.begin(), up.slot_ids.end());
   }
   if (total_rows > 0) {
-    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(row_staging.get(), staging.get(), row_staging.bytes(),
-                                       cudaMemcpyHostToDevice, ctx->transfer()),
-                       "uploading SDM rows");
-    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(slot_ids.get(), all_slots.data(), slot_ids.bytes(),
-                                       cudaMemcpyHostToDevice, ctx->transfer()),
-                       "uploading SDM slot ids");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(row_staging.get(), staging.get(), row_staging.bytes(),
+                                   cudaMemcpyHostToDevice, ctx->transfer()),
+                   "uploading SDM rows"));
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(slot_ids.get(), all_slots.data(), slot_ids.bytes(),
+                                   cudaMemcpyHostToDevice, ctx->transfer()),
+                   "uploading SDM slot ids"));
   }
   for (const PageUpload& up : page_uploads) {
     const kc::KvLayerView arena = ctx->kv_arena(up.layer);
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(arena.pool + kernels::KvRowOffset(up.page, 0, arena.kv_width, false),
                         staging.get() + up.offset, ctx->page_bytes(up.layer),
                         cudaMemcpyHostToDevice, ctx->transfer()),
-        "uploading KV pages");
+        "uploading KV pages"));
   }
   kc::CudaEvent uploaded;
-  SDM_RETURN_IF_CUDA(uploaded.Create(), "creating an event");
-  SDM_RETURN_IF_CUDA(cudaEventRecord(uploaded.get(), ctx->transfer()), "recording an event");
-  SDM_RETURN_IF_CUDA(cudaStreamWaitEvent(ctx->compute(), uploaded.get(), 0), "ordering streams");
+  SDM_RETURN_IF_ERROR(CudaStatus(uploaded.Create(), "creating an event"));
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(cudaEventRecord(uploaded.get(), ctx->transfer()), "recording an event"));
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamWaitEvent(ctx->compute(), uploaded.get(), 0), "ordering streams"));
   for (const SdmUpload& up : sdm_uploads) {
     if (up.slot_ids.empty()) continue;
     const int64_t count = static_cast<int64_t>(up.slot_ids.size());
     const int64_t w = layout.layers[up.layer].row_width;
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(
         kc::SdmScatterRows(row_staging.get() + up.offset * w, slot_ids.get() + up.offset, count,
                            s->layers_[up.layer].table.get(), ctx->row_arena(), ctx->compute()),
-        "scattering uploaded rows");
+        "scattering uploaded rows"));
     const int32_t n = static_cast<int32_t>(count);
-    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(ctx->row_counter(s->counter_slot_, ctx->sdm_index(up.layer)),
-                                       &n, sizeof(int32_t), cudaMemcpyHostToDevice, ctx->compute()),
-                       "setting a row counter");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(ctx->row_counter(s->counter_slot_, ctx->sdm_index(up.layer)), &n,
+                                   sizeof(int32_t), cudaMemcpyHostToDevice, ctx->compute()),
+                   "setting a row counter"));
   }
   // The staging buffers die with this scope: wait for the copies (a resume is one upload of at
   // most the session's state; the next step would wait for it anyway).
-  SDM_RETURN_IF_CUDA(cudaStreamSynchronize(ctx->compute()), "uploading a session");
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx->compute()), "uploading a session"));
   return s;
 }
 
@@ -413,10 +430,10 @@ absl::Status CudaSessionState::EnsurePages(int64_t end) {
     }
     // The mirror never reallocates (reserved to `entries`), and entries once written never
     // change, so the copy may read it after this returns.
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(layer.table.get() + have, layer.pages.data() + have,
                         (needed - have) * sizeof(int32_t), cudaMemcpyHostToDevice, ctx_->compute()),
-        "updating a page table");
+        "updating a page table"));
   }
   return absl::OkStatus();
 }
@@ -442,21 +459,25 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
   const int64_t n_layers = static_cast<int64_t>(layers_.size());
   // Everything the compute stream did to this session so far happens before the copies.
   kc::CudaEvent computed;
-  SDM_RETURN_IF_CUDA(computed.Create(), "creating an event");
-  SDM_RETURN_IF_CUDA(cudaEventRecord(computed.get(), ctx_->compute()), "recording an event");
-  SDM_RETURN_IF_CUDA(cudaStreamWaitEvent(ctx_->transfer(), computed.get(), 0), "ordering streams");
+  SDM_RETURN_IF_ERROR(CudaStatus(computed.Create(), "creating an event"));
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(cudaEventRecord(computed.get(), ctx_->compute()), "recording an event"));
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(cudaStreamWaitEvent(ctx_->transfer(), computed.get(), 0), "ordering streams"));
   cudaStream_t t = ctx_->transfer();
 
   // The SDM tables first: they say which rows to move.
   std::vector<kc::PinnedBuffer<int32_t>> tables(n_layers);
   for (int64_t l = 0; l < n_layers; ++l) {
     if (!IsSdm(layout.layers[l])) continue;
-    SDM_RETURN_IF_CUDA(tables[l].Allocate(layers_[l].table.size()), "allocating pinned tables");
-    SDM_RETURN_IF_CUDA(cudaMemcpyAsync(tables[l].get(), layers_[l].table.get(),
-                                       layers_[l].table.bytes(), cudaMemcpyDeviceToHost, t),
-                       "downloading an SDM table");
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(tables[l].Allocate(layers_[l].table.size()), "allocating pinned tables"));
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(tables[l].get(), layers_[l].table.get(),
+                                   layers_[l].table.bytes(), cudaMemcpyDeviceToHost, t),
+                   "downloading an SDM table"));
   }
-  SDM_RETURN_IF_CUDA(cudaStreamSynchronize(t), "downloading SDM tables");
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading SDM tables"));
   struct RowDownload {
     int64_t layer, slot, offset;  // offset in rows into the staging image
   };
@@ -480,21 +501,23 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
   const int64_t row_width = ctx_->row_arena().row_width;
   const int64_t row_elems = static_cast<int64_t>(row_ids.size()) * row_width;
   kc::PinnedBuffer<bf16> staging;
-  SDM_RETURN_IF_CUDA(staging.Allocate(row_elems + page_elems), "allocating pinned staging");
+  SDM_RETURN_IF_ERROR(
+      CudaStatus(staging.Allocate(row_elems + page_elems), "allocating pinned staging"));
   kc::DeviceBuffer<int32_t> ids;
   kc::DeviceBuffer<bf16> gathered;
   if (!row_ids.empty()) {
-    SDM_RETURN_IF_CUDA(ids.Allocate(row_ids.size()), "allocating row ids");
-    SDM_RETURN_IF_CUDA(gathered.Allocate(row_elems), "allocating gather staging");
-    SDM_RETURN_IF_CUDA(
+    SDM_RETURN_IF_ERROR(CudaStatus(ids.Allocate(row_ids.size()), "allocating row ids"));
+    SDM_RETURN_IF_ERROR(CudaStatus(gathered.Allocate(row_elems), "allocating gather staging"));
+    SDM_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(ids.get(), row_ids.data(), ids.bytes(), cudaMemcpyHostToDevice, t),
-        "uploading row ids");
-    SDM_RETURN_IF_CUDA(kc::SdmGatherRows(ctx_->row_arena(), ids.get(),
-                                         static_cast<int64_t>(row_ids.size()), gathered.get(), t),
-                       "gathering rows");
-    SDM_RETURN_IF_CUDA(
+        "uploading row ids"));
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(kc::SdmGatherRows(ctx_->row_arena(), ids.get(),
+                                     static_cast<int64_t>(row_ids.size()), gathered.get(), t),
+                   "gathering rows"));
+    SDM_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(staging.get(), gathered.get(), gathered.bytes(), cudaMemcpyDeviceToHost, t),
-        "downloading rows");
+        "downloading rows"));
   }
   int64_t offset = row_elems;
   std::vector<std::vector<int64_t>> page_offsets(n_layers);
@@ -503,15 +526,15 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     const kc::KvLayerView arena = ctx_->kv_arena(l);
     for (int32_t page : layers_[l].pages) {
       page_offsets[l].push_back(offset);
-      SDM_RETURN_IF_CUDA(
+      SDM_RETURN_IF_ERROR(CudaStatus(
           cudaMemcpyAsync(staging.get() + offset,
                           arena.pool + kernels::KvRowOffset(page, 0, arena.kv_width, false),
                           ctx_->page_bytes(l), cudaMemcpyDeviceToHost, t),
-          "downloading KV pages");
+          "downloading KV pages"));
       offset += kernels::KvPageElements(arena.kv_width);
     }
   }
-  SDM_RETURN_IF_CUDA(cudaStreamSynchronize(t), "downloading a session");
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading a session"));
 
   // Write the host layers. Host private rows are a subset of the device's (the device copy
   // started from them and only gains rows).

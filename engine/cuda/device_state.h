@@ -19,12 +19,14 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "base/status_macros.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/sdm.h"
@@ -34,16 +36,9 @@
 
 namespace sdm {
 
-// CUDA errors as statuses: out-of-memory is RESOURCE_EXHAUSTED, the rest INTERNAL.
+// CUDA errors as statuses: out-of-memory is RESOURCE_EXHAUSTED, the rest INTERNAL. Propagate
+// with SDM_RETURN_IF_ERROR(CudaStatus(cudaCall(...), "what")) (base/status_macros.h).
 absl::Status CudaStatus(cudaError_t err, const char* what);
-
-// Returns CudaStatus(expr, what) from the enclosing function unless it is OK.
-#define SDM_RETURN_IF_CUDA(expr, what)                                    \
-  do {                                                                    \
-    if (absl::Status sdm_s_ = CudaStatus((expr), (what)); !sdm_s_.ok()) { \
-      return sdm_s_;                                                      \
-    }                                                                     \
-  } while (0)
 
 struct DeviceStateSizes {
   int64_t sdm_rows = 0;           // rows in the SDM arena
@@ -112,11 +107,11 @@ class CudaDeviceContext {
   kernels::cuda::PinnedBuffer<int32_t> free_count_host_, counters_host_;
   std::vector<kernels::cuda::DeviceBuffer<__nv_bfloat16>> kv_pools_;  // per layer
 
-  mutable std::mutex mu_;
-  std::vector<std::vector<int32_t>> free_pages_;  // per layer
-  std::vector<int32_t> free_slots_;
-  int64_t free_rows_ = 0;
-  std::vector<int32_t> counters_published_;
+  mutable absl::Mutex mu_;
+  std::vector<std::vector<int32_t>> free_pages_ ABSL_GUARDED_BY(mu_);  // per layer
+  std::vector<int32_t> free_slots_ ABSL_GUARDED_BY(mu_);
+  int64_t free_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<int32_t> counters_published_ ABSL_GUARDED_BY(mu_);
 };
 
 // One session's residency on the device.

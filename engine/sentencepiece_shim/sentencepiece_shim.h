@@ -20,9 +20,9 @@
  *      engine as SDM_SENTENCEPIECE_SHIM_BUILD_PATH): how every executable of a build tree (tools,
  *      tests, server) finds it without copies. sdm_engine depends on the shim target, so building
  *      any executable builds the shim too.
- * There is no install rule (the project installs nothing yet). If no candidate loads, creating an
- * "sp" tokenizer fails with FailedPrecondition naming every path tried; the "bytes" tokenizer
- * never loads the shim.
+ * cmake --install puts the shim next to the installed binaries (<prefix>/bin), so an installed
+ * binary finds it by rule 2. If no candidate loads, creating an "sp" tokenizer fails with
+ * FailedPrecondition naming every path tried; the "bytes" tokenizer never loads the shim.
  *
  * Interface rules: every symbol name carries the interface version (sdm_sp_v1_...), so a shim
  * of another version fails symbol lookup with a message naming the symbol instead of being

@@ -9,10 +9,10 @@ ThreadPool::ThreadPool(int num_threads) {
 
 ThreadPool::~ThreadPool() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
   }
-  wake_.notify_all();
+  wake_.SignalAll();
   for (std::thread& t : workers_) t.join();
 }
 
@@ -26,8 +26,8 @@ void ThreadPool::WorkerLoop() {
     const std::function<void(int64_t)>* job = nullptr;
     int64_t n = 0;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
+      absl::MutexLock lock(&mu_);
+      while (!stop_ && generation_ == seen) wake_.Wait(&mu_);
       if (stop_) return;
       seen = generation_;
       // A worker waking after its generation finished finds no job: nothing to do.
@@ -38,8 +38,8 @@ void ThreadPool::WorkerLoop() {
     }
     RunShare(*job, n);
     {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--busy_ == 0) done_.notify_one();
+      absl::MutexLock lock(&mu_);
+      if (--busy_ == 0) done_.Signal();
     }
   }
 }
@@ -50,21 +50,21 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     for (int64_t i = 0; i < n; ++i) fn(i);
     return;
   }
-  std::lock_guard<std::mutex> call(call_mu_);
+  absl::MutexLock call(&call_mu_);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     job_ = &fn;
     job_size_ = n;
     next_.store(0);
     ++generation_;
   }
-  wake_.notify_all();
+  wake_.SignalAll();
   RunShare(fn, n);
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   // Workers that woke for this generation hold busy_ until their share is done. A worker that
   // has not woken yet finds next_ >= n and returns at once, so waiting on busy_ suffices once
   // every index has been claimed.
-  done_.wait(lock, [&] { return busy_ == 0; });
+  while (busy_ != 0) done_.Wait(&mu_);
   job_ = nullptr;
 }
 

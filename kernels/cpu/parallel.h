@@ -8,12 +8,13 @@
 #define SDMSERVE_KERNELS_CPU_PARALLEL_H_
 
 #include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 
 namespace sdm::kernels::cpu {
 
@@ -34,16 +35,16 @@ class ThreadPool {
   void RunShare(const std::function<void(int64_t)>& fn, int64_t n);
 
   std::vector<std::thread> workers_;
-  std::mutex call_mu_;  // one ParallelFor at a time
-  std::mutex mu_;
-  std::condition_variable wake_;
-  std::condition_variable done_;
-  const std::function<void(int64_t)>* job_ = nullptr;  // guarded by mu_
-  int64_t job_size_ = 0;
-  uint64_t generation_ = 0;
-  int busy_ = 0;
-  bool stop_ = false;
-  std::atomic<int64_t> next_{0};
+  absl::Mutex call_mu_;  // one ParallelFor at a time
+  absl::Mutex mu_ ABSL_ACQUIRED_AFTER(call_mu_);
+  absl::CondVar wake_;  // a new generation or stop_
+  absl::CondVar done_;  // busy_ dropped to 0
+  const std::function<void(int64_t)>* job_ ABSL_GUARDED_BY(mu_) = nullptr;
+  int64_t job_size_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
+  int busy_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int64_t> next_{0};  // the next index to claim of the current job
 };
 
 }  // namespace sdm::kernels::cpu

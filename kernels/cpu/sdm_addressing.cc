@@ -1,6 +1,6 @@
 #include "kernels/cpu/sdm_addressing.h"
 
-#include "kernels/common/check.h"
+#include "base/check.h"
 
 namespace sdm::kernels::cpu {
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "kernels/common/check.h"
+#include "base/check.h"
 #include "kernels/common/sdm_math.h"
 
 namespace sdm::kernels::cpu {

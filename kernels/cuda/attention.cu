@@ -538,7 +538,7 @@ cudaError_t LaunchPrefill(const float* q, int64_t num_tokens, int64_t pos0, int3
   constexpr size_t smem = PrefillSmemBytes<kHd>();
   auto* kernel = &AttentionPrefillKernel<kHd>;
   // Above 48 KB a kernel must opt in to dynamic shared memory (cheap; idempotent).
-  SDM_CUDA_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>((num_tokens + kPrefillQueries - 1) / kPrefillQueries),
                   static_cast<unsigned>(dims.n_heads));

@@ -11,19 +11,20 @@
 #include <string>
 #include <utility>
 
+#include "base/status_macros.h"
+
+// SDM_RETURN_IF_ERROR(cudaCall(...)) returns the CUDA error from an enclosing function that
+// returns cudaError_t.
+namespace sdm::base_internal {
+inline constexpr bool IsOk(cudaError_t err) { return err == cudaSuccess; }
+}  // namespace sdm::base_internal
+
 namespace sdm::kernels::cuda {
 
 // "cudaErrorMemoryAllocation: out of memory" style text for messages.
 inline std::string CudaErrorText(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);
 }
-
-// Returns the error of a CUDA call from the enclosing function (which returns cudaError_t).
-#define SDM_CUDA_RETURN_IF_ERROR(expr)                      \
-  do {                                                      \
-    const cudaError_t sdm_cuda_err_ = (expr);               \
-    if (sdm_cuda_err_ != cudaSuccess) return sdm_cuda_err_; \
-  } while (0)
 
 // Where a CudaBuffer's memory comes from: device memory (cudaMalloc; never managed memory) or
 // page-locked host memory (cudaMallocHost) for async copies.

@@ -622,7 +622,7 @@ cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r
     PrepareAllocKernel<<<WarpBlocks(segs.num * dims.heads, kPrepareThreads), kPrepareThreads, 0,
                          stream>>>(w_slots, n_w, segs, dims.heads, slots_per_head, arena.free_list,
                                    arena.free_count, w_rows);
-    SDM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    SDM_RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid(WarpBlocks(segs.max_length * dims.heads * n_w, kPrepareThreads), seg_blocks);
     const bool vec16 =
         width % 8 == 0 && Aligned(arena.rows, 16) && (m0 == nullptr || Aligned(m0, 16));
@@ -633,7 +633,7 @@ cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r
       PrepareCopyKernel<false><<<grid, kPrepareThreads, 0, stream>>>(
           w_slots, n_w, segs, dims.heads, slots_per_head, m0, arena.rows, width, w_rows);
     }
-    SDM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    SDM_RETURN_IF_ERROR(cudaGetLastError());
   }
   if (n_w + n_r > 0) {
     const int64_t per_seg = segs.max_length * dims.heads * (n_w + n_r);
@@ -641,7 +641,7 @@ cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r
                     seg_blocks);
     PrepareRefsKernel<<<grid, kPrepareThreads, 0, stream>>>(n_w, r_slots, n_r, segs, dims.heads,
                                                             slots_per_head, w_rows, r_refs);
-    SDM_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    SDM_RETURN_IF_ERROR(cudaGetLastError());
   }
   return cudaSuccess;
 }

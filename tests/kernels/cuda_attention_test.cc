@@ -61,7 +61,7 @@ float FromBf16Bits(uint16_t b) {
 
 template <typename T>
 cudaError_t Upload(cuda::DeviceBuffer<T>& dst, const std::vector<T>& src) {
-  SDM_CUDA_RETURN_IF_ERROR(dst.Allocate(src.size()));
+  SDM_RETURN_IF_ERROR(dst.Allocate(src.size()));
   return cudaMemcpy(dst.get(), src.data(), src.size() * sizeof(T), cudaMemcpyHostToDevice);
 }
 
@@ -121,16 +121,16 @@ class PagedCache {
   // sequence per KvAppend call (rows of one call never share a ring slot), with a padding row
   // (position -1, garbage values) in each call that must be skipped.
   cudaError_t Build() {
-    SDM_CUDA_RETURN_IF_ERROR(arena_.Allocate(num_pages_ * KvPageElements(kv_width_)));
+    SDM_RETURN_IF_ERROR(arena_.Allocate(num_pages_ * KvPageElements(kv_width_)));
     // 0xffff is a bf16 NaN: reading any slot that was never written poisons the result.
-    SDM_CUDA_RETURN_IF_ERROR(cudaMemset(arena_.get(), 0xff, arena_.bytes()));
+    SDM_RETURN_IF_ERROR(cudaMemset(arena_.get(), 0xff, arena_.bytes()));
     std::vector<const int32_t*> table_ptrs;
     d_tables_.resize(tables_.size());
     for (size_t s = 0; s < tables_.size(); ++s) {
-      SDM_CUDA_RETURN_IF_ERROR(Upload(d_tables_[s], tables_[s]));
+      SDM_RETURN_IF_ERROR(Upload(d_tables_[s], tables_[s]));
       table_ptrs.push_back(d_tables_[s].get());
     }
-    SDM_CUDA_RETURN_IF_ERROR(Upload(d_table_ptrs_, table_ptrs));
+    SDM_RETURN_IF_ERROR(Upload(d_table_ptrs_, table_ptrs));
     const int64_t max_len = *std::max_element(c_.lengths.begin(), c_.lengths.end());
     for (int64_t p0 = 0; p0 < max_len; p0 += kKvPageTokens) {
       std::vector<float> k, v;
@@ -149,13 +149,13 @@ class PagedCache {
       pos.push_back(-1);
       cuda::DeviceBuffer<float> dk, dv;
       cuda::DeviceBuffer<int32_t> dseq, dpos;
-      SDM_CUDA_RETURN_IF_ERROR(Upload(dk, k));
-      SDM_CUDA_RETURN_IF_ERROR(Upload(dv, v));
-      SDM_CUDA_RETURN_IF_ERROR(Upload(dseq, seq));
-      SDM_CUDA_RETURN_IF_ERROR(Upload(dpos, pos));
-      SDM_CUDA_RETURN_IF_ERROR(cuda::KvAppend(dk.get(), dv.get(), static_cast<int64_t>(seq.size()),
-                                              dseq.get(), dpos.get(), View(), nullptr));
-      SDM_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());  // before the buffers are freed
+      SDM_RETURN_IF_ERROR(Upload(dk, k));
+      SDM_RETURN_IF_ERROR(Upload(dv, v));
+      SDM_RETURN_IF_ERROR(Upload(dseq, seq));
+      SDM_RETURN_IF_ERROR(Upload(dpos, pos));
+      SDM_RETURN_IF_ERROR(cuda::KvAppend(dk.get(), dv.get(), static_cast<int64_t>(seq.size()),
+                                         dseq.get(), dpos.get(), View(), nullptr));
+      SDM_RETURN_IF_ERROR(cudaDeviceSynchronize());  // before the buffers are freed
     }
     return cudaSuccess;
   }

@@ -10,12 +10,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/check.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
 #include "gtest/gtest.h"
-#include "kernels/common/check.h"
 
 namespace sdm {
 namespace {

@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/check.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "kernels/common/check.h"
 #include "state_store/session_state.h"
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"

@@ -17,14 +17,15 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "state_store/state_files.h"
 
 namespace sdm::testing {
@@ -55,7 +56,7 @@ class FaultInjectionFiles : public StateFiles {
 
   // The next call of `op` (after fault.skip successful ones) fails with fault.status.
   void FailNext(Op op, Fault fault) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     faults_[Index(op)] = std::move(fault);
   }
   // Common faults.
@@ -75,26 +76,26 @@ class FaultInjectionFiles : public StateFiles {
 
   // From the first injected fault on, operations that change the disk fail without effect.
   void set_crash_at_fault(bool crash) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     crash_at_fault_ = crash;
   }
   bool crashed() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return crashed_;
   }
   // Injected faults that fired.
   int faults_fired() const {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return fired_;
   }
   // Calls of `op` so far (failed ones included).
   int calls(Op op) const {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     return calls_[Index(op)];
   }
   // Clears pending faults and the crashed state (counters are kept).
   void ClearFaults() {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     for (auto& f : faults_) f.reset();
     crashed_ = false;
   }
@@ -154,7 +155,7 @@ class FaultInjectionFiles : public StateFiles {
 
   // Counts the call; returns the error it must fail with, if any (and the fault that fired).
   absl::Status Enter(Op op, std::optional<Fault>* fired) {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     ++calls_[Index(op)];
     if (crashed_ && Mutates(op)) {
       return absl::UnavailableError("injected: the process crashed before this operation");
@@ -173,12 +174,12 @@ class FaultInjectionFiles : public StateFiles {
     return status;
   }
 
-  mutable std::mutex mu_;
-  std::array<std::optional<Fault>, kNumOps> faults_;
-  std::array<int, kNumOps> calls_{};
-  bool crash_at_fault_ = false;
-  bool crashed_ = false;
-  int fired_ = 0;
+  mutable absl::Mutex mu_;
+  std::array<std::optional<Fault>, kNumOps> faults_ ABSL_GUARDED_BY(mu_);
+  std::array<int, kNumOps> calls_ ABSL_GUARDED_BY(mu_){};
+  bool crash_at_fault_ ABSL_GUARDED_BY(mu_) = false;
+  bool crashed_ ABSL_GUARDED_BY(mu_) = false;
+  int fired_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace sdm::testing

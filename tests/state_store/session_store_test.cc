@@ -7,11 +7,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/check.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
-#include "kernels/common/check.h"
 #include "state_store/state_codec.h"
 
 namespace sdm {

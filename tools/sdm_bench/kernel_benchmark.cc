@@ -18,6 +18,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "base/status_macros.h"
 #include "common/percentile.h"
 #include "kernels/common/device_layout.h"
 #include "kernels/cuda/attention.h"
@@ -54,11 +55,6 @@ absl::Status Cuda(cudaError_t err, const std::string& what) {
              : absl::InternalError(absl::StrCat(what, ": ", text));
 }
 
-#define SDM_BENCH_RETURN_IF_ERROR(expr)                \
-  do {                                                 \
-    if (absl::Status s_ = (expr); !s_.ok()) return s_; \
-  } while (0)
-
 // Rounds to the nearest bf16, ties to even (inputs are finite).
 uint16_t Bf16Bits(float f) {
   uint32_t u;
@@ -88,7 +84,7 @@ absl::Status FillBf16(bf16* dst, size_t count, float scale, std::mt19937_64& rng
   for (auto& x : host) x = Bf16Bits(u(rng));
   for (size_t done = 0; done < count; done += chunk) {
     const size_t n = std::min(chunk, count - done);
-    SDM_BENCH_RETURN_IF_ERROR(
+    SDM_RETURN_IF_ERROR(
         Cuda(cudaMemcpy(dst + done, host.data(), n * sizeof(uint16_t), cudaMemcpyHostToDevice),
              "uploading random values"));
   }
@@ -123,17 +119,17 @@ struct Timing {
 absl::StatusOr<Timing> Time(cudaStream_t stream, int warmup, int reps,
                             const std::function<cudaError_t(int)>& body, const char* what) {
   kc::CudaEvent start, stop;
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(start.Create(/*timing=*/true), "creating an event"));
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(stop.Create(/*timing=*/true), "creating an event"));
+  SDM_RETURN_IF_ERROR(Cuda(start.Create(/*timing=*/true), "creating an event"));
+  SDM_RETURN_IF_ERROR(Cuda(stop.Create(/*timing=*/true), "creating an event"));
   std::vector<double> times;
   for (int i = 0; i < warmup + reps; ++i) {
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaEventRecord(start.get(), stream), "recording an event"));
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(body(i), what));
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaEventRecord(stop.get(), stream), "recording an event"));
+    SDM_RETURN_IF_ERROR(Cuda(cudaEventRecord(start.get(), stream), "recording an event"));
+    SDM_RETURN_IF_ERROR(Cuda(body(i), what));
+    SDM_RETURN_IF_ERROR(Cuda(cudaEventRecord(stop.get(), stream), "recording an event"));
     // Synchronising on the event also surfaces errors raised while the kernels ran.
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(stop.get()), what));
+    SDM_RETURN_IF_ERROR(Cuda(cudaEventSynchronize(stop.get()), what));
     float ms = 0;
-    SDM_BENCH_RETURN_IF_ERROR(
+    SDM_RETURN_IF_ERROR(
         Cuda(cudaEventElapsedTime(&ms, start.get(), stop.get()), "reading an event"));
     if (i >= warmup) times.push_back(ms * 1e-3);
   }
@@ -217,24 +213,24 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   kc::DeviceBuffer<bf16> arena_rows, m0;
   kc::DeviceBuffer<int32_t> free_list, free_count, tables, counters, first_row, length;
   kc::DeviceBuffer<int32_t*> table_ptrs, counter_ptrs;
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(arena_rows, capacity * kSdmWidth, "the SDM row arena"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(m0, kSdmHeads * kSdmSlots * kSdmWidth, "M0"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(free_list, capacity, "the free list"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(free_count, 1, "the free count"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(tables, batch * kSdmHeads * kSdmSlots, "slot tables"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(counters, batch, "row counters"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(first_row, batch, "segments"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(length, batch, "segments"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(table_ptrs, batch, "segments"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(counter_ptrs, batch, "segments"));
+  SDM_RETURN_IF_ERROR(Alloc(arena_rows, capacity * kSdmWidth, "the SDM row arena"));
+  SDM_RETURN_IF_ERROR(Alloc(m0, kSdmHeads * kSdmSlots * kSdmWidth, "M0"));
+  SDM_RETURN_IF_ERROR(Alloc(free_list, capacity, "the free list"));
+  SDM_RETURN_IF_ERROR(Alloc(free_count, 1, "the free count"));
+  SDM_RETURN_IF_ERROR(Alloc(tables, batch * kSdmHeads * kSdmSlots, "slot tables"));
+  SDM_RETURN_IF_ERROR(Alloc(counters, batch, "row counters"));
+  SDM_RETURN_IF_ERROR(Alloc(first_row, batch, "segments"));
+  SDM_RETURN_IF_ERROR(Alloc(length, batch, "segments"));
+  SDM_RETURN_IF_ERROR(Alloc(table_ptrs, batch, "segments"));
+  SDM_RETURN_IF_ERROR(Alloc(counter_ptrs, batch, "segments"));
 
-  SDM_BENCH_RETURN_IF_ERROR(FillBf16(arena_rows.get(), arena_rows.size(), 0.5f, rng));
-  SDM_BENCH_RETURN_IF_ERROR(FillBf16(m0.get(), m0.size(), 0.5f, rng));
+  SDM_RETURN_IF_ERROR(FillBf16(arena_rows.get(), arena_rows.size(), 0.5f, rng));
+  SDM_RETURN_IF_ERROR(FillBf16(m0.get(), m0.size(), 0.5f, rng));
   // Every slot at M0 (kSdmNoRow = -1 is all one bits), no private rows counted yet.
   static_assert(kernels::kSdmNoRow == -1);
-  SDM_BENCH_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(
       Cuda(cudaMemset(tables.get(), 0xff, tables.bytes()), "resetting the slot tables"));
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaMemset(counters.get(), 0, counters.bytes()), "memset"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaMemset(counters.get(), 0, counters.bytes()), "memset"));
   {
     std::vector<int32_t> fr(batch), len(batch, 1);
     std::iota(fr.begin(), fr.end(), 0);
@@ -243,10 +239,10 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
       tp[b] = tables.get() + b * kSdmHeads * kSdmSlots;
       cp[b] = counters.get() + b;
     }
-    SDM_BENCH_RETURN_IF_ERROR(Upload(first_row.get(), fr, "uploading segments"));
-    SDM_BENCH_RETURN_IF_ERROR(Upload(length.get(), len, "uploading segments"));
-    SDM_BENCH_RETURN_IF_ERROR(Upload(table_ptrs.get(), tp, "uploading segments"));
-    SDM_BENCH_RETURN_IF_ERROR(Upload(counter_ptrs.get(), cp, "uploading segments"));
+    SDM_RETURN_IF_ERROR(Upload(first_row.get(), fr, "uploading segments"));
+    SDM_RETURN_IF_ERROR(Upload(length.get(), len, "uploading segments"));
+    SDM_RETURN_IF_ERROR(Upload(table_ptrs.get(), tp, "uploading segments"));
+    SDM_RETURN_IF_ERROR(Upload(counter_ptrs.get(), cp, "uploading segments"));
   }
   const kc::SdmRowArena arena{arena_rows.get(), free_list.get(), free_count.get(), kSdmWidth};
   const kc::SdmDims dims{kSdmHeads, kSdmSide, kSdmWidth};
@@ -257,7 +253,7 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   segs.row_counts = counter_ptrs.get();
   segs.num = batch;
   segs.max_length = 1;
-  SDM_BENCH_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(
       Cuda(kc::SdmInitFreeList(arena, capacity, stream), "initialising the free list"));
 
   // Slots: per (session, head) a random permutation of its s * s slots; set k writes the sorted
@@ -281,39 +277,39 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
     }
   }
   kc::DeviceBuffer<int32_t> d_w_slots, d_r_slots, w_rows, r_refs, tmp_rows, tmp_refs;
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(d_w_slots, w_slots.size(), "write slots"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(d_r_slots, r_slots.size(), "read slots"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(w_rows, w_slots.size(), "write rows"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(r_refs, r_slots.size(), "read references"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(tmp_rows, std::max(nw, nr), "scratch rows"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(tmp_refs, std::max(nw, nr), "scratch references"));
-  SDM_BENCH_RETURN_IF_ERROR(Upload(d_w_slots.get(), w_slots, "uploading slots"));
-  SDM_BENCH_RETURN_IF_ERROR(Upload(d_r_slots.get(), r_slots, "uploading slots"));
+  SDM_RETURN_IF_ERROR(Alloc(d_w_slots, w_slots.size(), "write slots"));
+  SDM_RETURN_IF_ERROR(Alloc(d_r_slots, r_slots.size(), "read slots"));
+  SDM_RETURN_IF_ERROR(Alloc(w_rows, w_slots.size(), "write rows"));
+  SDM_RETURN_IF_ERROR(Alloc(r_refs, r_slots.size(), "read references"));
+  SDM_RETURN_IF_ERROR(Alloc(tmp_rows, std::max(nw, nr), "scratch rows"));
+  SDM_RETURN_IF_ERROR(Alloc(tmp_refs, std::max(nw, nr), "scratch references"));
+  SDM_RETURN_IF_ERROR(Upload(d_w_slots.get(), w_slots, "uploading slots"));
+  SDM_RETURN_IF_ERROR(Upload(d_r_slots.get(), r_slots, "uploading slots"));
   // Make every set's rows private: first the read slots are written (allocating their rows), then
   // the write slots, whose prepare also resolves the read slots to those private rows (a session
   // whose state is mostly written, the steady state after a few thousand tokens).
   for (int64_t k = 0; k < sets; ++k) {
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(
+    SDM_RETURN_IF_ERROR(Cuda(
         kc::SdmPrepareRows(d_r_slots.get() + k * nr, kSdmR, d_r_slots.get() + k * nr, kSdmR, segs,
                            dims, m0.get(), arena, tmp_rows.get(), tmp_refs.get(), stream),
         "SdmPrepareRows (allocating the read rows)"));
-    SDM_BENCH_RETURN_IF_ERROR(
+    SDM_RETURN_IF_ERROR(
         Cuda(kc::SdmPrepareRows(d_w_slots.get() + k * nw, kSdmW, d_r_slots.get() + k * nr, kSdmR,
                                 segs, dims, m0.get(), arena, w_rows.get() + k * nw,
                                 r_refs.get() + k * nr, stream),
              "SdmPrepareRows (allocating the write rows)"));
   }
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), "preparing rows"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), "preparing rows"));
   // Check what the prepare produced: every reference a private row inside the arena, and the free
   // list down by exactly the rows allocated (else the figures below would not mean what they say).
   {
     std::vector<int32_t> wr(w_rows.size()), rr(r_refs.size());
     int32_t free_left = -1;
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(
+    SDM_RETURN_IF_ERROR(Cuda(
         cudaMemcpy(wr.data(), w_rows.get(), w_rows.bytes(), cudaMemcpyDeviceToHost), "readback"));
-    SDM_BENCH_RETURN_IF_ERROR(Cuda(
+    SDM_RETURN_IF_ERROR(Cuda(
         cudaMemcpy(rr.data(), r_refs.get(), r_refs.bytes(), cudaMemcpyDeviceToHost), "readback"));
-    SDM_BENCH_RETURN_IF_ERROR(
+    SDM_RETURN_IF_ERROR(
         Cuda(cudaMemcpy(&free_left, free_count.get(), sizeof(int32_t), cudaMemcpyDeviceToHost),
              "readback"));
     auto bad = [&](int32_t x) { return x < 0 || x >= capacity; };
@@ -330,19 +326,19 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
 
   // The step's small inputs (the same every repetition: a few hundred KB, L2-resident anyway).
   kc::DeviceBuffer<float> w_weights, r_weights, log_decay, beta, v, readings;
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(w_weights, nw, "write weights"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(r_weights, nr, "read weights"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(log_decay, per_set, "decays"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(beta, per_set, "betas"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(v, per_set * kSdmWidth, "values"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(readings, per_set * kSdmWidth, "readings"));
-  SDM_BENCH_RETURN_IF_ERROR(Upload(w_weights.get(), RandomWeights(per_set, kSdmW, rng), "upload"));
-  SDM_BENCH_RETURN_IF_ERROR(Upload(r_weights.get(), RandomWeights(per_set, kSdmR, rng), "upload"));
+  SDM_RETURN_IF_ERROR(Alloc(w_weights, nw, "write weights"));
+  SDM_RETURN_IF_ERROR(Alloc(r_weights, nr, "read weights"));
+  SDM_RETURN_IF_ERROR(Alloc(log_decay, per_set, "decays"));
+  SDM_RETURN_IF_ERROR(Alloc(beta, per_set, "betas"));
+  SDM_RETURN_IF_ERROR(Alloc(v, per_set * kSdmWidth, "values"));
+  SDM_RETURN_IF_ERROR(Alloc(readings, per_set * kSdmWidth, "readings"));
+  SDM_RETURN_IF_ERROR(Upload(w_weights.get(), RandomWeights(per_set, kSdmW, rng), "upload"));
+  SDM_RETURN_IF_ERROR(Upload(r_weights.get(), RandomWeights(per_set, kSdmR, rng), "upload"));
   // alpha = exp(g) in (0.9, 1): rows stay bounded over any number of repetitions.
-  SDM_BENCH_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(
       Upload(log_decay.get(), RandomFloats(per_set, -0.1f, -0.001f, rng), "upload"));
-  SDM_BENCH_RETURN_IF_ERROR(Upload(beta.get(), RandomFloats(per_set, 0.1f, 0.9f, rng), "upload"));
-  SDM_BENCH_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(Upload(beta.get(), RandomFloats(per_set, 0.1f, 0.9f, rng), "upload"));
+  SDM_RETURN_IF_ERROR(
       Upload(v.get(), RandomFloats(per_set * kSdmWidth, -1.0f, 1.0f, rng), "upload"));
 
   kc::SdmStepArgs args;
@@ -410,7 +406,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   const double pool_bytes =
       static_cast<double>(pages) * kernels::KvPageElements(kv_width) * sizeof(bf16);
   size_t free_bytes = 0, total_bytes = 0;
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo"));
   if (pool_bytes > 0.9 * static_cast<double>(free_bytes)) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "attention decode: %d sequences x %d positions need %.1f GB of KV, %.1f GB are free "
@@ -421,29 +417,29 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   kc::DeviceBuffer<int32_t> page_ids, positions;
   kc::DeviceBuffer<const int32_t*> table_ptrs;
   kc::DeviceBuffer<float> q, out, scratch;
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(pool, pages * kernels::KvPageElements(kv_width), "the KV pool"));
-  SDM_BENCH_RETURN_IF_ERROR(FillBf16(pool.get(), pool.size(), 1.0f, rng));
+  SDM_RETURN_IF_ERROR(Alloc(pool, pages * kernels::KvPageElements(kv_width), "the KV pool"));
+  SDM_RETURN_IF_ERROR(FillBf16(pool.get(), pool.size(), 1.0f, rng));
   // Pages scattered at random in the arena, as a long-running server's would be.
   {
     std::vector<int32_t> ids(pages);
     std::iota(ids.begin(), ids.end(), 0);
     std::shuffle(ids.begin(), ids.end(), rng);
-    SDM_BENCH_RETURN_IF_ERROR(Alloc(page_ids, pages, "page tables"));
-    SDM_BENCH_RETURN_IF_ERROR(Upload(page_ids.get(), ids, "uploading page tables"));
+    SDM_RETURN_IF_ERROR(Alloc(page_ids, pages, "page tables"));
+    SDM_RETURN_IF_ERROR(Upload(page_ids.get(), ids, "uploading page tables"));
     std::vector<const int32_t*> tp(seqs);
     for (int64_t i = 0; i < seqs; ++i) tp[i] = page_ids.get() + i * pages_per_seq;
-    SDM_BENCH_RETURN_IF_ERROR(Alloc(table_ptrs, seqs, "page table pointers"));
-    SDM_BENCH_RETURN_IF_ERROR(Upload(table_ptrs.get(), tp, "uploading page tables"));
+    SDM_RETURN_IF_ERROR(Alloc(table_ptrs, seqs, "page table pointers"));
+    SDM_RETURN_IF_ERROR(Upload(table_ptrs.get(), tp, "uploading page tables"));
   }
   // Every query at position ctx - 1: it sees all ctx cached positions (its own included).
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(positions, max_batch, "positions"));
-  SDM_BENCH_RETURN_IF_ERROR(Upload(positions.get(),
-                                   std::vector<int32_t>(max_batch, static_cast<int32_t>(ctx - 1)),
-                                   "uploading positions"));
+  SDM_RETURN_IF_ERROR(Alloc(positions, max_batch, "positions"));
+  SDM_RETURN_IF_ERROR(Upload(positions.get(),
+                             std::vector<int32_t>(max_batch, static_cast<int32_t>(ctx - 1)),
+                             "uploading positions"));
   const int64_t q_width = int64_t{kAttnHeads} * kAttnHeadDim;
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(q, max_batch * q_width, "queries"));
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(out, max_batch * q_width, "outputs"));
-  SDM_BENCH_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(Alloc(q, max_batch * q_width, "queries"));
+  SDM_RETURN_IF_ERROR(Alloc(out, max_batch * q_width, "outputs"));
+  SDM_RETURN_IF_ERROR(
       Upload(q.get(), RandomFloats(max_batch * q_width, -1.0f, 1.0f, rng), "uploading queries"));
   kc::AttentionDims dims;
   dims.n_heads = kAttnHeads;
@@ -454,7 +450,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   for (int64_t b : opt.batches) {
     scratch_floats = std::max(scratch_floats, kc::AttentionDecodeScratchFloats(b, dims, ctx));
   }
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(scratch, scratch_floats, "attention scratch"));
+  SDM_RETURN_IF_ERROR(Alloc(scratch, scratch_floats, "attention scratch"));
 
   for (int64_t b : opt.batches) {
     const int64_t groups = seqs / b;  // >= 1: b <= seqs
@@ -487,12 +483,12 @@ absl::Status BenchPark(const KernelBenchOptions& opt, double copy_gbps, cudaStre
   const int64_t bytes = kSdmLayers * kSdmHeads * kSdmSlots * kSdmWidth * 2;  // 1.61 GB
   kc::DeviceBuffer<unsigned char> dev;
   kc::PinnedBuffer<unsigned char> host;
-  SDM_BENCH_RETURN_IF_ERROR(Alloc(dev, bytes, "the device state"));
-  SDM_BENCH_RETURN_IF_ERROR(
+  SDM_RETURN_IF_ERROR(Alloc(dev, bytes, "the device state"));
+  SDM_RETURN_IF_ERROR(
       Cuda(host.Allocate(bytes), absl::StrFormat("cudaMallocHost of %.2f GB", bytes / 1e9)));
   // Touch both (first-touch costs are not what is measured).
   std::memset(host.get(), 0x5a, bytes);
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(cudaMemset(dev.get(), 0x3c, bytes), "memset"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaMemset(dev.get(), 0x3c, bytes), "memset"));
   const int reps = std::min(opt.reps, 10);  // ~60 ms each at 25 GB/s
   const std::string shape = "sdm_flagship state: 6 x 2 x 65536 x 1024 bf16";
   absl::StatusOr<Timing> park = Time(
@@ -554,14 +550,14 @@ absl::Status RunKernelBenchmark(const KernelBenchOptions& opt) {
   Print(rows.back());
 
   kc::CudaStream stream;
-  SDM_BENCH_RETURN_IF_ERROR(Cuda(stream.Create(), "creating a stream"));
+  SDM_RETURN_IF_ERROR(Cuda(stream.Create(), "creating a stream"));
   std::mt19937_64 rng(opt.seed);
   // Each part frees its device memory before the next one allocates.
   for (int64_t b : opt.batches) {
-    SDM_BENCH_RETURN_IF_ERROR(BenchSdm(b, opt, copy_gbps, stream.get(), rng, rows));
+    SDM_RETURN_IF_ERROR(BenchSdm(b, opt, copy_gbps, stream.get(), rng, rows));
   }
-  SDM_BENCH_RETURN_IF_ERROR(BenchAttention(opt, copy_gbps, stream.get(), rng, rows));
-  SDM_BENCH_RETURN_IF_ERROR(BenchPark(opt, copy_gbps, stream.get(), rows));
+  SDM_RETURN_IF_ERROR(BenchAttention(opt, copy_gbps, stream.get(), rng, rows));
+  SDM_RETURN_IF_ERROR(BenchPark(opt, copy_gbps, stream.get(), rows));
 
   int missed = 0;
   for (const Row& r : rows) missed += r.has_target() && !r.meets();
