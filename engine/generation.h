@@ -17,9 +17,9 @@
 // Every token counts towards max_tokens, end tokens included, so an EOS sampled as the
 // max_tokens-th token ends the completion as kEos. Empty stop strings are ignored.
 //
-// The concatenation of every emitted text is the tokenizer's decoding of the accepted tokens,
-// cut before the first occurrence of a stop string, for stop strings without U+FFFD (an
-// incomplete character's U+FFFD only appears when the text is flushed).
+// The concatenation of every emitted text is the tokenizer's decoding of the accepted tokens
+// (but an end token), cut before the first occurrence of a stop string, for stop strings without
+// U+FFFD (an incomplete character's U+FFFD only appears when the text is flushed).
 //
 // Thread-safety: one policy belongs to one completion (one thread at a time). The tokenizer must
 // outlive it.
@@ -63,11 +63,10 @@ class GenerationPolicy {
   GenerationPolicy(const Tokenizer& tokenizer, std::span<const std::string> stop_strings,
                    std::span<const int32_t> stop_token_ids, int64_t max_tokens);
 
-  // Accepts the next sampled token. Must not be called once a TokenOutput had `finish` set.
+  // Accepts the next sampled token. Must not be called once a TokenOutput had `finish` set. A
+  // caller that ends the completion for another reason (cancelled, deadline) drops the policy
+  // and with it the text held back: that text was never final.
   TokenOutput Accept(int32_t token);
-
-  // Tokens accepted so far.
-  int64_t accepted() const { return accepted_; }
 
  private:
   // Offset of the earliest stop string occurrence in `text`, or npos.
