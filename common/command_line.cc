@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "absl/flags/reflection.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -12,14 +13,25 @@
 
 namespace sdm::cli {
 
-bool AbslParseFlag(absl::string_view text, RepeatedFlag* flag, std::string* /*error*/) {
+bool AbslParseFlag(absl::string_view text, RepeatedFlag* flag, std::string* error) {
   flag->values.clear();
   if (text.empty()) return true;
-  for (absl::string_view v : absl::StrSplit(text, '\n')) flag->values.emplace_back(v);
+  for (absl::string_view entry : absl::StrSplit(text, '\n')) {
+    std::string value;
+    if (!absl::ConsumePrefix(&entry, "=") || !absl::CUnescape(entry, &value)) {
+      *error = "a repeated flag's text form is lines of '=' + the C-escaped value";
+      return false;
+    }
+    flag->values.push_back(std::move(value));
+  }
   return true;
 }
 
-std::string AbslUnparseFlag(const RepeatedFlag& flag) { return absl::StrJoin(flag.values, "\n"); }
+std::string AbslUnparseFlag(const RepeatedFlag& flag) {
+  std::vector<std::string> entries;
+  for (const std::string& v : flag.values) entries.push_back(absl::StrCat("=", absl::CEscape(v)));
+  return absl::StrJoin(entries, "\n");
+}
 
 std::string Wrap(absl::string_view text, int indent) {
   std::string out;
@@ -138,13 +150,8 @@ std::string SetSubcommandFlags(const Subcommand& sub, const std::vector<std::str
     }
   }
   for (const auto& [flag, values] : repeated) {
-    for (const std::string& v : values) {
-      if (absl::StrContains(v, '\n')) {
-        return absl::StrCat("--", flag->Name(), ": a value may not hold a line break");
-      }
-    }
     std::string error;
-    if (!flag->ParseFrom(absl::StrJoin(values, "\n"), &error)) {
+    if (!flag->ParseFrom(AbslUnparseFlag(RepeatedFlag{values}), &error)) {
       return absl::StrCat("bad value for --", flag->Name(), ": ", error);
     }
   }

@@ -28,8 +28,9 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;  // a runtime failure
 inline constexpr int kExitUsage = 2;    // bad flags, arguments or values
 
-// The value of a repeatable flag: one entry per occurrence, in order. Its text form (what
-// AbslParseFlag reads and AbslUnparseFlag writes) is the values joined by newlines.
+// The value of a repeatable flag: one entry per occurrence, in order, each kept verbatim (commas,
+// line breaks and empty values included). Its text form (what AbslParseFlag reads and
+// AbslUnparseFlag writes) is one line per value: '=' followed by the C-escaped value.
 struct RepeatedFlag {
   std::vector<std::string> values;
 };

@@ -14,38 +14,14 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Length of the longest prefix of `text` that can be emitted while keeping `hold` bytes back,
-// moved back to a UTF-8 character boundary.
-size_t EmittableLength(const std::string& text, size_t hold) {
-  if (text.size() <= hold) return 0;
-  size_t n = text.size() - hold;
-  while (n > 0 && (static_cast<unsigned char>(text[n]) & 0xC0) == 0x80) --n;
-  return n;
-}
-
 }  // namespace
-
-absl::string_view FinishReasonName(FinishReason reason) {
-  switch (reason) {
-    case FinishReason::kLength:
-      return "length";
-    case FinishReason::kStop:
-      return "stop";
-    case FinishReason::kEos:
-      return "eos";
-    case FinishReason::kCancelled:
-      return "cancelled";
-    case FinishReason::kDeadline:
-      return "deadline";
-    case FinishReason::kError:
-      return "error";
-  }
-  return "?";
-}
 
 struct Scheduler::Job {
   Job(GenerateJob s, std::shared_ptr<JobObserver> o, const Tokenizer& tokenizer)
-      : spec(std::move(s)), observer(std::move(o)), detok(tokenizer) {}
+      : spec(std::move(s)),
+        observer(std::move(o)),
+        policy(tokenizer, spec.stop_strings, spec.sampling.stop_token_ids,
+               spec.sampling.max_tokens) {}
 
   GenerateJob spec;
   std::shared_ptr<JobObserver> observer;
@@ -56,9 +32,7 @@ struct Scheduler::Job {
   size_t fed = 0;
   int32_t next_input = -1;  // sampled, to be fed by the next decode
   Usage usage;
-  IncrementalDetokenizer detok;
-  std::string held;  // text held back: it may be the start of a stop string
-  size_t max_stop = 0;
+  GenerationPolicy policy;  // EOS, stop ids and strings, max_tokens; the text deltas
   Clock::time_point submitted = Clock::now();
   Clock::time_point last_token;
   bool had_pending = false;  // to_feed starts with the session's pending token
@@ -118,9 +92,6 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   job->to_feed.insert(job->to_feed.end(), job->spec.prompt.begin(), job->spec.prompt.end());
   job->usage.prompt_tokens = static_cast<int64_t>(job->to_feed.size());
   st.sampler_seed = job->spec.sampling.seed;
-  for (const std::string& s : job->spec.stop_strings) {
-    job->max_stop = std::max(job->max_stop, s.size());
-  }
   std::lock_guard<std::mutex> lock(mu_);
   absl::Status refused;
   if (!accepting_) {
@@ -264,40 +235,13 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
 void Scheduler::Emit(Job& job, int32_t token) {
   ++job.usage.generated_tokens;
   job.next_input = token;  // fed by the next decode, or left pending when the job ends here
-  const SamplingParams& p = job.spec.sampling;
-  const bool eos = token == tokenizer_.eos_id();
-  if (eos || std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
-                 p.stop_token_ids.end()) {
-    // The text held back is final now; a stop string still cuts it.
-    std::string rest = std::move(job.held) + job.detok.Flush();
-    job.held.clear();
-    for (const std::string& s : job.spec.stop_strings) {
-      if (!s.empty()) rest = rest.substr(0, rest.find(s));
-    }
-    job.observer->OnEndToken(token, rest);
-    Finish(job, eos ? FinishReason::kEos : FinishReason::kStop);
-    return;
+  const GenerationPolicy::TokenOutput out = job.policy.Accept(token);
+  if (out.end_token) {
+    job.observer->OnEndToken(token, out.text);
+  } else {
+    job.observer->OnToken(token, out.text);
   }
-  const bool last = job.usage.generated_tokens >= p.max_tokens;
-  job.held += job.detok.Add(token);
-  if (last) job.held += job.detok.Flush();
-  // A stop string ends the text right before it.
-  size_t stop_at = std::string::npos;
-  for (const std::string& s : job.spec.stop_strings) {
-    if (s.empty()) continue;
-    stop_at = std::min(stop_at, job.held.find(s));
-  }
-  if (stop_at != std::string::npos) {
-    job.observer->OnToken(token, absl::string_view(job.held).substr(0, stop_at));
-    job.held.clear();
-    Finish(job, FinishReason::kStop);
-    return;
-  }
-  const size_t n =
-      last ? job.held.size() : EmittableLength(job.held, job.max_stop > 0 ? job.max_stop - 1 : 0);
-  job.observer->OnToken(token, absl::string_view(job.held).substr(0, n));
-  job.held.erase(0, n);
-  if (last) Finish(job, FinishReason::kLength);
+  if (out.finish.has_value()) Finish(job, *out.finish);
 }
 
 void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error) {

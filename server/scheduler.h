@@ -8,7 +8,7 @@
 // decode is batch-invariant, so a job's tokens are bit for bit those it would get alone. Tokens are
 // sampled per job (engine/sampler.h) from the session's stream and handed to the job's observer
 // with their UTF-8 text delta; stop ids, the tokenizer's EOS, stop strings and max_tokens end a
-// job.
+// job, by the rules of engine/generation.h.
 //
 // Sessions: a job with a session id takes the session's lease from the SessionStateStore when it
 // is submitted — so a busy session (ABORTED), an unknown one (NOT_FOUND) or a broken snapshot
@@ -39,14 +39,12 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "engine/generation.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
 #include "state_store/session_store.h"
 
 namespace sdm {
-
-enum class FinishReason { kLength, kStop, kEos, kCancelled, kDeadline, kError };
-absl::string_view FinishReasonName(FinishReason reason);
 
 struct Usage {
   int64_t prompt_tokens = 0;     // tokens of this request's prompt fed to the model

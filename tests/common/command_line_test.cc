@@ -64,6 +64,20 @@ TEST_F(CommandLineTest, RepeatedFlagsKeepEveryOccurrenceWholeInOrder) {
   // A single occurrence is one value, commas and all.
   ASSERT_EQ(Parse({"--cl_test_set", "a=[1,2]"}), "");
   EXPECT_THAT(absl::GetFlag(FLAGS_cl_test_set).values, ElementsAre("a=[1,2]"));
+  // Line breaks, backslashes, '=' and empty values survive (a stop string is often "\n").
+  ASSERT_EQ(Parse({"--cl_test_set", "\n", "--cl_test_set", "", "--cl_test_set", "a\\b\n=c"}), "");
+  EXPECT_THAT(absl::GetFlag(FLAGS_cl_test_set).values, ElementsAre("\n", "", "a\\b\n=c"));
+}
+
+TEST(RepeatedFlagTest, TextFormRoundTripsAndRejectsGarbage) {
+  const RepeatedFlag flag{{"x,y", "", "\n\t\\", "=="}};
+  RepeatedFlag back;
+  std::string error;
+  ASSERT_TRUE(AbslParseFlag(AbslUnparseFlag(flag), &back, &error)) << error;
+  EXPECT_EQ(back.values, flag.values);
+  EXPECT_TRUE(AbslParseFlag("", &back, &error));
+  EXPECT_TRUE(back.values.empty());
+  EXPECT_FALSE(AbslParseFlag("no-marker", &back, &error));
 }
 
 TEST_F(CommandLineTest, PositionalArgumentsUpToTheLimit) {

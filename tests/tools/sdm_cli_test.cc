@@ -9,6 +9,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -240,6 +242,67 @@ TEST_F(SdmCliTest, StopIdEndsTheCompletionWithoutItsText) {
   EXPECT_EQ(stopped["tokens"].get<std::vector<int32_t>>(), std::vector<int32_t>{tokens[0]});
   EXPECT_EQ(stopped["finish_reason"], "stop");
   EXPECT_EQ(stopped["text"], "");
+}
+
+TEST_F(SdmCliTest, StopStringEndsTheTextRightBeforeIt) {
+  const std::unique_ptr<Tokenizer> tokenizer = Tokenizer::CreateByteTokenizer();
+  const auto greedy = Generate({"--prompt", "Once", "--max_tokens", "16"});
+  const auto tokens = greedy["tokens"].get<std::vector<int32_t>>();
+  const std::string full = greedy["text"];
+  ASSERT_EQ(full, tokenizer->Decode(tokens));
+  // The stop string: the first one or two characters after the first that are not U+FFFD (a
+  // random model's bytes rarely form characters).
+  std::vector<std::string> characters;  // the text is valid UTF-8
+  for (size_t i = 0; i < full.size();) {
+    size_t end = i + 1;
+    while (end < full.size() && (static_cast<unsigned char>(full[end]) & 0xC0) == 0x80) ++end;
+    characters.push_back(full.substr(i, end - i));
+    i = end;
+  }
+  const auto is_text = [&](size_t i) {
+    return i < characters.size() && characters[i] != "\xEF\xBF\xBD";
+  };
+  size_t first = 1;
+  while (first < characters.size() && !is_text(first)) ++first;
+  if (first >= characters.size()) GTEST_SKIP() << "no character but U+FFFD in " << full;
+  const std::string stop = characters[first] + (is_text(first + 1) ? characters[first + 1] : "");
+  // Expected: the text before the stop string's first occurrence, and the tokens up to the one
+  // that completes it.
+  size_t completing = 0;
+  while (tokenizer->Decode(std::span<const int32_t>(tokens).first(completing)).find(stop) ==
+         std::string::npos) {
+    ++completing;
+  }
+  const std::vector<int32_t> expected_tokens(tokens.begin(), tokens.begin() + completing);
+
+  ASSERT_EQ(full.find("NEVER"), std::string::npos);
+  const nlohmann::json stopped =
+      Generate({"--prompt", "Once", "--max_tokens", "16", "--stop", "NEVER", "--stop", stop});
+  EXPECT_EQ(stopped["finish_reason"], "stop");
+  EXPECT_EQ(stopped["text"], full.substr(0, full.find(stop)));
+  EXPECT_EQ(stopped["tokens"].get<std::vector<int32_t>>(), expected_tokens);
+  // Streamed text is the same.
+  const Result text_mode = RunCommand(kCli, {"generate", "--model", *model_dir_, "--prompt", "Once",
+                                             "--max_tokens", "16", "--stop=" + stop});
+  ASSERT_EQ(text_mode.exit_code, 0) << text_mode.err;
+  EXPECT_EQ(text_mode.out, full.substr(0, full.find(stop)));
+  EXPECT_THAT(text_mode.err, HasSubstr("finish_reason=stop"));
+
+  // A value is one stop string, commas included (Abseil's list parser would split it).
+  const std::string with_comma = stop + ",\x01never";
+  ASSERT_EQ(full.find(with_comma), std::string::npos);
+  const nlohmann::json unsplit =
+      Generate({"--prompt", "Once", "--max_tokens", "16", "--stop", with_comma});
+  EXPECT_EQ(unsplit["text"], full);
+  EXPECT_EQ(unsplit["finish_reason"], greedy["finish_reason"]);
+
+  // An empty stop string is a usage error, as the server's INVALID_ARGUMENT.
+  const Result empty =
+      RunCommand(kCli, {"generate", "--model", *model_dir_, "--prompt", "Once", "--stop", ""});
+  EXPECT_EQ(empty.exit_code, 2);
+  EXPECT_THAT(empty.err, HasSubstr("--stop"));
+  EXPECT_EQ(empty.out, "");
+  EXPECT_THAT(RunCommand(kCli, {"generate", "--help"}).out, HasSubstr("--stop "));
 }
 
 TEST_F(SdmCliTest, BadInputsExitNonZeroWithAMessage) {

@@ -1,7 +1,8 @@
 // sdm-cli: runs a model on the CPU engine from the command line.
 //
 //   sdm-cli generate --model DIR --prompt TEXT [sampling flags] [--json]
-//       Streams a completion of BOS + the prompt's tokens to stdout.
+//       Streams a completion of BOS + the prompt's tokens to stdout. It ends at EOS, a stop id or
+//       stop string, or max_tokens, by the rules the server applies (engine/generation.h).
 //   sdm-cli logits --model DIR --tokens 1,2,3 [--all]
 //       Prints the logits of exactly those tokens as one JSON object, for comparisons with other
 //       implementations (the reference tests read it): {"tokens": [...], "logits": [[...], ...]},
@@ -39,6 +40,7 @@
 #include "absl/strings/string_view.h"
 #include "common/command_line.h"
 #include "engine/engine.h"
+#include "engine/generation.h"
 #include "engine/model.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
@@ -66,6 +68,10 @@ ABSL_FLAG(uint64_t, seed, 0,
 ABSL_FLAG(std::string, stop_ids, "",
           "Comma-separated token ids that end the completion (besides the tokenizer's EOS); "
           "the stop token's text is not printed.");
+ABSL_FLAG(sdm::cli::RepeatedFlag, stop, {},
+          "A string that ends the completion when its text contains it; the text stops right "
+          "before it. Repeatable (--stop A --stop B); each value is taken verbatim, commas "
+          "included. Must not be empty.");
 ABSL_FLAG(bool, json, false,
           "Instead of streaming text, print one JSON object at the end: prompt_tokens, tokens "
           "(generated ids), text, finish_reason.");
@@ -147,6 +153,10 @@ int RunGenerate() {
       ParseIds(absl::GetFlag(FLAGS_stop_ids), "stop_ids");
   if (!stop_ids.ok()) return UsageError(kSub, stop_ids.status().message());
   params.stop_token_ids = *std::move(stop_ids);
+  const std::vector<std::string> stop_strings = absl::GetFlag(FLAGS_stop).values;
+  if (std::find(stop_strings.begin(), stop_strings.end(), "") != stop_strings.end()) {
+    return UsageError(kSub, "--stop: a stop string must not be empty");
+  }
   // Everything but the stop ids' range can be checked before the (slow) model load.
   if (absl::Status s = ValidateSamplingParams(params, std::numeric_limits<int32_t>::max());
       !s.ok()) {
@@ -177,35 +187,24 @@ int RunGenerate() {
   }
   const double prefill_seconds = SecondsSince(prefill_start);
 
-  IncrementalDetokenizer detokenizer(**tokenizer);
+  GenerationPolicy policy(**tokenizer, stop_strings, params.stop_token_ids, params.max_tokens);
   std::string text;  // what was printed (or, with --json, would have been)
-  const auto emit = [&](const std::string& delta) {
-    text += delta;
-    if (!json && !delta.empty()) {
-      std::fwrite(delta.data(), 1, delta.size(), stdout);
-      std::fflush(stdout);
-    }
-  };
   std::vector<int32_t> generated;
-  std::string finish_reason;
+  FinishReason finish_reason = FinishReason::kLength;  // set by the policy when the loop ends
   int64_t decode_steps = 0;
   const auto decode_start = std::chrono::steady_clock::now();
   while (true) {
     const int32_t token = SampleToken(logits, params, session->sampler_draws);
     ++session->sampler_draws;
     generated.push_back(token);
-    if (token == (*tokenizer)->eos_id()) {
-      finish_reason = "eos";
-      break;
+    const GenerationPolicy::TokenOutput out = policy.Accept(token);
+    text += out.text;
+    if (!json && !out.text.empty()) {
+      std::fwrite(out.text.data(), 1, out.text.size(), stdout);
+      std::fflush(stdout);
     }
-    if (std::find(params.stop_token_ids.begin(), params.stop_token_ids.end(), token) !=
-        params.stop_token_ids.end()) {
-      finish_reason = "stop";
-      break;
-    }
-    emit(detokenizer.Add(token));
-    if (static_cast<int64_t>(generated.size()) >= params.max_tokens) {
-      finish_reason = "length";
+    if (out.finish.has_value()) {
+      finish_reason = *out.finish;
       break;
     }
     SessionState* sessions[] = {session.get()};
@@ -216,14 +215,13 @@ int RunGenerate() {
     ++decode_steps;
   }
   const double decode_seconds = SecondsSince(decode_start);
-  emit(detokenizer.Flush());
 
   if (json) {
     nlohmann::json out;
     out["prompt_tokens"] = prompt_ids;
     out["tokens"] = generated;
     out["text"] = text;
-    out["finish_reason"] = finish_reason;
+    out["finish_reason"] = FinishReasonName(finish_reason);
     // `text` is valid UTF-8 by construction; replace rather than throw regardless.
     std::printf("%s\n", out.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).c_str());
   } else if (isatty(fileno(stdout))) {
@@ -234,7 +232,8 @@ int RunGenerate() {
                 "prompt_tokens=%d generated_tokens=%d prefill_s=%.4f decode_tokens_per_s=%.1f "
                 "finish_reason=%s\n",
                 prompt_ids.size(), generated.size(), prefill_seconds,
-                decode_steps > 0 ? decode_steps / decode_seconds : 0.0, finish_reason);
+                decode_steps > 0 ? decode_steps / decode_seconds : 0.0,
+                FinishReasonName(finish_reason));
   return kExitOk;
 }
 
@@ -303,8 +302,8 @@ int Main(int argc, char** argv) {
        "Completes BOS + the prompt's tokens with the model, streaming the text to stdout; a "
        "summary line (prompt_tokens, generated_tokens, prefill_s, decode_tokens_per_s, "
        "finish_reason = eos|stop|length) goes to stderr.",
-       {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop_ids",
-        "no_bos", "json", "threads", "device"},
+       {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
+        "stop_ids", "no_bos", "json", "threads", "device"},
        /*max_positional=*/0,
        [](const cli::ParsedArgs&) { return RunGenerate(); }},
       {"logits",
