@@ -279,8 +279,11 @@ class CpuBackend : public EngineBackend {
                                   : cpu::SdmRule::kSharedResidual;
     std::vector<float> readings(n * dim);
     const int64_t tiles = (hd + kSdmColumnTile - 1) / kSdmColumnTile;
-    pool_.ParallelFor(static_cast<int64_t>(segs.size()) * heads * tiles, [&](int64_t task) {
-      const Segment& s = segs[task / (heads * tiles)];
+    // Segments are claimed last first: the longer (prefill) ones come last in a pass, so the
+    // pool starts them first and the short decode tasks fill in around them.
+    const int64_t num_segs = static_cast<int64_t>(segs.size());
+    pool_.ParallelFor(num_segs * heads * tiles, [&](int64_t task) {
+      const Segment& s = segs[num_segs - 1 - task / (heads * tiles)];
       const int64_t h = (task / tiles) % heads;
       const int64_t c0 = (task % tiles) * kSdmColumnTile;
       const int64_t c1 = std::min(hd, c0 + kSdmColumnTile);
