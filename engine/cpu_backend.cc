@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -11,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/check.h"
 #include "engine/engine_backend.h"
+#include "engine/layer_tensors.h"
 #include "engine/weight_spec.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cpu/attention.h"
@@ -34,35 +34,9 @@ constexpr int64_t kSdmColumnTile = 128;
 
 using cpu::PackedMatrix;
 
-struct AttentionWeights {
-  const PackedMatrix* wq = nullptr;
-  const PackedMatrix* wk = nullptr;
-  const PackedMatrix* wv = nullptr;
-  const PackedMatrix* wo = nullptr;
-  const PackedMatrix* w_gate = nullptr;  // null unless attn_gate
-  AttentionGeometry geom;
-};
-
-struct SdmWeights {
-  const PackedMatrix *wq_read, *wk_write, *wv_write, *a_proj, *b_proj, *wo;
-  const float *bq_read, *bk_write, *bv_write, *a_bias, *b_bias, *a_log, *dt_bias, *bo;
-  const PackedMatrix* wog = nullptr;  // output gate (optional)
-  const float* bog = nullptr;
-  const float* norm_w = nullptr;  // readings LayerNorm (optional)
-  const float* norm_b = nullptr;
-  // Eval-mode BatchNorm of the read (query) and write (key) scores (optional).
-  const float *qbn_w = nullptr, *qbn_b = nullptr, *qbn_mean = nullptr, *qbn_var = nullptr;
-  const float *kbn_w = nullptr, *kbn_b = nullptr, *kbn_mean = nullptr, *kbn_var = nullptr;
-};
-
-struct LayerWeights {
-  LayerType type;
-  const float* attention_norm;
-  const float* ffn_norm;
-  const PackedMatrix *w1, *w2, *w3;
-  AttentionWeights attn;
-  SdmWeights sdm;
-};
+// A layer's weights as the CPU binds them: matrices repacked for the batch-invariant GEMM,
+// vectors straight from the model's host tensors.
+using CpuLayer = LayerTensors<const PackedMatrix*, const float*>;
 
 }  // namespace
 
@@ -73,69 +47,30 @@ class CpuBackend : public EngineBackend {
   explicit CpuBackend(const EngineContext& context)
       : model_(context.model),
         cfg_(model_->config),
-        options_(context.options),
         pool_(context.options.num_threads),
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)) {
     const ModelWeights& w = *model_->weights;
-    tok_embeddings_ = w.Get("tok_embeddings.weight").data();
-    final_norm_ = w.Get("norm.weight").data();
-    output_ = Pack(cfg_.weight_tying ? "tok_embeddings.weight" : "output.weight");
+    const WeightSpec spec = BuildWeightSpec(cfg_);
+    auto vector = [&](TensorRef ref) -> const float* {
+      const TensorSpec* t = spec.Find(ref);
+      return t != nullptr ? w.Get(t->name).data() : nullptr;
+    };
+    auto pack = [&](TensorRef ref) -> const PackedMatrix* {
+      const TensorSpec* t = spec.Find(ref);
+      if (t == nullptr || t->is_sdm_memory) return nullptr;  // M0 lives in the state layout
+      packed_.emplace_back(w.Get(t->name).data(), t->shape[0], t->shape[1]);
+      return &packed_.back();
+    };
+    // The embedding table is read by row, so it is packed only when it is also the output.
+    tok_embeddings_ = vector(spec.roles.tok_embeddings);
+    final_norm_ = vector(spec.roles.norm);
+    output_ = pack(spec.roles.output);
     for (int64_t i = 0; i < cfg_.n_layers; ++i) {
-      const std::string p = absl::StrCat("layers.", i, ".");
-      auto get = [&](const std::string& name) { return w.Get(p + name).data(); };
-      auto opt = [&](const std::string& name) {
-        return w.Has(p + name) ? w.Get(p + name).data() : nullptr;
-      };
-      auto pack = [&](const std::string& name) { return Pack(p + name); };
-      auto opt_pack = [&](const std::string& name) {
-        return w.Has(p + name) ? Pack(p + name) : nullptr;
-      };
-      LayerWeights l{};
-      l.type = cfg_.layer_types[i];
-      l.attention_norm = get("attention_norm.weight");
-      l.ffn_norm = get("ffn_norm.weight");
-      l.w1 = pack("feed_forward.w1.weight");
-      l.w2 = pack("feed_forward.w2.weight");
-      l.w3 = pack("feed_forward.w3.weight");
-      if (l.type == LayerType::kSdm) {
-        SdmWeights& s = l.sdm;
-        s.wq_read = pack("attention.Wq_read.weight");
-        s.bq_read = get("attention.Wq_read.bias");
-        s.wk_write = pack("attention.Wk_write.weight");
-        s.bk_write = get("attention.Wk_write.bias");
-        s.wv_write = pack("attention.Wv_write.weight");
-        s.bv_write = get("attention.Wv_write.bias");
-        s.a_proj = pack("attention.a_proj.weight");
-        s.a_bias = get("attention.a_proj.bias");
-        s.b_proj = pack("attention.b_proj.weight");
-        s.b_bias = get("attention.b_proj.bias");
-        s.a_log = get("attention.A_log");
-        s.dt_bias = get("attention.dt_bias");
-        s.wo = pack("attention.Wo.weight");
-        s.bo = get("attention.Wo.bias");
-        s.wog = opt_pack("attention.Wog.weight");
-        s.bog = opt("attention.Wog.bias");
-        s.norm_w = opt("attention.readings_norm.weight");
-        s.norm_b = opt("attention.readings_norm.bias");
-        s.qbn_w = opt("attention.query_bn.weight");
-        s.qbn_b = opt("attention.query_bn.bias");
-        s.qbn_mean = opt("attention.query_bn.running_mean");
-        s.qbn_var = opt("attention.query_bn.running_var");
-        s.kbn_w = opt("attention.key_bn.weight");
-        s.kbn_b = opt("attention.key_bn.bias");
-        s.kbn_mean = opt("attention.key_bn.running_mean");
-        s.kbn_var = opt("attention.key_bn.running_var");
-      } else {
-        AttentionWeights& a = l.attn;
-        a.geom = AttentionGeometryOf(cfg_, i);
-        a.wq = pack("attention.wq.weight");
-        a.wk = pack("attention.wk.weight");
-        a.wv = pack("attention.wv.weight");
-        a.wo = pack("attention.wo.weight");
-        a.w_gate = opt_pack("attention.w_gate.weight");
-      }
-      layers_.push_back(l);
+      layers_.push_back(spec.roles.layers[i].Map(pack, vector));
+      attention_geom_.push_back(cfg_.layer_types[i] == LayerType::kSdm
+                                    ? AttentionGeometry{}
+                                    : AttentionGeometryOf(cfg_, i));
     }
   }
 
@@ -143,101 +78,50 @@ class CpuBackend : public EngineBackend {
   std::string Describe() const override {
     return absl::StrCat("cpu, ", pool_.num_threads(), " threads");
   }
-  const EngineProfile& profile() const override { return profile_; }
-  void ResetProfile() override { profile_ = EngineProfile{}; }
 
-  absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
-                       std::vector<float>* logits) override {
-    const int64_t vocab = cfg_.vocab_size;
-    if (logits != nullptr) {
-      logits->assign((all_positions ? static_cast<int64_t>(tokens.size()) : 1) * vocab, 0.0f);
-    }
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    for (int64_t start = 0; start < n; start += options_.prefill_chunk) {
-      const int64_t len = std::min(options_.prefill_chunk, n - start);
-      std::vector<Segment> segs = {{&session, 0, len, session.position()}};
-      const bool last_chunk = start + len == n;
-      std::vector<int64_t> rows;
-      float* out = nullptr;
-      if (logits != nullptr && all_positions) {
-        for (int64_t r = 0; r < len; ++r) rows.push_back(r);
-        out = logits->data() + start * vocab;
-      } else if (logits != nullptr && last_chunk) {
-        rows.push_back(len - 1);
-        out = logits->data();
-      }
-      Forward(tokens.subspan(start, len), segs, rows, out);
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
-                      std::span<float> logits) override {
-    const int64_t n = static_cast<int64_t>(sessions.size());
-    std::vector<Segment> segs;
-    std::vector<int64_t> rows;
-    for (int64_t i = 0; i < n; ++i) {
-      segs.push_back({sessions[i], i, 1, sessions[i]->position()});
-      rows.push_back(i);
-    }
-    Forward(tokens, segs, rows, logits.data());
-    return absl::OkStatus();
-  }
-
- private:
-  // Runs the model over `tokens` (one row each, grouped into `segs`), advancing every session,
-  // and writes the logits of `logit_rows` (in that order) to `logits_out`.
-  void Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
-               std::span<const int64_t> logit_rows, float* logits_out) {
+  absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
+                       std::span<const int64_t> logit_rows, float* logits_out,
+                       ForwardProfiler& profiler) override {
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t dim = cfg_.dim;
-    // Profiling: the clock is read only when enabled.
-    using Clock = std::chrono::steady_clock;
-    Clock::time_point mark = options_.profile ? Clock::now() : Clock::time_point{};
-    auto lap = [&](double& bucket) {
-      if (!options_.profile) return;
-      const Clock::time_point now = Clock::now();
-      bucket += std::chrono::duration<double>(now - mark).count();
-      mark = now;
-    };
     std::vector<float> x(n * dim), xn(n * dim), tmp(n * dim);
     for (int64_t r = 0; r < n; ++r) {
       std::memcpy(&x[r * dim], tok_embeddings_ + static_cast<int64_t>(tokens[r]) * dim,
                   dim * sizeof(float));
     }
     const float eps = static_cast<float>(cfg_.norm_eps);
-    lap(profile_.head_seconds);
+    profiler.Lap(&EngineProfile::head_seconds);
     for (int64_t li = 0; li < cfg_.n_layers; ++li) {
-      const LayerWeights& l = layers_[li];
+      const CpuLayer& l = layers_[li];
       cpu::RmsNorm(x.data(), l.attention_norm, n, dim, eps, xn.data());
-      lap(profile_.ffn_seconds);
+      profiler.Lap(&EngineProfile::ffn_seconds);
       if (l.type == LayerType::kSdm) {
         SdmMixer(li, l.sdm, xn.data(), n, segs, tmp.data());
-        lap(profile_.sdm_seconds);
+        profiler.Lap(&EngineProfile::sdm_seconds);
       } else {
-        AttentionMixer(li, l.attn, xn.data(), n, segs, tmp.data());
-        lap(l.type == LayerType::kSwa ? profile_.swa_seconds : profile_.attn_seconds);
+        AttentionMixer(li, l.attention, xn.data(), n, segs, tmp.data());
+        profiler.Lap(l.type == LayerType::kSwa ? &EngineProfile::swa_seconds
+                                               : &EngineProfile::attn_seconds);
       }
       cpu::AddInPlace(tmp.data(), x.data(), n * dim);
       cpu::RmsNorm(x.data(), l.ffn_norm, n, dim, eps, xn.data());
       FeedForward(l, xn.data(), n, tmp.data());
       cpu::AddInPlace(tmp.data(), x.data(), n * dim);
-      lap(profile_.ffn_seconds);
+      profiler.Lap(&EngineProfile::ffn_seconds);
     }
-    for (const Segment& s : segs) {
-      for (int64_t t = 0; t < s.length; ++t) s.session->AdvancePosition();
-    }
-    if (logit_rows.empty() || logits_out == nullptr) return;
+    if (logit_rows.empty()) return absl::OkStatus();
     const int64_t m = static_cast<int64_t>(logit_rows.size());
     std::vector<float> h(m * dim);
     for (int64_t i = 0; i < m; ++i) {
       cpu::RmsNorm(&x[logit_rows[i] * dim], final_norm_, 1, dim, eps, &h[i * dim]);
     }
     Linear(h.data(), m, output_, nullptr, logits_out);
-    lap(profile_.head_seconds);
+    profiler.Lap(&EngineProfile::head_seconds);
+    return absl::OkStatus();
   }
 
-  void FeedForward(const LayerWeights& l, const float* xn, int64_t n, float* out) {
+ private:
+  void FeedForward(const CpuLayer& l, const float* xn, int64_t n, float* out) {
     std::vector<float> h1(n * hidden_), h3(n * hidden_);
     Linear(xn, n, l.w1, nullptr, h1.data());
     Linear(xn, n, l.w3, nullptr, h3.data());
@@ -245,9 +129,9 @@ class CpuBackend : public EngineBackend {
     Linear(h1.data(), n, l.w2, nullptr, out);
   }
 
-  void AttentionMixer(int64_t li, const AttentionWeights& a, const float* xn, int64_t n,
-                      std::span<const Segment> segs, float* out) {
-    const AttentionGeometry& g = a.geom;
+  void AttentionMixer(int64_t li, const AttentionTensors<const PackedMatrix*, const float*>& a,
+                      const float* xn, int64_t n, std::span<const Segment> segs, float* out) {
+    const AttentionGeometry& g = attention_geom_[li];
     const int64_t q_width = g.n_heads * g.head_dim;
     const int64_t kv_width = g.n_kv_heads * g.head_dim;
     std::vector<float> q(n * q_width), k(n * kv_width), v(n * kv_width), o(n * q_width);
@@ -314,8 +198,8 @@ class CpuBackend : public EngineBackend {
     Linear(o.data(), n, a.wo, nullptr, out);
   }
 
-  void SdmMixer(int64_t li, const SdmWeights& w, const float* xn, int64_t n,
-                std::span<const Segment> segs, float* out) {
+  void SdmMixer(int64_t li, const SdmTensors<const PackedMatrix*, const float*>& w, const float* xn,
+                int64_t n, std::span<const Segment> segs, float* out) {
     const SdmArgs& args = cfg_.sdm;
     const int64_t dim = cfg_.dim;
     const int64_t heads = sdm_geom_.heads;
@@ -395,8 +279,11 @@ class CpuBackend : public EngineBackend {
                                   : cpu::SdmRule::kSharedResidual;
     std::vector<float> readings(n * dim);
     const int64_t tiles = (hd + kSdmColumnTile - 1) / kSdmColumnTile;
-    pool_.ParallelFor(static_cast<int64_t>(segs.size()) * heads * tiles, [&](int64_t task) {
-      const Segment& s = segs[task / (heads * tiles)];
+    // Segments are claimed last first: the longer (prefill) ones come last in a pass, so the
+    // pool starts them first and the short decode tasks fill in around them.
+    const int64_t num_segs = static_cast<int64_t>(segs.size());
+    pool_.ParallelFor(num_segs * heads * tiles, [&](int64_t task) {
+      const Segment& s = segs[num_segs - 1 - task / (heads * tiles)];
       const int64_t h = (task / tiles) % heads;
       const int64_t c0 = (task % tiles) * kSdmColumnTile;
       const int64_t c1 = std::min(hd, c0 + kSdmColumnTile);
@@ -424,39 +311,21 @@ class CpuBackend : public EngineBackend {
     Linear(readings.data(), n, w.wo, w.bo, out);
   }
 
-  // Repacks a [out, in] weight for the batch-invariant GEMM (kernels/cpu/gemm.h), once.
-  const PackedMatrix* Pack(const std::string& name) {
-    const TensorSpecShape shape = ShapeOf(name);
-    packed_.emplace_back(model_->weights->Get(name).data(), shape.rows, shape.cols);
-    return &packed_.back();
-  }
-  struct TensorSpecShape {
-    int64_t rows, cols;
-  };
-  TensorSpecShape ShapeOf(const std::string& name) const {
-    for (const TensorSpec& t : specs_) {
-      if (t.name == name) return {t.shape[0], t.shape[1]};
-    }
-    SDM_CHECK(false);
-    return {0, 0};
-  }
   void Linear(const float* x, int64_t m, const PackedMatrix* w, const float* bias, float* y) {
     cpu::LinearInvariant(x, m, *w, bias, y, &pool_);
   }
 
   std::shared_ptr<const Model> model_;
   const ModelConfig& cfg_;
-  EngineOptions options_;
   cpu::ThreadPool pool_;
   int64_t hidden_;
   SdmGeometry sdm_geom_;
   const float* tok_embeddings_ = nullptr;
   const float* final_norm_ = nullptr;
   const PackedMatrix* output_ = nullptr;
-  std::vector<TensorSpec> specs_ = ExpectedTensors(cfg_);
   std::deque<PackedMatrix> packed_;  // stable addresses
-  std::vector<LayerWeights> layers_;
-  EngineProfile profile_;
+  std::vector<CpuLayer> layers_;
+  std::vector<AttentionGeometry> attention_geom_;  // per layer (unused for sdm layers)
 };
 
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCpuBackend(const EngineContext& context) {

@@ -21,6 +21,7 @@ namespace {
 StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
                              const EngineOptions& options) {
   const SdmGeometry sdm = SdmGeometryOf(cfg);
+  const WeightSpec spec = BuildWeightSpec(cfg);
   // One row pool for every SDM layer and session of the model (forks share rows across
   // sessions). Its cap (2^28 rows) is far beyond memory: budgets are the state store's job.
   std::shared_ptr<RowPool> row_pool;
@@ -36,8 +37,8 @@ StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
       state.sdm_heads = sdm.heads;
       state.slots_per_head = sdm.slots_per_head;
       state.row_width = sdm.head_width;
-      if (cfg.sdm.backprop_on_memory) {
-        state.m0 = w.Share(absl::StrCat("layers.", i, ".attention.memory"));
+      if (const TensorSpec* m0 = spec.Find(spec.roles.layers[i].sdm.m0); m0 != nullptr) {
+        state.m0 = w.Share(m0->name);
       }
       state.row_pool = row_pool;
     } else {
@@ -149,39 +150,113 @@ class Engine::Impl {
   uint64_t fingerprint() const { return fingerprint_; }
   EngineBackend& backend() const { return *backend_; }
 
-  absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
-                       std::vector<float>* logits) {
-    if (tokens.empty()) return absl::InvalidArgumentError("prefill needs at least one token");
-    if (auto s = CheckTokens(tokens); !s.ok()) return s;
-    if (auto s = CheckSession(session); !s.ok()) return s;
-    return backend_->Prefill(session, tokens, all_positions, logits);
-  }
+  const EngineProfile& profile() const { return profile_; }
+  void ResetProfile() { profile_ = EngineProfile{}; }
 
-  absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
-                      std::span<float> logits) {
-    const int64_t b = static_cast<int64_t>(sessions.size());
-    if (static_cast<int64_t>(tokens.size()) != b) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("decode got ", b, " sessions but ", tokens.size(), " tokens"));
+  absl::Status Step(const StepBatch& batch, std::span<float> logits) {
+    if (auto s = Validate(batch, logits); !s.ok()) return s;
+    const int64_t chunk = options_.prefill_chunk;
+    const int64_t vocab = config().vocab_size;
+    const std::span<const StepSegment> segs(batch.segments);
+    // Where each segment's logits start in `logits` (rows), and how many passes the step takes.
+    std::vector<int64_t> out_row(segs.size(), -1);
+    int64_t rows_so_far = 0;
+    int64_t passes = 0;
+    for (size_t i = 0; i < segs.size(); ++i) {
+      const int64_t len = static_cast<int64_t>(segs[i].tokens.size());
+      passes = std::max(passes, (len + chunk - 1) / chunk);
+      if (segs[i].logits == StepLogits::kNone) continue;
+      out_row[i] = rows_so_far;
+      rows_so_far += segs[i].logits == StepLogits::kAll ? len : 1;
     }
-    if (static_cast<int64_t>(logits.size()) != b * config().vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("decode logits buffer holds ", logits.size(),
-                                                     " floats, needs ", b * config().vocab_size));
-    }
-    if (b == 0) return absl::OkStatus();
-    if (auto s = CheckTokens(tokens); !s.ok()) return s;
-    std::set<const SessionState*> seen;
-    for (SessionState* s : sessions) {
-      if (s == nullptr) return absl::InvalidArgumentError("decode got a null session");
-      if (!seen.insert(s).second) {
-        return absl::InvalidArgumentError("a session appears twice in one decode batch");
+    for (int64_t pass = 0; pass < passes; ++pass) {
+      std::vector<int32_t> tokens;
+      std::vector<Segment> pieces;
+      std::vector<int64_t> logit_rows;  // rows of this pass whose logits are wanted ...
+      std::vector<int64_t> dest_rows;   // ... and where they go in `logits`
+      // Single-token pieces first (the backend contract), each group in batch order.
+      for (const bool singles : {true, false}) {
+        for (size_t i = 0; i < segs.size(); ++i) {
+          const StepSegment& seg = segs[i];
+          const int64_t len = static_cast<int64_t>(seg.tokens.size());
+          const int64_t start = pass * chunk;
+          if (start >= len) continue;
+          const int64_t n = std::min(chunk, len - start);
+          if ((n == 1) != singles) continue;
+          const int64_t first_row = static_cast<int64_t>(tokens.size());
+          pieces.push_back({seg.session, first_row, n, seg.session->position()});
+          tokens.insert(tokens.end(), seg.tokens.begin() + start, seg.tokens.begin() + start + n);
+          if (seg.logits == StepLogits::kAll) {
+            for (int64_t t = 0; t < n; ++t) {
+              logit_rows.push_back(first_row + t);
+              dest_rows.push_back(out_row[i] + start + t);
+            }
+          } else if (seg.logits == StepLogits::kLast && start + n == len) {
+            logit_rows.push_back(first_row + n - 1);
+            dest_rows.push_back(out_row[i]);
+          }
+        }
       }
-      if (auto st = CheckSession(*s); !st.ok()) return st;
+      // The backend writes rows contiguously: straight into `logits` when the destinations
+      // are consecutive (a plain decode batch, one prefill), else through scratch.
+      bool direct = true;
+      for (size_t r = 1; direct && r < dest_rows.size(); ++r) {
+        direct = dest_rows[r] == dest_rows[0] + static_cast<int64_t>(r);
+      }
+      float* out = nullptr;
+      if (!dest_rows.empty()) {
+        if (direct) {
+          out = logits.data() + dest_rows[0] * vocab;
+        } else {
+          scratch_logits_.resize(dest_rows.size() * vocab);
+          out = scratch_logits_.data();
+        }
+      }
+      ForwardProfiler profiler(options_.profile ? &profile_ : nullptr);
+      if (auto s = backend_->Forward(tokens, pieces, logit_rows, out, profiler); !s.ok()) {
+        return s;
+      }
+      for (const Segment& p : pieces) {
+        for (int64_t t = 0; t < p.length; ++t) p.session->AdvancePosition();
+      }
+      if (!direct) {
+        for (size_t r = 0; r < dest_rows.size(); ++r) {
+          std::copy_n(scratch_logits_.data() + r * vocab, vocab,
+                      logits.data() + dest_rows[r] * vocab);
+        }
+      }
     }
-    return backend_->Decode(sessions, tokens, logits);
+    return absl::OkStatus();
   }
 
  private:
+  absl::Status Validate(const StepBatch& batch, std::span<float> logits) const {
+    std::set<const SessionState*> seen;
+    for (const StepSegment& seg : batch.segments) {
+      if (seg.session == nullptr)
+        return absl::InvalidArgumentError("a step segment has no session");
+      if (seg.tokens.empty()) {
+        return absl::InvalidArgumentError("a step segment needs at least one token");
+      }
+      if (seg.logits != StepLogits::kNone && seg.logits != StepLogits::kLast &&
+          seg.logits != StepLogits::kAll) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("unknown logits request ", static_cast<int>(seg.logits)));
+      }
+      if (auto s = CheckTokens(seg.tokens); !s.ok()) return s;
+      if (auto s = CheckSession(*seg.session); !s.ok()) return s;
+      if (!seen.insert(seg.session).second) {
+        return absl::InvalidArgumentError("a session appears twice in one step");
+      }
+    }
+    const int64_t want = batch.LogitRows() * config().vocab_size;
+    if (static_cast<int64_t>(logits.size()) != want) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("step logits buffer holds ", logits.size(), " floats, needs ", want));
+    }
+    return absl::OkStatus();
+  }
+
   absl::Status CheckTokens(std::span<const int32_t> tokens) const {
     for (int32_t t : tokens) {
       if (t < 0 || t >= config().vocab_size) {
@@ -204,6 +279,8 @@ class Engine::Impl {
   StateLayout layout_;
   uint64_t fingerprint_;
   std::unique_ptr<EngineBackend> backend_;
+  EngineProfile profile_;
+  std::vector<float> scratch_logits_;  // logits of a pass whose rows are scattered
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
@@ -234,9 +311,9 @@ const EngineOptions& Engine::options() const { return impl_->options(); }
 const Model& Engine::model() const { return impl_->model(); }
 int64_t Engine::vocab_size() const { return impl_->config().vocab_size; }
 const StateLayout& Engine::state_layout() const { return impl_->layout(); }
-const EngineProfile& Engine::profile() const { return impl_->backend().profile(); }
+const EngineProfile& Engine::profile() const { return impl_->profile(); }
 uint64_t Engine::fingerprint() const { return impl_->fingerprint(); }
-void Engine::ResetProfile() { impl_->backend().ResetProfile(); }
+void Engine::ResetProfile() { impl_->ResetProfile(); }
 EngineDevice Engine::device() const { return impl_->backend().device(); }
 std::string Engine::DescribeDevice() const { return impl_->backend().Describe(); }
 int64_t Engine::device_state_capacity_bytes() const {
@@ -247,14 +324,58 @@ std::unique_ptr<SessionState> Engine::NewSession() const {
   return std::make_unique<SessionState>(impl_->layout());
 }
 
+int64_t StepBatch::Add(SessionState& session, std::span<const int32_t> tokens, StepLogits logits) {
+  const int64_t row = logits == StepLogits::kNone ? -1 : LogitRows();
+  segments.push_back({&session, tokens, logits});
+  return row;
+}
+
+int64_t StepBatch::LogitRows() const {
+  int64_t rows = 0;
+  for (const StepSegment& s : segments) {
+    if (s.logits == StepLogits::kLast) rows += 1;
+    if (s.logits == StepLogits::kAll) rows += static_cast<int64_t>(s.tokens.size());
+  }
+  return rows;
+}
+
+int64_t StepBatch::TokenCount() const {
+  int64_t n = 0;
+  for (const StepSegment& s : segments) n += static_cast<int64_t>(s.tokens.size());
+  return n;
+}
+
+absl::Status Engine::Step(const StepBatch& batch, std::span<float> logits) {
+  return impl_->Step(batch, logits);
+}
+
 absl::Status Engine::Prefill(SessionState& session, std::span<const int32_t> tokens,
                              bool all_positions, std::vector<float>* logits) {
-  return impl_->Prefill(session, tokens, all_positions, logits);
+  if (tokens.empty()) return absl::InvalidArgumentError("prefill needs at least one token");
+  StepBatch batch;
+  batch.Add(session, tokens,
+            logits == nullptr ? StepLogits::kNone
+                              : (all_positions ? StepLogits::kAll : StepLogits::kLast));
+  if (logits == nullptr) return Step(batch, {});
+  // Sized only once the call is valid, so a rejected call leaves `logits` alone.
+  std::vector<float> out(batch.LogitRows() * vocab_size());
+  if (absl::Status s = Step(batch, out); !s.ok()) return s;
+  *logits = std::move(out);
+  return absl::OkStatus();
 }
 
 absl::Status Engine::Decode(std::span<SessionState* const> sessions,
                             std::span<const int32_t> tokens, std::span<float> logits) {
-  return impl_->Decode(sessions, tokens, logits);
+  if (tokens.size() != sessions.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("decode got ", sessions.size(), " sessions but ", tokens.size(), " tokens"));
+  }
+  StepBatch batch;
+  for (size_t b = 0; b < sessions.size(); ++b) {
+    if (sessions[b] == nullptr) return absl::InvalidArgumentError("decode got a null session");
+    batch.Add(*sessions[b], tokens.subspan(b, 1), StepLogits::kLast);
+  }
+  return Step(batch, logits);
 }
 
 }  // namespace sdm

@@ -5,16 +5,18 @@
 // its batches are not guaranteed batch-invariant (cuBLASLt may pick another kernel per batch size).
 //
 // Weights are immutable and shared; each session's state (state_store/session_state.h) is read
-// and written only inside Prefill/Decode, which advance its position. Decode runs one token for
-// each of many sessions as one batch: the projections and FFNs are GEMMs over the batch
-// (kernels/cpu/gemm.h, on weights repacked once at creation), the per-session work (attention over
-// a session's cache, the SDM write/read) runs on the engine's threads. A batch gives every session
-// exactly the logits it would get alone (bit for bit): the GEMMs are batch-invariant
-// (kernels/cpu/gemm.h) and the per-session work never depends on the batch. Prefill and
-// token-by-token decode agree to fp32 rounding (prefill attention reduces in a different order).
+// and written only inside Step (and its wrappers Prefill/Decode), which advances its position.
+// A step runs any mix of prefill chunks and decode tokens of many sessions as one forward pass:
+// the projections and FFNs are GEMMs over all rows (kernels/cpu/gemm.h, on weights repacked once
+// at creation), the per-session work (attention over a session's cache, the SDM write/read) runs
+// on the engine's threads. A step gives every session exactly the logits it would get alone (bit
+// for bit): the GEMMs are batch-invariant (kernels/cpu/gemm.h), the per-session work never
+// depends on the batch, and a session's tokens are cut into the same chunks wherever they run.
+// Prefill and token-by-token decode agree to fp32 rounding (prefill attention reduces in a
+// different order): a segment of one token takes the decode path, a longer one the prefill path.
 //
-// Thread-safety: one Prefill/Decode call at a time per Engine (the scheduler's step loop); a
-// session must not appear twice in one batch.
+// Thread-safety: one Step/Prefill/Decode call at a time per Engine (the scheduler's step loop); a
+// session must not appear twice in one step.
 #ifndef SDMSERVE_ENGINE_ENGINE_H_
 #define SDMSERVE_ENGINE_ENGINE_H_
 
@@ -65,6 +67,29 @@ struct EngineProfile {
   double head_seconds = 0;  // embeddings, final norm and logits
 };
 
+// What a step segment asks logits for: none, its last token's, or every token's.
+enum class StepLogits { kNone, kLast, kAll };
+
+// Tokens fed to one session in a step. The tokens are the caller's; they must outlive Step().
+struct StepSegment {
+  SessionState* session = nullptr;
+  std::span<const int32_t> tokens;  // at least one
+  StepLogits logits = StepLogits::kNone;
+};
+
+// One engine step: any mix of prefill chunks and decode tokens of distinct sessions.
+struct StepBatch {
+  std::vector<StepSegment> segments;
+
+  // Appends a segment; returns the row of Step's logits holding its first requested row
+  // (kLast: its only row; kAll: its first token's), or -1 for kNone.
+  int64_t Add(SessionState& session, std::span<const int32_t> tokens, StepLogits logits);
+  // Rows of logits a Step of this batch writes: one per kLast segment, one per token of a kAll
+  // segment, in segment order.
+  int64_t LogitRows() const;
+  int64_t TokenCount() const;
+};
+
 class Engine {
  public:
   static absl::StatusOr<std::unique_ptr<Engine>> Create(std::shared_ptr<const Model> model,
@@ -91,12 +116,28 @@ class Engine {
   const StateLayout& state_layout() const;
   std::unique_ptr<SessionState> NewSession() const;
 
+  // Feeds every segment's tokens to its session and writes the logits asked for to `logits`
+  // ([batch.LogitRows(), vocab], rows in segment order; see StepBatch::Add).
+  //
+  // Chunking: a segment longer than options().prefill_chunk is cut into chunks of that many
+  // tokens (the last may be shorter), counted from the segment's first token, and the step runs
+  // one forward pass per chunk index: pass k holds chunk k of every segment that has one, so
+  // decode tokens and first chunks share pass 0. A session's numerics depend only on how its
+  // own tokens are cut, never on the other segments.
+  //
+  // Errors (INVALID_ARGUMENT, nothing consumed): an empty or null segment, a token outside the
+  // vocabulary, a session of another model, a session twice, an unknown StepLogits, a logits
+  // buffer of the wrong size. A backend error (say RESOURCE_EXHAUSTED on a device) is returned
+  // as is; passes that completed before it have advanced their sessions, so a caller treats
+  // every session of a failed step as failed.
+  absl::Status Step(const StepBatch& batch, std::span<float> logits);
+
+  // Convenience wrappers over Step.
   // Feeds `tokens` (at least one) to `session`. If `logits` is non-null it receives the logits
   // of the last token ([vocab]) or, with all_positions, of every token ([tokens, vocab]).
   absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
                        std::vector<float>* logits);
-
-  // Feeds tokens[b] to sessions[b] for every b, as one batch; logits is [B, vocab].
+  // Feeds tokens[b] to sessions[b] for every b, as one pass; logits is [B, vocab].
   absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
                       std::span<float> logits);
 

@@ -1,12 +1,15 @@
-// The seam between the engine's front (engine/engine.h: validation, state layout, fingerprint)
-// and the code that runs the forward pass on a device. A backend receives only validated calls:
-// tokens inside the vocabulary, sessions of this model, no session twice in one batch.
+// The seam between the engine's front (engine/engine.h: validation, chunking, positions,
+// profiling, state layout, fingerprint) and the code that runs the forward pass on a device.
+// A backend implements one forward pass over a batch of segments; everything around it is the
+// front's, so the CPU and CUDA backends differ only in the math.
 //
 // Backends: the CPU one (engine/cpu_backend.cc), always built, and the CUDA one
-// (engine/cuda/cuda_backend.cc), built when the build has CUDA (SDM_HAVE_CUDA).
+// (engine/cuda/cuda_backend.cc), built when the build has CUDA (SDM_HAVE_CUDA). Both bind their
+// weights from the typed roles of engine/weight_spec.h (engine/layer_tensors.h).
 #ifndef SDMSERVE_ENGINE_ENGINE_BACKEND_H_
 #define SDMSERVE_ENGINE_ENGINE_BACKEND_H_
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -34,24 +37,54 @@ struct EngineContext {
 // The kernels' name for a config's address activation (both backends share the enum).
 kernels::AddressAct ToAddressAct(AddressActivation a);
 
-// A run of consecutive tokens of one session inside a forward call: a decode batch has one
-// segment of length 1 per session, a prefill chunk one segment.
+// A run of consecutive tokens of one session inside a forward pass: a decode token is a segment
+// of length 1, a prefill chunk a segment of up to EngineOptions::prefill_chunk tokens.
 struct Segment {
   SessionState* session;
   int64_t first_row;  // row of the segment's first token in the activations
   int64_t length;
-  int64_t pos0;  // position of its first token
+  int64_t pos0;  // position of its first token: session->position() when the pass starts
+};
+
+// Wall time per part of a forward pass, added to the front's EngineProfile. A backend calls
+// Lap(&EngineProfile::part) at the end of each part; the time since the previous lap (or since
+// construction) goes to that part. Disabled (null profile): no clock reads. A backend whose
+// work is asynchronous synchronises before a lap, and only when enabled().
+class ForwardProfiler {
+ public:
+  explicit ForwardProfiler(EngineProfile* profile) : profile_(profile) {
+    if (profile_ != nullptr) mark_ = Clock::now();
+  }
+  bool enabled() const { return profile_ != nullptr; }
+  void Lap(double EngineProfile::*part) {
+    if (profile_ == nullptr) return;
+    const Clock::time_point now = Clock::now();
+    profile_->*part += std::chrono::duration<double>(now - mark_).count();
+    mark_ = now;
+  }
+
+ private:
+  using Clock = std::chrono::steady_clock;
+  EngineProfile* profile_;
+  Clock::time_point mark_{};
 };
 
 class EngineBackend {
  public:
   virtual ~EngineBackend() = default;
 
-  // See Engine::Prefill / Engine::Decode; arguments are already validated.
-  virtual absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens,
-                               bool all_positions, std::vector<float>* logits) = 0;
-  virtual absl::Status Decode(std::span<SessionState* const> sessions,
-                              std::span<const int32_t> tokens, std::span<float> logits) = 0;
+  // One forward pass: row r of the activations is tokens[r]; `segments` tile the rows
+  // [0, tokens.size()) in order, at most one per session, each no longer than the engine's
+  // prefill_chunk, with every single-token segment before the longer ones (a device backend
+  // may run them as one decode batch); pos0 is each session's position. Tokens are inside the
+  // vocabulary and sessions belong to this model (the front checked). Appends every segment's
+  // tokens to its session's layers but does not advance positions (the front does, on OK).
+  // Writes the logits of `logit_rows` (in that order) to logits_out ([rows, vocab]; null iff
+  // logit_rows is empty). Single-token segments take the decode attention path and longer
+  // ones the prefill path, whatever else is in the pass.
+  virtual absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segments,
+                               std::span<const int64_t> logit_rows, float* logits_out,
+                               ForwardProfiler& profiler) = 0;
 
   virtual EngineDevice device() const = 0;
   // One line for logs and model info, e.g. "cpu, 2 threads".
@@ -59,9 +92,6 @@ class EngineBackend {
 
   // Bytes of session state the device can hold whatever its mix (0: bounded only by host RAM).
   virtual int64_t StateCapacityBytes() const { return 0; }
-
-  virtual const EngineProfile& profile() const = 0;
-  virtual void ResetProfile() = 0;
 };
 
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCpuBackend(const EngineContext& context);

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/layer_tensors.h"
 #include "engine/model_config.h"
 
 namespace sdm {
@@ -35,6 +36,25 @@ struct TensorSpec {
 // Every tensor a model with this (finalized) config must have, in a stable order: embeddings,
 // then layer by layer, then the final norm and output.
 std::vector<TensorSpec> ExpectedTensors(const ModelConfig& config);
+
+// A tensor's place in WeightSpec::tensors; absent (-1) when the config has no such tensor.
+struct TensorRef {
+  int32_t index = -1;
+  bool present() const { return index >= 0; }
+};
+
+// The tensors of a config both as the flat list (ExpectedTensors) and by role
+// (engine/layer_tensors.h), which is how backends bind weights without spelling names.
+struct WeightSpec {
+  std::vector<TensorSpec> tensors;
+  ModelTensors<TensorRef, TensorRef> roles;
+
+  // The spec a role refers to, or null when absent.
+  const TensorSpec* Find(TensorRef ref) const {
+    return ref.present() ? &tensors[static_cast<size_t>(ref.index)] : nullptr;
+  }
+};
+WeightSpec BuildWeightSpec(const ModelConfig& config);
 
 int64_t NumElements(const TensorSpec& spec);
 

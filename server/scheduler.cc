@@ -51,19 +51,19 @@ Scheduler::Scheduler(Engine& engine, SessionStateStore& store, const Tokenizer& 
 Scheduler::~Scheduler() { Shutdown(/*cancel=*/true); }
 
 int Scheduler::running() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return running_count_;
 }
 
 int Scheduler::waiting() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return static_cast<int>(waiting_.size());
 }
 
 absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> observer) {
   if (spec.prompt.empty()) return absl::InvalidArgumentError("the prompt is empty");
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     if (!accepting_) return absl::UnavailableError("the server is shutting down");
     if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
       return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
@@ -92,7 +92,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   job->to_feed.insert(job->to_feed.end(), job->spec.prompt.begin(), job->spec.prompt.end());
   job->usage.prompt_tokens = static_cast<int64_t>(job->to_feed.size());
   st.sampler_seed = job->spec.sampling.seed;
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   absl::Status refused;
   if (!accepting_) {
     refused = absl::UnavailableError("the server is shutting down");
@@ -104,19 +104,17 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
     return refused;
   }
-  waiting_.push_back(std::move(job));
-  wake_.notify_all();
+  waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
   return absl::OkStatus();
 }
 
 void Scheduler::Shutdown(bool cancel) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     accepting_ = false;
     if (cancel) cancel_all_ = true;
     stop_ = true;
   }
-  wake_.notify_all();
   if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
 }
 
@@ -126,8 +124,8 @@ void Scheduler::Loop() {
     std::vector<std::unique_ptr<Job>> cancelled;
     bool cancel_all = false;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || !waiting_.empty() || !running.empty(); });
+      absl::MutexLock lock(&mu_);
+      if (running.empty()) mu_.Await(absl::Condition(this, &Scheduler::HasWorkLocked));
       if (stop_ && waiting_.empty() && running.empty()) break;
       cancel_all = cancel_all_;
       if (cancel_all) {
@@ -150,7 +148,7 @@ void Scheduler::Loop() {
     running.erase(std::remove_if(running.begin(), running.end(),
                                  [](const std::unique_ptr<Job>& j) { return j->done; }),
                   running.end());
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     running_count_ = static_cast<int>(running.size());
   }
 }
@@ -166,69 +164,80 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
       Finish(*job, FinishReason::kDeadline);
     }
   }
-  // Prefill chunks, oldest first, within the step's token budget. A prompt is always cut at
-  // multiples of the engine's prefill chunk (a chunk is never split to fit the budget), so its
-  // numerics are those of one Prefill() call whatever else is running: batching changes nothing.
+  // The plan: prompt tokens, oldest job first, within the step's token budget, then one decode
+  // token for every job past its prompt. A prompt is always cut at multiples of the engine's
+  // prefill chunk (a chunk is never split to fit the budget) and the engine cuts a job's share
+  // into those same chunks, so its numerics are those of Prefill() calls whatever else runs.
+  struct Planned {
+    Job* job;
+    size_t prefill = 0;      // prompt tokens fed (0: a decode token)
+    int64_t logit_row = -1;  // row of the step's logits to sample from (-1: none)
+  };
+  std::vector<Planned> plan;
+  StepBatch batch;
   int64_t budget = options_.prefill_token_budget;
   int64_t prefilled = 0;
-  const int64_t vocab = engine_.vocab_size();
   const size_t chunk = static_cast<size_t>(engine_.options().prefill_chunk);
   for (auto& job : running) {
-    while (!job->done && job->fed < job->to_feed.size()) {
-      const size_t n = std::min(chunk, job->to_feed.size() - job->fed);
+    if (job->done || job->fed >= job->to_feed.size()) continue;
+    size_t take = 0;
+    while (job->fed + take < job->to_feed.size()) {
+      const size_t n = std::min(chunk, job->to_feed.size() - job->fed - take);
       // Over budget: wait for the next step, unless nothing was prefilled yet (progress).
       if (static_cast<int64_t>(n) > budget && prefilled > 0) break;
-      const bool last = job->fed + n == job->to_feed.size();
-      std::vector<float> logits;
-      absl::Status s =
-          engine_.Prefill(*job->state, std::span<const int32_t>(job->to_feed).subspan(job->fed, n),
-                          false, last ? &logits : nullptr);
-      if (!s.ok()) {
-        Finish(*job, FinishReason::kError, s);
-        break;
-      }
-      job->fed += n;
+      take += n;
       budget -= static_cast<int64_t>(n);
       prefilled += static_cast<int64_t>(n);
-      if (last) {
-        const int32_t token = SampleToken(logits, job->spec.sampling, job->state->sampler_draws++);
-        if (listener_ != nullptr) listener_->OnFirstToken(Seconds(job->submitted, Clock::now()));
-        job->last_token = Clock::now();
-        Emit(*job, token);
-      }
+    }
+    if (take > 0) {
+      const bool last = job->fed + take == job->to_feed.size();
+      const int64_t row =
+          batch.Add(*job->state, std::span<const int32_t>(job->to_feed).subspan(job->fed, take),
+                    last ? StepLogits::kLast : StepLogits::kNone);
+      plan.push_back({job.get(), take, row});
     }
     if (budget <= 0) break;
   }
-  // One decode step for every job past its prompt.
-  std::vector<Job*> batch;
-  std::vector<SessionState*> sessions;
-  std::vector<int32_t> inputs;
+  int decodes = 0;
   for (auto& job : running) {
     if (job->done || job->next_input < 0) continue;
-    batch.push_back(job.get());
-    sessions.push_back(job->state);
-    inputs.push_back(job->next_input);
+    const int64_t row =
+        batch.Add(*job->state, std::span<const int32_t>(&job->next_input, 1), StepLogits::kLast);
+    plan.push_back({job.get(), 0, row});
+    ++decodes;
   }
-  if (!batch.empty()) {
-    std::vector<float> logits(batch.size() * vocab);
-    absl::Status s = engine_.Decode(sessions, inputs, logits);
-    for (size_t i = 0; i < batch.size(); ++i) {
-      Job& job = *batch[i];
-      if (!s.ok()) {
-        Finish(job, FinishReason::kError, s);
-        continue;
-      }
-      job.next_input = -1;  // fed
-      const int32_t token = SampleToken(std::span<const float>(&logits[i * vocab], vocab),
-                                        job.spec.sampling, job.state->sampler_draws++);
-      const Clock::time_point t = Clock::now();
-      if (listener_ != nullptr) listener_->OnInterToken(Seconds(job.last_token, t));
-      job.last_token = t;
-      Emit(job, token);
+  if (plan.empty()) return;
+
+  const int64_t vocab = engine_.vocab_size();
+  std::vector<float> logits(batch.LogitRows() * vocab);
+  const absl::Status status = engine_.Step(batch, logits);
+  for (const Planned& p : plan) {
+    Job& job = *p.job;
+    if (!status.ok()) {
+      Finish(job, FinishReason::kError, status);
+      continue;
     }
+    if (p.prefill > 0) {
+      job.fed += p.prefill;
+    } else {
+      job.next_input = -1;  // fed
+    }
+    if (p.logit_row < 0) continue;
+    const int32_t token = SampleToken(std::span<const float>(&logits[p.logit_row * vocab], vocab),
+                                      job.spec.sampling, job.state->sampler_draws++);
+    const Clock::time_point t = Clock::now();
+    if (listener_ != nullptr) {
+      if (p.prefill > 0) {
+        listener_->OnFirstToken(Seconds(job.submitted, t));
+      } else {
+        listener_->OnInterToken(Seconds(job.last_token, t));
+      }
+    }
+    job.last_token = t;
+    Emit(job, token);
   }
-  if (listener_ != nullptr && (prefilled > 0 || !batch.empty())) {
-    listener_->OnStep(static_cast<int>(batch.size()), prefilled, Seconds(step_start, Clock::now()));
+  if (listener_ != nullptr) {
+    listener_->OnStep(decodes, prefilled, Seconds(step_start, Clock::now()));
   }
 }
 

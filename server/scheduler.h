@@ -1,11 +1,14 @@
 // Scheduler: iteration-level continuous batching over the engine (docs/model-spec.md §10).
 //
 // One thread runs engine steps. Each step (1) admits waiting jobs while fewer than max_running
-// are running, (2) ends jobs that were cancelled or passed their deadline, (3) spends at most
-// prefill_token_budget prompt tokens on prefill chunks, oldest job first, so a long prompt never
-// stalls running streams for more than one chunk, and (4) decodes one token for every job past
-// its prompt, as one engine batch. Prompts are cut at multiples of the engine's prefill chunk and
-// decode is batch-invariant, so a job's tokens are bit for bit those it would get alone. Tokens are
+// are running, (2) ends jobs that were cancelled or passed their deadline, (3) plans one
+// engine step (Engine::Step): prompt tokens within prefill_token_budget, oldest job first, so a
+// long prompt never stalls running streams for more than its budget, plus one decode token for
+// every job past its prompt, and (4) runs that plan as one forward pass (more only when a job's
+// share of the budget spans several engine prefill chunks) and samples from its logits. Prompts
+// are cut at multiples of the engine's prefill chunk and a step is batch-invariant, so a job's
+// tokens are bit for bit those it would get alone. A job whose prompt ends in a step gets its
+// first token from that step and decodes from the next one. Tokens are
 // sampled per job (engine/sampler.h) from the session's stream and handed to the job's observer
 // with their UTF-8 text delta; stop ids, the tokenizer's EOS, stop strings and max_tokens end a
 // job, by the rules of engine/generation.h.
@@ -26,17 +29,17 @@
 #ifndef SDMSERVE_SERVER_SCHEDULER_H_
 #define SDMSERVE_SERVER_SCHEDULER_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <deque>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
 #include "engine/generation.h"
@@ -116,6 +119,10 @@ class Scheduler {
  private:
   struct Job;
   void Loop();
+  // The step thread waits for this (or for running jobs, which it holds itself).
+  bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return stop_ || !waiting_.empty();
+  }
   void Step(std::vector<std::unique_ptr<Job>>& running);
   void Emit(Job& job, int32_t token);
   void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus());
@@ -126,13 +133,12 @@ class Scheduler {
   const SchedulerOptions options_;
   SchedulerListener* listener_;
 
-  mutable std::mutex mu_;
-  std::condition_variable wake_;
-  std::deque<std::unique_ptr<Job>> waiting_;  // guarded by mu_
-  int running_count_ = 0;                     // guarded by mu_
-  bool accepting_ = true;                     // guarded by mu_
-  bool cancel_all_ = false;                   // guarded by mu_
-  bool stop_ = false;                         // guarded by mu_
+  mutable absl::Mutex mu_;
+  std::deque<std::unique_ptr<Job>> waiting_ ABSL_GUARDED_BY(mu_);
+  int running_count_ ABSL_GUARDED_BY(mu_) = 0;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = true;
+  bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

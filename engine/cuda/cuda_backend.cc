@@ -1,4 +1,4 @@
-// The CUDA backend (docs/model-spec.md §6): engine/cpu_backend.cc's forward pass with bf16 weights
+// The CUDA backend (design brief §7): the forward pass of engine/cpu_backend.cc with bf16 weights
 // and state on the device, fp32 activations and accumulation, cuBLASLt for every dense layer and
 // kernels/cuda/ for the rest. Sessions become device-resident on their first step
 // (engine/cuda/device_state.h) and stay so until the state store parks them.
@@ -7,15 +7,14 @@
 // the step's positions need; (2) reserve the SDM rows the step may allocate (copy-on-write can
 // take at most rows * heads * writes per SDM layer); (3) copy the step's small integer arrays
 // (tokens, positions, segments, per-layer table pointers) to the device in one transfer; (4) run
-// the layers on the compute stream; (5) copy the logits back with the free-row count and the
-// row counters, and synchronise once.
+// the layers on the compute stream (the pass's single-token segments, which the front puts
+// first, as one decode-attention batch; longer segments through the prefill kernel); (5) copy the
+// logits back with the free-row count and the row counters, and synchronise once.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,6 +25,7 @@
 #include "base/status_macros.h"
 #include "engine/cuda/device_state.h"
 #include "engine/engine_backend.h"
+#include "engine/layer_tensors.h"
 #include "engine/weight_spec.h"
 #include "kernels/common/device_layout.h"
 #include "kernels/common/sdm_addressing_math.h"
@@ -47,29 +47,8 @@ struct DeviceMatrix {
   int64_t out = 0, in = 0;
 };
 
-struct AttentionLayer {
-  DeviceMatrix wq, wk, wv, wo, w_gate;  // w_gate.w null unless attn_gate
-  AttentionGeometry geom;
-};
-
-struct SdmLayer {
-  DeviceMatrix wq_read, wk_write, wv_write, a_proj, b_proj, wo, wog;  // wog.w null if no gate
-  const float *bq_read, *bk_write, *bv_write, *a_bias, *b_bias, *a_log, *dt_bias, *bo;
-  const float* bog = nullptr;
-  const float *norm_w = nullptr, *norm_b = nullptr;
-  const float *qbn_w = nullptr, *qbn_b = nullptr, *qbn_mean = nullptr, *qbn_var = nullptr;
-  const float *kbn_w = nullptr, *kbn_b = nullptr, *kbn_mean = nullptr, *kbn_var = nullptr;
-  const bf16* m0 = nullptr;
-};
-
-struct Layer {
-  LayerType type;
-  const float* attention_norm;
-  const float* ffn_norm;
-  DeviceMatrix w1, w2, w3;
-  AttentionLayer attn;
-  SdmLayer sdm;
-};
+// A layer's weights on the device: matrices (and M0) in bf16, vectors in fp32.
+using DeviceLayer = LayerTensors<DeviceMatrix, const float*>;
 
 // Device activations for up to `rows` rows; grown on demand.
 struct Workspace {
@@ -162,7 +141,7 @@ class CudaBackend : public EngineBackend {
     }
     std::vector<const bf16*> m0(cfg_.n_layers, nullptr);
     for (int64_t l = 0; l < cfg_.n_layers; ++l) {
-      if (layers_[l].type == LayerType::kSdm) m0[l] = layers_[l].sdm.m0;
+      if (layers_[l].type == LayerType::kSdm) m0[l] = layers_[l].sdm.m0.w;
     }
     absl::StatusOr<std::shared_ptr<CudaDeviceContext>> ctx =
         CudaDeviceContext::Create(layout_, sizes, std::move(m0));
@@ -185,63 +164,31 @@ class CudaBackend : public EngineBackend {
         sessions_at_max_);
   }
   int64_t StateCapacityBytes() const override { return state_capacity_bytes_; }
-  const EngineProfile& profile() const override { return profile_; }
-  void ResetProfile() override { profile_ = EngineProfile{}; }
-
-  absl::Status Prefill(SessionState& session, std::span<const int32_t> tokens, bool all_positions,
-                       std::vector<float>* logits) override {
-    const int64_t vocab = cfg_.vocab_size;
-    if (logits != nullptr) {
-      logits->assign((all_positions ? static_cast<int64_t>(tokens.size()) : 1) * vocab, 0.0f);
-    }
-    const int64_t n = static_cast<int64_t>(tokens.size());
-    for (int64_t start = 0; start < n; start += options_.prefill_chunk) {
-      const int64_t len = std::min(options_.prefill_chunk, n - start);
-      std::vector<Segment> segs = {{&session, 0, len, session.position()}};
-      std::vector<int64_t> rows;
-      float* out = nullptr;
-      if (logits != nullptr && all_positions) {
-        for (int64_t r = 0; r < len; ++r) rows.push_back(r);
-        out = logits->data() + start * vocab;
-      } else if (logits != nullptr && start + len == n) {
-        rows.push_back(len - 1);
-        out = logits->data();
-      }
-      SDM_RETURN_IF_ERROR(Forward(tokens.subspan(start, len), segs, rows, out));
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Status Decode(std::span<SessionState* const> sessions, std::span<const int32_t> tokens,
-                      std::span<float> logits) override {
-    std::vector<Segment> segs;
-    std::vector<int64_t> rows;
-    for (int64_t i = 0; i < static_cast<int64_t>(sessions.size()); ++i) {
-      segs.push_back({sessions[i], i, 1, sessions[i]->position()});
-      rows.push_back(i);
-    }
-    return Forward(tokens, segs, rows, logits.data());
-  }
 
  private:
   // ---- weights ---------------------------------------------------------------------------------
 
   absl::Status UploadWeights() {
     const ModelWeights& w = *model_->weights;
+    const WeightSpec spec = BuildWeightSpec(cfg_);
+    // Every tensor once, in spec order; roles below refer to them by index.
+    std::vector<DeviceMatrix> matrices(spec.tensors.size());
+    std::vector<const float*> vectors(spec.tensors.size(), nullptr);
     std::vector<bf16> staging;
-    for (const TensorSpec& t : ExpectedTensors(cfg_)) {
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      const TensorSpec& t = spec.tensors[i];
       std::span<const float> v = w.Get(t.name);
       // Matrices (and M0, and the embedding table) in bf16; vectors stay fp32.
       if (t.shape.size() == 2) {
         staging.resize(v.size());
-        for (size_t i = 0; i < v.size(); ++i) staging[i] = __float2bfloat16_rn(v[i]);
+        for (size_t j = 0; j < v.size(); ++j) staging[j] = __float2bfloat16_rn(v[j]);
         kc::DeviceBuffer<bf16> buf;
         SDM_RETURN_IF_ERROR(CudaStatus(buf.Allocate(v.size()), "allocating weights"));
         SDM_RETURN_IF_ERROR(
             CudaStatus(cudaMemcpy(buf.get(), staging.data(), buf.bytes(), cudaMemcpyHostToDevice),
                        "uploading weights"));
         weight_bytes_ += static_cast<int64_t>(buf.bytes());
-        matrices_[t.name] = {buf.get(), t.shape[0], t.shape[1]};
+        matrices[i] = {buf.get(), t.shape[0], t.shape[1]};
         bf16_buffers_.push_back(std::move(buf));
       } else {
         kc::DeviceBuffer<float> buf;
@@ -250,72 +197,24 @@ class CudaBackend : public EngineBackend {
             CudaStatus(cudaMemcpy(buf.get(), v.data(), buf.bytes(), cudaMemcpyHostToDevice),
                        "uploading weights"));
         weight_bytes_ += static_cast<int64_t>(buf.bytes());
-        vectors_[t.name] = buf.get();
+        vectors[i] = buf.get();
         f32_buffers_.push_back(std::move(buf));
       }
     }
-    auto mat = [&](const std::string& name) { return matrices_.at(name); };
-    auto opt_mat = [&](const std::string& name) {
-      auto it = matrices_.find(name);
-      return it == matrices_.end() ? DeviceMatrix{} : it->second;
+    auto matrix = [&](TensorRef ref) {
+      return ref.present() ? matrices[static_cast<size_t>(ref.index)] : DeviceMatrix{};
     };
-    auto vec = [&](const std::string& name) { return vectors_.at(name); };
-    auto opt_vec = [&](const std::string& name) -> const float* {
-      auto it = vectors_.find(name);
-      return it == vectors_.end() ? nullptr : it->second;
+    auto vector = [&](TensorRef ref) -> const float* {
+      return ref.present() ? vectors[static_cast<size_t>(ref.index)] : nullptr;
     };
-    tok_embeddings_ = mat("tok_embeddings.weight").w;
-    final_norm_ = vec("norm.weight");
-    output_ = mat(cfg_.weight_tying ? "tok_embeddings.weight" : "output.weight");
+    tok_embeddings_ = matrix(spec.roles.tok_embeddings).w;
+    final_norm_ = vector(spec.roles.norm);
+    output_ = matrix(spec.roles.output);
     for (int64_t i = 0; i < cfg_.n_layers; ++i) {
-      const std::string p = absl::StrCat("layers.", i, ".");
-      Layer l{};
-      l.type = cfg_.layer_types[i];
-      l.attention_norm = vec(p + "attention_norm.weight");
-      l.ffn_norm = vec(p + "ffn_norm.weight");
-      l.w1 = mat(p + "feed_forward.w1.weight");
-      l.w2 = mat(p + "feed_forward.w2.weight");
-      l.w3 = mat(p + "feed_forward.w3.weight");
-      if (l.type == LayerType::kSdm) {
-        SdmLayer& s = l.sdm;
-        const std::string a = p + "attention.";
-        s.wq_read = mat(a + "Wq_read.weight");
-        s.bq_read = vec(a + "Wq_read.bias");
-        s.wk_write = mat(a + "Wk_write.weight");
-        s.bk_write = vec(a + "Wk_write.bias");
-        s.wv_write = mat(a + "Wv_write.weight");
-        s.bv_write = vec(a + "Wv_write.bias");
-        s.a_proj = mat(a + "a_proj.weight");
-        s.a_bias = vec(a + "a_proj.bias");
-        s.b_proj = mat(a + "b_proj.weight");
-        s.b_bias = vec(a + "b_proj.bias");
-        s.a_log = vec(a + "A_log");
-        s.dt_bias = vec(a + "dt_bias");
-        s.wo = mat(a + "Wo.weight");
-        s.bo = vec(a + "Wo.bias");
-        s.wog = opt_mat(a + "Wog.weight");
-        s.bog = opt_vec(a + "Wog.bias");
-        s.norm_w = opt_vec(a + "readings_norm.weight");
-        s.norm_b = opt_vec(a + "readings_norm.bias");
-        s.qbn_w = opt_vec(a + "query_bn.weight");
-        s.qbn_b = opt_vec(a + "query_bn.bias");
-        s.qbn_mean = opt_vec(a + "query_bn.running_mean");
-        s.qbn_var = opt_vec(a + "query_bn.running_var");
-        s.kbn_w = opt_vec(a + "key_bn.weight");
-        s.kbn_b = opt_vec(a + "key_bn.bias");
-        s.kbn_mean = opt_vec(a + "key_bn.running_mean");
-        s.kbn_var = opt_vec(a + "key_bn.running_var");
-        s.m0 = opt_mat(a + "memory").w;
-      } else {
-        AttentionLayer& at = l.attn;
-        at.geom = AttentionGeometryOf(cfg_, i);
-        at.wq = mat(p + "attention.wq.weight");
-        at.wk = mat(p + "attention.wk.weight");
-        at.wv = mat(p + "attention.wv.weight");
-        at.wo = mat(p + "attention.wo.weight");
-        at.w_gate = opt_mat(p + "attention.w_gate.weight");
-      }
-      layers_.push_back(l);
+      layers_.push_back(spec.roles.layers[i].Map(matrix, vector));
+      attention_geom_.push_back(cfg_.layer_types[i] == LayerType::kSdm
+                                    ? AttentionGeometry{}
+                                    : AttentionGeometryOf(cfg_, i));
     }
     return absl::OkStatus();
   }
@@ -331,10 +230,11 @@ class CudaBackend : public EngineBackend {
       while (r < rows) r *= 2;
       const int64_t dim = cfg_.dim;
       int64_t q_width = dim, kv_width = 0;
-      for (const Layer& l : layers_) {
-        if (l.type == LayerType::kSdm) continue;
-        q_width = std::max(q_width, l.attn.geom.n_heads * l.attn.geom.head_dim);
-        kv_width = std::max(kv_width, l.attn.geom.n_kv_heads * l.attn.geom.head_dim);
+      for (int64_t li = 0; li < cfg_.n_layers; ++li) {
+        if (layers_[li].type == LayerType::kSdm) continue;
+        const AttentionGeometry& g = attention_geom_[li];
+        q_width = std::max(q_width, g.n_heads * g.head_dim);
+        kv_width = std::max(kv_width, g.n_kv_heads * g.head_dim);
       }
       const int64_t heads = sdm_geom_.heads;
       const int64_t n_w = heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
@@ -384,9 +284,9 @@ class CudaBackend : public EngineBackend {
       ws.rows = r;
     }
     int64_t scratch = 0;
-    for (const Layer& l : layers_) {
-      if (l.type == LayerType::kSdm) continue;
-      const kc::AttentionDims dims = Dims(l.attn.geom);
+    for (int64_t li = 0; li < cfg_.n_layers; ++li) {
+      if (layers_[li].type == LayerType::kSdm) continue;
+      const kc::AttentionDims dims = Dims(attention_geom_[li]);
       scratch = std::max(scratch, kc::AttentionDecodeScratchFloats(rows, dims, max_visible));
     }
     if (scratch > static_cast<int64_t>(ws.attn_scratch.size())) {
@@ -420,7 +320,8 @@ class CudaBackend : public EngineBackend {
   };
 
   absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
-                       std::span<const int64_t> logit_rows, float* logits_out) {
+                       std::span<const int64_t> logit_rows, float* logits_out,
+                       ForwardProfiler& profiler) override {
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t num_segs = static_cast<int64_t>(segs.size());
     const int64_t dim = cfg_.dim;
@@ -518,34 +419,37 @@ class CudaBackend : public EngineBackend {
     }
 
     // (4) The layers.
-    using Clock = std::chrono::steady_clock;
-    Clock::time_point mark = Clock::now();
-    auto lap = [&](double& bucket) -> absl::Status {
-      if (!options_.profile) return absl::OkStatus();
+    // The kernels run asynchronously: a lap waits for the stream, and only when profiling.
+    auto lap = [&](double EngineProfile::*part) -> absl::Status {
+      if (!profiler.enabled()) return absl::OkStatus();
       SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "profiling"));
-      const Clock::time_point now = Clock::now();
-      bucket += std::chrono::duration<double>(now - mark).count();
-      mark = now;
+      profiler.Lap(part);
       return absl::OkStatus();
     };
     const float eps = static_cast<float>(cfg_.norm_eps);
     SDM_RETURN_IF_ERROR(CudaStatus(
         kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream), "embedding"));
-    SDM_RETURN_IF_ERROR(lap(profile_.head_seconds));
-    const bool decode =
-        std::all_of(segs.begin(), segs.end(), [](const Segment& s) { return s.length == 1; });
+    SDM_RETURN_IF_ERROR(lap(&EngineProfile::head_seconds));
+    // The single-token segments come first (engine_backend.h): they form one decode batch.
+    int64_t singles = 0;
+    int64_t singles_visible = 1;
+    while (singles < num_segs && segs[singles].length == 1) {
+      singles_visible = std::max(singles_visible, segs[singles].pos0 + 1);
+      ++singles;
+    }
     for (int64_t li = 0; li < n_layers; ++li) {
-      const Layer& l = layers_[li];
+      const DeviceLayer& l = layers_[li];
       SDM_RETURN_IF_ERROR(CudaStatus(
           kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
           "attention norm"));
       if (l.type == LayerType::kSdm) {
         SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
-        SDM_RETURN_IF_ERROR(lap(profile_.sdm_seconds));
+        SDM_RETURN_IF_ERROR(lap(&EngineProfile::sdm_seconds));
       } else {
-        SDM_RETURN_IF_ERROR(AttentionMixer(li, l.attn, n, decode, segs, arr, max_visible));
         SDM_RETURN_IF_ERROR(
-            lap(l.type == LayerType::kSwa ? profile_.swa_seconds : profile_.attn_seconds));
+            AttentionMixer(li, l.attention, n, singles, singles_visible, segs, arr));
+        SDM_RETURN_IF_ERROR(lap(l.type == LayerType::kSwa ? &EngineProfile::swa_seconds
+                                                          : &EngineProfile::attn_seconds));
       }
       SDM_RETURN_IF_ERROR(
           CudaStatus(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
@@ -559,7 +463,7 @@ class CudaBackend : public EngineBackend {
       SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
       SDM_RETURN_IF_ERROR(
           CudaStatus(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
-      SDM_RETURN_IF_ERROR(lap(profile_.ffn_seconds));
+      SDM_RETURN_IF_ERROR(lap(&EngineProfile::ffn_seconds));
     }
 
     // (5) Logits, counters, one synchronisation.
@@ -587,12 +491,9 @@ class CudaBackend : public EngineBackend {
           "downloading logits"));
     }
     SDM_RETURN_IF_ERROR(ctx_->StartRefresh());
-    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "decode step"));
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "forward pass"));
     ctx_->FinishRefresh();
-    SDM_RETURN_IF_ERROR(lap(profile_.head_seconds));
-    for (const Segment& s : segs) {
-      for (int64_t t = 0; t < s.length; ++t) s.session->AdvancePosition();
-    }
+    profiler.Lap(&EngineProfile::head_seconds);  // the stream is synchronised already
     return absl::OkStatus();
   }
 
@@ -604,12 +505,14 @@ class CudaBackend : public EngineBackend {
     return absl::OkStatus();
   }
 
-  absl::Status AttentionMixer(int64_t li, const AttentionLayer& a, int64_t n, bool decode,
-                              std::span<const Segment> segs, const StepArrays& arr,
-                              int64_t max_visible) {
+  // Segments [0, singles) are single tokens at rows 0 .. singles - 1 (one decode batch whose
+  // positions are below singles_visible); the others run the prefill kernel one by one.
+  absl::Status AttentionMixer(int64_t li, const AttentionTensors<DeviceMatrix, const float*>& a,
+                              int64_t n, int64_t singles, int64_t singles_visible,
+                              std::span<const Segment> segs, const StepArrays& arr) {
     Workspace& ws = ws_;
     cudaStream_t stream = ctx_->compute();
-    const AttentionGeometry& g = a.geom;
+    const AttentionGeometry& g = attention_geom_[li];
     const int64_t q_width = g.n_heads * g.head_dim;
     const float theta = static_cast<float>(cfg_.rope_theta);
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
@@ -626,20 +529,20 @@ class CudaBackend : public EngineBackend {
         kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
         "kv append"));
     const kc::AttentionDims dims = Dims(g);
-    if (decode) {
-      SDM_RETURN_IF_ERROR(CudaStatus(
-          kc::AttentionDecode(ws.q.get(), static_cast<int64_t>(segs.size()), arr.seg_pos,
-                              max_visible, view, dims, ws.attn_scratch.get(), ws.o.get(), stream),
-          "decode attention"));
-    } else {
-      for (int64_t s = 0; s < static_cast<int64_t>(segs.size()); ++s) {
-        const int64_t row = segs[s].first_row;
-        SDM_RETURN_IF_ERROR(
-            CudaStatus(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length,
-                                            segs[s].pos0, static_cast<int32_t>(s), view, dims,
-                                            ws.o.get() + row * q_width, stream),
-                       "prefill attention"));
-      }
+    if (singles > 0) {
+      // Segment s < singles has its query at row s and its page table at index s.
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(kc::AttentionDecode(ws.q.get(), singles, arr.seg_pos, singles_visible, view,
+                                         dims, ws.attn_scratch.get(), ws.o.get(), stream),
+                     "decode attention"));
+    }
+    for (int64_t s = singles; s < static_cast<int64_t>(segs.size()); ++s) {
+      const int64_t row = segs[s].first_row;
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length, segs[s].pos0,
+                                          static_cast<int32_t>(s), view, dims,
+                                          ws.o.get() + row * q_width, stream),
+                     "prefill attention"));
     }
     if (a.w_gate.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
@@ -651,8 +554,9 @@ class CudaBackend : public EngineBackend {
     return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
   }
 
-  absl::Status SdmMixer(int64_t li, const SdmLayer& w, int64_t n, int64_t n_w, int64_t n_r,
-                        std::span<const Segment> segs, const StepArrays& arr) {
+  absl::Status SdmMixer(int64_t li, const SdmTensors<DeviceMatrix, const float*>& w, int64_t n,
+                        int64_t n_w, int64_t n_r, std::span<const Segment> segs,
+                        const StepArrays& arr) {
     Workspace& ws = ws_;
     cudaStream_t stream = ctx_->compute();
     const SdmArgs& args = cfg_.sdm;
@@ -697,10 +601,10 @@ class CudaBackend : public EngineBackend {
     dims.heads = heads;
     dims.side = sdm_geom_.side;
     dims.row_width = sdm_geom_.head_width;
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0,
-                                      ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
-                   "sdm row preparation"));
+    SDM_RETURN_IF_ERROR(CudaStatus(
+        kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0.w,
+                           ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
+        "sdm row preparation"));
     kc::SdmStepArgs step;
     step.w_rows = ws.w_rows.get();
     step.w_weights = ws.w_weights.get();
@@ -713,7 +617,7 @@ class CudaBackend : public EngineBackend {
     step.v = ws.sv.get();
     step.key_weighted_decay = args.key_weighted_decay;
     step.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
-    step.m0 = w.m0;
+    step.m0 = w.m0.w;
     step.readings = ws.readings.get();
     SDM_RETURN_IF_ERROR(
         CudaStatus(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
@@ -743,8 +647,6 @@ class CudaBackend : public EngineBackend {
   kc::BlasLtGemm gemm_;
   std::vector<kc::DeviceBuffer<bf16>> bf16_buffers_;
   std::vector<kc::DeviceBuffer<float>> f32_buffers_;
-  std::map<std::string, DeviceMatrix> matrices_;
-  std::map<std::string, const float*> vectors_;
   int64_t weight_bytes_ = 0;
   int64_t state_bytes_ = 0;
   int64_t state_capacity_bytes_ = 0;
@@ -752,10 +654,10 @@ class CudaBackend : public EngineBackend {
   const bf16* tok_embeddings_ = nullptr;
   const float* final_norm_ = nullptr;
   DeviceMatrix output_;
-  std::vector<Layer> layers_;
+  std::vector<DeviceLayer> layers_;
+  std::vector<AttentionGeometry> attention_geom_;  // per layer (unused for sdm layers)
   std::shared_ptr<CudaDeviceContext> ctx_;
   Workspace ws_;
-  EngineProfile profile_;
 };
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
+#include "tests/engine/test_model_util.h"
 
 namespace sdm {
 namespace {
@@ -18,22 +19,7 @@ ModelConfig Tiny() {
   return *c;
 }
 
-// All three layer types: swa (GQA, window 6), full attention, sdm with every option on.
-ModelConfig MiniHybrid() {
-  ModelConfig c = Tiny();
-  c.n_layers = 5;
-  c.swa_at = {0, 2};
-  c.attn_at = {3};
-  c.sdm_at = {1, 4};
-  c.swa_window = 6;
-  c.attn_gate = true;
-  c.sdm.query_batchnorm = true;
-  c.sdm.key_weighted_decay = true;
-  c.sdm.num_writes = 5;
-  c.sdm.num_reads = 11;
-  EXPECT_TRUE(FinalizeModelConfig(c).ok());
-  return c;
-}
+ModelConfig MiniHybrid() { return testing::MiniHybridConfig(); }
 
 std::vector<int32_t> RandomTokens(int n, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -61,7 +47,7 @@ double MaxRelDiff(const std::vector<float>& a, const std::vector<float>& b) {
   return worst / scale;
 }
 
-class EngineConfigTest : public testing::TestWithParam<int> {
+class EngineConfigTest : public ::testing::TestWithParam<int> {
  protected:
   ModelConfig Config() const { return GetParam() == 0 ? Tiny() : MiniHybrid(); }
 };
@@ -151,7 +137,7 @@ TEST_P(EngineConfigTest, DeterministicAcrossRuns) {
   EXPECT_EQ(a, b);
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, EngineConfigTest, testing::Values(0, 1));
+INSTANTIATE_TEST_SUITE_P(Configs, EngineConfigTest, ::testing::Values(0, 1));
 
 TEST(EngineTest, SdmStateGrowsByDistinctSlotsWritten) {
   auto engine = MakeEngine(Tiny());

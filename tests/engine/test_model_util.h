@@ -73,6 +73,23 @@ inline ModelConfig TinyConfig() {
   return *c;
 }
 
+// All three layer types: swa (GQA, window 6), full attention, sdm with every option on.
+inline ModelConfig MiniHybridConfig() {
+  ModelConfig c = TinyConfig();
+  c.n_layers = 5;
+  c.swa_at = {0, 2};
+  c.attn_at = {3};
+  c.sdm_at = {1, 4};
+  c.swa_window = 6;
+  c.attn_gate = true;
+  c.sdm.query_batchnorm = true;
+  c.sdm.key_weighted_decay = true;
+  c.sdm.num_writes = 5;
+  c.sdm.num_reads = 11;
+  EXPECT_TRUE(FinalizeModelConfig(c).ok());
+  return c;
+}
+
 }  // namespace sdm::testing
 
 #endif  // SDMSERVE_TESTS_ENGINE_TEST_MODEL_UTIL_H_
