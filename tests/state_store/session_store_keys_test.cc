@@ -143,7 +143,7 @@ void CheckCounters(const SessionStateStore& store, const std::vector<std::string
   ASSERT_EQ(all, static_cast<int64_t>(store.List().size())) << context;
 }
 
-void RandomOperations(KeysTest* test, Engine& engine, SessionStateStore& store, uint32_t seed) {
+void RandomOperations(Engine& engine, SessionStateStore& store, uint32_t seed) {
   const std::vector<std::string> tenants = {"", "a", "a-b", "b"};
   std::mt19937 rng(seed);
   auto pick = [&](int n) { return static_cast<int>(rng() % static_cast<uint32_t>(n)); };
@@ -189,7 +189,6 @@ void RandomOperations(KeysTest* test, Engine& engine, SessionStateStore& store, 
                   absl::StrCat("seed ", seed, " step ", step, " ", what, " ", DebugString(k)));
     if (testing::Test::HasFatalFailure()) return;
   }
-  (void)test;
 }
 
 TEST_F(KeysTest, TenantCountersEqualAFullRecount) {
@@ -205,7 +204,7 @@ TEST_F(KeysTest, TenantCountersEqualAFullRecount) {
     o.resident_budget_bytes = 40'000;
     o.host_budget_bytes = 20'000;
     auto store = Open(o);
-    RandomOperations(this, *engine_, *store, seed);
+    RandomOperations(*engine_, *store, seed);
     if (HasFatalFailure()) return;
   }
 }
