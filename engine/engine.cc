@@ -22,8 +22,10 @@ StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
                              const EngineOptions& options) {
   const SdmGeometry sdm = SdmGeometryOf(cfg);
   const WeightSpec spec = BuildWeightSpec(cfg);
-  // One row pool for every SDM layer and session of the model (forks share rows across
-  // sessions). Its cap (2^28 rows) is far beyond memory: budgets are the state store's job.
+  // One row pool for every SDM layer and session made by Engine::NewSession() (tools, tests; forks
+  // share rows across sessions). A SessionStateStore gives the sessions it makes its own pool
+  // instead, so that it counts them all. The cap (2^28 rows) is far beyond memory: budgets are
+  // the state store's job.
   std::shared_ptr<RowPool> row_pool;
   if (sdm.heads > 0 &&
       std::count(cfg.layer_types.begin(), cfg.layer_types.end(), LayerType::kSdm) > 0) {

@@ -37,43 +37,50 @@
 ABSL_FLAG(std::string, model, "",
           "Model directory (config.json, model.safetensors and, for SentencePiece models, the "
           "tokenizer file). Required.");
-ABSL_FLAG(std::string, model_name, "",
+ABSL_FLAG(std::string, model_name, sdm::ServiceOptions{}.model_name,
           "Name reported by GetModelInfo; empty: the model directory's name.");
-ABSL_FLAG(std::string, host, "127.0.0.1",
+ABSL_FLAG(std::string, host, sdm::ServerOptions{}.host,
           "Address of the gRPC port: 127.0.0.1 (this machine only), 0.0.0.0 (every IPv4 "
           "interface), :: (every interface).");
-ABSL_FLAG(int, port, 50051, "gRPC port; 0 picks a free port (printed at start).");
-ABSL_FLAG(std::string, metrics_host, "127.0.0.1",
+ABSL_FLAG(int, port, sdm::ServerOptions{}.port,
+          "gRPC port; 0 picks a free port (printed at start).");
+ABSL_FLAG(std::string, metrics_host, sdm::ServerOptions{}.metrics_host,
           "Address of the HTTP /metrics and /healthz port.");
-ABSL_FLAG(int, metrics_port, 9090,
+ABSL_FLAG(int, metrics_port, sdm::ServerOptions{}.metrics_port,
           "HTTP port of /metrics (Prometheus text) and /healthz; 0 picks a free port, -1 "
           "disables it.");
-ABSL_FLAG(std::string, state_dir, "sdm-state",
+ABSL_FLAG(std::string, state_dir, sdm::ServerOptions{}.store.dir.string(),
           "Directory of session snapshots (created if missing; relative to the working "
           "directory). Sessions are written there at shutdown and when memory budgets are "
           "exceeded, and resume after a restart. Empty: no disk tier, sessions are lost at exit.");
-ABSL_FLAG(std::string, resident_budget, "4GiB",
+ABSL_FLAG(std::string, resident_budget,
+          sdm::FormatByteSize(sdm::ServerOptions{}.store.resident_budget_bytes),
           "Bytes of session state kept resident in the engine before the least recently used "
           "idle sessions are parked in host memory (units B, KB, MB, GB, KiB, MiB, GiB, ...).");
-ABSL_FLAG(std::string, host_budget, "8GiB",
+ABSL_FLAG(std::string, host_budget,
+          sdm::FormatByteSize(sdm::ServerOptions{}.store.host_budget_bytes),
           "Bytes of parked session state kept in host memory before the oldest are written to "
           "the state directory.");
-ABSL_FLAG(absl::Duration, session_ttl, absl::InfiniteDuration(),
+ABSL_FLAG(absl::Duration, session_ttl, sdm::ServerOptions{}.store.default_ttl,
           "Idle sessions created without their own ttl are deleted after this long (e.g. 30m, "
           "24h); inf: never.");
-ABSL_FLAG(int, max_running, 32, "Sequences decoded together in one engine step (the batch).");
-ABSL_FLAG(int, max_waiting, 64,
+ABSL_FLAG(int, max_running, sdm::SchedulerOptions{}.max_running,
+          "Sequences decoded together in one engine step (the batch).");
+ABSL_FLAG(int, max_waiting, sdm::SchedulerOptions{}.max_waiting,
           "Generate requests queued for a place in the batch; more are refused with "
           "RESOURCE_EXHAUSTED and a retry hint.");
-ABSL_FLAG(int64_t, prefill_token_budget, 256,
+ABSL_FLAG(int64_t, prefill_token_budget, sdm::SchedulerOptions{}.prefill_token_budget,
           "Prompt tokens prefilled per engine step, so that long prompts do not stall running "
           "streams.");
-ABSL_FLAG(int64_t, prefill_chunk, 256, "Prompt tokens per engine prefill call.");
-ABSL_FLAG(int64_t, max_prompt_tokens, 8192,
+ABSL_FLAG(int64_t, prefill_chunk, sdm::ServerOptions{}.engine.prefill_chunk,
+          "Prompt tokens per engine prefill call.");
+ABSL_FLAG(int64_t, max_prompt_tokens, sdm::ServiceOptions{}.max_prompt_tokens,
           "Longest prompt accepted, in tokens including an added BOS (INVALID_ARGUMENT above).");
-ABSL_FLAG(int64_t, max_tokens_limit, 4096, "Largest max_tokens a Generate request may ask for.");
-ABSL_FLAG(int, threads, 0, "Engine threads; 0: one per hardware thread.");
-ABSL_FLAG(std::string, device, "auto",
+ABSL_FLAG(int64_t, max_tokens_limit, sdm::ServiceOptions{}.max_tokens_limit,
+          "Largest max_tokens a Generate request may ask for.");
+ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
+          "Engine threads; 0: one per hardware thread.");
+ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine.device),
           "Where the engine runs: auto (CUDA when a device is present, else the CPU), cpu or "
           "cuda.");
 ABSL_FLAG(std::string, api_keys, "",
@@ -85,7 +92,7 @@ ABSL_FLAG(std::string, tenant_limits, "",
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain for TLS on the gRPC port (with --tls_key); empty: plaintext.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
-ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(30),
+ABSL_FLAG(absl::Duration, shutdown_grace, sdm::ServerOptions{}.shutdown_grace,
           "On SIGINT/SIGTERM, how long requests in flight may finish before they are cancelled "
           "(their sessions are kept and persisted).");
 
@@ -145,35 +152,36 @@ int main(int argc, char** argv) {
   sdm::ServerOptions options;
   options.model_dir = absl::GetFlag(FLAGS_model);
   if (options.model_dir.empty()) return UsageError("--model is required");
-  options.model_name = absl::GetFlag(FLAGS_model_name);
+  options.service.model_name = absl::GetFlag(FLAGS_model_name);
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
-  options.state_dir = absl::GetFlag(FLAGS_state_dir);
+  options.store.dir = absl::GetFlag(FLAGS_state_dir);
   for (const auto& [flag, value, out] :
        {std::tuple{"resident_budget", absl::GetFlag(FLAGS_resident_budget),
-                   &options.resident_budget_bytes},
-        std::tuple{"host_budget", absl::GetFlag(FLAGS_host_budget), &options.host_budget_bytes}}) {
+                   &options.store.resident_budget_bytes},
+        std::tuple{"host_budget", absl::GetFlag(FLAGS_host_budget),
+                   &options.store.host_budget_bytes}}) {
     absl::StatusOr<int64_t> bytes = sdm::ParseByteSize(value);
     if (!bytes.ok()) return UsageError(absl::StrCat("--", flag, ": ", bytes.status().message()));
     *out = *bytes;
   }
-  options.session_ttl = absl::GetFlag(FLAGS_session_ttl);
-  if (options.session_ttl <= absl::ZeroDuration()) {
+  options.store.default_ttl = absl::GetFlag(FLAGS_session_ttl);
+  if (options.store.default_ttl <= absl::ZeroDuration()) {
     return UsageError("--session_ttl must be positive (inf: never expire)");
   }
   options.scheduler.max_running = absl::GetFlag(FLAGS_max_running);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);
   options.scheduler.prefill_token_budget = absl::GetFlag(FLAGS_prefill_token_budget);
-  options.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
-  options.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
-  options.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
-  options.threads = absl::GetFlag(FLAGS_threads);
+  options.engine.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  options.service.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
+  options.service.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  options.engine.num_threads = absl::GetFlag(FLAGS_threads);
   {
     absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
     if (!device.ok()) return UsageError(absl::StrCat("--device: ", device.status().message()));
-    options.device = *device;
+    options.engine.device = *device;
   }
   options.api_keys_file = absl::GetFlag(FLAGS_api_keys);
   options.tenant_limits_file = absl::GetFlag(FLAGS_tenant_limits);
@@ -219,6 +227,6 @@ int main(int argc, char** argv) {
   }
   absl::FPrintF(
       stderr, "sdm-server: stopped; sessions saved in %s\n",
-      options.state_dir.empty() ? "(nowhere: no --state_dir)" : options.state_dir.string());
+      options.store.dir.empty() ? "(nowhere: no --state_dir)" : options.store.dir.string());
   return 0;
 }

@@ -25,8 +25,7 @@ struct Scheduler::Job {
 
   GenerateJob spec;
   std::shared_ptr<JobObserver> observer;
-  SessionLease lease;                     // session jobs
-  std::unique_ptr<SessionState> oneshot;  // one-shot jobs
+  SessionLease lease;  // the job's session, or its one-shot session
   SessionState* state = nullptr;
   std::vector<int32_t> to_feed;  // the pending token (if any) then the prompt
   size_t fed = 0;
@@ -73,15 +72,14 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   auto job = std::make_unique<Job>(std::move(spec), std::move(observer), tokenizer_);
   // Taking the lease here refuses a busy or unknown session before anything is streamed, and
   // restores a parked session on the caller's thread rather than the step thread.
-  if (!job->spec.session_id.empty()) {
-    auto lease = store_.Acquire(job->spec.session_id);
+  if (!job->spec.session.id.empty()) {
+    auto lease = store_.Acquire(job->spec.session);
     if (!lease.ok()) return lease.status();
     job->lease = *std::move(lease);
-    job->state = &job->lease.state();
   } else {
-    job->oneshot = engine_.NewSession();
-    job->state = job->oneshot.get();
+    job->lease = store_.NewSession();
   }
+  job->state = &job->lease.state();
   SessionState& st = *job->state;
   job->usage.history_tokens = st.position();
   if (st.pending_token >= 0) {
@@ -266,7 +264,6 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   // Back to the store (which may park it) before the observer hears of the end, so a client
   // that sends its next turn right away finds the session free.
   job.lease = SessionLease();
-  job.oneshot.reset();
   job.state = nullptr;
   job.observer->OnFinish(reason, job.usage, error);
   if (listener_ != nullptr) {

@@ -18,8 +18,9 @@
 // (DATA_LOSS) is refused before anything is streamed, and a parked session is restored off the
 // step thread — and holds it until it finishes. The last sampled token of a job is left in the
 // session as its pending token (not yet fed); the next job on the session feeds it first, so a
-// conversation's history is exactly the tokens it saw. A job without a session id runs on a
-// fresh state that is dropped at the end.
+// conversation's history is exactly the tokens it saw. A job without a session runs on a one-shot
+// session of the store (SessionStateStore::NewSession(), counted in its resident bytes) that is
+// dropped at the end.
 //
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs wait, before
 // the job has produced anything, so a client may retry.
@@ -56,7 +57,7 @@ struct Usage {
 };
 
 struct GenerateJob {
-  std::string session_id;       // empty: one-shot
+  SessionKey session;           // empty id: one-shot
   std::vector<int32_t> prompt;  // at least one token (BOS already added by the caller)
   SamplingParams sampling;      // validated by the caller
   std::vector<std::string> stop_strings;

@@ -67,17 +67,19 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and its key (or neither)");
   }
-  if (o.resident_budget_bytes < 0 || o.host_budget_bytes < 0) {
+  if (o.store.resident_budget_bytes < 0 || o.store.host_budget_bytes < 0) {
     return absl::InvalidArgumentError("state budgets must not be negative");
   }
-  if (o.threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
-  if (o.prefill_chunk < 1) return absl::InvalidArgumentError("prefill_chunk must be >= 1");
+  if (o.engine.num_threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  if (o.engine.prefill_chunk < 1) {
+    return absl::InvalidArgumentError("prefill_chunk must be >= 1");
+  }
   if (o.scheduler.max_running < 1 || o.scheduler.max_waiting < 0 ||
       o.scheduler.prefill_token_budget < 1) {
     return absl::InvalidArgumentError(
         "max_running and prefill_token_budget must be >= 1, max_waiting >= 0");
   }
-  if (o.max_prompt_tokens < 1 || o.max_tokens_limit < 1) {
+  if (o.service.max_prompt_tokens < 1 || o.service.max_tokens_limit < 1) {
     return absl::InvalidArgumentError("max_prompt_tokens and max_tokens_limit must be >= 1");
   }
   if (o.shutdown_grace < absl::ZeroDuration()) {
@@ -156,15 +158,12 @@ absl::Status SdmServer::Impl::Init() {
   }
   model = *std::move(m);
   SDM_ASSIGN_OR_RETURN(tokenizer, Tokenizer::Create(model->config, model->dir));
-  EngineOptions engine_options;
-  engine_options.device = options.device;
-  engine_options.num_threads = options.threads;
-  engine_options.prefill_chunk = options.prefill_chunk;
-  SDM_ASSIGN_OR_RETURN(engine, Engine::Create(model, engine_options));
+  SDM_ASSIGN_OR_RETURN(engine, Engine::Create(model, options.engine));
   SDM_LOG(INFO) << "sdm-server: engine: " << engine->DescribeDevice();
 
-  SessionStoreOptions store_options;
-  store_options.resident_budget_bytes = options.resident_budget_bytes;
+  SessionStoreOptions store_options = options.store;
+  // Snapshots written before keys were typed name their key only in the service's metadata.
+  store_options.legacy_key = SessionKeyOfMetadata;
   // On a device, resident sessions live in its fixed state arenas: a larger budget would let
   // steps fail for want of device memory instead of parking idle sessions.
   if (const int64_t cap = engine->device_state_capacity_bytes();
@@ -174,14 +173,11 @@ absl::Status SdmServer::Impl::Init() {
                      << " bytes (device state capacity)";
     store_options.resident_budget_bytes = cap;
   }
-  store_options.host_budget_bytes = options.host_budget_bytes;
-  store_options.dir = options.state_dir;
-  store_options.default_ttl = options.session_ttl;
   absl::StatusOr<std::unique_ptr<SessionStateStore>> st =
       SessionStateStore::Open(engine->state_layout(), engine->fingerprint(), store_options);
   if (!st.ok()) {
     return absl::Status(st.status().code(),
-                        absl::StrCat("cannot open the state directory ", options.state_dir.string(),
+                        absl::StrCat("cannot open the state directory ", options.store.dir.string(),
                                      ": ", st.status().message()));
   }
   store = *std::move(st);
@@ -193,13 +189,9 @@ absl::Status SdmServer::Impl::Init() {
   metrics = std::make_unique<ServerMetrics>(*registry);
   scheduler = std::make_unique<Scheduler>(*engine, *store, *tokenizer, options.scheduler, this);
 
-  ServiceOptions service_options;
-  service_options.model_name = options.model_name;
-  service_options.max_prompt_tokens = options.max_prompt_tokens;
-  service_options.max_tokens_limit = options.max_tokens_limit;
   service = std::make_unique<SdmServiceImpl>(
       ServiceDeps{*model, *engine, *tokenizer, *store, *scheduler, *metrics, auth, tenant_limits},
-      service_options);
+      options.service);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -291,7 +283,7 @@ absl::Status SdmServer::Impl::Shutdown() {
     grpc_server->Shutdown(std::chrono::system_clock::now() + kUnaryGrace);
   }
   // 5. Persist every session.
-  if (store != nullptr && !options.state_dir.empty()) {
+  if (store != nullptr && !options.store.dir.empty()) {
     shutdown_result = store->PersistAll();
   }
   // 6. The HTTP endpoint last, so that the drain can be watched.

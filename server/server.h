@@ -33,14 +33,16 @@
 #include "absl/time/time.h"
 #include "engine/engine.h"
 #include "server/scheduler.h"
+#include "server/service.h"
+#include "state_store/session_store.h"
 
 namespace sdm {
 
+// Every default is stated once, in the struct that owns the setting; server/main.cc's flags take
+// their defaults from here.
 struct ServerOptions {
   // The model directory (config.json, model.safetensors, tokenizer file). Required.
   std::filesystem::path model_dir;
-  // ModelInfo.name; empty: the model directory's name.
-  std::string model_name;
 
   // gRPC address. Port 0: a free port, chosen by the system (see port()).
   std::string host = "127.0.0.1";
@@ -58,25 +60,16 @@ struct ServerOptions {
   std::filesystem::path api_keys_file;
   std::filesystem::path tenant_limits_file;
 
-  // Session snapshots (the disk tier); empty: no disk tier, sessions do not survive a restart.
-  std::filesystem::path state_dir = "sdm-state";
-  // Bytes of session state resident in the engine, and parked in host memory, before the least
-  // recently used sessions move down a tier.
-  int64_t resident_budget_bytes = int64_t{4} << 30;
-  int64_t host_budget_bytes = int64_t{8} << 30;
-  // Idle sessions are deleted after this long unless created with their own ttl.
-  absl::Duration session_ttl = absl::InfiniteDuration();
-
-  // Where the engine runs: auto (CUDA when a device is present), cpu or cuda.
-  EngineDevice device = EngineDevice::kAuto;
-  // Engine threads; 0: one per hardware thread.
-  int threads = 0;
-  // Prompt tokens per prefill chunk of the engine.
-  int64_t prefill_chunk = 256;
+  // Session state: budgets of the resident and host tiers, the default ttl, and the snapshot
+  // directory (the disk tier; empty: none, sessions do not survive a restart). The server keeps
+  // snapshots under ./sdm-state unless told otherwise. `files`, `background` and `legacy_key`
+  // are the server's own.
+  SessionStoreOptions store = {.dir = "sdm-state"};
+  // Where and how the engine runs (auto: CUDA when a device is present).
+  EngineOptions engine = {.device = EngineDevice::kAuto};
   SchedulerOptions scheduler;
-  // Limits on a prompt (tokens, with BOS) and on a request's max_tokens.
-  int64_t max_prompt_tokens = 8192;
-  int64_t max_tokens_limit = 4096;
+  // Model name, limits on prompts and max_tokens, retry hints.
+  ServiceOptions service;
 
   // How long Shutdown() lets requests in flight finish before cancelling them.
   absl::Duration shutdown_grace = absl::Seconds(30);

@@ -13,7 +13,6 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "absl/strings/str_replace.h"
 #include "engine/model_config.h"
 #include "engine/sampler.h"
 #include "engine/weight_spec.h"
@@ -145,6 +144,16 @@ absl::Status NotFound(absl::string_view id) {
   return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
 }
 
+// A store error as the caller sees it. The store names sessions by their id already; a snapshot
+// of another format version or model (FAILED_PRECONDITION there) failed its checks like a
+// damaged one, which callers see as DATA_LOSS.
+absl::Status FromStore(const absl::Status& status) {
+  if (status.code() != absl::StatusCode::kFailedPrecondition) return status;
+  absl::Status out(absl::StatusCode::kDataLoss, status.message());
+  if (const auto retry = RetryAfter(status)) out = WithRetryAfter(out, *retry);
+  return out;
+}
+
 // The call's deadline; gRPC reports "none" as the clock's far future.
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
@@ -194,40 +203,20 @@ grpc::ServerUnaryReactor* SdmServiceImpl::Unary(grpc::CallbackServerContext* con
   return reactor;
 }
 
-absl::Status SdmServiceImpl::UserFacing(const absl::Status& status, absl::string_view key,
-                                        absl::string_view id) const {
-  if (status.ok()) return status;
-  absl::StatusCode code = status.code();
-  // A snapshot of another format version or model failed its checks like a damaged one.
-  if (code == absl::StatusCode::kFailedPrecondition) code = absl::StatusCode::kDataLoss;
-  // The store quotes the key where it names the session; file paths keep it (for operators).
-  absl::Status out(code, absl::StrReplaceAll(status.message(), {{absl::StrCat("'", key, "'"),
-                                                                 absl::StrCat("'", id, "'")}}));
-  if (const auto retry = RetryAfter(status)) out = WithRetryAfter(out, *retry);
-  return out;
-}
-
 absl::StatusOr<SdmServiceImpl::OwnedSession> SdmServiceImpl::FindSession(
     absl::string_view tenant, absl::string_view id) const {
   if (absl::Status s = ValidateSessionId(id); !s.ok()) return s;
+  absl::StatusOr<SessionInfo> info = deps_.store.Get(SessionKey(tenant, id));
+  if (!info.ok()) return FromStore(info.status());
   OwnedSession found;
-  found.key = SessionStoreKey(tenant, id);
-  absl::StatusOr<SessionInfo> info = deps_.store.Get(found.key);
-  if (!info.ok()) {
-    if (info.status().code() == absl::StatusCode::kNotFound) return NotFound(id);
-    return UserFacing(info.status(), found.key, id);
-  }
   absl::StatusOr<SessionMetadata> metadata = DecodeSessionMetadata(info->metadata);
   if (metadata.ok()) {
-    // The key is derived from (tenant, id); checking the owner anyway means that not even a
-    // hash collision could reach another tenant's session.
-    if (metadata->tenant != tenant || metadata->id != id) return NotFound(id);
     found.metadata = *std::move(metadata);
   } else if (info->error.empty()) {
     return NotFound(id);  // not a session this service created
   } else {
-    // A snapshot whose record failed its checks at start-up: its metadata is lost, but the key
-    // was derived from this caller's (tenant, id), so the session is theirs to see and delete.
+    // A snapshot whose record failed its checks at start-up: its metadata is lost, but its key
+    // is this caller's (tenant, id), so the session is theirs to see and delete.
     found.metadata.tenant = std::string(tenant);
     found.metadata.id = std::string(id);
   }
@@ -235,39 +224,15 @@ absl::StatusOr<SdmServiceImpl::OwnedSession> SdmServiceImpl::FindSession(
   return found;
 }
 
-SdmServiceImpl::TenantUsage SdmServiceImpl::UsageOf(absl::string_view tenant) const {
-  TenantUsage usage;
-  for (const SessionInfo& info : deps_.store.List()) {
-    absl::StatusOr<SessionMetadata> metadata = DecodeSessionMetadata(info.metadata);
-    if (!metadata.ok() || metadata->tenant != tenant) continue;
-    ++usage.sessions;
-    usage.state_bytes += info.bytes;
-  }
-  return usage;
-}
-
 absl::Status SdmServiceImpl::CheckTenantLimits(absl::string_view tenant, bool new_session) const {
   const TenantLimits limits = deps_.tenant_limits.For(tenant);
   if (!limits.max_sessions.has_value() && !limits.max_state_bytes.has_value()) {
     return absl::OkStatus();
   }
-  const TenantUsage usage = UsageOf(tenant);
-  if (new_session && limits.max_sessions.has_value() && usage.sessions >= *limits.max_sessions) {
-    return WithRetryAfter(
-        absl::ResourceExhaustedError(absl::StrCat(
-            "tenant '", tenant, "' has ", usage.sessions, " sessions, its limit (max_sessions ",
-            *limits.max_sessions, "): delete sessions it no longer needs, then retry")),
-        options_.tenant_limit_retry_after);
-  }
-  if (limits.max_state_bytes.has_value() && usage.state_bytes >= *limits.max_state_bytes) {
-    return WithRetryAfter(
-        absl::ResourceExhaustedError(absl::StrCat(
-            "tenant '", tenant, "' holds ", usage.state_bytes,
-            " bytes of session state, at or over its limit (max_state_bytes ",
-            *limits.max_state_bytes, "): delete sessions it no longer needs, then retry")),
-        options_.tenant_limit_retry_after);
-  }
-  return absl::OkStatus();
+  const TenantUsage usage = deps_.store.Usage(tenant);
+  absl::Status admitted = limits.Admit(tenant, usage.sessions, usage.state_bytes, new_session);
+  if (admitted.ok()) return admitted;
+  return WithRetryAfter(admitted, options_.tenant_limit_retry_after);
 }
 
 void SdmServiceImpl::FillSession(const SessionInfo& info, const SessionMetadata& metadata,
@@ -292,8 +257,7 @@ void SdmServiceImpl::FillSession(const SessionInfo& info, const SessionMetadata&
 // ---- Generate -------------------------------------------------------------------------------
 
 absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& context,
-                                             const v1::GenerateRequest& request, GenerateJob& job,
-                                             std::string& store_key, std::string& user_id) {
+                                             const v1::GenerateRequest& request, GenerateJob& job) {
   absl::StatusOr<std::string> tenant = TenantOf(context);
   if (!tenant.ok()) return tenant.status();
   if (!admitting_.load()) {
@@ -373,23 +337,13 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
   if (!request.session_id().empty()) {
     absl::StatusOr<OwnedSession> session = FindSession(*tenant, request.session_id());
     if (!session.ok()) return session.status();
-    user_id = request.session_id();
-    store_key = session->key;
-    if (!session->info.error.empty()) {
-      return UserFacing(absl::DataLossError(session->info.error), store_key, user_id);
-    }
+    if (!session->info.error.empty()) return absl::DataLossError(session->info.error);
     if (absl::Status limit = CheckTenantLimits(*tenant, /*new_session=*/false); !limit.ok()) {
       return limit;
     }
-    if (session->info.position >= 0) {
-      at_start = session->info.position == 0 && !session->info.pending_token;
-    } else if (!request.has_add_bos()) {
-      // On disk since a restart: its position is in the snapshot. Restoring it now is work the
-      // request needs anyway (the scheduler's lease finds it resident).
-      absl::StatusOr<SessionLease> lease = deps_.store.Acquire(store_key);
-      if (!lease.ok()) return UserFacing(lease.status(), store_key, user_id);
-      at_start = lease->state().position() == 0 && lease->state().pending_token < 0;
-    }
+    // The store knows every intact session's position (from its record when it is on disk).
+    at_start = session->info.position == 0 && !session->info.pending_token;
+    job.session = session->info.key;
   }
   const bool add_bos = request.has_add_bos() ? request.add_bos() : at_start;
   std::vector<int32_t>& prompt = job.prompt;
@@ -409,7 +363,6 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
                      " (ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
                      "parts"));
   }
-  job.session_id = store_key;
   job.deadline = DeadlineOf(context);
   return absl::OkStatus();
 }
@@ -430,13 +383,13 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
   reactor->set_stream(stream);
 
   GenerateJob job;
-  std::string store_key, user_id;
-  if (absl::Status s = PrepareGenerate(*context, *request, job, store_key, user_id); !s.ok()) {
+  if (absl::Status s = PrepareGenerate(*context, *request, job); !s.ok()) {
     stream->Reject(s);
     return reactor;
   }
   stream->set_prompt_tokens(static_cast<int64_t>(job.prompt.size()));
   stream->set_deadline(job.deadline);
+  const std::string user_id = job.session.id;
   if (absl::Status s = deps_.scheduler.Submit(std::move(job), stream); !s.ok()) {
     if (s.code() == absl::StatusCode::kResourceExhausted) {
       s = WithRetryAfter(s, options_.queue_full_retry_after);
@@ -445,7 +398,7 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
                                           "' is already generating: one Generate at a time per "
                                           "session; retry when that call has finished"));
     }
-    stream->Reject(store_key.empty() ? s : UserFacing(s, store_key, user_id));
+    stream->Reject(FromStore(s));
   }
   return reactor;
 }
@@ -466,15 +419,15 @@ absl::Status SdmServiceImpl::DoCreateSession(absl::string_view tenant,
   SessionMetadata metadata;
   metadata.tenant = std::string(tenant);
   metadata.labels = labels;
-  std::string key;
+  SessionKey key;
   {
-    std::lock_guard<std::mutex> lock(create_mu_);
+    absl::MutexLock lock(&create_mu_);
     if (absl::Status s = CheckTenantLimits(tenant, /*new_session=*/true); !s.ok()) return s;
     // A server-chosen id is random (96 bits): a clash is retried, not reported.
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.session_id().empty() ? NewSessionId() : request.session_id();
       metadata.create_time = absl::Now();
-      key = SessionStoreKey(tenant, metadata.id);
+      key = SessionKey(tenant, metadata.id);
       absl::Status s = deps_.store.Create(key, EncodeSessionMetadata(metadata), *ttl);
       if (s.ok()) break;
       if (s.code() == absl::StatusCode::kAlreadyExists) {
@@ -484,11 +437,11 @@ absl::Status SdmServiceImpl::DoCreateSession(absl::string_view tenant,
                          "' already exists: choose another id, or leave it empty and the server "
                          "picks one"));
       }
-      return UserFacing(s, key, metadata.id);
+      return FromStore(s);
     }
   }
   absl::StatusOr<SessionInfo> info = deps_.store.Get(key);
-  if (!info.ok()) return UserFacing(info.status(), key, metadata.id);
+  if (!info.ok()) return FromStore(info.status());
   FillSession(*info, metadata, response);
   return absl::OkStatus();
 }
@@ -518,27 +471,28 @@ absl::Status SdmServiceImpl::DoListSessions(absl::string_view tenant,
     if (!last.ok()) return last.status();
     after = *std::move(last);
   }
-  // The tenant's matching sessions, ordered by the id its users see.
-  std::map<std::string, std::pair<SessionInfo, SessionMetadata>> matches;
-  for (SessionInfo& info : deps_.store.List()) {
+  // The tenant's sessions, ordered by the id its users see.
+  for (const SessionInfo& info : deps_.store.List(tenant)) {
+    if (info.key.id <= after) continue;
     absl::StatusOr<SessionMetadata> metadata = DecodeSessionMetadata(info.metadata);
-    if (!metadata.ok() || metadata->tenant != tenant || metadata->id <= after) continue;
-    if (SessionStoreKey(tenant, metadata->id) != info.id) continue;  // not where it belongs
+    if (!metadata.ok()) {
+      if (info.error.empty()) continue;  // not a session this service created
+      // Its record failed its checks at start-up (see FindSession): listed without labels.
+      metadata = SessionMetadata();
+      metadata->tenant = std::string(tenant);
+      metadata->id = info.key.id;
+    }
     const bool selected = std::all_of(selector.begin(), selector.end(), [&](const auto& kv) {
       const auto it = metadata->labels.find(kv.first);
       return it != metadata->labels.end() && it->second == kv.second;
     });
     if (!selected) continue;
-    std::string id = metadata->id;
-    matches.emplace(std::move(id), std::make_pair(std::move(info), *std::move(metadata)));
-  }
-  for (const auto& [id, entry] : matches) {
     if (static_cast<size_t>(response.sessions_size()) == page_size) {
       response.set_next_page_token(
           EncodePageToken(response.sessions(response.sessions_size() - 1).id(), selector));
       break;
     }
-    FillSession(entry.first, entry.second, *response.add_sessions());
+    FillSession(info, *metadata, *response.add_sessions());
   }
   return absl::OkStatus();
 }
@@ -547,14 +501,13 @@ absl::Status SdmServiceImpl::DoDeleteSession(absl::string_view tenant,
                                              const v1::DeleteSessionRequest& request) {
   absl::StatusOr<OwnedSession> session = FindSession(tenant, request.session_id());
   if (!session.ok()) return session.status();
-  absl::Status s = deps_.store.Delete(session->key);
+  absl::Status s = deps_.store.Delete(session->info.key);
   if (s.code() == absl::StatusCode::kAborted) {
     return absl::AbortedError(absl::StrCat("session '", request.session_id(),
                                            "' is generating: cancel that Generate call or wait "
                                            "for it to finish, then delete the session"));
   }
-  if (s.code() == absl::StatusCode::kNotFound) return NotFound(request.session_id());
-  return UserFacing(s, session->key, request.session_id());
+  return FromStore(s);
 }
 
 absl::Status SdmServiceImpl::DoForkSession(absl::string_view tenant,
@@ -571,22 +524,21 @@ absl::Status SdmServiceImpl::DoForkSession(absl::string_view tenant,
   if (absl::Status s = ValidateLabels(labels); !s.ok()) return s;
   absl::StatusOr<absl::Duration> ttl = TtlOf(request.has_ttl(), request.ttl(), "ttl");
   if (!ttl.ok()) return ttl.status();
-  if (!source->info.error.empty()) {
-    return UserFacing(absl::DataLossError(source->info.error), source->key, request.session_id());
-  }
+  if (!source->info.error.empty()) return absl::DataLossError(source->info.error);
 
   SessionMetadata metadata;
   metadata.tenant = std::string(tenant);
   metadata.labels = labels;
-  std::string key;
+  SessionKey key;
   {
-    std::lock_guard<std::mutex> lock(create_mu_);
+    absl::MutexLock lock(&create_mu_);
     if (absl::Status s = CheckTenantLimits(tenant, /*new_session=*/true); !s.ok()) return s;
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.new_session_id().empty() ? NewSessionId() : request.new_session_id();
       metadata.create_time = absl::Now();
-      key = SessionStoreKey(tenant, metadata.id);
-      absl::Status s = deps_.store.Fork(source->key, key, EncodeSessionMetadata(metadata), *ttl);
+      key = SessionKey(tenant, metadata.id);
+      absl::Status s =
+          deps_.store.Fork(source->info.key, key, EncodeSessionMetadata(metadata), *ttl);
       if (s.ok()) break;
       switch (s.code()) {
         case absl::StatusCode::kAlreadyExists:
@@ -595,19 +547,17 @@ absl::Status SdmServiceImpl::DoForkSession(absl::string_view tenant,
               "session '", metadata.id,
               "' already exists: choose another new_session_id, or leave it empty and the server "
               "picks one"));
-        case absl::StatusCode::kNotFound:
-          return NotFound(request.session_id());
         case absl::StatusCode::kAborted:
           return absl::AbortedError(absl::StrCat("session '", request.session_id(),
                                                  "' is generating: fork it when that Generate "
                                                  "call has finished"));
         default:
-          return UserFacing(s, source->key, request.session_id());
+          return FromStore(s);
       }
     }
   }
   absl::StatusOr<SessionInfo> info = deps_.store.Get(key);
-  if (!info.ok()) return UserFacing(info.status(), key, metadata.id);
+  if (!info.ok()) return FromStore(info.status());
   FillSession(*info, metadata, response);
   return absl::OkStatus();
 }

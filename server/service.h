@@ -7,11 +7,12 @@
 // and only then acts; every failure is an absl::Status turned into the call's gRPC status by
 // ToGrpcStatus (server/grpc_status.h), with a message naming the field or session and what to do.
 //
-// Tenancy: sessions are stored under keys derived from (tenant, id) (server/tenancy.h), and
-// every lookup checks the owner in the session's metadata, so another tenant's session is
-// NOT_FOUND exactly like one that does not exist. Per-tenant limits (TenantLimitsConfig) are
+// Tenancy: sessions are stored under SessionKey{tenant, id} (state_store/session_key.h), so
+// another tenant's session is NOT_FOUND exactly like one that does not exist, and the store's
+// errors name a session by the id its user gave. Per-tenant limits (TenantLimitsConfig) are
 // enforced at CreateSession and ForkSession (sessions and state bytes) and at Generate on a
-// session (state bytes), as RESOURCE_EXHAUSTED with a retry hint.
+// session (state bytes), as RESOURCE_EXHAUSTED with a retry hint, against the store's per-tenant
+// counters (no listing).
 //
 // Generate: validated, tokenized (BOS policy in docs/api.md), then submitted to the Scheduler,
 // which refuses a full queue, a busy or unknown session before anything is sent. Tokens reach the
@@ -28,7 +29,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,6 +36,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -126,14 +127,8 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
 
   // A session of the caller's tenant, found in the store.
   struct OwnedSession {
-    std::string key;  // the store's key
-    SessionInfo info;
+    SessionInfo info;  // info.key: the caller's tenant and the id it gave
     SessionMetadata metadata;
-  };
-  // What the tenant holds now.
-  struct TenantUsage {
-    int64_t sessions = 0;
-    int64_t state_bytes = 0;
   };
 
   // The caller's tenant, or UNAUTHENTICATED.
@@ -146,19 +141,14 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
 
   // NOT_FOUND unless `tenant` owns a session `id`.
   absl::StatusOr<OwnedSession> FindSession(absl::string_view tenant, absl::string_view id) const;
-  TenantUsage UsageOf(absl::string_view tenant) const;
   // RESOURCE_EXHAUSTED when one more session (new_session) or any more state would pass the
   // tenant's limits.
   absl::Status CheckTenantLimits(absl::string_view tenant, bool new_session) const;
-  // A store error about `key`, as the caller should see it (its id, not the key).
-  absl::Status UserFacing(const absl::Status& status, absl::string_view key,
-                          absl::string_view id) const;
   void FillSession(const SessionInfo& info, const SessionMetadata& metadata,
                    v1::Session& out) const;
   // Everything Generate checks and computes before it submits; the prompt in `job` has BOS.
   absl::Status PrepareGenerate(const grpc::CallbackServerContext& context,
-                               const v1::GenerateRequest& request, GenerateJob& job,
-                               std::string& store_key, std::string& user_id);
+                               const v1::GenerateRequest& request, GenerateJob& job);
 
   absl::Status DoCreateSession(absl::string_view tenant, const v1::CreateSessionRequest& request,
                                v1::Session& response);
@@ -178,7 +168,7 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   std::atomic<int> active_generates_{0};
   // Serialises session creation (Create, Fork) so that a tenant's limits are checked and the
   // session added as one step.
-  std::mutex create_mu_;
+  absl::Mutex create_mu_;
 };
 
 }  // namespace sdm

@@ -41,12 +41,6 @@ constexpr absl::string_view kPageTokenVersion = "p1";
 
 }  // namespace
 
-std::string SessionStoreKey(absl::string_view tenant, absl::string_view session_id) {
-  std::string readable = absl::StrCat(tenant.size(), "-", tenant, "-", session_id);
-  if (readable.size() <= kMaxSessionIdLength) return readable;
-  return absl::StrCat("h-", Sha256Hex(readable));
-}
-
 absl::Status ValidateSessionId(absl::string_view id, absl::string_view field) {
   bool ok = !id.empty() && id.size() <= kMaxSessionIdLength;
   for (char c : id) ok = ok && IsIdChar(c);
@@ -110,6 +104,12 @@ absl::StatusOr<SessionMetadata> DecodeSessionMetadata(absl::string_view text) {
   }
   m.create_time = absl::FromUnixMillis(j["create_ms"].get<int64_t>());
   return m;
+}
+
+std::optional<SessionKey> SessionKeyOfMetadata(absl::string_view text) {
+  absl::StatusOr<SessionMetadata> metadata = DecodeSessionMetadata(text);
+  if (!metadata.ok()) return std::nullopt;
+  return SessionKey(metadata->tenant, metadata->id);
 }
 
 std::string EncodePageToken(absl::string_view last_id, const Labels& selector) {

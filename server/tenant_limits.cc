@@ -2,6 +2,7 @@
 
 #include <cstdint>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -117,6 +118,16 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
                    "' (known: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case matters)"));
 }
 
+std::string FormatByteSize(int64_t bytes) {
+  // The binary units, largest first: the last four of kUnits.
+  for (auto unit = std::rbegin(kUnits); unit != std::rbegin(kUnits) + 4; ++unit) {
+    if (bytes != 0 && bytes % unit->multiplier == 0) {
+      return absl::StrCat(bytes / unit->multiplier, unit->name);
+    }
+  }
+  return absl::StrCat(bytes);
+}
+
 absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::Parse(absl::string_view json_text) {
   const json root = json::parse(json_text.begin(), json_text.end(), nullptr,
                                 /*allow_exceptions=*/false);
@@ -180,6 +191,22 @@ absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::FromFile(const std::files
     return absl::InvalidArgumentError(absl::StrCat(path.string(), ": ", config.status().message()));
   }
   return config;
+}
+
+absl::Status TenantLimits::Admit(absl::string_view tenant, int64_t sessions, int64_t state_bytes,
+                                 bool new_session) const {
+  if (new_session && max_sessions.has_value() && sessions >= *max_sessions) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", tenant, "' has ", sessions, " sessions, its limit (max_sessions ",
+                     *max_sessions, "): delete sessions it no longer needs, then retry"));
+  }
+  if (max_state_bytes.has_value() && state_bytes >= *max_state_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("tenant '", tenant, "' holds ", state_bytes,
+                     " bytes of session state, at or over its limit (max_state_bytes ",
+                     *max_state_bytes, "): delete sessions it no longer needs, then retry"));
+  }
+  return absl::OkStatus();
 }
 
 TenantLimits TenantLimitsConfig::For(absl::string_view tenant) const {

@@ -15,7 +15,9 @@
 // KiB, MiB, GiB, TiB powers of 1024). Unknown fields are rejected by name, so that a typo does not
 // silently leave a tenant unlimited. Tenant names follow IsValidTenantName (server/auth.h).
 //
-// Enforcement is the service's: a tenant at its limit gets RESOURCE_EXHAUSTED.
+// Enforcement is the service's: it checks what a tenant holds (the store's per-tenant counters,
+// SessionStateStore::Usage()) with TenantLimits::Admit, and a tenant at its limit gets
+// RESOURCE_EXHAUSTED.
 //
 // Thread-safety: immutable after creation; For() may run concurrently.
 #ifndef SDMSERVE_SERVER_TENANT_LIMITS_H_
@@ -28,6 +30,7 @@
 #include <optional>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 
@@ -38,6 +41,12 @@ struct TenantLimits {
   std::optional<int64_t> max_sessions;
   // Bytes of session state (Session.state_bytes summed over its sessions); nullopt: unlimited.
   std::optional<int64_t> max_state_bytes;
+
+  // OK, or RESOURCE_EXHAUSTED naming `tenant`, what it holds and the limit, when one more
+  // session (new_session) or any more state would pass these limits; `sessions` and
+  // `state_bytes` are what the tenant holds now.
+  absl::Status Admit(absl::string_view tenant, int64_t sessions, int64_t state_bytes,
+                     bool new_session) const;
 
   bool operator==(const TenantLimits&) const = default;
 };
@@ -67,6 +76,9 @@ class TenantLimitsConfig {
 // "64GiB" -> 68719476736. Integers with an optional unit (see above); spaces between number and
 // unit are allowed. InvalidArgument otherwise, or on overflow.
 absl::StatusOr<int64_t> ParseByteSize(absl::string_view text);
+// The inverse for flag defaults: 4294967296 -> "4GiB", in the largest binary unit that divides
+// `bytes` (plain bytes otherwise).
+std::string FormatByteSize(int64_t bytes);
 
 }  // namespace sdm
 

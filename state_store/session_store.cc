@@ -1,10 +1,13 @@
 #include "state_store/session_store.h"
 
 #include <algorithm>
+#include <iterator>
+#include <optional>
 #include <set>
 #include <system_error>
 #include <utility>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -18,19 +21,12 @@ namespace {
 constexpr absl::string_view kSnapshotSuffix = ".sdmstate";
 constexpr absl::string_view kTmpSuffix = ".tmp";
 
-bool ValidId(absl::string_view id) {
-  if (id.empty() || id.size() > 128) return false;
-  for (char c : id) {
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') ||
-                    c == '.' || c == '_' || c == '-';
-    if (!ok) return false;
-  }
-  return id != "." && id != "..";
+absl::Status NotFound(const SessionKey& key) {
+  return absl::NotFoundError(absl::StrCat("session '", key.id, "' not found"));
 }
 
-absl::Status InvalidId(absl::string_view id) {
-  return absl::InvalidArgumentError(absl::StrCat(
-      "session id '", id, "' is invalid: use 1-128 characters of letters, digits, '.', '_', '-'"));
+absl::Status AlreadyExists(const SessionKey& key) {
+  return absl::AlreadyExistsError(absl::StrCat("session '", key.id, "' already exists"));
 }
 
 int64_t ToMs(absl::Duration d) {
@@ -62,7 +58,7 @@ absl::string_view TierName(Tier tier) {
 }
 
 struct SessionStateStore::Entry {
-  std::string id;
+  SessionKey key;
   std::string metadata;
   Tier tier = Tier::kResident;
   std::unique_ptr<SessionState> state;  // kResident
@@ -75,12 +71,34 @@ struct SessionStateStore::Entry {
   uint64_t tick = 0;                    // LRU order
   absl::Time last_used;
   absl::Duration ttl = absl::InfiniteDuration();
-  absl::Status broken;  // its snapshot failed its checks (quarantined)
+  // Its snapshot failed its checks (quarantined): the code and the reason, without its name.
+  absl::Status broken;
   // kResident, refreshed whenever the session is not in use: bytes of its KV pages and slot
   // tables (rows are counted from the pool), its mapped rows and bytes with rows counted fully.
   int64_t own_bytes = 0;
   int64_t rows = 0;
   int64_t resident_bytes = 0;
+  // Bytes this entry adds to its tenant's usage (TierBytes() when last accounted).
+  int64_t counted_bytes = 0;
+
+  int64_t TierBytes() const {
+    switch (tier) {
+      case Tier::kResident:
+        return resident_bytes;
+      case Tier::kHost:
+        return static_cast<int64_t>(blob.size());
+      case Tier::kDisk:
+        return disk_bytes;
+    }
+    return 0;
+  }
+
+  // `broken` naming the session by `name` (its id, as its user knows it).
+  absl::Status BrokenError(absl::string_view name) const {
+    return absl::Status(
+        broken.code(),
+        absl::StrCat("session '", name, "': its snapshot failed its checks: ", broken.message()));
+  }
 
   // Precondition: resident and not being stepped.
   void Refresh() {
@@ -101,7 +119,11 @@ struct SessionStateStore::Entry {
 // ---- SessionLease ----
 
 SessionLease::SessionLease(SessionLease&& o) noexcept
-    : store_(o.store_), id_(std::move(o.id_)), state_(o.state_) {
+    : store_(o.store_),
+      key_(std::move(o.key_)),
+      state_(o.state_),
+      owned_(std::move(o.owned_)),
+      one_shot_bytes_(o.one_shot_bytes_) {
   o.store_ = nullptr;
   o.state_ = nullptr;
 }
@@ -110,8 +132,10 @@ SessionLease& SessionLease::operator=(SessionLease&& o) noexcept {
   if (this != &o) {
     Reset();
     store_ = o.store_;
-    id_ = std::move(o.id_);
+    key_ = std::move(o.key_);
     state_ = o.state_;
+    owned_ = std::move(o.owned_);
+    one_shot_bytes_ = o.one_shot_bytes_;
     o.store_ = nullptr;
     o.state_ = nullptr;
   }
@@ -121,29 +145,35 @@ SessionLease& SessionLease::operator=(SessionLease&& o) noexcept {
 SessionLease::~SessionLease() { Reset(); }
 
 void SessionLease::Reset() {
-  if (store_ != nullptr) store_->Release(id_);
+  if (store_ != nullptr) {
+    if (owned_ != nullptr) {
+      owned_.reset();  // returns its rows to the store's pool first
+      store_->ReleaseOneShot(one_shot_bytes_);
+    } else {
+      store_->Release(key_);
+    }
+  }
   store_ = nullptr;
   state_ = nullptr;
 }
 
 // ---- SessionStateStore ----
 
-SessionStateStore::SessionStateStore(Key, const StateLayout& layout, uint64_t fingerprint,
+SessionStateStore::SessionStateStore(PassKey, const StateLayout& layout, uint64_t fingerprint,
                                      const SessionStoreOptions& options)
     : layout_(layout), fingerprint_(fingerprint), options_(options) {
-  // The store's own row pool: its resident accounting is then exact.
-  std::shared_ptr<RowPool> pool;
+  // The store's own row pool, handed to every session it makes: its accounting is then exact.
   for (LayerStateLayout& l : layout_.layers) {
     if (l.kind != LayerStateLayout::Kind::kSdm) continue;
-    if (pool == nullptr) pool = std::make_shared<RowPool>(l.row_width);
-    l.row_pool = pool;
+    if (pool_ == nullptr) pool_ = std::make_shared<RowPool>(l.row_width);
+    l.row_pool = pool_;
   }
 }
 
 absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
     const StateLayout& layout, uint64_t fingerprint, const SessionStoreOptions& options) {
   if (options.files == nullptr) return absl::InvalidArgumentError("store needs a file system");
-  auto store = std::make_unique<SessionStateStore>(Key(), layout, fingerprint, options);
+  auto store = std::make_unique<SessionStateStore>(PassKey(), layout, fingerprint, options);
   const int64_t min_bytes = store->MinSessionBytes();
   if (options.resident_budget_bytes < min_bytes) {
     return absl::InvalidArgumentError(
@@ -155,6 +185,7 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
     return absl::InvalidArgumentError("host budget must not be negative");
   }
   if (!options.dir.empty()) {
+    absl::MutexLock lock(&store->mu_);
     if (auto s = store->LoadDirectory(); !s.ok()) return s;
   }
   if (options.background) store->worker_ = std::thread([s = store.get()] { s->WorkerLoop(); });
@@ -163,10 +194,10 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
 
 SessionStateStore::~SessionStateStore() {
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    absl::MutexLock lock(&mu_);
     stop_ = true;
+    changed_.SignalAll();
   }
-  changed_.notify_all();
   if (worker_.joinable()) worker_.join();
 }
 
@@ -180,14 +211,57 @@ int64_t SessionStateStore::MinSessionBytes() const {
   return bytes;
 }
 
-std::filesystem::path SessionStateStore::PathOf(absl::string_view id) const {
-  return options_.dir / absl::StrCat(id, kSnapshotSuffix);
+std::unique_ptr<SessionState> SessionStateStore::NewState() const {
+  return std::make_unique<SessionState>(layout_);
+}
+
+std::filesystem::path SessionStateStore::PathOf(const SessionKey& key) const {
+  return options_.dir / absl::StrCat(SessionFileStem(key), kSnapshotSuffix);
 }
 
 std::vector<std::string> SessionStateStore::open_errors() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   return open_errors_;
 }
+
+// ---- Accounting ----
+
+void SessionStateStore::Insert(std::unique_ptr<Entry> e) {
+  ++usage_[e->key.tenant].sessions;
+  e->counted_bytes = 0;
+  Account(*e);
+  SessionKey key = e->key;
+  entries_.emplace(std::move(key), std::move(e));
+}
+
+std::unique_ptr<SessionStateStore::Entry> SessionStateStore::Erase(EntryMap::iterator it) {
+  std::unique_ptr<Entry> e = std::move(it->second);
+  entries_.erase(it);
+  auto usage = usage_.find(e->key.tenant);
+  SDM_CHECK(usage != usage_.end());
+  usage->second.state_bytes -= e->counted_bytes;
+  if (--usage->second.sessions == 0) usage_.erase(usage);
+  return e;
+}
+
+void SessionStateStore::Account(Entry& e) {
+  const int64_t bytes = e.TierBytes();
+  usage_[e.key.tenant].state_bytes += bytes - e.counted_bytes;
+  e.counted_bytes = bytes;
+}
+
+void SessionStateStore::Refresh(Entry& e) {
+  e.Refresh();
+  Account(e);
+}
+
+TenantUsage SessionStateStore::Usage(absl::string_view tenant) const {
+  absl::MutexLock lock(&mu_);
+  auto it = usage_.find(tenant);
+  return it == usage_.end() ? TenantUsage() : it->second;
+}
+
+// ---- Snapshots found at Open ----
 
 void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
                                    const absl::Status& why) {
@@ -199,11 +273,9 @@ void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
     dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()), ".", i);
   }
   absl::Status moved = options_.files->Rename(file, dest);
-  e.broken =
-      absl::Status(why.code(), absl::StrCat("session '", e.id,
-                                            "': its snapshot failed its checks: ", why.message(),
-                                            moved.ok() ? " (moved to " + dest.string() + ")"
-                                                       : " (could not quarantine it)"));
+  e.broken = absl::Status(
+      why.code(), absl::StrCat(why.message(), moved.ok() ? " (moved to " + dest.string() + ")"
+                                                         : " (could not quarantine it)"));
   ++counters_.quarantined;
 }
 
@@ -233,13 +305,19 @@ absl::Status SessionStateStore::LoadDirectory() {
       continue;
     }
     if (!absl::EndsWith(name, kSnapshotSuffix)) continue;
-    const std::string id = name.substr(0, name.size() - kSnapshotSuffix.size());
-    if (!ValidId(id)) {
-      open_errors_.push_back(absl::StrCat(path.string(), ": not a session snapshot name"));
-      continue;
+    const std::string stem = name.substr(0, name.size() - kSnapshotSuffix.size());
+    // The key: from the name, or (hashed names) from the record, checked against the name.
+    std::optional<SessionKey> key;
+    const bool hashed = IsHashedFileStem(stem);
+    if (!hashed) {
+      absl::StatusOr<SessionKey> parsed = ParseSessionRecordId(stem);
+      if (!parsed.ok() || SessionFileStem(*parsed) != stem) {
+        open_errors_.push_back(absl::StrCat(path.string(), ": not a session snapshot name"));
+        continue;
+      }
+      key = *std::move(parsed);
     }
     auto entry = std::make_unique<Entry>();
-    entry->id = id;
     entry->tier = Tier::kDisk;
     entry->last_used = absl::Now();
     std::error_code ec;
@@ -247,12 +325,29 @@ absl::Status SessionStateStore::LoadDirectory() {
     absl::StatusOr<SessionRecord> record =
         ec ? absl::StatusOr<SessionRecord>(absl::InternalError(ec.message()))
            : ReadRecord(files, path, size);
-    if (record.ok() && record->id != id) {
+    if (record.ok() && !hashed && record->id != stem) {
       record = absl::DataLossError(absl::StrCat("it holds session '", record->id, "'"));
+    } else if (record.ok() && hashed && record->id == stem) {
+      // Written before keys were typed: the record names only the digest.
+      if (options_.legacy_key) {
+        std::optional<SessionKey> legacy = options_.legacy_key(record->metadata);
+        if (legacy.has_value() && ValidateSessionKey(*legacy).ok() &&
+            SessionFileStem(*legacy) == stem) {
+          key = *std::move(legacy);
+        }
+      }
+    } else if (record.ok() && hashed) {
+      absl::StatusOr<SessionKey> named = ParseSessionRecordId(record->id);
+      if (named.ok() && SessionFileStem(*named) == stem) {
+        key = *std::move(named);
+      } else {
+        record = absl::DataLossError(
+            absl::StrCat("it holds session '", absl::CHexEscape(record->id.substr(0, 300)), "'"));
+      }
     }
     if (!record.ok()) {
       Quarantine(*entry, path, record.status());
-      open_errors_.push_back(std::string(entry->broken.message()));
+      open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else {
       entry->metadata = record->metadata;
       entry->ttl = FromMs(record->ttl_ms);
@@ -260,153 +355,190 @@ absl::Status SessionStateStore::LoadDirectory() {
         entry->last_used = absl::FromUnixMillis(record->last_used_unix_ms);
       }
       entry->disk_bytes = static_cast<int64_t>(size);
+      entry->position = record->position;
+      entry->pending = record->pending_token >= 0;
     }
-    entries_.emplace(id, std::move(entry));
+    if (key.has_value()) {
+      entry->key = *std::move(key);
+      Insert(std::move(entry));
+    } else {
+      entry->key = SessionKey(stem);  // for messages to operators until it is adopted
+      orphans_.emplace(stem, std::move(entry));
+    }
   }
   return absl::OkStatus();
 }
 
-absl::Status SessionStateStore::Create(absl::string_view id, absl::string_view metadata,
-                                       absl::Duration ttl) {
-  if (!ValidId(id)) return InvalidId(id);
-  auto e = std::make_unique<Entry>();
-  e->id = std::string(id);
-  e->metadata = std::string(metadata);
-  e->state = std::make_unique<SessionState>(layout_);
-  e->Refresh();
-  e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
-  std::unique_lock<std::mutex> lock(mu_);
-  if (entries_.count(id) > 0) {
-    return absl::AlreadyExistsError(absl::StrCat("session '", id, "' already exists"));
-  }
-  e->tick = ++clock_;
-  e->last_used = absl::Now();
-  entries_.emplace(std::string(id), std::move(e));
-  if (options_.background) {
-    changed_.notify_all();
-  } else {
-    Rebalance(lock);
-  }
-  return absl::OkStatus();
+// ---- Lookup ----
+
+const SessionStateStore::Entry* SessionStateStore::Find(const SessionKey& key) const {
+  if (auto it = entries_.find(key); it != entries_.end()) return it->second.get();
+  if (orphans_.empty()) return nullptr;
+  auto orphan = orphans_.find(SessionFileStem(key));
+  return orphan == orphans_.end() ? nullptr : orphan->second.get();
 }
 
-void SessionStateStore::WaitIdle(std::unique_lock<std::mutex>& lock, Entry& e) {
-  changed_.wait(lock, [&] { return !e.busy; });
+void SessionStateStore::WaitIdle(Entry& e) {
+  while (e.busy) changed_.Wait(&mu_);
 }
 
-absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(
-    std::unique_lock<std::mutex>& lock, absl::string_view id) {
+absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const SessionKey& key) {
   while (true) {
-    auto it = entries_.find(id);
-    if (it == entries_.end()) {
-      return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
+    auto it = entries_.find(key);
+    if (it == entries_.end() && !orphans_.empty()) {
+      // Its key hashes to the orphan's file name, as its snapshot was written under: adopt it.
+      auto orphan = orphans_.find(SessionFileStem(key));
+      if (orphan != orphans_.end() && !orphan->second->busy) {
+        std::unique_ptr<Entry> e = std::move(orphan->second);
+        orphans_.erase(orphan);
+        e->key = key;
+        Insert(std::move(e));
+        it = entries_.find(key);
+      }
     }
+    if (it == entries_.end()) return NotFound(key);
     if (!it->second->busy) return it->second.get();
-    changed_.wait(lock);  // the entry may be gone when it wakes: look it up again
+    changed_.Wait(&mu_);  // the entry may be gone when it wakes: look it up again
   }
 }
 
 absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e) const {
   if (e.tier == Tier::kHost) return DecodeSessionState(e.blob, layout_, fingerprint_);
-  auto blob = options_.files->Read(PathOf(e.id));
+  auto blob = options_.files->Read(PathOf(e.key));
   if (!blob.ok()) return blob.status();
   return DecodeSessionState(*blob, layout_, fingerprint_);
 }
 
-absl::StatusOr<SessionLease> SessionStateStore::Acquire(absl::string_view id) {
-  std::unique_lock<std::mutex> lock(mu_);
-  absl::StatusOr<Entry*> found = FindIdle(lock, id);
+// ---- Sessions ----
+
+void SessionStateStore::Changed() {
+  if (options_.background) {
+    changed_.SignalAll();
+  } else {
+    Rebalance();
+  }
+}
+
+absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
+                                       absl::Duration ttl) {
+  if (absl::Status s = ValidateSessionKey(key); !s.ok()) return s;
+  auto e = std::make_unique<Entry>();
+  e->key = key;
+  e->metadata = std::string(metadata);
+  e->state = NewState();
+  e->Refresh();
+  e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
+  absl::MutexLock lock(&mu_);
+  if (Find(key) != nullptr) return AlreadyExists(key);
+  e->tick = ++clock_;
+  e->last_used = absl::Now();
+  Insert(std::move(e));
+  Changed();
+  return absl::OkStatus();
+}
+
+SessionLease SessionStateStore::NewSession() {
+  std::unique_ptr<SessionState> state = NewState();
+  const int64_t bytes = state->ResidentBytes();  // its tables; its rows count from the pool
+  absl::MutexLock lock(&mu_);
+  ++one_shot_count_;
+  one_shot_bytes_ += bytes;
+  Changed();
+  return SessionLease(this, std::move(state), bytes);
+}
+
+void SessionStateStore::ReleaseOneShot(int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  --one_shot_count_;
+  one_shot_bytes_ -= bytes;
+}
+
+absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
   Entry* e = *found;
-  if (!e->broken.ok()) return e->broken;
+  if (!e->broken.ok()) return e->BrokenError(key.id);
   if (e->in_use) {
-    return absl::AbortedError(
-        absl::StrCat("session '", id, "' is in use by another request; retry when it finishes"));
+    return absl::AbortedError(absl::StrCat(
+        "session '", key.id, "' is in use by another request; retry when it finishes"));
   }
   e->in_use = true;
   if (e->tier != Tier::kResident) {
     const Tier from = e->tier;
     e->busy = true;
-    lock.unlock();
+    mu_.Unlock();
     absl::StatusOr<DecodedSession> decoded = DecodeParked(*e);
-    const std::filesystem::path path = PathOf(e->id);
-    lock.lock();
+    const std::filesystem::path path = PathOf(e->key);
+    mu_.Lock();
     e->busy = false;
+    changed_.SignalAll();
     if (!decoded.ok()) {
       e->in_use = false;
       const absl::StatusCode code = decoded.status().code();
       if (from == Tier::kDisk &&
           (code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition)) {
         Quarantine(*e, path, decoded.status());
-        changed_.notify_all();
-        return e->broken;
+        return e->BrokenError(key.id);
       }
-      changed_.notify_all();
       return decoded.status();
     }
     e->state = std::move(decoded->state);
-    e->Refresh();
     e->blob.clear();
     e->blob.shrink_to_fit();
     e->tier = Tier::kResident;
+    Refresh(*e);
     ++counters_.restores[static_cast<int>(from)];
-    changed_.notify_all();
   }
   e->tick = ++clock_;
   e->last_used = absl::Now();
-  if (options_.background) changed_.notify_all();
-  return SessionLease(this, e->id, e->state.get());
+  if (options_.background) changed_.SignalAll();
+  return SessionLease(this, e->key, e->state.get());
 }
 
-void SessionStateStore::Release(const std::string& id) {
-  std::unique_lock<std::mutex> lock(mu_);
-  auto it = entries_.find(id);
+void SessionStateStore::Release(const SessionKey& key) {
+  absl::MutexLock lock(&mu_);
+  auto it = entries_.find(key);
   SDM_CHECK(it != entries_.end());  // a leased session cannot be deleted
   Entry& e = *it->second;
-  e.Refresh();
+  Refresh(e);
   e.in_use = false;
   e.tick = ++clock_;
   e.last_used = absl::Now();
-  if (options_.background) {
-    changed_.notify_all();
-  } else {
-    Rebalance(lock);
-  }
+  Changed();
 }
 
-absl::Status SessionStateStore::Delete(absl::string_view id) {
-  std::unique_lock<std::mutex> lock(mu_);
-  absl::StatusOr<Entry*> e = FindIdle(lock, id);
-  if (!e.ok()) return e.status();
-  if ((*e)->in_use) {
-    return absl::AbortedError(absl::StrCat("session '", id, "' is in use; cancel it first"));
+absl::Status SessionStateStore::Delete(const SessionKey& key) {
+  std::unique_ptr<Entry> dead;
+  {
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<Entry*> e = FindIdle(key);
+    if (!e.ok()) return e.status();
+    if ((*e)->in_use) {
+      return absl::AbortedError(absl::StrCat("session '", key.id, "' is in use; cancel it first"));
+    }
+    if (!options_.dir.empty()) {
+      if (auto s = options_.files->Remove(PathOf(key)); !s.ok()) return s;
+    }
+    dead = Erase(entries_.find(key));
   }
-  if (!options_.dir.empty()) {
-    if (auto s = options_.files->Remove(PathOf(id)); !s.ok()) return s;
-  }
-  auto it = entries_.find(id);
-  std::unique_ptr<Entry> dead = std::move(it->second);
-  entries_.erase(it);
-  lock.unlock();
   // Destroyed outside the lock: freeing a device residency may wait on the device.
   dead.reset();
   return absl::OkStatus();
 }
 
-absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view dst,
+absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& dst,
                                      absl::string_view metadata, absl::Duration ttl) {
-  if (!ValidId(dst)) return InvalidId(dst);
-  std::unique_lock<std::mutex> lock(mu_);
-  absl::StatusOr<Entry*> found = FindIdle(lock, src);
+  if (absl::Status s = ValidateSessionKey(dst); !s.ok()) return s;
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Entry*> found = FindIdle(src);
   if (!found.ok()) return found.status();
   Entry* e = *found;
-  if (entries_.count(dst) > 0) {
-    return absl::AlreadyExistsError(absl::StrCat("session '", dst, "' already exists"));
-  }
-  if (!e->broken.ok()) return e->broken;
+  if (Find(dst) != nullptr) return AlreadyExists(dst);
+  if (!e->broken.ok()) return e->BrokenError(src.id);
   if (e->in_use) {
     return absl::AbortedError(
-        absl::StrCat("session '", src, "' is generating; fork it when the request finishes"));
+        absl::StrCat("session '", src.id, "' is generating; fork it when the request finishes"));
   }
   std::unique_ptr<SessionState> copy;
   if (e->tier == Tier::kResident) {
@@ -415,36 +547,32 @@ absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view ds
       // keeps every other store operation off this entry meanwhile.
       e->busy = true;
       SessionState* state = e->state.get();
-      lock.unlock();
+      mu_.Unlock();
       const absl::Status synced = state->SyncToHost();
-      lock.lock();
+      mu_.Lock();
       e->busy = false;
-      e->Refresh();
-      changed_.notify_all();
+      Refresh(*e);
+      changed_.SignalAll();
       if (!synced.ok()) {
         ++counters_.sync_errors;
-        return SyncError(e->id, synced);
+        return SyncError(src.id, synced);
       }
-      if (entries_.count(dst) > 0) {
-        return absl::AlreadyExistsError(absl::StrCat("session '", dst, "' already exists"));
-      }
+      if (Find(dst) != nullptr) return AlreadyExists(dst);
     }
     copy = e->state->Fork();
   } else {
     e->busy = true;
-    lock.unlock();
+    mu_.Unlock();
     absl::StatusOr<DecodedSession> decoded = DecodeParked(*e);
-    lock.lock();
+    mu_.Lock();
     e->busy = false;
-    changed_.notify_all();
+    changed_.SignalAll();
     if (!decoded.ok()) return decoded.status();
     copy = std::move(decoded->state);
-    if (entries_.count(dst) > 0) {
-      return absl::AlreadyExistsError(absl::StrCat("session '", dst, "' already exists"));
-    }
+    if (Find(dst) != nullptr) return AlreadyExists(dst);
   }
   auto n = std::make_unique<Entry>();
-  n->id = std::string(dst);
+  n->key = dst;
   n->metadata = std::string(metadata);
   n->state = std::move(copy);
   n->Refresh();
@@ -452,32 +580,22 @@ absl::Status SessionStateStore::Fork(absl::string_view src, absl::string_view ds
   n->tick = ++clock_;
   n->last_used = absl::Now();
   e->last_used = n->last_used;  // a fork uses its source
-  entries_.emplace(std::string(dst), std::move(n));
-  if (options_.background) {
-    changed_.notify_all();
-  } else {
-    Rebalance(lock);
-  }
+  Insert(std::move(n));
+  Changed();
   return absl::OkStatus();
 }
 
-absl::Status SessionStateStore::SetMetadata(absl::string_view id, absl::string_view metadata) {
-  std::unique_lock<std::mutex> lock(mu_);
-  absl::StatusOr<Entry*> e = FindIdle(lock, id);
+absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_view metadata) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Entry*> e = FindIdle(key);
   if (!e.ok()) return e.status();
   (*e)->metadata = std::string(metadata);
   return absl::OkStatus();
 }
 
-absl::StatusOr<SessionInfo> SessionStateStore::Get(absl::string_view id) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = entries_.find(id);
-  if (it == entries_.end()) {
-    return absl::NotFoundError(absl::StrCat("session '", id, "' not found"));
-  }
-  const Entry& e = *it->second;
+SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) const {
   SessionInfo info;
-  info.id = e.id;
+  info.key = key;
   info.metadata = e.metadata;
   info.tier = e.tier;
   info.in_use = e.in_use;
@@ -485,83 +603,104 @@ absl::StatusOr<SessionInfo> SessionStateStore::Get(absl::string_view id) const {
   info.pending_token = e.position >= 0 && e.pending;
   info.last_used = e.last_used;
   info.ttl = e.ttl;
-  if (!e.broken.ok()) info.error = std::string(e.broken.message());
+  if (!e.broken.ok()) info.error = std::string(e.BrokenError(key.id).message());
+  info.bytes = e.TierBytes();
   if (e.tier == Tier::kResident) {
-    info.bytes = e.resident_bytes;
     info.private_rows = e.rows;
     if (!e.in_use && !e.busy && e.state != nullptr) {
       for (int64_t l = 0; l < e.state->num_layers(); ++l) {
         if (e.state->is_sdm(l)) info.shared_rows += e.state->sdm(l).SharedRows();
       }
     }
-  } else if (e.tier == Tier::kHost) {
-    info.bytes = static_cast<int64_t>(e.blob.size());
-  } else {
-    info.bytes = e.disk_bytes;
   }
   return info;
 }
 
+absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const {
+  absl::MutexLock lock(&mu_);
+  const Entry* e = Find(key);
+  if (e == nullptr) return NotFound(key);
+  return InfoOf(*e, key);
+}
+
 std::vector<SessionInfo> SessionStateStore::List() const {
-  std::vector<std::string> ids;
+  std::vector<SessionKey> keys;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (const auto& [id, e] : entries_) ids.push_back(id);
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, e] : entries_) keys.push_back(key);
   }
   std::vector<SessionInfo> out;
-  for (const std::string& id : ids) {
-    auto info = Get(id);
+  for (const SessionKey& key : keys) {
+    auto info = Get(key);
     if (info.ok()) out.push_back(*std::move(info));
   }
   return out;
 }
 
+std::vector<SessionInfo> SessionStateStore::List(absl::string_view tenant) const {
+  std::vector<SessionKey> keys;
+  {
+    absl::MutexLock lock(&mu_);
+    // The map is ordered by tenant, then id: the tenant's sessions are one run from here.
+    for (auto it = entries_.lower_bound(SessionKey(tenant, ""));
+         it != entries_.end() && it->first.tenant == tenant; ++it) {
+      keys.push_back(it->first);
+    }
+  }
+  std::vector<SessionInfo> out;
+  for (const SessionKey& key : keys) {
+    auto info = Get(key);
+    if (info.ok()) out.push_back(*std::move(info));
+  }
+  return out;
+}
+
+// ---- Tiers ----
+
 int64_t SessionStateStore::ResidentBytesLocked() const {
-  int64_t bytes = 0;
-  const RowPool* pool = nullptr;
-  for (const auto& [id, e] : entries_) {
+  int64_t bytes = one_shot_bytes_;
+  for (const auto& [key, e] : entries_) {
     if (e->tier == Tier::kResident) bytes += e->own_bytes;  // rows: once, from the pool
   }
-  for (const LayerStateLayout& l : layout_.layers) {
-    if (l.row_pool != nullptr) pool = l.row_pool.get();
-  }
-  return bytes + (pool != nullptr ? pool->live_bytes() : 0);
+  return bytes + (pool_ != nullptr ? pool_->live_bytes() : 0);
 }
 
 int64_t SessionStateStore::HostBytesLocked() const {
   int64_t bytes = 0;
-  for (const auto& [id, e] : entries_) {
+  for (const auto& [key, e] : entries_) {
     if (e->tier == Tier::kHost) bytes += static_cast<int64_t>(e->blob.size());
   }
   return bytes;
 }
 
-absl::Status SessionStateStore::ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Tier target) {
+absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
   if (e.in_use || e.busy || !e.broken.ok()) {
-    return absl::AbortedError(absl::StrCat("session '", e.id, "' cannot be moved now"));
+    return absl::AbortedError(absl::StrCat("session '", e.key.id, "' cannot be moved now"));
   }
   e.busy = true;
   absl::Status status;
   if (e.tier == Tier::kResident && target != Tier::kResident) {
     std::unique_ptr<SessionState> state = std::move(e.state);
-    SessionRecord record{e.id, e.metadata, ToMs(e.ttl), absl::ToUnixMillis(e.last_used)};
-    lock.unlock();
+    SessionRecord record{SessionRecordId(e.key), e.metadata, ToMs(e.ttl),
+                         absl::ToUnixMillis(e.last_used)};
+    mu_.Unlock();
     // A session on device has stale host layers: copy them back before encoding them.
     absl::Status synced = state->SyncToHost();
-    absl::StatusOr<std::string> blob = synced.ok()
-                                           ? TryEncodeSessionState(*state, record, fingerprint_)
-                                           : absl::StatusOr<std::string>(SyncError(e.id, synced));
+    absl::StatusOr<std::string> blob =
+        synced.ok() ? TryEncodeSessionState(*state, record, fingerprint_)
+                    : absl::StatusOr<std::string>(SyncError(e.key.id, synced));
     if (blob.ok()) state.reset();  // returns its rows to the pool
-    lock.lock();
+    mu_.Lock();
     if (blob.ok()) {
       e.blob = *std::move(blob);
       e.tier = Tier::kHost;
+      Account(e);
       ++counters_.evictions[static_cast<int>(Tier::kResident)];
     } else {
       // Only this session failed: it stays resident and usable on its device copy. Its host
       // layers may have been partly written, so its byte count is taken again.
       e.state = std::move(state);
-      e.Refresh();
+      Refresh(e);
       ++counters_.sync_errors;
       status = blob.status();
     }
@@ -570,61 +709,63 @@ absl::Status SessionStateStore::ParkOne(std::unique_lock<std::mutex>& lock, Entr
     if (options_.dir.empty()) {
       status = absl::FailedPreconditionError("the store has no snapshot directory");
     } else {
-      lock.unlock();
-      absl::Status s = options_.files->WriteAtomically(PathOf(e.id), e.blob);
-      lock.lock();
+      const std::filesystem::path path = PathOf(e.key);
+      mu_.Unlock();
+      absl::Status s = options_.files->WriteAtomically(path, e.blob);
+      mu_.Lock();
       if (s.ok()) {
         e.disk_bytes = static_cast<int64_t>(e.blob.size());
         e.blob.clear();
         e.blob.shrink_to_fit();
         e.tier = Tier::kDisk;
+        Account(e);
         ++counters_.evictions[static_cast<int>(Tier::kHost)];
       } else {
         ++counters_.snapshot_errors;
-        status = absl::UnavailableError(
-            absl::StrCat("could not write the snapshot of session '", e.id, "': ", s.message()));
+        status = absl::UnavailableError(absl::StrCat("could not write the snapshot of session '",
+                                                     e.key.id, "': ", s.message()));
       }
     }
   }
   e.busy = false;
-  changed_.notify_all();
+  changed_.SignalAll();
   return status;
 }
 
-absl::Status SessionStateStore::Park(absl::string_view id, Tier tier) {
-  std::unique_lock<std::mutex> lock(mu_);
-  absl::StatusOr<Entry*> found = FindIdle(lock, id);
+absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
+  absl::MutexLock lock(&mu_);
+  absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
   Entry* e = *found;
-  if (!e->broken.ok()) return e->broken;
-  if (e->in_use) return absl::AbortedError(absl::StrCat("session '", id, "' is in use"));
+  if (!e->broken.ok()) return e->BrokenError(key.id);
+  if (e->in_use) return absl::AbortedError(absl::StrCat("session '", key.id, "' is in use"));
   if (tier == Tier::kDisk && options_.dir.empty()) {
     return absl::FailedPreconditionError("the store has no snapshot directory");
   }
   if (static_cast<int>(e->tier) >= static_cast<int>(tier)) return absl::OkStatus();
-  return ParkOne(lock, *e, tier);
+  return ParkOne(*e, tier);
 }
 
 absl::Status SessionStateStore::PersistAll() {
   if (options_.dir.empty()) {
     return absl::FailedPreconditionError("the store has no snapshot directory");
   }
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   std::vector<std::string> skipped, failed;
-  std::vector<std::string> ids;
-  for (const auto& [id, e] : entries_) ids.push_back(id);
-  for (const std::string& id : ids) {
-    auto it = entries_.find(id);
+  std::vector<SessionKey> keys;
+  for (const auto& [key, e] : entries_) keys.push_back(key);
+  for (const SessionKey& key : keys) {
+    auto it = entries_.find(key);
     if (it == entries_.end()) continue;
     Entry& e = *it->second;
-    WaitIdle(lock, e);
+    WaitIdle(e);
     if (e.tier == Tier::kDisk || !e.broken.ok()) continue;
     if (e.in_use) {
-      skipped.push_back(id);
+      skipped.push_back(DebugString(key));
       continue;
     }
-    if (absl::Status s = ParkOne(lock, e, Tier::kDisk); !s.ok()) {
-      failed.push_back(absl::StrCat(id, " (", s.message(), ")"));
+    if (absl::Status s = ParkOne(e, Tier::kDisk); !s.ok()) {
+      failed.push_back(absl::StrCat(DebugString(key), " (", s.message(), ")"));
     }
   }
   if (!failed.empty()) {
@@ -638,14 +779,14 @@ absl::Status SessionStateStore::PersistAll() {
   return absl::OkStatus();
 }
 
-void SessionStateStore::Rebalance(std::unique_lock<std::mutex>& lock) {
+void SessionStateStore::Rebalance() {
   // Sessions whose device copy would not come back in this pass (retried in the next one).
-  std::set<std::string, std::less<>> unsynced;
-  auto lru = [&](Tier tier) -> Entry* {
+  std::set<SessionKey> unsynced;
+  auto lru = [&](Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Entry* best = nullptr;
-    for (auto& [id, e] : entries_) {
+    for (auto& [key, e] : entries_) {
       if (e->tier != tier || e->in_use || e->busy || !e->broken.ok()) continue;
-      if (unsynced.count(id) > 0) continue;
+      if (unsynced.count(key) > 0) continue;
       if (best == nullptr || e->tick < best->tick) best = e.get();
     }
     return best;
@@ -654,69 +795,85 @@ void SessionStateStore::Rebalance(std::unique_lock<std::mutex>& lock) {
     Entry* e = lru(Tier::kResident);
     if (e == nullptr) break;
     // Resident -> host fails only in the device sync, which concerns this session alone.
-    if (absl::Status s = ParkOne(lock, *e, Tier::kHost); !s.ok()) {
+    if (absl::Status s = ParkOne(*e, Tier::kHost); !s.ok()) {
       SDM_LOG(WARNING) << "sdm state store: eviction skipped a session: " << s;
-      unsynced.insert(e->id);
+      unsynced.insert(e->key);
     }
   }
   if (options_.dir.empty()) return;
   while (!stop_ && HostBytesLocked() > options_.host_budget_bytes) {
     Entry* e = lru(Tier::kHost);
     // A failed write most likely fails for every session (disk full): stop until the next pass.
-    if (e == nullptr || !ParkOne(lock, *e, Tier::kDisk).ok()) break;
+    if (e == nullptr || !ParkOne(*e, Tier::kDisk).ok()) break;
   }
 }
 
 int SessionStateStore::ExpireIdle(absl::Time now) {
-  // Declared before the lock guard, so destroyed after it is released: freeing a device
-  // residency may wait on the device.
   std::vector<std::unique_ptr<Entry>> dead;
-  std::lock_guard<std::mutex> lock(mu_);
   int expired = 0;
-  for (auto it = entries_.begin(); it != entries_.end();) {
-    Entry& e = *it->second;
-    if (!e.in_use && !e.busy && e.ttl != absl::InfiniteDuration() && now - e.last_used > e.ttl) {
-      if (!options_.dir.empty()) options_.files->Remove(PathOf(e.id)).IgnoreError();
-      dead.push_back(std::move(it->second));
-      it = entries_.erase(it);
-      ++expired;
-    } else {
-      ++it;
+  {
+    absl::MutexLock lock(&mu_);
+    const auto due = [&](const Entry& e) {
+      return !e.in_use && !e.busy && e.ttl != absl::InfiniteDuration() && now - e.last_used > e.ttl;
+    };
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      auto next = std::next(it);
+      if (due(*it->second)) {
+        if (!options_.dir.empty()) options_.files->Remove(PathOf(it->first)).IgnoreError();
+        dead.push_back(Erase(it));
+        ++expired;
+      }
+      it = next;
     }
+    for (auto it = orphans_.begin(); it != orphans_.end();) {
+      if (due(*it->second)) {
+        options_.files->Remove(options_.dir / absl::StrCat(it->first, kSnapshotSuffix))
+            .IgnoreError();
+        dead.push_back(std::move(it->second));
+        it = orphans_.erase(it);
+        ++expired;
+      } else {
+        ++it;
+      }
+    }
+    counters_.expired += expired;
   }
-  counters_.expired += expired;
+  // Destroyed outside the lock: freeing a device residency may wait on the device.
+  dead.clear();
   return expired;
 }
 
 void SessionStateStore::WorkerLoop() {
-  std::unique_lock<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   while (!stop_) {
-    changed_.wait_for(lock, std::chrono::seconds(1));
+    changed_.WaitWithTimeout(&mu_, absl::Seconds(1));
     if (stop_) break;
-    Rebalance(lock);
-    lock.unlock();
+    Rebalance();
+    mu_.Unlock();
     ExpireIdle(absl::Now());
-    lock.lock();
+    mu_.Lock();
   }
 }
 
 StoreStats SessionStateStore::Stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   StoreStats s = counters_;
   for (int t = 0; t < kNumTiers; ++t) s.sessions[t] = s.bytes[t] = 0;
-  for (const auto& [id, e] : entries_) {
+  for (const auto& [key, e] : entries_) {
     ++s.sessions[static_cast<int>(e->tier)];
     if (e->in_use) ++s.in_use;
     if (e->tier == Tier::kDisk) s.bytes[static_cast<int>(Tier::kDisk)] += e->disk_bytes;
   }
+  for (const auto& [stem, e] : orphans_) {
+    ++s.sessions[static_cast<int>(Tier::kDisk)];
+    s.bytes[static_cast<int>(Tier::kDisk)] += e->disk_bytes;
+  }
   s.bytes[static_cast<int>(Tier::kResident)] = ResidentBytesLocked();
   s.bytes[static_cast<int>(Tier::kHost)] = HostBytesLocked();
-  for (const LayerStateLayout& l : layout_.layers) {
-    if (l.row_pool != nullptr) {
-      s.rows_live = l.row_pool->live_rows();
-      s.rows_shared = l.row_pool->shared_rows();
-      break;
-    }
+  s.one_shot = one_shot_count_;
+  if (pool_ != nullptr) {
+    s.rows_live = pool_->live_rows();
+    s.rows_shared = pool_->shared_rows();
   }
   return s;
 }

@@ -12,6 +12,19 @@
 // Resuming is exact: a session parked on host or disk and restored continues bit for bit as if
 // it had stayed resident. Forks share SDM rows copy-on-write while both are resident.
 //
+// Sessions are named by SessionKey (state_store/session_key.h): a tenant and an id. Errors name a
+// session by its id only (the caller's own name for it); its tenant never appears in them.
+//
+// Accounting: the store keeps, per tenant, the number of sessions and the bytes of their state
+// in their current tier (Usage()), updated whenever a session is created, forked, deleted,
+// expired, parked, restored or returned by its lease, so a caller enforcing per-tenant limits
+// never lists the store. A session's position (SessionInfo::position) is kept in its entry, from
+// the state when its lease is returned and from the snapshot's record for sessions found on disk,
+// so it is known without a lease. The store owns the SDM row pool every session's rows come from:
+// one-shot sessions (NewSession(), the state of a request on no named session) come from it too
+// and count in the resident bytes while they live. While a session is leased its rows are
+// counted live (from the pool) and its KV pages and slot tables as of when it was acquired.
+//
 // On Open() the store lists the snapshots in `dir`. A snapshot that is truncated, corrupted, of
 // another format version or of another model is moved to `dir/quarantine/` under a unique name
 // (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
@@ -31,20 +44,24 @@
 #ifndef SDMSERVE_STATE_STORE_SESSION_STORE_H_
 #define SDMSERVE_STATE_STORE_SESSION_STORE_H_
 
-#include <condition_variable>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "state_store/row_pool.h"
+#include "state_store/session_key.h"
 #include "state_store/session_state.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_files.h"
@@ -69,14 +86,19 @@ struct SessionStoreOptions {
   StateFiles* files = StateFiles::Default();
   // false: evictions and expiry run inline in the calling thread (deterministic tests).
   bool background = true;
+  // Snapshots written before keys were typed, under a hashed file name, hold only that digest
+  // in their record: this names their key from their metadata (the server's JSON). Without it,
+  // or when it answers nullopt, such a session is found when it is first looked up by the key
+  // whose file stem it has, and is absent from List() and Usage() until then.
+  std::function<std::optional<SessionKey>(absl::string_view metadata)> legacy_key = nullptr;
 };
 
 struct SessionInfo {
-  std::string id;
+  SessionKey key;
   std::string metadata;
   Tier tier = Tier::kResident;
   bool in_use = false;
-  int64_t position = -1;       // tokens in the history; -1 when not known without loading
+  int64_t position = -1;       // tokens in the history; -1: unknown (its snapshot is damaged)
   bool pending_token = false;  // position known: a sampled token waits to be fed (not counted)
   int64_t bytes = 0;           // in its current tier
   int64_t private_rows = 0;    // resident only: SDM rows it maps
@@ -86,9 +108,17 @@ struct SessionInfo {
   std::string error;  // non-empty: its snapshot failed its checks (quarantined)
 };
 
+// What one tenant holds: its sessions, and the sum of their SessionInfo::bytes.
+struct TenantUsage {
+  int64_t sessions = 0;
+  int64_t state_bytes = 0;
+
+  bool operator==(const TenantUsage&) const = default;
+};
+
 struct StoreStats {
   int64_t sessions[kNumTiers] = {0, 0, 0};
-  int64_t bytes[kNumTiers] = {0, 0, 0};      // resident: exact (shared rows once)
+  int64_t bytes[kNumTiers] = {0, 0, 0};      // resident: exact (shared rows once), one-shots too
   int64_t evictions[kNumTiers] = {0, 0, 0};  // moves out of the tier
   int64_t restores[kNumTiers] = {0, 0, 0};   // moves from the tier back to resident
   int64_t rows_live = 0;                     // SDM rows allocated (resident)
@@ -98,11 +128,13 @@ struct StoreStats {
   int64_t quarantined = 0;
   int64_t expired = 0;
   int64_t in_use = 0;
+  int64_t one_shot = 0;  // one-shot sessions alive (not in sessions[])
 };
 
 class SessionStateStore;
 
-// A session pinned resident for one caller. Movable; releases the pin when destroyed.
+// A session pinned resident for one caller, or a one-shot session it owns. Movable; releases
+// the pin (destroys the one-shot session) when destroyed.
 class SessionLease {
  public:
   SessionLease() = default;
@@ -111,33 +143,39 @@ class SessionLease {
   ~SessionLease();
 
   SessionState& state() const { return *state_; }
-  const std::string& id() const { return id_; }
+  // The session's key; empty for a one-shot session.
+  const SessionKey& key() const { return key_; }
+  bool one_shot() const { return owned_ != nullptr; }
   explicit operator bool() const { return state_ != nullptr; }
 
  private:
   friend class SessionStateStore;
-  SessionLease(SessionStateStore* store, std::string id, SessionState* state)
-      : store_(store), id_(std::move(id)), state_(state) {}
+  SessionLease(SessionStateStore* store, SessionKey key, SessionState* state)
+      : store_(store), key_(std::move(key)), state_(state) {}
+  SessionLease(SessionStateStore* store, std::unique_ptr<SessionState> owned, int64_t bytes)
+      : store_(store), state_(owned.get()), owned_(std::move(owned)), one_shot_bytes_(bytes) {}
   void Reset();
 
   SessionStateStore* store_ = nullptr;
-  std::string id_;
+  SessionKey key_;
   SessionState* state_ = nullptr;
+  std::unique_ptr<SessionState> owned_;  // one-shot sessions
+  int64_t one_shot_bytes_ = 0;           // what the store counts for it
 };
 
 class SessionStateStore {
  public:
-  // `layout` is the engine's state layout (its row pool is replaced by the store's own, so the
-  // store's accounting is exact); `fingerprint` identifies the model (Engine::fingerprint()).
+  // `layout` is the engine's state layout (the store gives its sessions its own row pool, so its
+  // accounting is exact); `fingerprint` identifies the model (Engine::fingerprint()).
   static absl::StatusOr<std::unique_ptr<SessionStateStore>> Open(
       const StateLayout& layout, uint64_t fingerprint, const SessionStoreOptions& options);
   ~SessionStateStore();
-  // Use Open(); the key keeps construction private to it.
-  class Key {
+  // Use Open(); the pass key keeps construction private to it.
+  class PassKey {
     friend class SessionStateStore;
-    Key() = default;
+    PassKey() = default;
   };
-  SessionStateStore(Key, const StateLayout& layout, uint64_t fingerprint,
+  SessionStateStore(PassKey, const StateLayout& layout, uint64_t fingerprint,
                     const SessionStoreOptions& options);
   SessionStateStore(const SessionStateStore&) = delete;
   SessionStateStore& operator=(const SessionStateStore&) = delete;
@@ -145,28 +183,35 @@ class SessionStateStore {
   // Snapshots found at Open() that failed their checks, with reasons.
   std::vector<std::string> open_errors() const;
 
-  // Ids: 1-128 characters of [A-Za-z0-9._-]. ttl <= 0: the default.
-  absl::Status Create(absl::string_view id, absl::string_view metadata,
+  // Keys: see ValidateSessionKey. ttl <= 0: the default.
+  absl::Status Create(const SessionKey& key, absl::string_view metadata,
                       absl::Duration ttl = absl::ZeroDuration());
   // Pins the session resident, restoring it from host or disk if needed. NOT_FOUND, ABORTED
   // (already in use), DATA_LOSS / FAILED_PRECONDITION (its snapshot failed its checks).
-  absl::StatusOr<SessionLease> Acquire(absl::string_view id);
+  absl::StatusOr<SessionLease> Acquire(const SessionKey& key);
+  // A fresh session of no key, for one request: its rows come from the store's pool and it
+  // counts in the resident bytes (and StoreStats::one_shot) until the lease is released, which
+  // destroys it.
+  SessionLease NewSession();
   // NOT_FOUND; ABORTED while in use. Removes its snapshot file too.
-  absl::Status Delete(absl::string_view id);
+  absl::Status Delete(const SessionKey& key);
   // A new session `dst` continuing from `src` (which must not be in use); shares SDM rows
   // copy-on-write when `src` is resident. ttl <= 0: the source's. A source on device is synced
   // to the host first (it then stays resident, host-only); a failed sync is returned.
-  absl::Status Fork(absl::string_view src, absl::string_view dst, absl::string_view metadata,
+  absl::Status Fork(const SessionKey& src, const SessionKey& dst, absl::string_view metadata,
                     absl::Duration ttl = absl::ZeroDuration());
-  absl::Status SetMetadata(absl::string_view id, absl::string_view metadata);
+  absl::Status SetMetadata(const SessionKey& key, absl::string_view metadata);
 
-  absl::StatusOr<SessionInfo> Get(absl::string_view id) const;
-  std::vector<SessionInfo> List() const;  // sorted by id
+  absl::StatusOr<SessionInfo> Get(const SessionKey& key) const;
+  std::vector<SessionInfo> List() const;                          // sorted by key
+  std::vector<SessionInfo> List(absl::string_view tenant) const;  // the tenant's, sorted by id
+  // The tenant's sessions and their bytes, kept up to date by every operation (no listing).
+  TenantUsage Usage(absl::string_view tenant) const;
 
   // Moves an idle session down to `tier` now (resident -> host -> disk), synchronously. A
   // session on device is synced to the host first; if that fails it stays resident and the
   // residency's error is returned.
-  absl::Status Park(absl::string_view id, Tier tier);
+  absl::Status Park(const SessionKey& key, Tier tier);
   // Writes every session that is not on disk yet to disk and waits (graceful shutdown). Sessions
   // in use are skipped and reported; so are those whose device copy could not be synced (they
   // stay resident).
@@ -182,39 +227,63 @@ class SessionStateStore {
  private:
   friend class SessionLease;
   struct Entry;
+  using EntryMap = std::map<SessionKey, std::unique_ptr<Entry>>;
 
-  absl::Status LoadDirectory();
+  absl::Status LoadDirectory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
                                            uint64_t size) const;
-  void Release(const std::string& id);
-  std::filesystem::path PathOf(absl::string_view id) const;
-  void Quarantine(Entry& e, const std::filesystem::path& file, const absl::Status& why);
+  void Release(const SessionKey& key);
+  void ReleaseOneShot(int64_t bytes);
+  std::filesystem::path PathOf(const SessionKey& key) const;
+  void Quarantine(Entry& e, const std::filesystem::path& file, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Eviction work; `lock` is held on entry and exit, released around serialisation and I/O.
-  void Rebalance(std::unique_lock<std::mutex>& lock);
+  // The tenant counters: Insert() and Erase() add and remove an entry with its bytes; Account()
+  // follows a change of its tier or size; Refresh() re-measures a resident, unleased entry.
+  void Insert(std::unique_ptr<Entry> e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::unique_ptr<Entry> Erase(EntryMap::iterator it) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Account(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Refresh(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Eviction work; mu_ is held on entry and exit, released around serialisation and I/O.
+  void Rebalance() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Rebalance() now (background == false) or wakes the worker.
+  void Changed() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves `e` down to `target`. Errors: the device sync of a resident session (it stays
   // resident), or the snapshot write (it stays on host).
-  absl::Status ParkOne(std::unique_lock<std::mutex>& lock, Entry& e, Tier target);
-  int64_t ResidentBytesLocked() const;
-  int64_t HostBytesLocked() const;
+  absl::Status ParkOne(Entry& e, Tier target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t ResidentBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t HostBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
-  void WaitIdle(std::unique_lock<std::mutex>& lock, Entry& e);
-  // The entry of `id` once no store operation is moving it; NOT_FOUND if there is none.
-  absl::StatusOr<Entry*> FindIdle(std::unique_lock<std::mutex>& lock, absl::string_view id);
+  void WaitIdle(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry of `key` once no store operation is moving it; NOT_FOUND if there is none. Adopts
+  // an orphan (see SessionStoreOptions::legacy_key) whose file stem is the key's.
+  absl::StatusOr<Entry*> FindIdle(const SessionKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry of `key` (or the orphan it would adopt); null if there is none.
+  const Entry* Find(const SessionKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  SessionInfo InfoOf(const Entry& e, const SessionKey& key) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Reads a parked (host or disk) entry's state; called without the lock while it is busy.
   absl::StatusOr<DecodedSession> DecodeParked(const Entry& e) const;
+  std::unique_ptr<SessionState> NewState() const;
 
-  StateLayout layout_;
+  StateLayout layout_;             // with pool_
+  std::shared_ptr<RowPool> pool_;  // null when the model has no SDM layer
   const uint64_t fingerprint_;
   const SessionStoreOptions options_;
 
-  mutable std::mutex mu_;
-  std::condition_variable changed_;  // an entry stopped being busy, or work arrived
-  std::map<std::string, std::unique_ptr<Entry>, std::less<>> entries_;
-  StoreStats counters_;  // evictions, restores, errors (the rest is computed)
-  std::vector<std::string> open_errors_;
-  uint64_t clock_ = 0;  // LRU order
-  bool stop_ = false;
+  mutable absl::Mutex mu_;
+  absl::CondVar changed_;  // an entry stopped being busy, or work arrived
+  EntryMap entries_ ABSL_GUARDED_BY(mu_);
+  // Snapshots under a hashed name whose key is not known yet, by file stem.
+  std::map<std::string, std::unique_ptr<Entry>> orphans_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, TenantUsage, std::less<>> usage_ ABSL_GUARDED_BY(mu_);
+  int64_t one_shot_count_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t one_shot_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  StoreStats counters_ ABSL_GUARDED_BY(mu_);  // evictions, restores, errors (the rest is computed)
+  std::vector<std::string> open_errors_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU order
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread worker_;
 };
 

@@ -299,7 +299,13 @@ absl::StatusOr<SessionRecord> DecodeSessionRecord(absl::string_view prefix, uint
   uint64_t seed, draws;
   int32_t pending;
   uint32_t layers;
-  return ParseRecord((*sections)[0].payload, position, seed, draws, pending, layers);
+  absl::StatusOr<SessionRecord> record =
+      ParseRecord((*sections)[0].payload, position, seed, draws, pending, layers);
+  if (record.ok()) {
+    record->position = position;
+    record->pending_token = pending;
+  }
+  return record;
 }
 
 absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const StateLayout& layout,
@@ -326,6 +332,8 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
 
   DecodedSession out;
   out.record = *std::move(record);
+  out.record.position = position;
+  out.record.pending_token = pending;
   out.state = std::make_unique<SessionState>(layout);
   SessionState& st = *out.state;
   st.set_position(position);

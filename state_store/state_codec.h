@@ -30,6 +30,10 @@ struct SessionRecord {
   std::string metadata;
   int64_t ttl_ms = -1;            // -1: never expires
   int64_t last_used_unix_ms = 0;  // for TTL expiry after a restart
+  // Filled by decoding (encoding writes the state's own): where the session stands, readable
+  // from the record alone without decoding its layers.
+  int64_t position = 0;
+  int32_t pending_token = -1;
 };
 
 // The serialised session. FailedPrecondition while `state` is on device: its host layers are

@@ -118,7 +118,7 @@ class SchedulerTest : public testing::Test {
 
   GenerateJob Job(std::string session, std::vector<int32_t> prompt, int max_tokens) {
     GenerateJob j;
-    j.session_id = std::move(session);
+    j.session = SessionKey(std::move(session));
     j.prompt = std::move(prompt);
     j.sampling.max_tokens = max_tokens;
     j.sampling.stop_token_ids = {};

@@ -78,10 +78,10 @@ inline ServerOptions TestOptions(const std::filesystem::path& state_dir) {
   o.port = 0;
   o.metrics_host = "127.0.0.1";
   o.metrics_port = 0;
-  o.state_dir = state_dir;
-  o.threads = 1;
-  o.max_prompt_tokens = 256;
-  o.max_tokens_limit = 1'000'000;  // long streams for cancellation tests
+  o.store.dir = state_dir;
+  o.engine.num_threads = 1;
+  o.service.max_prompt_tokens = 256;
+  o.service.max_tokens_limit = 1'000'000;  // long streams for cancellation tests
   o.shutdown_grace = absl::Seconds(5);
   return o;
 }

@@ -465,8 +465,8 @@ TEST_F(ServiceTest, SessionsParkedByTheBudgetsResumeExactly) {
   // The smallest budgets: a session that has read anything leaves the engine for host memory as
   // soon as it is idle, then host memory for disk.
   ServerOptions o = Options();
-  o.resident_budget_bytes = 512;  // one empty session (its SDM slot tables)
-  o.host_budget_bytes = 1;
+  o.store.resident_budget_bytes = 512;  // one empty session (its SDM slot tables)
+  o.store.host_budget_bytes = 1;
   Served tight = Serve(o);
   ASSERT_NE(tight.server, nullptr);
   ServerOptions roomy_options = TestOptions(dir_.path() / "roomy");
@@ -602,7 +602,7 @@ TEST_F(ServiceTest, CorruptSnapshotIsDataLossForThatSessionOnly) {
   }
   // Damage the body of "bad"'s snapshot (its record, read at start-up, stays intact).
   const std::filesystem::path file =
-      o.state_dir / absl::StrCat(SessionStoreKey(kDefaultTenant, "bad"), ".sdmstate");
+      o.store.dir / absl::StrCat(SessionFileStem({kDefaultTenant, "bad"}), ".sdmstate");
   ASSERT_TRUE(std::filesystem::exists(file));
   {
     std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
@@ -625,8 +625,8 @@ TEST_F(ServiceTest, CorruptSnapshotIsDataLossForThatSessionOnly) {
 
 TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   ServerOptions o = Options();
-  o.max_prompt_tokens = 64;
-  o.max_tokens_limit = 100'000;
+  o.service.max_prompt_tokens = 64;
+  o.service.max_tokens_limit = 100'000;
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
   ASSERT_TRUE(CreateSession(*s.stub, "mine").ok());

@@ -1,6 +1,5 @@
 #include "server/tenancy.h"
 
-#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -9,55 +8,6 @@
 
 namespace sdm {
 namespace {
-
-bool IsStoreId(const std::string& key) {
-  if (key.empty() || key.size() > 128) return false;
-  for (char c : key) {
-    if (!((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
-          c == '_' || c == '-')) {
-      return false;
-    }
-  }
-  return true;
-}
-
-TEST(SessionStoreKeyTest, ReadableWhenItFitsHashedOtherwise) {
-  EXPECT_EQ(SessionStoreKey("default", "chat-1"), "7-default-chat-1");
-  const std::string longest_readable(128 - 4, 'x');  // "1-t-" + id
-  EXPECT_EQ(SessionStoreKey("t", longest_readable), "1-t-" + longest_readable);
-  const std::string hashed = SessionStoreKey("t", longest_readable + "x");
-  EXPECT_EQ(hashed.size(), 66u);
-  EXPECT_TRUE(hashed.starts_with("h-"));
-  EXPECT_EQ(hashed, SessionStoreKey("t", longest_readable + "x"));  // stable
-}
-
-TEST(SessionStoreKeyTest, DistinctPairsGetDistinctValidKeys) {
-  // Pairs whose naive concatenations collide, and tenants/ids at their length limits.
-  const std::vector<std::pair<std::string, std::string>> pairs = {
-      {"a-b", "c"},
-      {"a", "b-c"},
-      {"a", "-b-c"},
-      {"a-", "b-c"},
-      {"1-a", "b"},
-      {"1", "a-b"},
-      {"11", "a-b"},
-      {"a", "1-a-b"},
-      {"x", "y"},
-      {"x", "y."},
-      {"x.", "y"},
-      {std::string(64, 't'), "s"},
-      {std::string(64, 't'), std::string(128, 's')},
-      {"t", std::string(128, 's')},
-      {"t", std::string(127, 's')},
-      {std::string(63, 't'), std::string(128, 's')},
-  };
-  std::set<std::string> keys;
-  for (const auto& [tenant, id] : pairs) {
-    const std::string key = SessionStoreKey(tenant, id);
-    EXPECT_TRUE(IsStoreId(key)) << key;
-    EXPECT_TRUE(keys.insert(key).second) << tenant << " / " << id << " -> " << key;
-  }
-}
 
 TEST(ValidateTest, SessionIds) {
   EXPECT_TRUE(ValidateSessionId("a").ok());
@@ -98,6 +48,14 @@ TEST(MetadataTest, RoundTrips) {
   absl::StatusOr<SessionMetadata> back = DecodeSessionMetadata(EncodeSessionMetadata(m));
   ASSERT_TRUE(back.ok()) << back.status();
   EXPECT_EQ(*back, m);
+}
+
+TEST(MetadataTest, NamesTheKeyOfItsSession) {
+  SessionMetadata m;
+  m.tenant = "research";
+  m.id = "chat-1";
+  EXPECT_EQ(SessionKeyOfMetadata(EncodeSessionMetadata(m)), SessionKey("research", "chat-1"));
+  EXPECT_EQ(SessionKeyOfMetadata("not json"), std::nullopt);
 }
 
 TEST(MetadataTest, RejectsWhatItDidNotWrite) {
