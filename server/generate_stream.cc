@@ -7,6 +7,13 @@
 #include "server/grpc_status.h"
 
 namespace sdm {
+namespace {
+
+// How far before the call's deadline a cancellation still counts as the deadline passing (see
+// OnFinish). Far below any deadline a client sets on purpose, far above clock disagreement.
+constexpr absl::Duration kDeadlineClockSlack = absl::Milliseconds(100);
+
+}  // namespace
 
 v1::FinishReason ToProtoFinishReason(FinishReason reason) {
   switch (reason) {
@@ -77,7 +84,9 @@ void GenerateStream::OnFinish(FinishReason reason, const Usage& usage, const abs
           final_status_ = absl::OkStatus();  // the server stopped it (shutting down)
           break;
         }
-        if (absl::Now() < deadline_) {
+        // gRPC's deadline timer runs on its own clock and can fire a little before deadline_
+        // as absl::Now() reads it: a cancellation that close to the deadline is the deadline.
+        if (absl::Now() + kDeadlineClockSlack < deadline_) {
           final_status_ = absl::CancelledError("the client cancelled the call");
           break;
         }
