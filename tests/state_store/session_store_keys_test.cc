@@ -10,11 +10,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "base/check.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
-#include "kernels/common/check.h"
 #include "state_store/session_key.h"
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"
