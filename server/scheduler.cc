@@ -132,13 +132,28 @@ void Scheduler::Loop() {
           waiting_.pop_front();
         }
       }
+      // A waiting job that was cancelled or passed its deadline ends now, without running: it
+      // frees its queue place at once, and a session's turn cancelled while queued never
+      // reaches the engine, however long the jobs ahead of it run.
+      const absl::Time now = absl::Now();
+      for (auto it = waiting_.begin(); it != waiting_.end();) {
+        if ((*it)->observer->IsCancelled() || now > (*it)->spec.deadline) {
+          cancelled.push_back(std::move(*it));
+          it = waiting_.erase(it);
+        } else {
+          ++it;
+        }
+      }
       while (!waiting_.empty() && static_cast<int>(running.size()) < options_.max_running) {
         running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
       running_count_ = static_cast<int>(running.size());
     }
-    for (auto& job : cancelled) Finish(*job, FinishReason::kCancelled);
+    for (auto& job : cancelled) {
+      const bool expired = !cancel_all && !job->observer->IsCancelled();
+      Finish(*job, expired ? FinishReason::kDeadline : FinishReason::kCancelled);
+    }
     if (cancel_all) {
       for (auto& job : running) Finish(*job, FinishReason::kCancelled);
     }

@@ -1,7 +1,8 @@
 // Scheduler: iteration-level continuous batching over the engine (docs/model-spec.md §10).
 //
-// One thread runs engine steps. Each step (1) admits waiting jobs while fewer than max_running
-// are running, (2) ends jobs that were cancelled or passed their deadline, (3) plans one
+// One thread runs engine steps. Each step (1) ends waiting jobs that were cancelled or passed their
+// deadline (they never run) and admits waiting jobs while fewer than max_running are running,
+// (2) ends running jobs that were cancelled or passed their deadline, (3) plans one
 // engine step (Engine::Step): prompt tokens within prefill_token_budget, oldest job first, so a
 // long prompt never stalls running streams for more than its budget, plus one decode token for
 // every job past its prompt, and (4) runs that plan as one forward pass (more only when a job's
@@ -77,7 +78,8 @@ class JobObserver {
   virtual void OnEndToken(int32_t token, absl::string_view text) {}
   // Exactly once. `error` is OK unless reason is kError.
   virtual void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) = 0;
-  // Polled every step: true ends the job as cancelled within that step.
+  // Polled every step, also while the job waits for a running place: true ends the job as
+  // cancelled within that step (a waiting job then never runs).
   virtual bool IsCancelled() const = 0;
 };
 

@@ -249,6 +249,38 @@ TEST_F(SchedulerTest, DeadlineEndsTheJobAndFreesItsPlace) {
   EXPECT_NE(next->reason, FinishReason::kDeadline);
 }
 
+TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
+  SchedulerOptions o;
+  o.max_running = 1;
+  StartScheduler(o);
+  ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  // The only running place is held by a long job until the test cancels it.
+  auto running = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 1000000), running).ok());
+  auto queued = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(4, 2), 5), queued).ok());
+  auto expired = std::make_shared<Collector>();
+  GenerateJob late = Job("", Tokens(4, 3), 5);
+  late.deadline = absl::Now();  // past by the next step
+  ASSERT_TRUE(scheduler_->Submit(std::move(late), expired).ok());
+  queued->cancelled = true;
+  queued->Wait();  // ends while the long job still runs: it never got a running place
+  expired->Wait();
+  EXPECT_FALSE(running->finished);
+  EXPECT_EQ(queued->reason, FinishReason::kCancelled);
+  EXPECT_TRUE(queued->tokens.empty());
+  EXPECT_EQ(queued->usage.generated_tokens, 0);
+  EXPECT_EQ(expired->reason, FinishReason::kDeadline);
+  EXPECT_TRUE(expired->tokens.empty());
+  running->cancelled = true;
+  running->Wait();
+  EXPECT_EQ(running->reason, FinishReason::kCancelled);
+  // The session read nothing of the cancelled turn.
+  absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), 0);
+}
+
 TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
   SchedulerOptions o;
   o.max_running = 1;
