@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 
@@ -17,6 +18,13 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
 }  // namespace
 
 struct Scheduler::Job {
+  // Why the job must end before its next step, if it must: cancelled, or past its deadline.
+  std::optional<FinishReason> EndReason(absl::Time now) const {
+    if (observer->IsCancelled()) return FinishReason::kCancelled;
+    if (now > spec.deadline) return FinishReason::kDeadline;
+    return std::nullopt;
+  }
+
   Job(GenerateJob s, std::shared_ptr<JobObserver> o, const Tokenizer& tokenizer)
       : spec(std::move(s)),
         observer(std::move(o)),
@@ -119,7 +127,7 @@ void Scheduler::Shutdown(bool cancel) {
 void Scheduler::Loop() {
   std::vector<std::unique_ptr<Job>> running;
   while (true) {
-    std::vector<std::unique_ptr<Job>> cancelled;
+    std::vector<std::pair<std::unique_ptr<Job>, FinishReason>> ended;  // waiting jobs that end
     bool cancel_all = false;
     {
       absl::MutexLock lock(&mu_);
@@ -128,7 +136,7 @@ void Scheduler::Loop() {
       cancel_all = cancel_all_;
       if (cancel_all) {
         while (!waiting_.empty()) {
-          cancelled.push_back(std::move(waiting_.front()));
+          ended.emplace_back(std::move(waiting_.front()), FinishReason::kCancelled);
           waiting_.pop_front();
         }
       }
@@ -137,8 +145,8 @@ void Scheduler::Loop() {
       // reaches the engine, however long the jobs ahead of it run.
       const absl::Time now = absl::Now();
       for (auto it = waiting_.begin(); it != waiting_.end();) {
-        if ((*it)->observer->IsCancelled() || now > (*it)->spec.deadline) {
-          cancelled.push_back(std::move(*it));
+        if (const std::optional<FinishReason> reason = (*it)->EndReason(now)) {
+          ended.emplace_back(std::move(*it), *reason);
           it = waiting_.erase(it);
         } else {
           ++it;
@@ -150,10 +158,7 @@ void Scheduler::Loop() {
       }
       running_count_ = static_cast<int>(running.size());
     }
-    for (auto& job : cancelled) {
-      const bool expired = !cancel_all && !job->observer->IsCancelled();
-      Finish(*job, expired ? FinishReason::kDeadline : FinishReason::kCancelled);
-    }
+    for (auto& [job, reason] : ended) Finish(*job, reason);
     if (cancel_all) {
       for (auto& job : running) Finish(*job, FinishReason::kCancelled);
     }
@@ -171,11 +176,7 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   const absl::Time now = absl::Now();
   for (auto& job : running) {
     if (job->done) continue;
-    if (job->observer->IsCancelled()) {
-      Finish(*job, FinishReason::kCancelled);
-    } else if (now > job->spec.deadline) {
-      Finish(*job, FinishReason::kDeadline);
-    }
+    if (const std::optional<FinishReason> reason = job->EndReason(now)) Finish(*job, *reason);
   }
   // The plan: prompt tokens, oldest job first, within the step's token budget, then one decode
   // token for every job past its prompt. A prompt is always cut at multiples of the engine's

@@ -19,19 +19,12 @@
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_files.h"
+#include "tests/state_store/snapshot_test_util.h"
 
 namespace sdm {
 namespace {
 
-std::vector<int32_t> Tokens(int n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_int_distribution<int32_t> tok(0, 257);
-  std::vector<int32_t> t(n);
-  for (auto& x : t) x = tok(rng);
-  return t;
-}
-
-class KeysTest : public testing::Test {
+class KeysTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ModelConfig c = *PresetConfig("tiny");
@@ -59,7 +52,8 @@ class KeysTest : public testing::Test {
   void Feed(SessionStateStore& store, const SessionKey& key, int n, uint32_t seed) {
     auto lease = store.Acquire(key);
     ASSERT_TRUE(lease.ok()) << lease.status();
-    ASSERT_TRUE(engine_->Prefill(lease->state(), Tokens(n, seed), false, nullptr).ok());
+    ASSERT_TRUE(
+        engine_->Prefill(lease->state(), testing::RandomTokens(n, seed), false, nullptr).ok());
   }
 
   static inline int counter_ = 0;
@@ -170,8 +164,10 @@ void RandomOperations(Engine& engine, SessionStateStore& store, uint32_t seed) {
         what = "turn";
         auto lease = store.Acquire(k);
         if (lease.ok()) {
-          ASSERT_TRUE(
-              engine.Prefill(lease->state(), Tokens(1 + pick(12), rng()), false, nullptr).ok());
+          ASSERT_TRUE(engine
+                          .Prefill(lease->state(), testing::RandomTokens(1 + pick(12), rng()),
+                                   false, nullptr)
+                          .ok());
         }
         break;
       }
@@ -187,7 +183,7 @@ void RandomOperations(Engine& engine, SessionStateStore& store, uint32_t seed) {
     }
     CheckCounters(store, tenants,
                   absl::StrCat("seed ", seed, " step ", step, " ", what, " ", DebugString(k)));
-    if (testing::Test::HasFatalFailure()) return;
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -222,7 +218,8 @@ TEST_F(KeysTest, OneShotSessionsAreCountedWhileTheyLive) {
     EXPECT_EQ(fresh.one_shot, 1);
     EXPECT_EQ(fresh.bytes[0], before.bytes[0] + one_shot.state().ResidentBytes());
     EXPECT_GE(fresh.bytes[0], before.bytes[0] + store->MinSessionBytes());
-    ASSERT_TRUE(engine_->Prefill(one_shot.state(), Tokens(16, 9), false, nullptr).ok());
+    ASSERT_TRUE(
+        engine_->Prefill(one_shot.state(), testing::RandomTokens(16, 9), false, nullptr).ok());
     const StoreStats running = store->Stats();
     // Its SDM rows come from the store's pool and count while it runs.
     EXPECT_GT(running.rows_live, 0);
@@ -241,7 +238,7 @@ class OldSnapshotTest : public KeysTest {
  protected:
   void WriteOld(const std::string& stem, const std::string& metadata, int tokens) {
     auto state = engine_->NewSession();
-    ASSERT_TRUE(engine_->Prefill(*state, Tokens(tokens, 5), false, nullptr).ok());
+    ASSERT_TRUE(engine_->Prefill(*state, testing::RandomTokens(tokens, 5), false, nullptr).ok());
     const std::string blob =
         EncodeSessionState(*state, SessionRecord{stem, metadata, -1, 0}, engine_->fingerprint());
     ASSERT_TRUE(StateFiles::Default()->WriteAtomically(dir_ / (stem + ".sdmstate"), blob).ok());

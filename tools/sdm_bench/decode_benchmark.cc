@@ -34,10 +34,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using nlohmann::json;
 
-double Seconds(Clock::time_point a, Clock::time_point b) {
-  return std::chrono::duration<double>(b - a).count();
-}
-
 // ---- Models ----
 
 // A CPU-sized model shaped like sdm_flagship: 3:1 SWA:global (SWA at 0-2 and 4-6, global at 3
@@ -676,7 +672,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   doc["results"] = rows;
   doc["skipped"] = skipped;
   doc["finished_utc"] = UtcNow();
-  doc["wall_seconds"] = Seconds(run_start, Clock::now());
+  doc["wall_seconds"] = std::chrono::duration<double>(Clock::now() - run_start).count();
   return WriteOutputs(doc, opt);
 }
 
