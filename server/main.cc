@@ -55,8 +55,14 @@ ABSL_FLAG(std::string, state_dir, sdm::ServerOptions{}.store.dir.string(),
           "exceeded, and resume after a restart. Empty: no disk tier, sessions are lost at exit.");
 ABSL_FLAG(std::string, resident_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.resident_budget_bytes),
-          "Bytes of session state kept resident in the engine before the least recently used "
-          "idle sessions are parked in host memory (units B, KB, MB, GB, KiB, MiB, GiB, ...).");
+          "Bytes of host memory held by resident sessions (ready to step) before the least "
+          "recently used idle ones are parked in serialised form (units B, KB, MB, GB, KiB, MiB, "
+          "GiB, ...).");
+ABSL_FLAG(std::string, device_budget,
+          sdm::FormatByteSize(sdm::ServerOptions{}.store.device_budget_bytes),
+          "On a GPU: bytes of device memory held by sessions before the least recently used idle "
+          "ones are copied back to host memory between steps; 0: the device's session-state "
+          "capacity (the engine's arenas).");
 ABSL_FLAG(std::string, host_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.host_budget_bytes),
           "Bytes of parked session state kept in host memory before the oldest are written to "
@@ -162,7 +168,9 @@ int main(int argc, char** argv) {
        {std::tuple{"resident_budget", absl::GetFlag(FLAGS_resident_budget),
                    &options.store.resident_budget_bytes},
         std::tuple{"host_budget", absl::GetFlag(FLAGS_host_budget),
-                   &options.store.host_budget_bytes}}) {
+                   &options.store.host_budget_bytes},
+        std::tuple{"device_budget", absl::GetFlag(FLAGS_device_budget),
+                   &options.store.device_budget_bytes}}) {
     absl::StatusOr<int64_t> bytes = sdm::ParseByteSize(value);
     if (!bytes.ok()) return UsageError(absl::StrCat("--", flag, ": ", bytes.status().message()));
     *out = *bytes;

@@ -125,6 +125,11 @@ void Scheduler::Shutdown(bool cancel) {
 }
 
 void Scheduler::Loop() {
+  // This is the store's step thread: device-host moves of sessions run here, between steps.
+  store_.SetStepThread([this] {
+    absl::MutexLock lock(&mu_);
+    device_work_ = true;
+  });
   std::vector<std::unique_ptr<Job>> running;
   while (true) {
     std::vector<std::pair<std::unique_ptr<Job>, FinishReason>> ended;  // waiting jobs that end
@@ -133,6 +138,7 @@ void Scheduler::Loop() {
       absl::MutexLock lock(&mu_);
       if (running.empty()) mu_.Await(absl::Condition(this, &Scheduler::HasWorkLocked));
       if (stop_ && waiting_.empty() && running.empty()) break;
+      device_work_ = false;  // RunDeviceMoves() below serves what was queued until now
       cancel_all = cancel_all_;
       if (cancel_all) {
         while (!waiting_.empty()) {
@@ -162,6 +168,7 @@ void Scheduler::Loop() {
     if (cancel_all) {
       for (auto& job : running) Finish(*job, FinishReason::kCancelled);
     }
+    store_.RunDeviceMoves();
     Step(running);
     running.erase(std::remove_if(running.begin(), running.end(),
                                  [](const std::unique_ptr<Job>& j) { return j->done; }),
@@ -169,6 +176,7 @@ void Scheduler::Loop() {
     absl::MutexLock lock(&mu_);
     running_count_ = static_cast<int>(running.size());
   }
+  store_.ClearStepThread();
 }
 
 void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {

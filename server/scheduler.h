@@ -124,7 +124,7 @@ class Scheduler {
   void Loop();
   // The step thread waits for this (or for running jobs, which it holds itself).
   bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return stop_ || !waiting_.empty();
+    return stop_ || !waiting_.empty() || device_work_;
   }
   void Step(std::vector<std::unique_ptr<Job>>& running);
   void Emit(Job& job, int32_t token);
@@ -142,6 +142,9 @@ class Scheduler {
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // The store queued device moves (SessionStateStore::SetStepThread): run them before the next
+  // step even when no job runs.
+  bool device_work_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;
 };
 

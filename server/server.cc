@@ -67,7 +67,8 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and its key (or neither)");
   }
-  if (o.store.resident_budget_bytes < 0 || o.store.host_budget_bytes < 0) {
+  if (o.store.resident_budget_bytes < 0 || o.store.host_budget_bytes < 0 ||
+      o.store.device_budget_bytes < 0) {
     return absl::InvalidArgumentError("state budgets must not be negative");
   }
   if (o.engine.num_threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
@@ -164,14 +165,17 @@ absl::Status SdmServer::Impl::Init() {
   SessionStoreOptions store_options = options.store;
   // Snapshots written before keys were typed name their key only in the service's metadata.
   store_options.legacy_key = SessionKeyOfMetadata;
-  // On a device, resident sessions live in its fixed state arenas: a larger budget would let
-  // steps fail for want of device memory instead of parking idle sessions.
-  if (const int64_t cap = engine->device_state_capacity_bytes();
-      cap > 0 && store_options.resident_budget_bytes > cap) {
-    SDM_LOG(WARNING) << "sdm-server: resident budget lowered from "
-                     << store_options.resident_budget_bytes << " to " << cap
-                     << " bytes (device state capacity)";
-    store_options.resident_budget_bytes = cap;
+  // On a device, sessions live in its fixed state arenas: a larger device budget would let steps
+  // fail for want of device memory instead of copying idle sessions back to the host.
+  if (const int64_t cap = engine->device_state_capacity_bytes(); cap > 0) {
+    if (store_options.device_budget_bytes == 0) {
+      store_options.device_budget_bytes = cap;
+    } else if (store_options.device_budget_bytes > cap) {
+      SDM_LOG(WARNING) << "sdm-server: device budget lowered from "
+                       << store_options.device_budget_bytes << " to " << cap
+                       << " bytes (device state capacity)";
+      store_options.device_budget_bytes = cap;
+    }
   }
   absl::StatusOr<std::unique_ptr<SessionStateStore>> st =
       SessionStateStore::Open(engine->state_layout(), engine->fingerprint(), store_options);
@@ -240,6 +244,8 @@ void SdmServer::Impl::UpdateGauges() {
     metrics->Sessions(tier).Set(static_cast<double>(s.sessions[t]));
     metrics->StateBytes(tier).Set(static_cast<double>(s.bytes[t]));
   }
+  metrics->Sessions(kTierDevice).Set(static_cast<double>(s.device_sessions));
+  metrics->StateBytes(kTierDevice).Set(static_cast<double>(s.device_bytes));
   const auto add = [](prometheus::Counter& counter, int64_t now, int64_t before) {
     if (now > before) counter.Increment(static_cast<double>(now - before));
   };

@@ -1,5 +1,5 @@
-// A session's state while an accelerator backend keeps it in device memory (docs/model-spec.md §7:
-// the resident tier lives in HBM on the CUDA backend).
+// A session's state while an accelerator backend keeps it in device memory: the store's device
+// tier (docs/model-spec.md §7: the resident tier lives in HBM on the CUDA backend).
 //
 // The host SessionState stays the canonical format (the codec, forks and the host/disk tiers use
 // it). When a backend first runs a session it copies the session's layers to the device and
@@ -8,10 +8,17 @@
 // copies the layers on the host must first call SessionState::SyncToHost(), which moves the
 // device copy back and detaches it. Destroying the residency frees its device memory.
 //
-// Threads: the store calls CopyToHost() and destroys residencies from its own threads (the
-// eviction worker, a Delete/Fork/Park caller), never while the session is in an engine step and
-// never with the store's lock held; an implementation selects its device and stream itself and
-// must finish (or fence) any work still using the memory before freeing it.
+// Ownership: a residency is made by one backend instance (`owner`, an address that instance
+// chooses, e.g. its device context) and only that instance may step it; the backend checks
+// owner() before it treats the residency as its own type (no RTTI needed, and a session resident
+// on another engine's device is refused rather than misread).
+//
+// Threads: every device-host move and every destruction of a residency happens on the thread
+// that runs engine steps, between steps (SessionStateStore::RunDeviceMoves()), or on the calling
+// thread where no step thread drives the store's device moves (tests, sdm-cli). Never from the
+// store's eviction worker, never during a step, never with the store's lock held. So an
+// implementation may use its compute and transfer streams without further locking against
+// steps; it must still finish (or fence) any work using the memory before freeing it.
 #ifndef SDMSERVE_STATE_STORE_DEVICE_RESIDENCY_H_
 #define SDMSERVE_STATE_STORE_DEVICE_RESIDENCY_H_
 
@@ -25,7 +32,13 @@ class SessionState;
 
 class DeviceResidency {
  public:
+  explicit DeviceResidency(const void* owner) : owner_(owner) {}
   virtual ~DeviceResidency() = default;
+  DeviceResidency(const DeviceResidency&) = delete;
+  DeviceResidency& operator=(const DeviceResidency&) = delete;
+
+  // The backend instance that made this residency (see Ownership above).
+  const void* owner() const { return owner_; }
 
   // Copies the device layers into `host`'s layers (overwriting their stale content; KV caches
   // are extended to host.position(), SDM rows the device wrote get private host rows). Returns
@@ -34,9 +47,11 @@ class DeviceResidency {
   virtual absl::Status CopyToHost(SessionState& host) = 0;
 
   // Device bytes this session alone holds (KV pages, private SDM rows, slot tables; not the
-  // shared weights or M0). Counted in SessionState::ResidentBytes() and the store's resident
-  // budget.
+  // shared weights or M0): what it counts in the store's device tier.
   virtual int64_t DeviceBytes() const = 0;
+
+ private:
+  const void* const owner_;
 };
 
 }  // namespace sdm

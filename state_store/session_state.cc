@@ -53,7 +53,7 @@ absl::Status SessionState::SyncToHost() {
 }
 
 int64_t SessionState::ResidentBytes() const {
-  int64_t bytes = device_ != nullptr ? device_->DeviceBytes() : 0;
+  int64_t bytes = 0;
   for (const auto& layer : layers_) {
     bytes += std::visit([](const auto& l) { return l.ResidentBytes(); }, layer);
   }

@@ -53,10 +53,13 @@ class SessionState {
   // that ends on a sampled token leaves it here; the next turn feeds it first.
   int32_t pending_token = -1;
 
-  // Bytes of state this session holds: its host layers (KV pages, private SDM rows, slot tables)
-  // plus, while on device, device()->DeviceBytes(). Both count: the stale host copy still
-  // occupies RAM while the device copy occupies HBM, and the store budgets the sum.
+  // Host memory this session's layers occupy (KV pages, private SDM rows, slot tables), also
+  // while on device (the stale host copy still occupies RAM). The store budgets it in the
+  // resident tier.
   int64_t ResidentBytes() const;
+  // Device memory it holds: device()->DeviceBytes() while on device, else 0. The store budgets
+  // it in the device tier, separately (HBM and RAM are different budgets).
+  int64_t DeviceBytes() const { return device_ != nullptr ? device_->DeviceBytes() : 0; }
 
   // A deep copy: a new session whose continuation equals this one's (shares only M0).
   // Precondition: !on_device() (SDM_CHECK; these cannot report a failed copy, so callers
@@ -79,6 +82,7 @@ class SessionState {
   absl::Status SyncToHost();
   // Drops the residency without copying back (the device copy is lost; the host layers stay
   // as stale as they were). For sessions being deleted, or a backend discarding its copy.
+  // Frees device memory: same thread rules as SyncToHost (state_store/device_residency.h).
   void DetachDevice() { device_.reset(); }
 
   // For restoring a parked session (state_store/state_codec.h).

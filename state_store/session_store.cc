@@ -1,10 +1,12 @@
 #include "state_store/session_store.h"
 
 #include <algorithm>
+#include <functional>
 #include <iterator>
 #include <optional>
 #include <set>
 #include <system_error>
+#include <thread>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -13,6 +15,7 @@
 #include "absl/strings/str_join.h"
 #include "base/check.h"
 #include "base/log.h"
+#include "base/status_macros.h"
 #include "state_store/state_codec.h"
 
 namespace sdm {
@@ -78,6 +81,9 @@ struct SessionStateStore::Entry {
   int64_t own_bytes = 0;
   int64_t rows = 0;
   int64_t resident_bytes = 0;
+  // kResident: device bytes of its residency (the device tier), refreshed with the rest and,
+  // for sessions in use, by RunDeviceMoves() between steps.
+  int64_t device_bytes = 0;
   // Bytes this entry adds to its tenant's usage (TierBytes() when last accounted).
   int64_t counted_bytes = 0;
 
@@ -103,6 +109,7 @@ struct SessionStateStore::Entry {
   // Precondition: resident and not being stepped.
   void Refresh() {
     resident_bytes = state->ResidentBytes();
+    device_bytes = state->DeviceBytes();
     own_bytes = resident_bytes;
     rows = 0;
     for (int64_t l = 0; l < state->num_layers(); ++l) {
@@ -522,8 +529,9 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
     }
     dead = Erase(entries_.find(key));
   }
-  // Destroyed outside the lock: freeing a device residency may wait on the device.
-  dead.reset();
+  std::vector<std::unique_ptr<Entry>> buried;
+  buried.push_back(std::move(dead));
+  Bury(std::move(buried));
   return absl::OkStatus();
 }
 
@@ -543,20 +551,8 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
   std::unique_ptr<SessionState> copy;
   if (e->tier == Tier::kResident) {
     if (e->state->on_device()) {
-      // Its host layers are stale. Synced outside the lock (it waits on the device); busy
-      // keeps every other store operation off this entry meanwhile.
-      e->busy = true;
-      SessionState* state = e->state.get();
-      mu_.Unlock();
-      const absl::Status synced = state->SyncToHost();
-      mu_.Lock();
-      e->busy = false;
-      Refresh(*e);
-      changed_.SignalAll();
-      if (!synced.ok()) {
-        ++counters_.sync_errors;
-        return SyncError(src.id, synced);
-      }
+      // Its host layers are stale: copied back first (between steps, on the step thread).
+      SDM_RETURN_IF_ERROR(SyncToHostLocked(*e));
       if (Find(dst) != nullptr) return AlreadyExists(dst);
     }
     copy = e->state->Fork();
@@ -607,6 +603,7 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
   info.bytes = e.TierBytes();
   if (e.tier == Tier::kResident) {
     info.private_rows = e.rows;
+    info.device_bytes = e.device_bytes;
     if (!e.in_use && !e.busy && e.state != nullptr) {
       for (int64_t l = 0; l < e.state->num_layers(); ++l) {
         if (e.state->is_sdm(l)) info.shared_rows += e.state->sdm(l).SharedRows();
@@ -665,6 +662,14 @@ int64_t SessionStateStore::ResidentBytesLocked() const {
   return bytes + (pool_ != nullptr ? pool_->live_bytes() : 0);
 }
 
+int64_t SessionStateStore::DeviceBytesLocked() const {
+  int64_t bytes = 0;
+  for (const auto& [key, e] : entries_) {
+    if (e->tier == Tier::kResident) bytes += e->device_bytes;
+  }
+  return bytes;
+}
+
 int64_t SessionStateStore::HostBytesLocked() const {
   int64_t bytes = 0;
   for (const auto& [key, e] : entries_) {
@@ -677,6 +682,11 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
   if (e.in_use || e.busy || !e.broken.ok()) {
     return absl::AbortedError(absl::StrCat("session '", e.key.id, "' cannot be moved now"));
   }
+  if (e.tier == Tier::kResident && target != Tier::kResident && e.state->on_device()) {
+    // Its host layers are stale: copied back first, between steps. On success the lock is held
+    // from the moment the entry stops being busy, so nobody leased it meanwhile.
+    SDM_RETURN_IF_ERROR(SyncToHostLocked(e));
+  }
   e.busy = true;
   absl::Status status;
   if (e.tier == Tier::kResident && target != Tier::kResident) {
@@ -684,24 +694,18 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
     SessionRecord record{SessionRecordId(e.key), e.metadata, ToMs(e.ttl),
                          absl::ToUnixMillis(e.last_used)};
     mu_.Unlock();
-    // A session on device has stale host layers: copy them back before encoding them.
-    absl::Status synced = state->SyncToHost();
-    absl::StatusOr<std::string> blob =
-        synced.ok() ? TryEncodeSessionState(*state, record, fingerprint_)
-                    : absl::StatusOr<std::string>(SyncError(e.key.id, synced));
+    absl::StatusOr<std::string> blob = TryEncodeSessionState(*state, record, fingerprint_);
     if (blob.ok()) state.reset();  // returns its rows to the pool
     mu_.Lock();
     if (blob.ok()) {
       e.blob = *std::move(blob);
       e.tier = Tier::kHost;
+      e.device_bytes = 0;
       Account(e);
       ++counters_.evictions[static_cast<int>(Tier::kResident)];
     } else {
-      // Only this session failed: it stays resident and usable on its device copy. Its host
-      // layers may have been partly written, so its byte count is taken again.
       e.state = std::move(state);
       Refresh(e);
-      ++counters_.sync_errors;
       status = blob.status();
     }
   }
@@ -780,6 +784,17 @@ absl::Status SessionStateStore::PersistAll() {
 }
 
 void SessionStateStore::Rebalance() {
+  if (options_.device_budget_bytes > 0 && DeviceBytesLocked() > options_.device_budget_bytes) {
+    if (DeferDeviceWork()) {
+      // Copies back run between steps: the step thread is asked, nobody waits for it here.
+      std::function<void()> wake = wake_step_thread_;
+      mu_.Unlock();
+      wake();
+      mu_.Lock();
+    } else {
+      EnforceDeviceBudget();
+    }
+  }
   // Sessions whose device copy would not come back in this pass (retried in the next one).
   std::set<SessionKey> unsynced;
   auto lru = [&](Tier tier) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -838,9 +853,145 @@ int SessionStateStore::ExpireIdle(absl::Time now) {
     }
     counters_.expired += expired;
   }
-  // Destroyed outside the lock: freeing a device residency may wait on the device.
-  dead.clear();
+  Bury(std::move(dead));
   return expired;
+}
+
+// ---- The device tier ----
+
+// A device -> host copy a thread asked the step thread for; lives on the asker's stack until
+// `done`.
+struct SessionStateStore::SyncJob {
+  Entry* entry;
+  bool done = false;
+  absl::Status status;
+};
+
+bool SessionStateStore::DeferDeviceWork() const {
+  return wake_step_thread_ != nullptr && std::this_thread::get_id() != step_thread_;
+}
+
+absl::Status SessionStateStore::CopyBackHere(Entry& e) {
+  SessionState* state = e.state.get();
+  mu_.Unlock();
+  absl::Status status = state->SyncToHost();
+  mu_.Lock();
+  return status;
+}
+
+absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
+  SDM_CHECK(e.tier == Tier::kResident && !e.busy && !e.in_use);
+  if (!e.state->on_device()) return absl::OkStatus();
+  e.busy = true;  // keeps every other store operation (and lease) off it meanwhile
+  absl::Status status;
+  if (DeferDeviceWork()) {
+    SyncJob job{.entry = &e, .done = false, .status = absl::OkStatus()};
+    sync_jobs_.push_back(&job);
+    std::function<void()> wake = wake_step_thread_;
+    mu_.Unlock();
+    wake();
+    mu_.Lock();
+    while (!job.done && DeferDeviceWork()) changed_.Wait(&mu_);
+    if (job.done) {
+      status = job.status;
+    } else {
+      // The step thread went away before it got to this job (ClearStepThread ran the queue it
+      // saw; this one came later): it is ours to run.
+      sync_jobs_.erase(std::find(sync_jobs_.begin(), sync_jobs_.end(), &job));
+      status = CopyBackHere(e);
+    }
+  } else {
+    status = CopyBackHere(e);
+  }
+  e.busy = false;
+  Refresh(e);  // also after a failure: the host layers may have been partly written
+  changed_.SignalAll();
+  if (!status.ok()) {
+    ++counters_.sync_errors;
+    return SyncError(e.key.id, status);
+  }
+  ++counters_.device_evictions;
+  return absl::OkStatus();
+}
+
+void SessionStateStore::Bury(std::vector<std::unique_ptr<Entry>> dead) {
+  std::function<void()> wake;
+  {
+    absl::MutexLock lock(&mu_);
+    if (DeferDeviceWork()) {
+      for (std::unique_ptr<Entry>& e : dead) {
+        if (e != nullptr && e->state != nullptr && e->state->on_device()) {
+          doomed_.push_back(std::move(e->state));
+          wake = wake_step_thread_;
+        }
+      }
+    }
+  }
+  if (wake) wake();
+  // The rest is destroyed here, outside the lock (host memory only, or no step thread).
+  dead.clear();
+}
+
+void SessionStateStore::SetStepThread(std::function<void()> wake) {
+  SDM_CHECK(wake != nullptr);
+  absl::MutexLock lock(&mu_);
+  SDM_CHECK(wake_step_thread_ == nullptr);  // one step thread at a time
+  wake_step_thread_ = std::move(wake);
+  step_thread_ = std::this_thread::get_id();
+}
+
+void SessionStateStore::ClearStepThread() {
+  RunDeviceMoves();
+  absl::MutexLock lock(&mu_);
+  SDM_CHECK(std::this_thread::get_id() == step_thread_);
+  wake_step_thread_ = nullptr;
+  step_thread_ = std::thread::id();
+  changed_.SignalAll();  // waiters whose job was queued after the run above do it themselves
+}
+
+void SessionStateStore::RunDeviceMoves() {
+  std::vector<std::unique_ptr<SessionState>> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    SDM_CHECK(wake_step_thread_ == nullptr || std::this_thread::get_id() == step_thread_);
+    doomed.swap(doomed_);
+    // Copies other threads wait for. Each entry is kept busy by its asker.
+    std::vector<SyncJob*> jobs;
+    jobs.swap(sync_jobs_);
+    for (SyncJob* job : jobs) {
+      job->status = CopyBackHere(*job->entry);
+      job->done = true;
+    }
+    if (!jobs.empty()) changed_.SignalAll();
+    if (options_.device_budget_bytes > 0) {
+      // Between steps nobody touches a leased session: its device bytes can be read now.
+      for (auto& [key, e] : entries_) {
+        if (e->tier == Tier::kResident && e->in_use && !e->busy) {
+          e->device_bytes = e->state->DeviceBytes();
+        }
+      }
+      EnforceDeviceBudget();
+    }
+  }
+  // Freed here, on the step thread, outside the lock.
+  doomed.clear();
+}
+
+void SessionStateStore::EnforceDeviceBudget() {
+  std::set<SessionKey> failed;  // not copied back in this pass (retried in the next one)
+  while (options_.device_budget_bytes > 0 && DeviceBytesLocked() > options_.device_budget_bytes) {
+    Entry* lru = nullptr;
+    for (auto& [key, e] : entries_) {
+      if (e->tier != Tier::kResident || e->in_use || e->busy || e->device_bytes == 0) continue;
+      if (failed.count(key) > 0) continue;
+      if (lru == nullptr || e->tick < lru->tick) lru = e.get();
+    }
+    if (lru == nullptr) break;  // the rest is in use: released sessions are seen later
+    if (absl::Status s = SyncToHostLocked(*lru); !s.ok()) {
+      SDM_LOG(WARNING) << "sdm state store: the device tier skipped a session: " << s;
+      failed.insert(lru->key);
+    }
+  }
 }
 
 void SessionStateStore::WorkerLoop() {
@@ -868,6 +1019,10 @@ StoreStats SessionStateStore::Stats() const {
     ++s.sessions[static_cast<int>(Tier::kDisk)];
     s.bytes[static_cast<int>(Tier::kDisk)] += e->disk_bytes;
   }
+  for (const auto& [key, e] : entries_) {
+    if (e->tier == Tier::kResident && e->device_bytes > 0) ++s.device_sessions;
+  }
+  s.device_bytes = DeviceBytesLocked();
   s.bytes[static_cast<int>(Tier::kResident)] = ResidentBytesLocked();
   s.bytes[static_cast<int>(Tier::kHost)] = HostBytesLocked();
   s.one_shot = one_shot_count_;

@@ -30,14 +30,20 @@
 // (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
 // (version or model) with the reason; every other session is unaffected.
 //
-// Device residency (state_store/device_residency.h): on an accelerator backend a resident
-// session's layers may live in device memory. Its resident bytes then count the device bytes
-// and the stale host copy (which still occupies RAM). Every path that reads or copies its layers
-// on the host syncs it first (SessionState::SyncToHost()): parking to host or disk, PersistAll,
-// Fork. A failed sync is an error of that session only: it stays resident and usable, the caller
-// gets the status, and background eviction logs it, counts StoreStats::sync_errors and parks
-// other sessions instead. Syncs and the destruction of residencies happen outside the store's
-// lock. Deleting or expiring a session destroys its residency (freeing its device memory).
+// The device tier (state_store/device_residency.h): on an accelerator backend a resident
+// session's layers may live in device memory. The store budgets the device bytes separately
+// (device_budget_bytes, StoreStats::device_bytes); the resident bytes count host memory only
+// (a session on device keeps its stale host copy, which still occupies RAM). Device-host moves
+// and the destruction of residencies run only on the step thread between steps: a thread that
+// runs engine steps registers itself (SetStepThread) and calls RunDeviceMoves() before each
+// step; the store queues work for it and wakes it. RunDeviceMoves() copies back the least
+// recently used idle sessions while the device tier is over budget, serves the copies that
+// Park, Fork, PersistAll and the eviction worker asked for (they wait for it), and destroys the
+// residencies of deleted and expired sessions. Without a registered step thread (tests,
+// sdm-cli), or on that thread itself, the moves run inline on the caller. A failed copy is an
+// error of that session only: it stays resident and usable on its device copy, the caller gets
+// the status, and background eviction logs it, counts StoreStats::sync_errors and parks other
+// sessions instead.
 //
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
@@ -78,6 +84,10 @@ struct SessionStoreOptions {
   int64_t resident_budget_bytes = int64_t{4} << 30;
   // Bytes of serialised sessions in host memory before the oldest are written to disk.
   int64_t host_budget_bytes = int64_t{8} << 30;
+  // Bytes of device memory held by sessions (the device tier) before the least recently used
+  // idle ones are copied back to host memory between steps. 0: none of the store's own (the
+  // backend's fixed arenas bound it; the server passes the engine's device state capacity).
+  int64_t device_budget_bytes = 0;
   // Snapshot directory; empty: no disk tier (host is then the last tier and may exceed its
   // budget, which Stats() reports).
   std::filesystem::path dir;
@@ -103,6 +113,7 @@ struct SessionInfo {
   int64_t bytes = 0;           // in its current tier
   int64_t private_rows = 0;    // resident only: SDM rows it maps
   int64_t shared_rows = 0;     // resident only: of those, shared with a fork
+  int64_t device_bytes = 0;    // resident only: device memory it holds (0: host-only)
   absl::Time last_used;
   absl::Duration ttl;
   std::string error;  // non-empty: its snapshot failed its checks (quarantined)
@@ -125,6 +136,9 @@ struct StoreStats {
   int64_t rows_shared = 0;                   // of those, referenced by more than one session
   int64_t snapshot_errors = 0;               // failed disk writes
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
+  int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
+  int64_t device_bytes = 0;                  // their device bytes (the device tier)
+  int64_t device_evictions = 0;              // device -> host copies (budget, park, fork)
   int64_t quarantined = 0;
   int64_t expired = 0;
   int64_t in_use = 0;
@@ -221,6 +235,16 @@ class SessionStateStore {
 
   StoreStats Stats() const;
 
+  // Device moves (see the class comment). SetStepThread() registers the calling thread as the
+  // step thread; `wake` is called (never with the store's lock held) when device work is queued,
+  // so that an idle step loop runs RunDeviceMoves(). ClearStepThread(), on that thread, runs
+  // what is queued and returns the store to inline moves. RunDeviceMoves() must be called on the
+  // step thread, between steps (no session of the store in an engine step); it is cheap when
+  // there is nothing to do.
+  void SetStepThread(std::function<void()> wake);
+  void ClearStepThread();
+  void RunDeviceMoves();
+
   // Minimum resident bytes of one session of this layout (its SDM slot tables).
   int64_t MinSessionBytes() const;
 
@@ -253,6 +277,22 @@ class SessionStateStore {
   // resident), or the snapshot write (it stays on host).
   absl::Status ParkOne(Entry& e, Tier target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t ResidentBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int64_t DeviceBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes a resident entry's host layers current (copies its device copy back): queued for the
+  // step thread and awaited when one is registered and this is not it, else inline. e.busy
+  // meanwhile; mu_ released while waiting or copying. A failure is counted and returned, naming
+  // the session; the entry stays resident on its device copy.
+  absl::Status SyncToHostLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies `e` back on this thread (mu_ released meanwhile). Precondition: e.busy.
+  absl::Status CopyBackHere(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies back the least recently used idle sessions on device while the device tier is over
+  // its budget. Runs the copies here: on the step thread, or where there is none.
+  void EnforceDeviceBudget() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether device work must go to the step thread rather than run here.
+  bool DeferDeviceWork() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Destroys dead entries: now (outside the lock) or, for states on a device that must be freed
+  // on the step thread, by queuing them there. Called without mu_.
+  void Bury(std::vector<std::unique_ptr<Entry>> dead) ABSL_LOCKS_EXCLUDED(mu_);
   int64_t HostBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
   void WaitIdle(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -284,6 +324,13 @@ class SessionStateStore {
   std::vector<std::string> open_errors_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU order
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+
+  // Device moves for the step thread (see SetStepThread).
+  struct SyncJob;
+  std::function<void()> wake_step_thread_ ABSL_GUARDED_BY(mu_);
+  std::thread::id step_thread_ ABSL_GUARDED_BY(mu_);  // default id: none registered
+  std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<SessionState>> doomed_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
 };
 

@@ -338,12 +338,13 @@ class CudaBackend : public EngineBackend {
         if (!up.ok()) return up.status();
         session.AttachDevice(*std::move(up));
       }
-      dev[s] = dynamic_cast<CudaSessionState*>(session.device());
-      // Another engine's residency has tables into that engine's arenas.
-      if (dev[s] == nullptr || dev[s]->context() != ctx_.get()) {
+      // Another engine's residency has tables into that engine's arenas (and may be of another
+      // type): only ours, made with our context as owner, is a CudaSessionState we may step.
+      if (session.device()->owner() != ctx_.get()) {
         return absl::FailedPreconditionError(
             "session is resident on another backend's device; sync it to the host first");
       }
+      dev[s] = static_cast<CudaSessionState*>(session.device());
       SDM_RETURN_IF_ERROR(dev[s]->EnsurePages(segs[s].pos0 + segs[s].length));
       max_visible = std::max(max_visible, segs[s].pos0 + segs[s].length);
     }

@@ -134,11 +134,11 @@ class CudaSessionState final : public DeviceResidency {
   int32_t* sdm_table(int64_t layer) const { return layers_[layer].table.get(); }
   int32_t* page_table(int64_t layer) const { return layers_[layer].table.get(); }
   int32_t counter_slot() const { return counter_slot_; }
-  // The context whose arenas hold this session (tables index them).
-  const CudaDeviceContext* context() const { return ctx_.get(); }
 
  private:
-  explicit CudaSessionState(std::shared_ptr<CudaDeviceContext> ctx) : ctx_(std::move(ctx)) {}
+  // Owned by its context (DeviceResidency::owner()): only the backend of that context steps it.
+  explicit CudaSessionState(std::shared_ptr<CudaDeviceContext> ctx)
+      : DeviceResidency(ctx.get()), ctx_(std::move(ctx)) {}
 
   struct Layer {
     // SDM: slot->row table [heads * slots]; attention: page table [page_table_entries].

@@ -116,7 +116,7 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
               .Name("sdm_state_restores_total")
               .Help("Session states brought back to the engine, by the tier they came from.")
               .Register(registry)) {
-  for (const absl::string_view tier : {kTierResident, kTierHost, kTierDisk}) {
+  for (const absl::string_view tier : {kTierResident, kTierHost, kTierDisk, kTierDevice}) {
     Sessions(tier);
     StateBytes(tier);
   }

@@ -46,6 +46,9 @@ namespace sdm {
 inline constexpr absl::string_view kTierResident = "resident";
 inline constexpr absl::string_view kTierHost = "host";
 inline constexpr absl::string_view kTierDisk = "disk";
+// Not an API tier: the resident sessions an accelerator backend holds in device memory, and
+// their device bytes (state_store/session_store.h, the device tier). 0 on the CPU backend.
+inline constexpr absl::string_view kTierDevice = "device";
 
 class ServerMetrics {
  public:
@@ -63,7 +66,8 @@ class ServerMetrics {
   prometheus::Counter& Request(absl::string_view method, absl::StatusCode code);
   // The duration histogram of one RPC method.
   prometheus::Histogram& RequestDuration(absl::string_view method);
-  // Per tier (kTierResident, kTierHost, kTierDisk): sessions and state bytes held there, and
+  // Per tier (kTierResident, kTierHost, kTierDisk, and kTierDevice for the first two): sessions
+  // and state bytes held there, and
   // session states moved down to it or brought back from it.
   prometheus::Gauge& Sessions(absl::string_view tier);
   prometheus::Gauge& StateBytes(absl::string_view tier);

@@ -5,7 +5,9 @@
 // the session's encoding into the engine's row pool, so it never counts in the store's pool),
 // "device steps" run the CPU engine on that copy, and attaching overwrites the host layers with
 // NaN, so any path that reads stale host layers shows up as a wrong encoding or NaN logits.
-// Controls are plain host sessions fed the same tokens; comparisons are bit for bit.
+// Controls are plain host sessions fed the same tokens; comparisons are bit for bit. The probe
+// records the thread of every copy and destruction: with a step thread registered, the store
+// must do both there and nowhere else.
 #include "state_store/device_residency.h"
 
 #include <cmath>
@@ -15,9 +17,11 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "base/check.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -37,23 +41,32 @@ using ::testing::HasSubstr;
 // Large next to a tiny session's host bytes, so budgets in these tests are decided by it.
 constexpr int64_t kDeviceBytes = int64_t{4} << 20;
 
-// What a test observes of a residency, surviving its destruction.
+// The fake device's identity (DeviceResidency::owner()).
+const char kFakeDevice = 0;
+
+// What a test observes of a residency, surviving its destruction. Written by whichever thread
+// copies or destroys, read by the test after it synchronised with that thread.
 struct Probe {
   int copies = 0;          // successful CopyToHost calls
   int failed_copies = 0;   // CopyToHost calls answered with the injected error
   bool fail = false;       // CopyToHost fails while set
   bool destroyed = false;  // the residency was destroyed (its "device memory" freed)
+  std::thread::id copy_thread, destroy_thread;  // where the last copy and the destruction ran
 };
 
 class FakeResidency : public DeviceResidency {
  public:
   FakeResidency(std::unique_ptr<SessionState> device_copy, std::shared_ptr<Probe> probe)
-      : copy_(std::move(device_copy)), probe_(std::move(probe)) {}
-  ~FakeResidency() override { probe_->destroyed = true; }
+      : DeviceResidency(&kFakeDevice), copy_(std::move(device_copy)), probe_(std::move(probe)) {}
+  ~FakeResidency() override {
+    probe_->destroyed = true;
+    probe_->destroy_thread = std::this_thread::get_id();
+  }
 
   SessionState& copy() { return *copy_; }
 
   absl::Status CopyToHost(SessionState& host) override {
+    probe_->copy_thread = std::this_thread::get_id();
     if (probe_->fail) {
       ++probe_->failed_copies;
       return absl::InternalError("injected device copy failure");
@@ -140,6 +153,74 @@ bool HasNan(const std::vector<float>& v) {
   return false;
 }
 
+// A stand-in for the scheduler's step loop: registers itself as the store's step thread and runs
+// RunDeviceMoves() whenever the store wakes it or the test asks for a pass.
+class FakeStepThread {
+ public:
+  explicit FakeStepThread(SessionStateStore& store) : store_(store), thread_([this] { Loop(); }) {
+    absl::MutexLock lock(&mu_);
+    while (!registered_) done_changed_.Wait(&mu_);
+  }
+  ~FakeStepThread() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+      wanted_changed_.Signal();
+    }
+    thread_.join();
+  }
+
+  std::thread::id id() const { return thread_.get_id(); }
+
+  // Returns once a whole RunDeviceMoves() that began after this call has run.
+  void Pass() {
+    absl::MutexLock lock(&mu_);
+    wanted_ = true;
+    wanted_changed_.Signal();
+    const int64_t target = begun_ + 1;
+    while (done_ < target) done_changed_.Wait(&mu_);
+  }
+
+ private:
+  void Loop() {
+    store_.SetStepThread([this] {
+      absl::MutexLock lock(&mu_);
+      wanted_ = true;
+      wanted_changed_.Signal();
+    });
+    {
+      absl::MutexLock lock(&mu_);
+      registered_ = true;
+      done_changed_.SignalAll();
+    }
+    while (true) {
+      int64_t pass = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        while (!wanted_ && !stop_) wanted_changed_.Wait(&mu_);
+        if (stop_) break;
+        wanted_ = false;
+        pass = ++begun_;
+      }
+      store_.RunDeviceMoves();
+      absl::MutexLock lock(&mu_);
+      done_ = pass;
+      done_changed_.SignalAll();
+    }
+    store_.ClearStepThread();
+  }
+
+  SessionStateStore& store_;
+  absl::Mutex mu_;
+  bool registered_ ABSL_GUARDED_BY(mu_) = false;
+  bool wanted_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t begun_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t done_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::CondVar wanted_changed_, done_changed_;
+  std::thread thread_;
+};
+
 class DeviceResidencyTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -160,12 +241,13 @@ class DeviceResidencyTest : public ::testing::Test {
   }
 
   std::unique_ptr<SessionStateStore> OpenStore(const std::filesystem::path& dir,
-                                               int64_t resident = int64_t{1} << 30) {
+                                               int64_t device_budget = 0, bool background = false) {
     SessionStoreOptions o;
     o.dir = dir;
-    o.resident_budget_bytes = resident;
+    o.resident_budget_bytes = int64_t{1} << 30;
     o.host_budget_bytes = int64_t{1} << 30;
-    o.background = false;
+    o.device_budget_bytes = device_budget;
+    o.background = background;
     auto s = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), o);
     SDM_CHECK(s.ok());
     return *std::move(s);
@@ -266,7 +348,9 @@ TEST_F(DeviceResidencyTest, SyncToHostCopiesBackAndDetaches) {
 
   auto probe = Attach(*s);
   EXPECT_TRUE(s->on_device());
-  EXPECT_EQ(s->ResidentBytes(), host_bytes + kDeviceBytes);
+  // Host and device memory are counted apart: the stale host copy is still host memory.
+  EXPECT_EQ(s->ResidentBytes(), host_bytes);
+  EXPECT_EQ(s->DeviceBytes(), kDeviceBytes);
   DeviceDecode(*s, steps_);
 
   probe->fail = true;
@@ -279,6 +363,7 @@ TEST_F(DeviceResidencyTest, SyncToHostCopiesBackAndDetaches) {
   ASSERT_TRUE(s->SyncToHost().ok());
   EXPECT_FALSE(s->on_device());
   EXPECT_EQ(s->device(), nullptr);
+  EXPECT_EQ(s->DeviceBytes(), 0);
   EXPECT_TRUE(probe->destroyed);
   EXPECT_EQ(probe->copies, 1);
   EXPECT_TRUE(SameContent(*s, *control));
@@ -358,20 +443,27 @@ TEST_F(DeviceResidencyTest, ParkingSyncsAndResumesBitExact) {
   }
 }
 
-TEST_F(DeviceResidencyTest, BudgetEvictionSyncs) {
+TEST_F(DeviceResidencyTest, DeviceBudgetCopiesTheLeastRecentlyUsedBack) {
   auto control = Control(prompt_, steps_);
-  // Room for one session on device, not two: releasing the second evicts the first (LRU).
+  // Room for one session on device, not two: releasing the second copies the first back to
+  // the host (it stays resident, host-only).
   auto store = OpenStore({}, kDeviceBytes + kDeviceBytes / 2);
   auto a = CreateOnDevice(*store, "a", prompt_, steps_);
-  EXPECT_EQ(store->Get("a")->tier, Tier::kResident);
+  EXPECT_EQ(store->Get("a")->device_bytes, kDeviceBytes);
   auto b = CreateOnDevice(*store, "b", prompt_, steps_);
-  EXPECT_EQ(store->Get("a")->tier, Tier::kHost);
-  EXPECT_EQ(store->Get("b")->tier, Tier::kResident);
+  EXPECT_EQ(store->Get("a")->tier, Tier::kResident);
+  EXPECT_EQ(store->Get("a")->device_bytes, 0);
+  EXPECT_EQ(store->Get("b")->device_bytes, kDeviceBytes);
   EXPECT_EQ(a->copies, 1);
   EXPECT_TRUE(a->destroyed);
   EXPECT_EQ(b->copies, 0);
-  auto lease = store->Acquire("a");  // evicts b in turn when released
+  const StoreStats stats = store->Stats();
+  EXPECT_EQ(stats.device_sessions, 1);
+  EXPECT_EQ(stats.device_bytes, kDeviceBytes);
+  EXPECT_EQ(stats.device_evictions, 1);
+  auto lease = store->Acquire("a");
   ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_FALSE(lease->state().on_device());
   EXPECT_TRUE(SameContent(lease->state(), *control));
 }
 
@@ -437,7 +529,7 @@ TEST_F(DeviceResidencyTest, FailedSyncKeepsThatSessionResidentAndUsable) {
   EXPECT_EQ(store->Get("bad")->tier, Tier::kResident);
   EXPECT_FALSE(bad->destroyed);
   EXPECT_EQ(store->Stats().sync_errors, 1);
-  EXPECT_GE(store->Get("bad")->bytes, kDeviceBytes);
+  EXPECT_EQ(store->Get("bad")->device_bytes, kDeviceBytes);
 
   // Fork: refused the same way, no half-made fork left behind.
   absl::Status forked = store->Fork("bad", "bad2", "");
@@ -470,31 +562,30 @@ TEST_F(DeviceResidencyTest, FailedSyncKeepsThatSessionResidentAndUsable) {
   EXPECT_TRUE(SameContent(lease->state(), *control));
 }
 
-TEST_F(DeviceResidencyTest, EvictionSkipsASessionThatFailsToSyncAndParksOthers) {
+TEST_F(DeviceResidencyTest, DeviceBudgetSkipsASessionThatFailsToSyncAndCopiesOthers) {
   auto control = Control(prompt_, steps_);
   // Room for one session on device, not two.
   auto store = OpenStore({}, kDeviceBytes + kDeviceBytes / 2);
   auto bad = CreateOnDevice(*store, "bad", prompt_, steps_);
   bad->fail = true;
-  // Releasing "good" puts the store over budget: "bad" is least recently used but cannot be
-  // synced, so eviction logs it and parks "good" instead.
+  // Releasing "good" puts the device tier over budget: "bad" is least recently used but cannot
+  // be synced, so the store logs it and copies "good" back instead.
   auto good = CreateOnDevice(*store, "good", prompt_, steps_);
   EXPECT_GE(bad->failed_copies, 1);
-  EXPECT_EQ(store->Get("bad")->tier, Tier::kResident);
-  EXPECT_EQ(store->Get("good")->tier, Tier::kHost);
+  EXPECT_EQ(store->Get("bad")->device_bytes, kDeviceBytes);
+  EXPECT_EQ(store->Get("good")->device_bytes, 0);
   EXPECT_EQ(good->copies, 1);
   EXPECT_TRUE(good->destroyed);
   EXPECT_FALSE(bad->destroyed);
   EXPECT_GE(store->Stats().sync_errors, 1);
-  EXPECT_LE(store->Stats().bytes[static_cast<int>(Tier::kResident)],
-            kDeviceBytes + kDeviceBytes / 2);
+  EXPECT_LE(store->Stats().device_bytes, kDeviceBytes + kDeviceBytes / 2);
 
   auto lease = store->Acquire("good");
   ASSERT_TRUE(lease.ok()) << lease.status();
   EXPECT_TRUE(SameContent(lease->state(), *control));
 }
 
-TEST_F(DeviceResidencyTest, ResidentBytesAndStatsCountDeviceBytes) {
+TEST_F(DeviceResidencyTest, DeviceBytesCountInTheDeviceTierOnly) {
   auto store = OpenStore({});
   ASSERT_TRUE(store->Create("s", "").ok());
   int64_t host_info = 0, host_stats = 0;
@@ -511,18 +602,28 @@ TEST_F(DeviceResidencyTest, ResidentBytesAndStatsCountDeviceBytes) {
     ASSERT_TRUE(lease.ok());
     const int64_t before = lease->state().ResidentBytes();
     Attach(lease->state());
-    EXPECT_EQ(lease->state().ResidentBytes(), before + kDeviceBytes);
+    EXPECT_EQ(lease->state().ResidentBytes(), before);
   }
-  // Both the stale host copy and the device copy count.
-  EXPECT_EQ(store->Get("s")->bytes, host_info + kDeviceBytes);
-  EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kResident)], host_stats + kDeviceBytes);
+  // The stale host copy stays in the resident (host memory) tier; the device copy counts in the
+  // device tier, once.
+  EXPECT_EQ(store->Get("s")->bytes, host_info);
+  EXPECT_EQ(store->Get("s")->device_bytes, kDeviceBytes);
+  StoreStats stats = store->Stats();
+  EXPECT_EQ(stats.bytes[static_cast<int>(Tier::kResident)], host_stats);
+  EXPECT_EQ(stats.device_bytes, kDeviceBytes);
+  EXPECT_EQ(stats.device_sessions, 1);
+  EXPECT_EQ(store->Usage("").state_bytes, host_info);  // tenants: host bytes, on any backend
   {
     auto lease = store->Acquire("s");
     ASSERT_TRUE(lease.ok());
     ASSERT_TRUE(lease->state().SyncToHost().ok());
   }
   EXPECT_EQ(store->Get("s")->bytes, host_info);
-  EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kResident)], host_stats);
+  EXPECT_EQ(store->Get("s")->device_bytes, 0);
+  stats = store->Stats();
+  EXPECT_EQ(stats.bytes[static_cast<int>(Tier::kResident)], host_stats);
+  EXPECT_EQ(stats.device_bytes, 0);
+  EXPECT_EQ(stats.device_sessions, 0);
 }
 
 TEST_F(DeviceResidencyTest, DeletingOrExpiringASessionDestroysItsResidency) {
@@ -543,6 +644,118 @@ TEST_F(DeviceResidencyTest, DeletingOrExpiringASessionDestroysItsResidency) {
   EXPECT_TRUE(expiring->destroyed);
   EXPECT_EQ(expiring->copies, 0);
   EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kResident)], 0);
+}
+
+// ---- The step thread ----
+
+TEST_F(DeviceResidencyTest, DeviceMovesRunOnTheStepThreadOnly) {
+  testing::ScopedTempDir dir;
+  auto control = Control(prompt_, steps_);
+  auto store = OpenStore(dir.path());
+  auto parked = CreateOnDevice(*store, "parked", prompt_, steps_);
+  auto forked = CreateOnDevice(*store, "forked", prompt_, steps_);
+  auto deleted = CreateOnDevice(*store, "deleted", prompt_, steps_);
+  auto persisted = CreateOnDevice(*store, "persisted", prompt_, steps_);
+  ASSERT_TRUE(store->Create("expiring", "", absl::Seconds(1)).ok());
+  std::shared_ptr<Probe> expiring;
+  {
+    auto lease = store->Acquire("expiring");
+    ASSERT_TRUE(lease.ok());
+    expiring = Attach(lease->state());
+  }
+  FakeStepThread step(*store);
+  ASSERT_NE(step.id(), std::this_thread::get_id());
+
+  // Park and Fork wait for the copy, which the step thread makes.
+  ASSERT_TRUE(store->Park("parked", Tier::kHost).ok());
+  EXPECT_EQ(parked->copies, 1);
+  EXPECT_EQ(parked->copy_thread, step.id());
+  EXPECT_EQ(parked->destroy_thread, step.id());
+  ASSERT_TRUE(store->Fork("forked", "fork2", "").ok());
+  EXPECT_EQ(forked->copy_thread, step.id());
+
+  // Delete and expiry return at once; the step thread frees the device memory at its next pass.
+  ASSERT_TRUE(store->Delete("deleted").ok());
+  EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Hours(1)), 1);
+  step.Pass();
+  EXPECT_TRUE(deleted->destroyed);
+  EXPECT_EQ(deleted->destroy_thread, step.id());
+  EXPECT_EQ(deleted->copies, 0);
+  EXPECT_TRUE(expiring->destroyed);
+  EXPECT_EQ(expiring->destroy_thread, step.id());
+
+  // PersistAll (graceful shutdown) as well.
+  ASSERT_TRUE(store->PersistAll().ok());
+  EXPECT_EQ(persisted->copy_thread, step.id());
+
+  for (const char* id : {"parked", "forked", "fork2", "persisted"}) {
+    SCOPED_TRACE(id);
+    auto lease = store->Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_TRUE(SameContent(lease->state(), *control));
+  }
+}
+
+TEST_F(DeviceResidencyTest, BudgetsAreEnforcedByTheStepThread) {
+  auto control = Control(prompt_, steps_);
+  // The device tier holds one session of two; the background worker notices, the step thread
+  // copies back.
+  auto store = OpenStore({}, kDeviceBytes + kDeviceBytes / 2, /*background=*/true);
+  FakeStepThread step(*store);
+  auto a = CreateOnDevice(*store, "a", prompt_, steps_);
+  auto b = CreateOnDevice(*store, "b", prompt_, steps_);
+  step.Pass();
+  EXPECT_EQ(a->copies, 1);
+  EXPECT_EQ(a->copy_thread, step.id());
+  EXPECT_EQ(a->destroy_thread, step.id());
+  EXPECT_EQ(b->copies, 0);
+  EXPECT_EQ(store->Get("a")->device_bytes, 0);
+  EXPECT_EQ(store->Stats().device_bytes, kDeviceBytes);
+  auto lease = store->Acquire("a");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(SameContent(lease->state(), *control));
+}
+
+TEST_F(DeviceResidencyTest, ResidentBudgetParksThroughTheStepThread) {
+  auto control = Control(prompt_, steps_);
+  auto probe_store = OpenStore({});
+  ASSERT_TRUE(probe_store->Create("p", "").ok());
+  {
+    auto lease = probe_store->Acquire("p");
+    ASSERT_TRUE(engine_->Prefill(lease->state(), prompt_, false, nullptr).ok());
+    HostDecode(lease->state(), steps_);
+  }
+  const int64_t one = probe_store->Stats().bytes[static_cast<int>(Tier::kResident)];
+  SessionStoreOptions o;
+  o.resident_budget_bytes = one + one / 2;  // host memory for one session, not two
+  o.background = false;                     // parking runs inline in the releasing (test) thread...
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), o);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  auto store = *std::move(opened);
+  FakeStepThread step(*store);
+  auto a = CreateOnDevice(*store, "a", prompt_, steps_);
+  auto b = CreateOnDevice(*store, "b", prompt_, steps_);
+  // ... and waits for the step thread's copy of the device state before encoding it.
+  EXPECT_EQ(store->Get("a")->tier, Tier::kHost);
+  EXPECT_EQ(a->copy_thread, step.id());
+  EXPECT_EQ(b->copies, 0);
+  auto lease = store->Acquire("a");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(SameContent(lease->state(), *control));
+}
+
+TEST_F(DeviceResidencyTest, WithoutAStepThreadMovesRunInline) {
+  auto store = OpenStore({});
+  auto probe = CreateOnDevice(*store, "s", prompt_, steps_);
+  ASSERT_TRUE(store->Park("s", Tier::kHost).ok());
+  EXPECT_EQ(probe->copy_thread, std::this_thread::get_id());
+  EXPECT_EQ(probe->destroy_thread, std::this_thread::get_id());
+  // A step thread that came and went leaves the store inline again.
+  { FakeStepThread step(*store); }
+  auto again = CreateOnDevice(*store, "t", prompt_, steps_);
+  ASSERT_TRUE(store->Delete("t").ok());
+  EXPECT_TRUE(again->destroyed);
+  EXPECT_EQ(again->destroy_thread, std::this_thread::get_id());
 }
 
 }  // namespace
