@@ -51,8 +51,17 @@ ABSL_FLAG(int, metrics_port, sdm::ServerOptions{}.metrics_port,
           "disables it.");
 ABSL_FLAG(std::string, state_dir, sdm::ServerOptions{}.store.dir.string(),
           "Directory of session snapshots (created if missing; relative to the working "
-          "directory). Sessions are written there at shutdown and when memory budgets are "
-          "exceeded, and resume after a restart. Empty: no disk tier, sessions are lost at exit.");
+          "directory). Sessions are written there as --persist says, at shutdown and when memory "
+          "budgets are exceeded, and resume after a restart. Empty: no disk tier, sessions are "
+          "lost at exit.");
+ABSL_FLAG(std::string, persist,
+          std::string(sdm::PersistPolicyName(sdm::ServerOptions{}.store.persist)),
+          "When sessions are written to --state_dir while they stay in memory: turn (after "
+          "every turn, behind the decode path: a kill -9 loses at most the turn in flight), idle "
+          "(once a session has been idle for --persist_idle), shutdown (only at shutdown and "
+          "eviction). docs/state-format.md, Durability.");
+ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
+          "With --persist=idle: how long a changed session stays idle before it is written.");
 ABSL_FLAG(std::string, resident_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.resident_budget_bytes),
           "Bytes of host memory held by resident sessions (ready to step) before the least "
@@ -174,6 +183,14 @@ int main(int argc, char** argv) {
     absl::StatusOr<int64_t> bytes = sdm::ParseByteSize(value);
     if (!bytes.ok()) return UsageError(absl::StrCat("--", flag, ": ", bytes.status().message()));
     *out = *bytes;
+  }
+  absl::StatusOr<sdm::PersistPolicy> persist =
+      sdm::ParsePersistPolicy(absl::GetFlag(FLAGS_persist));
+  if (!persist.ok()) return UsageError(absl::StrCat("--persist: ", persist.status().message()));
+  options.store.persist = *persist;
+  options.store.persist_idle = absl::GetFlag(FLAGS_persist_idle);
+  if (options.store.persist_idle <= absl::ZeroDuration()) {
+    return UsageError("--persist_idle must be positive");
   }
   options.store.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   if (options.store.default_ttl <= absl::ZeroDuration()) {

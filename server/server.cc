@@ -109,6 +109,11 @@ class SdmServer::Impl final : public SchedulerListener {
   void UpdateGauges();
 
   const ServerOptions options;
+  // Before the store: its worker reports persistence health here until the store is destroyed.
+  absl::Mutex health_mu;
+  absl::Status persist_health ABSL_GUARDED_BY(health_mu);
+  // The gRPC server's health service may be told (set once it runs, cleared before it stops).
+  bool grpc_health_live ABSL_GUARDED_BY(health_mu) = false;
   ApiKeyAuthenticator auth;
   TenantLimitsConfig tenant_limits;
   std::shared_ptr<const Model> model;
@@ -128,6 +133,12 @@ class SdmServer::Impl final : public SchedulerListener {
   absl::Mutex shutdown_mu;
   bool shut_down ABSL_GUARDED_BY(shutdown_mu) = false;
   absl::Status shutdown_result ABSL_GUARDED_BY(shutdown_mu);
+
+  // Health: OK, or why the server is not (draining) or degraded (session state cannot be
+  // written). Pushed to the gRPC health service from here, read by /healthz.
+  absl::Status Health();
+  void OnPersistHealth(const absl::Status& persist);
+  void ApplyGrpcHealth() ABSL_EXCLUSIVE_LOCKS_REQUIRED(health_mu);
 
   absl::Mutex gauges_mu;
   StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
@@ -165,6 +176,7 @@ absl::Status SdmServer::Impl::Init() {
   SessionStoreOptions store_options = options.store;
   // Snapshots written before keys were typed name their key only in the service's metadata.
   store_options.legacy_key = SessionKeyOfMetadata;
+  store_options.on_persist_health = [this](const absl::Status& health) { OnPersistHealth(health); };
   // On a device, sessions live in its fixed state arenas: a larger device budget would let steps
   // fail for want of device memory instead of copying idle sessions back to the host.
   if (const int64_t cap = engine->device_state_capacity_bytes(); cap > 0) {
@@ -208,7 +220,11 @@ absl::Status SdmServer::Impl::Init() {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", address, " (in use, or not an address of this host)"));
   }
-  grpc_server->GetHealthCheckService()->SetServingStatus(kServiceName, true);
+  {
+    absl::MutexLock lock(&health_mu);
+    grpc_health_live = true;
+    ApplyGrpcHealth();
+  }
 
   if (options.metrics_port >= 0) {
     HttpEndpointOptions http_options;
@@ -220,15 +236,35 @@ absl::Status SdmServer::Impl::Init() {
                                      UpdateGauges();
                                      return RenderPrometheusText(*registry);
                                    },
-                                   [this]() -> absl::Status {
-                                     if (draining.load()) {
-                                       return absl::UnavailableError("draining before shutdown");
-                                     }
-                                     return absl::OkStatus();
-                                   }));
+                                   [this] { return Health(); }));
     metrics_port = http->port();
   }
   return absl::OkStatus();
+}
+
+absl::Status SdmServer::Impl::Health() {
+  if (draining.load()) return absl::UnavailableError("draining before shutdown");
+  absl::MutexLock lock(&health_mu);
+  if (!persist_health.ok()) {
+    return absl::UnavailableError(absl::StrCat("degraded: ", persist_health.message()));
+  }
+  return absl::OkStatus();
+}
+
+void SdmServer::Impl::OnPersistHealth(const absl::Status& persist) {
+  absl::MutexLock lock(&health_mu);
+  persist_health = persist;
+  ApplyGrpcHealth();
+}
+
+void SdmServer::Impl::ApplyGrpcHealth() {
+  if (!grpc_health_live) return;
+  // NOT_SERVING while sessions cannot be written, so that balancers send new work to replicas
+  // that can keep it; requests still arriving are served (or refused by the store when memory
+  // is full too).
+  const bool serving = !draining.load() && persist_health.ok();
+  grpc_server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
+  grpc_server->GetHealthCheckService()->SetServingStatus("", serving);
 }
 
 void SdmServer::Impl::UpdateGauges() {
@@ -259,6 +295,11 @@ void SdmServer::Impl::UpdateGauges() {
   add(metrics->StateRestores(kTierDisk), s.restores[disk], last_stats.restores[disk]);
   add(metrics->snapshot_errors, s.snapshot_errors + s.quarantined,
       last_stats.snapshot_errors + last_stats.quarantined);
+  add(metrics->persist_failures, s.persist_failures, last_stats.persist_failures);
+  add(metrics->persist_writes, s.persist_writes, last_stats.persist_writes);
+  add(metrics->persist_bytes, s.persist_bytes, last_stats.persist_bytes);
+  metrics->sessions_unpersisted.Set(static_cast<double>(s.unpersisted));
+  metrics->persistence_healthy.Set(store->PersistHealth().ok() ? 1.0 : 0.0);
   last_stats = s;
 }
 
@@ -269,7 +310,10 @@ absl::Status SdmServer::Impl::Shutdown() {
   // 1. Stop admitting.
   draining.store(true);
   if (service != nullptr) service->StopAdmitting();
-  if (grpc_server != nullptr) grpc_server->GetHealthCheckService()->SetServingStatus(false);
+  {
+    absl::MutexLock lock(&health_mu);
+    ApplyGrpcHealth();
+  }
   // 2. Let the requests in flight finish, up to the grace period.
   const absl::Time give_up = absl::Now() + options.shutdown_grace;
   while (scheduler != nullptr && service != nullptr && absl::Now() < give_up &&
@@ -287,6 +331,8 @@ absl::Status SdmServer::Impl::Shutdown() {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     grpc_server->Shutdown(std::chrono::system_clock::now() + kUnaryGrace);
+    absl::MutexLock lock(&health_mu);
+    grpc_health_live = false;  // the store's worker may still report until it stops
   }
   // 5. Persist every session.
   if (store != nullptr && !options.store.dir.empty()) {

@@ -48,6 +48,26 @@ absl::Status SyncError(absl::string_view id, const absl::Status& why) {
 
 }  // namespace
 
+absl::string_view PersistPolicyName(PersistPolicy policy) {
+  switch (policy) {
+    case PersistPolicy::kTurn:
+      return "turn";
+    case PersistPolicy::kIdle:
+      return "idle";
+    case PersistPolicy::kShutdown:
+      return "shutdown";
+  }
+  return "?";
+}
+
+absl::StatusOr<PersistPolicy> ParsePersistPolicy(absl::string_view name) {
+  for (PersistPolicy p : {PersistPolicy::kTurn, PersistPolicy::kIdle, PersistPolicy::kShutdown}) {
+    if (name == PersistPolicyName(p)) return p;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown persist policy '", name, "' (turn, idle or shutdown)"));
+}
+
 absl::string_view TierName(Tier tier) {
   switch (tier) {
     case Tier::kResident:
@@ -86,6 +106,12 @@ struct SessionStateStore::Entry {
   int64_t device_bytes = 0;
   // Bytes this entry adds to its tenant's usage (TierBytes() when last accounted).
   int64_t counted_bytes = 0;
+  // Durability: `version` counts changes (creation, turns, metadata); `persisted_version` is the
+  // version its snapshot file holds. Equal: the file is current.
+  uint64_t version = 0;
+  uint64_t persisted_version = 0;
+  int64_t persisted_bytes = 0;   // the size of its snapshot file; 0: none written or found
+  bool persist_failing = false;  // its last write failed (counted once per episode)
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -362,6 +388,7 @@ absl::Status SessionStateStore::LoadDirectory() {
         entry->last_used = absl::FromUnixMillis(record->last_used_unix_ms);
       }
       entry->disk_bytes = static_cast<int64_t>(size);
+      entry->persisted_bytes = entry->disk_bytes;
       entry->position = record->position;
       entry->pending = record->pending_token >= 0;
     }
@@ -423,6 +450,7 @@ void SessionStateStore::Changed() {
     changed_.SignalAll();
   } else {
     Rebalance();
+    PersistChangedLocked(absl::Now());
   }
 }
 
@@ -437,8 +465,10 @@ absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view 
   e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
   absl::MutexLock lock(&mu_);
   if (Find(key) != nullptr) return AlreadyExists(key);
+  SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
   e->tick = ++clock_;
   e->last_used = absl::Now();
+  e->version = 1;  // not on disk yet
   Insert(std::move(e));
   Changed();
   return absl::OkStatus();
@@ -470,6 +500,7 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
     return absl::AbortedError(absl::StrCat(
         "session '", key.id, "' is in use by another request; retry when it finishes"));
   }
+  SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
   e->in_use = true;
   if (e->tier != Tier::kResident) {
     const Tier from = e->tier;
@@ -512,6 +543,7 @@ void SessionStateStore::Release(const SessionKey& key) {
   e.in_use = false;
   e.tick = ++clock_;
   e.last_used = absl::Now();
+  ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
   Changed();
 }
 
@@ -575,6 +607,7 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
   n->ttl = ttl > absl::ZeroDuration() ? ttl : e->ttl;
   n->tick = ++clock_;
   n->last_used = absl::Now();
+  n->version = 1;
   e->last_used = n->last_used;  // a fork uses its source
   Insert(std::move(n));
   Changed();
@@ -586,6 +619,8 @@ absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_
   absl::StatusOr<Entry*> e = FindIdle(key);
   if (!e.ok()) return e.status();
   (*e)->metadata = std::string(metadata);
+  ++(*e)->version;
+  Changed();
   return absl::OkStatus();
 }
 
@@ -687,6 +722,21 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
     // from the moment the entry stops being busy, so nobody leased it meanwhile.
     SDM_RETURN_IF_ERROR(SyncToHostLocked(e));
   }
+  if (target == Tier::kDisk && e.version == e.persisted_version && e.persisted_bytes > 0 &&
+      !(e.tier == Tier::kResident && e.state->on_device())) {
+    // Its snapshot file is current (written after its last turn): only the memory copy goes.
+    ++counters_.evictions[static_cast<int>(e.tier)];
+    if (e.tier == Tier::kResident) ++counters_.evictions[static_cast<int>(Tier::kHost)];
+    e.state.reset();  // returns its rows to the pool
+    e.blob.clear();
+    e.blob.shrink_to_fit();
+    e.device_bytes = 0;
+    e.disk_bytes = e.persisted_bytes;
+    e.tier = Tier::kDisk;
+    Account(e);
+    changed_.SignalAll();
+    return absl::OkStatus();
+  }
   e.busy = true;
   absl::Status status;
   if (e.tier == Tier::kResident && target != Tier::kResident) {
@@ -724,10 +774,13 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
         e.tier = Tier::kDisk;
         Account(e);
         ++counters_.evictions[static_cast<int>(Tier::kHost)];
+        e.persisted_version = e.version;
+        e.persisted_bytes = e.disk_bytes;
+        PersistSucceeded(e);
       } else {
-        ++counters_.snapshot_errors;
         status = absl::UnavailableError(absl::StrCat("could not write the snapshot of session '",
                                                      e.key.id, "': ", s.message()));
+        PersistFailed(e, s);
       }
     }
   }
@@ -807,6 +860,9 @@ void SessionStateStore::Rebalance() {
     return best;
   };
   while (!stop_ && ResidentBytesLocked() > options_.resident_budget_bytes) {
+    // Nowhere to go: host memory is full and the disk refuses writes. Parking would only move
+    // the excess to host (past its budget); new work is refused meanwhile (Durability).
+    if (!persist_error_.ok() && HostBytesLocked() >= options_.host_budget_bytes) break;
     Entry* e = lru(Tier::kResident);
     if (e == nullptr) break;
     // Resident -> host fails only in the device sync, which concerns this session alone.
@@ -855,6 +911,129 @@ int SessionStateStore::ExpireIdle(absl::Time now) {
   }
   Bury(std::move(dead));
   return expired;
+}
+
+// ---- Durability ----
+
+int SessionStateStore::PersistChanged(absl::Time now) {
+  absl::MutexLock lock(&mu_);
+  return PersistChangedLocked(now);
+}
+
+int SessionStateStore::PersistChangedLocked(absl::Time now) {
+  if (!persist_error_.ok() && std::none_of(entries_.begin(), entries_.end(), [](const auto& kv) {
+        return kv.second->persist_failing;
+      })) {
+    // The sessions whose writes failed are gone (deleted, expired): nothing is at risk.
+    SDM_LOG(INFO) << "sdm state store: no session is waiting for a failed write any more";
+    persist_error_ = absl::OkStatus();
+    logged_cause_.clear();
+  }
+  if (options_.dir.empty() || options_.persist == PersistPolicy::kShutdown) return 0;
+  std::vector<SessionKey> due;
+  for (const auto& [key, e] : entries_) {
+    if (e->version == e->persisted_version || e->in_use || e->busy || !e->broken.ok()) continue;
+    if (e->tier == Tier::kDisk) continue;  // its file is all there is
+    if (options_.persist == PersistPolicy::kIdle && now - e->last_used < options_.persist_idle) {
+      continue;
+    }
+    // Its host layers are stale on the device: written when it leaves it.
+    if (e->tier == Tier::kResident && e->state->on_device()) continue;
+    due.push_back(key);
+  }
+  int written = 0;
+  for (const SessionKey& key : due) {
+    if (stop_) break;
+    auto it = entries_.find(key);
+    if (it == entries_.end()) continue;
+    Entry& e = *it->second;
+    if (e.in_use || e.busy || e.version == e.persisted_version || e.tier == Tier::kDisk) continue;
+    if (e.tier == Tier::kResident && e.state->on_device()) continue;
+    // busy keeps leases and moves off the entry while it is encoded and written unlocked; an
+    // Acquire of it waits for the write (the write never waits for a step).
+    e.busy = true;
+    const uint64_t version = e.version;
+    const std::filesystem::path path = PathOf(e.key);
+    absl::StatusOr<std::string> encoded;
+    const std::string* blob = &e.blob;
+    if (e.tier == Tier::kResident) {
+      SessionRecord record{SessionRecordId(e.key), e.metadata, ToMs(e.ttl),
+                           absl::ToUnixMillis(e.last_used)};
+      SessionState* state = e.state.get();
+      mu_.Unlock();
+      encoded = TryEncodeSessionState(*state, record, fingerprint_);
+      mu_.Lock();
+      blob = encoded.ok() ? &*encoded : nullptr;
+    }
+    absl::Status status = encoded.status();
+    if (blob != nullptr) {
+      mu_.Unlock();
+      status = options_.files->WriteAtomically(path, *blob);
+      mu_.Lock();
+    }
+    e.busy = false;
+    changed_.SignalAll();
+    if (status.ok()) {
+      e.persisted_version = version;
+      e.persisted_bytes = static_cast<int64_t>(blob->size());
+      ++counters_.persist_writes;
+      counters_.persist_bytes += static_cast<int64_t>(blob->size());
+      PersistSucceeded(e);
+      ++written;
+    } else {
+      PersistFailed(e, status);
+    }
+  }
+  return written;
+}
+
+void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {
+  ++counters_.snapshot_errors;
+  if (!e.persist_failing) {
+    e.persist_failing = true;
+    ++counters_.persist_failures;
+  }
+  // One log line per distinct cause (code and system error), not per session or retry.
+  const absl::string_view message = why.message();
+  const size_t colon = message.rfind(": ");
+  std::string cause =
+      absl::StrCat(absl::StatusCodeToString(why.code()), ": ",
+                   colon == absl::string_view::npos ? message : message.substr(colon + 2));
+  if (cause != logged_cause_) {
+    SDM_LOG(ERROR) << "sdm state store: cannot persist session '" << e.key.id << "' ("
+                   << PathOf(e.key).string() << "): " << why
+                   << "; sessions are not durable until writes succeed again";
+    logged_cause_ = cause;
+  }
+  persist_error_ = absl::UnavailableError(
+      absl::StrCat("session state cannot be written to ", options_.dir.string(), ": ", cause));
+}
+
+void SessionStateStore::PersistSucceeded(Entry& e) {
+  e.persist_failing = false;
+  // Healthy again once no session waits for a failed write (one success among failures, e.g.
+  // a small snapshot on a nearly full disk, is not recovery).
+  if (!persist_error_.ok() && std::none_of(entries_.begin(), entries_.end(), [](const auto& kv) {
+        return kv.second->persist_failing;
+      })) {
+    SDM_LOG(INFO) << "sdm state store: session state is written again";
+    persist_error_ = absl::OkStatus();
+    logged_cause_.clear();
+  }
+}
+
+absl::Status SessionStateStore::PersistHealth() const {
+  absl::MutexLock lock(&mu_);
+  return persist_error_;
+}
+
+absl::Status SessionStateStore::RefuseWhenUnpersistable() const {
+  if (persist_error_.ok() || HostBytesLocked() < options_.host_budget_bytes) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(
+      absl::StrCat(persist_error_.message(),
+                   "; host memory for sessions is full, so no new work is accepted; retry later"));
 }
 
 // ---- The device tier ----
@@ -1000,7 +1179,12 @@ void SessionStateStore::WorkerLoop() {
     changed_.WaitWithTimeout(&mu_, absl::Seconds(1));
     if (stop_) break;
     Rebalance();
+    PersistChangedLocked(absl::Now());
+    const absl::Status health = persist_error_;
+    const bool tell = options_.on_persist_health != nullptr && health.ok() != reported_healthy_;
+    reported_healthy_ = health.ok();
     mu_.Unlock();
+    if (tell) options_.on_persist_health(health);
     ExpireIdle(absl::Now());
     mu_.Lock();
   }
@@ -1023,6 +1207,9 @@ StoreStats SessionStateStore::Stats() const {
     if (e->tier == Tier::kResident && e->device_bytes > 0) ++s.device_sessions;
   }
   s.device_bytes = DeviceBytesLocked();
+  for (const auto& [key, e] : entries_) {
+    if (e->version != e->persisted_version) ++s.unpersisted;
+  }
   s.bytes[static_cast<int>(Tier::kResident)] = ResidentBytesLocked();
   s.bytes[static_cast<int>(Tier::kHost)] = HostBytesLocked();
   s.one_shot = one_shot_count_;

@@ -25,6 +25,22 @@
 // and count in the resident bytes while they live. While a session is leased its rows are
 // counted live (from the pool) and its KV pages and slot tables as of when it was acquired.
 //
+// Durability (docs/state-format.md, "Durability"): with a snapshot directory, `persist` says
+// when sessions are written there while they stay in memory. kTurn (the default): a session is
+// written when it is created or forked and after every turn (its lease returned), by the
+// background worker, behind the decode path: turns that end before the worker gets to a session
+// are coalesced into one write, and the write never blocks a step (an Acquire of that session
+// waits for it). A kill -9 then loses at most the turns that ended since the session's last
+// write (normally the one in flight). kIdle: once a session has been idle for `persist_idle`.
+// kShutdown: only PersistAll() and eviction to disk write. Sessions an accelerator holds on the
+// device are written when they leave it (their host layers are stale until then).
+//
+// Failures are loud: a failed write is counted once per session and episode
+// (StoreStats::persist_failures), logged once per distinct cause, and turns PersistHealth() to
+// UNAVAILABLE naming the cause until a write succeeds. While writes fail and host memory is
+// over its budget, Create() and Acquire() answer UNAVAILABLE (retryable) rather than accept work
+// the store could neither write nor hold, and resident sessions are not moved to host.
+//
 // On Open() the store lists the snapshots in `dir`. A snapshot that is truncated, corrupted, of
 // another format version or of another model is moved to `dir/quarantine/` under a unique name
 // (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
@@ -76,6 +92,11 @@
 namespace sdm {
 
 enum class Tier { kResident = 0, kHost = 1, kDisk = 2 };
+// When sessions are written to the snapshot directory (see the class comment).
+enum class PersistPolicy { kTurn, kIdle, kShutdown };
+// "turn", "idle", "shutdown".
+absl::string_view PersistPolicyName(PersistPolicy policy);
+absl::StatusOr<PersistPolicy> ParsePersistPolicy(absl::string_view name);
 inline constexpr int kNumTiers = 3;
 absl::string_view TierName(Tier tier);
 
@@ -91,6 +112,10 @@ struct SessionStoreOptions {
   // Snapshot directory; empty: no disk tier (host is then the last tier and may exceed its
   // budget, which Stats() reports).
   std::filesystem::path dir;
+  // When sessions are written to `dir` while they stay in memory (class comment, Durability).
+  PersistPolicy persist = PersistPolicy::kTurn;
+  // kIdle: how long a changed session stays idle before it is written.
+  absl::Duration persist_idle = absl::Seconds(10);
   // TTL of sessions created without one; InfiniteDuration(): never expire.
   absl::Duration default_ttl = absl::InfiniteDuration();
   StateFiles* files = StateFiles::Default();
@@ -101,6 +126,9 @@ struct SessionStoreOptions {
   // or when it answers nullopt, such a session is found when it is first looked up by the key
   // whose file stem it has, and is absent from List() and Usage() until then.
   std::function<std::optional<SessionKey>(absl::string_view metadata)> legacy_key = nullptr;
+  // Told PersistHealth() each time it changes (OK <-> UNAVAILABLE): called on the worker thread,
+  // never with the store's lock held; never called without a worker (background false).
+  std::function<void(const absl::Status& health)> on_persist_health = nullptr;
 };
 
 struct SessionInfo {
@@ -134,7 +162,11 @@ struct StoreStats {
   int64_t restores[kNumTiers] = {0, 0, 0};   // moves from the tier back to resident
   int64_t rows_live = 0;                     // SDM rows allocated (resident)
   int64_t rows_shared = 0;                   // of those, referenced by more than one session
-  int64_t snapshot_errors = 0;               // failed disk writes
+  int64_t snapshot_errors = 0;               // failed disk writes (every attempt)
+  int64_t persist_failures = 0;              // sessions whose writes began failing (episodes)
+  int64_t persist_writes = 0;                // snapshots written while resident or on host
+  int64_t persist_bytes = 0;                 // their bytes
+  int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
   int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
   int64_t device_bytes = 0;                  // their device bytes (the device tier)
@@ -232,8 +264,15 @@ class SessionStateStore {
   absl::Status PersistAll();
   // Deletes idle sessions whose TTL has passed at `now` (also run by the worker every second).
   int ExpireIdle(absl::Time now);
+  // Writes the sessions changed since their last write that `persist` says are due at `now`
+  // (also run by the worker after every change and every second). Returns how many it wrote.
+  int PersistChanged(absl::Time now);
 
   StoreStats Stats() const;
+
+  // OK while sessions can be written (or nothing was tried); UNAVAILABLE naming the cause while
+  // writes fail, until one succeeds.
+  absl::Status PersistHealth() const;
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
   // step thread; `wake` is called (never with the store's lock held) when device work is queued,
@@ -278,6 +317,12 @@ class SessionStateStore {
   absl::Status ParkOne(Entry& e, Tier target) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t ResidentBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   int64_t DeviceBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int PersistChangedLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A write of `e`'s snapshot failed or succeeded: counters, health, the log.
+  void PersistFailed(Entry& e, const absl::Status& why) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PersistSucceeded(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // UNAVAILABLE while writes fail and host memory is over budget (see Durability).
+  absl::Status RefuseWhenUnpersistable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Makes a resident entry's host layers current (copies its device copy back): queued for the
   // step thread and awaited when one is registered and this is not it, else inline. e.busy
   // meanwhile; mu_ released while waiting or copying. A failure is counted and returned, naming
@@ -323,6 +368,10 @@ class SessionStateStore {
   StoreStats counters_ ABSL_GUARDED_BY(mu_);  // evictions, restores, errors (the rest is computed)
   std::vector<std::string> open_errors_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU order
+  // The cause of the last failed write while writes fail; OK otherwise.
+  absl::Status persist_error_ ABSL_GUARDED_BY(mu_);
+  std::string logged_cause_ ABSL_GUARDED_BY(mu_);      // the last cause logged
+  bool reported_healthy_ ABSL_GUARDED_BY(mu_) = true;  // as last told on_persist_health
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Device moves for the step thread (see SetStepThread).

@@ -91,6 +91,34 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                 "back.")
                           .Register(registry)
                           .Add({})),
+      persist_failures(BuildCounter()
+                           .Name("sdm_persist_failures_total")
+                           .Help("Sessions whose snapshot writes began failing (once per session "
+                                 "and episode; retries count in sdm_snapshot_errors_total).")
+                           .Register(registry)
+                           .Add({})),
+      persist_writes(BuildCounter()
+                         .Name("sdm_persist_writes_total")
+                         .Help("Snapshots written after a turn or an idle interval (--persist).")
+                         .Register(registry)
+                         .Add({})),
+      persist_bytes(BuildCounter()
+                        .Name("sdm_persist_bytes_total")
+                        .Help("Bytes of the snapshots counted in sdm_persist_writes_total.")
+                        .Register(registry)
+                        .Add({})),
+      sessions_unpersisted(BuildGauge()
+                               .Name("sdm_sessions_unpersisted")
+                               .Help("Sessions whose latest turn is not in the state directory "
+                                     "yet.")
+                               .Register(registry)
+                               .Add({})),
+      persistence_healthy(BuildGauge()
+                              .Name("sdm_persistence_healthy")
+                              .Help("1 while session state can be written to the state "
+                                    "directory, 0 while writes fail.")
+                              .Register(registry)
+                              .Add({})),
       requests_(BuildCounter()
                     .Name("sdm_requests_total")
                     .Help("RPCs finished, by method and gRPC status code.")

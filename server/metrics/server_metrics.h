@@ -18,7 +18,13 @@
 //   sdm_state_bytes{tier}                  gauge      bytes of session state by tier
 //   sdm_state_offloads_total{tier}         counter    sessions moved down to a tier
 //   sdm_state_restores_total{tier}         counter    sessions brought back from a tier
-//   sdm_snapshot_errors_total              counter    snapshots that failed their checks
+//   sdm_snapshot_errors_total              counter    snapshot writes that failed (every try)
+//                                                     and snapshots that failed their checks
+//   sdm_persist_failures_total             counter    sessions whose writes began failing
+//   sdm_persist_writes_total               counter    per-turn (or idle) snapshot writes
+//   sdm_persist_bytes_total                counter    their bytes
+//   sdm_sessions_unpersisted               gauge      sessions whose last turn is not on disk
+//   sdm_persistence_healthy                gauge      1 while sessions can be written, else 0
 //
 // Labelled series are reached through the functions below, so that label names are spelled only
 // in server_metrics.cc (prometheus-cpp families do not declare their label names: a misspelt
@@ -84,6 +90,11 @@ class ServerMetrics {
   prometheus::Gauge& requests_waiting;
   prometheus::Histogram& batch_size;
   prometheus::Counter& snapshot_errors;
+  prometheus::Counter& persist_failures;
+  prometheus::Counter& persist_writes;
+  prometheus::Counter& persist_bytes;
+  prometheus::Gauge& sessions_unpersisted;
+  prometheus::Gauge& persistence_healthy;
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;

@@ -91,6 +91,21 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
         "Session states brought back to the engine, by the tier they came from."}},
       {"sdm_snapshot_errors_total",
        {"counter", {}, "Snapshots that failed to write, or failed their checks when read back."}},
+      {"sdm_persist_failures_total",
+       {"counter",
+        {},
+        "Sessions whose snapshot writes began failing (once per session and episode; retries "
+        "count in sdm_snapshot_errors_total)."}},
+      {"sdm_persist_writes_total",
+       {"counter", {}, "Snapshots written after a turn or an idle interval (--persist)."}},
+      {"sdm_persist_bytes_total",
+       {"counter", {}, "Bytes of the snapshots counted in sdm_persist_writes_total."}},
+      {"sdm_sessions_unpersisted",
+       {"gauge", {}, "Sessions whose latest turn is not in the state directory yet."}},
+      {"sdm_persistence_healthy",
+       {"gauge",
+        {},
+        "1 while session state can be written to the state directory, 0 while writes fail."}},
   };
   const ParsedPage page = RenderAndParse(registry);
   std::map<std::string, Declared> actual;

@@ -16,6 +16,7 @@
 #include "engine/model_writer.h"
 #include "engine/safetensors.h"
 #include "grpcpp/grpcpp.h"
+#include "grpcpp/impl/client_unary_call.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "sdm/v1/sdm.grpc.pb.h"
@@ -187,6 +188,40 @@ inline double MetricValue(const ParsedPage& page, const std::string& name,
                           const std::map<std::string, std::string>& labels = {}) {
   return page.Value(name, labels).value_or(0.0);
 }
+
+// Raw gRPC bytes, for calls made without generated stubs.
+inline std::string Bytes(const grpc::ByteBuffer& buffer) {
+  std::vector<grpc::Slice> slices;
+  EXPECT_TRUE(buffer.Dump(&slices).ok());
+  std::string out;
+  for (const grpc::Slice& slice : slices) {
+    out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
+  }
+  return out;
+}
+
+inline grpc::ByteBuffer Buffer(const std::string& bytes) {
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
+}
+
+// grpc.health.v1.Health/Check{service}, encoded by hand (field 1, a string); returns the
+// response's bytes: "\x08\x01" SERVING, "\x08\x02" NOT_SERVING.
+inline std::string HealthCheck(grpc::Channel& channel, const std::string& service) {
+  grpc::ClientContext context;
+  Prepare(context, {});
+  grpc::ByteBuffer response;
+  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      &channel,
+      grpc::internal::RpcMethod("/grpc.health.v1.Health/Check",
+                                grpc::internal::RpcMethod::NORMAL_RPC),
+      &context, Buffer(std::string("\x0a") + static_cast<char>(service.size()) + service),
+      &response);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  return Bytes(response);
+}
+
+inline const std::string kServing("\x08\x01", 2), kNotServing("\x08\x02", 2);
 
 }  // namespace sdm::testing
 

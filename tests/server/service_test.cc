@@ -107,39 +107,6 @@ grpc::Status DeleteSession(v1::SdmService::Stub& stub, const std::string& id,
   return stub.DeleteSession(&context, request, &response);
 }
 
-std::string Bytes(const grpc::ByteBuffer& buffer) {
-  std::vector<grpc::Slice> slices;
-  EXPECT_TRUE(buffer.Dump(&slices).ok());
-  std::string out;
-  for (const grpc::Slice& slice : slices) {
-    out.append(reinterpret_cast<const char*>(slice.begin()), slice.size());
-  }
-  return out;
-}
-
-grpc::ByteBuffer Buffer(const std::string& bytes) {
-  grpc::Slice slice(bytes);
-  return grpc::ByteBuffer(&slice, 1);
-}
-
-// grpc.health.v1.Health/Check{service}, encoded by hand (field 1, a string); returns the
-// response's bytes: "\x08\x01" SERVING, "\x08\x02" NOT_SERVING.
-std::string HealthCheck(grpc::Channel& channel, const std::string& service) {
-  grpc::ClientContext context;
-  Prepare(context, {});
-  grpc::ByteBuffer response;
-  const grpc::Status status = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
-      &channel,
-      grpc::internal::RpcMethod("/grpc.health.v1.Health/Check",
-                                grpc::internal::RpcMethod::NORMAL_RPC),
-      &context, Buffer(std::string("\x0a") + static_cast<char>(service.size()) + service),
-      &response);
-  EXPECT_TRUE(status.ok()) << status.error_message();
-  return Bytes(response);
-}
-
-const std::string kServing("\x08\x01", 2), kNotServing("\x08\x02", 2);
-
 // ---- Generate -------------------------------------------------------------------------------
 
 TEST_F(ServiceTest, GreedyGenerateEqualsSdmCli) {

@@ -1,13 +1,13 @@
 // A StateFiles that injects faults into the disk tier's file operations, for tests (in the spirit
 // of LevelDB's FaultInjectionTestEnv).
 //
-// Each operation can be made to fail once, after a number of calls that succeed: a write cut short
-// after its first N bytes (what a crash or a full disk leaves in `<path>.tmp`), a failed rename, a
-// failed directory fsync, a full disk (ResourceExhausted, like ENOSPC). With crash_at_fault set,
-// the process is treated as dead from the moment the fault fires: every later operation that
-// would change the disk (write, rename, fsync, remove, mkdir) fails without touching it, so the
-// clean-up that WriteAtomically does after an error never happens and the directory is left
-// exactly as the crash left it.
+// Each operation can be made to fail once (or from then on: sticky), after a number of calls that
+// succeed: a write cut short after its first N bytes (what a crash or a full disk leaves in
+// `<path>.tmp`), a failed rename, a failed directory fsync, a full disk (ResourceExhausted, like
+// ENOSPC). With crash_at_fault set, the process is treated as dead from the moment the fault fires:
+// every later operation that would change the disk (write, rename, fsync, remove, mkdir) fails
+// without touching it, so the clean-up that WriteAtomically does after an error never happens and
+// the directory is left exactly as the crash left it.
 //
 // Everything else is the real POSIX implementation. Thread-safe.
 #ifndef SDMSERVE_TESTS_STATE_STORE_FAULT_INJECTION_FILES_H_
@@ -52,6 +52,8 @@ class FaultInjectionFiles : public StateFiles {
     // kWriteAndSync only: >= 0 writes the first min(partial_bytes, size) bytes of the data (not
     // fsynced) before failing; -1 fails before creating the file.
     int64_t partial_bytes = -1;
+    // Every later call fails too (a read-only or full file system), until ClearFaults().
+    bool sticky = false;
   };
 
   // The next call of `op` (after fault.skip successful ones) fails with fault.status.
@@ -69,6 +71,10 @@ class FaultInjectionFiles : public StateFiles {
   }
   void FailRename() {
     FailNext(Op::kRename, {absl::InternalError("injected: rename failed"), 0, -1});
+  }
+  // Every write fails, as on a read-only or full file system, until ClearFaults().
+  void FailWritesAlways(absl::Status status) {
+    FailNext(Op::kWriteAndSync, {std::move(status), 0, -1, /*sticky=*/true});
   }
   void FailSyncDir() {
     FailNext(Op::kSyncDir, {absl::InternalError("injected: directory fsync failed"), 0, -1});
@@ -168,7 +174,7 @@ class FaultInjectionFiles : public StateFiles {
     }
     absl::Status status = f->status;
     if (fired != nullptr) *fired = f;
-    f.reset();
+    if (!f->sticky) f.reset();
     ++fired_;
     if (crash_at_fault_) crashed_ = true;
     return status;

@@ -72,6 +72,8 @@ class SnapshotCrashTest : public ::testing::Test {
     options.dir = dir_.path();
     options.files = files;
     options.background = false;
+    // Writes only when the test parks or persists (per-turn writes: durability_test.cc).
+    options.persist = PersistPolicy::kShutdown;
     auto store = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? *std::move(store) : nullptr;

@@ -1,0 +1,126 @@
+// Durability through the server (state_store/session_store.h, "Durability"; docs/api.md): each
+// turn is written behind the stream, so what the state directory holds once the server says
+// nothing is unpersisted restores every session in a new server (a kill -9 at that moment); when
+// writes fail the server says so on /healthz, gRPC health and /metrics, and recovers with the
+// disk.
+#include <chrono>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <thread>
+
+#include "absl/status/status.h"
+#include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
+#include "tests/state_store/fault_injection_files.h"
+
+namespace sdm {
+namespace {
+
+using testing::FaultInjectionFiles;
+using testing::ScopedTempDir;
+
+// Waits until `done` holds, polling; the store's worker acts on every change and at least once
+// a second, so this converges quickly. Fails the test after a generous bound rather than hang.
+bool Eventually(const std::function<bool()>& done) {
+  for (int i = 0; i < 12'000; ++i) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return done();
+}
+
+grpc::Status CreateSession(v1::SdmService::Stub& stub, const std::string& id) {
+  grpc::ClientContext context;
+  testing::Prepare(context, {});
+  v1::CreateSessionRequest request;
+  request.set_session_id(id);
+  v1::Session session;
+  return stub.CreateSession(&context, request, &session);
+}
+
+int64_t Position(v1::SdmService::Stub& stub, const std::string& id) {
+  grpc::ClientContext context;
+  testing::Prepare(context, {});
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  v1::Session session;
+  const grpc::Status status = stub.GetSession(&context, request, &session);
+  EXPECT_TRUE(status.ok()) << id << ": " << status.error_message();
+  return status.ok() ? session.position() : -1;
+}
+
+double Metric(int port, const std::string& name) {
+  return testing::MetricValue(testing::ScrapeMetrics(port), name);
+}
+
+TEST(ServerDurabilityTest, EveryTurnIsOnDiskBehindTheStream) {
+  ScopedTempDir state, crashed;
+  ServerOptions options = testing::TestOptions(state.path());
+  ASSERT_EQ(options.store.persist, PersistPolicy::kTurn);  // the default
+  testing::Served s = testing::Serve(options);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "chat").ok());
+  int64_t position = 0;
+  for (int turn = 0; turn < 3; ++turn) {
+    const testing::Completion c =
+        testing::Generate(*s.stub, testing::TextRequest("turn " + std::to_string(turn), 4, "chat"));
+    ASSERT_TRUE(c.status.ok()) << c.status.error_message();
+    position = Position(*s.stub, "chat");
+  }
+  const int port = s.server->metrics_port();
+  ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
+  EXPECT_GE(Metric(port, "sdm_persist_writes_total"), 4);  // created + 3 turns (some coalesced)
+  EXPECT_GT(Metric(port, "sdm_persist_bytes_total"), 0);
+  EXPECT_EQ(Metric(port, "sdm_persistence_healthy"), 1);
+  // kill -9 now: what the directory holds is what a restarted server finds.
+  std::filesystem::copy(
+      state.path(), crashed.path(),
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  testing::Served restarted = testing::Serve(testing::TestOptions(crashed.path()));
+  ASSERT_NE(restarted.server, nullptr);
+  EXPECT_EQ(Position(*restarted.stub, "chat"), position);
+}
+
+TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
+  ScopedTempDir state;
+  FaultInjectionFiles files;
+  ServerOptions options = testing::TestOptions(state.path());
+  options.store.files = &files;
+  testing::Served s = testing::Serve(options);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->metrics_port();
+  httplib::Client http("127.0.0.1", port);
+  EXPECT_EQ(http.Get("/healthz")->status, 200);
+
+  files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));
+  ASSERT_TRUE(CreateSession(*s.stub, "a").ok());  // memory still has room: accepted
+  ASSERT_TRUE(Eventually([&] {
+    const httplib::Result health = http.Get("/healthz");
+    return health && health->status == 503;
+  }));
+  const httplib::Result health = http.Get("/healthz");
+  EXPECT_NE(health->body.find("degraded"), std::string::npos) << health->body;
+  EXPECT_NE(health->body.find("No space left on device"), std::string::npos) << health->body;
+  EXPECT_EQ(testing::HealthCheck(*s.channel, "sdm.v1.SdmService"), testing::kNotServing);
+  EXPECT_EQ(testing::HealthCheck(*s.channel, ""), testing::kNotServing);
+  const testing::ParsedPage page = testing::ScrapeMetrics(port);
+  EXPECT_EQ(testing::MetricValue(page, "sdm_persistence_healthy"), 0);
+  EXPECT_EQ(testing::MetricValue(page, "sdm_persist_failures_total"), 1);
+  EXPECT_EQ(testing::MetricValue(page, "sdm_sessions_unpersisted"), 1);
+  // The session still serves (memory has room).
+  EXPECT_TRUE(testing::Generate(*s.stub, testing::TextRequest("hi", 2, "a")).status.ok());
+
+  files.ClearFaults();
+  ASSERT_TRUE(Eventually([&] {
+    const httplib::Result h = http.Get("/healthz");
+    return h && h->status == 200;
+  }));
+  EXPECT_EQ(testing::HealthCheck(*s.channel, "sdm.v1.SdmService"), testing::kServing);
+  ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
+  EXPECT_EQ(Metric(port, "sdm_persistence_healthy"), 1);
+  EXPECT_EQ(Metric(port, "sdm_persist_failures_total"), 1);  // one episode
+}
+
+}  // namespace
+}  // namespace sdm

@@ -1,0 +1,262 @@
+// Durability (state_store/session_store.h, "Durability"; docs/state-format.md): with the turn
+// policy a session is on disk from its creation and after every turn, so that what a kill -9
+// leaves in the directory restores each session bit-exactly to its last completed turn; failed
+// writes are counted once per session, turn the store's health to UNAVAILABLE, and make it
+// refuse new work once host memory is full; the store recovers when writes succeed again.
+//
+// A kill -9 is simulated by copying the state directory while the store is alive (what the disk
+// holds at that instant) and opening a second store on the copy, as a restarted server would.
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "engine/engine.h"
+#include "gtest/gtest.h"
+#include "state_store/session_store.h"
+#include "tests/engine/test_model_util.h"
+#include "tests/state_store/fault_injection_files.h"
+#include "tests/state_store/snapshot_test_util.h"
+
+namespace sdm {
+namespace {
+
+using testing::FaultInjectionFiles;
+
+constexpr int32_t kProbe = 42;
+
+class DurabilityTest : public ::testing::Test {
+ protected:
+  void SetUp() override { engine_ = testing::TinyEngine(); }
+
+  std::unique_ptr<SessionStateStore> OpenStore(const std::filesystem::path& dir,
+                                               PersistPolicy persist, StateFiles* files) {
+    SessionStoreOptions options;
+    options.dir = dir;
+    options.files = files;
+    options.persist = persist;
+    options.background = false;  // writes run inline at each change: deterministic
+    options.host_budget_bytes = host_budget_;
+    auto store = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // One turn: feeds `tokens` to the session through a lease (returned at the end of the turn).
+  void Turn(SessionStateStore& store, const std::string& id, const std::vector<int32_t>& tokens) {
+    auto lease = store.Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), tokens);
+  }
+
+  // What a kill -9 at this instant leaves: a copy of the directory's snapshots.
+  std::filesystem::path CrashCopy() {
+    const std::filesystem::path copy = crash_dir_.path() / std::to_string(++crashes_);
+    std::filesystem::create_directories(copy);
+    for (const auto& entry : std::filesystem::directory_iterator(dir_.path())) {
+      if (entry.is_regular_file()) {
+        std::filesystem::copy_file(entry.path(), copy / entry.path().filename());
+      }
+    }
+    return copy;
+  }
+
+  // The probe logits of a copy of `id` in `store` (the session itself is left as it is).
+  std::vector<float> Probe(SessionStateStore& store, const std::string& id, int64_t* position) {
+    auto lease = store.Acquire(id);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return {};
+    *position = lease->state().position();
+    auto copy = lease->state().Clone();
+    return testing::ProbeLogits(*engine_, *copy, kProbe);
+  }
+
+  testing::ScopedTempDir dir_, crash_dir_;
+  std::unique_ptr<Engine> engine_;
+  int64_t host_budget_ = int64_t{1} << 30;
+  int crashes_ = 0;
+};
+
+// Property: after every turn of several sessions (fixed and fresh seeds), a crash restores each
+// session bit-exactly to a reference that never left the engine.
+TEST_F(DurabilityTest, EveryTurnSurvivesAKill) {
+  const uint32_t fresh = std::random_device{}();
+  for (uint32_t seed : {1u, 2u, fresh}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    testing::ScopedTempDir dir;
+    auto store = OpenStore(dir.path(), PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_NE(store, nullptr);
+    std::mt19937 rng(seed);
+    const std::vector<std::string> ids = {"a", "b", "c"};
+    std::vector<std::unique_ptr<SessionState>> reference;
+    for (const std::string& id : ids) {
+      ASSERT_TRUE(store->Create(id, "meta-" + id).ok());
+      reference.push_back(engine_->NewSession());
+    }
+    for (int turn = 0; turn < 4; ++turn) {
+      const int s = static_cast<int>(rng() % ids.size());
+      const std::vector<int32_t> tokens =
+          testing::RandomTokens(1 + static_cast<int>(rng() % 12), rng());
+      Turn(*store, ids[s], tokens);
+      testing::DecodeEach(*engine_, *reference[s], tokens);
+      EXPECT_EQ(store->Stats().unpersisted, 0);
+
+      // kill -9 now: a store opened on what the disk holds has every session at its last turn.
+      testing::ScopedTempDir copy;
+      for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
+        if (entry.is_regular_file()) {
+          std::filesystem::copy_file(entry.path(), copy.path() / entry.path().filename());
+        }
+      }
+      auto restarted = OpenStore(copy.path(), PersistPolicy::kTurn, StateFiles::Default());
+      ASSERT_NE(restarted, nullptr);
+      ASSERT_TRUE(restarted->open_errors().empty());
+      for (size_t i = 0; i < ids.size(); ++i) {
+        int64_t position = -1;
+        const std::vector<float> got = Probe(*restarted, ids[i], &position);
+        auto want_state = reference[i]->Clone();
+        const std::vector<float> want = testing::ProbeLogits(*engine_, *want_state, kProbe);
+        EXPECT_EQ(position, reference[i]->position()) << ids[i];
+        EXPECT_TRUE(testing::BitwiseEqual(got, want)) << ids[i] << " after turn " << turn;
+        auto info = restarted->Get(ids[i]);
+        ASSERT_TRUE(info.ok());
+        EXPECT_EQ(info->metadata, "meta-" + ids[i]);
+      }
+    }
+  }
+}
+
+TEST_F(DurabilityTest, ASessionIsOnDiskFromItsCreationAndItsFork) {
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_TRUE(store->Create("s", "").ok());
+  Turn(*store, "s", testing::RandomTokens(5, 3));
+  ASSERT_TRUE(store->Fork("s", "f", "").ok());
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  int64_t position = -1;
+  Probe(*restarted, "s", &position);
+  EXPECT_EQ(position, 5);
+  Probe(*restarted, "f", &position);
+  EXPECT_EQ(position, 5);
+}
+
+TEST_F(DurabilityTest, TheShutdownPolicyWritesOnlyWhenParkedOrPersisted) {
+  auto store = OpenStore(dir_.path(), PersistPolicy::kShutdown, StateFiles::Default());
+  ASSERT_TRUE(store->Create("s", "").ok());
+  Turn(*store, "s", testing::RandomTokens(5, 3));
+  EXPECT_EQ(store->Stats().unpersisted, 1);
+  auto lost = OpenStore(CrashCopy(), PersistPolicy::kShutdown, StateFiles::Default());
+  EXPECT_EQ(lost->Get("s").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(store->PersistAll().ok());
+  EXPECT_EQ(store->Stats().unpersisted, 0);
+  auto kept = OpenStore(CrashCopy(), PersistPolicy::kShutdown, StateFiles::Default());
+  EXPECT_TRUE(kept->Get("s").ok());
+}
+
+TEST_F(DurabilityTest, TheIdlePolicyWritesOnceTheSessionHasBeenIdleLongEnough) {
+  auto store = OpenStore(dir_.path(), PersistPolicy::kIdle, StateFiles::Default());
+  ASSERT_TRUE(store->Create("s", "").ok());
+  Turn(*store, "s", testing::RandomTokens(5, 3));
+  const absl::Time used = store->Get("s")->last_used;
+  const absl::Duration idle = SessionStoreOptions{}.persist_idle;
+  EXPECT_EQ(store->PersistChanged(used + idle / 2), 0);
+  EXPECT_EQ(store->Stats().unpersisted, 1);
+  EXPECT_EQ(store->PersistChanged(used + idle), 1);
+  EXPECT_EQ(store->Stats().unpersisted, 0);
+  EXPECT_EQ(store->PersistChanged(used + 2 * idle), 0);  // nothing changed since
+}
+
+// Writes are coalesced: a session written after its last turn is not written again by a park or
+// a shutdown, and bytes per write are one snapshot of the session.
+TEST_F(DurabilityTest, ACurrentSnapshotIsNotWrittenTwice) {
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
+  ASSERT_TRUE(store->Create("s", "").ok());
+  Turn(*store, "s", testing::RandomTokens(7, 3));
+  const int writes = files.calls(FaultInjectionFiles::Op::kWriteAndSync);
+  EXPECT_EQ(writes, 2);  // created, one turn
+  const StoreStats stats = store->Stats();
+  EXPECT_EQ(stats.persist_writes, 2);
+  const int64_t file_bytes =
+      static_cast<int64_t>(std::filesystem::file_size(dir_.path() / "s.sdmstate"));
+  EXPECT_GT(stats.persist_bytes, file_bytes);  // the empty session's snapshot, then this one
+  ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
+  ASSERT_TRUE(store->PersistAll().ok());
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), writes);
+  EXPECT_EQ(store->Get("s")->tier, Tier::kDisk);
+  EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kDisk)], file_bytes);
+  // It resumes from that file, and its next turn is written again.
+  Turn(*store, "s", testing::RandomTokens(2, 4));
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), writes + 1);
+}
+
+// A read-only or full state directory: every write fails. The failure is counted once per
+// session, health names the cause, new work is refused once host memory is full, and everything
+// recovers when writes succeed again.
+TEST_F(DurabilityTest, FailedWritesAreLoudAndBoundedAndRecover) {
+  FaultInjectionFiles files;
+  host_budget_ = 1;  // any parked session fills host memory
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
+  ASSERT_TRUE(store->Create("a", "").ok());
+  ASSERT_TRUE(store->PersistHealth().ok());
+
+  files.FailWritesAlways(absl::PermissionDeniedError("injected: Read-only file system"));
+  ASSERT_TRUE(store->Create("b", "").ok());  // host memory is still empty: accepted
+  Turn(*store, "a", testing::RandomTokens(3, 5));
+  Turn(*store, "a", testing::RandomTokens(3, 6));
+  StoreStats stats = store->Stats();
+  EXPECT_EQ(stats.persist_failures, 2);  // a and b, once each however often retried
+  EXPECT_GE(stats.snapshot_errors, 3);   // every attempt
+  EXPECT_EQ(stats.unpersisted, 2);
+  const absl::Status health = store->PersistHealth();
+  EXPECT_EQ(health.code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(health.message().find("Read-only file system"), std::string::npos) << health;
+
+  // Parking to host memory still works (it is memory, not disk) and fills it.
+  ASSERT_TRUE(store->Park("b", Tier::kHost).ok());
+  EXPECT_GT(store->Stats().bytes[static_cast<int>(Tier::kHost)], host_budget_);
+  // Now the store can neither write nor hold more: new work is refused, retryably.
+  EXPECT_EQ(store->Create("c", "").code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store->Acquire("a").status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store->Get("c").status().code(), absl::StatusCode::kNotFound);
+  // Parking to disk fails loudly too, and leaves the session in memory.
+  EXPECT_FALSE(store->Park("b", Tier::kDisk).ok());
+  EXPECT_EQ(store->Get("b")->tier, Tier::kHost);
+
+  // The disk comes back: the next pass writes everything and health recovers.
+  files.ClearFaults();
+  EXPECT_EQ(store->PersistChanged(absl::Now()), 2);
+  EXPECT_TRUE(store->PersistHealth().ok());
+  EXPECT_EQ(store->Stats().unpersisted, 0);
+  EXPECT_TRUE(store->Create("c", "").ok());
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  int64_t position = -1;
+  Probe(*restarted, "a", &position);
+  EXPECT_EQ(position, 6);
+}
+
+TEST_F(DurabilityTest, HealthRecoversWhenTheFailingSessionsAreGone) {
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
+  files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));
+  ASSERT_TRUE(store->Create("a", "").ok());
+  EXPECT_FALSE(store->PersistHealth().ok());
+  ASSERT_TRUE(store->Delete("a").ok());
+  store->PersistChanged(absl::Now());
+  EXPECT_TRUE(store->PersistHealth().ok());
+}
+
+TEST(PersistPolicyTest, NamesRoundTrip) {
+  for (PersistPolicy p : {PersistPolicy::kTurn, PersistPolicy::kIdle, PersistPolicy::kShutdown}) {
+    auto parsed = ParsePersistPolicy(PersistPolicyName(p));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, p);
+  }
+  EXPECT_EQ(ParsePersistPolicy("always").status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace sdm
