@@ -297,6 +297,7 @@ void SdmServer::Impl::UpdateGauges() {
       last_stats.snapshot_errors + last_stats.quarantined);
   add(metrics->persist_failures, s.persist_failures, last_stats.persist_failures);
   add(metrics->persist_writes, s.persist_writes, last_stats.persist_writes);
+  add(metrics->persist_deltas, s.persist_deltas, last_stats.persist_deltas);
   add(metrics->persist_bytes, s.persist_bytes, last_stats.persist_bytes);
   metrics->sessions_unpersisted.Set(static_cast<double>(s.unpersisted));
   metrics->persistence_healthy.Set(store->PersistHealth().ok() ? 1.0 : 0.0);

@@ -29,7 +29,9 @@ SdmTable::SdmTable(SdmTable&& o) noexcept
       pool_(o.pool_),
       zeros_(std::move(o.zeros_)),
       slot_to_row_(std::move(o.slot_to_row_)),
-      num_rows_(o.num_rows_) {
+      num_rows_(o.num_rows_),
+      dirty_bits_(std::move(o.dirty_bits_)),
+      dirty_(std::move(o.dirty_)) {
   o.slot_to_row_.clear();
   o.num_rows_ = 0;
 }
@@ -45,6 +47,8 @@ SdmTable& SdmTable::operator=(SdmTable&& o) noexcept {
     zeros_ = std::move(o.zeros_);
     slot_to_row_ = std::move(o.slot_to_row_);
     num_rows_ = o.num_rows_;
+    dirty_bits_ = std::move(o.dirty_bits_);
+    dirty_ = std::move(o.dirty_);
     o.slot_to_row_.clear();
     o.num_rows_ = 0;
   }
@@ -59,8 +63,22 @@ void SdmTable::ReleaseAll() {
   num_rows_ = 0;
 }
 
+void SdmTable::ClearDirty() {
+  for (uint32_t i : dirty_) dirty_bits_[i / 64] &= ~(uint64_t{1} << (i % 64));
+  dirty_.clear();
+}
+
 float* SdmTable::MutableRow(int64_t head, int64_t slot) {
-  int32_t& r = slot_to_row_[head * slots_per_head_ + slot];
+  const int64_t index = head * slots_per_head_ + slot;
+  int32_t& r = slot_to_row_[index];
+  // Marked before the row is returned (the caller writes it): a delta never misses a write.
+  if (dirty_bits_.empty()) dirty_bits_.assign((slot_to_row_.size() + 63) / 64, 0);
+  uint64_t& word = dirty_bits_[index / 64];
+  const uint64_t bit = uint64_t{1} << (index % 64);
+  if ((word & bit) == 0) {
+    word |= bit;
+    dirty_.push_back(static_cast<uint32_t>(index));
+  }
   if (r >= 0 && pool_->RefCount(r) == 1) return pool_->Row(r);
   const int32_t fresh = pool_->Allocate();
   if (fresh < 0) return nullptr;

@@ -12,6 +12,7 @@
 #ifndef SDMSERVE_STATE_STORE_SDM_TABLE_H_
 #define SDMSERVE_STATE_STORE_SDM_TABLE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -81,6 +82,20 @@ class SdmTable {
   // slot already has a row or the pool is exhausted.
   absl::Status RestoreRow(int64_t head, int64_t slot, std::span<const float> values);
 
+  // Rows written since the last ClearDirty() (or since the table was made): every slot
+  // MutableRow() returned a row for. What a delta of the session must carry
+  // (state_store/state_log.h). Forks, clones and restored tables start clean.
+  int64_t dirty_rows() const { return static_cast<int64_t>(dirty_.size()); }
+  // Calls fn(head, slot, row) for every dirty slot, in slot order.
+  template <typename Fn>
+  void ForEachDirtyRow(Fn&& fn) const {
+    std::vector<uint32_t> order = dirty_;
+    std::sort(order.begin(), order.end());
+    for (uint32_t i : order)
+      fn(i / slots_per_head_, i % slots_per_head_, Row(i / slots_per_head_, i % slots_per_head_));
+  }
+  void ClearDirty();
+
  private:
   void ReleaseAll();
 
@@ -92,6 +107,9 @@ class SdmTable {
   std::vector<float> zeros_;          // the row every unwritten slot reads when M0 is null
   std::vector<int32_t> slot_to_row_;  // [heads * slots_per_head], -1 = reads M0
   int64_t num_rows_ = 0;
+  // Dirty slots: a bit per slot (sized at the first write) and the list of set bits.
+  std::vector<uint64_t> dirty_bits_;
+  std::vector<uint32_t> dirty_;
 };
 
 }  // namespace sdm

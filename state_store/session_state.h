@@ -88,6 +88,14 @@ class SessionState {
   // For restoring a parked session (state_store/state_codec.h).
   void set_position(int64_t position) { position_ = position; }
 
+  // Forgets which SDM rows were written (SdmTable::ClearDirty on every SDM layer): called once
+  // what the session holds is on disk, so that the next delta carries only later writes.
+  void ClearDirty() {
+    for (auto& layer : layers_) {
+      if (auto* table = std::get_if<SdmTable>(&layer)) table->ClearDirty();
+    }
+  }
+
  private:
   std::unique_ptr<SessionState> Copy(bool share_rows) const;
 

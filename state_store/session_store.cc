@@ -17,11 +17,16 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "state_store/state_codec.h"
+#include "state_store/state_log.h"
 
 namespace sdm {
 namespace {
 
 constexpr absl::string_view kSnapshotSuffix = ".sdmstate";
+constexpr absl::string_view kLogSuffix = ".sdmlog";
+// A log is compacted into a full snapshot once it would pass half the snapshot's size, or this
+// many records (each costs a small read when the directory is listed at start-up).
+constexpr int64_t kMaxLogRecords = 256;
 constexpr absl::string_view kTmpSuffix = ".tmp";
 
 absl::Status NotFound(const SessionKey& key) {
@@ -112,6 +117,15 @@ struct SessionStateStore::Entry {
   uint64_t persisted_version = 0;
   int64_t persisted_bytes = 0;   // the size of its snapshot file; 0: none written or found
   bool persist_failing = false;  // its last write failed (counted once per episode)
+  // The delta log (state_store/state_log.h) extending the snapshot: the snapshot's id, the
+  // log's good bytes (0: none) and records, and the position the disk holds (snapshot + log).
+  // needs_full: the next write must be a full snapshot (the dirty-row marks do not cover
+  // everything since the last write: a fork, a park to host, a device copy-back, metadata).
+  uint64_t base_id = 0;
+  uint64_t log_bytes = 0;
+  int64_t log_records = 0;
+  int64_t persisted_position = 0;
+  bool needs_full = true;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -252,6 +266,10 @@ std::filesystem::path SessionStateStore::PathOf(const SessionKey& key) const {
   return options_.dir / absl::StrCat(SessionFileStem(key), kSnapshotSuffix);
 }
 
+std::filesystem::path SessionStateStore::LogPathOf(const SessionKey& key) const {
+  return options_.dir / absl::StrCat(SessionFileStem(key), kLogSuffix);
+}
+
 std::vector<std::string> SessionStateStore::open_errors() const {
   absl::MutexLock lock(&mu_);
   return open_errors_;
@@ -312,15 +330,27 @@ void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
   ++counters_.quarantined;
 }
 
+void SessionStateStore::QuarantineLog(const std::filesystem::path& log) {
+  std::filesystem::path dest = options_.dir / "quarantine" / log.filename();
+  dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()));
+  for (int i = 1; std::filesystem::exists(dest); ++i) {
+    dest = options_.dir / "quarantine" / log.filename();
+    dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()), ".", i);
+  }
+  options_.files->Rename(log, dest).IgnoreError();  // absent: nothing to keep
+}
+
 absl::StatusOr<SessionRecord> SessionStateStore::ReadRecord(StateFiles& files,
                                                             const std::filesystem::path& path,
-                                                            uint64_t size) const {
+                                                            uint64_t size,
+                                                            uint64_t* snapshot_id) const {
   auto first = files.ReadRange(path, 0, kRecordPrefixBytes);
   if (!first.ok()) return first.status();
   auto prefix_size = RecordPrefixSize(*first, size, fingerprint_);
   if (!prefix_size.ok()) return prefix_size.status();
   auto prefix = files.ReadRange(path, 0, *prefix_size);
   if (!prefix.ok()) return prefix.status();
+  *snapshot_id = SnapshotId(*prefix);
   return DecodeSessionRecord(*prefix, size, fingerprint_);
 }
 
@@ -330,8 +360,17 @@ absl::Status SessionStateStore::LoadDirectory() {
   auto names = files.List(options_.dir);
   if (!names.ok()) return names.status();
   std::sort(names->begin(), names->end());
+  const std::set<std::string> all_names(names->begin(), names->end());
   for (const std::string& name : *names) {
     const std::filesystem::path path = options_.dir / name;
+    if (absl::EndsWith(name, kLogSuffix)) {
+      // A log whose snapshot is gone (deleted; the log's removal did not happen): nothing to
+      // extend.
+      const std::string snapshot =
+          absl::StrCat(name.substr(0, name.size() - kLogSuffix.size()), kSnapshotSuffix);
+      if (all_names.count(snapshot) == 0) files.Remove(path).IgnoreError();
+      continue;
+    }
     if (absl::EndsWith(name, kTmpSuffix)) {
       // A snapshot write cut short by a crash: the previous snapshot (if any) is intact.
       files.Remove(path).IgnoreError();
@@ -355,9 +394,37 @@ absl::Status SessionStateStore::LoadDirectory() {
     entry->last_used = absl::Now();
     std::error_code ec;
     const uint64_t size = std::filesystem::file_size(path, ec);
+    uint64_t snapshot_id = 0;
     absl::StatusOr<SessionRecord> record =
         ec ? absl::StatusOr<SessionRecord>(absl::InternalError(ec.message()))
-           : ReadRecord(files, path, size);
+           : ReadRecord(files, path, size, &snapshot_id);
+    // Its delta log: the latest record is the log's last good one.
+    const std::filesystem::path log_path = options_.dir / absl::StrCat(stem, kLogSuffix);
+    LogReplay log;
+    if (record.ok() && all_names.count(log_path.filename().string()) > 0) {
+      const uint64_t log_size = std::filesystem::file_size(log_path, ec);
+      absl::StatusOr<LogReplay> scanned =
+          ec ? absl::StatusOr<LogReplay>(absl::InternalError(ec.message()))
+             : ScanLog([&](uint64_t offset,
+                           uint64_t n) { return files.ReadRange(log_path, offset, n); },
+                       log_size, fingerprint_, snapshot_id);
+      if (scanned.ok()) {
+        log = *std::move(scanned);
+        if (log.has_record) {
+          // The record's id and metadata are the snapshot's (a delta never changes them).
+          record->last_used_unix_ms = log.record.last_used_unix_ms;
+          record->position = log.record.position;
+          record->pending_token = log.record.pending_token;
+        }
+      } else if (scanned.status().code() == absl::StatusCode::kFailedPrecondition) {
+        files.Remove(log_path).IgnoreError();  // stale: the snapshot holds its records
+        log = LogReplay();
+      } else {
+        record = absl::Status(scanned.status().code(),
+                              absl::StrCat("its delta log: ", scanned.status().message()));
+        QuarantineLog(log_path);
+      }
+    }
     if (record.ok() && !hashed && record->id != stem) {
       record = absl::DataLossError(absl::StrCat("it holds session '", record->id, "'"));
     } else if (record.ok() && hashed && record->id == stem) {
@@ -387,8 +454,15 @@ absl::Status SessionStateStore::LoadDirectory() {
       if (record->last_used_unix_ms > 0) {
         entry->last_used = absl::FromUnixMillis(record->last_used_unix_ms);
       }
-      entry->disk_bytes = static_cast<int64_t>(size);
-      entry->persisted_bytes = entry->disk_bytes;
+      entry->disk_bytes = static_cast<int64_t>(size + log.valid_bytes);
+      entry->persisted_bytes = static_cast<int64_t>(size);
+      entry->base_id = snapshot_id;
+      entry->log_bytes = log.has_record ? log.valid_bytes : 0;
+      entry->log_records = log.records;
+      entry->persisted_position = record->position;
+      // A snapshot whose record does not name its key (written before keys were typed) is
+      // rewritten whole at its first write, so that its record comes to name it.
+      entry->needs_full = !key.has_value() || record->id != SessionRecordId(*key);
       entry->position = record->position;
       entry->pending = record->pending_token >= 0;
     }
@@ -436,11 +510,40 @@ absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const Sess
   }
 }
 
-absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e) const {
+absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e,
+                                                               ParkedLog* log) const {
   if (e.tier == Tier::kHost) return DecodeSessionState(e.blob, layout_, fingerprint_);
   auto blob = options_.files->Read(PathOf(e.key));
   if (!blob.ok()) return blob.status();
-  return DecodeSessionState(*blob, layout_, fingerprint_);
+  absl::StatusOr<DecodedSession> decoded = DecodeSessionState(*blob, layout_, fingerprint_);
+  if (!decoded.ok()) return decoded;
+  absl::StatusOr<uint64_t> prefix = RecordPrefixSize(*blob, blob->size(), fingerprint_);
+  if (!prefix.ok()) return prefix.status();
+  log->base_id = SnapshotId(absl::string_view(*blob).substr(0, *prefix));
+  absl::StatusOr<std::string> log_blob = options_.files->Read(LogPathOf(e.key));
+  if (!log_blob.ok()) {
+    if (log_blob.status().code() == absl::StatusCode::kNotFound) return decoded;
+    return log_blob.status();
+  }
+  absl::StatusOr<LogReplay> replay =
+      ReplayLog(*log_blob, fingerprint_, log->base_id, *decoded->state);
+  if (!replay.ok()) {
+    if (replay.status().code() == absl::StatusCode::kFailedPrecondition) {
+      log->stale = true;  // the snapshot holds its records
+      return decoded;
+    }
+    return absl::Status(replay.status().code(),
+                        absl::StrCat("its delta log: ", replay.status().message()));
+  }
+  if (replay->has_record) {
+    decoded->record.last_used_unix_ms = replay->record.last_used_unix_ms;
+    decoded->record.position = replay->record.position;
+    decoded->record.pending_token = replay->record.pending_token;
+    log->bytes = replay->valid_bytes;
+    log->records = replay->records;
+  }
+  log->dropped = replay->dropped_bytes;
+  return decoded;
 }
 
 // ---- Sessions ----
@@ -506,7 +609,8 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
     const Tier from = e->tier;
     e->busy = true;
     mu_.Unlock();
-    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e);
+    ParkedLog log;
+    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e, &log);
     const std::filesystem::path path = PathOf(e->key);
     mu_.Lock();
     e->busy = false;
@@ -517,9 +621,22 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
       if (from == Tier::kDisk &&
           (code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition)) {
         Quarantine(*e, path, decoded.status());
+        QuarantineLog(LogPathOf(e->key));
         return e->BrokenError(key.id);
       }
       return decoded.status();
+    }
+    if (from == Tier::kDisk) {
+      e->base_id = log.base_id;
+      e->log_bytes = log.bytes;
+      e->log_records = log.records;
+      e->persisted_position = decoded->state->position();
+      if (log.stale) options_.files->Remove(LogPathOf(e->key)).IgnoreError();
+      if (log.dropped > 0) {
+        SDM_LOG(WARNING) << "sdm state store: session '" << e->key.id
+                         << "': dropped a torn tail of " << log.dropped
+                         << " bytes from its delta log (a turn cut short by a crash)";
+      }
     }
     e->state = std::move(decoded->state);
     e->blob.clear();
@@ -558,6 +675,8 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
     }
     if (!options_.dir.empty()) {
       if (auto s = options_.files->Remove(PathOf(key)); !s.ok()) return s;
+      // After the snapshot: a log left alone is removed at the next Open.
+      options_.files->Remove(LogPathOf(key)).IgnoreError();
     }
     dead = Erase(entries_.find(key));
   }
@@ -591,7 +710,8 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
   } else {
     e->busy = true;
     mu_.Unlock();
-    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e);
+    ParkedLog unused;  // the source stays parked as it is
+    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e, &unused);
     mu_.Lock();
     e->busy = false;
     changed_.SignalAll();
@@ -620,6 +740,7 @@ absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_
   if (!e.ok()) return e.status();
   (*e)->metadata = std::string(metadata);
   ++(*e)->version;
+  (*e)->needs_full = true;  // deltas never change the record's metadata
   Changed();
   return absl::OkStatus();
 }
@@ -731,7 +852,7 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
     e.blob.clear();
     e.blob.shrink_to_fit();
     e.device_bytes = 0;
-    e.disk_bytes = e.persisted_bytes;
+    e.disk_bytes = e.persisted_bytes + static_cast<int64_t>(e.log_bytes);
     e.tier = Tier::kDisk;
     Account(e);
     changed_.SignalAll();
@@ -753,38 +874,34 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
       e.device_bytes = 0;
       Account(e);
       ++counters_.evictions[static_cast<int>(Tier::kResident)];
+      // Restored from the blob, its rows carry no dirty marks: a delta could miss writes.
+      if (e.version != e.persisted_version) e.needs_full = true;
     } else {
       e.state = std::move(state);
       Refresh(e);
       status = blob.status();
     }
   }
+  e.busy = false;
   if (status.ok() && e.tier == Tier::kHost && target == Tier::kDisk) {
     if (options_.dir.empty()) {
       status = absl::FailedPreconditionError("the store has no snapshot directory");
-    } else {
-      const std::filesystem::path path = PathOf(e.key);
-      mu_.Unlock();
-      absl::Status s = options_.files->WriteAtomically(path, e.blob);
-      mu_.Lock();
-      if (s.ok()) {
-        e.disk_bytes = static_cast<int64_t>(e.blob.size());
-        e.blob.clear();
-        e.blob.shrink_to_fit();
-        e.tier = Tier::kDisk;
-        Account(e);
-        ++counters_.evictions[static_cast<int>(Tier::kHost)];
-        e.persisted_version = e.version;
-        e.persisted_bytes = e.disk_bytes;
-        PersistSucceeded(e);
-      } else {
+    } else if (e.version != e.persisted_version || e.persisted_bytes == 0) {
+      // A full snapshot of the blob (the lock is held from here: nobody leased it meanwhile).
+      if (absl::Status s = WriteChanges(e); !s.ok()) {
         status = absl::UnavailableError(absl::StrCat("could not write the snapshot of session '",
                                                      e.key.id, "': ", s.message()));
-        PersistFailed(e, s);
       }
     }
+    if (status.ok()) {
+      e.blob.clear();
+      e.blob.shrink_to_fit();
+      e.disk_bytes = e.persisted_bytes + static_cast<int64_t>(e.log_bytes);
+      e.tier = Tier::kDisk;
+      Account(e);
+      ++counters_.evictions[static_cast<int>(Tier::kHost)];
+    }
   }
-  e.busy = false;
   changed_.SignalAll();
   return status;
 }
@@ -890,7 +1007,10 @@ int SessionStateStore::ExpireIdle(absl::Time now) {
     for (auto it = entries_.begin(); it != entries_.end();) {
       auto next = std::next(it);
       if (due(*it->second)) {
-        if (!options_.dir.empty()) options_.files->Remove(PathOf(it->first)).IgnoreError();
+        if (!options_.dir.empty()) {
+          options_.files->Remove(PathOf(it->first)).IgnoreError();
+          options_.files->Remove(LogPathOf(it->first)).IgnoreError();
+        }
         dead.push_back(Erase(it));
         ++expired;
       }
@@ -900,6 +1020,7 @@ int SessionStateStore::ExpireIdle(absl::Time now) {
       if (due(*it->second)) {
         options_.files->Remove(options_.dir / absl::StrCat(it->first, kSnapshotSuffix))
             .IgnoreError();
+        options_.files->Remove(options_.dir / absl::StrCat(it->first, kLogSuffix)).IgnoreError();
         dead.push_back(std::move(it->second));
         it = orphans_.erase(it);
         ++expired;
@@ -949,42 +1070,85 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     Entry& e = *it->second;
     if (e.in_use || e.busy || e.version == e.persisted_version || e.tier == Tier::kDisk) continue;
     if (e.tier == Tier::kResident && e.state->on_device()) continue;
-    // busy keeps leases and moves off the entry while it is encoded and written unlocked; an
-    // Acquire of it waits for the write (the write never waits for a step).
-    e.busy = true;
-    const uint64_t version = e.version;
-    const std::filesystem::path path = PathOf(e.key);
-    absl::StatusOr<std::string> encoded;
-    const std::string* blob = &e.blob;
-    if (e.tier == Tier::kResident) {
-      SessionRecord record{SessionRecordId(e.key), e.metadata, ToMs(e.ttl),
-                           absl::ToUnixMillis(e.last_used)};
-      SessionState* state = e.state.get();
-      mu_.Unlock();
-      encoded = TryEncodeSessionState(*state, record, fingerprint_);
-      mu_.Lock();
-      blob = encoded.ok() ? &*encoded : nullptr;
-    }
-    absl::Status status = encoded.status();
-    if (blob != nullptr) {
-      mu_.Unlock();
-      status = options_.files->WriteAtomically(path, *blob);
-      mu_.Lock();
-    }
-    e.busy = false;
-    changed_.SignalAll();
-    if (status.ok()) {
-      e.persisted_version = version;
-      e.persisted_bytes = static_cast<int64_t>(blob->size());
-      ++counters_.persist_writes;
-      counters_.persist_bytes += static_cast<int64_t>(blob->size());
-      PersistSucceeded(e);
-      ++written;
-    } else {
-      PersistFailed(e, status);
-    }
+    // WriteChanges keeps leases and moves off the entry (busy) while it is encoded and written
+    // unlocked; an Acquire of it waits for the write (the write never waits for a step).
+    if (WriteChanges(e).ok()) ++written;
   }
   return written;
+}
+
+absl::Status SessionStateStore::WriteChanges(Entry& e) {
+  const bool resident = e.tier == Tier::kResident;
+  SDM_CHECK(!e.busy && (resident ? !e.state->on_device() : e.tier == Tier::kHost));
+  const uint64_t version = e.version;
+  const SessionKey key = e.key;
+  SessionRecord record{SessionRecordId(e.key), e.metadata, ToMs(e.ttl),
+                       absl::ToUnixMillis(e.last_used)};
+  SessionState* state = resident ? e.state.get() : nullptr;
+  const int64_t position = resident ? state->position() : e.position;
+  const bool try_delta = resident && e.persisted_bytes > 0 && !e.needs_full &&
+                         position >= e.persisted_position && e.log_records < kMaxLogRecords;
+  const int64_t from = e.persisted_position;
+  const uint64_t log_bytes = e.log_bytes;
+  const uint64_t base_id = e.base_id;
+  const uint64_t compact_at = static_cast<uint64_t>(e.persisted_bytes) / 2;
+  e.busy = true;
+  mu_.Unlock();
+  absl::Status status;
+  std::string data;  // a delta to append (with the log's header when the log starts)
+  uint64_t written_bytes = 0;
+  bool delta = false;
+  uint64_t new_base = 0;
+  if (try_delta) {
+    std::string d = EncodeSessionDelta(*state, record, from);
+    if (log_bytes + d.size() <= compact_at) {
+      delta = true;
+      data = log_bytes == 0 ? EncodeLogHeader(fingerprint_, base_id) + d : std::move(d);
+      status = options_.files->WriteAt(LogPathOf(key), log_bytes, data);
+      written_bytes = data.size();
+    }
+  }
+  if (!delta) {
+    absl::StatusOr<std::string> encoded =
+        resident ? TryEncodeSessionState(*state, record, fingerprint_) : std::string();
+    status = encoded.status();
+    const std::string& blob = resident ? *encoded : e.blob;  // e.blob: not moved while busy
+    if (status.ok()) status = options_.files->WriteAtomically(PathOf(key), blob);
+    if (status.ok()) {
+      absl::StatusOr<uint64_t> prefix = RecordPrefixSize(blob, blob.size(), fingerprint_);
+      SDM_CHECK(prefix.ok()) << prefix.status();  // it was just encoded
+      new_base = SnapshotId(absl::string_view(blob).substr(0, *prefix));
+      // The snapshot holds everything the log held; a log left by a failed removal is stale
+      // (another base) and ignored.
+      options_.files->Remove(LogPathOf(key)).IgnoreError();
+      written_bytes = blob.size();
+    }
+  }
+  mu_.Lock();
+  e.busy = false;
+  changed_.SignalAll();
+  if (!status.ok()) {
+    PersistFailed(e, status);
+    return status;
+  }
+  e.persisted_version = version;
+  e.persisted_position = position;
+  if (delta) {
+    e.log_bytes = log_bytes + written_bytes;
+    ++e.log_records;
+  } else {
+    e.base_id = new_base;
+    e.persisted_bytes = static_cast<int64_t>(written_bytes);
+    e.log_bytes = 0;
+    e.log_records = 0;
+    e.needs_full = false;
+  }
+  if (resident) state->ClearDirty();
+  ++counters_.persist_writes;
+  counters_.persist_bytes += static_cast<int64_t>(written_bytes);
+  if (delta) ++counters_.persist_deltas;
+  PersistSucceeded(e);
+  return absl::OkStatus();
 }
 
 void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {
@@ -1090,6 +1254,8 @@ absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
     return SyncError(e.key.id, status);
   }
   ++counters_.device_evictions;
+  // The copy-back rewrote host rows outside the dirty marks' view: the next write is whole.
+  e.needs_full = true;
   return absl::OkStatus();
 }
 

@@ -31,7 +31,10 @@
 // background worker, behind the decode path: turns that end before the worker gets to a session
 // are coalesced into one write, and the write never blocks a step (an Acquire of that session
 // waits for it). A kill -9 then loses at most the turns that ended since the session's last
-// write (normally the one in flight). kIdle: once a session has been idle for `persist_idle`.
+// write (normally the one in flight). The first write is a full snapshot; later ones are deltas
+// appended to the session's log (state_store/state_log.h: the rows the turns touched), compacted
+// into a full snapshot once the log passes half the snapshot's size or 256 records. kIdle: once
+// a session has been idle for `persist_idle`.
 // kShutdown: only PersistAll() and eviction to disk write. Sessions an accelerator holds on the
 // device are written when they leave it (their host layers are stale until then).
 //
@@ -164,7 +167,8 @@ struct StoreStats {
   int64_t rows_shared = 0;                   // of those, referenced by more than one session
   int64_t snapshot_errors = 0;               // failed disk writes (every attempt)
   int64_t persist_failures = 0;              // sessions whose writes began failing (episodes)
-  int64_t persist_writes = 0;                // snapshots written while resident or on host
+  int64_t persist_writes = 0;                // writes of changed sessions (snapshots, deltas)
+  int64_t persist_deltas = 0;                // of those, deltas appended to a session's log
   int64_t persist_bytes = 0;                 // their bytes
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
@@ -293,13 +297,18 @@ class SessionStateStore {
   using EntryMap = std::map<SessionKey, std::unique_ptr<Entry>>;
 
   absl::Status LoadDirectory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The record of the snapshot at `path` (`size` bytes) and its SnapshotId.
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
-                                           uint64_t size) const;
+                                           uint64_t size, uint64_t* snapshot_id) const;
   void Release(const SessionKey& key);
   void ReleaseOneShot(int64_t bytes);
   std::filesystem::path PathOf(const SessionKey& key) const;
+  // Its delta log, beside the snapshot (state_store/state_log.h).
+  std::filesystem::path LogPathOf(const SessionKey& key) const;
   void Quarantine(Entry& e, const std::filesystem::path& file, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves a damaged session's delta log beside its quarantined snapshot (if there is one).
+  void QuarantineLog(const std::filesystem::path& log) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // The tenant counters: Insert() and Erase() add and remove an entry with its bytes; Account()
   // follows a change of its tier or size; Refresh() re-measures a resident, unleased entry.
@@ -348,8 +357,20 @@ class SessionStateStore {
   const Entry* Find(const SessionKey& key) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   SessionInfo InfoOf(const Entry& e, const SessionKey& key) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Reads a parked (host or disk) entry's state; called without the lock while it is busy.
-  absl::StatusOr<DecodedSession> DecodeParked(const Entry& e) const;
+  // Reads a parked (host or disk) entry's state — for a disk entry, its snapshot plus its delta
+  // log, whose good length and base go to `log` — called without the lock while it is busy.
+  struct ParkedLog {
+    uint64_t base_id = 0;
+    uint64_t bytes = 0;  // good bytes of the log; 0: none (or stale)
+    int64_t records = 0;
+    uint64_t dropped = 0;  // a torn tail
+    bool stale = false;    // a log of another snapshot was found (to remove)
+  };
+  absl::StatusOr<DecodedSession> DecodeParked(const Entry& e, ParkedLog* log) const;
+  // Writes e's current state (resident) or blob (host): a delta appended to its log when
+  // one can carry the change, else a full snapshot (which drops the log). mu_ is released
+  // while encoding and writing; e.busy meanwhile. Updates the durability fields on success.
+  absl::Status WriteChanges(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::unique_ptr<SessionState> NewState() const;
 
   StateLayout layout_;             // with pool_

@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/check.h"
+#include "state_store/byte_io.h"
 #include "xxhash.h"
 
 namespace sdm {
@@ -21,66 +22,8 @@ constexpr uint64_t kSectionHeaderBytes = 24;
 enum SectionType : uint32_t { kRecord = 1, kKv = 2, kSdm = 3 };
 
 uint64_t Checksum(const void* data, size_t n) { return XXH64(data, n, 0); }
-
-class Writer {
- public:
-  void U32(uint32_t v) { Raw(&v, 4); }
-  void U64(uint64_t v) { Raw(&v, 8); }
-  void I64(int64_t v) { Raw(&v, 8); }
-  void I32(int32_t v) { Raw(&v, 4); }
-  void Str(absl::string_view s) {
-    U64(s.size());
-    Raw(s.data(), s.size());
-  }
-  void Floats(const float* p, int64_t n) { Raw(p, n * sizeof(float)); }
-  void Raw(const void* p, size_t n) {
-    const size_t at = out_.size();
-    out_.resize(at + n);
-    if (n) std::memcpy(out_.data() + at, p, n);
-  }
-  std::string& out() { return out_; }
-
- private:
-  std::string out_;
-};
-
-class Reader {
- public:
-  Reader(absl::string_view data, std::string what) : data_(data), what_(std::move(what)) {}
-  bool U32(uint32_t& v) { return Raw(&v, 4); }
-  bool U64(uint64_t& v) { return Raw(&v, 8); }
-  bool I64(int64_t& v) { return Raw(&v, 8); }
-  bool I32(int32_t& v) { return Raw(&v, 4); }
-  bool Str(std::string& s) {
-    uint64_t n = 0;
-    if (!U64(n) || n > remaining()) return false;
-    s.assign(data_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  // A view of n floats (copied out by the caller; the blob may be unaligned).
-  bool Span(uint64_t bytes, absl::string_view& out) {
-    if (bytes > remaining()) return false;
-    out = data_.substr(pos_, bytes);
-    pos_ += bytes;
-    return true;
-  }
-  bool Raw(void* p, size_t n) {
-    if (n > remaining()) return false;
-    std::memcpy(p, data_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  uint64_t remaining() const { return data_.size() - pos_; }
-  absl::Status Truncated() const {
-    return absl::DataLossError(absl::StrCat("session state ", what_, " is truncated"));
-  }
-
- private:
-  absl::string_view data_;
-  size_t pos_ = 0;
-  std::string what_;
-};
+using internal_state::Reader;
+using internal_state::Writer;
 
 void AppendSection(Writer& w, uint32_t type, const std::string& payload) {
   w.U32(type);
@@ -193,6 +136,37 @@ absl::StatusOr<SessionRecord> ParseRecord(absl::string_view payload, int64_t& po
 
 }  // namespace
 
+std::string EncodeRecordSection(const SessionState& state, const SessionRecord& record) {
+  Writer w;
+  w.Str(record.id);
+  w.Str(record.metadata);
+  w.I64(record.ttl_ms);
+  w.I64(record.last_used_unix_ms);
+  w.I64(state.position());
+  w.U64(state.sampler_seed);
+  w.U64(state.sampler_draws);
+  w.I32(state.pending_token);
+  w.U32(static_cast<uint32_t>(state.num_layers()));
+  return std::move(w.out());
+}
+
+absl::StatusOr<RecordSection> ParseRecordSection(absl::string_view payload) {
+  RecordSection out;
+  int64_t position = 0;
+  int32_t pending = -1;
+  absl::StatusOr<SessionRecord> record =
+      ParseRecord(payload, position, out.sampler_seed, out.sampler_draws, pending, out.layers);
+  if (!record.ok()) return record.status();
+  out.record = *std::move(record);
+  out.record.position = position;
+  out.record.pending_token = pending;
+  return out;
+}
+
+uint64_t SnapshotId(absl::string_view record_prefix) {
+  return Checksum(record_prefix.data(), record_prefix.size());
+}
+
 absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
                                                   const SessionRecord& record,
                                                   uint64_t fingerprint) {
@@ -208,19 +182,7 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
                                uint64_t fingerprint) {
   SDM_CHECK(!state.on_device());
   std::vector<std::pair<uint32_t, std::string>> sections;
-  {
-    Writer w;
-    w.Str(record.id);
-    w.Str(record.metadata);
-    w.I64(record.ttl_ms);
-    w.I64(record.last_used_unix_ms);
-    w.I64(state.position());
-    w.U64(state.sampler_seed);
-    w.U64(state.sampler_draws);
-    w.I32(state.pending_token);
-    w.U32(static_cast<uint32_t>(state.num_layers()));
-    sections.emplace_back(kRecord, std::move(w.out()));
-  }
+  sections.emplace_back(kRecord, EncodeRecordSection(state, record));
   for (int64_t li = 0; li < state.num_layers(); ++li) {
     Writer w;
     w.U32(static_cast<uint32_t>(li));

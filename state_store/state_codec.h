@@ -65,6 +65,23 @@ absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first_bytes, uint64_
 absl::StatusOr<SessionRecord> DecodeSessionRecord(absl::string_view prefix, uint64_t total_bytes,
                                                   uint64_t model_fingerprint);
 
+// The record section's payload (docs/state-format.md, Record), shared by snapshots and the
+// deltas of state_store/state_log.h: the record plus where the session stands.
+std::string EncodeRecordSection(const SessionState& state, const SessionRecord& record);
+struct RecordSection {
+  SessionRecord record;  // with position and pending_token
+  uint64_t sampler_seed = 0;
+  uint64_t sampler_draws = 0;
+  uint32_t layers = 0;
+};
+// DataLoss when the payload does not have the record's size.
+absl::StatusOr<RecordSection> ParseRecordSection(absl::string_view payload);
+
+// A snapshot's identity, for the delta log that extends it (state_store/state_log.h): a hash of
+// its first RecordPrefixSize() bytes (header and record section: they differ between any two
+// snapshots of a session, since the record holds the position and the time of last use).
+uint64_t SnapshotId(absl::string_view record_prefix);
+
 }  // namespace sdm
 
 #endif  // SDMSERVE_STATE_STORE_STATE_CODEC_H_

@@ -80,6 +80,32 @@ absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, absl::s
   return absl::OkStatus();
 }
 
+absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t offset,
+                                 absl::string_view data) {
+  const bool existed = ::access(path.c_str(), F_OK) == 0;
+  Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
+  if (fd.get() < 0) return Errno("cannot open", path, errno);
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::pwrite(fd.get(), data.data() + done, data.size() - done,
+                               static_cast<off_t>(offset + done));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Errno("cannot write", path, errno);
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::ftruncate(fd.get(), static_cast<off_t>(offset + data.size())) != 0) {
+    return Errno("cannot truncate", path, errno);
+  }
+  if (::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
+  if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
+  if (!existed) {
+    return SyncDir(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
+  }
+  return absl::OkStatus();
+}
+
 absl::Status StateFiles::SyncDir(const std::filesystem::path& dir) {
   Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open directory", dir, errno);

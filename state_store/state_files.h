@@ -40,6 +40,13 @@ class StateFiles {
   virtual absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to);
   virtual absl::Status CreateDirs(const std::filesystem::path& dir);
 
+  // Writes `data` at `offset` of `path` (created if missing), cuts the file there
+  // (offset + data.size(): whatever followed, e.g. a torn tail, is gone) and fsyncs it; when it
+  // created the file, fsyncs the directory too. The delta log's append
+  // (state_store/state_log.h). A crash may leave any prefix of `data` after `offset`.
+  virtual absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,
+                               absl::string_view data);
+
  protected:
   // The steps of WriteAtomically, each a fault-injection point.
   virtual absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data);

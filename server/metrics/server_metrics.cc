@@ -99,12 +99,18 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                            .Add({})),
       persist_writes(BuildCounter()
                          .Name("sdm_persist_writes_total")
-                         .Help("Snapshots written after a turn or an idle interval (--persist).")
+                         .Help("Writes of changed sessions to the state directory: snapshots "
+                               "and deltas (--persist).")
+                         .Register(registry)
+                         .Add({})),
+      persist_deltas(BuildCounter()
+                         .Name("sdm_persist_deltas_total")
+                         .Help("Of sdm_persist_writes_total, deltas appended to a session's log.")
                          .Register(registry)
                          .Add({})),
       persist_bytes(BuildCounter()
                         .Name("sdm_persist_bytes_total")
-                        .Help("Bytes of the snapshots counted in sdm_persist_writes_total.")
+                        .Help("Bytes written by the writes counted in sdm_persist_writes_total.")
                         .Register(registry)
                         .Add({})),
       sessions_unpersisted(BuildGauge()

@@ -21,7 +21,8 @@
 //   sdm_snapshot_errors_total              counter    snapshot writes that failed (every try)
 //                                                     and snapshots that failed their checks
 //   sdm_persist_failures_total             counter    sessions whose writes began failing
-//   sdm_persist_writes_total               counter    per-turn (or idle) snapshot writes
+//   sdm_persist_writes_total               counter    writes of changed sessions
+//   sdm_persist_deltas_total               counter    of those, deltas appended to a log
 //   sdm_persist_bytes_total                counter    their bytes
 //   sdm_sessions_unpersisted               gauge      sessions whose last turn is not on disk
 //   sdm_persistence_healthy                gauge      1 while sessions can be written, else 0
@@ -92,6 +93,7 @@ class ServerMetrics {
   prometheus::Counter& snapshot_errors;
   prometheus::Counter& persist_failures;
   prometheus::Counter& persist_writes;
+  prometheus::Counter& persist_deltas;
   prometheus::Counter& persist_bytes;
   prometheus::Gauge& sessions_unpersisted;
   prometheus::Gauge& persistence_healthy;

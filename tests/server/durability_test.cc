@@ -70,7 +70,8 @@ TEST(ServerDurabilityTest, EveryTurnIsOnDiskBehindTheStream) {
   }
   const int port = s.server->metrics_port();
   ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
-  EXPECT_GE(Metric(port, "sdm_persist_writes_total"), 4);  // created + 3 turns (some coalesced)
+  // Created, then the turns (coalesced when a turn ends before the previous one is written).
+  EXPECT_GE(Metric(port, "sdm_persist_writes_total"), 2);
   EXPECT_GT(Metric(port, "sdm_persist_bytes_total"), 0);
   EXPECT_EQ(Metric(port, "sdm_persistence_healthy"), 1);
   // kill -9 now: what the directory holds is what a restarted server finds.

@@ -188,9 +188,12 @@ TEST_F(DurabilityTest, ACurrentSnapshotIsNotWrittenTwice) {
   EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), writes);
   EXPECT_EQ(store->Get("s")->tier, Tier::kDisk);
   EXPECT_EQ(store->Stats().bytes[static_cast<int>(Tier::kDisk)], file_bytes);
-  // It resumes from that file, and its next turn is written again.
+  // It resumes from that file, and its next turn is written again: as a delta appended to its
+  // log, not as a snapshot.
   Turn(*store, "s", testing::RandomTokens(2, 4));
-  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), writes + 1);
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), writes);
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAt), 1);
+  EXPECT_EQ(store->Stats().persist_deltas, 1);
 }
 
 // A read-only or full state directory: every write fails. The failure is counted once per
@@ -247,6 +250,57 @@ TEST_F(DurabilityTest, HealthRecoversWhenTheFailingSessionsAreGone) {
   ASSERT_TRUE(store->Delete("a").ok());
   store->PersistChanged(absl::Now());
   EXPECT_TRUE(store->PersistHealth().ok());
+}
+
+// A crash in the middle of appending a turn's delta: the restarted store has the session at its
+// previous turn, bit-exactly, and its next turn is appended after the last good record (the torn
+// bytes are overwritten), so a second restart has that turn too.
+TEST_F(DurabilityTest, ATornDeltaLeavesThePreviousTurnAndIsWrittenOver) {
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  for (const auto& tokens : {testing::RandomTokens(40, 1), testing::RandomTokens(2, 2)}) {
+    Turn(*store, "s", tokens);
+    testing::DecodeEach(*engine_, *reference, tokens);
+  }
+  ASSERT_GT(store->Stats().persist_deltas, 0) << "the second turn should have been a delta";
+  const int64_t turn2 = reference->position();
+  auto want2_state = reference->Clone();
+  const std::vector<float> want2 = testing::ProbeLogits(*engine_, *want2_state, kProbe);
+
+  files.set_crash_at_fault(true);
+  files.FailNext(FaultInjectionFiles::Op::kWriteAt,
+                 {absl::InternalError("injected: killed mid-append"), 0, /*partial_bytes=*/30});
+  Turn(*store, "s", testing::RandomTokens(3, 3));
+  ASSERT_TRUE(files.crashed());
+
+  const std::filesystem::path crashed = CrashCopy();
+  {
+    FaultInjectionFiles files2;
+    auto restarted = OpenStore(crashed, PersistPolicy::kTurn, &files2);
+    ASSERT_TRUE(restarted->open_errors().empty()) << restarted->open_errors()[0];
+    int64_t position = -1;
+    EXPECT_TRUE(testing::BitwiseEqual(Probe(*restarted, "s", &position), want2));
+    EXPECT_EQ(position, turn2);
+    // Another turn: appended where the last good record ends.
+    const std::vector<int32_t> next = testing::RandomTokens(4, 4);
+    Turn(*restarted, "s", next);
+    testing::DecodeEach(*engine_, *reference, next);
+    EXPECT_EQ(files2.calls(FaultInjectionFiles::Op::kWriteAt), 1);
+  }
+  std::filesystem::path again = crash_dir_.path() / "again";
+  std::filesystem::create_directories(again);
+  for (const auto& entry : std::filesystem::directory_iterator(crashed)) {
+    if (entry.is_regular_file())
+      std::filesystem::copy_file(entry.path(), again / entry.path().filename());
+  }
+  auto restarted = OpenStore(again, PersistPolicy::kTurn, StateFiles::Default());
+  int64_t position = -1;
+  const std::vector<float> got = Probe(*restarted, "s", &position);
+  auto want_state = reference->Clone();
+  EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+  EXPECT_EQ(position, reference->position());
 }
 
 TEST(PersistPolicyTest, NamesRoundTrip) {

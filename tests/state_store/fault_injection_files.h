@@ -41,8 +41,9 @@ class FaultInjectionFiles : public StateFiles {
     kRead,
     kReadRange,
     kList,
+    kWriteAt,
   };
-  static constexpr int kNumOps = 8;
+  static constexpr int kNumOps = 9;
 
   struct Fault {
     // The error the failing call returns.
@@ -74,7 +75,8 @@ class FaultInjectionFiles : public StateFiles {
   }
   // Every write fails, as on a read-only or full file system, until ClearFaults().
   void FailWritesAlways(absl::Status status) {
-    FailNext(Op::kWriteAndSync, {std::move(status), 0, -1, /*sticky=*/true});
+    FailNext(Op::kWriteAndSync, {status, 0, -1, /*sticky=*/true});
+    FailNext(Op::kWriteAt, {std::move(status), 0, -1, /*sticky=*/true});
   }
   void FailSyncDir() {
     FailNext(Op::kSyncDir, {absl::InternalError("injected: directory fsync failed"), 0, -1});
@@ -127,6 +129,21 @@ class FaultInjectionFiles : public StateFiles {
     if (auto s = Enter(Op::kRename, nullptr); !s.ok()) return s;
     return StateFiles::Rename(from, to);
   }
+  // A fault with partial_bytes >= 0 writes that prefix of the data at the offset first (a torn
+  // append).
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,
+                       absl::string_view data) override {
+    std::optional<Fault> fault;
+    if (auto s = Enter(Op::kWriteAt, &fault); !s.ok()) {
+      if (fault.has_value() && fault->partial_bytes >= 0) {
+        const size_t n = static_cast<size_t>(
+            std::min<int64_t>(fault->partial_bytes, static_cast<int64_t>(data.size())));
+        StateFiles::WriteAt(path, offset, data.substr(0, n)).IgnoreError();
+      }
+      return s;
+    }
+    return StateFiles::WriteAt(path, offset, data);
+  }
   absl::Status CreateDirs(const std::filesystem::path& dir) override {
     if (auto s = Enter(Op::kCreateDirs, nullptr); !s.ok()) return s;
     return StateFiles::CreateDirs(dir);
@@ -156,7 +173,7 @@ class FaultInjectionFiles : public StateFiles {
   static int Index(Op op) { return static_cast<int>(op); }
   static bool Mutates(Op op) {
     return op == Op::kWriteAndSync || op == Op::kRename || op == Op::kSyncDir ||
-           op == Op::kRemove || op == Op::kCreateDirs;
+           op == Op::kRemove || op == Op::kCreateDirs || op == Op::kWriteAt;
   }
 
   // Counts the call; returns the error it must fail with, if any (and the fault that fired).

@@ -1,0 +1,360 @@
+#!/usr/bin/env python3
+"""Crash and soak driver for sdm-server (scripts/crash-test.sh, scripts/soak.sh).
+
+Runs an sdm-server on loopback with per-turn persistence and drives it with multi-turn greedy
+traffic on many sessions from more workers than the server admits (so some turns are refused with
+RESOURCE_EXHAUSTED and retried). Every `kill_every` seconds (randomised) it kills the server with
+SIGKILL in the middle of the traffic, restarts it on the same state directory and checks every
+session:
+
+  - lost:       the session is gone although its creation had completed;
+  - rolled back: its position is behind its last completed turn (more than the turn in flight);
+  - diverged:   a fork of it continued greedily does not give the tokens a fork gave when the
+                session was at that position before the kill (the control).
+
+A session may be exactly at its last completed turn, or ahead of it when a turn was in flight at
+the kill (that turn's write finished before the kill; counted as "in-flight turn kept"). With
+kill_every 0 nothing is killed: the soak mode, which samples the server's RSS, open files and
+threads after every round and reports their growth after the warm-up round.
+
+Uses only the standard library and the sdm-client binary. Exit status 0 when no session was
+lost, rolled back or diverged (and, in soak mode, RSS grew less than --max_rss_growth), else 1.
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+
+def log(*args):
+    print(time.strftime("%H:%M:%S"), *args, flush=True)
+
+
+class Server:
+    def __init__(self, args, workdir):
+        self.args = args
+        self.workdir = workdir
+        self.proc = None
+        self.log_path = os.path.join(workdir, "server.log")
+
+    def start(self):
+        a = self.args
+        cmd = [a.server, "--model", a.model, "--port", str(a.port), "--metrics_port", "-1",
+               "--state_dir", os.path.join(self.workdir, "state"), "--threads", "1",
+               "--max_running", str(a.max_running), "--max_waiting", str(a.max_waiting),
+               "--persist", a.persist, "--device", "cpu"]
+        out = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"crash-test: the server exited with {self.proc.returncode}; "
+                                 f"see {self.log_path}")
+            if client(self.args, "info").returncode == 0:
+                return
+            time.sleep(0.2)
+        raise SystemExit("crash-test: the server did not come up in 120 s")
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def stop(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def resources(self):
+        """(RSS KiB, open fds, threads) of the server process."""
+        pid = self.proc.pid
+        rss = threads = 0
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    rss = int(line.split()[1])
+                elif line.startswith("Threads:"):
+                    threads = int(line.split()[1])
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+        return rss, fds, threads
+
+
+def client(args, *cmd, timeout=120):
+    full = [args.client, "--host", f"127.0.0.1:{args.port}", *cmd]
+    try:
+        return subprocess.run(full, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return subprocess.CompletedProcess(full, 124, e.stdout or "", "timeout")
+
+
+def position(args, sid):
+    """The session's position, None when it does not exist, or raises on another error."""
+    r = client(args, "sessions", "get", sid)
+    if r.returncode != 0:
+        if "NOT_FOUND" in r.stderr:
+            return None
+        raise RuntimeError(f"get {sid}: {r.stderr.strip()}")
+    for line in r.stdout.splitlines():
+        if line.startswith("position:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"get {sid}: no position in {r.stdout!r}")
+
+
+def control(args, sid, tag):
+    """Greedy tokens of a fork of `sid` continued by a fixed probe: what its state says."""
+    fork = f"ctl-{tag}-{sid}"
+    r = client(args, "sessions", "fork", sid, fork)
+    if r.returncode != 0:
+        return None
+    try:
+        g = client(args, "generate", "--session", fork, "--prompt", "?", "--max_tokens",
+                   str(args.control_tokens), "--json")
+        if g.returncode != 0:
+            return None
+        return json.loads(g.stdout)["token_ids"]
+    finally:
+        client(args, "sessions", "delete", fork)
+
+
+class Session:
+    def __init__(self, sid):
+        self.sid = sid
+        self.created = False      # its creation completed
+        self.confirmed = 0        # position after its last completed turn
+        self.inflight = False     # a call that may change it had no answer when the server died
+        self.controls = {}        # position -> control tokens
+        self.turns = 0
+        self.busy = False
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.turns = 0
+        self.refused = 0
+        self.failed_calls = 0
+        self.lost = []
+        self.rolled_back = []
+        self.diverged = []
+        self.inflight_kept = 0
+        self.inflight_dropped = 0
+        self.checked = 0
+        self.unchecked = 0
+
+
+def worker(args, sessions, stats, stop, rng_seed, lock):
+    rng = random.Random(rng_seed)
+    while not stop.is_set():
+        with lock:
+            free = [s for s in sessions if not s.busy]
+            if not free:
+                s = None
+            else:
+                s = rng.choice(free)
+                s.busy = True
+        if s is None:
+            time.sleep(0.01)
+            continue
+        try:
+            turn(args, s, stats, rng, stop)
+        finally:
+            with lock:
+                s.busy = False
+
+
+def turn(args, s, stats, rng, stop):
+    if not s.created:
+        s.inflight = True
+        r = client(args, "sessions", "create", s.sid)
+        if r.returncode != 0:
+            if "ALREADY_EXISTS" not in r.stderr:
+                with stats.lock:
+                    stats.failed_calls += 1
+                return  # stays in flight: it may exist or not after a kill
+        s.created = True
+        s.inflight = False
+        s.confirmed = 0
+        s.controls[0] = control(args, s.sid, "c")
+        return
+    words = " ".join(rng.choice(["delta", "memory", "rows", "keys", "state", "turn", "fork",
+                                 "tier", "disk", "host"]) for _ in range(rng.randint(2, 12)))
+    s.inflight = True
+    r = client(args, "generate", "--session", s.sid, "--prompt", f"{s.sid} {s.turns}: {words}",
+               "--max_tokens", str(rng.randint(2, args.max_tokens)), "--json")
+    if r.returncode != 0:
+        if "RESOURCE_EXHAUSTED" in r.stderr:
+            s.inflight = False  # refused before it ran: no effect
+            with stats.lock:
+                stats.refused += 1
+        else:
+            with stats.lock:
+                stats.failed_calls += 1
+        return
+    try:
+        p = position(args, s.sid)
+    except RuntimeError:
+        return  # the server died: the turn completed, but its position is unknown (in flight)
+    if p is None:
+        return
+    s.confirmed = p
+    s.inflight = False
+    s.turns += 1
+    with stats.lock:
+        stats.turns += 1
+    if not stop.is_set():
+        s.controls[p] = control(args, s.sid, "t")
+
+
+def check(args, sessions, stats):
+    """After a restart: every session against its last completed turn and its control."""
+    for s in sessions:
+        try:
+            p = position(args, s.sid)
+        except RuntimeError as e:
+            log(f"check: {e}")
+            stats.lost.append(s.sid)
+            continue
+        if p is None:
+            if s.created:
+                stats.lost.append(s.sid)
+                log(f"LOST: {s.sid} (created, {s.turns} turns, last at position {s.confirmed})")
+            s.inflight = False
+            continue
+        s.created = True
+        if p < s.confirmed:
+            stats.rolled_back.append(s.sid)
+            log(f"ROLLED BACK: {s.sid} at {p}, its last completed turn ended at {s.confirmed}")
+        elif p > s.confirmed:
+            if s.inflight:
+                stats.inflight_kept += 1
+                s.confirmed = p
+            else:
+                stats.diverged.append(s.sid)
+                log(f"AHEAD: {s.sid} at {p}, but its last turn ended at {s.confirmed}")
+        elif s.inflight:
+            stats.inflight_dropped += 1
+        s.inflight = False
+        want = s.controls.get(p)
+        got = control(args, s.sid, "k")
+        if want is None or got is None:
+            stats.unchecked += 1
+            s.controls[p] = got
+        elif got != want:
+            stats.diverged.append(s.sid)
+            log(f"DIVERGED: {s.sid} at {p}: control {want}, after restart {got}")
+        else:
+            stats.checked += 1
+    # Forks left by controls cut short by the kill.
+    r = client(args, "sessions", "list")
+    for line in r.stdout.splitlines()[1:]:
+        sid = line.split()[0] if line.split() else ""
+        if sid.startswith("ctl-"):
+            client(args, "sessions", "delete", sid)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--server", default="build/server/sdm-server")
+    ap.add_argument("--client", default="build/client/sdm-client")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--workdir", default="/tmp/sdm-crash-test")
+    ap.add_argument("--port", type=int, default=50391)
+    ap.add_argument("--duration", type=float, default=1800, help="seconds of traffic in all")
+    ap.add_argument("--kill_every", type=float, default=10,
+                    help="mean seconds between kills (uniform 0.5x-1.5x); 0: soak, no kills")
+    ap.add_argument("--round", type=float, default=10, help="soak: seconds per sampled round")
+    ap.add_argument("--sessions", type=int, default=50)
+    ap.add_argument("--max_running", type=int, default=4)
+    ap.add_argument("--max_waiting", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=0,
+                    help="concurrent clients; 0: twice the admission capacity")
+    ap.add_argument("--max_tokens", type=int, default=12)
+    ap.add_argument("--control_tokens", type=int, default=6)
+    ap.add_argument("--persist", default="turn")
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--max_rss_growth", type=float, default=0.01,
+                    help="soak: allowed RSS growth after the warm-up round (fraction)")
+    args = ap.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    workers = args.workers or 2 * (args.max_running + args.max_waiting)
+    soak = args.kill_every <= 0
+    shutil.rmtree(args.workdir, ignore_errors=True)
+    os.makedirs(args.workdir)
+    log(f"{'soak' if soak else 'crash'} test: seed {seed}, {args.sessions} sessions, {workers} "
+        f"workers against {args.max_running} running + {args.max_waiting} waiting, "
+        f"{args.duration:.0f} s, persist {args.persist}, work dir {args.workdir}")
+    rng = random.Random(seed)
+    server = Server(args, args.workdir)
+    server.start()
+    sessions = [Session(f"s{i:03d}") for i in range(args.sessions)]
+    stats = Stats()
+    lock = threading.Lock()
+    samples = []
+    end = time.monotonic() + args.duration
+    cycle = 0
+    try:
+        while time.monotonic() < end:
+            cycle += 1
+            stop = threading.Event()
+            threads = [threading.Thread(target=worker,
+                                        args=(args, sessions, stats, stop, rng.random(), lock))
+                       for _ in range(workers)]
+            for t in threads:
+                t.start()
+            wait = args.round if soak else args.kill_every * rng.uniform(0.5, 1.5)
+            time.sleep(max(0.0, min(wait, end - time.monotonic())))
+            if soak:
+                stop.set()
+                for t in threads:
+                    t.join()
+                samples.append(server.resources())
+                rss, fds, nthreads = samples[-1]
+                log(f"round {cycle}: {stats.turns} turns, RSS {rss} KiB, {fds} fds, "
+                    f"{nthreads} threads")
+                continue
+            server.kill()
+            stop.set()
+            for t in threads:
+                t.join()
+            server.start()
+            check(args, sessions, stats)
+            log(f"kill {cycle}: {stats.turns} turns so far; lost {len(stats.lost)}, rolled back "
+                f"{len(stats.rolled_back)}, diverged {len(stats.diverged)}; in-flight turns kept "
+                f"{stats.inflight_kept}, dropped {stats.inflight_dropped}; checked "
+                f"{stats.checked}, unchecked {stats.unchecked}")
+    finally:
+        server.stop()
+    bad = len(stats.lost) + len(stats.rolled_back) + len(stats.diverged)
+    print(json.dumps({
+        "mode": "soak" if soak else "crash", "seed": seed, "cycles": cycle,
+        "turns": stats.turns, "refused": stats.refused, "failed_calls": stats.failed_calls,
+        "lost": stats.lost, "rolled_back": stats.rolled_back, "diverged": stats.diverged,
+        "inflight_kept": stats.inflight_kept, "inflight_dropped": stats.inflight_dropped,
+        "checked": stats.checked, "unchecked": stats.unchecked,
+        "resources": samples}, indent=None))
+    if soak and len(samples) >= 3:
+        base = samples[1]  # after the warm-up round
+        growth = (samples[-1][0] - base[0]) / base[0]
+        log(f"soak: RSS {base[0]} -> {samples[-1][0]} KiB ({100 * growth:+.2f}% after warm-up), "
+            f"fds {base[1]} -> {samples[-1][1]}, threads {base[2]} -> {samples[-1][2]}")
+        if growth > args.max_rss_growth:
+            log(f"FAIL: RSS grew more than {100 * args.max_rss_growth:.1f}%")
+            bad += 1
+    if stats.turns == 0:
+        log("FAIL: no turn completed")
+        bad += 1
+    log("PASS" if bad == 0 else "FAIL")
+    return 0 if bad == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+// Little-endian byte writer and bounds-checked reader shared by the session state's encodings
+// (state_store/state_codec.cc, state_store/state_log.cc; docs/state-format.md). Internal to
+// state_store.
+#ifndef SDMSERVE_STATE_STORE_BYTE_IO_H_
+#define SDMSERVE_STATE_STORE_BYTE_IO_H_
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+
+namespace sdm::internal_state {
+
+class Writer {
+ public:
+  void U32(uint32_t v) { Raw(&v, 4); }
+  void U64(uint64_t v) { Raw(&v, 8); }
+  void I64(int64_t v) { Raw(&v, 8); }
+  void I32(int32_t v) { Raw(&v, 4); }
+  void Str(absl::string_view s) {
+    U64(s.size());
+    Raw(s.data(), s.size());
+  }
+  void Floats(const float* p, int64_t n) { Raw(p, n * sizeof(float)); }
+  void Raw(const void* p, size_t n) {
+    const size_t at = out_.size();
+    out_.resize(at + n);
+    if (n) std::memcpy(out_.data() + at, p, n);
+  }
+  std::string& out() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+class Reader {
+ public:
+  Reader(absl::string_view data, std::string what) : data_(data), what_(std::move(what)) {}
+  bool U32(uint32_t& v) { return Raw(&v, 4); }
+  bool U64(uint64_t& v) { return Raw(&v, 8); }
+  bool I64(int64_t& v) { return Raw(&v, 8); }
+  bool I32(int32_t& v) { return Raw(&v, 4); }
+  bool Str(std::string& s) {
+    uint64_t n = 0;
+    if (!U64(n) || n > remaining()) return false;
+    s.assign(data_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  // A view of n floats (copied out by the caller; the blob may be unaligned).
+  bool Span(uint64_t bytes, absl::string_view& out) {
+    if (bytes > remaining()) return false;
+    out = data_.substr(pos_, bytes);
+    pos_ += bytes;
+    return true;
+  }
+  bool Raw(void* p, size_t n) {
+    if (n > remaining()) return false;
+    std::memcpy(p, data_.data() + pos_, n);
+    pos_ += n;
+    return true;
+  }
+  uint64_t remaining() const { return data_.size() - pos_; }
+  absl::Status Truncated() const {
+    return absl::DataLossError(absl::StrCat("session state ", what_, " is truncated"));
+  }
+
+ private:
+  absl::string_view data_;
+  size_t pos_ = 0;
+  std::string what_;
+};
+
+}  // namespace sdm::internal_state
+
+#endif  // SDMSERVE_STATE_STORE_BYTE_IO_H_

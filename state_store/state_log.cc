@@ -1,0 +1,297 @@
+#include "state_store/state_log.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "base/check.h"
+#include "base/status_macros.h"
+#include "state_store/byte_io.h"
+#include "xxhash.h"
+
+namespace sdm {
+namespace {
+
+using internal_state::Reader;
+using internal_state::Writer;
+
+constexpr char kLogMagic[8] = {'S', 'D', 'M', 'D', 'E', 'L', 'T', 'A'};
+enum DeltaKind : uint32_t { kKvDelta = 2, kSdmDelta = 3 };
+
+uint64_t Checksum(absl::string_view data) { return XXH64(data.data(), data.size(), 0); }
+
+absl::Status Damaged(absl::string_view what) {
+  return absl::DataLossError(absl::StrCat("session delta log is damaged: ", what));
+}
+
+absl::Status CheckHeader(absl::string_view header, uint64_t fingerprint, uint64_t base_id) {
+  if (header.size() < kLogHeaderBytes) return Damaged("truncated header");
+  if (std::memcmp(header.data(), kLogMagic, 8) != 0) return Damaged("bad magic");
+  Reader r(header.substr(8, kLogHeaderBytes - 8), "log header");
+  uint32_t version = 0, header_bytes = 0;
+  uint64_t file_fingerprint = 0, file_base = 0, checksum = 0;
+  r.U32(version);
+  r.U32(header_bytes);
+  r.U64(file_fingerprint);
+  r.U64(file_base);
+  r.U64(checksum);
+  if (checksum != Checksum(header.substr(0, 32))) return Damaged("header checksum mismatch");
+  if (version != kStateLogVersion || header_bytes != kLogHeaderBytes) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session delta log format version ", version, " is not supported"));
+  }
+  if (file_fingerprint != fingerprint) {
+    return absl::FailedPreconditionError("session delta log belongs to another model");
+  }
+  if (file_base != base_id) {
+    return absl::FailedPreconditionError(
+        "session delta log extends another snapshot (stale: the snapshot holds its records)");
+  }
+  return absl::OkStatus();
+}
+
+struct Frame {
+  uint64_t offset = 0;  // of the frame header
+  uint64_t bytes = 0;   // payload
+  uint64_t checksum = 0;
+};
+
+absl::StatusOr<RecordSection> PayloadRecord(absl::string_view payload) {
+  Reader r(payload, "delta");
+  uint64_t record_bytes = 0;
+  absl::string_view record;
+  if (!r.U64(record_bytes) || !r.Span(record_bytes, record)) return Damaged("truncated record");
+  absl::StatusOr<RecordSection> parsed = ParseRecordSection(record);
+  if (!parsed.ok()) return Damaged(parsed.status().message());
+  return parsed;
+}
+
+// Applies one checked payload.
+absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSection& out) {
+  Reader r(payload, "delta");
+  uint64_t record_bytes = 0;
+  absl::string_view record;
+  if (!r.U64(record_bytes) || !r.Span(record_bytes, record)) return Damaged("truncated record");
+  absl::StatusOr<RecordSection> parsed = ParseRecordSection(record);
+  if (!parsed.ok()) return Damaged(parsed.status().message());
+  const int64_t position = parsed->record.position;
+  uint32_t layers = 0;
+  if (!r.U32(layers) || layers != static_cast<uint32_t>(state.num_layers()) ||
+      parsed->layers != layers) {
+    return Damaged("layer count does not match the model");
+  }
+  if (position < state.position()) return Damaged("a record goes back in position");
+  for (uint32_t li = 0; li < layers; ++li) {
+    uint32_t layer = 0, kind = 0;
+    if (!r.U32(layer) || !r.U32(kind) || layer != li) return Damaged("layers out of order");
+    if (state.is_sdm(li)) {
+      if (kind != kSdmDelta) return Damaged(absl::StrCat("layer ", li, " is not SDM"));
+      SdmTable& t = state.sdm(li);
+      uint64_t rows = 0;
+      const uint64_t width = static_cast<uint64_t>(t.row_width());
+      const uint64_t slots = static_cast<uint64_t>(t.heads() * t.slots_per_head());
+      if (!r.U64(rows) || rows > slots || rows * (4 + width * sizeof(float)) > r.remaining()) {
+        return Damaged(absl::StrCat("layer ", li, ": SDM rows do not fit"));
+      }
+      std::vector<uint32_t> index(rows);
+      for (uint64_t i = 0; i < rows; ++i) r.U32(index[i]);
+      for (uint64_t i = 0; i < rows; ++i) {
+        if (index[i] >= slots) return Damaged(absl::StrCat("layer ", li, ": slot out of range"));
+        float* row = t.MutableRow(index[i] / t.slots_per_head(), index[i] % t.slots_per_head());
+        if (row == nullptr) return absl::ResourceExhaustedError("the SDM row pool is exhausted");
+        r.Raw(row, width * sizeof(float));
+      }
+    } else {
+      if (kind != kKvDelta) return Damaged(absl::StrCat("layer ", li, " is not KV"));
+      KvCache& kv = state.kv(li);
+      uint64_t width = 0;
+      int64_t from = 0, to = 0, first = 0;
+      if (!r.U64(width) || !r.I64(from) || !r.I64(to) || !r.I64(first)) {
+        return Damaged(absl::StrCat("layer ", li, ": truncated"));
+      }
+      const uint64_t row_bytes = width * sizeof(float);
+      if (static_cast<int64_t>(width) != kv.row_width() || from != kv.length() || to != position ||
+          first < from || first > to || (first > from && kv.ring_capacity() == 0) ||
+          static_cast<uint64_t>(to - first) * 2 * row_bytes > r.remaining()) {
+        return Damaged(absl::StrCat("layer ", li, ": KV rows do not continue the session"));
+      }
+      absl::string_view keys, values;
+      r.Span(static_cast<uint64_t>(to - first) * row_bytes, keys);
+      r.Span(static_cast<uint64_t>(to - first) * row_bytes, values);
+      for (int64_t p = from; p < to; ++p) {
+        float* k = kv.NextKeyRow();
+        float* v = kv.NextValueRow();
+        if (p < first) {
+          // Older than the writer's ring: overwritten within this record (the ring wraps).
+          std::fill(k, k + width, 0.0f);
+          std::fill(v, v + width, 0.0f);
+        } else {
+          std::memcpy(k, keys.data() + (p - first) * row_bytes, row_bytes);
+          std::memcpy(v, values.data() + (p - first) * row_bytes, row_bytes);
+        }
+        kv.Commit();
+      }
+    }
+  }
+  if (r.remaining() != 0) return Damaged("trailing bytes in a record");
+  state.set_position(position);
+  state.sampler_seed = parsed->sampler_seed;
+  state.sampler_draws = parsed->sampler_draws;
+  state.pending_token = parsed->record.pending_token;
+  out = *std::move(parsed);
+  return absl::OkStatus();
+}
+
+// Splits the log after its header into frames; `truncated` is set when the last one is cut short.
+std::vector<Frame> Frames(const LogReader& read, uint64_t size, bool& truncated) {
+  std::vector<Frame> frames;
+  truncated = false;
+  uint64_t at = kLogHeaderBytes;
+  while (at < size) {
+    if (size - at < kLogRecordHeaderBytes) {
+      truncated = true;
+      break;
+    }
+    absl::StatusOr<std::string> head = read(at, kLogRecordHeaderBytes);
+    if (!head.ok() || head->size() < kLogRecordHeaderBytes) {
+      truncated = true;
+      break;
+    }
+    Frame f;
+    f.offset = at;
+    std::memcpy(&f.bytes, head->data(), 8);
+    std::memcpy(&f.checksum, head->data() + 8, 8);
+    if (f.bytes > size - at - kLogRecordHeaderBytes) {
+      truncated = true;
+      break;
+    }
+    frames.push_back(f);
+    at += kLogRecordHeaderBytes + f.bytes;
+  }
+  return frames;
+}
+
+}  // namespace
+
+std::string EncodeLogHeader(uint64_t fingerprint, uint64_t base_id) {
+  Writer w;
+  w.Raw(kLogMagic, 8);
+  w.U32(kStateLogVersion);
+  w.U32(static_cast<uint32_t>(kLogHeaderBytes));
+  w.U64(fingerprint);
+  w.U64(base_id);
+  w.U64(Checksum(w.out()));
+  return std::move(w.out());
+}
+
+std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
+                               int64_t from) {
+  SDM_CHECK(!state.on_device());
+  SDM_CHECK(from <= state.position());
+  Writer payload;
+  const std::string rec = EncodeRecordSection(state, record);
+  payload.U64(rec.size());
+  payload.Raw(rec.data(), rec.size());
+  payload.U32(static_cast<uint32_t>(state.num_layers()));
+  for (int64_t li = 0; li < state.num_layers(); ++li) {
+    payload.U32(static_cast<uint32_t>(li));
+    if (state.is_sdm(li)) {
+      const SdmTable& t = state.sdm(li);
+      payload.U32(kSdmDelta);
+      payload.U64(static_cast<uint64_t>(t.dirty_rows()));
+      t.ForEachDirtyRow([&](int64_t head, int64_t slot, const float*) {
+        payload.U32(static_cast<uint32_t>(head * t.slots_per_head() + slot));
+      });
+      t.ForEachDirtyRow(
+          [&](int64_t, int64_t, const float* row) { payload.Floats(row, t.row_width()); });
+    } else {
+      const KvCache& kv = state.kv(li);
+      const int64_t first = std::max(from, kv.first_position());
+      payload.U32(kKvDelta);
+      payload.U64(static_cast<uint64_t>(kv.row_width()));
+      payload.I64(from);
+      payload.I64(kv.length());
+      payload.I64(first);
+      kv.ForEachSpan(first, kv.length(), [&](int64_t, int64_t n, const float* k, const float*) {
+        payload.Floats(k, n * kv.row_width());
+      });
+      kv.ForEachSpan(first, kv.length(), [&](int64_t, int64_t n, const float*, const float* v) {
+        payload.Floats(v, n * kv.row_width());
+      });
+    }
+  }
+  Writer framed;
+  framed.U64(payload.out().size());
+  framed.U64(Checksum(payload.out()));
+  framed.Raw(payload.out().data(), payload.out().size());
+  return std::move(framed.out());
+}
+
+absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t fingerprint, uint64_t base_id,
+                                    SessionState& state) {
+  SDM_RETURN_IF_ERROR(CheckHeader(log, fingerprint, base_id));
+  bool truncated = false;
+  const std::vector<Frame> frames = Frames(
+      [&](uint64_t offset, uint64_t n) -> absl::StatusOr<std::string> {
+        return std::string(log.substr(offset, n));
+      },
+      log.size(), truncated);
+  LogReplay out;
+  out.valid_bytes = kLogHeaderBytes;
+  for (size_t i = 0; i < frames.size(); ++i) {
+    const absl::string_view payload =
+        log.substr(frames[i].offset + kLogRecordHeaderBytes, frames[i].bytes);
+    if (Checksum(payload) != frames[i].checksum) {
+      if (i + 1 < frames.size()) {
+        return Damaged(absl::StrCat("record ", i, " of ", frames.size(), " failed its checksum"));
+      }
+      break;  // the torn tail
+    }
+    RecordSection applied;
+    SDM_RETURN_IF_ERROR(ApplyDelta(payload, state, applied));
+    out.record = std::move(applied.record);
+    out.has_record = true;
+    ++out.records;
+    out.valid_bytes = frames[i].offset + kLogRecordHeaderBytes + frames[i].bytes;
+  }
+  out.dropped_bytes = log.size() - out.valid_bytes;
+  state.ClearDirty();  // it now equals what the disk holds
+  return out;
+}
+
+absl::StatusOr<LogReplay> ScanLog(const LogReader& read, uint64_t size, uint64_t fingerprint,
+                                  uint64_t base_id) {
+  absl::StatusOr<std::string> header = read(0, kLogHeaderBytes);
+  if (!header.ok()) return header.status();
+  SDM_RETURN_IF_ERROR(CheckHeader(*header, fingerprint, base_id));
+  bool truncated = false;
+  const std::vector<Frame> frames = Frames(read, size, truncated);
+  LogReplay out;
+  out.valid_bytes = kLogHeaderBytes;
+  // The last frame may be torn; the one before it was complete before the last append began.
+  for (int i = static_cast<int>(frames.size()) - 1;
+       i >= 0 && i + 2 >= static_cast<int>(frames.size()); --i) {
+    const Frame& f = frames[i];
+    absl::StatusOr<std::string> payload = read(f.offset + kLogRecordHeaderBytes, f.bytes);
+    if (!payload.ok()) return payload.status();
+    if (payload->size() != f.bytes || Checksum(*payload) != f.checksum) {
+      if (i + 1 < static_cast<int>(frames.size())) {
+        return Damaged(absl::StrCat("record ", i, " of ", frames.size(), " failed its checksum"));
+      }
+      continue;
+    }
+    absl::StatusOr<RecordSection> record = PayloadRecord(*payload);
+    if (!record.ok()) return record.status();
+    out.record = std::move(record->record);
+    out.has_record = true;
+    out.records = i + 1;
+    out.valid_bytes = f.offset + kLogRecordHeaderBytes + f.bytes;
+    break;
+  }
+  out.dropped_bytes = size - out.valid_bytes;
+  return out;
+}
+
+}  // namespace sdm

@@ -1,0 +1,73 @@
+// The delta log of one session (docs/state-format.md, "Delta log"): what each persisted turn
+// changed, appended to `<stem>.sdmlog` beside the session's snapshot `<stem>.sdmstate`, so that a
+// turn costs the bytes it touched rather than a full snapshot. Recovery is the snapshot plus the
+// log's records in order; the store compacts (writes a full snapshot, removes the log) once the
+// log grows past a fraction of the snapshot.
+//
+//   header: magic "SDMDELTA" | u32 version | u32 header bytes (40) | u64 model fingerprint |
+//           u64 base snapshot id (SnapshotId of the snapshot it extends) | u64 checksum of the
+//           preceding 32 bytes
+//   record: u64 payload bytes | u64 payload checksum | payload
+//   payload: u64 record-section bytes | record section (state_codec.h) | u32 layer count |
+//            per layer: u32 layer | u32 kind (2 KV, 3 SDM) | kind's body
+//     KV:  u64 row width | i64 from | i64 to | i64 first | key rows [first, to) | value rows
+//          (from: the length before; first > from only for a ring, whose older rows are gone)
+//     SDM: u64 rows | u32 slot index (head * slots + slot) per row | the rows
+//
+// A crash can leave a torn tail (a record cut short or failing its checksum): replay stops there
+// and drops it; the store then writes its next record at the end of the last good one. A log
+// whose header names another snapshot (a crash between a compaction's rename and the log's
+// removal: the snapshot already holds everything) is stale and ignored.
+//
+// Thread-safety: pure functions.
+#ifndef SDMSERVE_STATE_STORE_STATE_LOG_H_
+#define SDMSERVE_STATE_STORE_STATE_LOG_H_
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "state_store/session_state.h"
+#include "state_store/state_codec.h"
+
+namespace sdm {
+
+inline constexpr uint32_t kStateLogVersion = 1;
+inline constexpr uint64_t kLogHeaderBytes = 40;
+inline constexpr uint64_t kLogRecordHeaderBytes = 16;
+
+std::string EncodeLogHeader(uint64_t model_fingerprint, uint64_t base_snapshot_id);
+
+// One framed record: `record` (with the state's position, sampler stream and pending token), the
+// KV rows of positions [from_position, position) still held, and the SDM rows written since the
+// last SessionState::ClearDirty(). Preconditions: !state.on_device(),
+// from_position <= state.position().
+std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
+                               int64_t from_position);
+
+struct LogReplay {
+  int64_t records = 0;         // records applied (or, for ScanLog, found good)
+  uint64_t valid_bytes = 0;    // header plus the good records: where the next record goes
+  uint64_t dropped_bytes = 0;  // a torn tail after them
+  bool has_record = false;     // records > 0: `record` is the last one's
+  SessionRecord record;        // with position and pending_token
+};
+
+// Applies the log's good records, in order, to `state` (decoded from the snapshot the log
+// extends), and clears its dirty marks (it then equals what the disk holds). Errors: FailedPrecondition for a stale log (another base snapshot, model or
+// version) — ignore it; DataLoss for a damaged header or a good record that does not fit the
+// state (then `state` may be partly updated: discard it).
+absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t model_fingerprint,
+                                    uint64_t base_snapshot_id, SessionState& state);
+
+// The same checks without a state, reading only the header, each record's frame and the last
+// good record (for listing sessions at start-up). `read(offset, n)` returns up to n bytes.
+using LogReader = std::function<absl::StatusOr<std::string>(uint64_t offset, uint64_t n)>;
+absl::StatusOr<LogReplay> ScanLog(const LogReader& read, uint64_t size, uint64_t model_fingerprint,
+                                  uint64_t base_snapshot_id);
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_STATE_STORE_STATE_LOG_H_

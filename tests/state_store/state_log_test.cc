@@ -1,0 +1,191 @@
+// The delta log (state_store/state_log.h): a snapshot plus the deltas of later turns restores the
+// live session bit-exactly (next-token logits), through ring wrap and SDM row writes; a torn tail
+// is dropped at any cut, leaving exactly the previous turn; damage before the tail is DataLoss; a
+// log of another snapshot is refused as stale; a delta costs the rows its turn touched.
+#include "state_store/state_log.h"
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "engine/engine.h"
+#include "gtest/gtest.h"
+#include "state_store/state_codec.h"
+#include "tests/state_store/snapshot_test_util.h"
+
+namespace sdm {
+namespace {
+
+constexpr int32_t kProbe = 42;
+
+class StateLogTest : public ::testing::Test {
+ protected:
+  void SetUp() override { engine_ = testing::TinyEngine(); }
+
+  uint64_t IdOf(const std::string& snapshot) {
+    auto prefix = RecordPrefixSize(snapshot, snapshot.size(), engine_->fingerprint());
+    EXPECT_TRUE(prefix.ok()) << prefix.status();
+    return SnapshotId(absl::string_view(snapshot).substr(0, *prefix));
+  }
+
+  // The snapshot's state with the log replayed onto it.
+  absl::StatusOr<std::unique_ptr<SessionState>> Restore(const std::string& snapshot,
+                                                        const std::string& log,
+                                                        LogReplay* replay = nullptr) {
+    auto decoded = DecodeSessionState(snapshot, engine_->state_layout(), engine_->fingerprint());
+    if (!decoded.ok()) return decoded.status();
+    auto r = ReplayLog(log, engine_->fingerprint(), IdOf(snapshot), *decoded->state);
+    if (!r.ok()) return r.status();
+    if (replay != nullptr) *replay = *r;
+    return std::move(decoded->state);
+  }
+
+  std::vector<float> Probe(const SessionState& state) {
+    auto copy = state.Clone();
+    return testing::ProbeLogits(*engine_, *copy, kProbe);
+  }
+
+  // A session with `history` tokens, snapshotted; then `turns` turns of random lengths, each
+  // appended to the log as a delta. `after[i]` is the probe after turn i (`after[0]`: the
+  // snapshot), `ends[i]` the log's size after it.
+  void Build(uint32_t seed, int history, int turns) {
+    std::mt19937 rng(seed);
+    live_ = engine_->NewSession();
+    testing::DecodeEach(*engine_, *live_, testing::RandomTokens(history, rng()));
+    snapshot_ = EncodeSessionState(*live_, SessionRecord{"s", "meta"}, engine_->fingerprint());
+    live_->ClearDirty();
+    log_ = EncodeLogHeader(engine_->fingerprint(), IdOf(snapshot_));
+    after_ = {Probe(*live_)};
+    ends_ = {log_.size()};
+    positions_ = {live_->position()};
+    for (int t = 0; t < turns; ++t) {
+      const int64_t from = live_->position();
+      // Some turns longer than the 16-row sliding-window ring: the delta holds only its tail.
+      const int n = 1 + static_cast<int>(rng() % 24);
+      testing::DecodeEach(*engine_, *live_, testing::RandomTokens(n, rng()));
+      log_ += EncodeSessionDelta(*live_, SessionRecord{"s", "meta", -1, 1000 + t}, from);
+      live_->ClearDirty();
+      after_.push_back(Probe(*live_));
+      ends_.push_back(log_.size());
+      positions_.push_back(live_->position());
+    }
+  }
+
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<SessionState> live_;
+  std::string snapshot_, log_;
+  std::vector<std::vector<float>> after_;
+  std::vector<size_t> ends_;
+  std::vector<int64_t> positions_;
+};
+
+TEST_F(StateLogTest, SnapshotPlusDeltasIsTheLiveSession) {
+  const uint32_t fresh = std::random_device{}();
+  for (uint32_t seed : {1u, 2u, 3u, fresh}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    Build(seed, 5 + static_cast<int>(seed % 30), 6);
+    LogReplay replay;
+    auto state = Restore(snapshot_, log_, &replay);
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(replay.records, 6);
+    EXPECT_EQ(replay.valid_bytes, log_.size());
+    EXPECT_EQ(replay.dropped_bytes, 0u);
+    EXPECT_EQ(replay.record.position, live_->position());
+    EXPECT_EQ(replay.record.last_used_unix_ms, 1005);
+    EXPECT_EQ((*state)->position(), live_->position());
+    EXPECT_EQ((*state)->pending_token, live_->pending_token);
+    EXPECT_TRUE(testing::BitwiseEqual(Probe(**state), after_.back()));
+    // Replayed rows are not dirty: the restored state equals what the disk holds.
+    for (int64_t l = 0; l < (*state)->num_layers(); ++l) {
+      if ((*state)->is_sdm(l)) {
+        EXPECT_EQ((*state)->sdm(l).dirty_rows(), 0);
+      }
+    }
+  }
+}
+
+TEST_F(StateLogTest, ATornTailIsDroppedAtAnyCut) {
+  Build(7, 20, 3);
+  const size_t last_start = ends_[2];
+  for (size_t cut = last_start; cut < log_.size(); ++cut) {
+    SCOPED_TRACE(::testing::Message() << "cut at " << cut << " of " << log_.size());
+    const std::string torn = log_.substr(0, cut);
+    LogReplay replay;
+    auto state = Restore(snapshot_, torn, &replay);
+    ASSERT_TRUE(state.ok()) << state.status();
+    EXPECT_EQ(replay.records, 2);
+    EXPECT_EQ(replay.valid_bytes, last_start);
+    EXPECT_EQ(replay.dropped_bytes, cut - last_start);
+    EXPECT_EQ((*state)->position(), positions_[2]);
+    if (cut == last_start || cut % 97 == 0) {  // logits for a sample of cuts (they are slow)
+      EXPECT_TRUE(testing::BitwiseEqual(Probe(**state), after_[2]));
+    }
+    // The scan at start-up agrees, reading only frames and the last good record.
+    auto scanned = ScanLog(
+        [&](uint64_t offset, uint64_t n) -> absl::StatusOr<std::string> {
+          return torn.substr(std::min<size_t>(offset, torn.size()), n);
+        },
+        torn.size(), engine_->fingerprint(), IdOf(snapshot_));
+    ASSERT_TRUE(scanned.ok()) << scanned.status();
+    EXPECT_EQ(scanned->valid_bytes, last_start);
+    EXPECT_EQ(scanned->record.position, positions_[2]);
+  }
+  // A tail of garbage after a complete record (a torn write of a frame that looks whole).
+  std::string garbled = log_;
+  garbled[garbled.size() - 3] ^= 0x5a;
+  LogReplay replay;
+  auto state = Restore(snapshot_, garbled, &replay);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(replay.records, 2);
+  EXPECT_EQ((*state)->position(), positions_[2]);
+}
+
+TEST_F(StateLogTest, DamageBeforeTheTailIsDataLoss) {
+  Build(8, 20, 3);
+  std::string damaged = log_;
+  damaged[ends_[1] - 5] ^= 0x01;  // inside the first record
+  EXPECT_EQ(Restore(snapshot_, damaged).status().code(), absl::StatusCode::kDataLoss);
+  std::string header = log_;
+  header[3] ^= 0x01;
+  EXPECT_EQ(Restore(snapshot_, header).status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(StateLogTest, ALogOfAnotherSnapshotIsStale) {
+  Build(9, 20, 2);
+  auto other = live_->Clone();
+  const std::string newer =
+      EncodeSessionState(*other, SessionRecord{"s", "meta"}, engine_->fingerprint());
+  EXPECT_EQ(Restore(newer, log_).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
+// What a turn writes grows with the rows it touched, not with the session's history.
+TEST_F(StateLogTest, ADeltaCostsTheRowsItsTurnTouched) {
+  Build(10, 400, 0);
+  const int64_t from = live_->position();
+  testing::DecodeEach(*engine_, *live_, testing::RandomTokens(1, 11));
+  const std::string one = EncodeSessionDelta(*live_, SessionRecord{"s", "meta"}, from);
+  int64_t dirty = 0, sdm_width = 0, kv_width = 0;
+  for (int64_t l = 0; l < live_->num_layers(); ++l) {
+    if (live_->is_sdm(l)) {
+      dirty += live_->sdm(l).dirty_rows();
+      sdm_width = live_->sdm(l).row_width();
+    } else {
+      kv_width += live_->kv(l).row_width();
+    }
+  }
+  EXPECT_GT(dirty, 0);
+  // Exactly: the dirty rows with their indices, one KV row pair per attention layer, and small
+  // fixed parts (record, per-layer headers, framing).
+  const int64_t rows_bytes = dirty * (4 + sdm_width * 4) + 2 * kv_width * 4;
+  EXPECT_GE(static_cast<int64_t>(one.size()), rows_bytes);
+  EXPECT_LT(static_cast<int64_t>(one.size()), rows_bytes + 512);
+  const std::string full =
+      EncodeSessionState(*live_, SessionRecord{"s", "meta"}, engine_->fingerprint());
+  EXPECT_LT(one.size() * 5, full.size()) << "delta " << one.size() << ", snapshot " << full.size();
+}
+
+}  // namespace
+}  // namespace sdm
