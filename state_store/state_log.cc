@@ -120,11 +120,31 @@ absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSe
       absl::string_view keys, values;
       r.Span(static_cast<uint64_t>(to - first) * row_bytes, keys);
       r.Span(static_cast<uint64_t>(to - first) * row_bytes, values);
+      const int64_t ring = kv.ring_capacity();
+      if (ring > 0 && to - from >= ring) {
+        // Nothing the ring held survives: reset it to `to` and fill what it holds now (rows
+        // older than the writer's ring, if this one is larger, are outside the window: zeros).
+        // Also bounds the work by the ring, whatever `to` claims.
+        kv.ResetForRestore(to);
+        for (int64_t p = to - ring; p < to; ++p) {
+          float* k = kv.MutableKeyRow(p);
+          float* v = kv.MutableValueRow(p);
+          if (p < first) {
+            std::fill(k, k + width, 0.0f);
+            std::fill(v, v + width, 0.0f);
+          } else {
+            std::memcpy(k, keys.data() + (p - first) * row_bytes, row_bytes);
+            std::memcpy(v, values.data() + (p - first) * row_bytes, row_bytes);
+          }
+        }
+        continue;
+      }
+      // Appended in order; rows before `first` (fewer than the ring) are overwritten within
+      // this record as the ring wraps.
       for (int64_t p = from; p < to; ++p) {
         float* k = kv.NextKeyRow();
         float* v = kv.NextValueRow();
         if (p < first) {
-          // Older than the writer's ring: overwritten within this record (the ring wraps).
           std::fill(k, k + width, 0.0f);
           std::fill(v, v + width, 0.0f);
         } else {

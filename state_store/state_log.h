@@ -56,9 +56,10 @@ struct LogReplay {
 };
 
 // Applies the log's good records, in order, to `state` (decoded from the snapshot the log
-// extends), and clears its dirty marks (it then equals what the disk holds). Errors: FailedPrecondition for a stale log (another base snapshot, model or
-// version) — ignore it; DataLoss for a damaged header or a good record that does not fit the
-// state (then `state` may be partly updated: discard it).
+// extends), and clears its dirty marks (it then equals what the disk holds). Errors:
+// FailedPrecondition for a stale log (another base snapshot, model or version) — ignore it;
+// DataLoss for a damaged header or a good record that does not fit the state (then `state` may be
+// partly updated: discard it).
 absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t model_fingerprint,
                                     uint64_t base_snapshot_id, SessionState& state);
 

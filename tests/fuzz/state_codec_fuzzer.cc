@@ -16,8 +16,7 @@
 // does) agrees with the full decode; the blob is refused under another model's fingerprint; and
 // re-encoding the decoded session gives a blob that decodes and re-encodes to itself.
 //
-// The layout is fixed and small (no model needed): a full-attention KV layer, an SDM layer and
-// a sliding-window KV layer whose ring wraps after 3 tokens.
+// The layout is fixed and small (tests/fuzz/fuzz_state_util.h).
 //
 // `state_codec_fuzzer --write-seeds=DIR` writes a seed corpus of valid blobs to DIR and exits.
 #include <sanitizer/allocator_interface.h>
@@ -37,55 +36,12 @@
 #include "state_store/session_state.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_layout.h"
+#include "tests/fuzz/fuzz_state_util.h"
 #include "xxhash.h"
 
 namespace {
 
-constexpr uint64_t kFingerprint = 0x5d3c0dec5eed0001ull;
-constexpr int64_t kWidth = 4;
-constexpr int64_t kSdmHeads = 2;
-constexpr int64_t kSlots = 8;
-constexpr int64_t kRing = 3;
-
-sdm::StateLayout MakeLayout() {
-  sdm::LayerStateLayout full;
-  full.kind = sdm::LayerStateLayout::Kind::kKv;
-  full.kv_row_width = kWidth;
-  sdm::LayerStateLayout table;
-  table.kind = sdm::LayerStateLayout::Kind::kSdm;
-  table.sdm_heads = kSdmHeads;
-  table.slots_per_head = kSlots;
-  table.row_width = kWidth;
-  auto m0 = std::make_shared<float[]>(kSdmHeads * kSlots * kWidth);
-  for (int64_t i = 0; i < kSdmHeads * kSlots * kWidth; ++i) m0[i] = 0.25f * static_cast<float>(i);
-  table.m0 = std::shared_ptr<const float>(m0, m0.get());
-  table.row_pool = std::make_shared<sdm::RowPool>(kWidth, /*max_rows=*/4096);
-  sdm::LayerStateLayout ring = full;
-  ring.ring_capacity = kRing;
-  sdm::StateLayout layout;
-  layout.layers = {full, table, ring};
-  return layout;
-}
-
-const sdm::StateLayout& Layout() {
-  static const sdm::StateLayout layout = MakeLayout();
-  return layout;
-}
-
-// Bytes malloc'd while `counting` (the decoder runs single-threaded inside the fuzzer).
-bool counting = false;
-size_t allocated = 0;
-void OnMalloc(const volatile void*, size_t bytes) {
-  if (counting) allocated += bytes;
-}
-void OnFree(const volatile void*) {}
-constexpr size_t kAllocationSlack = size_t{1} << 20;
-constexpr size_t kAllocationPerBlobByte = 8;
-
-[[noreturn]] void Fail(const char* what) {
-  std::fprintf(stderr, "state_codec_fuzzer: property violated: %s\n", what);
-  std::abort();
-}
+using namespace sdm::fuzz;  // NOLINT: the fuzzers' shared fixture
 
 template <typename T>
 T LoadAt(const std::string& b, size_t at) {
@@ -166,23 +122,7 @@ void CheckBlob(const std::string& blob) {
 // A valid session of `tokens` tokens with a recognisable fill.
 std::string ValidBlob(int tokens, const std::string& id, const std::string& metadata) {
   sdm::SessionState state(Layout());
-  for (int t = 0; t < tokens; ++t) {
-    for (int layer : {0, 2}) {
-      float* k = state.kv(layer).NextKeyRow();
-      float* v = state.kv(layer).NextValueRow();
-      for (int64_t i = 0; i < kWidth; ++i) {
-        k[i] = static_cast<float>(t * 10 + i);
-        v[i] = -static_cast<float>(t * 10 + i);
-      }
-      state.kv(layer).Commit();
-    }
-    float* row = state.sdm(1).MutableRow(t % kSdmHeads, (t * 5) % kSlots);
-    row[t % kWidth] += 1.0f;
-    state.AdvancePosition();
-  }
-  state.sampler_seed = 7;
-  state.sampler_draws = static_cast<uint64_t>(tokens);
-  state.pending_token = tokens > 0 ? 65 : -1;
+  FillState(state, tokens);
   return sdm::EncodeSessionState(state, sdm::SessionRecord{id, metadata, 1000, 42}, kFingerprint);
 }
 

@@ -1,0 +1,88 @@
+// What the state-store fuzzers share (tests/fuzz/*_fuzzer.cc): a fixed small layout (no model
+// needed) — a full-attention KV layer, an SDM layer and a sliding-window KV layer whose ring wraps
+// after 3 tokens — a session filled recognisably, an allocation counter (the sanitizer
+// allocator's malloc hook) and a loud failure.
+#ifndef SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
+#define SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+
+#include "state_store/session_state.h"
+#include "state_store/state_layout.h"
+
+namespace sdm::fuzz {
+
+inline constexpr uint64_t kFingerprint = 0x5d3c0dec5eed0001ull;
+inline constexpr int64_t kWidth = 4;
+inline constexpr int64_t kSdmHeads = 2;
+inline constexpr int64_t kSlots = 8;
+inline constexpr int64_t kRing = 3;
+
+inline StateLayout MakeLayout() {
+  LayerStateLayout full;
+  full.kind = LayerStateLayout::Kind::kKv;
+  full.kv_row_width = kWidth;
+  LayerStateLayout table;
+  table.kind = LayerStateLayout::Kind::kSdm;
+  table.sdm_heads = kSdmHeads;
+  table.slots_per_head = kSlots;
+  table.row_width = kWidth;
+  auto m0 = std::make_shared<float[]>(kSdmHeads * kSlots * kWidth);
+  for (int64_t i = 0; i < kSdmHeads * kSlots * kWidth; ++i) m0[i] = 0.25f * static_cast<float>(i);
+  table.m0 = std::shared_ptr<const float>(m0, m0.get());
+  table.row_pool = std::make_shared<RowPool>(kWidth, /*max_rows=*/4096);
+  LayerStateLayout ring = full;
+  ring.ring_capacity = kRing;
+  StateLayout layout;
+  layout.layers = {full, table, ring};
+  return layout;
+}
+
+inline const StateLayout& Layout() {
+  static const StateLayout layout = MakeLayout();
+  return layout;
+}
+
+// Bytes malloc'd while `counting` (the decoder runs single-threaded inside the fuzzer).
+inline bool counting = false;
+inline size_t allocated = 0;
+inline void OnMalloc(const volatile void*, size_t bytes) {
+  if (counting) allocated += bytes;
+}
+inline void OnFree(const volatile void*) {}
+inline constexpr size_t kAllocationSlack = size_t{1} << 20;
+inline constexpr size_t kAllocationPerBlobByte = 8;
+
+[[noreturn]] inline void Fail(const char* what) {
+  std::fprintf(stderr, "fuzzer: property violated: %s\n", what);
+  std::abort();
+}
+
+// Feeds `tokens` recognisable tokens to `state` (KV rows and one SDM row write per token).
+inline void FillState(SessionState& state, int tokens) {
+  for (int t = 0; t < tokens; ++t) {
+    for (int layer : {0, 2}) {
+      float* k = state.kv(layer).NextKeyRow();
+      float* v = state.kv(layer).NextValueRow();
+      for (int64_t i = 0; i < kWidth; ++i) {
+        k[i] = static_cast<float>(t * 10 + i);
+        v[i] = -static_cast<float>(t * 10 + i);
+      }
+      state.kv(layer).Commit();
+    }
+    float* row = state.sdm(1).MutableRow(t % kSdmHeads, (t * 5) % kSlots);
+    row[t % kWidth] += 1.0f;
+    state.AdvancePosition();
+  }
+  state.sampler_seed = 7;
+  state.sampler_draws = static_cast<uint64_t>(state.position());
+  state.pending_token = state.position() > 0 ? 65 : -1;
+}
+
+}  // namespace sdm::fuzz
+
+#endif  // SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
