@@ -2,7 +2,8 @@
 # Downloads (here, where Debian's registry is reachable) the Debian packages the engine, kernels,
 # tests and benchmarks need at build time into .devdeps/, for scripts/device-check.sh on the lent
 # GPU machine, which reaches no registry and has CUDA, cmake and a compiler but not these
-# libraries. .devdeps/ is gitignored; name it in the device tool's `carry` list (about 16 MB).
+# libraries (nor, perhaps, a recent enough cmake). .devdeps/ is gitignored; name it in the device
+# tool's `carry` list (about 30 MB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
@@ -11,6 +12,8 @@ packages=(
   libxxhash-dev libxxhash0 nlohmann-json3-dev
   libsentencepiece-dev libsentencepiece0 libprotobuf-lite32
   pkgconf pkgconf-bin libpkgconf3
+  # Used by device-check.sh only where the machine's own cmake is older than the project needs.
+  cmake cmake-data libjsoncpp25 librhash0 libuv1 libarchive13
 )
 mkdir -p .devdeps
 cd .devdeps
