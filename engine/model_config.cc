@@ -426,6 +426,13 @@ absl::Status FinalizeModelConfig(ModelConfig& c) {
     if (a.slots_per_head > (int64_t{1} << 30)) {
       return Invalid("sdm_args.slots_per_head", "larger than 2^30 slots per head");
     }
+    // A layer's slots are indexed head * slots_per_head + slot in 32 bits: the device slot tables
+    // (kernels/cuda/sdm.h) and the session state format (docs/state-format.md).
+    if (g.heads * a.slots_per_head >= (int64_t{1} << 31)) {
+      return Invalid("sdm_args.slots_per_head",
+                     absl::StrCat(g.heads, " heads x ", a.slots_per_head,
+                                  " slots reach 2^31 slots per layer (indices are 32-bit)"));
+    }
     if (a.num_writes <= 0) return Invalid("sdm_args.num_writes", "must be positive");
     if (a.num_reads <= 0) return Invalid("sdm_args.num_reads", "must be positive");
     if (!(a.norm_eps > 0)) return Invalid("sdm_args.norm_eps", "must be positive");

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "kernels/common/device_layout.h"
 
 namespace sdm {
@@ -93,6 +94,7 @@ kc::SdmRowArena CudaDeviceContext::row_arena() const {
   a.free_list = free_list_.get();
   a.free_count = free_count_.get();
   a.row_width = row_width_;
+  a.capacity = sizes_.sdm_rows;
   return a;
 }
 
@@ -188,6 +190,7 @@ absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
         "reading the free row count"));
   }
   absl::MutexLock lock(&mu_);
+  SDM_RETURN_IF_ERROR(CheckFreeCount(device_free));
   free_rows_ = device_free;
   if (rows > free_rows_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -213,9 +216,25 @@ absl::Status CudaDeviceContext::StartRefresh() {
   return absl::OkStatus();
 }
 
+absl::Status CudaDeviceContext::CheckFreeCount(int64_t device_free) {
+  if (device_free >= 0 && device_free <= sizes_.sdm_rows) return free_list_error_;
+  if (free_list_error_.ok()) {
+    free_list_error_ = absl::InternalError(absl::StrCat(
+        "the device SDM row free list is corrupt (count ", device_free, " of ", sizes_.sdm_rows,
+        " rows): rows were taken or returned twice; restart the server (sessions on the device "
+        "are lost, parked ones are intact)"));
+    SDM_LOG(ERROR) << "sdm cuda: " << free_list_error_;
+  }
+  return free_list_error_;
+}
+
 void CudaDeviceContext::FinishRefresh() {
   absl::MutexLock lock(&mu_);
-  if (free_count_.get() != nullptr) free_rows_ = *free_count_host_.get();
+  if (free_count_.get() != nullptr) {
+    const int32_t device_free = *free_count_host_.get();
+    // Out of range: ReserveRows() fails from now on, loudly (the error is logged once).
+    if (CheckFreeCount(device_free).ok()) free_rows_ = device_free;
+  }
   std::memcpy(counters_published_.data(), counters_host_.get(), counters_.bytes());
 }
 

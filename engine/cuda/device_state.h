@@ -111,6 +111,9 @@ class CudaDeviceContext {
   std::vector<std::vector<int32_t>> free_pages_ ABSL_GUARDED_BY(mu_);  // per layer
   std::vector<int32_t> free_slots_ ABSL_GUARDED_BY(mu_);
   int64_t free_rows_ ABSL_GUARDED_BY(mu_) = 0;
+  // Set once the device free count is seen outside [0, rows] (never cleared).
+  absl::Status free_list_error_ ABSL_GUARDED_BY(mu_);
+  absl::Status CheckFreeCount(int64_t device_free) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<int32_t> counters_published_ ABSL_GUARDED_BY(mu_);
 };
 

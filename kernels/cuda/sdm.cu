@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(kStepThreads)
 constexpr int kMoveThreads = 256;
 
 __global__ void ReleaseKernel(int32_t* table, int64_t n_slots, int32_t* free_list,
-                              int32_t* free_count) {
+                              int32_t* free_count, int64_t capacity) {
   const int lane = threadIdx.x & 31;
   // Uniform trip count per warp (base is per block), so the ballot sees every lane.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n_slots;
@@ -538,7 +538,10 @@ __global__ void ReleaseKernel(int32_t* table, int64_t n_slots, int32_t* free_lis
     if (lane == leader) pos = atomicAdd(free_count, __popc(mask));
     pos = __shfl_sync(kFullMask, pos, leader);
     if (has) {
-      free_list[pos + __popc(mask & LaneMaskLt(lane))] = row;
+      // Guarded: only a count already out of range (a broken precondition, reported by the
+      // engine's refresh) could put the slot outside the list; the row then leaks loudly.
+      const int64_t at = static_cast<int64_t>(pos) + __popc(mask & LaneMaskLt(lane));
+      if (at >= 0 && at < capacity) free_list[at] = row;
       table[i] = kSdmNoRow;
     }
   }
@@ -692,7 +695,7 @@ cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& a
   if (n_slots < 0) return cudaErrorInvalidValue;
   if (n_slots == 0) return cudaSuccess;
   ReleaseKernel<<<CappedBlocks(n_slots, kMoveThreads), kMoveThreads, 0, stream>>>(
-      table, n_slots, arena.free_list, arena.free_count);
+      table, n_slots, arena.free_list, arena.free_count, arena.capacity);
   return cudaGetLastError();
 }
 

@@ -25,6 +25,10 @@ struct SdmRowArena {
   int32_t* free_list = nullptr;   // [capacity]: entries [0, *free_count) are free row indices
   int32_t* free_count = nullptr;  // device scalar
   int64_t row_width = 0;
+  // Rows in the arena (the free list's length). A release never writes outside [0, capacity):
+  // a count pushed out of range by a broken precondition is reported by the engine
+  // (CudaDeviceContext's refresh), not turned into a wild write.
+  int64_t capacity = 0;
 };
 
 struct SdmDims {

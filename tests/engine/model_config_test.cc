@@ -153,6 +153,10 @@ TEST(ModelConfigTest, RejectsBadSdmGeometry) {
   std::string square = kBase;
   square.replace(square.find("\"slots_per_head\": 64"), 20, "\"slots_per_head\": 60");
   ExpectInvalid(square, {"sdm_args.slots_per_head", "60 is not a perfect square"});
+  // 2 heads x 2^30 slots: slot indices would not fit in 32 bits.
+  std::string wide = kBase;
+  wide.replace(wide.find("\"slots_per_head\": 64"), 20, "\"slots_per_head\": 1073741824");
+  ExpectInvalid(wide, {"sdm_args.slots_per_head", "reach 2^31 slots per layer"});
   std::string heads = kBase;
   heads.replace(heads.find("\"num_heads\": 2"), 14, "\"num_heads\": 3");
   ExpectInvalid(heads, {"sdm_args.num_heads", "not divisible by num_heads=3"});

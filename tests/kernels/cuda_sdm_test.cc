@@ -294,6 +294,7 @@ void RunScenario(const Scenario& sc) {
   arena_desc.free_list = d_free.get();
   arena_desc.free_count = d_free_count.get();
   arena_desc.row_width = width;
+  arena_desc.capacity = capacity;
   cuda::SdmDims dims;
   dims.heads = heads;
   dims.side = side;
@@ -633,6 +634,41 @@ TEST(CudaSdmTest, FreshSeeds) {
 #endif
 }
 
+// A release when the count is already out of range (a broken precondition) must not write
+// outside the free list: the guard drops the entries, the table is still cleared, and the count
+// stays out of range for the engine's refresh to report (CudaDeviceContext::CheckFreeCount).
+TEST(CudaSdmTest, ReleaseNeverWritesOutsideTheFreeList) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int64_t capacity = 64;
+  // The list sits inside a larger buffer whose margins must stay untouched.
+  const int64_t margin = 64;
+  std::vector<int32_t> storage(capacity + 2 * margin, -7);
+  auto d_storage = Upload(storage);
+  for (int32_t broken : {-5, static_cast<int32_t>(capacity) - 2}) {
+    auto d_count = Upload(std::vector<int32_t>{broken});
+    // 10 slots holding rows 0..9: the release pushes 10 rows from `broken` on.
+    std::vector<int32_t> table(10);
+    for (int32_t i = 0; i < 10; ++i) table[i] = i;
+    auto d_table = Upload(table);
+    cuda::SdmRowArena arena;
+    arena.free_list = d_storage.get() + margin;
+    arena.free_count = d_count.get();
+    arena.row_width = 8;
+    arena.capacity = capacity;
+    ASSERT_EQ(cuda::SdmReleaseRows(d_table.get(), 10, arena, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> after = Download(d_storage.get(), capacity + 2 * margin);
+    for (int64_t i = 0; i < margin; ++i) {
+      ASSERT_EQ(after[i], -7) << "wrote before the list at " << i - margin;
+      ASSERT_EQ(after[margin + capacity + i], -7) << "wrote past the list at " << capacity + i;
+    }
+    EXPECT_EQ(DownloadScalar(d_count.get()), broken + 10);
+    for (int32_t entry : Download(d_table.get(), 10)) EXPECT_EQ(entry, kSdmNoRow);
+  }
+#endif
+}
+
 TEST(CudaSdmTest, InitFreeListHoldsEveryRow) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
@@ -642,6 +678,7 @@ TEST(CudaSdmTest, InitFreeListHoldsEveryRow) {
   arena.free_list = list.get();
   arena.free_count = count.get();
   arena.row_width = 8;
+  arena.capacity = capacity;
   ASSERT_EQ(cuda::SdmInitFreeList(arena, capacity, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(DownloadScalar(count.get()), capacity);

@@ -244,7 +244,8 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
     SDM_RETURN_IF_ERROR(Upload(table_ptrs.get(), tp, "uploading segments"));
     SDM_RETURN_IF_ERROR(Upload(counter_ptrs.get(), cp, "uploading segments"));
   }
-  const kc::SdmRowArena arena{arena_rows.get(), free_list.get(), free_count.get(), kSdmWidth};
+  const kc::SdmRowArena arena{arena_rows.get(), free_list.get(), free_count.get(), kSdmWidth,
+                              capacity};
   const kc::SdmDims dims{kSdmHeads, kSdmSide, kSdmWidth};
   kc::SdmSegments segs;
   segs.first_row = first_row.get();
