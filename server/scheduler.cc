@@ -289,7 +289,14 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   // that sends its next turn right away finds the session free.
   job.lease = SessionLease();
   job.state = nullptr;
-  job.observer->OnFinish(reason, job.usage, error);
+  if (job.spec.session.id.empty()) {
+    job.observer->OnFinish(reason, job.usage, error);
+  } else {
+    // The turn is acknowledged once it is durable (--persist turn): the store's worker calls
+    // back after writing it, off the step thread (at once when there is nothing to wait for).
+    store_.WhenPersisted(job.spec.session, [observer = job.observer, reason, usage = job.usage,
+                                            error] { observer->OnFinish(reason, usage, error); });
+  }
   if (listener_ != nullptr) {
     listener_->OnJobFinished(reason, job.usage, Seconds(job.submitted, Clock::now()));
   }

@@ -65,7 +65,10 @@ struct GenerateJob {
   absl::Time deadline = absl::InfiniteFuture();
 };
 
-// Receives a job's output on the step thread.
+// Receives a job's output on the step thread — except OnFinish for a job on a session, which
+// comes once the turn is written to the state directory (SessionStateStore::WhenPersisted: from
+// the store's worker thread, or at once on the step thread when nothing is to wait for). So an
+// observer must be thread-safe, and a client's final chunk means its turn survives a crash.
 class JobObserver {
  public:
   virtual ~JobObserver() = default;

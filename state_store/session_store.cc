@@ -126,6 +126,10 @@ struct SessionStateStore::Entry {
   int64_t log_records = 0;
   int64_t persisted_position = 0;
   bool needs_full = true;
+  // WhenPersisted callbacks, each with the version it waits for; `attempted_version` is the
+  // version of the last write tried (written or failed).
+  std::vector<std::pair<uint64_t, std::function<void()>>> waiters;
+  uint64_t attempted_version = 0;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -246,6 +250,11 @@ SessionStateStore::~SessionStateStore() {
     changed_.SignalAll();
   }
   if (worker_.joinable()) worker_.join();
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [key, e] : entries_) SettleWaiters(*e, /*all=*/true);
+  }
+  FlushReady();
 }
 
 int64_t SessionStateStore::MinSessionBytes() const {
@@ -287,6 +296,7 @@ void SessionStateStore::Insert(std::unique_ptr<Entry> e) {
 
 std::unique_ptr<SessionStateStore::Entry> SessionStateStore::Erase(EntryMap::iterator it) {
   std::unique_ptr<Entry> e = std::move(it->second);
+  SettleWaiters(*e, /*all=*/true);  // nothing left to write
   entries_.erase(it);
   auto usage = usage_.find(e->key.tenant);
   SDM_CHECK(usage != usage_.end());
@@ -550,6 +560,7 @@ absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e,
 
 void SessionStateStore::Changed() {
   if (options_.background) {
+    worker_pending_ = true;  // a signal the worker misses while it works is not lost
     changed_.SignalAll();
   } else {
     Rebalance();
@@ -1058,8 +1069,11 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     if (options_.persist == PersistPolicy::kIdle && now - e->last_used < options_.persist_idle) {
       continue;
     }
-    // Its host layers are stale on the device: written when it leaves it.
-    if (e->tier == Tier::kResident && e->state->on_device()) continue;
+    // Its host layers are stale on the device: written when it leaves it (nobody waits).
+    if (e->tier == Tier::kResident && e->state->on_device()) {
+      SettleWaiters(*e, /*all=*/true);
+      continue;
+    }
     due.push_back(key);
   }
   int written = 0;
@@ -1127,8 +1141,10 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   mu_.Lock();
   e.busy = false;
   changed_.SignalAll();
+  e.attempted_version = version;
   if (!status.ok()) {
     PersistFailed(e, status);
+    SettleWaiters(e, /*all=*/false);
     return status;
   }
   e.persisted_version = version;
@@ -1148,7 +1164,47 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   counters_.persist_bytes += static_cast<int64_t>(written_bytes);
   if (delta) ++counters_.persist_deltas;
   PersistSucceeded(e);
+  SettleWaiters(e, /*all=*/false);
   return absl::OkStatus();
+}
+
+void SessionStateStore::SettleWaiters(Entry& e, bool all) {
+  if (e.waiters.empty()) return;
+  auto settled = [&](const auto& w) { return all || w.first <= e.attempted_version; };
+  for (auto& w : e.waiters) {
+    if (settled(w)) ready_.push_back(std::move(w.second));
+  }
+  std::erase_if(e.waiters, settled);
+  worker_pending_ = true;  // the worker flushes ready_
+  changed_.SignalAll();
+}
+
+void SessionStateStore::FlushReady() {
+  std::vector<std::function<void()>> ready;
+  {
+    absl::MutexLock lock(&mu_);
+    ready.swap(ready_);
+  }
+  for (auto& done : ready) done();
+}
+
+void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void()> done) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    Entry* e = it == entries_.end() ? nullptr : it->second.get();
+    const bool wait = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
+                      options_.persist == PersistPolicy::kTurn && persist_error_.ok() &&
+                      e->broken.ok() && e->version != e->persisted_version &&
+                      !(e->tier == Tier::kResident && e->state->on_device());
+    if (wait) {
+      e->waiters.emplace_back(e->version, std::move(done));
+      worker_pending_ = true;
+      changed_.SignalAll();
+      return;
+    }
+  }
+  done();
 }
 
 void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {
@@ -1342,15 +1398,21 @@ void SessionStateStore::EnforceDeviceBudget() {
 void SessionStateStore::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {
-    changed_.WaitWithTimeout(&mu_, absl::Seconds(1));
+    if (!worker_pending_) changed_.WaitWithTimeout(&mu_, absl::Seconds(1));
+    worker_pending_ = false;
     if (stop_) break;
     Rebalance();
     PersistChangedLocked(absl::Now());
     const absl::Status health = persist_error_;
     const bool tell = options_.on_persist_health != nullptr && health.ok() != reported_healthy_;
     reported_healthy_ = health.ok();
+    if (!health.ok()) {
+      // Writes fail: nobody waits for them (health says sessions are not durable).
+      for (auto& [key, e] : entries_) SettleWaiters(*e, /*all=*/true);
+    }
     mu_.Unlock();
     if (tell) options_.on_persist_health(health);
+    FlushReady();
     ExpireIdle(absl::Now());
     mu_.Lock();
   }

@@ -278,6 +278,16 @@ class SessionStateStore {
   // writes fail, until one succeeds.
   absl::Status PersistHealth() const;
 
+  // Calls `done` once the session's state as of this call has been written to the snapshot
+  // directory — or its write was tried and failed, or the session is gone — so that a turn is
+  // acknowledged only once it is durable (the scheduler calls this before a job's OnFinish).
+  // Calls it at once when nothing is to wait for: no directory, a policy other than kTurn, no
+  // worker, writes currently failing (health says so), an on-device session (written when it
+  // leaves the device), or a state already written. Otherwise `done` runs on the worker thread,
+  // never with the store's lock held; pending calls run at the latest when the store is
+  // destroyed.
+  void WhenPersisted(const SessionKey& key, std::function<void()> done);
+
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
   // step thread; `wake` is called (never with the store's lock held) when device work is queued,
   // so that an idle step loop runs RunDeviceMoves(). ClearStepThread(), on that thread, runs
@@ -332,6 +342,10 @@ class SessionStateStore {
   void PersistSucceeded(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // UNAVAILABLE while writes fail and host memory is over budget (see Durability).
   absl::Status RefuseWhenUnpersistable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves e's WhenPersisted callbacks that its last write attempt settles (all of them with
+  // `all`) to ready_, for FlushReady() to call.
+  void SettleWaiters(Entry& e, bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FlushReady() ABSL_LOCKS_EXCLUDED(mu_);
   // Makes a resident entry's host layers current (copies its device copy back): queued for the
   // step thread and awaited when one is registered and this is not it, else inline. e.busy
   // meanwhile; mu_ released while waiting or copying. A failure is counted and returned, naming
@@ -391,8 +405,11 @@ class SessionStateStore {
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU order
   // The cause of the last failed write while writes fail; OK otherwise.
   absl::Status persist_error_ ABSL_GUARDED_BY(mu_);
-  std::string logged_cause_ ABSL_GUARDED_BY(mu_);      // the last cause logged
-  bool reported_healthy_ ABSL_GUARDED_BY(mu_) = true;  // as last told on_persist_health
+  std::string logged_cause_ ABSL_GUARDED_BY(mu_);                  // the last cause logged
+  bool reported_healthy_ ABSL_GUARDED_BY(mu_) = true;              // as last told on_persist_health
+  std::vector<std::function<void()>> ready_ ABSL_GUARDED_BY(mu_);  // settled WhenPersisted calls
+  // Work arrived for the worker (Changed(), a waiter): it does not wait for the next signal.
+  bool worker_pending_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
 
   // Device moves for the step thread (see SetStepThread).

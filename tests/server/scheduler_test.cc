@@ -16,6 +16,7 @@
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
 #include "gtest/gtest.h"
+#include "tests/server/server_test_util.h"
 
 namespace sdm {
 namespace {
@@ -65,13 +66,28 @@ std::vector<int32_t> Tokens(int n, uint32_t seed) {
   return t;
 }
 
-class SchedulerTest : public testing::Test {
+class SchedulerTest : public ::testing::Test {
  protected:
   void SetUp() override {
     ModelConfig c = *PresetConfig("tiny");
     auto e = Engine::Create(RandomModel(c, 5), EngineOptions{});
     ASSERT_TRUE(e.ok());
     engine_ = *std::move(e);
+    SetUpStore();
+  }
+  // For tests whose long jobs must not end early by sampling EOS: the tiny model whose EOS logit
+  // is zeroed (tests/server/server_test_util.h), so a greedy job runs until it is stopped.
+  void UseNoEosModel() {
+    store_.reset();
+    auto model = LoadModel(sdm::testing::NoEosModelDir());
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto e = Engine::Create(*model, EngineOptions{});
+    ASSERT_TRUE(e.ok());
+    engine_ = *std::move(e);
+    std::filesystem::remove_all(dir_);
+    OpenStore();
+  }
+  void SetUpStore() {
     tokenizer_ = Tokenizer::CreateByteTokenizer();
     dir_ = std::filesystem::temp_directory_path() / absl::StrCat("sdm_sched_", ::getpid());
     std::filesystem::remove_all(dir_);
@@ -250,6 +266,7 @@ TEST_F(SchedulerTest, DeadlineEndsTheJobAndFreesItsPlace) {
 }
 
 TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
+  UseNoEosModel();  // the long job runs until the test cancels it
   SchedulerOptions o;
   o.max_running = 1;
   StartScheduler(o);

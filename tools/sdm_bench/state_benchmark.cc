@@ -15,6 +15,8 @@
 #include "engine/model_config.h"
 #include "nlohmann/json.hpp"
 #include "state_store/session_store.h"
+#include "state_store/state_codec.h"
+#include "state_store/state_log.h"
 #include "tools/sdm_bench/device_info.h"
 
 namespace sdm::bench {
@@ -161,6 +163,28 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       const Clock::time_point t1 = Clock::now();
       const bool exact = NextLogits(engine, lease->state(), next) == want;
       const double first_step = Since(t1);
+      // What per-turn persistence writes (state_store/state_log.h): the delta of a 1-token and
+      // of a 16-token turn after this history, against a full snapshot. The restored session
+      // carries no dirty marks, so the delta holds exactly what the turn touched. CPU only (a
+      // device copy-back would mark every row).
+      int64_t delta_1 = -1, delta_16 = -1, snapshot_bytes = -1;
+      if (!lease->state().on_device()) {
+        SessionState& st = lease->state();
+        const SessionRecord record{"bench", ""};
+        delta_1 = static_cast<int64_t>(EncodeSessionDelta(st, record, length).size());
+        std::vector<float> logits(engine.vocab_size());
+        for (int32_t token : RandomTokens(15, rng)) {
+          SessionState* batch[] = {&st};
+          if (auto s = engine.Decode(batch, {&token, 1}, logits); !s.ok()) return s;
+        }
+        delta_16 = static_cast<int64_t>(EncodeSessionDelta(st, record, length).size());
+        snapshot_bytes = static_cast<int64_t>(EncodeSessionState(st, record, 0).size());
+        std::printf(
+            "#   %s at %lld tokens: a turn's delta %.3f MB (1 token), %.3f MB (16 tokens); full "
+            "snapshot %.3f MB\n",
+            preset.c_str(), static_cast<long long>(length), delta_1 / 1e6, delta_16 / 1e6,
+            snapshot_bytes / 1e6);
+      }
       const double rows_mb = rows * g.head_width * 4 / 1e6;
       std::printf(
           "%-13s %6lld %9lld %10.2f %10.2f %8.2f %9.1f %9.2f %9.2f %9.2f %10.2f %9.2f %9.0f %6s\n",
@@ -195,6 +219,9 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
                          {"device_to_host_s",
                           device_to_host >= 0 ? nlohmann::json(device_to_host) : nlohmann::json()},
                          {"first_step_after_resume_s", first_step},
+                         {"turn_delta_bytes_1_token", delta_1},
+                         {"turn_delta_bytes_16_tokens", delta_16},
+                         {"snapshot_bytes_after_16", snapshot_bytes},
                          {"exact", exact}});
     }
   }
