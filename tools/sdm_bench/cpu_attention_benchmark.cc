@@ -43,9 +43,12 @@ void FillRandom(float* x, int64_t n, std::mt19937_64& rng) {
 absl::Status RunCpuAttentionBenchmark(const CpuAttentionBenchOptions& opt) {
   absl::StatusOr<ModelConfig> config = PresetConfig(opt.preset);
   if (!config.ok()) return config.status();
+  // The first global attention layer (else the first sliding-window one): its heads and head_dim.
   int64_t layer = -1;
-  for (int64_t i = 0; i < config->n_layers && layer < 0; ++i) {
-    if (config->layer_types[i] != LayerType::kSdm) layer = i;
+  for (LayerType type : {LayerType::kAttn, LayerType::kSwa}) {
+    for (int64_t i = 0; i < config->n_layers && layer < 0; ++i) {
+      if (config->layer_types[i] == type) layer = i;
+    }
   }
   if (layer < 0) return absl::InvalidArgumentError(opt.preset + " has no attention layer");
   const AttentionGeometry g = AttentionGeometryOf(*config, layer);

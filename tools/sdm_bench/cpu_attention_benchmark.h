@@ -22,7 +22,7 @@
 namespace sdm::bench {
 
 struct CpuAttentionBenchOptions {
-  std::string preset = "debug";  // the geometry of its first attention layer
+  std::string preset = "debug";  // the geometry of its first global (else SWA) attention layer
   std::vector<int64_t> contexts = {8192};
   std::vector<int64_t> batches = {1, 8};
   int64_t window = 0;  // > 0: a sliding window over a ring of window + 256 slots
