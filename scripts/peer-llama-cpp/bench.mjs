@@ -4,11 +4,11 @@
 // tokens of a step evaluated as one batch). Prints one JSON line: median step ms and tokens/s.
 //
 //   node bench.mjs MODEL.gguf CONTEXT BATCH [--steps 10] [--warmup 2] [--threads 2]
-//                  [--kv f32|f16] [--flash off|on] [--seed 1]
+//                  [--kv f32|f16] [--flash off|on] [--seed 1] [--vocab 258]
 import { getLlama } from "node-llama-cpp";
 
 const args = process.argv.slice(2);
-const opt = { steps: 10, warmup: 2, threads: 2, kv: "f32", flash: "off", seed: 1 };
+const opt = { steps: 10, warmup: 2, threads: 2, kv: "f32", flash: "off", seed: 1, vocab: 258 };
 const pos = [];
 for (let i = 0; i < args.length; ++i) {
   if (args[i].startsWith("--")) opt[args[i].slice(2)] = args[++i];
@@ -26,7 +26,7 @@ const rand = () => { seed ^= seed << 13; seed >>>= 0; seed ^= seed >>> 17; seed 
 
 const llama = await getLlama({ gpu: false, build: "never" });
 const model = await llama.loadModel({ modelPath, gpuLayers: 0 });
-const vocab = model.tokens.bos !== undefined ? 258 : 258;
+const vocab = Number(opt.vocab);  // the model's vocab_size: random tokens in [3, vocab)
 const kvType = opt.kv.toUpperCase();
 const ctx = await model.createContext({
   contextSize: context + warmup + steps + 8,

@@ -46,6 +46,8 @@ if [ ! -f "$model/model.safetensors" ]; then
     --dtype fp32 >/dev/null
 fi
 [ -f "$model.gguf" ] || node "$here/write-gguf.mjs" "$model" "$model.gguf"
+vocab=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_size"])' \
+  "$model/config.json")
 
 echo "# peer comparison: $preset, threads $threads, llama.cpp KV $kv, flash attention $flash;" \
   "$(date -u +%Y-%m-%dT%H:%M:%SZ); load average $(cut -d' ' -f1-3 /proc/loadavg)"
@@ -58,7 +60,8 @@ for c in "${ctx_list[@]}"; do
     for ((r = 0; r < rounds; ++r)); do
       run_llama() {
         node "$here/bench.mjs" "$model.gguf" "$c" "$b" --steps "$steps" --warmup "$warmup" \
-          --threads "$threads" --kv "$kv" --flash "$flash" --seed "$((seed + r))" 2>/dev/null |
+          --threads "$threads" --kv "$kv" --flash "$flash" --seed "$((seed + r))" \
+          --vocab "$vocab" 2>/dev/null |
           tail -1 | python3 -c 'import json,sys; j=json.load(sys.stdin); print(j["tokens_per_s"])' \
           > "$work/llama.tok"
       }
