@@ -9,7 +9,8 @@
 # 1. Installs node-llama-cpp (pinned in package.json; its prebuilt CPU libraries come from the npm
 #    registry) into this folder, once.
 # 2. Writes the preset with random fp32 weights (sdm-model init --seed) and the same weights as a
-#    GGUF (write-gguf.mjs): full-attention presets only (debug, baseline_1.4B, ...).
+#    GGUF (write-gguf.mjs): full-attention presets only (debug, baseline_1.4B, ...); checks that
+#    both engines give the same logits for 64 random tokens (compare-logits.mjs).
 # 3. For each context and batch, `rounds` rounds, the engine that goes first alternating: llama.cpp
 #    (bench.mjs) and sdmserve (sdm-bench decode --presets PRESET), each with the same protocol
 #    (B sessions prefilled with random tokens to the context, warm-up steps, timed steps of one
@@ -17,8 +18,8 @@
 #    bytes from sdm-bench's byte model: fp32 weights plus the visible KV rows, the same bytes for
 #    llama.cpp with --kv f32) against the streaming-read bandwidth sdm-bench measured in the
 #    round, and the ratio sdmserve / llama.cpp per round and of the medians.
-# Needs: node and npm, and a build with sdm-model and sdm-bench (cmake --build build --target
-# sdm-model sdm-bench).
+# Needs: node and npm, and a build with sdm-model, sdm-cli and sdm-bench (cmake --build build
+# --target sdm-model sdm-cli sdm-bench).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -33,7 +34,8 @@ while [ $# -gt 0 ]; do
   esac
   shift 2
 done
-for tool in "$build/tools/sdm_model/sdm-model" "$build/tools/sdm_bench/sdm-bench"; do
+for tool in "$build/tools/sdm_model/sdm-model" "$build/tools/sdm_bench/sdm-bench" \
+  "$build/tools/sdm_cli/sdm-cli"; do
   [ -x "$tool" ] || { echo "run.sh: $tool not built" >&2; exit 2; }
 done
 if [ ! -d "$here/node_modules/node-llama-cpp" ]; then
@@ -51,6 +53,10 @@ vocab=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["vocab_
 
 echo "# peer comparison: $preset, threads $threads, llama.cpp KV $kv, flash attention $flash;" \
   "$(date -u +%Y-%m-%dT%H:%M:%SZ); load average $(cut -d' ' -f1-3 /proc/loadavg)"
+# The same model on both sides: the last position's logits after 64 random tokens.
+echo "# logits, sdmserve against llama.cpp: $(node "$here/compare-logits.mjs" "$model.gguf" "$model" \
+  "$build/tools/sdm_cli/sdm-cli" --tokens 64 --vocab "$vocab" --threads "$threads" 2>/dev/null |
+  tail -1)"
 results=$work/results.tsv
 : > "$results"
 IFS=, read -ra ctx_list <<< "$contexts"
