@@ -14,6 +14,7 @@
 #include "engine/weight_spec.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/decode_attention.h"
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/linear.h"
 #include "kernels/cpu/norm.h"
@@ -48,6 +49,7 @@ class CpuBackend : public EngineBackend {
       : model_(context.model),
         cfg_(model_->config),
         pool_(context.options.num_threads),
+        decode_attention_(context.options.cpu_decode_attention),
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)) {
     const ModelWeights& w = *model_->weights;
@@ -161,8 +163,8 @@ class CpuBackend : public EngineBackend {
                         });
       return spans;
     };
-    // Single-token segments (decode) run per (segment, head) on the pool; longer segments
-    // (prefill) use GEMMs on this thread.
+    // Single-token segments (decode) run on the pool (AttendDecodeBatch: split-K over blocks of
+    // whole cache rows); longer segments (prefill) use GEMMs on this thread.
     std::vector<const Segment*> singles;
     for (const Segment& s : segs) {
       if (s.length == 1) {
@@ -182,13 +184,22 @@ class CpuBackend : public EngineBackend {
         spans[i] =
             spans_for(s.session->kv(li), cpu::FirstVisiblePosition(s.pos0, g.window), s.pos0 + 1);
       }
-      pool_.ParallelFor(static_cast<int64_t>(singles.size()) * g.n_heads, [&](int64_t task) {
-        const int64_t i = task / g.n_heads;
-        const int64_t h = task % g.n_heads;
-        const int64_t r = singles[i]->first_row;
-        cpu::AttendDecodeHead(&q[r * q_width + h * g.head_dim], h, singles[i]->pos0, spans[i],
-                              shape, &o[r * q_width + h * g.head_dim]);
-      });
+      if (decode_attention_ == CpuDecodeAttention::kBlocked) {
+        std::vector<cpu::DecodeQuery> queries;
+        for (size_t i = 0; i < singles.size(); ++i) {
+          const int64_t r = singles[i]->first_row;
+          queries.push_back({&q[r * q_width], singles[i]->pos0, spans[i], &o[r * q_width]});
+        }
+        cpu::AttendDecodeBatch(queries, shape, &pool_);
+      } else {
+        pool_.ParallelFor(static_cast<int64_t>(singles.size()) * g.n_heads, [&](int64_t task) {
+          const int64_t i = task / g.n_heads;
+          const int64_t h = task % g.n_heads;
+          const int64_t r = singles[i]->first_row;
+          cpu::AttendDecodeHead(&q[r * q_width + h * g.head_dim], h, singles[i]->pos0, spans[i],
+                                shape, &o[r * q_width + h * g.head_dim]);
+        });
+      }
     }
     if (a.w_gate != nullptr) {
       std::vector<float> gate(n * q_width);
@@ -318,6 +329,7 @@ class CpuBackend : public EngineBackend {
   std::shared_ptr<const Model> model_;
   const ModelConfig& cfg_;
   cpu::ThreadPool pool_;
+  CpuDecodeAttention decode_attention_;
   int64_t hidden_;
   SdmGeometry sdm_geom_;
   const float* tok_embeddings_ = nullptr;

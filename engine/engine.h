@@ -43,6 +43,14 @@ enum class EngineDevice { kAuto, kCpu, kCuda };
 const char* EngineDeviceName(EngineDevice device);
 absl::StatusOr<EngineDevice> ParseEngineDevice(std::string_view name);
 
+// The CPU backend's decode attention kernel (single-token segments).
+enum class CpuDecodeAttention {
+  kBlocked,  // all heads against blocks of whole cache rows, split-K
+             // (kernels/cpu/decode_attention.h)
+  kPerHead,  // one task per (session, head) over strided row slices (AttendDecodeHead); the
+             // earlier kernel, kept so benchmarks can compare the two in one run
+};
+
 struct EngineOptions {
   EngineDevice device = EngineDevice::kCpu;
   int num_threads = 0;  // 0: one per hardware thread (CPU backend; the CUDA backend's host side)
@@ -56,6 +64,8 @@ struct EngineOptions {
   // share of the memory left free once weights and workspaces are allocated.
   int64_t device_state_bytes = 0;
   double device_state_fraction = 0.85;
+  // CPU backend: the decode attention kernel.
+  CpuDecodeAttention cpu_decode_attention = CpuDecodeAttention::kBlocked;
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().

@@ -214,6 +214,31 @@ TEST_F(SdmBenchToolTest, StateSubcommandRuns) {
   EXPECT_FALSE(nlohmann::json::parse(ReadFile(json_path), nullptr, false).is_discarded());
 }
 
+TEST_F(SdmBenchToolTest, CpuAttentionComparesTheKernels) {
+  const Result r = RunTool(
+      "cpu-attention --presets tiny --attention_contexts 300 --attention_batches 1,2 "
+      "--window 8 --kernel_reps 2 --kernel_warmup 0 --bandwidth_mb 8 --threads 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("memory bandwidth (start"));
+  EXPECT_THAT(r.output, HasSubstr("blocked ms"));
+  EXPECT_THAT(r.output, HasSubstr("per-head ms"));
+  int rows = 0;  // one table row per (context, batch)
+  for (const std::string& line : Lines(r.output)) rows += line.rfind("     300 ", 0) == 0;
+  EXPECT_EQ(rows, 2) << r.output;
+  EXPECT_EQ(RunTool("cpu-attention --window -1").code, 2);
+}
+
+TEST_F(SdmBenchToolTest, DecodeMeasuresBothCpuAttentionKernels) {
+  const Result r = RunTool(
+      "decode --device cpu --presets tiny --cpu_attention blocked,per_head --contexts 16 "
+      "--batches 1 --fit_batch=false --steps 1 --warmup 0 --bandwidth_mb 8");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("tiny[per_head]"));
+  const Result bad = RunTool("decode --presets tiny --cpu_attention fastest");
+  EXPECT_EQ(bad.code, 2);
+  EXPECT_THAT(bad.output, HasSubstr("--cpu_attention"));
+}
+
 TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {
   Result r = RunTool("decode --pair nope");
   EXPECT_EQ(r.code, 2);

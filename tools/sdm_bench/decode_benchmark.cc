@@ -300,6 +300,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   for (const std::string& p : opt.pairs) {
     absl::StatusOr<BenchGroup> g = NamedPair(p, opt.overrides);
     if (!g.ok()) return g.status();
+    for (BenchModel& m : g->models) m.cpu_attention = opt.cpu_attention.front();
     groups.push_back(*std::move(g));
   }
   if (!opt.presets.empty()) {
@@ -311,7 +312,10 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
       absl::StatusOr<ModelConfig> c = PresetConfig(p);
       if (!c.ok()) return c.status();
       if (auto s = ApplyConfigOverrides(*c, opt.overrides); !s.ok()) return s;
-      g.models.push_back({p, "model", *c});
+      for (CpuDecodeAttention k : opt.cpu_attention) {
+        const bool per_head = k == CpuDecodeAttention::kPerHead;
+        g.models.push_back({per_head ? p + "[per_head]" : p, "model", *c, k});
+      }
     }
     groups.push_back(std::move(g));
   }
@@ -327,6 +331,14 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
       {"device", EngineDeviceName(opt.device)},
       {"pair", opt.pairs},
       {"presets", opt.presets},
+      {"cpu_attention",
+       [&] {
+         json k = json::array();
+         for (CpuDecodeAttention a : opt.cpu_attention) {
+           k.push_back(a == CpuDecodeAttention::kPerHead ? "per_head" : "blocked");
+         }
+         return k;
+       }()},
       {"set", opt.overrides},
       {"contexts", opt.contexts.empty() ? json("each pair's default") : json(opt.contexts)},
       {"batches", opt.batches},
@@ -507,6 +519,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
         // step time: the device figures are whole steps only.
         eo.profile = !cuda;
         eo.prefill_chunk = opt.prefill_chunk;
+        eo.cpu_decode_attention = run.spec->cpu_attention;
         // Size the device's arenas for the longest context measured (not the default 128k).
         eo.max_context = max_position;
         if (opt.device_state_gb > 0) {

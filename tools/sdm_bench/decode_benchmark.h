@@ -77,6 +77,7 @@ struct BenchModel {
   std::string name;  // preset name, or the pair's name for a model built in the tool
   std::string role;  // "sdm", "attention" (the twin), or "model" (explicit --presets list)
   ModelConfig config;
+  CpuDecodeAttention cpu_attention = CpuDecodeAttention::kBlocked;  // EngineOptions' kernel
 };
 
 // Models measured together (interleaved) over the same contexts.
@@ -108,7 +109,10 @@ struct DecodeBenchOptions {
   std::vector<std::string> pairs;      // named pairs (see PairNames())
   std::vector<std::string> presets;    // an explicit group of presets (measured together)
   std::vector<std::string> overrides;  // --set key=value, applied to every model
-  std::vector<int64_t> contexts;       // empty: each group's default contexts
+  // CPU decode attention kernels: pairs use the first; a --presets group measures every model
+  // with each (the kPerHead copy named "MODEL[per_head]").
+  std::vector<CpuDecodeAttention> cpu_attention = {CpuDecodeAttention::kBlocked};
+  std::vector<int64_t> contexts;  // empty: each group's default contexts
   std::vector<int64_t> batches = {1, 4, 16};
   bool fit_batch = true;   // also measure the largest batch in the budget
   int64_t max_batch = 16;  // cap of the `fit` batch

@@ -9,6 +9,9 @@
 //   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
 //   sdm-bench state [--device auto|cpu|cuda] [--presets debug_sdm] [--lengths 128,1024,8192]
 //                   [--dir DIR] [--json FILE]
+//   sdm-bench cpu-attention [--presets debug] [--attention_contexts 8192]
+//                           [--attention_batches 1,8] [--window 0] [--kernel_reps 20]
+//                           [--kernel_warmup 3] [--threads 0] [--bandwidth_mb 512] [--seed 1]
 //   sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20]
 //                     [--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]
 //
@@ -33,6 +36,7 @@
 #include "absl/strings/str_split.h"
 #include "common/command_line.h"
 #include "engine/engine.h"
+#include "tools/sdm_bench/cpu_attention_benchmark.h"
 #include "tools/sdm_bench/decode_benchmark.h"
 #include "tools/sdm_bench/device_info.h"
 #include "tools/sdm_bench/state_benchmark.h"
@@ -53,6 +57,16 @@ ABSL_FLAG(int64_t, kernel_context, 32768, "kernels: cached positions per attenti
 ABSL_FLAG(int, kernel_reps, 20, "kernels: timed repetitions (the median is reported)");
 ABSL_FLAG(int, kernel_warmup, 3, "kernels: untimed repetitions first");
 
+ABSL_FLAG(std::vector<std::string>, cpu_attention, std::vector<std::string>({"blocked"}),
+          "decode: the CPU engine's decode attention kernel(s): blocked (the default) and/or "
+          "per_head (the earlier kernel). With both, each model of a --presets group is measured "
+          "with each, interleaved (the per_head copy named MODEL[per_head]); pairs use the first");
+ABSL_FLAG(std::vector<std::string>, attention_contexts, std::vector<std::string>({"8192"}),
+          "cpu-attention: cached positions per session");
+ABSL_FLAG(std::vector<std::string>, attention_batches, std::vector<std::string>({"1", "8"}),
+          "cpu-attention: sessions per call");
+ABSL_FLAG(int64_t, window, 0,
+          "cpu-attention: a sliding window (0: full attention), over a ring of window + 256 slots");
 ABSL_FLAG(std::vector<std::string>, pair, std::vector<std::string>({}),
           "Named pairs (SDM model vs its full-attention twin): tiny, debug, cpu_hybrid, flagship, "
           "7b. Default: debug,cpu_hybrid when --presets is not given either");
@@ -161,6 +175,30 @@ int RunKernels(const std::string& command_line) {
 #endif
 }
 
+int RunCpuAttention() {
+  sdm::bench::CpuAttentionBenchOptions o;
+  if (!absl::GetFlag(FLAGS_presets).empty()) o.preset = absl::GetFlag(FLAGS_presets).front();
+  if (!ParseInts(absl::GetFlag(FLAGS_attention_contexts), o.contexts, "attention_contexts",
+                 false) ||
+      !ParseInts(absl::GetFlag(FLAGS_attention_batches), o.batches, "attention_batches", false)) {
+    return 2;
+  }
+  o.window = absl::GetFlag(FLAGS_window);
+  o.reps = absl::GetFlag(FLAGS_kernel_reps);
+  o.warmup = absl::GetFlag(FLAGS_kernel_warmup);
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  o.bandwidth_mb = absl::GetFlag(FLAGS_bandwidth_mb);
+  if (o.window < 0 || o.reps < 1 || o.warmup < 0 || o.bandwidth_mb < 1) {
+    std::fprintf(stderr,
+                 "sdm-bench cpu-attention: --window must be >= 0, --kernel_reps and "
+                 "--bandwidth_mb >= 1, --kernel_warmup >= 0\n");
+    return 2;
+  }
+  const absl::Status s = sdm::bench::RunCpuAttentionBenchmark(o);
+  return s.ok() ? 0 : Fail(s);
+}
+
 int RunState() {
   absl::StatusOr<sdm::EngineDevice> device = DeviceFromFlag();
   if (!device.ok()) return Fail(device.status());
@@ -200,6 +238,22 @@ absl::StatusOr<sdm::bench::DecodeBenchOptions> DecodeOptionsFromFlags(
   opt.presets = absl::GetFlag(FLAGS_presets);
   if (opt.pairs.empty() && opt.presets.empty()) opt.pairs = {"debug", "cpu_hybrid"};
   opt.overrides = absl::GetFlag(FLAGS_set).values;
+  opt.cpu_attention.clear();
+  for (const std::string& k : absl::GetFlag(FLAGS_cpu_attention)) {
+    if (k == "blocked") {
+      opt.cpu_attention.push_back(sdm::CpuDecodeAttention::kBlocked);
+    } else if (k == "per_head") {
+      opt.cpu_attention.push_back(sdm::CpuDecodeAttention::kPerHead);
+    } else {
+      std::fprintf(stderr, "sdm-bench: --cpu_attention: '%s' is not blocked or per_head\n",
+                   k.c_str());
+      return absl::InvalidArgumentError("");
+    }
+  }
+  if (opt.cpu_attention.empty()) {
+    std::fprintf(stderr, "sdm-bench: --cpu_attention needs at least one value\n");
+    return absl::InvalidArgumentError("");
+  }
   if (!ParseInts(absl::GetFlag(FLAGS_contexts), opt.contexts, "contexts", true) ||
       !ParseInts(absl::GetFlag(FLAGS_batches), opt.batches, "batches", false)) {
     return absl::InvalidArgumentError("");  // ParseInts said why
@@ -273,9 +327,9 @@ int main(int argc, char** argv) {
 
   const std::vector<std::string> output_flags = {"json", "csv", "report", "python", "plot_script"};
   std::vector<std::string> decode_flags = {
-      "device",        "device_state_gb", "pair",      "presets",     "set",    "contexts",
-      "batches",       "fit_batch",       "max_batch", "steps",       "warmup", "threads",
-      "prefill_chunk", "state_budget_gb", "seed",      "bandwidth_mb"};
+      "device",        "device_state_gb", "pair",      "presets",      "set",          "contexts",
+      "batches",       "fit_batch",       "max_batch", "steps",        "warmup",       "threads",
+      "prefill_chunk", "state_budget_gb", "seed",      "bandwidth_mb", "cpu_attention"};
   decode_flags.insert(decode_flags.end(), output_flags.begin(), output_flags.end());
   std::vector<std::string> report_flags = {"from"};
   report_flags.insert(report_flags.end(), output_flags.begin(), output_flags.end());
@@ -306,6 +360,15 @@ int main(int argc, char** argv) {
        {"device", "presets", "lengths", "threads", "seed", "dir", "json"},
        /*max_positional=*/0,
        [](const sdm::cli::ParsedArgs&) { return RunState(); }},
+      {"cpu-attention",
+       "sdm-bench cpu-attention [--presets debug] [--attention_contexts 8192] "
+       "[--attention_batches 1,8] [--window 0] [flags]",
+       "The CPU decode attention kernels alone (blocked and per-head, interleaved): GB/s on the "
+       "KV bytes read against the streaming-read bandwidth measured in the same run.",
+       {"presets", "attention_contexts", "attention_batches", "window", "kernel_reps",
+        "kernel_warmup", "threads", "seed", "bandwidth_mb"},
+       /*max_positional=*/0,
+       [](const sdm::cli::ParsedArgs&) { return RunCpuAttention(); }},
       {"kernels",
        "sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20] "
        "[--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]",

@@ -1,0 +1,228 @@
+#include "kernels/cpu/decode_attention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SDM_DECODE_ATTENTION_AVX2 1
+#endif
+
+#include "kernels/common/attention_math.h"
+
+namespace sdm::kernels::cpu {
+namespace {
+
+// Rows taken together by the register-blocked loops. Each row's arithmetic is the same whatever
+// group it falls in (the tail group repeats its last row and drops the copies), so the bits of a
+// block never depend on where spans or groups cut it.
+constexpr int kRowGroup = 4;
+
+// Per-row dot products q . k[i] for kRowGroup rows: eight lanes of fused multiply-adds over
+// head_dim in order, a fixed tree over the lanes, then the head_dim % 8 tail in order.
+#ifdef SDM_DECODE_ATTENTION_AVX2
+float SumLanes(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+void DotRows(const float* q, const float* const* k, int64_t hd, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t c = 0;
+  for (; c + 8 <= hd; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[0] + c), a0);
+    a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[1] + c), a1);
+    a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[2] + c), a2);
+    a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[3] + c), a3);
+  }
+  out[0] = SumLanes(a0);
+  out[1] = SumLanes(a1);
+  out[2] = SumLanes(a2);
+  out[3] = SumLanes(a3);
+  for (; c < hd; ++c) {
+    for (int i = 0; i < kRowGroup; ++i) out[i] = std::fma(q[c], k[i][c], out[i]);
+  }
+}
+#else
+void DotRows(const float* q, const float* const* k, int64_t hd, float* out) {
+  for (int i = 0; i < kRowGroup; ++i) {
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t c = 0;
+    for (; c + 8 <= hd; c += 8) {
+      for (int l = 0; l < 8; ++l) lane[l] = std::fma(q[c + l], k[i][c + l], lane[l]);
+    }
+    float s[4];
+    for (int l = 0; l < 4; ++l) s[l] = lane[l] + lane[l + 4];
+    s[0] += s[2];
+    s[1] += s[3];
+    out[i] = s[0] + s[1];
+    for (; c < hd; ++c) out[i] = std::fma(q[c], k[i][c], out[i]);
+  }
+}
+#endif
+
+// acc[d] = fma(w[i], v[i][d], acc[d]) for i = 0, 1, ... n-1 (n <= kRowGroup) in order: one chain
+// of fused multiply-adds per element, the same however the rows are grouped.
+void AccumulateRows(const float* w, const float* const* v, int n, int64_t hd, float* acc) {
+  int64_t d = 0;
+#ifdef SDM_DECODE_ATTENTION_AVX2
+  if (n == kRowGroup) {
+    const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
+    const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
+    for (; d + 8 <= hd; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v[0] + d), a);
+      a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v[1] + d), a);
+      a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v[2] + d), a);
+      a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v[3] + d), a);
+      _mm256_storeu_ps(acc + d, a);
+    }
+  }
+#endif
+  for (; d < hd; ++d) {
+    float a = acc[d];
+    for (int i = 0; i < n; ++i) a = std::fma(w[i], v[i][d], a);
+    acc[d] = a;
+  }
+}
+
+// One split-K task: positions [begin, end) of one query, inside one kDecodeBlock.
+struct BlockTask {
+  int64_t query;
+  int64_t begin;
+  int64_t end;
+};
+
+// Floats of one head's partial state in a task's output: m, l, then acc[head_dim].
+int64_t PartialFloats(const AttentionShape& s) { return 2 + s.head_dim; }
+
+// The partial states of every head over one block, written to `partial`
+// ([n_heads][2 + head_dim]).
+void AttendBlock(const DecodeQuery& query, int64_t begin, int64_t end, const AttentionShape& shape,
+                 float* partial) {
+  const int64_t hd = shape.head_dim;
+  const int64_t heads = shape.n_heads;
+  const int64_t group = shape.n_heads / shape.n_kv_heads;
+  const int n = static_cast<int>(end - begin);
+  // The block's rows, whichever spans they come from.
+  const float* krow[kDecodeBlock];
+  const float* vrow[kDecodeBlock];
+  for (const KvSpan& s : query.spans) {
+    const int64_t lo = std::max(begin, s.first_pos);
+    const int64_t hi = std::min(end, s.first_pos + s.count);
+    for (int64_t p = lo; p < hi; ++p) {
+      krow[p - begin] = s.k + (p - s.first_pos) * shape.row_stride;
+      vrow[p - begin] = s.v + (p - s.first_pos) * shape.row_stride;
+    }
+  }
+  // Scores in log2 units (attention_math.h): the query scaled once by log2(e) / sqrt(head_dim).
+  thread_local std::vector<float> q_scaled, scores;
+  q_scaled.resize(heads * hd);
+  scores.resize(heads * kDecodeBlock);
+  const float scale = kLog2e / std::sqrt(static_cast<float>(hd));
+  for (int64_t i = 0; i < heads * hd; ++i) q_scaled[i] = query.q[i] * scale;
+
+  // Keys: every head against each group of rows, the rows read once, front to back.
+  for (int r = 0; r < n; r += kRowGroup) {
+    const int take = std::min(kRowGroup, n - r);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = (h / group) * hd;
+      const float* k[kRowGroup];
+      for (int i = 0; i < kRowGroup; ++i) k[i] = krow[r + std::min(i, take - 1)] + off;
+      float s[kRowGroup];
+      DotRows(&q_scaled[h * hd], k, hd, s);
+      for (int i = 0; i < take; ++i) scores[h * kDecodeBlock + r + i] = s[i];
+    }
+  }
+  // Softmax weights under the block's maximum, per head.
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sc = &scores[h * kDecodeBlock];
+    float m = sc[0];
+    for (int i = 1; i < n; ++i) m = std::max(m, sc[i]);
+    float l = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      sc[i] = SoftmaxWeight(sc[i], m);
+      l += sc[i];
+    }
+    float* out = partial + h * PartialFloats(shape);
+    out[0] = m;
+    out[1] = l;
+    std::fill(out + 2, out + 2 + hd, 0.0f);
+  }
+  // Values: the same walk, every head accumulating its weighted rows.
+  for (int r = 0; r < n; r += kRowGroup) {
+    const int take = std::min(kRowGroup, n - r);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t off = (h / group) * hd;
+      const float* v[kRowGroup];
+      for (int i = 0; i < take; ++i) v[i] = vrow[r + i] + off;
+      AccumulateRows(&scores[h * kDecodeBlock + r], v, take, hd,
+                     partial + h * PartialFloats(shape) + 2);
+    }
+  }
+}
+
+}  // namespace
+
+void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
+                       ThreadPool* pool) {
+  const int64_t hd = shape.head_dim;
+  const int64_t heads = shape.n_heads;
+  // Blocks of absolute positions, cut to each query's visible range.
+  std::vector<BlockTask> tasks;
+  std::vector<int64_t> first_task(queries.size() + 1);
+  for (size_t qi = 0; qi < queries.size(); ++qi) {
+    first_task[qi] = static_cast<int64_t>(tasks.size());
+    const DecodeQuery& q = queries[qi];
+    if (q.spans.empty()) continue;
+    const int64_t first = q.spans.front().first_pos;
+    for (int64_t b = first / kDecodeBlock; b <= q.pos / kDecodeBlock; ++b) {
+      tasks.push_back({static_cast<int64_t>(qi), std::max(first, b * kDecodeBlock),
+                       std::min(q.pos + 1, (b + 1) * kDecodeBlock)});
+    }
+  }
+  first_task[queries.size()] = static_cast<int64_t>(tasks.size());
+  const int64_t per_task = heads * PartialFloats(shape);
+  std::vector<float> partials(tasks.size() * per_task);
+  auto run_block = [&](int64_t t) {
+    const BlockTask& task = tasks[t];
+    AttendBlock(queries[task.query], task.begin, task.end, shape, &partials[t * per_task]);
+  };
+  // Merge in block order, per (query, head).
+  auto merge = [&](int64_t i) {
+    const int64_t qi = i / heads;
+    const int64_t h = i % heads;
+    float* out = queries[qi].out + h * hd;
+    const int64_t t0 = first_task[qi];
+    const int64_t t1 = first_task[qi + 1];
+    if (t0 == t1) {
+      std::fill(out, out + hd, 0.0f);
+      return;
+    }
+    const float* p0 = &partials[t0 * per_task + h * PartialFloats(shape)];
+    SoftmaxState state{p0[0], p0[1]};
+    std::copy(p0 + 2, p0 + 2 + hd, out);
+    for (int64_t t = t0 + 1; t < t1; ++t) {
+      const float* p = &partials[t * per_task + h * PartialFloats(shape)];
+      const SoftmaxMerge m = MergeSoftmaxStates(state, {p[0], p[1]});
+      for (int64_t d = 0; d < hd; ++d) out[d] = out[d] * m.scale_a + p[2 + d] * m.scale_b;
+      state = m.state;
+    }
+    for (int64_t d = 0; d < hd; ++d) out[d] = SoftmaxFinish(out[d], state.l);
+  };
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  const int64_t num_merges = static_cast<int64_t>(queries.size()) * heads;
+  if (pool == nullptr) {
+    for (int64_t t = 0; t < num_tasks; ++t) run_block(t);
+    for (int64_t i = 0; i < num_merges; ++i) merge(i);
+  } else {
+    pool->ParallelFor(num_tasks, run_block);
+    pool->ParallelFor(num_merges, merge);
+  }
+}
+
+}  // namespace sdm::kernels::cpu

@@ -1,0 +1,48 @@
+// Decode attention that streams the KV cache: a batch of single-token queries (one per session),
+// each attended over its visible cached positions by every query head at once, in blocks of whole
+// cache rows, split across threads by (query, block) and merged with the shared partial-softmax
+// math (kernels/common/attention_math.h).
+//
+// Why whole rows: a cached row holds every KV head of a position (KvSpan, row_stride floats), so a
+// task that takes all heads against a block of rows reads the cache front to back, one contiguous
+// stream of keys and one of values per page, instead of one strided slice per head
+// (AttendDecodeHead in kernels/cpu/attention.h, kept as the reference and the "per-head" option).
+//
+// Reduction order, and so the bits of the result, depend only on the query: its position, window
+// and cache contents. Blocks are fixed ranges of absolute positions ([b * kDecodeBlock,
+// (b + 1) * kDecodeBlock) cut to the visible range), each block's partial state is computed by one
+// task in a fixed order whatever the cut of its rows into spans, and the partial states are merged
+// in block order. Neither the batch nor the thread count changes a query's output.
+#ifndef SDMSERVE_KERNELS_CPU_DECODE_ATTENTION_H_
+#define SDMSERVE_KERNELS_CPU_DECODE_ATTENTION_H_
+
+#include <cstdint>
+#include <span>
+
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/parallel.h"
+
+namespace sdm::kernels::cpu {
+
+// Positions per split-K block. 128 rows of a 4 KB row are 512 KB of keys and as much of values
+// per task: long enough to stream, short enough that one 8k-token session makes 64 tasks.
+inline constexpr int64_t kDecodeBlock = 128;
+
+// One decode query: all heads of one token at `pos`. `spans` cover exactly the visible positions
+// [FirstVisiblePosition(pos, window), pos], in increasing order; q and out are
+// [n_heads * head_dim] (out may not alias q).
+struct DecodeQuery {
+  const float* q;
+  int64_t pos;
+  std::span<const KvSpan> spans;
+  float* out;
+};
+
+// Attends every query (distinct outputs) on `pool` (nullptr: on this thread). Calls
+// pool->ParallelFor, so must not run inside another ParallelFor of the same pool.
+void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
+                       ThreadPool* pool);
+
+}  // namespace sdm::kernels::cpu
+
+#endif  // SDMSERVE_KERNELS_CPU_DECODE_ATTENTION_H_

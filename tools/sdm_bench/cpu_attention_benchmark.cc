@@ -1,0 +1,159 @@
+#include "tools/sdm_bench/cpu_attention_benchmark.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/model_config.h"
+#include "kernels/cpu/attention.h"
+#include "kernels/cpu/decode_attention.h"
+#include "kernels/cpu/parallel.h"
+#include "state_store/kv_cache.h"
+#include "tools/sdm_bench/system_info.h"
+
+namespace sdm::bench {
+namespace {
+
+namespace cpu = kernels::cpu;
+using Clock = std::chrono::steady_clock;
+
+// Ring slots beyond the window, as the engine sizes them (window + prefill chunk).
+constexpr int64_t kRingSlack = 256;
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Fills `n` floats with cheap uniform values in [-1, 1) (the kernels' speed does not depend on
+// the values; a normal generator would take longer than the measurement).
+void FillRandom(float* x, int64_t n, std::mt19937_64& rng) {
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = static_cast<float>(static_cast<int64_t>(rng() >> 40) - (int64_t{1} << 23)) / 8388608.0f;
+  }
+}
+
+}  // namespace
+
+absl::Status RunCpuAttentionBenchmark(const CpuAttentionBenchOptions& opt) {
+  absl::StatusOr<ModelConfig> config = PresetConfig(opt.preset);
+  if (!config.ok()) return config.status();
+  // The first global attention layer (else the first sliding-window one): its heads and head_dim.
+  int64_t layer = -1;
+  for (LayerType type : {LayerType::kAttn, LayerType::kSwa}) {
+    for (int64_t i = 0; i < config->n_layers && layer < 0; ++i) {
+      if (config->layer_types[i] == type) layer = i;
+    }
+  }
+  if (layer < 0) return absl::InvalidArgumentError(opt.preset + " has no attention layer");
+  const AttentionGeometry g = AttentionGeometryOf(*config, layer);
+  const int64_t row = g.n_kv_heads * g.head_dim;
+  const cpu::AttentionShape shape{g.n_heads, g.n_kv_heads, g.head_dim, opt.window, row};
+  const int threads =
+      opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
+  cpu::ThreadPool pool(threads);
+
+  std::printf("# sdm-bench cpu-attention  %s\n", UtcNow().c_str());
+  std::printf(
+      "# shape: %s layer %lld: %lld heads, %lld kv heads, head_dim %lld, window %lld; "
+      "%d threads; load average %s\n",
+      opt.preset.c_str(), static_cast<long long>(layer), static_cast<long long>(g.n_heads),
+      static_cast<long long>(g.n_kv_heads), static_cast<long long>(g.head_dim),
+      static_cast<long long>(opt.window), threads, LoadAverageText().c_str());
+  const int64_t bw_bytes = opt.bandwidth_mb * (int64_t{1} << 20);
+  const Bandwidth bw0 = MeasureBandwidth(bw_bytes, threads);
+  std::printf("# memory bandwidth (start, %d threads): read %.1f GB/s, copy %.1f GB/s\n", threads,
+              bw0.read_gbps, bw0.copy_gbps);
+  std::fflush(stdout);
+
+  struct Row {
+    int64_t context, batch;
+    double blocked_s, per_head_s, bytes, max_diff;
+  };
+  std::vector<Row> rows;
+  std::mt19937_64 rng(opt.seed);
+  for (int64_t context : opt.contexts) {
+    for (int64_t batch : opt.batches) {
+      const int64_t ring = opt.window > 0 ? opt.window + kRingSlack : 0;
+      std::vector<KvCache> caches;
+      for (int64_t b = 0; b < batch; ++b) {
+        caches.emplace_back(row, ring);
+        for (int64_t p = 0; p < context; ++p) {
+          FillRandom(caches.back().NextKeyRow(), row, rng);
+          FillRandom(caches.back().NextValueRow(), row, rng);
+          caches.back().Commit();
+        }
+      }
+      const int64_t pos = context - 1;
+      const int64_t visible = pos + 1 - cpu::FirstVisiblePosition(pos, opt.window);
+      std::vector<float> q(batch * g.n_heads * g.head_dim);
+      FillRandom(q.data(), static_cast<int64_t>(q.size()), rng);
+      std::vector<float> out_blocked(q.size()), out_head(q.size());
+      std::vector<std::vector<cpu::KvSpan>> spans(batch);
+      std::vector<cpu::DecodeQuery> queries;
+      const int64_t width = g.n_heads * g.head_dim;
+      for (int64_t b = 0; b < batch; ++b) {
+        caches[b].ForEachSpan(cpu::FirstVisiblePosition(pos, opt.window), pos + 1,
+                              [&](int64_t p, int64_t n, const float* k, const float* v) {
+                                spans[b].push_back({k, v, p, n});
+                              });
+        queries.push_back({&q[b * width], pos, spans[b], &out_blocked[b * width]});
+      }
+      auto blocked = [&] { cpu::AttendDecodeBatch(queries, shape, &pool); };
+      auto per_head = [&] {
+        pool.ParallelFor(batch * g.n_heads, [&](int64_t task) {
+          const int64_t b = task / g.n_heads;
+          const int64_t h = task % g.n_heads;
+          cpu::AttendDecodeHead(&q[b * width + h * g.head_dim], h, pos, spans[b], shape,
+                                &out_head[b * width + h * g.head_dim]);
+        });
+      };
+      auto time = [](auto&& fn) {
+        const Clock::time_point t0 = Clock::now();
+        fn();
+        return std::chrono::duration<double>(Clock::now() - t0).count();
+      };
+      std::vector<double> tb, th;
+      for (int r = 0; r < opt.warmup + opt.reps; ++r) {
+        const double b = time(blocked);
+        const double h = time(per_head);
+        if (r >= opt.warmup) {
+          tb.push_back(b);
+          th.push_back(h);
+        }
+      }
+      double max_diff = 0;
+      for (size_t i = 0; i < q.size(); ++i) {
+        max_diff = std::max(max_diff, static_cast<double>(std::abs(out_blocked[i] - out_head[i])));
+      }
+      rows.push_back({context, batch, Median(tb), Median(th),
+                      static_cast<double>(batch * visible * 2 * row * sizeof(float)), max_diff});
+      std::printf("# measured context %lld batch %lld\n", static_cast<long long>(context),
+                  static_cast<long long>(batch));
+      std::fflush(stdout);
+    }
+  }
+  const Bandwidth bw1 = MeasureBandwidth(bw_bytes, threads);
+  const double read = std::max(bw0.read_gbps, bw1.read_gbps);
+  std::printf(
+      "# memory bandwidth (end): read %.1f GB/s, copy %.1f GB/s; reference (best read) "
+      "%.1f GB/s; load average %s\n",
+      bw1.read_gbps, bw1.copy_gbps, read, LoadAverageText().c_str());
+  std::printf("%8s %6s %10s | %11s %8s %7s | %11s %8s %7s | %9s %9s\n", "context", "batch", "KV MB",
+              "blocked ms", "GB/s", "%read", "per-head ms", "GB/s", "%read", "speedup", "max diff");
+  for (const Row& r : rows) {
+    const double gb_b = r.bytes / r.blocked_s / 1e9, gb_h = r.bytes / r.per_head_s / 1e9;
+    std::printf("%8lld %6lld %10.1f | %11.3f %8.1f %6.0f%% | %11.3f %8.1f %6.0f%% | %8.2fx %9.2g\n",
+                static_cast<long long>(r.context), static_cast<long long>(r.batch), r.bytes / 1e6,
+                r.blocked_s * 1e3, gb_b, 100 * gb_b / read, r.per_head_s * 1e3, gb_h,
+                100 * gb_h / read, r.per_head_s / r.blocked_s, r.max_diff);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace sdm::bench
