@@ -12,6 +12,7 @@ PACKAGES=(
   nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libssl-dev openssl curl
+  chromium  # headless, for the web console's test (tests/http_clients/console_test.mjs)
   python3-torch python3-numpy python3-matplotlib
 )
 

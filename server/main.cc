@@ -228,7 +228,8 @@ int main(int argc, char** argv) {
   }
   absl::PrintF("listening on %s (metrics: %s)\n", (*server)->address(), metrics);
   if ((*server)->http_port() > 0) {
-    absl::PrintF("OpenAI-compatible HTTP API on http://%s:%d/v1\n", options.http.host,
+    absl::PrintF("OpenAI-compatible HTTP API on http://%s:%d/v1 (web console: http://%s:%d/)\n",
+                 options.http.host, (*server)->http_port(), options.http.host,
                  (*server)->http_port());
   }
   std::fflush(stdout);

@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "server/http/console_page.h"
 #include "server/http/http_status.h"
 #include "server/http/openai_json.h"
 #include "server/scheduler.h"
@@ -418,6 +419,13 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
 }
 
 void OpenAiServer::Handlers::Install(httplib::Server& http) {
+  // The web console (server/http/console_page.h): a static page, no key needed to load it; its
+  // calls to /v1 carry the key the user enters.
+  http.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    const absl::string_view page = ConsolePageHtml();
+    res.set_header("Cache-Control", "no-cache");
+    res.set_content(page.data(), page.size(), "text/html; charset=utf-8");
+  });
   http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
     Unary(req, res, "OpenAI.ListModels", [&](absl::string_view) -> absl::StatusOr<Json> {
       return Json{{"object", "list"}, {"data", Json::array({ModelJson()})}};

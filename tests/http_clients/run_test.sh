@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Real HTTP clients against a real sdm-server: the official `openai` npm SDK (sdk_test.mjs) and
-# `curl -N` reading server-sent events. Registered in ctest (tests/CMakeLists.txt) as
+# Real HTTP clients against a real sdm-server: the official `openai` npm SDK (sdk_test.mjs),
+# `curl -N` reading server-sent events, and the web console in headless chromium
+# (console_test.mjs; SDM_CONSOLE_SCREENSHOT=PATH saves its screenshot). Registered in ctest (tests/CMakeLists.txt) as
 # http_clients.openai_sdk; exits 77 (skipped) when node, the SDK (npm ci, done by
 # scripts/install-deps.sh) or curl is missing.
 #
@@ -30,7 +31,7 @@ echo "$KEY node-tests" >"$WORK/keys.txt"
 server_pid=$!
 BASE=""
 for _ in $(seq 1 600); do
-  BASE=$(sed -n 's|^OpenAI-compatible HTTP API on \(http://[^ ]*\)$|\1|p' "$WORK/out.txt")
+  BASE=$(sed -n 's|^OpenAI-compatible HTTP API on \(http://[^ ]*\) .*$|\1|p' "$WORK/out.txt")
   [ -n "$BASE" ] && break
   kill -0 "$server_pid" 2>/dev/null || { cat "$WORK/err.txt"; echo "sdm-server exited"; exit 1; }
   sleep 0.1
@@ -52,6 +53,14 @@ fi
 grep -q '"usage":{"completion_tokens":' "$WORK/events.txt" ||
   { cat "$WORK/sse.txt"; echo "curl: no usage chunk"; exit 1; }
 echo "curl -N: $(wc -l <"$WORK/events.txt") events, ends with [DONE]"
+
+# The web console in headless chromium (Debian's), when it is installed.
+CHROMIUM=$(command -v chromium || command -v chromium-browser || true)
+if [ -n "$CHROMIUM" ] && [ -f "$HERE/node_modules/puppeteer-core/package.json" ]; then
+  node "$HERE/console_test.mjs" "${BASE%/v1}" "$KEY" "$CHROMIUM" "${SDM_CONSOLE_SCREENSHOT:-}"
+else
+  echo "console: not tested (needs Debian's chromium and puppeteer-core: scripts/install-deps.sh)"
+fi
 
 kill -TERM "$server_pid"
 wait "$server_pid"

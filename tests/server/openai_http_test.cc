@@ -176,6 +176,10 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   EXPECT_EQ(model, "tiny-model-no-eos");
   EXPECT_EQ(Call(port, "GET", "/v1/models/" + model, "").status, 200);
   EXPECT_EQ(Call(port, "GET", "/v1/models/other", "").status, 404);
+  // The web console is one static page (driven in chromium by tests/http_clients/).
+  const Reply console = Call(port, "GET", "/", "");
+  EXPECT_EQ(console.status, 200);
+  EXPECT_THAT(console.raw, HasSubstr("<title>sdmserve console</title>"));
 
   // Greedy completion: exactly gRPC's tokens for the same request.
   v1::GenerateRequest grpc_request = TextRequest("Once upon", 12);
