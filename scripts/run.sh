@@ -76,3 +76,5 @@ echo "curl -N http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: 
 echo "  -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16, \"stream\": true}'"
 "${CURL[@]}" | head -n 8 || true  # head closes the stream early
 echo "..."
+echo "web console: http://127.0.0.1:$HTTP_PORT/ (while sdm-server runs with --http_port $HTTP_PORT:"
+echo "  $SERVER --model $MODEL_DIR --http_port $HTTP_PORT)"

@@ -293,8 +293,9 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
   }
 
   struct StreamState {
-    bool started = false;  // the chat stream's first chunk (the role) was sent
-    bool finished = false;
+    bool started = false;   // the chat stream's first chunk (the role) was sent
+    bool finished = false;  // everything was written
+    bool recorded = false;  // the request's outcome is in the metrics
     absl::Time last_write = absl::InfinitePast();
     std::string text;  // non-streaming: everything generated
   };
@@ -363,6 +364,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
     const Usage& u = t.usage;
     const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
     service->RecordRequest(method, status.code(), start);
+    state->recorded = true;
     metrics->prompt_tokens.Increment(static_cast<double>(u.prompt_tokens));
     metrics->history_tokens.Increment(static_cast<double>(u.history_tokens));
     metrics->generated_tokens.Increment(static_cast<double>(u.generated_tokens));
@@ -408,10 +410,8 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
   };
   // Called when the response is over, written or not: a job still running is cancelled.
   const auto release = [observer, state, owner, service, method, start](bool) {
-    if (!state->finished) {
-      observer->Cancel();
-      service->RecordRequest(method, absl::StatusCode::kCancelled, start);
-    }
+    if (!state->finished) observer->Cancel();
+    if (!state->recorded) service->RecordRequest(method, absl::StatusCode::kCancelled, start);
     owner->active_generations_.fetch_sub(1);
   };
   res.set_chunked_content_provider(stream ? "text/event-stream" : "application/json", provider,
