@@ -532,6 +532,44 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
             1);
 }
 
+TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "whole"}}).status, 200);
+  httplib::Client client("127.0.0.1", port);
+  std::atomic<bool> returned{false};
+  std::thread waiting([&] {
+    const httplib::Result r = client.Post(
+        "/v1/completions",
+        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"session_id", "whole"}}.dump(),
+        "application/json");
+    EXPECT_FALSE(r && r->status == 200 && absl::StrContains(r->body, "choices"));
+    returned.store(true);
+  });
+  // Generating (no response yet: it would come after a million tokens), then the client leaves.
+  v1::Session session;
+  bool generating = false;
+  for (int i = 0; i < 500 && !generating; ++i) {
+    generating = GetSessionGrpc(*s.stub, "whole", &session).ok() && session.generating();
+    if (!generating) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(generating);
+  client.stop();
+  waiting.join();
+  EXPECT_TRUE(returned.load());
+  bool idle = false;
+  for (int i = 0; i < 500 && !idle; ++i) {
+    idle = GetSessionGrpc(*s.stub, "whole", &session).ok() && !session.generating();
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(idle) << "the job kept running after its client left";
+  // Its place in the batch (max_running 1) is free again.
+  EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 2}}).status, 200);
+}
+
 TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);
