@@ -629,6 +629,36 @@ TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
   }
 }
 
+TEST_F(OpenAiHttpTest, WhileTheServerDrainsNewRequestsGet503WithRetryAfter) {
+  ServerOptions o = Options();
+  o.shutdown_grace = absl::Seconds(20);  // the running stream below keeps it draining
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "drain"}}).status, 200);
+  grpc::ClientContext running_context;
+  Prepare(running_context, {});
+  auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000, "drain"));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  std::thread shutdown([&] { EXPECT_TRUE(s.server->Shutdown().ok()); });
+  Reply refused;
+  for (int i = 0; i < 500 && refused.status != 503; ++i) {
+    refused = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+    if (refused.status != 503) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(refused.status, 503) << refused.raw;
+  EXPECT_EQ(refused.retry_after, "1");
+  EXPECT_EQ(refused.body["error"]["type"], "service_unavailable");
+  // Other endpoints keep working while it drains.
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/drain", "").status, 200);
+  running_context.TryCancel();
+  while (running->Read(&chunk)) {
+  }
+  running->Finish();
+  shutdown.join();
+}
+
 TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
   ServerOptions o = Options();
   o.shutdown_grace = absl::ZeroDuration();
