@@ -11,7 +11,8 @@ PACKAGES=(
   libsentencepiece-dev sentencepiece
   nlohmann-json3-dev libopenblas-dev libcpp-httplib-dev prometheus-cpp-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  libxxhash-dev libssl-dev openssl
+  libxxhash-dev libssl-dev openssl curl
+  chromium  # headless, for the web console's test (tests/http_clients/console_test.mjs)
   python3-torch python3-numpy python3-matplotlib
 )
 
@@ -22,14 +23,28 @@ for p in "${PACKAGES[@]}"; do
   fi
 done
 
-if [ ${#missing[@]} -eq 0 ]; then
-  echo "install-deps: all ${#PACKAGES[@]} packages present"
-  exit 0
-fi
-
-echo "install-deps: installing ${missing[*]}"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -q
-$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+if [ ${#missing[@]} -eq 0 ]; then
+  echo "install-deps: all ${#PACKAGES[@]} packages present"
+else
+  echo "install-deps: installing ${missing[*]}"
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# The HTTP client tests (tests/http_clients/) drive the server with the official openai npm SDK:
+# Node.js from Debian when there is none, then the locked packages (npm ci) when they are not
+# installed yet or the lock file changed since.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  echo "install-deps: installing nodejs npm"
+  $SUDO apt-get update -q
+  $SUDO apt-get install -y -q --no-install-recommends nodejs npm
+fi
+CLIENTS="$(cd "$(dirname "$0")/.." && pwd)/tests/http_clients"
+if [ ! -f "$CLIENTS/node_modules/.package-lock.json" ] ||
+   [ "$CLIENTS/package-lock.json" -nt "$CLIENTS/node_modules/.package-lock.json" ]; then
+  echo "install-deps: npm ci in tests/http_clients"
+  (cd "$CLIENTS" && npm ci --no-audit --no-fund --loglevel=error)
+fi

@@ -3,7 +3,11 @@
 # there is none, starts sdm-server on it, shows a completion, then a session that is parked,
 # survives a server restart and resumes without re-reading its history.
 #
-#   scripts/run.sh [PROMPT]   (environment: SDM_MODEL_DIR, SDM_PRESET, SDM_BUILD_DIR, SDM_PORT)
+# Ends with the same model over the OpenAI-compatible HTTP API (docs/api.md, HTTP API): a curl
+# call that streams a chat completion, printed and run.
+#
+#   scripts/run.sh [PROMPT]   (environment: SDM_MODEL_DIR, SDM_PRESET, SDM_BUILD_DIR, SDM_PORT,
+#                              SDM_HTTP_PORT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT=${1:-"Sparse delta memory keeps a whole conversation in a fixed-size state, so"}
@@ -11,6 +15,7 @@ BUILD_DIR=${SDM_BUILD_DIR:-build}
 PRESET=${SDM_PRESET:-debug_sdm}
 MODEL_DIR=${SDM_MODEL_DIR:-models/$PRESET}
 PORT=${SDM_PORT:-50051}
+HTTP_PORT=${SDM_HTTP_PORT:-8080}
 STATE_DIR=${SDM_STATE_DIR:-sdm-state}
 
 bash scripts/install-deps.sh
@@ -29,7 +34,8 @@ SERVER="$BUILD_DIR/server/sdm-server"
 CLIENT=("$BUILD_DIR/client/sdm-client" --host "127.0.0.1:$PORT")
 server_pid=""
 start_server() {
-  "$SERVER" --model "$MODEL_DIR" --port "$PORT" --metrics_port 0 --state_dir "$STATE_DIR" &
+  "$SERVER" --model "$MODEL_DIR" --port "$PORT" --metrics_port 0 --http_port "$HTTP_PORT" \
+    --state_dir "$STATE_DIR" &
   server_pid=$!
   for _ in $(seq 1 120); do
     "${CLIENT[@]}" info >/dev/null 2>&1 && return 0
@@ -62,3 +68,13 @@ start_server
 echo "== session $SESSION resumed: its history is carried by the state, not re-read"
 "${CLIENT[@]}" generate --session "$SESSION" --prompt " and then" --max_tokens 16 --temperature 0
 "${CLIENT[@]}" sessions get "$SESSION"
+echo
+echo "== the same server over the OpenAI-compatible HTTP API (http://127.0.0.1:$HTTP_PORT/v1):"
+CURL=(curl -sN "http://127.0.0.1:$HTTP_PORT/v1/chat/completions" -H 'Content-Type: application/json'
+      -d '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16, "stream": true}')
+echo "curl -N http://127.0.0.1:$HTTP_PORT/v1/chat/completions -H 'Content-Type: application/json' \\"
+echo "  -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hello\"}], \"max_tokens\": 16, \"stream\": true}'"
+"${CURL[@]}" | head -n 8 || true  # head closes the stream early
+echo "..."
+echo "web console: http://127.0.0.1:$HTTP_PORT/ (while sdm-server runs with --http_port $HTTP_PORT:"
+echo "  $SERVER --model $MODEL_DIR --http_port $HTTP_PORT)"

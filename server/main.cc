@@ -49,6 +49,14 @@ ABSL_FLAG(std::string, metrics_host, sdm::ServerOptions{}.metrics_host,
 ABSL_FLAG(int, metrics_port, sdm::ServerOptions{}.metrics_port,
           "HTTP port of /metrics (Prometheus text) and /healthz; 0 picks a free port, -1 "
           "disables it.");
+ABSL_FLAG(std::string, http_host, sdm::OpenAiServerOptions{}.host,
+          "Address of the OpenAI-compatible HTTP API (docs/api.md, HTTP API).");
+ABSL_FLAG(int, http_port, sdm::OpenAiServerOptions{}.port,
+          "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+          "/v1/models, /v1/sessions); 0 picks a free port, -1 disables it.");
+ABSL_FLAG(std::string, chat_template, "",
+          "JSON chat template file for /v1/chat/completions (docs/api.md); empty: the model "
+          "directory's chat_template.json, else the plain-text default.");
 ABSL_FLAG(std::string, state_dir, sdm::ServerOptions{}.store.dir.string(),
           "Directory of session snapshots (created if missing; relative to the working "
           "directory). Sessions are written there as --persist says, at shutdown and when memory "
@@ -172,6 +180,9 @@ int main(int argc, char** argv) {
   options.port = absl::GetFlag(FLAGS_port);
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.http.host = absl::GetFlag(FLAGS_http_host);
+  options.http.port = absl::GetFlag(FLAGS_http_port);
+  options.http.chat_template_file = absl::GetFlag(FLAGS_chat_template);
   options.store.dir = absl::GetFlag(FLAGS_state_dir);
   for (const auto& [flag, value, out] :
        {std::tuple{"resident_budget", absl::GetFlag(FLAGS_resident_budget),
@@ -233,6 +244,11 @@ int main(int argc, char** argv) {
         absl::StrCat("http://", options.metrics_host, ":", (*server)->metrics_port(), "/metrics");
   }
   absl::PrintF("listening on %s (metrics: %s)\n", (*server)->address(), metrics);
+  if ((*server)->http_port() > 0) {
+    absl::PrintF("OpenAI-compatible HTTP API on http://%s:%d/v1 (web console: http://%s:%d/)\n",
+                 options.http.host, (*server)->http_port(), options.http.host,
+                 (*server)->http_port());
+  }
   std::fflush(stdout);
 
   int signal_number = 0;

@@ -64,6 +64,10 @@ absl::Status ValidateOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(absl::StrCat(
         "metrics_port must be in [0, 65535], or -1 for no HTTP endpoint, got ", o.metrics_port));
   }
+  if (o.http.port < -1 || o.http.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http_port must be in [0, 65535], or -1 for no HTTP API, got ", o.http.port));
+  }
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and its key (or neither)");
   }
@@ -126,6 +130,7 @@ class SdmServer::Impl final : public SchedulerListener {
   std::unique_ptr<SdmServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;
   std::unique_ptr<HttpEndpoint> http;
+  std::unique_ptr<OpenAiServer> openai;
   int port = 0;
   int metrics_port = 0;
   std::atomic<bool> draining{false};
@@ -226,6 +231,12 @@ absl::Status SdmServer::Impl::Init() {
     ApplyGrpcHealth();
   }
 
+  if (options.http.port >= 0) {
+    SDM_ASSIGN_OR_RETURN(
+        openai, OpenAiServer::Start(options.http, *service, auth, *metrics, model->dir,
+                                    options.scheduler.max_running + options.scheduler.max_waiting));
+  }
+
   if (options.metrics_port >= 0) {
     HttpEndpointOptions http_options;
     http_options.host = options.metrics_host;
@@ -318,7 +329,8 @@ absl::Status SdmServer::Impl::Shutdown() {
   // 2. Let the requests in flight finish, up to the grace period.
   const absl::Time give_up = absl::Now() + options.shutdown_grace;
   while (scheduler != nullptr && service != nullptr && absl::Now() < give_up &&
-         (scheduler->running() + scheduler->waiting() > 0 || service->active_generates() > 0)) {
+         (scheduler->running() + scheduler->waiting() > 0 || service->active_generates() > 0 ||
+          (openai != nullptr && openai->active_generations() > 0))) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   // 3. Cancel the rest: their streams end with FINISH_REASON_CANCELLED.
@@ -334,6 +346,14 @@ absl::Status SdmServer::Impl::Shutdown() {
     grpc_server->Shutdown(std::chrono::system_clock::now() + kUnaryGrace);
     absl::MutexLock lock(&health_mu);
     grpc_health_live = false;  // the store's worker may still report until it stops
+  }
+  // 4b. The same for the HTTP API: its streams write their last chunk, then its port closes.
+  if (openai != nullptr) {
+    const absl::Time streams_done = absl::Now() + kFinalWriteGrace;
+    while (openai->active_generations() > 0 && absl::Now() < streams_done) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    openai->Stop();
   }
   // 5. Persist every session.
   if (store != nullptr && !options.store.dir.empty()) {
@@ -361,6 +381,7 @@ SdmServer::~SdmServer() {
 
 int SdmServer::port() const { return impl_->port; }
 int SdmServer::metrics_port() const { return impl_->metrics_port; }
+int SdmServer::http_port() const { return impl_->openai != nullptr ? impl_->openai->port() : 0; }
 
 std::string SdmServer::address() const {
   std::string host = impl_->options.host;

@@ -1,5 +1,7 @@
 // SdmServer: one model served over gRPC (sdm.v1.SdmService, grpc.health.v1.Health, server
-// reflection) with Prometheus metrics and /healthz on a separate HTTP port.
+// reflection) with Prometheus metrics and /healthz on a separate HTTP port, and optionally the
+// OpenAI-compatible HTTP API on a third port (server/http/openai_server.h), which shares the
+// service, scheduler, auth, limits and metrics with gRPC.
 //
 // It owns, in dependency order: the model, tokenizer and engine; the session state store (with
 // a state directory, sessions survive restarts); the scheduler; the metrics registry and its
@@ -7,12 +9,14 @@
 //
 // Lifecycle: Start() returns once both ports accept calls (port 0 picks a free one; port() and
 // metrics_port() say which). Shutdown() drains gracefully:
-//   1. stop admitting: new Generate calls fail with UNAVAILABLE, health reports NOT_SERVING and
+//   1. stop admitting: new Generate calls (and HTTP completions: 503) fail with UNAVAILABLE, health
+//   reports NOT_SERVING and
 //      /healthz 503; other RPCs keep working;
 //   2. wait for the requests in flight (running or queued) up to shutdown_grace;
 //   3. cancel what is left: those streams end with a final chunk whose finish_reason is
 //      FINISH_REASON_CANCELLED (status OK), their sessions keeping what was generated;
-//   4. stop the gRPC server (calls still open after a few more seconds are cancelled);
+//   4. stop the gRPC server (calls still open after a few more seconds are cancelled), then the
+//      HTTP API the same way (its streams end with finish_reason "cancelled");
 //   5. write every session to the state directory (PersistAll);
 //   6. stop the HTTP endpoint.
 // The destructor calls Shutdown() if it was not called.
@@ -32,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/http/openai_server.h"
 #include "server/scheduler.h"
 #include "server/service.h"
 #include "state_store/session_store.h"
@@ -50,6 +55,10 @@ struct ServerOptions {
   // HTTP /metrics and /healthz. Port 0: a free port; -1: no HTTP endpoint.
   std::string metrics_host = "127.0.0.1";
   int metrics_port = 9090;
+
+  // The OpenAI-compatible HTTP API (server/http/openai_server.h): address, limits, chat
+  // template. Off unless http.port is set.
+  OpenAiServerOptions http;
 
   // TLS for the gRPC port: PEM files of the certificate chain and its private key. Both or
   // neither; with them the port serves TLS only.
@@ -89,6 +98,8 @@ class SdmServer {
   // The gRPC port, and the HTTP port (0 when there is none).
   int port() const;
   int metrics_port() const;
+  // The port of the OpenAI-compatible HTTP API (0 when there is none).
+  int http_port() const;
   // "host:port" of the gRPC port, for clients ("[::1]:port" for IPv6 hosts).
   std::string address() const;
 

@@ -256,10 +256,8 @@ void SdmServiceImpl::FillSession(const SessionInfo& info, const SessionMetadata&
 
 // ---- Generate -------------------------------------------------------------------------------
 
-absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& context,
+absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Time deadline,
                                              const v1::GenerateRequest& request, GenerateJob& job) {
-  absl::StatusOr<std::string> tenant = TenantOf(context);
-  if (!tenant.ok()) return tenant.status();
   if (!admitting_.load()) {
     return absl::UnavailableError("the server is shutting down; retry when it is back");
   }
@@ -335,10 +333,10 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
   // The session, and whether the sequence starts here.
   bool at_start = true;
   if (!request.session_id().empty()) {
-    absl::StatusOr<OwnedSession> session = FindSession(*tenant, request.session_id());
+    absl::StatusOr<OwnedSession> session = FindSession(tenant, request.session_id());
     if (!session.ok()) return session.status();
     if (!session->info.error.empty()) return absl::DataLossError(session->info.error);
-    if (absl::Status limit = CheckTenantLimits(*tenant, /*new_session=*/false); !limit.ok()) {
+    if (absl::Status limit = CheckTenantLimits(tenant, /*new_session=*/false); !limit.ok()) {
       return limit;
     }
     // The store knows every intact session's position (from its record when it is on disk).
@@ -363,8 +361,22 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
                      " (ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
                      "parts"));
   }
-  job.deadline = DeadlineOf(context);
+  job.deadline = deadline;
   return absl::OkStatus();
+}
+
+absl::Status SdmServiceImpl::SubmitGenerate(GenerateJob job,
+                                            std::shared_ptr<JobObserver> observer) {
+  const std::string user_id = job.session.id;
+  absl::Status s = deps_.scheduler.Submit(std::move(job), std::move(observer));
+  if (s.code() == absl::StatusCode::kResourceExhausted) {
+    s = WithRetryAfter(s, options_.queue_full_retry_after);
+  } else if (s.code() == absl::StatusCode::kAborted) {
+    s = absl::AbortedError(absl::StrCat("session '", user_id,
+                                        "' is already generating: one Generate at a time per "
+                                        "session; retry when that call has finished"));
+  }
+  return FromStore(s);
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
@@ -383,23 +395,16 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
   reactor->set_stream(stream);
 
   GenerateJob job;
-  if (absl::Status s = PrepareGenerate(*context, *request, job); !s.ok()) {
+  const absl::StatusOr<std::string> tenant = TenantOf(*context);
+  if (absl::Status s = tenant.ok() ? PrepareGenerate(*tenant, DeadlineOf(*context), *request, job)
+                                   : tenant.status();
+      !s.ok()) {
     stream->Reject(s);
     return reactor;
   }
   stream->set_prompt_tokens(static_cast<int64_t>(job.prompt.size()));
   stream->set_deadline(job.deadline);
-  const std::string user_id = job.session.id;
-  if (absl::Status s = deps_.scheduler.Submit(std::move(job), stream); !s.ok()) {
-    if (s.code() == absl::StatusCode::kResourceExhausted) {
-      s = WithRetryAfter(s, options_.queue_full_retry_after);
-    } else if (s.code() == absl::StatusCode::kAborted) {
-      s = absl::AbortedError(absl::StrCat("session '", user_id,
-                                          "' is already generating: one Generate at a time per "
-                                          "session; retry when that call has finished"));
-    }
-    stream->Reject(FromStore(s));
-  }
+  if (absl::Status s = SubmitGenerate(std::move(job), stream); !s.ok()) stream->Reject(s);
   return reactor;
 }
 

@@ -29,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -95,6 +96,29 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
 
   const v1::ModelInfo& model_info() const { return model_info_; }
 
+  // ---- Transport-independent API, shared with the OpenAI-compatible HTTP front
+  // (server/http/openai_server.h). The caller has authenticated `tenant`; every method validates
+  // its request exactly as the RPC of the same name does and returns the same errors.
+
+  // Everything Generate checks and computes before it submits; the prompt in `job` has BOS.
+  // `deadline`: when the job must end (InfiniteFuture: none).
+  absl::Status PrepareGenerate(absl::string_view tenant, absl::Time deadline,
+                               const v1::GenerateRequest& request, GenerateJob& job);
+  // Submits a prepared job; refusals carry the RPC's messages and retry hints.
+  absl::Status SubmitGenerate(GenerateJob job, std::shared_ptr<JobObserver> observer);
+  absl::Status DoCreateSession(absl::string_view tenant, const v1::CreateSessionRequest& request,
+                               v1::Session& response);
+  absl::Status DoGetSession(absl::string_view tenant, const v1::GetSessionRequest& request,
+                            v1::Session& response);
+  absl::Status DoListSessions(absl::string_view tenant, const v1::ListSessionsRequest& request,
+                              v1::ListSessionsResponse& response);
+  absl::Status DoDeleteSession(absl::string_view tenant, const v1::DeleteSessionRequest& request);
+  absl::Status DoForkSession(absl::string_view tenant, const v1::ForkSessionRequest& request,
+                             v1::Session& response);
+  // Counts one finished request of `method` in the server's metrics.
+  void RecordRequest(absl::string_view method, absl::StatusCode code,
+                     std::chrono::steady_clock::time_point start);
+
   grpc::ServerWriteReactor<v1::GenerateResponse>* Generate(
       grpc::CallbackServerContext* context, const v1::GenerateRequest* request) override;
   grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
@@ -137,7 +161,6 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   template <typename Body>
   grpc::ServerUnaryReactor* Unary(grpc::CallbackServerContext* context, absl::string_view method,
                                   Body&& body);
-  void RecordRequest(absl::string_view method, absl::StatusCode code, Clock::time_point start);
 
   // NOT_FOUND unless `tenant` owns a session `id`.
   absl::StatusOr<OwnedSession> FindSession(absl::string_view tenant, absl::string_view id) const;
@@ -146,19 +169,6 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   absl::Status CheckTenantLimits(absl::string_view tenant, bool new_session) const;
   void FillSession(const SessionInfo& info, const SessionMetadata& metadata,
                    v1::Session& out) const;
-  // Everything Generate checks and computes before it submits; the prompt in `job` has BOS.
-  absl::Status PrepareGenerate(const grpc::CallbackServerContext& context,
-                               const v1::GenerateRequest& request, GenerateJob& job);
-
-  absl::Status DoCreateSession(absl::string_view tenant, const v1::CreateSessionRequest& request,
-                               v1::Session& response);
-  absl::Status DoGetSession(absl::string_view tenant, const v1::GetSessionRequest& request,
-                            v1::Session& response);
-  absl::Status DoListSessions(absl::string_view tenant, const v1::ListSessionsRequest& request,
-                              v1::ListSessionsResponse& response);
-  absl::Status DoDeleteSession(absl::string_view tenant, const v1::DeleteSessionRequest& request);
-  absl::Status DoForkSession(absl::string_view tenant, const v1::ForkSessionRequest& request,
-                             v1::Session& response);
   absl::Status DoDetokenize(const v1::DetokenizeRequest& request, v1::DetokenizeResponse& response);
 
   const ServiceDeps deps_;

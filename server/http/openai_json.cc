@@ -1,0 +1,280 @@
+#include "server/http/openai_json.h"
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace sdm {
+namespace {
+
+using Json = nlohmann::json;
+
+absl::Status WrongType(absl::string_view field, absl::string_view expected) {
+  return absl::InvalidArgumentError(absl::StrCat("'", field, "' must be ", expected));
+}
+
+// The field, or nullptr when it is absent or null.
+const Json* Field(const Json& body, const char* name) {
+  const auto it = body.find(name);
+  if (it == body.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::Status GetString(const Json& body, const char* name, std::string& out) {
+  const Json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  if (!v->is_string()) return WrongType(name, "a string");
+  out = v->get<std::string>();
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const Json& body, const char* name, bool& out) {
+  const Json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  if (!v->is_boolean()) return WrongType(name, "a boolean");
+  out = v->get<bool>();
+  return absl::OkStatus();
+}
+
+absl::Status GetNumber(const Json& body, const char* name, std::optional<double>& out) {
+  const Json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  if (!v->is_number()) return WrongType(name, "a number");
+  const double d = v->get<double>();
+  if (!std::isfinite(d)) return WrongType(name, "a finite number");
+  out = d;
+  return absl::OkStatus();
+}
+
+absl::Status GetInteger(const Json& body, const char* name, std::optional<int64_t>& out) {
+  const Json* v = Field(body, name);
+  if (v == nullptr) return absl::OkStatus();
+  if (v->is_number_integer()) {
+    if (v->is_number_unsigned() &&
+        v->get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      return WrongType(name, "an integer within 64 bits");
+    }
+    out = v->get<int64_t>();
+    return absl::OkStatus();
+  }
+  return WrongType(name, "an integer");
+}
+
+absl::Status ParseStop(const Json& body, std::vector<std::string>& out) {
+  const Json* v = Field(body, "stop");
+  if (v == nullptr) return absl::OkStatus();
+  if (v->is_string()) {
+    out.push_back(v->get<std::string>());
+    return absl::OkStatus();
+  }
+  if (!v->is_array()) return WrongType("stop", "a string or an array of strings");
+  for (const Json& s : *v) {
+    if (!s.is_string()) return WrongType("stop", "a string or an array of strings");
+    out.push_back(s.get<std::string>());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParsePrompt(const Json& body, OpenAiRequest& r) {
+  const Json* v = Field(body, "prompt");
+  if (v == nullptr) return absl::InvalidArgumentError("'prompt' is required");
+  if (v->is_string()) {
+    r.prompt_text = v->get<std::string>();
+    return absl::OkStatus();
+  }
+  if (!v->is_array()) {
+    return WrongType("prompt", "a string, an array of token ids, or an array of one of either");
+  }
+  const Json* one = v;
+  // A batch of prompts: only one is served per request (n = 1).
+  if (v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) one = &(*v)[0];
+  if (one->is_string()) {
+    r.prompt_text = one->get<std::string>();
+    return absl::OkStatus();
+  }
+  if (one != v && !one->is_array()) return WrongType("prompt", "a string or token ids");
+  r.prompt_is_tokens = true;
+  for (const Json& t : *one) {
+    if (t.is_string() || t.is_array()) {
+      return absl::InvalidArgumentError(
+          "'prompt' holds several prompts: this server takes one prompt per request");
+    }
+    if (!t.is_number_integer() || t.get<int64_t>() < std::numeric_limits<int32_t>::min() ||
+        t.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+      return WrongType("prompt", "a string or an array of integer token ids");
+    }
+    r.prompt_tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseMessages(const Json& body, OpenAiRequest& r) {
+  const Json* v = Field(body, "messages");
+  if (v == nullptr) return absl::InvalidArgumentError("'messages' is required");
+  if (!v->is_array() || v->empty()) return WrongType("messages", "a non-empty array");
+  for (size_t i = 0; i < v->size(); ++i) {
+    const Json& m = (*v)[i];
+    const std::string field = absl::StrCat("messages[", i, "]");
+    if (!m.is_object()) return WrongType(field, "an object with 'role' and 'content'");
+    ChatMessage out;
+    const Json* role = Field(m, "role");
+    if (role == nullptr || !role->is_string()) {
+      return WrongType(absl::StrCat(field, ".role"), "a string");
+    }
+    out.role = role->get<std::string>();
+    if (out.role != "system" && out.role != "developer" && out.role != "user" &&
+        out.role != "assistant" && out.role != "tool") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ".role must be system, developer, user, assistant or tool, got '", out.role, "'"));
+    }
+    const Json* content = Field(m, "content");
+    if (content == nullptr) {
+      // An assistant message may carry only tool calls; it has no text for the template.
+    } else if (content->is_string()) {
+      out.content = content->get<std::string>();
+    } else if (content->is_array()) {
+      for (size_t k = 0; k < content->size(); ++k) {
+        const Json& part = (*content)[k];
+        const Json* type = part.is_object() ? Field(part, "type") : nullptr;
+        const Json* text = part.is_object() ? Field(part, "text") : nullptr;
+        if (type == nullptr || *type != "text" || text == nullptr || !text->is_string()) {
+          return WrongType(absl::StrCat(field, ".content[", k, "]"),
+                           "a text part {\"type\": \"text\", \"text\": ...} (this model reads "
+                           "text only)");
+        }
+        out.content += text->get<std::string>();
+      }
+    } else {
+      return WrongType(absl::StrCat(field, ".content"), "a string or an array of text parts");
+    }
+    r.messages.push_back(std::move(out));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiEndpoint endpoint) {
+  const Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) {
+    return absl::InvalidArgumentError("the request body is not valid JSON");
+  }
+  if (!j.is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
+  OpenAiRequest r;
+  r.endpoint = endpoint;
+  if (absl::Status s = GetString(j, "model", r.model); !s.ok()) return s;
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    if (absl::Status s = ParsePrompt(j, r); !s.ok()) return s;
+  } else {
+    if (absl::Status s = ParseMessages(j, r); !s.ok()) return s;
+  }
+  std::optional<int64_t> max_completion_tokens;
+  if (absl::Status s = GetInteger(j, "max_tokens", r.max_tokens); !s.ok()) return s;
+  if (endpoint == OpenAiEndpoint::kChatCompletions) {
+    if (absl::Status s = GetInteger(j, "max_completion_tokens", max_completion_tokens); !s.ok()) {
+      return s;
+    }
+    // The newer name wins, as in OpenAI's API.
+    if (max_completion_tokens.has_value()) r.max_tokens = max_completion_tokens;
+  }
+  if (absl::Status s = GetNumber(j, "temperature", r.temperature); !s.ok()) return s;
+  if (absl::Status s = GetNumber(j, "top_p", r.top_p); !s.ok()) return s;
+  std::optional<int64_t> seed;
+  if (absl::Status s = GetInteger(j, "seed", seed); !s.ok()) return s;
+  if (seed.has_value()) r.seed = static_cast<uint64_t>(*seed);
+  if (absl::Status s = ParseStop(j, r.stop); !s.ok()) return s;
+  std::optional<int64_t> n;
+  if (absl::Status s = GetInteger(j, "n", n); !s.ok()) return s;
+  if (n.has_value() && *n != 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'n' must be 1 (this server returns one choice per request), got ", *n));
+  }
+  if (absl::Status s = GetBool(j, "stream", r.stream); !s.ok()) return s;
+  if (const Json* options = Field(j, "stream_options"); options != nullptr) {
+    if (!options->is_object()) return WrongType("stream_options", "an object");
+    if (absl::Status s = GetBool(*options, "include_usage", r.include_usage); !s.ok()) {
+      return WrongType("stream_options.include_usage", "a boolean");
+    }
+  }
+  if (absl::Status s = GetString(j, "user", r.user); !s.ok()) return s;
+  if (absl::Status s = GetString(j, "session_id", r.session_id); !s.ok()) return s;
+  return r;
+}
+
+v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::string& prompt_text,
+                                      const std::vector<std::string>& extra_stop) {
+  v1::GenerateRequest g;
+  if (request.prompt_is_tokens) {
+    g.mutable_token_ids()->mutable_ids()->Add(request.prompt_tokens.begin(),
+                                              request.prompt_tokens.end());
+  } else {
+    g.set_text(prompt_text);
+  }
+  g.set_session_id(request.session_id);
+  v1::SamplingParams& s = *g.mutable_sampling();
+  if (request.max_tokens.has_value()) s.set_max_tokens(*request.max_tokens);
+  s.set_temperature(request.temperature.value_or(kOpenAiDefaultTemperature));
+  if (request.top_p.has_value()) s.set_top_p(*request.top_p);
+  if (request.seed.has_value()) s.set_seed(*request.seed);
+  for (const std::string& stop : request.stop) s.add_stop(stop);
+  for (const std::string& stop : extra_stop) s.add_stop(stop);
+  return g;
+}
+
+nlohmann::json SessionToJson(const v1::Session& s) {
+  Json j = {{"id", s.id()},
+            {"object", "session"},
+            {"position", s.position()},
+            {"state_bytes", s.state_bytes()},
+            {"generating", s.generating()},
+            {"last_used_at", s.last_used_time().seconds()}};
+  switch (s.tier()) {
+    case v1::TIER_RESIDENT:
+      j["tier"] = "resident";
+      break;
+    case v1::TIER_HOST:
+      j["tier"] = "host";
+      break;
+    case v1::TIER_DISK:
+      j["tier"] = "disk";
+      break;
+    default:
+      j["tier"] = nullptr;
+  }
+  j["created_at"] = s.has_create_time() ? Json(s.create_time().seconds()) : Json(nullptr);
+  if (s.has_ttl()) {
+    j["ttl_seconds"] = s.ttl().seconds();
+    j["expires_at"] = s.expire_time().seconds();
+  } else {
+    j["ttl_seconds"] = nullptr;
+    j["expires_at"] = nullptr;
+  }
+  Json labels = Json::object();
+  for (const auto& [k, v] : s.labels()) labels[k] = v;
+  j["labels"] = std::move(labels);
+  return j;
+}
+
+nlohmann::json CompletionHead(OpenAiEndpoint endpoint, bool chunk, absl::string_view id,
+                              int64_t created, absl::string_view model) {
+  const char* object = endpoint == OpenAiEndpoint::kCompletions
+                           ? "text_completion"
+                           : (chunk ? "chat.completion.chunk" : "chat.completion");
+  return Json{{"id", std::string(id)},
+              {"object", object},
+              {"created", created},
+              {"model", std::string(model)},
+              {"system_fingerprint", nullptr}};
+}
+
+nlohmann::json UsageJson(int64_t prompt_tokens, int64_t completion_tokens, int64_t history_tokens) {
+  return Json{{"prompt_tokens", prompt_tokens},
+              {"completion_tokens", completion_tokens},
+              {"total_tokens", prompt_tokens + completion_tokens},
+              {"history_tokens", history_tokens}};
+}
+
+}  // namespace sdm

@@ -1,0 +1,70 @@
+// The OpenAI-compatible API's JSON (docs/api.md, "HTTP API"): requests of /v1/completions and
+// /v1/chat/completions parsed and checked into native form, and the responses and stream chunks
+// rendered. Nothing here knows HTTP or the engine.
+//
+// Parsing follows OpenAI: unknown fields are ignored; a field of the wrong type is an
+// INVALID_ARGUMENT naming it; null is the same as absent. Ranges (temperature, top_p,
+// max_tokens, the prompt's tokens) are checked later, by the same code as gRPC's Generate
+// (SdmServiceImpl::PrepareGenerate), so both APIs accept exactly the same values.
+#ifndef SDMSERVE_SERVER_HTTP_OPENAI_JSON_H_
+#define SDMSERVE_SERVER_HTTP_OPENAI_JSON_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "nlohmann/json.hpp"
+#include "sdm/v1/sdm.pb.h"
+#include "server/http/chat_template.h"
+
+namespace sdm {
+
+enum class OpenAiEndpoint { kCompletions, kChatCompletions };
+
+struct OpenAiRequest {
+  OpenAiEndpoint endpoint = OpenAiEndpoint::kCompletions;
+  std::string model;  // empty: not sent
+  // /v1/completions: the prompt as text, or as token ids (prompt_is_tokens).
+  std::string prompt_text;
+  std::vector<int32_t> prompt_tokens;
+  bool prompt_is_tokens = false;
+  // /v1/chat/completions.
+  std::vector<ChatMessage> messages;
+
+  std::optional<int64_t> max_tokens;  // max_tokens, or max_completion_tokens (chat)
+  std::optional<double> temperature;
+  std::optional<double> top_p;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  bool stream = false;
+  bool include_usage = false;  // stream_options.include_usage
+  std::string user;
+  std::string session_id;  // our extension; also the X-Session-Id header
+};
+
+// Parses a request body. Errors are INVALID_ARGUMENT with a message naming the field.
+absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiEndpoint endpoint);
+
+// OpenAI's temperature when the request has none (the gRPC API's default is 0, greedy).
+inline constexpr double kOpenAiDefaultTemperature = 1.0;
+
+// The Generate request of `request` whose prompt is `prompt_text` (the chat template's
+// rendering, or the completion's text) or the request's token ids.
+v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::string& prompt_text,
+                                      const std::vector<std::string>& extra_stop);
+
+// A session as the HTTP API shows it.
+nlohmann::json SessionToJson(const v1::Session& session);
+
+// The common head of every completion object and chunk.
+nlohmann::json CompletionHead(OpenAiEndpoint endpoint, bool chunk, absl::string_view id,
+                              int64_t created, absl::string_view model);
+
+nlohmann::json UsageJson(int64_t prompt_tokens, int64_t completion_tokens, int64_t history_tokens);
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_SERVER_HTTP_OPENAI_JSON_H_

@@ -1,0 +1,607 @@
+#include "server/http/openai_server.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/random/random.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
+#include "server/http/console_page.h"
+#include "server/http/http_status.h"
+#include "server/http/openai_json.h"
+#include "server/scheduler.h"
+
+namespace sdm {
+namespace {
+
+using Json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
+
+void SendError(httplib::Response& res, const absl::Status& status, absl::string_view code = "") {
+  const HttpError e = ToHttpError(status, code);
+  res.status = e.status;
+  if (e.retry_after_seconds.has_value()) {
+    res.set_header("Retry-After", absl::StrCat(*e.retry_after_seconds));
+  }
+  res.set_content(e.body, "application/json");
+}
+
+void SendJson(httplib::Response& res, const Json& body) {
+  res.status = 200;
+  res.set_content(Dump(body), "application/json");
+}
+
+std::string RandomId(absl::string_view prefix) {
+  thread_local absl::BitGen gen;
+  return absl::StrFormat("%s%016x%08x", prefix, absl::Uniform<uint64_t>(gen),
+                         absl::Uniform<uint32_t>(gen));
+}
+
+// The OpenAI finish reason of a job that ended normally.
+const char* FinishReasonOf(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kStop:
+    case FinishReason::kEos:
+      return "stop";
+    default:
+      return "cancelled";
+  }
+}
+
+// One generation's output, from the step thread (JobObserver) to the connection's thread.
+class HttpJob final : public JobObserver {
+ public:
+  struct Taken {
+    std::string text;
+    bool done = false;
+    FinishReason reason = FinishReason::kStop;
+    Usage usage;
+    absl::Status error;
+  };
+
+  void OnToken(int32_t, absl::string_view text) override { Append(text); }
+  void OnEndToken(int32_t, absl::string_view text) override { Append(text); }
+  void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override {
+    absl::MutexLock lock(&mu_);
+    done_ = true;
+    reason_ = reason;
+    usage_ = usage;
+    error_ = error;
+  }
+  bool IsCancelled() const override { return cancelled_.load(std::memory_order_relaxed); }
+
+  void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
+
+  // Waits up to `timeout` for text or the end, and takes what is there.
+  Taken Take(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(
+                             +[](HttpJob* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job->mu_) {
+                               return job->done_ || !job->text_.empty();
+                             },
+                             this),
+                         timeout);
+    Taken out;
+    out.text = std::move(text_);
+    text_.clear();
+    out.done = done_;
+    out.reason = reason_;
+    out.usage = usage_;
+    out.error = error_;
+    return out;
+  }
+
+ private:
+  void Append(absl::string_view text) {
+    if (text.empty()) return;
+    absl::MutexLock lock(&mu_);
+    text_.append(text.data(), text.size());
+  }
+
+  std::atomic<bool> cancelled_{false};
+  absl::Mutex mu_;
+  std::string text_ ABSL_GUARDED_BY(mu_);
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  FinishReason reason_ ABSL_GUARDED_BY(mu_) = FinishReason::kStop;
+  Usage usage_ ABSL_GUARDED_BY(mu_);
+  absl::Status error_ ABSL_GUARDED_BY(mu_);
+};
+
+// A duration in whole seconds as the session endpoints take it ("ttl_seconds").
+absl::Status ParseTtl(const Json& body, google::protobuf::Duration& out, bool& has) {
+  const auto it = body.find("ttl_seconds");
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_number()) return absl::InvalidArgumentError("'ttl_seconds' must be a number");
+  const double s = it->get<double>();
+  if (!(s >= 0) || s > 315'576'000'000.0) {
+    return absl::InvalidArgumentError(
+        "'ttl_seconds' must be a non-negative number of seconds (0: the server's default)");
+  }
+  out.set_seconds(static_cast<int64_t>(s));
+  out.set_nanos(static_cast<int32_t>((s - static_cast<double>(out.seconds())) * 1e9));
+  has = true;
+  return absl::OkStatus();
+}
+
+absl::Status ParseLabels(const Json& body, google::protobuf::Map<std::string, std::string>& out) {
+  const auto it = body.find("labels");
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_object()) return absl::InvalidArgumentError("'labels' must be an object of strings");
+  for (const auto& [k, v] : it->items()) {
+    if (!v.is_string()) return absl::InvalidArgumentError("'labels' must be an object of strings");
+    out[k] = v.get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+// A session endpoint's optional JSON object body.
+absl::StatusOr<Json> ParseObjectBody(const std::string& body) {
+  if (body.empty()) return Json::object();
+  Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded()) return absl::InvalidArgumentError("the request body is not valid JSON");
+  if (!j.is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
+  return j;
+}
+
+absl::Status GetStringField(const Json& j, const char* name, std::string& out) {
+  const auto it = j.find(name);
+  if (it == j.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_string())
+    return absl::InvalidArgumentError(absl::StrCat("'", name, "' must be a string"));
+  out = it->get<std::string>();
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+class OpenAiServer::Handlers {
+ public:
+  Handlers(OpenAiServer& owner, const OpenAiServerOptions& options, SdmServiceImpl& service,
+           const ApiKeyAuthenticator& auth, ServerMetrics& metrics, ChatTemplate chat_template)
+      : owner_(owner),
+        options_(options),
+        service_(service),
+        auth_(auth),
+        metrics_(metrics),
+        chat_template_(std::move(chat_template)),
+        model_name_(service.model_info().name()),
+        created_(absl::ToUnixSeconds(absl::Now())) {}
+
+  void Install(httplib::Server& http);
+
+ private:
+  absl::StatusOr<std::string> Tenant(const httplib::Request& req) const {
+    return auth_.TenantFor(req.get_header_value("Authorization"));
+  }
+  Json ModelJson() const {
+    return Json{
+        {"id", model_name_}, {"object", "model"}, {"created", created_}, {"owned_by", "sdmserve"}};
+  }
+  // Runs a non-generating endpoint: authenticates, runs `body` and records its metrics.
+  template <typename Body>
+  void Unary(const httplib::Request& req, httplib::Response& res, absl::string_view method,
+             Body&& body);
+  void Generate(const httplib::Request& req, httplib::Response& res, OpenAiEndpoint endpoint);
+
+  OpenAiServer& owner_;
+  const OpenAiServerOptions options_;
+  SdmServiceImpl& service_;
+  const ApiKeyAuthenticator& auth_;
+  ServerMetrics& metrics_;
+  const ChatTemplate chat_template_;
+  const std::string model_name_;
+  const int64_t created_;
+};
+
+template <typename Body>
+void OpenAiServer::Handlers::Unary(const httplib::Request& req, httplib::Response& res,
+                                   absl::string_view method, Body&& body) {
+  const Clock::time_point start = Clock::now();
+  absl::StatusOr<std::string> tenant = Tenant(req);
+  absl::StatusOr<Json> out = tenant.ok() ? body(*tenant) : absl::StatusOr<Json>(tenant.status());
+  service_.RecordRequest(method, out.status().code(), start);
+  if (!out.ok()) {
+    SendError(res, out.status());
+    return;
+  }
+  SendJson(res, *out);
+}
+
+void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Response& res,
+                                      OpenAiEndpoint endpoint) {
+  const Clock::time_point start = Clock::now();
+  const absl::string_view method =
+      endpoint == OpenAiEndpoint::kCompletions ? "OpenAI.Completions" : "OpenAI.ChatCompletions";
+  const auto refuse = [&](const absl::Status& status, absl::string_view code = "") {
+    service_.RecordRequest(method, status.code(), start);
+    SendError(res, status, code);
+  };
+  absl::StatusOr<std::string> tenant = Tenant(req);
+  if (!tenant.ok()) return refuse(tenant.status());
+  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(req.body, endpoint);
+  if (!request.ok()) return refuse(request.status());
+  if (!request->model.empty() && request->model != model_name_) {
+    return refuse(absl::NotFoundError(absl::StrCat("the model '", request->model,
+                                                   "' does not exist; this server serves '",
+                                                   model_name_, "' (GET /v1/models)")),
+                  "model_not_found");
+  }
+  const std::string header_session = req.get_header_value("X-Session-Id");
+  if (!header_session.empty()) {
+    if (!request->session_id.empty() && request->session_id != header_session) {
+      return refuse(absl::InvalidArgumentError(
+          "'session_id' and the X-Session-Id header name different sessions"));
+    }
+    request->session_id = header_session;
+  }
+
+  // The prompt text: the chat template's rendering of the new messages, continuing the session's
+  // conversation when it already holds one.
+  std::string prompt_text = request->prompt_text;
+  std::vector<std::string> template_stop;
+  if (endpoint == OpenAiEndpoint::kChatCompletions) {
+    bool continuing = false;
+    if (!request->session_id.empty()) {
+      v1::GetSessionRequest get;
+      get.set_session_id(request->session_id);
+      v1::Session session;
+      if (absl::Status s = service_.DoGetSession(*tenant, get, session); !s.ok()) return refuse(s);
+      continuing = session.position() > 0;
+    }
+    prompt_text = chat_template_.Render(request->messages, continuing);
+    template_stop = chat_template_.stop;
+  }
+  const v1::GenerateRequest generate = ToGenerateRequest(*request, prompt_text, template_stop);
+  GenerateJob job;
+  if (absl::Status s = service_.PrepareGenerate(*tenant, absl::InfiniteFuture(), generate, job);
+      !s.ok()) {
+    return refuse(s);
+  }
+  const int64_t prompt_tokens = static_cast<int64_t>(job.prompt.size());
+  auto observer = std::make_shared<HttpJob>();
+  owner_.active_generations_.fetch_add(1);
+  if (absl::Status s = service_.SubmitGenerate(std::move(job), observer); !s.ok()) {
+    owner_.active_generations_.fetch_sub(1);
+    return refuse(s);
+  }
+
+  // Accepted: from here on the status is 200 and the body carries what happens.
+  const std::string id = RandomId(endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-");
+  const int64_t created = absl::ToUnixSeconds(absl::Now());
+  const bool stream = request->stream;
+  const bool include_usage = request->include_usage;
+  const std::string session_id = request->session_id;
+  res.status = 200;
+  if (!session_id.empty()) res.set_header("X-Session-Id", session_id);
+  if (stream) {
+    res.set_header("Cache-Control", "no-cache");
+    res.set_header("X-Accel-Buffering", "no");
+  }
+
+  struct StreamState {
+    bool started = false;   // the chat stream's first chunk (the role) was sent
+    bool finished = false;  // everything was written
+    bool recorded = false;  // the request's outcome is in the metrics
+    absl::Time last_write = absl::InfinitePast();
+    std::string text;  // non-streaming: everything generated
+  };
+  auto state = std::make_shared<StreamState>();
+  const std::string model = model_name_;
+  const absl::Duration heartbeat = options_.heartbeat;
+  ServerMetrics* const metrics = &metrics_;
+  SdmServiceImpl* const service = &service_;
+  OpenAiServer* const owner = &owner_;
+
+  const auto chunk = [=](Json choice_or_null, const Json* usage) {
+    Json c = CompletionHead(endpoint, /*chunk=*/true, id, created, model);
+    c["choices"] = choice_or_null.is_null() ? Json::array() : Json::array({choice_or_null});
+    if (usage != nullptr) {
+      c["usage"] = *usage;
+    } else if (include_usage) {
+      c["usage"] = nullptr;
+    }
+    return c;
+  };
+  const auto choice = [=](const std::string& text, const Json& finish_reason, bool first) {
+    if (endpoint == OpenAiEndpoint::kCompletions) {
+      return Json{
+          {"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    }
+    Json delta = Json::object();
+    if (first) delta["role"] = "assistant";
+    if (!text.empty() || first) delta["content"] = text;
+    return Json{
+        {"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+  };
+
+  const auto provider = [=](size_t, httplib::DataSink& sink) -> bool {
+    const auto write = [&](const std::string& data) {
+      if (sink.write(data.data(), data.size())) return true;
+      observer->Cancel();  // the client went away: end the job within one step
+      return false;
+    };
+    const auto event = [&](const Json& j) {
+      return write(absl::StrCat("data: ", Dump(j), "\n\n"));
+    };
+    HttpJob::Taken t = observer->Take(heartbeat);
+    const absl::Time now = absl::Now();
+    if (stream) {
+      if (endpoint == OpenAiEndpoint::kChatCompletions && !state->started) {
+        state->started = true;
+        state->last_write = now;
+        if (!event(chunk(choice(t.text, nullptr, /*first=*/true), nullptr))) return false;
+        t.text.clear();
+      }
+      if (!t.text.empty()) {
+        state->last_write = now;
+        if (!event(chunk(choice(t.text, nullptr, false), nullptr))) return false;
+      }
+    } else {
+      state->text += t.text;
+    }
+    if (!t.done) {
+      // Nothing written for a while: probe the connection (see the header).
+      if (now - state->last_write < heartbeat) return true;
+      state->last_write = now;
+      return write(stream ? ": keep-alive\n\n" : " ");
+    }
+
+    // The end.
+    const Usage& u = t.usage;
+    const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
+    service->RecordRequest(method, status.code(), start);
+    state->recorded = true;
+    metrics->prompt_tokens.Increment(static_cast<double>(u.prompt_tokens));
+    metrics->history_tokens.Increment(static_cast<double>(u.history_tokens));
+    metrics->generated_tokens.Increment(static_cast<double>(u.generated_tokens));
+    // As gRPC reports it (server/generate_stream.h): the scheduler feeds a session's pending
+    // token (the previous request's last) as prompt; the API counts it as history.
+    const int64_t history =
+        u.history_tokens + std::max<int64_t>(0, u.prompt_tokens - prompt_tokens);
+    const Json usage = UsageJson(prompt_tokens, u.generated_tokens, history);
+    Json session = nullptr;
+    if (!session_id.empty()) {
+      // The session's history after this request (as GET /v1/sessions/{id} reports it).
+      session =
+          Json{{"id", session_id}, {"position", history + prompt_tokens + u.generated_tokens}};
+    }
+    if (!status.ok()) {
+      const std::string body = ToHttpError(status).body;
+      write(stream ? absl::StrCat("data: ", body, "\n\n") : body);
+    } else if (stream) {
+      Json last = chunk(choice("", FinishReasonOf(t.reason), false), nullptr);
+      if (!session.is_null()) last["session"] = session;
+      if (!event(last)) return false;
+      if (include_usage && !event(chunk(nullptr, &usage))) return false;
+      if (!write("data: [DONE]\n\n")) return false;
+    } else {
+      Json body = CompletionHead(endpoint, /*chunk=*/false, id, created, model);
+      Json c = endpoint == OpenAiEndpoint::kCompletions
+                   ? Json{{"index", 0},
+                          {"text", state->text},
+                          {"logprobs", nullptr},
+                          {"finish_reason", FinishReasonOf(t.reason)}}
+                   : Json{{"index", 0},
+                          {"message", {{"role", "assistant"}, {"content", state->text}}},
+                          {"logprobs", nullptr},
+                          {"finish_reason", FinishReasonOf(t.reason)}};
+      body["choices"] = Json::array({std::move(c)});
+      body["usage"] = usage;
+      if (!session.is_null()) body["session"] = session;
+      if (!write(Dump(body))) return false;
+    }
+    state->finished = true;
+    sink.done();
+    return true;
+  };
+  // Called when the response is over, written or not: a job still running is cancelled.
+  const auto release = [observer, state, owner, service, method, start](bool) {
+    if (!state->finished) observer->Cancel();
+    if (!state->recorded) service->RecordRequest(method, absl::StatusCode::kCancelled, start);
+    owner->active_generations_.fetch_sub(1);
+  };
+  res.set_chunked_content_provider(stream ? "text/event-stream" : "application/json", provider,
+                                   release);
+}
+
+void OpenAiServer::Handlers::Install(httplib::Server& http) {
+  // The web console (server/http/console_page.h): a static page, no key needed to load it; its
+  // calls to /v1 carry the key the user enters.
+  http.Get("/", [](const httplib::Request&, httplib::Response& res) {
+    const absl::string_view page = ConsolePageHtml();
+    res.set_header("Cache-Control", "no-cache");
+    res.set_content(page.data(), page.size(), "text/html; charset=utf-8");
+  });
+  http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+    Unary(req, res, "OpenAI.ListModels", [&](absl::string_view) -> absl::StatusOr<Json> {
+      return Json{{"object", "list"}, {"data", Json::array({ModelJson()})}};
+    });
+  });
+  http.Get(R"(/v1/models/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    Unary(req, res, "OpenAI.GetModel", [&](absl::string_view) -> absl::StatusOr<Json> {
+      if (req.matches[1] != model_name_) {
+        return absl::NotFoundError(
+            absl::StrCat("the model '", req.matches[1].str(), "' does not exist"));
+      }
+      return ModelJson();
+    });
+  });
+  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Generate(req, res, OpenAiEndpoint::kCompletions);
+  });
+  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Generate(req, res, OpenAiEndpoint::kChatCompletions);
+  });
+
+  // Sessions (our extension), with the semantics of the gRPC session RPCs.
+  http.Post("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
+    Unary(req, res, "CreateSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+      absl::StatusOr<Json> body = ParseObjectBody(req.body);
+      if (!body.ok()) return body.status();
+      v1::CreateSessionRequest create;
+      std::string id;
+      if (absl::Status s = GetStringField(*body, "session_id", id); !s.ok()) return s;
+      create.set_session_id(id);
+      if (absl::Status s = ParseLabels(*body, *create.mutable_labels()); !s.ok()) return s;
+      bool has_ttl = false;
+      google::protobuf::Duration ttl;
+      if (absl::Status s = ParseTtl(*body, ttl, has_ttl); !s.ok()) return s;
+      if (has_ttl) *create.mutable_ttl() = ttl;
+      v1::Session session;
+      if (absl::Status s = service_.DoCreateSession(tenant, create, session); !s.ok()) return s;
+      return SessionToJson(session);
+    });
+  });
+  http.Get("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
+    Unary(req, res, "ListSessions", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+      v1::ListSessionsRequest list;
+      if (req.has_param("limit")) {
+        int limit = 0;
+        if (!absl::SimpleAtoi(req.get_param_value("limit"), &limit)) {
+          return absl::InvalidArgumentError("'limit' must be an integer");
+        }
+        list.set_page_size(limit);
+      }
+      list.set_page_token(req.get_param_value("page_token"));
+      v1::ListSessionsResponse out;
+      if (absl::Status s = service_.DoListSessions(tenant, list, out); !s.ok()) return s;
+      Json data = Json::array();
+      for (const v1::Session& s : out.sessions()) data.push_back(SessionToJson(s));
+      Json j = {{"object", "list"},
+                {"data", std::move(data)},
+                {"has_more", !out.next_page_token().empty()}};
+      j["next_page_token"] =
+          out.next_page_token().empty() ? Json(nullptr) : Json(out.next_page_token());
+      return j;
+    });
+  });
+  http.Get(R"(/v1/sessions/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    Unary(req, res, "GetSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+      v1::GetSessionRequest get;
+      get.set_session_id(req.matches[1].str());
+      v1::Session session;
+      if (absl::Status s = service_.DoGetSession(tenant, get, session); !s.ok()) return s;
+      return SessionToJson(session);
+    });
+  });
+  http.Delete(
+      R"(/v1/sessions/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+        Unary(req, res, "DeleteSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+          v1::DeleteSessionRequest del;
+          del.set_session_id(req.matches[1].str());
+          if (absl::Status s = service_.DoDeleteSession(tenant, del); !s.ok()) {
+            return s;
+          }
+          return Json{{"id", del.session_id()}, {"object", "session.deleted"}, {"deleted", true}};
+        });
+      });
+  http.Post(R"(/v1/sessions/([^/]+)/fork)",
+            [this](const httplib::Request& req, httplib::Response& res) {
+              Unary(req, res, "ForkSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+                absl::StatusOr<Json> body = ParseObjectBody(req.body);
+                if (!body.ok()) return body.status();
+                v1::ForkSessionRequest fork;
+                fork.set_session_id(req.matches[1].str());
+                std::string id;
+                if (absl::Status s = GetStringField(*body, "new_session_id", id); !s.ok()) {
+                  return s;
+                }
+                fork.set_new_session_id(id);
+                if (absl::Status s = ParseLabels(*body, *fork.mutable_labels()); !s.ok()) return s;
+                bool has_ttl = false;
+                google::protobuf::Duration ttl;
+                if (absl::Status s = ParseTtl(*body, ttl, has_ttl); !s.ok()) return s;
+                if (has_ttl) *fork.mutable_ttl() = ttl;
+                v1::Session session;
+                if (absl::Status s = service_.DoForkSession(tenant, fork, session); !s.ok()) {
+                  return s;
+                }
+                return SessionToJson(session);
+              });
+            });
+
+  // Errors decided by the HTTP server itself (unknown path, body too large) in OpenAI's shape;
+  // responses that already carry a body are left alone.
+  http.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
+                                                                 httplib::Response& res) {
+    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+    std::string message;
+    switch (res.status) {
+      case 404:
+        message = absl::StrCat("no endpoint ", req.method, " ", req.path);
+        break;
+      case 413:
+        message = "the request body is larger than this server accepts";
+        break;
+      default:
+        message = absl::StrCat("HTTP ", res.status);
+    }
+    res.set_content(ErrorBody(res.status, message, res.status == 413 ? "payload_too_large" : ""),
+                    "application/json");
+    return httplib::Server::HandlerResponse::Handled;
+  }));
+  http.set_exception_handler(
+      [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+        res.status = 500;
+        res.set_content(ErrorBody(500, "internal error", "internal"), "application/json");
+      });
+}
+
+absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
+    const OpenAiServerOptions& options, SdmServiceImpl& service, const ApiKeyAuthenticator& auth,
+    ServerMetrics& metrics, const std::filesystem::path& model_dir, int scheduler_slots) {
+  absl::StatusOr<ChatTemplate> chat_template =
+      ChatTemplate::Resolve(options.chat_template_file, model_dir);
+  if (!chat_template.ok()) return chat_template.status();
+  std::unique_ptr<OpenAiServer> server(new OpenAiServer());
+  server->http_ = std::make_unique<httplib::Server>();
+  httplib::Server& http = *server->http_;
+  const int threads = options.threads > 0 ? options.threads : scheduler_slots + 16;
+  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const auto seconds = [](absl::Duration d) { return absl::ToInt64Seconds(d); };
+  const auto micros = [](absl::Duration d) { return absl::ToInt64Microseconds(d) % 1'000'000; };
+  http.set_read_timeout(seconds(options.read_timeout), micros(options.read_timeout));
+  http.set_write_timeout(seconds(options.write_timeout), micros(options.write_timeout));
+  http.set_keep_alive_timeout(std::max<int64_t>(1, seconds(options.keep_alive_timeout)));
+  http.set_keep_alive_max_count(1000);
+  http.set_payload_max_length(options.max_body_bytes);
+  server->handlers_ = std::make_unique<Handlers>(*server, options, service, auth, metrics,
+                                                 *std::move(chat_template));
+  server->handlers_->Install(http);
+
+  if (options.port == 0) {
+    server->port_ = http.bind_to_any_port(options.host);
+  } else if (http.bind_to_port(options.host, options.port)) {
+    server->port_ = options.port;
+  }
+  if (server->port_ <= 0) {
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.host, ":", options.port,
+                                               " for the HTTP API (in use, or not an address of "
+                                               "this host)"));
+  }
+  server->thread_ = std::thread([&http] { http.listen_after_bind(); });
+  return server;
+}
+
+OpenAiServer::~OpenAiServer() { Stop(); }
+
+void OpenAiServer::Stop() {
+  if (http_ != nullptr) http_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace sdm

@@ -1,0 +1,103 @@
+// OpenAiServer: the OpenAI-compatible HTTP API of sdm-server (docs/api.md, "HTTP API"), on its
+// own port, in front of the same SdmServiceImpl as gRPC: the same scheduler (one continuous batch
+// serves both), authentication (`Authorization: Bearer KEY`, the same key file and tenants),
+// tenant limits, session store and metrics. Every request is validated and executed by the
+// service's transport-independent methods (SdmServiceImpl::PrepareGenerate, DoCreateSession,
+// ...), so both APIs accept and refuse exactly the same things; errors become HTTP statuses and
+// OpenAI's error JSON in one place (server/http/http_status.h).
+//
+// Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
+// POST /v1/chat/completions, and the session extension POST/GET /v1/sessions,
+// GET/DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/fork; and the web console at GET /
+// (server/http/console_page.h).
+//
+// Generation: the response is sent with chunked transfer encoding once the job has been
+// accepted by the scheduler (refusals before that get their own status). Tokens reach the
+// connection's thread through a queue the step thread never waits on: text not yet written is
+// merged, so a slow reader gets fewer, larger chunks. While there is nothing to send, a stream
+// writes an SSE comment (": keep-alive") and a non-streaming response a space (JSON allows
+// leading whitespace) every `heartbeat`: a write that fails means the client went away, and its
+// job is cancelled within one scheduler step. An engine error after the response started is
+// reported in the body (an `error` event, or the error JSON) since the status line is out.
+//
+// Shutdown (SdmServer): the service stops admitting (503 from then on), streams in flight finish
+// or are cancelled by the scheduler (finish_reason "cancelled"), then Stop() closes the port.
+//
+// Thread-safety: requests run on the HTTP server's thread pool; active_generations() and Stop()
+// may be called from any thread.
+#ifndef SDMSERVE_SERVER_HTTP_OPENAI_SERVER_H_
+#define SDMSERVE_SERVER_HTTP_OPENAI_SERVER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "server/auth.h"
+#include "server/http/chat_template.h"
+#include "server/metrics/server_metrics.h"
+#include "server/service.h"
+
+namespace httplib {
+class Server;
+}
+
+namespace sdm {
+
+struct OpenAiServerOptions {
+  // Address of the HTTP API. Port 0: a free port (see port()); -1: no HTTP API.
+  std::string host = "127.0.0.1";
+  int port = -1;
+  // A chat template file (server/http/chat_template.h); empty: the model directory's
+  // chat_template.json if there is one, else the plain-text default.
+  std::filesystem::path chat_template_file;
+  // Largest request body; larger ones get 413.
+  size_t max_body_bytes = 4 << 20;
+  // Socket read and write timeouts, and how long an idle keep-alive connection stays open.
+  absl::Duration read_timeout = absl::Seconds(30);
+  absl::Duration write_timeout = absl::Seconds(30);
+  absl::Duration keep_alive_timeout = absl::Seconds(5);
+  // Connections served at once (each stream holds one); 0: max_running + max_waiting + 16.
+  int threads = 0;
+  // How often an idle response is written to, to notice a client that went away.
+  absl::Duration heartbeat = absl::Milliseconds(250);
+};
+
+class OpenAiServer {
+ public:
+  // Binds the port and starts serving. `scheduler_slots`: max_running + max_waiting (sizes the
+  // thread pool when options.threads is 0). Errors: the chat template file, or an address that
+  // cannot be bound (Unavailable).
+  static absl::StatusOr<std::unique_ptr<OpenAiServer>> Start(
+      const OpenAiServerOptions& options, SdmServiceImpl& service, const ApiKeyAuthenticator& auth,
+      ServerMetrics& metrics, const std::filesystem::path& model_dir, int scheduler_slots);
+  ~OpenAiServer();  // Stop()
+  OpenAiServer(const OpenAiServer&) = delete;
+  OpenAiServer& operator=(const OpenAiServer&) = delete;
+
+  int port() const { return port_; }
+  // Generation responses not finished yet (running, queued, or writing their last bytes).
+  int active_generations() const { return active_generations_.load(); }
+
+  // Stops listening, ends open connections and joins the server's threads. Idempotent.
+  void Stop();
+
+  class Handlers;
+
+ private:
+  OpenAiServer() = default;
+
+  std::unique_ptr<httplib::Server> http_;
+  std::unique_ptr<Handlers> handlers_;
+  std::thread thread_;
+  int port_ = 0;
+  std::atomic<int> active_generations_{0};
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_SERVER_HTTP_OPENAI_SERVER_H_

@@ -1,0 +1,693 @@
+// The OpenAI-compatible HTTP API end to end: SdmServer in-process on 127.0.0.1 with its HTTP API
+// on a free port, the tiny random model, cpp-httplib as the client; gRPC alongside on the same
+// server for the shared-batch and tenancy checks.
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "nlohmann/json.hpp"
+#include "server/grpc_status.h"
+#include "server/http/chat_template.h"
+#include "server/http/http_status.h"
+#include "tests/server/server_test_util.h"
+
+namespace sdm::testing {
+namespace {
+
+using Json = nlohmann::json;
+using ::testing::HasSubstr;
+
+class OpenAiHttpTest : public ::testing::Test {
+ protected:
+  ServerOptions Options() const {
+    ServerOptions o = TestOptions(dir_.path() / "state");
+    o.http.port = 0;
+    o.http.host = "127.0.0.1";
+    return o;
+  }
+  ScopedTempDir dir_;
+};
+
+struct Reply {
+  int status = 0;
+  Json body;
+  std::string raw;
+  std::string retry_after;
+  std::string session_header;
+};
+
+// One HTTP request with a JSON body (empty: none); the reply's body parsed when it is JSON.
+Reply Call(int port, const std::string& method, const std::string& path, const std::string& body,
+           const std::string& api_key = "", const httplib::Headers& extra = {}) {
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(60, 0);
+  httplib::Headers headers = extra;
+  if (!api_key.empty()) headers.emplace("Authorization", "Bearer " + api_key);
+  httplib::Result r = method == "GET"      ? client.Get(path, headers)
+                      : method == "DELETE" ? client.Delete(path, headers)
+                                           : client.Post(path, headers, body, "application/json");
+  Reply out;
+  EXPECT_TRUE(r) << method << " " << path << " failed: " << httplib::to_string(r.error());
+  if (!r) return out;
+  out.status = r->status;
+  out.raw = r->body;
+  out.retry_after = r->get_header_value("Retry-After");
+  out.session_header = r->get_header_value("X-Session-Id");
+  out.body = Json::parse(r->body, nullptr, /*allow_exceptions=*/false);
+  return out;
+}
+
+Reply Post(int port, const std::string& path, const Json& body, const std::string& key = "") {
+  return Call(port, "POST", path, body.dump(), key);
+}
+
+// The data events of an SSE body, in order ("[DONE]" kept as a string); comments skipped.
+std::vector<std::string> SseData(const std::string& body) {
+  std::vector<std::string> out;
+  for (absl::string_view event : absl::StrSplit(body, "\n\n", absl::SkipEmpty())) {
+    for (absl::string_view line : absl::StrSplit(event, '\n', absl::SkipEmpty())) {
+      if (absl::ConsumePrefix(&line, "data: "))
+        out.emplace_back(line);
+      else
+        EXPECT_TRUE(absl::StartsWith(line, ":")) << "not an SSE line: " << line;
+    }
+  }
+  return out;
+}
+
+// What a stream said: the concatenated text, the finish reason, the usage chunk.
+struct Streamed {
+  std::string text;
+  std::string finish_reason;
+  Json usage;
+  Json session;
+  int chunks = 0;
+};
+
+Streamed ParseStream(const std::string& body, bool chat) {
+  Streamed s;
+  const std::vector<std::string> data = SseData(body);
+  EXPECT_FALSE(data.empty());
+  if (data.empty()) return s;
+  EXPECT_EQ(data.back(), "[DONE]");
+  for (size_t i = 0; i + 1 < data.size(); ++i) {
+    const Json c = Json::parse(data[i], nullptr, false);
+    EXPECT_FALSE(c.is_discarded()) << data[i];
+    EXPECT_EQ(c["object"], chat ? "chat.completion.chunk" : "text_completion") << data[i];
+    EXPECT_TRUE(absl::StartsWith(c["id"].get<std::string>(), chat ? "chatcmpl-" : "cmpl-"));
+    ++s.chunks;
+    if (c["choices"].empty()) {  // the usage chunk, last
+      EXPECT_EQ(i + 2, data.size());
+      s.usage = c["usage"];
+      continue;
+    }
+    const Json& choice = c["choices"][0];
+    if (chat) {
+      if (i == 0) {
+        EXPECT_EQ(choice["delta"]["role"], "assistant");
+      }
+      if (choice["delta"].contains("content")) s.text += choice["delta"]["content"];
+    } else {
+      s.text += choice["text"];
+    }
+    if (!choice["finish_reason"].is_null()) {
+      EXPECT_TRUE(s.finish_reason.empty()) << "two finish reasons";
+      s.finish_reason = choice["finish_reason"];
+      if (c.contains("session")) s.session = c["session"];
+    }
+  }
+  return s;
+}
+
+TEST(HttpStatusTest, EveryCodeHasItsHttpStatusAndOpenAiBody) {
+  const HttpError e = ToHttpError(absl::NotFoundError("session 'x' not found"));
+  EXPECT_EQ(e.status, 404);
+  const Json body = Json::parse(e.body);
+  EXPECT_EQ(body["error"]["message"], "session 'x' not found");
+  EXPECT_EQ(body["error"]["type"], "not_found_error");
+  EXPECT_EQ(body["error"]["code"], "not_found");
+  EXPECT_TRUE(body["error"]["param"].is_null());
+  EXPECT_EQ(ToHttpError(absl::InvalidArgumentError("x")).status, 400);
+  EXPECT_EQ(ToHttpError(absl::UnauthenticatedError("x")).status, 401);
+  EXPECT_EQ(ToHttpError(absl::AbortedError("x")).status, 409);
+  EXPECT_EQ(ToHttpError(absl::AlreadyExistsError("x")).status, 409);
+  const HttpError limited =
+      ToHttpError(WithRetryAfter(absl::ResourceExhaustedError("x"), absl::Milliseconds(1500)));
+  EXPECT_EQ(limited.status, 429);
+  EXPECT_EQ(limited.retry_after_seconds, 2);
+  EXPECT_EQ(ToHttpError(absl::UnavailableError("x")).status, 503);
+  EXPECT_EQ(ToHttpError(absl::DataLossError("x")).status, 500);
+}
+
+TEST(ChatTemplateTest, DefaultRendersPlainTextAndFilesOverrideIt) {
+  const ChatTemplate t;
+  const std::vector<ChatMessage> m = {{"system", "Be terse."}, {"user", "Hi {role}"}};
+  EXPECT_EQ(t.Render(m, false), "System: Be terse.\nUser: Hi {role}\nAssistant:");
+  EXPECT_EQ(t.Render({m.data() + 1, 1}, true), "\nUser: Hi {role}\nAssistant:");
+  absl::StatusOr<ChatTemplate> custom =
+      ChatTemplate::FromJson(R"({"message": "<{role}>{content}", "stop": ["<"]})", "t");
+  ASSERT_TRUE(custom.ok()) << custom.status();
+  EXPECT_EQ(custom->Render(m, false), "<system>Be terse.<user>Hi {role}Assistant:");
+  EXPECT_EQ(custom->stop, std::vector<std::string>{"<"});
+  EXPECT_FALSE(ChatTemplate::FromJson(R"({"message": "no content"})", "t").ok());
+  EXPECT_FALSE(ChatTemplate::FromJson(R"({"stop": "x"})", "t").ok());
+}
+
+TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  ASSERT_GT(port, 0);
+
+  const Reply models = Call(port, "GET", "/v1/models", "");
+  ASSERT_EQ(models.status, 200) << models.raw;
+  EXPECT_EQ(models.body["object"], "list");
+  const std::string model = models.body["data"][0]["id"];
+  EXPECT_EQ(model, "tiny-model-no-eos");
+  EXPECT_EQ(Call(port, "GET", "/v1/models/" + model, "").status, 200);
+  EXPECT_EQ(Call(port, "GET", "/v1/models/other", "").status, 404);
+  // The web console is one static page (driven in chromium by tests/http_clients/).
+  const Reply console = Call(port, "GET", "/", "");
+  EXPECT_EQ(console.status, 200);
+  EXPECT_THAT(console.raw, HasSubstr("<title>sdmserve console</title>"));
+
+  // Greedy completion: exactly gRPC's tokens for the same request.
+  v1::GenerateRequest grpc_request = TextRequest("Once upon", 12);
+  const Completion expected = Generate(*s.stub, grpc_request);
+  ASSERT_TRUE(expected.status.ok());
+  const Reply c = Post(port, "/v1/completions",
+                       {{"model", model},
+                        {"prompt", "Once upon"},
+                        {"max_tokens", 12},
+                        {"temperature", 0},
+                        {"user", "u1"},
+                        {"unknown_field", {1, 2}}});
+  ASSERT_EQ(c.status, 200) << c.raw;
+  EXPECT_EQ(c.body["object"], "text_completion");
+  EXPECT_EQ(c.body["choices"][0]["text"], expected.text);
+  EXPECT_EQ(c.body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(c.body["usage"]["prompt_tokens"], expected.usage.prompt_tokens());
+  EXPECT_EQ(c.body["usage"]["completion_tokens"], 12);
+  EXPECT_EQ(c.body["usage"]["total_tokens"], expected.usage.prompt_tokens() + 12);
+
+  // Token ids as the prompt; a stop string ends the text before it (finish_reason stop).
+  const Completion ids = Generate(*s.stub, IdsRequest({5, 6, 7}, 6));
+  const Reply by_ids =
+      Post(port, "/v1/completions", {{"prompt", {5, 6, 7}}, {"max_tokens", 6}, {"temperature", 0}});
+  ASSERT_EQ(by_ids.status, 200) << by_ids.raw;
+  EXPECT_EQ(by_ids.body["choices"][0]["text"], ids.text);
+  // The first ASCII character of the greedy text after its first byte, as a stop string.
+  size_t at = 1;
+  while (at < expected.text.size() && static_cast<unsigned char>(expected.text[at]) >= 0x80) ++at;
+  if (at < expected.text.size()) {
+    const std::string stop(1, expected.text[at]);
+    const Reply stopped =
+        Post(port, "/v1/completions",
+             {{"prompt", "Once upon"}, {"max_tokens", 12}, {"temperature", 0}, {"stop", {stop}}});
+    ASSERT_EQ(stopped.status, 200) << stopped.raw;
+    EXPECT_EQ(stopped.body["choices"][0]["finish_reason"], "stop");
+    EXPECT_EQ(stopped.body["choices"][0]["text"],
+              expected.text.substr(0, expected.text.find(stop)));
+  }
+
+  // Streaming completion: the same text, chunk by chunk, then usage and [DONE].
+  const Reply streamed = Post(port, "/v1/completions",
+                              {{"prompt", "Once upon"},
+                               {"max_tokens", 12},
+                               {"temperature", 0},
+                               {"stream", true},
+                               {"stream_options", {{"include_usage", true}}}});
+  ASSERT_EQ(streamed.status, 200) << streamed.raw;
+  const Streamed sc = ParseStream(streamed.raw, /*chat=*/false);
+  EXPECT_EQ(sc.text, expected.text);
+  EXPECT_EQ(sc.finish_reason, "length");
+  EXPECT_EQ(sc.usage["completion_tokens"], 12);
+
+  // Chat, seeded sampling: the stream and the whole response agree, and equal gRPC on the
+  // template's rendering.
+  const Json chat = {{"model", model},
+                     {"messages",
+                      {{{"role", "system"}, {"content", "Be brief."}},
+                       {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Hello"}}}}}}},
+                     {"max_completion_tokens", 10},
+                     {"temperature", 0.9},
+                     {"top_p", 0.95},
+                     {"seed", 42}};
+  const Reply whole = Post(port, "/v1/chat/completions", chat);
+  ASSERT_EQ(whole.status, 200) << whole.raw;
+  EXPECT_EQ(whole.body["object"], "chat.completion");
+  EXPECT_EQ(whole.body["choices"][0]["message"]["role"], "assistant");
+  v1::GenerateRequest rendered = TextRequest("System: Be brief.\nUser: Hello\nAssistant:", 10);
+  rendered.mutable_sampling()->set_temperature(0.9);
+  rendered.mutable_sampling()->set_top_p(0.95);
+  rendered.mutable_sampling()->set_seed(42);
+  rendered.mutable_sampling()->add_stop("\nUser:");
+  const Completion chat_grpc = Generate(*s.stub, rendered);
+  EXPECT_EQ(whole.body["choices"][0]["message"]["content"], chat_grpc.text);
+  EXPECT_EQ(whole.body["usage"]["prompt_tokens"], chat_grpc.usage.prompt_tokens());
+  Json chat_stream = chat;
+  chat_stream["stream"] = true;
+  const Reply chunks = Post(port, "/v1/chat/completions", chat_stream);
+  ASSERT_EQ(chunks.status, 200) << chunks.raw;
+  const Streamed sch = ParseStream(chunks.raw, /*chat=*/true);
+  EXPECT_EQ(sch.text, chat_grpc.text);
+  EXPECT_EQ(sch.finish_reason, whole.body["choices"][0]["finish_reason"]);
+  EXPECT_TRUE(sch.usage.is_null());  // not asked for
+}
+
+grpc::Status GetSessionGrpc(v1::SdmService::Stub& stub, const std::string& id, v1::Session* out,
+                            const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  return stub.GetSession(&context, request, out);
+}
+
+TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
+  ServerOptions o = Options();
+  o.api_keys_file = dir_.path() / "keys.txt";
+  WriteFile(o.api_keys_file,
+            "sk-aaaaaaaaaaaaaaaaaaaa tenant-a\nsk-bbbbbbbbbbbbbbbbbbbb tenant-b\n");
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const std::string a = "sk-aaaaaaaaaaaaaaaaaaaa", b = "sk-bbbbbbbbbbbbbbbbbbbb";
+
+  EXPECT_EQ(Call(port, "GET", "/v1/models", "").status, 401);
+  EXPECT_EQ(Call(port, "GET", "/v1/models", "", "sk-unknown-key-000000000").status, 401);
+
+  const Reply created =
+      Post(port, "/v1/sessions", {{"session_id", "chat"}, {"labels", {{"app", "test"}}}}, a);
+  ASSERT_EQ(created.status, 200) << created.raw;
+  EXPECT_EQ(created.body["id"], "chat");
+  EXPECT_EQ(created.body["position"], 0);
+  EXPECT_EQ(created.body["labels"]["app"], "test");
+  EXPECT_EQ(Post(port, "/v1/sessions", {{"session_id", "chat"}}, a).status, 409);
+
+  // Two turns; the second carries only its new message.
+  const auto turn = [&](const std::string& text, const std::string& session, bool header) {
+    Json body = {{"messages", {{{"role", "user"}, {"content", text}}}},
+                 {"max_tokens", 5},
+                 {"temperature", 0}};
+    httplib::Headers extra;
+    if (header) {
+      extra.emplace("X-Session-Id", session);
+    } else {
+      body["session_id"] = session;
+    }
+    return Call(port, "POST", "/v1/chat/completions", body.dump(), a, extra);
+  };
+  const Reply first = turn("Hi", "chat", /*header=*/false);
+  ASSERT_EQ(first.status, 200) << first.raw;
+  const int64_t after_first = first.body["session"]["position"];
+  EXPECT_EQ(after_first, first.body["usage"]["prompt_tokens"].get<int64_t>() +
+                             first.body["usage"]["completion_tokens"].get<int64_t>());
+  const Reply got = Call(port, "GET", "/v1/sessions/chat", "", a);
+  ASSERT_EQ(got.status, 200);
+  EXPECT_EQ(got.body["position"], after_first);
+  EXPECT_GT(got.body["state_bytes"], 0);
+  EXPECT_EQ(got.body["tier"], "resident");
+
+  // A fork continues exactly like its source.
+  const Reply forked = Post(port, "/v1/sessions/chat/fork", {{"new_session_id", "copy"}}, a);
+  ASSERT_EQ(forked.status, 200) << forked.raw;
+  EXPECT_EQ(forked.body["position"], after_first);
+  const Reply second = turn("More", "chat", /*header=*/true);
+  ASSERT_EQ(second.status, 200) << second.raw;
+  EXPECT_EQ(second.session_header, "chat");
+  EXPECT_EQ(second.body["usage"]["history_tokens"], after_first);
+  const Reply second_copy = turn("More", "copy", /*header=*/false);
+  ASSERT_EQ(second_copy.status, 200) << second_copy.raw;
+  EXPECT_EQ(second_copy.body["choices"][0]["message"]["content"],
+            second.body["choices"][0]["message"]["content"]);
+  EXPECT_EQ(second_copy.body["session"]["position"], second.body["session"]["position"]);
+
+  const Reply listed = Call(port, "GET", "/v1/sessions", "", a);
+  ASSERT_EQ(listed.status, 200);
+  ASSERT_EQ(listed.body["data"].size(), 2u);
+  EXPECT_EQ(listed.body["data"][0]["id"], "chat");
+  EXPECT_EQ(listed.body["data"][1]["id"], "copy");
+  EXPECT_EQ(listed.body["has_more"], false);
+  const Reply page = Call(port, "GET", "/v1/sessions?limit=1", "", a);
+  EXPECT_EQ(page.body["data"].size(), 1u);
+  EXPECT_EQ(page.body["has_more"], true);
+
+  // Another tenant sees none of it: NOT_FOUND everywhere, as over gRPC.
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions", "", b).body["data"].size(), 0u);
+  for (const Reply& r : {Call(port, "GET", "/v1/sessions/chat", "", b),
+                         Call(port, "DELETE", "/v1/sessions/chat", "", b),
+                         Post(port, "/v1/sessions/chat/fork", Json::object(), b)}) {
+    EXPECT_EQ(r.status, 404) << r.raw;
+  }
+  const Reply other = Call(
+      port, "POST", "/v1/chat/completions",
+      Json{{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"session_id", "chat"}}.dump(), b);
+  EXPECT_EQ(other.status, 404);
+  EXPECT_EQ(other.body["error"]["type"], "not_found_error");
+  EXPECT_THAT(other.body["error"]["message"].get<std::string>(), HasSubstr("'chat' not found"));
+
+  const Reply deleted = Call(port, "DELETE", "/v1/sessions/copy", "", a);
+  ASSERT_EQ(deleted.status, 200);
+  EXPECT_EQ(deleted.body["deleted"], true);
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/copy", "", a).status, 404);
+  v1::Session over_grpc;
+  EXPECT_TRUE(GetSessionGrpc(*s.stub, "chat", &over_grpc, a).ok());
+  EXPECT_EQ(over_grpc.position(), second.body["session"]["position"].get<int64_t>());
+}
+
+TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
+  ServerOptions o = Options();
+  o.http.max_body_bytes = 64 << 10;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const Json good = {{"prompt", "ok"}, {"max_tokens", 2}};
+  const Json chat = {{"messages", {{{"role", "user"}, {"content", "ok"}}}}, {"max_tokens", 2}};
+  struct Case {
+    std::string path;
+    std::string body;
+    int status;
+    std::string message_part;
+  };
+  const auto with = [](Json j, const std::string& key, const Json& value) {
+    j[key] = value;
+    return j.dump();
+  };
+  const std::vector<Case> cases = {
+      {"/v1/completions", "{\"prompt\": \"x\",", 400, "not valid JSON"},
+      {"/v1/completions", "[1, 2]", 400, "JSON object"},
+      {"/v1/completions", "{\"prompt\": \"x\", \"temperature\": NaN}", 400, "not valid JSON"},
+      {"/v1/completions", Json{{"max_tokens", 2}}.dump(), 400, "'prompt' is required"},
+      {"/v1/completions", with(good, "prompt", 5), 400, "'prompt'"},
+      {"/v1/completions", with(good, "prompt", ""), 400, "empty"},
+      {"/v1/completions", with(good, "prompt", {1, 99999}), 400, "outside the vocabulary"},
+      {"/v1/completions", with(good, "prompt", {"a", "b"}), 400, "'prompt'"},
+      {"/v1/completions", with(good, "temperature", "hot"), 400, "'temperature'"},
+      {"/v1/completions", with(good, "temperature", -1), 400, "temperature"},
+      {"/v1/completions", with(good, "top_p", 2), 400, "top_p"},
+      {"/v1/completions", with(good, "max_tokens", 1.5), 400, "'max_tokens'"},
+      {"/v1/completions", with(good, "max_tokens", 0), 400, "max_tokens"},
+      {"/v1/completions", with(good, "stream", "yes"), 400, "'stream'"},
+      {"/v1/completions", with(good, "stop", {1}), 400, "'stop'"},
+      {"/v1/completions", with(good, "n", 2), 400, "'n' must be 1"},
+      {"/v1/completions", with(good, "seed", "s"), 400, "'seed'"},
+      {"/v1/completions", with(good, "model", "gpt-4"), 404, "'gpt-4' does not exist"},
+      {"/v1/completions", with(good, "session_id", "nope"), 404, "'nope' not found"},
+      {"/v1/completions", with(good, "session_id", "bad id!"), 400, "session_id"},
+      {"/v1/chat/completions", with(chat, "messages", "hi"), 400, "'messages'"},
+      {"/v1/chat/completions", with(chat, "messages", Json::array()), 400, "'messages'"},
+      {"/v1/chat/completions", with(chat, "messages", {{{"role", "king"}, {"content", "x"}}}), 400,
+       "role"},
+      {"/v1/chat/completions", with(chat, "messages", {{{"role", "user"}, {"content", 3}}}), 400,
+       "content"},
+      {"/v1/chat/completions", with(chat, "stream_options", 1), 400, "stream_options"},
+      {"/v1/chat/completions", with(chat, "n", 3), 400, "'n' must be 1"},
+      {"/v1/chat/completions", with(chat, "session_id", "nope"), 404, "'nope' not found"},
+      {"/v1/completions", std::string(100 << 10, ' '), 413, "larger than"},
+      {"/v1/sessions", "{\"session_id\": 7}", 400, "'session_id'"},
+      {"/v1/sessions", "{\"ttl_seconds\": -1}", 400, "ttl_seconds"},
+      {"/v1/sessions/nope/fork", "{}", 404, "'nope' not found"},
+      {"/v1/nothing", "{}", 404, "no endpoint"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.path + " " + c.body.substr(0, 120));
+    const Reply r = Call(port, "POST", c.path, c.body);
+    EXPECT_EQ(r.status, c.status) << r.raw;
+    ASSERT_TRUE(r.body.is_object()) << r.raw;
+    EXPECT_TRUE(r.body["error"]["message"].is_string());
+    EXPECT_TRUE(r.body["error"]["type"].is_string());
+    EXPECT_THAT(r.body["error"]["message"].get<std::string>(), HasSubstr(c.message_part));
+    // Still serving.
+    ASSERT_EQ(Post(port, "/v1/completions", good).status, 200);
+  }
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/nope", "").status, 404);
+  EXPECT_EQ(Call(port, "DELETE", "/v1/sessions/nope", "").status, 404);
+}
+
+// Streams a chat completion with a raw client, stopping (closing the connection) after
+// `stop_after` data events; returns the events seen.
+int StreamAndHangUp(int port, const std::string& session, int stop_after) {
+  httplib::Client client("127.0.0.1", port);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/chat/completions";
+  req.body = Json{
+      {"messages", {{{"role", "user"}, {"content", "tell me"}}}},
+      {"max_tokens", 1'000'000},
+      {"stream", true},
+      {"session_id",
+       session}}.dump();
+  req.set_header("Content-Type", "application/json");
+  int events = 0;
+  std::string buffer;
+  req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    buffer.append(data, n);
+    size_t at;
+    while ((at = buffer.find("\n\n")) != std::string::npos) {
+      if (absl::StartsWith(buffer, "data: ")) ++events;
+      buffer.erase(0, at + 2);
+    }
+    return events < stop_after;
+  };
+  httplib::Response res;
+  httplib::Error error = httplib::Error::Success;
+  client.send(req, res, error);
+  return events;
+}
+
+TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;  // the next request runs only if the cancelled one left
+  o.scheduler.max_waiting = 1;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "long"}}).status, 200);
+
+  // Hang up mid-stream: the job ends, the session is free and keeps what was generated.
+  EXPECT_EQ(StreamAndHangUp(port, "long", 4), 4);
+  bool idle = false;
+  v1::Session session;
+  for (int i = 0; i < 500 && !idle; ++i) {
+    idle = GetSessionGrpc(*s.stub, "long", &session).ok() && !session.generating();
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(idle);
+  EXPECT_GE(session.position(), 3);
+  const Reply next = Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 3}});
+  EXPECT_EQ(next.status, 200) << next.raw;
+
+  // A session generating over gRPC is busy for HTTP (409); with one running and one waiting,
+  // the queue is full (429 with Retry-After).
+  grpc::ClientContext running_context, waiting_context;
+  Prepare(running_context, {});
+  Prepare(waiting_context, {});
+  auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000, "long"));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  const Reply busy =
+      Post(port, "/v1/chat/completions",
+           {{"messages", {{{"role", "user"}, {"content", "x"}}}}, {"session_id", "long"}});
+  EXPECT_EQ(busy.status, 409) << busy.raw;
+  EXPECT_THAT(busy.raw, HasSubstr("already generating"));
+  auto waiting = s.stub->Generate(&waiting_context, TextRequest("waiting", 1'000'000));
+  bool queued = false;
+  for (int i = 0; i < 500 && !queued; ++i) {
+    queued = MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_waiting") == 1;
+    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(queued);
+  const Reply full = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+  EXPECT_EQ(full.status, 429) << full.raw;
+  EXPECT_EQ(full.retry_after, "1");
+  EXPECT_EQ(full.body["error"]["type"], "rate_limit_error");
+  running_context.TryCancel();
+  waiting_context.TryCancel();
+  while (running->Read(&chunk)) {
+  }
+  while (waiting->Read(&chunk)) {
+  }
+  running->Finish();
+  waiting->Finish();
+  bool served = false;
+  for (int i = 0; i < 500 && !served; ++i) {
+    served = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}}).status == 200;
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(served);
+  const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
+  EXPECT_EQ(MetricValue(page, "sdm_requests_total",
+                        {{"method", "OpenAI.ChatCompletions"}, {"code", "CANCELLED"}}),
+            1);
+}
+
+TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "whole"}}).status, 200);
+  httplib::Client client("127.0.0.1", port);
+  std::atomic<bool> returned{false};
+  std::thread waiting([&] {
+    const httplib::Result r = client.Post(
+        "/v1/completions",
+        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"session_id", "whole"}}.dump(),
+        "application/json");
+    EXPECT_FALSE(r && r->status == 200 && absl::StrContains(r->body, "choices"));
+    returned.store(true);
+  });
+  // Generating (no response yet: it would come after a million tokens), then the client leaves.
+  v1::Session session;
+  bool generating = false;
+  for (int i = 0; i < 500 && !generating; ++i) {
+    generating = GetSessionGrpc(*s.stub, "whole", &session).ok() && session.generating();
+    if (!generating) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(generating);
+  client.stop();
+  waiting.join();
+  EXPECT_TRUE(returned.load());
+  bool idle = false;
+  for (int i = 0; i < 500 && !idle; ++i) {
+    idle = GetSessionGrpc(*s.stub, "whole", &session).ok() && !session.generating();
+    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_TRUE(idle) << "the job kept running after its client left";
+  // Its place in the batch (max_running 1) is free again.
+  EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 2}}).status, 200);
+}
+
+TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  constexpr int kEach = 6;
+  const auto prompt = [](int i) { return absl::StrCat("req ", i, std::string(i % 5, 'y')); };
+  // Odd requests are sampled with their own seed, even ones greedy.
+  const auto grpc_request = [&](int i) {
+    v1::GenerateRequest r = TextRequest(prompt(i), 16);
+    if (i % 2 == 1) {
+      r.mutable_sampling()->set_temperature(0.8);
+      r.mutable_sampling()->set_seed(100 + i);
+    }
+    return r;
+  };
+  const auto http_body = [&](int i) {
+    Json j = {{"prompt", prompt(i)}, {"max_tokens", 16}, {"stream", i % 4 < 2}};
+    j["temperature"] = i % 2 == 1 ? 0.8 : 0.0;
+    if (i % 2 == 1) j["seed"] = 100 + i;
+    return j;
+  };
+  const auto http_text = [&](const Reply& r, int i) {
+    if (i % 4 < 2) return ParseStream(r.raw, /*chat=*/false).text;
+    return r.body["choices"][0]["text"].get<std::string>();
+  };
+  std::vector<Completion> over_grpc(kEach);
+  std::vector<Reply> over_http(kEach);
+  {
+    std::atomic<int> ready{0};
+    std::vector<std::thread> clients;
+    for (int i = 0; i < 2 * kEach; ++i) {
+      clients.emplace_back([&, i] {
+        ready.fetch_add(1);
+        while (ready.load() < 2 * kEach) std::this_thread::yield();
+        if (i < kEach) {
+          over_grpc[i] = Generate(*s.stub, grpc_request(i));
+        } else {
+          over_http[i - kEach] = Post(port, "/v1/completions", http_body(i - kEach));
+        }
+      });
+    }
+    for (std::thread& t : clients) t.join();
+  }
+  const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
+  EXPECT_LT(MetricValue(page, "sdm_batch_size_bucket", {{"le", "1"}}),
+            MetricValue(page, "sdm_batch_size_count"));
+  for (int i = 0; i < kEach; ++i) {
+    SCOPED_TRACE(i);
+    ASSERT_EQ(over_http[i].status, 200) << over_http[i].raw;
+    ASSERT_TRUE(over_grpc[i].status.ok());
+    // Solo runs, one at a time, on each API.
+    const Completion solo = Generate(*s.stub, grpc_request(i));
+    EXPECT_EQ(over_grpc[i].tokens, solo.tokens);
+    EXPECT_EQ(http_text(over_http[i], i), solo.text);
+    const Reply solo_http = Post(port, "/v1/completions", http_body(i));
+    EXPECT_EQ(http_text(solo_http, i), solo.text);
+  }
+}
+
+TEST_F(OpenAiHttpTest, WhileTheServerDrainsNewRequestsGet503WithRetryAfter) {
+  ServerOptions o = Options();
+  o.shutdown_grace = absl::Seconds(20);  // the running stream below keeps it draining
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "drain"}}).status, 200);
+  grpc::ClientContext running_context;
+  Prepare(running_context, {});
+  auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000, "drain"));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  std::thread shutdown([&] { EXPECT_TRUE(s.server->Shutdown().ok()); });
+  Reply refused;
+  for (int i = 0; i < 500 && refused.status != 503; ++i) {
+    refused = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
+    if (refused.status != 503) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(refused.status, 503) << refused.raw;
+  EXPECT_EQ(refused.retry_after, "1");
+  EXPECT_EQ(refused.body["error"]["type"], "service_unavailable");
+  // Other endpoints keep working while it drains.
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/drain", "").status, 200);
+  running_context.TryCancel();
+  while (running->Read(&chunk)) {
+  }
+  running->Finish();
+  shutdown.join();
+}
+
+TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
+  ServerOptions o = Options();
+  o.shutdown_grace = absl::ZeroDuration();
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  std::atomic<bool> got_chunk{false};
+  std::string body;
+  std::thread client([&] {
+    httplib::Client c("127.0.0.1", port);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body = Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"stream", true}}.dump();
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      body.append(data, n);
+      if (absl::StrContains(body, "data: {")) got_chunk.store(true);
+      return true;
+    };
+    httplib::Response res;
+    httplib::Error error = httplib::Error::Success;
+    c.send(req, res, error);
+  });
+  while (!got_chunk.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(s.server->Shutdown().ok());
+  client.join();
+  const Streamed streamed = ParseStream(body, /*chat=*/false);
+  EXPECT_EQ(streamed.finish_reason, "cancelled");
+}
+
+}  // namespace
+}  // namespace sdm::testing
