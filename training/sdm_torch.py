@@ -147,6 +147,49 @@ class SdmMemory(nn.Module):
             self.memory = nn.Parameter(torch.zeros(H * s * s, hd))
         if self.normalize:
             self.readings_norm = nn.LayerNorm(hd, eps=self.ln_eps)
+        self.chunk = 32  # time steps per chunk of the parallel form (1: step by step)
+
+    @staticmethod
+    def _chunked(S, kw, qr, logd, alpha, beta, v, C):
+        """The same recurrence, C time steps at a time (a WY-style chunked form).
+
+        With D_t the diagonal decay (alpha_t on the write set, 1 elsewhere) and k_t supported on
+        the write set, one step is M_t = D_t M_{t-1} + k_t u_t^T with
+        u_t = beta_t (v_t - alpha_t M_{t-1}^T k_t). Within a chunk that starts from S, with
+        G_t = D_1...D_t: M_t = G_t S + sum_{j<=t} (G_t / G_j) k_j u_j^T, so the u_t solve the
+        unit lower-triangular system u_t + sum_{j<t} A_tj u_j = beta_t v_t
+        - alpha_t beta_t S^T G_{t-1} k_t with A_tj = alpha_t beta_t k_j^T (G_{t-1} / G_j) k_t,
+        and the reads are y_t = S^T G_t q_t + sum_{j<=t} u_j k_j^T (G_t / G_j) q_t.
+        Shapes: S [B,H,S2,hd]; kw, qr, logd [B,T,H,S2]; alpha, beta [B,T,H]; v [B,T,H,hd]."""
+        B, T, H, S2 = kw.shape
+        perm = lambda z: z.permute(0, 2, 1, *range(3, z.dim()))  # noqa: E731  [B,H,T,...]
+        kw, qr, logd, alpha, beta, v = (perm(z) for z in (kw, qr, logd, alpha, beta, v))
+        outs = []
+        for c0 in range(0, T, C):
+            c1 = min(T, c0 + C)
+            n = c1 - c0
+            k, q, ld = kw[:, :, c0:c1], qr[:, :, c0:c1], logd[:, :, c0:c1]
+            a, b, vv = alpha[:, :, c0:c1], beta[:, :, c0:c1], v[:, :, c0:c1]
+            L = torch.cumsum(ld, dim=2)  # log G_t
+            Lp = L - ld  # log G_{t-1}
+            strict = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(-1)
+            incl = torch.ones(n, n, dtype=torch.bool, device=k.device).tril(0)
+            neg = float("-inf")
+            E1 = torch.exp((Lp[:, :, :, None, :] - L[:, :, None, :, :])
+                           .masked_fill(~strict[:, :, None], neg))  # [B,H,t,j,S2]
+            A = (k[:, :, :, None, :] * E1 * k[:, :, None, :, :]).sum(-1) * (a * b)[..., None]
+            rhs = b[..., None] * vv - (a * b)[..., None] * ((torch.exp(Lp) * k) @ S)
+            eye = torch.eye(n, dtype=k.dtype, device=k.device)
+            U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+            E2 = torch.exp((L[:, :, :, None, :] - L[:, :, None, :, :])
+                           .masked_fill(~incl[:, :, None], neg))
+            Bm = (q[:, :, :, None, :] * E2 * k[:, :, None, :, :]).sum(-1)  # [B,H,t,j]
+            outs.append((torch.exp(L) * q) @ S + Bm @ U)
+            Lend = L[:, :, -1:, :]
+            S = torch.exp(Lend).transpose(-1, -2) * S + \
+                (torch.exp(Lend - L) * k).transpose(-1, -2) @ U
+        y = torch.cat(outs, dim=2)  # [B,H,T,hd]
+        return y.permute(0, 2, 1, 3), S
 
     def _dense_weights(self, scores, K, scale):
         """scores [B, T, H*2s] -> (dense activation weights [B, T, H, s^2], write mask)."""
@@ -178,15 +221,19 @@ class SdmMemory(nn.Module):
             M = self.memory.view(1, H, S2, hd).expand(B, H, S2, hd)
         else:
             M = x.new_zeros(B, H, S2, hd)
-        bv = beta[..., None] * v  # [B,T,H,hd]
-        reads = []
-        for t in range(T):
-            M = decay[:, t, :, :, None] * M
-            k = kw[:, t]  # [B,H,S2]
-            vhat = torch.einsum("bhs,bhsd->bhd", k, M)
-            M = M + k[..., None] * (bv[:, t] - beta[:, t, :, None] * vhat)[:, :, None, :]
-            reads.append(torch.einsum("bhs,bhsd->bhd", qr[:, t], M))
-        y = torch.stack(reads, dim=1)  # [B,T,H,hd]
+        if self.chunk > 1:
+            logd = wmask * gate[..., None]  # log of the decay: 0 outside the write set
+            y, M = self._chunked(M, kw, qr, logd, alpha, beta, v, self.chunk)
+        else:
+            bv = beta[..., None] * v  # [B,T,H,hd]
+            reads = []
+            for t in range(T):
+                M = decay[:, t, :, :, None] * M
+                k = kw[:, t]  # [B,H,S2]
+                vhat = torch.einsum("bhs,bhsd->bhd", k, M)
+                M = M + k[..., None] * (bv[:, t] - beta[:, t, :, None] * vhat)[:, :, None, :]
+                reads.append(torch.einsum("bhs,bhsd->bhd", qr[:, t], M))
+            y = torch.stack(reads, dim=1)  # [B,T,H,hd]
         if self.normalize:
             y = self.readings_norm(y)
         y = y.reshape(B, T, d)
