@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--export", help="model directory to write at the end (bf16)")
     ap.add_argument("--fortunes", default=data.FORTUNE_DIR)
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--stop-after", type=int, default=0,
+                    help="checkpoint and exit at this step, as an interruption would (tests)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -261,8 +263,11 @@ def main(argv=None) -> int:
                                     "weighted_loss": float(loss), "grad_norm": float(gnorm),
                                     "lr": opt.param_groups[0]["lr"], "elapsed_s": elapsed,
                                     "max_distance": batcher.max_distance(step)}) + "\n")
-        if step % args.ckpt_every == 0 or step == args.steps:
+        if step % args.ckpt_every == 0 or step == args.steps or step == args.stop_after:
             save(step, elapsed)
+        if step == args.stop_after:
+            print(f"stopped at step {step} (--stop-after)", file=sys.stderr)
+            return 0
     if progress.tty:
         sys.stderr.write("\n")
 
