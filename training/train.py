@@ -186,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--export", help="model directory to write at the end (bf16)")
     ap.add_argument("--fortunes", default=data.FORTUNE_DIR)
     ap.add_argument("--no-eval", action="store_true")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="evaluate and export the checkpoint as it is, without training further")
     ap.add_argument("--stop-after", type=int, default=0,
                     help="checkpoint and exit at this step, as an interruption would (tests)")
     args = ap.parse_args(argv)
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
     model.train()
     t_window, tok_window = time.time(), 0
     tok_s = 0.0
-    while step < args.steps:
+    while step < args.steps and not args.eval_only:
         t0 = time.time()
         x, y, w = batcher.get(step)
         for g in opt.param_groups:
