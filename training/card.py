@@ -137,6 +137,10 @@ def main(argv=None):
              f"{ev['seq']}-byte row (a curriculum: near facts first). Answer bytes weigh "
              f"{ev['answer_weight']:g} in the loss.\n")
     L.append("## Training\n")
+    planned = ev.get("planned_steps", ev["steps"])
+    if planned != ev["steps"]:
+        L.append(f"- Stopped at step {ev['steps']} of the {planned} planned (the learning-rate "
+                 f"schedule is that of {planned} steps), to meet the deadline: see the notes.")
     L.append(f"- {ev['steps']} steps of {ev['batch']} rows x {ev['seq']} bytes "
              f"({ev['tokens']:,} bytes), AdamW (betas 0.9/0.95, weight decay 0.1), peak learning "
              f"rate {ev['lr']:g} with warm-up and cosine decay to 10%, gradient clipping 1.0, "
@@ -149,20 +153,23 @@ def main(argv=None):
     else:
         L.append("\n(no plots: matplotlib was not importable when the card was written)\n")
     L.append("## Evaluation (on the bf16 weights as shipped)\n")
-    head = "| | parameters | held-out bits/byte | " + " | ".join(
+    head = "| | parameters | steps | held-out bits/byte | " + " | ".join(
         f"recall @ {d} B ({int(d) // window}x window)" for d in sorted(ev["recall_accuracy"], key=int)) + " |"
     L.append(head)
-    L.append("|---" * (3 + len(ev["recall_accuracy"])) + "|")
+    L.append("|---" * (4 + len(ev["recall_accuracy"])) + "|")
     for label, (e, _) in runs.items():
         acc = e["recall_accuracy"]
-        row = (f"| {label} | {e['params_without_m0']:,} | {e['heldout_bits_per_byte']:.3f} | " +
+        row = (f"| {label} | {e['params_without_m0']:,} | {e['steps']} | "
+               f"{e['heldout_bits_per_byte']:.3f} | " +
                " | ".join(f"{acc[d]:.0%}" for d in sorted(acc, key=int)) + " |")
         L.append(row)
     L.append("")
     L.append(f"Held-out bits per byte: mean over {ev['heldout_bytes']:,} bytes of held-out "
              "fortunes (rows of BOS + 512 bytes). Recall: "
              f"{ev['recall_per_distance']} held-out examples per distance, one fact each, exact "
-             f"greedy answer; chance {ev['recall_chance']:.1%}. The twin is the same model with its "
+             f"greedy answer; chance {ev['recall_chance']:.1%}. The distance is the bytes of text "
+             "between the end of the fact and the start of the question; the answer comes about "
+             "40 bytes later still. The twin is the same model with its "
              "SDM layer replaced by a sliding-window layer, trained on the same batches for the "
              "same steps.")
     if has_plots:

@@ -282,7 +282,8 @@ def main(argv=None) -> int:
     eval_set = data.recall_eval_set(data.Corpus(held_text), distances, args.recall_per_distance,
                                     seed=args.seed + 1)
     acc = recall_accuracy(shipped, eval_set)
-    result = {"preset": args.preset, "config": cfg, "steps": step, "batch": args.batch,
+    result = {"preset": args.preset, "config": cfg, "steps": step, "planned_steps": args.steps,
+              "batch": args.batch,
               "seq": args.seq, "tokens": step * args.batch * args.seq, "train_wall_s": elapsed,
               "params": n_params, "params_without_m0": n_params_no_m0, "seed": args.seed,
               "threads": args.threads, "lr": args.lr, "recall_frac": args.recall_frac,
