@@ -81,6 +81,8 @@ echo "== session $SESSION resumed from its saved state, asked:${QUESTION}"
 "${CLIENT[@]}" generate --session "$SESSION" --prompt "$QUESTION" --max_tokens 12 \
   --temperature 0 --stop $'\n'
 echo
-echo "(the window of the attention layers is short: the fact is hundreds of bytes back, so an"
-echo " answer of amber came from the SDM layer's memory, carried across the restart in the state)"
+echo "(after the restart only the question was processed: the session's saved state stands for"
+echo " everything before it. The attention layers see 16 bytes back, so only the SDM memory could"
+echo " carry the fact; the demo model has not learned to use it yet and usually answers a wrong"
+echo " code word: see models/sdm-fortunes-demo/README.md)"
 "${CLIENT[@]}" sessions get "$SESSION"
