@@ -147,7 +147,9 @@ def main(argv=None):
              f"seed {ev['seed']}, float32, {ev['threads']} torch thread(s).")
     L.append(f"- Wall time: {ev['train_wall_s'] / 60:.1f} min of training on the shared 2-core "
              "CPU (other jobs ran at the same time), plus "
-             f"{ev['eval_wall_s'] / 60:.1f} min of evaluation.")
+             f"{ev['eval_wall_s'] / 60:.1f} min of evaluation." +
+             "".join(f" The {label}: {e['train_wall_s'] / 60:.1f} min for {e['steps']} steps."
+                     for label, (e, _) in runs.items() if e is not ev))
     if has_plots:
         L.append("\n![training loss](loss.png)\n")
     else:
