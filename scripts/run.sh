@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# The README's main command: installs missing dependencies, builds, creates the default model if
-# there is none, starts sdm-server on it, shows a completion, then a session that is parked,
-# survives a server restart and resumes without re-reading its history.
+# The README's main command: installs missing dependencies, builds, starts sdm-server on the
+# trained demo model that ships in models/sdm-fortunes-demo (scripts/train-demo.sh retrains it),
+# shows a sampled completion, then a session that is told a fact, is parked, survives a server
+# restart, and answers a question about the fact from its saved state alone.
 #
 # Ends with the same model over the OpenAI-compatible HTTP API (docs/api.md, HTTP API): a curl
 # call that streams a chat completion, printed and run.
 #
 #   scripts/run.sh [PROMPT]   (environment: SDM_MODEL_DIR, SDM_PRESET, SDM_BUILD_DIR, SDM_PORT,
 #                              SDM_HTTP_PORT)
+#
+# SDM_PRESET=NAME serves a randomly initialised preset model instead (models/NAME, created on
+# first use; the text is then noise, the mechanics the same).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PROMPT=${1:-"Sparse delta memory keeps a whole conversation in a fixed-size state, so"}
+PROMPT=${1:-"A man who carries a cat by the tail"}
 BUILD_DIR=${SDM_BUILD_DIR:-build}
-PRESET=${SDM_PRESET:-debug_sdm}
-MODEL_DIR=${SDM_MODEL_DIR:-models/$PRESET}
+PRESET=${SDM_PRESET:-}
+if [ -n "$PRESET" ]; then
+  MODEL_DIR=${SDM_MODEL_DIR:-models/$PRESET}
+else
+  MODEL_DIR=${SDM_MODEL_DIR:-models/sdm-fortunes-demo}
+fi
 PORT=${SDM_PORT:-50051}
 HTTP_PORT=${SDM_HTTP_PORT:-8080}
 STATE_DIR=${SDM_STATE_DIR:-sdm-state}
@@ -25,8 +33,12 @@ fi
 cmake --build "$BUILD_DIR" -j"$(nproc)" --target sdm-model sdm-cli sdm-server sdm-client
 
 if [ ! -f "$MODEL_DIR/config.json" ]; then
-  echo "run: creating a randomly initialised $PRESET model in $MODEL_DIR (no trained weights ship"
-  echo "     with the project; convert one with tools/convert_reference_checkpoint.py)"
+  if [ -z "$PRESET" ]; then
+    echo "run: no model in $MODEL_DIR (scripts/train-demo.sh trains the demo model; SDM_PRESET=NAME"
+    echo "     serves a randomly initialised preset)" >&2
+    exit 1
+  fi
+  echo "run: creating a randomly initialised $PRESET model in $MODEL_DIR"
   "$BUILD_DIR/tools/sdm_model/sdm-model" init --preset "$PRESET" --seed 0 --out "$MODEL_DIR"
 fi
 
@@ -54,19 +66,31 @@ trap stop_server EXIT
 
 start_server
 echo
-echo "== a completion (random weights: the text is noise, the mechanics are real)"
-"${CLIENT[@]}" generate --prompt "$PROMPT" --max_tokens 32 --temperature 0
+echo "== a sampled completion (temperature 0.8) of: $PROMPT"
+"${CLIENT[@]}" generate --prompt "$PROMPT" --max_tokens 160 --temperature 0.8 --seed 7
 echo
 SESSION="demo-$(date +%s)"
-echo "== session $SESSION: first turn"
+FACT="The code word of Ruth is amber."
+TEXT="Nothing is so firmly believed as that which we least know. The best way to keep one's word \
+is not to give it. When in doubt, tell the truth."
+echo "== session $SESSION: told a fact, then text that pushes it far outside the sliding window"
 "${CLIENT[@]}" sessions create "$SESSION"
-"${CLIENT[@]}" generate --session "$SESSION" --prompt "$PROMPT" --max_tokens 16 --temperature 0
+printf '%s\n%s\n\n' "$FACT" "$TEXT"
+"${CLIENT[@]}" generate --session "$SESSION" --prompt "$FACT"$'\n'"$TEXT"$'\n\n' \
+  --max_tokens 60 --temperature 0.8 --seed 7 --stop $'\n'
 echo
 echo "== restarting the server (sessions are persisted to $STATE_DIR)"
 stop_server
 start_server
-echo "== session $SESSION resumed: its history is carried by the state, not re-read"
-"${CLIENT[@]}" generate --session "$SESSION" --prompt " and then" --max_tokens 16 --temperature 0
+QUESTION=$'\n'"Q: What is the code word of Ruth?"$'\n'"A: "
+echo "== session $SESSION resumed from its saved state, asked:${QUESTION}"
+"${CLIENT[@]}" generate --session "$SESSION" --prompt "$QUESTION" --max_tokens 12 \
+  --temperature 0 --stop $'\n'
+echo
+echo "(after the restart only the question was processed: the session's saved state stands for"
+echo " everything before it. The attention layers see 16 bytes back, so only the SDM memory could"
+echo " carry the fact; the demo model has not learned to use it yet and usually answers a wrong"
+echo " code word: see models/sdm-fortunes-demo/README.md)"
 "${CLIENT[@]}" sessions get "$SESSION"
 echo
 echo "== the same server over the OpenAI-compatible HTTP API (http://127.0.0.1:$HTTP_PORT/v1):"

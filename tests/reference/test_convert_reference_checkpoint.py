@@ -48,6 +48,7 @@ except ImportError as e:  # pragma: no cover
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(HERE)), "training"))
 import sdm_reference_model as ref  # noqa: E402
 from test_engine_logits import (CheckFailed, Results, choose_tokens, compare,  # noqa: E402
                                 engine_logits, random_weights, REL_TOL)

@@ -42,7 +42,9 @@ except ImportError as e:  # pragma: no cover
     print(f"SKIP: {sys.executable} lacks numpy/torch ({e})")
     sys.exit(77)
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# The reference model lives in training/ (the training code builds on it too).
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "training"))
 import sdm_reference_model as ref  # noqa: E402
 
 REL_TOL = 2e-4
