@@ -84,6 +84,10 @@ ABSL_FLAG(int64_t, max_prompt_tokens, sdm::ServiceOptions{}.max_prompt_tokens,
           "Longest prompt accepted, in tokens including an added BOS (INVALID_ARGUMENT above).");
 ABSL_FLAG(int64_t, max_tokens_limit, sdm::ServiceOptions{}.max_tokens_limit,
           "Largest max_tokens a Generate request may ask for.");
+ABSL_FLAG(int64_t, max_session_tokens, sdm::ServiceOptions{}.max_session_tokens,
+          "Longest history a session may reach, in tokens (OUT_OF_RANGE past it; max_tokens is "
+          "cut to the room left); 0: no limit; -1: the tokens whose full-attention key/value "
+          "cache fills --resident_budget (or the device's capacity), none without such layers.");
 ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
           "Engine threads; 0: one per hardware thread.");
 ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine.device),
@@ -185,6 +189,7 @@ int main(int argc, char** argv) {
   options.engine.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.service.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   options.service.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  options.service.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.engine.num_threads = absl::GetFlag(FLAGS_threads);
   {
     absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));

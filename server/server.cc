@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
@@ -14,6 +15,7 @@
 #include "base/status_macros.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/model_config.h"
 #include "engine/tokenizer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -87,6 +89,21 @@ absl::Status ValidateOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");
   }
   return absl::OkStatus();
+}
+
+// The service's options with max_session_tokens resolved: a negative value (the default) is
+// DefaultMaxSessionTokens of the model within the resident budget (and the device's capacity).
+ServiceOptions WithSessionLimit(const ServerOptions& options, const Engine& engine) {
+  ServiceOptions service = options.service;
+  if (service.max_session_tokens >= 0) return service;
+  int64_t budget = options.store.resident_budget_bytes;
+  if (engine.device_state_capacity_bytes() > 0) {
+    budget = std::min(budget, engine.device_state_capacity_bytes());
+  }
+  service.max_session_tokens = DefaultMaxSessionTokens(
+      FullAttentionKvElementsPerToken(engine.config()) * static_cast<int64_t>(sizeof(float)),
+      budget);
+  return service;
 }
 
 }  // namespace
@@ -195,7 +212,7 @@ absl::Status SdmServer::Impl::Init() {
 
   service = std::make_unique<SdmServiceImpl>(
       ServiceDeps{*model, *engine, *tokenizer, *store, *scheduler, *metrics, auth, tenant_limits},
-      options.service);
+      WithSessionLimit(options, *engine));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();

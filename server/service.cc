@@ -137,6 +137,7 @@ v1::ModelInfo BuildModelInfo(const Model& model, const Engine& engine, const Tok
   info.set_max_prompt_tokens(options.max_prompt_tokens);
   info.set_max_tokens_limit(options.max_tokens_limit);
   info.set_config_json(ModelConfigToJson(c));
+  info.set_max_session_tokens(options.max_session_tokens);
   return info;
 }
 
@@ -334,6 +335,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
 
   // The session, and whether the sequence starts here.
   bool at_start = true;
+  int64_t history = 0;  // tokens the session has read or will read before the prompt
   if (!request.session_id().empty()) {
     absl::StatusOr<OwnedSession> session = FindSession(*tenant, request.session_id());
     if (!session.ok()) return session.status();
@@ -343,6 +345,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
     }
     // The store knows every intact session's position (from its record when it is on disk).
     at_start = session->info.position == 0 && !session->info.pending_token;
+    history = session->info.position + (session->info.pending_token ? 1 : 0);
     job.session = session->info.key;
   }
   const bool add_bos = request.has_add_bos() ? request.add_bos() : at_start;
@@ -363,8 +366,35 @@ absl::Status SdmServiceImpl::PrepareGenerate(const grpc::CallbackServerContext& 
                      " (ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
                      "parts"));
   }
+  if (absl::Status s = FitInSession(request.session_id(), history, prompt.size(), job.sampling);
+      !s.ok()) {
+    return s;
+  }
   job.deadline = DeadlineOf(context);
   return absl::OkStatus();
+}
+
+absl::Status SdmServiceImpl::FitInSession(absl::string_view session_id, int64_t history,
+                                          int64_t prompt_tokens, SamplingParams& sampling) const {
+  const int64_t limit = options_.max_session_tokens;
+  if (limit <= 0) return absl::OkStatus();  // none (a negative limit was never resolved)
+  const int64_t room = limit - history - prompt_tokens;
+  if (room < 1) {
+    const std::string whose =
+        session_id.empty() ? std::string("a one-shot request")
+                           : absl::StrCat("session '", session_id, "' (", history, " tokens)");
+    return absl::OutOfRangeError(absl::StrCat(
+        "the prompt's ", prompt_tokens, " tokens leave no room in ", whose,
+        " under this server's limit of ", limit,
+        " tokens of history per session (ModelInfo.max_session_tokens): start a new session"));
+  }
+  sampling.max_tokens = std::min(sampling.max_tokens, room);  // ends with FINISH_REASON_LENGTH
+  return absl::OkStatus();
+}
+
+int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes) {
+  if (kv_bytes_per_token <= 0) return 0;
+  return std::max<int64_t>(1, budget_bytes / kv_bytes_per_token);
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(

@@ -834,8 +834,58 @@ TEST_F(ServiceTest, TokenizeDetokenizeAndModelInfo) {
   EXPECT_EQ(info.tokenizer().eos_id(), 257);
   EXPECT_EQ(info.max_prompt_tokens(), 256);
   EXPECT_EQ(info.max_tokens_limit(), 1'000'000);
+  // No full-attention layer: a session's state has a fixed size and its history no limit.
+  EXPECT_EQ(info.attention_cache_bytes_per_token(), 0);
+  EXPECT_EQ(info.max_session_tokens(), 0);
   EXPECT_GT(info.parameters(), info.parameters_without_memory());
   EXPECT_FALSE(info.config_json().empty());
+}
+
+TEST(DefaultMaxSessionTokensTest, TheFullAttentionCacheThatFillsTheBudget) {
+  EXPECT_EQ(DefaultMaxSessionTokens(0, int64_t{4} << 30), 0);  // no full attention: no limit
+  EXPECT_EQ(DefaultMaxSessionTokens(4096, int64_t{4} << 30), 1 << 20);
+  EXPECT_EQ(DefaultMaxSessionTokens(4096, 4096 * 3 + 100), 3);
+  EXPECT_EQ(DefaultMaxSessionTokens(4096, 100), 1);  // never 0, which would mean no limit
+}
+
+TEST_F(ServiceTest, ASessionStopsAtMaxSessionTokens) {
+  ServerOptions o = Options();
+  o.service.max_session_tokens = 20;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::ModelInfo info;
+    ASSERT_TRUE(s.stub->GetModelInfo(&context, v1::GetModelInfoRequest(), &info).ok());
+    EXPECT_EQ(info.max_session_tokens(), 20);
+  }
+  ASSERT_TRUE(CreateSession(*s.stub, "capped").ok());
+  // 11 prompt tokens (with BOS): max_tokens is cut to the 9 that fit.
+  const Completion first = Generate(*s.stub, TextRequest("0123456789", 100, "capped"));
+  ASSERT_TRUE(first.status.ok()) << first.status.error_message();
+  EXPECT_EQ(first.usage.generated_tokens(), 9);
+  EXPECT_EQ(first.finish, v1::FINISH_REASON_LENGTH);
+  ASSERT_TRUE(WaitUntilIdle(*s.stub, "capped"));
+  v1::Session before;
+  ASSERT_TRUE(GetSession(*s.stub, "capped", &before).ok());
+  // The session is full: the next turn is refused, naming the limit, and changes nothing.
+  const Completion full = Generate(*s.stub, TextRequest("x", 4, "capped"));
+  EXPECT_EQ(full.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_THAT(full.status.error_message(), ::testing::HasSubstr("limit of 20 tokens"));
+  EXPECT_THAT(full.status.error_message(), ::testing::HasSubstr("'capped'"));
+  EXPECT_EQ(full.chunks, 0);
+  v1::Session after;
+  ASSERT_TRUE(GetSession(*s.stub, "capped", &after).ok());
+  EXPECT_EQ(after.position(), before.position());
+  // One-shot requests are held to the same limit.
+  const Completion long_one_shot = Generate(*s.stub, TextRequest(std::string(25, 'a'), 4));
+  EXPECT_EQ(long_one_shot.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  const Completion short_one_shot = Generate(*s.stub, TextRequest(std::string(15, 'a'), 100));
+  ASSERT_TRUE(short_one_shot.status.ok());
+  EXPECT_EQ(short_one_shot.usage.generated_tokens(), 4);
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_total",
+                            {{"method", "Generate"}, {"code", "OUT_OF_RANGE"}}, 2));
 }
 
 // ---- Auth and tenancy -----------------------------------------------------------------------
