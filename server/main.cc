@@ -231,6 +231,11 @@ int main(int argc, char** argv) {
   std::thread([signals] {
     int second = 0;
     sigwait(&signals, &second);
+    // Said loudly: what the graceful shutdown had not saved yet is lost.
+    absl::FPrintF(stderr,
+                  "sdm-server: second %s: exiting now with status 1, without waiting for requests "
+                  "or saving sessions; changes since a session's last save are lost\n",
+                  second == SIGINT ? "SIGINT" : "SIGTERM");
     std::_Exit(kExitFailure);
   }).detach();
   const absl::Status persisted = (*server)->Shutdown();

@@ -222,6 +222,12 @@ absl::StatusOr<SdmServiceImpl::OwnedSession> SdmServiceImpl::FindSession(
     found.metadata.id = std::string(id);
   }
   found.info = *std::move(info);
+  // Past its ttl, a session is gone even before the store's sweep removes it (which can take a
+  // moment, e.g. just after a restart).
+  if (!found.info.in_use && found.info.ttl != absl::InfiniteDuration() &&
+      found.info.last_used + found.info.ttl <= absl::Now()) {
+    return NotFound(id);
+  }
   return found;
 }
 
@@ -456,7 +462,7 @@ absl::Status SdmServiceImpl::DoCreateSession(absl::string_view tenant,
     // A server-chosen id is random (96 bits): a clash is retried, not reported.
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.session_id().empty() ? NewSessionId() : request.session_id();
-      metadata.create_time = absl::Now();
+      metadata.create_time = SessionCreateTimeNow();
       key = SessionKey(tenant, metadata.id);
       absl::Status s = deps_.store.Create(key, EncodeSessionMetadata(metadata), *ttl);
       if (s.ok()) break;
@@ -481,6 +487,9 @@ absl::Status SdmServiceImpl::DoGetSession(absl::string_view tenant,
                                           v1::Session& response) {
   absl::StatusOr<OwnedSession> session = FindSession(tenant, request.session_id());
   if (!session.ok()) return session.status();
+  // A quarantined session (its snapshot failed its checks) answers as Generate and Fork do: its
+  // state is lost, and the message says so and what to do (delete it).
+  if (!session->info.error.empty()) return absl::DataLossError(session->info.error);
   FillSession(session->info, session->metadata, response);
   return absl::OkStatus();
 }
@@ -565,7 +574,7 @@ absl::Status SdmServiceImpl::DoForkSession(absl::string_view tenant,
     if (absl::Status s = CheckTenantLimits(tenant, /*new_session=*/true); !s.ok()) return s;
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.new_session_id().empty() ? NewSessionId() : request.new_session_id();
-      metadata.create_time = absl::Now();
+      metadata.create_time = SessionCreateTimeNow();
       key = SessionKey(tenant, metadata.id);
       absl::Status s =
           deps_.store.Fork(source->info.key, key, EncodeSessionMetadata(metadata), *ttl);

@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/impl/client_unary_call.h"
 #include "grpcpp/support/sync_stream.h"
@@ -544,6 +545,12 @@ TEST_F(ServiceTest, CreateGetListForkDelete) {
     EXPECT_GT(session.expire_time().seconds(), session.last_used_time().seconds());
     EXPECT_EQ(session.labels().at("team"), i % 2 == 0 ? "even" : "odd");
     EXPECT_EQ(session.tier(), v1::TIER_RESIDENT);
+    // Get answers the create_time Create did, to the nanosecond (both are whole milliseconds).
+    v1::Session got;
+    ASSERT_TRUE(GetSession(*s.stub, session.id(), &got).ok());
+    EXPECT_EQ(got.create_time().seconds(), session.create_time().seconds());
+    EXPECT_EQ(got.create_time().nanos(), session.create_time().nanos());
+    EXPECT_EQ(session.create_time().nanos() % 1'000'000, 0);
   }
   v1::Session picked;
   ASSERT_TRUE(CreateSession(*s.stub, "", &picked).ok());
@@ -643,7 +650,45 @@ TEST_F(ServiceTest, CorruptSnapshotIsDataLossForThatSessionOnly) {
   const Completion fine = Generate(*b.stub, TextRequest(" more", 4, "good"));
   EXPECT_TRUE(fine.status.ok()) << fine.status.error_message();
   EXPECT_GE(MetricValue(ScrapeMetrics(b.server->metrics_port()), "sdm_snapshot_errors_total"), 1);
+  // Get answers as Generate and Fork do (it used to answer OK with position -1).
+  v1::Session quarantined;
+  const grpc::Status got = GetSession(*b.stub, "bad", &quarantined);
+  EXPECT_EQ(got.error_code(), grpc::StatusCode::DATA_LOSS);
+  EXPECT_THAT(got.error_message(), ::testing::HasSubstr("'bad'"));
+  v1::Session intact;
+  EXPECT_TRUE(GetSession(*b.stub, "good", &intact).ok());
   EXPECT_TRUE(DeleteSession(*b.stub, "bad").ok());  // what the message tells the user to do
+}
+
+TEST_F(ServiceTest, ASessionPastItsTtlIsGoneAtOnceAfterARestart) {
+  const ServerOptions o = Options();
+  absl::Time saved_at;
+  {
+    Served a = Serve(o);
+    ASSERT_NE(a.server, nullptr);
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id("brief");
+    request.mutable_ttl()->set_seconds(1);
+    v1::Session session;
+    ASSERT_TRUE(a.stub->CreateSession(&context, request, &session).ok());
+    ASSERT_TRUE(CreateSession(*a.stub, "lasting").ok());
+    ASSERT_TRUE(a.server->Shutdown().ok());
+    saved_at = absl::Now();
+  }
+  // Let the ttl pass while the server is down (setup, not an assertion on timing: once passed,
+  // it stays passed).
+  absl::SleepFor(absl::Seconds(1) - (absl::Now() - saved_at) + absl::Milliseconds(50));
+  Served b = Serve(o);
+  ASSERT_NE(b.server, nullptr);
+  // Whether or not the store's sweep has run yet, the expired session is gone for every call.
+  v1::Session session;
+  EXPECT_EQ(GetSession(*b.stub, "brief", &session).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(ForkSession(*b.stub, "brief", "copy").error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(Generate(*b.stub, TextRequest("hi", 2, "brief")).status.error_code(),
+            grpc::StatusCode::NOT_FOUND);
+  EXPECT_TRUE(GetSession(*b.stub, "lasting", &session).ok());
 }
 
 // ---- Errors ---------------------------------------------------------------------------------
