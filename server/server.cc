@@ -4,9 +4,11 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -24,6 +26,7 @@
 #include "prometheus/registry.h"
 #include "server/auth.h"
 #include "server/http_endpoint.h"
+#include "server/malformed_requests.h"
 #include "server/metrics/exposition.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service.h"
@@ -220,6 +223,14 @@ absl::Status SdmServer::Impl::Init() {
   const std::string address = HostPort(options.host, options.port);
   builder.AddListeningPort(address, credentials, &port);
   builder.RegisterService(service.get());
+  // Requests gRPC cannot parse: INVALID_ARGUMENT with a message, and counted
+  // (server/malformed_requests.h).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MalformedRequestInterceptorFactory>(
+      [this](absl::string_view method, absl::StatusCode code) {
+        metrics->Request(method, code).Increment();
+      }));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   grpc_server = builder.BuildAndStart();
   if (grpc_server == nullptr || port == 0) {
     return absl::UnavailableError(

@@ -841,6 +841,50 @@ TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   EXPECT_EQ(valid.usage.generated_tokens(), static_cast<int64_t>(valid.tokens.size()));
 }
 
+TEST_F(ServiceTest, RequestsThatDoNotParseAreInvalidArgumentAndCounted) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "ok").ok());
+  const auto call = [&](const std::string& method, const std::string& bytes) {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    grpc::ByteBuffer response;
+    return grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        s.channel.get(),
+        grpc::internal::RpcMethod(("/sdm.v1.SdmService/" + method).c_str(),
+                                  grpc::internal::RpcMethod::NORMAL_RPC),
+        &context, Buffer(bytes), &response);
+  };
+  // GetSessionRequest{session_id: "ok"} parses (field 1, a string) ...
+  EXPECT_TRUE(call("GetSession", std::string("\x0a\x02ok", 4)).ok());
+  // ... but not with a session_id that is not UTF-8, nor as a truncated field.
+  for (const std::string& bytes :
+       {std::string("\x0a\x02\xff\xfe", 4), std::string("\x0a\x05ok", 4)}) {
+    const grpc::Status status = call("GetSession", bytes);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(status.error_message(), ::testing::HasSubstr("not valid UTF-8"));
+  }
+  // A Generate stream with a text prompt that is not UTF-8.
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    auto stream = grpc::internal::ClientReaderFactory<grpc::ByteBuffer>::Create(
+        s.channel.get(),
+        grpc::internal::RpcMethod("/sdm.v1.SdmService/Generate",
+                                  grpc::internal::RpcMethod::SERVER_STREAMING),
+        &context, Buffer(std::string("\x12\x01\xc3", 3)));
+    grpc::ByteBuffer chunk;
+    EXPECT_FALSE(stream->Read(&chunk));
+    EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_total",
+                            {{"method", "GetSession"}, {"code", "INVALID_ARGUMENT"}}, 2));
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_total",
+                            {{"method", "Generate"}, {"code", "INVALID_ARGUMENT"}}, 1));
+  // A method that does not exist is still UNIMPLEMENTED.
+  EXPECT_EQ(call("NoSuchMethod", "").error_code(), grpc::StatusCode::UNIMPLEMENTED);
+}
+
 TEST_F(ServiceTest, TokenizeDetokenizeAndModelInfo) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);
