@@ -407,7 +407,10 @@ int RunInfo(absl::Span<const std::string> args, const ClientIo& io) {
       << HumanBytes(info.max_sdm_state_bytes()) << ")\n"
       << "attention_cache_bytes_per_token: " << info.attention_cache_bytes_per_token() << "\n"
       << "max_prompt_tokens: " << info.max_prompt_tokens() << "\n"
-      << "max_tokens_limit: " << info.max_tokens_limit() << "\n";
+      << "max_tokens_limit: " << info.max_tokens_limit() << "\n"
+      << "max_session_tokens: "
+      << (info.max_session_tokens() > 0 ? absl::StrCat(info.max_session_tokens()) : "no limit")
+      << "\n";
   return kExitOk;
 }
 

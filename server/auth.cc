@@ -60,9 +60,21 @@ absl::StatusOr<ApiKeyAuthenticator> ApiKeyAuthenticator::FromText(absl::string_v
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_number;
     line = absl::StripAsciiWhitespace(line);  // also a '\r' of CRLF files
-    if (line.empty() || line[0] == '#') continue;
+    if (line.empty()) continue;
     const std::vector<absl::string_view> fields =
         absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    if (line[0] == '#') {
+      // A comment, unless it has the shape of a key line: a key beginning with '#' would
+      // otherwise be dropped without a word, and its tenant locked out.
+      if (line.size() > 1 && line[1] != '#' && line[1] != ' ' && line[1] != '\t' &&
+          fields.size() == 2 && fields[0].size() >= kMinKeyLength && IsValidTenantName(fields[1])) {
+        return LineError(source, line_number,
+                         "this line reads as a comment, but has the shape of 'KEY TENANT' with a "
+                         "key beginning with '#': keys cannot begin with '#'; start comments "
+                         "with '# ' (a space after the '#')");
+      }
+      continue;
+    }
     if (fields.size() != 2) {
       return LineError(source, line_number,
                        absl::StrCat("expected 'KEY TENANT', got ", fields.size(), " fields"));

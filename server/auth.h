@@ -1,9 +1,11 @@
 // Who is calling: API keys mapped to tenants.
 //
 // A key file holds one `KEY TENANT` pair per line, separated by spaces or tabs. Blank lines and
-// lines whose first non-blank character is '#' are ignored. Keys are 16 to 4096 printable ASCII
-// characters without spaces, each on one line only; tenant names are 1 to 64 characters of
-// [A-Za-z0-9._-]. Several keys may map to one tenant (key rotation). Example:
+// lines whose first non-blank character is '#' are ignored, except that a line like
+// `#xxxxxxxxxxxxxxxx tenant` (no blank after the '#', a key-sized first field, a tenant name) is
+// an error: it would be a key beginning with '#' read as a comment. Keys are 16 to 4096 printable
+// ASCII characters without spaces and never begin with '#', each on one line only; tenant names are
+// 1 to 64 characters of [A-Za-z0-9._-]. Several keys may map to one tenant (key rotation). Example:
 //
 //   # key                               tenant
 //   sk-4f9c2e7a1b8d6f3e0a5c9b2d7e1f4a8c  research

@@ -19,10 +19,16 @@ namespace sdm {
 
 class HttpEndpoint::Impl {
  public:
-  Impl(MetricsCallback metrics, HealthCallback health, int threads)
+  Impl(MetricsCallback metrics, HealthCallback health, const HttpEndpointOptions& options)
       : metrics_(std::move(metrics)), health_(std::move(health)) {
     // httplib takes ownership of the queue it is handed (and deletes it).
+    const int threads = options.threads;
     server_.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+    server_.set_read_timeout(absl::ToChronoMicroseconds(options.read_timeout));
+    server_.set_write_timeout(absl::ToChronoMicroseconds(options.write_timeout));
+    server_.set_keep_alive_timeout(static_cast<time_t>(
+        absl::ToInt64Seconds(absl::Ceil(options.keep_alive_timeout, absl::Seconds(1)))));
+    server_.set_keep_alive_max_count(static_cast<size_t>(options.keep_alive_max_requests));
     // httplib's default is SO_REUSEPORT, which would let a second server share (and silently
     // split the scrapes of) a port in use. SO_REUSEADDR only allows a quick restart.
     server_.set_socket_options([](socket_t socket) {
@@ -99,8 +105,23 @@ absl::StatusOr<std::unique_ptr<HttpEndpoint>> HttpEndpoint::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("metrics endpoint: threads must be >= 1, got ", options.threads));
   }
+  for (const auto& [name, timeout] :
+       {std::pair{"read_timeout", options.read_timeout},
+        std::pair{"write_timeout", options.write_timeout},
+        std::pair{"keep_alive_timeout", options.keep_alive_timeout}}) {
+    if (timeout <= absl::ZeroDuration() || timeout == absl::InfiniteDuration()) {
+      return absl::InvalidArgumentError(absl::StrCat("metrics endpoint: ", name,
+                                                     " must be positive and finite, got ",
+                                                     absl::FormatDuration(timeout)));
+    }
+  }
+  if (options.keep_alive_max_requests < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics endpoint: keep_alive_max_requests must be >= 1, got ",
+                     options.keep_alive_max_requests));
+  }
   if (!metrics) return absl::InvalidArgumentError("metrics endpoint: no metrics callback");
-  auto impl = std::make_unique<Impl>(std::move(metrics), std::move(health), options.threads);
+  auto impl = std::make_unique<Impl>(std::move(metrics), std::move(health), options);
   if (absl::Status status = impl->Listen(options.host, options.port); !status.ok()) return status;
   return std::make_unique<HttpEndpoint>(std::move(impl));
 }

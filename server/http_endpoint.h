@@ -8,7 +8,16 @@
 //   anything else  404
 //
 // An HttpEndpoint listens from Start() until it is destroyed, on its own threads (cpp-httplib:
-// one accepting, a small pool answering).
+// one accepting, a pool answering, one connection per worker at a time).
+//
+// Slow clients: a connection holds a worker while it is read, answered and kept alive. A client
+// that sends nothing (or reads nothing) for read_timeout (write_timeout) is dropped, and an idle
+// kept-alive connection after keep_alive_timeout; so a few slow or stalled clients cannot starve
+// /healthz and /metrics while fewer than `threads` of them are connected. A client that drips a
+// byte within every read_timeout holds its worker for as long as it keeps dripping (cpp-httplib
+// 0.11 has no whole-request deadline): `threads` such clients at once delay every other request
+// until one leaves. Expose the port only to the scrapers and probes (bind it to loopback or a
+// private interface; deploy/sdm-server.flags), never to untrusted networks.
 //
 // Thread-safety: Start() and the destructor from one thread; the `metrics` and `health` callbacks
 // are called on the endpoint's threads, possibly concurrently.
@@ -21,6 +30,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 
 namespace sdm {
 
@@ -29,8 +39,16 @@ struct HttpEndpointOptions {
   std::string host = "0.0.0.0";
   // 0: a free port, chosen by the system (see HttpEndpoint::port()).
   int port = 0;
-  // Threads answering requests.
-  int threads = 2;
+  // Threads answering requests: at most this many connections are served at once (more wait).
+  int threads = 16;
+  // A connection is dropped when the client sends nothing for read_timeout (while a request is
+  // read) or accepts nothing for write_timeout (while the answer is written).
+  absl::Duration read_timeout = absl::Seconds(2);
+  absl::Duration write_timeout = absl::Seconds(5);
+  // An idle kept-alive connection is closed after keep_alive_timeout, and after
+  // keep_alive_max_requests requests.
+  absl::Duration keep_alive_timeout = absl::Seconds(2);
+  int keep_alive_max_requests = 100;
 };
 
 class HttpEndpoint {

@@ -5,18 +5,22 @@
 //   sdm-server --help                       (every flag, its default and meaning)
 //
 // Prints "listening on HOST:PORT" on stdout once the gRPC port accepts calls. SIGINT or SIGTERM
-// starts a graceful shutdown (server/server.h); a second signal exits at once.
+// starts a graceful shutdown (server/server.h); a second signal exits at once with status 1, saying
+// on stderr that nothing more is saved.
 //
 // Exit status: 0 after a clean shutdown; 1 when the server cannot start (the model cannot be
 // loaded, a file is invalid, a port cannot be bound: the reason is printed) or when sessions
 // could not be persisted at shutdown; 2 on usage errors.
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -101,6 +105,10 @@ ABSL_FLAG(int64_t, max_prompt_tokens, sdm::ServiceOptions{}.max_prompt_tokens,
           "Longest prompt accepted, in tokens including an added BOS (INVALID_ARGUMENT above).");
 ABSL_FLAG(int64_t, max_tokens_limit, sdm::ServiceOptions{}.max_tokens_limit,
           "Largest max_tokens a Generate request may ask for.");
+ABSL_FLAG(int64_t, max_session_tokens, sdm::ServiceOptions{}.max_session_tokens,
+          "Longest history a session may reach, in tokens (OUT_OF_RANGE past it; max_tokens is "
+          "cut to the room left); 0: no limit; -1: the tokens whose full-attention key/value "
+          "cache fills --resident_budget (or the device's capacity), none without such layers.");
 ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
           "Engine threads; 0: one per hardware thread.");
 ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine.device),
@@ -123,6 +131,31 @@ namespace {
 
 constexpr int kExitFailure = 1;
 constexpr int kExitUsage = 2;
+
+// ---- Signals --------------------------------------------------------------------------------
+// SIGINT and SIGTERM run OnShutdownSignal on whichever thread the kernel picks (threads started
+// before main, such as a BLAS library's, do not have them blocked; with sigwait, a second signal
+// could land on one of those and kill the process by the default action, silently). The first
+// is passed to main through a pipe; the second exits at once, saying so.
+int shutdown_pipe[2] = {-1, -1};
+std::atomic<int> shutdown_signals{0};
+
+void OnShutdownSignal(int signal_number) {
+  if (shutdown_signals.fetch_add(1) == 0) {
+    const char c = static_cast<char>(signal_number);
+    [[maybe_unused]] const ssize_t n = write(shutdown_pipe[1], &c, 1);
+    return;
+  }
+  // Async-signal-safe: write(2) and _exit only.
+  const char* message =
+      signal_number == SIGINT
+          ? "sdm-server: second SIGINT: exiting now with status 1, without waiting for requests "
+            "or saving sessions; changes since a session's last save are lost\n"
+          : "sdm-server: second SIGTERM: exiting now with status 1, without waiting for requests "
+            "or saving sessions; changes since a session's last save are lost\n";
+  [[maybe_unused]] const ssize_t n = write(STDERR_FILENO, message, std::strlen(message));
+  _exit(kExitFailure);
+}
 
 constexpr char kUsage[] =
     "usage: sdm-server --model DIR [flags]\n"
@@ -213,6 +246,7 @@ int main(int argc, char** argv) {
   options.engine.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.service.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   options.service.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  options.service.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.engine.num_threads = absl::GetFlag(FLAGS_threads);
   {
     absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
@@ -225,8 +259,19 @@ int main(int argc, char** argv) {
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
 
-  // Signals are handled by sigwait below: block them before any thread starts, so that every
-  // thread inherits the mask.
+  // Signals run OnShutdownSignal. They are blocked while the server starts, so that the threads
+  // it starts inherit the mask and main takes them once it waits (threads started before main
+  // may still take one: the handler is the same).
+  if (::pipe(shutdown_pipe) != 0) {
+    absl::FPrintF(stderr, "sdm-server: cannot create a pipe: %s\n", std::strerror(errno));
+    return kExitFailure;
+  }
+  struct sigaction action = {};
+  action.sa_handler = OnShutdownSignal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -251,16 +296,14 @@ int main(int argc, char** argv) {
   }
   std::fflush(stdout);
 
-  int signal_number = 0;
-  sigwait(&signals, &signal_number);
+  pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
+  char received = 0;
+  while (::read(shutdown_pipe[0], &received, 1) < 0 && errno == EINTR) {
+  }
+  const int signal_number = received;
   absl::FPrintF(stderr, "sdm-server: %s: shutting down (grace %s; a second signal exits now)\n",
                 signal_number == SIGINT ? "SIGINT" : "SIGTERM",
                 absl::FormatDuration(options.shutdown_grace));
-  std::thread([signals] {
-    int second = 0;
-    sigwait(&signals, &second);
-    std::_Exit(kExitFailure);
-  }).detach();
   const absl::Status persisted = (*server)->Shutdown();
   if (!persisted.ok()) {
     absl::FPrintF(stderr, "sdm-server: %s\n", persisted.ToString());

@@ -1,11 +1,14 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <memory>
 #include <sstream>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -14,6 +17,7 @@
 #include "base/status_macros.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/model_config.h"
 #include "engine/tokenizer.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
@@ -22,6 +26,7 @@
 #include "prometheus/registry.h"
 #include "server/auth.h"
 #include "server/http_endpoint.h"
+#include "server/malformed_requests.h"
 #include "server/metrics/exposition.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service.h"
@@ -91,6 +96,21 @@ absl::Status ValidateOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");
   }
   return absl::OkStatus();
+}
+
+// The service's options with max_session_tokens resolved: a negative value (the default) is
+// DefaultMaxSessionTokens of the model within the resident budget (and the device's capacity).
+ServiceOptions WithSessionLimit(const ServerOptions& options, const Engine& engine) {
+  ServiceOptions service = options.service;
+  if (service.max_session_tokens >= 0) return service;
+  int64_t budget = options.store.resident_budget_bytes;
+  if (engine.device_state_capacity_bytes() > 0) {
+    budget = std::min(budget, engine.device_state_capacity_bytes());
+  }
+  service.max_session_tokens = DefaultMaxSessionTokens(
+      FullAttentionKvElementsPerToken(engine.config()) * static_cast<int64_t>(sizeof(float)),
+      budget);
+  return service;
 }
 
 }  // namespace
@@ -212,7 +232,7 @@ absl::Status SdmServer::Impl::Init() {
 
   service = std::make_unique<SdmServiceImpl>(
       ServiceDeps{*model, *engine, *tokenizer, *store, *scheduler, *metrics, auth, tenant_limits},
-      options.service);
+      WithSessionLimit(options, *engine));
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -220,6 +240,14 @@ absl::Status SdmServer::Impl::Init() {
   const std::string address = HostPort(options.host, options.port);
   builder.AddListeningPort(address, credentials, &port);
   builder.RegisterService(service.get());
+  // Requests gRPC cannot parse: INVALID_ARGUMENT with a message, and counted
+  // (server/malformed_requests.h).
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<MalformedRequestInterceptorFactory>(
+      [this](absl::string_view method, absl::StatusCode code) {
+        metrics->Request(method, code).Increment();
+      }));
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   grpc_server = builder.BuildAndStart();
   if (grpc_server == nullptr || port == 0) {
     return absl::UnavailableError(

@@ -137,6 +137,7 @@ v1::ModelInfo BuildModelInfo(const Model& model, const Engine& engine, const Tok
   info.set_max_prompt_tokens(options.max_prompt_tokens);
   info.set_max_tokens_limit(options.max_tokens_limit);
   info.set_config_json(ModelConfigToJson(c));
+  info.set_max_session_tokens(options.max_session_tokens);
   return info;
 }
 
@@ -221,6 +222,12 @@ absl::StatusOr<SdmServiceImpl::OwnedSession> SdmServiceImpl::FindSession(
     found.metadata.id = std::string(id);
   }
   found.info = *std::move(info);
+  // Past its ttl, a session is gone even before the store's sweep removes it (which can take a
+  // moment, e.g. just after a restart).
+  if (!found.info.in_use && found.info.ttl != absl::InfiniteDuration() &&
+      found.info.last_used + found.info.ttl <= absl::Now()) {
+    return NotFound(id);
+  }
   return found;
 }
 
@@ -332,6 +339,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
 
   // The session, and whether the sequence starts here.
   bool at_start = true;
+  int64_t history = 0;  // tokens the session has read or will read before the prompt
   if (!request.session_id().empty()) {
     absl::StatusOr<OwnedSession> session = FindSession(tenant, request.session_id());
     if (!session.ok()) return session.status();
@@ -341,6 +349,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
     }
     // The store knows every intact session's position (from its record when it is on disk).
     at_start = session->info.position == 0 && !session->info.pending_token;
+    history = session->info.position + (session->info.pending_token ? 1 : 0);
     job.session = session->info.key;
   }
   const bool add_bos = request.has_add_bos() ? request.add_bos() : at_start;
@@ -361,6 +370,10 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
                      " (ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
                      "parts"));
   }
+  if (absl::Status s = FitInSession(request.session_id(), history, prompt.size(), job.sampling);
+      !s.ok()) {
+    return s;
+  }
   job.deadline = deadline;
   return absl::OkStatus();
 }
@@ -377,6 +390,29 @@ absl::Status SdmServiceImpl::SubmitGenerate(GenerateJob job,
                                         "session; retry when that call has finished"));
   }
   return FromStore(s);
+}
+
+absl::Status SdmServiceImpl::FitInSession(absl::string_view session_id, int64_t history,
+                                          int64_t prompt_tokens, SamplingParams& sampling) const {
+  const int64_t limit = options_.max_session_tokens;
+  if (limit <= 0) return absl::OkStatus();  // none (a negative limit was never resolved)
+  const int64_t room = limit - history - prompt_tokens;
+  if (room < 1) {
+    const std::string whose =
+        session_id.empty() ? std::string("a one-shot request")
+                           : absl::StrCat("session '", session_id, "' (", history, " tokens)");
+    return absl::OutOfRangeError(absl::StrCat(
+        "the prompt's ", prompt_tokens, " tokens leave no room in ", whose,
+        " under this server's limit of ", limit,
+        " tokens of history per session (ModelInfo.max_session_tokens): start a new session"));
+  }
+  sampling.max_tokens = std::min(sampling.max_tokens, room);  // ends with FINISH_REASON_LENGTH
+  return absl::OkStatus();
+}
+
+int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes) {
+  if (kv_bytes_per_token <= 0) return 0;
+  return std::max<int64_t>(1, budget_bytes / kv_bytes_per_token);
 }
 
 grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
@@ -431,7 +467,7 @@ absl::Status SdmServiceImpl::DoCreateSession(absl::string_view tenant,
     // A server-chosen id is random (96 bits): a clash is retried, not reported.
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.session_id().empty() ? NewSessionId() : request.session_id();
-      metadata.create_time = absl::Now();
+      metadata.create_time = SessionCreateTimeNow();
       key = SessionKey(tenant, metadata.id);
       absl::Status s = deps_.store.Create(key, EncodeSessionMetadata(metadata), *ttl);
       if (s.ok()) break;
@@ -456,6 +492,9 @@ absl::Status SdmServiceImpl::DoGetSession(absl::string_view tenant,
                                           v1::Session& response) {
   absl::StatusOr<OwnedSession> session = FindSession(tenant, request.session_id());
   if (!session.ok()) return session.status();
+  // A quarantined session (its snapshot failed its checks) answers as Generate and Fork do: its
+  // state is lost, and the message says so and what to do (delete it).
+  if (!session->info.error.empty()) return absl::DataLossError(session->info.error);
   FillSession(session->info, session->metadata, response);
   return absl::OkStatus();
 }
@@ -540,7 +579,7 @@ absl::Status SdmServiceImpl::DoForkSession(absl::string_view tenant,
     if (absl::Status s = CheckTenantLimits(tenant, /*new_session=*/true); !s.ok()) return s;
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.new_session_id().empty() ? NewSessionId() : request.new_session_id();
-      metadata.create_time = absl::Now();
+      metadata.create_time = SessionCreateTimeNow();
       key = SessionKey(tenant, metadata.id);
       absl::Status s =
           deps_.store.Fork(source->info.key, key, EncodeSessionMetadata(metadata), *ttl);

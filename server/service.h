@@ -61,10 +61,20 @@ struct ServiceOptions {
   int64_t max_tokens_limit = 4096;
   // max_tokens when the request leaves it unset (at most max_tokens_limit).
   int64_t default_max_tokens = 256;
+  // The longest history (tokens) a session may reach; 0: no limit; negative: SdmServer derives
+  // it from the model and its budgets (DefaultMaxSessionTokens).
+  int64_t max_session_tokens = -1;
   // Retry hints sent with RESOURCE_EXHAUSTED.
   absl::Duration queue_full_retry_after = absl::Seconds(1);
   absl::Duration tenant_limit_retry_after = absl::Seconds(30);
 };
+
+// The default limit on a session's history: the tokens whose full-attention key/value cache
+// (kv_bytes_per_token each; ModelInfo.attention_cache_bytes_per_token) fills `budget_bytes`,
+// the memory one session may occupy while it is stepped (the resident tier's budget, or the
+// device's session-state capacity when that is smaller). 0 (no limit) when the model has no
+// full-attention layer: SDM and sliding-window state has a fixed size.
+int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes);
 
 // Limits on what a Generate request may carry besides the prompt.
 inline constexpr int kMaxStopStrings = 16;
@@ -169,6 +179,11 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   absl::Status CheckTenantLimits(absl::string_view tenant, bool new_session) const;
   void FillSession(const SessionInfo& info, const SessionMetadata& metadata,
                    v1::Session& out) const;
+  // Applies max_session_tokens to a turn on a session holding `history` tokens (0 for a
+  // one-shot request): OUT_OF_RANGE naming the limit when the prompt leaves no room for one
+  // generated token, else cuts sampling.max_tokens to the room left.
+  absl::Status FitInSession(absl::string_view session_id, int64_t history, int64_t prompt_tokens,
+                            SamplingParams& sampling) const;
   absl::Status DoDetokenize(const v1::DetokenizeRequest& request, v1::DetokenizeResponse& response);
 
   const ServiceDeps deps_;

@@ -75,6 +75,8 @@ absl::Status ValidateLabels(const Labels& labels, absl::string_view field) {
   return absl::OkStatus();
 }
 
+absl::Time SessionCreateTimeNow() { return absl::FromUnixMillis(absl::ToUnixMillis(absl::Now())); }
+
 std::string EncodeSessionMetadata(const SessionMetadata& metadata) {
   nlohmann::json j;
   j["v"] = 1;

@@ -41,10 +41,14 @@ struct SessionMetadata {
   std::string tenant;
   std::string id;  // as the user named it
   Labels labels;
-  absl::Time create_time;
+  absl::Time create_time;  // kept to the millisecond (SessionCreateTimeNow)
 
   bool operator==(const SessionMetadata&) const = default;
 };
+
+// Now, at the precision the metadata keeps create_time in (whole milliseconds), so that
+// CreateSession answers the create_time every later GetSession answers.
+absl::Time SessionCreateTimeNow();
 
 std::string EncodeSessionMetadata(const SessionMetadata& metadata);
 // InvalidArgument if `text` is not metadata this module wrote.

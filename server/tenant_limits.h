@@ -10,7 +10,9 @@
 //
 // "default" applies to every tenant; an entry under "tenants" overrides some of its fields (a
 // field left out keeps the default's value; null means unlimited). Every field and both sections
-// are optional: without a file, or with "{}", nothing is limited. Counts are integers >= 0; byte
+// are optional: without a file, or with "{}", a tenant's sessions are unlimited in number and
+// hold at most kDefaultTenantMaxStateBytes of state ("max_state_bytes": null in "default" lifts
+// it). Counts are integers >= 0; byte
 // sizes are integers >= 0 or strings of an integer and a unit (B, KB, MB, GB, TB powers of 1000;
 // KiB, MiB, GiB, TiB powers of 1024). Unknown fields are rejected by name, so that a typo does not
 // silently leave a tenant unlimited. Tenant names follow IsValidTenantName (server/auth.h).
@@ -51,10 +53,15 @@ struct TenantLimits {
   bool operator==(const TenantLimits&) const = default;
 };
 
+// The default's max_state_bytes when no file or no "default" entry sets it: 64 GiB of session
+// state per tenant (a session's own history is bounded by ServiceOptions::max_session_tokens).
+inline constexpr int64_t kDefaultTenantMaxStateBytes = int64_t{64} << 30;
+
 class TenantLimitsConfig {
  public:
-  // Nothing limited.
-  TenantLimitsConfig() = default;
+  // Every tenant: any number of sessions, kDefaultTenantMaxStateBytes of state.
+  TenantLimitsConfig()
+      : default_{.max_sessions = std::nullopt, .max_state_bytes = kDefaultTenantMaxStateBytes} {}
 
   // Errors (InvalidArgument, naming the field as in "tenants.trial.max_sessions"): malformed
   // JSON, unknown fields, negative or non-integer values, bad units, bad tenant names.

@@ -412,6 +412,7 @@ TEST_F(SdmClientTest, TokenizeDetokenizeAndInfo) {
   ASSERT_EQ(r.exit, kExitOk) << r.err;
   EXPECT_THAT(r.out, HasSubstr("model: fake"));
   EXPECT_THAT(r.out, HasSubstr("max_prompt_tokens: 1024"));
+  EXPECT_THAT(r.out, HasSubstr("max_session_tokens: no limit"));  // the fake leaves it 0
   EXPECT_THAT(r.out, HasSubstr("layer types: sdm x1, swa x1"));
   r = Run("info", {"--json"});
   ASSERT_EQ(r.exit, kExitOk) << r.err;

@@ -112,6 +112,22 @@ TEST(ApiKeyAuthenticatorTest, FileErrorsNameTheLine) {
                "keys.txt:2:", "tenant name");
 }
 
+TEST(ApiKeyAuthenticatorTest, AKeyBeginningWithHashIsAnErrorNotAComment) {
+  const std::string good = std::string(kResearchKey) + " research\n";
+  const absl::Status status = LoadError(good + "#Zk-0123456789abcdef support\n");
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(status.message(), HasSubstr("keys.txt:2:"));
+  EXPECT_THAT(status.message(), HasSubstr("keys cannot begin with '#'"));
+  EXPECT_THAT(status.message(), Not(HasSubstr("Zk-")));  // the key is not repeated
+  // Comments, commented-out keys written as "# KEY TENANT", and other '#' lines stay comments.
+  const ApiKeyAuthenticator auth =
+      Load(good + "# sk-0123456789abcdef support\n" + "## sk-0123456789abcdef support\n" +
+           "#\tsk-0123456789abcdef support\n" + "#disabled: old\n" + "#short support\n" +
+           "#sk-0123456789abcdef bad/tenant\n");
+  EXPECT_EQ(Tenant(auth, std::string("Bearer ") + kResearchKey), "research");
+  EXPECT_THAT(Tenant(auth, "Bearer sk-0123456789abcdef"), HasSubstr("error"));
+}
+
 TEST(ApiKeyAuthenticatorTest, FromFile) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("sdm_auth_test_" + std::to_string(::getpid()));

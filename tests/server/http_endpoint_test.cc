@@ -1,8 +1,17 @@
 #include "server/http_endpoint.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
+#include <chrono>
 #include <memory>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "gmock/gmock.h"
@@ -19,6 +28,7 @@ namespace {
 using ::sdm::testing::ParsedPage;
 using ::sdm::testing::ParsePrometheusText;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 HttpEndpointOptions Loopback(int port = 0) {
@@ -133,6 +143,14 @@ TEST(HttpEndpointTest, BadOptionsAreRejected) {
   EXPECT_EQ(HttpEndpoint::Start(Loopback(), HttpEndpoint::MetricsCallback()).status().code(),
             absl::StatusCode::kInvalidArgument);
   options = Loopback();
+  options.read_timeout = absl::ZeroDuration();
+  EXPECT_EQ(HttpEndpoint::Start(options, PageOf(registry)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  options = Loopback();
+  options.keep_alive_max_requests = 0;
+  EXPECT_EQ(HttpEndpoint::Start(options, PageOf(registry)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  options = Loopback();
   options.host = "not an address";
   EXPECT_FALSE(HttpEndpoint::Start(options, PageOf(registry)).ok());
 }
@@ -161,6 +179,88 @@ TEST(HttpEndpointTest, StartAndStopRepeatedly) {
     auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
     ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   }
+}
+
+// A raw TCP connection to 127.0.0.1:port (-1 on failure), for clients httplib would not be.
+int ConnectRaw(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+bool SendAll(int fd, const std::string& bytes) {
+  return send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
+}
+
+TEST(HttpEndpointTest, ClientsDrippingHeaderBytesDoNotStarveHealthChecks) {
+  prometheus::Registry registry;
+  const HttpEndpointOptions options = Loopback();
+  auto endpoint = HttpEndpoint::Start(options, PageOf(registry));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int port = (*endpoint)->port();
+  // Fewer slow clients than workers, but more than the 2 the endpoint used to have: each starts
+  // a request and then sends one more header byte every 50 ms (well within read_timeout), for as
+  // long as the test runs.
+  const int slow_clients = options.threads / 2;
+  ASSERT_GT(slow_clients, 2);
+  std::vector<int> slow;
+  for (int i = 0; i < slow_clients; ++i) {
+    const int fd = ConnectRaw(port);
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, "GET /healthz HTTP/1.1\r\nX-Drip: "));
+    slow.push_back(fd);
+  }
+  std::atomic<bool> stop = false;
+  std::thread drip([&] {
+    while (!stop.load()) {
+      for (int fd : slow) SendAll(fd, "a");
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  });
+  // Health checks and scrapes are answered while the slow clients keep their connections (with
+  // the old 2 workers they waited for as long as the dripping lasted; the bound here is generous).
+  httplib::Client client("127.0.0.1", port);
+  client.set_read_timeout(20, 0);
+  for (const char* path : {"/healthz", "/metrics", "/healthz"}) {
+    const httplib::Result response = client.Get(path);
+    ASSERT_TRUE(response) << path << ": " << httplib::to_string(response.error());
+    EXPECT_EQ(response->status, 200) << path;
+  }
+  stop = true;
+  drip.join();
+  for (int fd : slow) close(fd);
+}
+
+TEST(HttpEndpointTest, AClientThatStopsSendingIsDisconnected) {
+  prometheus::Registry registry;
+  HttpEndpointOptions options = Loopback();
+  options.read_timeout = absl::Milliseconds(200);
+  auto endpoint = HttpEndpoint::Start(options, PageOf(registry));
+  ASSERT_TRUE(endpoint.ok()) << endpoint.status();
+  const int fd = ConnectRaw((*endpoint)->port());
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "GET /healthz HTTP/1.1\r\nHost: x"));  // and then nothing
+  // The server gives up on the request after read_timeout: it may answer 400, then the
+  // connection ends (recv returns 0, or an error once the server reset it) instead of holding a
+  // worker forever. A receive timeout far above read_timeout keeps a failure from hanging the test.
+  timeval limit{.tv_sec = 30, .tv_usec = 0};
+  ASSERT_EQ(setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &limit, sizeof(limit)), 0);
+  std::string answer;
+  char buffer[256];
+  ssize_t n;
+  while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0) answer.append(buffer, n);
+  const bool timed_out = n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+  EXPECT_FALSE(timed_out) << "the server kept the stalled connection open";
+  EXPECT_THAT(answer, Not(HasSubstr("200 OK")));  // the half request was not served
+  close(fd);
 }
 
 }  // namespace

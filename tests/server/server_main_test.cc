@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -73,6 +74,7 @@ TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
                            "prefill_chunk",
                            "max_prompt_tokens",
                            "max_tokens_limit",
+                           "max_session_tokens",
                            "threads",
                            "api_keys",
                            "tenant_limits",
@@ -159,6 +161,66 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
     saved = saved || entry.path().filename().string().find("saved") != std::string::npos;
   }
   EXPECT_TRUE(saved);
+}
+
+TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
+  const std::filesystem::path err = dir_.path() / "stderr.txt";
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(),
+                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  const std::string model = absl::StrCat("--model=", NoEosModelDir().string());
+  const std::string state = absl::StrCat("--state_dir=", (dir_.path() / "state").string());
+  std::vector<std::string> args = {kServer,
+                                   model,
+                                   "--port=0",
+                                   "--metrics_port=-1",
+                                   "--threads=1",
+                                   state,
+                                   "--shutdown_grace=60s",
+                                   "--max_tokens_limit=1000000"};
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  const std::string line = ReadLine(out[0], std::chrono::seconds(30));
+  ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
+  const std::string address = line.substr(13, line.find(' ', 13) - 13);
+  auto stub =
+      v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  // A stream that runs until cancelled keeps the graceful shutdown waiting (grace 60 s).
+  grpc::ClientContext context;
+  auto stream = stub->Generate(&context, TextRequest("endless", 1'000'000));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(stream->Read(&chunk));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  // Wait (setup) until the server has started its graceful shutdown.
+  for (int i = 0; i < 3000 && ReadFile(err.string()).find("shutting down") == std::string::npos;
+       ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_THAT(ReadFile(err.string()), ::testing::HasSubstr("shutting down"));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  int raw = 0;
+  ASSERT_EQ(::waitpid(pid, &raw, 0), pid);
+  ::close(out[0]);
+  ASSERT_TRUE(WIFEXITED(raw)) << "signal " << WTERMSIG(raw) << "; stderr:\n"
+                              << ReadFile(err.string());
+  EXPECT_EQ(WEXITSTATUS(raw), 1);
+  EXPECT_THAT(ReadFile(err.string()),
+              ::testing::HasSubstr("second SIGTERM: exiting now with status 1, without waiting "
+                                   "for requests or saving sessions"));
+  context.TryCancel();
+  while (stream->Read(&chunk)) {
+  }
+  stream->Finish();
 }
 
 }  // namespace

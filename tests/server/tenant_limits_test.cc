@@ -23,11 +23,22 @@ TenantLimitsConfig Parse(const std::string& json) {
   return config.ok() ? *config : TenantLimitsConfig();
 }
 
-TEST(TenantLimitsTest, NothingIsLimitedByDefault) {
+TEST(TenantLimitsTest, StateBytesAreLimitedByDefault) {
+  const TenantLimits built_in = {.max_sessions = std::nullopt, .max_state_bytes = 64 * kGiB};
+  EXPECT_EQ(kDefaultTenantMaxStateBytes, 64 * kGiB);
+  EXPECT_EQ(TenantLimitsConfig().For("anyone"), built_in);
+  EXPECT_EQ(Parse("{}").For("anyone"), built_in);
+  EXPECT_EQ(Parse(R"({"default": {}, "tenants": {}})").For("anyone"), built_in);
+  EXPECT_EQ(Parse(R"({"tenants": {"t": {"max_sessions": 3}}})").For("t").max_state_bytes,
+            64 * kGiB);
+  // null lifts it.
   const TenantLimits unlimited;
-  EXPECT_EQ(TenantLimitsConfig().For("anyone"), unlimited);
-  EXPECT_EQ(Parse("{}").For("anyone"), unlimited);
-  EXPECT_EQ(Parse(R"({"default": {}, "tenants": {}})").For("anyone"), unlimited);
+  EXPECT_EQ(Parse(R"({"default": {"max_state_bytes": null}})").For("anyone"), unlimited);
+  EXPECT_EQ(Parse(R"({"tenants": {"big": {"max_state_bytes": null}}})").For("big"), unlimited);
+  // The built-in limit refuses state past it.
+  EXPECT_EQ(TenantLimitsConfig().For("a").Admit("a", 1, 64 * kGiB, false).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(TenantLimitsConfig().For("a").Admit("a", 1, 64 * kGiB - 1, false).ok());
 }
 
 TEST(TenantLimitsTest, TenantEntriesOverrideTheDefaultFieldByField) {
