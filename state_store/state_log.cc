@@ -58,8 +58,8 @@ struct Frame {
   uint64_t checksum = 0;
 };
 
-absl::StatusOr<RecordSection> PayloadRecord(absl::string_view payload) {
-  Reader r(payload, "delta");
+// The record at the start of a payload; `r` is left after it.
+absl::StatusOr<RecordSection> ReadPayloadRecord(Reader& r) {
   uint64_t record_bytes = 0;
   absl::string_view record;
   if (!r.U64(record_bytes) || !r.Span(record_bytes, record)) return Damaged("truncated record");
@@ -68,14 +68,16 @@ absl::StatusOr<RecordSection> PayloadRecord(absl::string_view payload) {
   return parsed;
 }
 
+absl::StatusOr<RecordSection> PayloadRecord(absl::string_view payload) {
+  Reader r(payload, "delta");
+  return ReadPayloadRecord(r);
+}
+
 // Applies one checked payload.
 absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSection& out) {
   Reader r(payload, "delta");
-  uint64_t record_bytes = 0;
-  absl::string_view record;
-  if (!r.U64(record_bytes) || !r.Span(record_bytes, record)) return Damaged("truncated record");
-  absl::StatusOr<RecordSection> parsed = ParseRecordSection(record);
-  if (!parsed.ok()) return Damaged(parsed.status().message());
+  absl::StatusOr<RecordSection> parsed = ReadPayloadRecord(r);
+  if (!parsed.ok()) return parsed.status();
   const int64_t position = parsed->record.position;
   uint32_t layers = 0;
   if (!r.U32(layers) || layers != static_cast<uint32_t>(state.num_layers()) ||

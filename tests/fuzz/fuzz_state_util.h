@@ -5,11 +5,16 @@
 #ifndef SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
 #define SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
 
+#include <sanitizer/allocator_interface.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
+#include <string>
+#include <string_view>
 
 #include "state_store/session_state.h"
 #include "state_store/state_layout.h"
@@ -81,6 +86,30 @@ inline void FillState(SessionState& state, int tokens) {
   state.sampler_seed = 7;
   state.sampler_draws = static_cast<uint64_t>(state.position());
   state.pending_token = state.position() > 0 ? 65 : -1;
+}
+
+// A fuzzer's LLVMFuzzerInitialize: installs the allocation counter; with --write-seeds=DIR,
+// writes the seed corpus there and exits with write_seeds' status.
+inline int InitializeFuzzer(int* argc, char*** argv,
+                            int (*write_seeds)(const std::filesystem::path& dir)) {
+  __sanitizer_install_malloc_and_free_hooks(OnMalloc, OnFree);
+  constexpr std::string_view kFlag = "--write-seeds=";
+  for (int i = 1; i < *argc; ++i) {
+    const std::string_view arg = (*argv)[i];
+    if (arg.substr(0, kFlag.size()) == kFlag) std::exit(write_seeds(arg.substr(kFlag.size())));
+  }
+  return 0;
+}
+
+// A fuzzer's LLVMFuzzerTestOneInput: a mode byte, then the bytes; mode bit 0 runs `fix_up`
+// on them (checksums recomputed) before `check`.
+inline int RunInput(const uint8_t* data, size_t size, void (*fix_up)(std::string& bytes),
+                    void (*check)(const std::string& bytes)) {
+  if (size == 0) return 0;
+  std::string bytes(reinterpret_cast<const char*>(data) + 1, size - 1);
+  if (data[0] & 1) fix_up(bytes);
+  check(bytes);
+  return 0;
 }
 
 }  // namespace sdm::fuzz

@@ -134,19 +134,9 @@ int WriteSeeds(const std::filesystem::path& dir) {
 }  // namespace
 
 extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
-  __sanitizer_install_malloc_and_free_hooks(OnMalloc, OnFree);
-  constexpr std::string_view kFlag = "--write-seeds=";
-  for (int i = 1; i < *argc; ++i) {
-    const std::string_view arg = (*argv)[i];
-    if (arg.substr(0, kFlag.size()) == kFlag) std::exit(WriteSeeds(arg.substr(kFlag.size())));
-  }
-  return 0;
+  return sdm::fuzz::InitializeFuzzer(argc, argv, WriteSeeds);
 }
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  if (size == 0) return 0;
-  std::string log(reinterpret_cast<const char*>(data) + 1, size - 1);
-  if (data[0] & 1) FixUp(log);
-  CheckLog(log);
-  return 0;
+  return sdm::fuzz::RunInput(data, size, FixUp, CheckLog);
 }
