@@ -60,6 +60,10 @@ ABSL_FLAG(std::string, persist,
           "every turn, behind the decode path: a kill -9 loses at most the turn in flight), idle "
           "(once a session has been idle for --persist_idle), shutdown (only at shutdown and "
           "eviction). docs/state-format.md, Durability.");
+ABSL_FLAG(bool, shared_state_dir, sdm::ServerOptions{}.store.shared_dir,
+          "Replicas: other sdm-server processes use --state_dir too (a shared volume). A "
+          "session this one does not hold is looked up there, and one another replica wrote "
+          "since is re-read from there. docs/replicas.md.");
 ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
           "With --persist=idle: how long a changed session stays idle before it is written.");
 ABSL_FLAG(std::string, resident_budget,
@@ -173,6 +177,10 @@ int main(int argc, char** argv) {
   options.metrics_host = absl::GetFlag(FLAGS_metrics_host);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.store.dir = absl::GetFlag(FLAGS_state_dir);
+  options.store.shared_dir = absl::GetFlag(FLAGS_shared_state_dir);
+  if (options.store.shared_dir && options.store.dir.empty()) {
+    return UsageError("--shared_state_dir needs --state_dir");
+  }
   for (const auto& [flag, value, out] :
        {std::tuple{"resident_budget", absl::GetFlag(FLAGS_resident_budget),
                    &options.store.resident_budget_bytes},

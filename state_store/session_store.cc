@@ -1,5 +1,7 @@
 #include "state_store/session_store.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <functional>
 #include <iterator>
@@ -80,6 +82,19 @@ absl::string_view TierName(Tier tier) {
   return "?";
 }
 
+// Shared directory: identifies one version of a snapshot file. Each write is a new file
+// (written aside and renamed), but file times are coarse (a few ms) and inode numbers are reused,
+// so the record's position and last use (a turn moves both) are part of it too.
+struct SessionStateStore::SnapshotStamp {
+  uintmax_t inode = 0;
+  uintmax_t size = 0;
+  int64_t mtime_ns = 0;
+  int64_t position = 0;
+  int32_t pending_token = -1;
+  int64_t last_used_unix_ms = 0;
+  bool operator==(const SnapshotStamp&) const = default;
+};
+
 struct SessionStateStore::Entry {
   SessionKey key;
   std::string metadata;
@@ -112,6 +127,9 @@ struct SessionStateStore::Entry {
   uint64_t persisted_version = 0;
   int64_t persisted_bytes = 0;   // the size of its snapshot file; 0: none written or found
   bool persist_failing = false;  // its last write failed (counted once per episode)
+  // Shared directory: the size and modification time of its snapshot file when this store last
+  // read or wrote it; nullopt: it has not seen one.
+  std::optional<SnapshotStamp> disk_stamp;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -391,6 +409,7 @@ absl::Status SessionStateStore::LoadDirectory() {
       entry->persisted_bytes = entry->disk_bytes;
       entry->position = record->position;
       entry->pending = record->pending_token >= 0;
+      if (options_.shared_dir) entry->disk_stamp = StampOf(path);
     }
     if (key.has_value()) {
       entry->key = *std::move(key);
@@ -401,6 +420,81 @@ absl::Status SessionStateStore::LoadDirectory() {
     }
   }
   return absl::OkStatus();
+}
+
+// ---- Shared snapshot directory (SessionStoreOptions::shared_dir) ----
+
+std::optional<SessionStateStore::SnapshotStamp> SessionStateStore::StampOf(
+    const std::filesystem::path& path) const {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  SnapshotStamp stamp;
+  stamp.inode = st.st_ino;
+  stamp.size = static_cast<uintmax_t>(st.st_size);
+  stamp.mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  absl::StatusOr<SessionRecord> record = ReadRecord(*options_.files, path, stamp.size);
+  if (record.ok()) {
+    stamp.position = record->position;
+    stamp.pending_token = record->pending_token;
+    stamp.last_used_unix_ms = record->last_used_unix_ms;
+  }
+  return stamp;
+}
+
+absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Discover(
+    const SessionKey& key) const {
+  const std::filesystem::path path = PathOf(key);
+  std::optional<SnapshotStamp> stamp = StampOf(path);
+  if (!stamp.has_value()) return NotFound(key);
+  absl::StatusOr<SessionRecord> record = ReadRecord(*options_.files, path, stamp->size);
+  if (record.ok() && record->id != SessionRecordId(key)) {
+    record = absl::DataLossError("it holds another session");
+  }
+  if (!record.ok()) {
+    return absl::Status(
+        record.status().code(),
+        absl::StrCat("the snapshot of session '", key.id,
+                     "' in the shared directory failed its checks: ", record.status().message()));
+  }
+  auto entry = std::make_unique<Entry>();
+  entry->key = key;
+  entry->tier = Tier::kDisk;
+  entry->metadata = record->metadata;
+  entry->ttl = FromMs(record->ttl_ms);
+  entry->last_used =
+      record->last_used_unix_ms > 0 ? absl::FromUnixMillis(record->last_used_unix_ms) : absl::Now();
+  entry->disk_bytes = static_cast<int64_t>(stamp->size);
+  entry->persisted_bytes = entry->disk_bytes;
+  entry->position = record->position;
+  entry->pending = record->pending_token >= 0;
+  entry->disk_stamp = stamp;
+  return entry;
+}
+
+void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
+  if (!options_.shared_dir) return;
+  std::vector<std::unique_ptr<Entry>> dead;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return;  // FindIdle() discovers it
+    Entry& e = *it->second;
+    if (e.busy || e.in_use) return;  // this store is using or writing it: its own copy is current
+    const std::optional<SnapshotStamp> stamp = StampOf(PathOf(key));
+    if (stamp == e.disk_stamp) return;
+    if (!stamp.has_value() && e.version != e.persisted_version) return;  // created, unwritten
+    absl::StatusOr<std::unique_ptr<Entry>> fresh =
+        stamp.has_value() ? Discover(key) : absl::StatusOr<std::unique_ptr<Entry>>(NotFound(key));
+    if (!fresh.ok() && !absl::IsNotFound(fresh.status())) return;  // Acquire() reports it
+    if (e.version != e.persisted_version) {
+      SDM_LOG(WARNING) << "sdm state store: session '" << key.id
+                       << "' was written by another replica; its turns not written here are "
+                          "dropped";
+    }
+    dead.push_back(Erase(it));
+    if (fresh.ok()) Insert(*std::move(fresh));
+  }
+  Bury(std::move(dead));
 }
 
 // ---- Lookup ----
@@ -429,6 +523,12 @@ absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const Sess
         Insert(std::move(e));
         it = entries_.find(key);
       }
+    }
+    if (it == entries_.end() && options_.shared_dir) {
+      absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
+      if (!found.ok()) return found.status();
+      Insert(*std::move(found));
+      it = entries_.find(key);
     }
     if (it == entries_.end()) return NotFound(key);
     if (!it->second->busy) return it->second.get();
@@ -465,6 +565,7 @@ absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view 
   e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
   absl::MutexLock lock(&mu_);
   if (Find(key) != nullptr) return AlreadyExists(key);
+  if (options_.shared_dir && StampOf(PathOf(key)).has_value()) return AlreadyExists(key);
   SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
   e->tick = ++clock_;
   e->last_used = absl::Now();
@@ -491,6 +592,7 @@ void SessionStateStore::ReleaseOneShot(int64_t bytes) {
 }
 
 absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
+  RefreshFromSharedDir(key);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
@@ -651,6 +753,11 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
 absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const {
   absl::MutexLock lock(&mu_);
   const Entry* e = Find(key);
+  if (e == nullptr && options_.shared_dir) {
+    absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
+    if (!found.ok()) return found.status();
+    return InfoOf(**found, key);
+  }
   if (e == nullptr) return NotFound(key);
   return InfoOf(*e, key);
 }
@@ -776,6 +883,7 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
         ++counters_.evictions[static_cast<int>(Tier::kHost)];
         e.persisted_version = e.version;
         e.persisted_bytes = e.disk_bytes;
+        if (options_.shared_dir) e.disk_stamp = StampOf(path);
         PersistSucceeded(e);
       } else {
         status = absl::UnavailableError(absl::StrCat("could not write the snapshot of session '",
@@ -976,6 +1084,7 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     if (status.ok()) {
       e.persisted_version = version;
       e.persisted_bytes = static_cast<int64_t>(blob->size());
+      if (options_.shared_dir) e.disk_stamp = StampOf(path);
       ++counters_.persist_writes;
       counters_.persist_bytes += static_cast<int64_t>(blob->size());
       PersistSucceeded(e);

@@ -30,7 +30,7 @@ make_model() {
 start_replica() {
   local name=$1; shift
   "$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
-    --state_dir "$work/state" "$@" >"$work/$name.out" 2>"$work/$name.err" &
+    --state_dir "$work/state" --shared_state_dir "$@" >"$work/$name.out" 2>"$work/$name.err" &
   echo $! >>"$work/pids"; disown
   echo $! >"$work/$name.pid"
   for _ in $(seq 1 600); do
