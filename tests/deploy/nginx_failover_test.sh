@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# kill -9 of one of 3 replicas behind nginx (deploy/nginx/nginx.conf), sharing one --state_dir
+# with --persist turn (the default): every session is served again, by another replica, from
+# what the dead one persisted. Sessions whose last turn was not on disk yet count as "turns
+# lost" (the stated policy allows one per session: the turn in flight); the others continue
+# token for token like a control server that never failed. Prints the failover figures.
+# Exit 77 (skipped) without nginx.
+#
+#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR
+set -euo pipefail
+BUILD_DIR=$1
+SOURCE_DIR=$2
+command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
+work=$(mktemp -d)
+# shellcheck source=tests/deploy/replica_cluster.sh
+source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
+trap 'cluster_cleanup; rm -rf "$work"' EXIT
+
+make_model
+ports=()
+for i in 0 1 2; do start_replica "r$i"; ports+=("$REPLICA_PORT"); done
+nginx_port=$(free_port)
+start_nginx "$nginx_port" "${ports[@]}"
+"$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
+  --state_dir "$work/control_state" >"$work/control.out" 2>"$work/control.err" &
+echo $! >>"$work/pids"; disown
+for _ in $(seq 1 600); do grep -q "^listening on" "$work/control.out" && break; sleep 0.1; done
+control_port=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/control.out" | head -1)
+[ -n "$control_port" ] || fail "control server did not start"
+via="127.0.0.1:$nginx_port"
+control="127.0.0.1:$control_port"
+
+turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
+  "$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" --max_tokens 4 \
+    --json 2>>"$work/client.err" | jq -c '.token_ids'
+}
+position() {  # position HOST SESSION
+  "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
+}
+
+sessions=20
+for s in $(seq -w 1 $sessions); do
+  id="s$s"
+  "$client_bin" sessions create "$id" --host "$via" >/dev/null || fail "create $id"
+  "$client_bin" sessions create "$id" --host "$control" >/dev/null || fail "create control $id"
+  for k in 1 2; do
+    a=$(turn "$via" "$id" $k) || fail "turn $k of $id"
+    b=$(turn "$control" "$id" $k) || fail "control turn $k of $id"
+    [ "$a" = "$b" ] || fail "$id turn $k: $a vs control $b"
+  done
+done
+victim_port=${ports[1]}
+log="$work/nginx/logs/access.log"
+on_victim=()
+for s in $(seq -w 1 $sessions); do
+  grep "session=\"s$s\"" "$log" | tail -1 | grep -q "upstream=127.0.0.1:$victim_port " &&
+    on_victim+=("s$s")
+done
+[ ${#on_victim[@]} -gt 0 ] || fail "no session was on the replica to kill (hash spread)"
+
+kill -9 "$(cat "$work/r1.pid")"
+killed_ns=$(date +%s%N)
+lost=0
+failed=0
+first_ok_ms=""
+max_turn_ms=0
+for id in "${on_victim[@]}"; do
+  start_ns=$(date +%s%N)
+  got_position=$(position "$via" "$id") || { failed=$((failed + 1)); continue; }
+  want_position=$(position "$control" "$id")
+  if [ "$got_position" != "$want_position" ]; then
+    lost=$((lost + 1))  # its last turn was not on disk at the kill
+    continue
+  fi
+  a=$(turn "$via" "$id" 3) || { failed=$((failed + 1)); continue; }
+  end_ns=$(date +%s%N)
+  b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
+  [ "$a" = "$b" ] || fail "$id after failover: $a vs control $b"
+  ms=$(((end_ns - start_ns) / 1000000))
+  [ $ms -gt $max_turn_ms ] && max_turn_ms=$ms
+  [ -n "$first_ok_ms" ] || first_ok_ms=$(((end_ns - killed_ns) / 1000000))
+done
+[ $failed -eq 0 ] || fail "$failed sessions of the dead replica were not served again"
+[ $lost -le ${#on_victim[@]} ] || fail "more turns lost than sessions"
+# Every other session is untouched.
+for s in $(seq -w 1 $sessions); do
+  id="s$s"
+  [[ " ${on_victim[*]} " == *" $id "* ]] && continue
+  a=$(turn "$via" "$id" 3) || fail "turn 3 of $id (not on the dead replica)"
+  b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
+  [ "$a" = "$b" ] || fail "$id: $a vs control $b"
+done
+moved_upstreams=$(for id in "${on_victim[@]}"; do grep "session=\"$id\"" "$log" | tail -1; done |
+  sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | tr '\n' ' ')
+echo "ok: kill -9 of 1 of 3 replicas: ${#on_victim[@]} of $sessions sessions were on it;" \
+  "requests failed: $failed; turns lost: $lost; first session served again" \
+  "${first_ok_ms:-n/a} ms after the kill; slowest get+turn of a moved session: $max_turn_ms ms;" \
+  "last upstreams of the moved sessions: $moved_upstreams"
