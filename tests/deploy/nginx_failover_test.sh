@@ -4,12 +4,15 @@
 # what the dead one persisted. Sessions whose last turn was not on disk yet count as "turns
 # lost" (the stated policy allows one per session: the turn in flight); the others continue
 # token for token like a control server that never failed. Prints the failover figures.
+# With `drain`, the replica gets SIGTERM instead (a scale-down or a rolling upgrade): it writes
+# every session before it exits, so no turn may be lost; prints how long the drain took.
 # Exit 77 (skipped) without nginx.
 #
-#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR
+#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain]
 set -euo pipefail
 BUILD_DIR=$1
 SOURCE_DIR=$2
+mode=${3:-kill}
 command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
 work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
@@ -58,7 +61,30 @@ for s in $(seq -w 1 $sessions); do
 done
 [ ${#on_victim[@]} -gt 0 ] || fail "no session was on the replica to kill (hash spread)"
 
-kill -9 "$(cat "$work/r1.pid")"
+# Baseline: the same get + get + turn for a session on a live replica, before anything fails
+# (each is an sdm-client process: most of these milliseconds are process start-up).
+for s in $(seq -w 1 $sessions); do
+  [[ " ${on_victim[*]} " == *" s$s "* ]] && continue
+  start_ns=$(date +%s%N)
+  position "$via" "s$s" >/dev/null
+  position "$control" "s$s" >/dev/null
+  turn "$via" "s$s" 3 >/dev/null
+  baseline_ms=$((($(date +%s%N) - start_ns) / 1000000))
+  turn "$control" "s$s" 3 >/dev/null
+  baseline_session="s$s"
+  break
+done
+victim_pid=$(cat "$work/r1.pid")
+drain_ms=n/a
+if [ "$mode" = drain ]; then
+  term_ns=$(date +%s%N)
+  kill -TERM "$victim_pid"
+  for _ in $(seq 1 600); do kill -0 "$victim_pid" 2>/dev/null || break; sleep 0.05; done
+  kill -0 "$victim_pid" 2>/dev/null && fail "the drained replica did not exit"
+  drain_ms=$((($(date +%s%N) - term_ns) / 1000000))
+else
+  kill -9 "$victim_pid"
+fi
 killed_ns=$(date +%s%N)
 lost=0
 failed=0
@@ -82,17 +108,20 @@ for id in "${on_victim[@]}"; do
 done
 [ $failed -eq 0 ] || fail "$failed sessions of the dead replica were not served again"
 [ $lost -le ${#on_victim[@]} ] || fail "more turns lost than sessions"
+[ "$mode" != drain ] || [ $lost -eq 0 ] || fail "a drain lost $lost turns"
 # Every other session is untouched.
 for s in $(seq -w 1 $sessions); do
   id="s$s"
   [[ " ${on_victim[*]} " == *" $id "* ]] && continue
+  [ "$id" = "$baseline_session" ] && continue  # its turn 3 ran before
   a=$(turn "$via" "$id" 3) || fail "turn 3 of $id (not on the dead replica)"
   b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
   [ "$a" = "$b" ] || fail "$id: $a vs control $b"
 done
 moved_upstreams=$(for id in "${on_victim[@]}"; do grep "session=\"$id\"" "$log" | tail -1; done |
   sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | tr '\n' ' ')
-echo "ok: kill -9 of 1 of 3 replicas: ${#on_victim[@]} of $sessions sessions were on it;" \
-  "requests failed: $failed; turns lost: $lost; first session served again" \
-  "${first_ok_ms:-n/a} ms after the kill; slowest get+turn of a moved session: $max_turn_ms ms;" \
+echo "ok: $mode of 1 of 3 replicas (drain took $drain_ms ms): ${#on_victim[@]} of $sessions" \
+  "sessions were on it; requests failed: $failed; turns lost: $lost; first session served again" \
+  "${first_ok_ms:-n/a} ms after it was gone; slowest get+get+turn of a moved session: $max_turn_ms ms" \
+  "(the same on a live replica before: $baseline_ms ms);" \
   "last upstreams of the moved sessions: $moved_upstreams"
