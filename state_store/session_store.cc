@@ -497,6 +497,17 @@ void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
   Bury(std::move(dead));
 }
 
+absl::Status SessionStateStore::CheckOwnership(const SessionKey& key) const {
+  if (options_.ownership == nullptr) return absl::OkStatus();
+  return options_.ownership->CheckWrite(key);
+}
+
+void SessionStateStore::WriteFenced(const SessionKey& key, const absl::Status& why) {
+  ++counters_.fenced_writes;
+  SDM_LOG(ERROR) << "sdm state store: write of session '" << key.id
+                 << "' refused, this replica does not own it: " << why;
+}
+
 // ---- Lookup ----
 
 const SessionStateStore::Entry* SessionStateStore::Find(const SessionKey& key) const {
@@ -557,6 +568,7 @@ void SessionStateStore::Changed() {
 absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
                                        absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(key); !s.ok()) return s;
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   auto e = std::make_unique<Entry>();
   e->key = key;
   e->metadata = std::string(metadata);
@@ -592,6 +604,7 @@ void SessionStateStore::ReleaseOneShot(int64_t bytes) {
 }
 
 absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   RefreshFromSharedDir(key);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
@@ -666,12 +679,14 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
   std::vector<std::unique_ptr<Entry>> buried;
   buried.push_back(std::move(dead));
   Bury(std::move(buried));
+  if (options_.ownership != nullptr) options_.ownership->Release(key);
   return absl::OkStatus();
 }
 
 absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& dst,
                                      absl::string_view metadata, absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(dst); !s.ok()) return s;
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(src);
   if (!found.ok()) return found.status();
@@ -871,10 +886,18 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
       status = absl::FailedPreconditionError("the store has no snapshot directory");
     } else {
       const std::filesystem::path path = PathOf(e.key);
+      const SessionKey key = e.key;
       mu_.Unlock();
-      absl::Status s = options_.files->WriteAtomically(path, e.blob);
+      const absl::Status owned = CheckOwnership(key);
+      absl::Status s = owned.ok() ? options_.files->WriteAtomically(path, e.blob) : owned;
       mu_.Lock();
-      if (s.ok()) {
+      if (!owned.ok()) {
+        // Stays on host for now; its copy is given up (the next eviction drops it when it has
+        // a snapshot: the owner's).
+        status = owned;
+        e.persisted_version = e.version;
+        WriteFenced(key, owned);
+      } else if (s.ok()) {
         e.disk_bytes = static_cast<int64_t>(e.blob.size());
         e.blob.clear();
         e.blob.shrink_to_fit();
@@ -898,6 +921,14 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
 }
 
 absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
+  absl::Status parked = ParkByKey(key, tier);
+  if (parked.ok() && tier == Tier::kDisk && options_.ownership != nullptr) {
+    options_.ownership->Release(key);  // on disk: any replica may take it up
+  }
+  return parked;
+}
+
+absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
@@ -1074,14 +1105,20 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
       blob = encoded.ok() ? &*encoded : nullptr;
     }
     absl::Status status = encoded.status();
+    absl::Status owned;
     if (blob != nullptr) {
       mu_.Unlock();
-      status = options_.files->WriteAtomically(path, *blob);
+      owned = CheckOwnership(key);
+      if (owned.ok()) status = options_.files->WriteAtomically(path, *blob);
       mu_.Lock();
     }
     e.busy = false;
     changed_.SignalAll();
-    if (status.ok()) {
+    if (!owned.ok()) {
+      // Not this store's to write any more: its copy is given up, not retried (see ownership).
+      e.persisted_version = version;
+      WriteFenced(key, owned);
+    } else if (status.ok()) {
       e.persisted_version = version;
       e.persisted_bytes = static_cast<int64_t>(blob->size());
       if (options_.shared_dir) e.disk_stamp = StampOf(path);

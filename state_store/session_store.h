@@ -75,6 +75,13 @@
 // A snapshot found this way that fails its checks is reported (DATA_LOSS, FAILED_PRECONDITION)
 // but not quarantined: it is not this store's file to move.
 //
+// Ownership (SessionStoreOptions::ownership, replicas; state_store/session_ownership.h): Create,
+// Fork (its new session) and Acquire first claim the session, and answer the claim's error
+// (UNAVAILABLE while another replica owns it). Each snapshot write is preceded by CheckWrite: a
+// refused write is not made, counted (StoreStats::fenced_writes) and logged, and not retried
+// (this copy is stale; the owner holds the newer state); the session is not marked failing.
+// Delete and Park to disk release the session. The store calls it without its lock.
+//
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
 #ifndef SDMSERVE_STATE_STORE_SESSION_STORE_H_
@@ -98,6 +105,7 @@
 #include "absl/time/time.h"
 #include "state_store/row_pool.h"
 #include "state_store/session_key.h"
+#include "state_store/session_ownership.h"
 #include "state_store/session_state.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_files.h"
@@ -146,6 +154,9 @@ struct SessionStoreOptions {
   // Replicas (docs/replicas.md): other stores, in other processes, read and write `dir` too. See
   // "Shared snapshot directory" in the class comment. Needs `dir`.
   bool shared_dir = false;
+  // Replicas: who may take up and write each session (state_store/session_ownership.h); null:
+  // this store alone. Not owned; must outlive the store. See "Ownership" in the class comment.
+  SessionOwnership* ownership = nullptr;
 };
 
 struct SessionInfo {
@@ -185,6 +196,7 @@ struct StoreStats {
   int64_t persist_bytes = 0;                 // their bytes
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
+  int64_t fenced_writes = 0;                 // writes refused: not the owner (ownership)
   int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
   int64_t device_bytes = 0;                  // their device bytes (the device tier)
   int64_t device_evictions = 0;              // device -> host copies (budget, park, fork)
@@ -321,6 +333,12 @@ class SessionStateStore {
   // Drops the idle entry of `key` when another store has written or deleted its snapshot since
   // this one last read or wrote it, adopting the file's version; no-op when not shared.
   void RefreshFromSharedDir(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ownership (see the class comment): CheckWrite of `key` (OK without ownership); a refused
+  // write counted and logged. CheckOwnership is called without mu_.
+  absl::Status CheckOwnership(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  void WriteFenced(const SessionKey& key, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ParkByKey(const SessionKey& key, Tier tier) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
                                            uint64_t size) const;
   void Release(const SessionKey& key);
