@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/cluster/etcd_ownership.h"
 #include "server/scheduler.h"
 #include "server/service.h"
 #include "state_store/session_store.h"
@@ -65,6 +66,9 @@ struct ServerOptions {
   // snapshots under ./sdm-state unless told otherwise. `files`, `background` and `legacy_key`
   // are the server's own.
   SessionStoreOptions store = {.dir = "sdm-state"};
+  // Replicas (docs/replicas.md): session ownership in etcd; endpoint empty: none (the server
+  // runs alone). The store's `ownership` is then the server's own.
+  EtcdOwnershipOptions etcd;
   // Where and how the engine runs (auto: CUDA when a device is present).
   EngineOptions engine = {.device = EngineDevice::kAuto};
   SchedulerOptions scheduler;

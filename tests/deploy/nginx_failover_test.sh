@@ -6,22 +6,41 @@
 # token for token like a control server that never failed. Prints the failover figures.
 # With `drain`, the replica gets SIGTERM instead (a scale-down or a rolling upgrade): it writes
 # every session before it exits, so no turn may be lost; prints how long the drain took.
-# Exit 77 (skipped) without nginx.
+# With `etcd` as 4th argument, the replicas own their sessions in etcd (--etcd, started by the
+# test): after a kill -9 the dead replica's sessions are refused (UNAVAILABLE) until its lease
+# expires (10 s), and calls are retried until then; after a drain its lease is revoked at once.
+# Exit 77 (skipped) without nginx (or etcd, when asked for).
 #
-#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain]
+#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd]
 set -euo pipefail
 BUILD_DIR=$1
 SOURCE_DIR=$2
 mode=${3:-kill}
+with_etcd=${4:-}
 command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
+if [ -n "$with_etcd" ]; then
+  command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
+fi
 work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
 trap 'cluster_cleanup; rm -rf "$work"' EXIT
 
 make_model
+extra=()
+if [ -n "$with_etcd" ]; then
+  start_etcd
+  extra=(--etcd "$ETCD_URL")
+fi
 ports=()
-for i in 0 1 2; do start_replica "r$i"; ports+=("$REPLICA_PORT"); done
+for i in 0 1 2; do
+  if [ -n "$with_etcd" ]; then
+    start_replica "r$i" "${extra[@]}" --replica_id "r$i"
+  else
+    start_replica "r$i"
+  fi
+  ports+=("$REPLICA_PORT")
+done
 nginx_port=$(free_port)
 start_nginx "$nginx_port" "${ports[@]}"
 "$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
@@ -36,6 +55,15 @@ control="127.0.0.1:$control_port"
 turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
   "$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" --max_tokens 4 \
     --json 2>>"$work/client.err" | jq -c '.token_ids'
+}
+# retry CMD...: runs CMD until it succeeds, for up to 30 s (a lease TTL of 10 s and margin).
+retry() {
+  local deadline=$(($(date +%s) + 30))
+  until "$@"; do
+    [ "$(date +%s)" -lt $deadline ] || return 1
+    echo >>"$work/retries"  # (a subshell: counted in a file)
+    sleep 0.2
+  done
 }
 position() {  # position HOST SESSION
   "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
@@ -92,13 +120,13 @@ first_ok_ms=""
 max_turn_ms=0
 for id in "${on_victim[@]}"; do
   start_ns=$(date +%s%N)
-  got_position=$(position "$via" "$id") || { failed=$((failed + 1)); continue; }
+  got_position=$(retry position "$via" "$id") || { failed=$((failed + 1)); continue; }
   want_position=$(position "$control" "$id")
   if [ "$got_position" != "$want_position" ]; then
     lost=$((lost + 1))  # its last turn was not on disk at the kill
     continue
   fi
-  a=$(turn "$via" "$id" 3) || { failed=$((failed + 1)); continue; }
+  a=$(retry turn "$via" "$id" 3) || { failed=$((failed + 1)); continue; }
   end_ns=$(date +%s%N)
   b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
   [ "$a" = "$b" ] || fail "$id after failover: $a vs control $b"
@@ -120,8 +148,8 @@ for s in $(seq -w 1 $sessions); do
 done
 moved_upstreams=$(for id in "${on_victim[@]}"; do grep "session=\"$id\"" "$log" | tail -1; done |
   sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | tr '\n' ' ')
-echo "ok: $mode of 1 of 3 replicas (drain took $drain_ms ms): ${#on_victim[@]} of $sessions" \
+echo "ok: $mode ${with_etcd:+(etcd ownership) }of 1 of 3 replicas (drain took $drain_ms ms): ${#on_victim[@]} of $sessions" \
   "sessions were on it; requests failed: $failed; turns lost: $lost; first session served again" \
   "${first_ok_ms:-n/a} ms after it was gone; slowest get+get+turn of a moved session: $max_turn_ms ms" \
-  "(the same on a live replica before: $baseline_ms ms);" \
+  "(the same on a live replica before: $baseline_ms ms); calls retried: $(cat "$work/retries" 2>/dev/null | wc -l);" \
   "last upstreams of the moved sessions: $moved_upstreams"

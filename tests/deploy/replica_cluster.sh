@@ -63,3 +63,20 @@ start_nginx() {
   done
   fail "nginx wrote no pid file"
 }
+
+# start_etcd: etcd on free loopback ports with a data directory under $work; sets ETCD_URL.
+start_etcd() {
+  local client peer
+  client=$(free_port)
+  peer=$(free_port)
+  ETCD_URL="http://127.0.0.1:$client"
+  etcd --data-dir "$work/etcd" --listen-client-urls "$ETCD_URL" --advertise-client-urls "$ETCD_URL" \
+    --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
+    --initial-cluster "default=http://127.0.0.1:$peer" >"$work/etcd.log" 2>&1 &
+  echo $! >>"$work/pids"; disown
+  for _ in $(seq 1 300); do
+    curl -sf -X POST "$ETCD_URL/v3/kv/range" -d '{"key":"AA=="}' >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  cat "$work/etcd.log"; fail "etcd did not start"
+}
