@@ -663,6 +663,7 @@ void SessionStateStore::Release(const SessionKey& key) {
 }
 
 absl::Status SessionStateStore::Delete(const SessionKey& key) {
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   std::unique_ptr<Entry> dead;
   {
     absl::MutexLock lock(&mu_);

@@ -76,7 +76,7 @@
 // but not quarantined: it is not this store's file to move.
 //
 // Ownership (SessionStoreOptions::ownership, replicas; state_store/session_ownership.h): Create,
-// Fork (its new session) and Acquire first claim the session, and answer the claim's error
+// Fork (its new session), Acquire and Delete first claim the session, and answer the claim's error
 // (UNAVAILABLE while another replica owns it). Each snapshot write is preceded by CheckWrite: a
 // refused write is not made, counted (StoreStats::fenced_writes) and logged, and not retried
 // (this copy is stale; the owner holds the newer state); the session is not marked failing.

@@ -169,6 +169,7 @@ TEST_F(SharedDirTest, OnlyTheOwnerTakesASessionUpAndParkingReleasesIt) {
   Turn(*a, "o", testing::RandomTokens(4, 8));
   EXPECT_TRUE(absl::IsUnavailable(b->Acquire("o").status()));
   EXPECT_TRUE(absl::IsUnavailable(b->Create("o", "")));
+  EXPECT_TRUE(absl::IsUnavailable(b->Delete("o")));
   ASSERT_TRUE(a->Park("o", Tier::kDisk).ok());  // hands it over
   Turn(*b, "o", testing::RandomTokens(4, 9));
   ExpectLikeReference(*b, "o");
