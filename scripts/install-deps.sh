@@ -13,6 +13,8 @@ PACKAGES=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libxxhash-dev libssl-dev openssl
   python3-torch python3-numpy python3-matplotlib
+  # tests/deploy/ (replicas behind nginx, ownership in etcd; docs/replicas.md)
+  nginx etcd-server jq curl python3-yaml
 )
 
 missing=()
