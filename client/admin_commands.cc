@@ -189,6 +189,7 @@ int SessionsGet(absl::Span<const std::string> args, const ClientIo& io) {
   if (std::optional<int> exit = command.Connect()) return *exit;
   grpc::ClientContext context;
   command.Prepare(context);
+  AddSessionRouting(command.positional()[0], context);
   sdm::v1::GetSessionRequest request;
   request.set_session_id(command.positional()[0]);
   sdm::v1::Session session;
@@ -235,6 +236,8 @@ int SessionsCreateOrFork(absl::Span<const std::string> args, const ClientIo& io,
   if (std::optional<int> exit = command.Connect()) return *exit;
   grpc::ClientContext context;
   command.Prepare(context);
+  // A fork is routed by its source: the replica holding the source makes the copy.
+  if (!pos.empty()) AddSessionRouting(pos[0], context);
   sdm::v1::Session session;
   grpc::Status status;
   if (fork) {
@@ -269,6 +272,7 @@ int SessionsDelete(absl::Span<const std::string> args, const ClientIo& io) {
   for (const std::string& id : command.positional()) {
     grpc::ClientContext context;
     command.Prepare(context);
+    AddSessionRouting(id, context);
     sdm::v1::DeleteSessionRequest request;
     request.set_session_id(id);
     sdm::v1::DeleteSessionResponse response;

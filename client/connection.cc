@@ -130,6 +130,11 @@ void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& conte
   }
 }
 
+void AddSessionRouting(absl::string_view session_id, grpc::ClientContext& context) {
+  if (session_id.empty()) return;
+  context.AddMetadata(kSessionRoutingKey, std::string(session_id));
+}
+
 absl::string_view StatusCodeName(grpc::StatusCode code) {
   switch (code) {
     case grpc::StatusCode::OK:

@@ -74,6 +74,14 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ConnectionOptio
 // Prepares a call's context: the authorization metadata and the deadline.
 void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& context);
 
+// The gRPC metadata key naming the session a call is about, so that a proxy in front of several
+// replicas can route every call of one session to the same replica by consistent hash
+// (deploy/nginx/sdm-grpc.conf, docs/replicas.md). The server does not need it.
+inline constexpr char kSessionRoutingKey[] = "x-session-id";
+// Adds `x-session-id: session_id` to the call's metadata; nothing for an empty id (a one-shot
+// request, or a session whose id the server picks), which a proxy spreads freely.
+void AddSessionRouting(absl::string_view session_id, grpc::ClientContext& context);
+
 // The canonical name of a gRPC status code ("NOT_FOUND"); "UNKNOWN" outside the canonical set.
 absl::string_view StatusCodeName(grpc::StatusCode code);
 

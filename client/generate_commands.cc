@@ -38,6 +38,7 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
   StreamOutcome outcome;
   grpc::ClientContext context;
   command.Prepare(context);
+  AddSessionRouting(request.session_id(), context);
   const Clock::time_point start = Clock::now();
   std::unique_ptr<grpc::ClientReader<sdm::v1::GenerateResponse>> reader =
       command.stub().Generate(&context, request);
@@ -177,6 +178,7 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
   {
     grpc::ClientContext context;
     command.Prepare(context);
+    AddSessionRouting(session_id, context);
     grpc::Status status;
     if (create) {
       sdm::v1::CreateSessionRequest request;
@@ -216,6 +218,7 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
     if (trimmed == "/session") {
       grpc::ClientContext context;
       command.Prepare(context);
+      AddSessionRouting(session.id(), context);
       sdm::v1::GetSessionRequest request;
       request.set_session_id(session.id());
       sdm::v1::Session now;

@@ -14,6 +14,8 @@ PACKAGES=(
   libxxhash-dev libssl-dev openssl curl
   chromium  # headless, for the web console's test (tests/http_clients/console_test.mjs)
   python3-torch python3-numpy python3-matplotlib
+  # tests/deploy/ (replicas behind nginx, ownership in etcd; docs/replicas.md)
+  nginx etcd-server jq curl python3-yaml
 )
 
 missing=()

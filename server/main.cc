@@ -72,6 +72,17 @@ ABSL_FLAG(std::string, persist,
           "every turn, behind the decode path: a kill -9 loses at most the turn in flight), idle "
           "(once a session has been idle for --persist_idle), shutdown (only at shutdown and "
           "eviction). docs/state-format.md, Durability.");
+ABSL_FLAG(bool, shared_state_dir, sdm::ServerOptions{}.store.shared_dir,
+          "Replicas: other sdm-server processes use --state_dir too (a shared volume). A "
+          "session this one does not hold is looked up there, and one another replica wrote "
+          "since is re-read from there. docs/replicas.md.");
+ABSL_FLAG(std::string, etcd, "",
+          "Replicas: etcd's client URL (http://host:port). Each session is owned by one replica "
+          "at a time (a key bound to this replica's lease) and snapshot writes are fenced by it. "
+          "Needs --shared_state_dir. Empty: no ownership, the server runs alone. "
+          "docs/replicas.md.");
+ABSL_FLAG(std::string, replica_id, "",
+          "With --etcd: this replica's unique name (empty: the host name).");
 ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
           "With --persist=idle: how long a changed session stays idle before it is written.");
 ABSL_FLAG(std::string, resident_budget,
@@ -217,6 +228,22 @@ int main(int argc, char** argv) {
   options.http.port = absl::GetFlag(FLAGS_http_port);
   options.http.chat_template_file = absl::GetFlag(FLAGS_chat_template);
   options.store.dir = absl::GetFlag(FLAGS_state_dir);
+  options.store.shared_dir = absl::GetFlag(FLAGS_shared_state_dir);
+  if (options.store.shared_dir && options.store.dir.empty()) {
+    return UsageError("--shared_state_dir needs --state_dir");
+  }
+  options.etcd.endpoint = absl::GetFlag(FLAGS_etcd);
+  options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
+  if (!options.etcd.endpoint.empty()) {
+    if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");
+    if (options.etcd.replica_id.empty()) {
+      char host[256] = {};
+      if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {
+        return UsageError("--etcd: give --replica_id (no host name)");
+      }
+      options.etcd.replica_id = host;
+    }
+  }
   for (const auto& [flag, value, out] :
        {std::tuple{"resident_budget", absl::GetFlag(FLAGS_resident_budget),
                    &options.store.resident_budget_bytes},

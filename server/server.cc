@@ -143,6 +143,8 @@ class SdmServer::Impl final : public SchedulerListener {
   std::shared_ptr<const Model> model;
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<Engine> engine;
+  // Before the store, which writes through it until it is destroyed (null without --etcd).
+  std::unique_ptr<EtcdOwnership> ownership;
   std::unique_ptr<SessionStateStore> store;
   std::unique_ptr<prometheus::Registry> registry;
   std::unique_ptr<ServerMetrics> metrics;
@@ -202,6 +204,12 @@ absl::Status SdmServer::Impl::Init() {
   // Snapshots written before keys were typed name their key only in the service's metadata.
   store_options.legacy_key = SessionKeyOfMetadata;
   store_options.on_persist_health = [this](const absl::Status& health) { OnPersistHealth(health); };
+  if (!options.etcd.endpoint.empty()) {
+    SDM_ASSIGN_OR_RETURN(ownership, EtcdOwnership::Start(options.etcd));
+    store_options.ownership = ownership.get();
+    SDM_LOG(INFO) << "sdm-server: replica '" << options.etcd.replica_id << "', etcd "
+                  << options.etcd.endpoint << ", lease " << ownership->lease_id();
+  }
   // On a device, sessions live in its fixed state arenas: a larger device budget would let steps
   // fail for want of device memory instead of copying idle sessions back to the host.
   if (const int64_t cap = engine->device_state_capacity_bytes(); cap > 0) {

@@ -36,6 +36,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "server/cluster/etcd_ownership.h"
 #include "server/http/openai_server.h"
 #include "server/scheduler.h"
 #include "server/service.h"
@@ -74,6 +75,9 @@ struct ServerOptions {
   // snapshots under ./sdm-state unless told otherwise. `files`, `background` and `legacy_key`
   // are the server's own.
   SessionStoreOptions store = {.dir = "sdm-state"};
+  // Replicas (docs/replicas.md): session ownership in etcd; endpoint empty: none (the server
+  // runs alone). The store's `ownership` is then the server's own.
+  EtcdOwnershipOptions etcd;
   // Where and how the engine runs (auto: CUDA when a device is present).
   EngineOptions engine = {.device = EngineDevice::kAuto};
   SchedulerOptions scheduler;

@@ -1,5 +1,7 @@
 #include "state_store/session_store.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <functional>
 #include <iterator>
@@ -85,6 +87,19 @@ absl::string_view TierName(Tier tier) {
   return "?";
 }
 
+// Shared directory: identifies one version of a snapshot file. Each write is a new file
+// (written aside and renamed), but file times are coarse (a few ms) and inode numbers are reused,
+// so the record's position and last use (a turn moves both) are part of it too.
+struct SessionStateStore::SnapshotStamp {
+  uintmax_t inode = 0;
+  uintmax_t size = 0;
+  int64_t mtime_ns = 0;
+  int64_t position = 0;
+  int32_t pending_token = -1;
+  int64_t last_used_unix_ms = 0;
+  bool operator==(const SnapshotStamp&) const = default;
+};
+
 struct SessionStateStore::Entry {
   SessionKey key;
   std::string metadata;
@@ -130,6 +145,9 @@ struct SessionStateStore::Entry {
   // version of the last write tried (written or failed).
   std::vector<std::pair<uint64_t, std::function<void()>>> waiters;
   uint64_t attempted_version = 0;
+  // Shared directory: the size and modification time of its snapshot file when this store last
+  // read or wrote it; nullopt: it has not seen one.
+  std::optional<SnapshotStamp> disk_stamp;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -475,6 +493,7 @@ absl::Status SessionStateStore::LoadDirectory() {
       entry->needs_full = !key.has_value() || record->id != SessionRecordId(*key);
       entry->position = record->position;
       entry->pending = record->pending_token >= 0;
+      if (options_.shared_dir) entry->disk_stamp = StampOf(path);
     }
     if (key.has_value()) {
       entry->key = *std::move(key);
@@ -485,6 +504,100 @@ absl::Status SessionStateStore::LoadDirectory() {
     }
   }
   return absl::OkStatus();
+}
+
+// ---- Shared snapshot directory (SessionStoreOptions::shared_dir) ----
+
+std::optional<SessionStateStore::SnapshotStamp> SessionStateStore::StampOf(
+    const std::filesystem::path& path) const {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return std::nullopt;
+  SnapshotStamp stamp;
+  stamp.inode = st.st_ino;
+  stamp.size = static_cast<uintmax_t>(st.st_size);
+  stamp.mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  uint64_t snapshot_id = 0;
+  absl::StatusOr<SessionRecord> record =
+      ReadRecord(*options_.files, path, stamp.size, &snapshot_id);
+  if (record.ok()) {
+    stamp.position = record->position;
+    stamp.pending_token = record->pending_token;
+    stamp.last_used_unix_ms = record->last_used_unix_ms;
+  }
+  return stamp;
+}
+
+absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Discover(
+    const SessionKey& key) const {
+  const std::filesystem::path path = PathOf(key);
+  std::optional<SnapshotStamp> stamp = StampOf(path);
+  if (!stamp.has_value()) return NotFound(key);
+  uint64_t snapshot_id = 0;
+  absl::StatusOr<SessionRecord> record =
+      ReadRecord(*options_.files, path, stamp->size, &snapshot_id);
+  if (record.ok() && record->id != SessionRecordId(key)) {
+    record = absl::DataLossError("it holds another session");
+  }
+  if (!record.ok()) {
+    return absl::Status(
+        record.status().code(),
+        absl::StrCat("the snapshot of session '", key.id,
+                     "' in the shared directory failed its checks: ", record.status().message()));
+  }
+  auto entry = std::make_unique<Entry>();
+  entry->key = key;
+  entry->tier = Tier::kDisk;
+  entry->metadata = record->metadata;
+  entry->ttl = FromMs(record->ttl_ms);
+  entry->last_used =
+      record->last_used_unix_ms > 0 ? absl::FromUnixMillis(record->last_used_unix_ms) : absl::Now();
+  entry->disk_bytes = static_cast<int64_t>(stamp->size);
+  entry->persisted_bytes = entry->disk_bytes;
+  entry->position = record->position;
+  entry->pending = record->pending_token >= 0;
+  entry->disk_stamp = stamp;
+  // Its snapshot is all there is (a shared directory holds no delta logs: WriteChanges).
+  entry->base_id = snapshot_id;
+  entry->persisted_position = record->position;
+  entry->needs_full = false;
+  return entry;
+}
+
+void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
+  if (!options_.shared_dir) return;
+  std::vector<std::unique_ptr<Entry>> dead;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return;  // FindIdle() discovers it
+    Entry& e = *it->second;
+    if (e.busy || e.in_use) return;  // this store is using or writing it: its own copy is current
+    const std::optional<SnapshotStamp> stamp = StampOf(PathOf(key));
+    if (stamp == e.disk_stamp) return;
+    if (!stamp.has_value() && e.version != e.persisted_version) return;  // created, unwritten
+    absl::StatusOr<std::unique_ptr<Entry>> fresh =
+        stamp.has_value() ? Discover(key) : absl::StatusOr<std::unique_ptr<Entry>>(NotFound(key));
+    if (!fresh.ok() && !absl::IsNotFound(fresh.status())) return;  // Acquire() reports it
+    if (e.version != e.persisted_version) {
+      SDM_LOG(WARNING) << "sdm state store: session '" << key.id
+                       << "' was written by another replica; its turns not written here are "
+                          "dropped";
+    }
+    dead.push_back(Erase(it));
+    if (fresh.ok()) Insert(*std::move(fresh));
+  }
+  Bury(std::move(dead));
+}
+
+absl::Status SessionStateStore::CheckOwnership(const SessionKey& key) const {
+  if (options_.ownership == nullptr) return absl::OkStatus();
+  return options_.ownership->CheckWrite(key);
+}
+
+void SessionStateStore::WriteFenced(const SessionKey& key, const absl::Status& why) {
+  ++counters_.fenced_writes;
+  SDM_LOG(ERROR) << "sdm state store: write of session '" << key.id
+                 << "' refused, this replica does not own it: " << why;
 }
 
 // ---- Lookup ----
@@ -513,6 +626,12 @@ absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const Sess
         Insert(std::move(e));
         it = entries_.find(key);
       }
+    }
+    if (it == entries_.end() && options_.shared_dir) {
+      absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
+      if (!found.ok()) return found.status();
+      Insert(*std::move(found));
+      it = entries_.find(key);
     }
     if (it == entries_.end()) return NotFound(key);
     if (!it->second->busy) return it->second.get();
@@ -571,6 +690,7 @@ void SessionStateStore::Changed() {
 absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
                                        absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(key); !s.ok()) return s;
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   auto e = std::make_unique<Entry>();
   e->key = key;
   e->metadata = std::string(metadata);
@@ -579,6 +699,7 @@ absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view 
   e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
   absl::MutexLock lock(&mu_);
   if (Find(key) != nullptr) return AlreadyExists(key);
+  if (options_.shared_dir && StampOf(PathOf(key)).has_value()) return AlreadyExists(key);
   SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
   e->tick = ++clock_;
   e->last_used = absl::Now();
@@ -605,6 +726,8 @@ void SessionStateStore::ReleaseOneShot(int64_t bytes) {
 }
 
 absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
+  RefreshFromSharedDir(key);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
@@ -676,6 +799,7 @@ void SessionStateStore::Release(const SessionKey& key) {
 }
 
 absl::Status SessionStateStore::Delete(const SessionKey& key) {
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   std::unique_ptr<Entry> dead;
   {
     absl::MutexLock lock(&mu_);
@@ -694,12 +818,14 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
   std::vector<std::unique_ptr<Entry>> buried;
   buried.push_back(std::move(dead));
   Bury(std::move(buried));
+  if (options_.ownership != nullptr) options_.ownership->Release(key);
   return absl::OkStatus();
 }
 
 absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& dst,
                                      absl::string_view metadata, absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(dst); !s.ok()) return s;
+  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(src);
   if (!found.ok()) return found.status();
@@ -783,6 +909,11 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
 absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const {
   absl::MutexLock lock(&mu_);
   const Entry* e = Find(key);
+  if (e == nullptr && options_.shared_dir) {
+    absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
+    if (!found.ok()) return found.status();
+    return InfoOf(**found, key);
+  }
   if (e == nullptr) return NotFound(key);
   return InfoOf(*e, key);
 }
@@ -918,6 +1049,14 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
 }
 
 absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
+  absl::Status parked = ParkByKey(key, tier);
+  if (parked.ok() && tier == Tier::kDisk && options_.ownership != nullptr) {
+    options_.ownership->Release(key);  // on disk: any replica may take it up
+  }
+  return parked;
+}
+
+absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier) {
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
@@ -1100,8 +1239,11 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
                        absl::ToUnixMillis(e.last_used)};
   SessionState* state = resident ? e.state.get() : nullptr;
   const int64_t position = resident ? state->position() : e.position;
+  // No deltas on a shared directory: other replicas notice a session's change by its snapshot
+  // file (SnapshotStamp), which a delta leaves as it was.
   const bool try_delta = resident && e.persisted_bytes > 0 && !e.needs_full &&
-                         position >= e.persisted_position && e.log_records < kMaxLogRecords;
+                         !options_.shared_dir && position >= e.persisted_position &&
+                         e.log_records < kMaxLogRecords;
   const int64_t from = e.persisted_position;
   const uint64_t log_bytes = e.log_bytes;
   const uint64_t base_id = e.base_id;
@@ -1113,7 +1255,11 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   uint64_t written_bytes = 0;
   bool delta = false;
   uint64_t new_base = 0;
-  if (try_delta) {
+  // Ownership (class comment): a replica that lost the session never writes over its owner's.
+  const absl::Status owned = CheckOwnership(key);
+  if (!owned.ok()) {
+    status = owned;
+  } else if (try_delta) {
     std::string d = EncodeSessionDelta(*state, record, from);
     if (log_bytes + d.size() <= compact_at) {
       delta = true;
@@ -1122,7 +1268,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
       written_bytes = data.size();
     }
   }
-  if (!delta) {
+  if (owned.ok() && !delta) {
     absl::StatusOr<std::string> encoded =
         resident ? TryEncodeSessionState(*state, record, fingerprint_) : std::string();
     status = encoded.status();
@@ -1142,6 +1288,13 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   e.busy = false;
   changed_.SignalAll();
   e.attempted_version = version;
+  if (!owned.ok()) {
+    // Not this store's to write any more: its copy is given up, not retried.
+    e.persisted_version = version;
+    WriteFenced(key, owned);
+    SettleWaiters(e, /*all=*/false);
+    return owned;
+  }
   if (!status.ok()) {
     PersistFailed(e, status);
     SettleWaiters(e, /*all=*/false);
@@ -1155,6 +1308,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   } else {
     e.base_id = new_base;
     e.persisted_bytes = static_cast<int64_t>(written_bytes);
+    if (options_.shared_dir) e.disk_stamp = StampOf(PathOf(key));
     e.log_bytes = 0;
     e.log_records = 0;
     e.needs_full = false;

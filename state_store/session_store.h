@@ -64,6 +64,27 @@
 // the status, and background eviction logs it, counts StoreStats::sync_errors and parks other
 // sessions instead.
 //
+// Shared snapshot directory (SessionStoreOptions::shared_dir; a hook for replicas kept apart
+// from the rest, docs/replicas.md): several stores may use one `dir`, each serving the sessions
+// a router sends it. A lookup of a session this store does not hold (Get, Acquire, Delete, Fork,
+// Park, SetMetadata) reads its snapshot's record from `dir` and adopts it as a disk session;
+// Create answers ALREADY_EXISTS when `dir` holds the id's snapshot. Acquire of a session this
+// store holds first compares its snapshot file's size and modification time with those of the
+// file it last read or wrote: when another store has written the file since, this store's copy
+// is dropped and the file is read (turns this store had not written yet are lost, and logged);
+// when another store has deleted it, the session is gone here too. What this does not do: stop
+// two stores that both hold a session from both writing it (the last write wins). Ownership
+// (one store per session at a time, fenced writes) is the router's and etcd's job (issue 14).
+// A snapshot found this way that fails its checks is reported (DATA_LOSS, FAILED_PRECONDITION)
+// but not quarantined: it is not this store's file to move.
+//
+// Ownership (SessionStoreOptions::ownership, replicas; state_store/session_ownership.h): Create,
+// Fork (its new session), Acquire and Delete first claim the session, and answer the claim's error
+// (UNAVAILABLE while another replica owns it). Each snapshot write is preceded by CheckWrite: a
+// refused write is not made, counted (StoreStats::fenced_writes) and logged, and not retried
+// (this copy is stale; the owner holds the newer state); the session is not marked failing.
+// Delete and Park to disk release the session. The store calls it without its lock.
+//
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
 #ifndef SDMSERVE_STATE_STORE_SESSION_STORE_H_
@@ -87,6 +108,7 @@
 #include "absl/time/time.h"
 #include "state_store/row_pool.h"
 #include "state_store/session_key.h"
+#include "state_store/session_ownership.h"
 #include "state_store/session_state.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_files.h"
@@ -132,6 +154,12 @@ struct SessionStoreOptions {
   // Told PersistHealth() each time it changes (OK <-> UNAVAILABLE): called on the worker thread,
   // never with the store's lock held; never called without a worker (background false).
   std::function<void(const absl::Status& health)> on_persist_health = nullptr;
+  // Replicas (docs/replicas.md): other stores, in other processes, read and write `dir` too. See
+  // "Shared snapshot directory" in the class comment. Needs `dir`.
+  bool shared_dir = false;
+  // Replicas: who may take up and write each session (state_store/session_ownership.h); null:
+  // this store alone. Not owned; must outlive the store. See "Ownership" in the class comment.
+  SessionOwnership* ownership = nullptr;
 };
 
 struct SessionInfo {
@@ -172,6 +200,7 @@ struct StoreStats {
   int64_t persist_bytes = 0;                 // their bytes
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
+  int64_t fenced_writes = 0;                 // writes refused: not the owner (ownership)
   int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
   int64_t device_bytes = 0;                  // their device bytes (the device tier)
   int64_t device_evictions = 0;              // device -> host copies (budget, park, fork)
@@ -307,6 +336,23 @@ class SessionStateStore {
   using EntryMap = std::map<SessionKey, std::unique_ptr<Entry>>;
 
   absl::Status LoadDirectory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Shared snapshot directory (see the class comment): one version of a snapshot file, and that
+  // of the file at `path` (nullopt: there is none).
+  struct SnapshotStamp;
+  std::optional<SnapshotStamp> StampOf(const std::filesystem::path& path) const;
+  // Shared snapshot directory (see the class comment): the entry of `key`'s snapshot in `dir`,
+  // as a disk session; NOT_FOUND when there is none. Reads the record's prefix under the lock.
+  absl::StatusOr<std::unique_ptr<Entry>> Discover(const SessionKey& key) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops the idle entry of `key` when another store has written or deleted its snapshot since
+  // this one last read or wrote it, adopting the file's version; no-op when not shared.
+  void RefreshFromSharedDir(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ownership (see the class comment): CheckWrite of `key` (OK without ownership); a refused
+  // write counted and logged. CheckOwnership is called without mu_.
+  absl::Status CheckOwnership(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  void WriteFenced(const SessionKey& key, const absl::Status& why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ParkByKey(const SessionKey& key, Tier tier) ABSL_LOCKS_EXCLUDED(mu_);
   // The record of the snapshot at `path` (`size` bytes) and its SnapshotId.
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
                                            uint64_t size, uint64_t* snapshot_id) const;

@@ -33,7 +33,8 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
   struct Call {
     std::string method;
     std::string session_id;
-    std::string authorization;  // the metadata's value; "" when absent
+    std::string authorization;    // the metadata's value; "" when absent
+    std::string routing_session;  // the x-session-id metadata's value; "" when absent
   };
 
   // Knobs, set before the calls they affect.
@@ -270,7 +271,11 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     if (auto it = md.find("authorization"); it != md.end()) {
       authorization.assign(it->second.data(), it->second.size());
     }
-    calls_.push_back({method, session, authorization});
+    std::string routing_session;
+    if (auto it = md.find("x-session-id"); it != md.end()) {
+      routing_session.assign(it->second.data(), it->second.size());
+    }
+    calls_.push_back({method, session, authorization, routing_session});
     auto it = failures_.find(method);
     if (it == failures_.end() || it->second.second <= 0) return std::nullopt;
     --it->second.second;

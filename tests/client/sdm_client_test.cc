@@ -439,6 +439,31 @@ TEST_F(SdmClientTest, ApiKeyAndHostComeFromTheEnvironmentUnlessAFlagIsGiven) {
   EXPECT_THAT(keys, ElementsAre("Bearer sk-from-env", "Bearer sk-from-flag", ""));
 }
 
+// A proxy routes by the x-session-id metadata (deploy/nginx/nginx.conf): every call naming a
+// session carries it, a fork its source's, calls naming none carry none.
+TEST_F(SdmClientTest, CallsNamingASessionCarryItInTheRoutingMetadata) {
+  const std::string host = server_.address();
+  ASSERT_EQ(RunClient({"sessions", "create", "route-a", "--host", host}).exit, kExitOk);
+  ASSERT_EQ(RunClient({"generate", "--host", host, "--session", "route-a", "--prompt", "x",
+                       "--max_tokens", "2"})
+                .exit,
+            kExitOk);
+  ASSERT_EQ(RunClient({"sessions", "get", "route-a", "--host", host}).exit, kExitOk);
+  ASSERT_EQ(RunClient({"sessions", "fork", "route-a", "route-b", "--host", host}).exit, kExitOk);
+  ASSERT_EQ(RunClient({"sessions", "delete", "route-b", "--host", host}).exit, kExitOk);
+  ASSERT_EQ(RunClient({"generate", "--host", host, "--prompt", "x", "--max_tokens", "2"}).exit,
+            kExitOk);
+  ASSERT_EQ(RunClient({"sessions", "list", "--host", host}).exit, kExitOk);
+
+  std::vector<std::string> routed;
+  for (const auto& call : server_.service().calls()) {
+    routed.push_back(call.method + ":" + call.routing_session);
+  }
+  EXPECT_THAT(routed, ElementsAre("CreateSession:route-a", "Generate:route-a", "GetSession:route-a",
+                                  "ForkSession:route-a", "DeleteSession:route-b",
+                                  "Generate:", "ListSessions:"));
+}
+
 TEST_F(SdmClientTest, ConnectionFlagsMayComeBeforeTheCommand) {
   ASSERT_EQ(RunClient({"--host", server_.address(), "sessions", "create", "x"}).exit, kExitOk);
   RunResult r = RunClient(

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The deployment files parse (YAML, nginx -t) and every sdm-server flag they pass exists in
+# `sdm-server --help`: deploy/k8s/*.yaml (the flags ConfigMap, container args) and
+# deploy/sdm-server.flags. The YAML check needs Python's yaml module, the nginx check nginx;
+# each is skipped (and said so) without it.
+#
+#   tests/deploy/k8s_flags_test.sh BUILD_DIR SOURCE_DIR
+set -euo pipefail
+BUILD_DIR=$1
+SOURCE_DIR=$2
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+"$BUILD_DIR/server/sdm-server" --help >"$work/help.txt" 2>&1 || true
+grep -q -- "--state_dir" "$work/help.txt" || { echo "FAIL: sdm-server --help"; exit 1; }
+
+if python3 -c 'import yaml' 2>/dev/null; then
+  python3 - "$SOURCE_DIR"/deploy/k8s/*.yaml <<'PY' >"$work/flags.txt"
+import re, sys, yaml
+for path in sys.argv[1:]:
+    with open(path) as f:
+        docs = [d for d in yaml.safe_load_all(f) if d]
+    for doc in docs:
+        assert "kind" in doc and "apiVersion" in doc, f"{path}: a document without kind/apiVersion"
+        def walk(node):
+            if isinstance(node, dict):
+                for v in node.values(): yield from walk(v)
+            elif isinstance(node, list):
+                for v in node: yield from walk(v)
+            elif isinstance(node, str):
+                yield node
+        kind = doc["kind"]
+        name = doc["metadata"]["name"]
+        if kind == "ConfigMap" and name != "sdm-server-flags":
+            continue  # the router's nginx snippets
+        for text in walk(doc):
+            for flag in re.findall(r"(?m)(?:^|\s|\")--([a-z_]+)", text):
+                print(path, flag)
+PY
+  echo "ok: deploy/k8s/*.yaml parse"
+else
+  echo "skip: python3 yaml module missing, the manifests' syntax is not checked"
+fi
+sed -n 's/^--\([a-z_]*\).*/deploy\/sdm-server.flags \1/p' "$SOURCE_DIR/deploy/sdm-server.flags" \
+  >>"$work/flags.txt"
+[ -s "$work/flags.txt" ] || { echo "FAIL: no flags found in the deployment files"; exit 1; }
+bad=0
+while read -r file flag; do
+  [ "$flag" = flagfile ] && continue  # absl's own
+  grep -q -- "^  --$flag " "$work/help.txt" || { echo "FAIL: $file passes --$flag, unknown to sdm-server"; bad=1; }
+done <"$work/flags.txt"
+[ $bad -eq 0 ] || exit 1
+echo "ok: $(wc -l <"$work/flags.txt") flags in the deployment files exist in sdm-server --help"
+
+if command -v nginx >/dev/null; then
+  mkdir -p "$work/nginx/conf" "$work/nginx/logs" "$work/nginx/tmp"
+  cp "$SOURCE_DIR/deploy/nginx/nginx.conf" "$work/nginx/conf/"
+  cp "$SOURCE_DIR/deploy/nginx/sdm-listen.conf.example" "$work/nginx/conf/sdm-listen.conf"
+  # The example names Kubernetes hosts; nginx -t resolves them, so check with loopback ones.
+  sed 's/sdm-server-[0-9]\.sdm-server/127.0.0.1/' "$SOURCE_DIR/deploy/nginx/sdm-upstreams.conf.example" \
+    | awk '{ sub(/:50051/, ":" 50051 + NR); print }' >"$work/nginx/conf/sdm-upstreams.conf"
+  nginx -t -q -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" 2>&1 ||
+    { echo "FAIL: nginx -t on deploy/nginx/nginx.conf"; exit 1; }
+  echo "ok: deploy/nginx/nginx.conf passes nginx -t"
+else
+  echo "skip: nginx missing, deploy/nginx/nginx.conf not checked"
+fi

@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# kill -9 of one of 3 replicas behind nginx (deploy/nginx/nginx.conf), sharing one --state_dir
+# with --persist turn (the default): every session is served again, by another replica, from
+# what the dead one persisted. Sessions whose last turn was not on disk yet count as "turns
+# lost" (the stated policy allows one per session: the turn in flight); the others continue
+# token for token like a control server that never failed. Prints the failover figures.
+# With `drain`, the replica gets SIGTERM instead (a scale-down or a rolling upgrade): it writes
+# every session before it exits, so no turn may be lost; prints how long the drain took.
+# With `etcd` as 4th argument, the replicas own their sessions in etcd (--etcd, started by the
+# test): after a kill -9 the dead replica's sessions are refused (UNAVAILABLE) until its lease
+# expires (10 s), and calls are retried until then; after a drain its lease is revoked at once.
+# Exit 77 (skipped) without nginx (or etcd, when asked for).
+#
+#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd]
+set -euo pipefail
+BUILD_DIR=$1
+SOURCE_DIR=$2
+mode=${3:-kill}
+with_etcd=${4:-}
+command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
+if [ -n "$with_etcd" ]; then
+  command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
+fi
+work=$(mktemp -d)
+# shellcheck source=tests/deploy/replica_cluster.sh
+source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
+trap 'cluster_cleanup; rm -rf "$work"' EXIT
+
+make_model
+extra=()
+if [ -n "$with_etcd" ]; then
+  start_etcd
+  extra=(--etcd "$ETCD_URL")
+fi
+ports=()
+for i in 0 1 2; do
+  if [ -n "$with_etcd" ]; then
+    start_replica "r$i" "${extra[@]}" --replica_id "r$i"
+  else
+    start_replica "r$i"
+  fi
+  ports+=("$REPLICA_PORT")
+done
+nginx_port=$(free_port)
+start_nginx "$nginx_port" "${ports[@]}"
+"$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
+  --state_dir "$work/control_state" >"$work/control.out" 2>"$work/control.err" &
+echo $! >>"$work/pids"; disown
+for _ in $(seq 1 600); do grep -q "^listening on" "$work/control.out" && break; sleep 0.1; done
+control_port=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/control.out" | head -1)
+[ -n "$control_port" ] || fail "control server did not start"
+via="127.0.0.1:$nginx_port"
+control="127.0.0.1:$control_port"
+
+turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
+  "$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" --max_tokens 4 \
+    --json 2>>"$work/client.err" | jq -c '.token_ids'
+}
+# retry CMD...: runs CMD until it succeeds, for up to 30 s (a lease TTL of 10 s and margin).
+retry() {
+  local deadline=$(($(date +%s) + 30))
+  until "$@"; do
+    [ "$(date +%s)" -lt $deadline ] || return 1
+    echo >>"$work/retries"  # (a subshell: counted in a file)
+    sleep 0.2
+  done
+}
+position() {  # position HOST SESSION
+  "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
+}
+
+sessions=20
+for s in $(seq -w 1 $sessions); do
+  id="s$s"
+  "$client_bin" sessions create "$id" --host "$via" >/dev/null || fail "create $id"
+  "$client_bin" sessions create "$id" --host "$control" >/dev/null || fail "create control $id"
+  for k in 1 2; do
+    a=$(turn "$via" "$id" $k) || fail "turn $k of $id"
+    b=$(turn "$control" "$id" $k) || fail "control turn $k of $id"
+    [ "$a" = "$b" ] || fail "$id turn $k: $a vs control $b"
+  done
+done
+victim_port=${ports[1]}
+log="$work/nginx/logs/access.log"
+on_victim=()
+for s in $(seq -w 1 $sessions); do
+  grep "session=\"s$s\"" "$log" | tail -1 | grep -q "upstream=127.0.0.1:$victim_port " &&
+    on_victim+=("s$s")
+done
+[ ${#on_victim[@]} -gt 0 ] || fail "no session was on the replica to kill (hash spread)"
+
+# Baseline: the same get + get + turn for a session on a live replica, before anything fails
+# (each is an sdm-client process: most of these milliseconds are process start-up).
+for s in $(seq -w 1 $sessions); do
+  [[ " ${on_victim[*]} " == *" s$s "* ]] && continue
+  start_ns=$(date +%s%N)
+  position "$via" "s$s" >/dev/null
+  position "$control" "s$s" >/dev/null
+  turn "$via" "s$s" 3 >/dev/null
+  baseline_ms=$((($(date +%s%N) - start_ns) / 1000000))
+  turn "$control" "s$s" 3 >/dev/null
+  baseline_session="s$s"
+  break
+done
+victim_pid=$(cat "$work/r1.pid")
+drain_ms=n/a
+if [ "$mode" = drain ]; then
+  term_ns=$(date +%s%N)
+  kill -TERM "$victim_pid"
+  for _ in $(seq 1 600); do kill -0 "$victim_pid" 2>/dev/null || break; sleep 0.05; done
+  kill -0 "$victim_pid" 2>/dev/null && fail "the drained replica did not exit"
+  drain_ms=$((($(date +%s%N) - term_ns) / 1000000))
+else
+  kill -9 "$victim_pid"
+fi
+killed_ns=$(date +%s%N)
+lost=0
+failed=0
+first_ok_ms=""
+max_turn_ms=0
+for id in "${on_victim[@]}"; do
+  start_ns=$(date +%s%N)
+  got_position=$(retry position "$via" "$id") || { failed=$((failed + 1)); continue; }
+  want_position=$(position "$control" "$id")
+  if [ "$got_position" != "$want_position" ]; then
+    lost=$((lost + 1))  # its last turn was not on disk at the kill
+    continue
+  fi
+  a=$(retry turn "$via" "$id" 3) || { failed=$((failed + 1)); continue; }
+  end_ns=$(date +%s%N)
+  b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
+  [ "$a" = "$b" ] || fail "$id after failover: $a vs control $b"
+  ms=$(((end_ns - start_ns) / 1000000))
+  [ $ms -gt $max_turn_ms ] && max_turn_ms=$ms
+  [ -n "$first_ok_ms" ] || first_ok_ms=$(((end_ns - killed_ns) / 1000000))
+done
+[ $failed -eq 0 ] || fail "$failed sessions of the dead replica were not served again"
+[ $lost -le ${#on_victim[@]} ] || fail "more turns lost than sessions"
+[ "$mode" != drain ] || [ $lost -eq 0 ] || fail "a drain lost $lost turns"
+# Every other session is untouched.
+for s in $(seq -w 1 $sessions); do
+  id="s$s"
+  [[ " ${on_victim[*]} " == *" $id "* ]] && continue
+  [ "$id" = "$baseline_session" ] && continue  # its turn 3 ran before
+  a=$(turn "$via" "$id" 3) || fail "turn 3 of $id (not on the dead replica)"
+  b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
+  [ "$a" = "$b" ] || fail "$id: $a vs control $b"
+done
+moved_upstreams=$(for id in "${on_victim[@]}"; do grep "session=\"$id\"" "$log" | tail -1; done |
+  sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | tr '\n' ' ')
+echo "ok: $mode ${with_etcd:+(etcd ownership) }of 1 of 3 replicas (drain took $drain_ms ms): ${#on_victim[@]} of $sessions" \
+  "sessions were on it; requests failed: $failed; turns lost: $lost; first session served again" \
+  "${first_ok_ms:-n/a} ms after it was gone; slowest get+get+turn of a moved session: $max_turn_ms ms" \
+  "(the same on a live replica before: $baseline_ms ms); calls retried: $(cat "$work/retries" 2>/dev/null | wc -l);" \
+  "last upstreams of the moved sessions: $moved_upstreams"

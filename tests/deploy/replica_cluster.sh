@@ -1,0 +1,82 @@
+# Helpers shared by the replica tests (tests/deploy/*_test.sh): a model, sdm-server replicas
+# on loopback sharing one --state_dir, and nginx in front of them with deploy/nginx/nginx.conf
+# unchanged. Source it after setting BUILD_DIR, SOURCE_DIR and work (a temporary directory).
+# Every process started here is recorded in $work/pids and killed by cluster_cleanup.
+
+server_bin="$BUILD_DIR/server/sdm-server"
+client_bin="$BUILD_DIR/client/sdm-client"
+model_bin="$BUILD_DIR/tools/sdm_model/sdm-model"
+
+fail() { echo "FAIL: $*"; exit 1; }
+
+cluster_cleanup() {
+  if [ -f "$work/pids" ]; then
+    while read -r pid; do kill -9 "$pid" 2>/dev/null || true; done <"$work/pids"
+  fi
+  if [ -f "$work/nginx/nginx.pid" ]; then kill "$(cat "$work/nginx/nginx.pid")" 2>/dev/null || true; fi
+}
+
+# A free loopback TCP port (bound and released; the OS does not hand it out again at once).
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+}
+
+make_model() {
+  "$model_bin" init --preset tiny --seed 1 --out "$work/model" --force >"$work/sdm-model.log" 2>&1 ||
+    { cat "$work/sdm-model.log"; fail "sdm-model init"; }
+}
+
+# start_replica NAME [extra flags...]: starts sdm-server on a free port; sets REPLICA_PORT.
+start_replica() {
+  local name=$1; shift
+  "$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
+    --state_dir "$work/state" --shared_state_dir "$@" >"$work/$name.out" 2>"$work/$name.err" &
+  echo $! >>"$work/pids"; disown
+  echo $! >"$work/$name.pid"
+  for _ in $(seq 1 600); do
+    if grep -q "^listening on" "$work/$name.out"; then
+      REPLICA_PORT=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/$name.out" | head -1)
+      echo "$REPLICA_PORT" >"$work/$name.port"
+      return 0
+    fi
+    kill -0 "$(cat "$work/$name.pid")" 2>/dev/null || { cat "$work/$name.err"; fail "$name exited"; }
+    sleep 0.1
+  done
+  cat "$work/$name.err"; fail "$name did not start"
+}
+
+# start_nginx PORT REPLICA_PORT...: nginx on 127.0.0.1:PORT with the deployed configuration.
+start_nginx() {
+  local port=$1; shift
+  mkdir -p "$work/nginx/conf" "$work/nginx/logs" "$work/nginx/tmp"
+  cp "$SOURCE_DIR/deploy/nginx/nginx.conf" "$work/nginx/conf/nginx.conf"
+  echo "listen 127.0.0.1:$port http2;" >"$work/nginx/conf/sdm-listen.conf"
+  : >"$work/nginx/conf/sdm-upstreams.conf"
+  for p in "$@"; do
+    echo "server 127.0.0.1:$p max_fails=1 fail_timeout=5s;" >>"$work/nginx/conf/sdm-upstreams.conf"
+  done
+  nginx -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" ||
+    { cat "$work/nginx/logs/error.log"; fail "nginx did not start"; }
+  for _ in $(seq 1 100); do
+    [ -s "$work/nginx/nginx.pid" ] && return 0
+    sleep 0.1
+  done
+  fail "nginx wrote no pid file"
+}
+
+# start_etcd: etcd on free loopback ports with a data directory under $work; sets ETCD_URL.
+start_etcd() {
+  local client peer
+  client=$(free_port)
+  peer=$(free_port)
+  ETCD_URL="http://127.0.0.1:$client"
+  etcd --data-dir "$work/etcd" --listen-client-urls "$ETCD_URL" --advertise-client-urls "$ETCD_URL" \
+    --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
+    --initial-cluster "default=http://127.0.0.1:$peer" >"$work/etcd.log" 2>&1 &
+  echo $! >>"$work/pids"; disown
+  for _ in $(seq 1 300); do
+    curl -sf -X POST "$ETCD_URL/v3/kv/range" -d '{"key":"AA=="}' >/dev/null 2>&1 && return 0
+    sleep 0.1
+  done
+  cat "$work/etcd.log"; fail "etcd did not start"
+}

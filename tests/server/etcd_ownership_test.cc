@@ -1,0 +1,150 @@
+// EtcdOwnership (server/cluster/etcd_ownership.h) against a real etcd started by the test on
+// loopback ports with a temporary data directory; skipped when `etcd` is not installed.
+// Expiry of a paused replica's lease is simulated by revoking it (no waiting for a TTL).
+#include "server/cluster/etcd_ownership.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "tests/server/server_test_util.h"
+
+namespace sdm {
+namespace {
+
+int FreePort() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  close(fd);
+  return ntohs(addr.sin_port);
+}
+
+bool EtcdInstalled() { return std::system("command -v etcd >/dev/null 2>&1") == 0; }
+
+class EtcdOwnershipTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!EtcdInstalled()) GTEST_SKIP() << "etcd is not installed";
+    const int client_port = FreePort();
+    const int peer_port = FreePort();
+    endpoint_ = absl::StrCat("http://127.0.0.1:", client_port);
+    const std::string peer = absl::StrCat("http://127.0.0.1:", peer_port);
+    const std::string data = (dir_.path() / "etcd").string();
+    const std::string log = (dir_.path() / "etcd.log").string();
+    pid_ = fork();
+    if (pid_ == 0) {
+      freopen(log.c_str(), "w", stdout);
+      freopen(log.c_str(), "a", stderr);
+      execlp("etcd", "etcd", "--data-dir", data.c_str(), "--listen-client-urls", endpoint_.c_str(),
+             "--advertise-client-urls", endpoint_.c_str(), "--listen-peer-urls", peer.c_str(),
+             "--initial-advertise-peer-urls", peer.c_str(), "--initial-cluster",
+             ("default=" + peer).c_str(), static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    ASSERT_GT(pid_, 0);
+    // Up when it grants a lease (bounded: a broken etcd fails the test, it does not hang).
+    for (int i = 0; i < 300; ++i) {
+      auto probe = EtcdOwnership::Start(Options("probe"));
+      if (probe.ok()) return;
+      absl::SleepFor(absl::Milliseconds(100));
+    }
+    FAIL() << "etcd did not start; see " << log;
+  }
+
+  void TearDown() override {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+  }
+
+  EtcdOwnershipOptions Options(const std::string& replica) const {
+    EtcdOwnershipOptions o;
+    o.endpoint = endpoint_;
+    o.replica_id = replica;
+    o.lease_ttl = absl::Seconds(30);  // never expires during a test: expiry is a revoke
+    return o;
+  }
+
+  std::unique_ptr<EtcdOwnership> StartReplica(const std::string& replica) {
+    auto r = EtcdOwnership::Start(Options(replica));
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *std::move(r) : nullptr;
+  }
+
+  void Revoke(int64_t lease) {
+    httplib::Client client(endpoint_);
+    auto r = client.Post("/v3/lease/revoke", absl::StrCat("{\"ID\":\"", lease, "\"}"),
+                         "application/json");
+    ASSERT_TRUE(r && r->status == 200);
+  }
+
+  testing::ScopedTempDir dir_;
+  std::string endpoint_;
+  pid_t pid_ = -1;
+};
+
+TEST_F(EtcdOwnershipTest, OneOwnerAtATimeAndReleaseHandsOver) {
+  auto a = StartReplica("a");
+  auto b = StartReplica("b");
+  ASSERT_TRUE(a && b);
+  const SessionKey x("x");
+  ASSERT_TRUE(a->Claim(x).ok());
+  EXPECT_TRUE(a->Claim(x).ok());  // already its own
+  const absl::Status refused = b->Claim(x);
+  EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
+  EXPECT_NE(refused.message().find("'a'"), std::string::npos) << refused;
+  EXPECT_TRUE(a->CheckWrite(x).ok());
+  EXPECT_FALSE(b->CheckWrite(x).ok());  // never claimed
+  a->Release(x);
+  ASSERT_TRUE(b->Claim(x).ok());
+  EXPECT_TRUE(b->CheckWrite(x).ok());
+  EXPECT_FALSE(a->CheckWrite(x).ok());
+}
+
+// A replica paused past its lease: its key is gone, another replica claims the session, and the
+// paused one's write is refused when it resumes.
+TEST_F(EtcdOwnershipTest, AnExpiredLeaseFencesWrites) {
+  auto a = StartReplica("a");
+  auto b = StartReplica("b");
+  ASSERT_TRUE(a && b);
+  const SessionKey f("f");
+  ASSERT_TRUE(a->Claim(f).ok());
+  Revoke(a->lease_id());
+  ASSERT_TRUE(b->Claim(f).ok());
+  const absl::Status fenced = a->CheckWrite(f);
+  EXPECT_TRUE(absl::IsFailedPrecondition(fenced)) << fenced;
+  EXPECT_TRUE(b->CheckWrite(f).ok());
+}
+
+TEST_F(EtcdOwnershipTest, AStoppedReplicaReleasesEverythingAtOnce) {
+  auto a = StartReplica("a");
+  auto b = StartReplica("b");
+  ASSERT_TRUE(a && b);
+  ASSERT_TRUE(a->Claim(SessionKey("p")).ok());
+  ASSERT_TRUE(a->Claim(SessionKey("q")).ok());
+  EXPECT_FALSE(b->Claim(SessionKey("p")).ok());
+  a.reset();  // drained: its lease is revoked
+  EXPECT_TRUE(b->Claim(SessionKey("p")).ok());
+  EXPECT_TRUE(b->Claim(SessionKey("q")).ok());
+}
+
+}  // namespace
+}  // namespace sdm

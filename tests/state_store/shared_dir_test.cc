@@ -1,0 +1,203 @@
+// Shared snapshot directory (state_store/session_store.h, "Shared snapshot directory"): stores
+// standing for replicas, on one directory, find each other's sessions, continue them bit-exactly
+// wherever they were last written, and see deletions. Writes are inline (background false), so
+// a session's turn is on disk when its lease is returned.
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "engine/engine.h"
+#include "gtest/gtest.h"
+#include "state_store/session_ownership.h"
+#include "state_store/session_store.h"
+#include "tests/engine/test_model_util.h"
+#include "tests/state_store/snapshot_test_util.h"
+
+namespace sdm {
+namespace {
+
+constexpr int32_t kProbe = 42;
+
+// Ownership as etcd would keep it, in memory: one owner per session. Each replica's view is a
+// SessionOwnership; Steal() gives a session to another replica behind its owner's back (its
+// lease expired while it was paused).
+class FakeOwnershipTable {
+ public:
+  class View : public SessionOwnership {
+   public:
+    View(FakeOwnershipTable* table, std::string replica) : table_(table), replica_(replica) {}
+    absl::Status Claim(const SessionKey& key) override {
+      absl::MutexLock lock(&table_->mu_);
+      auto [it, inserted] = table_->owners_.emplace(key.id, replica_);
+      if (it->second == replica_) return absl::OkStatus();
+      return absl::UnavailableError("owned by " + it->second);
+    }
+    absl::Status CheckWrite(const SessionKey& key) override {
+      absl::MutexLock lock(&table_->mu_);
+      auto it = table_->owners_.find(key.id);
+      if (it != table_->owners_.end() && it->second == replica_) return absl::OkStatus();
+      return absl::FailedPreconditionError("lost the session");
+    }
+    void Release(const SessionKey& key) override {
+      absl::MutexLock lock(&table_->mu_);
+      auto it = table_->owners_.find(key.id);
+      if (it != table_->owners_.end() && it->second == replica_) table_->owners_.erase(it);
+    }
+
+   private:
+    FakeOwnershipTable* table_;
+    std::string replica_;
+  };
+
+  void Steal(const std::string& id, const std::string& replica) {
+    absl::MutexLock lock(&mu_);
+    owners_[id] = replica;
+  }
+
+ private:
+  absl::Mutex mu_;
+  std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(mu_);
+};
+
+class SharedDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override { engine_ = testing::TinyEngine(); }
+
+  std::unique_ptr<SessionStateStore> OpenStore(bool shared, SessionOwnership* ownership = nullptr) {
+    SessionStoreOptions options;
+    options.ownership = ownership;
+    options.dir = dir_.path();
+    options.persist = PersistPolicy::kTurn;
+    options.background = false;
+    options.shared_dir = shared;
+    auto store = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // One turn on `store`, mirrored on the reference state.
+  void Turn(SessionStateStore& store, const std::string& id, const std::vector<int32_t>& tokens) {
+    auto lease = store.Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), tokens);
+    testing::DecodeEach(*engine_, *reference_, tokens);
+  }
+
+  // Whether `id` in `store` is exactly the reference (position and next-token logits).
+  void ExpectLikeReference(SessionStateStore& store, const std::string& id) {
+    auto lease = store.Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), reference_->position());
+    auto got_state = lease->state().Clone();
+    auto want_state = reference_->Clone();
+    EXPECT_TRUE(testing::BitwiseEqual(testing::ProbeLogits(*engine_, *got_state, kProbe),
+                                      testing::ProbeLogits(*engine_, *want_state, kProbe)));
+  }
+
+  testing::ScopedTempDir dir_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<SessionState> reference_;
+};
+
+TEST_F(SharedDirTest, ASessionCreatedByOneStoreIsFoundByAnother) {
+  auto a = OpenStore(true);
+  auto b = OpenStore(true);
+  auto alone = OpenStore(false);  // opened before the session existed, not shared
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("x", "meta").ok());
+  Turn(*a, "x", testing::RandomTokens(7, 1));
+
+  EXPECT_TRUE(absl::IsNotFound(alone->Get("x").status()));
+  auto info = b->Get("x");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->position, reference_->position());
+  EXPECT_EQ(info->metadata, "meta");
+  EXPECT_TRUE(absl::IsAlreadyExists(b->Create("x", "")));
+  ExpectLikeReference(*b, "x");
+  EXPECT_TRUE(absl::IsNotFound(b->Get("never-created").status()));
+}
+
+// Property (fixed and fresh seeds): a session whose turns go to one store or the other at random
+// (as when a router's ring changes back and forth) continues exactly: a store re-reads a session
+// the other wrote since, rather than continuing its own older copy.
+TEST_F(SharedDirTest, TurnsAlternatingBetweenStoresContinueExactly) {
+  const uint32_t fresh = std::random_device{}();
+  for (uint32_t seed : {1u, 2u, fresh}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    const std::string id = "s" + std::to_string(seed);
+    std::vector<std::unique_ptr<SessionStateStore>> stores;
+    stores.push_back(OpenStore(true));
+    stores.push_back(OpenStore(true));
+    reference_ = engine_->NewSession();
+    ASSERT_TRUE(stores[0]->Create(id, "").ok());
+    std::mt19937 rng(seed);
+    for (int turn = 0; turn < 6; ++turn) {
+      SessionStateStore& store = *stores[turn < 2 ? turn : rng() % 2];
+      Turn(store, id, testing::RandomTokens(1 + static_cast<int>(rng() % 6), rng()));
+    }
+    ExpectLikeReference(*stores[0], id);
+    ExpectLikeReference(*stores[1], id);
+  }
+}
+
+TEST_F(SharedDirTest, ADeletionByOneStoreIsSeenByTheOther) {
+  auto a = OpenStore(true);
+  auto b = OpenStore(true);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("d", "").ok());
+  Turn(*a, "d", testing::RandomTokens(3, 5));
+  Turn(*b, "d", testing::RandomTokens(3, 6));
+  ASSERT_TRUE(b->Delete("d").ok());
+  EXPECT_TRUE(absl::IsNotFound(a->Acquire("d").status()));
+  EXPECT_TRUE(absl::IsNotFound(a->Get("d").status()));
+}
+
+TEST_F(SharedDirTest, OnlyTheOwnerTakesASessionUpAndParkingReleasesIt) {
+  FakeOwnershipTable table;
+  FakeOwnershipTable::View own_a(&table, "a"), own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("o", "").ok());
+  Turn(*a, "o", testing::RandomTokens(4, 8));
+  EXPECT_TRUE(absl::IsUnavailable(b->Acquire("o").status()));
+  EXPECT_TRUE(absl::IsUnavailable(b->Create("o", "")));
+  EXPECT_TRUE(absl::IsUnavailable(b->Delete("o")));
+  ASSERT_TRUE(a->Park("o", Tier::kDisk).ok());  // hands it over
+  Turn(*b, "o", testing::RandomTokens(4, 9));
+  ExpectLikeReference(*b, "o");
+  EXPECT_TRUE(absl::IsUnavailable(a->Acquire("o").status()));
+}
+
+// A replica paused past its lease (its session given to another meanwhile) finishes its turn
+// when it resumes: its write is refused and counted, and the new owner's state stays on disk.
+TEST_F(SharedDirTest, AWriteOfAReplicaThatLostTheSessionIsRefused) {
+  FakeOwnershipTable table;
+  FakeOwnershipTable::View own_a(&table, "a"), own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("f", "").ok());
+  Turn(*a, "f", testing::RandomTokens(5, 10));
+  {
+    auto paused = a->Acquire("f");  // a turn starts on a, then a is paused...
+    ASSERT_TRUE(paused.ok()) << paused.status();
+    table.Steal("f", "b");  // ... past its lease: b takes the session up and moves on
+    Turn(*b, "f", testing::RandomTokens(5, 11));
+    testing::DecodeEach(*engine_, paused->state(), testing::RandomTokens(9, 12));
+  }  // a's turn ends: its write is fenced
+  EXPECT_EQ(a->Stats().fenced_writes, 1);
+  EXPECT_EQ(b->Stats().fenced_writes, 0);
+  auto reader = OpenStore(true);  // what the directory holds
+  ExpectLikeReference(*reader, "f");
+}
+
+}  // namespace
+}  // namespace sdm
