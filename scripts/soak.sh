@@ -22,4 +22,4 @@ if [ "${1:-}" = "--short" ]; then
 fi
 exec python3 scripts/lib/crash_test.py --server "$BUILD_DIR/server/sdm-server" \
   --client "$BUILD_DIR/client/sdm-client" --model "$MODEL" --workdir "$WORK/run" \
-  --kill_every 0 --port 50392 "${args[@]}" "$@"
+  --kill_every 0 "${args[@]}" "$@"

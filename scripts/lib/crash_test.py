@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -42,20 +43,35 @@ class Server:
         self.workdir = workdir
         self.proc = None
         self.log_path = os.path.join(workdir, "server.log")
+        self.bound = False  # args.port holds the port this server printed
+        self.requested_port = args.port
 
     def start(self):
         a = self.args
+        self.bound = False
+        a.port = self.requested_port
         cmd = [a.server, "--model", a.model, "--port", str(a.port), "--metrics_port", "-1",
                "--state_dir", os.path.join(self.workdir, "state"), "--threads", "1",
                "--max_running", str(a.max_running), "--max_waiting", str(a.max_waiting),
                "--persist", a.persist, "--device", "cpu"]
         out = open(self.log_path, "ab")
+        start = out.tell()
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise SystemExit(f"crash-test: the server exited with {self.proc.returncode}; "
                                  f"see {self.log_path}")
+            if self.args.port == 0 or not self.bound:
+                # Port 0: the server picks a free one and prints it (never another run's port).
+                with open(self.log_path, "rb") as f:
+                    f.seek(start)
+                    m = re.search(rb"listening on [^ ]*:(\d+)", f.read())
+                if m is None:
+                    time.sleep(0.1)
+                    continue
+                self.args.port = int(m.group(1))
+                self.bound = True
             if client(self.args, "info").returncode == 0:
                 return
             time.sleep(0.2)
@@ -267,7 +283,7 @@ def main():
     ap.add_argument("--client", default="build/client/sdm-client")
     ap.add_argument("--model", required=True)
     ap.add_argument("--workdir", default="/tmp/sdm-crash-test")
-    ap.add_argument("--port", type=int, default=50391)
+    ap.add_argument("--port", type=int, default=0, help="gRPC port; 0: a free one each start")
     ap.add_argument("--duration", type=float, default=1800, help="seconds of traffic in all")
     ap.add_argument("--kill_every", type=float, default=10,
                     help="mean seconds between kills (uniform 0.5x-1.5x); 0: soak, no kills")
