@@ -10,17 +10,9 @@
 #   extra flags go to scripts/lib/crash_test.py (--duration, --sessions, --kill_every, --seed ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD_DIR=${SDM_BUILD_DIR:-build}
-WORK=${SDM_CRASH_DIR:-/tmp/sdm-crash-test}
-mkdir -p "$WORK"
-MODEL="$WORK/model-tiny"
-[ -f "$MODEL/config.json" ] ||
-  "$BUILD_DIR/tools/sdm_model/sdm-model" init --preset tiny --seed 0 --out "$MODEL" >/dev/null
 args=(--duration 1800 --sessions 50 --kill_every 10)
 if [ "${1:-}" = "--short" ]; then
   shift
   args=(--duration 75 --sessions 12 --kill_every 8)
 fi
-exec python3 scripts/lib/crash_test.py --server "$BUILD_DIR/server/sdm-server" \
-  --client "$BUILD_DIR/client/sdm-client" --model "$MODEL" --workdir "$WORK/run" \
-  "${args[@]}" "$@"
+exec bash scripts/lib/run-crash-driver.sh "${SDM_CRASH_DIR:-/tmp/sdm-crash-test}" "${args[@]}" "$@"

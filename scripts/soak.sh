@@ -9,17 +9,9 @@
 #   extra flags go to scripts/lib/crash_test.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD_DIR=${SDM_BUILD_DIR:-build}
-WORK=${SDM_SOAK_DIR:-/tmp/sdm-soak-test}
-mkdir -p "$WORK"
-MODEL="$WORK/model-tiny"
-[ -f "$MODEL/config.json" ] ||
-  "$BUILD_DIR/tools/sdm_model/sdm-model" init --preset tiny --seed 0 --out "$MODEL" >/dev/null
 args=(--duration 1200 --round 60 --sessions 50)
 if [ "${1:-}" = "--short" ]; then
   shift
   args=(--duration 60 --round 15 --sessions 12 --max_rss_growth 0.05)
 fi
-exec python3 scripts/lib/crash_test.py --server "$BUILD_DIR/server/sdm-server" \
-  --client "$BUILD_DIR/client/sdm-client" --model "$MODEL" --workdir "$WORK/run" \
-  --kill_every 0 "${args[@]}" "$@"
+exec bash scripts/lib/run-crash-driver.sh "${SDM_SOAK_DIR:-/tmp/sdm-soak-test}" --kill_every 0 "${args[@]}" "$@"

@@ -342,8 +342,7 @@ TenantUsage SessionStateStore::Usage(absl::string_view tenant) const {
 
 // ---- Snapshots found at Open ----
 
-void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
-                                   const absl::Status& why) {
+std::filesystem::path SessionStateStore::QuarantinePathOf(const std::filesystem::path& file) const {
   // A unique name: an earlier quarantined copy of the same session is never overwritten.
   std::filesystem::path dest = options_.dir / "quarantine" / file.filename();
   dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()));
@@ -351,6 +350,12 @@ void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
     dest = options_.dir / "quarantine" / file.filename();
     dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()), ".", i);
   }
+  return dest;
+}
+
+void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
+                                   const absl::Status& why) {
+  const std::filesystem::path dest = QuarantinePathOf(file);
   absl::Status moved = options_.files->Rename(file, dest);
   e.broken = absl::Status(
       why.code(), absl::StrCat(why.message(), moved.ok() ? " (moved to " + dest.string() + ")"
@@ -359,13 +364,7 @@ void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
 }
 
 void SessionStateStore::QuarantineLog(const std::filesystem::path& log) {
-  std::filesystem::path dest = options_.dir / "quarantine" / log.filename();
-  dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()));
-  for (int i = 1; std::filesystem::exists(dest); ++i) {
-    dest = options_.dir / "quarantine" / log.filename();
-    dest += absl::StrCat(".", absl::ToUnixMillis(absl::Now()), ".", i);
-  }
-  options_.files->Rename(log, dest).IgnoreError();  // absent: nothing to keep
+  options_.files->Rename(log, QuarantinePathOf(log)).IgnoreError();  // absent: nothing to keep
 }
 
 absl::StatusOr<SessionRecord> SessionStateStore::ReadRecord(StateFiles& files,
@@ -1580,18 +1579,14 @@ StoreStats SessionStateStore::Stats() const {
     ++s.sessions[static_cast<int>(e->tier)];
     if (e->in_use) ++s.in_use;
     if (e->tier == Tier::kDisk) s.bytes[static_cast<int>(Tier::kDisk)] += e->disk_bytes;
+    if (e->tier == Tier::kResident && e->device_bytes > 0) ++s.device_sessions;
+    if (e->version != e->persisted_version) ++s.unpersisted;
   }
   for (const auto& [stem, e] : orphans_) {
     ++s.sessions[static_cast<int>(Tier::kDisk)];
     s.bytes[static_cast<int>(Tier::kDisk)] += e->disk_bytes;
   }
-  for (const auto& [key, e] : entries_) {
-    if (e->tier == Tier::kResident && e->device_bytes > 0) ++s.device_sessions;
-  }
   s.device_bytes = DeviceBytesLocked();
-  for (const auto& [key, e] : entries_) {
-    if (e->version != e->persisted_version) ++s.unpersisted;
-  }
   s.bytes[static_cast<int>(Tier::kResident)] = ResidentBytesLocked();
   s.bytes[static_cast<int>(Tier::kHost)] = HostBytesLocked();
   s.one_shot = one_shot_count_;

@@ -30,13 +30,13 @@
 // written when it is created or forked and after every turn (its lease returned), by the
 // background worker, behind the decode path: turns that end before the worker gets to a session
 // are coalesced into one write, and the write never blocks a step (an Acquire of that session
-// waits for it). A kill -9 then loses at most the turns that ended since the session's last
-// write (normally the one in flight). The first write is a full snapshot; later ones are deltas
-// appended to the session's log (state_store/state_log.h: the rows the turns touched), compacted
-// into a full snapshot once the log passes half the snapshot's size or 256 records. kIdle: once
-// a session has been idle for `persist_idle`.
-// kShutdown: only PersistAll() and eviction to disk write. Sessions an accelerator holds on the
-// device are written when they leave it (their host layers are stale until then).
+// waits for it). WhenPersisted() lets the caller acknowledge a turn only once it is written (the
+// scheduler does), so a kill -9 loses at most the turn in flight. The first write is a full
+// snapshot; later ones are deltas appended to the session's log (state_store/state_log.h: the rows
+// the turns touched), compacted into a full snapshot once the log passes half the snapshot's size
+// or 256 records. kIdle: once a session has been idle for `persist_idle`. kShutdown: only
+// PersistAll() and eviction to disk write. Sessions an accelerator holds on the device are written
+// when they leave it (their host layers are stale until then).
 //
 // Failures are loud: a failed write is counted once per session and episode
 // (StoreStats::persist_failures), logged once per distinct cause, and turns PersistHealth() to
@@ -363,6 +363,8 @@ class SessionStateStore {
   std::filesystem::path LogPathOf(const SessionKey& key) const;
   void Quarantine(Entry& e, const std::filesystem::path& file, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A name under dir/quarantine/ for `file` that no earlier quarantined file has.
+  std::filesystem::path QuarantinePathOf(const std::filesystem::path& file) const;
   // Moves a damaged session's delta log beside its quarantined snapshot (if there is one).
   void QuarantineLog(const std::filesystem::path& log) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

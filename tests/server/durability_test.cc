@@ -30,22 +30,9 @@ bool Eventually(const std::function<bool()>& done) {
   return done();
 }
 
-grpc::Status CreateSession(v1::SdmService::Stub& stub, const std::string& id) {
-  grpc::ClientContext context;
-  testing::Prepare(context, {});
-  v1::CreateSessionRequest request;
-  request.set_session_id(id);
-  v1::Session session;
-  return stub.CreateSession(&context, request, &session);
-}
-
 int64_t Position(v1::SdmService::Stub& stub, const std::string& id) {
-  grpc::ClientContext context;
-  testing::Prepare(context, {});
-  v1::GetSessionRequest request;
-  request.set_session_id(id);
   v1::Session session;
-  const grpc::Status status = stub.GetSession(&context, request, &session);
+  const grpc::Status status = testing::GetSession(stub, id, &session);
   EXPECT_TRUE(status.ok()) << id << ": " << status.error_message();
   return status.ok() ? session.position() : -1;
 }
@@ -60,7 +47,7 @@ TEST(ServerDurabilityTest, EveryTurnIsOnDiskBehindTheStream) {
   ASSERT_EQ(options.store.persist, PersistPolicy::kTurn);  // the default
   testing::Served s = testing::Serve(options);
   ASSERT_NE(s.server, nullptr);
-  ASSERT_TRUE(CreateSession(*s.stub, "chat").ok());
+  ASSERT_TRUE(testing::CreateSession(*s.stub, "chat").ok());
   int64_t position = 0;
   for (int turn = 0; turn < 3; ++turn) {
     const testing::Completion c =
@@ -95,7 +82,7 @@ TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   EXPECT_EQ(http.Get("/healthz")->status, 200);
 
   files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));
-  ASSERT_TRUE(CreateSession(*s.stub, "a").ok());  // memory still has room: accepted
+  ASSERT_TRUE(testing::CreateSession(*s.stub, "a").ok());  // memory still has room: accepted
   ASSERT_TRUE(Eventually([&] {
     const httplib::Result health = http.Get("/healthz");
     return health && health->status == 503;

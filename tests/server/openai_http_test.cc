@@ -265,15 +265,6 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   EXPECT_TRUE(sch.usage.is_null());  // not asked for
 }
 
-grpc::Status GetSessionGrpc(v1::SdmService::Stub& stub, const std::string& id, v1::Session* out,
-                            const std::string& api_key = "") {
-  grpc::ClientContext context;
-  Prepare(context, {.api_key = api_key});
-  v1::GetSessionRequest request;
-  request.set_session_id(id);
-  return stub.GetSession(&context, request, out);
-}
-
 TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
   ServerOptions o = Options();
   o.api_keys_file = dir_.path() / "keys.txt";
@@ -362,7 +353,7 @@ TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
   EXPECT_EQ(deleted.body["deleted"], true);
   EXPECT_EQ(Call(port, "GET", "/v1/sessions/copy", "", a).status, 404);
   v1::Session over_grpc;
-  EXPECT_TRUE(GetSessionGrpc(*s.stub, "chat", &over_grpc, a).ok());
+  EXPECT_TRUE(GetSession(*s.stub, "chat", &over_grpc, a).ok());
   EXPECT_EQ(over_grpc.position(), second.body["session"]["position"].get<int64_t>());
 }
 
@@ -480,7 +471,7 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
   bool idle = false;
   v1::Session session;
   for (int i = 0; i < 500 && !idle; ++i) {
-    idle = GetSessionGrpc(*s.stub, "long", &session).ok() && !session.generating();
+    idle = GetSession(*s.stub, "long", &session).ok() && !session.generating();
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_TRUE(idle);
@@ -553,7 +544,7 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
   v1::Session session;
   bool generating = false;
   for (int i = 0; i < 500 && !generating; ++i) {
-    generating = GetSessionGrpc(*s.stub, "whole", &session).ok() && session.generating();
+    generating = GetSession(*s.stub, "whole", &session).ok() && session.generating();
     if (!generating) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   ASSERT_TRUE(generating);
@@ -562,7 +553,7 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
   EXPECT_TRUE(returned.load());
   bool idle = false;
   for (int i = 0; i < 500 && !idle; ++i) {
-    idle = GetSessionGrpc(*s.stub, "whole", &session).ok() && !session.generating();
+    idle = GetSession(*s.stub, "whole", &session).ok() && !session.generating();
     if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_TRUE(idle) << "the job kept running after its client left";

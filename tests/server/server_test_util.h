@@ -189,6 +189,28 @@ inline double MetricValue(const ParsedPage& page, const std::string& name,
   return page.Value(name, labels).value_or(0.0);
 }
 
+// Session calls, as a client makes them (api_key: sent when non-empty).
+inline grpc::Status CreateSession(v1::SdmService::Stub& stub, const std::string& id,
+                                  v1::Session* out = nullptr, const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::CreateSessionRequest request;
+  request.set_session_id(id);
+  v1::Session session;
+  grpc::Status s = stub.CreateSession(&context, request, &session);
+  if (out != nullptr) *out = session;
+  return s;
+}
+
+inline grpc::Status GetSession(v1::SdmService::Stub& stub, const std::string& id, v1::Session* out,
+                               const std::string& api_key = "") {
+  grpc::ClientContext context;
+  Prepare(context, {.api_key = api_key});
+  v1::GetSessionRequest request;
+  request.set_session_id(id);
+  return stub.GetSession(&context, request, out);
+}
+
 // Raw gRPC bytes, for calls made without generated stubs.
 inline std::string Bytes(const grpc::ByteBuffer& buffer) {
   std::vector<grpc::Slice> slices;

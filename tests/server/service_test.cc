@@ -65,27 +65,6 @@ bool WaitForMetric(int port, const std::string& name,
   return false;
 }
 
-grpc::Status CreateSession(v1::SdmService::Stub& stub, const std::string& id,
-                           v1::Session* out = nullptr, const std::string& api_key = "") {
-  grpc::ClientContext context;
-  Prepare(context, {.api_key = api_key});
-  v1::CreateSessionRequest request;
-  request.set_session_id(id);
-  v1::Session session;
-  grpc::Status s = stub.CreateSession(&context, request, &session);
-  if (out != nullptr) *out = session;
-  return s;
-}
-
-grpc::Status GetSession(v1::SdmService::Stub& stub, const std::string& id, v1::Session* out,
-                        const std::string& api_key = "") {
-  grpc::ClientContext context;
-  Prepare(context, {.api_key = api_key});
-  v1::GetSessionRequest request;
-  request.set_session_id(id);
-  return stub.GetSession(&context, request, out);
-}
-
 grpc::Status ForkSession(v1::SdmService::Stub& stub, const std::string& from, const std::string& to,
                          v1::Session* out = nullptr, const std::string& api_key = "") {
   grpc::ClientContext context;

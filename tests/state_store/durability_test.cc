@@ -29,6 +29,15 @@ using testing::FaultInjectionFiles;
 
 constexpr int32_t kProbe = 42;
 
+// What a kill -9 leaves of `from`: a copy of its files in `to` (created).
+void CopyFiles(const std::filesystem::path& from, const std::filesystem::path& to) {
+  std::filesystem::create_directories(to);
+  for (const auto& entry : std::filesystem::directory_iterator(from)) {
+    if (entry.is_regular_file())
+      std::filesystem::copy_file(entry.path(), to / entry.path().filename());
+  }
+}
+
 class DurabilityTest : public ::testing::Test {
  protected:
   void SetUp() override { engine_ = testing::TinyEngine(); }
@@ -56,12 +65,7 @@ class DurabilityTest : public ::testing::Test {
   // What a kill -9 at this instant leaves: a copy of the directory's snapshots.
   std::filesystem::path CrashCopy() {
     const std::filesystem::path copy = crash_dir_.path() / std::to_string(++crashes_);
-    std::filesystem::create_directories(copy);
-    for (const auto& entry : std::filesystem::directory_iterator(dir_.path())) {
-      if (entry.is_regular_file()) {
-        std::filesystem::copy_file(entry.path(), copy / entry.path().filename());
-      }
-    }
+    CopyFiles(dir_.path(), copy);
     return copy;
   }
 
@@ -107,11 +111,7 @@ TEST_F(DurabilityTest, EveryTurnSurvivesAKill) {
 
       // kill -9 now: a store opened on what the disk holds has every session at its last turn.
       testing::ScopedTempDir copy;
-      for (const auto& entry : std::filesystem::directory_iterator(dir.path())) {
-        if (entry.is_regular_file()) {
-          std::filesystem::copy_file(entry.path(), copy.path() / entry.path().filename());
-        }
-      }
+      CopyFiles(dir.path(), copy.path());
       auto restarted = OpenStore(copy.path(), PersistPolicy::kTurn, StateFiles::Default());
       ASSERT_NE(restarted, nullptr);
       ASSERT_TRUE(restarted->open_errors().empty());
@@ -289,12 +289,8 @@ TEST_F(DurabilityTest, ATornDeltaLeavesThePreviousTurnAndIsWrittenOver) {
     testing::DecodeEach(*engine_, *reference, next);
     EXPECT_EQ(files2.calls(FaultInjectionFiles::Op::kWriteAt), 1);
   }
-  std::filesystem::path again = crash_dir_.path() / "again";
-  std::filesystem::create_directories(again);
-  for (const auto& entry : std::filesystem::directory_iterator(crashed)) {
-    if (entry.is_regular_file())
-      std::filesystem::copy_file(entry.path(), again / entry.path().filename());
-  }
+  const std::filesystem::path again = crash_dir_.path() / "again";
+  CopyFiles(crashed, again);
   auto restarted = OpenStore(again, PersistPolicy::kTurn, StateFiles::Default());
   int64_t position = -1;
   const std::vector<float> got = Probe(*restarted, "s", &position);
