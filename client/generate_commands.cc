@@ -28,8 +28,9 @@ struct StreamOutcome {
   std::vector<int32_t> token_ids;
   sdm::v1::FinishReason finish_reason = sdm::v1::FINISH_REASON_UNSPECIFIED;
   sdm::v1::Usage usage;
-  double ttft_seconds = -1;  // until the first chunk with tokens; -1: none came
-  double seconds = 0;        // the whole call
+  double ttft_seconds = -1;    // until the first chunk with tokens; -1: none came
+  double seconds = 0;          // the whole call
+  std::string retry_after_ms;  // the server's retry hint (grpc-retry-pushback-ms); empty: none
 };
 
 // Runs one Generate call, writing each chunk's text to `echo` (when not null) as it arrives.
@@ -60,6 +61,10 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
   }
   outcome.status = reader->Finish();
   outcome.seconds = SecondsBetween(start, Clock::now());
+  const auto& trailers = context.GetServerTrailingMetadata();
+  if (auto hint = trailers.find("grpc-retry-pushback-ms"); hint != trailers.end()) {
+    outcome.retry_after_ms = std::string(hint->second.data(), hint->second.size());
+  }
   return outcome;
 }
 
@@ -130,7 +135,12 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   if (!json && io.out_is_terminal && !outcome.text.empty() && outcome.text.back() != '\n') {
     *io.out << "\n" << std::flush;
   }
-  if (!outcome.status.ok()) return command.Failure(outcome.status);
+  if (!outcome.status.ok()) {
+    if (!outcome.retry_after_ms.empty()) {
+      *io.err << "sdm-client: retry after " << outcome.retry_after_ms << " ms\n";
+    }
+    return command.Failure(outcome.status);
+  }
   if (json) {
     nlohmann::json j;
     j["session_id"] = session;

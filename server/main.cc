@@ -83,6 +83,9 @@ ABSL_FLAG(std::string, etcd, "",
           "docs/replicas.md.");
 ABSL_FLAG(std::string, replica_id, "",
           "With --etcd: this replica's unique name (empty: the host name).");
+ABSL_FLAG(absl::Duration, etcd_lease_ttl, sdm::EtcdOwnershipOptions{}.lease_ttl,
+          "With --etcd: the TTL of this replica's lease (whole seconds, at least 2 s). A replica "
+          "stopped or cut off this long loses its sessions to the others.");
 ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
           "With --persist=idle: how long a changed session stays idle before it is written.");
 ABSL_FLAG(std::string, resident_budget,
@@ -234,6 +237,8 @@ int main(int argc, char** argv) {
   }
   options.etcd.endpoint = absl::GetFlag(FLAGS_etcd);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
+  options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
+  if (options.etcd.lease_ttl < absl::Seconds(2)) return UsageError("--etcd_lease_ttl: at least 2s");
   if (!options.etcd.endpoint.empty()) {
     if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");
     if (options.etcd.replica_id.empty()) {

@@ -230,6 +230,12 @@ absl::Status SdmServer::Impl::Init() {
                                      ": ", st.status().message()));
   }
   store = *std::move(st);
+  if (ownership != nullptr) {
+    // Handoff (docs/replicas.md): another replica asked for a session this one owns: write it
+    // to the shared directory and give it up (Park to disk releases it). Cleared in Shutdown().
+    ownership->SetHandoffHandler(
+        [s = store.get()](const SessionKey& key) { return s->Park(key, Tier::kDisk); });
+  }
   for (const std::string& error : store->open_errors()) {
     SDM_LOG(WARNING) << "sdm-server: " << error;
   }
@@ -395,6 +401,9 @@ absl::Status SdmServer::Impl::Shutdown() {
   if (store != nullptr && !options.store.dir.empty()) {
     shutdown_result = store->PersistAll();
   }
+  // 5b. Replicas: every session is written; release them all at once (the lease is revoked), so
+  // that the other replicas take them up now rather than when this process exits.
+  if (ownership != nullptr) ownership->Stop();
   // 6. The HTTP endpoint last, so that the drain can be watched.
   http.reset();
   return shutdown_result;

@@ -266,7 +266,10 @@ void SdmServiceImpl::FillSession(const SessionInfo& info, const SessionMetadata&
 absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Time deadline,
                                              const v1::GenerateRequest& request, GenerateJob& job) {
   if (!admitting_.load()) {
-    return absl::UnavailableError("the server is shutting down; retry when it is back");
+    // Retryable at once: a router sends the retry to another replica (docs/replicas.md).
+    return WithRetryAfter(
+        absl::UnavailableError("the server is shutting down; retry when it is back"),
+        options_.queue_full_retry_after);
   }
   const int64_t vocab = deps_.engine.vocab_size();
 
@@ -382,7 +385,9 @@ absl::Status SdmServiceImpl::SubmitGenerate(GenerateJob job,
                                             std::shared_ptr<JobObserver> observer) {
   const std::string user_id = job.session.id;
   absl::Status s = deps_.scheduler.Submit(std::move(job), std::move(observer));
-  if (s.code() == absl::StatusCode::kResourceExhausted) {
+  if (s.code() == absl::StatusCode::kResourceExhausted ||
+      (s.code() == absl::StatusCode::kUnavailable && !RetryAfter(s).has_value())) {
+    // Queue full; shutting down (a router sends the retry to another replica).
     s = WithRetryAfter(s, options_.queue_full_retry_after);
   } else if (s.code() == absl::StatusCode::kAborted) {
     s = absl::AbortedError(absl::StrCat("session '", user_id,

@@ -9,11 +9,23 @@
 // key per session bound to the replica's lease, its mod revision checked in a transaction before
 // each write). The state store knows only this interface.
 //
+// Fenced snapshots (optional: FencesSnapshots() true; EtcdOwnership). CheckWrite followed by a
+// file write is check-then-write: a store paused between the two writes after it lost the
+// session. With fenced snapshots the store never overwrites a snapshot: it writes each one under
+// a new unique name and the session's state becomes that file only when CommitSnapshot records
+// the name, in one atomic step that also checks this store's ownership and the name its copy was
+// read from. Readers read only the committed name. A stale store's file is then never committed,
+// whenever it is written: it cannot replace a newer state (docs/replicas.md, "Fencing").
+//
 // Thread-safety: implementations must be thread-safe.
 #ifndef SDMSERVE_STATE_STORE_SESSION_OWNERSHIP_H_
 #define SDMSERVE_STATE_STORE_SESSION_OWNERSHIP_H_
 
+#include <optional>
+#include <string>
+
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "state_store/session_key.h"
 
 namespace sdm {
@@ -29,6 +41,29 @@ class SessionOwnership {
   virtual absl::Status CheckWrite(const SessionKey& key) = 0;
   // This store gives `key` up (it may or may not own it).
   virtual void Release(const SessionKey& key) = 0;
+
+  // ---- Fenced snapshots (see the class comment); the defaults: none. ----
+  virtual bool FencesSnapshots() const { return false; }
+  // Network: the file name of `key`'s committed snapshot now ("" when none), remembered for
+  // Committed(). Claim remembers it too. UNAVAILABLE when it cannot be asked.
+  virtual absl::StatusOr<std::string> Observe(const SessionKey& key) {
+    return absl::UnimplementedError("no fenced snapshots");
+  }
+  // No network (callable with the store's lock held): the name the last Claim, Observe,
+  // CommitSnapshot or DeleteCommitted of `key` saw ("" when none); nullopt: never looked at.
+  virtual std::optional<std::string> Committed(const SessionKey& key) const { return std::nullopt; }
+  // Atomically: if this store still owns `key` under its claim and `key`'s committed snapshot is
+  // still `base` ("" none), records `file` as the committed one. FAILED_PRECONDITION when either
+  // comparison fails (fenced: `file` never becomes the state); UNAVAILABLE when the answer is
+  // unknown (unreachable; the commit may or may not have happened).
+  virtual absl::Status CommitSnapshot(const SessionKey& key, const std::string& base,
+                                      const std::string& file) {
+    return absl::UnimplementedError("no fenced snapshots");
+  }
+  // The same comparisons; removes `key`'s committed snapshot (the session is deleted).
+  virtual absl::Status DeleteCommitted(const SessionKey& key, const std::string& base) {
+    return absl::UnimplementedError("no fenced snapshots");
+  }
 };
 
 }  // namespace sdm

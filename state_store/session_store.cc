@@ -6,6 +6,7 @@
 #include <functional>
 #include <iterator>
 #include <optional>
+#include <random>
 #include <set>
 #include <system_error>
 #include <thread>
@@ -30,6 +31,8 @@ constexpr absl::string_view kLogSuffix = ".sdmlog";
 // many records (each costs a small read when the directory is listed at start-up).
 constexpr int64_t kMaxLogRecords = 256;
 constexpr absl::string_view kTmpSuffix = ".tmp";
+// Fenced snapshots (SessionOwnership::FencesSnapshots): every snapshot under a unique name here.
+constexpr char kGenerationsDir[] = "generations";
 
 absl::Status NotFound(const SessionKey& key) {
   return absl::NotFoundError(absl::StrCat("session '", key.id, "' not found"));
@@ -148,6 +151,9 @@ struct SessionStateStore::Entry {
   // Shared directory: the size and modification time of its snapshot file when this store last
   // read or wrote it; nullopt: it has not seen one.
   std::optional<SnapshotStamp> disk_stamp;
+  // Fenced snapshots: the committed snapshot (a name under dir/generations/) this copy was read
+  // from or last wrote; "" none. Never changed while the entry is busy.
+  std::string snapshot_file;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -257,6 +263,9 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
     absl::MutexLock lock(&store->mu_);
     if (auto s = store->LoadDirectory(); !s.ok()) return s;
   }
+  if (store->fenced()) {
+    SDM_RETURN_IF_ERROR(options.files->CreateDirs(options.dir / kGenerationsDir));
+  }
   if (options.background) store->worker_ = std::thread([s = store.get()] { s->WorkerLoop(); });
   return store;
 }
@@ -291,6 +300,33 @@ std::unique_ptr<SessionState> SessionStateStore::NewState() const {
 
 std::filesystem::path SessionStateStore::PathOf(const SessionKey& key) const {
   return options_.dir / absl::StrCat(SessionFileStem(key), kSnapshotSuffix);
+}
+
+bool SessionStateStore::fenced() const {
+  return options_.shared_dir && options_.ownership != nullptr &&
+         options_.ownership->FencesSnapshots();
+}
+
+std::filesystem::path SessionStateStore::SnapshotPathOf(const Entry& e) const {
+  if (!fenced()) return PathOf(e.key);
+  return options_.dir / kGenerationsDir / e.snapshot_file;
+}
+
+std::string SessionStateStore::NewSnapshotName(const SessionKey& key) const {
+  // 128 random bits: no two writes, on any replica, pick the same name.
+  std::random_device random;
+  const uint64_t high = (uint64_t{random()} << 32) | random();
+  const uint64_t low = (uint64_t{random()} << 32) | random();
+  return absl::StrCat(SessionFileStem(key), ".", absl::Hex(high, absl::kZeroPad16),
+                      absl::Hex(low, absl::kZeroPad16), kSnapshotSuffix);
+}
+
+void SessionStateStore::ObserveShared(const SessionKey& key) const {
+  if (!fenced()) return;
+  if (auto name = options_.ownership->Observe(key); !name.ok()) {
+    SDM_LOG(WARNING) << "sdm state store: could not look up session '" << key.id
+                     << "' in etcd: " << name.status();
+  }
 }
 
 std::filesystem::path SessionStateStore::LogPathOf(const SessionKey& key) const {
@@ -528,7 +564,14 @@ std::optional<SessionStateStore::SnapshotStamp> SessionStateStore::StampOf(
 
 absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Discover(
     const SessionKey& key) const {
-  const std::filesystem::path path = PathOf(key);
+  std::filesystem::path path = PathOf(key);
+  std::string committed;
+  if (fenced()) {
+    // Only the committed snapshot is the session (etcd's answer to the last Claim or Observe).
+    committed = options_.ownership->Committed(key).value_or("");
+    if (committed.empty()) return NotFound(key);
+    path = options_.dir / kGenerationsDir / committed;
+  }
   std::optional<SnapshotStamp> stamp = StampOf(path);
   if (!stamp.has_value()) return NotFound(key);
   uint64_t snapshot_id = 0;
@@ -555,6 +598,7 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   entry->position = record->position;
   entry->pending = record->pending_token >= 0;
   entry->disk_stamp = stamp;
+  entry->snapshot_file = committed;
   // Its snapshot is all there is (a shared directory holds no delta logs: WriteChanges).
   entry->base_id = snapshot_id;
   entry->persisted_position = record->position;
@@ -571,19 +615,35 @@ void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
     if (it == entries_.end()) return;  // FindIdle() discovers it
     Entry& e = *it->second;
     if (e.busy || e.in_use) return;  // this store is using or writing it: its own copy is current
-    const std::optional<SnapshotStamp> stamp = StampOf(PathOf(key));
-    if (stamp == e.disk_stamp) return;
-    if (!stamp.has_value() && e.version != e.persisted_version) return;  // created, unwritten
-    absl::StatusOr<std::unique_ptr<Entry>> fresh =
-        stamp.has_value() ? Discover(key) : absl::StatusOr<std::unique_ptr<Entry>>(NotFound(key));
-    if (!fresh.ok() && !absl::IsNotFound(fresh.status())) return;  // Acquire() reports it
-    if (e.version != e.persisted_version) {
-      SDM_LOG(WARNING) << "sdm state store: session '" << key.id
-                       << "' was written by another replica; its turns not written here are "
-                          "dropped";
+    if (fenced()) {
+      // The committed name as the claim just saw it: another one means another replica wrote
+      // (or deleted) the session since this copy was read or written.
+      const std::optional<std::string> committed = options_.ownership->Committed(key);
+      if (!committed.has_value() || *committed == e.snapshot_file) return;
+      absl::StatusOr<std::unique_ptr<Entry>> fresh = Discover(key);
+      if (!fresh.ok() && !absl::IsNotFound(fresh.status())) return;  // Acquire() reports it
+      if (e.version != e.persisted_version) {
+        SDM_LOG(WARNING) << "sdm state store: session '" << key.id << "' was "
+                         << (fresh.ok() ? "written" : "deleted")
+                         << " by another replica; this replica's unwritten turns are dropped";
+      }
+      dead.push_back(Erase(it));
+      if (fresh.ok()) Insert(*std::move(fresh));
+    } else {
+      const std::optional<SnapshotStamp> stamp = StampOf(PathOf(key));
+      if (stamp == e.disk_stamp) return;
+      if (!stamp.has_value() && e.version != e.persisted_version) return;  // created, unwritten
+      absl::StatusOr<std::unique_ptr<Entry>> fresh =
+          stamp.has_value() ? Discover(key) : absl::StatusOr<std::unique_ptr<Entry>>(NotFound(key));
+      if (!fresh.ok() && !absl::IsNotFound(fresh.status())) return;  // Acquire() reports it
+      if (e.version != e.persisted_version) {
+        SDM_LOG(WARNING) << "sdm state store: session '" << key.id
+                         << "' was written by another replica; its turns not written here are "
+                            "dropped";
+      }
+      dead.push_back(Erase(it));
+      if (fresh.ok()) Insert(*std::move(fresh));
     }
-    dead.push_back(Erase(it));
-    if (fresh.ok()) Insert(*std::move(fresh));
   }
   Bury(std::move(dead));
 }
@@ -641,7 +701,7 @@ absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const Sess
 absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e,
                                                                ParkedLog* log) const {
   if (e.tier == Tier::kHost) return DecodeSessionState(e.blob, layout_, fingerprint_);
-  auto blob = options_.files->Read(PathOf(e.key));
+  auto blob = options_.files->Read(SnapshotPathOf(e));
   if (!blob.ok()) return blob.status();
   absl::StatusOr<DecodedSession> decoded = DecodeSessionState(*blob, layout_, fingerprint_);
   if (!decoded.ok()) return decoded;
@@ -698,7 +758,10 @@ absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view 
   e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
   absl::MutexLock lock(&mu_);
   if (Find(key) != nullptr) return AlreadyExists(key);
-  if (options_.shared_dir && StampOf(PathOf(key)).has_value()) return AlreadyExists(key);
+  if (fenced() ? !options_.ownership->Committed(key).value_or("").empty()
+               : options_.shared_dir && StampOf(PathOf(key)).has_value()) {
+    return AlreadyExists(key);
+  }
   SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
   e->tick = ++clock_;
   e->last_used = absl::Now();
@@ -744,7 +807,7 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
     mu_.Unlock();
     ParkedLog log;
     absl::StatusOr<DecodedSession> decoded = DecodeParked(*e, &log);
-    const std::filesystem::path path = PathOf(e->key);
+    const std::filesystem::path path = SnapshotPathOf(*e);
     mu_.Lock();
     e->busy = false;
     changed_.SignalAll();
@@ -807,7 +870,30 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
     if ((*e)->in_use) {
       return absl::AbortedError(absl::StrCat("session '", key.id, "' is in use; cancel it first"));
     }
-    if (!options_.dir.empty()) {
+    if (fenced()) {
+      // The deletion is the removal of the committed name, fenced like a write.
+      Entry& entry = **e;
+      const std::string base = entry.snapshot_file;
+      entry.busy = true;
+      mu_.Unlock();
+      const absl::Status deleted = options_.ownership->DeleteCommitted(key, base);
+      mu_.Lock();
+      entry.busy = false;
+      changed_.SignalAll();
+      if (!deleted.ok()) {
+        if (absl::IsFailedPrecondition(deleted)) {
+          ++counters_.fenced_writes;
+          SDM_LOG(ERROR) << "sdm state store: deletion of session '" << key.id
+                         << "' refused: " << deleted;
+          return absl::UnavailableError(
+              absl::StrCat("session '", key.id, "' changed on another replica meanwhile; retry"));
+        }
+        return deleted;
+      }
+      if (!base.empty()) {
+        options_.files->Remove(options_.dir / kGenerationsDir / base).IgnoreError();
+      }
+    } else if (!options_.dir.empty()) {
       if (auto s = options_.files->Remove(PathOf(key)); !s.ok()) return s;
       // After the snapshot: a log left alone is removed at the next Open.
       options_.files->Remove(LogPathOf(key)).IgnoreError();
@@ -825,6 +911,7 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
                                      absl::string_view metadata, absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(dst); !s.ok()) return s;
   if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
+  ObserveShared(src);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(src);
   if (!found.ok()) return found.status();
@@ -871,6 +958,7 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
 }
 
 absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_view metadata) {
+  ObserveShared(key);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> e = FindIdle(key);
   if (!e.ok()) return e.status();
@@ -906,6 +994,13 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
 }
 
 absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const {
+  if (fenced()) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (const Entry* e = Find(key); e != nullptr) return InfoOf(*e, key);
+    }
+    ObserveShared(key);  // what Discover reads
+  }
   absl::MutexLock lock(&mu_);
   const Entry* e = Find(key);
   if (e == nullptr && options_.shared_dir) {
@@ -1056,6 +1151,7 @@ absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
 }
 
 absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier) {
+  ObserveShared(key);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
@@ -1255,7 +1351,10 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   bool delta = false;
   uint64_t new_base = 0;
   // Ownership (class comment): a replica that lost the session never writes over its owner's.
-  const absl::Status owned = CheckOwnership(key);
+  // Fenced snapshots: the commit is the check (below); otherwise check, then write.
+  const std::string base_file = e.snapshot_file;
+  std::string new_file;
+  absl::Status owned = fenced() ? absl::OkStatus() : CheckOwnership(key);
   if (!owned.ok()) {
     status = owned;
   } else if (try_delta) {
@@ -1272,8 +1371,28 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
         resident ? TryEncodeSessionState(*state, record, fingerprint_) : std::string();
     status = encoded.status();
     const std::string& blob = resident ? *encoded : e.blob;  // e.blob: not moved while busy
-    if (status.ok()) status = options_.files->WriteAtomically(PathOf(key), blob);
-    if (status.ok()) {
+    if (fenced()) {
+      // A new file no reader knows yet, then the commit that makes it the session's state.
+      new_file = NewSnapshotName(key);
+      const std::filesystem::path new_path = options_.dir / kGenerationsDir / new_file;
+      if (status.ok()) status = options_.files->WriteAtomically(new_path, blob);
+      if (status.ok()) {
+        const absl::Status committed = options_.ownership->CommitSnapshot(key, base_file, new_file);
+        if (absl::IsFailedPrecondition(committed)) {
+          owned = committed;
+          options_.files->Remove(new_path).IgnoreError();
+        } else if (committed.ok()) {
+          if (!base_file.empty()) {
+            options_.files->Remove(options_.dir / kGenerationsDir / base_file).IgnoreError();
+          }
+        } else {
+          status = committed;  // unknown: the file stays (it may be the committed one)
+        }
+      }
+    } else if (status.ok()) {
+      status = options_.files->WriteAtomically(PathOf(key), blob);
+    }
+    if (status.ok() && owned.ok()) {
       absl::StatusOr<uint64_t> prefix = RecordPrefixSize(blob, blob.size(), fingerprint_);
       SDM_CHECK(prefix.ok()) << prefix.status();  // it was just encoded
       new_base = SnapshotId(absl::string_view(blob).substr(0, *prefix));
@@ -1307,7 +1426,11 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   } else {
     e.base_id = new_base;
     e.persisted_bytes = static_cast<int64_t>(written_bytes);
-    if (options_.shared_dir) e.disk_stamp = StampOf(PathOf(key));
+    if (fenced()) {
+      e.snapshot_file = new_file;
+    } else if (options_.shared_dir) {
+      e.disk_stamp = StampOf(PathOf(key));
+    }
     e.log_bytes = 0;
     e.log_records = 0;
     e.needs_full = false;

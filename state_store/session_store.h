@@ -84,6 +84,14 @@
 // refused write is not made, counted (StoreStats::fenced_writes) and logged, and not retried
 // (this copy is stale; the owner holds the newer state); the session is not marked failing.
 // Delete and Park to disk release the session. The store calls it without its lock.
+// Fenced snapshots (when the ownership's FencesSnapshots() is true, as EtcdOwnership's is):
+// snapshots are never overwritten. Each write goes to a new uniquely named file under
+// dir/generations/ and becomes the session's state only when the ownership commits its name
+// (CommitSnapshot: atomically, only while this store still owns the session and its copy derives
+// from the committed snapshot); a refused commit removes the file, counts a fenced write and logs
+// it. Reads (Discover, Acquire, Get) use only the committed name; a held copy whose name is no
+// longer the committed one is dropped and re-read. Delete removes the committed name, fenced the
+// same way. The top-level snapshot files and delta logs are then not used.
 //
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
@@ -359,6 +367,15 @@ class SessionStateStore {
   void Release(const SessionKey& key);
   void ReleaseOneShot(int64_t bytes);
   std::filesystem::path PathOf(const SessionKey& key) const;
+  // Fenced snapshots (the ownership's FencesSnapshots() on a shared directory; class comment).
+  bool fenced() const;
+  // Where e's snapshot is: PathOf(e.key), or fenced, dir/generations/<e.snapshot_file>.
+  std::filesystem::path SnapshotPathOf(const Entry& e) const;
+  // Fenced: a file name for a new snapshot of `key` that no store has used.
+  std::string NewSnapshotName(const SessionKey& key) const;
+  // Fenced: asks etcd (the ownership's Observe) which snapshot is committed for `key`, for a
+  // lookup without a claim (Get, Park, SetMetadata, Fork's source). Called without mu_.
+  void ObserveShared(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
   // Its delta log, beside the snapshot (state_store/state_log.h).
   std::filesystem::path LogPathOf(const SessionKey& key) const;
   void Quarantine(Entry& e, const std::filesystem::path& file, const absl::Status& why)

@@ -8,6 +8,7 @@
 #include "base/log.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "server/grpc_status.h"
 #include "state_store/session_key.h"
 
 namespace sdm {
@@ -27,6 +28,16 @@ int64_t Int(const json& j, const char* field) {
   return 0;
 }
 
+// The value of the one key a range response holds, unescaped; "" when it holds none.
+std::string RangeValue(const json& response) {
+  if (!response.is_object() || !response.contains("response_range")) return "";
+  const json& kvs = response["response_range"]["kvs"];
+  if (!kvs.is_array() || kvs.empty()) return "";
+  std::string out;
+  absl::Base64Unescape(kvs[0].value("value", ""), &out);
+  return out;
+}
+
 }  // namespace
 
 EtcdOwnership::EtcdOwnership(PassKey, const EtcdOwnershipOptions& options) : options_(options) {}
@@ -37,19 +48,84 @@ absl::StatusOr<std::unique_ptr<EtcdOwnership>> EtcdOwnership::Start(
   auto self = std::make_unique<EtcdOwnership>(PassKey{}, options);
   if (absl::Status s = self->Grant(); !s.ok()) return s;
   self->keepalive_ = std::thread([p = self.get()] { p->KeepAliveLoop(); });
+  self->handoff_ = std::thread([p = self.get()] { p->HandoffLoop(); });
   return self;
 }
 
-EtcdOwnership::~EtcdOwnership() {
+EtcdOwnership::~EtcdOwnership() { Stop(); }
+
+void EtcdOwnership::Stop() {
+  SetHandoffHandler(nullptr);
   int64_t lease = 0;
   {
     absl::MutexLock lock(&mu_);
+    if (stopped_) return;
+    stopped_ = true;
     stop_ = true;
     lease = lease_;
   }
   if (keepalive_.joinable()) keepalive_.join();
+  if (handoff_.joinable()) handoff_.join();
   if (lease != 0) {
     Post("/v3/lease/revoke", json{{"ID", std::to_string(lease)}}.dump()).IgnoreError();
+  }
+  absl::MutexLock lock(&mu_);
+  owned_.clear();
+}
+
+void EtcdOwnership::SetHandoffHandler(std::function<absl::Status(const SessionKey&)> park) {
+  absl::MutexLock lock(&handler_mu_);
+  handler_ = std::move(park);
+}
+
+int64_t EtcdOwnership::handoffs() const {
+  absl::MutexLock lock(&mu_);
+  return handoffs_;
+}
+
+void EtcdOwnership::HandoffLoop() {
+  const std::string prefix = options_.handoff_prefix;
+  std::string end = prefix;
+  end.back() = static_cast<char>(end.back() + 1);  // the range of every key under the prefix
+  const std::string range = json{{"key", B64(prefix)}, {"range_end", B64(end)}}.dump();
+  while (true) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.handoff_poll);
+      if (stop_) return;
+      if (owned_.empty()) continue;  // nothing to hand over: no need to look
+    }
+    auto body = Post("/v3/kv/range", range);
+    if (!body.ok()) continue;  // the keepalive logs an unreachable etcd
+    const json answer = json::parse(*body, nullptr, false);
+    if (!answer.is_object() || !answer.contains("kvs") || !answer["kvs"].is_array()) continue;
+    for (const json& kv : answer["kvs"]) {
+      std::string name, requester;
+      absl::Base64Unescape(kv.value("key", ""), &name);
+      absl::Base64Unescape(kv.value("value", ""), &requester);
+      if (requester == options_.replica_id || name.size() <= prefix.size()) continue;
+      absl::StatusOr<SessionKey> key = ParseSessionRecordId(name.substr(prefix.size()));
+      if (!key.ok()) continue;
+      {
+        absl::MutexLock lock(&mu_);
+        if (!owned_.contains(KeyOf(*key))) continue;
+      }
+      absl::MutexLock lock(&handler_mu_);
+      if (!handler_) continue;
+      const absl::Status parked = handler_(*key);
+      if (absl::IsNotFound(parked)) {
+        Release(*key);  // claimed but never held (a failed create): nothing to write
+      } else if (parked.ok()) {
+        SDM_LOG(INFO) << "sdm ownership: handed session '" << key->id << "' over (asked by '"
+                      << requester << "')";
+        absl::MutexLock counted(&mu_);
+        ++handoffs_;
+      } else if (!absl::IsAborted(parked)) {  // in use: the next poll tries again
+        SDM_LOG(WARNING) << "sdm ownership: could not hand session '" << key->id
+                         << "' over: " << parked;
+      }
+    }
   }
 }
 
@@ -60,6 +136,10 @@ int64_t EtcdOwnership::lease_id() const {
 
 std::string EtcdOwnership::KeyOf(const SessionKey& key) const {
   return options_.prefix + SessionRecordId(key);
+}
+
+std::string EtcdOwnership::SnapshotKeyOf(const SessionKey& key) const {
+  return options_.snapshot_prefix + SessionRecordId(key);
 }
 
 absl::StatusOr<std::string> EtcdOwnership::Post(const std::string& path,
@@ -125,43 +205,82 @@ void EtcdOwnership::KeepAliveLoop() {
 }
 
 absl::Status EtcdOwnership::Claim(const SessionKey& key) {
+  bool elsewhere = false;
+  absl::Status claimed = TryClaim(key, &elsewhere);
+  if (!elsewhere || options_.handoff_wait <= absl::ZeroDuration()) {
+    return absl::IsUnavailable(claimed) ? WithRetryAfter(claimed, absl::Seconds(1)) : claimed;
+  }
+  // Ask the owner to hand it over (a request bound to this replica's lease), and wait for it.
+  const std::string request = B64(options_.handoff_prefix + SessionRecordId(key));
+  int64_t lease = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    lease = lease_;
+  }
+  Post("/v3/kv/put",
+       json{{"key", request}, {"value", B64(options_.replica_id)}, {"lease", std::to_string(lease)}}
+           .dump())
+      .IgnoreError();
+  const absl::Time deadline = absl::Now() + options_.handoff_wait;
+  while (elsewhere && absl::Now() < deadline) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
+      if (mu_.AwaitWithTimeout(absl::Condition(&stopping), absl::Milliseconds(50))) break;
+    }
+    elsewhere = false;
+    claimed = TryClaim(key, &elsewhere);
+  }
+  Post("/v3/kv/deleterange", json{{"key", request}}.dump()).IgnoreError();
+  return absl::IsUnavailable(claimed) ? WithRetryAfter(claimed, absl::Seconds(1)) : claimed;
+}
+
+absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
   const std::string k = B64(KeyOf(key));
+  const std::string snapshot = B64(SnapshotKeyOf(key));
   const std::string me = B64(options_.replica_id);
   int64_t lease = 0;
   {
     absl::MutexLock lock(&mu_);
     lease = lease_;
   }
+  // Both branches read the committed snapshot's name too (what the store reads the session from).
   const json txn = {
       {"compare",
        json::array(
            {{{"key", k}, {"target", "CREATE"}, {"create_revision", "0"}, {"result", "EQUAL"}}})},
       {"success", json::array({{{"request_put",
-                                 {{"key", k}, {"value", me}, {"lease", std::to_string(lease)}}}}})},
-      {"failure", json::array({{{"request_range", {{"key", k}}}}})}};
+                                 {{"key", k}, {"value", me}, {"lease", std::to_string(lease)}}}},
+                               {{"request_range", {{"key", snapshot}}}}})},
+      {"failure",
+       json::array({{{"request_range", {{"key", k}}}}, {{"request_range", {{"key", snapshot}}}}})}};
   auto body = Post("/v3/kv/txn", txn.dump());
   if (!body.ok()) return body.status();
   const json answer = json::parse(*body, nullptr, false);
   if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
+  const json& responses = answer["responses"];
+  if (!responses.is_array() || responses.size() != 2) {
+    return absl::UnavailableError("etcd: no answer to the ranges");
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    committed_[KeyOf(key)] = RangeValue(responses[1]);
+  }
   int64_t revision = 0;
   if (answer.value("succeeded", false)) {
     revision = Int(answer["header"], "revision");  // the put's
   } else {
-    const json& responses = answer["responses"];
-    if (!responses.is_array() || responses.empty()) {
-      return absl::UnavailableError("etcd: no answer to the range");
-    }
     const json& kvs = responses[0]["response_range"]["kvs"];
     if (!kvs.is_array() || kvs.empty()) {
       return absl::UnavailableError("session ownership changed meanwhile; retry");
     }
     const json& kv = kvs[0];
     if (kv.value("value", "") != me || Int(kv, "lease") != lease) {
+      *elsewhere = true;
       std::string owner;
       absl::Base64Unescape(kv.value("value", ""), &owner);
       return absl::UnavailableError(absl::StrCat("session '", key.id, "' is served by replica '",
-                                                 owner,
-                                                 "'; retry (it moves when that one releases it)"));
+                                                 owner, "'; retry (it is being handed over)"));
     }
     revision = Int(kv, "mod_revision");
   }
@@ -218,6 +337,111 @@ void EtcdOwnership::Release(const SessionKey& key) {
   if (auto body = Post("/v3/kv/txn", txn.dump()); !body.ok()) {
     SDM_LOG(WARNING) << "sdm ownership: release of '" << key.id << "': " << body.status();
   }
+}
+
+absl::StatusOr<std::string> EtcdOwnership::Observe(const SessionKey& key) {
+  auto body = Post("/v3/kv/range", json{{"key", B64(SnapshotKeyOf(key))}}.dump());
+  if (!body.ok()) return body.status();
+  const json answer = json::parse(*body, nullptr, false);
+  if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
+  const std::string name = RangeValue(json{{"response_range", answer}});
+  absl::MutexLock lock(&mu_);
+  committed_[KeyOf(key)] = name;
+  return name;
+}
+
+std::optional<std::string> EtcdOwnership::Committed(const SessionKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = committed_.find(KeyOf(key));
+  if (it == committed_.end()) return std::nullopt;
+  return it->second;
+}
+
+absl::Status EtcdOwnership::CommitSnapshot(const SessionKey& key, const std::string& base,
+                                           const std::string& file) {
+  if (file.empty()) return absl::InvalidArgumentError("no file name to commit");
+  return FencedUpdate(key, base, file);
+}
+
+absl::Status EtcdOwnership::DeleteCommitted(const SessionKey& key, const std::string& base) {
+  return FencedUpdate(key, base, std::nullopt);
+}
+
+absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::string& base,
+                                         const std::optional<std::string>& put) {
+  const std::string name = KeyOf(key);
+  int64_t revision = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = owned_.find(name);
+    if (it == owned_.end()) {
+      return absl::FailedPreconditionError(
+          "this replica does not hold a claim on the session (never claimed, or its lease "
+          "expired)");
+    }
+    revision = it->second;
+  }
+  const std::string k = B64(name);
+  const std::string snapshot = B64(SnapshotKeyOf(key));
+  json base_compare =
+      base.empty()
+          ? json{{"key", snapshot},
+                 {"target", "CREATE"},
+                 {"create_revision", "0"},
+                 {"result", "EQUAL"}}
+          : json{{"key", snapshot}, {"target", "VALUE"}, {"value", B64(base)}, {"result", "EQUAL"}};
+  const json request = put.has_value()
+                           ? json{{"request_put", {{"key", snapshot}, {"value", B64(*put)}}}}
+                           : json{{"request_delete_range", {{"key", snapshot}}}};
+  const json txn = {{"compare", json::array({{{"key", k},
+                                              {"target", "MOD"},
+                                              {"mod_revision", std::to_string(revision)},
+                                              {"result", "EQUAL"}},
+                                             base_compare})},
+                    {"success", json::array({request})},
+                    {"failure", json::array({{{"request_range", {{"key", k}}}},
+                                             {{"request_range", {{"key", snapshot}}}}})}};
+  const std::string wanted = put.value_or("");
+  auto body = Post("/v3/kv/txn", txn.dump());
+  if (!body.ok()) {
+    // Unknown whether etcd applied it: look (the same answer twice is settled).
+    absl::StatusOr<std::string> now = Observe(key);
+    if (now.ok() && *now == wanted && wanted != base) return absl::OkStatus();
+    return absl::UnavailableError(
+        absl::StrCat("the commit of session '", key.id, "' is unknown: ", body.status().message()));
+  }
+  const json answer = json::parse(*body, nullptr, false);
+  if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
+  if (answer.value("succeeded", false)) {
+    absl::MutexLock lock(&mu_);
+    committed_[name] = wanted;
+    return absl::OkStatus();
+  }
+  const json& responses = answer["responses"];
+  std::string owner = "nobody";
+  std::string committed;
+  bool still_ours = false;
+  if (responses.is_array() && responses.size() == 2) {
+    const json& kvs = responses[0]["response_range"]["kvs"];
+    if (kvs.is_array() && !kvs.empty()) {
+      absl::Base64Unescape(kvs[0].value("value", ""), &owner);
+      still_ours = Int(kvs[0], "mod_revision") == revision;
+    }
+    committed = RangeValue(responses[1]);
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    committed_[name] = committed;
+    if (!still_ours) owned_.erase(name);
+  }
+  if (!still_ours) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "ownership lost: its etcd key no longer has this replica's claim (mod revision ", revision,
+        "; owner now: ", owner, ")"));
+  }
+  return absl::FailedPreconditionError(
+      absl::StrCat("this copy derives from snapshot '", base.empty() ? "(none)" : base,
+                   "' but the committed one is '", committed.empty() ? "(none)" : committed, "'"));
 }
 
 }  // namespace sdm

@@ -7,21 +7,36 @@
 // crashed one when its lease expires). It owns a session while the key
 // `<prefix><SessionRecordId>` exists with its replica id as value and its lease: Claim creates
 // the key in a transaction (create revision 0) or finds it already its own, and remembers the
-// key's mod revision. CheckWrite compares that mod revision in a transaction: a replica that
-// lost the lease (paused, partitioned: the key expired) or whose key was taken over has another
-// (or no) revision there, so its write is refused. Release deletes the key if it is still its.
+// key's mod revision (its claim). Release deletes the key if it is still its.
 //
-// Limits: the check and the file write are two steps (a lease that expires between them is not
-// caught); the files themselves carry no fencing token. Claim answers UNAVAILABLE while another
-// replica owns the session: nothing asks the owner to hand it over (docs/replicas.md).
+// Fenced snapshots (FencesSnapshots() is true): the committed snapshot of a session is the value
+// of `<snapshot_prefix><SessionRecordId>` (a file name; no lease: it outlives every replica).
+// CommitSnapshot is one transaction: compare the ownership key's mod revision with this
+// replica's claim AND the committed name with the one its copy was read from; only then put the
+// new name. A replica that lost its lease (paused, partitioned: the key expired or another
+// replica's claim replaced it) or whose copy is older than the committed state cannot pass
+// both comparisons, whenever its request reaches etcd: etcd applies transactions one at a time.
+// CheckWrite (the same comparison of the ownership key alone, for stores without fenced
+// snapshots) is check-then-write.
+//
+// Handoff (a session's requests moved to this replica, its owner is alive): a Claim of a session
+// another replica owns puts `<handoff_prefix><SessionRecordId>` (this replica's id, bound to its
+// lease) and waits up to `handoff_wait` for the owner to give the session up, claiming again
+// every 50 ms; it then answers UNAVAILABLE with a retry hint (the owner is busy, stopped or dead:
+// a dead owner's sessions come free when its lease expires). Every replica looks for such requests
+// every `handoff_poll` and calls its handoff handler (SetHandoffHandler: the server parks the
+// session to the shared directory, which commits and releases it) for each session it owns.
+// Stop() (a drain, after every session is written) revokes the lease: everything is released.
 //
 // Thread-safety: thread-safe.
 #ifndef SDMSERVE_SERVER_CLUSTER_ETCD_OWNERSHIP_H_
 #define SDMSERVE_SERVER_CLUSTER_ETCD_OWNERSHIP_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -38,23 +53,47 @@ struct EtcdOwnershipOptions {
   std::string endpoint;    // http://host:port of etcd's client URL
   std::string replica_id;  // this replica's name (the keys' value); must be unique
   std::string prefix = "/sdmserve/sessions/";
+  std::string snapshot_prefix = "/sdmserve/snapshots/";
   absl::Duration lease_ttl = absl::Seconds(10);
   absl::Duration request_timeout = absl::Seconds(2);
+  std::string handoff_prefix = "/sdmserve/handoff/";
+  // How long a Claim waits for another replica to hand a session over; zero: it does not ask.
+  absl::Duration handoff_wait = absl::Seconds(3);
+  // How often this replica looks for requests to hand its sessions over.
+  absl::Duration handoff_poll = absl::Milliseconds(100);
 };
 
 class EtcdOwnership : public SessionOwnership {
  public:
   // Grants the lease and starts the keepalive thread; UNAVAILABLE when etcd cannot be reached.
   static absl::StatusOr<std::unique_ptr<EtcdOwnership>> Start(const EtcdOwnershipOptions& options);
-  ~EtcdOwnership() override;  // stops the keepalive and revokes the lease
+  ~EtcdOwnership() override;  // Stop()
   EtcdOwnership(const EtcdOwnership&) = delete;
   EtcdOwnership& operator=(const EtcdOwnership&) = delete;
 
   absl::Status Claim(const SessionKey& key) override;
   absl::Status CheckWrite(const SessionKey& key) override;
   void Release(const SessionKey& key) override;
+  bool FencesSnapshots() const override { return true; }
+  absl::StatusOr<std::string> Observe(const SessionKey& key) override;
+  std::optional<std::string> Committed(const SessionKey& key) const override;
+  absl::Status CommitSnapshot(const SessionKey& key, const std::string& base,
+                              const std::string& file) override;
+  absl::Status DeleteCommitted(const SessionKey& key, const std::string& base) override;
 
   int64_t lease_id() const;
+
+  // Handoff: `park` is called on the handoff thread for each session this replica owns and
+  // another replica asked for; it writes the session and gives it up (the store's Park to disk,
+  // which calls Release). An error (the session is in use) is retried at the next poll. nullptr:
+  // none. When this returns, the previous handler is not running and will not run again.
+  void SetHandoffHandler(std::function<absl::Status(const SessionKey&)> park)
+      ABSL_LOCKS_EXCLUDED(handler_mu_);
+  // Stops the keepalive and handoff threads and revokes the lease: every session is released at
+  // once, and later claims and commits fail. Idempotent.
+  void Stop();
+  // Handoffs this replica made (sessions parked and released because another one asked).
+  int64_t handoffs() const;
 
  private:
   struct PassKey {};
@@ -67,15 +106,30 @@ class EtcdOwnership : public SessionOwnership {
   absl::StatusOr<std::string> Post(const std::string& path, const std::string& body) const;
   absl::Status Grant() ABSL_LOCKS_EXCLUDED(mu_);
   void KeepAliveLoop();
+  void HandoffLoop();
+  // One claim transaction. `elsewhere`: set when another replica owns the session.
+  absl::Status TryClaim(const SessionKey& key, bool* elsewhere);
   std::string KeyOf(const SessionKey& key) const;
+  std::string SnapshotKeyOf(const SessionKey& key) const;
+  // A transaction that puts (`put`: the committed name) or deletes (nullopt) the committed
+  // snapshot key if this replica's claim and the committed name `base` are current.
+  absl::Status FencedUpdate(const SessionKey& key, const std::string& base,
+                            const std::optional<std::string>& put);
 
   const EtcdOwnershipOptions options_;
   mutable absl::Mutex mu_;
   int64_t lease_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions this replica claimed, by etcd key: the mod revision of its ownership key.
   std::map<std::string, int64_t> owned_ ABSL_GUARDED_BY(mu_);
+  // The committed snapshot's name of each session last looked at, by ownership key ("" none).
+  std::map<std::string, std::string> committed_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  bool stopped_ ABSL_GUARDED_BY(mu_) = false;  // Stop() ran
+  int64_t handoffs_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::Mutex handler_mu_;  // held while the handler runs (it may take mu_)
+  std::function<absl::Status(const SessionKey&)> handler_ ABSL_GUARDED_BY(handler_mu_);
   std::thread keepalive_;
+  std::thread handoff_;
 };
 
 }  // namespace sdm

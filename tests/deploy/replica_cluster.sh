@@ -80,3 +80,46 @@ start_etcd() {
   done
   cat "$work/etcd.log"; fail "etcd did not start"
 }
+
+# start_control: a server alone (its own --state_dir, no etcd): the reference the replicas'
+# turns must equal. Sets CONTROL_PORT.
+start_control() {
+  "$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
+    --state_dir "$work/control_state" >"$work/control.out" 2>"$work/control.err" &
+  echo $! >>"$work/pids"; disown
+  for _ in $(seq 1 600); do grep -q "^listening on" "$work/control.out" && break; sleep 0.1; done
+  CONTROL_PORT=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/control.out" | head -1)
+  [ -n "$CONTROL_PORT" ] || fail "control server did not start"
+}
+
+# stop_replica NAME SIGNAL: sends SIGNAL and waits (up to 120 s) until the process is gone.
+stop_replica() {
+  local pid
+  pid=$(cat "$work/$1.pid")
+  kill "-$2" "$pid"
+  wait_for "$1 to exit" 120 not_running "$pid"
+}
+
+not_running() { ! kill -0 "$1" 2>/dev/null; }
+
+# wait_for WHAT SECONDS CMD...: runs CMD every 0.1 s until it succeeds; fails the test naming
+# WHAT after SECONDS (a bound for a broken run, never an assertion on timing).
+wait_for() {
+  local what=$1 seconds=$2
+  shift 2
+  local deadline=$(($(date +%s) + seconds))
+  until "$@"; do
+    [ "$(date +%s)" -lt $deadline ] || fail "gave up waiting ${seconds}s for $what"
+    sleep 0.1
+  done
+}
+
+# etcd_get KEY: the value of KEY in etcd (empty when absent), through its JSON gateway.
+etcd_get() {
+  local b64
+  b64=$(printf '%s' "$1" | base64 -w0)
+  curl -sf -X POST "$ETCD_URL/v3/kv/range" -d "{\"key\":\"$b64\"}" |
+    jq -r '.kvs[0].value // empty' | base64 -d
+}
+
+key_absent() { [ -z "$(etcd_get "$1")" ]; }

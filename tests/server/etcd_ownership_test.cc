@@ -12,13 +12,16 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
+#include "server/grpc_status.h"
 #include "tests/server/server_test_util.h"
 
 namespace sdm {
@@ -79,7 +82,8 @@ class EtcdOwnershipTest : public ::testing::Test {
     EtcdOwnershipOptions o;
     o.endpoint = endpoint_;
     o.replica_id = replica;
-    o.lease_ttl = absl::Seconds(30);  // never expires during a test: expiry is a revoke
+    o.lease_ttl = absl::Seconds(30);           // never expires during a test: expiry is a revoke
+    o.handoff_wait = absl::Milliseconds(200);  // refusals come quickly (no handler answers)
     return o;
   }
 
@@ -144,6 +148,67 @@ TEST_F(EtcdOwnershipTest, AStoppedReplicaReleasesEverythingAtOnce) {
   a.reset();  // drained: its lease is revoked
   EXPECT_TRUE(b->Claim(SessionKey("p")).ok());
   EXPECT_TRUE(b->Claim(SessionKey("q")).ok());
+}
+
+// Fenced snapshots: a commit passes only with this replica's current claim and the committed name
+// its copy derives from; a replica whose lease was lost cannot commit, even after the new owner
+// moved on; deletion is fenced the same way.
+TEST_F(EtcdOwnershipTest, ACommitNeedsTheClaimAndTheCommittedBase) {
+  auto a = StartReplica("a");
+  auto b = StartReplica("b");
+  ASSERT_TRUE(a && b);
+  const SessionKey x("x");
+  EXPECT_TRUE(absl::IsFailedPrecondition(a->CommitSnapshot(x, "", "never-claimed")));
+  ASSERT_TRUE(a->Claim(x).ok());
+  EXPECT_EQ(a->Committed(x), std::optional<std::string>(""));
+  ASSERT_TRUE(a->CommitSnapshot(x, "", "one").ok());
+  EXPECT_EQ(a->Committed(x), std::optional<std::string>("one"));
+  const absl::Status stale = a->CommitSnapshot(x, "", "two");
+  EXPECT_TRUE(absl::IsFailedPrecondition(stale)) << stale;
+  Revoke(a->lease_id());  // a paused past its lease
+  ASSERT_TRUE(b->Claim(x).ok());
+  EXPECT_EQ(b->Committed(x), std::optional<std::string>("one"));
+  ASSERT_TRUE(b->CommitSnapshot(x, "one", "three").ok());
+  const absl::Status fenced = a->CommitSnapshot(x, "one", "late");
+  EXPECT_TRUE(absl::IsFailedPrecondition(fenced)) << fenced;
+  EXPECT_NE(fenced.message().find("ownership lost"), std::string::npos) << fenced;
+  auto seen = a->Observe(x);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(*seen, "three");
+  EXPECT_TRUE(absl::IsFailedPrecondition(b->DeleteCommitted(x, "one")));
+  ASSERT_TRUE(b->DeleteCommitted(x, "three").ok());
+  seen = a->Observe(x);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(*seen, "");
+}
+
+// Handoff: a claim of a session a live replica owns asks it (through etcd) to hand it over; the
+// owner's handler parks and releases it, and the claim succeeds. Without a handler the claim
+// gives up after handoff_wait with UNAVAILABLE and a retry hint.
+TEST_F(EtcdOwnershipTest, AClaimAsksALiveOwnerToHandTheSessionOver) {
+  auto a = StartReplica("a");
+  auto b = StartReplica("b");
+  ASSERT_TRUE(a && b);
+  const SessionKey h("h");
+  ASSERT_TRUE(a->Claim(h).ok());
+  const absl::Status refused = b->Claim(h);  // a has no handler: nobody answers
+  EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
+  EXPECT_TRUE(RetryAfter(refused).has_value()) << refused;
+  std::vector<std::string> parked;
+  a->SetHandoffHandler([&](const SessionKey& key) {
+    parked.push_back(key.id);  // on a's handoff thread; read once the handler is cleared
+    a->Release(key);           // what the store's Park to disk does
+    return absl::OkStatus();
+  });
+  EtcdOwnershipOptions patient = Options("c");
+  patient.handoff_wait = absl::Seconds(60);  // a bound: the handoff ends the wait
+  auto c = EtcdOwnership::Start(patient);
+  ASSERT_TRUE(c.ok()) << c.status();
+  ASSERT_TRUE((*c)->Claim(h).ok());
+  a->SetHandoffHandler(nullptr);  // after this, the handler does not run any more
+  EXPECT_EQ(parked, std::vector<std::string>{"h"});
+  EXPECT_EQ(a->handoffs(), 1);
+  EXPECT_TRUE(absl::IsUnavailable(a->Claim(h)));  // c owns it now
 }
 
 }  // namespace

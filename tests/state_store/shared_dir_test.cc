@@ -4,10 +4,13 @@
 // a session's turn is on disk when its lease is returned.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -64,6 +67,95 @@ class FakeOwnershipTable {
  private:
   absl::Mutex mu_;
   std::map<std::string, std::string> owners_ ABSL_GUARDED_BY(mu_);
+};
+
+// Fenced snapshots as EtcdOwnership keeps them, in memory: an owner per session with a claim
+// epoch (etcd's mod revision of the ownership key), and the committed snapshot's name. A view's
+// CommitSnapshot compares both in one step under the table's lock, as etcd's transaction does.
+// `before_commit` runs once, at the next commit of the view, before the comparison: the replica
+// froze between writing its file and committing it.
+class FencedTable {
+ public:
+  class View : public SessionOwnership {
+   public:
+    View(FencedTable* table, std::string replica) : table_(table), replica_(replica) {}
+    absl::Status Claim(const SessionKey& key) override {
+      absl::MutexLock lock(&table_->mu_);
+      auto [it, inserted] = table_->owners_.emplace(key.id, Owner{replica_, ++table_->epoch_});
+      if (it->second.replica != replica_) return absl::UnavailableError("owned by another");
+      claims_[key.id] = it->second.epoch;
+      seen_[key.id] = table_->committed_[key.id];
+      return absl::OkStatus();
+    }
+    absl::Status CheckWrite(const SessionKey& key) override {
+      return absl::InternalError("a fenced store never checks before it writes");
+    }
+    void Release(const SessionKey& key) override {
+      absl::MutexLock lock(&table_->mu_);
+      auto it = table_->owners_.find(key.id);
+      if (it != table_->owners_.end() && it->second.replica == replica_) table_->owners_.erase(it);
+      claims_.erase(key.id);
+    }
+    bool FencesSnapshots() const override { return true; }
+    absl::StatusOr<std::string> Observe(const SessionKey& key) override {
+      absl::MutexLock lock(&table_->mu_);
+      return seen_[key.id] = table_->committed_[key.id];
+    }
+    std::optional<std::string> Committed(const SessionKey& key) const override {
+      absl::MutexLock lock(&table_->mu_);
+      auto it = seen_.find(key.id);
+      if (it == seen_.end()) return std::nullopt;
+      return it->second;
+    }
+    absl::Status CommitSnapshot(const SessionKey& key, const std::string& base,
+                                const std::string& file) override {
+      if (before_commit) std::exchange(before_commit, nullptr)();
+      return Update(key, base, file);
+    }
+    absl::Status DeleteCommitted(const SessionKey& key, const std::string& base) override {
+      return Update(key, base, "");
+    }
+    std::function<void()> before_commit;
+
+   private:
+    absl::Status Update(const SessionKey& key, const std::string& base, const std::string& file) {
+      absl::MutexLock lock(&table_->mu_);
+      auto owner = table_->owners_.find(key.id);
+      auto claim = claims_.find(key.id);
+      if (owner == table_->owners_.end() || claim == claims_.end() ||
+          owner->second.epoch != claim->second) {
+        return absl::FailedPreconditionError("ownership lost");
+      }
+      if (table_->committed_[key.id] != base) return absl::FailedPreconditionError("stale base");
+      seen_[key.id] = table_->committed_[key.id] = file;
+      return absl::OkStatus();
+    }
+
+    FencedTable* table_;
+    std::string replica_;
+    std::map<std::string, int64_t> claims_ ABSL_GUARDED_BY(table_->mu_);
+    std::map<std::string, std::string> seen_ ABSL_GUARDED_BY(table_->mu_);
+  };
+
+  // `replica` takes the session over behind its owner's back (the owner's lease expired).
+  void Steal(const std::string& id, const std::string& replica) {
+    absl::MutexLock lock(&mu_);
+    owners_[id] = Owner{replica, ++epoch_};
+  }
+  std::string committed(const std::string& id) {
+    absl::MutexLock lock(&mu_);
+    return committed_[id];
+  }
+
+ private:
+  struct Owner {
+    std::string replica;
+    int64_t epoch = 0;
+  };
+  absl::Mutex mu_;
+  int64_t epoch_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<std::string, Owner> owners_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::string> committed_ ABSL_GUARDED_BY(mu_);
 };
 
 class SharedDirTest : public ::testing::Test {
@@ -197,6 +289,75 @@ TEST_F(SharedDirTest, AWriteOfAReplicaThatLostTheSessionIsRefused) {
   EXPECT_EQ(b->Stats().fenced_writes, 0);
   auto reader = OpenStore(true);  // what the directory holds
   ExpectLikeReference(*reader, "f");
+}
+
+// Fenced snapshots: a replica frozen after it wrote its snapshot file but before it committed it
+// (the step check-then-write cannot cover) resumes after another replica took the session over
+// and moved it on: its commit is refused, its file removed, and the committed state is the newer
+// one, which a third replica continues exactly.
+TEST_F(SharedDirTest, AFencedCommitOfAFrozenReplicaCannotReplaceTheNewerState) {
+  FencedTable table;
+  FencedTable::View own_a(&table, "a"), own_b(&table, "b"), own_c(&table, "c");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("f", "").ok());
+  Turn(*a, "f", testing::RandomTokens(5, 20));
+  const std::string first = table.committed("f");
+  ASSERT_FALSE(first.empty());
+  std::string taken_over;
+  own_a.before_commit = [&] {
+    // a froze with its file written; its lease expired and b took the session over.
+    table.Steal("f", "b");
+    Turn(*b, "f", testing::RandomTokens(5, 21));
+    taken_over = table.committed("f");
+  };
+  {
+    auto stale = a->Acquire("f");
+    ASSERT_TRUE(stale.ok()) << stale.status();
+    // a's turn (not mirrored on the reference, which follows b's turn inside a's commit).
+    testing::DecodeEach(*engine_, stale->state(), testing::RandomTokens(9, 22));
+  }
+  // a's lease was returned above: its write ran, b's turn ran inside it, a's commit was refused.
+  EXPECT_EQ(a->Stats().fenced_writes, 1);
+  EXPECT_EQ(b->Stats().fenced_writes, 0);
+  EXPECT_NE(taken_over, first);
+  EXPECT_EQ(table.committed("f"), taken_over);
+  int files = 0;
+  for (const auto& f : std::filesystem::directory_iterator(dir_.path() / "generations")) {
+    (void)f;
+    ++files;
+  }
+  EXPECT_EQ(files, 1);  // b's: a's refused file and the superseded first one are removed
+  ASSERT_TRUE(b->Park("f", Tier::kDisk).ok());  // releases it
+  auto c = OpenStore(true, &own_c);
+  ExpectLikeReference(*c, "f");
+}
+
+// A replica whose copy is older than the committed snapshot cannot commit it even while it owns
+// the session again (it lost the session, another replica wrote it, it claimed it back while a
+// write of its old copy was pending): the commit also compares the snapshot it derives from.
+TEST_F(SharedDirTest, AFencedCommitOfAnOutdatedCopyIsRefusedEvenByTheOwner) {
+  FencedTable table;
+  FencedTable::View own_a(&table, "a"), own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("g", "").ok());
+  Turn(*a, "g", testing::RandomTokens(4, 30));
+  own_a.before_commit = [&] {
+    table.Steal("g", "b");
+    Turn(*b, "g", testing::RandomTokens(4, 31));
+    ASSERT_TRUE(b->Park("g", Tier::kDisk).ok());     // b releases it...
+    ASSERT_TRUE(own_a.Claim(SessionKey("g")).ok());  // ... and a owns it again (a new claim)
+  };
+  {
+    auto stale = a->Acquire("g");
+    ASSERT_TRUE(stale.ok()) << stale.status();
+    testing::DecodeEach(*engine_, stale->state(), testing::RandomTokens(6, 32));
+  }
+  EXPECT_EQ(a->Stats().fenced_writes, 1);
+  ExpectLikeReference(*a, "g");  // a re-reads the committed state at its next turn
 }
 
 }  // namespace

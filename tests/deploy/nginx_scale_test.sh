@@ -1,0 +1,153 @@
+#!/usr/bin/env bash
+# Scale 3 -> 4 -> 3 under traffic (docs/replicas.md, "Handoff"): etcd + nginx + 3 replicas on one
+# shared directory; a client loop runs turns of every session through nginx, each compared with
+# the same turn on a control server, while the test adds a 4th replica to nginx's ring (nginx -s
+# reload), then takes it out again and drains it (SIGTERM). Sessions whose hash moves are handed
+# over on request: the new replica asks the live owner through etcd, the owner parks the session
+# and releases it. Asserts: every turn equals the control's (moved sessions continue bit-exactly);
+# every failed call failed with a retryable status and a retry hint (and its retry then
+# succeeded); the 4th replica served sessions and handoffs happened both ways. Prints the counts.
+# Waits are on observable conditions (turns done, log lines, process exit), bounded generously.
+# Exit 77 without nginx or etcd.
+#
+#   tests/deploy/nginx_scale_test.sh BUILD_DIR SOURCE_DIR [SESSIONS]
+set -euo pipefail
+BUILD_DIR=$1
+SOURCE_DIR=$2
+sessions=${3:-9}
+command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
+command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
+work=$(mktemp -d)
+# shellcheck source=tests/deploy/replica_cluster.sh
+source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
+trap 'touch "$work/stop"; cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
+
+make_model
+start_etcd
+flags=(--etcd "$ETCD_URL" --etcd_lease_ttl 4s)
+ports=()
+for i in 0 1 2; do
+  start_replica "r$i" "${flags[@]}" --replica_id "r$i"
+  ports+=("$REPLICA_PORT")
+done
+nginx_port=$(free_port)
+start_nginx "$nginx_port" "${ports[@]}"
+start_control
+via="127.0.0.1:$nginx_port"
+control="127.0.0.1:$CONTROL_PORT"
+
+for s in $(seq 1 "$sessions"); do
+  "$client_bin" sessions create "m$s" --host "$via" >/dev/null || fail "create m$s"
+  "$client_bin" sessions create "m$s" --host "$control" >/dev/null || fail "create control m$s"
+done
+
+# One turn of session $1 (prompt $2) through nginx, retried while it fails with a retryable
+# status and a retry hint (each failure logged in $work/failures); then on the control.
+turn_checked() {
+  local id=$1 prompt=$2 got want err deadline
+  deadline=$(($(date +%s) + 120))
+  while true; do
+    err="$work/turn.err"
+    if got=$("$client_bin" generate --host "$via" --session "$id" --prompt "$prompt" \
+      --max_tokens 4 --json 2>"$err" | jq -c '.token_ids'); then
+      [ -n "$got" ] && break
+    fi
+    echo "$id '$prompt': $(grep 'sdm-client' "$err" | tr '\n' ' ')" >>"$work/failures"
+    if ! grep -q "UNAVAILABLE\|ABORTED" "$err" || ! grep -q "retry after" "$err"; then
+      echo "$id '$prompt': not retryable: $(cat "$err")" >>"$work/bad"
+      return 1
+    fi
+    [ "$(date +%s)" -lt $deadline ] || { echo "$id: gave up" >>"$work/bad"; return 1; }
+    sleep 0.2
+  done
+  want=$("$client_bin" generate --host "$control" --session "$id" --prompt "$prompt" \
+    --max_tokens 4 --json 2>>"$work/control.client.err" | jq -c '.token_ids') ||
+    { echo "control turn of $id failed" >>"$work/bad"; return 1; }
+  if [ "$got" != "$want" ]; then
+    echo "$id '$prompt': $got vs control $want" >>"$work/bad"
+    return 1
+  fi
+  echo "$id" >>"$work/turns"
+}
+
+# The traffic: rounds over every session until $work/stop exists.
+traffic() {
+  local round=0
+  while [ ! -e "$work/stop" ]; do
+    round=$((round + 1))
+    for s in $(seq 1 "$sessions"); do
+      turn_checked "m$s" "round $round of m$s" || return 1
+    done
+  done
+}
+turns_done() { [ -f "$work/turns" ] && [ "$(wc -l <"$work/turns")" -ge "$1" ]; }
+traffic_failed() { [ -s "$work/bad" ]; }
+wait_turns() {  # wait_turns N: until N turns are done (fails at once when the traffic failed)
+  local deadline=$(($(date +%s) + 300))
+  until turns_done "$1"; do
+    traffic_failed && fail "traffic: $(cat "$work/bad")"
+    kill -0 "$traffic_pid" 2>/dev/null || fail "the traffic loop exited"
+    [ "$(date +%s)" -lt $deadline ] || fail "gave up waiting for $1 turns"
+    sleep 0.1
+  done
+}
+set_upstreams() {  # set_upstreams PORT...: nginx's ring, reloaded
+  : >"$work/nginx/conf/sdm-upstreams.conf.new"
+  for p in "$@"; do
+    echo "server 127.0.0.1:$p max_fails=1 fail_timeout=5s;" >>"$work/nginx/conf/sdm-upstreams.conf.new"
+  done
+  mv "$work/nginx/conf/sdm-upstreams.conf.new" "$work/nginx/conf/sdm-upstreams.conf"
+  nginx -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" -s reload ||
+    fail "nginx reload"
+}
+
+traffic &
+traffic_pid=$!
+log="$work/nginx/logs/access.log"
+phase() {  # phase: waits until the traffic has run 2 more rounds over every session
+  local at
+  at=$(wc -l <"$work/turns")
+  wait_turns $((at + 2 * sessions))
+}
+count() { grep -c "$1" "$2" 2>/dev/null || true; }
+wait_turns "$sessions"
+# 1. Scale up: a 4th replica joins the ring; about a quarter of the sessions hash to it and are
+# handed over on request by their live owners.
+start_replica r3 "${flags[@]}" --replica_id r3
+port_3=$REPLICA_PORT
+set_upstreams "${ports[@]}" "$port_3"
+phase
+to_r3=$(cat "$work"/r[012].err | grep -c "asked by 'r3'" || true)
+[ "$to_r3" -gt 0 ] || fail "no session was handed over to the 4th replica"
+# 2. Out of the ring, still running: its sessions are asked for by the others and handed back.
+set_upstreams "${ports[@]}"
+phase
+from_r3=$(count "handed session" "$work/r3.err")
+[ "$from_r3" -gt 0 ] || fail "the 4th replica handed nothing back on request"
+# 3. Into the ring again, then drained (SIGTERM, as a scale-down's preStop) while still in it:
+# calls reaching it are refused (retryable, with a hint) or, once its port closes, go to the
+# next replica; its lease is revoked after it wrote every session.
+set_upstreams "${ports[@]}" "$port_3"
+phase
+stop_replica r3 TERM
+phase
+set_upstreams "${ports[@]}"
+phase
+touch "$work/stop"
+wait "$traffic_pid" || fail "traffic: $(cat "$work/bad" 2>/dev/null)"
+traffic_failed && fail "traffic: $(cat "$work/bad")"
+on_r3=$(count "upstream=127.0.0.1:$port_3 " "$log")
+to_r3=$(cat "$work"/r[012].err | grep -c "asked by 'r3'" || true)
+from_r3=$(count "handed session" "$work/r3.err")
+failures=0
+[ -f "$work/failures" ] && failures=$(wc -l <"$work/failures")
+moved=$(for s in $(seq 1 "$sessions"); do
+  grep "session=\"m$s\"" "$log" | sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | wc -l
+done | awk '$1 > 1' | wc -l)
+echo "ok: scale 3 -> 4 -> 3 -> 4, drain 4 -> 3 under traffic: $(wc -l <"$work/turns") turns of" \
+  "$sessions sessions, all equal to the control; $moved sessions changed replica; handed over" \
+  "to r3 on request: $to_r3, by r3 on request: $from_r3; calls failed and retried: $failures" \
+  "(all retryable with a retry hint); calls that reached r3: $on_r3"
+if [ "$failures" -gt 0 ]; then
+  sed 's/^/  /' "$work/failures" | head -20
+fi
