@@ -135,6 +135,7 @@ void RunRequest(sdm::v1::SdmService::StubInterface& stub, const ConnectionOption
   std::vector<std::pair<double, int64_t>> chunks;
   grpc::ClientContext context;
   PrepareContext(connection, context);
+  AddSessionRouting(request.session_id(), context);  // a router keeps a session on one replica
   const Clock::time_point start = Clock::now();
   std::unique_ptr<grpc::ClientReaderInterface<sdm::v1::GenerateResponse>> reader =
       stub.Generate(&context, request);
@@ -328,6 +329,7 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
       (*request.mutable_labels())["sdm-bench"] = "serve";
       grpc::ClientContext context;
       PrepareContext(connection, context);
+      AddSessionRouting(request.session_id(), context);
       sdm::v1::Session session;
       if (grpc::Status s = stub.CreateSession(&context, request, &session); !s.ok()) {
         return FromGrpc(s, absl::StrCat("CreateSession ", request.session_id()));
@@ -361,6 +363,7 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
       request.set_session_id(id);
       grpc::ClientContext context;
       PrepareContext(connection, context);
+      AddSessionRouting(request.session_id(), context);
       sdm::v1::DeleteSessionResponse response;
       if (grpc::Status s = stub.DeleteSession(&context, request, &response); !s.ok()) {
         log << "could not delete session " << id << ": " << FormatStatus(s) << "\n";

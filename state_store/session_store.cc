@@ -420,6 +420,9 @@ absl::StatusOr<SessionRecord> SessionStateStore::ReadRecord(StateFiles& files,
 absl::Status SessionStateStore::LoadDirectory() {
   StateFiles& files = *options_.files;
   if (auto s = files.CreateDirs(options_.dir / "quarantine"); !s.ok()) return s;
+  // Fenced snapshots: a session is only what etcd commits (dir/generations/), found on demand;
+  // top-level snapshots (of a directory used without fencing) are not sessions then.
+  if (fenced()) return absl::OkStatus();
   auto names = files.List(options_.dir);
   if (!names.ok()) return names.status();
   std::sort(names->begin(), names->end());

@@ -22,7 +22,7 @@ free_port() {
 }
 
 make_model() {
-  "$model_bin" init --preset tiny --seed 1 --out "$work/model" --force >"$work/sdm-model.log" 2>&1 ||
+  "$model_bin" init --preset "${SDM_PRESET:-tiny}" --seed 1 --out "$work/model" --force >"$work/sdm-model.log" 2>&1 ||
     { cat "$work/sdm-model.log"; fail "sdm-model init"; }
 }
 
