@@ -997,12 +997,21 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
 }
 
 absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const {
-  if (fenced()) {
+  // Fenced: the committed file may be replaced (and removed) by its owner between the look-up
+  // of its name and the read: the name is looked up again (a few times at most).
+  for (int attempt = 0; fenced() && attempt < 3; ++attempt) {
     {
       absl::MutexLock lock(&mu_);
       if (const Entry* e = Find(key); e != nullptr) return InfoOf(*e, key);
     }
     ObserveShared(key);  // what Discover reads
+    absl::MutexLock lock(&mu_);
+    if (const Entry* e = Find(key); e != nullptr) return InfoOf(*e, key);
+    absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
+    if (found.ok()) return InfoOf(**found, key);
+    const bool replaced = absl::IsNotFound(found.status()) &&
+                          !options_.ownership->Committed(key).value_or("").empty();
+    if (!replaced) return found.status();
   }
   absl::MutexLock lock(&mu_);
   const Entry* e = Find(key);
@@ -1475,7 +1484,8 @@ void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void(
     const bool wait = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
                       options_.persist == PersistPolicy::kTurn && persist_error_.ok() &&
                       e->broken.ok() && e->version != e->persisted_version &&
-                      !(e->tier == Tier::kResident && e->state->on_device());
+                      // (a resident entry being parked to host has no state meanwhile: busy)
+                      !(e->tier == Tier::kResident && e->state != nullptr && e->state->on_device());
     if (wait) {
       e->waiters.emplace_back(e->version, std::move(done));
       worker_pending_ = true;

@@ -118,7 +118,7 @@ throughput)
     start_replica "r$i" --etcd "$ETCD_URL" --replica_id "r$i"
     ports+=("$REPLICA_PORT")
   done
-  bench_bin="$BUILD_DIR/client/sdm-bench-serve"
+  bench_bin="$BUILD_DIR/tools/sdm_bench/sdm-bench-serve"
   one=$(free_port)
   three=$(free_port)
   # Two nginx instances: one in front of r0 only, one in front of all three.
@@ -132,14 +132,15 @@ throughput)
       --warmup "$concurrency" --prompt_tokens 16 --max_tokens 16 --session_reuse 1 --sessions 12 \
       --session_prefix "$2" --json "$work/$2.json" >"$work/$2.log" 2>&1 ||
       { cat "$work/$2.log" >&2; return 1; }
-    jq -r '.throughput.output_tokens_per_s' "$work/$2.json"
+    jq -c '.requests.errors' "$work/$2.json" >>"$work/errors"
+    jq -r '.throughput.output_tokens_per_s | . * 10 | round / 10' "$work/$2.json"
   }
   a1=$(run "$one" one-a); a3=$(run "$three" three-a)
   b1=$(run "$one" one-b); b3=$(run "$three" three-b)
   echo "throughput $preset, concurrency $concurrency, $requests requests, 12 sessions:" \
     "1 replica $a1, $b1 tok/s; 3 replicas $a3, $b3 tok/s; ratio 3/1:" \
     "$(awk -v a="$a3" -v b="$a1" 'BEGIN { printf "%.2f", a / b }'), $(awk -v a="$b3" -v b="$b1" 'BEGIN { printf "%.2f", a / b }');" \
-    "nginx errors: $(cat "$work"/n*/nginx/logs/access.log | grep -vc 'grpc_status=0' || true) non-OK calls"
+    "failed calls by code, per run: $(tr '\n' ' ' <"$work/errors")"
   ;;
 *)
   echo "usage: bench.sh BUILD_DIR handoff|failover|throughput ..." >&2
