@@ -1,5 +1,6 @@
 #include "server/cluster/etcd_ownership.h"
 
+#include <initializer_list>
 #include <utility>
 
 #include "absl/strings/escaping.h"
@@ -28,10 +29,23 @@ int64_t Int(const json& j, const char* field) {
   return 0;
 }
 
+// j[k1][k2]..., or null when a step is missing: the gateway leaves out empty fields (a range that
+// found nothing has no "kvs"), and a const json's operator[] must never be given a missing key.
+const json& At(const json& j, std::initializer_list<const char*> path) {
+  static const json* const kNull = new json();
+  const json* at = &j;
+  for (const char* key : path) {
+    if (!at->is_object()) return *kNull;
+    auto it = at->find(key);
+    if (it == at->end()) return *kNull;
+    at = &*it;
+  }
+  return *at;
+}
+
 // The value of the one key a range response holds, unescaped; "" when it holds none.
 std::string RangeValue(const json& response) {
-  if (!response.is_object() || !response.contains("response_range")) return "";
-  const json& kvs = response["response_range"]["kvs"];
+  const json& kvs = At(response, {"response_range", "kvs"});
   if (!kvs.is_array() || kvs.empty()) return "";
   std::string out;
   absl::Base64Unescape(kvs[0].value("value", ""), &out);
@@ -99,8 +113,9 @@ void EtcdOwnership::HandoffLoop() {
     auto body = Post("/v3/kv/range", range);
     if (!body.ok()) continue;  // the keepalive logs an unreachable etcd
     const json answer = json::parse(*body, nullptr, false);
-    if (!answer.is_object() || !answer.contains("kvs") || !answer["kvs"].is_array()) continue;
-    for (const json& kv : answer["kvs"]) {
+    const json& kvs = At(answer, {"kvs"});
+    if (!kvs.is_array()) continue;
+    for (const json& kv : kvs) {
       std::string name, requester;
       absl::Base64Unescape(kv.value("key", ""), &name);
       absl::Base64Unescape(kv.value("value", ""), &requester);
@@ -258,7 +273,7 @@ absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
   if (!body.ok()) return body.status();
   const json answer = json::parse(*body, nullptr, false);
   if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
-  const json& responses = answer["responses"];
+  const json& responses = At(answer, {"responses"});
   if (!responses.is_array() || responses.size() != 2) {
     return absl::UnavailableError("etcd: no answer to the ranges");
   }
@@ -268,9 +283,9 @@ absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
   }
   int64_t revision = 0;
   if (answer.value("succeeded", false)) {
-    revision = Int(answer["header"], "revision");  // the put's
+    revision = Int(At(answer, {"header"}), "revision");  // the put's
   } else {
-    const json& kvs = responses[0]["response_range"]["kvs"];
+    const json& kvs = At(responses[0], {"response_range", "kvs"});
     if (!kvs.is_array() || kvs.empty()) {
       return absl::UnavailableError("session ownership changed meanwhile; retry");
     }
@@ -417,12 +432,12 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::strin
     committed_[name] = wanted;
     return absl::OkStatus();
   }
-  const json& responses = answer["responses"];
+  const json& responses = At(answer, {"responses"});
   std::string owner = "nobody";
   std::string committed;
   bool still_ours = false;
   if (responses.is_array() && responses.size() == 2) {
-    const json& kvs = responses[0]["response_range"]["kvs"];
+    const json& kvs = At(responses[0], {"response_range", "kvs"});
     if (kvs.is_array() && !kvs.empty()) {
       absl::Base64Unescape(kvs[0].value("value", ""), &owner);
       still_ours = Int(kvs[0], "mod_revision") == revision;

@@ -24,7 +24,7 @@ fi
 work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
-trap 'cluster_cleanup; rm -rf "$work"' EXIT
+trap 'cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
 
 make_model
 extra=()

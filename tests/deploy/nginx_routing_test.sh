@@ -14,7 +14,7 @@ command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
 work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
-trap 'cluster_cleanup; rm -rf "$work"' EXIT
+trap 'cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
 
 make_model
 ports=()
