@@ -323,9 +323,9 @@ class SessionStateStore {
   // acknowledged only once it is durable (the scheduler calls this before a job's OnFinish).
   // Calls it at once when nothing is to wait for: no directory, a policy other than kTurn, no
   // worker, writes currently failing (health says so), an on-device session (written when it
-  // leaves the device), or a state already written. Otherwise `done` runs on the worker thread,
-  // never with the store's lock held; pending calls run at the latest when the store is
-  // destroyed.
+  // leaves the device), or a state already written. Otherwise `done` runs on the worker or a writer
+  // thread (persist_writers), as soon as that session's write is done, never with the store's lock
+  // held; pending calls run at the latest when the store is destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void()> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
