@@ -88,6 +88,10 @@ ABSL_FLAG(absl::Duration, etcd_lease_ttl, sdm::EtcdOwnershipOptions{}.lease_ttl,
           "stopped or cut off this long loses its sessions to the others.");
 ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
           "With --persist=idle: how long a changed session stays idle before it is written.");
+ABSL_FLAG(
+    int, persist_writers, sdm::ServerOptions{}.store.persist_writers,
+    "Threads writing changed sessions to --state_dir at once, each a different session (so "
+    "that one session's write and fsync do not delay the acknowledgement of another's turn).");
 ABSL_FLAG(std::string, resident_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.resident_budget_bytes),
           "Bytes of host memory held by resident sessions (ready to step) before the least "
@@ -267,6 +271,10 @@ int main(int argc, char** argv) {
   options.store.persist_idle = absl::GetFlag(FLAGS_persist_idle);
   if (options.store.persist_idle <= absl::ZeroDuration()) {
     return UsageError("--persist_idle must be positive");
+  }
+  options.store.persist_writers = absl::GetFlag(FLAGS_persist_writers);
+  if (options.store.persist_writers < 1 || options.store.persist_writers > 64) {
+    return UsageError("--persist_writers must be between 1 and 64");
   }
   options.store.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   if (options.store.default_ttl <= absl::ZeroDuration()) {

@@ -26,11 +26,14 @@ class Writer {
     Raw(s.data(), s.size());
   }
   void Floats(const float* p, int64_t n) { Raw(p, n * sizeof(float)); }
+  // Appends (one copy, no zero-fill; Reserve() first to avoid regrowing a large buffer).
   void Raw(const void* p, size_t n) {
-    const size_t at = out_.size();
-    out_.resize(at + n);
-    if (n) std::memcpy(out_.data() + at, p, n);
+    if (n) out_.append(static_cast<const char*>(p), n);
   }
+  void Reserve(size_t n) { out_.reserve(n); }
+  size_t size() const { return out_.size(); }
+  // Overwrites n bytes at `at` (< size()): a placeholder written before its value was known.
+  void Patch(size_t at, const void* p, size_t n) { std::memcpy(out_.data() + at, p, n); }
   std::string& out() { return out_; }
 
  private:

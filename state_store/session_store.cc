@@ -27,8 +27,9 @@ namespace {
 
 constexpr absl::string_view kSnapshotSuffix = ".sdmstate";
 constexpr absl::string_view kLogSuffix = ".sdmlog";
-// A log is compacted into a full snapshot once it would pass half the snapshot's size, or this
-// many records (each costs a small read when the directory is listed at start-up).
+// A log is compacted into a full snapshot once it would pass kLogCompactRatio times the
+// snapshot's size, or this many records (each costs a small read when the directory is listed at
+// start-up).
 constexpr int64_t kMaxLogRecords = 256;
 constexpr absl::string_view kTmpSuffix = ".tmp";
 // Fenced snapshots (SessionOwnership::FencesSnapshots): every snapshot under a unique name here.
@@ -103,6 +104,14 @@ struct SessionStateStore::SnapshotStamp {
   bool operator==(const SnapshotStamp&) const = default;
 };
 
+// A WhenPersisted callback waiting for the write of `version`; `seq` orders arrivals.
+struct PersistWaiter {
+  uint64_t version = 0;
+  uint64_t seq = 0;
+  std::function<void()> done;
+};
+constexpr uint64_t kNoWaiter = ~uint64_t{0};
+
 struct SessionStateStore::Entry {
   SessionKey key;
   std::string metadata;
@@ -145,8 +154,10 @@ struct SessionStateStore::Entry {
   int64_t persisted_position = 0;
   bool needs_full = true;
   // WhenPersisted callbacks, each with the version it waits for; `attempted_version` is the
-  // version of the last write tried (written or failed).
-  std::vector<std::pair<uint64_t, std::function<void()>>> waiters;
+  // version of the last write tried (written or failed). `first_waiter`: the order in which the
+  // oldest of them arrived (kNoWaiter: none), which orders the writes.
+  std::vector<PersistWaiter> waiters;
+  uint64_t first_waiter = kNoWaiter;
   uint64_t attempted_version = 0;
   // Shared directory: the size and modification time of its snapshot file when this store last
   // read or wrote it; nullopt: it has not seen one.
@@ -266,7 +277,14 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
   if (store->fenced()) {
     SDM_RETURN_IF_ERROR(options.files->CreateDirs(options.dir / kGenerationsDir));
   }
-  if (options.background) store->worker_ = std::thread([s = store.get()] { s->WorkerLoop(); });
+  if (options.background) {
+    store->worker_ = std::thread([s = store.get()] { s->WorkerLoop(); });
+    if (!options.dir.empty() && options.persist != PersistPolicy::kShutdown) {
+      for (int i = 1; i < options.persist_writers; ++i) {
+        store->writers_.emplace_back([s = store.get()] { s->WriterLoop(); });
+      }
+    }
+  }
   return store;
 }
 
@@ -277,6 +295,7 @@ SessionStateStore::~SessionStateStore() {
     changed_.SignalAll();
   }
   if (worker_.joinable()) worker_.join();
+  for (std::thread& t : writers_) t.join();
   {
     absl::MutexLock lock(&mu_);
     for (auto& [key, e] : entries_) SettleWaiters(*e, /*all=*/true);
@@ -1308,33 +1327,78 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     logged_cause_.clear();
   }
   if (options_.dir.empty() || options_.persist == PersistPolicy::kShutdown) return 0;
-  std::vector<SessionKey> due;
+  std::vector<const Entry*> due;
   for (const auto& [key, e] : entries_) {
     if (e->version == e->persisted_version || e->in_use || e->busy || !e->broken.ok()) continue;
-    if (e->tier == Tier::kDisk) continue;  // its file is all there is
-    if (options_.persist == PersistPolicy::kIdle && now - e->last_used < options_.persist_idle) {
-      continue;
-    }
     // Its host layers are stale on the device: written when it leaves it (nobody waits).
     if (e->tier == Tier::kResident && e->state->on_device()) {
       SettleWaiters(*e, /*all=*/true);
       continue;
     }
-    due.push_back(key);
+    if (DueLocked(*e, now)) due.push_back(e.get());
   }
+  // Turns someone waits for first, the longest waiting first (the same order as WriterLoop).
+  std::sort(due.begin(), due.end(),
+            [](const Entry* a, const Entry* b) { return a->first_waiter < b->first_waiter; });
+  std::vector<SessionKey> keys;
+  for (const Entry* e : due) keys.push_back(e->key);
   int written = 0;
-  for (const SessionKey& key : due) {
+  for (const SessionKey& key : keys) {
     if (stop_) break;
     auto it = entries_.find(key);
     if (it == entries_.end()) continue;
     Entry& e = *it->second;
-    if (e.in_use || e.busy || e.version == e.persisted_version || e.tier == Tier::kDisk) continue;
-    if (e.tier == Tier::kResident && e.state->on_device()) continue;
+    // Checked again: the lock was released by earlier writes (and writers may have taken it).
+    if (!DueLocked(e, now)) continue;
     // WriteChanges keeps leases and moves off the entry (busy) while it is encoded and written
     // unlocked; an Acquire of it waits for the write (the write never waits for a step).
     if (WriteChanges(e).ok()) ++written;
+    // Each turn is acknowledged as soon as its own write is done, not after the whole batch.
+    FlushReadyLocked();
   }
   return written;
+}
+
+bool SessionStateStore::DueLocked(const Entry& e, absl::Time now) const {
+  if (e.version == e.persisted_version || e.in_use || e.busy || !e.broken.ok()) return false;
+  if (e.tier == Tier::kDisk) return false;  // its file is all there is
+  if (e.tier == Tier::kResident && e.state->on_device()) return false;
+  if (options_.persist == PersistPolicy::kIdle && now - e.last_used < options_.persist_idle) {
+    return false;
+  }
+  return true;
+}
+
+SessionStateStore::Entry* SessionStateStore::NextDueLocked(absl::Time now) {
+  if (options_.dir.empty() || options_.persist == PersistPolicy::kShutdown) return nullptr;
+  Entry* best = nullptr;
+  for (auto& [key, e] : entries_) {
+    // A failing session is retried by the worker (every second), not by the writers.
+    if (e->persist_failing || !DueLocked(*e, now)) continue;
+    if (best == nullptr || e->first_waiter < best->first_waiter) best = e.get();
+  }
+  return best;
+}
+
+void SessionStateStore::WriterLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    Entry* e = NextDueLocked(absl::Now());
+    if (e == nullptr) {
+      changed_.WaitWithTimeout(&mu_, absl::Seconds(1));
+      continue;
+    }
+    // A failure is counted and logged by WriteChanges; the worker retries it (every second).
+    WriteChanges(*e).IgnoreError();
+    FlushReadyLocked();
+  }
+}
+
+void SessionStateStore::FlushReadyLocked() {
+  if (ready_.empty() || !options_.background) return;
+  mu_.Unlock();
+  FlushReady();
+  mu_.Lock();
 }
 
 absl::Status SessionStateStore::WriteChanges(Entry& e) {
@@ -1354,7 +1418,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   const int64_t from = e.persisted_position;
   const uint64_t log_bytes = e.log_bytes;
   const uint64_t base_id = e.base_id;
-  const uint64_t compact_at = static_cast<uint64_t>(e.persisted_bytes) / 2;
+  const uint64_t compact_at = static_cast<uint64_t>(e.persisted_bytes) * kLogCompactRatio;
   e.busy = true;
   mu_.Unlock();
   absl::Status status;
@@ -1370,10 +1434,11 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   if (!owned.ok()) {
     status = owned;
   } else if (try_delta) {
-    std::string d = EncodeSessionDelta(*state, record, from);
-    if (log_bytes + d.size() <= compact_at) {
+    // Sized before it is encoded: a delta that would take the log past its limit is not built.
+    if (log_bytes + SessionDeltaBytes(*state, record, from) <= compact_at) {
       delta = true;
-      data = log_bytes == 0 ? EncodeLogHeader(fingerprint_, base_id) + d : std::move(d);
+      if (log_bytes == 0) data = EncodeLogHeader(fingerprint_, base_id);
+      AppendSessionDelta(*state, record, from, data);
       status = options_.files->WriteAt(LogPathOf(key), log_bytes, data);
       written_bytes = data.size();
     }
@@ -1458,11 +1523,12 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
 
 void SessionStateStore::SettleWaiters(Entry& e, bool all) {
   if (e.waiters.empty()) return;
-  auto settled = [&](const auto& w) { return all || w.first <= e.attempted_version; };
-  for (auto& w : e.waiters) {
-    if (settled(w)) ready_.push_back(std::move(w.second));
+  auto settled = [&](const PersistWaiter& w) { return all || w.version <= e.attempted_version; };
+  for (PersistWaiter& w : e.waiters) {
+    if (settled(w)) ready_.push_back(std::move(w.done));
   }
   std::erase_if(e.waiters, settled);
+  e.first_waiter = e.waiters.empty() ? kNoWaiter : e.waiters.front().seq;
   worker_pending_ = true;  // the worker flushes ready_
   changed_.SignalAll();
 }
@@ -1487,7 +1553,9 @@ void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void(
                       // (a resident entry being parked to host has no state meanwhile: busy)
                       !(e->tier == Tier::kResident && e->state != nullptr && e->state->on_device());
     if (wait) {
-      e->waiters.emplace_back(e->version, std::move(done));
+      const uint64_t seq = ++waiter_clock_;
+      if (e->waiters.empty()) e->first_waiter = seq;
+      e->waiters.push_back({e->version, seq, std::move(done)});
       worker_pending_ = true;
       changed_.SignalAll();
       return;

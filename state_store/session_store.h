@@ -33,10 +33,12 @@
 // waits for it). WhenPersisted() lets the caller acknowledge a turn only once it is written (the
 // scheduler does), so a kill -9 loses at most the turn in flight. The first write is a full
 // snapshot; later ones are deltas appended to the session's log (state_store/state_log.h: the rows
-// the turns touched), compacted into a full snapshot once the log passes half the snapshot's size
-// or 256 records. kIdle: once a session has been idle for `persist_idle`. kShutdown: only
-// PersistAll() and eviction to disk write. Sessions an accelerator holds on the device are written
-// when they leave it (their host layers are stale until then).
+// the turns touched), compacted into a full snapshot once the log would pass kLogCompactRatio
+// times the snapshot's size or 256 records. Up to persist_writers sessions are written at once,
+// the turns someone waits for first, and each waiter is called as soon as its own write is done.
+// kIdle: once a session has been idle for `persist_idle`. kShutdown: only PersistAll() and eviction
+// to disk write. Sessions an accelerator holds on the device are written when they leave it (their
+// host layers are stale until then).
 //
 // Failures are loud: a failed write is counted once per session and episode
 // (StoreStats::persist_failures), logged once per distinct cause, and turns PersistHealth() to
@@ -131,6 +133,11 @@ enum class PersistPolicy { kTurn, kIdle, kShutdown };
 absl::string_view PersistPolicyName(PersistPolicy policy);
 absl::StatusOr<PersistPolicy> ParsePersistPolicy(absl::string_view name);
 inline constexpr int kNumTiers = 3;
+// Durability (class comment): a session's delta log is compacted into a full snapshot once it
+// would pass this many times the snapshot's size (or 256 records). A turn then writes its delta
+// plus about 1/kLogCompactRatio of it amortised; recovery reads, and the directory holds, at most
+// (1 + kLogCompactRatio) x the snapshot per session.
+inline constexpr uint64_t kLogCompactRatio = 2;
 absl::string_view TierName(Tier tier);
 
 struct SessionStoreOptions {
@@ -147,6 +154,10 @@ struct SessionStoreOptions {
   std::filesystem::path dir;
   // When sessions are written to `dir` while they stay in memory (class comment, Durability).
   PersistPolicy persist = PersistPolicy::kTurn;
+  // Threads writing changed sessions at once (the worker and persist_writers - 1 writers), each
+  // a different session: one session's write (its fsync above all) does not hold up the others'
+  // acknowledgements. Turns someone waits for (WhenPersisted) are written first, oldest first.
+  int persist_writers = 4;
   // kIdle: how long a changed session stays idle before it is written.
   absl::Duration persist_idle = absl::Seconds(10);
   // TTL of sessions created without one; InfiniteDuration(): never expire.
@@ -320,9 +331,9 @@ class SessionStateStore {
   // acknowledged only once it is durable (the scheduler calls this before a job's OnFinish).
   // Calls it at once when nothing is to wait for: no directory, a policy other than kTurn, no
   // worker, writes currently failing (health says so), an on-device session (written when it
-  // leaves the device), or a state already written. Otherwise `done` runs on the worker thread,
-  // never with the store's lock held; pending calls run at the latest when the store is
-  // destroyed.
+  // leaves the device), or a state already written. Otherwise `done` runs on the worker or a writer
+  // thread (persist_writers), as soon as that session's write is done, never with the store's lock
+  // held; pending calls run at the latest when the store is destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void()> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
@@ -428,6 +439,16 @@ class SessionStateStore {
   void Bury(std::vector<std::unique_ptr<Entry>> dead) ABSL_LOCKS_EXCLUDED(mu_);
   int64_t HostBytesLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WorkerLoop();
+  // The persist_writers - 1 extra writers: each writes the next due session (NextDueLocked)
+  // until the store stops.
+  void WriterLoop();
+  // Whether `e` is to be written now under the policy (changed, idle, not on device or disk).
+  bool DueLocked(const Entry& e, absl::Time now) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The due entry whose oldest WhenPersisted waiter came first (then any), skipping sessions
+  // whose writes fail (the worker retries those every second); null when none.
+  Entry* NextDueLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // FlushReady() with mu_ released meanwhile (background stores only).
+  void FlushReadyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void WaitIdle(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The entry of `key` once no store operation is moving it; NOT_FOUND if there is none. Adopts
   // an orphan (see SessionStoreOptions::legacy_key) whose file stem is the key's.
@@ -483,7 +504,9 @@ class SessionStateStore {
   std::thread::id step_thread_ ABSL_GUARDED_BY(mu_);  // default id: none registered
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<SessionState>> doomed_ ABSL_GUARDED_BY(mu_);
+  uint64_t waiter_clock_ ABSL_GUARDED_BY(mu_) = 0;  // orders WhenPersisted arrivals
   std::thread worker_;
+  std::vector<std::thread> writers_;  // persist_writers - 1 (see WriterLoop)
 };
 
 }  // namespace sdm

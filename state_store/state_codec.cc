@@ -25,14 +25,6 @@ uint64_t Checksum(const void* data, size_t n) { return XXH64(data, n, 0); }
 using internal_state::Reader;
 using internal_state::Writer;
 
-void AppendSection(Writer& w, uint32_t type, const std::string& payload) {
-  w.U32(type);
-  w.U32(0);
-  w.U64(payload.size());
-  w.U64(Checksum(payload.data(), payload.size()));
-  w.Raw(payload.data(), payload.size());
-}
-
 struct Header {
   uint32_t version = 0;
   uint64_t fingerprint = 0;
@@ -181,13 +173,54 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t fingerprint) {
   SDM_CHECK(!state.on_device());
-  std::vector<std::pair<uint32_t, std::string>> sections;
-  sections.emplace_back(kRecord, EncodeRecordSection(state, record));
+  const std::string rec = EncodeRecordSection(state, record);
+  // One buffer of the exact size, written once: each section's header (and the file header) is
+  // a placeholder patched once its payload, and so its size and checksum, is known.
+  uint64_t total = kHeaderBytes + kSectionHeaderBytes + rec.size();
   for (int64_t li = 0; li < state.num_layers(); ++li) {
-    Writer w;
-    w.U32(static_cast<uint32_t>(li));
+    total += kSectionHeaderBytes + 4;
     if (state.is_sdm(li)) {
       const SdmTable& t = state.sdm(li);
+      total += 32 + static_cast<uint64_t>(t.private_rows()) *
+                        (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
+    } else {
+      const KvCache& kv = state.kv(li);
+      total += 32 + 2 * static_cast<uint64_t>(kv.length() - kv.first_position()) *
+                        static_cast<uint64_t>(kv.row_width()) * sizeof(float);
+    }
+  }
+  Writer w;
+  w.Reserve(total);
+  w.Raw(kMagic, 8);
+  w.U32(kStateFormatVersion);
+  w.U32(kHeaderBytes);
+  w.U64(fingerprint);
+  w.U64(static_cast<uint64_t>(state.num_layers()) + 1);
+  w.U64(0);  // total: patched
+  w.U64(0);  // header checksum: patched
+  size_t section = 0;
+  auto begin_section = [&](uint32_t type) {
+    section = w.size();
+    w.U32(type);
+    w.U32(0);
+    w.U64(0);  // payload bytes: patched
+    w.U64(0);  // payload checksum: patched
+  };
+  auto end_section = [&] {
+    const size_t at = section + kSectionHeaderBytes;
+    const uint64_t bytes = w.size() - at;
+    const uint64_t checksum = Checksum(w.out().data() + at, bytes);
+    w.Patch(section + 8, &bytes, 8);
+    w.Patch(section + 16, &checksum, 8);
+  };
+  begin_section(kRecord);
+  w.Raw(rec.data(), rec.size());
+  end_section();
+  for (int64_t li = 0; li < state.num_layers(); ++li) {
+    if (state.is_sdm(li)) {
+      const SdmTable& t = state.sdm(li);
+      begin_section(kSdm);
+      w.U32(static_cast<uint32_t>(li));
       w.U64(t.heads());
       w.U64(t.slots_per_head());
       w.U64(t.row_width());
@@ -197,9 +230,10 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
       });
       t.ForEachPrivateRow(
           [&](int64_t, int64_t, const float* row) { w.Floats(row, t.row_width()); });
-      sections.emplace_back(kSdm, std::move(w.out()));
     } else {
       const KvCache& kv = state.kv(li);
+      begin_section(kKv);
+      w.U32(static_cast<uint32_t>(li));
       w.U64(kv.row_width());
       w.U64(kv.ring_capacity());
       w.I64(kv.length());
@@ -212,22 +246,14 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
                      [&](int64_t, int64_t n, const float*, const float* v) {
                        w.Floats(v, n * kv.row_width());
                      });
-      sections.emplace_back(kKv, std::move(w.out()));
     }
+    end_section();
   }
-  uint64_t total = kHeaderBytes;
-  for (const auto& s : sections) total += kSectionHeaderBytes + s.second.size();
-  Writer out;
-  out.out().reserve(total);
-  out.Raw(kMagic, 8);
-  out.U32(kStateFormatVersion);
-  out.U32(kHeaderBytes);
-  out.U64(fingerprint);
-  out.U64(sections.size());
-  out.U64(total);
-  out.U64(Checksum(out.out().data(), 40));
-  for (const auto& [type, payload] : sections) AppendSection(out, type, payload);
-  return std::move(out.out());
+  SDM_CHECK(w.size() == total);
+  w.Patch(32, &total, 8);
+  const uint64_t header_checksum = Checksum(w.out().data(), 40);
+  w.Patch(40, &header_checksum, 8);
+  return std::move(w.out());
 }
 
 absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first, uint64_t total_bytes,

@@ -208,47 +208,81 @@ std::string EncodeLogHeader(uint64_t fingerprint, uint64_t base_id) {
   return std::move(w.out());
 }
 
-std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
-                               int64_t from) {
-  SDM_CHECK(!state.on_device());
-  SDM_CHECK(from <= state.position());
-  Writer payload;
-  const std::string rec = EncodeRecordSection(state, record);
-  payload.U64(rec.size());
-  payload.Raw(rec.data(), rec.size());
-  payload.U32(static_cast<uint32_t>(state.num_layers()));
+uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& record, int64_t from) {
+  uint64_t payload = 8 + EncodeRecordSection(state, record).size() + 4;
   for (int64_t li = 0; li < state.num_layers(); ++li) {
-    payload.U32(static_cast<uint32_t>(li));
+    payload += 8;
     if (state.is_sdm(li)) {
       const SdmTable& t = state.sdm(li);
-      payload.U32(kSdmDelta);
-      payload.U64(static_cast<uint64_t>(t.dirty_rows()));
-      t.ForEachDirtyRow([&](int64_t head, int64_t slot, const float*) {
-        payload.U32(static_cast<uint32_t>(head * t.slots_per_head() + slot));
-      });
-      t.ForEachDirtyRow(
-          [&](int64_t, int64_t, const float* row) { payload.Floats(row, t.row_width()); });
+      payload += 8 + static_cast<uint64_t>(t.dirty_rows()) *
+                         (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
     } else {
       const KvCache& kv = state.kv(li);
       const int64_t first = std::max(from, kv.first_position());
-      payload.U32(kKvDelta);
-      payload.U64(static_cast<uint64_t>(kv.row_width()));
-      payload.I64(from);
-      payload.I64(kv.length());
-      payload.I64(first);
+      payload += 32 + 2 * static_cast<uint64_t>(std::max<int64_t>(kv.length() - first, 0)) *
+                          static_cast<uint64_t>(kv.row_width()) * sizeof(float);
+    }
+  }
+  return kLogRecordHeaderBytes + payload;
+}
+
+void AppendSessionDelta(const SessionState& state, const SessionRecord& record, int64_t from,
+                        std::string& out) {
+  SDM_CHECK(!state.on_device());
+  SDM_CHECK(from <= state.position());
+  // Written once into `out`: the frame's header is a placeholder patched once the payload (its
+  // size and checksum) is known.
+  Writer w;
+  w.out().swap(out);
+  const size_t frame = w.size();
+  const uint64_t expected = SessionDeltaBytes(state, record, from);
+  w.Reserve(frame + expected);
+  w.U64(0);  // payload bytes: patched
+  w.U64(0);  // payload checksum: patched
+  const std::string rec = EncodeRecordSection(state, record);
+  w.U64(rec.size());
+  w.Raw(rec.data(), rec.size());
+  w.U32(static_cast<uint32_t>(state.num_layers()));
+  for (int64_t li = 0; li < state.num_layers(); ++li) {
+    w.U32(static_cast<uint32_t>(li));
+    if (state.is_sdm(li)) {
+      const SdmTable& t = state.sdm(li);
+      w.U32(kSdmDelta);
+      w.U64(static_cast<uint64_t>(t.dirty_rows()));
+      t.ForEachDirtyRow([&](int64_t head, int64_t slot, const float*) {
+        w.U32(static_cast<uint32_t>(head * t.slots_per_head() + slot));
+      });
+      t.ForEachDirtyRow([&](int64_t, int64_t, const float* row) { w.Floats(row, t.row_width()); });
+    } else {
+      const KvCache& kv = state.kv(li);
+      const int64_t first = std::max(from, kv.first_position());
+      w.U32(kKvDelta);
+      w.U64(static_cast<uint64_t>(kv.row_width()));
+      w.I64(from);
+      w.I64(kv.length());
+      w.I64(first);
       kv.ForEachSpan(first, kv.length(), [&](int64_t, int64_t n, const float* k, const float*) {
-        payload.Floats(k, n * kv.row_width());
+        w.Floats(k, n * kv.row_width());
       });
       kv.ForEachSpan(first, kv.length(), [&](int64_t, int64_t n, const float*, const float* v) {
-        payload.Floats(v, n * kv.row_width());
+        w.Floats(v, n * kv.row_width());
       });
     }
   }
-  Writer framed;
-  framed.U64(payload.out().size());
-  framed.U64(Checksum(payload.out()));
-  framed.Raw(payload.out().data(), payload.out().size());
-  return std::move(framed.out());
+  SDM_CHECK(w.size() == frame + expected);
+  const size_t at = frame + kLogRecordHeaderBytes;
+  const uint64_t bytes = w.size() - at;
+  const uint64_t checksum = Checksum(absl::string_view(w.out()).substr(at));
+  w.Patch(frame, &bytes, 8);
+  w.Patch(frame + 8, &checksum, 8);
+  w.out().swap(out);
+}
+
+std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
+                               int64_t from) {
+  std::string out;
+  AppendSessionDelta(state, record, from, out);
+  return out;
 }
 
 absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t fingerprint, uint64_t base_id,

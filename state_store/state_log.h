@@ -46,6 +46,12 @@ std::string EncodeLogHeader(uint64_t model_fingerprint, uint64_t base_snapshot_i
 // from_position <= state.position().
 std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
                                int64_t from_position);
+// The same record appended to `out` (after a log header, when the log starts), encoded in place:
+// no copy of the payload. SessionDeltaBytes() is its exact size.
+void AppendSessionDelta(const SessionState& state, const SessionRecord& record,
+                        int64_t from_position, std::string& out);
+uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& record,
+                           int64_t from_position);
 
 struct LogReplay {
   int64_t records = 0;         // records applied (or, for ScanLog, found good)

@@ -117,6 +117,16 @@ TEST_F(SnapshotCodecCorruptionTest, GoodSnapshotRoundTrips) {
   EXPECT_TRUE(DecodeRecord(good_).ok());
 }
 
+// The encoder writes each section's header after its payload (in place): every size and
+// checksum is still the documented one — recomputing them from the bytes changes nothing.
+TEST_F(SnapshotCodecCorruptionTest, SizesAndChecksumsAreTheDocumentedOnes) {
+  std::string recomputed = good_;
+  FixChecksums(recomputed);
+  EXPECT_EQ(recomputed, good_);
+  EXPECT_EQ(LoadAt<uint64_t>(good_, testing::kSectionCountOffset), sections_.size());
+  EXPECT_EQ(LoadAt<uint64_t>(good_, testing::kSectionCountOffset + 8), good_.size());
+}
+
 TEST_F(SnapshotCodecCorruptionTest, EveryByteChangeIsDetected) {
   std::mt19937 rng(20240601);
   const size_t record_end = sections_[0].end();
