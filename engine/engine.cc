@@ -93,6 +93,21 @@ kernels::AddressAct ToAddressAct(AddressActivation a) {
   return kernels::AddressAct::kSoftmax;
 }
 
+absl::Status ForwardCommit::Fail(absl::Status cause) const {
+  if (cause.ok()) cause = absl::InternalError("forward pass failed");
+  if (!begun_) return cause;
+  const absl::Status marked(
+      cause.code(),
+      absl::StrCat("a failed step left this session half-updated: ", cause.message()));
+  for (const Segment& s : segments_) s.session->MarkFailed(marked);
+  SDM_LOG(ERROR) << "engine: a forward pass failed after it began writing session state; "
+                 << segments_.size() << " session(s) marked failed: " << cause;
+  return absl::Status(
+      cause.code(),
+      absl::StrCat(cause.message(), " (after the step began writing state: its ", segments_.size(),
+                   " session(s) are marked failed and refused until deleted)"));
+}
+
 const char* EngineDeviceName(EngineDevice device) {
   switch (device) {
     case EngineDevice::kAuto:
@@ -272,6 +287,10 @@ class Engine::Impl {
   absl::Status CheckSession(const SessionState& s) const {
     if (s.num_layers() != config().n_layers) {
       return absl::InvalidArgumentError("session state was made for a different model");
+    }
+    if (s.failed()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session state is refused until the session is deleted: ", s.failure().message()));
     }
     return absl::OkStatus();
   }
