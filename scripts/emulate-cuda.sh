@@ -210,6 +210,7 @@ fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0}"  # fiber stacks are kept on purpose
 ENGINE_DEFAULT="CudaEngineTest.ParsesDeviceNames:CudaEngineTest.AskingForCudaWithoutADeviceIsAClearError"
 ENGINE_DEFAULT+=":CudaEngineTest.StepSucceedsAfterExhaustionOnceMemoryIsFreed"
+ENGINE_DEFAULT+=":CudaEngineTest.AFaultPartWayThroughAPassMarksItsSessionsFailed"
 ENGINE_DEFAULT+=":Presets/CudaVsCpuTest.*/0:Presets/CudaVsCpuTest.*/2"  # tiny, debug_hybrid
 SUMMARY=()
 OVERALL=0
