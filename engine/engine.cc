@@ -186,6 +186,7 @@ class Engine::Impl {
       out_row[i] = rows_so_far;
       rows_so_far += segs[i].logits == StepLogits::kAll ? len : 1;
     }
+    std::set<SessionState*> advanced;  // by the passes completed so far
     for (int64_t pass = 0; pass < passes; ++pass) {
       std::vector<int32_t> tokens;
       std::vector<Segment> pieces;
@@ -231,10 +232,11 @@ class Engine::Impl {
       }
       ForwardProfiler profiler(options_.profile ? &profile_ : nullptr);
       if (auto s = backend_->Forward(tokens, pieces, logit_rows, out, profiler); !s.ok()) {
-        return s;
+        return FailLaterPass(s, advanced);
       }
       for (const Segment& p : pieces) {
         for (int64_t t = 0; t < p.length; ++t) p.session->AdvancePosition();
+        advanced.insert(p.session);
       }
       if (!direct) {
         for (size_t r = 0; r < dest_rows.size(); ++r) {
@@ -247,6 +249,26 @@ class Engine::Impl {
   }
 
  private:
+  // A pass failed after earlier passes of the step advanced `advanced`: they consumed part of
+  // their segment's tokens, which no caller can tell from the error, so they are marked failed
+  // too (ForwardCommit marked the failing pass's own sessions if it had begun writing).
+  static absl::Status FailLaterPass(const absl::Status& s,
+                                    const std::set<SessionState*>& advanced) {
+    int64_t marked = 0;
+    for (SessionState* session : advanced) {
+      if (session->failed()) continue;
+      session->MarkFailed(absl::Status(
+          s.code(), absl::StrCat("a failed step left this session half-updated (an earlier pass "
+                                 "of the step consumed part of its tokens): ",
+                                 s.message())));
+      ++marked;
+    }
+    if (marked == 0) return s;
+    return absl::Status(s.code(), absl::StrCat(s.message(), "; ", marked,
+                                               " session(s) advanced by earlier passes of the "
+                                               "step are marked failed too"));
+  }
+
   absl::Status Validate(const StepBatch& batch, std::span<float> logits) const {
     std::set<const SessionState*> seen;
     for (const StepSegment& seg : batch.segments) {

@@ -144,10 +144,11 @@ class Engine {
   // Errors (INVALID_ARGUMENT, nothing consumed): an empty or null segment, a token outside the
   // vocabulary, a session of another model, a session twice, an unknown StepLogits, a logits
   // buffer of the wrong size. A backend error (say RESOURCE_EXHAUSTED on a device) is returned
-  // as is; passes that completed before it have advanced their sessions, so a caller treats
-  // every session of a failed step as failed. A pass that fails after it began writing state
-  // marks its sessions failed (SessionState::MarkFailed; the status says so): Step refuses them
+  // as is when no session was changed. A pass that fails after it began writing state marks its
+  // sessions failed (SessionState::MarkFailed; the status says so), and so are the sessions that
+  // passes completed before it advanced (they consumed part of their tokens): Step refuses them
   // from then on (FAILED_PRECONDITION) and the state store neither persists nor leases them.
+  // Sessions of a failed step that are not marked are as they were before it.
   absl::Status Step(const StepBatch& batch, std::span<float> logits);
 
   // Convenience wrappers over Step.

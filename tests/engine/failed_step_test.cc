@@ -137,19 +137,43 @@ TEST(FailedStepTest, AFaultPartWayMarksThePassSessionsAndSparesTheOthers) {
   EXPECT_FALSE(fresh->failed());
 }
 
-// A fault in a later pass of a step: the passes before it completed (their sessions advanced,
-// as Engine::Step documents), the failing pass's sessions are marked.
-TEST(FailedStepTest, AFaultInALaterPassMarksThatPassSessions) {
+// A fault in a later pass of a step: the failing pass's sessions are marked by the backend, and
+// the sessions that earlier passes advanced (a decode token in pass 0) by the engine, since no
+// caller can tell from the error how much of a segment was consumed.
+TEST(FailedStepTest, AFaultInALaterPassMarksEverySessionItAdvanced) {
   const ModelConfig c = testing::MiniHybridConfig();
   const int64_t layers = c.n_layers;
   auto engine = MakeEngine(c, layers + 2);  // pass 1 of the first step, after its layer 2
-  auto a = engine->NewSession();
+  auto a = engine->NewSession(), d = engine->NewSession(), idle = engine->NewSession();
   const std::vector<int32_t> prompt = Tokens(10, 7);  // three passes of chunk 4
-  const absl::Status s = engine->Prefill(*a, prompt, false, nullptr);
+  const int32_t token = 9;
+  StepBatch batch;
+  batch.Add(*a, prompt, StepLogits::kNone);
+  batch.Add(*d, std::span<const int32_t>(&token, 1), StepLogits::kLast);
+  std::vector<float> logits(batch.LogitRows() * engine->vocab_size());
+  const absl::Status s = engine->Step(batch, logits);
   ASSERT_FALSE(s.ok());
-  EXPECT_NE(s.message().find("marked failed"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("1 session(s) are marked failed"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("1 session(s) advanced by earlier passes"), std::string::npos) << s;
   EXPECT_TRUE(a->failed());
   EXPECT_EQ(a->position(), 4);  // pass 0 completed
+  EXPECT_TRUE(d->failed());     // its token was consumed in pass 0
+  EXPECT_EQ(d->position(), 1);
+  EXPECT_NE(d->failure().message().find("earlier pass"), std::string::npos) << d->failure();
+  EXPECT_FALSE(idle->failed());
+}
+
+// A failure before anything was written (here: a session of another model, refused up front)
+// marks nothing.
+TEST(FailedStepTest, ARefusedStepMarksNothing) {
+  const ModelConfig c = testing::MiniHybridConfig();
+  auto engine = MakeEngine(c, -1);
+  auto a = engine->NewSession();
+  const int32_t token = 300000;  // outside the vocabulary
+  std::vector<float> out(engine->vocab_size());
+  SessionState* p = a.get();
+  EXPECT_EQ(engine->Decode({&p, 1}, {&token, 1}, out).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_FALSE(a->failed());
 }
 
 }  // namespace
