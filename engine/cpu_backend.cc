@@ -50,6 +50,7 @@ class CpuBackend : public EngineBackend {
         cfg_(model_->config),
         pool_(context.options.num_threads),
         decode_attention_(context.options.cpu_decode_attention),
+        fault_(context.options.inject_forward_fault),
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)) {
     const ModelWeights& w = *model_->weights;
@@ -93,10 +94,14 @@ class CpuBackend : public EngineBackend {
     }
     const float eps = static_cast<float>(cfg_.norm_eps);
     profiler.Lap(&EngineProfile::head_seconds);
+    // Nothing here fails on its own once the layers start (allocation failure aborts); the
+    // commit exists for the fault-injection seam, which fails a pass after a layer wrote state.
+    ForwardCommit commit(segs);
     for (int64_t li = 0; li < cfg_.n_layers; ++li) {
       const CpuLayer& l = layers_[li];
       cpu::RmsNorm(x.data(), l.attention_norm, n, dim, eps, xn.data());
       profiler.Lap(&EngineProfile::ffn_seconds);
+      commit.Begin();
       if (l.type == LayerType::kSdm) {
         SdmMixer(li, l.sdm, xn.data(), n, segs, tmp.data());
         profiler.Lap(&EngineProfile::sdm_seconds);
@@ -110,6 +115,9 @@ class CpuBackend : public EngineBackend {
       FeedForward(l, xn.data(), n, tmp.data());
       cpu::AddInPlace(tmp.data(), x.data(), n * dim);
       profiler.Lap(&EngineProfile::ffn_seconds);
+      if (fault_.Fire()) {
+        return commit.Fail(absl::InternalError(absl::StrCat("injected fault after layer ", li)));
+      }
     }
     if (logit_rows.empty()) return absl::OkStatus();
     const int64_t m = static_cast<int64_t>(logit_rows.size());
@@ -330,6 +338,7 @@ class CpuBackend : public EngineBackend {
   const ModelConfig& cfg_;
   cpu::ThreadPool pool_;
   CpuDecodeAttention decode_attention_;
+  ForwardFaultInjector fault_;
   int64_t hidden_;
   SdmGeometry sdm_geom_;
   const float* tok_embeddings_ = nullptr;

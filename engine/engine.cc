@@ -93,6 +93,21 @@ kernels::AddressAct ToAddressAct(AddressActivation a) {
   return kernels::AddressAct::kSoftmax;
 }
 
+absl::Status ForwardCommit::Fail(absl::Status cause) const {
+  if (cause.ok()) cause = absl::InternalError("forward pass failed");
+  if (!begun_) return cause;
+  const absl::Status marked(
+      cause.code(),
+      absl::StrCat("a failed step left this session half-updated: ", cause.message()));
+  for (const Segment& s : segments_) s.session->MarkFailed(marked);
+  SDM_LOG(ERROR) << "engine: a forward pass failed after it began writing session state; "
+                 << segments_.size() << " session(s) marked failed: " << cause;
+  return absl::Status(
+      cause.code(),
+      absl::StrCat(cause.message(), " (after the step began writing state: its ", segments_.size(),
+                   " session(s) are marked failed and refused until deleted)"));
+}
+
 const char* EngineDeviceName(EngineDevice device) {
   switch (device) {
     case EngineDevice::kAuto:
@@ -171,6 +186,7 @@ class Engine::Impl {
       out_row[i] = rows_so_far;
       rows_so_far += segs[i].logits == StepLogits::kAll ? len : 1;
     }
+    std::set<SessionState*> advanced;  // by the passes completed so far
     for (int64_t pass = 0; pass < passes; ++pass) {
       std::vector<int32_t> tokens;
       std::vector<Segment> pieces;
@@ -216,10 +232,11 @@ class Engine::Impl {
       }
       ForwardProfiler profiler(options_.profile ? &profile_ : nullptr);
       if (auto s = backend_->Forward(tokens, pieces, logit_rows, out, profiler); !s.ok()) {
-        return s;
+        return FailLaterPass(s, advanced);
       }
       for (const Segment& p : pieces) {
         for (int64_t t = 0; t < p.length; ++t) p.session->AdvancePosition();
+        advanced.insert(p.session);
       }
       if (!direct) {
         for (size_t r = 0; r < dest_rows.size(); ++r) {
@@ -232,6 +249,26 @@ class Engine::Impl {
   }
 
  private:
+  // A pass failed after earlier passes of the step advanced `advanced`: they consumed part of
+  // their segment's tokens, which no caller can tell from the error, so they are marked failed
+  // too (ForwardCommit marked the failing pass's own sessions if it had begun writing).
+  static absl::Status FailLaterPass(const absl::Status& s,
+                                    const std::set<SessionState*>& advanced) {
+    int64_t marked = 0;
+    for (SessionState* session : advanced) {
+      if (session->failed()) continue;
+      session->MarkFailed(absl::Status(
+          s.code(), absl::StrCat("a failed step left this session half-updated (an earlier pass "
+                                 "of the step consumed part of its tokens): ",
+                                 s.message())));
+      ++marked;
+    }
+    if (marked == 0) return s;
+    return absl::Status(s.code(), absl::StrCat(s.message(), "; ", marked,
+                                               " session(s) advanced by earlier passes of the "
+                                               "step are marked failed too"));
+  }
+
   absl::Status Validate(const StepBatch& batch, std::span<float> logits) const {
     std::set<const SessionState*> seen;
     for (const StepSegment& seg : batch.segments) {
@@ -272,6 +309,10 @@ class Engine::Impl {
   absl::Status CheckSession(const SessionState& s) const {
     if (s.num_layers() != config().n_layers) {
       return absl::InvalidArgumentError("session state was made for a different model");
+    }
+    if (s.failed()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "session state is refused until the session is deleted: ", s.failure().message()));
     }
     return absl::OkStatus();
   }

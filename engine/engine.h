@@ -66,6 +66,12 @@ struct EngineOptions {
   double device_state_fraction = 0.85;
   // CPU backend: the decode attention kernel.
   CpuDecodeAttention cpu_decode_attention = CpuDecodeAttention::kBlocked;
+  // Testing only: make a forward pass fail part-way, after it began writing session state
+  // (engine/engine_backend.h, ForwardFaultInjector: the fault point numbered this, counted over
+  // the engine's life, fails once). Fault points: on the CPU backend the end of each layer of
+  // every pass; on the CUDA backend each launch of a pass once it began writing state.
+  // Negative: never.
+  int64_t inject_forward_fault = -1;
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().
@@ -138,8 +144,11 @@ class Engine {
   // Errors (INVALID_ARGUMENT, nothing consumed): an empty or null segment, a token outside the
   // vocabulary, a session of another model, a session twice, an unknown StepLogits, a logits
   // buffer of the wrong size. A backend error (say RESOURCE_EXHAUSTED on a device) is returned
-  // as is; passes that completed before it have advanced their sessions, so a caller treats
-  // every session of a failed step as failed.
+  // as is when no session was changed. A pass that fails after it began writing state marks its
+  // sessions failed (SessionState::MarkFailed; the status says so), and so are the sessions that
+  // passes completed before it advanced (they consumed part of their tokens): Step refuses them
+  // from then on (FAILED_PRECONDITION) and the state store neither persists nor leases them.
+  // Sessions of a failed step that are not marked are as they were before it.
   absl::Status Step(const StepBatch& batch, std::span<float> logits);
 
   // Convenience wrappers over Step.

@@ -69,6 +69,40 @@ class ForwardProfiler {
   Clock::time_point mark_{};
 };
 
+// A forward pass's point of no return, shared by the backends. Before Begin() nothing of the
+// pass's sessions has changed, and a failure is returned as is (the pass can be retried). After
+// Begin() (called just before the first operation that may write a session's layers: a KV append,
+// an SDM row write), a failure leaves the layers half-updated, so Fail() marks every segment's
+// session failed (SessionState::MarkFailed) and says so in the status it returns. A backend
+// with asynchronous work waits for what it enqueued before calling Fail (its staging buffers
+// must outlive their copies; the state it reports must be final).
+class ForwardCommit {
+ public:
+  explicit ForwardCommit(std::span<const Segment> segments) : segments_(segments) {}
+  void Begin() { begun_ = true; }
+  bool begun() const { return begun_; }
+  // `cause` (not OK) as the pass's result; see the class comment.
+  absl::Status Fail(absl::Status cause) const;
+
+ private:
+  std::span<const Segment> segments_;
+  bool begun_ = false;
+};
+
+// Testing seam (EngineOptions::inject_forward_fault): a backend calls Fire() at each point where
+// a forward pass may fail after it began changing sessions (the end of each layer on the CPU;
+// each launch on CUDA once the pass began writing state); the call numbered `fail_at` (0-based,
+// counted over the backend's life) returns true, once. Negative: never.
+class ForwardFaultInjector {
+ public:
+  explicit ForwardFaultInjector(int64_t fail_at) : fail_at_(fail_at) {}
+  bool Fire() { return fail_at_ >= 0 && calls_++ == fail_at_; }
+
+ private:
+  int64_t fail_at_;
+  int64_t calls_ = 0;
+};
+
 class EngineBackend {
  public:
   virtual ~EngineBackend() = default;
@@ -79,6 +113,9 @@ class EngineBackend {
   // may run them as one decode batch); pos0 is each session's position. Tokens are inside the
   // vocabulary and sessions belong to this model (the front checked). Appends every segment's
   // tokens to its session's layers but does not advance positions (the front does, on OK).
+  // On error either no session was changed (the status as is) or every segment's session is
+  // marked failed (SessionState::MarkFailed; ForwardCommit) and the status says so; never a
+  // silently half-updated session.
   // Writes the logits of `logit_rows` (in that order) to logits_out ([rows, vocab]; null iff
   // logit_rows is empty). Single-token segments take the decode attention path and longer
   // ones the prefill path, whatever else is in the pass.

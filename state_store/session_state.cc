@@ -25,6 +25,7 @@ std::unique_ptr<SessionState> SessionState::Copy(bool share_rows) const {
   copy->sampler_seed = sampler_seed;
   copy->sampler_draws = sampler_draws;
   copy->pending_token = pending_token;
+  copy->failure_ = failure_;  // a copy of damaged layers is damaged
   copy->layers_.reserve(layers_.size());
   for (const auto& layer : layers_) {
     if (const auto* t = std::get_if<SdmTable>(&layer)) {

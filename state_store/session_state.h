@@ -88,6 +88,21 @@ class SessionState {
   // For restoring a parked session (state_store/state_codec.h).
   void set_position(int64_t position) { position_ = position; }
 
+  // Damage. A backend whose forward pass fails after it began changing the layers (engine/
+  // engine_backend.h, ForwardCommit) marks every session of that pass failed: its layers may
+  // hold part of the pass (some layers written, positions not advanced), so stepping it again
+  // would apply writes twice. The engine refuses failed sessions (FAILED_PRECONDITION) and the
+  // state store neither persists nor parks them and refuses to lease them again (delete the
+  // session to reset it; its last snapshot on disk, if any, is the last good copy). The mark is
+  // not serialised and never cleared: a failed session is discarded, not repaired.
+  void MarkFailed(absl::Status cause) {
+    if (cause.ok()) cause = absl::InternalError("marked failed");
+    if (failure_.ok()) failure_ = std::move(cause);
+  }
+  bool failed() const { return !failure_.ok(); }
+  // OK, or the cause passed to the first MarkFailed.
+  const absl::Status& failure() const { return failure_; }
+
   // Forgets which SDM rows were written (SdmTable::ClearDirty on every SDM layer): called once
   // what the session holds is on disk, so that the next delta carries only later writes.
   void ClearDirty() {
@@ -100,6 +115,7 @@ class SessionState {
   std::unique_ptr<SessionState> Copy(bool share_rows) const;
 
   int64_t position_ = 0;
+  absl::Status failure_;
   std::vector<std::variant<KvCache, SdmTable>> layers_;
   // Declared after layers_ so that it is destroyed first: a residency may refer to the host
   // layers (e.g. pinned staging registered over them) until it is gone.

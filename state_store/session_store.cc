@@ -126,8 +126,11 @@ struct SessionStateStore::Entry {
   uint64_t tick = 0;                    // LRU order
   absl::Time last_used;
   absl::Duration ttl = absl::InfiniteDuration();
-  // Its snapshot failed its checks (quarantined): the code and the reason, without its name.
+  // Its snapshot failed its checks (quarantined), or (broken_in_step) an engine step failed
+  // part-way and left its state half-updated (SessionState::failed): the code and the reason,
+  // without its name.
   absl::Status broken;
+  bool broken_in_step = false;
   // kResident, refreshed whenever the session is not in use: bytes of its KV pages and slot
   // tables (rows are counted from the pool), its mapped rows and bytes with rows counted fully.
   int64_t own_bytes = 0;
@@ -180,6 +183,10 @@ struct SessionStateStore::Entry {
 
   // `broken` naming the session by `name` (its id, as its user knows it).
   absl::Status BrokenError(absl::string_view name) const {
+    if (broken_in_step) {
+      return absl::Status(broken.code(), absl::StrCat("session '", name, "': ", broken.message(),
+                                                      "; delete the session to start again"));
+    }
     return absl::Status(
         broken.code(),
         absl::StrCat("session '", name, "': its snapshot failed its checks: ", broken.message()));
@@ -878,7 +885,18 @@ void SessionStateStore::Release(const SessionKey& key) {
   e.in_use = false;
   e.tick = ++clock_;
   e.last_used = absl::Now();
-  ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
+  if (e.state != nullptr && e.state->failed()) {
+    // Half-updated by a failed step: never written (the snapshot on disk, if any, stays the
+    // last good copy), never parked, never leased again; Delete resets it.
+    if (e.broken.ok()) {
+      e.broken = absl::FailedPreconditionError(e.state->failure().message());
+      e.broken_in_step = true;
+      SDM_LOG(ERROR) << "sdm state store: session '" << key.id
+                     << "' is refused from now on: " << e.state->failure();
+    }
+  } else {
+    ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
+  }
   Changed();
 }
 

@@ -10,6 +10,15 @@
 // the layers on the compute stream (the pass's single-token segments, which the front puts
 // first, as one decode-attention batch; longer segments through the prefill kernel); (5) copy the
 // logits back with the free-row count and the row counters, and synchronise once.
+//
+// Failure part-way (engine/engine_backend.h, ForwardCommit). Everything that can fail without a
+// launch failing happens before step (3): residency, pages, row reservation, workspace, and the
+// plan of every cuBLASLt GEMM of the pass (BlasLtGemm::Plan: descriptors and checked algorithms,
+// cached per batch size). From step (3) on, any error still synchronises the stream before the
+// pass returns (the pinned step arrays and the caller's logits buffer outlive their copies), and
+// an error after the first write to session state (the first KV append or SDM row preparation)
+// marks the pass's sessions failed: their device state may hold some layers of the pass and not
+// others. They are refused until deleted; nothing retries them into a double write.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -72,7 +81,8 @@ class CudaBackend : public EngineBackend {
         options_(context.options),
         layout_(*context.layout),
         hidden_(FfnHiddenDim(cfg_)),
-        sdm_geom_(SdmGeometryOf(cfg_)) {}
+        sdm_geom_(SdmGeometryOf(cfg_)),
+        fault_(context.options.inject_forward_fault) {}
 
   absl::Status Init() {
     int devices = 0;
@@ -324,7 +334,6 @@ class CudaBackend : public EngineBackend {
                        ForwardProfiler& profiler) override {
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t num_segs = static_cast<int64_t>(segs.size());
-    const int64_t dim = cfg_.dim;
     cudaStream_t stream = ctx_->compute();
 
     // (1) Residency and pages.
@@ -364,6 +373,46 @@ class CudaBackend : public EngineBackend {
       SDM_RETURN_IF_ERROR(ctx_->ReserveRows(rows * n_sdm));
     }
     SDM_RETURN_IF_ERROR(EnsureWorkspace(n, max_visible));
+    // Every GEMM of the pass planned (descriptors, algorithms) before anything is enqueued: past
+    // this point only a launch itself can fail.
+    SDM_RETURN_IF_ERROR(PlanGemms(n, static_cast<int64_t>(logit_rows.size())));
+
+    // (3)-(5) enqueued; whatever happens, the stream is synchronised before returning (the
+    // pinned step arrays and the caller's logits buffer outlive their copies), and a failure
+    // after the first write to session state marks the step's sessions failed (ForwardCommit).
+    ForwardCommit commit(segs);
+    commit_ = &commit;
+    absl::Status status = Enqueue(tokens, segs, logit_rows, logits_out, profiler, n_w, n_r);
+    commit_ = nullptr;
+    if (status.ok()) status = ctx_->StartRefresh();
+    const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream), "forward pass");
+    if (status.ok() && synced.ok()) {
+      ctx_->FinishRefresh();
+      profiler.Lap(&EngineProfile::head_seconds);  // the stream is synchronised already
+      return absl::OkStatus();
+    }
+    if (status.ok()) {
+      status = synced;
+    } else if (!synced.ok()) {
+      status =
+          absl::Status(status.code(), absl::StrCat(status.message(), "; then ", synced.message()));
+    }
+    return commit.Fail(status);
+  }
+
+  // Steps (3) to (5) of Forward (file comment) up to the final synchronisation, enqueued on the
+  // compute stream.
+  absl::Status Enqueue(std::span<const int32_t> tokens, std::span<const Segment> segs,
+                       std::span<const int64_t> logit_rows, float* logits_out,
+                       ForwardProfiler& profiler, int64_t n_w, int64_t n_r) {
+    const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t num_segs = static_cast<int64_t>(segs.size());
+    const int64_t dim = cfg_.dim;
+    cudaStream_t stream = ctx_->compute();
+    std::vector<CudaSessionState*> dev(num_segs);
+    for (int64_t s = 0; s < num_segs; ++s) {
+      dev[s] = static_cast<CudaSessionState*>(segs[s].session->device());
+    }
 
     // (3) One upload of the step's integers and pointers.
     Workspace& ws = ws_;
@@ -372,8 +421,8 @@ class CudaBackend : public EngineBackend {
     const size_t ptr_count = 2 * n_layers * num_segs;
     const size_t bytes = ptr_count * sizeof(void*) + int_count * sizeof(int32_t);
     if (ws.step.size() < bytes) {
-      SDM_RETURN_IF_ERROR(CudaStatus(ws.step.Allocate(bytes * 2), "allocating step arrays"));
-      SDM_RETURN_IF_ERROR(CudaStatus(ws.step_host.Allocate(bytes * 2), "allocating step arrays"));
+      SDM_RETURN_IF_ERROR(Launched(ws.step.Allocate(bytes * 2), "allocating step arrays"));
+      SDM_RETURN_IF_ERROR(Launched(ws.step_host.Allocate(bytes * 2), "allocating step arrays"));
     }
     unsigned char* h = ws.step_host.get();
     auto** hp = reinterpret_cast<int32_t**>(h);
@@ -403,8 +452,8 @@ class CudaBackend : public EngineBackend {
       }
     }
     SDM_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
-                   "uploading step arrays"));
+        Launched(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
+                 "uploading step arrays"));
     StepArrays arr;
     int32_t* const* dp = reinterpret_cast<int32_t* const*>(ws.step.get());
     auto* di = reinterpret_cast<const int32_t*>(ws.step.get() + ptr_count * sizeof(void*));
@@ -423,12 +472,12 @@ class CudaBackend : public EngineBackend {
     // The kernels run asynchronously: a lap waits for the stream, and only when profiling.
     auto lap = [&](double EngineProfile::*part) -> absl::Status {
       if (!profiler.enabled()) return absl::OkStatus();
-      SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "profiling"));
+      SDM_RETURN_IF_ERROR(Launched(cudaStreamSynchronize(stream), "profiling"));
       profiler.Lap(part);
       return absl::OkStatus();
     };
     const float eps = static_cast<float>(cfg_.norm_eps);
-    SDM_RETURN_IF_ERROR(CudaStatus(
+    SDM_RETURN_IF_ERROR(Launched(
         kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream), "embedding"));
     SDM_RETURN_IF_ERROR(lap(&EngineProfile::head_seconds));
     // The single-token segments come first (engine_backend.h): they form one decode batch.
@@ -440,7 +489,7 @@ class CudaBackend : public EngineBackend {
     }
     for (int64_t li = 0; li < n_layers; ++li) {
       const DeviceLayer& l = layers_[li];
-      SDM_RETURN_IF_ERROR(CudaStatus(
+      SDM_RETURN_IF_ERROR(Launched(
           kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
           "attention norm"));
       if (l.type == LayerType::kSdm) {
@@ -453,17 +502,17 @@ class CudaBackend : public EngineBackend {
                                                           : &EngineProfile::attn_seconds));
       }
       SDM_RETURN_IF_ERROR(
-          CudaStatus(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
+          Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
       SDM_RETURN_IF_ERROR(
-          CudaStatus(kc::RmsNorm(ws.x.get(), l.ffn_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
-                     "ffn norm"));
+          Launched(kc::RmsNorm(ws.x.get(), l.ffn_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
+                   "ffn norm"));
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
-      SDM_RETURN_IF_ERROR(CudaStatus(
+      SDM_RETURN_IF_ERROR(Launched(
           kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream), "swiglu"));
       SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
       SDM_RETURN_IF_ERROR(
-          CudaStatus(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
+          Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
       SDM_RETURN_IF_ERROR(lap(&EngineProfile::ffn_seconds));
     }
 
@@ -476,32 +525,78 @@ class CudaBackend : public EngineBackend {
       if (!identity) {
         for (int64_t i = 0; i < m; ++i) {
           SDM_RETURN_IF_ERROR(
-              CudaStatus(cudaMemcpyAsync(ws.tmp.get() + i * dim, ws.x.get() + logit_rows[i] * dim,
-                                         dim * sizeof(float), cudaMemcpyDeviceToDevice, stream),
-                         "gathering logit rows"));
+              Launched(cudaMemcpyAsync(ws.tmp.get() + i * dim, ws.x.get() + logit_rows[i] * dim,
+                                       dim * sizeof(float), cudaMemcpyDeviceToDevice, stream),
+                       "gathering logit rows"));
         }
         rows_in = ws.tmp.get();
       }
-      SDM_RETURN_IF_ERROR(CudaStatus(
+      SDM_RETURN_IF_ERROR(Launched(
           kc::RmsNorm(rows_in, final_norm_, m, dim, eps, nullptr, ws.final_b.get(), stream),
           "final norm"));
       SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
-      SDM_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(logits_out, ws.logits.get(), m * cfg_.vocab_size * sizeof(float),
-                          cudaMemcpyDeviceToHost, stream),
-          "downloading logits"));
+      SDM_RETURN_IF_ERROR(
+          Launched(cudaMemcpyAsync(logits_out, ws.logits.get(), m * cfg_.vocab_size * sizeof(float),
+                                   cudaMemcpyDeviceToHost, stream),
+                   "downloading logits"));
     }
-    SDM_RETURN_IF_ERROR(ctx_->StartRefresh());
-    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "forward pass"));
-    ctx_->FinishRefresh();
-    profiler.Lap(&EngineProfile::head_seconds);  // the stream is synchronised already
+    return absl::OkStatus();
+  }
+
+  // A launch's result inside the pass: the fault-injection seam (EngineOptions::
+  // inject_forward_fault) fires here once the pass began writing session state.
+  absl::Status Launched(cudaError_t err, const char* what) {
+    if (err == cudaSuccess && commit_ != nullptr && commit_->begun() && fault_.Fire()) {
+      return absl::InternalError(absl::StrCat("injected fault at ", what));
+    }
+    return CudaStatus(err, what);
+  }
+
+  // Plans every GEMM a pass of n rows and m logit rows runs (the same operands, in any order):
+  // Linear below refuses an unplanned one.
+  absl::Status PlanGemms(int64_t n, int64_t m) {
+    Workspace& ws = ws_;
+    auto plan = [&](const bf16* x, int64_t rows, const DeviceMatrix& w, const float* bias,
+                    float* y) -> absl::Status {
+      if (w.w == nullptr) return absl::OkStatus();  // an absent optional matrix
+      if (!gemm_.Plan(x, rows, w.w, w.out, w.in, bias, y)) {
+        return absl::InternalError("cuBLASLt planning: " + gemm_.error());
+      }
+      return absl::OkStatus();
+    };
+    for (const DeviceLayer& l : layers_) {
+      if (l.type == LayerType::kSdm) {
+        const auto& w = l.sdm;
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wq_read, w.bq_read, ws.rq.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wk_write, w.bk_write, ws.wkey.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wv_write, w.bv_write, ws.sv.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get()));
+      } else {
+        const auto& a = l.attention;
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.wk, nullptr, ws.k.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.wv, nullptr, ws.v.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get()));
+      }
+      SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
+      SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
+      SDM_RETURN_IF_ERROR(plan(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
+    }
+    if (m > 0) SDM_RETURN_IF_ERROR(plan(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
     return absl::OkStatus();
   }
 
   absl::Status Linear(const bf16* x, int64_t m, const DeviceMatrix& w, const float* bias,
                       float* y) {
-    if (!gemm_.Linear(x, m, w.w, w.out, w.in, bias, y, ctx_->compute())) {
+    if (!gemm_.LinearPlanned(x, m, w.w, w.out, w.in, bias, y, ctx_->compute())) {
       return absl::InternalError("cuBLASLt: " + gemm_.error());
+    }
+    if (commit_ != nullptr && commit_->begun() && fault_.Fire()) {
+      return absl::InternalError("injected fault after a GEMM");
     }
     return absl::OkStatus();
   }
@@ -519,39 +614,39 @@ class CudaBackend : public EngineBackend {
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wk, nullptr, ws.k.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wv, nullptr, ws.v.get()));
-    SDM_RETURN_IF_ERROR(CudaStatus(
+    SDM_RETURN_IF_ERROR(Launched(
         kc::ApplyRope(ws.q.get(), n, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope"));
-    SDM_RETURN_IF_ERROR(CudaStatus(
+    SDM_RETURN_IF_ERROR(Launched(
         kc::ApplyRope(ws.k.get(), n, g.n_kv_heads, g.head_dim, arr.positions, theta, stream),
         "rope"));
     kc::KvLayerView view = ctx_->kv_arena(li);
     view.page_tables = arr.tables[li];
-    SDM_RETURN_IF_ERROR(CudaStatus(
-        kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
-        "kv append"));
+    commit_->Begin();  // the KV append writes the sessions' caches
+    SDM_RETURN_IF_ERROR(
+        Launched(kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
+                 "kv append"));
     const kc::AttentionDims dims = Dims(g);
     if (singles > 0) {
       // Segment s < singles has its query at row s and its page table at index s.
       SDM_RETURN_IF_ERROR(
-          CudaStatus(kc::AttentionDecode(ws.q.get(), singles, arr.seg_pos, singles_visible, view,
-                                         dims, ws.attn_scratch.get(), ws.o.get(), stream),
-                     "decode attention"));
+          Launched(kc::AttentionDecode(ws.q.get(), singles, arr.seg_pos, singles_visible, view,
+                                       dims, ws.attn_scratch.get(), ws.o.get(), stream),
+                   "decode attention"));
     }
     for (int64_t s = singles; s < static_cast<int64_t>(segs.size()); ++s) {
       const int64_t row = segs[s].first_row;
-      SDM_RETURN_IF_ERROR(
-          CudaStatus(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length, segs[s].pos0,
-                                          static_cast<int32_t>(s), view, dims,
-                                          ws.o.get() + row * q_width, stream),
-                     "prefill attention"));
+      SDM_RETURN_IF_ERROR(Launched(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length,
+                                                        segs[s].pos0, static_cast<int32_t>(s), view,
+                                                        dims, ws.o.get() + row * q_width, stream),
+                                   "prefill attention"));
     }
     if (a.w_gate.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
-      SDM_RETURN_IF_ERROR(CudaStatus(kc::MulSigmoid(ws.gate.get(), ws.o.get(), n * q_width, stream),
-                                     "attention gate"));
+      SDM_RETURN_IF_ERROR(Launched(kc::MulSigmoid(ws.gate.get(), ws.o.get(), n * q_width, stream),
+                                   "attention gate"));
     }
     SDM_RETURN_IF_ERROR(
-        CudaStatus(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert"));
+        Launched(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert"));
     return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
   }
 
@@ -570,26 +665,26 @@ class CudaBackend : public EngineBackend {
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
     if (w.qbn_w != nullptr) {
-      SDM_RETURN_IF_ERROR(CudaStatus(kc::BatchNormEval(ws.rq.get(), w.qbn_w, w.qbn_b, w.qbn_mean,
-                                                       w.qbn_var, n, key_size, 1e-5f, stream),
-                                     "query batchnorm"));
-      SDM_RETURN_IF_ERROR(CudaStatus(kc::BatchNormEval(ws.wkey.get(), w.kbn_w, w.kbn_b, w.kbn_mean,
-                                                       w.kbn_var, n, key_size, 1e-5f, stream),
-                                     "key batchnorm"));
+      SDM_RETURN_IF_ERROR(Launched(kc::BatchNormEval(ws.rq.get(), w.qbn_w, w.qbn_b, w.qbn_mean,
+                                                     w.qbn_var, n, key_size, 1e-5f, stream),
+                                   "query batchnorm"));
+      SDM_RETURN_IF_ERROR(Launched(kc::BatchNormEval(ws.wkey.get(), w.kbn_w, w.kbn_b, w.kbn_mean,
+                                                     w.kbn_var, n, key_size, 1e-5f, stream),
+                                   "key batchnorm"));
     }
-    SDM_RETURN_IF_ERROR(CudaStatus(
+    SDM_RETURN_IF_ERROR(Launched(
         kc::SdmAddress(ws.wkey.get(), n, heads, sdm_geom_.side, args.num_writes,
                        ToAddressAct(args.write_act), static_cast<float>(args.write_act_scale),
                        ws.w_slots.get(), ws.w_weights.get(), stream),
         "write addressing"));
-    SDM_RETURN_IF_ERROR(CudaStatus(
+    SDM_RETURN_IF_ERROR(Launched(
         kc::SdmAddress(ws.rq.get(), n, heads, sdm_geom_.side, args.num_reads,
                        ToAddressAct(args.read_act), static_cast<float>(args.read_act_scale),
                        ws.r_slots.get(), ws.r_weights.get(), stream),
         "read addressing"));
-    SDM_RETURN_IF_ERROR(CudaStatus(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n,
-                                                heads, ws.log_decay.get(), ws.beta.get(), stream),
-                                   "sdm gates"));
+    SDM_RETURN_IF_ERROR(Launched(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n, heads,
+                                              ws.log_decay.get(), ws.beta.get(), stream),
+                                 "sdm gates"));
     kc::SdmSegments sg;
     sg.first_row = arr.seg_first;
     sg.length = arr.seg_len;
@@ -602,10 +697,11 @@ class CudaBackend : public EngineBackend {
     dims.heads = heads;
     dims.side = sdm_geom_.side;
     dims.row_width = sdm_geom_.head_width;
-    SDM_RETURN_IF_ERROR(CudaStatus(
-        kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0.w,
-                           ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
-        "sdm row preparation"));
+    commit_->Begin();  // row preparation allocates and copies the sessions' rows
+    SDM_RETURN_IF_ERROR(
+        Launched(kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0.w,
+                                    ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
+                 "sdm row preparation"));
     kc::SdmStepArgs step;
     step.w_rows = ws.w_rows.get();
     step.w_weights = ws.w_weights.get();
@@ -621,20 +717,20 @@ class CudaBackend : public EngineBackend {
     step.m0 = w.m0.w;
     step.readings = ws.readings.get();
     SDM_RETURN_IF_ERROR(
-        CudaStatus(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
+        Launched(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
     if (w.norm_w != nullptr) {
       SDM_RETURN_IF_ERROR(
-          CudaStatus(kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads,
-                                   sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
-                     "readings norm"));
+          Launched(kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads,
+                                 sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
+                   "readings norm"));
     }
     if (w.wog.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
-      SDM_RETURN_IF_ERROR(CudaStatus(
+      SDM_RETURN_IF_ERROR(Launched(
           kc::MulSigmoid(ws.gate.get(), ws.readings.get(), n * dim, stream), "output gate"));
     }
     SDM_RETURN_IF_ERROR(
-        CudaStatus(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert"));
+        Launched(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert"));
     return Linear(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get());
   }
 
@@ -659,6 +755,8 @@ class CudaBackend : public EngineBackend {
   std::vector<AttentionGeometry> attention_geom_;  // per layer (unused for sdm layers)
   std::shared_ptr<CudaDeviceContext> ctx_;
   Workspace ws_;
+  ForwardFaultInjector fault_;
+  ForwardCommit* commit_ = nullptr;  // the pass in progress (Forward), else null
 };
 
 }  // namespace

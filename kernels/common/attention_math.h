@@ -78,6 +78,17 @@ SDM_HOST_DEVICE int64_t DecodeChunkCount(int64_t visible, int64_t split, int64_t
   return n < max_chunks ? n : max_chunks;
 }
 
+// The decode grid's size along chunks for queries that see at most `max_visible` positions
+// (positions below max_visible) with `window` (0: full attention): a sliding-window query sees at
+// most `window` keys whatever its position, so the grid is sized from min(max_visible, window),
+// never from the unclamped context. Exactly the largest DecodeChunkCount any such query needs
+// (so none is truncated and no block of the grid is empty for all of them); at least 1.
+SDM_HOST_DEVICE int64_t DecodeGridChunkCount(int64_t max_visible, int64_t window, int64_t split) {
+  const int64_t visible = window > 0 && window < max_visible ? window : max_visible;
+  const int64_t n = (visible + split - 1) / split;
+  return n > 1 ? n : 1;
+}
+
 // Positions [begin, end) of chunk c < DecodeChunkCount(...) for a query whose first visible
 // position is `first` and whose last is `last` (inclusive). The chunks tile [first, last] in order.
 struct PositionRange {

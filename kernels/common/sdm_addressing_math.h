@@ -193,6 +193,147 @@ SDM_HOST_DEVICE void AddressSelectSerial(const float* scores, int64_t side, int6
   }
 }
 
+// ---- Candidate pruning ----------------------------------------------------------------------
+// With each half's top k_sub in rank order (best first: a_0, a_1, ... and b_0, b_1, ...), the
+// pair of ranks (i, j) is dominated by the (i + 1)(j + 1) - 1 other pairs (i' <= i, j' <= j):
+// float addition is monotone, so each of their sums is >= its sum (in the order of
+// AddressOrderKey, NaN and -0 included). A pair with (i + 1)(j + 1) > count thus has at least
+// `count` sums >= its own: it can be selected only through an exact tie at the threshold value
+// (the tie-break is by slot, which domination does not order). The pruned candidates are the
+// pairs with (i + 1)(j + 1) <= count, row i holding j < AddressPrunedRowLength(i): about
+// count * ln(count) of them (695 for count 128) instead of k_sub^2 (16,384).
+//
+// Exactness. Let T be the count-th largest rank key among the pruned candidates and t its value
+// part (AddressOrderKey of its sum). Every pair of the true top count has a sum >= t (the pruned
+// set is a subset, so its count-th largest value is at most the full set's). Along a row the
+// sums are non-increasing in j, so a true top pair outside the pruned set makes the row's first
+// pair outside it have a value >= t. Hence: if no row's first pair beyond the pruned ones has a
+// value >= t, the pruned top count is the full top count (same keys, same order); otherwise the
+// selection falls back to all k_sub^2 pairs (exact ties at the threshold only).
+
+// Pairs of rank-row i (0 <= i < k_sub) among the pruned candidates: min(k_sub, count / (i + 1)),
+// at least 1 (k_sub <= count).
+SDM_HOST_DEVICE int64_t AddressPrunedRowLength(int64_t i, int64_t count, int64_t k_sub) {
+  const int64_t len = count / (i + 1);
+  return len < k_sub ? len : k_sub;
+}
+
+// Number of pruned candidates for (k, side): the sum of the row lengths.
+SDM_HOST_DEVICE int64_t AddressPrunedCount(int64_t k, int64_t side) {
+  const int64_t k_sub = AddressSubCount(k, side);
+  const int64_t count = AddressCount(k, side);
+  int64_t n = 0;
+  for (int64_t i = 0; i < k_sub; ++i) n += AddressPrunedRowLength(i, count, k_sub);
+  return n;
+}
+
+// Whether a row's first pair beyond the pruned ones ties or beats the threshold key's value
+// (then the pruned selection may differ from the full one; see above). rank_a, rank_b: each
+// half's top k_sub indices in rank order.
+SDM_HOST_DEVICE bool AddressPrunedRowReachesThreshold(const float* scores, int64_t side,
+                                                      const int32_t* rank_a, const int32_t* rank_b,
+                                                      int64_t i, int64_t count, int64_t k_sub,
+                                                      uint64_t threshold, int slot_bytes) {
+  const int64_t len = AddressPrunedRowLength(i, count, k_sub);
+  if (len >= k_sub) return false;
+  const int shift = 8 * slot_bytes;
+  const uint64_t key = AddressCandidateOf(scores, side, rank_a[i], rank_b[len], slot_bytes).key;
+  return (key >> shift) >= (threshold >> shift);
+}
+
+// Sorts the first n slots ascending, carrying their sums (insertion sort: n <= a few hundred).
+SDM_HOST_DEVICE void AddressSortBySlot(int32_t* slots, float* sums, int64_t n) {
+  for (int64_t a = 1; a < n; ++a) {
+    const int32_t slot = slots[a];
+    const float sum = sums[a];
+    int64_t b = a;
+    for (; b > 0 && slots[b - 1] > slot; --b) {
+      slots[b] = slots[b - 1];
+      sums[b] = sums[b - 1];
+    }
+    slots[b] = slot;
+    sums[b] = sum;
+  }
+}
+
+// AddressSelectSerial's selection, bit for bit (same slots ascending, same sums), from the
+// pruned candidates (falling back to all k_sub^2 on a tie at the threshold; see above).
+// rank_a, rank_b: each half's top AddressSubCount(k, side) indices (within the half) in rank
+// order, best first. Scratch: keys of AddressSelectKeyScratch(k, side) uint64, hist of 256
+// int32. `*pruned_out` (if non-null) says whether the pruned set sufficed.
+SDM_HOST_DEVICE void AddressSelectPrunedSerial(const float* scores, int64_t side, int64_t k,
+                                               const int32_t* rank_a, const int32_t* rank_b,
+                                               int32_t* slots, float* sums, uint64_t* keys,
+                                               int32_t* hist, bool* pruned_out) {
+  const int64_t k_sub = AddressSubCount(k, side);
+  const int64_t count = AddressCount(k, side);
+  if (pruned_out != nullptr) *pruned_out = false;
+  if (count <= 0) return;
+  const int slot_bytes = AddressIndexBytes(side * side);
+  const int key_bits = AddressRankKeyBits(slot_bytes);
+  bool pruned = count < k_sub * k_sub;  // else every pair is selected
+  uint64_t threshold = 0;
+  if (pruned) {
+    int64_t m = 0;
+    for (int64_t i = 0; i < k_sub; ++i) {
+      const int64_t len = AddressPrunedRowLength(i, count, k_sub);
+      for (int64_t j = 0; j < len; ++j) {
+        keys[m++] = AddressCandidateOf(scores, side, rank_a[i], rank_b[j], slot_bytes).key;
+      }
+    }
+    // m >= count always (row 0 alone holds min(k_sub, count) and every row at least one);
+    // guarded anyway.
+    if (m < count) {
+      pruned = false;
+    } else {
+      threshold = KthLargestKey(keys, m, count, key_bits, hist);
+      for (int64_t i = 0; pruned && i < k_sub; ++i) {
+        if (AddressPrunedRowReachesThreshold(scores, side, rank_a, rank_b, i, count, k_sub,
+                                             threshold, slot_bytes)) {
+          pruned = false;
+        }
+      }
+    }
+    if (!pruned) {
+      const int64_t n = k_sub * k_sub;
+      for (int64_t e = 0; e < n; ++e) {
+        keys[e] =
+            AddressCandidateOf(scores, side, rank_a[e / k_sub], rank_b[e % k_sub], slot_bytes).key;
+      }
+      threshold = KthLargestKey(keys, n, count, key_bits, hist);
+    }
+  }
+  int64_t out = 0;
+  for (int64_t i = 0; i < k_sub; ++i) {
+    const int64_t len = pruned ? AddressPrunedRowLength(i, count, k_sub) : k_sub;
+    for (int64_t j = 0; j < len; ++j) {
+      const AddressCandidate c = AddressCandidateOf(scores, side, rank_a[i], rank_b[j], slot_bytes);
+      if (c.key >= threshold && out < count) {
+        slots[out] = c.slot;
+        sums[out] = c.sum;
+        ++out;
+      }
+    }
+  }
+  AddressSortBySlot(slots, sums, out);
+  if (pruned_out != nullptr) *pruned_out = pruned;
+}
+
+// Orders idx[0..n) (indices into values) by rank, best first (insertion sort on rank keys;
+// n <= k_sub). index_bytes: AddressIndexBytes of the half's length.
+SDM_HOST_DEVICE void AddressSortByRank(const float* values, int32_t* idx, int64_t n,
+                                       int index_bytes) {
+  for (int64_t a = 1; a < n; ++a) {
+    const int32_t v = idx[a];
+    const uint64_t key = AddressRankKey(values[v], v, index_bytes);
+    int64_t b = a;
+    for (; b > 0 && AddressRankKey(values[idx[b - 1]], idx[b - 1], index_bytes) < key; --b) {
+      idx[b] = idx[b - 1];
+    }
+    idx[b] = v;
+  }
+}
+
 // Activations. Softmax(scale * x): max-subtracted, exponentials summed in double (as torch's
 // fp32 softmax accumulates wider); L2: x / (sqrt(sum x^2 in double) + 1e-12); identity, sigmoid,
 // relu are pointwise (scale applies to softmax only, as in the reference). The pieces below let

@@ -14,8 +14,15 @@ void SelectSlots(const float* scores, int64_t side, int64_t k, std::span<int32_t
   s.idx_b.resize(k_sub);
   s.keys.resize(AddressSelectKeyScratch(k, side));
   s.hist.resize(256);
-  AddressSelectSerial(scores, side, k, slots.data(), sums.data(), s.idx_a.data(), s.idx_b.data(),
-                      s.keys.data(), s.hist.data());
+  // Each half's top k_sub, then in rank order for the pruned pair selection (the CUDA kernel's
+  // selection too; equal to AddressSelectSerial's over all k_sub^2 pairs, bit for bit).
+  AddressTopIndices(scores, side, k_sub, s.idx_a.data(), s.keys.data(), s.hist.data());
+  AddressTopIndices(scores + side, side, k_sub, s.idx_b.data(), s.keys.data(), s.hist.data());
+  const int half_bytes = AddressIndexBytes(side);
+  AddressSortByRank(scores, s.idx_a.data(), k_sub, half_bytes);
+  AddressSortByRank(scores + side, s.idx_b.data(), k_sub, half_bytes);
+  AddressSelectPrunedSerial(scores, side, k, s.idx_a.data(), s.idx_b.data(), slots.data(),
+                            sums.data(), s.keys.data(), s.hist.data(), nullptr);
 }
 
 void ActivateAddress(AddressAct act, float scale, std::span<float> v) {

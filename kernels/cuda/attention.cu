@@ -327,9 +327,10 @@ __global__ void DecodeMergeKernel(const int32_t* __restrict__ positions, int32_t
   }
 }
 
-int64_t DecodeGridChunks(int64_t max_visible) {
-  const int64_t n = (max_visible + kAttentionSplitTokens - 1) / kAttentionSplitTokens;
-  return n > 1 ? n : 1;
+// Sized from min(max_visible, window) (attention_math.h): at long context a sliding-window layer
+// launches the window's chunks, not the context's.
+int64_t DecodeGridChunks(int64_t max_visible, int64_t window) {
+  return DecodeGridChunkCount(max_visible, window, kAttentionSplitTokens);
 }
 
 // Query heads per decode block: the largest divisor of the GQA group that is at most 8, so that
@@ -566,7 +567,7 @@ cudaError_t KvAppend(const float* k, const float* v, int64_t rows, const int32_t
 
 int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims,
                                      int64_t max_visible) {
-  const int64_t chunks = DecodeGridChunks(max_visible);
+  const int64_t chunks = DecodeGridChunks(max_visible, dims.window);
   if (chunks <= 1) return 0;  // single-chunk decode writes the output directly
   return batch * dims.n_heads * chunks * (static_cast<int64_t>(dims.head_dim) + 2);
 }
@@ -576,7 +577,7 @@ cudaError_t AttentionDecode(const float* q, int64_t batch, const int32_t* positi
                             float* scratch, float* out, cudaStream_t stream) {
   if (!ValidDims(kv, dims) || batch < 0 || batch > 65535) return cudaErrorInvalidValue;
   if (batch == 0) return cudaSuccess;
-  const int64_t grid_chunks = DecodeGridChunks(max_visible);
+  const int64_t grid_chunks = DecodeGridChunks(max_visible, dims.window);
   if (grid_chunks > 1 && scratch == nullptr) return cudaErrorInvalidValue;
   const int32_t heads_per_block = DecodeHeadsPerBlock(dims.n_heads / dims.n_kv_heads);
   int32_t lanes = 1;

@@ -47,7 +47,8 @@ int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims, i
 
 // q [batch, n_heads * head_dim]: sequence b's query at positions[b], whose own key and value are
 // already in the cache. out has q's shape. `max_visible` bounds every sequence's visible
-// positions (it sizes the grid). scratch: AttentionDecodeScratchFloats floats.
+// positions (positions[b] < max_visible); it sizes the grid, clamped to dims.window for a
+// sliding window (DecodeGridChunkCount). scratch: AttentionDecodeScratchFloats floats.
 cudaError_t AttentionDecode(const float* q, int64_t batch, const int32_t* positions,
                             int64_t max_visible, const KvLayerView& kv, const AttentionDims& dims,
                             float* scratch, float* out, cudaStream_t stream);

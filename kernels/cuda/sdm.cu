@@ -43,34 +43,83 @@ __device__ T BlockReduce(T x, T* scratch, Op op) {
 // ---------------------------------------------------------------------------------------------
 // Addressing: one block of kAddressThreads per (row, head).
 //   1. Each half's top k_sub by rank: a thread per element counts the elements whose rank key
-//      (precomputed in shared memory) is larger; no synchronisation.
-//   2. The count-th largest candidate rank key by an MSD radix select over the k_sub^2 candidate
-//      sums (computed on the fly, never stored): per 8-bit digit a shared histogram built with
-//      warp-aggregated atomics, then RadixSelectDigit on one thread.
+//      (precomputed in shared memory) is larger; no synchronisation. idx[half][r] is the half's
+//      r-th best index, so the halves come out in rank order.
+//   2. The count-th largest candidate rank key by an MSD radix select over the pruned candidate
+//      pairs (kernels/common/sdm_addressing_math.h, "Candidate pruning": (i + 1)(j + 1) <= count,
+//      about count * ln(count) pairs instead of k_sub^2; sums computed on the fly, never stored):
+//      per 8-bit digit a shared histogram built with warp-aggregated atomics, then
+//      RadixSelectDigit on one thread. If a row's first pair beyond the pruned ones ties the
+//      threshold's value, the select reruns over all k_sub^2 pairs (exact ties only).
 //   3. Candidates with key >= threshold (exactly count of them: keys are distinct) are appended
 //      to shared memory, then placed by rank of slot, so the output is sorted ascending.
 //   4. Activation with block reductions (same final formulas as the CPU's serial helper).
-// A thread visits candidates e = tid, tid + blockDim, ... as (i, j) = (e / k_sub, e % k_sub),
-// advanced incrementally to avoid a 64-bit division per candidate.
+// The CPU twin (kernels/cpu/sdm_addressing.cc) runs the same selection serially
+// (AddressSelectPrunedSerial), so both give the slots and sums of the full selection bit for bit.
 constexpr int kAddressThreads = 256;
 
-struct CandidateCursor {
-  int32_t i, j, step_i, step_j, k_sub;
-  __device__ CandidateCursor(int64_t start, int64_t step, int64_t k)
-      : i(static_cast<int32_t>(start / k)),
-        j(static_cast<int32_t>(start % k)),
-        step_i(static_cast<int32_t>(step / k)),
-        step_j(static_cast<int32_t>(step % k)),
-        k_sub(static_cast<int32_t>(k)) {}
-  __device__ void Advance() {
-    i += step_i;
-    j += step_j;
-    if (j >= k_sub) {
-      j -= k_sub;
-      ++i;
+// Candidate e of a selection as a pair of ranks (i, j). Full: all k_sub^2 pairs row-major.
+// Pruned: row i holds AddressPrunedRowLength(i) pairs starting at row_start[i] (k_sub + 1
+// prefix sums in shared memory); a binary search finds the row.
+struct CandidatePairs {
+  const int32_t* row_start;  // null: full
+  int32_t rows;              // k_sub
+  __device__ void Of(int32_t e, int32_t* i, int32_t* j) const {
+    if (row_start == nullptr) {
+      *i = e / rows;
+      *j = e % rows;
+      return;
     }
+    int32_t lo = 0, hi = rows - 1;  // the last row whose start is <= e
+    while (lo < hi) {
+      const int32_t mid = (lo + hi + 1) >> 1;
+      if (row_start[mid] <= e) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    *i = lo;
+    *j = e - row_start[lo];
   }
 };
+
+// The count-th largest rank key among candidates [0, n) of `pairs` (every thread of the block
+// calls it; returns the same key on every thread). hist, sh_digit, sh_remaining: shared.
+__device__ uint64_t SelectThreshold(const float* sc, int64_t side, const int32_t* idx_a,
+                                    const int32_t* idx_b, CandidatePairs pairs, int32_t n,
+                                    int64_t count, int slot_bytes, int32_t* hist, int32_t* sh_digit,
+                                    int64_t* sh_remaining) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  uint64_t prefix = 0, prefix_mask = 0;
+  if (tid == 0) *sh_remaining = count;
+  for (int shift = AddressRankKeyBits(slot_bytes) - 8; shift >= 0; shift -= 8) {
+    for (int d = tid; d < 256; d += blockDim.x) hist[d] = 0;
+    __syncthreads();
+    // Uniform trip count per warp, so the warp-wide match below sees every lane.
+    for (int32_t base = 0; base < n; base += static_cast<int32_t>(blockDim.x)) {
+      int digit = -1;
+      if (base + tid < n) {
+        int32_t i, j;
+        pairs.Of(base + tid, &i, &j);
+        const uint64_t key = AddressCandidateOf(sc, side, idx_a[i], idx_b[j], slot_bytes).key;
+        if ((key & prefix_mask) == prefix) digit = static_cast<int>((key >> shift) & 0xff);
+      }
+      const unsigned peers = __match_any_sync(kFullMask, digit);
+      if (digit >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+    }
+    __syncthreads();
+    if (tid == 0) {
+      int64_t remaining = *sh_remaining;
+      *sh_digit = RadixSelectDigit(hist, &remaining);
+      *sh_remaining = remaining;
+    }
+    __syncthreads();
+    prefix |= static_cast<uint64_t>(*sh_digit) << shift;
+    prefix_mask |= uint64_t{0xff} << shift;
+  }
+  return prefix;
+}
 
 __global__ void __launch_bounds__(kAddressThreads)
     AddressKernel(const float* scores, int64_t side, int64_t k, AddressAct act, float scale,
@@ -79,15 +128,16 @@ __global__ void __launch_bounds__(kAddressThreads)
   extern __shared__ float sc[];
   uint64_t* half_key = reinterpret_cast<uint64_t*>(sc + 2 * side);  // 8-byte aligned: 8 * side
   __shared__ int32_t idx[2][kMaxSelected];
+  __shared__ int32_t row_start[kMaxSelected + 1];
   __shared__ int32_t hist[256];
   __shared__ int32_t sel_slot[kMaxSelected], out_slot[kMaxSelected];
   __shared__ float sel_sum[kMaxSelected], out_sum[kMaxSelected];
-  __shared__ int32_t sel_n, sh_digit;
+  __shared__ int32_t sel_n, sh_digit, sh_full;
   __shared__ int64_t sh_remaining;
   __shared__ float red_f[32];
   __shared__ double red_d[32];
 
-  const int tid = threadIdx.x, lane = tid & 31;
+  const int tid = threadIdx.x;
   const int64_t rh = blockIdx.x;
   const float* src = scores + rh * 2 * side;
   const int half_bytes = AddressIndexBytes(side);
@@ -96,11 +146,20 @@ __global__ void __launch_bounds__(kAddressThreads)
     sc[i] = x;
     half_key[i] = AddressRankKey(x, i < side ? i : i - side, half_bytes);
   }
-  if (tid == 0) sel_n = 0;
-  __syncthreads();
-
   const int64_t k_sub = AddressSubCount(k, side);
   const int64_t count = AddressCount(k, side);
+  if (tid == 0) {
+    sel_n = 0;
+    sh_full = 0;
+    int32_t start = 0;  // k_sub <= kMaxSelected (count <= kMaxSelected and k_sub <= count)
+    for (int64_t i = 0; i < k_sub; ++i) {
+      row_start[i] = start;
+      start += static_cast<int32_t>(AddressPrunedRowLength(i, count, k_sub));
+    }
+    row_start[k_sub] = start;
+  }
+  __syncthreads();
+
   for (int64_t i = tid; i < 2 * side; i += blockDim.x) {
     const int half = i >= side ? 1 : 0;
     const uint64_t* keys = half_key + half * side;
@@ -111,44 +170,35 @@ __global__ void __launch_bounds__(kAddressThreads)
   }
   __syncthreads();
 
-  const int64_t n = k_sub * k_sub;
+  const int32_t n_full = static_cast<int32_t>(k_sub * k_sub);
   const int slot_bytes = AddressIndexBytes(side * side);
-  uint64_t threshold = 0;  // count == n: every candidate
-  if (count < n) {
-    uint64_t prefix = 0, prefix_mask = 0;
-    if (tid == 0) sh_remaining = count;
-    for (int shift = AddressRankKeyBits(slot_bytes) - 8; shift >= 0; shift -= 8) {
-      for (int d = tid; d < 256; d += blockDim.x) hist[d] = 0;
-      __syncthreads();
-      // Uniform trip count per warp, so the warp-wide match below sees every lane.
-      CandidateCursor cur(tid, blockDim.x, k_sub);
-      for (int64_t base = 0; base < n; base += blockDim.x, cur.Advance()) {
-        int digit = -1;
-        if (base + tid < n) {
-          const uint64_t key =
-              AddressCandidateOf(sc, side, idx[0][cur.i], idx[1][cur.j], slot_bytes).key;
-          if ((key & prefix_mask) == prefix) digit = static_cast<int>((key >> shift) & 0xff);
-        }
-        const unsigned peers = __match_any_sync(kFullMask, digit);
-        if (digit >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], __popc(peers));
+  CandidatePairs pairs{nullptr, static_cast<int32_t>(k_sub)};
+  int32_t n = n_full;
+  uint64_t threshold = 0;  // count == n_full: every candidate
+  if (count < n_full) {
+    pairs.row_start = row_start;
+    n = row_start[k_sub];
+    threshold = SelectThreshold(sc, side, idx[0], idx[1], pairs, n, count, slot_bytes, hist,
+                                &sh_digit, &sh_remaining);
+    for (int64_t i = tid; i < k_sub; i += blockDim.x) {
+      if (AddressPrunedRowReachesThreshold(sc, side, idx[0], idx[1], i, count, k_sub, threshold,
+                                           slot_bytes)) {
+        sh_full = 1;  // benign race: every writer stores 1
       }
-      __syncthreads();
-      if (tid == 0) {
-        int64_t remaining = sh_remaining;
-        sh_digit = RadixSelectDigit(hist, &remaining);
-        sh_remaining = remaining;
-      }
-      __syncthreads();
-      prefix |= static_cast<uint64_t>(sh_digit) << shift;
-      prefix_mask |= uint64_t{0xff} << shift;
     }
-    threshold = prefix;
+    __syncthreads();
+    if (sh_full != 0) {
+      pairs.row_start = nullptr;
+      n = n_full;
+      threshold = SelectThreshold(sc, side, idx[0], idx[1], pairs, n, count, slot_bytes, hist,
+                                  &sh_digit, &sh_remaining);
+    }
   }
 
-  CandidateCursor cur(tid, blockDim.x, k_sub);
-  for (int64_t e = tid; e < n; e += blockDim.x, cur.Advance()) {
-    const AddressCandidate c =
-        AddressCandidateOf(sc, side, idx[0][cur.i], idx[1][cur.j], slot_bytes);
+  for (int32_t e = tid; e < n; e += static_cast<int32_t>(blockDim.x)) {
+    int32_t i, j;
+    pairs.Of(e, &i, &j);
+    const AddressCandidate c = AddressCandidateOf(sc, side, idx[0][i], idx[1][j], slot_bytes);
     if (c.key >= threshold) {
       const int pos = atomicAdd(&sel_n, 1);
       if (pos < kMaxSelected) {

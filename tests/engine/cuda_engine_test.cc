@@ -291,6 +291,65 @@ TEST(CudaEngineTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
   EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
 }
 
+// A launch failing part-way through a pass (engine/engine_backend.h, ForwardCommit; injected
+// through EngineOptions::inject_forward_fault after the pass's first write to session state):
+// the stream is synchronised, the pass's sessions are marked failed with a clear status and
+// refused from then on, their positions unchanged; destroying them returns their memory, and
+// the engine then steps new sessions bit for bit like an engine that never failed.
+TEST(CudaEngineTest, AFaultPartWayThroughAPassMarksItsSessionsFailed) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  EngineOptions o;
+  o.device = EngineDevice::kCuda;
+  o.device_state_bytes = int64_t{1} << 30;
+  o.max_context = 1024;
+  o.prefill_chunk = 16;
+  auto reference = Engine::Create(model, o);
+  ASSERT_TRUE(reference.ok()) << reference.status();
+  o.inject_forward_fault = 3;  // the third launch after the first state write
+  auto faulty = Engine::Create(model, o);
+  ASSERT_TRUE(faulty.ok()) << faulty.status();
+  const int64_t vocab = (*faulty)->vocab_size();
+
+  auto a = (*faulty)->NewSession(), b = (*faulty)->NewSession();
+  const std::vector<int32_t> ta = RandomTokens(5, vocab, 21), tb = RandomTokens(7, vocab, 22);
+  StepBatch batch;
+  batch.Add(*a, ta, StepLogits::kLast);
+  batch.Add(*b, tb, StepLogits::kLast);
+  std::vector<float> logits(batch.LogitRows() * vocab);
+  const absl::Status failed = (*faulty)->Step(batch, logits);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_NE(failed.message().find("injected fault"), std::string::npos) << failed;
+  EXPECT_NE(failed.message().find("2 session(s) are marked failed"), std::string::npos) << failed;
+  EXPECT_TRUE(a->failed());
+  EXPECT_TRUE(b->failed());
+  EXPECT_EQ(a->position(), 0);
+  EXPECT_EQ(b->position(), 0);
+  const absl::Status refused = (*faulty)->Prefill(*a, ta, false, nullptr);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+  a.reset();  // what the store's Delete does: the residency returns its rows and pages
+  b.reset();
+
+  const std::vector<int32_t> prompt = RandomTokens(40, vocab, 23);
+  auto fresh = (*faulty)->NewSession(), ref = (*reference)->NewSession();
+  std::vector<float> got, want;
+  ASSERT_TRUE((*faulty)->Prefill(*fresh, prompt, false, &got).ok());
+  ASSERT_TRUE((*reference)->Prefill(*ref, prompt, false, &want).ok());
+  EXPECT_EQ(got, want);
+  for (int step = 0; step < 4; ++step) {
+    const int32_t token = RandomTokens(1, vocab, 60 + step)[0];
+    std::vector<float> x(vocab), y(vocab);
+    SessionState* pf = fresh.get();
+    SessionState* pr = ref.get();
+    ASSERT_TRUE((*faulty)->Decode({&pf, 1}, {&token, 1}, x).ok());
+    ASSERT_TRUE((*reference)->Decode({&pr, 1}, {&token, 1}, y).ok());
+    EXPECT_EQ(x, y) << "step " << step;
+  }
+}
+
 #endif  // SDM_HAVE_CUDA
 
 }  // namespace

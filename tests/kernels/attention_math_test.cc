@@ -220,6 +220,34 @@ TEST(AttentionMathTest, DecodeChunksTileTheVisibleRange) {
   }
 }
 
+// The decode grid (kernels/cuda/attention.cu sizes it with DecodeGridChunkCount) is exactly the
+// largest chunk count any query below max_visible needs: no query truncated (its chunk count
+// below the grid is its own ceil(visible / split)), and for a sliding window the grid does not
+// grow with the context (a 128k context with a 4k window: 8 chunks, not 256).
+TEST(AttentionMathTest, DecodeGridIsClampedToTheWindow) {
+  const int64_t split = 512;
+  EXPECT_EQ(DecodeGridChunkCount(131072, 0, split), 256);
+  EXPECT_EQ(DecodeGridChunkCount(131072, 4096, split), 8);
+  EXPECT_EQ(DecodeGridChunkCount(131072, 4097, split), 9);
+  EXPECT_EQ(DecodeGridChunkCount(1000, 4096, split), 2);  // the context is the bound
+  EXPECT_EQ(DecodeGridChunkCount(1, 64, split), 1);
+  EXPECT_EQ(DecodeGridChunkCount(0, 0, split), 1);
+  for (int64_t window : {0, 1, 7, 511, 512, 513, 1500}) {
+    for (int64_t max_visible : {1, 2, 511, 512, 513, 1024, 2000, 5000}) {
+      const int64_t grid = DecodeGridChunkCount(max_visible, window, split);
+      int64_t need = 1;
+      for (int64_t pos = 0; pos < max_visible; ++pos) {
+        const int64_t visible = pos - FirstVisiblePosition(pos, window) + 1;
+        const int64_t own = (visible + split - 1) / split;
+        ASSERT_EQ(DecodeChunkCount(visible, split, grid), own)
+            << "window " << window << " max_visible " << max_visible << " pos " << pos;
+        need = std::max(need, own);
+      }
+      ASSERT_EQ(grid, need) << "window " << window << " max_visible " << max_visible;
+    }
+  }
+}
+
 TEST(DeviceLayoutTest, PageTableIndex) {
   for (int64_t p : {0, 1, 63, 64, 65, 1000, 32767}) {
     EXPECT_EQ(KvPageTableIndex(p, 0), p / kKvPageTokens);

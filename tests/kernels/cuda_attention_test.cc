@@ -85,7 +85,9 @@ struct Config {
 // keys and values rounded to bf16, as fp32 (what the CPU kernels attend over).
 class PagedCache {
  public:
-  PagedCache(const Config& c, uint32_t seed) : c_(c) {
+  // bit_values: V[p][i] = +1 where bit (i % 13) of p is set, else -1 (exact in bf16), instead of
+  // normal values (CheckDecodeCountsEveryKey).
+  PagedCache(const Config& c, uint32_t seed, bool bit_values = false) : c_(c) {
     kv_width_ = static_cast<int64_t>(c.n_kv_heads) * c.head_dim;
     ring_pages_ = c.window > 0 ? KvRingPages(c.ring_tokens) : 0;
     std::mt19937 rng(seed);
@@ -93,7 +95,10 @@ class PagedCache {
     for (int64_t len : c.lengths) {
       std::vector<float> k(len * kv_width_), v(len * kv_width_);
       for (float& x : k) x = normal(rng);
-      for (float& x : v) x = normal(rng);
+      for (int64_t i = 0; i < len * kv_width_; ++i) {
+        const int64_t p = i / kv_width_, d = i % kv_width_;
+        v[i] = bit_values ? (((p >> (d % 13)) & 1) != 0 ? 1.0f : -1.0f) : normal(rng);
+      }
       k_raw_.push_back(k);
       v_raw_.push_back(v);
       for (float& x : k) x = FromBf16Bits(ToBf16Bits(x));
@@ -326,6 +331,67 @@ void CheckPrefill(PagedCache& cache, int32_t seq, int64_t num_tokens, uint32_t s
   ExpectClose(got, want, "prefill");
 }
 
+// Decode with q = 0 over V[p] = the bits of p as +-1 (PagedCache bit_values): every visible key
+// weighs exactly 1 (exp2(0)), every partial sum is an integer, so the output is the mean of the
+// visible values, exact but for the final division. One key dropped or counted twice moves some
+// dimension by at least ~2/(3n) (bit 0 alternates, so its mean is within 1/3 of 0 and the key's
+// own value is +-1): 1.6e-4 at n = 4100 visible keys, against a tolerance of 1e-6. The test
+// checks that margin on the data too, by dropping each sequence's middle key from the reference.
+void CheckDecodeCountsEveryKey(const Config& c, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed << " window " << c.window);
+  PagedCache cache(c, seed, /*bit_values=*/true);
+  ASSERT_CUDA_OK(cache.Build());
+  const int64_t batch = static_cast<int64_t>(c.lengths.size());
+  const int64_t width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t group = c.n_heads / c.n_kv_heads;
+  std::vector<int32_t> positions(batch);
+  int64_t max_visible = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    positions[b] = static_cast<int32_t>(c.lengths[b] - 1);
+    max_visible = std::max<int64_t>(max_visible, positions[b] + 1);  // unclamped, as the engine
+  }
+  cuda::DeviceBuffer<float> dq, dout, dscratch;
+  cuda::DeviceBuffer<int32_t> dpos;
+  ASSERT_CUDA_OK(Upload(dq, std::vector<float>(batch * width, 0.0f)));
+  ASSERT_CUDA_OK(Upload(dpos, positions));
+  ASSERT_CUDA_OK(dout.Allocate(batch * width));
+  ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
+  ASSERT_CUDA_OK(
+      dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible)));
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), batch, dpos.get(), max_visible, cache.View(),
+                                       cache.Dims(), dscratch.get(), dout.get(), nullptr));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got;
+  ASSERT_CUDA_OK(Download(got, dout.get(), batch * width));
+  constexpr double kTol = 1e-6;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pos = positions[b];
+    const int64_t first = FirstVisiblePosition(pos, c.window);
+    const int64_t n = pos - first + 1;
+    const int64_t dropped = first + n / 2;
+    double worst_drop = 0;  // how far the reference without one key moves
+    for (int64_t h = 0; h < c.n_heads; ++h) {
+      const int64_t kvh = h / group;
+      for (int64_t d = 0; d < c.head_dim; ++d) {
+        const int64_t col = kvh * c.head_dim + d;
+        double sum = 0;
+        for (int64_t p = first; p <= pos; ++p) sum += cache.v(b)[p * cache.kv_width() + col];
+        const double want = sum / static_cast<double>(n);
+        ASSERT_NEAR(got[b * width + h * c.head_dim + d], want, kTol)
+            << "seq " << b << " head " << h << " dim " << d << " visible " << n;
+        if (n > 1) {
+          const double without =
+              (sum - cache.v(b)[dropped * cache.kv_width() + col]) / static_cast<double>(n - 1);
+          worst_drop = std::max(worst_drop, std::abs(without - want));
+        }
+      }
+    }
+    if (n > 1) {
+      EXPECT_GT(worst_drop, 100 * kTol) << "seq " << b << ": the check would miss it";
+    }
+  }
+}
+
 // Builds the cache for `c` with `seed` and runs the append, decode and prefill checks.
 void RunConfig(const Config& c, uint32_t seed,
                const std::vector<std::pair<int32_t, int64_t>>& prefills) {
@@ -456,6 +522,18 @@ TEST(CudaAttentionTest, WindowEdgeIsExact) {
   ASSERT_CUDA_OK(Download(got, dout.get(), 4 * hd));
   EXPECT_NEAR(got[0], 1000.0f, 1e-2);  // position 2 sees itself
   EXPECT_EQ(got[3 * hd], 1.0f);        // position 5 no longer sees position 2
+#endif
+}
+
+// q = 0 and V = position bits (CheckDecodeCountsEveryKey): catches one key dropped or doubled,
+// at chunk boundaries (512), across a wrapped ring and at the window's edge; max_visible is the
+// unclamped context, so the windowed grids are sized by the window clamp.
+TEST(CudaAttentionTest, DecodeCountsEveryVisibleKeyOnce) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  CheckDecodeCountsEveryKey(BaselineFull(), 41);
+  CheckDecodeCountsEveryKey(WindowedGroup3(), 42);
+  CheckDecodeCountsEveryKey(TinySwa(), 43);
 #endif
 }
 

@@ -157,7 +157,8 @@ TEST_F(CudaGemmTest, LinearMatchesDoubleReference) {
         SCOPED_TRACE(with_bias ? "with bias" : "without bias");
         const std::vector<float> y = RunLinear(gemm_, stream_.get(), p, with_bias, 0);
         CheckAgainstReference(p, with_bias, y, /*exact=*/false);
-        // The second call takes the cached algorithm; the same algorithm gives the same bits.
+        // The same problem again gives the same bits (the cached plan without a bias; with
+        // one, a plan for the new bias buffer, which the heuristic answers alike).
         EXPECT_EQ(RunLinear(gemm_, stream_.get(), p, with_bias, 0), y);
       }
     }
@@ -208,11 +209,49 @@ TEST_F(CudaGemmTest, EmptySumIsTheBias) {
   }
 }
 
+// Plan (kernels/cuda/gemm.h) enqueues nothing and caches one plan per problem; LinearPlanned
+// refuses a problem without a plan (before any launch: y untouched) and runs a planned one
+// exactly as Linear does.
+TEST_F(CudaGemmTest, PlannedLinearRunsOnlyPlannedProblems) {
+  std::mt19937 rng(19);
+  const Problem p = RandomProblem(rng, 8, 96, 64, /*integers=*/true);
+  DeviceBuffer<__nv_bfloat16> d_x(p.x.size()), d_w(p.w.size());
+  DeviceBuffer<float> d_b(p.bias.size()), d_y(p.m * p.n);
+  ASSERT_EQ(cudaMemcpy(d_x.get(), p.x.data(), p.x.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_w.get(), p.w.data(), p.w.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(d_b.get(), p.bias.data(), p.bias.size() * 4, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(d_y.get(), 0x7f, d_y.bytes()), cudaSuccess);
+  const size_t before = gemm_.plan_count();
+  EXPECT_FALSE(gemm_.LinearPlanned(d_x.get(), p.m, d_w.get(), p.n, p.k, d_b.get(), d_y.get(),
+                                   stream_.get()));
+  EXPECT_NE(gemm_.error().find("not planned"), std::string::npos) << gemm_.error();
+  ASSERT_EQ(cudaStreamSynchronize(stream_.get()), cudaSuccess);
+  std::vector<float> y(p.m * p.n);
+  ASSERT_EQ(cudaMemcpy(y.data(), d_y.get(), y.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (const float v : y) ASSERT_EQ(std::memcmp(&v, "\x7f\x7f\x7f\x7f", 4), 0);  // untouched
+
+  ASSERT_TRUE(gemm_.Plan(d_x.get(), p.m, d_w.get(), p.n, p.k, d_b.get(), d_y.get()))
+      << gemm_.error();
+  EXPECT_EQ(gemm_.plan_count(), before + 1);
+  ASSERT_TRUE(gemm_.Plan(d_x.get(), p.m, d_w.get(), p.n, p.k, d_b.get(), d_y.get()));
+  EXPECT_EQ(gemm_.plan_count(), before + 1);  // cached
+  ASSERT_TRUE(
+      gemm_.LinearPlanned(d_x.get(), p.m, d_w.get(), p.n, p.k, d_b.get(), d_y.get(), stream_.get()))
+      << gemm_.error();
+  ASSERT_EQ(cudaStreamSynchronize(stream_.get()), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(y.data(), d_y.get(), y.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  CheckAgainstReference(p, /*with_bias=*/true, y, /*exact=*/true);
+  EXPECT_EQ(gemm_.plan_count(), before + 1);  // ran the plan, made none
+}
+
 // Needs no device: the uninitialised object reports instead of calling cuBLASLt.
 TEST(CudaGemmNoDeviceTest, LinearBeforeInitFails) {
   cuda::BlasLtGemm gemm;
   EXPECT_FALSE(gemm.Linear(nullptr, 1, nullptr, 1, 1, nullptr, nullptr, nullptr));
   EXPECT_NE(gemm.error().find("Init"), std::string::npos) << gemm.error();
+  EXPECT_FALSE(gemm.Plan(nullptr, 1, nullptr, 1, 1, nullptr, nullptr));
+  EXPECT_FALSE(gemm.LinearPlanned(nullptr, 1, nullptr, 1, 1, nullptr, nullptr, nullptr));
 }
 
 #else

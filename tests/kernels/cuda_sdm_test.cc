@@ -155,9 +155,36 @@ TEST(CudaSdmTest, AddressMatchesCpuWithTiesAndNan) {
   CheckAddress(12, 64, 32, AddressAct::kL2Normalize, 1.0f, true);
   CheckAddress(13, 256, 128, AddressAct::kIdentity, 1.0f, true);
   CheckAddress(14, 16, 256, AddressAct::kRelu, 1.0f, true);
-  // k_sub = 17 (not a divisor of the block size: the candidate cursor wraps) and 3-byte slot
+  // k_sub = 17 (pruned rows of uneven lengths, not a divisor of the block size) and 3-byte slot
   // keys, with tied sums.
   CheckAddress(15, 300, 17, AddressAct::kSoftmax, 1.0f, true);
+#endif
+}
+
+// Every sum tied (all scores 0): every row's first pair beyond the pruned candidates ties the
+// threshold, so the kernel takes the full k_sub^2 fallback; ties go to the lower slot, so the
+// selection is slots 0 .. count - 1 (a = 0, b = 0 .. count - 1 when count <= side).
+TEST(CudaSdmTest, AddressAllTiedTakesTheLowestSlots) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const int64_t side : {8, 64, 256}) {
+    const int64_t k = side / 2, rows = 3, heads = 2;
+    const int64_t count = AddressCount(k, side);
+    std::vector<float> scores(rows * heads * 2 * side, 0.0f);
+    auto d_scores = Upload(scores);
+    cuda::DeviceBuffer<int32_t> d_slots(rows * heads * count);
+    cuda::DeviceBuffer<float> d_weights(rows * heads * count);
+    ASSERT_EQ(cuda::SdmAddress(d_scores.get(), rows, heads, side, k, AddressAct::kIdentity, 1.0f,
+                               d_slots.get(), d_weights.get(), nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<int32_t> slots = Download(d_slots.get(), d_slots.size());
+    for (int64_t rh = 0; rh < rows * heads; ++rh) {
+      for (int64_t i = 0; i < count; ++i) {
+        ASSERT_EQ(slots[rh * count + i], i) << "side " << side << " rh " << rh;
+      }
+    }
+  }
 #endif
 }
 
@@ -665,6 +692,72 @@ TEST(CudaSdmTest, ReleaseNeverWritesOutsideTheFreeList) {
     }
     EXPECT_EQ(DownloadScalar(d_count.get()), broken + 10);
     for (int32_t entry : Download(d_table.get(), 10)) EXPECT_EQ(entry, kSdmNoRow);
+  }
+#endif
+}
+
+// The free list drained to empty by pops, then a release: the count comes back to the capacity,
+// the list holds every row exactly once, nothing outside it is written, and the rows can be
+// popped again (distinct, in range, holding what was scattered into them).
+TEST(CudaSdmTest, ReleaseIntoAnEmptyFreeList) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int64_t capacity = 16, width = 8, margin = 32;
+  cuda::DeviceBuffer<__nv_bfloat16> rows(capacity * width);
+  std::vector<int32_t> storage(capacity + 2 * margin, -7);
+  auto d_storage = Upload(storage);
+  cuda::DeviceBuffer<int32_t> count(1);
+  cuda::SdmRowArena arena;
+  arena.rows = rows.get();
+  arena.free_list = d_storage.get() + margin;
+  arena.free_count = count.get();
+  arena.row_width = width;
+  arena.capacity = capacity;
+  ASSERT_EQ(cuda::SdmInitFreeList(arena, capacity, nullptr), cudaSuccess);
+  // A table of 2 * capacity slots; the even ones get every row of the arena.
+  auto d_table = Upload(std::vector<int32_t>(2 * capacity, kSdmNoRow));
+  for (int round = 0; round < 2; ++round) {
+    SCOPED_TRACE(testing::Message() << "round " << round);
+    std::vector<int32_t> slot_ids(capacity);
+    std::vector<__nv_bfloat16> src(capacity * width);
+    for (int64_t i = 0; i < capacity; ++i) {
+      slot_ids[i] = static_cast<int32_t>(2 * i);
+      for (int64_t c = 0; c < width; ++c) {
+        src[i * width + c] = __float2bfloat16_rn(static_cast<float>(100 * round + i));
+      }
+    }
+    auto d_src = Upload(src);
+    auto d_slots = Upload(slot_ids);
+    ASSERT_EQ(
+        cuda::SdmScatterRows(d_src.get(), d_slots.get(), capacity, d_table.get(), arena, nullptr),
+        cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(DownloadScalar(count.get()), 0);  // empty
+    const std::vector<int32_t> table = Download(d_table.get(), 2 * capacity);
+    const std::vector<__nv_bfloat16> held = Download(rows.get(), capacity * width);
+    std::vector<int> seen(capacity, 0);
+    for (int64_t i = 0; i < capacity; ++i) {
+      const int32_t row = table[2 * i];
+      ASSERT_GE(row, 0);
+      ASSERT_LT(row, capacity);
+      ++seen[row];
+      EXPECT_EQ(__bfloat162float(held[row * width]), static_cast<float>(100 * round + i));
+      EXPECT_EQ(table[2 * i + 1], kSdmNoRow);
+    }
+    for (int64_t r = 0; r < capacity; ++r) ASSERT_EQ(seen[r], 1) << "row " << r;
+
+    ASSERT_EQ(cuda::SdmReleaseRows(d_table.get(), 2 * capacity, arena, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(DownloadScalar(count.get()), capacity);
+    const std::vector<int32_t> after = Download(d_storage.get(), capacity + 2 * margin);
+    for (int64_t i = 0; i < margin; ++i) {
+      ASSERT_EQ(after[i], -7) << "wrote before the list at " << i - margin;
+      ASSERT_EQ(after[margin + capacity + i], -7) << "wrote past the list at " << capacity + i;
+    }
+    std::vector<int32_t> listed(after.begin() + margin, after.begin() + margin + capacity);
+    std::sort(listed.begin(), listed.end());
+    for (int64_t r = 0; r < capacity; ++r) ASSERT_EQ(listed[r], r);
+    for (int32_t entry : Download(d_table.get(), 2 * capacity)) EXPECT_EQ(entry, kSdmNoRow);
   }
 #endif
 }

@@ -248,6 +248,86 @@ TEST(SdmAddressingTest, SharedHelpersMatchLegacySelectionFreshSeed) {
   CheckLegacyOnSeed(seed);
 }
 
+// Candidate pruning (AddressSelectPrunedSerial, which the CUDA kernel and the CPU twin run)
+// against the full k_sub^2 selection (AddressSelectSerial): the same slots in the same order and
+// the same sum bits, on plain normal scores (the pruned path), on scores with many exact ties,
+// NaN, +-inf and -0 (where ties at the threshold force the fallback), and on scores quantised to
+// a few values. Counts how often each path ran, so the test fails if either is never exercised.
+struct PruneStats {
+  int pruned = 0, fell_back = 0;
+};
+
+void ExpectPrunedEqualsFull(const std::vector<float>& scores, int64_t s, int64_t k,
+                            PruneStats& stats) {
+  const int64_t k_sub = AddressSubCount(k, s);
+  const int64_t count = AddressCount(k, s);
+  std::vector<int32_t> idx_a(k_sub), idx_b(k_sub), hist(256);
+  std::vector<uint64_t> keys(AddressSelectKeyScratch(k, s));
+  std::vector<int32_t> want_slots(count), got_slots(count, -1);
+  std::vector<float> want_sums(count), got_sums(count);
+  AddressSelectSerial(scores.data(), s, k, want_slots.data(), want_sums.data(), idx_a.data(),
+                      idx_b.data(), keys.data(), hist.data());
+  // The halves in rank order, as the CUDA kernel ranks them (position = AddressRankOf).
+  std::vector<int32_t> rank_a(k_sub), rank_b(k_sub);
+  for (int64_t h = 0; h < 2; ++h) {
+    std::vector<int32_t>& rank = h == 0 ? rank_a : rank_b;
+    for (int64_t i = 0; i < s; ++i) {
+      const int64_t r = AddressRankOf(scores.data() + h * s, s, i);
+      if (r < k_sub) rank[r] = static_cast<int32_t>(i);
+    }
+  }
+  bool pruned = false;
+  AddressSelectPrunedSerial(scores.data(), s, k, rank_a.data(), rank_b.data(), got_slots.data(),
+                            got_sums.data(), keys.data(), hist.data(), &pruned);
+  ASSERT_EQ(got_slots, want_slots) << "s=" << s << " k=" << k << " pruned=" << pruned;
+  for (int64_t i = 0; i < count; ++i) ASSERT_EQ(Bits(got_sums[i]), Bits(want_sums[i])) << i;
+  if (count < k_sub * k_sub) ++(pruned ? stats.pruned : stats.fell_back);
+}
+
+void CheckPruningOnSeed(uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> level(-2, 2);
+  PruneStats stats;
+  for (int64_t s : {1, 2, 5, 8, 17, 64, 128, 256}) {
+    for (int64_t k : {1, 3, 8, 32, 100, 128, 256, 300}) {
+      const int reps = s >= 64 ? 2 : 8;
+      for (int rep = 0; rep < reps; ++rep) {
+        std::vector<float> scores(2 * s);
+        for (float& x : scores) x = normal(rng);
+        ExpectPrunedEqualsFull(scores, s, k, stats);
+        scores = NastyScores(rng, 2 * s);
+        ExpectPrunedEqualsFull(scores, s, k, stats);
+        for (float& x : scores) x = 0.25f * static_cast<float>(level(rng));
+        ExpectPrunedEqualsFull(scores, s, k, stats);
+      }
+    }
+  }
+  EXPECT_GT(stats.pruned, 0);
+  EXPECT_GT(stats.fell_back, 0);
+}
+
+TEST(SdmAddressingTest, PrunedCandidatesGiveTheFullTopK) { CheckPruningOnSeed(91); }
+
+TEST(SdmAddressingTest, PrunedCandidatesGiveTheFullTopKFreshSeed) {
+  std::random_device rd;
+  const uint32_t seed = rd();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  CheckPruningOnSeed(seed);
+}
+
+TEST(SdmAddressingTest, PrunedCandidateCounts) {
+  // count 4, k_sub 4: rows of 4, 2, 1, 1 pairs.
+  EXPECT_EQ(AddressPrunedRowLength(0, 4, 4), 4);
+  EXPECT_EQ(AddressPrunedRowLength(1, 4, 4), 2);
+  EXPECT_EQ(AddressPrunedRowLength(3, 4, 4), 1);
+  EXPECT_EQ(AddressPrunedCount(4, 16), 8);
+  // sdm_flagship's 128 of 128 per half: 645 candidates instead of 16,384.
+  EXPECT_EQ(AddressPrunedCount(128, 128), 645);
+  // count = k_sub^2 (every pair selected): no pruning.
+  EXPECT_EQ(AddressPrunedCount(300, 8), 64);
+}
+
 TEST(SdmAddressingTest, OrderKeyIsMonotoneWithNanAndZeroRules) {
   const float inf = std::numeric_limits<float>::infinity();
   const float ordered[] = {-inf, -3.0f, -1e-30f, 0.0f, 1e-38f, 2.0f, 3e38f, inf};

@@ -219,6 +219,56 @@ TEST_F(SchedulerTest, SessionTurnsContinueTheConversationAndSurviveARestart) {
   EXPECT_EQ(t3->tokens, Direct(*s, feed3, 5));
 }
 
+// A step failing part-way (EngineOptions::inject_forward_fault, engine/engine_backend.h): the
+// job ends with the engine's error, which says its session is marked failed; the session is then
+// refused before streaming (the store's FAILED_PRECONDITION) while other sessions are served,
+// and its snapshot stays the last good copy (here: as created), which a restart serves again.
+TEST_F(SchedulerTest, AStepFailingPartWayEndsTheJobAndRefusesItsSession) {
+  ModelConfig c = *PresetConfig("tiny");
+  EngineOptions o;
+  // The prompt's prefill is one pass (fault points 0 .. n_layers - 1); the first decode pass
+  // fails after its layer 1.
+  o.inject_forward_fault = c.n_layers + 1;
+  store_.reset();
+  auto e = Engine::Create(RandomModel(c, 5), o);
+  ASSERT_TRUE(e.ok());
+  engine_ = *std::move(e);
+  OpenStore();
+  StartScheduler();
+  ASSERT_TRUE(store_->Create("chat", "").ok());
+  ASSERT_TRUE(store_->PersistAll().ok());  // its snapshot as created, before the failing turn
+  auto failed = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(6, 2), 5), failed).ok());
+  failed->Wait();
+  EXPECT_EQ(failed->reason, FinishReason::kError);
+  EXPECT_EQ(failed->error.code(), absl::StatusCode::kInternal) << failed->error;
+  EXPECT_NE(failed->error.message().find("marked failed"), std::string::npos) << failed->error;
+  EXPECT_EQ(failed->tokens.size(), 1u);  // sampled from the prefill; the decode failed
+
+  auto refused = std::make_shared<Collector>();
+  const absl::Status again = scheduler_->Submit(Job("chat", Tokens(3, 3), 5), refused);
+  EXPECT_EQ(again.code(), absl::StatusCode::kFailedPrecondition) << again;
+  EXPECT_NE(again.message().find("half-updated"), std::string::npos) << again;
+  EXPECT_FALSE(refused->finished);
+
+  ASSERT_TRUE(store_->Create("other", "").ok());
+  auto served = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("other", Tokens(6, 2), 5), served).ok());
+  served->Wait();
+  EXPECT_NE(served->reason, FinishReason::kError) << served->error;
+  EXPECT_TRUE(served->error.ok()) << served->error;
+
+  // A restart reads the last good snapshot of "chat": as it was created.
+  scheduler_.reset();
+  ASSERT_TRUE(store_->PersistAll().ok());
+  store_.reset();
+  OpenStore();
+  auto lease = store_->Acquire("chat");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), 0);
+  EXPECT_FALSE(lease->state().failed());
+}
+
 TEST_F(SchedulerTest, BusyAndUnknownSessionsAreRefusedBeforeStreaming) {
   StartScheduler();
   ASSERT_TRUE(store_->Create("busy", "").ok());

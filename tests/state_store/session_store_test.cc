@@ -218,6 +218,68 @@ TEST_P(StoreTest, EvictionUnderPressureKeepsEverySessionExact) {
   EXPECT_EQ(st.sessions[0] + st.sessions[1] + st.sessions[2], kSessions);
 }
 
+// A session a failed engine step left half-updated (SessionState::MarkFailed, as the backends'
+// ForwardCommit does) is refused from then on, never written over its last good snapshot, never
+// parked; deleting it resets the name.
+TEST_P(StoreTest, ASessionDamagedByAFailedStepIsRefusedAndItsSnapshotKept) {
+  TempDir dir;
+  const auto prompt = Tokens(7, 11);
+  {
+    auto store = OpenStore(dir.path());
+    ASSERT_TRUE(store->Create("s1", "").ok());
+    {
+      auto lease = store->Acquire("s1");
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      ASSERT_TRUE(engine_->Prefill(lease->state(), prompt, false, nullptr).ok());
+    }
+    ASSERT_TRUE(store->PersistAll().ok());
+    {
+      auto lease = store->Acquire("s1");
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      // What a failed step leaves: more consumed in the layers, the mark on the state.
+      ASSERT_TRUE(engine_->Prefill(lease->state(), Tokens(3, 12), false, nullptr).ok());
+      lease->state().MarkFailed(absl::InternalError("a failed step left this session x"));
+    }
+    const absl::StatusOr<SessionLease> again = store->Acquire("s1");
+    ASSERT_FALSE(again.ok());
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kFailedPrecondition) << again.status();
+    EXPECT_NE(again.status().message().find("session 's1'"), std::string::npos);
+    EXPECT_NE(again.status().message().find("a failed step left this session x"),
+              std::string::npos);
+    EXPECT_NE(again.status().message().find("delete"), std::string::npos);
+    EXPECT_EQ(store->Park("s1", Tier::kHost).code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_FALSE(store->Get("s1")->error.empty());
+    ASSERT_TRUE(store->PersistAll().ok());  // skips it
+  }
+  {
+    // The snapshot on disk is the last good copy: the prompt, not the damaged turn.
+    auto store = OpenStore(dir.path());
+    {
+      auto lease = store->Acquire("s1");
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      EXPECT_EQ(lease->state().position(), 7);
+      EXPECT_FALSE(lease->state().failed());
+    }
+    ASSERT_TRUE(store->Delete("s1").ok());
+    ASSERT_TRUE(store->Create("s1", "").ok());
+  }
+  {
+    // Deleting a damaged session resets its name.
+    auto store = OpenStore(dir.path());
+    {
+      auto lease = store->Acquire("s1");
+      ASSERT_TRUE(lease.ok());
+      lease->state().MarkFailed(absl::InternalError("broken"));
+    }
+    ASSERT_FALSE(store->Acquire("s1").ok());
+    ASSERT_TRUE(store->Delete("s1").ok());
+    ASSERT_TRUE(store->Create("s1", "").ok());
+    auto lease = store->Acquire("s1");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), 0);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, StoreTest,
                          testing::Values(Kind::kSdm, Kind::kFullAttention, Kind::kMixed));
 

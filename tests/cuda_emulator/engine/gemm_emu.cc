@@ -21,6 +21,67 @@ static void CheckDev(const void* p, size_t bytes, const char* what, int64_t m, i
 }
 
 BlasLtGemm::~BlasLtGemm() = default;
+void BlasLtGemm::DescDeleter::operator()(cublasLtMatmulDescOpaque_t*) const {}
+void BlasLtGemm::DescDeleter::operator()(cublasLtMatrixLayoutOpaque_t*) const {}
+
+// Plans are keyed as on the device (kernels/cuda/gemm.cu) so that LinearPlanned refuses exactly
+// what it would refuse there; the emulator's plan holds nothing.
+BlasLtGemm::PlanKey BlasLtGemm::KeyOf(const void* x, int64_t m, const void* w, int64_t n, int64_t k,
+                                      const float* bias, const void* y) {
+  auto align = [](const void* p) {
+    int64_t a = 256;
+    while (a > 1 && reinterpret_cast<uintptr_t>(p) % static_cast<uintptr_t>(a) != 0) a /= 2;
+    return a;
+  };
+  return {m,        n,        k,       static_cast<int64_t>(reinterpret_cast<uintptr_t>(bias)),
+          align(x), align(w), align(y)};
+}
+
+bool BlasLtGemm::Shape(int64_t m, int64_t n, int64_t k) {
+  if (handle_ == nullptr) {
+    error_ = "BlasLtGemm before a successful Init";
+    return false;
+  }
+  if (m < 0 || n < 0 || k < 0) {
+    error_ = "BlasLtGemm: negative shape";
+    return false;
+  }
+  return true;
+}
+
+const BlasLtGemm::CachedPlan* BlasLtGemm::Find(const PlanKey& key, bool make) {
+  auto it = plans_.find(key);
+  if (it != plans_.end()) return &it->second;
+  if (!make) {
+    error_ = "cuBLASLt GEMM m=" + std::to_string(key[0]) + " n=" + std::to_string(key[1]) +
+             " k=" + std::to_string(key[2]) + " was not planned before the pass";
+    return nullptr;
+  }
+  CachedPlan plan;
+  plan.num_algos = 1;
+  return &plans_.emplace(key, std::move(plan)).first->second;
+}
+
+bool BlasLtGemm::Plan(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, int64_t n,
+                      int64_t k, const float* bias, const float* y) {
+  if (!Shape(m, n, k)) return false;
+  if (m == 0 || n == 0 || k == 0) return true;
+  CheckDev(x, m * k * 2, "x", m, n, k);
+  CheckDev(w, n * k * 2, "w", m, n, k);
+  CheckDev(y, m * n * 4, "y", m, n, k);
+  if (bias != nullptr) CheckDev(bias, n * 4, "bias", m, n, k);
+  return Find(KeyOf(x, m, w, n, k, bias, y), /*make=*/true) != nullptr;
+}
+
+bool BlasLtGemm::LinearPlanned(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, int64_t n,
+                               int64_t k, const float* bias, float* y, cudaStream_t stream) {
+  if (!Shape(m, n, k)) return false;
+  if (m != 0 && n != 0 && k != 0 &&
+      Find(KeyOf(x, m, w, n, k, bias, y), /*make=*/false) == nullptr) {
+    return false;
+  }
+  return Linear(x, m, w, n, k, bias, y, stream);
+}
 
 bool BlasLtGemm::Init(size_t workspace_bytes) {
   plans_.clear();
