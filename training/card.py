@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -50,6 +51,24 @@ def plots(model_dir, runs):
     fig.tight_layout()
     fig.savefig(os.path.join(model_dir, "loss.png"))
     plt.close(fig)
+
+    # Recall on held-out probes during training (train.py --eval-every), when the runs logged it.
+    probes = {label: [(r["step"], r["recall_probe"]) for r in log if r.get("recall_probe")]
+              for label, (ev, log) in runs.items()}
+    if any(probes.values()):
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+        for (label, pts), color in zip(probes.items(), ("C0", "C1", "C2")):
+            for d, ls in (("32", "--"), ("128", "-")):
+                ax.plot([st for st, _ in pts], [p[d] for _, p in pts], ls=ls, color=color,
+                        marker=".", label=f"{label}, {d} B")
+        ax.set_xlabel("step")
+        ax.set_ylabel("exact answers (held-out probe)")
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(model_dir, "recall-training.png"))
+        plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
     window = None
@@ -130,7 +149,9 @@ def main(argv=None):
     L.append(f"- Recall task ({ev['recall_frac']:.0%} of the rows): 1-3 facts such as "
              f"`{data.fact_text('Ruth', 'amber').strip()}` stated once, then corpus text, then "
              f"the questions `{data.question_text('Ruth')!r}` with the answers; "
-             f"{len(data.NAMES)} names, {len(data.WORDS)} code words, so chance is "
+             f"{len(data.NAMES)} names, {len(data.WORDS)} code words with distinct first letters "
+             "(the first byte of an answer names the word: recalling a fact is recalling one "
+             "byte bound to a name), so chance is "
              f"{ev['recall_chance']:.1%}. The distance (bytes of text between the facts and the "
              "questions) is drawn log-uniformly; its upper end grows over the first "
              f"{ev['curriculum_frac']:.0%} of the steps from 48 bytes to what fits a "
@@ -144,7 +165,10 @@ def main(argv=None):
     L.append(f"- {ev['steps']} steps of {ev['batch']} rows x {ev['seq']} bytes "
              f"({ev['tokens']:,} bytes), AdamW (betas 0.9/0.95, weight decay 0.1), peak learning "
              f"rate {ev['lr']:g} with warm-up and cosine decay to 10%, gradient clipping 1.0, "
-             f"seed {ev['seed']}, float32, {ev['threads']} torch thread(s).")
+             f"seed {ev['seed']}, float32, {ev['threads']} torch thread(s)." +
+             (f" The SDM write strength starts low (b_proj bias {ev['beta_bias']:g}, beta = "
+              f"{1 / (1 + math.exp(-ev['beta_bias'])):.2f}) so that text overwrites a slot "
+              "slowly until the model has learned what to keep." if "beta_bias" in ev else ""))
     L.append(f"- Wall time: {ev['train_wall_s'] / 60:.1f} min of training on the shared 2-core "
              "CPU (other jobs ran at the same time), plus "
              f"{ev['eval_wall_s'] / 60:.1f} min of evaluation." +
@@ -152,6 +176,10 @@ def main(argv=None):
                      for label, (e, _) in runs.items() if e is not ev))
     if has_plots:
         L.append("\n![training loss](loss.png)\n")
+        if os.path.exists(os.path.join(args.model, "recall-training.png")):
+            L.append("Recall during training, on 32 held-out examples at 2x and 8x the window "
+                     "(the table below uses more):\n")
+            L.append("![recall during training](recall-training.png)\n")
     else:
         L.append("\n(no plots: matplotlib was not importable when the card was written)\n")
     L.append("## Evaluation (on the bf16 weights as shipped)\n")
@@ -167,7 +195,7 @@ def main(argv=None):
         L.append(row)
     L.append("")
     L.append(f"Held-out bits per byte: mean over {ev['heldout_bytes']:,} bytes of held-out "
-             "fortunes (rows of BOS + 512 bytes). Recall: "
+             f"fortunes (rows of BOS + {ev['seq']} bytes). Recall: "
              f"{ev['recall_per_distance']} held-out examples per distance, one fact each, exact "
              f"greedy answer; chance {ev['recall_chance']:.1%}. The distance is the bytes of text "
              "between the end of the fact and the start of the question; the answer comes about "

@@ -30,9 +30,13 @@ FORTUNE_DIR = "/usr/share/games/fortunes"
 NAMES = ("Ruth Adam Maria Omar Lena Victor Nora Felix Ida Hugo Clara Otto Mila Ivan Rosa Paul "
          "Greta Yusuf Alma Bruno Dora Emil Hanna Jonas Kira Leo Mina Nils Olga Pia Rafael Sara "
          "Tomas Una Vera Walter Zoe Anton Bea Carl").split()
-WORDS = ("amber apple anchor bamboo candle cobalt copper coral crystal falcon garnet ginger harbor "
-         "indigo jasmine lantern maple marble meadow nickel olive orchid pepper quartz raven "
-         "saffron silver sparrow thunder tulip velvet walnut").split()
+# Every code word starts with a different letter: the first byte of the answer names the word, so
+# recalling a fact is recalling one byte bound to a name (the rest of the word follows from the
+# list, which the sliding-window layers learn). Chance is 1 in len(WORDS).
+WORDS = ("amber bamboo cobalt dolphin ember falcon garnet harbor indigo jasmine kettle lantern "
+         "maple nickel orchid pepper quartz raven saffron thunder umbrella velvet walnut yarrow "
+         "zephyr").split()
+assert len({w[0] for w in WORDS}) == len(WORDS)
 
 
 def fact_text(name: str, word: str) -> str:
@@ -140,7 +144,8 @@ class Batcher:
 
     def __init__(self, corpus: Corpus, seq: int, batch: int, seed: int, recall_frac: float,
                  min_distance: int, start_distance: int, curriculum_steps: int,
-                 answer_weight: float):
+                 answer_weight: float, fact_counts=(1, 2, 2, 3)):
+        self.fact_counts = tuple(fact_counts)
         self.corpus, self.seq, self.batch = corpus, seq, batch
         self.recall_frac = recall_frac
         self.min_distance, self.start_distance = min_distance, start_distance
@@ -165,7 +170,7 @@ class Batcher:
                 hi = max(self.min_distance, self.max_distance(step))
                 import math
                 d = int(math.exp(rng.uniform(math.log(self.min_distance), math.log(hi))))
-                n_facts = rng.choice((1, 2, 2, 3))
+                n_facts = rng.choice(self.fact_counts)
                 ids, answers = recall_example(rng, self.corpus, d, n_facts,
                                               prefix=rng.randrange(0, 64), total=total)
                 for s, n in answers:

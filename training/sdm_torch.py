@@ -289,10 +289,13 @@ class SdmLM(nn.Module):
             x = layer(x)
         return self.output(self.norm(x))
 
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, beta_bias: float = 0.0) -> None:
         """Truncated-normal init with std dim^-0.5 (hidden^-0.5 for w2; output projections scaled
         by 1/sqrt(2 n_layers)); SDM decay rates A log-uniform in [A_init_range], which we default
-        to slow decay so the memory can hold a fact over a long stretch from the start."""
+        to slow decay so the memory can hold a fact over a long stretch from the start.
+        `beta_bias` starts the SDM write strength beta = sigmoid(b_proj(x)) near sigmoid(beta_bias):
+        a negative value makes ordinary text overwrite a slot slowly until the model learns which
+        bytes are worth writing, so a fact survives long enough for recall to be learnable."""
         gen = torch.Generator().manual_seed(seed)
         d = self.cfg.dim
         depth = math.sqrt(2 * self.cfg.n_layers)
@@ -314,6 +317,7 @@ class SdmLM(nn.Module):
                 for m in (at.Wq_read, at.Wk_write, at.Wv_write, at.a_proj, at.b_proj):
                     tn(m.weight, d ** -0.5)
                     nn.init.zeros_(m.bias)
+                nn.init.constant_(at.b_proj.bias, beta_bias)
                 tn(at.Wo.weight, d ** -0.5 / depth)
                 nn.init.zeros_(at.Wo.bias)
                 if at.gated:

@@ -40,7 +40,7 @@ def preset(name: str) -> dict:
         c = dict(dim=128, n_layers=4, n_heads=4, swa_window=16, swa_n_heads=4, swa_n_kv_heads=4,
                  multiple_of=64, rope_theta=10000.0, vocab_size=258, weight_tying=False,
                  swa_at=[0, 1, 2], sdm_at=[3],
-                 sdm_args=dict(num_heads=2, slots_per_head=64, num_writes=4, num_reads=4,
+                 sdm_args=dict(num_heads=2, slots_per_head=64, num_writes=2, num_reads=4,
                                output_gate=True, normalize_readings=True,
                                backprop_on_memory=True, A_init_range=[0.01, 1.0]))
     elif name in ("smoke", "smoke_twin"):
@@ -168,12 +168,18 @@ def main(argv=None) -> int:
     ap.add_argument("--run", required=True, help="run directory (checkpoint, logs)")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--seq", type=int, default=384)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--recall-frac", type=float, default=0.5)
+    ap.add_argument("--recall-frac", type=float, default=0.75)
+    ap.add_argument("--beta-bias", type=float, default=-2.0,
+                    help="initial bias of the SDM write strength's projection (sdm_torch.py)")
+    ap.add_argument("--num-writes", type=int, default=0,
+                    help="override the preset's SDM writes per token and head (0: the preset's)")
+    ap.add_argument("--eval-every", type=int, default=200,
+                    help="log recall at 2x and 8x the window every N steps (0: never)")
     ap.add_argument("--answer-weight", type=float, default=4.0)
     ap.add_argument("--curriculum-frac", type=float, default=0.5,
                     help="fraction of the steps over which the recall distance grows")
@@ -196,8 +202,10 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     os.makedirs(args.run, exist_ok=True)
     cfg = preset(args.preset)
+    if args.num_writes and "sdm_args" in cfg:
+        cfg["sdm_args"]["num_writes"] = args.num_writes
     model = sdm_torch.SdmLM(cfg)
-    model.init_weights(args.seed)
+    model.init_weights(args.seed, beta_bias=args.beta_bias)
     decay, no_decay = param_groups(model)
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
                              {"params": no_decay, "weight_decay": 0.0}],
@@ -236,6 +244,7 @@ def main(argv=None) -> int:
                     "elapsed": elapsed, "args": vars(args), "config": cfg}, tmp)
         os.replace(tmp, ckpt_path)
 
+    probe_set = data.recall_eval_set(data.Corpus(held_text), [32, 128], 32, seed=args.seed + 2)
     progress = Progress(args.steps)
     model.train()
     t_window, tok_window = time.time(), 0
@@ -259,9 +268,13 @@ def main(argv=None) -> int:
             t_window, tok_window = time.time(), 0
         eta = (args.steps - step) * elapsed / max(1, step)
         progress.show(step, float(plain), tok_s or x.numel() / dt, eta)
-        if step % args.log_every == 0 or step == args.steps:
+        probe = {}
+        if args.eval_every and step % args.eval_every == 0:
+            probe = {str(k): v for k, v in recall_accuracy(model, probe_set).items()}
+            sys.stderr.write(f"step {step}: recall (held-out, 32 each) {probe}\n")
+        if step % args.log_every == 0 or step == args.steps or probe:
             with open(log_path, "a") as f:
-                f.write(json.dumps({"step": step, "loss": float(plain),
+                f.write(json.dumps({"step": step, "loss": float(plain), "recall_probe": probe,
                                     "weighted_loss": float(loss), "grad_norm": float(gnorm),
                                     "lr": opt.param_groups[0]["lr"], "elapsed_s": elapsed,
                                     "max_distance": batcher.max_distance(step)}) + "\n")
@@ -287,6 +300,7 @@ def main(argv=None) -> int:
               "seq": args.seq, "tokens": step * args.batch * args.seq, "train_wall_s": elapsed,
               "params": n_params, "params_without_m0": n_params_no_m0, "seed": args.seed,
               "threads": args.threads, "lr": args.lr, "recall_frac": args.recall_frac,
+              "beta_bias": args.beta_bias,
               "answer_weight": args.answer_weight, "curriculum_frac": args.curriculum_frac,
               "heldout_bits_per_byte": bpb, "heldout_bytes": args.eval_batches * args.batch * args.seq,
               "recall_accuracy": {str(k): v for k, v in acc.items()},
