@@ -3,9 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "kernels/cpu/widen.h"
 
 namespace sdm::kernels::cpu {
 namespace {
@@ -19,8 +17,9 @@ constexpr int64_t kDepth = 256;  // k per block: a panel slice (16 KB) stays in 
 // accumulators held in y (or starts them at zero when `first`) over k values [k0, k1): splitting
 // k into blocks keeps each element's fma sequence in increasing k. The six rows are spelled out
 // so the twelve accumulators stay in registers.
-void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, int64_t k0,
-                 int64_t k1, bool first, float* y, int64_t ldy, int64_t nr) {
+template <typename T>
+void MicroKernel(const float* x, int64_t ldx, int64_t mr, const T* panel, int64_t k0, int64_t k1,
+                 bool first, float* y, int64_t ldy, int64_t nr) {
   const float* x0 = x;
   const float* x1 = x + (1 < mr ? 1 : 0) * ldx;
   const float* x2 = x + (2 < mr ? 2 : 0) * ldx;
@@ -38,10 +37,10 @@ void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, in
   __m256 a30 = _mm256_load_ps(in[3]), a31 = _mm256_load_ps(in[3] + 8);
   __m256 a40 = _mm256_load_ps(in[4]), a41 = _mm256_load_ps(in[4] + 8);
   __m256 a50 = _mm256_load_ps(in[5]), a51 = _mm256_load_ps(in[5] + 8);
-  const float* w = panel + k0 * kPanel;
+  const T* w = panel + k0 * kPanel;
   for (int64_t p = k0; p < k1; ++p, w += kPanel) {
-    const __m256 w0 = _mm256_loadu_ps(w);
-    const __m256 w1 = _mm256_loadu_ps(w + 8);
+    const __m256 w0 = Widen8(w);
+    const __m256 w1 = Widen8(w + 8);
     __m256 b = _mm256_broadcast_ss(x0 + p);
     a00 = _mm256_fmadd_ps(b, w0, a00);
     a01 = _mm256_fmadd_ps(b, w1, a01);
@@ -70,12 +69,14 @@ void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, in
   for (int64_t i = 0; i < mr; ++i) std::copy(in[i], in[i] + nr, y + i * ldy);
 }
 #else
-void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, int64_t k0,
-                 int64_t k1, bool first, float* y, int64_t ldy, int64_t nr) {
+template <typename T>
+void MicroKernel(const float* x, int64_t ldx, int64_t mr, const T* panel, int64_t k0, int64_t k1,
+                 bool first, float* y, int64_t ldy, int64_t nr) {
   for (int64_t i = 0; i < mr; ++i) {
     for (int64_t j = 0; j < nr; ++j) {
       float acc = first ? 0.0f : y[i * ldy + j];
-      for (int64_t p = k0; p < k1; ++p) acc = std::fma(x[i * ldx + p], panel[p * kPanel + j], acc);
+      for (int64_t p = k0; p < k1; ++p)
+        acc = std::fma(x[i * ldx + p], Widen(panel[p * kPanel + j]), acc);
       y[i * ldy + j] = acc;
     }
   }
@@ -84,13 +85,25 @@ void MicroKernel(const float* x, int64_t ldx, int64_t mr, const float* panel, in
 
 }  // namespace
 
-PackedMatrix::PackedMatrix(const float* w, int64_t n, int64_t k)
-    : n_(n), k_(k), data_(std::make_unique<float[]>(((n + kPanel - 1) / kPanel) * k * kPanel)) {
+PackedMatrix::PackedMatrix(const float* w, int64_t n, int64_t k, DType type)
+    : n_(n),
+      k_(k),
+      type_(type),
+      // bf16 values are stored two to a float slot (rounded up).
+      data_(std::make_unique<float[]>(
+          (((n + kPanel - 1) / kPanel) * k * kPanel * DTypeBytes(type) + 3) / 4)) {
   for (int64_t p = 0; p < panels(); ++p) {
-    float* dst = data_.get() + p * k * kPanel;
     for (int64_t c = 0; c < kPanel; ++c) {
       const int64_t row = p * kPanel + c;
-      for (int64_t i = 0; i < k; ++i) dst[i * kPanel + c] = row < n ? w[row * k + i] : 0.0f;
+      for (int64_t i = 0; i < k; ++i) {
+        const float value = row < n ? w[row * k + i] : 0.0f;
+        const int64_t at = (p * k + i) * kPanel + c;
+        if (type == DType::kBf16) {
+          reinterpret_cast<uint16_t*>(data_.get())[at] = FloatToBf16(value);
+        } else {
+          data_[at] = value;
+        }
+      }
     }
   }
 }
@@ -101,8 +114,11 @@ float DotInOrder(const float* x, const float* w, int64_t k) {
   return acc;
 }
 
-void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const float* bias, float* y,
-                     ThreadPool* pool) {
+namespace {
+
+template <typename T>
+void LinearInvariantOf(const float* x, int64_t m, const PackedMatrix& w, const float* bias,
+                       float* y, ThreadPool* pool) {
   const int64_t n = w.n(), k = w.k();
   // A task is a group of panels for every row: each panel is loaded once per row block.
   constexpr int64_t kPanelsPerTask = 4;
@@ -115,8 +131,8 @@ void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const flo
       for (int64_t k0 = 0; k0 < k; k0 += kDepth) {
         const int64_t k1 = std::min(k, k0 + kDepth);
         for (int64_t i = 0; i < m; i += kRows) {
-          MicroKernel(x + i * k, k, std::min(kRows, m - i), w.panel(p), k0, k1, k0 == 0,
-                      y + i * n + c0, n, nr);
+          MicroKernel<T>(x + i * k, k, std::min(kRows, m - i), w.panel<T>(p), k0, k1, k0 == 0,
+                         y + i * n + c0, n, nr);
         }
       }
       if (bias != nullptr) {
@@ -130,6 +146,17 @@ void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const flo
     for (int64_t t = 0; t < tasks; ++t) run(t);
   } else {
     pool->ParallelFor(tasks, run);
+  }
+}
+
+}  // namespace
+
+void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const float* bias, float* y,
+                     ThreadPool* pool) {
+  if (w.type() == DType::kBf16) {
+    LinearInvariantOf<uint16_t>(x, m, w, bias, y, pool);
+  } else {
+    LinearInvariantOf<float>(x, m, w, bias, y, pool);
   }
 }
 
