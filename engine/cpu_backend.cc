@@ -8,6 +8,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/bf16.h"
 #include "base/check.h"
 #include "engine/engine_backend.h"
 #include "engine/layer_tensors.h"
@@ -41,8 +42,9 @@ using CpuLayer = LayerTensors<const PackedMatrix*, const float*>;
 
 }  // namespace
 
-// The CPU forward pass: fp32 weights repacked for the batch-invariant GEMM (kernels/cpu/gemm.h),
-// per-session work on the engine's thread pool.
+// The CPU forward pass: weights repacked for the batch-invariant GEMM (kernels/cpu/gemm.h), as
+// fp32 or bf16 (EngineOptions::cpu_dtype, which also sets the KV caches' element type in the
+// state layout), per-session work on the engine's thread pool.
 class CpuBackend : public EngineBackend {
  public:
   explicit CpuBackend(const EngineContext& context)
@@ -51,6 +53,7 @@ class CpuBackend : public EngineBackend {
         pool_(context.options.num_threads),
         decode_attention_(context.options.cpu_decode_attention),
         fault_(context.options.inject_forward_fault),
+        dtype_(context.options.cpu_dtype),
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)) {
     const ModelWeights& w = *model_->weights;
@@ -62,7 +65,8 @@ class CpuBackend : public EngineBackend {
     auto pack = [&](TensorRef ref) -> const PackedMatrix* {
       const TensorSpec* t = spec.Find(ref);
       if (t == nullptr || t->is_sdm_memory) return nullptr;  // M0 lives in the state layout
-      packed_.emplace_back(w.Get(t->name).data(), t->shape[0], t->shape[1]);
+      packed_.emplace_back(w.Get(t->name).data(), t->shape[0], t->shape[1], dtype_);
+      packed_bytes_ += packed_.back().bytes();
       return &packed_.back();
     };
     // The embedding table is read by row, so it is packed only when it is also the output.
@@ -79,8 +83,10 @@ class CpuBackend : public EngineBackend {
 
   EngineDevice device() const override { return EngineDevice::kCpu; }
   std::string Describe() const override {
-    return absl::StrCat("cpu, ", pool_.num_threads(), " threads");
+    return absl::StrCat("cpu, ", pool_.num_threads(), " threads",
+                        dtype_ == DType::kBf16 ? ", bf16 weights and KV" : "");
   }
+  int64_t PackedWeightBytes() const override { return packed_bytes_; }
 
   absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
                        std::span<const int64_t> logit_rows, float* logits_out,
@@ -158,11 +164,28 @@ class CpuBackend : public EngineBackend {
         cpu::ApplyRope(&q[r * q_width], g.n_heads, g.head_dim, pos, theta);
         cpu::ApplyRope(&k[r * kv_width], g.n_kv_heads, g.head_dim, pos, theta);
         SDM_CHECK(cache.length() == pos);
-        std::memcpy(cache.NextKeyRow(), &k[r * kv_width], kv_width * sizeof(float));
-        std::memcpy(cache.NextValueRow(), &v[r * kv_width], kv_width * sizeof(float));
-        cache.Commit();
+        cache.AppendRow(&k[r * kv_width], &v[r * kv_width]);  // rounded in a bf16 cache
       }
     }
+    if (dtype_ == DType::kBf16) {
+      AttendBf16(li, q.data(), q_width, segs, shape, o.data());
+    } else {
+      AttendF32(li, q.data(), q_width, segs, shape, o.data());
+    }
+    if (a.w_gate != nullptr) {
+      std::vector<float> gate(n * q_width);
+      Linear(xn, n, a.w_gate, nullptr, gate.data());
+      cpu::MulSigmoid(gate.data(), o.data(), n * q_width);
+    }
+    Linear(o.data(), n, a.wo, nullptr, out);
+  }
+
+  // Attention of every segment's queries over its cache (fp32 rows). Single-token segments
+  // (decode) run on the pool (AttendDecodeBatch: split-K over blocks of whole cache rows), or
+  // per head (kPerHead); longer segments (prefill) use GEMMs on this thread.
+  void AttendF32(int64_t li, const float* q, int64_t q_width, std::span<const Segment> segs,
+                 const cpu::AttentionShape& shape, float* o) {
+    const int64_t window = shape.window;
     auto spans_for = [&](const KvCache& cache, int64_t begin, int64_t end) {
       std::vector<cpu::KvSpan> spans;
       cache.ForEachSpan(begin, end,
@@ -171,50 +194,82 @@ class CpuBackend : public EngineBackend {
                         });
       return spans;
     };
-    // Single-token segments (decode) run on the pool (AttendDecodeBatch: split-K over blocks of
-    // whole cache rows); longer segments (prefill) use GEMMs on this thread.
     std::vector<const Segment*> singles;
     for (const Segment& s : segs) {
       if (s.length == 1) {
         singles.push_back(&s);
       } else {
         const KvCache& cache = s.session->kv(li);
-        auto spans =
-            spans_for(cache, cpu::FirstVisiblePosition(s.pos0, g.window), s.pos0 + s.length);
+        auto spans = spans_for(cache, cpu::FirstVisiblePosition(s.pos0, window), s.pos0 + s.length);
         cpu::AttendPrefill(&q[s.first_row * q_width], s.length, s.pos0, spans, shape,
                            &o[s.first_row * q_width]);
       }
     }
-    if (!singles.empty()) {
-      std::vector<std::vector<cpu::KvSpan>> spans(singles.size());
+    if (singles.empty()) return;
+    std::vector<std::vector<cpu::KvSpan>> spans(singles.size());
+    for (size_t i = 0; i < singles.size(); ++i) {
+      const Segment& s = *singles[i];
+      spans[i] =
+          spans_for(s.session->kv(li), cpu::FirstVisiblePosition(s.pos0, window), s.pos0 + 1);
+    }
+    if (decode_attention_ == CpuDecodeAttention::kBlocked) {
+      std::vector<cpu::DecodeQuery> queries;
       for (size_t i = 0; i < singles.size(); ++i) {
-        const Segment& s = *singles[i];
-        spans[i] =
-            spans_for(s.session->kv(li), cpu::FirstVisiblePosition(s.pos0, g.window), s.pos0 + 1);
+        const int64_t r = singles[i]->first_row;
+        queries.push_back({&q[r * q_width], singles[i]->pos0, spans[i], &o[r * q_width]});
       }
-      if (decode_attention_ == CpuDecodeAttention::kBlocked) {
-        std::vector<cpu::DecodeQuery> queries;
-        for (size_t i = 0; i < singles.size(); ++i) {
-          const int64_t r = singles[i]->first_row;
-          queries.push_back({&q[r * q_width], singles[i]->pos0, spans[i], &o[r * q_width]});
-        }
-        cpu::AttendDecodeBatch(queries, shape, &pool_);
-      } else {
-        pool_.ParallelFor(static_cast<int64_t>(singles.size()) * g.n_heads, [&](int64_t task) {
-          const int64_t i = task / g.n_heads;
-          const int64_t h = task % g.n_heads;
-          const int64_t r = singles[i]->first_row;
-          cpu::AttendDecodeHead(&q[r * q_width + h * g.head_dim], h, singles[i]->pos0, spans[i],
-                                shape, &o[r * q_width + h * g.head_dim]);
-        });
+      cpu::AttendDecodeBatch(queries, shape, &pool_);
+    } else {
+      const int64_t heads = shape.n_heads, hd = shape.head_dim;
+      pool_.ParallelFor(static_cast<int64_t>(singles.size()) * heads, [&](int64_t task) {
+        const int64_t i = task / heads;
+        const int64_t h = task % heads;
+        const int64_t r = singles[i]->first_row;
+        cpu::AttendDecodeHead(&q[r * q_width + h * hd], h, singles[i]->pos0, spans[i], shape,
+                              &o[r * q_width + h * hd]);
+      });
+    }
+  }
+
+  // The same over bf16 caches: decode reads the bf16 rows (AttendDecodeBatch widens them as it
+  // streams); prefill widens the visible rows into fp32 scratch first and runs the fp32 GEMMs, so
+  // both paths compute on the same rounded values.
+  void AttendBf16(int64_t li, const float* q, int64_t q_width, std::span<const Segment> segs,
+                  const cpu::AttentionShape& shape, float* o) {
+    const int64_t window = shape.window;
+    const int64_t width = shape.row_stride;
+    std::vector<const Segment*> singles;
+    for (const Segment& s : segs) {
+      if (s.length == 1) {
+        singles.push_back(&s);
+        continue;
       }
+      const KvCache& cache = s.session->kv(li);
+      const int64_t begin = cpu::FirstVisiblePosition(s.pos0, window);
+      const int64_t end = s.pos0 + s.length;
+      std::vector<float> k((end - begin) * width), v((end - begin) * width);
+      cache.ForEachSpan<uint16_t>(
+          begin, end, [&](int64_t p, int64_t count, const uint16_t* kr, const uint16_t* vr) {
+            Bf16ToFloats(kr, count * width, &k[(p - begin) * width]);
+            Bf16ToFloats(vr, count * width, &v[(p - begin) * width]);
+          });
+      const cpu::KvSpan span{k.data(), v.data(), begin, end - begin};
+      cpu::AttendPrefill(&q[s.first_row * q_width], s.length, s.pos0, {&span, 1}, shape,
+                         &o[s.first_row * q_width]);
     }
-    if (a.w_gate != nullptr) {
-      std::vector<float> gate(n * q_width);
-      Linear(xn, n, a.w_gate, nullptr, gate.data());
-      cpu::MulSigmoid(gate.data(), o.data(), n * q_width);
+    if (singles.empty()) return;
+    std::vector<std::vector<cpu::KvSpanBf16>> spans(singles.size());
+    std::vector<cpu::DecodeQueryBf16> queries;
+    for (size_t i = 0; i < singles.size(); ++i) {
+      const Segment& s = *singles[i];
+      s.session->kv(li).ForEachSpan<uint16_t>(
+          cpu::FirstVisiblePosition(s.pos0, window), s.pos0 + 1,
+          [&](int64_t p, int64_t count, const uint16_t* kr, const uint16_t* vr) {
+            spans[i].push_back({kr, vr, p, count});
+          });
+      queries.push_back({&q[s.first_row * q_width], s.pos0, spans[i], &o[s.first_row * q_width]});
     }
-    Linear(o.data(), n, a.wo, nullptr, out);
+    cpu::AttendDecodeBatch(queries, shape, &pool_);
   }
 
   void SdmMixer(int64_t li, const SdmTensors<const PackedMatrix*, const float*>& w, const float* xn,
@@ -339,6 +394,8 @@ class CpuBackend : public EngineBackend {
   cpu::ThreadPool pool_;
   CpuDecodeAttention decode_attention_;
   ForwardFaultInjector fault_;
+  DType dtype_;
+  int64_t packed_bytes_ = 0;
   int64_t hidden_;
   SdmGeometry sdm_geom_;
   const float* tok_embeddings_ = nullptr;
@@ -350,6 +407,10 @@ class CpuBackend : public EngineBackend {
 };
 
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCpuBackend(const EngineContext& context) {
+  if (context.options.cpu_dtype == DType::kBf16 &&
+      context.options.cpu_decode_attention != CpuDecodeAttention::kBlocked) {
+    return absl::InvalidArgumentError("cpu_dtype bf16 needs the blocked decode attention kernel");
+  }
   return std::make_unique<CpuBackend>(context);
 }
 

@@ -18,8 +18,10 @@ namespace sdm {
 namespace {
 
 // The host format of a session's state for this model (docs/model-spec.md §7).
+// `kv_element`: how the caches store their rows (the CPU backend's cpu_dtype; fp32 for CUDA,
+// which keeps its own bf16 copy on the device).
 StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
-                             const EngineOptions& options) {
+                             const EngineOptions& options, DType kv_element) {
   const SdmGeometry sdm = SdmGeometryOf(cfg);
   const WeightSpec spec = BuildWeightSpec(cfg);
   // One row pool for every SDM layer and session made by Engine::NewSession() (tools, tests; forks
@@ -50,6 +52,7 @@ StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
       // The ring holds the window plus one prefill chunk, so the first query of a chunk still
       // sees its whole window after the chunk's own keys were appended.
       state.ring_capacity = g.window > 0 ? g.window + options.prefill_chunk : 0;
+      state.kv_element = kv_element;
     }
     layout.layers.push_back(std::move(state));
   }
@@ -120,6 +123,17 @@ const char* EngineDeviceName(EngineDevice device) {
   return "?";
 }
 
+const char* CpuDtypeName(DType dtype) { return dtype == DType::kBf16 ? "bf16" : "fp32"; }
+
+absl::StatusOr<DType> ParseCpuDtype(std::string_view name) {
+  for (DType d : {DType::kF32, DType::kBf16}) {
+    if (name == CpuDtypeName(d)) return d;
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown cpu dtype '",
+                                                 absl::string_view(name.data(), name.size()),
+                                                 "': expected fp32 or bf16"));
+}
+
 absl::StatusOr<EngineDevice> ParseEngineDevice(std::string_view name) {
   for (EngineDevice d : {EngineDevice::kAuto, EngineDevice::kCpu, EngineDevice::kCuda}) {
     if (name == EngineDeviceName(d)) return d;
@@ -134,7 +148,7 @@ class Engine::Impl {
   Impl(std::shared_ptr<const Model> model, const EngineOptions& options)
       : model_(std::move(model)),
         options_(options),
-        layout_(BuildStateLayout(model_->config, *model_->weights, options)),
+        layout_(BuildStateLayout(model_->config, *model_->weights, options, DType::kF32)),
         fingerprint_(ComputeFingerprint(*model_)) {}
 
   absl::Status Init() {
@@ -144,6 +158,11 @@ class Engine::Impl {
       device = kernels::cuda::DeviceCount() > 0 ? EngineDevice::kCuda : EngineDevice::kCpu;
     }
     options_.device = device;
+    if (device == EngineDevice::kCuda && options_.cpu_dtype != DType::kF32) {
+      return absl::InvalidArgumentError(
+          "cpu_dtype applies to the CPU backend only (the CUDA backend stores bf16 already)");
+    }
+    SetLayoutFor(device);
     const EngineContext context{model_, options_, &layout_};
     absl::StatusOr<std::unique_ptr<EngineBackend>> backend =
         device == EngineDevice::kCuda ? CreateCudaBackend(context) : CreateCpuBackend(context);
@@ -152,12 +171,19 @@ class Engine::Impl {
       SDM_LOG(WARNING) << "sdm engine: CUDA backend unavailable (" << backend.status().message()
                        << "); using the CPU";
       options_.device = EngineDevice::kCpu;
+      SetLayoutFor(EngineDevice::kCpu);
       const EngineContext cpu_context{model_, options_, &layout_};
       backend = CreateCpuBackend(cpu_context);
     }
     if (!backend.ok()) return backend.status();
     backend_ = *std::move(backend);
     return absl::OkStatus();
+  }
+
+  // The state layout for the backend on `device` (before any session exists).
+  void SetLayoutFor(EngineDevice device) {
+    layout_ = BuildStateLayout(model_->config, *model_->weights, options_,
+                               device == EngineDevice::kCpu ? options_.cpu_dtype : DType::kF32);
   }
 
   const Model& model() const { return *model_; }
@@ -361,6 +387,13 @@ EngineDevice Engine::device() const { return impl_->backend().device(); }
 std::string Engine::DescribeDevice() const { return impl_->backend().Describe(); }
 int64_t Engine::device_state_capacity_bytes() const {
   return impl_->backend().StateCapacityBytes();
+}
+int64_t Engine::packed_weight_bytes() const { return impl_->backend().PackedWeightBytes(); }
+int64_t Engine::host_kv_value_bytes() const {
+  for (const LayerStateLayout& l : impl_->layout().layers) {
+    if (l.kind == LayerStateLayout::Kind::kKv) return DTypeBytes(l.kv_element);
+  }
+  return static_cast<int64_t>(sizeof(float));
 }
 
 std::unique_ptr<SessionState> Engine::NewSession() const {

@@ -29,6 +29,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "base/bf16.h"
 #include "engine/model.h"
 #include "state_store/session_state.h"
 #include "state_store/state_layout.h"
@@ -51,6 +52,20 @@ enum class CpuDecodeAttention {
              // earlier kernel, kept so benchmarks can compare the two in one run
 };
 
+// How the CPU backend stores its matrices and KV caches (sliding-window rings included):
+// kF32, the default, is the exact engine the contract above describes; kBf16 rounds every
+// matrix (not the embedding table read by row, not the norms and biases) and every cached key
+// and value row to bf16 and widens them back to fp32 inside the kernels, accumulating in fp32:
+// half the bytes streamed per decode step, batch-invariant like fp32 (the same reductions on
+// the rounded values) but not equal to it (logit error and greedy agreement in
+// docs/benchmarks.md, "16-bit weights and caches on the CPU"). SDM rows stay fp32 in both modes.
+// Snapshots hold fp32 rows in both modes, so a session moves between them (a bf16 engine rounds
+// what it restores). The CUDA backend always stores bf16 and rejects kBf16 here (only the CPU's
+// format is chosen by this option).
+// "fp32", "bf16" (what --cpu_dtype flags accept).
+const char* CpuDtypeName(DType dtype);
+absl::StatusOr<DType> ParseCpuDtype(std::string_view name);
+
 struct EngineOptions {
   EngineDevice device = EngineDevice::kCpu;
   int num_threads = 0;  // 0: one per hardware thread (CPU backend; the CUDA backend's host side)
@@ -72,6 +87,9 @@ struct EngineOptions {
   // every pass; on the CUDA backend each launch of a pass once it began writing state.
   // Negative: never.
   int64_t inject_forward_fault = -1;
+  // CPU backend: the storage of matrices and KV rows (see DType above; kBf16 needs the blocked
+  // decode kernel).
+  DType cpu_dtype = DType::kF32;
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().
@@ -121,6 +139,12 @@ class Engine {
   // store budget for resident sessions above it can make steps fail with RESOURCE_EXHAUSTED.
   // 0 on the CPU (bounded by host RAM only).
   int64_t device_state_capacity_bytes() const;
+  // Bytes of the weights the backend streams per step (the CPU's packed matrices: halved by
+  // cpu_dtype kBf16), 0 where the backend does not count them.
+  int64_t packed_weight_bytes() const;
+  // Bytes per value of a session's host-side key/value rows: 2 with cpu_dtype kBf16 on the CPU,
+  // else 4 (what a token's cache costs in a state store's budget).
+  int64_t host_kv_value_bytes() const;
   const Model& model() const;
   int64_t vocab_size() const;
 

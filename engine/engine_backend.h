@@ -129,6 +129,9 @@ class EngineBackend {
 
   // Bytes of session state the device can hold whatever its mix (0: bounded only by host RAM).
   virtual int64_t StateCapacityBytes() const { return 0; }
+
+  // Bytes of the matrices a step streams, as the backend stores them (0: not counted).
+  virtual int64_t PackedWeightBytes() const { return 0; }
 };
 
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCpuBackend(const EngineContext& context);

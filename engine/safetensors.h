@@ -31,6 +31,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "base/bf16.h"
 #include "engine/mapped_file.h"
 
 namespace sdm {
@@ -43,21 +44,7 @@ enum class TensorDtype { kF32, kBF16 };
 absl::string_view TensorDtypeName(TensorDtype dtype);  // "F32", "BF16"
 int64_t TensorDtypeSize(TensorDtype dtype);            // bytes per element
 
-// fp32 -> bf16 by round-to-nearest-even; NaN stays NaN (quiet, sign kept), +-inf stays inf.
-inline uint16_t FloatToBf16(float value) {
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x0040u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
-
-inline float Bf16ToFloat(uint16_t bf16) {
-  const uint32_t bits = static_cast<uint32_t>(bf16) << 16;
-  float value;
-  std::memcpy(&value, &bits, sizeof(value));
-  return value;
-}
+// fp32 <-> bf16 conversions: FloatToBf16 and Bf16ToFloat (base/bf16.h).
 
 // Headers longer than this are rejected as corrupt (the official library's limit).
 inline constexpr int64_t kMaxSafetensorsHeaderBytes = 100'000'000;

@@ -132,6 +132,9 @@ ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
 ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine.device),
           "Where the engine runs: auto (CUDA when a device is present, else the CPU), cpu or "
           "cuda.");
+ABSL_FLAG(std::string, cpu_dtype, sdm::CpuDtypeName(sdm::ServerOptions{}.engine.cpu_dtype),
+          "How the CPU engine stores matrices and key/value caches: fp32 (exact) or bf16 (half "
+          "the bytes per decode step, fp32 accumulation; SDM rows stay fp32). CPU only.");
 ABSL_FLAG(std::string, api_keys, "",
           "File of API keys, one 'KEY TENANT' pair per line (docs/api.md). With it, every call "
           "needs 'authorization: Bearer KEY'; without it, every caller is the tenant 'default'.");
@@ -292,6 +295,9 @@ int main(int argc, char** argv) {
     absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
     if (!device.ok()) return UsageError(absl::StrCat("--device: ", device.status().message()));
     options.engine.device = *device;
+    absl::StatusOr<sdm::DType> dtype = sdm::ParseCpuDtype(absl::GetFlag(FLAGS_cpu_dtype));
+    if (!dtype.ok()) return UsageError(absl::StrCat("--cpu_dtype: ", dtype.status().message()));
+    options.engine.cpu_dtype = *dtype;
   }
   options.api_keys_file = absl::GetFlag(FLAGS_api_keys);
   options.tenant_limits_file = absl::GetFlag(FLAGS_tenant_limits);

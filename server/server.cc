@@ -108,8 +108,7 @@ ServiceOptions WithSessionLimit(const ServerOptions& options, const Engine& engi
     budget = std::min(budget, engine.device_state_capacity_bytes());
   }
   service.max_session_tokens = DefaultMaxSessionTokens(
-      FullAttentionKvElementsPerToken(engine.config()) * static_cast<int64_t>(sizeof(float)),
-      budget);
+      FullAttentionKvElementsPerToken(engine.config()) * engine.host_kv_value_bytes(), budget);
   return service;
 }
 

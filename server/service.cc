@@ -133,7 +133,7 @@ v1::ModelInfo BuildModelInfo(const Model& model, const Engine& engine, const Tok
   info.set_parameters_without_memory(params.without_m0);
   info.set_max_sdm_state_bytes(SdmStateElements(c) * static_cast<int64_t>(sizeof(float)));
   info.set_attention_cache_bytes_per_token(FullAttentionKvElementsPerToken(c) *
-                                           static_cast<int64_t>(sizeof(float)));
+                                           engine.host_kv_value_bytes());
   info.set_max_prompt_tokens(options.max_prompt_tokens);
   info.set_max_tokens_limit(options.max_tokens_limit);
   info.set_config_json(ModelConfigToJson(c));

@@ -1,32 +1,48 @@
 #include "state_store/kv_cache.h"
 
 #include <algorithm>
+#include <cstring>
 
 namespace sdm {
 
-KvCache::KvCache(int64_t row_width, int64_t ring_capacity)
-    : row_width_(row_width), ring_(ring_capacity) {}
+KvCache::KvCache(int64_t row_width, int64_t ring_capacity, DType element)
+    : row_width_(row_width), ring_(ring_capacity), element_(element) {}
 
-float* KvCache::EnsureRow(bool value) {
+std::byte* KvCache::EnsureRow(bool value) {
   const int64_t slot = Slot(length_);
   const int64_t page = slot / kPageTokens;
   while (static_cast<int64_t>(pages_.size()) <= page) {
     // For a ring, the last page only needs the rows up to the window; keep pages uniform anyway.
-    pages_.push_back(std::make_unique<float[]>(2 * kPageTokens * row_width_));
+    pages_.push_back(std::make_unique<std::byte[]>(PageBytes()));
   }
-  return pages_[page].get() + ((value ? kPageTokens : 0) + slot % kPageTokens) * row_width_;
+  return pages_[page].get() + ((value ? kPageTokens : 0) + slot % kPageTokens) * RowBytes();
 }
 
-float* KvCache::NextKeyRow() { return EnsureRow(/*value=*/false); }
-float* KvCache::NextValueRow() { return EnsureRow(/*value=*/true); }
+void KvCache::StoreBytes(std::byte* dst, const float* row) const {
+  if (element_ == DType::kF32) {
+    std::memcpy(dst, row, RowBytes());
+  } else {
+    uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+    FloatsToBf16(row, row_width_, out);
+  }
+}
+
+void KvCache::AppendRow(const float* key, const float* value) {
+  StoreBytes(EnsureRow(/*value=*/false), key);
+  StoreBytes(EnsureRow(/*value=*/true), value);
+  Commit();
+}
+
+void KvCache::StoreRow(int64_t pos, bool value, const float* row) {
+  StoreBytes(const_cast<std::byte*>(Row(pos, value)), row);
+}
 
 KvCache KvCache::Clone() const {
-  KvCache copy(row_width_, ring_);
+  KvCache copy(row_width_, ring_, element_);
   copy.length_ = length_;
-  const int64_t page_floats = 2 * kPageTokens * row_width_;
   for (const auto& page : pages_) {
-    copy.pages_.push_back(std::make_unique<float[]>(page_floats));
-    std::copy(page.get(), page.get() + page_floats, copy.pages_.back().get());
+    copy.pages_.push_back(std::make_unique<std::byte[]>(PageBytes()));
+    std::memcpy(copy.pages_.back().get(), page.get(), PageBytes());
   }
   return copy;
 }
@@ -37,14 +53,9 @@ void KvCache::ResetForRestore(int64_t length) {
   // Slots in use: [0, length) for a full cache; the whole ring once it has wrapped.
   const int64_t slots = (ring_ > 0 && length > ring_) ? ring_ : length;
   const int64_t pages = (slots + kPageTokens - 1) / kPageTokens;
-  for (int64_t i = 0; i < pages; ++i) {
-    pages_.push_back(std::make_unique<float[]>(2 * kPageTokens * row_width_));
-  }
+  for (int64_t i = 0; i < pages; ++i) pages_.push_back(std::make_unique<std::byte[]>(PageBytes()));
 }
 
-int64_t KvCache::ResidentBytes() const {
-  return static_cast<int64_t>(pages_.size()) * 2 * kPageTokens * row_width_ *
-         static_cast<int64_t>(sizeof(float));
-}
+int64_t KvCache::ResidentBytes() const { return static_cast<int64_t>(pages_.size()) * PageBytes(); }
 
 }  // namespace sdm

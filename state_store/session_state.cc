@@ -12,7 +12,8 @@ SessionState::SessionState(const StateLayout& layout) {
     if (l.kind == LayerStateLayout::Kind::kSdm) {
       layers_.emplace_back(std::in_place_type<SdmTable>, l);
     } else {
-      layers_.emplace_back(std::in_place_type<KvCache>, l.kv_row_width, l.ring_capacity);
+      layers_.emplace_back(std::in_place_type<KvCache>, l.kv_row_width, l.ring_capacity,
+                           l.kv_element);
     }
   }
 }

@@ -238,14 +238,12 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
       w.U64(kv.ring_capacity());
       w.I64(kv.length());
       w.I64(kv.first_position());
-      kv.ForEachSpan(kv.first_position(), kv.length(),
-                     [&](int64_t, int64_t n, const float* k, const float*) {
-                       w.Floats(k, n * kv.row_width());
-                     });
-      kv.ForEachSpan(kv.first_position(), kv.length(),
-                     [&](int64_t, int64_t n, const float*, const float* v) {
-                       w.Floats(v, n * kv.row_width());
-                     });
+      // fp32 on disk whatever the cache stores (a bf16 cache's rows widen exactly).
+      for (bool value : {false, true}) {
+        kv.ForEachSpanAsFloat(
+            kv.first_position(), kv.length(), value,
+            [&](const float* rows, int64_t n) { w.Floats(rows, n * kv.row_width()); });
+      }
     }
     end_section();
   }
@@ -388,13 +386,12 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
         return Corrupt(absl::StrCat("layer ", li, ": KV section has the wrong size"));
       }
       kv.ResetForRestore(length);
-      std::vector<float> skipped(width);
+      std::vector<float> row(width);
       for (int pass = 0; pass < 2; ++pass) {
         for (int64_t p = first; p < length; ++p) {
-          float* dst = p < kv.first_position() ? skipped.data()
-                       : pass == 0             ? kv.MutableKeyRow(p)
-                                               : kv.MutableValueRow(p);
-          r.Raw(dst, width * sizeof(float));
+          r.Raw(row.data(), width * sizeof(float));
+          // Rows before the ring's reach are skipped; a bf16 cache rounds what it stores.
+          if (p >= kv.first_position()) kv.StoreRow(p, /*value=*/pass == 1, row.data());
         }
       }
     }

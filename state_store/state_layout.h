@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "base/bf16.h"
 #include "state_store/row_pool.h"
 
 namespace sdm {
@@ -17,6 +18,8 @@ struct LayerStateLayout {
   // kKv: one key row and one value row of `kv_row_width` floats per cached token.
   int64_t kv_row_width = 0;
   int64_t ring_capacity = 0;  // > 0: only the last ring_capacity tokens are kept (sliding window)
+  // How the rows are stored in memory (snapshots and deltas hold fp32 whatever this is).
+  DType kv_element = DType::kF32;
   // kSdm: `sdm_heads` tables of `slots_per_head` rows of `row_width` floats.
   int64_t sdm_heads = 0;
   int64_t slots_per_head = 0;

@@ -74,6 +74,19 @@ absl::StatusOr<RecordSection> PayloadRecord(absl::string_view payload) {
 }
 
 // Applies one checked payload.
+// Row `index` of a delta's keys and values as fp32 into k and v; zeros for a negative index (a
+// position older than the writer's first row, outside every window).
+void RowsAt(absl::string_view keys, absl::string_view values, int64_t index, uint64_t row_bytes,
+            std::vector<float>& k, std::vector<float>& v) {
+  if (index < 0) {
+    std::fill(k.begin(), k.end(), 0.0f);
+    std::fill(v.begin(), v.end(), 0.0f);
+    return;
+  }
+  std::memcpy(k.data(), keys.data() + index * row_bytes, row_bytes);
+  std::memcpy(v.data(), values.data() + index * row_bytes, row_bytes);
+}
+
 absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSection& out) {
   Reader r(payload, "delta");
   absl::StatusOr<RecordSection> parsed = ReadPayloadRecord(r);
@@ -122,6 +135,7 @@ absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSe
       absl::string_view keys, values;
       r.Span(static_cast<uint64_t>(to - first) * row_bytes, keys);
       r.Span(static_cast<uint64_t>(to - first) * row_bytes, values);
+      std::vector<float> k(width), v(width);
       const int64_t ring = kv.ring_capacity();
       if (ring > 0 && to - from >= ring) {
         // Nothing the ring held survives: reset it to `to` and fill what it holds now (rows
@@ -129,31 +143,17 @@ absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSe
         // Also bounds the work by the ring, whatever `to` claims.
         kv.ResetForRestore(to);
         for (int64_t p = to - ring; p < to; ++p) {
-          float* k = kv.MutableKeyRow(p);
-          float* v = kv.MutableValueRow(p);
-          if (p < first) {
-            std::fill(k, k + width, 0.0f);
-            std::fill(v, v + width, 0.0f);
-          } else {
-            std::memcpy(k, keys.data() + (p - first) * row_bytes, row_bytes);
-            std::memcpy(v, values.data() + (p - first) * row_bytes, row_bytes);
-          }
+          RowsAt(keys, values, p - first, row_bytes, k, v);
+          kv.StoreRow(p, /*value=*/false, k.data());
+          kv.StoreRow(p, /*value=*/true, v.data());
         }
         continue;
       }
       // Appended in order; rows before `first` (fewer than the ring) are overwritten within
       // this record as the ring wraps.
       for (int64_t p = from; p < to; ++p) {
-        float* k = kv.NextKeyRow();
-        float* v = kv.NextValueRow();
-        if (p < first) {
-          std::fill(k, k + width, 0.0f);
-          std::fill(v, v + width, 0.0f);
-        } else {
-          std::memcpy(k, keys.data() + (p - first) * row_bytes, row_bytes);
-          std::memcpy(v, values.data() + (p - first) * row_bytes, row_bytes);
-        }
-        kv.Commit();
+        RowsAt(keys, values, p - first, row_bytes, k, v);
+        kv.AppendRow(k.data(), v.data());
       }
     }
   }
@@ -261,12 +261,11 @@ void AppendSessionDelta(const SessionState& state, const SessionRecord& record, 
       w.I64(from);
       w.I64(kv.length());
       w.I64(first);
-      kv.ForEachSpan(first, kv.length(), [&](int64_t, int64_t n, const float* k, const float*) {
-        w.Floats(k, n * kv.row_width());
-      });
-      kv.ForEachSpan(first, kv.length(), [&](int64_t, int64_t n, const float*, const float* v) {
-        w.Floats(v, n * kv.row_width());
-      });
+      for (bool value : {false, true}) {
+        kv.ForEachSpanAsFloat(first, kv.length(), value, [&](const float* rows, int64_t n) {
+          w.Floats(rows, n * kv.row_width());
+        });
+      }
     }
   }
   SDM_CHECK(w.size() == frame + expected);

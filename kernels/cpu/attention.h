@@ -12,20 +12,24 @@
 namespace sdm::kernels::cpu {
 
 // Cached rows at consecutive positions [first_pos, first_pos + count). Row r of the span is at
-// k + r * row_stride (and v likewise); kv head g occupies floats [g * head_dim, (g+1) * head_dim).
-struct KvSpan {
-  const float* k;
-  const float* v;
+// k + r * row_stride (and v likewise); kv head g occupies values [g * head_dim, (g+1) * head_dim).
+// T: float, or uint16_t for bf16 rows (base/bf16.h; only AttendDecodeBatch reads those).
+template <typename T>
+struct KvSpanOf {
+  const T* k;
+  const T* v;
   int64_t first_pos;
   int64_t count;
 };
+using KvSpan = KvSpanOf<float>;
+using KvSpanBf16 = KvSpanOf<uint16_t>;
 
 struct AttentionShape {
   int64_t n_heads = 0;
   int64_t n_kv_heads = 0;
   int64_t head_dim = 0;
   int64_t window = 0;      // 0 = full causal attention
-  int64_t row_stride = 0;  // floats between consecutive cached rows (n_kv_heads * head_dim)
+  int64_t row_stride = 0;  // values between consecutive cached rows (n_kv_heads * head_dim)
 };
 
 // First position a query at `pos` may see (shared with the CUDA kernels).

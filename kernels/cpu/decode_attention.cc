@@ -10,6 +10,7 @@
 #endif
 
 #include "kernels/common/attention_math.h"
+#include "kernels/cpu/widen.h"
 
 namespace sdm::kernels::cpu {
 namespace {
@@ -29,45 +30,48 @@ float SumLanes(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-void DotRows(const float* q, const float* const* k, int64_t hd, float* out) {
+template <typename T>
+void DotRows(const float* q, const T* const* k, int64_t hd, float* out) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t c = 0;
   for (; c + 8 <= hd; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[0] + c), a0);
-    a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[1] + c), a1);
-    a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[2] + c), a2);
-    a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[3] + c), a3);
+    a0 = _mm256_fmadd_ps(qc, Widen8(k[0] + c), a0);
+    a1 = _mm256_fmadd_ps(qc, Widen8(k[1] + c), a1);
+    a2 = _mm256_fmadd_ps(qc, Widen8(k[2] + c), a2);
+    a3 = _mm256_fmadd_ps(qc, Widen8(k[3] + c), a3);
   }
   out[0] = SumLanes(a0);
   out[1] = SumLanes(a1);
   out[2] = SumLanes(a2);
   out[3] = SumLanes(a3);
   for (; c < hd; ++c) {
-    for (int i = 0; i < kRowGroup; ++i) out[i] = std::fma(q[c], k[i][c], out[i]);
+    for (int i = 0; i < kRowGroup; ++i) out[i] = std::fma(q[c], Widen(k[i][c]), out[i]);
   }
 }
 #else
-void DotRows(const float* q, const float* const* k, int64_t hd, float* out) {
+template <typename T>
+void DotRows(const float* q, const T* const* k, int64_t hd, float* out) {
   for (int i = 0; i < kRowGroup; ++i) {
     float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t c = 0;
     for (; c + 8 <= hd; c += 8) {
-      for (int l = 0; l < 8; ++l) lane[l] = std::fma(q[c + l], k[i][c + l], lane[l]);
+      for (int l = 0; l < 8; ++l) lane[l] = std::fma(q[c + l], Widen(k[i][c + l]), lane[l]);
     }
     float s[4];
     for (int l = 0; l < 4; ++l) s[l] = lane[l] + lane[l + 4];
     s[0] += s[2];
     s[1] += s[3];
     out[i] = s[0] + s[1];
-    for (; c < hd; ++c) out[i] = std::fma(q[c], k[i][c], out[i]);
+    for (; c < hd; ++c) out[i] = std::fma(q[c], Widen(k[i][c]), out[i]);
   }
 }
 #endif
 
 // acc[d] = fma(w[i], v[i][d], acc[d]) for i = 0, 1, ... n-1 (n <= kRowGroup) in order: one chain
 // of fused multiply-adds per element, the same however the rows are grouped.
-void AccumulateRows(const float* w, const float* const* v, int n, int64_t hd, float* acc) {
+template <typename T>
+void AccumulateRows(const float* w, const T* const* v, int n, int64_t hd, float* acc) {
   int64_t d = 0;
 #ifdef SDM_DECODE_ATTENTION_AVX2
   if (n == kRowGroup) {
@@ -75,17 +79,17 @@ void AccumulateRows(const float* w, const float* const* v, int n, int64_t hd, fl
     const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
     for (; d + 8 <= hd; d += 8) {
       __m256 a = _mm256_loadu_ps(acc + d);
-      a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(v[0] + d), a);
-      a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(v[1] + d), a);
-      a = _mm256_fmadd_ps(w2, _mm256_loadu_ps(v[2] + d), a);
-      a = _mm256_fmadd_ps(w3, _mm256_loadu_ps(v[3] + d), a);
+      a = _mm256_fmadd_ps(w0, Widen8(v[0] + d), a);
+      a = _mm256_fmadd_ps(w1, Widen8(v[1] + d), a);
+      a = _mm256_fmadd_ps(w2, Widen8(v[2] + d), a);
+      a = _mm256_fmadd_ps(w3, Widen8(v[3] + d), a);
       _mm256_storeu_ps(acc + d, a);
     }
   }
 #endif
   for (; d < hd; ++d) {
     float a = acc[d];
-    for (int i = 0; i < n; ++i) a = std::fma(w[i], v[i][d], a);
+    for (int i = 0; i < n; ++i) a = std::fma(w[i], Widen(v[i][d]), a);
     acc[d] = a;
   }
 }
@@ -102,16 +106,17 @@ int64_t PartialFloats(const AttentionShape& s) { return 2 + s.head_dim; }
 
 // The partial states of every head over one block, written to `partial`
 // ([n_heads][2 + head_dim]).
-void AttendBlock(const DecodeQuery& query, int64_t begin, int64_t end, const AttentionShape& shape,
-                 float* partial) {
+template <typename T>
+void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
+                 const AttentionShape& shape, float* partial) {
   const int64_t hd = shape.head_dim;
   const int64_t heads = shape.n_heads;
   const int64_t group = shape.n_heads / shape.n_kv_heads;
   const int n = static_cast<int>(end - begin);
   // The block's rows, whichever spans they come from.
-  const float* krow[kDecodeBlock];
-  const float* vrow[kDecodeBlock];
-  for (const KvSpan& s : query.spans) {
+  const T* krow[kDecodeBlock];
+  const T* vrow[kDecodeBlock];
+  for (const KvSpanOf<T>& s : query.spans) {
     const int64_t lo = std::max(begin, s.first_pos);
     const int64_t hi = std::min(end, s.first_pos + s.count);
     for (int64_t p = lo; p < hi; ++p) {
@@ -131,10 +136,10 @@ void AttendBlock(const DecodeQuery& query, int64_t begin, int64_t end, const Att
     const int take = std::min(kRowGroup, n - r);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t off = (h / group) * hd;
-      const float* k[kRowGroup];
+      const T* k[kRowGroup];
       for (int i = 0; i < kRowGroup; ++i) k[i] = krow[r + std::min(i, take - 1)] + off;
       float s[kRowGroup];
-      DotRows(&q_scaled[h * hd], k, hd, s);
+      DotRows<T>(&q_scaled[h * hd], k, hd, s);
       for (int i = 0; i < take; ++i) scores[h * kDecodeBlock + r + i] = s[i];
     }
   }
@@ -158,18 +163,17 @@ void AttendBlock(const DecodeQuery& query, int64_t begin, int64_t end, const Att
     const int take = std::min(kRowGroup, n - r);
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t off = (h / group) * hd;
-      const float* v[kRowGroup];
+      const T* v[kRowGroup];
       for (int i = 0; i < take; ++i) v[i] = vrow[r + i] + off;
-      AccumulateRows(&scores[h * kDecodeBlock + r], v, take, hd,
-                     partial + h * PartialFloats(shape) + 2);
+      AccumulateRows<T>(&scores[h * kDecodeBlock + r], v, take, hd,
+                        partial + h * PartialFloats(shape) + 2);
     }
   }
 }
 
-}  // namespace
-
-void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
-                       ThreadPool* pool) {
+template <typename T>
+void AttendDecodeBatchOf(std::span<const DecodeQueryOf<T>> queries, const AttentionShape& shape,
+                         ThreadPool* pool) {
   const int64_t hd = shape.head_dim;
   const int64_t heads = shape.n_heads;
   // Blocks of absolute positions, cut to each query's visible range.
@@ -177,7 +181,7 @@ void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShap
   std::vector<int64_t> first_task(queries.size() + 1);
   for (size_t qi = 0; qi < queries.size(); ++qi) {
     first_task[qi] = static_cast<int64_t>(tasks.size());
-    const DecodeQuery& q = queries[qi];
+    const DecodeQueryOf<T>& q = queries[qi];
     if (q.spans.empty()) continue;
     const int64_t first = q.spans.front().first_pos;
     for (int64_t b = first / kDecodeBlock; b <= q.pos / kDecodeBlock; ++b) {
@@ -223,6 +227,18 @@ void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShap
     pool->ParallelFor(num_tasks, run_block);
     pool->ParallelFor(num_merges, merge);
   }
+}
+
+}  // namespace
+
+void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
+                       ThreadPool* pool) {
+  AttendDecodeBatchOf<float>(queries, shape, pool);
+}
+
+void AttendDecodeBatch(std::span<const DecodeQueryBf16> queries, const AttentionShape& shape,
+                       ThreadPool* pool) {
+  AttendDecodeBatchOf<uint16_t>(queries, shape, pool);
 }
 
 }  // namespace sdm::kernels::cpu

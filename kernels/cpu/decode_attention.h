@@ -31,16 +31,23 @@ inline constexpr int64_t kDecodeBlock = 128;
 // One decode query: all heads of one token at `pos`. `spans` cover exactly the visible positions
 // [FirstVisiblePosition(pos, window), pos], in increasing order; q and out are
 // [n_heads * head_dim] (out may not alias q).
-struct DecodeQuery {
+// T: the cache's element type, float or uint16_t (bf16 rows, widened to fp32 as they are read;
+// the arithmetic is then the fp32 kernel's on the rounded values, bit for bit).
+template <typename T>
+struct DecodeQueryOf {
   const float* q;
   int64_t pos;
-  std::span<const KvSpan> spans;
+  std::span<const KvSpanOf<T>> spans;
   float* out;
 };
+using DecodeQuery = DecodeQueryOf<float>;
+using DecodeQueryBf16 = DecodeQueryOf<uint16_t>;
 
 // Attends every query (distinct outputs) on `pool` (nullptr: on this thread). Calls
 // pool->ParallelFor, so must not run inside another ParallelFor of the same pool.
 void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
+                       ThreadPool* pool);
+void AttendDecodeBatch(std::span<const DecodeQueryBf16> queries, const AttentionShape& shape,
                        ThreadPool* pool);
 
 }  // namespace sdm::kernels::cpu

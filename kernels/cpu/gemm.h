@@ -10,12 +10,18 @@
 // The weights are repacked once (PackedMatrix) into panels of 16 output columns stored k-major,
 // so the micro-kernel streams one panel and broadcasts x: the BLIS-style layout, with the k loop
 // never split.
+//
+// Panels hold fp32 or bf16 values (DType::kBf16: half the bytes streamed per step). bf16 weights
+// are widened to fp32 as they are loaded (kernels/cpu/widen.h) and accumulated in fp32 in the same
+// order, so a bf16 matrix computes bit for bit what the fp32 one would on the rounded weights, and
+// is batch-invariant in the same way.
 #ifndef SDMSERVE_KERNELS_CPU_GEMM_H_
 #define SDMSERVE_KERNELS_CPU_GEMM_H_
 
 #include <cstdint>
 #include <memory>
 
+#include "base/bf16.h"
 #include "kernels/cpu/parallel.h"
 
 namespace sdm::kernels::cpu {
@@ -25,20 +31,28 @@ class PackedMatrix {
   static constexpr int64_t kPanel = 16;  // output columns per panel
 
   PackedMatrix() = default;
-  // Packs w: [n, k] row-major (torch.nn.Linear's [out, in]).
-  PackedMatrix(const float* w, int64_t n, int64_t k);
+  // Packs w: [n, k] row-major (torch.nn.Linear's [out, in]), stored as `type` (bf16: rounded to
+  // nearest even).
+  PackedMatrix(const float* w, int64_t n, int64_t k, DType type = DType::kF32);
 
   int64_t n() const { return n_; }
   int64_t k() const { return k_; }
+  DType type() const { return type_; }
   int64_t panels() const { return (n_ + kPanel - 1) / kPanel; }
-  // Panel p: [k][16] floats, columns 16p..16p+15 (zero past n).
-  const float* panel(int64_t p) const { return data_.get() + p * k_ * kPanel; }
-  int64_t bytes() const { return panels() * k_ * kPanel * static_cast<int64_t>(sizeof(float)); }
+  // Panel p: [k][16] values, columns 16p..16p+15 (zero past n); T is float for an fp32 matrix,
+  // uint16_t (bf16 bits) for a bf16 one.
+  template <typename T>
+  const T* panel(int64_t p) const {
+    return reinterpret_cast<const T*>(data_.get()) + p * k_ * kPanel;
+  }
+  // Bytes of the packed panels.
+  int64_t bytes() const { return panels() * k_ * kPanel * DTypeBytes(type_); }
 
  private:
   int64_t n_ = 0;
   int64_t k_ = 0;
-  std::unique_ptr<float[]> data_;
+  DType type_ = DType::kF32;
+  std::unique_ptr<float[]> data_;  // fp32 values, or pairs of bf16 values
 };
 
 // y[m, n] = x[m, k] w^T + bias (bias may be null). pool may be null (single thread); panels are

@@ -4,7 +4,7 @@
 // tokens of a step evaluated as one batch). Prints one JSON line: median step ms and tokens/s.
 //
 //   node bench.mjs MODEL.gguf CONTEXT BATCH [--steps 10] [--warmup 2] [--threads 2]
-//                  [--kv f32|f16] [--flash off|on] [--seed 1] [--vocab 258]
+//                  [--kv f32|f16] [--flash off|on|auto] [--seed 1] [--vocab 258]
 import { getLlama } from "node-llama-cpp";
 
 const args = process.argv.slice(2);
@@ -18,7 +18,7 @@ const [modelPath, contextArg, batchArg] = pos;
 const context = Number(contextArg), batch = Number(batchArg);
 const steps = Number(opt.steps), warmup = Number(opt.warmup), threads = Number(opt.threads);
 if (!modelPath || !(context > 0) || !(batch > 0)) {
-  console.error("usage: node bench.mjs MODEL.gguf CONTEXT BATCH [--steps N] [--warmup N] [--threads N] [--kv f32|f16] [--flash off|on]");
+  console.error("usage: node bench.mjs MODEL.gguf CONTEXT BATCH [--steps N] [--warmup N] [--threads N] [--kv f32|f16] [--flash off|on|auto]");
   process.exit(2);
 }
 let seed = Number(opt.seed) >>> 0 || 1;
@@ -33,7 +33,7 @@ const ctx = await model.createContext({
   sequences: batch,
   batchSize: 512,
   threads,
-  flashAttention: opt.flash === "on",
+  flashAttention: opt.flash === "auto" ? "auto" : opt.flash === "on",
   experimentalKvCacheKeyType: kvType,
   experimentalKvCacheValueType: kvType,
 });

@@ -2,7 +2,10 @@
 // e.g. `sdm-model init --preset debug --dtype fp32`) as a GGUF file of llama.cpp's "llama"
 // architecture with the same weights, so both engines run the same model.
 //
-//   node write-gguf.mjs MODEL_DIR OUT.gguf
+//   node write-gguf.mjs MODEL_DIR OUT.gguf [--weights f32|f16|bf16]
+//
+// --weights f16 or bf16 stores the matrices (2-D tensors) as 16-bit values, rounded to nearest
+// even, for llama.cpp's 16-bit runs (against sdmserve's --cpu_dtype bf16); norms stay F32.
 //
 // The mapping: sdmserve's RoPE rotates adjacent pairs (kernels/cpu/rope.cc), llama.cpp's "llama"
 // rope type does too, so q and k weights are copied unpermuted; matrices are [out, in] row-major in
@@ -10,11 +13,47 @@
 // (<unk>, <s>, </s>, then bytes): the benchmark feeds token ids, never text.
 import fs from "node:fs";
 
-const [dir, outPath] = process.argv.slice(2);
-if (!dir || !outPath) {
-  console.error("usage: node write-gguf.mjs MODEL_DIR OUT.gguf");
+const [dir, outPath, ...rest] = process.argv.slice(2);
+let weights = "f32";
+if (rest.length === 2 && rest[0] === "--weights") weights = rest[1];
+if (!dir || !outPath || !["f32", "f16", "bf16"].includes(weights) ||
+    (rest.length !== 0 && rest.length !== 2)) {
+  console.error("usage: node write-gguf.mjs MODEL_DIR OUT.gguf [--weights f32|f16|bf16]");
   process.exit(2);
 }
+// GGML type ids and bytes per value.
+const GGML = { f32: [0, 4], f16: [1, 2], bf16: [30, 2] };
+const f32Bits = new Uint32Array(1);
+const f32View = new Float32Array(f32Bits.buffer);
+// fp32 bits -> bf16 bits, round to nearest even (NaN kept quiet).
+const toBf16 = (bits) => {
+  if ((bits & 0x7fffffff) > 0x7f800000) return ((bits >>> 16) | 0x40) & 0xffff;
+  return ((bits + 0x7fff + ((bits >>> 16) & 1)) >>> 16) & 0xffff;
+};
+// fp32 value -> IEEE half bits, round to nearest even (overflow to inf, subnormals kept).
+const toF16 = (x) => {
+  f32View[0] = x;
+  const b = f32Bits[0];
+  const sign = (b >>> 16) & 0x8000;
+  const exp = (b >>> 23) & 0xff;
+  let mant = b & 0x7fffff;
+  if (exp === 0xff) return sign | 0x7c00 | (mant ? 0x200 : 0);
+  let e = exp - 127 + 15;
+  if (e >= 0x1f) return sign | 0x7c00;
+  if (e <= 0) {
+    if (e < -10) return sign;
+    mant |= 0x800000;
+    const shift = 14 - e;
+    let h = mant >>> shift;
+    const rem = mant & ((1 << shift) - 1), half = 1 << (shift - 1);
+    if (rem > half || (rem === half && (h & 1))) h += 1;
+    return sign | h;
+  }
+  let h = (e << 10) | (mant >>> 13);
+  const rem = mant & 0x1fff;
+  if (rem > 0x1000 || (rem === 0x1000 && (h & 1))) h += 1;  // may carry into the exponent: right
+  return sign | h;
+};
 const config = JSON.parse(fs.readFileSync(`${dir}/config.json`, "utf8"));
 const fd = fs.openSync(`${dir}/model.safetensors`, "r");
 const lenBuf = Buffer.alloc(8);
@@ -104,9 +143,10 @@ for (const [s, g] of names) {
   const shape = header[s].shape;
   str(g); u32(shape.length);
   for (const d of [...shape].reverse()) u64(d);
-  u32(0);  // GGML_TYPE_F32
+  const type = shape.length === 2 ? weights : "f32";
+  u32(GGML[type][0]);
   u64(offset);
-  offset = align(offset + (header[s].data_offsets[1] - header[s].data_offsets[0]));
+  offset = align(offset + (header[s].data_offsets[1] - header[s].data_offsets[0]) / 4 * GGML[type][1]);
 }
 let head = Buffer.concat(chunks);
 head = Buffer.concat([head, Buffer.alloc(align(head.length) - head.length)]);
@@ -116,14 +156,25 @@ let written = 0;
 const buf = Buffer.alloc(64 << 20);
 for (const [s] of names) {
   const [a, b] = header[s].data_offsets;
+  const half = header[s].shape.length === 2 && weights !== "f32";
   for (let p = a; p < b; p += buf.length) {
     const n = Math.min(buf.length, b - p);
     fs.readSync(fd, buf, 0, n, dataStart + p);
-    fs.writeSync(out, buf, 0, n);
+    if (!half) {
+      fs.writeSync(out, buf, 0, n);
+      continue;
+    }
+    const o = Buffer.alloc(n / 2);
+    for (let i = 0; i < n / 4; ++i) {
+      o.writeUInt16LE(weights === "bf16" ? toBf16(buf.readUInt32LE(4 * i))
+                                         : toF16(buf.readFloatLE(4 * i)), 2 * i);
+    }
+    fs.writeSync(out, o);
   }
-  const pad = align(b - a) - (b - a);
+  const bytes = half ? (b - a) / 2 : b - a;
+  const pad = align(bytes) - bytes;
   if (pad) fs.writeSync(out, Buffer.alloc(pad));
-  written += align(b - a);
+  written += align(bytes);
 }
 fs.closeSync(out);
-console.log(`wrote ${outPath}: ${names.length} tensors, ${(written / 1e6).toFixed(1)} MB of F32 data`);
+console.log(`wrote ${outPath}: ${names.length} tensors, ${(written / 1e6).toFixed(1)} MB of data (matrices ${weights.toUpperCase()})`);

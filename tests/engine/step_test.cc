@@ -7,6 +7,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "engine/engine.h"
@@ -32,9 +33,10 @@ ModelConfig Hybrid() { return testing::MiniHybridConfig(); }
 
 constexpr int64_t kChunk = 4;  // small, so prompts span several chunks and steps several passes
 
-std::unique_ptr<Engine> MakeEngine(const ModelConfig& c) {
+std::unique_ptr<Engine> MakeEngine(const ModelConfig& c, DType dtype = DType::kF32) {
   EngineOptions o;
   o.num_threads = 2;
+  o.cpu_dtype = dtype;
   o.prefill_chunk = kChunk;
   auto e = Engine::Create(RandomModel(c, 21), o);
   EXPECT_TRUE(e.ok()) << e.status();
@@ -56,11 +58,11 @@ struct Script {
 
 // Runs `sessions` scripts through random mixed steps and checks every logit row it asked for
 // against the solo reference, bit for bit.
-void RunMixedSteps(const ModelConfig& c, uint32_t seed) {
+void RunMixedSteps(const ModelConfig& c, DType dtype, uint32_t seed) {
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
   const int64_t vocab = c.vocab_size;
-  auto engine = MakeEngine(c);
+  auto engine = MakeEngine(c, dtype);
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
   const int kSessions = 6;
   std::vector<Script> scripts(kSessions);
@@ -167,20 +169,24 @@ void RunMixedSteps(const ModelConfig& c, uint32_t seed) {
   EXPECT_GT(rows_checked, kSessions);
 }
 
-class MixedStepTest : public ::testing::TestWithParam<int> {
+// (config: 0 SDM only, 1 hybrid; the CPU's storage type, fp32 or bf16).
+class MixedStepTest : public ::testing::TestWithParam<std::tuple<int, DType>> {
  protected:
-  ModelConfig Config() const { return GetParam() == 0 ? SdmOnly() : Hybrid(); }
+  ModelConfig Config() const { return std::get<0>(GetParam()) == 0 ? SdmOnly() : Hybrid(); }
+  DType Dtype() const { return std::get<1>(GetParam()); }
 };
 
 TEST_P(MixedStepTest, EachSessionGetsTheBitsOfRunningAlone) {
   const ModelConfig c = Config();
-  for (uint32_t seed : {1u, 2u, 3u}) RunMixedSteps(c, seed);
+  for (uint32_t seed : {1u, 2u, 3u}) RunMixedSteps(c, Dtype(), seed);
   const uint32_t fresh = std::random_device{}();
   std::cout << "MixedStepTest fresh seed: " << fresh << "\n";
-  RunMixedSteps(c, fresh);
+  RunMixedSteps(c, Dtype(), fresh);
 }
 
-INSTANTIATE_TEST_SUITE_P(Configs, MixedStepTest, ::testing::Values(0, 1));
+INSTANTIATE_TEST_SUITE_P(Configs, MixedStepTest,
+                         ::testing::Combine(::testing::Values(0, 1),
+                                            ::testing::Values(DType::kF32, DType::kBf16)));
 
 TEST(StepTest, LogitRowsFollowTheSegments) {
   const ModelConfig c = Hybrid();

@@ -1,7 +1,8 @@
 // AttendDecodeBatch: equal to a double-precision reference and to the per-head kernel
 // (AttendDecodeHead) within float rounding, over windows, GQA groups, odd head dims, ring wrap and
 // many split-K blocks; and bit for bit the same output for a query whatever its batch, the thread
-// count and the cut of its rows into spans.
+// count and the cut of its rows into spans. Over bf16 rows: bit for bit the fp32 kernel over the
+// rounded rows, with the same invariance.
 #include "kernels/cpu/decode_attention.h"
 
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <random>
 #include <vector>
 
+#include "base/bf16.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cpu/parallel.h"
@@ -90,6 +92,45 @@ struct Cache {
   std::vector<float> Blocked(int64_t pos, int64_t chunk, ThreadPool* pool) const {
     std::vector<float> out(shape.n_heads * shape.head_dim, -1.0f);
     auto spans = Spans(pos, chunk);
+    const DecodeQuery query{Q(pos), pos, spans, out.data()};
+    AttendDecodeBatch({&query, 1}, shape, pool);
+    return out;
+  }
+
+  // The same cache stored as bf16 (k16, v16) and as the fp32 values bf16 holds (k_round,
+  // v_round).
+  void MakeBf16() {
+    k16.resize(k.size());
+    v16.resize(v.size());
+    FloatsToBf16(k.data(), static_cast<int64_t>(k.size()), k16.data());
+    FloatsToBf16(v.data(), static_cast<int64_t>(v.size()), v16.data());
+    k_round.resize(k.size());
+    v_round.resize(v.size());
+    Bf16ToFloats(k16.data(), static_cast<int64_t>(k.size()), k_round.data());
+    Bf16ToFloats(v16.data(), static_cast<int64_t>(v.size()), v_round.data());
+  }
+  std::vector<uint16_t> k16, v16;
+  std::vector<float> k_round, v_round;
+
+  // The blocked kernel over the bf16 copy, and over the rounded fp32 copy.
+  std::vector<float> BlockedBf16(int64_t pos, int64_t chunk, ThreadPool* pool) const {
+    std::vector<float> out(shape.n_heads * shape.head_dim, -1.0f);
+    std::vector<KvSpanBf16> spans;
+    for (const KvSpan& s : Spans(pos, chunk)) {
+      const int64_t off = s.k - k.data();
+      spans.push_back({&k16[off], &v16[off], s.first_pos, s.count});
+    }
+    const DecodeQueryBf16 query{Q(pos), pos, spans, out.data()};
+    AttendDecodeBatch({&query, 1}, shape, pool);
+    return out;
+  }
+  std::vector<float> BlockedRounded(int64_t pos, int64_t chunk, ThreadPool* pool) const {
+    std::vector<float> out(shape.n_heads * shape.head_dim, -1.0f);
+    std::vector<KvSpan> spans;
+    for (const KvSpan& s : Spans(pos, chunk)) {
+      const int64_t off = s.k - k.data();
+      spans.push_back({&k_round[off], &v_round[off], s.first_pos, s.count});
+    }
     const DecodeQuery query{Q(pos), pos, spans, out.data()};
     AttendDecodeBatch({&query, 1}, shape, pool);
     return out;
@@ -262,6 +303,57 @@ TEST(DecodeAttentionTest, ReferencesFreshSeeds) {
   Cache c(heads, kv, hd, w, len, ring, fresh);
   CheckAgainstReferences(c, ring > 0 ? HeldPositions(c) : EdgePositions(len),
                          std::uniform_int_distribution<int64_t>(1, 300)(rng));
+}
+
+// bf16 rows: the fp32 kernel's bits on the rounded rows, whatever the threads, span cut and
+// batch; and within bf16 rounding of the fp32 rows' output.
+void CheckBf16(uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const int64_t w = std::uniform_int_distribution<int64_t>(0, 1)(rng) ? 0 : 150;
+  const int64_t len = std::uniform_int_distribution<int64_t>(1, 900)(rng);
+  const int64_t hd = std::uniform_int_distribution<int64_t>(3, 40)(rng);
+  Cache c(4, 2, hd, w, len, w > 0 ? w + 70 : 0, seed);
+  c.MakeBf16();
+  const int64_t pos = len - 1;
+  const std::vector<float> want = c.BlockedRounded(pos, 256, nullptr);
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    for (int64_t chunk : {1, 3, 128, 1000}) {
+      EXPECT_EQ(c.BlockedBf16(pos, chunk, &pool), want) << threads << " threads, chunk " << chunk;
+    }
+  }
+  // In a batch with other queries, in reverse order.
+  ThreadPool pool(2);
+  const int64_t others = std::min<int64_t>(pos, 4);
+  std::vector<std::vector<KvSpanBf16>> spans(others + 1);
+  std::vector<std::vector<float>> outs;
+  std::vector<DecodeQueryBf16> batch;
+  for (int64_t i = 0; i <= others; ++i) {
+    for (const KvSpan& s : c.Spans(pos - i, 64)) {
+      const int64_t off = s.k - c.k.data();
+      spans[i].push_back({&c.k16[off], &c.v16[off], s.first_pos, s.count});
+    }
+    outs.emplace_back(c.shape.n_heads * c.shape.head_dim);
+  }
+  for (int64_t i = others; i >= 0; --i) {
+    batch.push_back({c.Q(pos - i), pos - i, spans[i], outs[i].data()});
+  }
+  AttendDecodeBatch(batch, c.shape, &pool);
+  EXPECT_EQ(outs[0], want);
+  for (int64_t i = 1; i <= others; ++i) EXPECT_EQ(outs[i], c.BlockedRounded(pos - i, 256, nullptr));
+  // Against the exact rows: bf16 keeps 8 significant bits (relative error <= 2^-9 per value).
+  const std::vector<double> exact = c.Reference(pos);
+  for (size_t i = 0; i < want.size(); ++i) {
+    ASSERT_NEAR(want[i], exact[i], 0.05 * (1.0 + std::abs(exact[i]))) << "element " << i;
+  }
+}
+
+TEST(DecodeAttentionTest, Bf16RowsAreTheFp32KernelOnRoundedRows) {
+  for (uint32_t seed : {1u, 2u, 3u, 4u}) CheckBf16(seed);
+  const uint32_t fresh = std::random_device{}();
+  CheckBf16(fresh);
+  CheckBf16(fresh + 1);
 }
 
 }  // namespace

@@ -2,9 +2,11 @@
 
 #include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "state_store/state_codec.h"
 
 namespace sdm {
 namespace {
@@ -143,6 +145,79 @@ TEST(KvCacheTest, RingKeepsTheLastPositions) {
     }
   });
   EXPECT_EQ(seen, (std::vector<float>{7, 8, 9, 10, 11}));
+}
+
+// A bf16 cache: rows rounded on the way in, half the bytes, widened exactly on the way out; a
+// snapshot holds fp32 rows, so it restores into a bf16 or an fp32 cache alike.
+TEST(KvCacheTest, Bf16RowsRoundAndHalveTheBytes) {
+  const int64_t width = 5;
+  KvCache c16(width, 0, DType::kBf16), c32(width, 0);
+  EXPECT_EQ(c16.element(), DType::kBf16);
+  std::vector<float> k(width), v(width);
+  for (int p = 0; p < 300; ++p) {
+    for (int i = 0; i < width; ++i) k[i] = 1.0f + p / 1024.0f + i, v[i] = -k[i] / 3.0f;
+    c16.AppendRow(k.data(), v.data());
+    c32.AppendRow(k.data(), v.data());
+  }
+  EXPECT_EQ(c16.length(), 300);
+  EXPECT_EQ(2 * c16.ResidentBytes(), c32.ResidentBytes());
+  int64_t rounded = 0;
+  for (int p = 0; p < 300; ++p) {
+    for (int i = 0; i < width; ++i) {
+      ASSERT_EQ(Bf16ToFloat(c16.KeyRow<uint16_t>(p)[i]), RoundToBf16(c32.KeyRow(p)[i]));
+      ASSERT_EQ(Bf16ToFloat(c16.ValueRow<uint16_t>(p)[i]), RoundToBf16(c32.ValueRow(p)[i]));
+      rounded += RoundToBf16(c32.KeyRow(p)[i]) != c32.KeyRow(p)[i];
+    }
+  }
+  EXPECT_GT(rounded, 0);  // the values need more than bf16's 8 bits
+  // ForEachSpanAsFloat widens in runs; Clone copies the bits.
+  const KvCache copy = c16.Clone();
+  int64_t next = 3;
+  c16.ForEachSpanAsFloat(3, 300, /*value=*/true, [&](const float* rows, int64_t n) {
+    for (int64_t r = 0; r < n; ++r) {
+      for (int i = 0; i < width; ++i) {
+        ASSERT_EQ(rows[r * width + i], Bf16ToFloat(copy.ValueRow<uint16_t>(next + r)[i]));
+      }
+    }
+    next += n;
+  });
+  EXPECT_EQ(next, 300);
+  // The typed accessors check the element type.
+  EXPECT_DEATH(c16.KeyRow<float>(0), "wrong element type");
+}
+
+TEST(KvCacheTest, Bf16SnapshotsHoldFp32AndRestoreIntoEitherType) {
+  auto layout = [](DType t) {
+    StateLayout l;
+    LayerStateLayout kv;
+    kv.kind = LayerStateLayout::Kind::kKv;
+    kv.kv_row_width = 4;
+    kv.ring_capacity = 7;  // a sliding-window ring that has wrapped
+    kv.kv_element = t;
+    l.layers.push_back(kv);
+    return l;
+  };
+  SessionState s(layout(DType::kBf16));
+  std::vector<float> k(4), v(4);
+  for (int p = 0; p < 20; ++p) {
+    for (int i = 0; i < 4; ++i) k[i] = 0.1f * p + i, v[i] = -0.3f * p;
+    s.kv(0).AppendRow(k.data(), v.data());
+    s.AdvancePosition();
+  }
+  const std::string blob = EncodeSessionState(s, SessionRecord{"x", ""}, 9);
+  for (DType t : {DType::kBf16, DType::kF32}) {
+    auto d = DecodeSessionState(blob, layout(t), 9);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const KvCache& got = d->state->kv(0);
+    ASSERT_EQ(got.length(), 20);
+    for (int64_t p = got.first_position(); p < 20; ++p) {
+      for (int i = 0; i < 4; ++i) {
+        const float want = Bf16ToFloat(s.kv(0).KeyRow<uint16_t>(p)[i]);
+        ASSERT_EQ(t == DType::kBf16 ? Bf16ToFloat(got.KeyRow<uint16_t>(p)[i]) : got.KeyRow(p)[i],
+                  want);
+      }
+    }
+  }
 }
 
 TEST(SessionStateTest, BuildsOneStatePerLayer) {

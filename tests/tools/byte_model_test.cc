@@ -23,6 +23,10 @@ ModelConfig Preset(const char* name) {
 TEST(ByteModelTest, ElementSizeFollowsTheEngine) {
   EXPECT_EQ(ElemBytes(EngineDevice::kCpu), 4.0);
   EXPECT_EQ(ElemBytes(EngineDevice::kCuda), 2.0);
+  // The CPU's bf16 mode halves matrices and KV rows; SDM rows and the embedding row stay fp32.
+  EXPECT_EQ(ElemBytes(EngineDevice::kCpu, DType::kBf16), 2.0);
+  EXPECT_EQ(RowElemBytes(EngineDevice::kCpu), 4.0);
+  EXPECT_EQ(RowElemBytes(EngineDevice::kCuda), 2.0);
 }
 
 // At fp32 every weight read costs 4 bytes, so the step's weight bytes are 4 x the parameter

@@ -6,7 +6,11 @@
 
 namespace sdm::bench {
 
-double ElemBytes(EngineDevice device) { return device == EngineDevice::kCuda ? 2.0 : 4.0; }
+double ElemBytes(EngineDevice device, DType cpu_dtype) {
+  return device == EngineDevice::kCuda || cpu_dtype == DType::kBf16 ? 2.0 : 4.0;
+}
+
+double RowElemBytes(EngineDevice device) { return device == EngineDevice::kCuda ? 2.0 : 4.0; }
 
 bool IsDecodeGemm(const ModelConfig& c, const TensorSpec& t) {
   if (t.shape.size() != 2 || t.is_sdm_memory) return false;
@@ -40,15 +44,17 @@ WeightBytes WeightBytesPerStep(const ModelConfig& c, double elem) {
   return w;
 }
 
-SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double elem) {
+SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double elem,
+                                     double row_elem) {
+  if (row_elem <= 0) row_elem = elem;
   SessionStepBytes b;
-  b.other = elem * c.dim;  // the embedding row
+  b.other = row_elem * c.dim;  // the embedding row
   const SdmGeometry sg = SdmGeometryOf(c);
   for (int64_t i = 0; i < c.n_layers; ++i) {
     if (c.layer_types[i] == LayerType::kSdm) {
       const int64_t w = std::min(c.sdm.num_writes, sg.slots_per_head);
       const int64_t r = std::min(c.sdm.num_reads, sg.slots_per_head);
-      b.sdm += elem * sg.heads * (2 * w + r) * sg.head_width;
+      b.sdm += row_elem * sg.heads * (2 * w + r) * sg.head_width;
     } else {
       const AttentionGeometry g = AttentionGeometryOf(c, i);
       const int64_t visible = g.window > 0 ? std::min(ctx + 1, g.window) : ctx + 1;
@@ -60,9 +66,9 @@ SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double e
   return b;
 }
 
-double StepBytes(const ModelConfig& c, int64_t ctx, int64_t batch, double elem) {
+double StepBytes(const ModelConfig& c, int64_t ctx, int64_t batch, double elem, double row_elem) {
   return WeightBytesPerStep(c, elem).total() +
-         static_cast<double>(batch) * SessionBytesPerStep(c, ctx, elem).total();
+         static_cast<double>(batch) * SessionBytesPerStep(c, ctx, elem, row_elem).total();
 }
 
 double KvBytesPerToken(const ModelConfig& c, double elem) {

@@ -11,8 +11,9 @@
 //    rows of every visible position plus the new K and V rows (visible: ctx + 1 positions for full
 //    attention, at most the window for sliding-window attention); per SDM layer and head 2W + R
 //    rows of head-width values (W rows read and written back, R rows read).
-// `elem` is the bytes per stored value of matrices, KV rows and SDM rows: 4 for the CPU engine
-// (fp32), 2 for the CUDA engine (bf16); ElemBytes() gives it per device.
+// `elem` is the bytes per stored value of matrices and KV rows: 4 for the CPU engine (fp32), 2 for
+// the CUDA engine and the CPU's bf16 mode (ElemBytes()); `row_elem` that of SDM rows and the
+// embedding row, which the CPU keeps fp32 in both modes (RowElemBytes(); 0: the same as elem).
 //
 // Every function requires a finalized config (FinalizeModelConfig) and is thread-safe (pure).
 #ifndef SDMSERVE_TOOLS_SDM_BENCH_BYTE_MODEL_H_
@@ -26,8 +27,10 @@
 
 namespace sdm::bench {
 
-// Bytes per stored matrix, KV and SDM value on `device`: 2 (bf16) on CUDA, 4 (fp32) otherwise.
-double ElemBytes(EngineDevice device);
+// Bytes per stored matrix and KV value on `device`: 2 (bf16) on CUDA or with cpu_dtype bf16, 4
+// (fp32) otherwise; per SDM row and embedding value: 2 on CUDA, 4 on the CPU.
+double ElemBytes(EngineDevice device, DType cpu_dtype = DType::kF32);
+double RowElemBytes(EngineDevice device);
 
 // Whether the decode step multiplies by `t` as a dense layer (y[B, n] = x[B, k] t^T): every 2-D
 // tensor except the SDM memory (read sparsely) and the embedding table unless it is tied (then it
@@ -51,11 +54,13 @@ struct SessionStepBytes {
   double other = 0;  // the token's embedding row
   double total() const { return kv + swa + sdm + other; }
 };
-SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double elem);
+SessionStepBytes SessionBytesPerStep(const ModelConfig& c, int64_t ctx, double elem,
+                                     double row_elem = 0);
 
 // The whole step of `batch` sessions at context `ctx`: the weights once plus every session's
 // bytes.
-double StepBytes(const ModelConfig& c, int64_t ctx, int64_t batch, double elem);
+double StepBytes(const ModelConfig& c, int64_t ctx, int64_t batch, double elem,
+                 double row_elem = 0);
 
 // Bytes of K and V one cached token holds over the full-attention layers.
 double KvBytesPerToken(const ModelConfig& c, double elem);

@@ -127,7 +127,7 @@ std::string LayerSummary(const ModelConfig& c) {
 
 // A model's entry in the run's record: its layers, parameter counts and the byte model's figures
 // for one step (byte_model.h).
-json ModelJson(const BenchModel& m, double elem) {
+json ModelJson(const BenchModel& m, double elem, double row_elem) {
   const ParameterCounts p = CountParameters(m.config);
   const SdmGeometry sg = SdmGeometryOf(m.config);
   json j;
@@ -140,8 +140,8 @@ json ModelJson(const BenchModel& m, double elem) {
   j["parameters_m0"] = p.m0;
   j["weight_bytes_per_step"] = WeightBytesPerStep(m.config, elem).total();
   j["kv_bytes_per_token"] = KvBytesPerToken(m.config, elem);
-  j["sdm_bytes_per_step_per_session"] = SessionBytesPerStep(m.config, 0, elem).sdm;
-  j["sdm_state_bytes_max"] = elem * static_cast<double>(SdmStateElements(m.config));
+  j["sdm_bytes_per_step_per_session"] = SessionBytesPerStep(m.config, 0, elem, row_elem).sdm;
+  j["sdm_state_bytes_max"] = row_elem * static_cast<double>(SdmStateElements(m.config));
   j["sdm_heads"] = sg.heads;
   j["config"] = json::parse(ModelConfigToJson(m.config));
   return j;
@@ -154,7 +154,8 @@ json ResultRow(const PointTiming& t, const std::string& group,
                const std::vector<std::string>& measured_with, int64_t ctx,
                const DecodeBenchOptions& opt, EngineDevice device, double bandwidth_gbps) {
   const bool cuda = device == EngineDevice::kCuda;
-  const double elem = ElemBytes(device);
+  const double elem = ElemBytes(device, opt.cpu_dtype);
+  const double row_elem = RowElemBytes(device);
   const ModelRun& run = *t.point.run;
   const int64_t b = t.point.batch;
   const ModelConfig& config = run.spec->config;
@@ -164,10 +165,10 @@ json ResultRow(const PointTiming& t, const std::string& group,
   const double flops = b * DecodeFlopsPerToken(config, ctx);
   const double gflops = flops / median / 1e9;
   const double ms = 1e3 / opt.steps;
-  const SessionStepBytes sb = SessionBytesPerStep(config, ctx, elem);
+  const SessionStepBytes sb = SessionBytesPerStep(config, ctx, elem, row_elem);
   const WeightBytes wb = WeightBytesPerStep(config, elem);
   const double weight_bytes = wb.total();
-  const double step_bytes = StepBytes(config, ctx, b, elem);
+  const double step_bytes = StepBytes(config, ctx, b, elem, row_elem);
   const double achieved = step_bytes / median / 1e9;
   // A mixer's achieved bandwidth: its weights plus the batch's rows, over its profiled time.
   auto mixer_gbps = [&](double weights, double per_session, double seconds) {
@@ -294,7 +295,8 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   if (!resolved.ok()) return resolved.status();
   const EngineDevice device = *resolved;
   const bool cuda = device == EngineDevice::kCuda;
-  const double elem = ElemBytes(device);
+  const double elem = ElemBytes(device, opt.cpu_dtype);
+  const double row_elem = RowElemBytes(device);
   // ---- The groups ----
   std::vector<BenchGroup> groups;
   for (const std::string& p : opt.pairs) {
@@ -339,6 +341,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
          }
          return k;
        }()},
+      {"cpu_dtype", CpuDtypeName(opt.cpu_dtype)},
       {"set", opt.overrides},
       {"contexts", opt.contexts.empty() ? json("each pair's default") : json(opt.contexts)},
       {"batches", opt.batches},
@@ -474,7 +477,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
                 "params w/o M0", "weights MB", "KV KB/token", "SDM MB/sess");
     for (size_t i = 0; i < group.models.size(); ++i) {
       const BenchModel& m = group.models[i];
-      gj["models"].push_back(ModelJson(m, elem));
+      gj["models"].push_back(ModelJson(m, elem, row_elem));
       const json& mj = gj["models"].back();
       std::printf("# %-18s %-26s %14lld %14lld %12.1f %12.1f %12.1f\n", m.name.c_str(),
                   mj["layers"].get<std::string>().c_str(),
@@ -520,6 +523,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
         eo.profile = !cuda;
         eo.prefill_chunk = opt.prefill_chunk;
         eo.cpu_decode_attention = run.spec->cpu_attention;
+        if (!cuda) eo.cpu_dtype = opt.cpu_dtype;
         // Size the device's arenas for the longest context measured (not the default 128k).
         eo.max_context = max_position;
         if (opt.device_state_gb > 0) {

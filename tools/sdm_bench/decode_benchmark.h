@@ -112,7 +112,8 @@ struct DecodeBenchOptions {
   // CPU decode attention kernels: pairs use the first; a --presets group measures every model
   // with each (the kPerHead copy named "MODEL[per_head]").
   std::vector<CpuDecodeAttention> cpu_attention = {CpuDecodeAttention::kBlocked};
-  std::vector<int64_t> contexts;  // empty: each group's default contexts
+  DType cpu_dtype = EngineOptions{}.cpu_dtype;  // CPU: matrices and KV rows (EngineOptions)
+  std::vector<int64_t> contexts;                // empty: each group's default contexts
   std::vector<int64_t> batches = {1, 4, 16};
   bool fit_batch = true;   // also measure the largest batch in the budget
   int64_t max_batch = 16;  // cap of the `fit` batch

@@ -61,6 +61,9 @@ ABSL_FLAG(std::vector<std::string>, cpu_attention, std::vector<std::string>({"bl
           "decode: the CPU engine's decode attention kernel(s): blocked (the default) and/or "
           "per_head (the earlier kernel). With both, each model of a --presets group is measured "
           "with each, interleaved (the per_head copy named MODEL[per_head]); pairs use the first");
+ABSL_FLAG(std::string, cpu_dtype, sdm::CpuDtypeName(sdm::EngineOptions{}.cpu_dtype),
+          "decode: how the CPU engine stores matrices and KV rows: fp32 or bf16 (SDM rows stay "
+          "fp32); the byte model counts the same");
 ABSL_FLAG(std::vector<std::string>, attention_contexts, std::vector<std::string>({"8192"}),
           "cpu-attention: cached positions per session");
 ABSL_FLAG(std::vector<std::string>, attention_batches, std::vector<std::string>({"1", "8"}),
@@ -250,6 +253,15 @@ absl::StatusOr<sdm::bench::DecodeBenchOptions> DecodeOptionsFromFlags(
       return absl::InvalidArgumentError("");
     }
   }
+  {
+    absl::StatusOr<sdm::DType> dtype = sdm::ParseCpuDtype(absl::GetFlag(FLAGS_cpu_dtype));
+    if (!dtype.ok()) {
+      std::fprintf(stderr, "sdm-bench: --cpu_dtype: %s\n",
+                   std::string(dtype.status().message()).c_str());
+      return absl::InvalidArgumentError("");
+    }
+    opt.cpu_dtype = *dtype;
+  }
   if (opt.cpu_attention.empty()) {
     std::fprintf(stderr, "sdm-bench: --cpu_attention needs at least one value\n");
     return absl::InvalidArgumentError("");
@@ -327,9 +339,10 @@ int main(int argc, char** argv) {
 
   const std::vector<std::string> output_flags = {"json", "csv", "report", "python", "plot_script"};
   std::vector<std::string> decode_flags = {
-      "device",        "device_state_gb", "pair",      "presets",      "set",          "contexts",
-      "batches",       "fit_batch",       "max_batch", "steps",        "warmup",       "threads",
-      "prefill_chunk", "state_budget_gb", "seed",      "bandwidth_mb", "cpu_attention"};
+      "device",       "device_state_gb", "pair",          "presets",         "set",
+      "contexts",     "batches",         "fit_batch",     "max_batch",       "steps",
+      "warmup",       "threads",         "prefill_chunk", "state_budget_gb", "seed",
+      "bandwidth_mb", "cpu_attention",   "cpu_dtype"};
   decode_flags.insert(decode_flags.end(), output_flags.begin(), output_flags.end());
   std::vector<std::string> report_flags = {"from"};
   report_flags.insert(report_flags.end(), output_flags.begin(), output_flags.end());
