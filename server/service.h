@@ -125,6 +125,7 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   absl::Status DoDeleteSession(absl::string_view tenant, const v1::DeleteSessionRequest& request);
   absl::Status DoForkSession(absl::string_view tenant, const v1::ForkSessionRequest& request,
                              v1::Session& response);
+  absl::Status DoDetokenize(const v1::DetokenizeRequest& request, v1::DetokenizeResponse& response);
   // Counts one finished request of `method` in the server's metrics.
   void RecordRequest(absl::string_view method, absl::StatusCode code,
                      std::chrono::steady_clock::time_point start);
@@ -184,7 +185,6 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   // generated token, else cuts sampling.max_tokens to the room left.
   absl::Status FitInSession(absl::string_view session_id, int64_t history, int64_t prompt_tokens,
                             SamplingParams& sampling) const;
-  absl::Status DoDetokenize(const v1::DetokenizeRequest& request, v1::DetokenizeResponse& response);
 
   const ServiceDeps deps_;
   const ServiceOptions options_;

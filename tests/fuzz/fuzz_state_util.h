@@ -1,11 +1,9 @@
-// What the state-store fuzzers share (tests/fuzz/*_fuzzer.cc): a fixed small layout (no model
-// needed) — a full-attention KV layer, an SDM layer and a sliding-window KV layer whose ring wraps
-// after 3 tokens — a session filled recognisably, an allocation counter (the sanitizer
-// allocator's malloc hook) and a loud failure.
+// What the state-store fuzzers share (tests/fuzz/state_*_fuzzer.cc), besides
+// tests/fuzz/fuzz_util.h: a fixed small layout (no model needed) — a full-attention KV layer, an
+// SDM layer and a sliding-window KV layer whose ring wraps after 3 tokens — and a session filled
+// recognisably.
 #ifndef SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
 #define SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
-
-#include <sanitizer/allocator_interface.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +16,7 @@
 
 #include "state_store/session_state.h"
 #include "state_store/state_layout.h"
+#include "tests/fuzz/fuzz_util.h"
 
 namespace sdm::fuzz {
 
@@ -52,21 +51,6 @@ inline const StateLayout& Layout() {
   return layout;
 }
 
-// Bytes malloc'd while `counting` (the decoder runs single-threaded inside the fuzzer).
-inline bool counting = false;
-inline size_t allocated = 0;
-inline void OnMalloc(const volatile void*, size_t bytes) {
-  if (counting) allocated += bytes;
-}
-inline void OnFree(const volatile void*) {}
-inline constexpr size_t kAllocationSlack = size_t{1} << 20;
-inline constexpr size_t kAllocationPerBlobByte = 8;
-
-[[noreturn]] inline void Fail(const char* what) {
-  std::fprintf(stderr, "fuzzer: property violated: %s\n", what);
-  std::abort();
-}
-
 // Feeds `tokens` recognisable tokens to `state` (KV rows and one SDM row write per token).
 inline void FillState(SessionState& state, int tokens) {
   for (int t = 0; t < tokens; ++t) {
@@ -86,19 +70,6 @@ inline void FillState(SessionState& state, int tokens) {
   state.sampler_seed = 7;
   state.sampler_draws = static_cast<uint64_t>(state.position());
   state.pending_token = state.position() > 0 ? 65 : -1;
-}
-
-// A fuzzer's LLVMFuzzerInitialize: installs the allocation counter; with --write-seeds=DIR,
-// writes the seed corpus there and exits with write_seeds' status.
-inline int InitializeFuzzer(int* argc, char*** argv,
-                            int (*write_seeds)(const std::filesystem::path& dir)) {
-  __sanitizer_install_malloc_and_free_hooks(OnMalloc, OnFree);
-  constexpr std::string_view kFlag = "--write-seeds=";
-  for (int i = 1; i < *argc; ++i) {
-    const std::string_view arg = (*argv)[i];
-    if (arg.substr(0, kFlag.size()) == kFlag) std::exit(write_seeds(arg.substr(kFlag.size())));
-  }
-  return 0;
 }
 
 // A fuzzer's LLVMFuzzerTestOneInput: a mode byte, then the bytes; mode bit 0 runs `fix_up`
