@@ -7,10 +7,14 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "engine/tokenizer.h"
+#include "engine/weight_spec.h"
 #include "nlohmann/json.hpp"
 
 namespace sdm {
@@ -21,6 +25,15 @@ using json = nlohmann::json;
 absl::Status Invalid(absl::string_view field, absl::string_view message) {
   return absl::InvalidArgumentError(absl::StrCat("config field '", field, "': ", message));
 }
+
+// Bounds on a config's sizes (FinalizeModelConfig): widths (dim, heads, head dims, their
+// products), the vocabulary (token ids are int32), windows and the parameter total.
+constexpr int64_t kMaxConfigWidth = int64_t{1} << 17;
+constexpr int64_t kMaxConfigVocab = (int64_t{1} << 31) - 1;
+constexpr int64_t kMaxConfigWindow = int64_t{1} << 24;
+constexpr int64_t kMaxConfigParameters = int64_t{1} << 50;
+
+std::string TooLarge(int64_t limit) { return absl::StrCat("must be at most ", limit); }
 
 // ---- Typed getters: each rejects a value of the wrong JSON type by field name. ----
 
@@ -310,6 +323,56 @@ SdmGeometry SdmGeometryOf(const ModelConfig& c) {
   return g;
 }
 
+namespace {
+
+// The parameter total and one session's SDM state, with overflow checks: the tensors of one
+// layer of each type present (layers of one type have the same shapes) times the number of such
+// layers, plus the rest. Precondition: layer types resolved and every width bounded (so that
+// each shape is computed without overflow).
+absl::Status CheckParameterCount(const ModelConfig& c) {
+  ModelConfig one = c;
+  one.layer_types.clear();
+  int64_t count[3] = {0, 0, 0};
+  for (const LayerType t : c.layer_types) {
+    if (count[static_cast<int>(t)]++ == 0) one.layer_types.push_back(t);
+  }
+  one.n_layers = static_cast<int64_t>(one.layer_types.size());
+  const WeightSpec spec = BuildWeightSpec(one);
+  int64_t total = 0;
+  bool overflow = false;
+  const auto add = [&](const WeightSpec& s, size_t index, int64_t times) {
+    int64_t n = times;
+    for (const int64_t d : s.tensors[index].shape) overflow |= __builtin_mul_overflow(n, d, &n);
+    overflow |= __builtin_add_overflow(total, n, &total);
+  };
+  std::vector<bool> in_layer(spec.tensors.size(), false);
+  for (size_t l = 0; l < spec.roles.layers.size(); ++l) {
+    const int64_t times = count[static_cast<int>(one.layer_types[l])];
+    const std::string prefix = absl::StrCat("layers.", l, ".");
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      if (absl::StartsWith(spec.tensors[i].name, prefix)) {
+        in_layer[i] = true;
+        add(spec, i, times);
+      }
+    }
+  }
+  for (size_t i = 0; i < spec.tensors.size(); ++i) {
+    if (!in_layer[i]) add(spec, i, 1);
+  }
+  int64_t sdm_state = 0;  // SdmStateElements (slots x dim is bounded when there are SDM layers)
+  if (const int64_t n_sdm = count[static_cast<int>(LayerType::kSdm)]; n_sdm > 0) {
+    overflow |= __builtin_mul_overflow(n_sdm, c.sdm.slots_per_head * c.dim, &sdm_state);
+  }
+  if (overflow || total > kMaxConfigParameters || sdm_state > kMaxConfigParameters) {
+    return Invalid("n_layers", absl::StrCat("the model would have more than ", kMaxConfigParameters,
+                                            " parameters or elements of "
+                                            "SDM state per session"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status FinalizeModelConfig(ModelConfig& c) {
   if (c.dim <= 0) return Invalid("dim", "must be positive");
   if (c.n_layers <= 0) return Invalid("n_layers", "must be positive");
@@ -320,6 +383,28 @@ absl::Status FinalizeModelConfig(ModelConfig& c) {
   if (c.ffn_dim_multiplier.has_value() && !(*c.ffn_dim_multiplier > 0)) {
     return Invalid("ffn_dim_multiplier", "must be positive");
   }
+  // Bounds far above any model, so that no size derived from a config overflows (FfnHiddenDim,
+  // tensor shapes, parameter counts, state sizes; found by tests/fuzz/model_config_fuzzer.cc).
+  if (c.dim > kMaxConfigWidth) return Invalid("dim", TooLarge(kMaxConfigWidth));
+  if (c.multiple_of > kMaxConfigWidth) return Invalid("multiple_of", TooLarge(kMaxConfigWidth));
+  if (c.vocab_size > kMaxConfigVocab) return Invalid("vocab_size", TooLarge(kMaxConfigVocab));
+  if (c.ffn_dim_multiplier.has_value() && *c.ffn_dim_multiplier > 16) {
+    return Invalid("ffn_dim_multiplier", TooLarge(16));
+  }
+  for (auto [field, v] : {std::pair{"n_heads", c.n_heads},
+                          {"n_kv_heads", c.n_kv_heads},
+                          {"head_dim", c.head_dim},
+                          {"swa_n_heads", c.swa_n_heads},
+                          {"swa_n_kv_heads", c.swa_n_kv_heads},
+                          {"swa_head_dim", c.swa_head_dim}}) {
+    if (v.has_value() && *v > kMaxConfigWidth) return Invalid(field, TooLarge(kMaxConfigWidth));
+  }
+  if (c.swa_window.has_value() && *c.swa_window > kMaxConfigWindow) {
+    return Invalid("swa_window", TooLarge(kMaxConfigWindow));
+  }
+  if (c.max_seqlen > kMaxConfigWindow) return Invalid("max_seqlen", TooLarge(kMaxConfigWindow));
+  if (c.sdm.num_writes > 1024) return Invalid("sdm_args.num_writes", TooLarge(1024));
+  if (c.sdm.num_reads > 1024) return Invalid("sdm_args.num_reads", TooLarge(1024));
 
   // Layer lists must partition range(n_layers) exactly.
   for (auto* list : {&c.attn_at, &c.swa_at, &c.sdm_at}) {
@@ -408,6 +493,11 @@ absl::Status FinalizeModelConfig(ModelConfig& c) {
       return Invalid(prefix + "head_dim", absl::StrCat("layer ", i, ": head_dim=", g.head_dim,
                                                        " must be even for RoPE"));
     }
+    if (g.n_heads * g.head_dim > kMaxConfigWidth) {  // each at most kMaxConfigWidth: no overflow
+      return Invalid(prefix + "n_heads",
+                     absl::StrCat("layer ", i, ": n_heads x head_dim = ", g.n_heads * g.head_dim,
+                                  " is ", TooLarge(kMaxConfigWidth)));
+    }
   }
   if (has_sdm) {
     const SdmArgs& a = c.sdm;
@@ -433,10 +523,17 @@ absl::Status FinalizeModelConfig(ModelConfig& c) {
                      absl::StrCat(g.heads, " heads x ", a.slots_per_head,
                                   " slots reach 2^31 slots per layer (indices are 32-bit)"));
     }
+    // One layer's M0 (heads x slots x head_width = slots x dim elements), bounded with the rest.
+    if (a.slots_per_head * c.dim > (int64_t{1} << 40)) {  // 2^30 x 2^17 at most: no overflow
+      return Invalid("sdm_args.slots_per_head",
+                     absl::StrCat(a.slots_per_head, " slots per head x dim ", c.dim,
+                                  " is more than 2^40 elements of memory per layer"));
+    }
     if (a.num_writes <= 0) return Invalid("sdm_args.num_writes", "must be positive");
     if (a.num_reads <= 0) return Invalid("sdm_args.num_reads", "must be positive");
     if (!(a.norm_eps > 0)) return Invalid("sdm_args.norm_eps", "must be positive");
   }
+  if (absl::Status s = CheckParameterCount(c); !s.ok()) return s;
   if (c.tokenizer.name == "bytes") {
     if (c.vocab_size < 258) {
       return Invalid("vocab_size", absl::StrCat("the bytes tokenizer needs vocab_size >= 258, got ",
@@ -601,7 +698,15 @@ absl::Status ApplyConfigOverrides(ModelConfig& c, const std::vector<std::string>
     std::string key(assignment.substr(0, eq));
     absl::string_view raw = assignment.substr(eq + 1);
     json value = json::parse(raw.begin(), raw.end(), nullptr, /*allow_exceptions=*/false);
-    if (value.is_discarded()) value = std::string(raw);  // bare strings need no quotes
+    if (value.is_discarded()) {
+      // A bare string (needs no quotes). JSON text must be UTF-8: the config could not be
+      // written (nlohmann's dump() throws on other bytes).
+      if (SanitizeUtf8(raw, /*final=*/true, nullptr) != raw) {
+        return absl::InvalidArgumentError(absl::StrCat("override '", absl::CHexEscape(assignment),
+                                                       "': the value is not valid UTF-8"));
+      }
+      value = std::string(raw);
+    }
     json* node = &j;
     std::vector<std::string> parts = absl::StrSplit(key, '.');
     for (size_t i = 0; i + 1 < parts.size(); ++i) {

@@ -169,6 +169,27 @@ TEST(ModelConfigTest, RejectsBadAttentionGeometry) {
   ExpectInvalid(Base("swa_window", "null"), {"swa_window"});
 }
 
+// Sizes whose derived quantities would overflow (found by tests/fuzz/model_config_fuzzer.cc:
+// FfnHiddenDim computed 4 * dim in int64, and ffn_dim_multiplier * hidden was cast to int64 out
+// of range, both undefined behaviour).
+TEST(ModelConfigTest, RejectsSizesWhoseDerivedCountsWouldOverflow) {
+  ExpectInvalid(Base("dim", "4611686018427387904"), {"'dim'", "at most 131072"});
+  ExpectInvalid(Base("ffn_dim_multiplier", "1e300"), {"'ffn_dim_multiplier'", "at most 16"});
+  ExpectInvalid(Base("vocab_size", "4294967296"), {"'vocab_size'", "at most 2147483647"});
+  ExpectInvalid(Base("head_dim", "262144"), {"'head_dim'"});
+  ExpectInvalid(Base("swa_window", "1099511627776"), {"'swa_window'"});
+  ExpectInvalid(Base("max_seqlen", "1099511627776"), {"'max_seqlen'"});
+  // Every width in bounds, but 100,000 layers of that width: more than 2^50 parameters.
+  ExpectInvalid(R"({"dim": 131072, "n_layers": 100000, "n_heads": 512, "vocab_size": 258,)"
+                R"( "attn_at": "all"})",
+                {"'n_layers'", "parameters"});
+  // The same width with a few layers is accepted, and its counts are exact.
+  auto wide = ParseModelConfig(
+      R"({"dim": 131072, "n_layers": 2, "n_heads": 512, "vocab_size": 258, "attn_at": "all"})");
+  ASSERT_TRUE(wide.ok()) << wide.status();
+  EXPECT_GT(CountParameters(*wide).total, 0);
+}
+
 TEST(ModelConfigTest, RejectsUnknownActivationAndTokenizer) {
   std::string act = kBase;
   act.replace(act.find("\"num_reads\": 4"), 14, "\"num_reads\": 4, \"read_act\": \"Tanh\"");
@@ -318,6 +339,10 @@ TEST(ApplyConfigOverrideTest, RejectsBadKeysAndValues) {
   expect_error("sdm_args.slots_per_head=1000", "perfect square");
   expect_error("n_kv_heads=3", "n_kv_heads");
   expect_error("sdm_at=[2,3]", "more than one list");
+  // A bare string that is not UTF-8 (found by tests/fuzz/model_config_fuzzer.cc: writing the
+  // config threw nlohmann's type_error 316 and aborted the process).
+  expect_error("tokenizer.name=\x9e\x86", "not valid UTF-8");
+  expect_error("sdm_args.read_act=ab\xff", "not valid UTF-8");
 }
 
 TEST(ApplyConfigOverrideTest, SeveralOverridesMoveLayersTogether) {
