@@ -80,6 +80,7 @@ void PrintSession(const sdm::v1::Session& s, std::ostream& out) {
     const std::map<std::string, std::string> labels(s.labels().begin(), s.labels().end());
     out << "labels: " << absl::StrJoin(labels, ", ", absl::PairFormatter("=")) << "\n";
   }
+  if (!s.error().empty()) out << "error: " << s.error() << "\n";
 }
 
 // Sessions as an aligned table, one row each.
@@ -88,8 +89,8 @@ void PrintSessionTable(const std::vector<sdm::v1::Session>& sessions, std::ostre
       {"ID", "POSITION", "STATE", "TIER", "GENERATING", "LAST_USED"}};
   for (const sdm::v1::Session& s : sessions) {
     rows.push_back({s.id(), absl::StrCat(s.position()), HumanBytes(s.state_bytes()),
-                    TierName(s.tier()), s.generating() ? "yes" : "no",
-                    TimeText(s.last_used_time())});
+                    s.error().empty() ? TierName(s.tier()) : "quarantined",
+                    s.generating() ? "yes" : "no", TimeText(s.last_used_time())});
   }
   std::vector<size_t> widths(rows[0].size(), 0);
   for (const auto& row : rows) {

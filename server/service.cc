@@ -259,6 +259,7 @@ void SdmServiceImpl::FillSession(const SessionInfo& info, const SessionMetadata&
   out.set_state_bytes(info.bytes);
   out.set_tier(ToProtoTier(info.tier));
   out.set_generating(info.in_use);
+  out.set_error(info.error);
 }
 
 // ---- Generate -------------------------------------------------------------------------------

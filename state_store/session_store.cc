@@ -5,17 +5,22 @@
 #include <algorithm>
 #include <functional>
 #include <iterator>
+#include <map>
 #include <optional>
 #include <random>
 #include <set>
 #include <system_error>
 #include <thread>
+#include <tuple>
 #include <utility>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "base/check.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -34,6 +39,9 @@ constexpr int64_t kMaxLogRecords = 256;
 constexpr absl::string_view kTmpSuffix = ".tmp";
 // Fenced snapshots (SessionOwnership::FencesSnapshots): every snapshot under a unique name here.
 constexpr char kGenerationsDir[] = "generations";
+// A quarantined snapshot whose session was deleted: renamed with this suffix (never removed), so
+// that the next Open does not restore the session as a quarantined one.
+constexpr absl::string_view kDeletedSuffix = ".deleted";
 
 absl::Status NotFound(const SessionKey& key) {
   return absl::NotFoundError(absl::StrCat("session '", key.id, "' not found"));
@@ -168,6 +176,8 @@ struct SessionStateStore::Entry {
   // Fenced snapshots: the committed snapshot (a name under dir/generations/) this copy was read
   // from or last wrote; "" none. Never changed while the entry is busy.
   std::string snapshot_file;
+  // Quarantined: where its snapshot went (empty: it could not be moved, or it is not quarantined).
+  std::filesystem::path quarantined_as;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -419,6 +429,7 @@ void SessionStateStore::Quarantine(Entry& e, const std::filesystem::path& file,
                                    const absl::Status& why) {
   const std::filesystem::path dest = QuarantinePathOf(file);
   absl::Status moved = options_.files->Rename(file, dest);
+  if (moved.ok()) e.quarantined_as = dest;
   e.broken = absl::Status(
       why.code(), absl::StrCat(why.message(), moved.ok() ? " (moved to " + dest.string() + ")"
                                                          : " (could not quarantine it)"));
@@ -567,7 +578,54 @@ absl::Status SessionStateStore::LoadDirectory() {
       orphans_.emplace(stem, std::move(entry));
     }
   }
+  if (!options_.shared_dir) RestoreQuarantined();
   return absl::OkStatus();
+}
+
+void SessionStateStore::RestoreQuarantined() {
+  absl::StatusOr<std::vector<std::string>> names =
+      options_.files->List(options_.dir / "quarantine");
+  if (!names.ok()) return;
+  // The latest quarantined copy of each key: <stem>.sdmstate.<unix ms>[.<n>][.deleted].
+  struct Copy {
+    int64_t ms = -1;
+    int64_t n = 0;
+    std::string name;
+    bool deleted = false;
+  };
+  std::map<std::string, Copy> latest;
+  for (const std::string& name : *names) {
+    const size_t at = name.rfind(absl::StrCat(kSnapshotSuffix, "."));
+    if (at == std::string::npos || at == 0) continue;
+    const std::string stem = name.substr(0, at);
+    absl::string_view rest = absl::string_view(name).substr(at + kSnapshotSuffix.size() + 1);
+    Copy copy;
+    copy.name = name;
+    copy.deleted = absl::ConsumeSuffix(&rest, kDeletedSuffix);
+    const std::vector<absl::string_view> parts = absl::StrSplit(rest, '.');
+    if (parts.empty() || parts.size() > 2 || !absl::SimpleAtoi(parts[0], &copy.ms) ||
+        (parts.size() == 2 && !absl::SimpleAtoi(parts[1], &copy.n))) {
+      continue;
+    }
+    Copy& best = latest[stem];
+    if (std::tie(copy.ms, copy.n, copy.deleted) > std::tie(best.ms, best.n, best.deleted)) {
+      best = std::move(copy);
+    }
+  }
+  for (auto& [stem, copy] : latest) {
+    if (copy.deleted || IsHashedFileStem(stem)) continue;  // a hashed stem does not name its key
+    absl::StatusOr<SessionKey> key = ParseSessionRecordId(stem);
+    if (!key.ok() || SessionFileStem(*key) != stem || entries_.count(*key) > 0) continue;
+    auto entry = std::make_unique<Entry>();
+    entry->key = *std::move(key);
+    entry->tier = Tier::kDisk;
+    entry->last_used = absl::Now();
+    entry->quarantined_as = options_.dir / "quarantine" / copy.name;
+    entry->broken =
+        absl::DataLossError(absl::StrCat("it was quarantined before the server restarted (kept as ",
+                                         entry->quarantined_as.string(), "); delete the session"));
+    Insert(std::move(entry));
+  }
 }
 
 // ---- Shared snapshot directory (SessionStoreOptions::shared_dir) ----
@@ -937,6 +995,12 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
       if (auto s = options_.files->Remove(PathOf(key)); !s.ok()) return s;
       // After the snapshot: a log left alone is removed at the next Open.
       options_.files->Remove(LogPathOf(key)).IgnoreError();
+    }
+    if (const std::filesystem::path& q = (*e)->quarantined_as; !q.empty()) {
+      // Kept for the operator, but no longer a session at the next Open.
+      std::filesystem::path deleted = q;
+      deleted += std::string(kDeletedSuffix);
+      if (auto s = options_.files->Rename(q, deleted); !s.ok()) return s;
     }
     dead = Erase(entries_.find(key));
   }

@@ -49,7 +49,12 @@
 // On Open() the store lists the snapshots in `dir`. A snapshot that is truncated, corrupted, of
 // another format version or of another model is moved to `dir/quarantine/` under a unique name
 // (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
-// (version or model) with the reason; every other session is unaffected.
+// (version or model) with the reason; every other session is unaffected. A quarantined session
+// stays a session (listed, with SessionInfo::error) until it is deleted, also across restarts:
+// Open() makes one, answering DATA_LOSS, for each key whose latest copy under dir/quarantine/ is
+// not marked deleted and that has no snapshot in `dir` (not on a shared directory, nor for
+// hashed file names, which do not name their key). Delete() of a quarantined session renames its
+// copy to <name>.deleted (kept for the operator, no longer a session).
 //
 // The device tier (state_store/device_residency.h): on an accelerator backend a resident
 // session's layers may live in device memory. The store budgets the device bytes separately
@@ -355,6 +360,9 @@ class SessionStateStore {
   using EntryMap = std::map<SessionKey, std::unique_ptr<Entry>>;
 
   absl::Status LoadDirectory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Makes a quarantined session of each key whose latest copy under dir/quarantine/ was not
+  // deleted and that has no snapshot (see "Quarantine" in the class comment).
+  void RestoreQuarantined() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Shared snapshot directory (see the class comment): one version of a snapshot file, and that
   // of the file at `path` (nullopt: there is none).
   struct SnapshotStamp;

@@ -255,6 +255,7 @@ nlohmann::json SessionToJson(const v1::Session& s) {
   Json labels = Json::object();
   for (const auto& [k, v] : s.labels()) labels[k] = v;
   j["labels"] = std::move(labels);
+  if (!s.error().empty()) j["error"] = s.error();  // quarantined (sdm.proto, Session.error)
   return j;
 }
 

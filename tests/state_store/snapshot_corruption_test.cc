@@ -293,6 +293,12 @@ TEST_F(SnapshotCodecCorruptionTest, ConsistentChecksumsWrongContentsAreDetected)
        absl::StatusCode::kFailedPrecondition},
       {"KV ring capacity", [&](std::string& b) { StoreAt<uint64_t>(b, At(kv0, 12), 0); },
        absl::StatusCode::kFailedPrecondition},
+      // A ring past int64 once overflowed the held-rows computation (undefined behaviour found
+      // by tests/fuzz/state_codec_fuzzer.cc under UBSan; the regression input is one of its
+      // seeds).
+      {"KV ring capacity past int64",
+       [&](std::string& b) { StoreAt<uint64_t>(b, At(kv0, 12), (uint64_t{1} << 63) + 3); },
+       absl::StatusCode::kDataLoss},
       {"KV length", [&](std::string& b) { StoreAt<int64_t>(b, At(kv0, 20), 2); },
        absl::StatusCode::kDataLoss},
       {"KV first position", [&](std::string& b) { StoreAt<int64_t>(b, At(kv0, 28), 1); },
@@ -484,13 +490,37 @@ class SnapshotStoreCorruptionTest : public ::testing::Test {
     ASSERT_NO_FATAL_FAILURE(ExpectVictimRefused(*store, bad, reason));
     ExpectOthersIntact(*store);
     store.reset();
-    // Reopened: the quarantined file is no longer a session, and nothing else changed.
-    auto again = Open();
-    ASSERT_NE(again, nullptr);
-    EXPECT_TRUE(again->open_errors().empty());
-    EXPECT_EQ(again->Acquire("victim").status().code(), absl::StatusCode::kNotFound);
-    EXPECT_EQ(testing::ReadFile(Quarantined()), bad);
-    ExpectOthersIntact(*again);
+    // Reopened (a restart): the session is still there, quarantined, until it is deleted; the
+    // quarantined file stays where it is, and nothing else changed.
+    const std::filesystem::path copy = Quarantined();
+    {
+      auto again = Open();
+      ASSERT_NE(again, nullptr);
+      EXPECT_TRUE(again->open_errors().empty());
+      const absl::Status refused = again->Acquire("victim").status();
+      EXPECT_EQ(refused.code(), absl::StatusCode::kDataLoss) << refused;
+      EXPECT_TRUE(absl::StrContains(refused.message(), "victim")) << refused;
+      EXPECT_TRUE(absl::StrContains(refused.message(), copy.string())) << refused;
+      auto info = again->Get("victim");
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->error, refused.message());
+      EXPECT_EQ(info->position, -1);
+      const std::vector<SessionInfo> listed = again->List();
+      EXPECT_EQ(listed.size(), 3u);  // victim, alpha, omega
+      EXPECT_EQ(testing::ReadFile(copy), bad);
+      ExpectOthersIntact(*again);
+      // Deleted: its copy is renamed (kept for the operator) and it is gone for good.
+      ASSERT_TRUE(again->Delete("victim").ok());
+      EXPECT_EQ(again->Get("victim").status().code(), absl::StatusCode::kNotFound);
+    }
+    EXPECT_FALSE(std::filesystem::exists(copy));
+    std::filesystem::path deleted = copy;
+    deleted += ".deleted";
+    EXPECT_EQ(testing::ReadFile(deleted), bad);
+    auto after_delete = Open();
+    ASSERT_NE(after_delete, nullptr);
+    EXPECT_EQ(after_delete->Acquire("victim").status().code(), absl::StatusCode::kNotFound);
+    ExpectOthersIntact(*after_delete);
   }
 
   testing::ScopedTempDir dir_;
