@@ -1,6 +1,7 @@
 #include "state_store/state_codec.h"
 
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -376,6 +377,9 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
         return Corrupt(absl::StrCat("layer ", li, ": KV length differs from the position"));
       }
       // Sizes are checked before any page is allocated: a huge length must not reserve memory.
+      if (ring > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+        return Corrupt(absl::StrCat("layer ", li, ": KV ring capacity out of range"));
+      }
       const int64_t held_from = (ring > 0 && length > static_cast<int64_t>(ring))
                                     ? length - static_cast<int64_t>(ring)
                                     : 0;

@@ -152,6 +152,17 @@ int WriteSeeds(const std::filesystem::path& dir) {
   std::ofstream out(dir / ("seed_" + std::to_string(n++)), std::ios::binary);
   out << '\1' << huge;
   if (!out) return 1;
+  // Regression: a checksum-consistent blob whose sliding-window layer (section 3) claims a ring
+  // past int64 (the decoder once computed the rows it holds with a signed overflow).
+  std::string ring = ValidBlob(7, id, metadata);
+  size_t at = 48;
+  for (int section = 0; section < 3; ++section) at += 24 + LoadAt<uint64_t>(ring, at + 8);
+  StoreAt<uint64_t>(ring, at + 24 + 12, (uint64_t{1} << 63) + 3);
+  FixUp(ring);
+  CheckBlob(ring);
+  std::ofstream ring_out(dir / ("seed_" + std::to_string(n++)), std::ios::binary);
+  ring_out << '\1' << ring;
+  if (!ring_out) return 1;
   std::printf("wrote %d seeds to %s\n", n, dir.c_str());
   return 0;
 }
