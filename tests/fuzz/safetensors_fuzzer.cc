@@ -18,9 +18,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <system_error>
 
 #include "absl/status/status.h"
 #include "engine/safetensors.h"
@@ -37,13 +39,24 @@ std::string FileOf(const std::string& header, size_t data_bytes) {
   return out + header + std::string(data_bytes, '\0');
 }
 
-const std::filesystem::path& ScratchFile() {
-  static const std::filesystem::path path = [] {
-    const std::filesystem::path dir =
+// A directory of this process's own for the file under test, removed at exit.
+const std::filesystem::path& ScratchDir() {
+  static const std::filesystem::path dir = [] {
+    const std::filesystem::path d =
         std::filesystem::temp_directory_path() / ("safetensors_fuzzer." + std::to_string(getpid()));
-    std::filesystem::create_directories(dir);
-    return dir / "model.safetensors";
+    std::filesystem::create_directories(d);
+    return d;
   }();
+  // Registered after `dir` is constructed, so it runs before `dir` is destroyed.
+  [[maybe_unused]] static const int cleanup = std::atexit([] {
+    std::error_code ec;
+    std::filesystem::remove_all(ScratchDir(), ec);
+  });
+  return dir;
+}
+
+const std::filesystem::path& ScratchFile() {
+  static const std::filesystem::path path = ScratchDir() / "model.safetensors";
   return path;
 }
 
