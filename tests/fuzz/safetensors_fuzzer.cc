@@ -14,15 +14,14 @@
 // within a constant plus a small multiple of the file's size.
 //
 // `safetensors_fuzzer --write-seeds=DIR` writes a seed corpus of valid files to DIR and exits.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <string>
-#include <system_error>
 
 #include "absl/status/status.h"
 #include "engine/safetensors.h"
@@ -39,32 +38,29 @@ std::string FileOf(const std::string& header, size_t data_bytes) {
   return out + header + std::string(data_bytes, '\0');
 }
 
-// A directory of this process's own for the file under test, removed at exit.
-const std::filesystem::path& ScratchDir() {
-  static const std::filesystem::path dir = [] {
-    const std::filesystem::path d =
-        std::filesystem::temp_directory_path() / ("safetensors_fuzzer." + std::to_string(getpid()));
-    std::filesystem::create_directories(d);
-    return d;
-  }();
-  // Registered after `dir` is constructed, so it runs before `dir` is destroyed.
-  [[maybe_unused]] static const int cleanup = std::atexit([] {
-    std::error_code ec;
-    std::filesystem::remove_all(ScratchDir(), ec);
-  });
-  return dir;
+// The file under test: an in-memory file (memfd), opened by the readers through its
+// /proc/self/fd path like any file, without touching a disk.
+int ScratchFd() {
+  static const int fd = memfd_create("model.safetensors", MFD_CLOEXEC);
+  if (fd < 0) Fail("memfd_create failed");
+  return fd;
 }
 
 const std::filesystem::path& ScratchFile() {
-  static const std::filesystem::path path = ScratchDir() / "model.safetensors";
+  static const std::filesystem::path path = "/proc/self/fd/" + std::to_string(ScratchFd());
   return path;
 }
 
 bool WriteScratch(const std::string& bytes) {
-  FILE* f = std::fopen(ScratchFile().c_str(), "wb");
-  if (f == nullptr) return false;
-  const bool ok = std::fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size();
-  return std::fclose(f) == 0 && ok;
+  const int fd = ScratchFd();
+  if (ftruncate(fd, 0) != 0) return false;
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = pwrite(fd, bytes.data() + done, bytes.size() - done, done);
+    if (n <= 0) return false;
+    done += static_cast<size_t>(n);
+  }
+  return true;
 }
 
 void CheckIndex(const sdm::SafetensorsIndex& index, int64_t file_size) {
