@@ -86,6 +86,10 @@ ABSL_FLAG(std::string, replica_id, "",
 ABSL_FLAG(absl::Duration, etcd_lease_ttl, sdm::EtcdOwnershipOptions{}.lease_ttl,
           "With --etcd: the TTL of this replica's lease (whole seconds, at least 2 s). A replica "
           "stopped or cut off this long loses its sessions to the others.");
+ABSL_FLAG(bool, testing_etcd_keep_stale_claims, false,
+          "Testing only (deploy.etcd_fencing): with --etcd, a replica that finds its lease "
+          "expired keeps its claims, so that its stale writes are refused by etcd's transaction "
+          "rather than by its own bookkeeping. Never set it in production.");
 ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
           "With --persist=idle: how long a changed session stays idle before it is written.");
 ABSL_FLAG(
@@ -245,6 +249,7 @@ int main(int argc, char** argv) {
   options.etcd.endpoint = absl::GetFlag(FLAGS_etcd);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
   options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
+  options.etcd.testing_keep_stale_claims = absl::GetFlag(FLAGS_testing_etcd_keep_stale_claims);
   if (options.etcd.lease_ttl < absl::Seconds(2)) return UsageError("--etcd_lease_ttl: at least 2s");
   if (!options.etcd.endpoint.empty()) {
     if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");

@@ -185,7 +185,8 @@ absl::Status EtcdOwnership::Grant() {
   if (id == 0) return absl::UnavailableError(absl::StrCat("etcd granted no lease: ", *body));
   absl::MutexLock lock(&mu_);
   lease_ = id;
-  owned_.clear();  // keys of an earlier lease are gone with it
+  // Keys of an earlier lease are gone with it (testing_keep_stale_claims: etcd says so instead).
+  if (!options_.testing_keep_stale_claims) owned_.clear();
   return absl::OkStatus();
 }
 
@@ -450,13 +451,15 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::strin
     if (!still_ours) owned_.erase(name);
   }
   if (!still_ours) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ownership lost: its etcd key no longer has this replica's claim (mod revision ", revision,
-        "; owner now: ", owner, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("etcd refused the transaction: ownership lost, its etcd key no longer has "
+                     "this replica's claim (mod revision ",
+                     revision, "; owner now: ", owner, ")"));
   }
   return absl::FailedPreconditionError(
-      absl::StrCat("this copy derives from snapshot '", base.empty() ? "(none)" : base,
-                   "' but the committed one is '", committed.empty() ? "(none)" : committed, "'"));
+      absl::StrCat("etcd refused the transaction: this copy derives from snapshot '",
+                   base.empty() ? "(none)" : base, "' but the committed one is '",
+                   committed.empty() ? "(none)" : committed, "'"));
 }
 
 }  // namespace sdm

@@ -61,6 +61,12 @@ struct EtcdOwnershipOptions {
   absl::Duration handoff_wait = absl::Seconds(3);
   // How often this replica looks for requests to hand its sessions over.
   absl::Duration handoff_poll = absl::Milliseconds(100);
+  // Testing only (sdm-server --testing_etcd_keep_stale_claims, deploy.etcd_fencing): when the
+  // keepalive finds the lease expired, keep the claims made under it instead of forgetting them,
+  // so that a stale replica's commit is not refused by this replica's own bookkeeping but sent
+  // to etcd, whose transaction refuses it (the ownership key's mod revision is no longer the
+  // claim's). Never set in production: it only delays the refusal by one round trip.
+  bool testing_keep_stale_claims = false;
 };
 
 class EtcdOwnership : public SessionOwnership {

@@ -211,5 +211,47 @@ TEST_F(EtcdOwnershipTest, AClaimAsksALiveOwnerToHandTheSessionOver) {
   EXPECT_TRUE(absl::IsUnavailable(a->Claim(h)));  // c owns it now
 }
 
+// A replica whose keepalive found its lease expired (revoked here) forgets its claims, so its
+// later commit is refused before etcd is asked. With testing_keep_stale_claims it keeps them and
+// the commit reaches etcd, whose transaction refuses it and names the owner now (what
+// deploy.etcd_fencing relies on to prove the refusal is etcd's).
+TEST_F(EtcdOwnershipTest, AStaleClaimIsRefusedLocallyOrByEtcdWithTheTestingOption) {
+  for (const bool keep : {false, true}) {
+    SCOPED_TRACE(keep ? "keep stale claims" : "forget stale claims");
+    EtcdOwnershipOptions paused = Options(keep ? "kept" : "forgot");
+    paused.lease_ttl = absl::Seconds(3);  // keepalive every second: it finds the revoked lease
+    paused.testing_keep_stale_claims = keep;
+    auto a = EtcdOwnership::Start(paused);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = StartReplica(keep ? "b-kept" : "b-forgot");
+    ASSERT_TRUE(b);
+    const SessionKey s(keep ? "kept" : "forgot");
+    ASSERT_TRUE((*a)->Claim(s).ok());
+    ASSERT_TRUE((*a)->CommitSnapshot(s, "", "one").ok());
+    const int64_t old_lease = (*a)->lease_id();
+    Revoke(old_lease);
+    // Bounded wait for the keepalive to notice and grant a new lease (not a timing assertion).
+    for (int i = 0; i < 300 && (*a)->lease_id() == old_lease; ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_NE((*a)->lease_id(), old_lease);
+    ASSERT_TRUE(b->Claim(s).ok());
+    ASSERT_TRUE(b->CommitSnapshot(s, "one", "two").ok());
+    const absl::Status late = (*a)->CommitSnapshot(s, "one", "late");
+    EXPECT_TRUE(absl::IsFailedPrecondition(late)) << late;
+    if (keep) {
+      EXPECT_NE(late.message().find("etcd refused the transaction: ownership lost"),
+                std::string::npos)
+          << late;
+      EXPECT_NE(late.message().find("owner now: b-kept"), std::string::npos) << late;
+    } else {
+      EXPECT_NE(late.message().find("does not hold a claim"), std::string::npos) << late;
+    }
+    auto seen = b->Observe(s);
+    ASSERT_TRUE(seen.ok()) << seen.status();
+    EXPECT_EQ(*seen, "two");
+  }
+}
+
 }  // namespace
 }  // namespace sdm
