@@ -93,7 +93,11 @@
 // from the committed snapshot); a refused commit removes the file, counts a fenced write and logs
 // it. Reads (Discover, Acquire, Get) use only the committed name; a held copy whose name is no
 // longer the committed one is dropped and re-read. Delete removes the committed name, fenced the
-// same way. The top-level snapshot files and delta logs are then not used.
+// same way. A commit passes only under the claim its file was written under, so the files of
+// writes that were never committed (a crash between write and commit) are garbage once that
+// claim is over: a store that takes a session up under a new claim removes them
+// (SweepGenerations; StoreStats::orphans_removed). The top-level snapshot files and delta logs are
+// then not used.
 //
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
@@ -220,6 +224,7 @@ struct StoreStats {
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
   int64_t fenced_writes = 0;                 // writes refused: not the owner (ownership)
+  int64_t orphans_removed = 0;               // fenced: uncommitted snapshot files swept
   int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
   int64_t device_bytes = 0;                  // their device bytes (the device tier)
   int64_t device_evictions = 0;              // device -> host copies (budget, park, fork)
@@ -384,6 +389,12 @@ class SessionStateStore {
   std::filesystem::path SnapshotPathOf(const Entry& e) const;
   // Fenced: a file name for a new snapshot of `key` that no store has used.
   std::string NewSnapshotName(const SessionKey& key) const;
+  // Fenced: removes `key`'s files under dir/generations/ that are neither its committed snapshot
+  // nor this store's (being written, read from, or of an unknown commit): writes that were never
+  // committed or lost their commit (a crash between the write and the commit, a refused commit
+  // whose removal failed). Only under this store's claim, verified in etcd after the listing;
+  // once per claim (a new claim: others may have written since), unless `force`. Without mu_.
+  void SweepGenerations(const SessionKey& key, bool force) ABSL_LOCKS_EXCLUDED(mu_);
   // Fenced: asks etcd (the ownership's Observe) which snapshot is committed for `key`, for a
   // lookup without a claim (Get, Park, SetMetadata, Fork's source). Called without mu_.
   void ObserveShared(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -505,6 +516,9 @@ class SessionStateStore {
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<SessionState>> doomed_ ABSL_GUARDED_BY(mu_);
   uint64_t waiter_clock_ ABSL_GUARDED_BY(mu_) = 0;  // orders WhenPersisted arrivals
+  // Fenced: the claim (SessionOwnership::ClaimEpoch) under which each session's files were last
+  // swept (SweepGenerations).
+  std::map<SessionKey, int64_t> swept_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
   std::vector<std::thread> writers_;  // persist_writers - 1 (see WriterLoop)
 };

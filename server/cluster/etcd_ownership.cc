@@ -307,16 +307,21 @@ absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
 }
 
 absl::Status EtcdOwnership::CheckWrite(const SessionKey& key) {
+  const int64_t revision = ClaimEpoch(key);
+  if (revision == 0)
+    return absl::FailedPreconditionError("this replica has not claimed the session");
+  return VerifyClaim(key, revision);
+}
+
+int64_t EtcdOwnership::ClaimEpoch(const SessionKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = owned_.find(KeyOf(key));
+  return it == owned_.end() ? 0 : it->second;
+}
+
+absl::Status EtcdOwnership::VerifyClaim(const SessionKey& key, int64_t revision) {
+  if (revision == 0) return absl::FailedPreconditionError("no claim");
   const std::string name = KeyOf(key);
-  int64_t revision = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = owned_.find(name);
-    if (it == owned_.end()) {
-      return absl::FailedPreconditionError("this replica has not claimed the session");
-    }
-    revision = it->second;
-  }
   const std::string k = B64(name);
   const json txn = {{"compare", json::array({{{"key", k},
                                               {"target", "MOD"},
@@ -325,10 +330,11 @@ absl::Status EtcdOwnership::CheckWrite(const SessionKey& key) {
   auto body = Post("/v3/kv/txn", txn.dump());
   if (!body.ok()) return body.status();
   const json answer = json::parse(*body, nullptr, false);
-  if (answer.is_object() && answer.value("succeeded", false)) return absl::OkStatus();
+  if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
+  if (answer.value("succeeded", false)) return absl::OkStatus();
   {
     absl::MutexLock lock(&mu_);
-    owned_.erase(name);
+    if (auto it = owned_.find(name); it != owned_.end() && it->second == revision) owned_.erase(it);
   }
   return absl::FailedPreconditionError(
       absl::StrCat("ownership lost (its etcd key no longer has mod revision ", revision, ")"));
@@ -373,21 +379,27 @@ std::optional<std::string> EtcdOwnership::Committed(const SessionKey& key) const
   return it->second;
 }
 
-absl::Status EtcdOwnership::CommitSnapshot(const SessionKey& key, const std::string& base,
-                                           const std::string& file) {
+absl::Status EtcdOwnership::CommitSnapshot(const SessionKey& key, int64_t claim,
+                                           const std::string& base, const std::string& file) {
   if (file.empty()) return absl::InvalidArgumentError("no file name to commit");
-  return FencedUpdate(key, base, file);
+  if (claim == 0) {
+    return absl::FailedPreconditionError(
+        "this replica did not hold a claim on the session when it wrote the snapshot (never "
+        "claimed, or its lease expired)");
+  }
+  return FencedUpdate(key, claim, base, file);
 }
 
 absl::Status EtcdOwnership::DeleteCommitted(const SessionKey& key, const std::string& base) {
-  return FencedUpdate(key, base, std::nullopt);
+  return FencedUpdate(key, 0, base, std::nullopt);
 }
 
-absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::string& base,
+absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, int64_t claim,
+                                         const std::string& base,
                                          const std::optional<std::string>& put) {
   const std::string name = KeyOf(key);
-  int64_t revision = 0;
-  {
+  int64_t revision = claim;
+  if (revision == 0) {
     absl::MutexLock lock(&mu_);
     auto it = owned_.find(name);
     if (it == owned_.end()) {
@@ -448,7 +460,9 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::strin
   {
     absl::MutexLock lock(&mu_);
     committed_[name] = committed;
-    if (!still_ours) owned_.erase(name);
+    if (auto it = owned_.find(name); !still_ours && it != owned_.end() && it->second == revision) {
+      owned_.erase(it);
+    }
   }
   if (!still_ours) {
     return absl::FailedPreconditionError(

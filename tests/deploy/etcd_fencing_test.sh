@@ -82,7 +82,12 @@ kill -STOP "$r0_pid"
 # Its lease expires (no keepalive from a stopped process): the ownership key disappears.
 wait_for "r0's ownership key to expire" 60 key_absent "$owner_key"
 
+# A file of the session that was written but never committed (as a replica that crashed between
+# its write and its commit leaves it): the next replica to claim the session removes it.
+orphan="$work/state/generations/7-default-$id.$(printf '0%.0s' $(seq 32)).sdmstate"
+echo "never committed" >"$orphan"
 both "$port_1" "the second turn"  # r1 claims the session and continues the committed state
+[ ! -e "$orphan" ] || fail "r1 did not remove the uncommitted file when it claimed the session"
 both "$port_1" "the third turn"
 [ "$(etcd_get "$owner_key")" = r1 ] || fail "r1 does not own the session"
 committed_3=$(etcd_get "$snapshot_key")
@@ -97,7 +102,7 @@ wait_for "r0 to exit" 120 not_running "$r0_pid"
 # branch told r0 who owns the session now (r1); r0's own bookkeeping refused nothing.
 grep -q "write of session '$id' refused.*etcd refused the transaction: ownership lost.*owner now: r1)" \
   "$work/r0.err" || { grep refused "$work/r0.err"; fail "the refusal of r0's write is not etcd's"; }
-if grep -q "does not hold a claim" "$work/r0.err"; then fail "r0 refused its write locally"; fi
+if grep -q "hold a claim" "$work/r0.err"; then fail "r0 refused its write locally"; fi
 [ "$(etcd_get "$snapshot_key")" = "$committed_3" ] || fail "the committed snapshot changed"
 [ -f "$work/state/generations/$committed_3" ] || fail "the committed snapshot file is gone"
 refused=$(grep -c "refused" "$work/r0.err" || true)
@@ -108,6 +113,9 @@ both "$port_1" "the fourth turn"
 stop_replica r1 TERM
 start_replica r2 "${flags[@]}" --replica_id r2
 both "$REPLICA_PORT" "the fifth turn"
+# No garbage: the generations directory holds the committed snapshot only.
+gens=$(ls "$work/state/generations")
+[ "$gens" = "$(etcd_get "$snapshot_key")" ] || fail "generations/ holds more than the committed file: $gens"
 echo "ok: fencing: r0 frozen past its lease (TTL $ttl) lost session '$id' to r1, which served 2" \
   "turns; resumed and drained, r0's write of its stale turn was refused by etcd ($refused log lines:" \
   "$(grep "refused" "$work/r0.err" | head -1 | sed 's/.*refused/refused/' | cut -c1-160));" \
