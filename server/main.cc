@@ -112,7 +112,7 @@ ABSL_FLAG(std::string, host_budget,
           "the state directory.");
 ABSL_FLAG(absl::Duration, session_ttl, sdm::ServerOptions{}.store.default_ttl,
           "Idle sessions created without their own ttl are deleted after this long (e.g. 30m, "
-          "24h); inf: never.");
+          "24h); inf: never. Not with --shared_state_dir (replicas: sessions never expire).");
 ABSL_FLAG(int, max_running, sdm::SchedulerOptions{}.max_running,
           "Sequences decoded together in one engine step (the batch).");
 ABSL_FLAG(int, max_waiting, sdm::SchedulerOptions{}.max_waiting,
@@ -287,6 +287,12 @@ int main(int argc, char** argv) {
   options.store.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   if (options.store.default_ttl <= absl::ZeroDuration()) {
     return UsageError("--session_ttl must be positive (inf: never expire)");
+  }
+  if (options.store.shared_dir && options.store.default_ttl != absl::InfiniteDuration()) {
+    return UsageError(
+        "--session_ttl cannot be used with --shared_state_dir: a replica would expire a session "
+        "by its own view of its last use while another replica serves it (sessions on a shared "
+        "directory never expire; delete them explicitly). docs/replicas.md");
   }
   options.scheduler.max_running = absl::GetFlag(FLAGS_max_running);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);

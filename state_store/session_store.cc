@@ -281,6 +281,9 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
                      " bytes is smaller than one session's minimum of ", min_bytes,
                      " bytes (its SDM slot tables)"));
   }
+  if (options.shared_dir && options.default_ttl != absl::InfiniteDuration()) {
+    return SharedTtlError();
+  }
   if (options.host_budget_bytes < 0) {
     return absl::InvalidArgumentError("host budget must not be negative");
   }
@@ -380,6 +383,19 @@ bool IsGenerationOf(absl::string_view name, absl::string_view stem, std::string*
 
 }  // namespace
 
+absl::Duration SessionStateStore::TtlOfRecord(int64_t ttl_ms) const {
+  // Shared directory: sessions do not expire (SharedTtlError); a ttl that a snapshot written by
+  // a server running alone carries is dropped.
+  return options_.shared_dir ? absl::InfiniteDuration() : FromMs(ttl_ms);
+}
+
+absl::Status SessionStateStore::SharedTtlError() {
+  return absl::InvalidArgumentError(
+      "session TTLs are not supported on a shared state directory (replicas): a replica expires "
+      "sessions by its own view of their last use and would delete a session another replica "
+      "is serving; sessions there never expire (delete them explicitly)");
+}
+
 void SessionStateStore::SweepGenerations(const SessionKey& key, bool force) {
   if (!fenced()) return;
   const int64_t claim = options_.ownership->ClaimEpoch(key);
@@ -401,13 +417,6 @@ void SessionStateStore::SweepGenerations(const SessionKey& key, bool force) {
     std::string base;
     if (IsGenerationOf(name, stem, &base)) found.emplace_back(name, base);
   }
-  if (!found.empty()) {
-    // After the listing: each file listed was written under a claim obtained before it was
-    // created (a writer claims, then writes). If `claim` is still the current one in etcd, every
-    // other claim has ended for good, and a commit passes only under the claim its file was
-    // written under (SessionOwnership::CommitSnapshot): no other replica can commit these.
-    if (absl::Status s = options_.ownership->VerifyClaim(key, claim); !s.ok()) return;
-  }
   std::vector<std::string> doomed;
   {
     absl::MutexLock lock(&mu_);
@@ -425,6 +434,17 @@ void SessionStateStore::SweepGenerations(const SessionKey& key, bool force) {
       }
       doomed.push_back(name);
     }
+  }
+  if (!doomed.empty()) {
+    // After the listing: each file listed was written under a claim obtained before it was
+    // created (a writer claims, then writes). If `claim` is still the current one in etcd, every
+    // other claim has ended for good, and a commit passes only under the claim its file was
+    // written under (SessionOwnership::CommitSnapshot): nobody can commit these any more (this
+    // store's own writes under `claim` were excluded above, and later ones use new names).
+    if (absl::Status s = options_.ownership->VerifyClaim(key, claim); !s.ok()) return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
     swept_[key] = claim;
     counters_.orphans_removed += static_cast<int64_t>(doomed.size());
   }
@@ -623,7 +643,7 @@ absl::Status SessionStateStore::LoadDirectory() {
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else {
       entry->metadata = record->metadata;
-      entry->ttl = FromMs(record->ttl_ms);
+      entry->ttl = TtlOfRecord(record->ttl_ms);
       if (record->last_used_unix_ms > 0) {
         entry->last_used = absl::FromUnixMillis(record->last_used_unix_ms);
       }
@@ -700,7 +720,7 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   entry->key = key;
   entry->tier = Tier::kDisk;
   entry->metadata = record->metadata;
-  entry->ttl = FromMs(record->ttl_ms);
+  entry->ttl = TtlOfRecord(record->ttl_ms);
   entry->last_used =
       record->last_used_unix_ms > 0 ? absl::FromUnixMillis(record->last_used_unix_ms) : absl::Now();
   entry->disk_bytes = static_cast<int64_t>(stamp->size);
@@ -859,6 +879,9 @@ void SessionStateStore::Changed() {
 absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
                                        absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(key); !s.ok()) return s;
+  if (options_.shared_dir && ttl > absl::ZeroDuration() && ttl != absl::InfiniteDuration()) {
+    return SharedTtlError();
+  }
   if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   SweepGenerations(key, /*force=*/false);
   auto e = std::make_unique<Entry>();
@@ -1038,6 +1061,9 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
 absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& dst,
                                      absl::string_view metadata, absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(dst); !s.ok()) return s;
+  if (options_.shared_dir && ttl > absl::ZeroDuration() && ttl != absl::InfiniteDuration()) {
+    return SharedTtlError();
+  }
   if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
   SweepGenerations(dst, /*force=*/false);
   ObserveShared(src);

@@ -178,7 +178,9 @@ struct SessionStoreOptions {
   // never with the store's lock held; never called without a worker (background false).
   std::function<void(const absl::Status& health)> on_persist_health = nullptr;
   // Replicas (docs/replicas.md): other stores, in other processes, read and write `dir` too. See
-  // "Shared snapshot directory" in the class comment. Needs `dir`.
+  // "Shared snapshot directory" in the class comment. Needs `dir`. Sessions never expire then:
+  // default_ttl must be infinite and a Create or Fork with a finite ttl is refused
+  // (INVALID_ARGUMENT); a ttl in a snapshot found there is ignored.
   bool shared_dir = false;
   // Replicas: who may take up and write each session (state_store/session_ownership.h); null:
   // this store alone. Not owned; must outlive the store. See "Ownership" in the class comment.
@@ -389,6 +391,12 @@ class SessionStateStore {
   std::filesystem::path SnapshotPathOf(const Entry& e) const;
   // Fenced: a file name for a new snapshot of `key` that no store has used.
   std::string NewSnapshotName(const SessionKey& key) const;
+  // Shared directory: sessions never expire there (a replica would expire a session by its own
+  // view of its last use, while another replica serves it). TtlOfRecord: a snapshot's ttl as
+  // this store keeps it (infinite on a shared directory); SharedTtlError: the refusal of a
+  // finite ttl (default_ttl at Open, a Create's or Fork's).
+  absl::Duration TtlOfRecord(int64_t ttl_ms) const;
+  static absl::Status SharedTtlError();
   // Fenced: removes `key`'s files under dir/generations/ that are neither its committed snapshot
   // nor this store's (being written, read from, or of an unknown commit): writes that were never
   // committed or lost their commit (a crash between the write and the commit, a refused commit

@@ -16,6 +16,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "engine/engine.h"
 #include "gtest/gtest.h"
 #include "state_store/session_key.h"
@@ -424,6 +426,39 @@ TEST_F(SharedDirTest, UncommittedFilesAreSweptUnderTheNextClaim) {
   EXPECT_FALSE(exists(others));
   EXPECT_EQ(a->Stats().orphans_removed, 1);
   EXPECT_TRUE(exists("notes.txt"));
+}
+
+// Sessions never expire on a shared directory (a replica would expire a session by its own view
+// of its last use while another replica serves it): a finite default ttl and a Create's or
+// Fork's finite ttl are refused, a ttl in a snapshot written by a store running alone is ignored,
+// and ExpireIdle removes nothing; the store running alone does expire that session.
+TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
+  SessionStoreOptions options;
+  options.dir = dir_.path();
+  options.background = false;
+  options.shared_dir = true;
+  options.default_ttl = absl::Minutes(30);
+  auto refused = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("not supported on a shared state directory"),
+            std::string::npos)
+      << refused.status();
+
+  auto alone = OpenStore(false);
+  ASSERT_TRUE(alone->Create("t", "", absl::Seconds(1)).ok());  // written with its ttl
+  auto a = OpenStore(true);
+  EXPECT_TRUE(absl::IsInvalidArgument(a->Create("u", "", absl::Minutes(5))));
+  ASSERT_TRUE(a->Create("u", "").ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(a->Fork("u", "v", "", absl::Minutes(5))));
+  auto t = a->Get("t");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->ttl, absl::InfiniteDuration());
+  ASSERT_TRUE(a->Acquire("t").ok());  // taken up: an entry of this store now
+  EXPECT_EQ(a->ExpireIdle(absl::Now() + absl::Hours(24)), 0);
+  EXPECT_TRUE(a->Get("t").ok());
+  EXPECT_TRUE(a->Get("u").ok());
+  EXPECT_EQ(alone->ExpireIdle(absl::Now() + absl::Hours(24)), 1);  // alone, it expires
 }
 
 }  // namespace
