@@ -86,6 +86,10 @@ ABSL_FLAG(std::string, replica_id, "",
 ABSL_FLAG(absl::Duration, etcd_lease_ttl, sdm::EtcdOwnershipOptions{}.lease_ttl,
           "With --etcd: the TTL of this replica's lease (whole seconds, at least 2 s). A replica "
           "stopped or cut off this long loses its sessions to the others.");
+ABSL_FLAG(bool, testing_etcd_keep_stale_claims, false,
+          "Testing only (deploy.etcd_fencing): with --etcd, a replica that finds its lease "
+          "expired keeps its claims, so that its stale writes are refused by etcd's transaction "
+          "rather than by its own bookkeeping. Never set it in production.");
 ABSL_FLAG(absl::Duration, persist_idle, sdm::ServerOptions{}.store.persist_idle,
           "With --persist=idle: how long a changed session stays idle before it is written.");
 ABSL_FLAG(
@@ -108,7 +112,7 @@ ABSL_FLAG(std::string, host_budget,
           "the state directory.");
 ABSL_FLAG(absl::Duration, session_ttl, sdm::ServerOptions{}.store.default_ttl,
           "Idle sessions created without their own ttl are deleted after this long (e.g. 30m, "
-          "24h); inf: never.");
+          "24h); inf: never. Not with --shared_state_dir (replicas: sessions never expire).");
 ABSL_FLAG(int, max_running, sdm::SchedulerOptions{}.max_running,
           "Sequences decoded together in one engine step (the batch).");
 ABSL_FLAG(int, max_waiting, sdm::SchedulerOptions{}.max_waiting,
@@ -245,6 +249,7 @@ int main(int argc, char** argv) {
   options.etcd.endpoint = absl::GetFlag(FLAGS_etcd);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
   options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
+  options.etcd.testing_keep_stale_claims = absl::GetFlag(FLAGS_testing_etcd_keep_stale_claims);
   if (options.etcd.lease_ttl < absl::Seconds(2)) return UsageError("--etcd_lease_ttl: at least 2s");
   if (!options.etcd.endpoint.empty()) {
     if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");
@@ -282,6 +287,12 @@ int main(int argc, char** argv) {
   options.store.default_ttl = absl::GetFlag(FLAGS_session_ttl);
   if (options.store.default_ttl <= absl::ZeroDuration()) {
     return UsageError("--session_ttl must be positive (inf: never expire)");
+  }
+  if (options.store.shared_dir && options.store.default_ttl != absl::InfiniteDuration()) {
+    return UsageError(
+        "--session_ttl cannot be used with --shared_state_dir: a replica would expire a session "
+        "by its own view of its last use while another replica serves it (sessions on a shared "
+        "directory never expire; delete them explicitly). docs/replicas.md");
   }
   options.scheduler.max_running = absl::GetFlag(FLAGS_max_running);
   options.scheduler.max_waiting = absl::GetFlag(FLAGS_max_waiting);

@@ -52,11 +52,23 @@ class SessionOwnership {
   // No network (callable with the store's lock held): the name the last Claim, Observe,
   // CommitSnapshot or DeleteCommitted of `key` saw ("" when none); nullopt: never looked at.
   virtual std::optional<std::string> Committed(const SessionKey& key) const { return std::nullopt; }
-  // Atomically: if this store still owns `key` under its claim and `key`'s committed snapshot is
-  // still `base` ("" none), records `file` as the committed one. FAILED_PRECONDITION when either
-  // comparison fails (fenced: `file` never becomes the state); UNAVAILABLE when the answer is
-  // unknown (unreachable; the commit may or may not have happened).
-  virtual absl::Status CommitSnapshot(const SessionKey& key, const std::string& base,
+  // No network: the claim under which this store holds `key` now (etcd: the mod revision of its
+  // ownership key), 0 when it holds none. Claims are never reused: a value once replaced never
+  // becomes current again.
+  virtual int64_t ClaimEpoch(const SessionKey& key) const { return 0; }
+  // Network: OK when `claim` (a ClaimEpoch) is still `key`'s current claim; FAILED_PRECONDITION
+  // when it is not, UNAVAILABLE when it cannot be asked. A check only: true when answered.
+  virtual absl::Status VerifyClaim(const SessionKey& key, int64_t claim) {
+    return absl::UnimplementedError("no fenced snapshots");
+  }
+  // Atomically: if `claim` (the ClaimEpoch under which `file` was written, captured before it
+  // was written) is still `key`'s current claim and `key`'s committed snapshot is still `base`
+  // ("" none), records `file` as the committed one. So a file can become the state only while
+  // the claim it was written under lasts: once that claim is gone, nothing can commit the file
+  // and it is garbage (the store's sweep of orphan files relies on this). FAILED_PRECONDITION
+  // when either comparison fails (fenced: `file` never becomes the state); UNAVAILABLE when the
+  // answer is unknown (unreachable; the commit may or may not have happened).
+  virtual absl::Status CommitSnapshot(const SessionKey& key, int64_t claim, const std::string& base,
                                       const std::string& file) {
     return absl::UnimplementedError("no fenced snapshots");
   }

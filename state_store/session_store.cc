@@ -14,6 +14,7 @@
 #include <tuple>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -178,6 +179,11 @@ struct SessionStateStore::Entry {
   std::string snapshot_file;
   // Quarantined: where its snapshot went (empty: it could not be moved, or it is not quarantined).
   std::filesystem::path quarantined_as;
+  // Fenced snapshots: the file a write in progress is writing and committing ("" none), and
+  // files whose commit's answer never came (they may be the committed one; removed once a later
+  // commit succeeds). The sweep of orphan files (SweepGenerations) leaves them alone.
+  std::string writing_file;
+  std::vector<std::string> uncommitted;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -284,6 +290,9 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
                      " bytes is smaller than one session's minimum of ", min_bytes,
                      " bytes (its SDM slot tables)"));
   }
+  if (options.shared_dir && options.default_ttl != absl::InfiniteDuration()) {
+    return SharedTtlError();
+  }
   if (options.host_budget_bytes < 0) {
     return absl::InvalidArgumentError("host budget must not be negative");
   }
@@ -362,6 +371,97 @@ void SessionStateStore::ObserveShared(const SessionKey& key) const {
   if (auto name = options_.ownership->Observe(key); !name.ok()) {
     SDM_LOG(WARNING) << "sdm state store: could not look up session '" << key.id
                      << "' in etcd: " << name.status();
+  }
+}
+
+namespace {
+
+// Whether `name` under dir/generations/ is a snapshot of the session whose file stem is
+// `stem` (StrCat(stem, ".", 32 hex digits, kSnapshotSuffix), NewSnapshotName) or the temporary
+// file of one (kTmpSuffix); `base` receives the snapshot's name.
+bool IsGenerationOf(absl::string_view name, absl::string_view stem, std::string* base) {
+  if (!absl::ConsumePrefix(&name, stem) || !absl::ConsumePrefix(&name, ".")) return false;
+  absl::ConsumeSuffix(&name, kTmpSuffix);
+  if (!absl::ConsumeSuffix(&name, kSnapshotSuffix) || name.size() != 32) return false;
+  for (char c : name) {
+    if (!absl::ascii_isxdigit(c)) return false;
+  }
+  *base = absl::StrCat(stem, ".", name, kSnapshotSuffix);
+  return true;
+}
+
+}  // namespace
+
+absl::Duration SessionStateStore::TtlOfRecord(int64_t ttl_ms) const {
+  // Shared directory: sessions do not expire (SharedTtlError); a ttl that a snapshot written by
+  // a server running alone carries is dropped.
+  return options_.shared_dir ? absl::InfiniteDuration() : FromMs(ttl_ms);
+}
+
+absl::Status SessionStateStore::SharedTtlError() {
+  return absl::InvalidArgumentError(
+      "session TTLs are not supported on a shared state directory (replicas): a replica expires "
+      "sessions by its own view of their last use and would delete a session another replica "
+      "is serving; sessions there never expire (delete them explicitly)");
+}
+
+void SessionStateStore::SweepGenerations(const SessionKey& key, bool force) {
+  if (!fenced()) return;
+  const int64_t claim = options_.ownership->ClaimEpoch(key);
+  if (claim == 0) return;  // only under a claim: another replica may be committing
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = swept_.find(key);
+    if (!force && it != swept_.end() && it->second == claim) return;  // nobody else wrote since
+  }
+  const std::filesystem::path dir = options_.dir / kGenerationsDir;
+  absl::StatusOr<std::vector<std::string>> names = options_.files->List(dir);
+  if (!names.ok()) {
+    SDM_LOG(WARNING) << "sdm state store: cannot list " << dir.string() << ": " << names.status();
+    return;
+  }
+  const std::string stem = SessionFileStem(key);
+  std::vector<std::pair<std::string, std::string>> found;  // (file, the snapshot it is of)
+  for (const std::string& name : *names) {
+    std::string base;
+    if (IsGenerationOf(name, stem, &base)) found.emplace_back(name, base);
+  }
+  std::vector<std::string> doomed;
+  {
+    absl::MutexLock lock(&mu_);
+    if (options_.ownership->ClaimEpoch(key) != claim) return;
+    const std::optional<std::string> committed = options_.ownership->Committed(key);
+    if (!committed.has_value()) return;
+    auto it = entries_.find(key);
+    const Entry* e = it == entries_.end() ? nullptr : it->second.get();
+    for (const auto& [name, base] : found) {
+      if (base == *committed) continue;
+      if (e != nullptr &&
+          (base == e->snapshot_file || base == e->writing_file ||
+           std::find(e->uncommitted.begin(), e->uncommitted.end(), base) != e->uncommitted.end())) {
+        continue;  // this store's: read from, being written, or perhaps committed
+      }
+      doomed.push_back(name);
+    }
+  }
+  if (!doomed.empty()) {
+    // After the listing: each file listed was written under a claim obtained before it was
+    // created (a writer claims, then writes). If `claim` is still the current one in etcd, every
+    // other claim has ended for good, and a commit passes only under the claim its file was
+    // written under (SessionOwnership::CommitSnapshot): nobody can commit these any more (this
+    // store's own writes under `claim` were excluded above, and later ones use new names).
+    if (absl::Status s = options_.ownership->VerifyClaim(key, claim); !s.ok()) return;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    swept_[key] = claim;
+    counters_.orphans_removed += static_cast<int64_t>(doomed.size());
+  }
+  for (const std::string& name : doomed) options_.files->Remove(dir / name).IgnoreError();
+  if (!doomed.empty()) {
+    SDM_LOG(INFO) << "sdm state store: removed " << doomed.size()
+                  << " uncommitted snapshot file(s) of session '" << key.id
+                  << "' (writes never committed, or lost their commit)";
   }
 }
 
@@ -553,7 +653,7 @@ absl::Status SessionStateStore::LoadDirectory() {
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else {
       entry->metadata = record->metadata;
-      entry->ttl = FromMs(record->ttl_ms);
+      entry->ttl = TtlOfRecord(record->ttl_ms);
       if (record->last_used_unix_ms > 0) {
         entry->last_used = absl::FromUnixMillis(record->last_used_unix_ms);
       }
@@ -677,7 +777,7 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   entry->key = key;
   entry->tier = Tier::kDisk;
   entry->metadata = record->metadata;
-  entry->ttl = FromMs(record->ttl_ms);
+  entry->ttl = TtlOfRecord(record->ttl_ms);
   entry->last_used =
       record->last_used_unix_ms > 0 ? absl::FromUnixMillis(record->last_used_unix_ms) : absl::Now();
   entry->disk_bytes = static_cast<int64_t>(stamp->size);
@@ -836,7 +936,11 @@ void SessionStateStore::Changed() {
 absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
                                        absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(key); !s.ok()) return s;
+  if (options_.shared_dir && ttl > absl::ZeroDuration() && ttl != absl::InfiniteDuration()) {
+    return SharedTtlError();
+  }
   if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
+  SweepGenerations(key, /*force=*/false);
   auto e = std::make_unique<Entry>();
   e->key = key;
   e->metadata = std::string(metadata);
@@ -877,6 +981,7 @@ void SessionStateStore::ReleaseOneShot(int64_t bytes) {
 absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
   if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
   RefreshFromSharedDir(key);
+  SweepGenerations(key, /*force=*/false);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
@@ -1007,6 +1112,11 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
   std::vector<std::unique_ptr<Entry>> buried;
   buried.push_back(std::move(dead));
   Bury(std::move(buried));
+  SweepGenerations(key, /*force=*/true);  // under the claim still: files a crash left behind
+  {
+    absl::MutexLock lock(&mu_);
+    swept_.erase(key);
+  }
   if (options_.ownership != nullptr) options_.ownership->Release(key);
   return absl::OkStatus();
 }
@@ -1014,7 +1124,11 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
 absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& dst,
                                      absl::string_view metadata, absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(dst); !s.ok()) return s;
+  if (options_.shared_dir && ttl > absl::ZeroDuration() && ttl != absl::InfiniteDuration()) {
+    return SharedTtlError();
+  }
   if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
+  SweepGenerations(dst, /*force=*/false);
   ObserveShared(src);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(src);
@@ -1501,6 +1615,18 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   const uint64_t log_bytes = e.log_bytes;
   const uint64_t base_id = e.base_id;
   const uint64_t compact_at = static_cast<uint64_t>(e.persisted_bytes) * kLogCompactRatio;
+  // Fenced: the new file's name and the claim it is written under, before it is written (a
+  // commit passes only while that claim lasts, so a file of a lost claim is garbage; the sweep
+  // leaves a file being written alone).
+  std::string new_file;
+  int64_t claim = 0;
+  std::vector<std::string> uncertain;
+  if (fenced()) {
+    new_file = NewSnapshotName(key);
+    claim = options_.ownership->ClaimEpoch(key);
+    e.writing_file = new_file;
+    uncertain = e.uncommitted;
+  }
   e.busy = true;
   mu_.Unlock();
   absl::Status status;
@@ -1511,7 +1637,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   // Ownership (class comment): a replica that lost the session never writes over its owner's.
   // Fenced snapshots: the commit is the check (below); otherwise check, then write.
   const std::string base_file = e.snapshot_file;
-  std::string new_file;
+  bool unknown_commit = false;
   absl::Status owned = fenced() ? absl::OkStatus() : CheckOwnership(key);
   if (!owned.ok()) {
     status = owned;
@@ -1532,11 +1658,11 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
     const std::string& blob = resident ? *encoded : e.blob;  // e.blob: not moved while busy
     if (fenced()) {
       // A new file no reader knows yet, then the commit that makes it the session's state.
-      new_file = NewSnapshotName(key);
       const std::filesystem::path new_path = options_.dir / kGenerationsDir / new_file;
       if (status.ok()) status = options_.files->WriteAtomically(new_path, blob);
       if (status.ok()) {
-        const absl::Status committed = options_.ownership->CommitSnapshot(key, base_file, new_file);
+        const absl::Status committed =
+            options_.ownership->CommitSnapshot(key, claim, base_file, new_file);
         if (absl::IsFailedPrecondition(committed)) {
           owned = committed;
           options_.files->Remove(new_path).IgnoreError();
@@ -1544,8 +1670,14 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
           if (!base_file.empty()) {
             options_.files->Remove(options_.dir / kGenerationsDir / base_file).IgnoreError();
           }
+          // Earlier writes whose commit was unknown compared `base_file`, which is no longer
+          // the committed name: they can never be committed.
+          for (const std::string& f : uncertain) {
+            options_.files->Remove(options_.dir / kGenerationsDir / f).IgnoreError();
+          }
         } else {
           status = committed;  // unknown: the file stays (it may be the committed one)
+          unknown_commit = true;
         }
       }
     } else if (status.ok()) {
@@ -1565,6 +1697,13 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
   e.busy = false;
   changed_.SignalAll();
   e.attempted_version = version;
+  e.writing_file.clear();
+  if (unknown_commit) e.uncommitted.push_back(new_file);
+  if (owned.ok() && status.ok() && fenced()) {
+    std::erase_if(e.uncommitted, [&](const std::string& f) {
+      return std::find(uncertain.begin(), uncertain.end(), f) != uncertain.end();
+    });
+  }
   if (!owned.ok()) {
     // Not this store's to write any more: its copy is given up, not retried.
     e.persisted_version = version;

@@ -98,7 +98,11 @@
 // from the committed snapshot); a refused commit removes the file, counts a fenced write and logs
 // it. Reads (Discover, Acquire, Get) use only the committed name; a held copy whose name is no
 // longer the committed one is dropped and re-read. Delete removes the committed name, fenced the
-// same way. The top-level snapshot files and delta logs are then not used.
+// same way. A commit passes only under the claim its file was written under, so the files of
+// writes that were never committed (a crash between write and commit) are garbage once that
+// claim is over: a store that takes a session up under a new claim removes them
+// (SweepGenerations; StoreStats::orphans_removed). The top-level snapshot files and delta logs are
+// then not used.
 //
 // Thread-safety: every method is thread-safe. A lease must be released (destroyed) before the
 // store is destroyed.
@@ -179,7 +183,9 @@ struct SessionStoreOptions {
   // never with the store's lock held; never called without a worker (background false).
   std::function<void(const absl::Status& health)> on_persist_health = nullptr;
   // Replicas (docs/replicas.md): other stores, in other processes, read and write `dir` too. See
-  // "Shared snapshot directory" in the class comment. Needs `dir`.
+  // "Shared snapshot directory" in the class comment. Needs `dir`. Sessions never expire then:
+  // default_ttl must be infinite and a Create or Fork with a finite ttl is refused
+  // (INVALID_ARGUMENT); a ttl in a snapshot found there is ignored.
   bool shared_dir = false;
   // Replicas: who may take up and write each session (state_store/session_ownership.h); null:
   // this store alone. Not owned; must outlive the store. See "Ownership" in the class comment.
@@ -225,6 +231,7 @@ struct StoreStats {
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
   int64_t fenced_writes = 0;                 // writes refused: not the owner (ownership)
+  int64_t orphans_removed = 0;               // fenced: uncommitted snapshot files swept
   int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
   int64_t device_bytes = 0;                  // their device bytes (the device tier)
   int64_t device_evictions = 0;              // device -> host copies (budget, park, fork)
@@ -392,6 +399,18 @@ class SessionStateStore {
   std::filesystem::path SnapshotPathOf(const Entry& e) const;
   // Fenced: a file name for a new snapshot of `key` that no store has used.
   std::string NewSnapshotName(const SessionKey& key) const;
+  // Shared directory: sessions never expire there (a replica would expire a session by its own
+  // view of its last use, while another replica serves it). TtlOfRecord: a snapshot's ttl as
+  // this store keeps it (infinite on a shared directory); SharedTtlError: the refusal of a
+  // finite ttl (default_ttl at Open, a Create's or Fork's).
+  absl::Duration TtlOfRecord(int64_t ttl_ms) const;
+  static absl::Status SharedTtlError();
+  // Fenced: removes `key`'s files under dir/generations/ that are neither its committed snapshot
+  // nor this store's (being written, read from, or of an unknown commit): writes that were never
+  // committed or lost their commit (a crash between the write and the commit, a refused commit
+  // whose removal failed). Only under this store's claim, verified in etcd after the listing;
+  // once per claim (a new claim: others may have written since), unless `force`. Without mu_.
+  void SweepGenerations(const SessionKey& key, bool force) ABSL_LOCKS_EXCLUDED(mu_);
   // Fenced: asks etcd (the ownership's Observe) which snapshot is committed for `key`, for a
   // lookup without a claim (Get, Park, SetMetadata, Fork's source). Called without mu_.
   void ObserveShared(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -513,6 +532,9 @@ class SessionStateStore {
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<SessionState>> doomed_ ABSL_GUARDED_BY(mu_);
   uint64_t waiter_clock_ ABSL_GUARDED_BY(mu_) = 0;  // orders WhenPersisted arrivals
+  // Fenced: the claim (SessionOwnership::ClaimEpoch) under which each session's files were last
+  // swept (SweepGenerations).
+  std::map<SessionKey, int64_t> swept_ ABSL_GUARDED_BY(mu_);
   std::thread worker_;
   std::vector<std::thread> writers_;  // persist_writers - 1 (see WriterLoop)
 };

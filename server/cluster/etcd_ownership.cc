@@ -185,7 +185,8 @@ absl::Status EtcdOwnership::Grant() {
   if (id == 0) return absl::UnavailableError(absl::StrCat("etcd granted no lease: ", *body));
   absl::MutexLock lock(&mu_);
   lease_ = id;
-  owned_.clear();  // keys of an earlier lease are gone with it
+  // Keys of an earlier lease are gone with it (testing_keep_stale_claims: etcd says so instead).
+  if (!options_.testing_keep_stale_claims) owned_.clear();
   return absl::OkStatus();
 }
 
@@ -306,16 +307,21 @@ absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
 }
 
 absl::Status EtcdOwnership::CheckWrite(const SessionKey& key) {
+  const int64_t revision = ClaimEpoch(key);
+  if (revision == 0)
+    return absl::FailedPreconditionError("this replica has not claimed the session");
+  return VerifyClaim(key, revision);
+}
+
+int64_t EtcdOwnership::ClaimEpoch(const SessionKey& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = owned_.find(KeyOf(key));
+  return it == owned_.end() ? 0 : it->second;
+}
+
+absl::Status EtcdOwnership::VerifyClaim(const SessionKey& key, int64_t revision) {
+  if (revision == 0) return absl::FailedPreconditionError("no claim");
   const std::string name = KeyOf(key);
-  int64_t revision = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = owned_.find(name);
-    if (it == owned_.end()) {
-      return absl::FailedPreconditionError("this replica has not claimed the session");
-    }
-    revision = it->second;
-  }
   const std::string k = B64(name);
   const json txn = {{"compare", json::array({{{"key", k},
                                               {"target", "MOD"},
@@ -324,10 +330,11 @@ absl::Status EtcdOwnership::CheckWrite(const SessionKey& key) {
   auto body = Post("/v3/kv/txn", txn.dump());
   if (!body.ok()) return body.status();
   const json answer = json::parse(*body, nullptr, false);
-  if (answer.is_object() && answer.value("succeeded", false)) return absl::OkStatus();
+  if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
+  if (answer.value("succeeded", false)) return absl::OkStatus();
   {
     absl::MutexLock lock(&mu_);
-    owned_.erase(name);
+    if (auto it = owned_.find(name); it != owned_.end() && it->second == revision) owned_.erase(it);
   }
   return absl::FailedPreconditionError(
       absl::StrCat("ownership lost (its etcd key no longer has mod revision ", revision, ")"));
@@ -372,21 +379,27 @@ std::optional<std::string> EtcdOwnership::Committed(const SessionKey& key) const
   return it->second;
 }
 
-absl::Status EtcdOwnership::CommitSnapshot(const SessionKey& key, const std::string& base,
-                                           const std::string& file) {
+absl::Status EtcdOwnership::CommitSnapshot(const SessionKey& key, int64_t claim,
+                                           const std::string& base, const std::string& file) {
   if (file.empty()) return absl::InvalidArgumentError("no file name to commit");
-  return FencedUpdate(key, base, file);
+  if (claim == 0) {
+    return absl::FailedPreconditionError(
+        "this replica did not hold a claim on the session when it wrote the snapshot (never "
+        "claimed, or its lease expired)");
+  }
+  return FencedUpdate(key, claim, base, file);
 }
 
 absl::Status EtcdOwnership::DeleteCommitted(const SessionKey& key, const std::string& base) {
-  return FencedUpdate(key, base, std::nullopt);
+  return FencedUpdate(key, 0, base, std::nullopt);
 }
 
-absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::string& base,
+absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, int64_t claim,
+                                         const std::string& base,
                                          const std::optional<std::string>& put) {
   const std::string name = KeyOf(key);
-  int64_t revision = 0;
-  {
+  int64_t revision = claim;
+  if (revision == 0) {
     absl::MutexLock lock(&mu_);
     auto it = owned_.find(name);
     if (it == owned_.end()) {
@@ -447,16 +460,20 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, const std::strin
   {
     absl::MutexLock lock(&mu_);
     committed_[name] = committed;
-    if (!still_ours) owned_.erase(name);
+    if (auto it = owned_.find(name); !still_ours && it != owned_.end() && it->second == revision) {
+      owned_.erase(it);
+    }
   }
   if (!still_ours) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "ownership lost: its etcd key no longer has this replica's claim (mod revision ", revision,
-        "; owner now: ", owner, ")"));
+    return absl::FailedPreconditionError(
+        absl::StrCat("etcd refused the transaction: ownership lost, its etcd key no longer has "
+                     "this replica's claim (mod revision ",
+                     revision, "; owner now: ", owner, ")"));
   }
   return absl::FailedPreconditionError(
-      absl::StrCat("this copy derives from snapshot '", base.empty() ? "(none)" : base,
-                   "' but the committed one is '", committed.empty() ? "(none)" : committed, "'"));
+      absl::StrCat("etcd refused the transaction: this copy derives from snapshot '",
+                   base.empty() ? "(none)" : base, "' but the committed one is '",
+                   committed.empty() ? "(none)" : committed, "'"));
 }
 
 }  // namespace sdm

@@ -11,9 +11,9 @@
 //
 // Fenced snapshots (FencesSnapshots() is true): the committed snapshot of a session is the value
 // of `<snapshot_prefix><SessionRecordId>` (a file name; no lease: it outlives every replica).
-// CommitSnapshot is one transaction: compare the ownership key's mod revision with this
-// replica's claim AND the committed name with the one its copy was read from; only then put the
-// new name. A replica that lost its lease (paused, partitioned: the key expired or another
+// CommitSnapshot is one transaction: compare the ownership key's mod revision with the claim
+// the file was written under AND the committed name with the one its copy was read from; only then
+// put the new name. A replica that lost its lease (paused, partitioned: the key expired or another
 // replica's claim replaced it) or whose copy is older than the committed state cannot pass
 // both comparisons, whenever its request reaches etcd: etcd applies transactions one at a time.
 // CheckWrite (the same comparison of the ownership key alone, for stores without fenced
@@ -61,6 +61,12 @@ struct EtcdOwnershipOptions {
   absl::Duration handoff_wait = absl::Seconds(3);
   // How often this replica looks for requests to hand its sessions over.
   absl::Duration handoff_poll = absl::Milliseconds(100);
+  // Testing only (sdm-server --testing_etcd_keep_stale_claims, deploy.etcd_fencing): when the
+  // keepalive finds the lease expired, keep the claims made under it instead of forgetting them,
+  // so that a stale replica's commit is not refused by this replica's own bookkeeping but sent
+  // to etcd, whose transaction refuses it (the ownership key's mod revision is no longer the
+  // claim's). Never set in production: it only delays the refusal by one round trip.
+  bool testing_keep_stale_claims = false;
 };
 
 class EtcdOwnership : public SessionOwnership {
@@ -77,7 +83,9 @@ class EtcdOwnership : public SessionOwnership {
   bool FencesSnapshots() const override { return true; }
   absl::StatusOr<std::string> Observe(const SessionKey& key) override;
   std::optional<std::string> Committed(const SessionKey& key) const override;
-  absl::Status CommitSnapshot(const SessionKey& key, const std::string& base,
+  int64_t ClaimEpoch(const SessionKey& key) const override;
+  absl::Status VerifyClaim(const SessionKey& key, int64_t claim) override;
+  absl::Status CommitSnapshot(const SessionKey& key, int64_t claim, const std::string& base,
                               const std::string& file) override;
   absl::Status DeleteCommitted(const SessionKey& key, const std::string& base) override;
 
@@ -112,8 +120,9 @@ class EtcdOwnership : public SessionOwnership {
   std::string KeyOf(const SessionKey& key) const;
   std::string SnapshotKeyOf(const SessionKey& key) const;
   // A transaction that puts (`put`: the committed name) or deletes (nullopt) the committed
-  // snapshot key if this replica's claim and the committed name `base` are current.
-  absl::Status FencedUpdate(const SessionKey& key, const std::string& base,
+  // snapshot key if `claim` (0: this replica's claim now) and the committed name `base` are
+  // current.
+  absl::Status FencedUpdate(const SessionKey& key, int64_t claim, const std::string& base,
                             const std::optional<std::string>& put);
 
   const EtcdOwnershipOptions options_;

@@ -7,6 +7,13 @@
 # frozen replica's turn. Every wait is on an observable condition (an etcd key, a log line, a
 # process exit) with a generous bound; nothing is asserted on elapsed time.
 #
+# The refusal must come from etcd's transaction, not from the replica's own bookkeeping: by
+# default a resumed replica whose keepalive finds its lease expired forgets its claims and its
+# store refuses the commit before asking etcd; r0 runs with --testing_etcd_keep_stale_claims, so
+# its commit (under its stale claim) always reaches etcd, and the test asserts the logged refusal
+# is etcd's (it names r1 as the owner, which only etcd's answer can tell r0) and that no local
+# refusal happened.
+#
 # Replicas: rA (creates the session and its first turn, then drains: the snapshot is committed
 # and its lease revoked), r0 (--persist shutdown: its turn stays in memory until it drains; the
 # replica that is frozen), r1 (takes over). All with --etcd_lease_ttl 4s. Exit 77 without etcd.
@@ -28,7 +35,7 @@ ttl=4s
 flags=(--etcd "$ETCD_URL" --etcd_lease_ttl "$ttl")
 start_replica rA "${flags[@]}" --replica_id rA
 port_a=$REPLICA_PORT
-start_replica r0 "${flags[@]}" --replica_id r0 --persist shutdown
+start_replica r0 "${flags[@]}" --replica_id r0 --persist shutdown --testing_etcd_keep_stale_claims
 port_0=$REPLICA_PORT
 start_replica r1 "${flags[@]}" --replica_id r1
 port_1=$REPLICA_PORT
@@ -75,7 +82,12 @@ kill -STOP "$r0_pid"
 # Its lease expires (no keepalive from a stopped process): the ownership key disappears.
 wait_for "r0's ownership key to expire" 60 key_absent "$owner_key"
 
+# A file of the session that was written but never committed (as a replica that crashed between
+# its write and its commit leaves it): the next replica to claim the session removes it.
+orphan="$work/state/generations/7-default-$id.$(printf '0%.0s' $(seq 32)).sdmstate"
+echo "never committed" >"$orphan"
 both "$port_1" "the second turn"  # r1 claims the session and continues the committed state
+[ ! -e "$orphan" ] || fail "r1 did not remove the uncommitted file when it claimed the session"
 both "$port_1" "the third turn"
 [ "$(etcd_get "$owner_key")" = r1 ] || fail "r1 does not own the session"
 committed_3=$(etcd_get "$snapshot_key")
@@ -86,6 +98,11 @@ kill -CONT "$r0_pid"
 kill -TERM "$r0_pid"
 wait_for "r0 to log its refused write" 120 grep -q "write of session '$id' refused" "$work/r0.err"
 wait_for "r0 to exit" 120 not_running "$r0_pid"
+# etcd refused it: the transaction's comparison of the ownership key failed, and its failure
+# branch told r0 who owns the session now (r1); r0's own bookkeeping refused nothing.
+grep -q "write of session '$id' refused.*etcd refused the transaction: ownership lost.*owner now: r1)" \
+  "$work/r0.err" || { grep refused "$work/r0.err"; fail "the refusal of r0's write is not etcd's"; }
+if grep -q "hold a claim" "$work/r0.err"; then fail "r0 refused its write locally"; fi
 [ "$(etcd_get "$snapshot_key")" = "$committed_3" ] || fail "the committed snapshot changed"
 [ -f "$work/state/generations/$committed_3" ] || fail "the committed snapshot file is gone"
 refused=$(grep -c "refused" "$work/r0.err" || true)
@@ -96,7 +113,10 @@ both "$port_1" "the fourth turn"
 stop_replica r1 TERM
 start_replica r2 "${flags[@]}" --replica_id r2
 both "$REPLICA_PORT" "the fifth turn"
+# No garbage: the generations directory holds the committed snapshot only.
+gens=$(ls "$work/state/generations")
+[ "$gens" = "$(etcd_get "$snapshot_key")" ] || fail "generations/ holds more than the committed file: $gens"
 echo "ok: fencing: r0 frozen past its lease (TTL $ttl) lost session '$id' to r1, which served 2" \
-  "turns; resumed and drained, r0's write of its stale turn was refused ($refused log lines:" \
+  "turns; resumed and drained, r0's write of its stale turn was refused by etcd ($refused log lines:" \
   "$(grep "refused" "$work/r0.err" | head -1 | sed 's/.*refused/refused/' | cut -c1-160));" \
   "the committed snapshot stayed r1's and the session continued exactly (r0's lost turn: $stale)"

@@ -158,18 +158,19 @@ TEST_F(EtcdOwnershipTest, ACommitNeedsTheClaimAndTheCommittedBase) {
   auto b = StartReplica("b");
   ASSERT_TRUE(a && b);
   const SessionKey x("x");
-  EXPECT_TRUE(absl::IsFailedPrecondition(a->CommitSnapshot(x, "", "never-claimed")));
+  EXPECT_TRUE(
+      absl::IsFailedPrecondition(a->CommitSnapshot(x, a->ClaimEpoch(x), "", "never-claimed")));
   ASSERT_TRUE(a->Claim(x).ok());
   EXPECT_EQ(a->Committed(x), std::optional<std::string>(""));
-  ASSERT_TRUE(a->CommitSnapshot(x, "", "one").ok());
+  ASSERT_TRUE(a->CommitSnapshot(x, a->ClaimEpoch(x), "", "one").ok());
   EXPECT_EQ(a->Committed(x), std::optional<std::string>("one"));
-  const absl::Status stale = a->CommitSnapshot(x, "", "two");
+  const absl::Status stale = a->CommitSnapshot(x, a->ClaimEpoch(x), "", "two");
   EXPECT_TRUE(absl::IsFailedPrecondition(stale)) << stale;
   Revoke(a->lease_id());  // a paused past its lease
   ASSERT_TRUE(b->Claim(x).ok());
   EXPECT_EQ(b->Committed(x), std::optional<std::string>("one"));
-  ASSERT_TRUE(b->CommitSnapshot(x, "one", "three").ok());
-  const absl::Status fenced = a->CommitSnapshot(x, "one", "late");
+  ASSERT_TRUE(b->CommitSnapshot(x, b->ClaimEpoch(x), "one", "three").ok());
+  const absl::Status fenced = a->CommitSnapshot(x, a->ClaimEpoch(x), "one", "late");
   EXPECT_TRUE(absl::IsFailedPrecondition(fenced)) << fenced;
   EXPECT_NE(fenced.message().find("ownership lost"), std::string::npos) << fenced;
   auto seen = a->Observe(x);
@@ -209,6 +210,80 @@ TEST_F(EtcdOwnershipTest, AClaimAsksALiveOwnerToHandTheSessionOver) {
   EXPECT_EQ(parked, std::vector<std::string>{"h"});
   EXPECT_EQ(a->handoffs(), 1);
   EXPECT_TRUE(absl::IsUnavailable(a->Claim(h)));  // c owns it now
+}
+
+// A replica whose keepalive found its lease expired (revoked here) forgets its claims, so its
+// later commit is refused before etcd is asked. With testing_keep_stale_claims it keeps them and
+// the commit reaches etcd, whose transaction refuses it and names the owner now (what
+// deploy.etcd_fencing relies on to prove the refusal is etcd's).
+TEST_F(EtcdOwnershipTest, AStaleClaimIsRefusedLocallyOrByEtcdWithTheTestingOption) {
+  for (const bool keep : {false, true}) {
+    SCOPED_TRACE(keep ? "keep stale claims" : "forget stale claims");
+    EtcdOwnershipOptions paused = Options(keep ? "kept" : "forgot");
+    paused.lease_ttl = absl::Seconds(3);  // keepalive every second: it finds the revoked lease
+    paused.testing_keep_stale_claims = keep;
+    auto a = EtcdOwnership::Start(paused);
+    ASSERT_TRUE(a.ok()) << a.status();
+    auto b = StartReplica(keep ? "b-kept" : "b-forgot");
+    ASSERT_TRUE(b);
+    const SessionKey s(keep ? "kept" : "forgot");
+    ASSERT_TRUE((*a)->Claim(s).ok());
+    ASSERT_TRUE((*a)->CommitSnapshot(s, (*a)->ClaimEpoch(s), "", "one").ok());
+    const int64_t old_lease = (*a)->lease_id();
+    Revoke(old_lease);
+    // Bounded wait for the keepalive to notice and grant a new lease (not a timing assertion).
+    for (int i = 0; i < 300 && (*a)->lease_id() == old_lease; ++i) {
+      absl::SleepFor(absl::Milliseconds(50));
+    }
+    ASSERT_NE((*a)->lease_id(), old_lease);
+    ASSERT_TRUE(b->Claim(s).ok());
+    ASSERT_TRUE(b->CommitSnapshot(s, b->ClaimEpoch(s), "one", "two").ok());
+    const absl::Status late = (*a)->CommitSnapshot(s, (*a)->ClaimEpoch(s), "one", "late");
+    EXPECT_TRUE(absl::IsFailedPrecondition(late)) << late;
+    if (keep) {
+      EXPECT_NE(late.message().find("etcd refused the transaction: ownership lost"),
+                std::string::npos)
+          << late;
+      EXPECT_NE(late.message().find("owner now: b-kept"), std::string::npos) << late;
+    } else {
+      EXPECT_NE(late.message().find("hold a claim"), std::string::npos) << late;
+    }
+    auto seen = b->Observe(s);
+    ASSERT_TRUE(seen.ok()) << seen.status();
+    EXPECT_EQ(*seen, "two");
+  }
+}
+
+// A commit passes only under the claim its file was written under: once a replica lost a claim,
+// a file it wrote under it can never be committed, even after it claims the session again (what
+// makes the store's sweep of uncommitted files safe). VerifyClaim tells whether a claim is
+// current.
+TEST_F(EtcdOwnershipTest, ACommitNeedsTheClaimItsFileWasWrittenUnder) {
+  auto a = StartReplica("a");
+  auto b = StartReplica("b");
+  ASSERT_TRUE(a && b);
+  const SessionKey x("x");
+  ASSERT_TRUE(a->Claim(x).ok());
+  const int64_t first = a->ClaimEpoch(x);
+  ASSERT_NE(first, 0);
+  EXPECT_TRUE(a->VerifyClaim(x, first).ok());
+  a->Release(x);
+  EXPECT_EQ(a->ClaimEpoch(x), 0);
+  EXPECT_TRUE(absl::IsFailedPrecondition(a->VerifyClaim(x, first)));
+  ASSERT_TRUE(b->Claim(x).ok());
+  b->Release(x);
+  ASSERT_TRUE(a->Claim(x).ok());  // a owns it again, under a new claim
+  const int64_t second = a->ClaimEpoch(x);
+  EXPECT_GT(second, first);
+  const absl::Status late = a->CommitSnapshot(x, first, "", "written-under-the-first-claim");
+  EXPECT_TRUE(absl::IsFailedPrecondition(late)) << late;
+  EXPECT_NE(late.message().find("etcd refused the transaction"), std::string::npos) << late;
+  EXPECT_EQ(a->ClaimEpoch(x), second);  // a refusal of an old claim keeps the current one
+  EXPECT_TRUE(a->VerifyClaim(x, second).ok());
+  ASSERT_TRUE(a->CommitSnapshot(x, second, "", "written-under-the-second-claim").ok());
+  auto seen = b->Observe(x);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(*seen, "written-under-the-second-claim");
 }
 
 }  // namespace

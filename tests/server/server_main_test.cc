@@ -92,6 +92,12 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(RunServer("").status, 2);  // no --model
   EXPECT_EQ(RunServer("--model x --resident_budget 12parsecs").status, 2);
   EXPECT_EQ(RunServer("--model x --persist_writers 0").status, 2);
+  // Replicas: sessions never expire on a shared directory (another replica may serve them).
+  const ProcessRun ttl = RunServer(absl::StrCat("--model x --state_dir '", dir_.path().string(),
+                                                "' --shared_state_dir --session_ttl 30m"));
+  EXPECT_EQ(ttl.status, 2);
+  EXPECT_THAT(ttl.err,
+              ::testing::HasSubstr("--session_ttl cannot be used with --shared_state_dir"));
   const ProcessRun missing =
       RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
   EXPECT_EQ(missing.status, 1);

@@ -16,10 +16,14 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "engine/engine.h"
 #include "gtest/gtest.h"
+#include "state_store/session_key.h"
 #include "state_store/session_ownership.h"
 #include "state_store/session_store.h"
+#include "state_store/state_files.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/state_store/snapshot_test_util.h"
 
@@ -107,23 +111,35 @@ class FencedTable {
       if (it == seen_.end()) return std::nullopt;
       return it->second;
     }
-    absl::Status CommitSnapshot(const SessionKey& key, const std::string& base,
+    int64_t ClaimEpoch(const SessionKey& key) const override {
+      absl::MutexLock lock(&table_->mu_);
+      auto it = claims_.find(key.id);
+      return it == claims_.end() ? 0 : it->second;
+    }
+    absl::Status VerifyClaim(const SessionKey& key, int64_t claim) override {
+      absl::MutexLock lock(&table_->mu_);
+      auto owner = table_->owners_.find(key.id);
+      if (owner == table_->owners_.end() || owner->second.epoch != claim) {
+        return absl::FailedPreconditionError("ownership lost");
+      }
+      return absl::OkStatus();
+    }
+    absl::Status CommitSnapshot(const SessionKey& key, int64_t claim, const std::string& base,
                                 const std::string& file) override {
       if (before_commit) std::exchange(before_commit, nullptr)();
-      return Update(key, base, file);
+      return Update(key, claim, base, file);
     }
     absl::Status DeleteCommitted(const SessionKey& key, const std::string& base) override {
-      return Update(key, base, "");
+      return Update(key, ClaimEpoch(key), base, "");
     }
     std::function<void()> before_commit;
 
    private:
-    absl::Status Update(const SessionKey& key, const std::string& base, const std::string& file) {
+    absl::Status Update(const SessionKey& key, int64_t claim, const std::string& base,
+                        const std::string& file) {
       absl::MutexLock lock(&table_->mu_);
       auto owner = table_->owners_.find(key.id);
-      auto claim = claims_.find(key.id);
-      if (owner == table_->owners_.end() || claim == claims_.end() ||
-          owner->second.epoch != claim->second) {
+      if (owner == table_->owners_.end() || claim == 0 || owner->second.epoch != claim) {
         return absl::FailedPreconditionError("ownership lost");
       }
       if (table_->committed_[key.id] != base) return absl::FailedPreconditionError("stale base");
@@ -358,6 +374,91 @@ TEST_F(SharedDirTest, AFencedCommitOfAnOutdatedCopyIsRefusedEvenByTheOwner) {
   }
   EXPECT_EQ(a->Stats().fenced_writes, 1);
   ExpectLikeReference(*a, "g");  // a re-reads the committed state at its next turn
+}
+
+// Files of writes that were never committed (a replica crashed between writing its file and
+// committing it; a refused file whose removal failed) are removed by the store that next takes
+// the session up under a new claim, and only that session's: the committed file, another
+// session's files (even one whose id extends this one's) and foreign files stay. The owner does
+// not sweep again under the same claim; Delete sweeps what its session left.
+TEST_F(SharedDirTest, UncommittedFilesAreSweptUnderTheNextClaim) {
+  FencedTable table;
+  FencedTable::View own_a(&table, "a"), own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("g", "").ok());
+  ASSERT_TRUE(a->Create("g2", "").ok());  // written at once (--persist turn)
+  Turn(*a, "g", testing::RandomTokens(4, 40));
+  const std::filesystem::path gen = dir_.path() / "generations";
+  const std::string stem = SessionFileStem(SessionKey("g"));
+  const std::string stem2 = SessionFileStem(SessionKey("g2"));
+  const std::vector<std::string> orphans = {
+      stem + "." + std::string(32, 'a') + ".sdmstate",       // written, never committed
+      stem + "." + std::string(32, 'b') + ".sdmstate.tmp"};  // cut short by a crash
+  const std::string others = stem2 + "." + std::string(32, 'c') + ".sdmstate";
+  for (const std::string& name : {orphans[0], orphans[1], others, std::string("notes.txt")}) {
+    ASSERT_TRUE(StateFiles::Default()->WriteAt(gen / name, 0, "not a snapshot").ok());
+  }
+  auto exists = [&](const std::string& name) { return std::filesystem::exists(gen / name); };
+
+  Turn(*a, "g", testing::RandomTokens(4, 41));  // the same claim: a swept when it took it up
+  EXPECT_TRUE(exists(orphans[0]) && exists(orphans[1]));
+  EXPECT_EQ(a->Stats().orphans_removed, 0);
+  ASSERT_TRUE(a->Park("g", Tier::kDisk).ok());  // releases it
+
+  Turn(*b, "g", testing::RandomTokens(4, 42));  // b's new claim: it sweeps
+  EXPECT_FALSE(exists(orphans[0]));
+  EXPECT_FALSE(exists(orphans[1]));
+  EXPECT_EQ(b->Stats().orphans_removed, 2);
+  EXPECT_TRUE(exists(table.committed("g")));
+  EXPECT_TRUE(exists(table.committed("g2")));
+  EXPECT_TRUE(exists(others));
+  EXPECT_TRUE(exists("notes.txt"));
+  ExpectLikeReference(*b, "g");
+  int files_of_g = 0;
+  for (const auto& f : std::filesystem::directory_iterator(gen)) {
+    if (f.path().filename().string().starts_with(stem + ".")) ++files_of_g;
+  }
+  EXPECT_EQ(files_of_g, 1);  // the committed one
+
+  ASSERT_TRUE(a->Delete("g2").ok());  // the committed file and what the session left
+  EXPECT_FALSE(exists(others));
+  EXPECT_EQ(a->Stats().orphans_removed, 1);
+  EXPECT_TRUE(exists("notes.txt"));
+}
+
+// Sessions never expire on a shared directory (a replica would expire a session by its own view
+// of its last use while another replica serves it): a finite default ttl and a Create's or
+// Fork's finite ttl are refused, a ttl in a snapshot written by a store running alone is ignored,
+// and ExpireIdle removes nothing; the store running alone does expire that session.
+TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
+  SessionStoreOptions options;
+  options.dir = dir_.path();
+  options.background = false;
+  options.shared_dir = true;
+  options.default_ttl = absl::Minutes(30);
+  auto refused = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(refused.status())) << refused.status();
+  EXPECT_NE(refused.status().message().find("not supported on a shared state directory"),
+            std::string::npos)
+      << refused.status();
+
+  auto alone = OpenStore(false);
+  ASSERT_TRUE(alone->Create("t", "", absl::Seconds(1)).ok());  // written with its ttl
+  auto a = OpenStore(true);
+  EXPECT_TRUE(absl::IsInvalidArgument(a->Create("u", "", absl::Minutes(5))));
+  ASSERT_TRUE(a->Create("u", "").ok());
+  EXPECT_TRUE(absl::IsInvalidArgument(a->Fork("u", "v", "", absl::Minutes(5))));
+  auto t = a->Get("t");
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ(t->ttl, absl::InfiniteDuration());
+  ASSERT_TRUE(a->Acquire("t").ok());  // taken up: an entry of this store now
+  EXPECT_EQ(a->ExpireIdle(absl::Now() + absl::Hours(24)), 0);
+  EXPECT_TRUE(a->Get("t").ok());
+  EXPECT_TRUE(a->Get("u").ok());
+  EXPECT_EQ(alone->ExpireIdle(absl::Now() + absl::Hours(24)), 1);  // alone, it expires
 }
 
 }  // namespace
