@@ -82,7 +82,9 @@ TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
                            "tls_key",
                            "shutdown_grace",
                            "persist",
-                           "persist_writers"}) {
+                           "persist_writers",
+                           "persist_sync",
+                           "persist_sync_interval"}) {
     EXPECT_THAT(r.out, ::testing::HasSubstr(absl::StrCat("--", flag, " (default: "))) << flag;
   }
   EXPECT_THAT(r.out, ::testing::HasSubstr("--flagfile"));
@@ -92,6 +94,7 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(RunServer("").status, 2);  // no --model
   EXPECT_EQ(RunServer("--model x --resident_budget 12parsecs").status, 2);
   EXPECT_EQ(RunServer("--model x --persist_writers 0").status, 2);
+  EXPECT_EQ(RunServer("--model x --persist_sync sometimes").status, 2);
   const ProcessRun missing =
       RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
   EXPECT_EQ(missing.status, 1);
