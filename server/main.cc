@@ -96,6 +96,17 @@ ABSL_FLAG(
     int, persist_writers, sdm::ServerOptions{}.store.persist_writers,
     "Threads writing changed sessions to --state_dir at once, each a different session (so "
     "that one session's write and fsync do not delay the acknowledgement of another's turn).");
+ABSL_FLAG(std::string, persist_sync,
+          std::string(sdm::PersistSyncName(sdm::ServerOptions{}.store.persist_sync)),
+          "When a session's write counts as done (and its turn is acknowledged): write (handed "
+          "to the kernel, fsynced in the background at most every --persist_sync_interval: a "
+          "kill -9 loses at most the turn in flight, a power loss or kernel crash at most the "
+          "writes since the last background fsync), fsync (fsynced first: a power loss too loses "
+          "at most the turn in flight, each turn waits for its fsync). docs/state-format.md, "
+          "Durability.");
+ABSL_FLAG(absl::Duration, persist_sync_interval, sdm::ServerOptions{}.store.persist_sync_interval,
+          "With --persist_sync=write: how often at most the background syncer fsyncs the files "
+          "written since its last round (one fsync per file per round).");
 ABSL_FLAG(std::string, resident_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.resident_budget_bytes),
           "Bytes of host memory held by resident sessions (ready to step) before the least "
@@ -279,6 +290,16 @@ int main(int argc, char** argv) {
   options.store.persist_idle = absl::GetFlag(FLAGS_persist_idle);
   if (options.store.persist_idle <= absl::ZeroDuration()) {
     return UsageError("--persist_idle must be positive");
+  }
+  absl::StatusOr<sdm::PersistSync> persist_sync =
+      sdm::ParsePersistSync(absl::GetFlag(FLAGS_persist_sync));
+  if (!persist_sync.ok()) {
+    return UsageError(absl::StrCat("--persist_sync: ", persist_sync.status().message()));
+  }
+  options.store.persist_sync = *persist_sync;
+  options.store.persist_sync_interval = absl::GetFlag(FLAGS_persist_sync_interval);
+  if (options.store.persist_sync_interval < absl::ZeroDuration()) {
+    return UsageError("--persist_sync_interval must not be negative");
   }
   options.store.persist_writers = absl::GetFlag(FLAGS_persist_writers);
   if (options.store.persist_writers < 1 || options.store.persist_writers > 64) {

@@ -352,6 +352,8 @@ void SdmServer::Impl::UpdateGauges() {
   add(metrics->persist_deltas, s.persist_deltas, last_stats.persist_deltas);
   add(metrics->persist_bytes, s.persist_bytes, last_stats.persist_bytes);
   metrics->sessions_unpersisted.Set(static_cast<double>(s.unpersisted));
+  add(metrics->persist_syncs, s.persist_syncs, last_stats.persist_syncs);
+  metrics->sessions_unsynced.Set(static_cast<double>(s.unsynced));
   metrics->persistence_healthy.Set(store->PersistHealth().ok() ? 1.0 : 0.0);
   last_stats = s;
 }

@@ -88,6 +88,24 @@ absl::StatusOr<PersistPolicy> ParsePersistPolicy(absl::string_view name) {
       absl::StrCat("unknown persist policy '", name, "' (turn, idle or shutdown)"));
 }
 
+absl::string_view PersistSyncName(PersistSync sync) {
+  switch (sync) {
+    case PersistSync::kWrite:
+      return "write";
+    case PersistSync::kFsync:
+      return "fsync";
+  }
+  return "?";
+}
+
+absl::StatusOr<PersistSync> ParsePersistSync(absl::string_view name) {
+  for (PersistSync p : {PersistSync::kWrite, PersistSync::kFsync}) {
+    if (name == PersistSyncName(p)) return p;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown persist sync policy '", name, "' (write or fsync)"));
+}
+
 absl::string_view TierName(Tier tier) {
   switch (tier) {
     case Tier::kResident:
@@ -171,6 +189,14 @@ struct SessionStateStore::Entry {
   std::vector<PersistWaiter> waiters;
   uint64_t first_waiter = kNoWaiter;
   uint64_t attempted_version = 0;
+  // PersistSync::kWrite: `write_seq` counts its successful writes; `durable_full_seq` is the
+  // write_seq of its last full snapshot written with an fsync (a park to disk); while
+  // `sync_failed_seq` is not 0 a background fsync of its files failed (at that write_seq): it is
+  // failing until a full snapshot written after that (write_seq greater) is fsynced.
+  uint64_t write_seq = 0;
+  uint64_t last_full_seq = 0;
+  uint64_t durable_full_seq = 0;
+  uint64_t sync_failed_seq = 0;
   // Shared directory: the size and modification time of its snapshot file when this store last
   // read or wrote it; nullopt: it has not seen one.
   std::optional<SnapshotStamp> disk_stamp;
@@ -305,6 +331,9 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
   }
   if (options.background) {
     store->worker_ = std::thread([s = store.get()] { s->WorkerLoop(); });
+    if (!options.dir.empty() && !store->SyncOnWrite()) {
+      store->syncer_ = std::thread([s = store.get()] { s->SyncerLoop(); });
+    }
     if (!options.dir.empty() && options.persist != PersistPolicy::kShutdown) {
       for (int i = 1; i < options.persist_writers; ++i) {
         store->writers_.emplace_back([s = store.get()] { s->WriterLoop(); });
@@ -322,6 +351,8 @@ SessionStateStore::~SessionStateStore() {
   }
   if (worker_.joinable()) worker_.join();
   for (std::thread& t : writers_) t.join();
+  if (syncer_.joinable()) syncer_.join();
+  SyncWritten();  // what was handed to the kernel reaches the disk before the store goes
   {
     absl::MutexLock lock(&mu_);
     for (auto& [key, e] : entries_) SettleWaiters(*e, /*all=*/true);
@@ -1306,8 +1337,16 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
     // from the moment the entry stops being busy, so nobody leased it meanwhile.
     SDM_RETURN_IF_ERROR(SyncToHostLocked(e));
   }
-  if (target == Tier::kDisk && e.version == e.persisted_version && e.persisted_bytes > 0 &&
+  // A park to disk leaves the disk copy the only one: files written without an fsync
+  // (PersistSync::kWrite) are fsynced first, and a session whose background fsync failed is
+  // written again in full (with an fsync: after a failed fsync, a second one proves nothing).
+  if (target == Tier::kDisk && e.sync_failed_seq == 0 && unsynced_.contains(e.key) && !e.busy &&
       !(e.tier == Tier::kResident && e.state->on_device())) {
+    SDM_RETURN_IF_ERROR(SyncNowLocked(e));
+  }
+  const bool unsynced = unsynced_.contains(e.key) || e.sync_failed_seq != 0;
+  if (target == Tier::kDisk && e.version == e.persisted_version && e.persisted_bytes > 0 &&
+      !unsynced && !(e.tier == Tier::kResident && e.state->on_device())) {
     // Its snapshot file is current (written after its last turn): only the memory copy goes.
     ++counters_.evictions[static_cast<int>(e.tier)];
     if (e.tier == Tier::kResident) ++counters_.evictions[static_cast<int>(Tier::kHost)];
@@ -1349,9 +1388,9 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
   if (status.ok() && e.tier == Tier::kHost && target == Tier::kDisk) {
     if (options_.dir.empty()) {
       status = absl::FailedPreconditionError("the store has no snapshot directory");
-    } else if (e.version != e.persisted_version || e.persisted_bytes == 0) {
+    } else if (e.version != e.persisted_version || e.persisted_bytes == 0 || unsynced) {
       // A full snapshot of the blob (the lock is held from here: nobody leased it meanwhile).
-      if (absl::Status s = WriteChanges(e); !s.ok()) {
+      if (absl::Status s = WriteChanges(e, /*sync=*/true); !s.ok()) {
         status = absl::UnavailableError(absl::StrCat("could not write the snapshot of session '",
                                                      e.key.id, "': ", s.message()));
       }
@@ -1392,12 +1431,8 @@ absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier) {
   return ParkOne(*e, tier);
 }
 
-absl::Status SessionStateStore::PersistAll() {
-  if (options_.dir.empty()) {
-    return absl::FailedPreconditionError("the store has no snapshot directory");
-  }
-  absl::MutexLock lock(&mu_);
-  std::vector<std::string> skipped, failed;
+void SessionStateStore::PersistAllLocked(std::vector<std::string>& skipped,
+                                         std::vector<std::string>& failed) {
   std::vector<SessionKey> keys;
   for (const auto& [key, e] : entries_) keys.push_back(key);
   for (const SessionKey& key : keys) {
@@ -1414,6 +1449,19 @@ absl::Status SessionStateStore::PersistAll() {
       failed.push_back(absl::StrCat(DebugString(key), " (", s.message(), ")"));
     }
   }
+}
+
+absl::Status SessionStateStore::PersistAll() {
+  if (options_.dir.empty()) {
+    return absl::FailedPreconditionError("the store has no snapshot directory");
+  }
+  std::vector<std::string> skipped, failed;
+  {
+    absl::MutexLock lock(&mu_);
+    PersistAllLocked(skipped, failed);
+  }
+  // Sessions not parked (in use) may hold files written without an fsync (PersistSync::kWrite).
+  SyncRound(&failed);
   if (!failed.empty()) {
     return absl::UnavailableError(
         absl::StrCat("could not persist sessions: ", absl::StrJoin(failed, ", ")));
@@ -1548,7 +1596,7 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     if (!DueLocked(e, now)) continue;
     // WriteChanges keeps leases and moves off the entry (busy) while it is encoded and written
     // unlocked; an Acquire of it waits for the write (the write never waits for a step).
-    if (WriteChanges(e).ok()) ++written;
+    if (WriteChanges(e, SyncOnWrite()).ok()) ++written;
     // Each turn is acknowledged as soon as its own write is done, not after the whole batch.
     FlushReadyLocked();
   }
@@ -1585,7 +1633,7 @@ void SessionStateStore::WriterLoop() {
       continue;
     }
     // A failure is counted and logged by WriteChanges; the worker retries it (every second).
-    WriteChanges(*e).IgnoreError();
+    WriteChanges(*e, SyncOnWrite()).IgnoreError();
     FlushReadyLocked();
   }
 }
@@ -1597,7 +1645,11 @@ void SessionStateStore::FlushReadyLocked() {
   mu_.Lock();
 }
 
-absl::Status SessionStateStore::WriteChanges(Entry& e) {
+bool SessionStateStore::SyncOnWrite() const {
+  return options_.persist_sync == PersistSync::kFsync || options_.shared_dir;
+}
+
+absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   const bool resident = e.tier == Tier::kResident;
   SDM_CHECK(!e.busy && (resident ? !e.state->on_device() : e.tier == Tier::kHost));
   const uint64_t version = e.version;
@@ -1628,9 +1680,16 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
     uncertain = e.uncommitted;
   }
   e.busy = true;
+  // A delta to append (with the log's header when the log starts), or a full snapshot: encoded
+  // into a buffer kept from an earlier write (tens of MB that are not allocated, zeroed by the
+  // kernel and faulted in again for every turn).
+  std::string data;
+  if (!scratch_.empty()) {
+    data = std::move(scratch_.back());
+    scratch_.pop_back();
+  }
   mu_.Unlock();
   absl::Status status;
-  std::string data;  // a delta to append (with the log's header when the log starts)
   uint64_t written_bytes = 0;
   bool delta = false;
   uint64_t new_base = 0;
@@ -1645,21 +1704,20 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
     // Sized before it is encoded: a delta that would take the log past its limit is not built.
     if (log_bytes + SessionDeltaBytes(*state, record, from) <= compact_at) {
       delta = true;
-      if (log_bytes == 0) data = EncodeLogHeader(fingerprint_, base_id);
+      data.clear();
+      if (log_bytes == 0) data.append(EncodeLogHeader(fingerprint_, base_id));
       AppendSessionDelta(*state, record, from, data);
-      status = options_.files->WriteAt(LogPathOf(key), log_bytes, data);
+      status = options_.files->WriteAt(LogPathOf(key), log_bytes, data, sync);
       written_bytes = data.size();
     }
   }
   if (owned.ok() && !delta) {
-    absl::StatusOr<std::string> encoded =
-        resident ? TryEncodeSessionState(*state, record, fingerprint_) : std::string();
-    status = encoded.status();
-    const std::string& blob = resident ? *encoded : e.blob;  // e.blob: not moved while busy
+    if (resident) EncodeSessionStateInto(*state, record, fingerprint_, data);  // not on device
+    const std::string& blob = resident ? data : e.blob;  // e.blob: not moved while busy
     if (fenced()) {
       // A new file no reader knows yet, then the commit that makes it the session's state.
       const std::filesystem::path new_path = options_.dir / kGenerationsDir / new_file;
-      if (status.ok()) status = options_.files->WriteAtomically(new_path, blob);
+      if (status.ok()) status = options_.files->WriteAtomically(new_path, blob, sync);
       if (status.ok()) {
         const absl::Status committed =
             options_.ownership->CommitSnapshot(key, claim, base_file, new_file);
@@ -1681,7 +1739,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
         }
       }
     } else if (status.ok()) {
-      status = options_.files->WriteAtomically(PathOf(key), blob);
+      status = options_.files->WriteAtomically(PathOf(key), blob, sync);
     }
     if (status.ok() && owned.ok()) {
       absl::StatusOr<uint64_t> prefix = RecordPrefixSize(blob, blob.size(), fingerprint_);
@@ -1694,6 +1752,10 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
     }
   }
   mu_.Lock();
+  if (data.capacity() <= kMaxScratchBytes &&
+      scratch_.size() < static_cast<size_t>(std::max(options_.persist_writers, 1))) {
+    scratch_.push_back(std::move(data));
+  }
   e.busy = false;
   changed_.SignalAll();
   e.attempted_version = version;
@@ -1716,6 +1778,22 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
     SettleWaiters(e, /*all=*/false);
     return status;
   }
+  ++e.write_seq;
+  if (!sync) {
+    // The syncer fsyncs it (and the directory, whose entries a new log, a rename or the removal
+    // of a log changed) in its next round.
+    UnsyncedFiles& files = unsynced_[key];
+    (delta ? files.log : files.snapshot) = true;
+    if (!delta || log_bytes == 0) unsynced_dir_ = true;
+    changed_.SignalAll();
+  }
+  if (delta && e.needs_full) {
+    // A background fsync of its log failed while this delta was written: the log is suspect, the
+    // session is written again in full (still due). Handed to the kernel all the same.
+    if (resident) state->ClearDirty();
+    SettleWaiters(e, /*all=*/false);
+    return absl::OkStatus();
+  }
   e.persisted_version = version;
   e.persisted_position = position;
   if (delta) {
@@ -1732,12 +1810,20 @@ absl::Status SessionStateStore::WriteChanges(Entry& e) {
     e.log_bytes = 0;
     e.log_records = 0;
     e.needs_full = false;
+    e.last_full_seq = e.write_seq;
+    if (sync) {
+      e.durable_full_seq = e.write_seq;
+      unsynced_.erase(key);  // what earlier writes left unsynced is superseded
+    }
   }
   if (resident) state->ClearDirty();
   ++counters_.persist_writes;
   counters_.persist_bytes += static_cast<int64_t>(written_bytes);
   if (delta) ++counters_.persist_deltas;
-  PersistSucceeded(e);
+  // After a failed background fsync, only a full snapshot that reached the disk (fsynced here, or
+  // by the syncer: SyncWritten) ends the failure.
+  if (e.sync_failed_seq != 0 && !delta && sync) e.sync_failed_seq = 0;
+  if (e.sync_failed_seq == 0) PersistSucceeded(e);
   SettleWaiters(e, /*all=*/false);
   return absl::OkStatus();
 }
@@ -1973,6 +2059,135 @@ void SessionStateStore::EnforceDeviceBudget() {
   }
 }
 
+int SessionStateStore::SyncWritten() { return SyncRound(nullptr); }
+
+absl::Status SessionStateStore::SyncNowLocked(Entry& e) {
+  auto it = unsynced_.find(e.key);
+  if (it == unsynced_.end()) return absl::OkStatus();
+  const UnsyncedFiles files = it->second;
+  unsynced_.erase(it);
+  const SessionKey key = e.key;
+  const uint64_t write_seq = e.write_seq;
+  e.busy = true;
+  mu_.Unlock();
+  absl::Status status;
+  auto sync = [&](const std::filesystem::path& path) {
+    if (!status.ok()) return;
+    absl::Status s = options_.files->Sync(path);
+    if (!s.ok() && !absl::IsNotFound(s)) status = s;
+  };
+  if (files.log) sync(LogPathOf(key));
+  if (files.snapshot) sync(PathOf(key));
+  // The directory too: the file may be new (its entry is then in no earlier round's fsync).
+  if (status.ok()) status = options_.files->SyncDir(options_.dir);
+  mu_.Lock();
+  e.busy = false;
+  changed_.SignalAll();
+  if (!status.ok() && e.durable_full_seq <= write_seq) {
+    PersistFailed(e, status);
+    e.sync_failed_seq = e.write_seq;
+    e.needs_full = true;
+    e.persisted_version = 0;
+    Changed();
+  }
+  return status;
+}
+
+int SessionStateStore::SyncRound(std::vector<std::string>* failed) {
+  absl::MutexLock round(&sync_mu_);
+  struct Job {
+    SessionKey key;
+    UnsyncedFiles files;
+    uint64_t write_seq = 0;  // the writes it covers: those up to this one
+    uint64_t full_seq = 0;   // its last full snapshot among them
+    absl::Status status;
+  };
+  std::vector<Job> jobs;
+  bool dir = false;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, files] : unsynced_) {
+      Job job;
+      job.key = key;
+      job.files = files;
+      if (auto it = entries_.find(key); it != entries_.end()) {
+        job.write_seq = it->second->write_seq;
+        job.full_seq = it->second->last_full_seq;
+      }
+      jobs.push_back(std::move(job));
+      syncing_.insert(key);
+    }
+    unsynced_.clear();
+    dir = unsynced_dir_;
+    unsynced_dir_ = false;
+  }
+  if (jobs.empty() && !dir) return 0;
+  // One fsync per file (a log or snapshot removed or replaced since is not an error: the
+  // replacement is in this round or a later one), then one of the directory.
+  int synced = 0;
+  auto sync = [&](const std::filesystem::path& path, absl::Status& status) {
+    if (!status.ok()) return;
+    absl::Status s = options_.files->Sync(path);
+    if (s.ok()) ++synced;
+    if (!s.ok() && !absl::IsNotFound(s)) status = s;
+  };
+  for (Job& job : jobs) {
+    if (job.files.log) sync(LogPathOf(job.key), job.status);
+    if (job.files.snapshot) sync(PathOf(job.key), job.status);
+  }
+  if (dir) {
+    if (absl::Status s = options_.files->SyncDir(options_.dir); !s.ok()) {
+      for (Job& job : jobs) {
+        if (job.status.ok()) job.status = s;  // each may have created or renamed a file
+      }
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  counters_.persist_syncs += synced;
+  syncing_.clear();
+  for (Job& job : jobs) {
+    auto it = entries_.find(job.key);
+    if (it == entries_.end()) continue;  // deleted or expired: nothing to keep
+    Entry& e = *it->second;
+    if (!job.status.ok()) {
+      // A full snapshot fsynced since (a park to disk) holds everything: nothing is lost.
+      if (e.durable_full_seq > job.write_seq) continue;
+      // What these writes handed the kernel may never reach the disk (after a failed fsync the
+      // kernel may drop the pages and report the next fsync as fine): the session is written
+      // again in full, and stays failing until that snapshot has been fsynced.
+      PersistFailed(e, job.status);
+      if (failed != nullptr) {
+        failed->push_back(absl::StrCat(DebugString(job.key), " (", job.status.message(), ")"));
+      }
+      e.sync_failed_seq = e.write_seq;
+      e.needs_full = true;
+      e.persisted_version = 0;  // due again (versions start at 1)
+      Changed();
+    } else if (e.sync_failed_seq != 0 && job.full_seq > e.sync_failed_seq) {
+      e.sync_failed_seq = 0;
+      PersistSucceeded(e);
+    }
+  }
+  return synced;
+}
+
+void SessionStateStore::SyncerLoop() {
+  absl::MutexLock lock(&mu_);
+  while (!stop_) {
+    if (unsynced_.empty() && !unsynced_dir_) {
+      changed_.WaitWithTimeout(&mu_, absl::Seconds(1));
+      continue;
+    }
+    // Group commit: one round for everything written since the last; the next at most one
+    // interval after this one began, so that a burst of turns shares its fsyncs.
+    const absl::Time next = absl::Now() + options_.persist_sync_interval;
+    mu_.Unlock();
+    SyncWritten();
+    mu_.Lock();
+    while (!stop_ && absl::Now() < next) changed_.WaitWithDeadline(&mu_, next);
+  }
+}
+
 void SessionStateStore::WorkerLoop() {
   absl::MutexLock lock(&mu_);
   while (!stop_) {
@@ -2006,6 +2221,7 @@ StoreStats SessionStateStore::Stats() const {
     if (e->tier == Tier::kDisk) s.bytes[static_cast<int>(Tier::kDisk)] += e->disk_bytes;
     if (e->tier == Tier::kResident && e->device_bytes > 0) ++s.device_sessions;
     if (e->version != e->persisted_version) ++s.unpersisted;
+    if (e->sync_failed_seq != 0 || unsynced_.contains(key) || syncing_.contains(key)) ++s.unsynced;
   }
   for (const auto& [stem, e] : orphans_) {
     ++s.sessions[static_cast<int>(Tier::kDisk)];

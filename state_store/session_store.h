@@ -36,6 +36,17 @@
 // the turns touched), compacted into a full snapshot once the log would pass kLogCompactRatio
 // times the snapshot's size or 256 records. Up to persist_writers sessions are written at once,
 // the turns someone waits for first, and each waiter is called as soon as its own write is done.
+// What "written" means is SessionStoreOptions::persist_sync: with PersistSync::kWrite (the
+// default) a write is done once write(2) and rename(2) have handed it to the kernel — a process
+// crash (kill -9, OOM kill) cannot lose it — and a background syncer fsyncs the files written
+// since its last round, one fsync per file and one of the directory per round, a round at most
+// every persist_sync_interval (group commit); a power loss or kernel crash loses at most the
+// writes since the last completed round (recovery: snapshot plus the log's good records). With
+// PersistSync::kFsync a write is done once it is fsynced (and its directory, when it created or
+// renamed a file): a power loss loses at most the turn in flight too. A background fsync that
+// fails is a failed write (counted, logged, health UNAVAILABLE); the session is then written
+// again in full, fsynced, and is healthy once that has reached the disk. Parks to disk (eviction,
+// PersistAll) always fsync; so does a shared directory (other stores read it).
 // kIdle: once a session has been idle for `persist_idle`. kShutdown: only PersistAll() and eviction
 // to disk write. Sessions an accelerator holds on the device are written when they leave it (their
 // host layers are stale until then).
@@ -115,6 +126,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -141,6 +153,11 @@ enum class PersistPolicy { kTurn, kIdle, kShutdown };
 // "turn", "idle", "shutdown".
 absl::string_view PersistPolicyName(PersistPolicy policy);
 absl::StatusOr<PersistPolicy> ParsePersistPolicy(absl::string_view name);
+// What a write waits for before it counts as done (see the class comment, Durability).
+enum class PersistSync { kWrite, kFsync };
+// "write", "fsync".
+absl::string_view PersistSyncName(PersistSync sync);
+absl::StatusOr<PersistSync> ParsePersistSync(absl::string_view name);
 inline constexpr int kNumTiers = 3;
 // Durability (class comment): a session's delta log is compacted into a full snapshot once it
 // would pass this many times the snapshot's size (or 256 records). A turn then writes its delta
@@ -167,6 +184,12 @@ struct SessionStoreOptions {
   // a different session: one session's write (its fsync above all) does not hold up the others'
   // acknowledgements. Turns someone waits for (WhenPersisted) are written first, oldest first.
   int persist_writers = 4;
+  // When a write counts as done (and WhenPersisted's callback runs): handed to the kernel
+  // (kWrite; fsynced in the background) or fsynced (kFsync). See the class comment.
+  PersistSync persist_sync = PersistSync::kWrite;
+  // kWrite: the background syncer's rounds start at most this often (each fsyncs every file
+  // written since the last one); what a power loss can lose is bounded by it plus one round.
+  absl::Duration persist_sync_interval = absl::Seconds(1);
   // kIdle: how long a changed session stays idle before it is written.
   absl::Duration persist_idle = absl::Seconds(10);
   // TTL of sessions created without one; InfiniteDuration(): never expire.
@@ -229,6 +252,8 @@ struct StoreStats {
   int64_t persist_deltas = 0;                // of those, deltas appended to a session's log
   int64_t persist_bytes = 0;                 // their bytes
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
+  int64_t persist_syncs = 0;                 // background fsyncs of files (PersistSync::kWrite)
+  int64_t unsynced = 0;                      // sessions written but not fsynced yet (kWrite)
   int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
   int64_t fenced_writes = 0;                 // writes refused: not the owner (ownership)
   int64_t orphans_removed = 0;               // fenced: uncommitted snapshot files swept
@@ -338,14 +363,21 @@ class SessionStateStore {
   // writes fail, until one succeeds.
   absl::Status PersistHealth() const;
 
+  // PersistSync::kWrite: fsyncs the files written without an fsync since the last round (and the
+  // directory once), as the background syncer does every persist_sync_interval; a failure is a
+  // failed write of that session (see the class comment). Returns how many files it fsynced.
+  // Called by PersistAll() and the destructor too. Rounds run one at a time.
+  int SyncWritten() ABSL_LOCKS_EXCLUDED(mu_, sync_mu_);
+
   // Calls `done` once the session's state as of this call has been written to the snapshot
-  // directory — or its write was tried and failed, or the session is gone — so that a turn is
-  // acknowledged only once it is durable (the scheduler calls this before a job's OnFinish).
-  // Calls it at once when nothing is to wait for: no directory, a policy other than kTurn, no
-  // worker, writes currently failing (health says so), an on-device session (written when it
-  // leaves the device), or a state already written. Otherwise `done` runs on the worker or a writer
-  // thread (persist_writers), as soon as that session's write is done, never with the store's lock
-  // held; pending calls run at the latest when the store is destroyed.
+  // directory (as persist_sync says: handed to the kernel, or fsynced) — or its write was tried and
+  // failed, or the session is gone — so that a turn is acknowledged only once it is durable (the
+  // scheduler calls this before a job's OnFinish). Calls it at once when nothing is to wait for: no
+  // directory, a policy other than kTurn, no worker, writes currently failing (health says so), an
+  // on-device session (written when it leaves the device), or a state already written. Otherwise
+  // `done` runs on the worker or a writer thread (persist_writers), as soon as that session's write
+  // is done, never with the store's lock held; pending calls run at the latest when the store is
+  // destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void()> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
@@ -497,7 +529,22 @@ class SessionStateStore {
   // Writes e's current state (resident) or blob (host): a delta appended to its log when
   // one can carry the change, else a full snapshot (which drops the log). mu_ is released
   // while encoding and writing; e.busy meanwhile. Updates the durability fields on success.
-  absl::Status WriteChanges(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // `sync`: fsync it before it counts as done (else it is queued for the syncer).
+  absl::Status WriteChanges(Entry& e, bool sync) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether writes of changed sessions are fsynced before they count as done (not queued for
+  // the background syncer): PersistSync::kFsync, or a shared directory.
+  bool SyncOnWrite() const;
+  // SyncWritten(), adding the sessions whose fsync failed to `failed` (when not null).
+  int SyncRound(std::vector<std::string>* failed) ABSL_LOCKS_EXCLUDED(mu_, sync_mu_);
+  // fsyncs e's files written without an fsync (and the directory) now, on this thread; mu_ is
+  // released meanwhile (e.busy). A failure is a failed write of e (see SyncRound).
+  absl::Status SyncNowLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // PersistAll() under the lock: parks every idle session to disk.
+  void PersistAllLocked(std::vector<std::string>& skipped, std::vector<std::string>& failed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The background syncer (PersistSync::kWrite): SyncWritten() rounds, at most one per
+  // persist_sync_interval, while anything waits for one.
+  void SyncerLoop();
   std::unique_ptr<SessionState> NewState() const;
 
   StateLayout layout_;             // with pool_
@@ -535,8 +582,24 @@ class SessionStateStore {
   // Fenced: the claim (SessionOwnership::ClaimEpoch) under which each session's files were last
   // swept (SweepGenerations).
   std::map<SessionKey, int64_t> swept_ ABSL_GUARDED_BY(mu_);
+  // PersistSync::kWrite: the files written without an fsync since the syncer's last round, by
+  // session (its log, its snapshot), and whether the directory's entries changed meanwhile.
+  struct UnsyncedFiles {
+    bool log = false;
+    bool snapshot = false;
+  };
+  std::map<SessionKey, UnsyncedFiles> unsynced_ ABSL_GUARDED_BY(mu_);
+  bool unsynced_dir_ ABSL_GUARDED_BY(mu_) = false;
+  std::set<SessionKey> syncing_ ABSL_GUARDED_BY(mu_);  // in the round under way
+  // Encode buffers kept between writes (WriteChanges): at most persist_writers, each of at most
+  // kMaxScratchBytes of capacity.
+  static constexpr size_t kMaxScratchBytes = size_t{64} << 20;
+  std::vector<std::string> scratch_ ABSL_GUARDED_BY(mu_);
+  // Held for a whole SyncWritten() round (outside mu_): rounds run one at a time, in order.
+  absl::Mutex sync_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::thread worker_;
   std::vector<std::thread> writers_;  // persist_writers - 1 (see WriterLoop)
+  std::thread syncer_;                // PersistSync::kWrite (see SyncerLoop)
 };
 
 }  // namespace sdm

@@ -173,6 +173,13 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t fingerprint) {
+  std::string out;
+  EncodeSessionStateInto(state, record, fingerprint, out);
+  return out;
+}
+
+void EncodeSessionStateInto(const SessionState& state, const SessionRecord& record,
+                            uint64_t fingerprint, std::string& out) {
   SDM_CHECK(!state.on_device());
   const std::string rec = EncodeRecordSection(state, record);
   // One buffer of the exact size, written once: each section's header (and the file header) is
@@ -191,6 +198,8 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
     }
   }
   Writer w;
+  out.clear();  // its capacity is kept: a buffer reused for each write is not faulted in again
+  w.out().swap(out);
   w.Reserve(total);
   w.Raw(kMagic, 8);
   w.U32(kStateFormatVersion);
@@ -252,7 +261,7 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
   w.Patch(32, &total, 8);
   const uint64_t header_checksum = Checksum(w.out().data(), 40);
   w.Patch(40, &header_checksum, 8);
-  return std::move(w.out());
+  w.out().swap(out);
 }
 
 absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first, uint64_t total_bytes,

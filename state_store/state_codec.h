@@ -45,6 +45,10 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 // (SDM_CHECK: encoding stale layers would silently lose the session's recent tokens).
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t model_fingerprint);
+// The same into `out` (replacing its contents, keeping its capacity: a buffer reused write after
+// write is not allocated and faulted in again; state_store/session_store.cc keeps one per writer).
+void EncodeSessionStateInto(const SessionState& state, const SessionRecord& record,
+                            uint64_t model_fingerprint, std::string& out);
 
 struct DecodedSession {
   SessionRecord record;

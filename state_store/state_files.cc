@@ -48,11 +48,11 @@ StateFiles* StateFiles::Default() {
   return &files;
 }
 
-absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path,
-                                         absl::string_view data) {
+absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, absl::string_view data,
+                                         bool sync) {
   std::filesystem::path tmp = path;
   tmp += ".tmp";
-  if (auto s = WriteAndSync(tmp, data); !s.ok()) {
+  if (auto s = WriteAndSync(tmp, data, sync); !s.ok()) {
     Remove(tmp).IgnoreError();
     return s;
   }
@@ -60,10 +60,12 @@ absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path,
     Remove(tmp).IgnoreError();
     return s;
   }
+  if (!sync) return absl::OkStatus();
   return SyncDir(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
 }
 
-absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, absl::string_view data) {
+absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, absl::string_view data,
+                                      bool sync) {
   Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot create", path, errno);
   size_t done = 0;
@@ -75,13 +77,13 @@ absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, absl::s
     }
     done += static_cast<size_t>(n);
   }
-  if (::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
+  if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
   return absl::OkStatus();
 }
 
 absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t offset,
-                                 absl::string_view data) {
+                                 absl::string_view data, bool sync) {
   const bool existed = ::access(path.c_str(), F_OK) == 0;
   Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
@@ -98,11 +100,18 @@ absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t off
   if (::ftruncate(fd.get(), static_cast<off_t>(offset + data.size())) != 0) {
     return Errno("cannot truncate", path, errno);
   }
-  if (::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
+  if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
-  if (!existed) {
+  if (sync && !existed) {
     return SyncDir(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
   }
+  return absl::OkStatus();
+}
+
+absl::Status StateFiles::Sync(const std::filesystem::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Errno("cannot open", path, errno);
+  if (::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   return absl::OkStatus();
 }
 

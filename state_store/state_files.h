@@ -4,7 +4,10 @@
 // WriteAtomically() is the only way a snapshot reaches its final name: the data goes to
 // `<path>.tmp`, is fsynced, renamed over `path`, and the directory is fsynced. A crash at any
 // point leaves either the previous file or the new one complete under `path`, plus possibly a
-// stray `.tmp` that the store removes when it opens.
+// stray `.tmp` that the store removes when it opens. With sync false (the store's
+// --persist_sync=write) the two fsyncs are left out: a process crash (kill -9) after it returns
+// still finds the new file (the kernel holds the data), a power loss or kernel crash before a
+// later Sync() of the file and SyncDir() of its directory may not.
 //
 // Thread-safety: the POSIX implementation is thread-safe for different paths.
 #ifndef SDMSERVE_STATE_STORE_STATE_FILES_H_
@@ -28,7 +31,8 @@ class StateFiles {
   // The POSIX file system (a process-wide instance).
   static StateFiles* Default();
 
-  absl::Status WriteAtomically(const std::filesystem::path& path, absl::string_view data);
+  absl::Status WriteAtomically(const std::filesystem::path& path, absl::string_view data,
+                               bool sync = true);
 
   virtual absl::StatusOr<std::string> Read(const std::filesystem::path& path);
   // Up to n bytes from `offset` (fewer at the end of the file).
@@ -43,14 +47,21 @@ class StateFiles {
   // Writes `data` at `offset` of `path` (created if missing), cuts the file there
   // (offset + data.size(): whatever followed, e.g. a torn tail, is gone) and fsyncs it; when it
   // created the file, fsyncs the directory too. The delta log's append
-  // (state_store/state_log.h). A crash may leave any prefix of `data` after `offset`.
+  // (state_store/state_log.h). A crash may leave any prefix of `data` after `offset`. With sync
+  // false neither fsync is made (see WriteAtomically).
   virtual absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,
-                               absl::string_view data);
+                               absl::string_view data, bool sync = true);
+
+  // fsyncs the file at `path` (what earlier writes without sync left in the kernel reaches the
+  // disk); NOT_FOUND when there is none. The store's background group commit.
+  virtual absl::Status Sync(const std::filesystem::path& path);
+  // fsyncs the directory (its entries: files created, renamed, removed).
+  virtual absl::Status SyncDir(const std::filesystem::path& dir);
 
  protected:
-  // The steps of WriteAtomically, each a fault-injection point.
-  virtual absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data);
-  virtual absl::Status SyncDir(const std::filesystem::path& dir);
+  // The write step of WriteAtomically (fsynced when `sync`), a fault-injection point.
+  virtual absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data,
+                                    bool sync);
 };
 
 }  // namespace sdm

@@ -119,6 +119,17 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                      "yet.")
                                .Register(registry)
                                .Add({})),
+      persist_syncs(BuildCounter()
+                        .Name("sdm_persist_syncs_total")
+                        .Help("Files fsynced by the background syncer (--persist_sync=write).")
+                        .Register(registry)
+                        .Add({})),
+      sessions_unsynced(BuildGauge()
+                            .Name("sdm_sessions_unsynced")
+                            .Help("Sessions written to the state directory but not fsynced yet "
+                                  "(--persist_sync=write).")
+                            .Register(registry)
+                            .Add({})),
       persistence_healthy(BuildGauge()
                               .Name("sdm_persistence_healthy")
                               .Help("1 while session state can be written to the state "

@@ -25,6 +25,8 @@
 //   sdm_persist_deltas_total               counter    of those, deltas appended to a log
 //   sdm_persist_bytes_total                counter    their bytes
 //   sdm_sessions_unpersisted               gauge      sessions whose last turn is not on disk
+//   sdm_persist_syncs_total                counter    background fsyncs (--persist_sync=write)
+//   sdm_sessions_unsynced                  gauge      sessions written but not fsynced yet
 //   sdm_persistence_healthy                gauge      1 while sessions can be written, else 0
 //
 // Labelled series are reached through the functions below, so that label names are spelled only
@@ -96,6 +98,8 @@ class ServerMetrics {
   prometheus::Counter& persist_deltas;
   prometheus::Counter& persist_bytes;
   prometheus::Gauge& sessions_unpersisted;
+  prometheus::Counter& persist_syncs;
+  prometheus::Gauge& sessions_unsynced;
   prometheus::Gauge& persistence_healthy;
 
  private:

@@ -82,7 +82,9 @@ TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
                            "tls_key",
                            "shutdown_grace",
                            "persist",
-                           "persist_writers"}) {
+                           "persist_writers",
+                           "persist_sync",
+                           "persist_sync_interval"}) {
     EXPECT_THAT(r.out, ::testing::HasSubstr(absl::StrCat("--", flag, " (default: "))) << flag;
   }
   EXPECT_THAT(r.out, ::testing::HasSubstr("--flagfile"));
@@ -98,6 +100,7 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(ttl.status, 2);
   EXPECT_THAT(ttl.err,
               ::testing::HasSubstr("--session_ttl cannot be used with --shared_state_dir"));
+  EXPECT_EQ(RunServer("--model x --persist_sync sometimes").status, 2);
   const ProcessRun missing =
       RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
   EXPECT_EQ(missing.status, 1);

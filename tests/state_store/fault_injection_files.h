@@ -42,8 +42,9 @@ class FaultInjectionFiles : public StateFiles {
     kReadRange,
     kList,
     kWriteAt,
+    kSync,  // the background fsync of a file written without one (--persist_sync=write)
   };
-  static constexpr int kNumOps = 9;
+  static constexpr int kNumOps = 10;
 
   struct Fault {
     // The error the failing call returns.
@@ -80,6 +81,20 @@ class FaultInjectionFiles : public StateFiles {
   }
   void FailSyncDir() {
     FailNext(Op::kSyncDir, {absl::InternalError("injected: directory fsync failed"), 0, -1});
+  }
+  // The next Sync() (a file's background fsync) fails, as an fsync does after a disk error.
+  void FailSync() {
+    FailNext(Op::kSync, {absl::InternalError("injected: Input/output error"), 0, -1});
+  }
+  // Counts the writes that fsynced their data (WriteAndSync and WriteAt with sync) and those
+  // that did not.
+  int synced_writes() const {
+    absl::MutexLock lock(&mu_);
+    return synced_writes_;
+  }
+  int unsynced_writes() const {
+    absl::MutexLock lock(&mu_);
+    return unsynced_writes_;
   }
 
   // From the first injected fault on, operations that change the disk fail without effect.
@@ -131,18 +146,27 @@ class FaultInjectionFiles : public StateFiles {
   }
   // A fault with partial_bytes >= 0 writes that prefix of the data at the offset first (a torn
   // append).
-  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,
-                       absl::string_view data) override {
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, absl::string_view data,
+                       bool sync) override {
     std::optional<Fault> fault;
     if (auto s = Enter(Op::kWriteAt, &fault); !s.ok()) {
       if (fault.has_value() && fault->partial_bytes >= 0) {
         const size_t n = static_cast<size_t>(
             std::min<int64_t>(fault->partial_bytes, static_cast<int64_t>(data.size())));
-        StateFiles::WriteAt(path, offset, data.substr(0, n)).IgnoreError();
+        StateFiles::WriteAt(path, offset, data.substr(0, n), sync).IgnoreError();
       }
       return s;
     }
-    return StateFiles::WriteAt(path, offset, data);
+    CountWrite(sync);
+    return StateFiles::WriteAt(path, offset, data, sync);
+  }
+  absl::Status Sync(const std::filesystem::path& path) override {
+    if (auto s = Enter(Op::kSync, nullptr); !s.ok()) return s;
+    return StateFiles::Sync(path);
+  }
+  absl::Status SyncDir(const std::filesystem::path& dir) override {
+    if (auto s = Enter(Op::kSyncDir, nullptr); !s.ok()) return s;
+    return StateFiles::SyncDir(dir);
   }
   absl::Status CreateDirs(const std::filesystem::path& dir) override {
     if (auto s = Enter(Op::kCreateDirs, nullptr); !s.ok()) return s;
@@ -150,7 +174,8 @@ class FaultInjectionFiles : public StateFiles {
   }
 
  protected:
-  absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data) override {
+  absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data,
+                            bool sync) override {
     std::optional<Fault> fault;
     if (auto s = Enter(Op::kWriteAndSync, &fault); !s.ok()) {
       if (fault.has_value() && fault->partial_bytes >= 0) {
@@ -158,22 +183,23 @@ class FaultInjectionFiles : public StateFiles {
         // implementation (it also fsyncs, which only makes the partial file more certain).
         const size_t n = static_cast<size_t>(
             std::min<int64_t>(fault->partial_bytes, static_cast<int64_t>(data.size())));
-        StateFiles::WriteAndSync(path, data.substr(0, n)).IgnoreError();
+        StateFiles::WriteAndSync(path, data.substr(0, n), /*sync=*/true).IgnoreError();
       }
       return s;
     }
-    return StateFiles::WriteAndSync(path, data);
-  }
-  absl::Status SyncDir(const std::filesystem::path& dir) override {
-    if (auto s = Enter(Op::kSyncDir, nullptr); !s.ok()) return s;
-    return StateFiles::SyncDir(dir);
+    CountWrite(sync);
+    return StateFiles::WriteAndSync(path, data, sync);
   }
 
  private:
   static int Index(Op op) { return static_cast<int>(op); }
   static bool Mutates(Op op) {
     return op == Op::kWriteAndSync || op == Op::kRename || op == Op::kSyncDir ||
-           op == Op::kRemove || op == Op::kCreateDirs || op == Op::kWriteAt;
+           op == Op::kRemove || op == Op::kCreateDirs || op == Op::kWriteAt || op == Op::kSync;
+  }
+  void CountWrite(bool sync) {
+    absl::MutexLock lock(&mu_);
+    ++(sync ? synced_writes_ : unsynced_writes_);
   }
 
   // Counts the call; returns the error it must fail with, if any (and the fault that fired).
@@ -203,6 +229,8 @@ class FaultInjectionFiles : public StateFiles {
   bool crash_at_fault_ ABSL_GUARDED_BY(mu_) = false;
   bool crashed_ ABSL_GUARDED_BY(mu_) = false;
   int fired_ ABSL_GUARDED_BY(mu_) = 0;
+  int synced_writes_ ABSL_GUARDED_BY(mu_) = 0;
+  int unsynced_writes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace sdm::testing

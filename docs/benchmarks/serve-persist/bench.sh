@@ -55,7 +55,7 @@ for round in $(seq 1 $ROUNDS); do
 done
 for name in "${names[@]}"; do
   echo "== persistence counters of '$name'"
-  curl -s ${metrics[$name]} | grep -E "^sdm_persist|^sdm_sessions_unpersisted|^sdm_snapshot_errors|^sdm_generated_tokens_total|^sdm_requests_total\{method=\"Generate\""
+  curl -s ${metrics[$name]} | grep -E "^sdm_persist|^sdm_sessions_unpersisted|^sdm_sessions_unsynced|^sdm_snapshot_errors|^sdm_generated_tokens_total|^sdm_requests_total\{method=\"Generate\""
   ls -l $B/state-$name/*.sdmstate 2>/dev/null |
     awk '{s+=$5; n++} END {if (n) printf "%d snapshots, mean %.0f bytes\n", n, s/n}'
 done
