@@ -247,16 +247,25 @@ void PrintSdmLayerDiff(const std::string& what, const SdmLayerDiff& d) {
       static_cast<long long>(d.elements));
 }
 
+// Relative L2 of a layer's rows (those both sides wrote) against the CPU's. Looser than the
+// logits' because one flipped write selection changes every row of that write, not just the
+// flipped slot: the shared-residual update subtracts the prediction summed over the selected
+// rows. Measured under the CPU emulator (scripts/emulate-cuda.sh, 2026-12-03): tiny 0.006-0.014
+// with no flips; debug_sdm 0.008-0.061 with 1-12 of 175-563 written slots differing per layer.
+// A wrong kernel gives O(1).
+constexpr double kStateTolerance = 0.15;
+
 // The assertions shared by the state tests: rows both wrote agree as a whole (relative L2 within
-// `tolerance`, as the logits) and element by element (at most 1% of values off by more than
-// 1/32 of the layer's scale: a kernel wrong in a few percent of columns fails), and the write
-// selections agree for at least 90% of the slots written.
-void ExpectSdmLayersClose(const std::string& what, const SessionState& cpu, const SessionState& gpu,
-                          double tolerance) {
+// kStateTolerance) and element by element (at most 1% of values off by more than 1/32 of the
+// layer's largest magnitude; measured at most 0.33% under the emulator: a kernel wrong in a few
+// percent of columns fails), and the write selections agree for at least 90% of the slots
+// written (measured at least 97%).
+void ExpectSdmLayersClose(const std::string& what, const SessionState& cpu,
+                          const SessionState& gpu) {
   for (const SdmLayerDiff& d : CompareSdmLayers(cpu, gpu)) {
     PrintSdmLayerDiff(what, d);
     EXPECT_GT(d.cpu_written, 0) << what << " layer " << d.layer;
-    EXPECT_LT(d.rel_l2, tolerance) << what << " layer " << d.layer;
+    EXPECT_LT(d.rel_l2, kStateTolerance) << what << " layer " << d.layer;
     EXPECT_LE(d.far * 100, d.elements) << what << " layer " << d.layer;
     EXPECT_LE(d.differ * 10, std::max(d.cpu_written, d.gpu_written))
         << what << " layer " << d.layer;
@@ -267,7 +276,6 @@ TEST_P(CudaVsCpuTest, SdmRowsMatchCpuPerLayerAfterSync) {
   SKIP_WITHOUT_DEVICE();
   Engines e = MakeEngines(GetParam(), /*prefill_chunk=*/16);
   ASSERT_NE(e.cuda, nullptr);
-  const double tolerance = GetParam() == "tiny" ? kTinyLogitTolerance : kLogitTolerance;
   const int64_t vocab = e.cpu->vocab_size();
   constexpr int kSessions = 3;
   std::vector<std::unique_ptr<SessionState>> cpu_s, gpu_s;
@@ -289,8 +297,7 @@ TEST_P(CudaVsCpuTest, SdmRowsMatchCpuPerLayerAfterSync) {
   }
   for (int i = 0; i < kSessions; ++i) {
     ASSERT_TRUE(gpu_s[i]->SyncToHost().ok());
-    ExpectSdmLayersClose(GetParam() + " session " + std::to_string(i), *cpu_s[i], *gpu_s[i],
-                         tolerance);
+    ExpectSdmLayersClose(GetParam() + " session " + std::to_string(i), *cpu_s[i], *gpu_s[i]);
   }
 }
 
@@ -414,8 +421,7 @@ TEST(CudaEngineTest, DecodeBatchOf64SessionsAtFlagshipSdmWidth) {
   }
   for (int i = 0; i < kSessions; i += 9) {  // a sample of the sessions: each compare is 2 MB
     ASSERT_TRUE(gpu_s[i]->SyncToHost().ok());
-    ExpectSdmLayersClose("batch64 session " + std::to_string(i), *cpu_s[i], *gpu_s[i],
-                         kLogitTolerance);
+    ExpectSdmLayersClose("batch64 session " + std::to_string(i), *cpu_s[i], *gpu_s[i]);
   }
 }
 
