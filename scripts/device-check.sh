@@ -42,6 +42,7 @@ print_table() {
     echo "-- product-key selection and SDM state, CUDA against CPU"
     grep "^\[selection\]" "$OUT_DIR/selection.txt" | grep -v " layer " | head -20
     grep "^\[sdm-state\]" "$OUT_DIR/selection.txt" | head -12
+    grep "^\[batch64\]" "$OUT_DIR/selection.txt" | head -4
   fi
   if [[ -f $OUT_DIR/kernels.txt ]]; then
     echo "-- sdm-bench kernels"; grep -v "^#" "$OUT_DIR/kernels.txt" | tail -20
@@ -138,9 +139,11 @@ run_tests() {  # name, ctest args...
 }
 # Verbose, so that the tests' measurement lines reach the log: "[selection]" (how often the
 # device's product-key selection differs from the CPU's: kernels on identical scores, and the
-# engines on the test models) and "[sdm-state]" (SDM rows per layer against the CPU after a sync).
+# engines on the test models), "[sdm-state]" (SDM rows per layer against the CPU after a sync)
+# and "[batch64]" (sessions of the 64-session decode batch beyond the logit tolerance).
 run_tests cuda -R "[Cc]uda" -j4 -V
-grep -ho "\[selection\].*\|\[sdm-state\].*" "$OUT_DIR/ctest-cuda.log" >"$OUT_DIR/selection.txt" || true
+grep -ho "\[selection\].*\|\[sdm-state\].*\|\[batch64\].*" "$OUT_DIR/ctest-cuda.log" \
+  >"$OUT_DIR/selection.txt" || true
 RESULT[selection]="$(grep -c "" "$OUT_DIR/selection.txt") lines (selection.txt)"
 # A CUDA test that skipped on this machine (no device seen by the process) is a failure here.
 # Counted from ctest's own marks (with -V the log also holds gtest's "Skipped" lines), leaving
