@@ -35,9 +35,15 @@ print_table() {
   echo
   echo "== sdmserve device check, $(date -u +%Y-%m-%dT%H:%MZ), $(elapsed) s =="
   local key
-  for key in gpu cuda_enabled build cuda cuda_skipped kernel_tests engine kernels decode; do
+  for key in gpu cuda_enabled build cuda cuda_skipped selection kernel_tests engine kernels decode; do
     printf "%-20s %s\n" "$key" "${RESULT[$key]:-(not reached)}"
   done
+  if [[ -s $OUT_DIR/selection.txt ]]; then
+    echo "-- product-key selection and SDM state, CUDA against CPU"
+    grep "^\[selection\]" "$OUT_DIR/selection.txt" | grep -v " layer " | head -20
+    grep "^\[sdm-state\]" "$OUT_DIR/selection.txt" | head -12
+    grep "^\[batch64\]" "$OUT_DIR/selection.txt" | head -4
+  fi
   if [[ -f $OUT_DIR/kernels.txt ]]; then
     echo "-- sdm-bench kernels"; grep -v "^#" "$OUT_DIR/kernels.txt" | tail -20
   fi
@@ -131,9 +137,19 @@ run_tests() {  # name, ctest args...
   fi
   log "tests $name: ${RESULT[$name]}"
 }
-run_tests cuda -R "[Cc]uda" -j4
+# Verbose, so that the tests' measurement lines reach the log: "[selection]" (how often the
+# device's product-key selection differs from the CPU's: kernels on identical scores, and the
+# engines on the test models), "[sdm-state]" (SDM rows per layer against the CPU after a sync)
+# and "[batch64]" (sessions of the 64-session decode batch beyond the logit tolerance).
+run_tests cuda -R "[Cc]uda" -j4 -V
+grep -ho "\[selection\].*\|\[sdm-state\].*\|\[batch64\].*" "$OUT_DIR/ctest-cuda.log" \
+  >"$OUT_DIR/selection.txt" || true
+RESULT[selection]="$(grep -c "" "$OUT_DIR/selection.txt") lines (selection.txt)"
 # A CUDA test that skipped on this machine (no device seen by the process) is a failure here.
-skipped=$(grep -c "Skipped" "$OUT_DIR/ctest-cuda.log" || true)
+# Counted from ctest's own marks (with -V the log also holds gtest's "Skipped" lines), leaving
+# out the one test that skips on purpose where a device is present.
+skipped=$(grep -E "\*\*\*Skipped" "$OUT_DIR/ctest-cuda.log" |
+          grep -vc "AskingForCudaWithoutADeviceIsAClearError" || true)
 RESULT[cuda_skipped]=$skipped
 [[ "$skipped" != 0 ]] && FAILED=1
 run_tests kernel_tests -L kernels -E "[Cc]uda" -j8

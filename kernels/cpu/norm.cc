@@ -2,6 +2,8 @@
 
 #include <cmath>
 
+#include "kernels/common/fp_math.h"
+
 namespace sdm::kernels::cpu {
 
 void RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, float eps, float* out) {
@@ -35,7 +37,8 @@ void BatchNormEval(float* x, const float* w, const float* b, const float* mean, 
   for (int64_t r = 0; r < rows; ++r) {
     float* xr = x + r * n;
     for (int64_t j = 0; j < n; ++j) {
-      xr[j] = (xr[j] - mean[j]) / std::sqrt(var[j] + eps) * w[j] + b[j];
+      // The shared helper: the CUDA kernel rounds every operation the same way.
+      xr[j] = BatchNormEvalValue(xr[j], mean[j], var[j], w[j], b[j], eps);
     }
   }
 }

@@ -12,7 +12,9 @@ void RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, float eps,
 // LayerNorm over each row of n (biased variance, as torch.nn.LayerNorm). In place.
 void LayerNorm(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps);
 
-// Eval-mode BatchNorm1d over features: x[r][j] = (x - mean[j]) / sqrt(var[j] + eps) * w[j] + b[j].
+// Eval-mode BatchNorm1d over features: x[r][j] = (x - mean[j]) / sqrt(var[j] + eps) * w[j] + b[j],
+// rounded as kernels/common/fp_math.h's BatchNormEvalValue specifies: bit for bit what
+// cuda::BatchNormEval computes, so both backends select product keys from the same scores.
 void BatchNormEval(float* x, const float* w, const float* b, const float* mean, const float* var,
                    int64_t rows, int64_t n, float eps);
 

@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "kernels/common/fp_math.h"
 #include "kernels/common/rope_math.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cuda/cuda_util.h"
@@ -164,8 +165,9 @@ __global__ void BatchNormEvalKernel(float* x, const float* w, const float* b, co
   const int64_t total = rows * n;
   for (int64_t idx = GlobalThread(); idx < total; idx += GridStride()) {
     const int64_t j = idx % n;
-    // cpu::BatchNormEval's order: divide by the standard deviation, then scale and shift.
-    x[idx] = (x[idx] - mean[j]) / sqrtf(var[j] + eps) * w[j] + b[j];
+    // cpu::BatchNormEval's operations, each rounded alike (no contraction into an fma): the
+    // addressing that follows selects from bit-identical scores on both backends.
+    x[idx] = BatchNormEvalValue(x[idx], mean[j], var[j], w[j], b[j], eps);
   }
 }
 

@@ -28,7 +28,8 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
 cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps,
                       cudaStream_t stream);
 
-// cpu::BatchNormEval in place: x [rows, n], per-column running statistics.
+// cpu::BatchNormEval in place: x [rows, n], per-column running statistics. Bit for bit the CPU
+// kernel's result (both call kernels/common/fp_math.h, BatchNormEvalValue).
 cudaError_t BatchNormEval(float* x, const float* w, const float* b, const float* mean,
                           const float* var, int64_t rows, int64_t n, float eps,
                           cudaStream_t stream);

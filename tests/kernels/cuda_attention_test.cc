@@ -392,6 +392,60 @@ void CheckDecodeCountsEveryKey(const Config& c, uint32_t seed) {
   }
 }
 
+// The prefill path's twin of CheckDecodeCountsEveryKey: the last `num_tokens` positions of
+// sequence `seq` as one chunk, q = 0 over V = position bits, so row t (position pos0 + t) must be
+// exactly the mean of the values at its visible positions: a key dropped or counted twice for
+// any row (at a tile edge, the causal diagonal, the window's edge, a ring wrap) moves some
+// dimension by far more than the tolerance (checked on the data as in the decode test).
+void CheckPrefillCountsEveryKey(const Config& c, int32_t seq, int64_t num_tokens, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed << " window " << c.window << " seq " << seq
+                                  << " tokens " << num_tokens);
+  PagedCache cache(c, seed, /*bit_values=*/true);
+  ASSERT_CUDA_OK(cache.Build());
+  const int64_t width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t group = c.n_heads / c.n_kv_heads;
+  const int64_t pos0 = c.lengths[seq] - num_tokens;
+  ASSERT_GE(pos0, 0);
+  ASSERT_GE(FirstVisiblePosition(pos0, c.window), cache.FirstHeld(seq)) << "ring too small";
+  cuda::DeviceBuffer<float> dq, dout;
+  ASSERT_CUDA_OK(Upload(dq, std::vector<float>(num_tokens * width, 0.0f)));
+  ASSERT_CUDA_OK(dout.Allocate(num_tokens * width));
+  ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), num_tokens, pos0, seq, cache.View(), cache.Dims(),
+                                        dout.get(), nullptr));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> got;
+  ASSERT_CUDA_OK(Download(got, dout.get(), num_tokens * width));
+  constexpr double kTol = 1e-6;
+  const std::vector<float>& v = cache.v(seq);
+  const int64_t kvw = cache.kv_width();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t pos = pos0 + t;
+    const int64_t first = FirstVisiblePosition(pos, c.window);
+    const int64_t n = pos - first + 1;
+    const int64_t dropped = first + n / 2;
+    double worst_drop = 0;
+    for (int64_t h = 0; h < c.n_heads; ++h) {
+      const int64_t col0 = (h / group) * c.head_dim;
+      for (int64_t d = 0; d < c.head_dim; ++d) {
+        double sum = 0;
+        for (int64_t p = first; p <= pos; ++p) sum += v[p * kvw + col0 + d];
+        const double want = sum / static_cast<double>(n);
+        ASSERT_NEAR(got[t * width + h * c.head_dim + d], want, kTol)
+            << "row " << t << " (position " << pos << ") head " << h << " dim " << d << " visible "
+            << n;
+        if (n > 1) {
+          const double without = (sum - v[dropped * kvw + col0 + d]) / static_cast<double>(n - 1);
+          worst_drop = std::max(worst_drop, std::abs(without - want));
+        }
+      }
+    }
+    if (n > 1) {
+      ASSERT_GT(worst_drop, 100 * kTol) << "row " << t << ": the check would miss it";
+    }
+  }
+}
+
 // Builds the cache for `c` with `seed` and runs the append, decode and prefill checks.
 void RunConfig(const Config& c, uint32_t seed,
                const std::vector<std::pair<int32_t, int64_t>>& prefills) {
@@ -534,6 +588,18 @@ TEST(CudaAttentionTest, DecodeCountsEveryVisibleKeyOnce) {
   CheckDecodeCountsEveryKey(BaselineFull(), 41);
   CheckDecodeCountsEveryKey(WindowedGroup3(), 42);
   CheckDecodeCountsEveryKey(TinySwa(), 43);
+#endif
+}
+
+// The prefill kernel with q = 0 and V = position bits (CheckPrefillCountsEveryKey): chunks that
+// start mid-page and cross page boundaries, a window whose edge moves with every row, a wrapped
+// ring, and the tiny preset's window of 8.
+TEST(CudaAttentionTest, PrefillCountsEveryVisibleKeyOnce) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  CheckPrefillCountsEveryKey(BaselineFull(), /*seq=*/5, /*num_tokens=*/131, 44);    // 513 long
+  CheckPrefillCountsEveryKey(WindowedGroup3(), /*seq=*/4, /*num_tokens=*/300, 45);  // 2000 long
+  CheckPrefillCountsEveryKey(TinySwa(), /*seq=*/4, /*num_tokens=*/64, 46);
 #endif
 }
 

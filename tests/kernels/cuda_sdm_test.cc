@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -16,6 +18,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/common/device_layout.h"
+#include "kernels/cpu/norm.h"
 #include "kernels/cpu/sdm_addressing.h"
 #include "kernels/cpu/sdm_update.h"
 #include "kernels/cuda/cuda_runtime_info.h"
@@ -24,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/sdm.h"
 #endif
 
@@ -194,6 +198,86 @@ TEST(CudaSdmTest, AddressMatchesCpuFreshSeed) {
   const uint32_t seed = FreshSeed();
   CheckAddress(seed, 256, 128, AddressAct::kSoftmax, 1.0f, seed % 2 == 0);
   CheckAddress(seed + 1, 64, 32, AddressAct::kSoftmax, 1.0f, seed % 2 == 1);
+#endif
+}
+
+// Product-key selection from the same projections on both backends (issue 16, item 4): eval
+// BatchNorm (each backend's kernel) then addressing (each backend's kernel). The BatchNorm
+// kernels share kernels/common/fp_math.h's explicitly rounded BatchNormEvalValue, so the scores
+// are bit-identical and so must be every selected slot: the count of differing slots is printed
+// ("[selection]", collected by scripts/device-check.sh) and must be 0. The raw scores are coarse
+// (multiples of 1/64) so that pair sums tie or nearly tie often after BatchNorm: a one-ulp
+// difference in a score would flip some of them.
+#if defined(SDM_HAVE_CUDA)
+void CheckBatchNormThenAddress(int64_t rows, int64_t heads, int64_t side, int64_t k,
+                               uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "seed " << seed << " side " << side << " k " << k);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  const int64_t key_size = heads * 2 * side;
+  const int64_t count = AddressCount(k, side);
+  std::vector<float> raw(rows * key_size);
+  for (float& x : raw) x = std::round(64.0f * normal(rng)) / 64.0f;
+  std::vector<float> w(key_size), b(key_size), mean(key_size), var(key_size);
+  for (int64_t j = 0; j < key_size; ++j) {
+    w[j] = 1.0f + 0.3f * normal(rng);
+    b[j] = 0.2f * normal(rng);
+    mean[j] = 0.1f * normal(rng);
+    const float z = normal(rng);
+    var[j] = 0.05f + z * z;
+  }
+  std::vector<float> cpu_scores = raw;
+  cpu::BatchNormEval(cpu_scores.data(), w.data(), b.data(), mean.data(), var.data(), rows, key_size,
+                     1e-5f);
+  auto d_scores = Upload(raw);
+  auto d_w = Upload(w);
+  auto d_b = Upload(b);
+  auto d_mean = Upload(mean);
+  auto d_var = Upload(var);
+  cuda::DeviceBuffer<int32_t> d_slots(rows * heads * count);
+  cuda::DeviceBuffer<float> d_weights(rows * heads * count);
+  ASSERT_EQ(cuda::BatchNormEval(d_scores.get(), d_w.get(), d_b.get(), d_mean.get(), d_var.get(),
+                                rows, key_size, 1e-5f, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cuda::SdmAddress(d_scores.get(), rows, heads, side, k, AddressAct::kSoftmax, 1.0f,
+                             d_slots.get(), d_weights.get(), nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> gpu_scores = Download(d_scores.get(), raw.size());
+  const std::vector<int32_t> slots = Download(d_slots.get(), d_slots.size());
+  int64_t score_diffs = 0;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    score_diffs += std::memcmp(&gpu_scores[i], &cpu_scores[i], sizeof(float)) != 0 ? 1 : 0;
+  }
+  cpu::AddressScratch scratch;
+  std::vector<int32_t> want_slots(count);
+  std::vector<float> want(count);
+  int64_t slot_diffs = 0;
+  for (int64_t rh = 0; rh < rows * heads; ++rh) {
+    cpu::SelectSlots(&cpu_scores[rh * 2 * side], side, k, want_slots, want, scratch);
+    std::vector<int32_t> got(slots.begin() + rh * count, slots.begin() + (rh + 1) * count);
+    std::vector<int32_t> only_cpu;
+    std::set_difference(want_slots.begin(), want_slots.end(), got.begin(), got.end(),
+                        std::back_inserter(only_cpu));
+    slot_diffs += static_cast<int64_t>(only_cpu.size());
+  }
+  std::printf(
+      "[selection] kernels: BatchNorm + addressing, side %lld k %lld: %lld of %lld "
+      "selected slots differ from the CPU's (%lld of %lld scores differ)\n",
+      static_cast<long long>(side), static_cast<long long>(k), static_cast<long long>(slot_diffs),
+      static_cast<long long>(rows * heads * count), static_cast<long long>(score_diffs),
+      static_cast<long long>(raw.size()));
+  EXPECT_EQ(score_diffs, 0);
+  EXPECT_EQ(slot_diffs, 0);
+}
+#endif  // SDM_HAVE_CUDA
+
+TEST(CudaSdmTest, BatchNormThenAddressSelectsTheCpuSlots) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  CheckBatchNormThenAddress(/*rows=*/128, /*heads=*/2, /*side=*/8, /*k=*/8, 31);     // tiny
+  CheckBatchNormThenAddress(/*rows=*/128, /*heads=*/1, /*side=*/64, /*k=*/32, 32);   // debug
+  CheckBatchNormThenAddress(/*rows=*/32, /*heads=*/2, /*side=*/256, /*k=*/128, 33);  // flagship
 #endif
 }
 
@@ -636,6 +720,23 @@ TEST(CudaSdmTest, FlagshipShapes) {
   sc.lengths = {1, 3, 1, 2};
   sc.prepopulated = 0.01;
   sc.seed = 25;
+  RunScenario(sc);
+#endif
+}
+
+// The 16-byte tile path at the flagship's shapes (hd 1024, 128 rows written and read per head)
+// with a decode batch of 64 sessions: 64 segments x 2 heads x 4 tiles = 512 blocks >= the wide-grid
+// threshold of SdmStep (kernels/cuda/sdm.cu), which a batch of 33 or more reaches at these shapes.
+TEST(CudaSdmTest, FlagshipDecodeBatch64SixteenByteTiles) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  Scenario sc;
+  sc.side = 256;
+  sc.width = 1024;
+  sc.k_w = sc.k_r = 128;
+  sc.lengths.assign(64, 1);
+  sc.prepopulated = 0.002;
+  sc.seed = 26;
   RunScenario(sc);
 #endif
 }
