@@ -238,10 +238,11 @@ BenchServeResult Aggregate(absl::Span<const RequestRecord> records, std::vector<
   BenchServeResult r;
   r.wall_seconds = wall_seconds;
   r.requests = static_cast<int64_t>(records.size());
-  std::vector<double> ttft, e2e;
+  std::vector<double> ttft, e2e, failed_e2e;
   for (const RequestRecord& rec : records) {
     if (rec.code != grpc::StatusCode::OK) {
       ++r.errors_by_code[std::string(StatusCodeName(rec.code))];
+      failed_e2e.push_back(rec.e2e * 1e3);
       continue;
     }
     ++r.ok;
@@ -261,6 +262,7 @@ BenchServeResult Aggregate(absl::Span<const RequestRecord> records, std::vector<
   r.ttft_ms = Summarize(std::move(ttft));
   r.itl_ms = Summarize(std::move(itl_seconds));
   r.e2e_ms = Summarize(std::move(e2e));
+  r.failed_e2e_ms = Summarize(std::move(failed_e2e));
   return r;
 }
 
@@ -414,6 +416,7 @@ std::string FormatReport(const BenchServeResult& r) {
   row("TTFT", r.ttft_ms);
   row("ITL", r.itl_ms);
   row("E2E", r.e2e_ms);
+  if (r.failed_e2e_ms.count > 0) row("failed E2E", r.failed_e2e_ms);
   return out;
 }
 
@@ -447,6 +450,7 @@ nlohmann::json ToJson(const BenchServeResult& r) {
   j["ttft_ms"] = SummaryJson(r.ttft_ms);
   j["itl_ms"] = SummaryJson(r.itl_ms);
   j["e2e_ms"] = SummaryJson(r.e2e_ms);
+  j["failed_e2e_ms"] = SummaryJson(r.failed_e2e_ms);
   return j;
 }
 

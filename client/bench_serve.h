@@ -99,6 +99,9 @@ struct BenchServeResult {
   LatencySummary ttft_ms;
   LatencySummary itl_ms;
   LatencySummary e2e_ms;
+  // Calls that ended with an error: the time from the call to its final status (under overload,
+  // how fast the server refuses).
+  LatencySummary failed_e2e_ms;
 };
 
 // Totals, rates and latency summaries (in milliseconds) of measured calls.

@@ -26,6 +26,7 @@ using ::testing::DoubleNear;
 using ::testing::ElementsAre;
 using testing::FakeServer;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::Pointwise;
 
 // ---- percentiles ----------------------------------------------------------------------------
@@ -141,7 +142,9 @@ TEST(BenchServeTest, AggregateCountsTokensRatesAndErrors) {
   records[2].reused_session = true;
   records[2].history_tokens = 50;
   records[3].code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  records[3].e2e = 0.004;
   records[4].code = grpc::StatusCode::RESOURCE_EXHAUSTED;
+  records[4].e2e = 0.008;
   const BenchServeResult r = Aggregate(records, {0.001, 0.002, 0.003, 0.004}, 2.0);
   EXPECT_EQ(r.requests, 5);
   EXPECT_EQ(r.ok, 3);
@@ -156,6 +159,10 @@ TEST(BenchServeTest, AggregateCountsTokensRatesAndErrors) {
   EXPECT_EQ(r.ttft_ms.count, 3);
   EXPECT_NEAR(r.ttft_ms.p50, 20, 1e-9);
   EXPECT_NEAR(r.e2e_ms.p99, 298, 1e-9);
+  EXPECT_EQ(r.e2e_ms.count, 3);  // failed calls are not in the ok calls' latency
+  EXPECT_EQ(r.failed_e2e_ms.count, 2);
+  EXPECT_NEAR(r.failed_e2e_ms.min, 4, 1e-9);
+  EXPECT_NEAR(r.failed_e2e_ms.max, 8, 1e-9);
   EXPECT_EQ(r.itl_ms.count, 4);
   EXPECT_NEAR(r.itl_ms.p50, 2.5, 1e-9);
 
@@ -163,15 +170,18 @@ TEST(BenchServeTest, AggregateCountsTokensRatesAndErrors) {
   EXPECT_EQ(j["requests"]["errors"]["RESOURCE_EXHAUSTED"], 2);
   EXPECT_EQ(j["throughput"]["output_tokens_per_s"], 30.0);
   EXPECT_EQ(j["ttft_ms"]["count"], 3);
+  EXPECT_EQ(j["failed_e2e_ms"]["count"], 2);
   const std::string report = FormatReport(r);
   EXPECT_THAT(report, HasSubstr("errors: RESOURCE_EXHAUSTED 2"));
   EXPECT_THAT(report, HasSubstr("30.0 output tokens/s"));
   EXPECT_THAT(report, HasSubstr("TTFT"));
+  EXPECT_THAT(report, HasSubstr("failed E2E"));
 
   // No samples: null in JSON, "-" in the table.
   const BenchServeResult none = Aggregate({}, {}, 1.0);
   EXPECT_TRUE(ToJson(none)["ttft_ms"]["p50"].is_null());
   EXPECT_THAT(FormatReport(none), HasSubstr("errors: none"));
+  EXPECT_THAT(FormatReport(none), Not(HasSubstr("failed E2E")));
 }
 
 TEST(BenchServeTest, ValidateOptions) {
