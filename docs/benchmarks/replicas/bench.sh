@@ -9,6 +9,8 @@
 #       (a handoff: r1 asks r0 through etcd, r0 parks and releases, r1 reads the committed
 #       snapshot and decodes) and another on r1 (steady). Handoff cost = handoff turn - steady
 #       turn (each the call's own time as sdm-client measures it, no process start-up).
+#       SDM_REPLICA_FLAGS (space-separated) adds flags to both replicas, e.g.
+#       SDM_REPLICA_FLAGS="--cpu_dtype bf16" for sdm_flagship on a small machine.
 #   docs/benchmarks/replicas/bench.sh BUILD_DIR failover TTL SESSIONS
 #       etcd + 2 replicas with --etcd_lease_ttl TTL; SESSIONS sessions with 2 turns on r0, then
 #       kill -9 r0 and each session's position read and a turn run on r1, retried while it fails
@@ -23,6 +25,7 @@ SOURCE_DIR=$(cd "$(dirname "$0")/../../.." && pwd)
 what=$2
 shift 2
 work=$(mktemp -d)
+read -r -a extra_flags <<<"${SDM_REPLICA_FLAGS:-}"
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
 stop_all() {
@@ -50,9 +53,9 @@ handoff)
   preset=$1 history=$2 sessions=$3
   SDM_PRESET=$preset make_model
   start_etcd
-  start_replica r0 --etcd "$ETCD_URL" --replica_id r0
+  start_replica r0 --etcd "$ETCD_URL" --replica_id r0 "${extra_flags[@]}"
   p0=$REPLICA_PORT
-  start_replica r1 --etcd "$ETCD_URL" --replica_id r1
+  start_replica r1 --etcd "$ETCD_URL" --replica_id r1 "${extra_flags[@]}"
   p1=$REPLICA_PORT
   prompt=$(head -c "$history" /dev/zero | tr '\0' 'a' | sed 's/aaaaaaa/the cat /g')
   : >"$work/base"; : >"$work/hand"; : >"$work/steady"; : >"$work/cost"
