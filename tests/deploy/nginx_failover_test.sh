@@ -11,12 +11,17 @@
 # expires (10 s), and calls are retried until then; after a drain its lease is revoked at once.
 # Exit 77 (skipped) without nginx (or etcd, when asked for).
 #
-#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd]
+# SESSIONS (default 20) sessions run two turns each before the failure, all compared with the
+# control.
+#
+#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd|-] [SESSIONS]
 set -euo pipefail
 BUILD_DIR=$1
 SOURCE_DIR=$2
 mode=${3:-kill}
 with_etcd=${4:-}
+[ "$with_etcd" != - ] || with_etcd=
+sessions=${5:-20}
 command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
 if [ -n "$with_etcd" ]; then
   command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
@@ -69,7 +74,6 @@ position() {  # position HOST SESSION
   "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
 }
 
-sessions=20
 for s in $(seq -w 1 $sessions); do
   id="s$s"
   "$client_bin" sessions create "$id" --host "$via" >/dev/null || fail "create $id"
