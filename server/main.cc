@@ -37,6 +37,7 @@
 #include "common/command_line.h"
 #include "server/server.h"
 #include "server/tenant_limits.h"
+#include "state_store/state_files.h"
 
 ABSL_FLAG(std::string, model, "",
           "Model directory (config.json, model.safetensors and, for SentencePiece models, the "
@@ -103,6 +104,18 @@ ABSL_FLAG(std::string, persist_sync,
           "kill -9 loses at most the turn in flight, a power loss or kernel crash at most the "
           "writes since the last background fsync), fsync (fsynced first: a power loss too loses "
           "at most the turn in flight, each turn waits for its fsync). docs/state-format.md, "
+          "Durability.");
+ABSL_FLAG(double, persist_compact_ratio, sdm::ServerOptions{}.store.log_compact_ratio,
+          "A session's delta log is compacted into a full snapshot once the next turn's delta "
+          "would take it past this many times the snapshot (or 256 records): higher writes fewer "
+          "full snapshots per turn (a turn costs its delta plus about 1/ratio of it), and lets a "
+          "restore read up to (1 + ratio) x the snapshot. 0: every write is a full snapshot. "
+          "docs/state-format.md, Durability.");
+ABSL_FLAG(std::string, persist_io, "direct",
+          "How sessions' data is written to --state_dir: direct (O_DIRECT, whole blocks straight "
+          "to the disk, without the page-cache copy that cost decode most of its CPU on a small "
+          "machine; falls back to buffered where the file system refuses it) or buffered. The "
+          "bytes and the guarantees of --persist_sync are the same. docs/state-format.md, "
           "Durability.");
 ABSL_FLAG(absl::Duration, persist_sync_interval, sdm::ServerOptions{}.store.persist_sync_interval,
           "With --persist_sync=write: how often at most the background syncer fsyncs the files "
@@ -300,6 +313,16 @@ int main(int argc, char** argv) {
   options.store.persist_sync_interval = absl::GetFlag(FLAGS_persist_sync_interval);
   if (options.store.persist_sync_interval < absl::ZeroDuration()) {
     return UsageError("--persist_sync_interval must not be negative");
+  }
+  absl::StatusOr<sdm::StateFiles*> persist_io =
+      sdm::StateFilesForIo(absl::GetFlag(FLAGS_persist_io));
+  if (!persist_io.ok()) {
+    return UsageError(absl::StrCat("--persist_io: ", persist_io.status().message()));
+  }
+  options.store.files = *persist_io;
+  options.store.log_compact_ratio = absl::GetFlag(FLAGS_persist_compact_ratio);
+  if (!(options.store.log_compact_ratio >= 0 && options.store.log_compact_ratio <= 1e6)) {
+    return UsageError("--persist_compact_ratio must be between 0 and 1e6");
   }
   options.store.persist_writers = absl::GetFlag(FLAGS_persist_writers);
   if (options.store.persist_writers < 1 || options.store.persist_writers > 64) {

@@ -33,7 +33,7 @@ namespace {
 
 constexpr absl::string_view kSnapshotSuffix = ".sdmstate";
 constexpr absl::string_view kLogSuffix = ".sdmlog";
-// A log is compacted into a full snapshot once it would pass kLogCompactRatio times the
+// A log is compacted into a full snapshot once it would pass log_compact_ratio times the
 // snapshot's size, or this many records (each costs a small read when the directory is listed at
 // start-up).
 constexpr int64_t kMaxLogRecords = 256;
@@ -308,6 +308,9 @@ SessionStateStore::SessionStateStore(PassKey, const StateLayout& layout, uint64_
 absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
     const StateLayout& layout, uint64_t fingerprint, const SessionStoreOptions& options) {
   if (options.files == nullptr) return absl::InvalidArgumentError("store needs a file system");
+  if (!(options.log_compact_ratio >= 0.0 && options.log_compact_ratio <= 1e6)) {
+    return absl::InvalidArgumentError("log_compact_ratio must be between 0 and 1e6");
+  }
   auto store = std::make_unique<SessionStateStore>(PassKey(), layout, fingerprint, options);
   const int64_t min_bytes = store->MinSessionBytes();
   if (options.resident_budget_bytes < min_bytes) {
@@ -1666,7 +1669,8 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   const int64_t from = e.persisted_position;
   const uint64_t log_bytes = e.log_bytes;
   const uint64_t base_id = e.base_id;
-  const uint64_t compact_at = static_cast<uint64_t>(e.persisted_bytes) * kLogCompactRatio;
+  const uint64_t compact_at =
+      static_cast<uint64_t>(static_cast<double>(e.persisted_bytes) * options_.log_compact_ratio);
   // Fenced: the new file's name and the claim it is written under, before it is written (a
   // commit passes only while that claim lasts, so a file of a lost claim is garbage; the sweep
   // leaves a file being written alone).

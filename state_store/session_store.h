@@ -33,7 +33,7 @@
 // waits for it). WhenPersisted() lets the caller acknowledge a turn only once it is written (the
 // scheduler does), so a kill -9 loses at most the turn in flight. The first write is a full
 // snapshot; later ones are deltas appended to the session's log (state_store/state_log.h: the rows
-// the turns touched), compacted into a full snapshot once the log would pass kLogCompactRatio
+// the turns touched), compacted into a full snapshot once the log would pass log_compact_ratio
 // times the snapshot's size or 256 records. Up to persist_writers sessions are written at once,
 // the turns someone waits for first, and each waiter is called as soon as its own write is done.
 // What "written" means is SessionStoreOptions::persist_sync: with PersistSync::kWrite (the
@@ -159,11 +159,8 @@ enum class PersistSync { kWrite, kFsync };
 absl::string_view PersistSyncName(PersistSync sync);
 absl::StatusOr<PersistSync> ParsePersistSync(absl::string_view name);
 inline constexpr int kNumTiers = 3;
-// Durability (class comment): a session's delta log is compacted into a full snapshot once it
-// would pass this many times the snapshot's size (or 256 records). A turn then writes its delta
-// plus about 1/kLogCompactRatio of it amortised; recovery reads, and the directory holds, at most
-// (1 + kLogCompactRatio) x the snapshot per session.
-inline constexpr uint64_t kLogCompactRatio = 2;
+// Durability (class comment): the default of SessionStoreOptions::log_compact_ratio.
+inline constexpr double kLogCompactRatio = 2.0;
 absl::string_view TierName(Tier tier);
 
 struct SessionStoreOptions {
@@ -184,6 +181,11 @@ struct SessionStoreOptions {
   // a different session: one session's write (its fsync above all) does not hold up the others'
   // acknowledgements. Turns someone waits for (WhenPersisted) are written first, oldest first.
   int persist_writers = 4;
+  // A session's delta log is compacted into a full snapshot once the next delta would take it
+  // past this many times the snapshot's size (or 256 records). A turn then writes its delta plus
+  // about 1/ratio of it amortised (in full snapshots); recovery reads, and the directory holds, at
+  // most (1 + ratio) x the snapshot per session. 0: every write is a full snapshot.
+  double log_compact_ratio = kLogCompactRatio;
   // When a write counts as done (and WhenPersisted's callback runs): handed to the kernel
   // (kWrite; fsynced in the background) or fsynced (kFsync). See the class comment.
   PersistSync persist_sync = PersistSync::kWrite;

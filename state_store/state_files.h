@@ -9,7 +9,20 @@
 // still finds the new file (the kernel holds the data), a power loss or kernel crash before a
 // later Sync() of the file and SyncDir() of its directory may not.
 //
-// Thread-safety: the POSIX implementation is thread-safe for different paths.
+// Direct I/O (StateFiles::Direct(), the server's --persist_io=direct): the same operations, but the
+// data of WriteAtomically() and WriteAt() goes to the disk with O_DIRECT, in block-aligned chunks
+// from a buffer each calling thread keeps, rather than through the page cache. The bytes in the
+// file, the crash guarantees and what a later Sync() does are the same; what differs is the cost:
+// the kernel neither copies the data into page-cache pages it allocates (and zeroes) for it nor
+// writes them back later, which on debug_sdm's tens of MB per turn was nearly all the CPU that
+// per-turn persistence took from decode (docs/benchmarks.md, "Per-turn persistence", 2026-12-04).
+// The write returns once the device has the data (a kill -9 cannot lose it: stronger than a
+// buffered write, which the kernel may still hold). Only whole aligned blocks go direct: the
+// partial block before an unaligned offset is rewritten with the bytes the file already holds
+// there (read first), and the partial block at the end is written through the page cache. A file
+// system that refuses O_DIRECT (tmpfs) gets buffered writes, silently: same bytes, same guarantees.
+//
+// Thread-safety: the POSIX implementations are thread-safe for different paths.
 #ifndef SDMSERVE_STATE_STORE_STATE_FILES_H_
 #define SDMSERVE_STATE_STORE_STATE_FILES_H_
 
@@ -30,6 +43,8 @@ class StateFiles {
 
   // The POSIX file system (a process-wide instance).
   static StateFiles* Default();
+  // The same with direct I/O for written data (see the file comment; a process-wide instance).
+  static StateFiles* Direct();
 
   absl::Status WriteAtomically(const std::filesystem::path& path, absl::string_view data,
                                bool sync = true);
@@ -62,7 +77,14 @@ class StateFiles {
   // The write step of WriteAtomically (fsynced when `sync`), a fault-injection point.
   virtual absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data,
                                     bool sync);
+  // Writes all of `data` at `offset` of the open file `fd` (opened read-write; `path` names it
+  // for errors and for Direct()'s second descriptor): pwrite(2) here, direct I/O in Direct().
+  virtual absl::Status WriteFd(int fd, const std::filesystem::path& path, uint64_t offset,
+                               absl::string_view data);
 };
+
+// Selects Default() or Direct() by name ("buffered", "direct"; the server's --persist_io).
+absl::StatusOr<StateFiles*> StateFilesForIo(absl::string_view name);
 
 }  // namespace sdm
 

@@ -84,7 +84,9 @@ TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
                            "persist",
                            "persist_writers",
                            "persist_sync",
-                           "persist_sync_interval"}) {
+                           "persist_sync_interval",
+                           "persist_io",
+                           "persist_compact_ratio"}) {
     EXPECT_THAT(r.out, ::testing::HasSubstr(absl::StrCat("--", flag, " (default: "))) << flag;
   }
   EXPECT_THAT(r.out, ::testing::HasSubstr("--flagfile"));
@@ -101,6 +103,10 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_THAT(ttl.err,
               ::testing::HasSubstr("--session_ttl cannot be used with --shared_state_dir"));
   EXPECT_EQ(RunServer("--model x --persist_sync sometimes").status, 2);
+  const ProcessRun io = RunServer("--model x --persist_io mmap");
+  EXPECT_EQ(io.status, 2);
+  EXPECT_THAT(io.err, ::testing::HasSubstr("--persist_io"));
+  EXPECT_EQ(RunServer("--model x --persist_compact_ratio -1").status, 2);
   const ProcessRun missing =
       RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
   EXPECT_EQ(missing.status, 1);

@@ -6,6 +6,7 @@
 //
 // A kill -9 is simulated by copying the state directory while the store is alive (what the disk
 // holds at that instant) and opening a second store on the copy, as a restarted server would.
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -15,6 +16,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
@@ -46,8 +48,10 @@ class DurabilityTest : public ::testing::Test {
 
   std::unique_ptr<SessionStateStore> OpenStore(const std::filesystem::path& dir,
                                                PersistPolicy persist, StateFiles* files,
-                                               PersistSync sync = PersistSync::kWrite) {
+                                               PersistSync sync = PersistSync::kWrite,
+                                               double compact_ratio = kLogCompactRatio) {
     SessionStoreOptions options;
+    options.log_compact_ratio = compact_ratio;
     options.dir = dir;
     options.files = files;
     options.persist = persist;
@@ -377,7 +381,9 @@ TEST_F(DurabilityTest, TheLogIsCompactedOnceItWouldPassTheRatioOfTheSnapshot) {
     ASSERT_EQ(after.persist_writes, before.persist_writes + 1);
     const uint64_t snapshot_bytes = std::filesystem::file_size(snapshot);
     const uint64_t log_bytes = std::filesystem::exists(log) ? std::filesystem::file_size(log) : 0;
-    EXPECT_LE(log_bytes, kLogCompactRatio * snapshot_bytes) << "turn " << turn;
+    EXPECT_LE(static_cast<double>(log_bytes),
+              kLogCompactRatio * static_cast<double>(snapshot_bytes))
+        << "turn " << turn;
     if (after.persist_deltas > before.persist_deltas) {
       ++deltas;
       EXPECT_GT(log_bytes, 0u);
@@ -400,6 +406,51 @@ TEST_F(DurabilityTest, TheLogIsCompactedOnceItWouldPassTheRatioOfTheSnapshot) {
   auto want_state = reference->Clone();
   EXPECT_EQ(position, reference->position());
   EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+}
+
+// log_compact_ratio is an option: with 5 the log grows past twice the snapshot (the default's
+// bound) and never past 5 times; with 0 every write is a full snapshot and there is no log. The
+// direct-I/O file system (StateFiles::Direct, the server's default) writes the same sessions:
+// each run restores bit-exactly after a kill -9 at its end.
+TEST_F(DurabilityTest, TheCompactionRatioIsAnOptionAndDirectIoRestoresExactly) {
+  for (double ratio : {5.0, 0.0}) {
+    SCOPED_TRACE(::testing::Message() << "ratio " << ratio);
+    testing::ScopedTempDir dir;
+    auto store = OpenStore(dir.path(), PersistPolicy::kTurn, StateFiles::Direct(),
+                           PersistSync::kWrite, ratio);
+    ASSERT_TRUE(store->Create("s", "").ok());
+    auto reference = engine_->NewSession();
+    const std::filesystem::path snapshot = dir.path() / "s.sdmstate";
+    const std::filesystem::path log = dir.path() / "s.sdmlog";
+    double largest = 0;
+    for (int turn = 0; turn < 40; ++turn) {
+      const std::vector<int32_t> tokens = testing::RandomTokens(16, 300 + turn);
+      const StoreStats before = store->Stats();
+      Turn(*store, "s", tokens);
+      testing::DecodeEach(*engine_, *reference, tokens);
+      const StoreStats after = store->Stats();
+      ASSERT_EQ(after.persist_writes, before.persist_writes + 1);
+      const double snapshot_bytes = static_cast<double>(std::filesystem::file_size(snapshot));
+      const double log_bytes =
+          std::filesystem::exists(log) ? static_cast<double>(std::filesystem::file_size(log)) : 0;
+      EXPECT_LE(log_bytes, ratio * snapshot_bytes) << "turn " << turn;
+      largest = std::max(largest, log_bytes / snapshot_bytes);
+      if (ratio == 0) {
+        EXPECT_EQ(after.persist_deltas, 0) << "turn " << turn;
+      }
+    }
+    if (ratio > kLogCompactRatio) {
+      EXPECT_GT(largest, kLogCompactRatio);
+    }
+    const std::filesystem::path copy = crash_dir_.path() / absl::StrCat("ratio", ratio);
+    CopyFiles(dir.path(), copy);
+    auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+    int64_t position = -1;
+    const std::vector<float> got = Probe(*restarted, "s", &position);
+    auto want_state = reference->Clone();
+    EXPECT_EQ(position, reference->position());
+    EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+  }
 }
 
 // A StateFiles whose Sync() (the background fsync) blocks until Open() is called, and which records

@@ -1,0 +1,130 @@
+// StateFiles::Direct() (state_store/state_files.h): the same bytes as the buffered file system
+// for every write the store makes — whole snapshots of any size (below a block, across blocks,
+// across several of its staging chunks) and log appends at unaligned offsets, including the
+// rewrite of a torn tail — whatever the file system (one without O_DIRECT falls back).
+#include "state_store/state_files.h"
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gtest/gtest.h"
+
+namespace sdm {
+namespace {
+
+// A fresh directory under $TEST_TMPDIR (or /tmp), removed with its contents at the end.
+class TempDir {
+ public:
+  TempDir() {
+    const char* base = std::getenv("TEST_TMPDIR");
+    std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/sdm_files_XXXXXX";
+    if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+std::string RandomBytes(std::mt19937_64& rng, size_t n) {
+  std::string out(n, '\0');
+  for (char& c : out) c = static_cast<char>(rng() & 0xff);
+  return out;
+}
+
+std::string ReadAll(const std::filesystem::path& path) {
+  absl::StatusOr<std::string> got = StateFiles::Default()->Read(path);
+  EXPECT_TRUE(got.ok()) << got.status();
+  return got.ok() ? *got : std::string();
+}
+
+TEST(StateFilesTest, ForIoNamesBothModes) {
+  EXPECT_EQ(*StateFilesForIo("buffered"), StateFiles::Default());
+  EXPECT_EQ(*StateFilesForIo("direct"), StateFiles::Direct());
+  EXPECT_NE(StateFiles::Default(), StateFiles::Direct());
+  EXPECT_TRUE(absl::IsInvalidArgument(StateFilesForIo("mmap").status()));
+}
+
+TEST(StateFilesTest, DirectSnapshotsHoldExactlyTheirBytes) {
+  TempDir dir;
+  std::mt19937_64 rng(7);
+  // Below a block, exactly one, one plus a byte, and past the 4 MiB staging chunk (several
+  // chunks and a partial block at the end).
+  const std::vector<size_t> sizes = {
+      0, 1, 4095, 4096, 4097, 12288, (4u << 20) - 1, (4u << 20) + 4096, 9437311u, 65536 + 5};
+  for (bool sync : {false, true}) {
+    for (size_t size : sizes) {
+      SCOPED_TRACE(::testing::Message() << "size " << size << " sync " << sync);
+      const std::string data = RandomBytes(rng, size);
+      const std::filesystem::path path = dir.path() / "s.sdmstate";
+      // Over a longer older file: nothing of it may remain.
+      ASSERT_TRUE(StateFiles::Default()->WriteAtomically(path, RandomBytes(rng, size + 5000)).ok());
+      ASSERT_TRUE(StateFiles::Direct()->WriteAtomically(path, data, sync).ok());
+      EXPECT_EQ(ReadAll(path), data);
+      EXPECT_FALSE(std::filesystem::exists(dir.path() / "s.sdmstate.tmp"));
+    }
+  }
+}
+
+// A delta log as the store writes it: appends of records of any size at the end of the last good
+// one (unaligned), and after a torn tail, a record written over it (the file is cut after it).
+TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
+  TempDir dir;
+  const uint64_t fresh = std::random_device{}();
+  for (uint64_t seed : {uint64_t{1}, uint64_t{2}, uint64_t{3}, fresh}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    std::mt19937_64 rng(seed);
+    const std::filesystem::path direct = dir.path() / "direct.sdmlog";
+    const std::filesystem::path buffered = dir.path() / "buffered.sdmlog";
+    StateFiles::Default()->Remove(direct).IgnoreError();
+    StateFiles::Default()->Remove(buffered).IgnoreError();
+    std::string expected;
+    for (int i = 0; i < 14; ++i) {
+      // Small records (within a block), ones that cross a block boundary, large ones.
+      const size_t kinds[] = {40, 3000, 4096, 5000, 70000, (4u << 20) + 777};
+      const size_t size = kinds[rng() % 6] + rng() % 97;
+      uint64_t at = expected.size();
+      if (i > 0 && rng() % 4 == 0) {
+        // A torn tail: the next record goes over the end of an earlier one.
+        at -= std::min<uint64_t>(expected.size(), rng() % 6000);
+      }
+      const std::string data = RandomBytes(rng, size);
+      const bool sync = rng() % 4 == 0;
+      ASSERT_TRUE(StateFiles::Direct()->WriteAt(direct, at, data, sync).ok());
+      ASSERT_TRUE(StateFiles::Default()->WriteAt(buffered, at, data, sync).ok());
+      expected.resize(at);
+      expected += data;
+      ASSERT_EQ(ReadAll(direct), expected) << "record " << i << " at " << at;
+      ASSERT_EQ(ReadAll(buffered), expected) << "record " << i << " at " << at;
+    }
+  }
+}
+
+// An append past the file's end (never made by the store, which appends at its good length)
+// leaves the gap as a read of a hole gives it: zeros.
+TEST(StateFilesTest, DirectWritePastTheEndLeavesZeros) {
+  TempDir dir;
+  std::mt19937_64 rng(11);
+  const std::filesystem::path path = dir.path() / "gap.sdmlog";
+  const std::string head = RandomBytes(rng, 100);
+  const std::string tail = RandomBytes(rng, 9000);
+  ASSERT_TRUE(StateFiles::Direct()->WriteAt(path, 0, head).ok());
+  ASSERT_TRUE(StateFiles::Direct()->WriteAt(path, 300, tail).ok());
+  EXPECT_EQ(ReadAll(path), head + std::string(200, '\0') + tail);
+}
+
+}  // namespace
+}  // namespace sdm
