@@ -84,7 +84,8 @@ class CpuBackend : public EngineBackend {
   EngineDevice device() const override { return EngineDevice::kCpu; }
   std::string Describe() const override {
     return absl::StrCat("cpu, ", pool_.num_threads(), " threads",
-                        dtype_ == DType::kBf16 ? ", bf16 weights and KV" : "");
+                        dtype_ == DType::kBf16 ? ", bf16 weights and KV" : "", ", GEMM ",
+                        cpu::GemmIsaName());
   }
   int64_t PackedWeightBytes() const override { return packed_bytes_; }
 

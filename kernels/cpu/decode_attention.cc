@@ -18,7 +18,9 @@ namespace {
 // Rows taken together by the register-blocked loops. Each row's arithmetic is the same whatever
 // group it falls in (the tail group repeats its last row and drops the copies), so the bits of a
 // block never depend on where spans or groups cut it.
-constexpr int kRowGroup = 4;
+// Eight: eight independent fma chains hide the fma latency in the score loop, and the value loop
+// loads and stores each accumulator vector once per eight rows, not per four.
+constexpr int kRowGroup = 8;
 
 // Per-row dot products q . k[i] for kRowGroup rows: eight lanes of fused multiply-adds over
 // head_dim in order, a fixed tree over the lanes, then the head_dim % 8 tail in order.
@@ -32,19 +34,15 @@ float SumLanes(__m256 v) {
 
 template <typename T>
 void DotRows(const float* q, const T* const* k, int64_t hd, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  __m256 a[kRowGroup];
+  for (int i = 0; i < kRowGroup; ++i) a[i] = _mm256_setzero_ps();
   int64_t c = 0;
   for (; c + 8 <= hd; c += 8) {
     const __m256 qc = _mm256_loadu_ps(q + c);
-    a0 = _mm256_fmadd_ps(qc, Widen8(k[0] + c), a0);
-    a1 = _mm256_fmadd_ps(qc, Widen8(k[1] + c), a1);
-    a2 = _mm256_fmadd_ps(qc, Widen8(k[2] + c), a2);
-    a3 = _mm256_fmadd_ps(qc, Widen8(k[3] + c), a3);
+#pragma GCC unroll 8
+    for (int i = 0; i < kRowGroup; ++i) a[i] = _mm256_fmadd_ps(qc, Widen8(k[i] + c), a[i]);
   }
-  out[0] = SumLanes(a0);
-  out[1] = SumLanes(a1);
-  out[2] = SumLanes(a2);
-  out[3] = SumLanes(a3);
+  for (int i = 0; i < kRowGroup; ++i) out[i] = SumLanes(a[i]);
   for (; c < hd; ++c) {
     for (int i = 0; i < kRowGroup; ++i) out[i] = std::fma(q[c], Widen(k[i][c]), out[i]);
   }
@@ -74,15 +72,19 @@ template <typename T>
 void AccumulateRows(const float* w, const T* const* v, int n, int64_t hd, float* acc) {
   int64_t d = 0;
 #ifdef SDM_DECODE_ATTENTION_AVX2
+  __m256 wv[kRowGroup];
+  for (int i = 0; i < n; ++i) wv[i] = _mm256_set1_ps(w[i]);
   if (n == kRowGroup) {
-    const __m256 w0 = _mm256_set1_ps(w[0]), w1 = _mm256_set1_ps(w[1]);
-    const __m256 w2 = _mm256_set1_ps(w[2]), w3 = _mm256_set1_ps(w[3]);
     for (; d + 8 <= hd; d += 8) {
       __m256 a = _mm256_loadu_ps(acc + d);
-      a = _mm256_fmadd_ps(w0, Widen8(v[0] + d), a);
-      a = _mm256_fmadd_ps(w1, Widen8(v[1] + d), a);
-      a = _mm256_fmadd_ps(w2, Widen8(v[2] + d), a);
-      a = _mm256_fmadd_ps(w3, Widen8(v[3] + d), a);
+#pragma GCC unroll 8
+      for (int i = 0; i < kRowGroup; ++i) a = _mm256_fmadd_ps(wv[i], Widen8(v[i] + d), a);
+      _mm256_storeu_ps(acc + d, a);
+    }
+  } else {
+    for (; d + 8 <= hd; d += 8) {
+      __m256 a = _mm256_loadu_ps(acc + d);
+      for (int i = 0; i < n; ++i) a = _mm256_fmadd_ps(wv[i], Widen8(v[i] + d), a);
       _mm256_storeu_ps(acc + d, a);
     }
   }

@@ -8,13 +8,15 @@
 // near a tie; docs/architecture.md.)
 //
 // The weights are repacked once (PackedMatrix) into panels of 16 output columns stored k-major,
-// so the micro-kernel streams one panel and broadcasts x: the BLIS-style layout, with the k loop
-// never split.
+// so the micro-kernel streams panels and broadcasts x: the BLIS-style layout, with the k loop
+// never split out of order. The micro-kernels come in one version per instruction set (generic
+// C++, AVX2, AVX-512), chosen once at startup (kernels/cpu/gemm_isa.h); all compute the same bits
+// (kernels/cpu/gemm_tile.h states the contract and the panel layout).
 //
-// Panels hold fp32 or bf16 values (DType::kBf16: half the bytes streamed per step). bf16 weights
-// are widened to fp32 as they are loaded (kernels/cpu/widen.h) and accumulated in fp32 in the same
-// order, so a bf16 matrix computes bit for bit what the fp32 one would on the rounded weights, and
-// is batch-invariant in the same way.
+// Panels hold fp32 or bf16 values (DType::kBf16: half the bytes streamed per step; k stored in
+// interleaved pairs so one 32-bit load widens 16 values). bf16 weights are widened to fp32 as they
+// are loaded and accumulated in fp32 in the same order, so a bf16 matrix computes bit for bit what
+// the fp32 one would on the rounded weights, and is batch-invariant in the same way.
 #ifndef SDMSERVE_KERNELS_CPU_GEMM_H_
 #define SDMSERVE_KERNELS_CPU_GEMM_H_
 
@@ -22,6 +24,7 @@
 #include <memory>
 
 #include "base/bf16.h"
+#include "kernels/cpu/gemm_isa.h"
 #include "kernels/cpu/parallel.h"
 
 namespace sdm::kernels::cpu {
@@ -39,26 +42,35 @@ class PackedMatrix {
   int64_t k() const { return k_; }
   DType type() const { return type_; }
   int64_t panels() const { return (n_ + kPanel - 1) / kPanel; }
-  // Panel p: [k][16] values, columns 16p..16p+15 (zero past n); T is float for an fp32 matrix,
-  // uint16_t (bf16 bits) for a bf16 one.
+  // Elements of T from one panel to the next: 16 k (fp32), 16 k rounded up to even (bf16 pairs).
+  int64_t panel_stride() const { return kPanel * (type_ == DType::kBf16 ? k_ + k_ % 2 : k_); }
+  // Panel p: columns 16p..16p+15 (zero past n) in the layout of kernels/cpu/gemm_tile.h; T is
+  // float for an fp32 matrix, uint16_t (bf16 bits) for a bf16 one.
   template <typename T>
   const T* panel(int64_t p) const {
-    return reinterpret_cast<const T*>(data_.get()) + p * k_ * kPanel;
+    return reinterpret_cast<const T*>(data_.get()) + p * panel_stride();
   }
-  // Bytes of the packed panels.
-  int64_t bytes() const { return panels() * k_ * kPanel * DTypeBytes(type_); }
+  // Bytes of the packed panels (64-byte aligned).
+  int64_t bytes() const { return panels() * panel_stride() * DTypeBytes(type_); }
 
  private:
   int64_t n_ = 0;
   int64_t k_ = 0;
   DType type_ = DType::kF32;
-  std::unique_ptr<float[]> data_;  // fp32 values, or pairs of bf16 values
+  struct AlignedDelete {
+    void operator()(float* p) const;
+  };
+  std::unique_ptr<float[], AlignedDelete> data_;  // fp32 values, or pairs of bf16 values
 };
 
 // y[m, n] = x[m, k] w^T + bias (bias may be null). pool may be null (single thread); panels are
 // split across its threads.
 void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const float* bias, float* y,
                      ThreadPool* pool);
+// The same with the micro-kernels of `isa`, which must be available (GemmIsaAvailable): for tests
+// and benchmarks. LinearInvariant runs ActiveGemmIsa()'s.
+void LinearInvariantWith(GemmIsa isa, const float* x, int64_t m, const PackedMatrix& w,
+                         const float* bias, float* y, ThreadPool* pool);
 
 // The order every path reproduces, for tests: sum_k fma(x[k], w[k], acc) from acc = 0.
 float DotInOrder(const float* x, const float* w, int64_t k);

@@ -1,6 +1,25 @@
 #include "kernels/cpu/parallel.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 namespace sdm::kernels::cpu {
+namespace {
+
+void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Spins at most ThreadPool::kSpinRounds pauses while `waiting()` holds.
+template <typename F>
+void SpinWhile(F waiting) {
+  for (int i = 0; i < ThreadPool::kSpinRounds && waiting(); ++i) CpuRelax();
+}
+
+}  // namespace
 
 ThreadPool::ThreadPool(int num_threads) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
@@ -11,6 +30,7 @@ ThreadPool::~ThreadPool() {
   {
     absl::MutexLock lock(&mu_);
     stop_ = true;
+    posted_.fetch_add(1, std::memory_order_release);  // ends the workers' spins
   }
   wake_.SignalAll();
   for (std::thread& t : workers_) t.join();
@@ -25,6 +45,7 @@ void ThreadPool::WorkerLoop() {
   while (true) {
     const std::function<void(int64_t)>* job = nullptr;
     int64_t n = 0;
+    SpinWhile([&] { return posted_.load(std::memory_order_acquire) == seen; });
     {
       absl::MutexLock lock(&mu_);
       while (!stop_ && generation_ == seen) wake_.Wait(&mu_);
@@ -35,11 +56,13 @@ void ThreadPool::WorkerLoop() {
       job = job_;
       n = job_size_;
       ++busy_;
+      busy_hint_.store(busy_, std::memory_order_relaxed);
     }
     RunShare(*job, n);
     {
       absl::MutexLock lock(&mu_);
-      if (--busy_ == 0) done_.Signal();
+      busy_hint_.store(--busy_, std::memory_order_release);
+      if (busy_ == 0) done_.Signal();
     }
   }
 }
@@ -57,9 +80,11 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     job_size_ = n;
     next_.store(0);
     ++generation_;
+    posted_.store(generation_, std::memory_order_release);
   }
   wake_.SignalAll();
   RunShare(fn, n);
+  SpinWhile([&] { return busy_hint_.load(std::memory_order_acquire) != 0; });
   absl::MutexLock lock(&mu_);
   // Workers that woke for this generation hold busy_ until their share is done. A worker that
   // has not woken yet finds next_ >= n and returns at once, so waiting on busy_ suffices once

@@ -228,6 +228,24 @@ TEST_F(SdmBenchToolTest, CpuAttentionComparesTheKernels) {
   EXPECT_EQ(RunTool("cpu-attention --window -1").code, 2);
 }
 
+TEST_F(SdmBenchToolTest, CpuGemmComparesTheInstructionSets) {
+  const Result r = RunTool(
+      "cpu-gemm --presets tiny --gemm_batches 1,3 --gemm_isas generic,avx2 --gemm_mb 1 "
+      "--kernel_reps 2 --kernel_warmup 0 --threads 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("active ISA"));
+  int rows = 0;  // one row per (dtype, batch, ISA), every one bit-identical to the others
+  for (const std::string& line : Lines(r.output)) {
+    if (line.find("batch") != std::string::npos && line.find(" ms ") != std::string::npos) {
+      ++rows;
+      EXPECT_THAT(line, HasSubstr("outputs bit-identical"));
+    }
+  }
+  EXPECT_EQ(rows, 2 * 2 * 2) << r.output;
+  EXPECT_EQ(RunTool("cpu-gemm --gemm_isas sse9").code, 2);
+  EXPECT_EQ(RunTool("cpu-gemm --gemm_mb 0").code, 2);
+}
+
 TEST_F(SdmBenchToolTest, DecodeMeasuresBothCpuAttentionKernels) {
   const Result r = RunTool(
       "decode --device cpu --presets tiny --cpu_attention blocked,per_head --contexts 16 "

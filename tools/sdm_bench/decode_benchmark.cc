@@ -18,6 +18,7 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/weight_spec.h"
+#include "kernels/cpu/gemm_isa.h"
 #include "kernels/cpu/linear.h"
 #include "nlohmann/json.hpp"
 #include "tools/sdm_bench/byte_model.h"
@@ -370,11 +371,14 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
       opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
   doc["machine"]["engine_threads"] = threads;
   doc["machine"]["blas_threads"] = kernels::cpu::BlasThreads();
+  doc["machine"]["gemm_isa"] = kernels::cpu::GemmIsaName();
 
   std::printf(
-      "# sdm-bench decode: %s, %d hardware threads; engine threads %d, OpenBLAS threads %d\n",
+      "# sdm-bench decode: %s, %d hardware threads; engine threads %d, OpenBLAS threads %d; CPU "
+      "GEMM %s\n",
       doc["machine"]["cpu"].get<std::string>().c_str(),
-      doc["machine"]["hardware_threads"].get<int>(), threads, kernels::cpu::BlasThreads());
+      doc["machine"]["hardware_threads"].get<int>(), threads, kernels::cpu::BlasThreads(),
+      kernels::cpu::GemmIsaName());
   std::printf("# device: %s (--device %s)\n", EngineDeviceName(device),
               EngineDeviceName(opt.device));
   if (cuda) {

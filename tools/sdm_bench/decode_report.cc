@@ -350,6 +350,10 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
   }
   absl::StrAppendFormat(&md, "| engine threads / OpenBLAS threads | %d / %d |\n",
                         I(m["engine_threads"]), I(m["blas_threads"]));
+  if (m.contains("gemm_isa")) {
+    absl::StrAppendFormat(&md, "| CPU GEMM instruction set (`SDM_CPU_ISA`) | %s |\n",
+                          S(m["gemm_isa"]));
+  }
   absl::StrAppendFormat(&md, "| load average (1, 5, 15 min) at start / end | %s / %s |\n",
                         Load(m["load_average_start"]), Load(m["load_average_end"]));
   for (const json& x : bw["measurements"]) {

@@ -12,6 +12,9 @@
 //   sdm-bench cpu-attention [--presets debug] [--attention_contexts 8192]
 //                           [--attention_batches 1,8] [--window 0] [--kernel_reps 20]
 //                           [--kernel_warmup 3] [--threads 0] [--bandwidth_mb 512] [--seed 1]
+//   sdm-bench cpu-gemm [--presets debug] [--gemm_batches 1,8] [--gemm_isas avx2,avx512]
+//                      [--gemm_mb 256] [--kernel_reps 20]
+//                      [--kernel_warmup 3] [--threads 0] [--seed 1]
 //   sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20]
 //                     [--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]
 //
@@ -37,6 +40,7 @@
 #include "common/command_line.h"
 #include "engine/engine.h"
 #include "tools/sdm_bench/cpu_attention_benchmark.h"
+#include "tools/sdm_bench/cpu_gemm_benchmark.h"
 #include "tools/sdm_bench/decode_benchmark.h"
 #include "tools/sdm_bench/device_info.h"
 #include "tools/sdm_bench/state_benchmark.h"
@@ -68,6 +72,13 @@ ABSL_FLAG(std::vector<std::string>, attention_contexts, std::vector<std::string>
           "cpu-attention: cached positions per session");
 ABSL_FLAG(std::vector<std::string>, attention_batches, std::vector<std::string>({"1", "8"}),
           "cpu-attention: sessions per call");
+ABSL_FLAG(std::vector<std::string>, gemm_batches, std::vector<std::string>({"1", "8"}),
+          "cpu-gemm: rows per multiplication");
+ABSL_FLAG(
+    std::vector<std::string>, gemm_isas, std::vector<std::string>({}),
+    "cpu-gemm: instruction sets to compare (generic, avx2, avx512; default: every available)");
+ABSL_FLAG(int64_t, gemm_mb, 256,
+          "cpu-gemm: fp32 megabytes of packed matrices (a preset's layers, repeated)");
 ABSL_FLAG(int64_t, window, 0,
           "cpu-attention: a sliding window (0: full attention), over a ring of window + 256 slots");
 ABSL_FLAG(std::vector<std::string>, pair, std::vector<std::string>({}),
@@ -199,6 +210,26 @@ int RunCpuAttention() {
     return 2;
   }
   const absl::Status s = sdm::bench::RunCpuAttentionBenchmark(o);
+  return s.ok() ? 0 : Fail(s);
+}
+
+int RunCpuGemm() {
+  sdm::bench::CpuGemmBenchOptions o;
+  if (!absl::GetFlag(FLAGS_presets).empty()) o.preset = absl::GetFlag(FLAGS_presets).front();
+  if (!ParseInts(absl::GetFlag(FLAGS_gemm_batches), o.batches, "gemm_batches", false)) return 2;
+  o.isas = absl::GetFlag(FLAGS_gemm_isas);
+  o.megabytes = absl::GetFlag(FLAGS_gemm_mb);
+  o.reps = absl::GetFlag(FLAGS_kernel_reps);
+  o.warmup = absl::GetFlag(FLAGS_kernel_warmup);
+  o.threads = absl::GetFlag(FLAGS_threads);
+  o.seed = absl::GetFlag(FLAGS_seed);
+  if (o.megabytes < 1 || o.reps < 1 || o.warmup < 0) {
+    std::fprintf(stderr,
+                 "sdm-bench cpu-gemm: --gemm_mb and --kernel_reps must be >= 1, --kernel_warmup "
+                 ">= 0\n");
+    return 2;
+  }
+  const absl::Status s = sdm::bench::RunCpuGemmBenchmark(o);
   return s.ok() ? 0 : Fail(s);
 }
 
@@ -382,6 +413,15 @@ int main(int argc, char** argv) {
         "kernel_warmup", "threads", "seed", "bandwidth_mb"},
        /*max_positional=*/0,
        [](const sdm::cli::ParsedArgs&) { return RunCpuAttention(); }},
+      {"cpu-gemm",
+       "sdm-bench cpu-gemm [--presets debug] [--gemm_batches 1,8] [--gemm_mb 256] [flags]",
+       "The CPU batch-invariant GEMM alone, every available instruction set (generic, avx2, "
+       "avx512) interleaved, fp32 and bf16 panels: ms and GB/s per pass over a preset's "
+       "matrices.",
+       {"presets", "gemm_batches", "gemm_isas", "gemm_mb", "kernel_reps", "kernel_warmup",
+        "threads", "seed"},
+       /*max_positional=*/0,
+       [](const sdm::cli::ParsedArgs&) { return RunCpuGemm(); }},
       {"kernels",
        "sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20] "
        "[--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]",
