@@ -50,13 +50,17 @@ class Server:
         a = self.args
         self.bound = False
         a.port = self.requested_port
-        cmd = [a.server, "--model", a.model, "--port", str(a.port), "--metrics_port", "-1",
+        self.metrics_port = None
+        cmd = [a.server, "--model", a.model, "--port", str(a.port),
+               "--metrics_host", "127.0.0.1", "--metrics_port", "0" if a.kill_every <= 0 else "-1",
                "--state_dir", os.path.join(self.workdir, "state"), "--threads", "1",
                "--max_running", str(a.max_running), "--max_waiting", str(a.max_waiting),
-               "--persist", a.persist, "--device", "cpu"]
+               "--persist", a.persist, "--device", "cpu", *a.server_flag]
         out = open(self.log_path, "ab")
         start = out.tell()
-        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = dict(os.environ)
+        env.update(e.split("=", 1) for e in a.server_env)
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,6 +76,10 @@ class Server:
                     continue
                 self.args.port = int(m.group(1))
                 self.bound = True
+                with open(self.log_path, "rb") as f:
+                    f.seek(start)
+                    mm = re.search(rb"metrics: http://[^ ]*:(\d+)/metrics", f.read())
+                self.metrics_port = int(mm.group(1)) if mm else None
             if client(self.args, "info").returncode == 0:
                 return
             time.sleep(0.2)
@@ -91,17 +99,38 @@ class Server:
                 self.proc.wait()
 
     def resources(self):
-        """(RSS KiB, open fds, threads) of the server process."""
+        """A sample of the server process: RSS and its parts (KiB), fds, threads, state bytes."""
         pid = self.proc.pid
-        rss = threads = 0
+        r = {}
+        keys = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem",
+                "Threads:": "threads"}
         with open(f"/proc/{pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
-                    rss = int(line.split()[1])
-                elif line.startswith("Threads:"):
-                    threads = int(line.split()[1])
-        fds = len(os.listdir(f"/proc/{pid}/fd"))
-        return rss, fds, threads
+                k = line.split(":")[0] + ":"
+                if k in keys:
+                    r[keys[k]] = int(line.split()[1])
+        r["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
+        r.update(self.metrics())
+        return r
+
+    def metrics(self):
+        """Session state bytes and sessions by tier from /metrics ({} when it is off)."""
+        if self.metrics_port is None:
+            return {}
+        import urllib.request
+        try:
+            with urllib.request.urlopen(
+                    f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as f:
+                text = f.read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r'(sdm_state_bytes|sdm_sessions)\{tier="(\w+)"\} (\S+)', line)
+            if m:
+                name = "state" if m.group(1) == "sdm_state_bytes" else "sessions"
+                out[f"{name}_{m.group(2)}"] = int(float(m.group(3)))
+        return out
 
 
 def client(args, *cmd, timeout=120):
@@ -299,6 +328,10 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max_rss_growth", type=float, default=0.01,
                     help="soak: allowed RSS growth after the warm-up round (fraction)")
+    ap.add_argument("--server_flag", action="append", default=[],
+                    help="an extra sdm-server flag (repeatable), e.g. --server_flag=--threads=2")
+    ap.add_argument("--server_env", action="append", default=[],
+                    help="NAME=VALUE in the server's environment (repeatable)")
     args = ap.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     workers = args.workers or 2 * (args.max_running + args.max_waiting)
@@ -332,10 +365,14 @@ def main():
                 stop.set()
                 for t in threads:
                     t.join()
-                samples.append(server.resources())
-                rss, fds, nthreads = samples[-1]
-                log(f"round {cycle}: {stats.turns} turns, RSS {rss} KiB, {fds} fds, "
-                    f"{nthreads} threads")
+                r = server.resources()
+                r["turns"] = stats.turns
+                samples.append(r)
+                log(f"round {cycle}: {stats.turns} turns, RSS {r['rss']} KiB (anon "
+                    f"{r.get('anon')}, file {r.get('file')}, shmem {r.get('shmem')}), "
+                    f"{r['fds']} fds, {r['threads']} threads; state bytes resident "
+                    f"{r.get('state_resident')}, host {r.get('state_host')}, disk "
+                    f"{r.get('state_disk')}")
                 continue
             server.kill()
             stop.set()
@@ -359,9 +396,12 @@ def main():
         "resources": samples}, indent=None))
     if soak and len(samples) >= 3:
         base = samples[1]  # after the warm-up round
-        growth = (samples[-1][0] - base[0]) / base[0]
-        log(f"soak: RSS {base[0]} -> {samples[-1][0]} KiB ({100 * growth:+.2f}% after warm-up), "
-            f"fds {base[1]} -> {samples[-1][1]}, threads {base[2]} -> {samples[-1][2]}")
+        last = samples[-1]
+        growth = (last["rss"] - base["rss"]) / base["rss"]
+        log(f"soak: RSS {base['rss']} -> {last['rss']} KiB ({100 * growth:+.2f}% after warm-up; "
+            f"anon {base.get('anon')} -> {last.get('anon')}, file {base.get('file')} -> "
+            f"{last.get('file')}), fds {base['fds']} -> {last['fds']}, threads "
+            f"{base['threads']} -> {last['threads']}")
         if growth > args.max_rss_growth:
             log(f"FAIL: RSS grew more than {100 * args.max_rss_growth:.1f}%")
             bad += 1
