@@ -335,6 +335,9 @@ void SdmServer::Impl::UpdateGauges() {
     metrics->requests_running.Set(scheduler->running());
     metrics->requests_waiting.Set(scheduler->waiting());
   }
+  const HeapUsage heap = GetHeapUsage();
+  metrics->heap_in_use_bytes.Set(static_cast<double>(heap.in_use_bytes));
+  metrics->heap_system_bytes.Set(static_cast<double>(heap.system_bytes));
   if (store == nullptr) return;
   const StoreStats s = store->Stats();
   for (int t = 0; t < kNumTiers; ++t) {

@@ -126,6 +126,9 @@ class Server:
             return {}
         out = {}
         for line in text.splitlines():
+            m = re.match(r'(sdm_heap_in_use_bytes|sdm_heap_system_bytes) (\S+)', line)
+            if m:
+                out[m.group(1)[4:]] = int(float(m.group(2)))
             m = re.match(r'(sdm_state_bytes|sdm_sessions)\{tier="(\w+)"\} (\S+)', line)
             if m:
                 name = "state" if m.group(1) == "sdm_state_bytes" else "sessions"
@@ -313,16 +316,35 @@ def state_kib(sample):
     return (sample["state_resident"] + sample.get("state_host", 0)) / 1024
 
 
+def warmed_up(samples):
+    """Index of the sample that ends the warm-up: the first round (from the second on) in which
+    the session state held in memory grew by less than 1%, i.e. once the sessions' caches are
+    full (the tiny model's sliding-window rings take a second KV page once a session passes 256
+    tokens: hundreds of turns with 50 sessions). The second round's sample when state bytes are
+    not sampled or never settle."""
+    for i in range(1, len(samples)):
+        s0, s1 = state_kib(samples[i - 1]), state_kib(samples[i])
+        if s0 is None:
+            break
+        if s1 <= s0 * 1.01:
+            return i
+    return 1
+
+
 def soak_verdict(args, server, samples):
-    """Failures (0 or 1) of the soak's resource bounds, from the end of the warm-up round on.
+    """Failures (0 or 1) of the soak's resource bounds after the warm-up (warmed_up()).
 
     RSS is bounded net of session state: what the store holds in memory (sdm_state_bytes,
-    resident and host tiers) legitimately grows while sessions fill their caches (the tiny model's
-    sliding-window rings take a second KV page once a session passes 256 tokens), so the bound
-    applies to RSS growth minus state growth, as a fraction of RSS after warm-up
-    (docs/robustness.md, Soak test). Open fds and threads must not end above the warm-up's.
+    resident and host tiers) may still grow legitimately, so the bound applies to RSS growth
+    minus state growth, as a fraction of RSS at the end of the warm-up (docs/robustness.md, Soak
+    test). Open fds and threads must not end above the warm-up's.
     """
-    base, last = samples[1], samples[-1]
+    w = warmed_up(samples)
+    if len(samples) - w < 2:
+        log(f"soak: warm-up took {w + 1} of {len(samples)} rounds (session state still growing): "
+            "too few rounds after it for a verdict on RSS; bounding from the second round")
+        w = 1
+    base, last = samples[w], samples[-1]
     growth = (last["rss"] - base["rss"]) / base["rss"]
     s0, s1 = state_kib(base), state_kib(last)
     net = growth if s0 is None else (last["rss"] - base["rss"] - (s1 - s0)) / base["rss"]
@@ -330,9 +352,15 @@ def soak_verdict(args, server, samples):
         state_note = f"state {s0:.0f} -> {s1:.0f} KiB"
     else:
         state_note = "state bytes not sampled"
-    log(f"soak: RSS {base['rss']} -> {last['rss']} KiB ({100 * growth:+.2f}% after warm-up; "
-        f"anon {base.get('anon')} -> {last.get('anon')}, file {base.get('file')} -> "
-        f"{last.get('file')}); {state_note}; RSS net of state {100 * net:+.2f}%; "
+    heap = ""
+    if "heap_in_use_bytes" in base and "heap_in_use_bytes" in last:
+        heap = (f"; heap in use {base['heap_in_use_bytes'] // 1024} -> "
+                f"{last['heap_in_use_bytes'] // 1024} KiB, held "
+                f"{base['heap_system_bytes'] // 1024} -> {last['heap_system_bytes'] // 1024} KiB")
+    log(f"soak: warm-up {w + 1} rounds ({base['turns']} turns); then {last['turns'] - base['turns']} "
+        f"turns: RSS {base['rss']} -> {last['rss']} KiB ({100 * growth:+.2f}%; anon "
+        f"{base.get('anon')} -> {last.get('anon')}, file {base.get('file')} -> "
+        f"{last.get('file')}); {state_note}; RSS net of state {100 * net:+.2f}%{heap}; "
         f"fds {base['fds']} -> {last['fds']}, threads {base['threads']} -> {last['threads']}")
     bad = 0
     if net > args.max_rss_growth:
@@ -374,6 +402,9 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max_rss_growth", type=float, default=0.01,
                     help="soak: allowed RSS growth after the warm-up round (fraction)")
+    ap.add_argument("--settle", type=float, default=11,
+                    help="soak: idle seconds before each sample (longer than the server's "
+                    "--malloc_trim_interval)")
     ap.add_argument("--server_flag", action="append", default=[],
                     help="an extra sdm-server flag (repeatable), e.g. --server_flag=--threads=2")
     ap.add_argument("--server_env", action="append", default=[],
@@ -411,6 +442,9 @@ def main():
                 stop.set()
                 for t in threads:
                     t.join()
+                # At rest: after the server's next heap trim (--malloc_trim_interval), so that
+                # the sample is what it keeps, not what the last calls had in flight.
+                time.sleep(args.settle)
                 r = server.resources()
                 r["turns"] = stats.turns
                 samples.append(r)
@@ -418,7 +452,8 @@ def main():
                     f"{r.get('anon')}, file {r.get('file')}, shmem {r.get('shmem')}), "
                     f"{r['fds']} fds, {r['threads']} threads; state bytes resident "
                     f"{r.get('state_resident')}, host {r.get('state_host')}, disk "
-                    f"{r.get('state_disk')}")
+                    f"{r.get('state_disk')}; heap in use {r.get('heap_in_use_bytes')}, held "
+                    f"{r.get('heap_system_bytes')}")
                 continue
             server.kill()
             stop.set()
