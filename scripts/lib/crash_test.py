@@ -465,9 +465,11 @@ def main():
                 f"{len(stats.rolled_back)}, diverged {len(stats.diverged)}; in-flight turns kept "
                 f"{stats.inflight_kept}, dropped {stats.inflight_dropped}; checked "
                 f"{stats.checked}, unchecked {stats.unchecked}")
+        # Before the server stops: the verdict may sample it again.
+        soak_bad = soak_verdict(args, server, samples) if soak and len(samples) >= 3 else 0
     finally:
         server.stop()
-    bad = len(stats.lost) + len(stats.rolled_back) + len(stats.diverged)
+    bad = soak_bad + len(stats.lost) + len(stats.rolled_back) + len(stats.diverged)
     print(json.dumps({
         "mode": "soak" if soak else "crash", "seed": seed, "cycles": cycle,
         "turns": stats.turns, "refused": stats.refused, "failed_calls": stats.failed_calls,
@@ -475,8 +477,6 @@ def main():
         "inflight_kept": stats.inflight_kept, "inflight_dropped": stats.inflight_dropped,
         "checked": stats.checked, "unchecked": stats.unchecked,
         "resources": samples}, indent=None))
-    if soak and len(samples) >= 3:
-        bad += soak_verdict(args, server, samples)
     if stats.turns == 0:
         log("FAIL: no turn completed")
         bad += 1
