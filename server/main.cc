@@ -34,6 +34,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/time/time.h"
+#include "base/heap.h"
 #include "common/command_line.h"
 #include "server/server.h"
 #include "server/tenant_limits.h"
@@ -175,6 +176,13 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(absl::Duration, shutdown_grace, sdm::ServerOptions{}.shutdown_grace,
           "On SIGINT/SIGTERM, how long requests in flight may finish before they are cancelled "
           "(their sessions are kept and persisted).");
+ABSL_FLAG(int64_t, malloc_mmap_threshold, static_cast<int64_t>(sdm::kDefaultMmapThreshold),
+          "Heap blocks of at least this many bytes are mapped on their own and returned to the "
+          "system when freed (glibc M_MMAP_THRESHOLD, fixed; docs/robustness.md, Soak test); 0: "
+          "glibc's default (a threshold that rises with the largest block freed). "
+          "MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES in the environment win.");
+ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
+          "How often the heap's free pages are returned to the system (malloc_trim); 0: never.");
 
 namespace {
 
@@ -359,6 +367,12 @@ int main(int argc, char** argv) {
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  options.malloc_trim_interval = absl::GetFlag(FLAGS_malloc_trim_interval);
+  const int64_t mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold);
+  if (mmap_threshold < 0 || mmap_threshold > (int64_t{1} << 30)) {
+    return UsageError("--malloc_mmap_threshold must be between 0 and 1 GiB");
+  }
+  if (mmap_threshold > 0) sdm::SetMmapThreshold(static_cast<size_t>(mmap_threshold));
 
   // Signals run OnShutdownSignal. They are blocked while the server starts, so that the threads
   // it starts inherit the mask and main takes them once it waits (threads started before main

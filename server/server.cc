@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "base/heap.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "engine/engine.h"
@@ -95,6 +96,9 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   if (o.shutdown_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");
   }
+  if (o.malloc_trim_interval < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("malloc_trim_interval must not be negative");
+  }
   return absl::OkStatus();
 }
 
@@ -168,10 +172,16 @@ class SdmServer::Impl final : public SchedulerListener {
 
   absl::Mutex gauges_mu;
   StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
+
+  // Last, so that it stops first (null when malloc_trim_interval is zero).
+  std::unique_ptr<HeapTrimmer> heap_trimmer;
 };
 
 absl::Status SdmServer::Impl::Init() {
   SDM_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.malloc_trim_interval > absl::ZeroDuration()) {
+    heap_trimmer = std::make_unique<HeapTrimmer>(options.malloc_trim_interval);
+  }
   // The small files first: a typo there should not wait for the model to load.
   if (!options.api_keys_file.empty()) {
     SDM_ASSIGN_OR_RETURN(auth, ApiKeyAuthenticator::FromFile(options.api_keys_file));
@@ -325,6 +335,9 @@ void SdmServer::Impl::UpdateGauges() {
     metrics->requests_running.Set(scheduler->running());
     metrics->requests_waiting.Set(scheduler->waiting());
   }
+  const HeapUsage heap = GetHeapUsage();
+  metrics->heap_in_use_bytes.Set(static_cast<double>(heap.in_use_bytes));
+  metrics->heap_system_bytes.Set(static_cast<double>(heap.system_bytes));
   if (store == nullptr) return;
   const StoreStats s = store->Stats();
   for (int t = 0; t < kNumTiers; ++t) {

@@ -136,6 +136,18 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                     "directory, 0 while writes fail.")
                               .Register(registry)
                               .Add({})),
+      heap_in_use_bytes(BuildGauge()
+                            .Name("sdm_heap_in_use_bytes")
+                            .Help("Bytes the process heap has allocated and not freed "
+                                  "(glibc mallinfo2; 0 elsewhere).")
+                            .Register(registry)
+                            .Add({})),
+      heap_system_bytes(BuildGauge()
+                            .Name("sdm_heap_system_bytes")
+                            .Help("Bytes the process heap holds from the system: arena pages "
+                                  "and blocks mapped on their own (glibc mallinfo2).")
+                            .Register(registry)
+                            .Add({})),
       requests_(BuildCounter()
                     .Name("sdm_requests_total")
                     .Help("RPCs finished, by method and gRPC status code.")

@@ -101,6 +101,9 @@ class ServerMetrics {
   prometheus::Counter& persist_syncs;
   prometheus::Gauge& sessions_unsynced;
   prometheus::Gauge& persistence_healthy;
+  // The process heap at the last scrape (base/heap.h, GetHeapUsage).
+  prometheus::Gauge& heap_in_use_bytes;
+  prometheus::Gauge& heap_system_bytes;
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;

@@ -61,6 +61,13 @@ TEST(ServerDurabilityTest, EveryTurnIsOnDiskBehindTheStream) {
   EXPECT_GE(Metric(port, "sdm_persist_writes_total"), 2);
   EXPECT_GT(Metric(port, "sdm_persist_bytes_total"), 0);
   EXPECT_EQ(Metric(port, "sdm_persistence_healthy"), 1);
+#if defined(__GLIBC__)
+  // The heap's figures (base/heap.h): what it holds covers what is in use, sessions included.
+  const auto page = testing::ScrapeMetrics(port);  // both from one scrape
+  EXPECT_GT(testing::MetricValue(page, "sdm_heap_in_use_bytes"), 0);
+  EXPECT_GE(testing::MetricValue(page, "sdm_heap_system_bytes"),
+            testing::MetricValue(page, "sdm_heap_in_use_bytes"));
+#endif
   // kill -9 now: what the directory holds is what a restarted server finds.
   std::filesystem::copy(
       state.path(), crashed.path(),

@@ -116,6 +116,15 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
        {"gauge",
         {},
         "1 while session state can be written to the state directory, 0 while writes fail."}},
+      {"sdm_heap_in_use_bytes",
+       {"gauge",
+        {},
+        "Bytes the process heap has allocated and not freed (glibc mallinfo2; 0 elsewhere)."}},
+      {"sdm_heap_system_bytes",
+       {"gauge",
+        {},
+        "Bytes the process heap holds from the system: arena pages and blocks mapped on their "
+        "own (glibc mallinfo2)."}},
   };
   const ParsedPage page = RenderAndParse(registry);
   std::map<std::string, Declared> actual;

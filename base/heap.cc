@@ -1,0 +1,92 @@
+#include "base/heap.h"
+
+#include <cstdlib>
+#include <cstring>
+
+#include "base/check.h"
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#define SDM_HAVE_GLIBC_MALLOC 1
+#if __GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33)
+#define SDM_HAVE_MALLINFO2 1
+#endif
+#endif
+
+namespace sdm {
+
+bool SetMmapThreshold(size_t bytes) {
+#if defined(SDM_HAVE_GLIBC_MALLOC)
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr) return false;
+  if (const char* t = std::getenv("GLIBC_TUNABLES");
+      t != nullptr && std::strstr(t, "glibc.malloc.mmap_threshold") != nullptr) {
+    return false;
+  }
+  // The trim threshold as glibc's dynamic rule would pair it (twice the mmap threshold): fixed
+  // too, so that an arena's top shrinks back past it.
+  return mallopt(M_MMAP_THRESHOLD, static_cast<int>(bytes)) == 1 &&
+         mallopt(M_TRIM_THRESHOLD, static_cast<int>(2 * bytes)) == 1;
+#else
+  (void)bytes;
+  return false;
+#endif
+}
+
+HeapUsage GetHeapUsage() {
+  HeapUsage u;
+#if defined(SDM_HAVE_MALLINFO2)
+  const struct mallinfo2 m = mallinfo2();
+  u.in_use_bytes = static_cast<int64_t>(m.uordblks + m.hblkhd);
+  u.system_bytes = static_cast<int64_t>(m.arena + m.hblkhd);
+  u.mapped_blocks = static_cast<int64_t>(m.hblks);
+#endif
+  return u;
+}
+
+bool TrimHeap() {
+#if defined(SDM_HAVE_GLIBC_MALLOC)
+  return malloc_trim(0) == 1;
+#else
+  return false;
+#endif
+}
+
+HeapTrimmer::HeapTrimmer(absl::Duration interval) : interval_(interval) {
+  SDM_CHECK(interval > absl::ZeroDuration());
+  thread_ = std::thread([this] { Loop(); });
+}
+
+HeapTrimmer::~HeapTrimmer() {
+  {
+    absl::MutexLock lock(&mu_);
+    stop_ = true;
+    changed_.SignalAll();
+  }
+  thread_.join();
+}
+
+int64_t HeapTrimmer::trims() const {
+  absl::MutexLock lock(&mu_);
+  return trims_;
+}
+
+void HeapTrimmer::AwaitTrims(int64_t n) const {
+  absl::MutexLock lock(&mu_);
+  while (trims_ < n) changed_.Wait(&mu_);
+}
+
+void HeapTrimmer::Loop() {
+  absl::MutexLock lock(&mu_);
+  while (true) {
+    const absl::Time deadline = absl::Now() + interval_;
+    while (!stop_ && absl::Now() < deadline) changed_.WaitWithDeadline(&mu_, deadline);
+    if (stop_) return;
+    mu_.Unlock();
+    TrimHeap();
+    mu_.Lock();
+    ++trims_;
+    changed_.SignalAll();
+  }
+}
+
+}  // namespace sdm

@@ -1,0 +1,85 @@
+// The process heap of a long-running server (glibc malloc): keeps its resident size tracking the
+// bytes in use rather than the highest any allocator arena ever reached.
+//
+// Left alone, glibc's malloc lets RSS creep up under a serving load although the bytes in use are
+// flat (docs/robustness.md, Soak test, has the figures): each of its arenas (up to 8 per core,
+// taken by whichever threads allocate) keeps the pages of chunks freed below its top, and its
+// dynamic mmap threshold rises to the size of the largest block freed (up to 32 MiB), after which
+// blocks of that size (a session's KV pages, encode buffers, forks' clones) come from the arenas
+// too and are never returned. Two remedies:
+//
+//   SetMmapThreshold(bytes): blocks of at least `bytes` are mapped on their own and unmapped on
+//     free (a fixed threshold also turns the dynamic one off), and an arena's top is trimmed
+//     once it holds more than 2 x bytes free. Call once, early in main(): a block is mapped only
+//     when no free space already held fits it.
+//   HeapTrimmer: a thread that calls malloc_trim(0) every `interval`, handing the free pages
+//     inside every arena back to the system (madvise), not only those at an arena's top.
+//
+// Both are no-ops (returning false / trimming nothing) where the C library is not glibc.
+//
+// Thread-safety: SetMmapThreshold() is safe to call from any thread but meant for startup;
+// TrimHeap() and HeapTrimmer's methods are thread-safe.
+#ifndef SDMSERVE_BASE_HEAP_H_
+#define SDMSERVE_BASE_HEAP_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
+namespace sdm {
+
+// The threshold sdm-server sets by default (--malloc_mmap_threshold): a tiny model's KV page
+// (2 x 256 rows of 128 bytes) and everything larger is mapped on its own.
+inline constexpr size_t kDefaultMmapThreshold = size_t{64} << 10;
+
+// Sets glibc's M_MMAP_THRESHOLD to `bytes` and M_TRIM_THRESHOLD to 2 x bytes (fixed: no dynamic
+// adjustment) unless the environment
+// already sets it (MALLOC_MMAP_THRESHOLD_, or glibc.malloc.mmap_threshold in GLIBC_TUNABLES),
+// which then wins. Returns whether this call set it.
+bool SetMmapThreshold(size_t bytes);
+
+// Bytes the heap has in use (allocated and not freed), and what it holds from the system (arena
+// pages and mapped blocks). glibc's mallinfo2(); zeros elsewhere.
+struct HeapUsage {
+  int64_t in_use_bytes = 0;
+  int64_t system_bytes = 0;
+  int64_t mapped_blocks = 0;  // blocks mapped on their own (at least the mmap threshold)
+};
+HeapUsage GetHeapUsage();
+
+// malloc_trim(0): returns free pages of every arena to the system. Returns whether any memory
+// was released (false where unsupported).
+bool TrimHeap();
+
+class HeapTrimmer {
+ public:
+  // Starts the thread; interval must be positive.
+  explicit HeapTrimmer(absl::Duration interval);
+  // Stops and joins the thread.
+  ~HeapTrimmer();
+  HeapTrimmer(const HeapTrimmer&) = delete;
+  HeapTrimmer& operator=(const HeapTrimmer&) = delete;
+
+  // Trims done so far.
+  int64_t trims() const;
+  // Blocks until at least `n` trims are done (for tests; no timeout).
+  void AwaitTrims(int64_t n) const;
+
+ private:
+  void Loop();
+
+  const absl::Duration interval_;
+  mutable absl::Mutex mu_;
+  mutable absl::CondVar changed_;  // stop_ set, or trims_ grew
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  int64_t trims_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread thread_;
+};
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_BASE_HEAP_H_

@@ -1,0 +1,112 @@
+#include "base/heap.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+
+namespace sdm {
+namespace {
+
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+constexpr bool kGlibc = true;
+#else
+constexpr bool kGlibc = false;
+#endif
+
+// RssAnon of this process in KiB (/proc/self/status), or -1 where there is none.
+int64_t RssAnonKib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::strtoll(line.c_str() + 8, nullptr, 10);
+  }
+  return -1;
+}
+
+// Touches every page of a block so that it is resident. The empty asm keeps the compiler from
+// eliding the malloc/free pair.
+void* Touched(size_t bytes) {
+  void* p = std::malloc(bytes);
+  std::memset(p, 1, bytes);
+  asm volatile("" : : "r"(p) : "memory");
+  return p;
+}
+
+// Mapped on its own: a block that counts in mallinfo2's hblks while it lives.
+bool IsMapped(size_t bytes) {
+  const int64_t before = GetHeapUsage().mapped_blocks;
+  void* p = Touched(bytes);
+  const bool mapped = GetHeapUsage().mapped_blocks == before + 1;
+  std::free(p);
+  return mapped;
+}
+
+// glibc's default threshold rises to the size of a mapped block once it is freed, so a later block
+// of about that size comes from an arena and stays there. A fixed threshold keeps mapping it.
+// (One test process: the fixed threshold, once set, stays for the tests after it.)
+TEST(HeapTest, AFixedMmapThresholdKeepsMappingBlocksOfItsSize) {
+  if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
+  if (std::getenv("MALLOC_MMAP_THRESHOLD_") != nullptr ||
+      std::getenv("GLIBC_TUNABLES") != nullptr) {
+    GTEST_SKIP() << "the environment sets malloc's tuning";
+  }
+  // Default (dynamic): a freed 1 MiB block raises the threshold past 512 KiB blocks.
+  ASSERT_TRUE(IsMapped(size_t{1} << 20));
+  EXPECT_FALSE(IsMapped(size_t{512} << 10)) << "glibc's dynamic threshold did not rise";
+
+  ASSERT_TRUE(SetMmapThreshold(kDefaultMmapThreshold));
+  TrimHeap();  // the arena's top still holds the free space the dynamic rule let it keep
+  EXPECT_TRUE(IsMapped(size_t{512} << 10));
+  EXPECT_TRUE(IsMapped(kDefaultMmapThreshold));
+  ASSERT_TRUE(IsMapped(size_t{4} << 20));
+  EXPECT_TRUE(IsMapped(kDefaultMmapThreshold)) << "the threshold moved after a free";
+  EXPECT_FALSE(IsMapped(kDefaultMmapThreshold / 4));
+}
+
+TEST(HeapTest, TheEnvironmentWinsOverSetMmapThreshold) {
+  if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
+  const char* old = std::getenv("MALLOC_MMAP_THRESHOLD_");
+  ASSERT_EQ(old, nullptr);
+  ::setenv("MALLOC_MMAP_THRESHOLD_", "131072", 1);
+  EXPECT_FALSE(SetMmapThreshold(kDefaultMmapThreshold));
+  ::unsetenv("MALLOC_MMAP_THRESHOLD_");
+}
+
+// Freed small blocks below a live one at an arena's top stay resident; TrimHeap() returns their
+// pages. Fresh seed each run for the block sizes, printed for a rerun.
+TEST(HeapTest, TrimHeapReturnsFreePagesBelowTheTop) {
+  if (!kGlibc || RssAnonKib() < 0) GTEST_SKIP() << "glibc malloc and /proc only";
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<size_t> size(1024, 8192);  // below any mmap threshold
+  std::vector<void*> blocks;
+  size_t total = 0;
+  while (total < (size_t{64} << 20)) {
+    const size_t n = size(rng);
+    blocks.push_back(Touched(n));
+    total += n;
+  }
+  void* top = Touched(4096);  // keeps the arena's top from shrinking on its own
+  for (void* p : blocks) std::free(p);
+  const int64_t before = RssAnonKib();
+  EXPECT_TRUE(TrimHeap());
+  const int64_t after = RssAnonKib();
+  EXPECT_LT(after, before - 32 * 1024) << "RssAnon " << before << " -> " << after << " KiB";
+  std::free(top);
+}
+
+TEST(HeapTest, TrimmerTrimsUntilDestroyed) {
+  HeapTrimmer trimmer(absl::Milliseconds(1));
+  trimmer.AwaitTrims(3);
+  EXPECT_GE(trimmer.trims(), 3);
+}
+
+}  // namespace
+}  // namespace sdm
