@@ -176,10 +176,12 @@ ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(absl::Duration, shutdown_grace, sdm::ServerOptions{}.shutdown_grace,
           "On SIGINT/SIGTERM, how long requests in flight may finish before they are cancelled "
           "(their sessions are kept and persisted).");
-ABSL_FLAG(int64_t, malloc_mmap_threshold, static_cast<int64_t>(sdm::kDefaultMmapThreshold),
+ABSL_FLAG(int64_t, malloc_mmap_threshold, 0,
           "Heap blocks of at least this many bytes are mapped on their own and returned to the "
           "system when freed (glibc M_MMAP_THRESHOLD, fixed; docs/robustness.md, Soak test); 0: "
-          "glibc's default (a threshold that rises with the largest block freed). "
+          "glibc's default (a threshold that rises with the largest block freed). The soak test "
+          "measured 65536 (steadier RSS; the per-step cost of mapping large temporaries is not "
+          "measured, hence not the default). "
           "MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES in the environment win.");
 ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
           "How often the heap's free pages are returned to the system (malloc_trim); 0: never.");

@@ -60,13 +60,13 @@ TEST(HeapTest, AFixedMmapThresholdKeepsMappingBlocksOfItsSize) {
   ASSERT_TRUE(IsMapped(size_t{1} << 20));
   EXPECT_FALSE(IsMapped(size_t{512} << 10)) << "glibc's dynamic threshold did not rise";
 
-  ASSERT_TRUE(SetMmapThreshold(kDefaultMmapThreshold));
+  ASSERT_TRUE(SetMmapThreshold(kSoakMmapThreshold));
   TrimHeap();  // the arena's top still holds the free space the dynamic rule let it keep
   EXPECT_TRUE(IsMapped(size_t{512} << 10));
-  EXPECT_TRUE(IsMapped(kDefaultMmapThreshold));
+  EXPECT_TRUE(IsMapped(kSoakMmapThreshold));
   ASSERT_TRUE(IsMapped(size_t{4} << 20));
-  EXPECT_TRUE(IsMapped(kDefaultMmapThreshold)) << "the threshold moved after a free";
-  EXPECT_FALSE(IsMapped(kDefaultMmapThreshold / 4));
+  EXPECT_TRUE(IsMapped(kSoakMmapThreshold)) << "the threshold moved after a free";
+  EXPECT_FALSE(IsMapped(kSoakMmapThreshold / 4));
 }
 
 TEST(HeapTest, TheEnvironmentWinsOverSetMmapThreshold) {
@@ -74,7 +74,7 @@ TEST(HeapTest, TheEnvironmentWinsOverSetMmapThreshold) {
   const char* old = std::getenv("MALLOC_MMAP_THRESHOLD_");
   ASSERT_EQ(old, nullptr);
   ::setenv("MALLOC_MMAP_THRESHOLD_", "131072", 1);
-  EXPECT_FALSE(SetMmapThreshold(kDefaultMmapThreshold));
+  EXPECT_FALSE(SetMmapThreshold(kSoakMmapThreshold));
   ::unsetenv("MALLOC_MMAP_THRESHOLD_");
 }
 
