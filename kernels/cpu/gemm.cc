@@ -45,25 +45,33 @@ void GenericTile(const GemmTile& t) {
 template <typename T>
 void LinearInvariantOf(const GemmTileKernels& kernels, const float* x, int64_t m,
                        const PackedMatrix& w, const float* bias, float* y, ThreadPool* pool) {
+  if (m <= 0) return;
   const int64_t n = w.n(), k = w.k();
   const GemmTileFn tile = sizeof(T) == 2 ? kernels.bf16 : kernels.f32;
-  // A task is a group of panels for every row: each panel is loaded once per row block. With one
-  // row block there is nothing to reuse, and k runs in one piece (accumulators stay in registers).
-  constexpr int64_t kPanelsPerTask = 4;
-  const int64_t tasks = (w.panels() + kPanelsPerTask - 1) / kPanelsPerTask;
-  const int64_t depth = m <= kGemmTileRows ? k : kDepth;
+  // All rows in one tile where the ISA has a tile of m rows: each weight is read once, and k runs
+  // in one piece (accumulators stay in registers). Else tiles of kGemmTileRows rows, k in blocks.
+  const bool one_tile = m <= kGemmMaxTileRows && kernels.max_panels[m] > 0;
+  const int64_t tile_rows = one_tile ? m : kGemmTileRows;
+  const int64_t depth = one_tile ? k : kDepth;
+  // Panels per tile (every row tile can take as many: max_panels does not increase with rows).
+  const int64_t width = kernels.max_panels[std::min(m, tile_rows)];
+  // A task is a group of panels for every row: each panel is loaded once per row block. A whole
+  // number of tiles, about 4 panels (3 for 3-panel tiles: as many tasks per matrix as 4 would give
+  // within a third, so the threads stay balanced).
+  const int64_t panels_per_task = width * std::max<int64_t>(1, 4 / width);
+  const int64_t tasks = (w.panels() + panels_per_task - 1) / panels_per_task;
   auto run = [&](int64_t t) {
-    const int64_t p0 = t * kPanelsPerTask;
-    const int64_t p1 = std::min(w.panels(), p0 + kPanelsPerTask);
-    for (int64_t p = p0; p < p1; p += kernels.max_panels) {
+    const int64_t p0 = t * panels_per_task;
+    const int64_t p1 = std::min(w.panels(), p0 + panels_per_task);
+    for (int64_t p = p0; p < p1; p += width) {
       const int64_t c0 = p * kPanel;
-      const int64_t np = std::min<int64_t>(kernels.max_panels, p1 - p);
+      const int64_t np = std::min(width, p1 - p);
       const int64_t cols = std::min(np * kPanel, n - c0);
       for (int64_t k0 = 0; k0 < k; k0 += depth) {
-        for (int64_t i = 0; i < m; i += kGemmTileRows) {
+        for (int64_t i = 0; i < m; i += tile_rows) {
           tile({.x = x + i * k,
                 .ldx = k,
-                .rows = static_cast<int>(std::min<int64_t>(kGemmTileRows, m - i)),
+                .rows = static_cast<int>(std::min(tile_rows, m - i)),
                 .panels = w.panel<T>(p),
                 .panel_stride = w.panel_stride(),
                 .num_panels = static_cast<int>(np),
@@ -93,7 +101,8 @@ void LinearInvariantOf(const GemmTileKernels& kernels, const float* x, int64_t m
 }  // namespace
 
 const GemmTileKernels* GenericGemmTileKernels() {
-  static constexpr GemmTileKernels kKernels = {&GenericTile<float>, &GenericTile<uint16_t>, 4};
+  static constexpr GemmTileKernels kKernels = {
+      &GenericTile<float>, &GenericTile<uint16_t>, {0, 4, 4, 4, 4, 4, 4, 0, 0}};
   return &kKernels;
 }
 

@@ -16,7 +16,8 @@ namespace {
 struct Avx2 {
   using Reg = __m256;
   static constexpr int kLanes = 8;
-  static constexpr int kMaxPanels = 1;
+  static constexpr int kMaxRows = 6;
+  static constexpr int MaxPanels(int) { return 1; }
   static Reg Zero() { return _mm256_setzero_ps(); }
   static Reg Broadcast(float x) { return _mm256_set1_ps(x); }
   static Reg Load(const float* p) { return _mm256_loadu_ps(p); }
@@ -41,8 +42,7 @@ struct Avx2 {
 }  // namespace
 
 const GemmTileKernels* Avx2GemmTileKernels() {
-  static constexpr GemmTileKernels kKernels = {
-      &gemm_internal::Tile<Avx2, float>, &gemm_internal::Tile<Avx2, uint16_t>, Avx2::kMaxPanels};
+  static constexpr GemmTileKernels kKernels = gemm_internal::TileKernelsOf<Avx2>();
   return &kKernels;
 }
 

@@ -1,6 +1,7 @@
 // The AVX-512 tile kernel (kernels/cpu/gemm_tile.h): a panel is one zmm register, up to 4 panels
-// per tile (6 rows x 4 accumulators + 4 weight vectors + a broadcast in the 32 zmm registers), so
-// a batch of up to 6 rows reads each weight once per call.
+// per tile of up to 6 rows (6 x 4 accumulators + 4 weight vectors + a broadcast in the 32 zmm
+// registers) and 3 panels per tile of 7 or 8 rows (8 x 3 + 3 + 1), so a batch of up to 8 rows
+// reads each weight once per call.
 //
 // The only file built with -mavx512f -mavx512bw -mavx512vl (kernels/CMakeLists.txt), and called
 // only after GemmIsaAvailable(kAvx512) checked the CPU. So it includes nothing but intrinsics and
@@ -21,7 +22,8 @@ namespace {
 struct Avx512 {
   using Reg = __m512;
   static constexpr int kLanes = 16;
-  static constexpr int kMaxPanels = 4;
+  static constexpr int kMaxRows = 8;
+  static constexpr int MaxPanels(int rows) { return rows <= 6 ? 4 : 3; }
   static Reg Zero() { return _mm512_setzero_ps(); }
   static Reg Broadcast(float x) { return _mm512_set1_ps(x); }
   static Reg Load(const float* p) { return _mm512_loadu_ps(p); }
@@ -42,9 +44,7 @@ struct Avx512 {
 }  // namespace
 
 const GemmTileKernels* Avx512GemmTileKernels() {
-  static constexpr GemmTileKernels kKernels = {&gemm_internal::Tile<Avx512, float>,
-                                               &gemm_internal::Tile<Avx512, uint16_t>,
-                                               Avx512::kMaxPanels};
+  static constexpr GemmTileKernels kKernels = gemm_internal::TileKernelsOf<Avx512>();
   return &kKernels;
 }
 

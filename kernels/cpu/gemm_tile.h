@@ -24,16 +24,17 @@ namespace sdm::kernels::cpu {
 
 enum class GemmIsa;  // kernels/cpu/gemm_isa.h
 
-inline constexpr int kGemmPanel = 16;    // output columns per panel
-inline constexpr int kGemmTileRows = 6;  // most rows per tile, every ISA
+inline constexpr int kGemmPanel = 16;       // output columns per panel
+inline constexpr int kGemmTileRows = 6;     // rows per tile when a batch takes several, every ISA
+inline constexpr int kGemmMaxTileRows = 8;  // most rows of a tile that holds a whole batch
 
 struct GemmTile {
   const float* x;  // rows [0, rows) at stride ldx; columns [k0, k1) are read
   int64_t ldx;
-  int rows;              // 1..kGemmTileRows
+  int rows;              // 1..kGemmMaxTileRows where the ISA's max_panels[rows] > 0
   const void* panels;    // the first panel: float or uint16_t (bf16 bits)
   int64_t panel_stride;  // elements from one panel to the next
-  int num_panels;        // 1..the ISA's max_panels
+  int num_panels;        // 1..the ISA's max_panels[rows]
   int64_t k0, k1;        // k0 even, k0 < k1 <= the matrix's k
   bool first;            // accumulators start at 0, else at y
   float* y;  // rows at stride ldy; columns [0, cols) are read (unless first) and written
@@ -46,7 +47,10 @@ using GemmTileFn = void (*)(const GemmTile&);
 struct GemmTileKernels {
   GemmTileFn f32;
   GemmTileFn bf16;
-  int max_panels;  // panels per tile, 1..4
+  // Panels per tile of r rows (1..4, not increasing with r), for r in 1..kGemmTileRows always;
+  // up to kGemmMaxTileRows where the registers allow (AVX-512: 8 rows x 3 panels), so that a batch
+  // of that many rows is one tile and reads each weight once. 0: no tile of r rows.
+  int max_panels[kGemmMaxTileRows + 1];
 };
 
 // The ISA's kernels, or nullptr when this build has none (the CPU may still lack the ISA:

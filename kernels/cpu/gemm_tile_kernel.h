@@ -6,7 +6,9 @@
 //   struct V {
 //     using Reg = ...;                     // kLanes fp32 lanes
 //     static constexpr int kLanes;         // 8 or 16 (divides kGemmPanel)
-//     static constexpr int kMaxPanels;     // panels per tile: rows x vectors accumulators fit
+//     static constexpr int kMaxRows;       // kGemmTileRows..kGemmMaxTileRows
+//     static constexpr int MaxPanels(int rows);  // panels per tile of `rows` rows: the
+//                                          // rows x vectors accumulators fit the registers
 //     static Reg Zero();
 //     static Reg Broadcast(float x);
 //     static Reg Load(const float* p);                  // kLanes floats
@@ -118,12 +120,21 @@ void TileOfPanels(const GemmTile& t) {
   TileKernel<V, T, MR, NP * kGemmPanel / V::kLanes>(t);
 }
 
-template <class V, typename T, int MR = kGemmTileRows>
+template <class V, typename T, int MR = V::kMaxRows>
 void Tile(const GemmTile& t) {
   if constexpr (MR > 1) {
     if (t.rows < MR) return Tile<V, T, MR - 1>(t);
   }
-  TileOfPanels<V, T, MR, V::kMaxPanels>(t);
+  TileOfPanels<V, T, MR, V::MaxPanels(MR)>(t);
+}
+
+// The ISA's table (kernels/cpu/gemm_tile.h) from its traits.
+template <class V>
+constexpr GemmTileKernels TileKernelsOf() {
+  static_assert(V::kMaxRows >= kGemmTileRows && V::kMaxRows <= kGemmMaxTileRows);
+  GemmTileKernels kernels = {&Tile<V, float>, &Tile<V, uint16_t>, {}};
+  for (int rows = 1; rows <= V::kMaxRows; ++rows) kernels.max_panels[rows] = V::MaxPanels(rows);
+  return kernels;
 }
 
 }  // namespace sdm::kernels::cpu::gemm_internal

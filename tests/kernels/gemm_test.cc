@@ -94,8 +94,9 @@ TEST(LinearInvariantTest, Bf16PanelsAreTheFp32KernelOnRoundedWeights) {
 
 // Every instruction set's micro-kernels (generic, AVX2, AVX-512: those this build and CPU have)
 // compute DotInOrder bit for bit, for fp32 and bf16 panels, whatever the shape: n not a multiple of
-// a panel (16) or of a 4-panel tile (64), odd k (a bf16 pair half empty), every row count of a
-// tile and several tiles of rows, with threads or without. Fixed seeds plus a fresh one (printed).
+// a panel (16) or of a 3- or 4-panel tile (48, 64), odd k (a bf16 pair half empty), every row count
+// of a tile (up to AVX-512's 8-row tiles) and several tiles of rows, with threads or without. Fixed
+// seeds plus a fresh one (printed).
 TEST(LinearInvariantTest, EveryInstructionSetIsTheInOrderReduction) {
   const std::vector<GemmIsa> isas = AvailableGemmIsas();
   std::cout << "available:";
@@ -108,7 +109,8 @@ TEST(LinearInvariantTest, EveryInstructionSetIsTheInOrderReduction) {
   ThreadPool pool(3);
   const std::vector<Shape> shapes = {{1, 1, 1},     {1, 16, 8},   {2, 17, 3},    {3, 64, 2},
                                      {4, 65, 5},    {5, 100, 31}, {6, 48, 257},  {7, 33, 256},
-                                     {8, 130, 300}, {9, 80, 513}, {13, 70, 600}, {32, 200, 129}};
+                                     {8, 130, 300}, {9, 80, 513}, {13, 70, 600}, {32, 200, 129},
+                                     {8, 16, 1},    {7, 250, 33}, {8, 49, 2}};
   for (uint32_t seed : seeds) {
     std::mt19937 rng(seed);
     std::normal_distribution<float> normal;
