@@ -14,6 +14,7 @@
 #include "kernels/cpu/decode_attention.h"
 #include "kernels/cpu/parallel.h"
 #include "state_store/kv_cache.h"
+#include "tools/sdm_bench/bench_math.h"
 #include "tools/sdm_bench/system_info.h"
 
 namespace sdm::bench {
@@ -24,19 +25,6 @@ using Clock = std::chrono::steady_clock;
 
 // Ring slots beyond the window, as the engine sizes them (window + prefill chunk).
 constexpr int64_t kRingSlack = 256;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-// Fills `n` floats with cheap uniform values in [-1, 1) (the kernels' speed does not depend on
-// the values; a normal generator would take longer than the measurement).
-void FillRandom(float* x, int64_t n, std::mt19937_64& rng) {
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = static_cast<float>(static_cast<int64_t>(rng() >> 40) - (int64_t{1} << 23)) / 8388608.0f;
-  }
-}
 
 }  // namespace
 

@@ -15,6 +15,7 @@
 #include "kernels/cpu/gemm.h"
 #include "kernels/cpu/gemm_isa.h"
 #include "kernels/cpu/parallel.h"
+#include "tools/sdm_bench/bench_math.h"
 #include "tools/sdm_bench/system_info.h"
 
 namespace sdm::bench {
@@ -22,17 +23,6 @@ namespace {
 
 namespace cpu = kernels::cpu;
 using Clock = std::chrono::steady_clock;
-
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-void FillRandom(float* x, int64_t n, std::mt19937_64& rng) {
-  for (int64_t i = 0; i < n; ++i) {
-    x[i] = static_cast<float>(static_cast<int64_t>(rng() >> 40) - (int64_t{1} << 23)) / 8388608.0f;
-  }
-}
 
 }  // namespace
 
