@@ -35,7 +35,8 @@ namespace sdm {
 // The threshold the soak test measured (--malloc_mmap_threshold=65536): a tiny model's KV page
 // (2 x 256 rows of 128 bytes) and everything larger is mapped on its own. Not sdm-server's
 // default (0: glibc's dynamic threshold): a fixed one maps and unmaps every large per-step
-// temporary of the CPU engine (page faults on each decode step, cost not measured yet).
+// temporary of the CPU engine, which cost 0.72-0.81x decode throughput at batch 8
+// (docs/benchmarks.md, "What the fixed mmap threshold costs in decode").
 inline constexpr size_t kSoakMmapThreshold = size_t{64} << 10;
 
 // Sets glibc's M_MMAP_THRESHOLD to `bytes` and M_TRIM_THRESHOLD to 2 x bytes (fixed: no dynamic

@@ -16,8 +16,9 @@
 // the kernel neither copies the data into page-cache pages it allocates (and zeroes) for it nor
 // writes them back later, which on debug_sdm's tens of MB per turn was nearly all the CPU that
 // per-turn persistence took from decode (docs/benchmarks.md, "Per-turn persistence", 2026-12-04).
-// The write returns once the device has the data (a kill -9 cannot lose it: stronger than a
-// buffered write, which the kernel may still hold). Only whole aligned blocks go direct: the
+// The write returns once the device has accepted the data, which may still sit in its volatile
+// cache: only Sync() covers a power loss, in both modes (and a kill -9 loses neither: the kernel
+// holds a buffered write). Only whole aligned blocks go direct: the
 // partial block before an unaligned offset is rewritten with the bytes the file already holds
 // there (read first), and the partial block at the end is written through the page cache. A file
 // system that refuses O_DIRECT (tmpfs) gets buffered writes, silently: same bytes, same guarantees.

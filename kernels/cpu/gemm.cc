@@ -98,6 +98,17 @@ void LinearInvariantOf(const GemmTileKernels& kernels, const float* x, int64_t m
   }
 }
 
+// The matrix's element type picks the kernel.
+void LinearInvariantWithKernels(const GemmTileKernels& kernels, const float* x, int64_t m,
+                                const PackedMatrix& w, const float* bias, float* y,
+                                ThreadPool* pool) {
+  if (w.type() == DType::kBf16) {
+    LinearInvariantOf<uint16_t>(kernels, x, m, w, bias, y, pool);
+  } else {
+    LinearInvariantOf<float>(kernels, x, m, w, bias, y, pool);
+  }
+}
+
 }  // namespace
 
 const GemmTileKernels* GenericGemmTileKernels() {
@@ -151,22 +162,13 @@ float DotInOrder(const float* x, const float* w, int64_t k) {
 void LinearInvariantWith(GemmIsa isa, const float* x, int64_t m, const PackedMatrix& w,
                          const float* bias, float* y, ThreadPool* pool) {
   SDM_CHECK(GemmIsaAvailable(isa)) << GemmIsaName(isa) << " is not available";
-  const GemmTileKernels& kernels = *GemmTileKernelsFor(isa);
-  if (w.type() == DType::kBf16) {
-    LinearInvariantOf<uint16_t>(kernels, x, m, w, bias, y, pool);
-  } else {
-    LinearInvariantOf<float>(kernels, x, m, w, bias, y, pool);
-  }
+  LinearInvariantWithKernels(*GemmTileKernelsFor(isa), x, m, w, bias, y, pool);
 }
 
 void LinearInvariant(const float* x, int64_t m, const PackedMatrix& w, const float* bias, float* y,
                      ThreadPool* pool) {
   static const GemmTileKernels* const kernels = GemmTileKernelsFor(ActiveGemmIsa());
-  if (w.type() == DType::kBf16) {
-    LinearInvariantOf<uint16_t>(*kernels, x, m, w, bias, y, pool);
-  } else {
-    LinearInvariantOf<float>(*kernels, x, m, w, bias, y, pool);
-  }
+  LinearInvariantWithKernels(*kernels, x, m, w, bias, y, pool);
 }
 
 }  // namespace sdm::kernels::cpu

@@ -1,43 +1,19 @@
-// Helpers shared by the engine tests: temporary directories, crafted safetensors files and
-// small model configs.
+// Helpers shared by the engine tests: temporary directories (tests/base/scoped_temp_dir.h),
+// crafted safetensors files and small model configs.
 #ifndef SDMSERVE_TESTS_ENGINE_TEST_MODEL_UTIL_H_
 #define SDMSERVE_TESTS_ENGINE_TEST_MODEL_UTIL_H_
-
-#include <stdlib.h>
 
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
-#include <system_error>
 
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
+#include "tests/base/scoped_temp_dir.h"  // ScopedTempDir
 
 namespace sdm::testing {
-
-// A fresh directory under $TEST_TMPDIR (or /tmp), removed with its contents by the destructor.
-class ScopedTempDir {
- public:
-  ScopedTempDir() {
-    const char* base = std::getenv("TEST_TMPDIR");
-    std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/sdm_test_XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-    path_ = pattern;
-  }
-  ~ScopedTempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  ScopedTempDir(const ScopedTempDir&) = delete;
-  ScopedTempDir& operator=(const ScopedTempDir&) = delete;
-
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 inline void WriteFile(const std::filesystem::path& path, const std::string& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

@@ -4,8 +4,6 @@
 // rewrite of a torn tail — whatever the file system (one without O_DIRECT falls back).
 #include "state_store/state_files.h"
 
-#include <stdlib.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -16,28 +14,10 @@
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "tests/base/scoped_temp_dir.h"
 
 namespace sdm {
 namespace {
-
-// A fresh directory under $TEST_TMPDIR (or /tmp), removed with its contents at the end.
-class TempDir {
- public:
-  TempDir() {
-    const char* base = std::getenv("TEST_TMPDIR");
-    std::string pattern = std::string(base != nullptr ? base : "/tmp") + "/sdm_files_XXXXXX";
-    if (::mkdtemp(pattern.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::filesystem::path& path() const { return path_; }
-
- private:
-  std::filesystem::path path_;
-};
 
 std::string RandomBytes(std::mt19937_64& rng, size_t n) {
   std::string out(n, '\0');
@@ -59,7 +39,7 @@ TEST(StateFilesTest, ForIoNamesBothModes) {
 }
 
 TEST(StateFilesTest, DirectSnapshotsHoldExactlyTheirBytes) {
-  TempDir dir;
+  testing::ScopedTempDir dir;
   std::mt19937_64 rng(7);
   // Below a block, exactly one, one plus a byte, and past the 4 MiB staging chunk (several
   // chunks and a partial block at the end).
@@ -82,7 +62,7 @@ TEST(StateFilesTest, DirectSnapshotsHoldExactlyTheirBytes) {
 // A delta log as the store writes it: appends of records of any size at the end of the last good
 // one (unaligned), and after a torn tail, a record written over it (the file is cut after it).
 TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
-  TempDir dir;
+  testing::ScopedTempDir dir;
   const uint64_t fresh = std::random_device{}();
   for (uint64_t seed : {uint64_t{1}, uint64_t{2}, uint64_t{3}, fresh}) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);
@@ -116,7 +96,7 @@ TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
 // An append past the file's end (never made by the store, which appends at its good length)
 // leaves the gap as a read of a hole gives it: zeros.
 TEST(StateFilesTest, DirectWritePastTheEndLeavesZeros) {
-  TempDir dir;
+  testing::ScopedTempDir dir;
   std::mt19937_64 rng(11);
   const std::filesystem::path path = dir.path() / "gap.sdmlog";
   const std::string head = RandomBytes(rng, 100);
