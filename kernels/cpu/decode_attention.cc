@@ -10,28 +10,24 @@
 #endif
 
 #include "kernels/common/attention_math.h"
+#include "kernels/cpu/decode_attention_wide.h"
+#include "kernels/cpu/gemm_isa.h"
+#include "kernels/cpu/sum_lanes.h"
 #include "kernels/cpu/widen.h"
 
 namespace sdm::kernels::cpu {
 namespace {
 
-// Rows taken together by the register-blocked loops. Each row's arithmetic is the same whatever
-// group it falls in (the tail group repeats its last row and drops the copies), so the bits of a
-// block never depend on where spans or groups cut it.
+// Rows taken together by the register-blocked loops (kDecodeRowGroup, decode_attention_wide.h).
+// Each row's arithmetic is the same whatever group it falls in (the tail group repeats its last
+// row and drops the copies), so the bits of a block never depend on where spans or groups cut it.
 // Eight: eight independent fma chains hide the fma latency in the score loop, and the value loop
 // loads and stores each accumulator vector once per eight rows, not per four.
-constexpr int kRowGroup = 8;
+constexpr int kRowGroup = kDecodeRowGroup;
 
 // Per-row dot products q . k[i] for kRowGroup rows: eight lanes of fused multiply-adds over
 // head_dim in order, a fixed tree over the lanes, then the head_dim % 8 tail in order.
 #ifdef SDM_DECODE_ATTENTION_AVX2
-float SumLanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 template <typename T>
 void DotRows(const float* q, const T* const* k, int64_t hd, float* out) {
   __m256 a[kRowGroup];
@@ -96,6 +92,11 @@ void AccumulateRows(const float* w, const T* const* v, int n, int64_t hd, float*
   }
 }
 
+// Whether head h + 1 exists and shares head h's KV head (the wide loops then take both).
+bool SameGroupNext(int64_t h, int64_t heads, int64_t group) {
+  return h + 1 < heads && (h + 1) / group == h / group;
+}
+
 // One split-K task: positions [begin, end) of one query, inside one kDecodeBlock.
 struct BlockTask {
   int64_t query;
@@ -108,9 +109,10 @@ int64_t PartialFloats(const AttentionShape& s) { return 2 + s.head_dim; }
 
 // The partial states of every head over one block, written to `partial`
 // ([n_heads][2 + head_dim]).
+// `wide`: the AVX-512 loops (same bits), or nullptr for this file's.
 template <typename T>
 void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
-                 const AttentionShape& shape, float* partial) {
+                 const AttentionShape& shape, const DecodeWideLoopsOf<T>* wide, float* partial) {
   const int64_t hd = shape.head_dim;
   const int64_t heads = shape.n_heads;
   const int64_t group = shape.n_heads / shape.n_kv_heads;
@@ -133,16 +135,24 @@ void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
   const float scale = kLog2e / std::sqrt(static_cast<float>(hd));
   for (int64_t i = 0; i < heads * hd; ++i) q_scaled[i] = query.q[i] * scale;
 
-  // Keys: every head against each group of rows, the rows read once, front to back.
+  // Keys: every head against each group of rows, the rows read once, front to back. With the
+  // wide loops, two heads of a KV group at once.
   for (int r = 0; r < n; r += kRowGroup) {
     const int take = std::min(kRowGroup, n - r);
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads;) {
       const int64_t off = (h / group) * hd;
       const T* k[kRowGroup];
       for (int i = 0; i < kRowGroup; ++i) k[i] = krow[r + std::min(i, take - 1)] + off;
-      float s[kRowGroup];
-      DotRows<T>(&q_scaled[h * hd], k, hd, s);
-      for (int i = 0; i < take; ++i) scores[h * kDecodeBlock + r + i] = s[i];
+      float s[2][kRowGroup];
+      const bool pair = wide != nullptr && SameGroupNext(h, heads, group);
+      if (pair) {
+        wide->dot_rows_pair(&q_scaled[h * hd], &q_scaled[(h + 1) * hd], k, hd, s[0], s[1]);
+      } else {
+        DotRows<T>(&q_scaled[h * hd], k, hd, s[0]);
+      }
+      for (int j = 0; j < (pair ? 2 : 1); ++j, ++h) {
+        for (int i = 0; i < take; ++i) scores[h * kDecodeBlock + r + i] = s[j][i];
+      }
     }
   }
   // Softmax weights under the block's maximum, per head.
@@ -161,21 +171,29 @@ void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
     std::fill(out + 2, out + 2 + hd, 0.0f);
   }
   // Values: the same walk, every head accumulating its weighted rows.
+  const int64_t stride = PartialFloats(shape);
   for (int r = 0; r < n; r += kRowGroup) {
     const int take = std::min(kRowGroup, n - r);
-    for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t h = 0; h < heads;) {
       const int64_t off = (h / group) * hd;
       const T* v[kRowGroup];
       for (int i = 0; i < take; ++i) v[i] = vrow[r + i] + off;
-      AccumulateRows<T>(&scores[h * kDecodeBlock + r], v, take, hd,
-                        partial + h * PartialFloats(shape) + 2);
+      const float* w = &scores[h * kDecodeBlock + r];
+      float* acc = partial + h * stride + 2;
+      if (wide != nullptr && SameGroupNext(h, heads, group)) {
+        wide->accumulate_rows_pair(w, w + kDecodeBlock, v, take, hd, acc, acc + stride);
+        h += 2;
+      } else {
+        AccumulateRows<T>(w, v, take, hd, acc);
+        ++h;
+      }
     }
   }
 }
 
 template <typename T>
 void AttendDecodeBatchOf(std::span<const DecodeQueryOf<T>> queries, const AttentionShape& shape,
-                         ThreadPool* pool) {
+                         ThreadPool* pool, const DecodeWideLoopsOf<T>* wide) {
   const int64_t hd = shape.head_dim;
   const int64_t heads = shape.n_heads;
   // Blocks of absolute positions, cut to each query's visible range.
@@ -196,7 +214,7 @@ void AttendDecodeBatchOf(std::span<const DecodeQueryOf<T>> queries, const Attent
   std::vector<float> partials(tasks.size() * per_task);
   auto run_block = [&](int64_t t) {
     const BlockTask& task = tasks[t];
-    AttendBlock(queries[task.query], task.begin, task.end, shape, &partials[t * per_task]);
+    AttendBlock(queries[task.query], task.begin, task.end, shape, wide, &partials[t * per_task]);
   };
   // Merge in block order, per (query, head).
   auto merge = [&](int64_t i) {
@@ -231,16 +249,39 @@ void AttendDecodeBatchOf(std::span<const DecodeQueryOf<T>> queries, const Attent
   }
 }
 
+const DecodeWideLoops* WideLoopsFor(GemmIsa isa) {
+  return isa == GemmIsa::kAvx512 ? Avx512DecodeWideLoops() : nullptr;
+}
+
+const DecodeWideLoops* ActiveWideLoops() {
+  static const DecodeWideLoops* const loops = WideLoopsFor(ActiveGemmIsa());
+  return loops;
+}
+
 }  // namespace
 
 void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
                        ThreadPool* pool) {
-  AttendDecodeBatchOf<float>(queries, shape, pool);
+  const DecodeWideLoops* wide = ActiveWideLoops();
+  AttendDecodeBatchOf<float>(queries, shape, pool, wide ? &wide->fp32 : nullptr);
 }
 
 void AttendDecodeBatch(std::span<const DecodeQueryBf16> queries, const AttentionShape& shape,
                        ThreadPool* pool) {
-  AttendDecodeBatchOf<uint16_t>(queries, shape, pool);
+  const DecodeWideLoops* wide = ActiveWideLoops();
+  AttendDecodeBatchOf<uint16_t>(queries, shape, pool, wide ? &wide->bf16 : nullptr);
+}
+
+void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
+                       ThreadPool* pool, GemmIsa isa) {
+  const DecodeWideLoops* wide = WideLoopsFor(isa);
+  AttendDecodeBatchOf<float>(queries, shape, pool, wide ? &wide->fp32 : nullptr);
+}
+
+void AttendDecodeBatch(std::span<const DecodeQueryBf16> queries, const AttentionShape& shape,
+                       ThreadPool* pool, GemmIsa isa) {
+  const DecodeWideLoops* wide = WideLoopsFor(isa);
+  AttendDecodeBatchOf<uint16_t>(queries, shape, pool, wide ? &wide->bf16 : nullptr);
 }
 
 }  // namespace sdm::kernels::cpu

@@ -20,6 +20,7 @@
 #include <span>
 
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/gemm_isa.h"
 #include "kernels/cpu/parallel.h"
 
 namespace sdm::kernels::cpu {
@@ -45,10 +46,20 @@ using DecodeQueryBf16 = DecodeQueryOf<uint16_t>;
 
 // Attends every query (distinct outputs) on `pool` (nullptr: on this thread). Calls
 // pool->ParallelFor, so must not run inside another ParallelFor of the same pool.
+// Uses the CPU instruction set the GEMM uses (ActiveGemmIsa, kernels/cpu/gemm_isa.h): with
+// AVX-512, two query heads of a KV group share each load and multiply-add instruction
+// (kernels/cpu/decode_attention_wide.h). Every instruction set gives the same bits.
 void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
                        ThreadPool* pool);
 void AttendDecodeBatch(std::span<const DecodeQueryBf16> queries, const AttentionShape& shape,
                        ThreadPool* pool);
+// The same with the instruction set named, for tests and benchmarks that compare them: `isa` must
+// be available (GemmIsaAvailable). kGeneric and kAvx2 run the same loops (those this library was
+// compiled for).
+void AttendDecodeBatch(std::span<const DecodeQuery> queries, const AttentionShape& shape,
+                       ThreadPool* pool, GemmIsa isa);
+void AttendDecodeBatch(std::span<const DecodeQueryBf16> queries, const AttentionShape& shape,
+                       ThreadPool* pool, GemmIsa isa);
 
 }  // namespace sdm::kernels::cpu
 

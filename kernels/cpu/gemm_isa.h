@@ -1,4 +1,5 @@
-// Which instruction set the batch-invariant GEMM's micro-kernels use (kernels/cpu/gemm.h).
+// Which instruction set the batch-invariant GEMM's micro-kernels use (kernels/cpu/gemm.h), and
+// with them the decode attention's loops (kernels/cpu/decode_attention.h).
 //
 // Every ISA computes the same bits: each output element is one accumulator updated by a fused
 // multiply-add for k = 0, 1, ... in order (DotInOrder), so the choice changes only the speed.

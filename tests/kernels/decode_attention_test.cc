@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <memory>
 #include <random>
 #include <vector>
@@ -15,6 +16,7 @@
 #include "base/bf16.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/attention.h"
+#include "kernels/cpu/gemm_isa.h"
 #include "kernels/cpu/parallel.h"
 
 namespace sdm::kernels::cpu {
@@ -354,6 +356,84 @@ TEST(DecodeAttentionTest, Bf16RowsAreTheFp32KernelOnRoundedRows) {
   const uint32_t fresh = std::random_device{}();
   CheckBf16(fresh);
   CheckBf16(fresh + 1);
+}
+
+// Every instruction set's loops (AVX2 and, where this build and CPU have it, AVX-512 with two heads
+// of a KV group per register) give the same bits, fp32 and bf16 rows: groups of 1 to 4 heads per
+// KV head (odd groups leave a head unpaired), head dims around the 8- and 16-lane widths, windows,
+// ring wrap, blocks cut by spans, row groups with a tail. Fixed seeds plus a fresh one.
+void CheckIsasAgree(uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  auto pick = [&](int64_t lo, int64_t hi) {
+    return std::uniform_int_distribution<int64_t>(lo, hi)(rng);
+  };
+  const int64_t kv = pick(1, 3);
+  const int64_t group = pick(1, 4);
+  const std::vector<int64_t> dims = {1, 7, 8, 9, 15, 16, 17, 24, 31, 33, 64, 128};
+  const int64_t hd = dims[pick(0, static_cast<int64_t>(dims.size()) - 1)];
+  const int64_t w = pick(0, 1) ? 0 : pick(1, 300);
+  const int64_t len = pick(1, 700);
+  const int64_t ring = w > 0 && pick(0, 1) ? w + pick(0, 90) : 0;
+  SCOPED_TRACE(::testing::Message() << kv * group << " heads on " << kv << ", head_dim " << hd
+                                    << ", window " << w << ", len " << len << ", ring " << ring);
+  Cache c(kv * group, kv, hd, w, len, ring, seed);
+  c.MakeBf16();
+  const int64_t chunk = pick(1, 300);
+  ThreadPool pool(2);
+  for (int64_t pos : ring > 0 ? HeldPositions(c) : EdgePositions(len)) {
+    const std::vector<KvSpan> spans = c.Spans(pos, chunk);
+    std::vector<KvSpanBf16> spans16;
+    for (const KvSpan& s : spans) {
+      const int64_t off = s.k - c.k.data();
+      spans16.push_back({&c.k16[off], &c.v16[off], s.first_pos, s.count});
+    }
+    const int64_t width = c.shape.n_heads * hd;
+    std::vector<float> base(width, -1.0f), base16(width, -1.0f);
+    const DecodeQuery q{c.Q(pos), pos, spans, base.data()};
+    const DecodeQueryBf16 q16{c.Q(pos), pos, spans16, base16.data()};
+    AttendDecodeBatch({&q, 1}, c.shape, &pool, GemmIsa::kAvx2);
+    AttendDecodeBatch({&q16, 1}, c.shape, &pool, GemmIsa::kAvx2);
+    for (GemmIsa isa : AvailableGemmIsas()) {
+      std::vector<float> out(width, -2.0f), out16(width, -2.0f);
+      const DecodeQuery qi{c.Q(pos), pos, spans, out.data()};
+      const DecodeQueryBf16 qi16{c.Q(pos), pos, spans16, out16.data()};
+      AttendDecodeBatch({&qi, 1}, c.shape, &pool, isa);
+      AttendDecodeBatch({&qi16, 1}, c.shape, &pool, isa);
+      ASSERT_EQ(out, base) << GemmIsaName(isa) << " pos " << pos;
+      ASSERT_EQ(out16, base16) << GemmIsaName(isa) << " bf16, pos " << pos;
+    }
+  }
+  // And the wide loops are what they claim: within rounding of the double reference.
+  const std::vector<double> want = c.Reference(len - 1);
+  const std::vector<float> got = c.Blocked(len - 1, chunk, &pool);
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], want[i], 2e-5 * (1.0 + std::abs(want[i]))) << "element " << i;
+  }
+}
+
+TEST(DecodeAttentionTest, EveryInstructionSetGivesTheSameBits) {
+  std::cout << "active instruction set: " << GemmIsaName() << "\n";
+  for (uint32_t seed = 1; seed <= 24; ++seed) CheckIsasAgree(seed);
+  const uint32_t fresh = std::random_device{}();
+  for (uint32_t i = 0; i < 4; ++i) CheckIsasAgree(fresh + i);
+}
+
+// Flagship-like widths through the engine's default entry point (the active instruction set):
+// 16 heads on 8 KV heads and plain multi-head at head_dim 128, against the AVX2 loops bit for bit.
+TEST(DecodeAttentionTest, FlagshipWidthsMatchTheAvx2Loops) {
+  for (int64_t group : {1, 2}) {
+    Cache c(8 * group, 8, 128, 0, 2 * kDecodeBlock + 11, 0, 40 + static_cast<uint32_t>(group));
+    ThreadPool pool(2);
+    const int64_t pos = c.len - 1;
+    const std::vector<KvSpan> spans = c.Spans(pos, 256);
+    std::vector<float> active(c.shape.n_heads * 128), avx2(c.shape.n_heads * 128);
+    const DecodeQuery qa{c.Q(pos), pos, spans, active.data()};
+    const DecodeQuery qb{c.Q(pos), pos, spans, avx2.data()};
+    AttendDecodeBatch({&qa, 1}, c.shape, &pool);
+    AttendDecodeBatch({&qb, 1}, c.shape, &pool, GemmIsa::kAvx2);
+    EXPECT_EQ(active, avx2) << "group " << group;
+  }
 }
 
 }  // namespace
