@@ -11,6 +11,7 @@
 
 #include "kernels/common/attention_math.h"
 #include "kernels/cpu/decode_attention_wide.h"
+#include "kernels/cpu/exp2.h"
 #include "kernels/cpu/gemm_isa.h"
 #include "kernels/cpu/sum_lanes.h"
 #include "kernels/cpu/widen.h"
@@ -92,6 +93,23 @@ void AccumulateRows(const float* w, const T* const* v, int n, int64_t hd, float*
   }
 }
 
+// sc[i] = 2^(sc[i] - m) for i < n, m >= every sc[i] (Exp2NonPositive, kernels/cpu/exp2.h: the same
+// bits 8 lanes at a time as one at a time); all 0 when m = -inf (every score masked).
+void Exp2Weights(float* sc, int n, float m) {
+  if (m == -INFINITY) {
+    std::fill(sc, sc + n, 0.0f);
+    return;
+  }
+  int i = 0;
+#ifdef SDM_DECODE_ATTENTION_AVX2
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(sc + i, Exp2NonPositive8(_mm256_sub_ps(_mm256_loadu_ps(sc + i), mv)));
+  }
+#endif
+  for (; i < n; ++i) sc[i] = Exp2NonPositive(sc[i] - m);
+}
+
 // Whether head h + 1 exists and shares head h's KV head (the wide loops then take both).
 bool SameGroupNext(int64_t h, int64_t heads, int64_t group) {
   return h + 1 < heads && (h + 1) / group == h / group;
@@ -160,11 +178,9 @@ void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
     float* sc = &scores[h * kDecodeBlock];
     float m = sc[0];
     for (int i = 1; i < n; ++i) m = std::max(m, sc[i]);
+    Exp2Weights(sc, n, m);
     float l = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      sc[i] = SoftmaxWeight(sc[i], m);
-      l += sc[i];
-    }
+    for (int i = 0; i < n; ++i) l += sc[i];
     float* out = partial + h * PartialFloats(shape);
     out[0] = m;
     out[1] = l;

@@ -8,6 +8,10 @@
 // stream of keys and one of values per page, instead of one strided slice per head
 // (AttendDecodeHead in kernels/cpu/attention.h, kept as the reference and the "per-head" option).
 //
+// A block's softmax weights 2^(s - m) come from Exp2NonPositive (kernels/cpu/exp2.h), 8 lanes at
+// a time, not the C library's exp2f (within 2 ulp of it); the merge of blocks uses the shared
+// kernels/common/attention_math.h.
+//
 // Reduction order, and so the bits of the result, depend only on the query: its position, window
 // and cache contents. Blocks are fixed ranges of absolute positions ([b * kDecodeBlock,
 // (b + 1) * kDecodeBlock) cut to the visible range), each block's partial state is computed by one
