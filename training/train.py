@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--eval-batches", type=int, default=16, help="held-out batches at the end")
-    ap.add_argument("--recall-per-distance", type=int, default=64)
+    ap.add_argument("--recall-per-distance", type=int, default=256)
     ap.add_argument("--recall-distances", default="16,32,64,128,256,512",
                     help="bytes between the fact and the question (1x-32x the demo window)")
     ap.add_argument("--export", help="model directory to write at the end (bf16)")
