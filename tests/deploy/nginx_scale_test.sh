@@ -35,11 +35,31 @@ start_nginx "$nginx_port" "${ports[@]}"
 start_control
 via="127.0.0.1:$nginx_port"
 control="127.0.0.1:$CONTROL_PORT"
+log="$work/nginx/logs/access.log"
 
-for s in $(seq 1 "$sessions"); do
-  "$client_bin" sessions create "m$s" --host "$via" >/dev/null || fail "create m$s"
-  "$client_bin" sessions create "m$s" --host "$control" >/dev/null || fail "create control m$s"
-done
+# route_of ID: calls GetSession(ID) through nginx and prints the upstream that nginx's access log
+# gives for that call (waiting for its line: nginx may write it just after the client has its
+# answer). ID need not exist.
+route_of() {
+  local before deadline=$(($(date +%s) + 30))
+  before=$(grep -c "session=\"$1\"" "$log" 2>/dev/null || true)
+  "$client_bin" sessions get "$1" --host "$via" >/dev/null 2>&1 || true
+  until [ "$(grep -c "session=\"$1\"" "$log" 2>/dev/null || true)" -gt "$before" ]; do
+    [ "$(date +%s)" -lt $deadline ] || { echo "none"; return 0; }
+    sleep 0.05
+  done
+  grep "session=\"$1\"" "$log" | tail -1 | sed 's/.* upstream=\([^ ]*\) .*/\1/'
+}
+
+# The 4th replica runs from here on, out of nginx's ring until step 1. The session names: m1..mN,
+# with the last replaced, if need be, by a name that the ring with the 4th replica hashes to it
+# (probed with calls for names that do not exist yet), so that the 3 -> 4 step always moves a
+# session: the ring depends on the replicas' ports, free ports picked at start, and with N names
+# and no probe about (3/4)^N of the runs would move none.
+start_replica r3 "${flags[@]}" --replica_id r3
+port_3=$REPLICA_PORT
+names=()
+for s in $(seq 1 "$sessions"); do names+=("m$s"); done
 
 # One turn of session $1 (prompt $2) through nginx, retried while it fails with a retryable
 # status and a retry hint (each failure logged in $work/failures); then on the control.
@@ -75,8 +95,8 @@ traffic() {
   local round=0
   while [ ! -e "$work/stop" ]; do
     round=$((round + 1))
-    for s in $(seq 1 "$sessions"); do
-      turn_checked "m$s" "round $round of m$s" || return 1
+    for id in "${names[@]}"; do
+      turn_checked "$id" "round $round of $id" || return 1
     done
   done
 }
@@ -101,9 +121,33 @@ set_upstreams() {  # set_upstreams PORT...: nginx's ring, reloaded
     fail "nginx reload"
 }
 
+set_upstreams "${ports[@]}" "$port_3"
+to_r3_name=""
+for k in $(seq 1 200); do
+  if [ "$(route_of "m$k")" = "127.0.0.1:$port_3" ]; then
+    to_r3_name="m$k"
+    break
+  fi
+done
+[ -n "$to_r3_name" ] || fail "none of 200 session names hashes to the 4th replica"
+if ! printf '%s\n' "${names[@]}" | grep -qx "$to_r3_name"; then
+  names[$((sessions - 1))]=$to_r3_name
+fi
+set_upstreams "${ports[@]}"
+# The reload is asynchronous: wait until nginx routes that name off the 4th replica again, so that
+# no session is created there.
+deadline=$(($(date +%s) + 60))
+while [ "$(route_of "$to_r3_name")" = "127.0.0.1:$port_3" ]; do
+  [ "$(date +%s)" -lt $deadline ] || fail "nginx still routes to the 4th replica after the reload"
+  sleep 0.1
+done
+for id in "${names[@]}"; do
+  "$client_bin" sessions create "$id" --host "$via" >/dev/null || fail "create $id"
+  "$client_bin" sessions create "$id" --host "$control" >/dev/null || fail "create control $id"
+done
+
 traffic &
 traffic_pid=$!
-log="$work/nginx/logs/access.log"
 phase() {  # phase: waits until the traffic has run 2 more rounds over every session
   local at
   at=$(wc -l <"$work/turns")
@@ -111,10 +155,8 @@ phase() {  # phase: waits until the traffic has run 2 more rounds over every ses
 }
 count() { grep -c "$1" "$2" 2>/dev/null || true; }
 wait_turns "$sessions"
-# 1. Scale up: a 4th replica joins the ring; about a quarter of the sessions hash to it and are
-# handed over on request by their live owners.
-start_replica r3 "${flags[@]}" --replica_id r3
-port_3=$REPLICA_PORT
+# 1. Scale up: the 4th replica joins the ring; about a quarter of the sessions (at least one, by
+# the choice of names) hash to it and are handed over on request by their live owners.
 set_upstreams "${ports[@]}" "$port_3"
 phase
 to_r3=$(cat "$work"/r[012].err | grep -c "asked by 'r3'" || true)
@@ -141,8 +183,8 @@ to_r3=$(cat "$work"/r[012].err | grep -c "asked by 'r3'" || true)
 from_r3=$(count "handed session" "$work/r3.err")
 failures=0
 [ -f "$work/failures" ] && failures=$(wc -l <"$work/failures")
-moved=$(for s in $(seq 1 "$sessions"); do
-  grep "session=\"m$s\"" "$log" | sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | wc -l
+moved=$(for id in "${names[@]}"; do
+  grep "session=\"$id\"" "$log" | grep -v 'grpc_status=5$' | sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | wc -l
 done | awk '$1 > 1' | wc -l)
 echo "ok: scale 3 -> 4 -> 3 -> 4, drain 4 -> 3 under traffic: $(wc -l <"$work/turns") turns of" \
   "$sessions sessions, all equal to the control; $moved sessions changed replica; handed over" \

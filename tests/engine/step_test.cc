@@ -66,8 +66,16 @@ void RunMixedSteps(const ModelConfig& c, DType dtype, uint32_t seed) {
   std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
   const int kSessions = 6;
   std::vector<Script> scripts(kSessions);
-  for (Script& s : scripts) {
-    s.prompt.resize(std::uniform_int_distribution<int>(1, 17)(rng));
+  for (int i = 0; i < kSessions; ++i) {
+    Script& s = scripts[i];
+    // Sessions 0 and 1 make sure that some step mixes prefill and decode: 0 has a one-token
+    // prompt (it decodes from its second step on) and 1 a prompt longer than the most one step
+    // feeds (3 chunks), and neither sits a step out until a mixed step happened.
+    const int prompt_len =
+        i == 0   ? 1
+        : i == 1 ? std::uniform_int_distribution<int>(3 * kChunk + 1, 3 * kChunk + 17)(rng)
+                 : std::uniform_int_distribution<int>(1, 17)(rng);
+    s.prompt.resize(prompt_len);
     for (int32_t& t : s.prompt) t = token(rng);
     s.decodes.resize(std::uniform_int_distribution<int>(1, 8)(rng));
     for (int32_t& t : s.decodes) t = token(rng);
@@ -110,7 +118,8 @@ void RunMixedSteps(const ModelConfig& c, DType dtype, uint32_t seed) {
     for (int i = 0; i < kSessions; ++i) order[i] = i;
     std::shuffle(order.begin(), order.end(), rng);
     for (int i : order) {
-      if (finished(i) || std::bernoulli_distribution(0.25)(rng)) continue;
+      const bool may_sit_out = mixed_steps > 0 || i > 1;
+      if (finished(i) || (may_sit_out && std::bernoulli_distribution(0.25)(rng))) continue;
       const Script& s = scripts[i];
       Part p{i, 0, 0, StepLogits::kLast, -1};
       if (fed[i] < s.prompt.size()) {
