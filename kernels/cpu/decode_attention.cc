@@ -9,6 +9,7 @@
 #define SDM_DECODE_ATTENTION_AVX2 1
 #endif
 
+#include "base/check.h"
 #include "kernels/common/attention_math.h"
 #include "kernels/cpu/decode_attention_wide.h"
 #include "kernels/cpu/exp2.h"
@@ -266,6 +267,7 @@ void AttendDecodeBatchOf(std::span<const DecodeQueryOf<T>> queries, const Attent
 }
 
 const DecodeWideLoops* WideLoopsFor(GemmIsa isa) {
+  SDM_CHECK(GemmIsaAvailable(isa)) << GemmIsaName(isa) << " is not available";
   return isa == GemmIsa::kAvx512 ? Avx512DecodeWideLoops() : nullptr;
 }
 
