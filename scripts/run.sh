@@ -89,7 +89,7 @@ echo "== session $SESSION resumed from its saved state, asked:${QUESTION}"
 echo
 echo "(after the restart only the question was processed: the session's saved state stands for"
 echo " everything before it. The attention layers see 16 bytes back, so only the SDM memory could"
-echo " carry the fact. The demo model answers right about 86% of the time at this distance, its"
+echo " carry the fact. The demo model recalled 100% of 256 held-out facts at this distance, its"
 echo " sliding-window twin at chance: see models/sdm-fortunes-demo/README.md)"
 "${CLIENT[@]}" sessions get "$SESSION"
 echo

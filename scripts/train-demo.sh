@@ -8,7 +8,7 @@
 #   scripts/train-demo.sh            (environment: SDM_TRAIN_STEPS, SDM_TRAIN_RUNS, SDM_TRAIN_OUT)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STEPS=${SDM_TRAIN_STEPS:-2800}
+STEPS=${SDM_TRAIN_STEPS:-4000}
 RUNS=${SDM_TRAIN_RUNS:-runs}
 OUT=${SDM_TRAIN_OUT:-models/sdm-fortunes-demo}
 PY=/usr/bin/python3
