@@ -6,13 +6,20 @@
 #
 # The machine reaches no package registry: first run scripts/fetch-device-deps.sh here, then
 # call the device tool with carry [".devdeps"] and the command `bash scripts/device-check.sh`.
-# Logs and JSON go to $OUT (the device tool brings them back) or ./device-check-out.
+# Logs and JSON are written to a work folder; on exit the key files (summary.txt with the table,
+# failures.txt, kernels.json, decode.json, state.json, reference_decode.json) are copied to $OUT (the device
+# tool brings back at most 8 files) and every log is packed into $OUT/device-check-logs.tar.gz.
+# Without $OUT the work folder is ./device-check-out.
 #
 # It fails loudly (exit 3) when no GPU is visible or CMake did not enable CUDA, and exits 1 when
 # a step failed or a CUDA test skipped; each test runs once with a 60 s timeout, results print as
 # they arrive, and the table prints last even when a step hangs (an overall deadline, default
-# 420 s, bounds every step). Not done here: timing the reference implementation's Triton decode
-# step beside ours (its code cannot be carried in this repository).
+# 450 s, bounds every step). The order puts what only a GPU can answer first: the build (kept
+# going past a failing file, so that one compiler difference costs one target, not the run), the
+# CUDA tests, the kernel and decode benchmarks, the reference implementation's own decode step
+# (scripts/device/reference_decode.py, where .refcode/ was fetched by scripts/fetch-reference.sh
+# and carried: the reference's code is never committed, its license is non-commercial), and last
+# the CPU-only kernel and engine tests (CI runs those too; here they try the host's ISA).
 #
 # Environment: SDM_DEVICE_CHECK_QUICK=1 skips the decode benchmark (build and tests only);
 # SDM_DEVICE_CHECK_DEADLINE=SECONDS changes the overall deadline;
@@ -21,13 +28,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
-OUT_DIR=${OUT:-$ROOT/device-check-out}
-mkdir -p "$OUT_DIR"
+RETURN_DIR=${OUT:-}
+OUT_DIR=$ROOT/device-check-out
+[[ -n $RETURN_DIR ]] && OUT_DIR=/tmp/device-check-out
+rm -rf "$OUT_DIR"; mkdir -p "$OUT_DIR"
 START=$(date +%s)
 elapsed() { echo $(( $(date +%s) - START )); }
 log() { echo "[device-check $(elapsed)s] $*"; }
 declare -A RESULT
-DEADLINE=${SDM_DEVICE_CHECK_DEADLINE:-420}
+DEADLINE=${SDM_DEVICE_CHECK_DEADLINE:-450}
 # Seconds a step may take: its own limit, cut to what is left of the deadline (at least 5).
 budget() { local left=$(( DEADLINE - $(elapsed) )); (( left < 5 )) && left=5; (( $1 < left )) && echo "$1" || echo "$left"; }
 FAILED=0
@@ -35,7 +44,8 @@ print_table() {
   echo
   echo "== sdmserve device check, $(date -u +%Y-%m-%dT%H:%MZ), $(elapsed) s =="
   local key
-  for key in gpu cuda_enabled build cuda cuda_skipped selection kernel_tests engine kernels decode; do
+  for key in gpu host_compiler cuda_enabled build cuda cuda_skipped selection kernels decode \
+             state reference kernel_tests engine; do
     printf "%-20s %s\n" "$key" "${RESULT[$key]:-(not reached)}"
   done
   if [[ -s $OUT_DIR/selection.txt ]]; then
@@ -50,9 +60,29 @@ print_table() {
   if [[ -f $OUT_DIR/decode.txt ]]; then
     echo "-- sdm-bench decode (flagship pair)"; tail -25 "$OUT_DIR/decode.txt"
   fi
+  if [[ -f $OUT_DIR/state.txt ]]; then
+    echo "-- sdm-bench state (park and resume through the engine)"; tail -8 "$OUT_DIR/state.txt"
+  fi
+  if [[ -f $OUT_DIR/reference.txt ]]; then
+    echo "-- reference decode step (scripts/device/reference_decode.py)"
+    tail -8 "$OUT_DIR/reference.txt"
+  fi
   echo "== verdict: $([[ $FAILED == 0 ]] && echo PASS || echo FAIL)"
 }
-trap print_table EXIT
+# Failed tests by name, the table, then everything back through $OUT (at most 8 files).
+finish() {
+  grep -h -E "^ *[0-9]+ - .*\((Failed|Timeout|Not Run|SEGFAULT|Subprocess aborted)" \
+    "$OUT_DIR"/ctest-*.log >"$OUT_DIR/failures.txt" 2>/dev/null || true
+  print_table | tee "$OUT_DIR/summary.txt"
+  if [[ -n $RETURN_DIR ]]; then
+    local f
+    for f in summary.txt failures.txt kernels.json decode.json state.json reference_decode.json; do
+      [[ -s $OUT_DIR/$f ]] && cp "$OUT_DIR/$f" "$RETURN_DIR/"
+    done
+    tar czf "$RETURN_DIR/device-check-logs.tar.gz" -C "$OUT_DIR" . 2>/dev/null || true
+  fi
+}
+trap finish EXIT
 
 # ---- dependencies: the carried Debian packages, unpacked under a private prefix ----------------
 DEPS=/tmp/sdm-deps
@@ -60,7 +90,7 @@ if [[ "${SDM_DEVICE_CHECK_FORCE_DEPS:-0}" == 1 ]] ||
    { ! pkg-config --exists absl_status 2>/dev/null && [[ ! -d $DEPS/usr ]]; }; then
   if ! ls .devdeps/*.deb >/dev/null 2>&1; then
     echo "device-check: no .devdeps/*.deb: run scripts/fetch-device-deps.sh first and carry .devdeps" >&2
-    exit 2
+    FAILED=1; exit 2
   fi
   mkdir -p $DEPS
   for f in .devdeps/*.deb; do dpkg -x "$f" $DEPS; done
@@ -85,7 +115,10 @@ if ! gpus=$(nvidia-smi -L 2>&1) || ! grep -q "^GPU " <<<"$gpus"; then
 fi
 RESULT[gpu]=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | head -1)
 log "device: ${RESULT[gpu]}"
-log "nvcc: $(/usr/local/cuda/bin/nvcc --version | tail -1)"
+log "nvcc: $("$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)" --version | tail -1)"
+RESULT[host_compiler]=$(c++ --version 2>/dev/null | head -1)
+log "host compiler: ${RESULT[host_compiler]}"
+nvidia-smi >"$OUT_DIR/nvidia-smi.txt" 2>&1 || true
 CMAKE=cmake
 need=$(sed -n 's/^cmake_minimum_required(VERSION \([0-9.]*\)).*/\1/p' CMakeLists.txt)
 have=$(cmake --version 2>/dev/null | sed -n 's/^cmake version \([0-9.]*\).*/\1/p')
@@ -105,7 +138,7 @@ BUILD=/tmp/sdm-device-build
 GEN=()
 command -v ninja >/dev/null && GEN=(-G Ninja)
 if ! $CMAKE -S . -B $BUILD "${GEN[@]}" -DCMAKE_BUILD_TYPE=Release -DSDM_SERVER=OFF -DSDM_CUDA=ON \
-    "${CMAKE_EXTRA[@]}" >"$OUT_DIR/configure.log" 2>&1; then
+    -DSDM_WERROR=OFF "${CMAKE_EXTRA[@]}" >"$OUT_DIR/configure.log" 2>&1; then
   tail -30 "$OUT_DIR/configure.log"; log "configure FAILED"; FAILED=1; exit 1
 fi
 log "configured ($(grep -c "" "$OUT_DIR/configure.log") lines of log)"
@@ -117,12 +150,25 @@ if ! grep -q "sdmserve: CUDA backend ON" "$OUT_DIR/configure.log"; then
 fi
 RESULT[cuda_enabled]=yes
 [[ "${SDM_DEVICE_CHECK_STOP_AFTER:-}" == configure ]] && exit 0
-if ! timeout "$(budget 300)" $CMAKE --build $BUILD -j"$(nproc)" >"$OUT_DIR/build.log" 2>&1; then
-  grep -E "error|Error" "$OUT_DIR/build.log" | head -40; log "build FAILED"
-  RESULT[build]=FAIL; FAILED=1; exit 1
+# Warnings are not errors here (the host compiler may be newer than CI's and warn about more);
+# the build keeps going past a failing file, and the tests of what did build still run.
+KEEP_GOING=(-k)
+[[ ${#GEN[@]} -gt 0 ]] && KEEP_GOING=(-k 0)
+if timeout "$(budget 300)" $CMAKE --build $BUILD -j"$(nproc)" -- "${KEEP_GOING[@]}" \
+    >"$OUT_DIR/build.log" 2>&1; then
+  log "built"
+  RESULT[build]=ok
+else
+  status=$?
+  grep -E -A3 "error|Error" "$OUT_DIR/build.log" | head -60
+  if [[ $status == 124 ]]; then
+    RESULT[build]="FAIL (timed out; tests of what was built run)"
+  else
+    RESULT[build]="FAIL ($(grep -c "^FAILED:" "$OUT_DIR/build.log") targets failed; tests of the rest run)"
+  fi
+  FAILED=1; log "build: ${RESULT[build]}"
 fi
-log "built"
-RESULT[build]=ok
+BENCH=$(find $BUILD -name sdm-bench -type f -perm -u+x | head -1)
 
 # ---- tests: every CUDA test once, then the other kernel and engine tests ----------------------
 run_tests() {  # name, ctest args...
@@ -141,7 +187,7 @@ run_tests() {  # name, ctest args...
 # device's product-key selection differs from the CPU's: kernels on identical scores, and the
 # engines on the test models), "[sdm-state]" (SDM rows per layer against the CPU after a sync)
 # and "[batch64]" (sessions of the 64-session decode batch beyond the logit tolerance).
-run_tests cuda -R "[Cc]uda" -j4 -V
+run_tests cuda -R "[Cc]uda" -j8 -V
 grep -ho "\[selection\].*\|\[sdm-state\].*\|\[batch64\].*" "$OUT_DIR/ctest-cuda.log" \
   >"$OUT_DIR/selection.txt" || true
 RESULT[selection]="$(grep -c "" "$OUT_DIR/selection.txt") lines (selection.txt)"
@@ -152,16 +198,14 @@ skipped=$(grep -E "\*\*\*Skipped" "$OUT_DIR/ctest-cuda.log" |
           grep -vc "AskingForCudaWithoutADeviceIsAClearError" || true)
 RESULT[cuda_skipped]=$skipped
 [[ "$skipped" != 0 ]] && FAILED=1
-run_tests kernel_tests -L kernels -E "[Cc]uda" -j8
-run_tests engine -L engine -E "[Cc]uda" -j8
 
 # ---- benchmarks ----------------------------------------------------------------------------------
-BENCH=$(find $BUILD -name sdm-bench -type f -perm -u+x | head -1)
 if [[ -n "$BENCH" ]]; then
-  if timeout "$(budget 150)" "$BENCH" kernels --json "$OUT_DIR/kernels.json" >"$OUT_DIR/kernels.txt" 2>&1; then
+  if timeout "$(budget 150)" "$BENCH" kernels --json "$OUT_DIR/kernels.json" 2>&1 |
+      tee "$OUT_DIR/kernels.txt"; [[ ${PIPESTATUS[0]} == 0 ]]; then
     RESULT[kernels]=ok
   else
-    RESULT[kernels]="FAIL (exit $?)"; FAILED=1; tail -20 "$OUT_DIR/kernels.txt"
+    RESULT[kernels]="FAIL"; FAILED=1
   fi
   log "kernel benchmark: ${RESULT[kernels]}"
   if [[ "${SDM_DEVICE_CHECK_QUICK:-0}" != 1 ]]; then
@@ -169,15 +213,47 @@ if [[ -n "$BENCH" ]]; then
     # comparison at batch 64 is a longer run (docs/benchmarks.md, CUDA section), and the kernel
     # benchmark above already measures attention decode at 32k.
     if timeout "$(budget 240)" "$BENCH" decode --device cuda --pair flagship --contexts 1024 \
-        --batches 1,8,64 --max_batch 64 --steps 20 --json "$OUT_DIR/decode.json" \
-        >"$OUT_DIR/decode.txt" 2>&1; then
+        --batches 1,8,64 --max_batch 64 --steps 20 --json "$OUT_DIR/decode.json" 2>&1 |
+        tee "$OUT_DIR/decode.txt"; [[ ${PIPESTATUS[0]} == 0 ]]; then
       RESULT[decode]=ok
     else
-      RESULT[decode]="FAIL (exit $?)"; FAILED=1; tail -20 "$OUT_DIR/decode.txt"
+      RESULT[decode]="FAIL"; FAILED=1
     fi
     log "decode benchmark: ${RESULT[decode]}"
+    # Park and resume through the engine's real path: an sdm_flagship session prefilled on the
+    # device, its state synced to the host (device_to_host_s), written, read back and resumed
+    # with one decode step.
+    if timeout "$(budget 120)" "$BENCH" state --device cuda --presets sdm_flagship --lengths 128 \
+        --dir /tmp/sdm-device-state --json "$OUT_DIR/state.json" 2>&1 |
+        tee "$OUT_DIR/state.txt"; [[ ${PIPESTATUS[0]} == 0 ]]; then
+      RESULT[state]=ok
+    else
+      RESULT[state]="FAIL"; FAILED=1
+    fi
+    log "state benchmark: ${RESULT[state]}"
   fi
+else
+  RESULT[kernels]="FAIL (sdm-bench not built)"; RESULT[decode]="FAIL (sdm-bench not built)"; FAILED=1
 fi
+
+# ---- the reference implementation's own decode step, where its code was carried ---------------
+if [[ -d .refcode/sparse-delta-memory ]]; then
+  if PYTHONUNBUFFERED=1 timeout "$(budget 150)" python3 scripts/device/reference_decode.py \
+      --ref .refcode/sparse-delta-memory --json "$OUT_DIR/reference_decode.json" \
+      --time_limit_s "$(( $(budget 150) - 15 ))" 2>&1 | tee "$OUT_DIR/reference.txt" |
+      grep --line-buffered -v "^ *$"; [[ ${PIPESTATUS[0]} == 0 ]]; then
+    RESULT[reference]=ok
+  else
+    RESULT[reference]="FAIL (see reference.txt)"  # informative; not a failure of ours
+  fi
+else
+  RESULT[reference]="not carried (.refcode/: scripts/fetch-reference.sh)"
+fi
+log "reference: ${RESULT[reference]}"
+
+# ---- CPU-only tests last (CI runs them too; here they meet the host's ISA) ----------------------
+run_tests kernel_tests -L kernels -E "[Cc]uda" -j8
+run_tests engine -L engine -E "[Cc]uda" -j8
 
 # The table prints on exit (trap above); the status says whether everything passed.
 exit $FAILED
