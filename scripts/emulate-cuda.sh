@@ -103,10 +103,11 @@ fi
 rm -f "$BUILD/compile-failed"
 pids=()
 CCACHE="$(command -v ccache || true)"  # reruns after an unrelated change cost little
-compile() {  # compile OUT.o SRC FLAGS...; rebuilds when SRC or an emulator header is newer
-  local out="$1" src="$2"; shift 2
+compile() {  # compile OUT.o SRC FLAGS...; rebuilds when SRC or any header it may include
+  local out="$1" src="$2"; shift 2  # (the emulator's or the project's) is newer
   if [[ -f "$out" && "$out" -nt "$src" && "$out" -nt "$0" ]] &&
-     ! find "$EMU" -newer "$out" -name '*.h' | grep -q . ; then
+     ! find "$EMU" "$ROOT"/{base,common,engine,kernels,state_store} -newer "$out" -name '*.h' \
+         2>/dev/null | grep -q . ; then
     return 0
   fi
   # Runs in the background; a failure leaves a marker file (a subshell cannot set variables).

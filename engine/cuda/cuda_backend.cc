@@ -112,8 +112,13 @@ class CudaBackend : public EngineBackend {
           absl::StrFormat("the weights leave no device memory for session state (%.2f GiB free)",
                           free_bytes / double(1 << 30)));
     }
+    if (options_.device_transfer_chunk_bytes < 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device_transfer_chunk_bytes must be >= 0, not ", options_.device_transfer_chunk_bytes));
+    }
     DeviceStateSizes sizes;
     sizes.max_context = options_.max_context;
+    sizes.transfer_chunk_bytes = options_.device_transfer_chunk_bytes;
     // Arenas in proportion to what one session needs at most: its SDM table fully written, its
     // sliding-window rings full, its full-attention caches at max_context. Session state of
     // `sessions` such sessions then fits exactly, and shorter sessions fit more.

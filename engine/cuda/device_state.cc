@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
+#include "engine/transfer_plan.h"
 #include "kernels/common/device_layout.h"
+#include "kernels/cuda/elementwise.h"
 
 namespace sdm {
 namespace {
@@ -238,6 +241,57 @@ void CudaDeviceContext::FinishRefresh() {
   std::memcpy(counters_published_.data(), counters_host_.get(), counters_.bytes());
 }
 
+namespace {
+
+// Grows `buffer` to at least `need` elements: by at least a quarter of its size, but not past
+// `limit` unless `need` is. Counts each allocation in `*allocations`.
+template <typename Buffer>
+absl::Status GrowTo(Buffer& buffer, int64_t need, int64_t limit, const char* what,
+                    int64_t* allocations) {
+  const int64_t have = static_cast<int64_t>(buffer.size());
+  if (need <= have) return absl::OkStatus();
+  const int64_t count = std::max(need, std::min(have + have / 4, limit));
+  ++*allocations;
+  if (const cudaError_t err = buffer.Allocate(count); err != cudaSuccess) {
+    // Left empty rather than half-sized: the next Reserve tries again from scratch.
+    return CudaStatus(err, what);
+  }
+  return absl::OkStatus();
+}
+
+constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
+
+}  // namespace
+
+absl::Status TransferStaging::Reserve(const TransferSizes& sizes) {
+  SDM_RETURN_IF_ERROR(
+      GrowTo(image_, sizes.image, kNoLimit, "allocating pinned transfer staging", &allocations_));
+  SDM_RETURN_IF_ERROR(
+      GrowTo(host_ids_, sizes.host_ids, kNoLimit, "allocating pinned transfer ids", &allocations_));
+  SDM_RETURN_IF_ERROR(GrowTo(chunk_, sizes.chunk, chunk_limit_elems_,
+                             "allocating the device transfer chunk", &allocations_));
+  return GrowTo(ids_, sizes.ids, kNoLimit, "allocating device transfer ids", &allocations_);
+}
+
+absl::Status CudaDeviceContext::WithTransferStaging(
+    absl::FunctionRef<absl::Status(TransferStaging&)> transfer) {
+  absl::MutexLock lock(&staging_mu_);
+  absl::Status status = transfer(staging_);
+  if (!status.ok()) {
+    // Copies and kernels the failed transfer enqueued may still use the staging: let them end
+    // before the next transfer rewrites or regrows it (errors here add nothing to `status`).
+    cudaStreamSynchronize(transfer_.get());
+    cudaStreamSynchronize(compute_.get());
+    cudaGetLastError();
+  }
+  return status;
+}
+
+int64_t CudaDeviceContext::transfer_staging_allocations() const {
+  absl::MutexLock lock(&staging_mu_);
+  return staging_.allocations();
+}
+
 // ---------------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
@@ -250,20 +304,13 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
   s->layers_.resize(n_layers);
 
-  // Pass 1: tables, pages and the host images of what moves (bf16, pinned).
-  struct SdmUpload {
-    int64_t layer;
-    std::vector<int32_t> slot_ids;
-    int64_t offset;  // in rows, into the staging image
-  };
-  struct PageUpload {
-    int64_t layer;
-    int32_t page;
-    int64_t offset;  // in elements, into the staging image
-  };
-  std::vector<SdmUpload> sdm_uploads;
-  std::vector<PageUpload> page_uploads;
-  int64_t staging_elems = 0;
+  // The image (engine/transfer_plan.h): one run of private rows per SDM layer, in layer order,
+  // then one run of pages per attention layer. Slot ids and page ids go to host_ids in the
+  // same order, each run's ids back to back; the row counts after them.
+  std::vector<TransferRun> runs;
+  std::vector<int64_t> run_layer, run_ids;  // per run: its layer, its first id in host_ids
+  std::vector<int32_t> ids;
+  std::vector<int64_t> sdm_rows(n_layers, 0);  // per SDM layer: the rows it uploads
   for (int64_t l = 0; l < n_layers; ++l) {
     const LayerStateLayout& ls = layout.layers[l];
     Layer& layer = s->layers_[l];
@@ -274,126 +321,123 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
       SDM_RETURN_IF_ERROR(
           CudaStatus(cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
                      "clearing an SDM slot table"));
-      SdmUpload up{l, {}, staging_elems / ls.row_width};
+      run_layer.push_back(l);
+      run_ids.push_back(static_cast<int64_t>(ids.size()));
       host.sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
-        up.slot_ids.push_back(static_cast<int32_t>(head * ls.slots_per_head + slot));
+        ids.push_back(static_cast<int32_t>(head * ls.slots_per_head + slot));
       });
-      staging_elems += static_cast<int64_t>(up.slot_ids.size()) * ls.row_width;
-      sdm_uploads.push_back(std::move(up));
+      sdm_rows[l] = static_cast<int64_t>(ids.size()) - run_ids.back();
+      runs.push_back({ls.row_width, sdm_rows[l]});
     } else {
       SDM_RETURN_IF_ERROR(
           CudaStatus(layer.table.Allocate(ctx->page_table_entries(l)), "allocating a page table"));
       layer.pages.reserve(ctx->page_table_entries(l));
     }
   }
+  const int64_t total_rows = static_cast<int64_t>(ids.size());
   if (auto st = s->EnsurePages(host.position()); !st.ok()) return st;
   for (int64_t l = 0; l < n_layers; ++l) {
     const LayerStateLayout& ls = layout.layers[l];
-    if (IsSdm(ls)) continue;
-    for (int32_t page : s->layers_[l].pages) {
-      page_uploads.push_back({l, page, staging_elems});
-      staging_elems += kernels::KvPageElements(ls.kv_row_width);
-    }
+    if (IsSdm(ls) || s->layers_[l].pages.empty()) continue;
+    run_layer.push_back(l);
+    run_ids.push_back(static_cast<int64_t>(ids.size()));
+    ids.insert(ids.end(), s->layers_[l].pages.begin(), s->layers_[l].pages.end());
+    runs.push_back({kernels::KvPageElements(ls.kv_row_width),
+                    static_cast<int64_t>(s->layers_[l].pages.size())});
   }
-  int64_t total_rows = 0;
-  for (const SdmUpload& up : sdm_uploads) total_rows += static_cast<int64_t>(up.slot_ids.size());
   if (total_rows > 0) {
     if (auto st = ctx->ReserveRows(total_rows); !st.ok()) return st;
   }
-  if (staging_elems == 0) return s;
+  const int64_t image_elems = TransferImageElems(runs);
+  if (image_elems == 0) return s;
+  std::vector<int64_t> run_offset(runs.size(), 0);  // in elements, into the image
+  for (size_t r = 1; r < runs.size(); ++r) {
+    run_offset[r] = run_offset[r - 1] + runs[r - 1].block_elems * runs[r - 1].count;
+  }
 
-  kc::PinnedBuffer<bf16> staging;
-  SDM_RETURN_IF_ERROR(
-      CudaStatus(staging.Allocate(staging_elems), "allocating pinned upload staging"));
-  for (const SdmUpload& up : sdm_uploads) {
-    const int64_t w = layout.layers[up.layer].row_width;
-    bf16* dst = staging.get() + up.offset * w;
-    host.sdm(up.layer).ForEachPrivateRow([&](int64_t, int64_t, const float* row) {
-      for (int64_t c = 0; c < w; ++c) dst[c] = __float2bfloat16_rn(row[c]);
-      dst += w;
-    });
-  }
-  for (const PageUpload& up : page_uploads) {
-    std::memset(static_cast<void*>(staging.get() + up.offset), 0,
-                kernels::KvPageElements(layout.layers[up.layer].kv_row_width) * sizeof(bf16));
-  }
-  // Fill each held position's key and value rows into its page's image.
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const LayerStateLayout& ls = layout.layers[l];
-    if (IsSdm(ls)) continue;
-    const KvCache& kv = host.kv(l);
-    const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
-    int64_t first_upload = 0;
-    while (first_upload < static_cast<int64_t>(page_uploads.size()) &&
-           page_uploads[first_upload].layer != l) {
-      ++first_upload;
-    }
-    for (int64_t pos = kv.first_position(); pos < kv.length(); ++pos) {
-      const int64_t entry = kernels::KvPageTableIndex(pos, ring);
-      const PageUpload& up = page_uploads[first_upload + entry];
-      for (int value = 0; value < 2; ++value) {
-        const float* src = value ? kv.ValueRow(pos) : kv.KeyRow(pos);
-        bf16* dst =
-            staging.get() + up.offset + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
-        for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __float2bfloat16_rn(src[c]);
+  const int64_t n_ids = static_cast<int64_t>(ids.size());
+  TransferSizes need;
+  need.image = image_elems;
+  need.host_ids = n_ids + n_layers;  // the ids, then a row count per layer
+  need.ids = n_ids;
+  SDM_RETURN_IF_ERROR(ctx->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
+    need.chunk = staging.ChunkElemsFor(image_elems);
+    SDM_RETURN_IF_ERROR(staging.Reserve(need));
+    absl::StatusOr<std::vector<TransferChunk>> chunks =
+        PlanTransferChunks(runs, staging.chunk_elems());
+    if (!chunks.ok()) return chunks.status();
+    // The image: each layer's private rows as bf16, each page's held positions (the rest 0).
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const int64_t l = run_layer[r];
+      const LayerStateLayout& ls = layout.layers[l];
+      bf16* dst = staging.image() + run_offset[r];
+      if (IsSdm(ls)) {
+        host.sdm(l).ForEachPrivateRow([&](int64_t, int64_t, const float* row) {
+          for (int64_t c = 0; c < ls.row_width; ++c) dst[c] = __float2bfloat16_rn(row[c]);
+          dst += ls.row_width;
+        });
+        continue;
+      }
+      std::memset(static_cast<void*>(dst), 0, runs[r].count * runs[r].block_elems * sizeof(bf16));
+      const KvCache& kv = host.kv(l);
+      const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
+      for (int64_t pos = kv.first_position(); pos < kv.length(); ++pos) {
+        // Page-table entry e is the run's block e (the pages in table order).
+        const int64_t entry = kernels::KvPageTableIndex(pos, ring);
+        for (int value = 0; value < 2; ++value) {
+          const float* src = value ? kv.ValueRow(pos) : kv.KeyRow(pos);
+          bf16* row = dst + entry * runs[r].block_elems +
+                      kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
+          for (int64_t c = 0; c < ls.kv_row_width; ++c) row[c] = __float2bfloat16_rn(src[c]);
+        }
       }
     }
-  }
+    std::memcpy(staging.host_ids(), ids.data(), n_ids * sizeof(int32_t));
 
-  // Bulk copies on the transfer stream; the compute stream waits for them before the scatter.
-  kc::DeviceBuffer<bf16> row_staging;
-  kc::DeviceBuffer<int32_t> slot_ids;
-  if (total_rows > 0) {
-    SDM_RETURN_IF_ERROR(CudaStatus(row_staging.Allocate(total_rows * ctx->row_arena().row_width),
-                                   "allocating row upload staging"));
+    // Everything on the compute stream, in order: the rows' scatter pops the free list, which
+    // only the compute stream touches (and the next step needs the session anyway). Copies
+    // come from page-locked memory; each chunk's copy waits for the previous chunk's scatter.
+    cudaStream_t c = ctx->compute();
     SDM_RETURN_IF_ERROR(
-        CudaStatus(slot_ids.Allocate(total_rows), "allocating slot upload staging"));
-  }
-  std::vector<int32_t> all_slots;
-  for (const SdmUpload& up : sdm_uploads) {
-    all_slots.insert(all_slots.end(), up.slot_ids.begin(), up.slot_ids.end());
-  }
-  if (total_rows > 0) {
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(row_staging.get(), staging.get(), row_staging.bytes(),
-                                   cudaMemcpyHostToDevice, ctx->transfer()),
-                   "uploading SDM rows"));
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(slot_ids.get(), all_slots.data(), slot_ids.bytes(),
-                                   cudaMemcpyHostToDevice, ctx->transfer()),
-                   "uploading SDM slot ids"));
-  }
-  for (const PageUpload& up : page_uploads) {
-    const kc::KvLayerView arena = ctx->kv_arena(up.layer);
-    SDM_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(arena.pool + kernels::KvRowOffset(up.page, 0, arena.kv_width, false),
-                        staging.get() + up.offset, ctx->page_bytes(up.layer),
-                        cudaMemcpyHostToDevice, ctx->transfer()),
-        "uploading KV pages"));
-  }
-  kc::CudaEvent uploaded;
-  SDM_RETURN_IF_ERROR(CudaStatus(uploaded.Create(), "creating an event"));
-  SDM_RETURN_IF_ERROR(
-      CudaStatus(cudaEventRecord(uploaded.get(), ctx->transfer()), "recording an event"));
-  SDM_RETURN_IF_ERROR(
-      CudaStatus(cudaStreamWaitEvent(ctx->compute(), uploaded.get(), 0), "ordering streams"));
-  for (const SdmUpload& up : sdm_uploads) {
-    if (up.slot_ids.empty()) continue;
-    const int64_t count = static_cast<int64_t>(up.slot_ids.size());
-    const int64_t w = layout.layers[up.layer].row_width;
-    SDM_RETURN_IF_ERROR(CudaStatus(
-        kc::SdmScatterRows(row_staging.get() + up.offset * w, slot_ids.get() + up.offset, count,
-                           s->layers_[up.layer].table.get(), ctx->row_arena(), ctx->compute()),
-        "scattering uploaded rows"));
-    const int32_t n = static_cast<int32_t>(count);
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(ctx->row_counter(s->counter_slot_, ctx->sdm_index(up.layer)), &n,
-                                   sizeof(int32_t), cudaMemcpyHostToDevice, ctx->compute()),
-                   "setting a row counter"));
-  }
-  // The staging buffers die with this scope: wait for the copies (a resume is one upload of at
-  // most the session's state; the next step would wait for it anyway).
-  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(ctx->compute()), "uploading a session"));
+        CudaStatus(cudaMemcpyAsync(staging.ids(), staging.host_ids(), n_ids * sizeof(int32_t),
+                                   cudaMemcpyHostToDevice, c),
+                   "uploading slot and page ids"));
+    for (const TransferChunk& chunk : *chunks) {
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(staging.chunk(), staging.image() + chunk.image_offset,
+                                     chunk.elems * sizeof(bf16), cudaMemcpyHostToDevice, c),
+                     "uploading session state"));
+      for (const TransferPiece& p : chunk.pieces) {
+        const int64_t l = run_layer[p.run];
+        const int32_t* piece_ids = staging.ids() + run_ids[p.run] + p.first;
+        const bf16* src = staging.chunk() + p.chunk_offset;
+        if (IsSdm(layout.layers[l])) {
+          SDM_RETURN_IF_ERROR(
+              CudaStatus(kc::SdmScatterRows(src, piece_ids, p.count, s->layers_[l].table.get(),
+                                            ctx->row_arena(), c),
+                         "scattering uploaded rows"));
+        } else {
+          const kc::KvLayerView arena = ctx->kv_arena(l);
+          SDM_RETURN_IF_ERROR(CudaStatus(
+              kc::ScatterBlocks(src, runs[p.run].block_elems, piece_ids, p.count, arena.pool, c),
+              "scattering uploaded pages"));
+        }
+      }
+    }
+    // Each SDM layer's row counter, from page-locked memory after the ids.
+    int32_t* counts = staging.host_ids() + n_ids;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (sdm_rows[l] == 0) continue;
+      counts[l] = static_cast<int32_t>(sdm_rows[l]);
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(ctx->row_counter(s->counter_slot_, ctx->sdm_index(l)),
+                                     counts + l, sizeof(int32_t), cudaMemcpyHostToDevice, c),
+                     "setting a row counter"));
+    }
+    // The staging is the next transfer's: wait for the copies and scatters (a resume is one
+    // upload of at most the session's state; the next step would wait for it anyway).
+    return CudaStatus(cudaStreamSynchronize(c), "uploading a session");
+  }));
   return s;
 }
 
@@ -485,111 +529,138 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
       CudaStatus(cudaStreamWaitEvent(ctx_->transfer(), computed.get(), 0), "ordering streams"));
   cudaStream_t t = ctx_->transfer();
 
-  // The SDM tables first: they say which rows to move.
-  std::vector<kc::PinnedBuffer<int32_t>> tables(n_layers);
+  // host_ids: the SDM tables (table_entries), then the ids of the rows they name and of the
+  // pages (at most table_entries + pages, placed once the tables are read).
+  std::vector<int64_t> table_offset(n_layers, 0);
+  int64_t table_entries = 0, n_pages = 0;
   for (int64_t l = 0; l < n_layers; ++l) {
-    if (!IsSdm(layout.layers[l])) continue;
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(tables[l].Allocate(layers_[l].table.size()), "allocating pinned tables"));
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(cudaMemcpyAsync(tables[l].get(), layers_[l].table.get(),
-                                   layers_[l].table.bytes(), cudaMemcpyDeviceToHost, t),
-                   "downloading an SDM table"));
-  }
-  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading SDM tables"));
-  struct RowDownload {
-    int64_t layer, slot, offset;  // offset in rows into the staging image
-  };
-  std::vector<RowDownload> rows;
-  std::vector<int32_t> row_ids;
-  for (int64_t l = 0; l < n_layers; ++l) {
-    if (!IsSdm(layout.layers[l])) continue;
-    for (int64_t i = 0; i < static_cast<int64_t>(layers_[l].table.size()); ++i) {
-      const int32_t r = tables[l].get()[i];
-      if (r < 0) continue;
-      rows.push_back({l, i, static_cast<int64_t>(row_ids.size())});
-      row_ids.push_back(r);
+    if (IsSdm(layout.layers[l])) {
+      table_offset[l] = table_entries;
+      table_entries += static_cast<int64_t>(layers_[l].table.size());
+    } else {
+      n_pages += static_cast<int64_t>(layers_[l].pages.size());
     }
-  }
-  int64_t page_elems = 0;
-  for (int64_t l = 0; l < n_layers; ++l) {
-    if (IsSdm(layout.layers[l])) continue;
-    page_elems += static_cast<int64_t>(layers_[l].pages.size()) *
-                  kernels::KvPageElements(layout.layers[l].kv_row_width);
   }
   const int64_t row_width = ctx_->row_arena().row_width;
-  const int64_t row_elems = static_cast<int64_t>(row_ids.size()) * row_width;
-  kc::PinnedBuffer<bf16> staging;
-  SDM_RETURN_IF_ERROR(
-      CudaStatus(staging.Allocate(row_elems + page_elems), "allocating pinned staging"));
-  kc::DeviceBuffer<int32_t> ids;
-  kc::DeviceBuffer<bf16> gathered;
-  if (!row_ids.empty()) {
-    SDM_RETURN_IF_ERROR(CudaStatus(ids.Allocate(row_ids.size()), "allocating row ids"));
-    SDM_RETURN_IF_ERROR(CudaStatus(gathered.Allocate(row_elems), "allocating gather staging"));
-    SDM_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(ids.get(), row_ids.data(), ids.bytes(), cudaMemcpyHostToDevice, t),
-        "uploading row ids"));
-    SDM_RETURN_IF_ERROR(
-        CudaStatus(kc::SdmGatherRows(ctx_->row_arena(), ids.get(),
-                                     static_cast<int64_t>(row_ids.size()), gathered.get(), t),
-                   "gathering rows"));
-    SDM_RETURN_IF_ERROR(CudaStatus(
-        cudaMemcpyAsync(staging.get(), gathered.get(), gathered.bytes(), cudaMemcpyDeviceToHost, t),
-        "downloading rows"));
-  }
-  int64_t offset = row_elems;
-  std::vector<std::vector<int64_t>> page_offsets(n_layers);
-  for (int64_t l = 0; l < n_layers; ++l) {
-    if (IsSdm(layout.layers[l])) continue;
-    const kc::KvLayerView arena = ctx_->kv_arena(l);
-    for (int32_t page : layers_[l].pages) {
-      page_offsets[l].push_back(offset);
-      SDM_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(staging.get() + offset,
-                          arena.pool + kernels::KvRowOffset(page, 0, arena.kv_width, false),
-                          ctx_->page_bytes(l), cudaMemcpyDeviceToHost, t),
-          "downloading KV pages"));
-      offset += kernels::KvPageElements(arena.kv_width);
+  return ctx_->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
+    TransferSizes need;
+    need.host_ids = 2 * table_entries + n_pages;
+    SDM_RETURN_IF_ERROR(staging.Reserve(need));
+    // The SDM tables first: they say which rows to move.
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (!IsSdm(layout.layers[l])) continue;
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(staging.host_ids() + table_offset[l], layers_[l].table.get(),
+                                     layers_[l].table.bytes(), cudaMemcpyDeviceToHost, t),
+                     "downloading an SDM table"));
     }
-  }
-  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading a session"));
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading SDM tables"));
 
-  // Write the host layers. Host private rows are a subset of the device's (the device copy
-  // started from them and only gains rows).
-  std::vector<float> values(row_width);
-  for (const RowDownload& d : rows) {
-    const LayerStateLayout& ls = layout.layers[d.layer];
-    const bf16* src = staging.get() + d.offset * row_width;
-    for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
-    SdmTable& table = host.sdm(d.layer);
-    const int64_t head = d.slot / ls.slots_per_head, slot = d.slot % ls.slots_per_head;
-    if (table.IsPrivate(head, slot)) {
-      float* row = table.MutableRow(head, slot);
-      if (row == nullptr) return absl::ResourceExhaustedError("host row pool is exhausted");
-      std::memcpy(row, values.data(), row_width * sizeof(float));
-    } else if (auto st = table.RestoreRow(head, slot, values); !st.ok()) {
-      return st;
-    }
-  }
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const LayerStateLayout& ls = layout.layers[l];
-    if (IsSdm(ls)) continue;
-    KvCache& kv = host.kv(l);
-    const int64_t length = host.position();
-    kv.ResetForRestore(length);
-    const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
-    for (int64_t pos = kv.first_position(); pos < length; ++pos) {
-      const int64_t base = page_offsets[l][kernels::KvPageTableIndex(pos, ring)];
-      for (int value = 0; value < 2; ++value) {
-        const bf16* src =
-            staging.get() + base + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
-        float* dst = value ? kv.MutableValueRow(pos) : kv.MutableKeyRow(pos);
-        for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
+    // The image (engine/transfer_plan.h): one run of every private row (layer order, then slot
+    // order), then one run of pages per attention layer; their ids after the tables.
+    struct RowDownload {
+      int64_t layer, slot;  // the row's index in the run is its index here
+    };
+    std::vector<RowDownload> rows;
+    int32_t* ids = staging.host_ids() + table_entries;
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (!IsSdm(layout.layers[l])) continue;
+      const int32_t* table = staging.host_ids() + table_offset[l];
+      for (int64_t i = 0; i < static_cast<int64_t>(layers_[l].table.size()); ++i) {
+        if (table[i] < 0) continue;
+        ids[rows.size()] = table[i];
+        rows.push_back({l, i});
       }
     }
-  }
-  return absl::OkStatus();
+    // (A model without SDM layers has row_width 0: an empty run of 1-element blocks.)
+    std::vector<TransferRun> runs = {
+        {std::max<int64_t>(row_width, 1), static_cast<int64_t>(rows.size())}};
+    std::vector<int64_t> run_layer = {-1}, run_ids = {0};
+    int64_t n_ids = static_cast<int64_t>(rows.size());
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (IsSdm(layout.layers[l]) || layers_[l].pages.empty()) continue;
+      run_layer.push_back(l);
+      run_ids.push_back(n_ids);
+      std::memcpy(ids + n_ids, layers_[l].pages.data(), layers_[l].pages.size() * sizeof(int32_t));
+      n_ids += static_cast<int64_t>(layers_[l].pages.size());
+      runs.push_back({kernels::KvPageElements(layout.layers[l].kv_row_width),
+                      static_cast<int64_t>(layers_[l].pages.size())});
+    }
+    const int64_t image_elems = TransferImageElems(runs);
+    need.image = image_elems;
+    need.chunk = staging.ChunkElemsFor(image_elems);
+    need.ids = n_ids;
+    SDM_RETURN_IF_ERROR(staging.Reserve(need));  // keeps host_ids: already large enough
+    absl::StatusOr<std::vector<TransferChunk>> chunks =
+        PlanTransferChunks(runs, std::max<int64_t>(staging.chunk_elems(), 1));
+    if (!chunks.ok()) return chunks.status();
+    if (n_ids > 0) {
+      SDM_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(staging.ids(), ids, n_ids * sizeof(int32_t), cudaMemcpyHostToDevice, t),
+          "uploading row and page ids"));
+    }
+    // Each chunk: gather its pieces, copy it out; the next chunk's gathers wait for the copy
+    // (stream order).
+    for (const TransferChunk& chunk : *chunks) {
+      for (const TransferPiece& p : chunk.pieces) {
+        const int32_t* piece_ids = staging.ids() + run_ids[p.run] + p.first;
+        bf16* dst = staging.chunk() + p.chunk_offset;
+        if (run_layer[p.run] < 0) {
+          SDM_RETURN_IF_ERROR(CudaStatus(
+              kc::SdmGatherRows(ctx_->row_arena(), piece_ids, p.count, dst, t), "gathering rows"));
+        } else {
+          const kc::KvLayerView arena = ctx_->kv_arena(run_layer[p.run]);
+          SDM_RETURN_IF_ERROR(CudaStatus(
+              kc::GatherBlocks(arena.pool, runs[p.run].block_elems, piece_ids, p.count, dst, t),
+              "gathering pages"));
+        }
+      }
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(staging.image() + chunk.image_offset, staging.chunk(),
+                                     chunk.elems * sizeof(bf16), cudaMemcpyDeviceToHost, t),
+                     "downloading session state"));
+    }
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading a session"));
+
+    // Write the host layers. Host private rows are a subset of the device's (the device copy
+    // started from them and only gains rows).
+    std::vector<float> values(row_width);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const RowDownload& d = rows[i];
+      const LayerStateLayout& ls = layout.layers[d.layer];
+      const bf16* src = staging.image() + static_cast<int64_t>(i) * row_width;
+      for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
+      SdmTable& table = host.sdm(d.layer);
+      const int64_t head = d.slot / ls.slots_per_head, slot = d.slot % ls.slots_per_head;
+      if (table.IsPrivate(head, slot)) {
+        float* row = table.MutableRow(head, slot);
+        if (row == nullptr) return absl::ResourceExhaustedError("host row pool is exhausted");
+        std::memcpy(row, values.data(), row_width * sizeof(float));
+      } else if (auto st = table.RestoreRow(head, slot, values); !st.ok()) {
+        return st;
+      }
+    }
+    int64_t run_start = runs[0].count * runs[0].block_elems;
+    for (size_t r = 1; r < runs.size(); ++r) {
+      const int64_t l = run_layer[r];
+      const LayerStateLayout& ls = layout.layers[l];
+      KvCache& kv = host.kv(l);
+      const int64_t length = host.position();
+      kv.ResetForRestore(length);
+      const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
+      for (int64_t pos = kv.first_position(); pos < length; ++pos) {
+        const bf16* page = staging.image() + run_start +
+                           kernels::KvPageTableIndex(pos, ring) * runs[r].block_elems;
+        for (int value = 0; value < 2; ++value) {
+          const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
+          float* dst = value ? kv.MutableValueRow(pos) : kv.MutableKeyRow(pos);
+          for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
+        }
+      }
+      run_start += runs[r].count * runs[r].block_elems;
+    }
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace sdm

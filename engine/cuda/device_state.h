@@ -8,8 +8,10 @@
 // its rows and pages.
 //
 // Ordering: every free-list operation (allocation in a step, scatter on upload, release) runs on
-// the compute stream, so they never race; bulk copies between host and device run on the
-// transfer stream, ordered against the compute stream by events. Host bookkeeping (free pages,
+// the compute stream, so they never race. A park's gathers and copies run on the transfer
+// stream, after an event on the compute stream; a resume's copies and scatters run on the
+// compute stream (the scatter pops the free list, and the next step needs the session anyway).
+// Both move the state through the context's TransferStaging (below). Host bookkeeping (free pages,
 // counter slots) is guarded by the context's mutex: the store's worker thread parks sessions
 // while the scheduler thread runs steps.
 #ifndef SDMSERVE_ENGINE_CUDA_DEVICE_STATE_H_
@@ -17,12 +19,14 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -45,6 +49,60 @@ struct DeviceStateSizes {
   std::vector<int64_t> kv_pages;  // per layer: pages in its arena (0 for SDM layers)
   int64_t max_context = 0;        // full-attention page tables hold this many positions
   int64_t max_sessions = 4096;    // device-resident sessions at once (row counters)
+  // The most a transfer's device chunk holds (TransferStaging); 0: kTransferChunkBytes.
+  int64_t transfer_chunk_bytes = 0;
+};
+
+// Element counts a transfer needs of each TransferStaging buffer.
+struct TransferSizes {
+  int64_t image = 0;     // bf16: the host image of the rows and pages that move
+  int64_t host_ids = 0;  // int32: SDM tables (park), slot, row and page ids, row counts
+  int64_t chunk = 0;     // bf16: the device chunk the image moves through
+  int64_t ids = 0;       // int32: the ids on the device
+};
+
+// The device chunk a transfer moves its image through, at most this many bytes (64 MiB: a few
+// copies for the largest sessions, about 15 us of a copy's fixed cost against ~2 ms of data at
+// PCIe rates, and little device memory taken from the activations' reserve).
+inline constexpr int64_t kTransferChunkBytes = int64_t{64} << 20;
+
+// The buffers that parks and resumes move state through (docs/architecture.md, CUDA backend),
+// owned by the context and reused by every transfer: page-locked host memory for the bf16 image
+// of what moves and for the ids that say where, and on the device one chunk and the ids. A park
+// gathers rows and pages into the chunk and copies it out, chunk by chunk (the chunks planned by
+// engine/transfer_plan.h); a resume copies each chunk in and scatters it. Each buffer grows to
+// the largest transfer seen (by at least a quarter of its size, so a slowly growing session does
+// not reallocate every time; the chunk stops at its limit, by default kTransferChunkBytes) and is
+// freed only with the context. So a park or resume allocates nothing once sizes repeat, and none
+// frees memory per call (cudaFree and cudaFreeHost synchronise the whole device, stalling every
+// other session's step). Not thread-safe by itself: CudaDeviceContext::WithTransferStaging hands it
+// to one transfer at a time.
+class TransferStaging {
+ public:
+  // The chunk never grows past `chunk_limit_elems` (> 0).
+  explicit TransferStaging(int64_t chunk_limit_elems) : chunk_limit_elems_(chunk_limit_elems) {}
+
+  // The chunk a transfer of `image` elements moves through: all of it, up to the limit.
+  int64_t ChunkElemsFor(int64_t image) const { return std::min(image, chunk_limit_elems_); }
+  // Makes each buffer hold at least `sizes` elements. A buffer already large enough keeps its
+  // contents; one that grows loses them (callers reserve before writing).
+  absl::Status Reserve(const TransferSizes& sizes);
+
+  __nv_bfloat16* image() const { return image_.get(); }
+  int32_t* host_ids() const { return host_ids_.get(); }
+  __nv_bfloat16* chunk() const { return chunk_.get(); }
+  int64_t chunk_elems() const { return static_cast<int64_t>(chunk_.size()); }
+  int32_t* ids() const { return ids_.get(); }
+  // Buffers (re)allocated so far: constant once the transfers' sizes repeat.
+  int64_t allocations() const { return allocations_; }
+
+ private:
+  kernels::cuda::PinnedBuffer<__nv_bfloat16> image_;
+  kernels::cuda::PinnedBuffer<int32_t> host_ids_;
+  kernels::cuda::DeviceBuffer<__nv_bfloat16> chunk_;
+  kernels::cuda::DeviceBuffer<int32_t> ids_;
+  int64_t chunk_limit_elems_;
+  int64_t allocations_ = 0;
 };
 
 class CudaDeviceContext {
@@ -91,9 +149,21 @@ class CudaDeviceContext {
   absl::Status StartRefresh();
   void FinishRefresh();
 
+  // Runs `transfer` with the context's staging, one transfer at a time. When `transfer` fails,
+  // both streams are synchronised before the staging is handed on, so no copy it enqueued still
+  // reads or writes the buffers the next transfer reuses.
+  absl::Status WithTransferStaging(absl::FunctionRef<absl::Status(TransferStaging&)> transfer)
+      ABSL_LOCKS_EXCLUDED(staging_mu_);
+  // TransferStaging::allocations() (tests: that repeated parks and resumes allocate nothing).
+  int64_t transfer_staging_allocations() const ABSL_LOCKS_EXCLUDED(staging_mu_);
+
  private:
   CudaDeviceContext(const StateLayout& layout, const DeviceStateSizes& sizes)
-      : layout_(layout), sizes_(sizes) {}
+      : layout_(layout),
+        sizes_(sizes),
+        staging_(
+            (sizes.transfer_chunk_bytes > 0 ? sizes.transfer_chunk_bytes : kTransferChunkBytes) /
+            static_cast<int64_t>(sizeof(__nv_bfloat16))) {}
 
   StateLayout layout_;
   DeviceStateSizes sizes_;
@@ -115,6 +185,9 @@ class CudaDeviceContext {
   absl::Status free_list_error_ ABSL_GUARDED_BY(mu_);
   absl::Status CheckFreeCount(int64_t device_free) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<int32_t> counters_published_ ABSL_GUARDED_BY(mu_);
+
+  mutable absl::Mutex staging_mu_;
+  TransferStaging staging_ ABSL_GUARDED_BY(staging_mu_);
 };
 
 // One session's residency on the device.

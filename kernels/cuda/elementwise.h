@@ -19,6 +19,16 @@ using bf16 = __nv_bfloat16;
 cudaError_t EmbeddingLookup(const bf16* table, const int32_t* tokens, int64_t n, int64_t dim,
                             float* out, cudaStream_t stream);
 
+// Block moves for parking and resuming sessions (engine/cuda/device_state.cc): `blocks` is an
+// array of equal blocks of `block_elems` bf16 (a KV page arena; an SDM row arena), `packed` is
+// `count` blocks back to back. GatherBlocks: packed[i] = blocks[ids[i]]; ScatterBlocks:
+// blocks[ids[i]] = packed[i] (ids distinct). Exact copies; ids must index blocks that exist.
+// CPU twin: a memcpy per block (tests/kernels/cuda_elementwise_test.cc checks every element).
+cudaError_t GatherBlocks(const bf16* blocks, int64_t block_elems, const int32_t* ids, int64_t count,
+                         bf16* packed, cudaStream_t stream);
+cudaError_t ScatterBlocks(const bf16* packed, int64_t block_elems, const int32_t* ids,
+                          int64_t count, bf16* blocks, cudaStream_t stream);
+
 // cpu::RmsNorm: x [rows, n] -> x * rsqrt(mean(x^2) + eps) * w. Writes fp32 to out_f32 and/or
 // bf16 to out_bf16 (either may be null).
 cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, float eps,

@@ -4,6 +4,7 @@
 // activations at GEMM inputs and bf16 SDM rows and KV rows: a few bf16 ulps per layer.
 //
 // Every test but the first needs a device and skips without one (CI has none).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <map>
@@ -13,6 +14,10 @@
 #include <vector>
 
 #include "engine/engine.h"
+#if defined(SDM_HAVE_CUDA)
+#include "engine/cuda/device_state.h"
+#include "kernels/common/device_layout.h"
+#endif
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/model_weights.h"
@@ -100,7 +105,8 @@ struct Engines {
   std::unique_ptr<Engine> cpu, cuda;
 };
 
-Engines MakeEngines(const std::string& preset, int64_t prefill_chunk) {
+Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
+                    int64_t transfer_chunk_bytes = 0) {
   absl::StatusOr<ModelConfig> c = PresetConfig(preset);
   EXPECT_TRUE(c.ok()) << c.status();
   std::shared_ptr<const Model> model = Bf16Model(*c, 7);
@@ -111,6 +117,7 @@ Engines MakeEngines(const std::string& preset, int64_t prefill_chunk) {
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   o.device = EngineDevice::kCuda;
   o.device_state_bytes = int64_t{2} << 30;
+  o.device_transfer_chunk_bytes = transfer_chunk_bytes;
   // The arenas must hold one session at max_context: debug_sdm's four full-attention layers
   // need 2 GiB of KV at the default 131072, more than the 2 GiB above. The sessions here are
   // short.
@@ -470,6 +477,83 @@ TEST(CudaEngineTest, ResumeAfterOffloadIsBitIdentical) {
                                std::span<const int32_t>(&token, 1), b)
                       .ok());
       EXPECT_EQ(a, b) << preset << ", step " << step;
+    }
+  }
+}
+
+// Parks and resumes go through the device context's staging (engine/cuda/device_state.h), one
+// set of buffers reused by every transfer, and a device chunk that the state moves through piece
+// by piece. Two sessions with the same history park and resume through it without a second
+// allocation, and every parked session (different histories, parked and resumed in turn, so each
+// transfer overwrites what the previous one left in the staging) continues bit-identically with
+// a twin that never left the device: with the default chunk (one chunk a transfer here) and with
+// a chunk little larger than the largest block (a KV page), so that transfers take many chunks,
+// pages and rows split across them.
+TEST(CudaEngineTest, ParkAndResumeReuseTheirStaging) {
+  SKIP_WITHOUT_DEVICE();
+  int64_t largest_block_bytes = 0;
+  {
+    Engines probe = MakeEngines("debug_hybrid", 16);
+    ASSERT_NE(probe.cuda, nullptr);
+    for (const LayerStateLayout& l : probe.cuda->state_layout().layers) {
+      const int64_t elems = l.kind == LayerStateLayout::Kind::kSdm
+                                ? l.row_width
+                                : kernels::KvPageElements(l.kv_row_width);
+      largest_block_bytes = std::max<int64_t>(largest_block_bytes, 2 * elems);
+    }
+  }
+  for (const int64_t chunk_bytes : {int64_t{0}, largest_block_bytes + 3000}) {
+    SCOPED_TRACE(testing::Message() << "transfer chunk bytes " << chunk_bytes);
+    Engines e = MakeEngines("debug_hybrid", 16, chunk_bytes);
+    ASSERT_NE(e.cuda, nullptr);
+    const int64_t vocab = e.cuda->vocab_size();
+    constexpr int kSessions = 3;
+    std::vector<std::unique_ptr<SessionState>> parked, stayed;
+    for (int i = 0; i < kSessions; ++i) {
+      // Sessions 0 and 1 share a history (their transfers have the same sizes); 2 has its own,
+      // longer than a KV page.
+      const std::vector<int32_t> prompt = RandomTokens(i == 2 ? 90 : 45, vocab, i == 2 ? 12 : 11);
+      for (auto* list : {&parked, &stayed}) {
+        list->push_back(e.cuda->NewSession());
+        ASSERT_TRUE(e.cuda->Prefill(*list->back(), prompt, false, nullptr).ok());
+        ASSERT_TRUE(list->back()->on_device());
+      }
+    }
+    const auto* ctx = static_cast<const CudaDeviceContext*>(parked[0]->device()->owner());
+    ASSERT_TRUE(parked[0]->SyncToHost().ok());
+    const int64_t after_first_park = ctx->transfer_staging_allocations();
+    EXPECT_GT(after_first_park, 0);
+    ASSERT_TRUE(parked[1]->SyncToHost().ok());
+    EXPECT_EQ(ctx->transfer_staging_allocations(), after_first_park)
+        << "a park the same size as the last one allocated staging";
+    for (int step = 0; step < 3; ++step) {
+      std::vector<SessionState*> batch;
+      for (const auto* list : {&parked, &stayed}) {
+        for (const auto& session : *list) batch.push_back(session.get());
+      }
+      std::vector<int32_t> tokens;
+      for (int i = 0; i < kSessions; ++i) {
+        tokens.push_back(RandomTokens(1, vocab, 60 + step + i)[0]);
+      }
+      tokens.insert(tokens.end(), tokens.begin(), tokens.end());
+      const int64_t before = ctx->transfer_staging_allocations();
+      std::vector<float> logits(batch.size() * vocab);
+      ASSERT_TRUE(e.cuda->Decode(batch, tokens, logits).ok());
+      if (step == 0) {
+        // Sessions 0 and 1 were resumed here: each upload fits the staging their parks sized.
+        EXPECT_EQ(ctx->transfer_staging_allocations(), before)
+            << "a resume no larger than an earlier park allocated staging";
+      }
+      for (int i = 0; i < kSessions; ++i) {
+        const std::vector<float> a(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab);
+        const std::vector<float> b(logits.begin() + (kSessions + i) * vocab,
+                                   logits.begin() + (kSessions + i + 1) * vocab);
+        EXPECT_EQ(a, b) << "session " << i << ", step " << step;
+      }
+      // Park them in turn (session 2 larger) before the next step resumes them.
+      for (int i = 0; i < kSessions; ++i) {
+        ASSERT_TRUE(parked[(i + step) % kSessions]->SyncToHost().ok());
+      }
     }
   }
 }

@@ -152,6 +152,62 @@ TEST_F(CudaElementwiseTest, EmbeddingLookupCopiesRowsExactly) {
   }
 }
 
+// Gather then scatter of equal blocks (a session's KV pages and SDM rows when it parks and
+// resumes): every element of every named block lands exactly, the blocks not named stay as they
+// were, and block sizes cover the 16-byte vector path, the scalar path, and blocks far larger than
+// a thread block (a KV page is up to hundreds of KB).
+TEST_F(CudaElementwiseTest, GatherAndScatterBlocksMoveExactlyTheNamedBlocks) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const int64_t block_elems : {int64_t{8}, int64_t{13}, int64_t{1024}, int64_t{40000}}) {
+      SCOPED_TRACE(testing::Message() << "block_elems " << block_elems);
+      const int64_t n_blocks = 29;
+      std::vector<uint16_t> blocks(n_blocks * block_elems);
+      for (uint16_t& b : blocks) b = static_cast<uint16_t>(rng());
+      // A random subset in random order, the last block among them.
+      std::vector<int32_t> ids(n_blocks);
+      for (int32_t i = 0; i < n_blocks; ++i) ids[i] = i;
+      std::shuffle(ids.begin(), ids.end(), rng);
+      ids.resize(11);
+      if (std::find(ids.begin(), ids.end(), n_blocks - 1) == ids.end()) ids[0] = n_blocks - 1;
+      const int64_t count = static_cast<int64_t>(ids.size());
+      auto d_blocks = UploadBf16(blocks);
+      auto d_ids = Upload(ids);
+      DeviceBuffer<bf16> d_packed(count * block_elems);
+      ASSERT_EQ(cudaMemset(d_packed.get(), 0xff, d_packed.bytes()), cudaSuccess);
+      ASSERT_EQ(cuda::GatherBlocks(d_blocks.get(), block_elems, d_ids.get(), count, d_packed.get(),
+                                   stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<uint16_t> packed = DownloadBf16(d_packed);
+      for (int64_t i = 0; i < count; ++i) {
+        ASSERT_EQ(0, std::memcmp(&packed[i * block_elems], &blocks[ids[i] * block_elems],
+                                 block_elems * 2))
+            << "gathered block " << i << " (id " << ids[i] << ")";
+      }
+      // Scatter fresh contents into the same ids of a poisoned arena.
+      std::vector<uint16_t> fresh(count * block_elems);
+      for (uint16_t& b : fresh) b = static_cast<uint16_t>(rng());
+      auto d_fresh = UploadBf16(fresh);
+      ASSERT_EQ(cudaMemset(d_blocks.get(), 0xa5, d_blocks.bytes()), cudaSuccess);
+      ASSERT_EQ(cuda::ScatterBlocks(d_fresh.get(), block_elems, d_ids.get(), count, d_blocks.get(),
+                                    stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<uint16_t> arena = DownloadBf16(d_blocks);
+      std::vector<int64_t> source(n_blocks, -1);
+      for (int64_t i = 0; i < count; ++i) source[ids[i]] = i;
+      for (int64_t b = 0; b < n_blocks; ++b) {
+        for (int64_t c = 0; c < block_elems; ++c) {
+          const uint16_t want = source[b] >= 0 ? fresh[source[b] * block_elems + c] : 0xa5a5;
+          ASSERT_EQ(arena[b * block_elems + c], want) << "block " << b << ", element " << c;
+        }
+      }
+    }
+  }
+}
+
 TEST_F(CudaElementwiseTest, RmsNormMatchesCpu) {
   for (const uint32_t seed : Seeds()) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
@@ -463,6 +519,8 @@ TEST_F(CudaElementwiseTest, EmptyInputsLaunchNothing) {
   EXPECT_EQ(cuda::LayerNorm(nullptr, nullptr, nullptr, 0, 64, 1e-5f, stream()), cudaSuccess);
   EXPECT_EQ(cuda::ApplyRope(nullptr, 0, 4, 64, nullptr, 1e4f, stream()), cudaSuccess);
   EXPECT_EQ(cuda::EmbeddingLookup(nullptr, nullptr, 0, 64, nullptr, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::GatherBlocks(nullptr, 64, nullptr, 0, nullptr, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::ScatterBlocks(nullptr, 64, nullptr, 0, nullptr, stream()), cudaSuccess);
   Sync();
 }
 
