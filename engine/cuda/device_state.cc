@@ -640,13 +640,17 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
         return st;
       }
     }
+    // Every attention layer is reset to the session's length, also one without pages (position
+    // 0); the pages of run r start at run_start.
     int64_t run_start = runs[0].count * runs[0].block_elems;
-    for (size_t r = 1; r < runs.size(); ++r) {
-      const int64_t l = run_layer[r];
+    size_t r = 1;
+    for (int64_t l = 0; l < n_layers; ++l) {
       const LayerStateLayout& ls = layout.layers[l];
+      if (IsSdm(ls)) continue;
       KvCache& kv = host.kv(l);
       const int64_t length = host.position();
       kv.ResetForRestore(length);
+      if (r >= runs.size() || run_layer[r] != l) continue;  // no pages
       const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
       for (int64_t pos = kv.first_position(); pos < length; ++pos) {
         const bf16* page = staging.image() + run_start +
@@ -658,6 +662,7 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
         }
       }
       run_start += runs[r].count * runs[r].block_elems;
+      ++r;
     }
     return absl::OkStatus();
   });

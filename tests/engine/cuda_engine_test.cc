@@ -558,6 +558,36 @@ TEST(CudaEngineTest, ParkAndResumeReuseTheirStaging) {
   }
 }
 
+// A transfer chunk must hold the largest block a park or resume moves (engine/transfer_plan.h):
+// one byte less is refused when the engine is made, with the option named; exactly that much
+// works.
+TEST(CudaEngineTest, ATransferChunkSmallerThanTheLargestBlockIsRefused) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  EngineOptions o;
+  o.device = EngineDevice::kCuda;
+  o.device_state_bytes = int64_t{256} << 20;
+  o.max_context = 4096;
+  auto probe = Engine::Create(model, o);
+  ASSERT_TRUE(probe.ok()) << probe.status();
+  int64_t largest = 0;
+  for (const LayerStateLayout& l : (*probe)->state_layout().layers) {
+    largest = std::max<int64_t>(largest, 2 * (l.kind == LayerStateLayout::Kind::kSdm
+                                                  ? l.row_width
+                                                  : kernels::KvPageElements(l.kv_row_width)));
+  }
+  probe->reset();
+  o.device_transfer_chunk_bytes = largest - 1;
+  auto refused = Engine::Create(model, o);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("device_transfer_chunk_bytes"), std::string::npos)
+      << refused.status();
+  o.device_transfer_chunk_bytes = largest;
+  EXPECT_TRUE(Engine::Create(model, o).ok());
+}
+
 // A session synced to the host holds what the device computed: the CPU engine continues it
 // within bf16 tolerance of the device's own continuation.
 TEST(CudaEngineTest, HostCopyContinuesOnTheCpu) {
