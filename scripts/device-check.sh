@@ -170,7 +170,7 @@ else
 fi
 BENCH=$(find $BUILD -name sdm-bench -type f -perm -u+x | head -1)
 
-# ---- tests: every CUDA test once, then the other kernel and engine tests ----------------------
+# ---- tests: every CUDA test once (the CPU-only kernel and engine tests run last, below) ------
 run_tests() {  # name, ctest args...
   local name=$1; shift
   (cd $BUILD && timeout "$(budget 240)" ctest --output-on-failure --timeout 60 "$@") 2>&1 |
