@@ -693,16 +693,14 @@ class CudaBackend : public EngineBackend {
                                                      w.kbn_var, n, key_size, 1e-5f, stream),
                                    "key batchnorm"));
     }
-    SDM_RETURN_IF_ERROR(Launched(
-        kc::SdmAddress(ws.wkey.get(), n, heads, sdm_geom_.side, args.num_writes,
-                       ToAddressAct(args.write_act), static_cast<float>(args.write_act_scale),
-                       ws.w_slots.get(), ws.w_weights.get(), stream),
-        "write addressing"));
-    SDM_RETURN_IF_ERROR(Launched(
-        kc::SdmAddress(ws.rq.get(), n, heads, sdm_geom_.side, args.num_reads,
-                       ToAddressAct(args.read_act), static_cast<float>(args.read_act_scale),
-                       ws.r_slots.get(), ws.r_weights.get(), stream),
-        "read addressing"));
+    // Write and read addressing in one launch.
+    const kc::SdmAddressJob addressing[2] = {
+        {ws.wkey.get(), args.num_writes, ToAddressAct(args.write_act),
+         static_cast<float>(args.write_act_scale), ws.w_slots.get(), ws.w_weights.get()},
+        {ws.rq.get(), args.num_reads, ToAddressAct(args.read_act),
+         static_cast<float>(args.read_act_scale), ws.r_slots.get(), ws.r_weights.get()}};
+    SDM_RETURN_IF_ERROR(
+        Launched(kc::SdmAddressJobs(addressing, n, heads, sdm_geom_.side, stream), "addressing"));
     SDM_RETURN_IF_ERROR(Launched(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n, heads,
                                               ws.log_decay.get(), ws.beta.get(), stream),
                                  "sdm gates"));

@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 
 #include "kernels/common/device_layout.h"
 #include "kernels/common/sdm_addressing_math.h"
@@ -121,9 +122,22 @@ __device__ uint64_t SelectThreshold(const float* sc, int64_t side, const int32_t
   return prefix;
 }
 
+// Up to two addressing jobs of the same rows, heads and side (a step's write and read
+// addressing): blockIdx.y picks the job, blockIdx.x the (row, head).
+struct AddressJobPair {
+  SdmAddressJob job[2];
+};
+
 __global__ void __launch_bounds__(kAddressThreads)
-    AddressKernel(const float* scores, int64_t side, int64_t k, AddressAct act, float scale,
-                  int32_t* slots_out, float* weights_out) {
+    AddressKernel(AddressJobPair jobs, int64_t side) {
+  // A select, not a run-time index into the parameter array (which would copy it to the stack).
+  const SdmAddressJob job = blockIdx.y == 0 ? jobs.job[0] : jobs.job[1];
+  const float* scores = job.scores;
+  const int64_t k = job.k;
+  const AddressAct act = job.act;
+  const float scale = job.scale;
+  int32_t* slots_out = job.slots;
+  float* weights_out = job.weights;
   // Dynamic: scores [2 * side] (half A then half B), then their rank keys [2 * side].
   extern __shared__ float sc[];
   uint64_t* half_key = reinterpret_cast<uint64_t*>(sc + 2 * side);  // 8-byte aligned: 8 * side
@@ -644,19 +658,31 @@ unsigned int CappedBlocks(int64_t n, int threads) {
 
 }  // namespace
 
+cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, int64_t heads,
+                           int64_t side, cudaStream_t stream) {
+  if (rows < 0 || heads < 0 || side <= 0 || jobs.size() > 2) return cudaErrorInvalidValue;
+  AddressJobPair pair;
+  unsigned int launched = 0;
+  bool too_many = false;
+  for (const SdmAddressJob& job : jobs) {
+    if (job.k < 0) return cudaErrorInvalidValue;
+    const int64_t count = AddressCount(job.k, side);
+    too_many |= count > kMaxSelected;
+    if (count > 0) pair.job[launched++] = job;  // a job selecting nothing launches nothing
+  }
+  if (rows * heads == 0 || launched == 0) return cudaSuccess;
+  if (side > kMaxSide || too_many || rows * heads > INT32_MAX) return cudaErrorInvalidValue;
+  const size_t smem = static_cast<size_t>(2 * side) * (sizeof(float) + sizeof(uint64_t));
+  const dim3 grid(static_cast<unsigned int>(rows * heads), launched);
+  AddressKernel<<<grid, kAddressThreads, smem, stream>>>(pair, side);
+  return cudaGetLastError();
+}
+
 cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t side, int64_t k,
                        AddressAct act, float scale, int32_t* slots, float* weights,
                        cudaStream_t stream) {
-  if (rows < 0 || heads < 0 || side <= 0 || k < 0) return cudaErrorInvalidValue;
-  const int64_t count = AddressCount(k, side);
-  if (rows * heads == 0 || count == 0) return cudaSuccess;
-  if (side > kMaxSide || count > kMaxSelected || rows * heads > INT32_MAX) {
-    return cudaErrorInvalidValue;
-  }
-  const size_t smem = static_cast<size_t>(2 * side) * (sizeof(float) + sizeof(uint64_t));
-  AddressKernel<<<static_cast<unsigned int>(rows * heads), kAddressThreads, smem, stream>>>(
-      scores, side, k, act, scale, slots, weights);
-  return cudaGetLastError();
+  const SdmAddressJob job{scores, k, act, scale, slots, weights};
+  return SdmAddressJobs(std::span<const SdmAddressJob>(&job, 1), rows, heads, side, stream);
 }
 
 cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r_slots, int64_t n_r,

@@ -14,6 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 
 #include "kernels/common/sdm_addressing_math.h"
 
@@ -56,6 +57,21 @@ struct SdmSegments {
 cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t side, int64_t k,
                        AddressAct act, float scale, int32_t* slots, float* weights,
                        cudaStream_t stream);
+
+// One SdmAddress call's own arguments.
+struct SdmAddressJob {
+  const float* scores = nullptr;  // [rows, heads * 2 * side]
+  int64_t k = 0;
+  AddressAct act{};
+  float scale = 1.0f;
+  int32_t* slots = nullptr;  // [rows, heads, AddressCount(k, side)]
+  float* weights = nullptr;  // same shape
+};
+
+// SdmAddress for up to two jobs over the same rows, heads and side in one launch (a step's write
+// and read addressing): each job's outputs are exactly what its own SdmAddress call writes.
+cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, int64_t heads,
+                           int64_t side, cudaStream_t stream);
 
 // Copy-on-write: for every segment, in token order, every write slot w_slots [rows, heads, n_w]
 // whose table entry is kSdmNoRow gets a row popped from the arena's free list, initialised from

@@ -201,6 +201,67 @@ TEST(CudaSdmTest, AddressMatchesCpuFreshSeed) {
 #endif
 }
 
+// A step's write and read addressing in one launch (SdmAddressJobs) write exactly what two
+// SdmAddress calls write: different k, activations and score arrays per job, nasty scores (ties,
+// NaN, signed zeros); a job that selects nothing (k = 0) launches nothing and leaves its outputs
+// alone. A fixed seed and a fresh one.
+TEST(CudaSdmTest, AddressJobsInOneLaunchMatchSeparateCalls) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const uint32_t seed : {20261204u, FreshSeed()}) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t rows = 13, heads = 2, side = 64;
+    struct Case {
+      int64_t k;
+      AddressAct act;
+      float scale;
+    };
+    const Case cases[2] = {{8, AddressAct::kSoftmax, 0.5f}, {32, AddressAct::kL2Normalize, 1.0f}};
+    std::vector<cuda::DeviceBuffer<float>> scores, weights, weights_alone;
+    std::vector<cuda::DeviceBuffer<int32_t>> slots, slots_alone;
+    std::vector<cuda::SdmAddressJob> jobs;
+    for (const Case& c : cases) {
+      const int64_t n = rows * heads * AddressCount(c.k, side);
+      scores.push_back(Upload(Scores(rng, rows * heads * 2 * side, /*nasty=*/true)));
+      slots.emplace_back(n);
+      weights.emplace_back(n);
+      slots_alone.emplace_back(n);
+      weights_alone.emplace_back(n);
+    }
+    for (size_t j = 0; j < 2; ++j) {
+      jobs.push_back({scores[j].get(), cases[j].k, cases[j].act, cases[j].scale, slots[j].get(),
+                      weights[j].get()});
+      ASSERT_EQ(
+          cuda::SdmAddress(scores[j].get(), rows, heads, side, cases[j].k, cases[j].act,
+                           cases[j].scale, slots_alone[j].get(), weights_alone[j].get(), nullptr),
+          cudaSuccess);
+    }
+    ASSERT_EQ(cuda::SdmAddressJobs(jobs, rows, heads, side, nullptr), cudaSuccess);
+    // A job with k = 0 beside a real one: nothing written for it (its outputs stay poisoned).
+    cuda::DeviceBuffer<int32_t> untouched(4);
+    ASSERT_EQ(cudaMemset(untouched.get(), 0x5a, untouched.bytes()), cudaSuccess);
+    const cuda::SdmAddressJob with_empty[2] = {
+        {scores[0].get(), 0, AddressAct::kSoftmax, 1.0f, untouched.get(), nullptr}, jobs[1]};
+    ASSERT_EQ(cuda::SdmAddressJobs(with_empty, rows, heads, side, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (size_t j = 0; j < 2; ++j) {
+      SCOPED_TRACE(testing::Message() << "job " << j);
+      EXPECT_EQ(Download(slots[j].get(), slots[j].size()),
+                Download(slots_alone[j].get(), slots_alone[j].size()));
+      const std::vector<float> a = Download(weights[j].get(), weights[j].size());
+      const std::vector<float> b = Download(weights_alone[j].get(), weights_alone[j].size());
+      ASSERT_EQ(a.size(), b.size());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));  // NaN-safe bits
+    }
+    for (const int32_t v : Download(untouched.get(), untouched.size())) EXPECT_EQ(v, 0x5a5a5a5a);
+  }
+  // More than two jobs is refused.
+  const cuda::SdmAddressJob three[3] = {};
+  EXPECT_EQ(cuda::SdmAddressJobs(three, 1, 1, 64, nullptr), cudaErrorInvalidValue);
+#endif
+}
+
 // Product-key selection from the same projections on both backends (issue 16, item 4): eval
 // BatchNorm (each backend's kernel) then addressing (each backend's kernel). The BatchNorm
 // kernels share kernels/common/fp_math.h's explicitly rounded BatchNormEvalValue, so the scores
