@@ -80,7 +80,7 @@ struct EngineOptions {
   int64_t device_state_bytes = 0;
   double device_state_fraction = 0.85;
   // CUDA backend: the most device memory a park or resume moves its state through at once
-  // (engine/cuda/device_state.h, TransferStaging); 0: the default, kTransferChunkBytes (64 MiB).
+  // (engine/cuda/device_state.h, TransferStaging); 0: the default, kTransferChunkBytes there.
   // Tests set it small to make transfers take many chunks.
   int64_t device_transfer_chunk_bytes = 0;
   // CPU backend: the decode attention kernel.

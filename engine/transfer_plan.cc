@@ -51,10 +51,12 @@ absl::StatusOr<std::vector<TransferChunk>> PlanTransferChunks(std::span<const Tr
   return chunks;
 }
 
-int64_t TransferImageElems(std::span<const TransferRun> runs) {
-  int64_t elems = 0;
-  for (const TransferRun& run : runs) elems += run.block_elems * run.count;
-  return elems;
+std::vector<int64_t> TransferRunOffsets(std::span<const TransferRun> runs) {
+  std::vector<int64_t> offsets(runs.size() + 1, 0);
+  for (size_t r = 0; r < runs.size(); ++r) {
+    offsets[r + 1] = offsets[r] + runs[r].block_elems * runs[r].count;
+  }
+  return offsets;
 }
 
 }  // namespace sdm

@@ -45,8 +45,9 @@ struct TransferChunk {
 absl::StatusOr<std::vector<TransferChunk>> PlanTransferChunks(std::span<const TransferRun> runs,
                                                               int64_t chunk_elems);
 
-// Elements of the whole image: the sum over runs of block_elems * count.
-int64_t TransferImageElems(std::span<const TransferRun> runs);
+// Where each run starts in the image, in elements: runs.size() + 1 offsets, the last one the
+// whole image's size.
+std::vector<int64_t> TransferRunOffsets(std::span<const TransferRun> runs);
 
 }  // namespace sdm
 

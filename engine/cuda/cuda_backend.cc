@@ -118,19 +118,12 @@ class CudaBackend : public EngineBackend {
     }
     // A transfer moves whole blocks through its chunk (engine/transfer_plan.h): a chunk size set
     // here must hold the largest, an SDM row or a KV page.
-    if (const int64_t chunk = options_.device_transfer_chunk_bytes; chunk > 0) {
-      for (int64_t l = 0; l < cfg_.n_layers; ++l) {
-        const LayerStateLayout& ls = layout_.layers[l];
-        const bool sdm = ls.kind == LayerStateLayout::Kind::kSdm;
-        const int64_t block =
-            (sdm ? ls.row_width : kernels::KvPageElements(ls.kv_row_width)) * sizeof(bf16);
-        if (block > chunk) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("device_transfer_chunk_bytes (", chunk,
-                           ") must hold the largest block a park or resume moves: layer ", l, "'s ",
-                           sdm ? "SDM row" : "KV page", " is ", block, " bytes"));
-        }
-      }
+    if (const int64_t chunk = options_.device_transfer_chunk_bytes;
+        chunk > 0 && chunk < LargestTransferBlockBytes(layout_)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "device_transfer_chunk_bytes (", chunk,
+          ") must hold the largest block a park or resume moves (an SDM row or a KV page): ",
+          LargestTransferBlockBytes(layout_), " bytes"));
     }
     DeviceStateSizes sizes;
     sizes.max_context = options_.max_context;

@@ -263,6 +263,15 @@ constexpr int64_t kNoLimit = std::numeric_limits<int64_t>::max();
 
 }  // namespace
 
+int64_t LargestTransferBlockBytes(const StateLayout& layout) {
+  int64_t largest = 0;
+  for (const LayerStateLayout& ls : layout.layers) {
+    const int64_t elems = IsSdm(ls) ? ls.row_width : kernels::KvPageElements(ls.kv_row_width);
+    largest = std::max<int64_t>(largest, elems * static_cast<int64_t>(sizeof(bf16)));
+  }
+  return largest;
+}
+
 absl::Status TransferStaging::Reserve(const TransferSizes& sizes) {
   SDM_RETURN_IF_ERROR(
       GrowTo(image_, sizes.image, kNoLimit, "allocating pinned transfer staging", &allocations_));
@@ -348,12 +357,9 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   if (total_rows > 0) {
     if (auto st = ctx->ReserveRows(total_rows); !st.ok()) return st;
   }
-  const int64_t image_elems = TransferImageElems(runs);
+  const std::vector<int64_t> run_offset = TransferRunOffsets(runs);
+  const int64_t image_elems = run_offset.back();
   if (image_elems == 0) return s;
-  std::vector<int64_t> run_offset(runs.size(), 0);  // in elements, into the image
-  for (size_t r = 1; r < runs.size(); ++r) {
-    run_offset[r] = run_offset[r - 1] + runs[r - 1].block_elems * runs[r - 1].count;
-  }
 
   const int64_t n_ids = static_cast<int64_t>(ids.size());
   TransferSizes need;
@@ -575,18 +581,22 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     // (A model without SDM layers has row_width 0: an empty run of 1-element blocks.)
     std::vector<TransferRun> runs = {
         {std::max<int64_t>(row_width, 1), static_cast<int64_t>(rows.size())}};
+    // Per run: its layer (-1 for the rows), the arena its blocks come from, its first id.
     std::vector<int64_t> run_layer = {-1}, run_ids = {0};
+    std::vector<const bf16*> run_blocks = {ctx_->row_arena().rows};
     int64_t n_ids = static_cast<int64_t>(rows.size());
     for (int64_t l = 0; l < n_layers; ++l) {
       if (IsSdm(layout.layers[l]) || layers_[l].pages.empty()) continue;
       run_layer.push_back(l);
+      run_blocks.push_back(ctx_->kv_arena(l).pool);
       run_ids.push_back(n_ids);
       std::memcpy(ids + n_ids, layers_[l].pages.data(), layers_[l].pages.size() * sizeof(int32_t));
       n_ids += static_cast<int64_t>(layers_[l].pages.size());
       runs.push_back({kernels::KvPageElements(layout.layers[l].kv_row_width),
                       static_cast<int64_t>(layers_[l].pages.size())});
     }
-    const int64_t image_elems = TransferImageElems(runs);
+    const std::vector<int64_t> run_offset = TransferRunOffsets(runs);
+    const int64_t image_elems = run_offset.back();
     need.image = image_elems;
     need.chunk = staging.ChunkElemsFor(image_elems);
     need.ids = n_ids;
@@ -603,17 +613,11 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     // (stream order).
     for (const TransferChunk& chunk : *chunks) {
       for (const TransferPiece& p : chunk.pieces) {
-        const int32_t* piece_ids = staging.ids() + run_ids[p.run] + p.first;
-        bf16* dst = staging.chunk() + p.chunk_offset;
-        if (run_layer[p.run] < 0) {
-          SDM_RETURN_IF_ERROR(CudaStatus(
-              kc::SdmGatherRows(ctx_->row_arena(), piece_ids, p.count, dst, t), "gathering rows"));
-        } else {
-          const kc::KvLayerView arena = ctx_->kv_arena(run_layer[p.run]);
-          SDM_RETURN_IF_ERROR(CudaStatus(
-              kc::GatherBlocks(arena.pool, runs[p.run].block_elems, piece_ids, p.count, dst, t),
-              "gathering pages"));
-        }
+        SDM_RETURN_IF_ERROR(
+            CudaStatus(kc::GatherBlocks(run_blocks[p.run], runs[p.run].block_elems,
+                                        staging.ids() + run_ids[p.run] + p.first, p.count,
+                                        staging.chunk() + p.chunk_offset, t),
+                       "gathering rows and pages"));
       }
       SDM_RETURN_IF_ERROR(
           CudaStatus(cudaMemcpyAsync(staging.image() + chunk.image_offset, staging.chunk(),
@@ -641,8 +645,7 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
       }
     }
     // Every attention layer is reset to the session's length, also one without pages (position
-    // 0); the pages of run r start at run_start.
-    int64_t run_start = runs[0].count * runs[0].block_elems;
+    // 0); run r (its pages) starts at run_offset[r].
     size_t r = 1;
     for (int64_t l = 0; l < n_layers; ++l) {
       const LayerStateLayout& ls = layout.layers[l];
@@ -653,7 +656,7 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
       if (r >= runs.size() || run_layer[r] != l) continue;  // no pages
       const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
       for (int64_t pos = kv.first_position(); pos < length; ++pos) {
-        const bf16* page = staging.image() + run_start +
+        const bf16* page = staging.image() + run_offset[r] +
                            kernels::KvPageTableIndex(pos, ring) * runs[r].block_elems;
         for (int value = 0; value < 2; ++value) {
           const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
@@ -661,7 +664,6 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
           for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
         }
       }
-      run_start += runs[r].count * runs[r].block_elems;
       ++r;
     }
     return absl::OkStatus();

@@ -66,6 +66,10 @@ struct TransferSizes {
 // PCIe rates, and little device memory taken from the activations' reserve).
 inline constexpr int64_t kTransferChunkBytes = int64_t{64} << 20;
 
+// The largest block a park or resume moves whole (an SDM row or a KV page of `layout`), in bytes:
+// the least a transfer chunk must hold.
+int64_t LargestTransferBlockBytes(const StateLayout& layout);
+
 // The buffers that parks and resumes move state through (docs/architecture.md, CUDA backend),
 // owned by the context and reused by every transfer: page-locked host memory for the bf16 image
 // of what moves and for the ids that say where, and on the device one chunk and the ids. A park

@@ -334,80 +334,49 @@ namespace {
 
 // One grid-stride pass over every vector of every block (a block may be far larger than a thread
 // block: a KV page is up to hundreds of KB, so the work is split by vector, not by block).
-// T: uint4 (16-byte vectors: block_elems % 8 == 0, both base pointers 16-byte aligned) or bf16.
+// gather: packed[i] = blocks[ids[i]] (from = blocks, to = packed); else blocks[ids[i]] =
+// packed[i] (from = packed, to = blocks). T: uint4 (16-byte vectors) or bf16.
 template <typename T>
-__device__ void MoveBlockVectors(const T* from, T* to, int64_t per_block, const int32_t* ids,
+__global__ void MoveBlocksKernel(const T* from, T* to, int64_t per_block, const int32_t* ids,
                                  int64_t count, bool gather) {
   const int64_t total = count * per_block;
   for (int64_t idx = GlobalThread(); idx < total; idx += GridStride()) {
     const int64_t i = idx / per_block, c = idx % per_block;
     const int64_t block_at = static_cast<int64_t>(ids[i]) * per_block + c;
     const int64_t packed_at = i * per_block + c;
-    if (gather) {
-      to[packed_at] = from[block_at];
-    } else {
-      to[block_at] = from[packed_at];
-    }
+    to[gather ? packed_at : block_at] = from[gather ? block_at : packed_at];
   }
 }
 
-template <typename T>
-__global__ void GatherBlocksKernel(const T* blocks, int64_t per_block, const int32_t* ids,
-                                   int64_t count, T* packed) {
-  MoveBlockVectors(blocks, packed, per_block, ids, count, /*gather=*/true);
-}
-
-template <typename T>
-__global__ void ScatterBlocksKernel(const T* packed, int64_t per_block, const int32_t* ids,
-                                    int64_t count, T* blocks) {
-  MoveBlockVectors(packed, blocks, per_block, ids, count, /*gather=*/false);
-}
-
-// Checks the arguments; *vec: whether the 16-byte path applies.
-cudaError_t CheckBlockMove(const void* blocks, int64_t block_elems, const int32_t* ids,
-                           int64_t count, const void* packed, bool* vec) {
+// The launch of both directions; 16-byte vectors when block_elems % 8 == 0 and both base
+// pointers are 16-byte aligned.
+cudaError_t MoveBlocks(const bf16* from, bf16* to, int64_t block_elems, const int32_t* ids,
+                       int64_t count, bool gather, cudaStream_t stream) {
   if (count < 0 || block_elems < 0) return cudaErrorInvalidValue;
-  if (count > 0 && block_elems > 0 && (blocks == nullptr || ids == nullptr || packed == nullptr)) {
-    return cudaErrorInvalidValue;
+  if (count == 0 || block_elems == 0) return cudaSuccess;
+  if (from == nullptr || to == nullptr || ids == nullptr) return cudaErrorInvalidValue;
+  if (block_elems % 8 == 0 && Aligned(from, 16) && Aligned(to, 16)) {
+    const int64_t per_block = block_elems / 8;
+    MoveBlocksKernel<<<GridFor(count * per_block), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint4*>(from), reinterpret_cast<uint4*>(to), per_block, ids, count,
+        gather);
+  } else {
+    MoveBlocksKernel<<<GridFor(count * block_elems), kThreads, 0, stream>>>(from, to, block_elems,
+                                                                            ids, count, gather);
   }
-  *vec = block_elems % 8 == 0 && Aligned(blocks, 16) && Aligned(packed, 16);
-  return cudaSuccess;
+  return cudaGetLastError();
 }
 
 }  // namespace
 
 cudaError_t GatherBlocks(const bf16* blocks, int64_t block_elems, const int32_t* ids, int64_t count,
                          bf16* packed, cudaStream_t stream) {
-  bool vec = false;
-  SDM_RETURN_IF_ERROR(CheckBlockMove(blocks, block_elems, ids, count, packed, &vec));
-  if (count == 0 || block_elems == 0) return cudaSuccess;
-  if (vec) {
-    const int64_t per_block = block_elems / 8;
-    GatherBlocksKernel<<<GridFor(count * per_block), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(blocks), per_block, ids, count,
-        reinterpret_cast<uint4*>(packed));
-  } else {
-    GatherBlocksKernel<<<GridFor(count * block_elems), kThreads, 0, stream>>>(blocks, block_elems,
-                                                                              ids, count, packed);
-  }
-  return cudaGetLastError();
+  return MoveBlocks(blocks, packed, block_elems, ids, count, /*gather=*/true, stream);
 }
 
 cudaError_t ScatterBlocks(const bf16* packed, int64_t block_elems, const int32_t* ids,
                           int64_t count, bf16* blocks, cudaStream_t stream) {
-  bool vec = false;
-  SDM_RETURN_IF_ERROR(CheckBlockMove(blocks, block_elems, ids, count, packed, &vec));
-  if (count == 0 || block_elems == 0) return cudaSuccess;
-  if (vec) {
-    const int64_t per_block = block_elems / 8;
-    ScatterBlocksKernel<<<GridFor(count * per_block), kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(packed), per_block, ids, count,
-        reinterpret_cast<uint4*>(blocks));
-  } else {
-    ScatterBlocksKernel<<<GridFor(count * block_elems), kThreads, 0, stream>>>(packed, block_elems,
-                                                                               ids, count, blocks);
-  }
-  return cudaGetLastError();
+  return MoveBlocks(packed, blocks, block_elems, ids, count, /*gather=*/false, stream);
 }
 
 cudaError_t EmbeddingLookup(const bf16* table, const int32_t* tokens, int64_t n, int64_t dim,

@@ -11,6 +11,7 @@
 #include "kernels/common/sdm_addressing_math.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/sdm.h"
 
 namespace sdm::kernels::cuda {
@@ -612,15 +613,6 @@ __global__ void ReleaseKernel(int32_t* table, int64_t n_slots, int32_t* free_lis
 }
 
 template <bool kVec16>
-__global__ void GatherKernel(const __nv_bfloat16* rows, int64_t width, const int32_t* row_ids,
-                             int64_t count, __nv_bfloat16* dst) {
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  if (i >= count) return;
-  WarpCopyRow<kVec16>(dst + i * width, rows + static_cast<int64_t>(row_ids[i]) * width, width,
-                      threadIdx.x & 31);
-}
-
-template <bool kVec16>
 __global__ void ScatterKernel(const __nv_bfloat16* src, const int32_t* slot_ids, int64_t count,
                               int32_t* table, __nv_bfloat16* rows, int64_t width,
                               int32_t* free_list, int32_t* free_count) {
@@ -778,16 +770,8 @@ cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& a
 cudaError_t SdmGatherRows(const SdmRowArena& arena, const int32_t* row_ids, int64_t count,
                           __nv_bfloat16* dst, cudaStream_t stream) {
   if (count < 0 || arena.row_width <= 0) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  const int64_t width = arena.row_width;
-  const unsigned int blocks = WarpBlocks(count, kMoveThreads);
-  if (width % 8 == 0 && Aligned(arena.rows, 16) && Aligned(dst, 16)) {
-    GatherKernel<true><<<blocks, kMoveThreads, 0, stream>>>(arena.rows, width, row_ids, count, dst);
-  } else {
-    GatherKernel<false>
-        <<<blocks, kMoveThreads, 0, stream>>>(arena.rows, width, row_ids, count, dst);
-  }
-  return cudaGetLastError();
+  // Rows are equal blocks of the arena: the block gather of kernels/cuda/elementwise.h.
+  return GatherBlocks(arena.rows, arena.row_width, row_ids, count, dst, stream);
 }
 
 cudaError_t SdmScatterRows(const __nv_bfloat16* src, const int32_t* slot_ids, int64_t count,

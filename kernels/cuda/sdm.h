@@ -111,8 +111,8 @@ cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmD
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,
                            cudaStream_t stream);
 
-// dst[i] = arena row row_ids[i] for i < count (dst contiguous [count, row_width]): gathers a
-// session's private rows for a device-to-host copy.
+// dst[i] = arena row row_ids[i] for i < count (dst contiguous [count, row_width]): GatherBlocks
+// (kernels/cuda/elementwise.h) over the arena's rows.
 cudaError_t SdmGatherRows(const SdmRowArena& arena, const int32_t* row_ids, int64_t count,
                           __nv_bfloat16* dst, cudaStream_t stream);
 

@@ -62,6 +62,16 @@ def ffn_hidden(dim, multiple_of=256, mult=None):  # engine FfnHiddenDim == refer
     return multiple_of * ((h + multiple_of - 1) // multiple_of)
 
 
+def _sdm_args(**geometry):
+    """Our SdmArgs defaults (engine/model_config.h) with a preset's geometry on top."""
+    args = dict(output_gate=True, normalize_readings=True, backprop_on_memory=True,
+                read_act="Softmax", write_act="Softmax", read_act_scale=1.0, write_act_scale=1.0,
+                norm_eps=1e-6, query_batchnorm=False, key_weighted_decay=False, dt_bias_init=0.0,
+                A_init_range=(0.0, 16.0), snapshot_quant="none")
+    args.update(geometry)
+    return args
+
+
 def flagship_config():
     """`sdm_flagship` = Scale(2048, 24, 16, 8, sdm=true, sdm_heads=2, gate=false)."""
     swa, sdm = _three_to_one(24)
@@ -70,12 +80,8 @@ def flagship_config():
         rope_theta=100000.0, norm_eps=1e-5, multiple_of=256, ffn_dim_multiplier=None,
         vocab_size=258, weight_tying=False, attn_gate=False, attn_at=[], swa_at=swa, sdm_at=sdm,
         swa_window=1024, swa_n_heads=16, swa_n_kv_heads=16, swa_head_dim=None,
-        sdm=dict(num_heads=2, slots_per_head=65536, num_writes=128, num_reads=128,
-                 memory_block_size=256, output_gate=True, normalize_readings=True,
-                 backprop_on_memory=True, read_act="Softmax", write_act="Softmax",
-                 read_act_scale=1.0, write_act_scale=1.0, norm_eps=1e-6,
-                 query_batchnorm=False, key_weighted_decay=False, dt_bias_init=0.0,
-                 A_init_range=(0.0, 16.0), snapshot_quant="none"))
+        sdm=_sdm_args(num_heads=2, slots_per_head=65536, num_writes=128, num_reads=128,
+                      memory_block_size=256))
 
 
 def tiny_config():
@@ -85,12 +91,8 @@ def tiny_config():
         norm_eps=1e-5, multiple_of=256, ffn_dim_multiplier=None, vocab_size=258,
         weight_tying=False, attn_gate=False, attn_at=[], swa_at=[0, 1, 2], sdm_at=[3],
         swa_window=8, swa_n_heads=None, swa_n_kv_heads=None, swa_head_dim=None,
-        sdm=dict(num_heads=2, slots_per_head=64, num_writes=8, num_reads=8,
-                 memory_block_size=16, output_gate=True, normalize_readings=True,
-                 backprop_on_memory=True, read_act="Softmax", write_act="Softmax",
-                 read_act_scale=1.0, write_act_scale=1.0, norm_eps=1e-6,
-                 query_batchnorm=False, key_weighted_decay=False, dt_bias_init=0.0,
-                 A_init_range=(0.0, 16.0), snapshot_quant="none"))
+        sdm=_sdm_args(num_heads=2, slots_per_head=64, num_writes=8, num_reads=8,
+                      memory_block_size=16))
 
 
 def derived(cfg):

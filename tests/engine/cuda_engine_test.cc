@@ -481,6 +481,19 @@ TEST(CudaEngineTest, ResumeAfterOffloadIsBitIdentical) {
   }
 }
 
+// The largest block a transfer moves whole, in bytes (bf16): an SDM row or a KV page. The
+// tests' own count, beside the engine's LargestTransferBlockBytes.
+int64_t LargestBlockBytes(const StateLayout& layout) {
+  int64_t largest = 0;
+  for (const LayerStateLayout& l : layout.layers) {
+    const int64_t elems = l.kind == LayerStateLayout::Kind::kSdm
+                              ? l.row_width
+                              : kernels::KvPageElements(l.kv_row_width);
+    largest = std::max<int64_t>(largest, 2 * elems);
+  }
+  return largest;
+}
+
 // Parks and resumes go through the device context's staging (engine/cuda/device_state.h), one
 // set of buffers reused by every transfer, and a device chunk that the state moves through piece
 // by piece. Two sessions with the same history park and resume through it without a second
@@ -495,12 +508,7 @@ TEST(CudaEngineTest, ParkAndResumeReuseTheirStaging) {
   {
     Engines probe = MakeEngines("debug_hybrid", 16);
     ASSERT_NE(probe.cuda, nullptr);
-    for (const LayerStateLayout& l : probe.cuda->state_layout().layers) {
-      const int64_t elems = l.kind == LayerStateLayout::Kind::kSdm
-                                ? l.row_width
-                                : kernels::KvPageElements(l.kv_row_width);
-      largest_block_bytes = std::max<int64_t>(largest_block_bytes, 2 * elems);
-    }
+    largest_block_bytes = LargestBlockBytes(probe.cuda->state_layout());
   }
   for (const int64_t chunk_bytes : {int64_t{0}, largest_block_bytes + 3000}) {
     SCOPED_TRACE(testing::Message() << "transfer chunk bytes " << chunk_bytes);
@@ -572,12 +580,7 @@ TEST(CudaEngineTest, ATransferChunkSmallerThanTheLargestBlockIsRefused) {
   o.max_context = 4096;
   auto probe = Engine::Create(model, o);
   ASSERT_TRUE(probe.ok()) << probe.status();
-  int64_t largest = 0;
-  for (const LayerStateLayout& l : (*probe)->state_layout().layers) {
-    largest = std::max<int64_t>(largest, 2 * (l.kind == LayerStateLayout::Kind::kSdm
-                                                  ? l.row_width
-                                                  : kernels::KvPageElements(l.kv_row_width)));
-  }
+  const int64_t largest = LargestBlockBytes((*probe)->state_layout());
   probe->reset();
   o.device_transfer_chunk_bytes = largest - 1;
   auto refused = Engine::Create(model, o);

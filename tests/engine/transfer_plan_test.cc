@@ -38,10 +38,14 @@ void CheckPlan(const std::vector<TransferRun>& runs, const std::vector<TransferC
     EXPECT_EQ(fill, chunk.elems);
     image += chunk.elems;
   }
-  EXPECT_EQ(image, TransferImageElems(runs));
-  // Image order: runs one after the other, each run's blocks back to back.
+  // Image order: runs one after the other (at TransferRunOffsets), each run's blocks back to
+  // back; the last offset is the image's size.
+  const std::vector<int64_t> offsets = TransferRunOffsets(runs);
+  ASSERT_EQ(offsets.size(), runs.size() + 1);
+  EXPECT_EQ(image, offsets.back());
   int64_t expected = 0;
   for (size_t r = 0; r < runs.size(); ++r) {
+    EXPECT_EQ(offsets[r], expected) << "run " << r;
     for (int64_t b = 0; b < runs[r].count; ++b) {
       EXPECT_EQ(where[r][b], expected) << "run " << r << ", block " << b;
       expected += runs[r].block_elems;
