@@ -115,12 +115,10 @@ function fmtBytes(n) {
   while (n >= 1024 && i < u.length - 1) { n /= 1024; ++i; }
   return n.toFixed(i ? 1 : 0) + " " + u[i];
 }
-async function showSession(id) {
-  if (!id) { $("f-pos").textContent = $("f-bytes").textContent = $("f-tier").textContent = "-"; return; }
-  const s = await api("GET", "/sessions/" + encodeURIComponent(id));
-  $("f-pos").textContent = s.position;
-  $("f-bytes").textContent = fmtBytes(s.state_bytes);
-  $("f-tier").textContent = s.tier;
+function showSession(s) {
+  $("f-pos").textContent = s ? s.position : "-";
+  $("f-bytes").textContent = s ? fmtBytes(s.state_bytes) : "-";
+  $("f-tier").textContent = s ? s.tier : "-";
 }
 function select(id) {
   current = id;
@@ -128,10 +126,16 @@ function select(id) {
   $("log").innerHTML = "";
   refresh();
 }
+// Refreshes overlap (a click can start one while another waits on the network): only the latest
+// one started draws, so an answer that comes late never overwrites a newer one.
+let refreshes = 0;
 async function refresh() {
+  const mine = ++refreshes;
   try {
     if (!model) { model = (await api("GET", "/models")).data[0].id; $("f-model").textContent = model; }
     const list = await api("GET", "/sessions?limit=1000");
+    const shown = current ? await api("GET", "/sessions/" + encodeURIComponent(current)) : null;
+    if (mine !== refreshes) return;
     const ul = $("sessions"); ul.innerHTML = "";
     for (const s of list.data) {
       const li = document.createElement("li");
@@ -143,15 +147,18 @@ async function refresh() {
       name.onclick = () => select(s.id);
       const fork = document.createElement("button");
       fork.textContent = "fork"; fork.className = "fork";
-      fork.onclick = async () => { const f = await api("POST", "/sessions/" + encodeURIComponent(s.id) + "/fork", {}); select(f.id); };
+      fork.onclick = () => api("POST", "/sessions/" + encodeURIComponent(s.id) + "/fork", {})
+                               .then((f) => select(f.id), (e) => add("error", String(e.message || e)));
       const del = document.createElement("button");
       del.textContent = "×"; del.title = "delete";
-      del.onclick = async () => { await api("DELETE", "/sessions/" + encodeURIComponent(s.id)); if (current === s.id) current = null; select(current); };
+      del.onclick = () => api("DELETE", "/sessions/" + encodeURIComponent(s.id))
+                              .then(() => { if (current === s.id) current = null; select(current); },
+                                    (e) => add("error", String(e.message || e)));
       li.append(name, fork, del);
       ul.appendChild(li);
     }
-    await showSession(current);
-  } catch (e) { add("error", String(e.message || e)); }
+    showSession(shown);
+  } catch (e) { if (mine === refreshes) add("error", String(e.message || e)); }
 }
 $("create").onclick = async () => {
   try {
