@@ -20,49 +20,56 @@
 namespace sdm::kernels::cpu {
 namespace {
 
-// Rows taken together by the register-blocked loops (kDecodeRowGroup, decode_attention_wide.h).
-// Each row's arithmetic is the same whatever group it falls in (the tail group repeats its last
-// row and drops the copies), so the bits of a block never depend on where spans or groups cut it.
-// Eight: eight independent fma chains hide the fma latency in the score loop, and the value loop
+// Rows taken together by the register-blocked value loop (kDecodeRowGroup,
+// decode_attention_wide.h). Each element's chain over the rows is the same whatever group a row
+// falls in, so the bits of a block never depend on where spans or groups cut it. Eight: the loop
 // loads and stores each accumulator vector once per eight rows, not per four.
 constexpr int kRowGroup = kDecodeRowGroup;
 
-// Per-row dot products q . k[i] for kRowGroup rows: eight lanes of fused multiply-adds over
-// head_dim in order, a fixed tree over the lanes, then the head_dim % 8 tail in order.
+// q . k: eight lanes of fused multiply-adds over head_dim in order, a fixed tree over the lanes,
+// then the head_dim % 8 tail in order.
 #ifdef SDM_DECODE_ATTENTION_AVX2
 template <typename T>
-void DotRows(const float* q, const T* const* k, int64_t hd, float* out) {
-  __m256 a[kRowGroup];
-  for (int i = 0; i < kRowGroup; ++i) a[i] = _mm256_setzero_ps();
+float DotRow(const float* q, const T* k, int64_t hd) {
+  __m256 a = _mm256_setzero_ps();
   int64_t c = 0;
-  for (; c + 8 <= hd; c += 8) {
-    const __m256 qc = _mm256_loadu_ps(q + c);
-#pragma GCC unroll 8
-    for (int i = 0; i < kRowGroup; ++i) a[i] = _mm256_fmadd_ps(qc, Widen8(k[i] + c), a[i]);
-  }
-  for (int i = 0; i < kRowGroup; ++i) out[i] = SumLanes(a[i]);
-  for (; c < hd; ++c) {
-    for (int i = 0; i < kRowGroup; ++i) out[i] = std::fma(q[c], Widen(k[i][c]), out[i]);
-  }
+  for (; c + 8 <= hd; c += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), Widen8(k + c), a);
+  float out = SumLanes(a);
+  for (; c < hd; ++c) out = std::fma(q[c], Widen(k[c]), out);
+  return out;
 }
 #else
 template <typename T>
-void DotRows(const float* q, const T* const* k, int64_t hd, float* out) {
-  for (int i = 0; i < kRowGroup; ++i) {
-    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    int64_t c = 0;
-    for (; c + 8 <= hd; c += 8) {
-      for (int l = 0; l < 8; ++l) lane[l] = std::fma(q[c + l], Widen(k[i][c + l]), lane[l]);
-    }
-    float s[4];
-    for (int l = 0; l < 4; ++l) s[l] = lane[l] + lane[l + 4];
-    s[0] += s[2];
-    s[1] += s[3];
-    out[i] = s[0] + s[1];
-    for (; c < hd; ++c) out[i] = std::fma(q[c], Widen(k[i][c]), out[i]);
+float DotRow(const float* q, const T* k, int64_t hd) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t c = 0;
+  for (; c + 8 <= hd; c += 8) {
+    for (int l = 0; l < 8; ++l) lane[l] = std::fma(q[c + l], Widen(k[c + l]), lane[l]);
   }
+  float s[4];
+  for (int l = 0; l < 4; ++l) s[l] = lane[l] + lane[l + 4];
+  s[0] += s[2];
+  s[1] += s[3];
+  float out = s[0] + s[1];
+  for (; c < hd; ++c) out = std::fma(q[c], Widen(k[c]), out);
+  return out;
 }
 #endif
+
+// scores[h * score_stride + i] = q(h) . k[i][kv(h) * hd ...] for every head and row i < n, row by
+// row and head by head: the keys are read in address order, one stream the hardware prefetchers
+// follow, and each (row, head) chain is independent of the next, so the processor overlaps them
+// (the earlier order, eight rows' slices at once, measured 5-35% slower: docs/benchmarks.md, "Keys
+// in address order").
+template <typename T>
+void DotBlock(const float* q, int64_t heads, int64_t group, const T* const* k, int n, int64_t hd,
+              float* scores, int64_t score_stride) {
+  for (int i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < heads; ++h) {
+      scores[h * score_stride + i] = DotRow(q + h * hd, k[i] + (h / group) * hd, hd);
+    }
+  }
+}
 
 // acc[d] = fma(w[i], v[i][d], acc[d]) for i = 0, 1, ... n-1 (n <= kRowGroup) in order: one chain
 // of fused multiply-adds per element, the same however the rows are grouped.
@@ -154,25 +161,23 @@ void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
   const float scale = kLog2e / std::sqrt(static_cast<float>(hd));
   for (int64_t i = 0; i < heads * hd; ++i) q_scaled[i] = query.q[i] * scale;
 
-  // Keys: every head against each group of rows, the rows read once, front to back. With the
-  // wide loops, two heads of a KV group at once.
-  for (int r = 0; r < n; r += kRowGroup) {
-    const int take = std::min(kRowGroup, n - r);
-    for (int64_t h = 0; h < heads;) {
-      const int64_t off = (h / group) * hd;
-      const T* k[kRowGroup];
-      for (int i = 0; i < kRowGroup; ++i) k[i] = krow[r + std::min(i, take - 1)] + off;
-      float s[2][kRowGroup];
-      const bool pair = wide != nullptr && SameGroupNext(h, heads, group);
-      if (pair) {
-        wide->dot_rows_pair(&q_scaled[h * hd], &q_scaled[(h + 1) * hd], k, hd, s[0], s[1]);
-      } else {
-        DotRows<T>(&q_scaled[h * hd], k, hd, s[0]);
-      }
-      for (int j = 0; j < (pair ? 2 : 1); ++j, ++h) {
-        for (int i = 0; i < take; ++i) scores[h * kDecodeBlock + r + i] = s[j][i];
+  // Keys: every head against each row, the rows read once, front to back. With the wide loops and
+  // every head paired, two heads of a KV group at once.
+  if (wide != nullptr && group % 2 == 0) {
+    const int64_t chunks = hd / 8;
+    thread_local std::vector<float> q_joined;
+    q_joined.resize(heads / 2 * chunks * 16);
+    for (int64_t p = 0; p < heads / 2; ++p) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        float* dst = &q_joined[(p * chunks + c) * 16];
+        std::copy_n(&q_scaled[(2 * p) * hd + c * 8], 8, dst);
+        std::copy_n(&q_scaled[(2 * p + 1) * hd + c * 8], 8, dst + 8);
       }
     }
+    wide->dot_block_pairs(q_joined.data(), q_scaled.data(), heads / 2, group / 2, krow, n, hd,
+                          scores.data(), kDecodeBlock);
+  } else {
+    DotBlock<T>(q_scaled.data(), heads, group, krow, n, hd, scores.data(), kDecodeBlock);
   }
   // Softmax weights under the block's maximum, per head.
   for (int64_t h = 0; h < heads; ++h) {
