@@ -291,8 +291,10 @@ class CpuBackend : public EngineBackend {
     Linear(xn, n, w.a_proj, w.a_bias, a.data());
     Linear(xn, n, w.b_proj, w.b_bias, b.data());
     if (w.qbn_w != nullptr) {
-      cpu::BatchNormEval(rq.data(), w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, n, key_size, 1e-5f);
-      cpu::BatchNormEval(wk.data(), w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, n, key_size, 1e-5f);
+      cpu::BatchNormEval(rq.data(), w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, n, key_size,
+                         kSdmBatchNormEps);
+      cpu::BatchNormEval(wk.data(), w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, n, key_size,
+                         kSdmBatchNormEps);
     }
 
     // Addressing and gates of every (row, head): independent, so all in parallel.

@@ -35,6 +35,10 @@ struct AttentionTensors {
   }
 };
 
+// The epsilon of the SDM scores' eval-mode BatchNorms (PyTorch's BatchNorm1d default, which the
+// reference model uses), for every backend.
+inline constexpr float kSdmBatchNormEps = 1e-5f;
+
 // An SDM mixer (docs/architecture.md): the projections with their biases, the gates, and the
 // optional output gate, readings LayerNorm, eval-mode BatchNorms and learned M0.
 template <typename M, typename V>

@@ -672,26 +672,28 @@ class CudaBackend : public EngineBackend {
     const SdmArgs& args = cfg_.sdm;
     const int64_t dim = cfg_.dim;
     const int64_t heads = sdm_geom_.heads;
-    const int64_t key_size = sdm_geom_.key_size;
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wq_read, w.bq_read, ws.rq.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wk_write, w.bk_write, ws.wkey.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wv_write, w.bv_write, ws.sv.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
-    if (w.qbn_w != nullptr) {
-      SDM_RETURN_IF_ERROR(Launched(kc::BatchNormEval(ws.rq.get(), w.qbn_w, w.qbn_b, w.qbn_mean,
-                                                     w.qbn_var, n, key_size, 1e-5f, stream),
-                                   "query batchnorm"));
-      SDM_RETURN_IF_ERROR(Launched(kc::BatchNormEval(ws.wkey.get(), w.kbn_w, w.kbn_b, w.kbn_mean,
-                                                     w.kbn_var, n, key_size, 1e-5f, stream),
-                                   "key batchnorm"));
-    }
-    // Write and read addressing in one launch.
+    // Write and read addressing in one launch, each key's BatchNorm (when the layer has one)
+    // applied as the addressing reads the key.
     const kc::SdmAddressJob addressing[2] = {
-        {ws.wkey.get(), args.num_writes, ToAddressAct(args.write_act),
-         static_cast<float>(args.write_act_scale), ws.w_slots.get(), ws.w_weights.get()},
-        {ws.rq.get(), args.num_reads, ToAddressAct(args.read_act),
-         static_cast<float>(args.read_act_scale), ws.r_slots.get(), ws.r_weights.get()}};
+        {ws.wkey.get(),
+         args.num_writes,
+         ToAddressAct(args.write_act),
+         static_cast<float>(args.write_act_scale),
+         ws.w_slots.get(),
+         ws.w_weights.get(),
+         {w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, kSdmBatchNormEps}},
+        {ws.rq.get(),
+         args.num_reads,
+         ToAddressAct(args.read_act),
+         static_cast<float>(args.read_act_scale),
+         ws.r_slots.get(),
+         ws.r_weights.get(),
+         {w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, kSdmBatchNormEps}}};
     SDM_RETURN_IF_ERROR(
         Launched(kc::SdmAddressJobs(addressing, n, heads, sdm_geom_.side, stream), "addressing"));
     SDM_RETURN_IF_ERROR(Launched(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n, heads,

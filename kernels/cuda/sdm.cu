@@ -8,6 +8,7 @@
 #include <span>
 
 #include "kernels/common/device_layout.h"
+#include "kernels/common/fp_math.h"
 #include "kernels/common/sdm_addressing_math.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cuda/cuda_util.h"
@@ -130,7 +131,7 @@ struct AddressJobPair {
 };
 
 __global__ void __launch_bounds__(kAddressThreads)
-    AddressKernel(AddressJobPair jobs, int64_t side) {
+    AddressKernel(AddressJobPair jobs, int64_t heads, int64_t side) {
   // A select, not a run-time index into the parameter array (which would copy it to the stack).
   const SdmAddressJob job = blockIdx.y == 0 ? jobs.job[0] : jobs.job[1];
   const float* scores = job.scores;
@@ -156,8 +157,14 @@ __global__ void __launch_bounds__(kAddressThreads)
   const int64_t rh = blockIdx.x;
   const float* src = scores + rh * 2 * side;
   const int half_bytes = AddressIndexBytes(side);
+  const SdmScoreNorm& norm = job.norm;
+  const int64_t first_column = (rh % heads) * 2 * side;  // of this head's scores in the row
   for (int64_t i = tid; i < 2 * side; i += blockDim.x) {
-    const float x = src[i];
+    float x = src[i];
+    if (norm.w != nullptr) {
+      const int64_t j = first_column + i;
+      x = BatchNormEvalValue(x, norm.mean[j], norm.var[j], norm.w[j], norm.b[j], norm.eps);
+    }
     sc[i] = x;
     half_key[i] = AddressRankKey(x, i < side ? i : i - side, half_bytes);
   }
@@ -666,14 +673,14 @@ cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, in
   if (side > kMaxSide || too_many || rows * heads > INT32_MAX) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(2 * side) * (sizeof(float) + sizeof(uint64_t));
   const dim3 grid(static_cast<unsigned int>(rows * heads), launched);
-  AddressKernel<<<grid, kAddressThreads, smem, stream>>>(pair, side);
+  AddressKernel<<<grid, kAddressThreads, smem, stream>>>(pair, heads, side);
   return cudaGetLastError();
 }
 
 cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t side, int64_t k,
                        AddressAct act, float scale, int32_t* slots, float* weights,
                        cudaStream_t stream) {
-  const SdmAddressJob job{scores, k, act, scale, slots, weights};
+  const SdmAddressJob job{scores, k, act, scale, slots, weights, {}};
   return SdmAddressJobs(std::span<const SdmAddressJob>(&job, 1), rows, heads, side, stream);
 }
 

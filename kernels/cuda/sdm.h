@@ -58,7 +58,19 @@ cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t
                        AddressAct act, float scale, int32_t* slots, float* weights,
                        cudaStream_t stream);
 
-// One SdmAddress call's own arguments.
+// An eval BatchNorm applied to each score as the addressing reads it: column j of a
+// [rows, heads * 2 * side] score row becomes BatchNormEvalValue(x, mean[j], var[j], w[j], b[j],
+// eps) (kernels/common/fp_math.h, the function BatchNormEval and cpu::BatchNormEval apply). The
+// scores in memory are left as they are. w == nullptr: no normalisation.
+struct SdmScoreNorm {
+  const float* w = nullptr;  // [heads * 2 * side] each
+  const float* b = nullptr;
+  const float* mean = nullptr;
+  const float* var = nullptr;
+  float eps = 1e-5f;
+};
+
+// One SdmAddress call's own arguments, and optionally the BatchNorm its scores still need.
 struct SdmAddressJob {
   const float* scores = nullptr;  // [rows, heads * 2 * side]
   int64_t k = 0;
@@ -66,10 +78,12 @@ struct SdmAddressJob {
   float scale = 1.0f;
   int32_t* slots = nullptr;  // [rows, heads, AddressCount(k, side)]
   float* weights = nullptr;  // same shape
+  SdmScoreNorm norm;
 };
 
 // SdmAddress for up to two jobs over the same rows, heads and side in one launch (a step's write
-// and read addressing): each job's outputs are exactly what its own SdmAddress call writes.
+// and read addressing), each with its own BatchNorm or none: each job's outputs are exactly what
+// BatchNormEval (when job.norm.w is set) then its own SdmAddress call write, bit for bit.
 cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, int64_t heads,
                            int64_t side, cudaStream_t stream);
 

@@ -62,15 +62,28 @@ TEST(CudaEngineTest, ParsesDeviceNames) {
 
 #if defined(SDM_HAVE_CUDA)
 
-// A random model whose matrices are exactly representable in bf16 (what the device stores).
+// A random model whose matrices are exactly representable in bf16 (what the device stores). The
+// scores' BatchNorms (query_batchnorm), which ModelWeights::Random leaves at the identity, get
+// statistics of their own, so that normalising changes which slots are selected.
 std::shared_ptr<const Model> Bf16Model(const ModelConfig& config, uint64_t seed) {
   std::shared_ptr<const ModelWeights> random = ModelWeights::Random(config, seed);
+  std::mt19937 rng(static_cast<uint32_t>(seed));
+  std::normal_distribution<float> normal;
   std::map<std::string, std::vector<float>> arrays;
   for (const TensorSpec& t : ExpectedTensors(config)) {
     std::span<const float> v = random->Get(t.name);
     std::vector<float> out(v.begin(), v.end());
     if (t.shape.size() == 2) {
       for (float& x : out) x = __bfloat162float(__float2bfloat16_rn(x));
+    }
+    if (t.name.find("_bn.") != std::string::npos) {
+      for (float& x : out) {
+        const float z = normal(rng);
+        if (t.name.ends_with(".weight")) x = 1.0f + 0.3f * z;
+        if (t.name.ends_with(".bias")) x = 0.2f * z;
+        if (t.name.ends_with(".running_mean")) x = 0.1f * z;
+        if (t.name.ends_with(".running_var")) x = 0.05f + z * z;
+      }
     }
     arrays[t.name] = std::move(out);
   }
@@ -105,9 +118,20 @@ struct Engines {
   std::unique_ptr<Engine> cpu, cuda;
 };
 
+// A preset name, or "debug_sdm_batchnorm": debug_sdm with the scores' BatchNorms on (the CUDA
+// engine applies them inside the addressing launch, kernels/cuda/sdm.h SdmScoreNorm).
+absl::StatusOr<ModelConfig> ConfigNamed(const std::string& name) {
+  if (name != "debug_sdm_batchnorm") return PresetConfig(name);
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_sdm");
+  if (!c.ok()) return c.status();
+  c->sdm.query_batchnorm = true;
+  if (absl::Status s = FinalizeModelConfig(*c); !s.ok()) return s;
+  return c;
+}
+
 Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
                     int64_t transfer_chunk_bytes = 0) {
-  absl::StatusOr<ModelConfig> c = PresetConfig(preset);
+  absl::StatusOr<ModelConfig> c = ConfigNamed(preset);
   EXPECT_TRUE(c.ok()) << c.status();
   std::shared_ptr<const Model> model = Bf16Model(*c, 7);
   EngineOptions o;
@@ -176,7 +200,8 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, CudaVsCpuTest,
-                         ::testing::Values("tiny", "debug_sdm", "debug_hybrid"));
+                         ::testing::Values("tiny", "debug_sdm", "debug_hybrid",
+                                           "debug_sdm_batchnorm"));
 
 // ---- Per-layer state and product-key selection against the CPU (issue 16) --------------------
 // After a sync the device's SDM rows are on the host, so each SDM layer is compared with the CPU

@@ -68,6 +68,18 @@ std::vector<T> Download(const T* dev, size_t n) {
 
 int32_t DownloadScalar(const int32_t* dev) { return Download(dev, 1)[0]; }
 
+// Two addressings wrote the same slots and the same weight bits (NaN-safe).
+void ExpectSameAddressing(const cuda::DeviceBuffer<int32_t>& slots,
+                          const cuda::DeviceBuffer<float>& weights,
+                          const cuda::DeviceBuffer<int32_t>& want_slots,
+                          const cuda::DeviceBuffer<float>& want_weights) {
+  EXPECT_EQ(Download(slots.get(), slots.size()), Download(want_slots.get(), want_slots.size()));
+  const std::vector<float> a = Download(weights.get(), weights.size());
+  const std::vector<float> b = Download(want_weights.get(), want_weights.size());
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+}
+
 float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
 __nv_bfloat16 ToBf16(float x) { return __float2bfloat16_rn(x); }
 uint16_t BitsOf(__nv_bfloat16 x) {
@@ -230,8 +242,13 @@ TEST(CudaSdmTest, AddressJobsInOneLaunchMatchSeparateCalls) {
       weights_alone.emplace_back(n);
     }
     for (size_t j = 0; j < 2; ++j) {
-      jobs.push_back({scores[j].get(), cases[j].k, cases[j].act, cases[j].scale, slots[j].get(),
-                      weights[j].get()});
+      jobs.push_back({scores[j].get(),
+                      cases[j].k,
+                      cases[j].act,
+                      cases[j].scale,
+                      slots[j].get(),
+                      weights[j].get(),
+                      {}});
       ASSERT_EQ(
           cuda::SdmAddress(scores[j].get(), rows, heads, side, cases[j].k, cases[j].act,
                            cases[j].scale, slots_alone[j].get(), weights_alone[j].get(), nullptr),
@@ -242,17 +259,12 @@ TEST(CudaSdmTest, AddressJobsInOneLaunchMatchSeparateCalls) {
     cuda::DeviceBuffer<int32_t> untouched(4);
     ASSERT_EQ(cudaMemset(untouched.get(), 0x5a, untouched.bytes()), cudaSuccess);
     const cuda::SdmAddressJob with_empty[2] = {
-        {scores[0].get(), 0, AddressAct::kSoftmax, 1.0f, untouched.get(), nullptr}, jobs[1]};
+        {scores[0].get(), 0, AddressAct::kSoftmax, 1.0f, untouched.get(), nullptr, {}}, jobs[1]};
     ASSERT_EQ(cuda::SdmAddressJobs(with_empty, rows, heads, side, nullptr), cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (size_t j = 0; j < 2; ++j) {
       SCOPED_TRACE(testing::Message() << "job " << j);
-      EXPECT_EQ(Download(slots[j].get(), slots[j].size()),
-                Download(slots_alone[j].get(), slots_alone[j].size()));
-      const std::vector<float> a = Download(weights[j].get(), weights[j].size());
-      const std::vector<float> b = Download(weights_alone[j].get(), weights_alone[j].size());
-      ASSERT_EQ(a.size(), b.size());
-      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));  // NaN-safe bits
+      ExpectSameAddressing(slots[j], weights[j], slots_alone[j], weights_alone[j]);
     }
     for (const int32_t v : Download(untouched.get(), untouched.size())) EXPECT_EQ(v, 0x5a5a5a5a);
   }
@@ -303,9 +315,27 @@ void CheckBatchNormThenAddress(int64_t rows, int64_t heads, int64_t side, int64_
   ASSERT_EQ(cuda::SdmAddress(d_scores.get(), rows, heads, side, k, AddressAct::kSoftmax, 1.0f,
                              d_slots.get(), d_weights.get(), nullptr),
             cudaSuccess);
+  // The engine's path: the same BatchNorm applied by the addressing as it reads the raw scores.
+  auto d_raw = Upload(raw);
+  cuda::DeviceBuffer<int32_t> d_fused_slots(rows * heads * count);
+  cuda::DeviceBuffer<float> d_fused_weights(rows * heads * count);
+  const cuda::SdmAddressJob fused{d_raw.get(),
+                                  k,
+                                  AddressAct::kSoftmax,
+                                  1.0f,
+                                  d_fused_slots.get(),
+                                  d_fused_weights.get(),
+                                  {d_w.get(), d_b.get(), d_mean.get(), d_var.get(), 1e-5f}};
+  ASSERT_EQ(cuda::SdmAddressJobs(std::span<const cuda::SdmAddressJob>(&fused, 1), rows, heads, side,
+                                 nullptr),
+            cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> gpu_scores = Download(d_scores.get(), raw.size());
   const std::vector<int32_t> slots = Download(d_slots.get(), d_slots.size());
+  ExpectSameAddressing(d_fused_slots, d_fused_weights, d_slots, d_weights);
+  const std::vector<float> raw_after = Download(d_raw.get(), raw.size());
+  EXPECT_EQ(0, std::memcmp(raw_after.data(), raw.data(), raw.size() * sizeof(float)))
+      << "the addressing wrote its normalised scores back";
   int64_t score_diffs = 0;
   for (size_t i = 0; i < raw.size(); ++i) {
     score_diffs += std::memcmp(&gpu_scores[i], &cpu_scores[i], sizeof(float)) != 0 ? 1 : 0;
@@ -339,6 +369,74 @@ TEST(CudaSdmTest, BatchNormThenAddressSelectsTheCpuSlots) {
   CheckBatchNormThenAddress(/*rows=*/128, /*heads=*/2, /*side=*/8, /*k=*/8, 31);     // tiny
   CheckBatchNormThenAddress(/*rows=*/128, /*heads=*/1, /*side=*/64, /*k=*/32, 32);   // debug
   CheckBatchNormThenAddress(/*rows=*/32, /*heads=*/2, /*side=*/256, /*k=*/128, 33);  // flagship
+#endif
+}
+
+// Two jobs in one launch, each with its own BatchNorm applied as its scores are read (the write
+// key's and the read query's, as the engine launches them) or none, write exactly what
+// BatchNormEval then SdmAddressJobs without BatchNorm write. A fixed seed and a fresh one.
+TEST(CudaSdmTest, AddressJobsApplyEachJobsOwnBatchNorm) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const uint32_t seed : {20261205u, FreshSeed()}) {
+    for (const bool second_has_norm : {true, false}) {
+      SCOPED_TRACE(testing::Message()
+                   << "seed " << seed << " second job normalised " << second_has_norm);
+      std::mt19937 rng(seed);
+      std::normal_distribution<float> normal;
+      const int64_t rows = 11, heads = 3, side = 32, key_size = heads * 2 * side;
+      const int64_t ks[2] = {8, 16};
+      std::vector<std::vector<float>> raw(2), stats(8);
+      for (auto& r : raw) {
+        r.resize(rows * key_size);
+        for (float& x : r) x = std::round(64.0f * normal(rng)) / 64.0f;
+      }
+      for (int64_t t = 0; t < 8; ++t) {  // w, b, mean, var of each job
+        stats[t].resize(key_size);
+        for (float& x : stats[t]) {
+          const float z = normal(rng);
+          x = t % 4 == 0 ? 1.0f + 0.3f * z : t % 4 == 3 ? 0.05f + z * z : 0.2f * z;
+        }
+      }
+      std::vector<cuda::DeviceBuffer<float>> d_stats;
+      for (const auto& st : stats) d_stats.push_back(Upload(st));
+      std::vector<cuda::DeviceBuffer<float>> d_raw, d_normed, weights, weights_want;
+      std::vector<cuda::DeviceBuffer<int32_t>> slots, slots_want;
+      cuda::SdmAddressJob fused[2], plain[2];
+      for (int j = 0; j < 2; ++j) {
+        const bool norm = j == 0 || second_has_norm;
+        const int64_t n = rows * heads * AddressCount(ks[j], side);
+        d_raw.push_back(Upload(raw[j]));
+        d_normed.push_back(Upload(raw[j]));
+        if (norm) {
+          ASSERT_EQ(cuda::BatchNormEval(d_normed[j].get(), d_stats[4 * j].get(),
+                                        d_stats[4 * j + 1].get(), d_stats[4 * j + 2].get(),
+                                        d_stats[4 * j + 3].get(), rows, key_size, 1e-5f, nullptr),
+                    cudaSuccess);
+        }
+        slots.emplace_back(n);
+        weights.emplace_back(n);
+        slots_want.emplace_back(n);
+        weights_want.emplace_back(n);
+        const AddressAct act = j == 0 ? AddressAct::kSoftmax : AddressAct::kL2Normalize;
+        fused[j] = {d_raw[j].get(), ks[j], act, 1.0f, slots[j].get(), weights[j].get(), {}};
+        if (norm) {
+          fused[j].norm = {d_stats[4 * j].get(), d_stats[4 * j + 1].get(), d_stats[4 * j + 2].get(),
+                           d_stats[4 * j + 3].get(), 1e-5f};
+        }
+        plain[j] = {d_normed[j].get(),     ks[j], act, 1.0f, slots_want[j].get(),
+                    weights_want[j].get(), {}};
+      }
+      ASSERT_EQ(cuda::SdmAddressJobs(fused, rows, heads, side, nullptr), cudaSuccess);
+      ASSERT_EQ(cuda::SdmAddressJobs(plain, rows, heads, side, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      for (int j = 0; j < 2; ++j) {
+        SCOPED_TRACE(testing::Message() << "job " << j);
+        ExpectSameAddressing(slots[j], weights[j], slots_want[j], weights_want[j]);
+        EXPECT_EQ(Download(d_raw[j].get(), raw[j].size()), raw[j]);  // read, never written
+      }
+    }
+  }
 #endif
 }
 
