@@ -39,7 +39,9 @@ cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, in
                       cudaStream_t stream);
 
 // cpu::BatchNormEval in place: x [rows, n], per-column running statistics. Bit for bit the CPU
-// kernel's result (both call kernels/common/fp_math.h, BatchNormEvalValue).
+// kernel's result (both call kernels/common/fp_math.h, BatchNormEvalValue). The engine applies
+// the SDM scores' BatchNorm inside the addressing launch instead (SdmScoreNorm, sdm.h); this
+// kernel is what the tests compare that with.
 cudaError_t BatchNormEval(float* x, const float* w, const float* b, const float* mean,
                           const float* var, int64_t rows, int64_t n, float eps,
                           cudaStream_t stream);
