@@ -53,7 +53,16 @@ absl::StatusOr<absl::Duration> TtlOf(bool has_ttl, const google::protobuf::Durat
         field, " must be a non-negative duration (0 or unset: the server's default), got ", s, "s ",
         n, "ns"));
   }
-  return absl::Seconds(s) + absl::Nanoseconds(n);
+  const absl::Duration d = absl::Seconds(s) + absl::Nanoseconds(n);
+  if (d > absl::ZeroDuration() && d < kMinSessionTtl) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, " must be 0 or unset (the server's default) or at least ",
+                     absl::FormatDuration(kMinSessionTtl),
+                     " (shorter, the session could expire before it is "
+                     "used), got ",
+                     absl::FormatDuration(d)));
+  }
+  return d;
 }
 
 v1::Tier ToProtoTier(Tier tier) {

@@ -76,6 +76,10 @@ struct ServiceOptions {
 // full-attention layer: SDM and sliding-window state has a fixed size.
 int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes);
 
+// The shortest ttl a session may be given (Create, Fork): a shorter one could expire before its
+// creator's next call reached the server (0 or unset means the server's default instead).
+inline constexpr absl::Duration kMinSessionTtl = absl::Seconds(1);
+
 // Limits on what a Generate request may carry besides the prompt.
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 256;

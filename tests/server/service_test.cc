@@ -847,6 +847,38 @@ TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
     EXPECT_EQ(s.stub->CreateSession(&context, request, &out).error_code(),
               grpc::StatusCode::INVALID_ARGUMENT);
   }
+  // A positive ttl under kMinSessionTtl (the request fuzzer's find: 60 ns, expired before the
+  // next call) is refused, by Create and by Fork; kMinSessionTtl itself is accepted.
+  for (const int32_t nanos : {60, 999'999'999}) {
+    SCOPED_TRACE(::testing::Message() << "ttl " << nanos << " ns");
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id("brief-ttl");
+    request.mutable_ttl()->set_nanos(nanos);
+    v1::Session out;
+    const grpc::Status status = s.stub->CreateSession(&context, request, &out);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_NE(status.error_message().find("at least 1s"), std::string::npos)
+        << status.error_message();
+    grpc::ClientContext fork_context;
+    Prepare(fork_context, {});
+    v1::ForkSessionRequest fork;
+    fork.set_session_id("mine");
+    fork.set_new_session_id("brief-fork");
+    fork.mutable_ttl()->set_nanos(nanos);
+    EXPECT_EQ(s.stub->ForkSession(&fork_context, fork, &out).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT);
+  }
+  {
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id("one-second-ttl");
+    request.mutable_ttl()->set_seconds(1);
+    v1::Session out;
+    EXPECT_TRUE(s.stub->CreateSession(&context, request, &out).ok());
+  }
   v1::Session out;
   EXPECT_EQ(GetSession(*s.stub, "ghost", &out).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(DeleteSession(*s.stub, "ghost").error_code(), grpc::StatusCode::NOT_FOUND);
