@@ -59,7 +59,7 @@ float DotRow(const float* q, const T* k, int64_t hd) {
 // scores[h * score_stride + i] = q(h) . k[i][kv(h) * hd ...] for every head and row i < n, row by
 // row and head by head: the keys are read in address order, one stream the hardware prefetchers
 // follow, and each (row, head) chain is independent of the next, so the processor overlaps them
-// (the earlier order, eight rows' slices at once, measured 5-35% slower: docs/benchmarks.md, "Keys
+// (the earlier order, eight rows' slices at once, measured 4-36% slower: docs/benchmarks.md, "Keys
 // in address order").
 template <typename T>
 void DotBlock(const float* q, int64_t heads, int64_t group, const T* const* k, int n, int64_t hd,
@@ -133,12 +133,43 @@ struct BlockTask {
 // Floats of one head's partial state in a task's output: m, l, then acc[head_dim].
 int64_t PartialFloats(const AttentionShape& s) { return 2 + s.head_dim; }
 
+// A query prepared once for all its blocks: scaled into log2 units (attention_math.h) by
+// log2(e) / sqrt(head_dim), [n_heads * head_dim], and, where the wide loops take every head in
+// pairs, each pair's scaled queries joined as DecodeWideLoopsOf::dot_block_pairs reads them
+// (empty otherwise).
+struct PreparedQuery {
+  std::vector<float> scaled;
+  std::vector<float> joined;
+};
+
+PreparedQuery PrepareQuery(const float* q, const AttentionShape& shape, bool pairs) {
+  const int64_t hd = shape.head_dim;
+  const int64_t heads = shape.n_heads;
+  PreparedQuery out;
+  out.scaled.resize(heads * hd);
+  const float scale = kLog2e / std::sqrt(static_cast<float>(hd));
+  for (int64_t i = 0; i < heads * hd; ++i) out.scaled[i] = q[i] * scale;
+  if (!pairs) return out;
+  const int64_t chunks = hd / 8;
+  out.joined.resize(heads / 2 * chunks * 16);
+  for (int64_t p = 0; p < heads / 2; ++p) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      float* dst = &out.joined[(p * chunks + c) * 16];
+      std::copy_n(&out.scaled[(2 * p) * hd + c * 8], 8, dst);
+      std::copy_n(&out.scaled[(2 * p + 1) * hd + c * 8], 8, dst + 8);
+    }
+  }
+  return out;
+}
+
 // The partial states of every head over one block, written to `partial`
 // ([n_heads][2 + head_dim]).
-// `wide`: the AVX-512 loops (same bits), or nullptr for this file's.
+// `wide`: the AVX-512 loops (same bits), or nullptr for this file's; the key pass takes them
+// when `prepared` holds joined pairs.
 template <typename T>
-void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
-                 const AttentionShape& shape, const DecodeWideLoopsOf<T>* wide, float* partial) {
+void AttendBlock(const DecodeQueryOf<T>& query, const PreparedQuery& prepared, int64_t begin,
+                 int64_t end, const AttentionShape& shape, const DecodeWideLoopsOf<T>* wide,
+                 float* partial) {
   const int64_t hd = shape.head_dim;
   const int64_t heads = shape.n_heads;
   const int64_t group = shape.n_heads / shape.n_kv_heads;
@@ -154,30 +185,15 @@ void AttendBlock(const DecodeQueryOf<T>& query, int64_t begin, int64_t end,
       vrow[p - begin] = s.v + (p - s.first_pos) * shape.row_stride;
     }
   }
-  // Scores in log2 units (attention_math.h): the query scaled once by log2(e) / sqrt(head_dim).
-  thread_local std::vector<float> q_scaled, scores;
-  q_scaled.resize(heads * hd);
+  thread_local std::vector<float> scores;
   scores.resize(heads * kDecodeBlock);
-  const float scale = kLog2e / std::sqrt(static_cast<float>(hd));
-  for (int64_t i = 0; i < heads * hd; ++i) q_scaled[i] = query.q[i] * scale;
-
   // Keys: every head against each row, the rows read once, front to back. With the wide loops and
   // every head paired, two heads of a KV group at once.
-  if (wide != nullptr && group % 2 == 0) {
-    const int64_t chunks = hd / 8;
-    thread_local std::vector<float> q_joined;
-    q_joined.resize(heads / 2 * chunks * 16);
-    for (int64_t p = 0; p < heads / 2; ++p) {
-      for (int64_t c = 0; c < chunks; ++c) {
-        float* dst = &q_joined[(p * chunks + c) * 16];
-        std::copy_n(&q_scaled[(2 * p) * hd + c * 8], 8, dst);
-        std::copy_n(&q_scaled[(2 * p + 1) * hd + c * 8], 8, dst + 8);
-      }
-    }
-    wide->dot_block_pairs(q_joined.data(), q_scaled.data(), heads / 2, group / 2, krow, n, hd,
-                          scores.data(), kDecodeBlock);
+  if (!prepared.joined.empty()) {
+    wide->dot_block_pairs(prepared.joined.data(), prepared.scaled.data(), heads / 2, group / 2,
+                          krow, n, hd, scores.data(), kDecodeBlock);
   } else {
-    DotBlock<T>(q_scaled.data(), heads, group, krow, n, hd, scores.data(), kDecodeBlock);
+    DotBlock<T>(prepared.scaled.data(), heads, group, krow, n, hd, scores.data(), kDecodeBlock);
   }
   // Softmax weights under the block's maximum, per head.
   for (int64_t h = 0; h < heads; ++h) {
@@ -234,9 +250,15 @@ void AttendDecodeBatchOf(std::span<const DecodeQueryOf<T>> queries, const Attent
   first_task[queries.size()] = static_cast<int64_t>(tasks.size());
   const int64_t per_task = heads * PartialFloats(shape);
   std::vector<float> partials(tasks.size() * per_task);
+  // Every block of a query starts from the same prepared query.
+  const bool pairs = wide != nullptr && hd >= 8 && (heads / shape.n_kv_heads) % 2 == 0;
+  std::vector<PreparedQuery> prepared;
+  prepared.reserve(queries.size());
+  for (const DecodeQueryOf<T>& q : queries) prepared.push_back(PrepareQuery(q.q, shape, pairs));
   auto run_block = [&](int64_t t) {
     const BlockTask& task = tasks[t];
-    AttendBlock(queries[task.query], task.begin, task.end, shape, wide, &partials[t * per_task]);
+    AttendBlock(queries[task.query], prepared[task.query], task.begin, task.end, shape, wide,
+                &partials[t * per_task]);
   };
   // Merge in block order, per (query, head).
   auto merge = [&](int64_t i) {

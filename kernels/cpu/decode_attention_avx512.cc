@@ -71,7 +71,7 @@ __m256 High(__m512 v) {
 
 // Row by row, pair by pair: one chain of fused multiply-adds per (row, pair), each independent of
 // the next, so the processor overlaps them while the loads walk the keys in address order (the
-// hardware prefetchers follow one stream; eight rows' slices at once measured 5-15% slower at
+// hardware prefetchers follow one stream; eight rows' slices at once measured 4-18% slower at
 // these shapes: docs/benchmarks.md, "Keys in address order").
 template <typename T>
 void DotBlockPairs(const float* q_joined, const float* q, int64_t pairs, int64_t pairs_per_kv,

@@ -67,7 +67,7 @@ struct SdmScoreNorm {
   const float* b = nullptr;
   const float* mean = nullptr;
   const float* var = nullptr;
-  float eps = 1e-5f;
+  float eps = 0.0f;  // set with w (the engine's: kSdmBatchNormEps, engine/layer_tensors.h)
 };
 
 // One SdmAddress call's own arguments, and optionally the BatchNorm its scores still need.
