@@ -5,8 +5,8 @@
 # reload), then takes it out again and drains it (SIGTERM). Sessions whose hash moves are handed
 # over on request: the new replica asks the live owner through etcd, the owner parks the session
 # and releases it. Asserts: every turn equals the control's (moved sessions continue bit-exactly);
-# every failed call failed with a retryable status and a retry hint (and its retry then
-# succeeded); the 4th replica served sessions and handoffs happened both ways. Prints the counts.
+# every failed call failed with a retryable status and a retry hint, or was ended by nginx's own
+# reload (UNAVAILABLE "GOAWAY received", no hint), and its retry then succeeded; the 4th replica served sessions and handoffs happened both ways. Prints the counts.
 # Waits are on observable conditions (turns done, log lines, process exit), bounded generously.
 # Exit 77 without nginx or etcd.
 #
@@ -73,7 +73,12 @@ turn_checked() {
       [ -n "$got" ] && break
     fi
     echo "$id '$prompt': $(grep 'sdm-client' "$err" | tr '\n' ' ')" >>"$work/failures"
-    if ! grep -q "UNAVAILABLE\|ABORTED" "$err" || ! grep -q "retry after" "$err"; then
+    # nginx itself ends calls in flight on a connection its reload closes: UNAVAILABLE "GOAWAY
+    # received", with no hint (no server answered). Retried like the rest; the retry must still
+    # equal the control, so a turn that had run before the GOAWAY would show as a divergence.
+    if grep -q "UNAVAILABLE: GOAWAY received" "$err"; then
+      echo "$id" >>"$work/goaway"
+    elif ! grep -q "UNAVAILABLE\|ABORTED" "$err" || ! grep -q "retry after" "$err"; then
       echo "$id '$prompt': not retryable: $(cat "$err")" >>"$work/bad"
       return 1
     fi
@@ -183,13 +188,16 @@ to_r3=$(cat "$work"/r[012].err | grep -c "asked by 'r3'" || true)
 from_r3=$(count "handed session" "$work/r3.err")
 failures=0
 [ -f "$work/failures" ] && failures=$(wc -l <"$work/failures")
+goaways=0
+[ -f "$work/goaway" ] && goaways=$(wc -l <"$work/goaway")
 moved=$(for id in "${names[@]}"; do
   grep "session=\"$id\"" "$log" | grep -v 'grpc_status=5$' | sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | wc -l
 done | awk '$1 > 1' | wc -l)
 echo "ok: scale 3 -> 4 -> 3 -> 4, drain 4 -> 3 under traffic: $(wc -l <"$work/turns") turns of" \
   "$sessions sessions, all equal to the control; $moved sessions changed replica; handed over" \
   "to r3 on request: $to_r3, by r3 on request: $from_r3; calls failed and retried: $failures" \
-  "(all retryable with a retry hint); calls that reached r3: $on_r3"
+  "(all retryable with a retry hint, but $goaways ended by nginx's reload: GOAWAY, no hint);" \
+  "calls that reached r3: $on_r3"
 if [ "$failures" -gt 0 ]; then
   sed 's/^/  /' "$work/failures" | head -20
 fi
