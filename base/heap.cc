@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "base/check.h"
+#include "base/thread_name.h"
 
 #if defined(__GLIBC__)
 #include <malloc.h>
@@ -76,6 +77,7 @@ void HeapTrimmer::AwaitTrims(int64_t n) const {
 }
 
 void HeapTrimmer::Loop() {
+  SetCurrentThreadName("sdm-heap-trim");
   absl::MutexLock lock(&mu_);
   while (true) {
     const absl::Time deadline = absl::Now() + interval_;

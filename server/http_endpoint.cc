@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "base/thread_name.h"
 #include "httplib.h"
 #include "server/metrics/exposition.h"
 
@@ -70,6 +71,7 @@ class HttpEndpoint::Impl {
           absl::StrCat("metrics endpoint: cannot listen on ", host, ":", port, " (", reason, ")"));
     }
     thread_ = std::thread([this] {
+      SetCurrentThreadName("sdm-metrics");  // its workers, started by it, inherit the name
       server_.listen_after_bind();
       listener_exited_ = true;
     });

@@ -5,6 +5,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "base/thread_name.h"
 
 namespace sdm {
 namespace {
@@ -125,6 +126,7 @@ void Scheduler::Shutdown(bool cancel) {
 }
 
 void Scheduler::Loop() {
+  SetCurrentThreadName("sdm-step");
   // This is the store's step thread: device-host moves of sessions run here, between steps.
   store_.SetStepThread([this] {
     absl::MutexLock lock(&mu_);

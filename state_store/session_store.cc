@@ -25,6 +25,7 @@
 #include "base/check.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "base/thread_name.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_log.h"
 
@@ -1628,6 +1629,7 @@ SessionStateStore::Entry* SessionStateStore::NextDueLocked(absl::Time now) {
 }
 
 void SessionStateStore::WriterLoop() {
+  SetCurrentThreadName("sdm-writer");
   absl::MutexLock lock(&mu_);
   while (!stop_) {
     Entry* e = NextDueLocked(absl::Now());
@@ -2176,6 +2178,7 @@ int SessionStateStore::SyncRound(std::vector<std::string>* failed) {
 }
 
 void SessionStateStore::SyncerLoop() {
+  SetCurrentThreadName("sdm-syncer");
   absl::MutexLock lock(&mu_);
   while (!stop_) {
     if (unsynced_.empty() && !unsynced_dir_) {
@@ -2193,6 +2196,7 @@ void SessionStateStore::SyncerLoop() {
 }
 
 void SessionStateStore::WorkerLoop() {
+  SetCurrentThreadName("sdm-store");
   absl::MutexLock lock(&mu_);
   while (!stop_) {
     if (!worker_pending_) changed_.WaitWithTimeout(&mu_, absl::Seconds(1));

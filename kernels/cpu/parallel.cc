@@ -1,5 +1,7 @@
 #include "kernels/cpu/parallel.h"
 
+#include "base/thread_name.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -41,6 +43,7 @@ void ThreadPool::RunShare(const std::function<void(int64_t)>& fn, int64_t n) {
 }
 
 void ThreadPool::WorkerLoop() {
+  SetCurrentThreadName("sdm-kernel");
   uint64_t seen = 0;
   while (true) {
     const std::function<void(int64_t)>* job = nullptr;

@@ -333,18 +333,21 @@ def warmed_up(samples):
 
 
 def own_threads(pid):
-    """Threads of the process that carry its own name: sdm-server's threads. gRPC names the
-    threads of its pools (event engine, executors, timers, pollers), which it starts and stops
-    with the load, so only the server's own threads are expected to stay flat."""
+    """The server's own threads: those named "sdm-..." (base/thread_name.h: the step loop, the
+    kernel pool, the state store's threads, ...) or carrying the process's name (its main thread,
+    and threads it starts unnamed). gRPC names the threads of its pools (event engine, executors,
+    timers, pollers), which it starts and stops with the load, so only the server's own threads
+    are expected to stay flat."""
     with open(f"/proc/{pid}/comm") as f:
         name = f.read().strip()
     count = 0
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/comm") as f:
-                count += f.read().strip() == name
+                thread = f.read().strip()
         except OSError:  # the thread exited meanwhile
-            pass
+            continue
+        count += thread == name or thread.startswith("sdm-")
     return count
 
 

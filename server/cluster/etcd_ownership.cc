@@ -7,6 +7,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "server/grpc_status.h"
@@ -98,6 +99,7 @@ int64_t EtcdOwnership::handoffs() const {
 }
 
 void EtcdOwnership::HandoffLoop() {
+  SetCurrentThreadName("sdm-handoff");
   const std::string prefix = options_.handoff_prefix;
   std::string end = prefix;
   end.back() = static_cast<char>(end.back() + 1);  // the range of every key under the prefix
@@ -191,6 +193,7 @@ absl::Status EtcdOwnership::Grant() {
 }
 
 void EtcdOwnership::KeepAliveLoop() {
+  SetCurrentThreadName("sdm-etcd-lease");
   const absl::Duration period = options_.lease_ttl / 3;
   while (true) {
     int64_t lease = 0;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "base/thread_name.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "server/http/console_page.h"
@@ -593,7 +594,10 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
                                                " for the HTTP API (in use, or not an address of "
                                                "this host)"));
   }
-  server->thread_ = std::thread([&http] { http.listen_after_bind(); });
+  server->thread_ = std::thread([&http] {
+    SetCurrentThreadName("sdm-http");  // its workers, started by it, inherit the name
+    http.listen_after_bind();
+  });
   return server;
 }
 
