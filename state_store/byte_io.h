@@ -12,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "state_store/byte_source.h"
 
 namespace sdm::internal_state {
 
@@ -38,6 +39,57 @@ class Writer {
 
  private:
   std::string out_;
+};
+
+// Feeds a ByteSource::Sink (state_store/byte_source.h): small fields are gathered in a local
+// buffer, large spans (rows) are passed as they are, so that encoding copies nothing of the
+// state's size. After the sink's first error everything else is dropped; Finish() returns it.
+class PieceWriter {
+ public:
+  explicit PieceWriter(ByteSource::Sink sink) : sink_(sink) {}
+  PieceWriter(const PieceWriter&) = delete;
+  PieceWriter& operator=(const PieceWriter&) = delete;
+
+  void U32(uint32_t v) { Raw(&v, 4); }
+  void U64(uint64_t v) { Raw(&v, 8); }
+  void I64(int64_t v) { Raw(&v, 8); }
+  // Copied into the local buffer (or passed on when larger than it).
+  void Raw(const void* p, size_t n) {
+    if (n > sizeof(buffer_) - used_) {
+      Flush();
+      if (n > sizeof(buffer_)) return Give(p, n);
+    }
+    std::memcpy(buffer_ + used_, p, n);
+    used_ += n;
+  }
+  // Passed on as it is: `p` is read before the call returns.
+  void Span(const void* p, size_t n) {
+    if (n <= kCopyBelow) return Raw(p, n);
+    Flush();
+    Give(p, n);
+  }
+  void Floats(const float* p, int64_t n) { Span(p, static_cast<size_t>(n) * sizeof(float)); }
+  absl::Status Finish() {
+    Flush();
+    return status_;
+  }
+
+ private:
+  // Spans shorter than this are gathered too (a tiny model's 128-byte rows): fewer sink calls.
+  static constexpr size_t kCopyBelow = 1024;
+
+  void Flush() {
+    if (used_ > 0) Give(buffer_, used_);
+    used_ = 0;
+  }
+  void Give(const void* p, size_t n) {
+    if (status_.ok()) status_ = sink_(absl::string_view(static_cast<const char*>(p), n));
+  }
+
+  ByteSource::Sink sink_;
+  absl::Status status_;
+  size_t used_ = 0;
+  char buffer_[8192];
 };
 
 class Reader {

@@ -1686,14 +1686,6 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     uncertain = e.uncommitted;
   }
   e.busy = true;
-  // A delta to append (with the log's header when the log starts), or a full snapshot: encoded
-  // into a buffer kept from an earlier write (tens of MB that are not allocated, zeroed by the
-  // kernel and faulted in again for every turn).
-  std::string data;
-  if (!scratch_.empty()) {
-    data = std::move(scratch_.back());
-    scratch_.pop_back();
-  }
   mu_.Unlock();
   absl::Status status;
   uint64_t written_bytes = 0;
@@ -1710,16 +1702,22 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     // Sized before it is encoded: a delta that would take the log past its limit is not built.
     if (log_bytes + SessionDeltaBytes(*state, record, from) <= compact_at) {
       delta = true;
-      data.clear();
-      if (log_bytes == 0) data.append(EncodeLogHeader(fingerprint_, base_id));
-      AppendSessionDelta(*state, record, from, data);
-      status = options_.files->WriteAt(LogPathOf(key), log_bytes, data, sync);
-      written_bytes = data.size();
+      // A delta to append (after the log's header when the log starts), produced straight from
+      // the rows into the files' chunk buffer (state_store/byte_source.h): no buffer of its size.
+      const SessionDeltaSource source(*state, record, from,
+                                      log_bytes == 0 ? EncodeLogHeader(fingerprint_, base_id) : "");
+      status = options_.files->WriteAt(LogPathOf(key), log_bytes, source, sync);
+      written_bytes = source.size();
     }
   }
   if (owned.ok() && !delta) {
-    if (resident) EncodeSessionStateInto(*state, record, fingerprint_, data);  // not on device
-    const std::string& blob = resident ? data : e.blob;  // e.blob: not moved while busy
+    // A full snapshot: likewise produced from the rows (not on device), or the host tier's blob
+    // (e.blob: not moved while busy).
+    std::optional<SessionStateSource> encoded;
+    std::optional<StringSource> held;
+    const ByteSource& blob =
+        resident ? static_cast<const ByteSource&>(encoded.emplace(*state, record, fingerprint_))
+                 : held.emplace(e.blob);
     if (fenced()) {
       // A new file no reader knows yet, then the commit that makes it the session's state.
       const std::filesystem::path new_path = options_.dir / kGenerationsDir / new_file;
@@ -1748,9 +1746,10 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
       status = options_.files->WriteAtomically(PathOf(key), blob, sync);
     }
     if (status.ok() && owned.ok()) {
-      absl::StatusOr<uint64_t> prefix = RecordPrefixSize(blob, blob.size(), fingerprint_);
+      const std::string first = SourcePrefix(blob, kRecordPrefixBytes);
+      absl::StatusOr<uint64_t> prefix = RecordPrefixSize(first, blob.size(), fingerprint_);
       SDM_CHECK(prefix.ok()) << prefix.status();  // it was just encoded
-      new_base = SnapshotId(absl::string_view(blob).substr(0, *prefix));
+      new_base = SnapshotId(SourcePrefix(blob, *prefix));
       // The snapshot holds everything the log held; a log left by a failed removal is stale
       // (another base) and ignored.
       options_.files->Remove(LogPathOf(key)).IgnoreError();
@@ -1758,10 +1757,6 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     }
   }
   mu_.Lock();
-  if (data.capacity() <= kMaxScratchBytes &&
-      scratch_.size() < static_cast<size_t>(std::max(options_.persist_writers, 1))) {
-    scratch_.push_back(std::move(data));
-  }
   e.busy = false;
   changed_.SignalAll();
   e.attempted_version = version;

@@ -593,10 +593,6 @@ class SessionStateStore {
   std::map<SessionKey, UnsyncedFiles> unsynced_ ABSL_GUARDED_BY(mu_);
   bool unsynced_dir_ ABSL_GUARDED_BY(mu_) = false;
   std::set<SessionKey> syncing_ ABSL_GUARDED_BY(mu_);  // in the round under way
-  // Encode buffers kept between writes (WriteChanges): at most persist_writers, each of at most
-  // kMaxScratchBytes of capacity.
-  static constexpr size_t kMaxScratchBytes = size_t{64} << 20;
-  std::vector<std::string> scratch_ ABSL_GUARDED_BY(mu_);
   // Held for a whole SyncWritten() round (outside mu_): rounds run one at a time, in order.
   absl::Mutex sync_mu_ ABSL_ACQUIRED_BEFORE(mu_);
   std::thread worker_;

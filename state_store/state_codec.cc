@@ -7,6 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/check.h"
+#include "base/status_macros.h"
 #include "state_store/byte_io.h"
 #include "xxhash.h"
 
@@ -23,6 +24,7 @@ constexpr uint64_t kSectionHeaderBytes = 24;
 enum SectionType : uint32_t { kRecord = 1, kKv = 2, kSdm = 3 };
 
 uint64_t Checksum(const void* data, size_t n) { return XXH64(data, n, 0); }
+using internal_state::PieceWriter;
 using internal_state::Reader;
 using internal_state::Writer;
 
@@ -180,88 +182,105 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
 
 void EncodeSessionStateInto(const SessionState& state, const SessionRecord& record,
                             uint64_t fingerprint, std::string& out) {
+  const SessionStateSource source(state, record, fingerprint);
+  out.clear();  // its capacity is kept
+  out.reserve(source.size());
+  const absl::Status s = source.Emit([&](absl::string_view piece) {
+    out.append(piece.data(), piece.size());
+    return absl::OkStatus();
+  });
+  SDM_CHECK(s.ok() && out.size() == source.size());
+}
+
+SessionStateSource::SessionStateSource(const SessionState& state, const SessionRecord& record,
+                                       uint64_t fingerprint)
+    : state_(state), record_(EncodeRecordSection(state, record)) {
   SDM_CHECK(!state.on_device());
-  const std::string rec = EncodeRecordSection(state, record);
-  // One buffer of the exact size, written once: each section's header (and the file header) is
-  // a placeholder patched once its payload, and so its size and checksum, is known.
-  uint64_t total = kHeaderBytes + kSectionHeaderBytes + rec.size();
+  // The sizes the format gives (docs/state-format.md, Sizes), checked against what is emitted.
+  total_ = kHeaderBytes + kSectionHeaderBytes + record_.size();
+  sections_.push_back({kRecord, record_.size(), Checksum(record_.data(), record_.size())});
+  XXH64_state_t* hash = XXH64_createState();
+  SDM_CHECK(hash != nullptr);
   for (int64_t li = 0; li < state.num_layers(); ++li) {
-    total += kSectionHeaderBytes + 4;
+    uint64_t expected = 4;
     if (state.is_sdm(li)) {
       const SdmTable& t = state.sdm(li);
-      total += 32 + static_cast<uint64_t>(t.private_rows()) *
-                        (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
+      expected += 32 + static_cast<uint64_t>(t.private_rows()) *
+                           (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
     } else {
       const KvCache& kv = state.kv(li);
-      total += 32 + 2 * static_cast<uint64_t>(kv.length() - kv.first_position()) *
-                        static_cast<uint64_t>(kv.row_width()) * sizeof(float);
+      expected += 32 + 2 * static_cast<uint64_t>(kv.length() - kv.first_position()) *
+                           static_cast<uint64_t>(kv.row_width()) * sizeof(float);
     }
+    // The checksum: one read of the layer's rows (the second is Emit's).
+    XXH64_reset(hash, 0);
+    uint64_t bytes = 0;
+    const absl::Status s = EmitLayer(li, [&](absl::string_view piece) {
+      XXH64_update(hash, piece.data(), piece.size());
+      bytes += piece.size();
+      return absl::OkStatus();
+    });
+    SDM_CHECK(s.ok() && bytes == expected) << bytes << " != " << expected;
+    sections_.push_back({state.is_sdm(li) ? kSdm : kKv, bytes, XXH64_digest(hash)});
+    total_ += kSectionHeaderBytes + bytes;
   }
+  XXH64_freeState(hash);
   Writer w;
-  out.clear();  // its capacity is kept: a buffer reused for each write is not faulted in again
-  w.out().swap(out);
-  w.Reserve(total);
   w.Raw(kMagic, 8);
   w.U32(kStateFormatVersion);
   w.U32(kHeaderBytes);
   w.U64(fingerprint);
-  w.U64(static_cast<uint64_t>(state.num_layers()) + 1);
-  w.U64(0);  // total: patched
-  w.U64(0);  // header checksum: patched
-  size_t section = 0;
-  auto begin_section = [&](uint32_t type) {
-    section = w.size();
-    w.U32(type);
-    w.U32(0);
-    w.U64(0);  // payload bytes: patched
-    w.U64(0);  // payload checksum: patched
-  };
-  auto end_section = [&] {
-    const size_t at = section + kSectionHeaderBytes;
-    const uint64_t bytes = w.size() - at;
-    const uint64_t checksum = Checksum(w.out().data() + at, bytes);
-    w.Patch(section + 8, &bytes, 8);
-    w.Patch(section + 16, &checksum, 8);
-  };
-  begin_section(kRecord);
-  w.Raw(rec.data(), rec.size());
-  end_section();
-  for (int64_t li = 0; li < state.num_layers(); ++li) {
-    if (state.is_sdm(li)) {
-      const SdmTable& t = state.sdm(li);
-      begin_section(kSdm);
-      w.U32(static_cast<uint32_t>(li));
-      w.U64(t.heads());
-      w.U64(t.slots_per_head());
-      w.U64(t.row_width());
-      w.U64(t.private_rows());
-      t.ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
-        w.U32(static_cast<uint32_t>(head * t.slots_per_head() + slot));
-      });
-      t.ForEachPrivateRow(
-          [&](int64_t, int64_t, const float* row) { w.Floats(row, t.row_width()); });
-    } else {
-      const KvCache& kv = state.kv(li);
-      begin_section(kKv);
-      w.U32(static_cast<uint32_t>(li));
-      w.U64(kv.row_width());
-      w.U64(kv.ring_capacity());
-      w.I64(kv.length());
-      w.I64(kv.first_position());
-      // fp32 on disk whatever the cache stores (a bf16 cache's rows widen exactly).
-      for (bool value : {false, true}) {
-        kv.ForEachSpanAsFloat(
-            kv.first_position(), kv.length(), value,
-            [&](const float* rows, int64_t n) { w.Floats(rows, n * kv.row_width()); });
-      }
+  w.U64(sections_.size());
+  w.U64(total_);
+  w.U64(Checksum(w.out().data(), 40));
+  header_ = std::move(w.out());
+}
+
+absl::Status SessionStateSource::EmitLayer(int64_t li, Sink sink) const {
+  PieceWriter w(sink);
+  w.U32(static_cast<uint32_t>(li));
+  if (state_.is_sdm(li)) {
+    const SdmTable& t = state_.sdm(li);
+    w.U64(t.heads());
+    w.U64(t.slots_per_head());
+    w.U64(t.row_width());
+    w.U64(t.private_rows());
+    t.ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
+      w.U32(static_cast<uint32_t>(head * t.slots_per_head() + slot));
+    });
+    t.ForEachPrivateRow([&](int64_t, int64_t, const float* row) { w.Floats(row, t.row_width()); });
+  } else {
+    const KvCache& kv = state_.kv(li);
+    w.U64(kv.row_width());
+    w.U64(kv.ring_capacity());
+    w.I64(kv.length());
+    w.I64(kv.first_position());
+    // fp32 on disk whatever the cache stores (a bf16 cache's rows widen exactly).
+    for (bool value : {false, true}) {
+      kv.ForEachSpanAsFloat(
+          kv.first_position(), kv.length(), value,
+          [&](const float* rows, int64_t n) { w.Floats(rows, n * kv.row_width()); });
     }
-    end_section();
   }
-  SDM_CHECK(w.size() == total);
-  w.Patch(32, &total, 8);
-  const uint64_t header_checksum = Checksum(w.out().data(), 40);
-  w.Patch(40, &header_checksum, 8);
-  w.out().swap(out);
+  return w.Finish();
+}
+
+absl::Status SessionStateSource::Emit(Sink sink) const {
+  SDM_RETURN_IF_ERROR(sink(header_));
+  for (size_t i = 0; i < sections_.size(); ++i) {
+    Writer h;
+    h.U32(sections_[i].type);
+    h.U32(0);
+    h.U64(sections_[i].bytes);
+    h.U64(sections_[i].checksum);
+    SDM_RETURN_IF_ERROR(sink(h.out()));
+    SDM_RETURN_IF_ERROR(i == 0 ? sink(record_) : EmitLayer(static_cast<int64_t>(i) - 1, sink));
+  }
+  return absl::OkStatus();
+}
+
+uint64_t SessionStateSource::record_prefix_size() const {
+  return kHeaderBytes + kSectionHeaderBytes + record_.size();
 }
 
 absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first, uint64_t total_bytes,

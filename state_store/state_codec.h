@@ -13,9 +13,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "state_store/byte_source.h"
 #include "state_store/session_state.h"
 #include "state_store/state_layout.h"
 
@@ -45,10 +47,40 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 // (SDM_CHECK: encoding stale layers would silently lose the session's recent tokens).
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t model_fingerprint);
-// The same into `out` (replacing its contents, keeping its capacity: a buffer reused write after
-// write is not allocated and faulted in again; state_store/session_store.cc keeps one per writer).
+// The same into `out` (replacing its contents, keeping its capacity).
 void EncodeSessionStateInto(const SessionState& state, const SessionRecord& record,
                             uint64_t model_fingerprint, std::string& out);
+
+// The same bytes as a ByteSource (state_store/byte_source.h), produced straight from the state's
+// rows: what the store writes a snapshot from, with no buffer of the snapshot's size. The
+// constructor reads every row once (the sections' checksums come before their payloads); each
+// Emit() reads them again. The state must not change while the source is in use (the store keeps
+// the session busy), and must outlive it. Precondition: !state.on_device() (SDM_CHECK).
+class SessionStateSource final : public ByteSource {
+ public:
+  SessionStateSource(const SessionState& state, const SessionRecord& record,
+                     uint64_t model_fingerprint);
+
+  uint64_t size() const override { return total_; }
+  absl::Status Emit(Sink sink) const override;
+  // Bytes of the header and the record section: the prefix SnapshotId() hashes.
+  uint64_t record_prefix_size() const;
+
+ private:
+  struct Section {
+    uint32_t type = 0;
+    uint64_t bytes = 0;  // of the payload
+    uint64_t checksum = 0;
+  };
+  // Layer li's section payload.
+  absl::Status EmitLayer(int64_t li, Sink sink) const;
+
+  const SessionState& state_;
+  std::string record_;  // the record section's payload
+  std::string header_;  // the file header, complete
+  std::vector<Section> sections_;
+  uint64_t total_ = 0;
+};
 
 struct DecodedSession {
   SessionRecord record;

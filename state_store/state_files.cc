@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -51,13 +52,29 @@ constexpr uint64_t kDirectBlock = 4096;
 // reused; a write larger than this goes out in several chunks.
 constexpr uint64_t kDirectChunk = uint64_t{4} << 20;
 
+struct Free {
+  void operator()(char* p) const { std::free(p); }
+};
+
 char* DirectBuffer() {
-  struct Free {
-    void operator()(char* p) const { std::free(p); }
-  };
   thread_local std::unique_ptr<char, Free> buffer(
       static_cast<char*>(std::aligned_alloc(kDirectBlock, kDirectChunk)));
   return buffer.get();
+}
+
+// WriteSource()'s chunk buffer: another of the same size and alignment (a chunk is copied into
+// DirectBuffer() only when its file offset is unaligned).
+char* SourceChunkBuffer() {
+  thread_local std::unique_ptr<char, Free> buffer(
+      static_cast<char*>(std::aligned_alloc(kDirectBlock, kDirectChunk)));
+  return buffer.get();
+}
+
+bool IsAligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kDirectBlock == 0; }
+
+absl::Status SourceChunkError(const std::filesystem::path& path) {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("cannot write ", path.string(), ": no memory for a write buffer"));
 }
 
 class DirectStateFiles : public StateFiles {
@@ -72,6 +89,10 @@ class DirectStateFiles : public StateFiles {
     Fd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     // A file system without O_DIRECT (tmpfs: EINVAL): buffered, the same bytes.
     if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
+    if (first == offset && IsAligned(data.data())) {
+      // Aligned in the file and in memory (WriteSource()'s chunks): written from where it is.
+      return WriteAligned(direct.get(), fd, path, offset, data, last);
+    }
     uint64_t at = first;
     while (at < last) {
       const uint64_t n = std::min(kDirectChunk, last - at);
@@ -113,6 +134,29 @@ class DirectStateFiles : public StateFiles {
     if (end > last) return StateFiles::WriteFd(fd, path, last, data.substr(last - offset));
     return absl::OkStatus();
   }
+
+ private:
+  // `data` starts at an aligned `offset` from aligned memory: its whole blocks, up to `last`,
+  // go out with O_DIRECT (`direct`) as they are, the rest through the page cache (`fd`).
+  absl::Status WriteAligned(int direct, int fd, const std::filesystem::path& path, uint64_t offset,
+                            absl::string_view data, uint64_t last) {
+    const uint64_t n = last - offset;
+    uint64_t done = 0;
+    while (done < n) {
+      const ssize_t w =
+          ::pwrite(direct, data.data() + done, n - done, static_cast<off_t>(offset + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0 || (done + static_cast<uint64_t>(w)) % kDirectBlock != 0) {
+        if (w < 0 && errno != EINVAL) return Errno("cannot write", path, errno);
+        // Refused or cut short off a block boundary: the rest through the page cache.
+        const uint64_t from = done + (w > 0 ? static_cast<uint64_t>(w) : 0);
+        return StateFiles::WriteFd(fd, path, offset + from, data.substr(from));
+      }
+      done += static_cast<uint64_t>(w);
+    }
+    if (n < data.size()) return StateFiles::WriteFd(fd, path, last, data.substr(n));
+    return absl::OkStatus();
+  }
 };
 
 }  // namespace
@@ -149,7 +193,40 @@ absl::Status StateFiles::WriteFd(int fd, const std::filesystem::path& path, uint
   return absl::OkStatus();
 }
 
-absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, absl::string_view data,
+absl::Status StateFiles::WriteSource(int fd, const std::filesystem::path& path, uint64_t offset,
+                                     const ByteSource& data) {
+  if (const char* whole = data.contiguous(); whole != nullptr || data.size() == 0) {
+    return WriteFd(fd, path, offset, absl::string_view(whole, data.size()));
+  }
+  char* chunk = SourceChunkBuffer();
+  if (chunk == nullptr) return SourceChunkError(path);
+  uint64_t at = offset;  // the file offset of chunk[0]
+  uint64_t used = 0;
+  // The first chunk ends at a block boundary of the file, so every later one starts at one.
+  uint64_t room = kDirectChunk - offset % kDirectBlock;
+  absl::Status written = data.Emit([&](absl::string_view piece) -> absl::Status {
+    while (!piece.empty()) {
+      const uint64_t n = std::min<uint64_t>(piece.size(), room - used);
+      std::memcpy(chunk + used, piece.data(), n);
+      used += n;
+      piece.remove_prefix(n);
+      if (used == room) {
+        if (absl::Status s = WriteFd(fd, path, at, absl::string_view(chunk, used)); !s.ok()) {
+          return s;
+        }
+        at += used;
+        used = 0;
+        room = kDirectChunk;
+      }
+    }
+    return absl::OkStatus();
+  });
+  if (!written.ok()) return written;
+  if (used > 0) return WriteFd(fd, path, at, absl::string_view(chunk, used));
+  return absl::OkStatus();
+}
+
+absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, const ByteSource& data,
                                          bool sync) {
   std::filesystem::path tmp = path;
   tmp += ".tmp";
@@ -165,22 +242,22 @@ absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, absl
   return SyncDir(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
 }
 
-absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, absl::string_view data,
+absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
                                       bool sync) {
   Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot create", path, errno);
-  if (absl::Status s = WriteFd(fd.get(), path, 0, data); !s.ok()) return s;
+  if (absl::Status s = WriteSource(fd.get(), path, 0, data); !s.ok()) return s;
   if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
   return absl::OkStatus();
 }
 
 absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t offset,
-                                 absl::string_view data, bool sync) {
+                                 const ByteSource& data, bool sync) {
   const bool existed = ::access(path.c_str(), F_OK) == 0;
   Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
-  if (absl::Status s = WriteFd(fd.get(), path, offset, data); !s.ok()) return s;
+  if (absl::Status s = WriteSource(fd.get(), path, offset, data); !s.ok()) return s;
   if (::ftruncate(fd.get(), static_cast<off_t>(offset + data.size())) != 0) {
     return Errno("cannot truncate", path, errno);
   }

@@ -35,6 +35,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "state_store/byte_source.h"
 
 namespace sdm {
 
@@ -47,8 +48,12 @@ class StateFiles {
   // The same with direct I/O for written data (see the file comment; a process-wide instance).
   static StateFiles* Direct();
 
-  absl::Status WriteAtomically(const std::filesystem::path& path, absl::string_view data,
+  absl::Status WriteAtomically(const std::filesystem::path& path, const ByteSource& data,
                                bool sync = true);
+  absl::Status WriteAtomically(const std::filesystem::path& path, absl::string_view data,
+                               bool sync = true) {
+    return WriteAtomically(path, StringSource(data), sync);
+  }
 
   virtual absl::StatusOr<std::string> Read(const std::filesystem::path& path);
   // Up to n bytes from `offset` (fewer at the end of the file).
@@ -66,7 +71,11 @@ class StateFiles {
   // (state_store/state_log.h). A crash may leave any prefix of `data` after `offset`. With sync
   // false neither fsync is made (see WriteAtomically).
   virtual absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,
-                               absl::string_view data, bool sync = true);
+                               const ByteSource& data, bool sync = true);
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, absl::string_view data,
+                       bool sync = true) {
+    return WriteAt(path, offset, StringSource(data), sync);
+  }
 
   // fsyncs the file at `path` (what earlier writes without sync left in the kernel reaches the
   // disk); NOT_FOUND when there is none. The store's background group commit.
@@ -76,12 +85,18 @@ class StateFiles {
 
  protected:
   // The write step of WriteAtomically (fsynced when `sync`), a fault-injection point.
-  virtual absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data,
+  virtual absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
                                     bool sync);
   // Writes all of `data` at `offset` of the open file `fd` (opened read-write; `path` names it
   // for errors and for Direct()'s second descriptor): pwrite(2) here, direct I/O in Direct().
   virtual absl::Status WriteFd(int fd, const std::filesystem::path& path, uint64_t offset,
                                absl::string_view data);
+  // The same for a ByteSource: a contiguous one in one WriteFd(); otherwise its pieces gathered
+  // into chunks of a buffer each calling thread keeps (aligned, 4 MiB: allocated once), one
+  // WriteFd() per chunk, every chunk after the first starting at a multiple of the direct-I/O
+  // block in the file (so that Direct() writes each from that buffer with no staging copy).
+  absl::Status WriteSource(int fd, const std::filesystem::path& path, uint64_t offset,
+                           const ByteSource& data);
 };
 
 // Selects Default() or Direct() by name ("buffered", "direct"; the server's --persist_io).

@@ -14,6 +14,7 @@
 namespace sdm {
 namespace {
 
+using internal_state::PieceWriter;
 using internal_state::Reader;
 using internal_state::Writer;
 
@@ -226,27 +227,38 @@ uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& recor
   return kLogRecordHeaderBytes + payload;
 }
 
-void AppendSessionDelta(const SessionState& state, const SessionRecord& record, int64_t from,
-                        std::string& out) {
+SessionDeltaSource::SessionDeltaSource(const SessionState& state, const SessionRecord& record,
+                                       int64_t from, std::string log_header)
+    : state_(state),
+      from_(from),
+      log_header_(std::move(log_header)),
+      record_(EncodeRecordSection(state, record)) {
   SDM_CHECK(!state.on_device());
   SDM_CHECK(from <= state.position());
-  // Written once into `out`: the frame's header is a placeholder patched once the payload (its
-  // size and checksum) is known.
-  Writer w;
-  w.out().swap(out);
-  const size_t frame = w.size();
-  const uint64_t expected = SessionDeltaBytes(state, record, from);
-  w.Reserve(frame + expected);
-  w.U64(0);  // payload bytes: patched
-  w.U64(0);  // payload checksum: patched
-  const std::string rec = EncodeRecordSection(state, record);
-  w.U64(rec.size());
-  w.Raw(rec.data(), rec.size());
-  w.U32(static_cast<uint32_t>(state.num_layers()));
-  for (int64_t li = 0; li < state.num_layers(); ++li) {
+  // The checksum: one read of the rows (the second is Emit's).
+  XXH64_state_t* hash = XXH64_createState();
+  SDM_CHECK(hash != nullptr);
+  XXH64_reset(hash, 0);
+  const absl::Status s = EmitPayload([&](absl::string_view piece) {
+    XXH64_update(hash, piece.data(), piece.size());
+    payload_bytes_ += piece.size();
+    return absl::OkStatus();
+  });
+  checksum_ = XXH64_digest(hash);
+  XXH64_freeState(hash);
+  SDM_CHECK(s.ok());
+  SDM_CHECK(kLogRecordHeaderBytes + payload_bytes_ == SessionDeltaBytes(state, record, from));
+}
+
+absl::Status SessionDeltaSource::EmitPayload(Sink sink) const {
+  PieceWriter w(sink);
+  w.U64(record_.size());
+  w.Raw(record_.data(), record_.size());
+  w.U32(static_cast<uint32_t>(state_.num_layers()));
+  for (int64_t li = 0; li < state_.num_layers(); ++li) {
     w.U32(static_cast<uint32_t>(li));
-    if (state.is_sdm(li)) {
-      const SdmTable& t = state.sdm(li);
+    if (state_.is_sdm(li)) {
+      const SdmTable& t = state_.sdm(li);
       w.U32(kSdmDelta);
       w.U64(static_cast<uint64_t>(t.dirty_rows()));
       t.ForEachDirtyRow([&](int64_t head, int64_t slot, const float*) {
@@ -254,11 +266,11 @@ void AppendSessionDelta(const SessionState& state, const SessionRecord& record, 
       });
       t.ForEachDirtyRow([&](int64_t, int64_t, const float* row) { w.Floats(row, t.row_width()); });
     } else {
-      const KvCache& kv = state.kv(li);
-      const int64_t first = std::max(from, kv.first_position());
+      const KvCache& kv = state_.kv(li);
+      const int64_t first = std::max(from_, kv.first_position());
       w.U32(kKvDelta);
       w.U64(static_cast<uint64_t>(kv.row_width()));
-      w.I64(from);
+      w.I64(from_);
       w.I64(kv.length());
       w.I64(first);
       for (bool value : {false, true}) {
@@ -268,13 +280,27 @@ void AppendSessionDelta(const SessionState& state, const SessionRecord& record, 
       }
     }
   }
-  SDM_CHECK(w.size() == frame + expected);
-  const size_t at = frame + kLogRecordHeaderBytes;
-  const uint64_t bytes = w.size() - at;
-  const uint64_t checksum = Checksum(absl::string_view(w.out()).substr(at));
-  w.Patch(frame, &bytes, 8);
-  w.Patch(frame + 8, &checksum, 8);
-  w.out().swap(out);
+  return w.Finish();
+}
+
+absl::Status SessionDeltaSource::Emit(Sink sink) const {
+  SDM_RETURN_IF_ERROR(sink(log_header_));
+  Writer frame;
+  frame.U64(payload_bytes_);
+  frame.U64(checksum_);
+  SDM_RETURN_IF_ERROR(sink(frame.out()));
+  return EmitPayload(sink);
+}
+
+void AppendSessionDelta(const SessionState& state, const SessionRecord& record, int64_t from,
+                        std::string& out) {
+  const SessionDeltaSource source(state, record, from);
+  out.reserve(out.size() + source.size());
+  const absl::Status s = source.Emit([&](absl::string_view piece) {
+    out.append(piece.data(), piece.size());
+    return absl::OkStatus();
+  });
+  SDM_CHECK(s.ok());
 }
 
 std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,

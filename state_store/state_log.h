@@ -29,6 +29,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "state_store/byte_source.h"
 #include "state_store/session_state.h"
 #include "state_store/state_codec.h"
 
@@ -52,6 +53,32 @@ void AppendSessionDelta(const SessionState& state, const SessionRecord& record,
                         int64_t from_position, std::string& out);
 uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& record,
                            int64_t from_position);
+
+// The same record as a ByteSource (state_store/byte_source.h), after `log_header` (the log's
+// header when this record starts the log, else empty), produced straight from the state's rows:
+// what the store appends to a log, with no buffer of the record's size. The constructor reads the
+// rows once (the frame's checksum comes before the payload), each Emit() again; the state must not
+// change while the source is in use, and must outlive it. Preconditions as EncodeSessionDelta's.
+class SessionDeltaSource final : public ByteSource {
+ public:
+  SessionDeltaSource(const SessionState& state, const SessionRecord& record, int64_t from_position,
+                     std::string log_header = "");
+
+  uint64_t size() const override {
+    return log_header_.size() + kLogRecordHeaderBytes + payload_bytes_;
+  }
+  absl::Status Emit(Sink sink) const override;
+
+ private:
+  absl::Status EmitPayload(Sink sink) const;
+
+  const SessionState& state_;
+  int64_t from_;
+  std::string log_header_;
+  std::string record_;  // the record section's payload
+  uint64_t payload_bytes_ = 0;
+  uint64_t checksum_ = 0;
+};
 
 struct LogReplay {
   int64_t records = 0;         // records applied (or, for ScanLog, found good)

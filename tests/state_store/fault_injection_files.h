@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "state_store/byte_source.h"
 #include "state_store/state_files.h"
 
 namespace sdm::testing {
@@ -146,14 +147,14 @@ class FaultInjectionFiles : public StateFiles {
   }
   // A fault with partial_bytes >= 0 writes that prefix of the data at the offset first (a torn
   // append).
-  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, absl::string_view data,
+  using StateFiles::WriteAt;
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
                        bool sync) override {
     std::optional<Fault> fault;
     if (auto s = Enter(Op::kWriteAt, &fault); !s.ok()) {
       if (fault.has_value() && fault->partial_bytes >= 0) {
-        const size_t n = static_cast<size_t>(
-            std::min<int64_t>(fault->partial_bytes, static_cast<int64_t>(data.size())));
-        StateFiles::WriteAt(path, offset, data.substr(0, n), sync).IgnoreError();
+        const std::string prefix = SourcePrefix(data, static_cast<uint64_t>(fault->partial_bytes));
+        StateFiles::WriteAt(path, offset, StringSource(prefix), sync).IgnoreError();
       }
       return s;
     }
@@ -174,16 +175,15 @@ class FaultInjectionFiles : public StateFiles {
   }
 
  protected:
-  absl::Status WriteAndSync(const std::filesystem::path& path, absl::string_view data,
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
                             bool sync) override {
     std::optional<Fault> fault;
     if (auto s = Enter(Op::kWriteAndSync, &fault); !s.ok()) {
       if (fault.has_value() && fault->partial_bytes >= 0) {
         // The bytes that reached the file before the failure. Written with the real
         // implementation (it also fsyncs, which only makes the partial file more certain).
-        const size_t n = static_cast<size_t>(
-            std::min<int64_t>(fault->partial_bytes, static_cast<int64_t>(data.size())));
-        StateFiles::WriteAndSync(path, data.substr(0, n), /*sync=*/true).IgnoreError();
+        const std::string prefix = SourcePrefix(data, static_cast<uint64_t>(fault->partial_bytes));
+        StateFiles::WriteAndSync(path, StringSource(prefix), /*sync=*/true).IgnoreError();
       }
       return s;
     }

@@ -1,7 +1,9 @@
 // StateFiles::Direct() (state_store/state_files.h): the same bytes as the buffered file system
 // for every write the store makes — whole snapshots of any size (below a block, across blocks,
 // across several of its staging chunks) and log appends at unaligned offsets, including the
-// rewrite of a torn tail — whatever the file system (one without O_DIRECT falls back).
+// rewrite of a torn tail — whatever the file system (one without O_DIRECT falls back); and the
+// same bytes whether the data comes as one string or as a ByteSource in pieces of any size
+// (gathered into chunks by StateFiles::WriteSource).
 #include "state_store/state_files.h"
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
+#include "state_store/byte_source.h"
 #include "tests/base/scoped_temp_dir.h"
 
 namespace sdm {
@@ -29,6 +32,48 @@ std::string ReadAll(const std::filesystem::path& path) {
   absl::StatusOr<std::string> got = StateFiles::Default()->Read(path);
   EXPECT_TRUE(got.ok()) << got.status();
   return got.ok() ? *got : std::string();
+}
+
+// `data` in pieces of random sizes (empty ones too), as an encoder emits a snapshot; with
+// fail_after set, Emit() fails once that many bytes are out (a source whose producer fails).
+class PiecewiseSource : public ByteSource {
+ public:
+  PiecewiseSource(absl::string_view data, uint64_t seed, int64_t fail_after = -1)
+      : data_(data), seed_(seed), fail_after_(fail_after) {}
+  uint64_t size() const override { return data_.size(); }
+  absl::Status Emit(Sink sink) const override {
+    std::mt19937_64 rng(seed_);
+    size_t at = 0;
+    while (at < data_.size()) {
+      const size_t sizes[] = {0, 1, 7, 600, 4096, 70000, size_t{5} << 20};
+      const size_t n = std::min(data_.size() - at, sizes[rng() % 7] + rng() % 3);
+      if (fail_after_ >= 0 && at + n > static_cast<size_t>(fail_after_)) {
+        return absl::InternalError("the producer failed");
+      }
+      if (absl::Status s = sink(data_.substr(at, n)); !s.ok()) return s;
+      at += n;
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  absl::string_view data_;
+  uint64_t seed_;
+  int64_t fail_after_;
+};
+
+TEST(StateFilesTest, SourcePrefixStopsWhereAsked) {
+  std::mt19937_64 rng(3);
+  const std::string data = RandomBytes(rng, 100000);
+  const PiecewiseSource source(data, 5);
+  EXPECT_EQ(SourceBytes(source), data);
+  EXPECT_EQ(SourcePrefix(source, 0), "");
+  EXPECT_EQ(SourcePrefix(source, 72), data.substr(0, 72));
+  EXPECT_EQ(SourcePrefix(source, 99999), data.substr(0, 99999));
+  EXPECT_EQ(SourcePrefix(source, 200000), data);
+  const StringSource whole(data);
+  EXPECT_EQ(whole.contiguous(), data.data());
+  EXPECT_EQ(source.contiguous(), nullptr);
 }
 
 TEST(StateFilesTest, ForIoNamesBothModes) {
@@ -54,6 +99,33 @@ TEST(StateFilesTest, DirectSnapshotsHoldExactlyTheirBytes) {
       ASSERT_TRUE(StateFiles::Default()->WriteAtomically(path, RandomBytes(rng, size + 5000)).ok());
       ASSERT_TRUE(StateFiles::Direct()->WriteAtomically(path, data, sync).ok());
       EXPECT_EQ(ReadAll(path), data);
+      EXPECT_FALSE(std::filesystem::exists(dir.path() / "s.sdmstate.tmp"));
+      // The same bytes from a source in pieces, both ways.
+      for (StateFiles* files : {StateFiles::Direct(), StateFiles::Default()}) {
+        ASSERT_TRUE(
+            StateFiles::Default()->WriteAtomically(path, RandomBytes(rng, size + 5000)).ok());
+        ASSERT_TRUE(files->WriteAtomically(path, PiecewiseSource(data, size), sync).ok());
+        EXPECT_EQ(ReadAll(path), data) << (files == StateFiles::Direct() ? "direct" : "buffered");
+      }
+    }
+  }
+}
+
+// A source whose producer fails part-way: the write fails with its error and the file that was
+// there is left as it was (the partial data went to the .tmp, which is removed).
+TEST(StateFilesTest, AFailingSourceLeavesTheOldFile) {
+  testing::ScopedTempDir dir;
+  std::mt19937_64 rng(13);
+  const std::filesystem::path path = dir.path() / "s.sdmstate";
+  const std::string old = RandomBytes(rng, 10000);
+  const std::string data = RandomBytes(rng, (9u << 20) + 123);
+  for (StateFiles* files : {StateFiles::Direct(), StateFiles::Default()}) {
+    for (int64_t fail_after : {int64_t{0}, int64_t{5000}, int64_t{6} << 20}) {
+      ASSERT_TRUE(StateFiles::Default()->WriteAtomically(path, old).ok());
+      const absl::Status s =
+          files->WriteAtomically(path, PiecewiseSource(data, 3, fail_after), /*sync=*/false);
+      EXPECT_EQ(s.message(), "the producer failed");
+      EXPECT_EQ(ReadAll(path), old);
       EXPECT_FALSE(std::filesystem::exists(dir.path() / "s.sdmstate.tmp"));
     }
   }
@@ -83,8 +155,15 @@ TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
       }
       const std::string data = RandomBytes(rng, size);
       const bool sync = rng() % 4 == 0;
-      ASSERT_TRUE(StateFiles::Direct()->WriteAt(direct, at, data, sync).ok());
-      ASSERT_TRUE(StateFiles::Default()->WriteAt(buffered, at, data, sync).ok());
+      // As one string or in pieces (the store's deltas), alternately.
+      if (rng() % 2 == 0) {
+        ASSERT_TRUE(StateFiles::Direct()->WriteAt(direct, at, data, sync).ok());
+      } else {
+        ASSERT_TRUE(
+            StateFiles::Direct()->WriteAt(direct, at, PiecewiseSource(data, rng()), sync).ok());
+      }
+      ASSERT_TRUE(
+          StateFiles::Default()->WriteAt(buffered, at, PiecewiseSource(data, rng()), sync).ok());
       expected.resize(at);
       expected += data;
       ASSERT_EQ(ReadAll(direct), expected) << "record " << i << " at " << at;

@@ -1,0 +1,60 @@
+// The content of a file to write, produced on demand in pieces rather than held in one buffer.
+//
+// A session's snapshot or delta is tens of MB to GB; encoding it into a buffer of its size before
+// writing it made per-turn persistence pay for that buffer's memory on every write (a buffer
+// allocated afresh is faulted in page by page, which on the VM this was measured on cost ten times
+// the copy itself; docs/benchmarks.md, "Per-turn persistence", 2026-12-05). A ByteSource instead
+// hands the bytes to the writer a piece at a time (StateFiles copies them into one reused chunk
+// buffer per thread), straight from the session's rows.
+//
+// Emit() may be called more than once (a prefix is read before the whole is written); each call
+// produces the same bytes. Thread-safety: Emit() is const and safe to call from several threads
+// when the data behind the source does not change meanwhile (the caller's contract).
+#ifndef SDMSERVE_STATE_STORE_BYTE_SOURCE_H_
+#define SDMSERVE_STATE_STORE_BYTE_SOURCE_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace sdm {
+
+class ByteSource {
+ public:
+  // Takes the next piece; a non-OK status stops Emit(), which returns it.
+  using Sink = absl::FunctionRef<absl::Status(absl::string_view piece)>;
+
+  virtual ~ByteSource() = default;
+
+  // Bytes Emit() produces in all.
+  virtual uint64_t size() const = 0;
+  // Passes the content to `sink` in consecutive pieces (any split, empty pieces allowed) whose
+  // concatenation is size() bytes; stops at the sink's first error and returns it.
+  virtual absl::Status Emit(Sink sink) const = 0;
+  // The whole content as one view when the source holds it so (no copy needed), else empty.
+  virtual const char* contiguous() const { return nullptr; }
+};
+
+// A view of bytes held elsewhere (which must outlive the source).
+class StringSource final : public ByteSource {
+ public:
+  explicit StringSource(absl::string_view data) : data_(data) {}
+  uint64_t size() const override { return data_.size(); }
+  absl::Status Emit(Sink sink) const override { return sink(data_); }
+  const char* contiguous() const override { return data_.data(); }
+
+ private:
+  absl::string_view data_;
+};
+
+// The first min(n, source.size()) bytes of `source` (Emit stops once they are in hand).
+std::string SourcePrefix(const ByteSource& source, uint64_t n);
+// All of it.
+std::string SourceBytes(const ByteSource& source);
+
+}  // namespace sdm
+
+#endif  // SDMSERVE_STATE_STORE_BYTE_SOURCE_H_
