@@ -503,8 +503,12 @@ class CudaBackend : public EngineBackend {
     }
     for (int64_t li = 0; li < n_layers; ++li) {
       const DeviceLayer& l = layers_[li];
+      // The previous layer's FFN residual (in ws.tmp) is added by the same launch as this norm.
       SDM_RETURN_IF_ERROR(Launched(
-          kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
+          li == 0
+              ? kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream)
+              : kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.attention_norm, n, dim, eps, nullptr,
+                               ws.xb.get(), stream),
           "attention norm"));
       if (l.type == LayerType::kSdm) {
         SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
@@ -515,18 +519,19 @@ class CudaBackend : public EngineBackend {
         SDM_RETURN_IF_ERROR(lap(l.type == LayerType::kSwa ? &EngineProfile::swa_seconds
                                                           : &EngineProfile::attn_seconds));
       }
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::RmsNorm(ws.x.get(), l.ffn_norm, n, dim, eps, nullptr, ws.xb.get(), stream),
-                   "ffn norm"));
+      SDM_RETURN_IF_ERROR(Launched(kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.ffn_norm, n, dim, eps,
+                                                  nullptr, ws.xb.get(), stream),
+                                   "residual and ffn norm"));
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
       SDM_RETURN_IF_ERROR(Launched(
           kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream), "swiglu"));
       SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
+      // The residual is added by the next layer's norm; the last layer's here.
+      if (li + 1 == n_layers) {
+        SDM_RETURN_IF_ERROR(
+            Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
+      }
       SDM_RETURN_IF_ERROR(lap(&EngineProfile::ffn_seconds));
     }
 

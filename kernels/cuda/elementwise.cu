@@ -102,19 +102,30 @@ __global__ void EmbeddingKernel(const bf16* table, const int32_t* tokens, int64_
 
 // One block per row. out_f32 may alias x: each thread rewrites only the elements it read, and
 // all reads of the first pass end at BlockSum's barrier.
-__global__ void RmsNormKernel(const float* x, const float* w, int64_t n, float eps, float* out_f32,
-                              bf16* out_bf16, bool vec) {
+// With `delta` (AddRmsNorm), x += delta first, row by row: each thread adds and stores the
+// elements it then squares and, after the reduction, reads back (the same elements in both
+// loops), so the norm sees exactly the sums AddInPlace would have stored.
+__global__ void RmsNormKernel(float* x, const float* delta, const float* w, int64_t n, float eps,
+                              float* out_f32, bf16* out_bf16, bool vec) {
   __shared__ float scratch[kThreads / 32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
-  const float* xr = x + base;
+  float* xr = x + base;
   float ss = 0.0f;
   if (vec) {
     for (int64_t v = threadIdx.x; v < n / 4; v += blockDim.x) {
-      const float4 q = reinterpret_cast<const float4*>(xr)[v];
+      float4 q = reinterpret_cast<const float4*>(xr)[v];
+      if (delta != nullptr) {
+        const float4 d = reinterpret_cast<const float4*>(delta + base)[v];
+        q = make_float4(q.x + d.x, q.y + d.y, q.z + d.z, q.w + d.w);
+        reinterpret_cast<float4*>(xr)[v] = q;
+      }
       ss += q.x * q.x + q.y * q.y + q.z * q.z + q.w * q.w;
     }
   } else {
-    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      if (delta != nullptr) xr[i] = xr[i] + delta[base + i];
+      ss += xr[i] * xr[i];
+    }
   }
   ss = BlockSum(ss, scratch);
   // cpu::RmsNorm: inv = 1 / sqrt(mean + eps), then (x * inv) * w (IEEE sqrt and division).
@@ -395,8 +406,21 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
   const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(w, 16) && Aligned(out_f32, 16) &&
                    Aligned(out_bf16, 8);
-  RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(x, w, n, eps, out_f32,
-                                                                          out_bf16, vec);
+  // Without a delta the kernel never writes x.
+  RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+      const_cast<float*>(x), nullptr, w, n, eps, out_f32, out_bf16, vec);
+  return cudaGetLastError();
+}
+
+cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t rows, int64_t n,
+                       float eps, float* out_f32, bf16* out_bf16, cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return cudaSuccess;
+  if (out_f32 == nullptr && out_bf16 == nullptr) return AddInPlace(delta, x, rows * n, stream);
+  if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
+  const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(delta, 16) && Aligned(w, 16) &&
+                   Aligned(out_f32, 16) && Aligned(out_bf16, 8);
+  RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(x, delta, w, n, eps,
+                                                                          out_f32, out_bf16, vec);
   return cudaGetLastError();
 }
 

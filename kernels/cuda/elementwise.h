@@ -34,6 +34,12 @@ cudaError_t ScatterBlocks(const bf16* packed, int64_t block_elems, const int32_t
 cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, float eps,
                     float* out_f32, bf16* out_bf16, cudaStream_t stream);
 
+// cpu::AddInPlace(delta, x) then cpu::RmsNorm of x, in one launch: the residual add of a layer
+// and the norm that follows it (x is left as AddInPlace leaves it, and out_f32 / out_bf16 as
+// RmsNorm writes them, bit for bit; out_f32 may alias x). Both outputs null: the add alone.
+cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t rows, int64_t n,
+                       float eps, float* out_f32, bf16* out_bf16, cudaStream_t stream);
+
 // cpu::LayerNorm in place over rows of n (weight and bias may both be null: no affine).
 cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps,
                       cudaStream_t stream);

@@ -378,6 +378,54 @@ TEST_F(CudaElementwiseTest, ApplyRopeMatchesCpu) {
   }
 }
 
+// The fused residual add and norm (the backend's per-layer launch) leaves x and writes the
+// outputs exactly as AddInPlace followed by RmsNorm, on the vector and the scalar path.
+TEST_F(CudaElementwiseTest, AddRmsNormIsTheAddThenTheNormBitForBit) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const int64_t n : {1024, 37}) {  // vector path, scalar path
+      SCOPED_TRACE(testing::Message() << "n " << n);
+      const int64_t rows = 3;
+      const std::vector<float> x = Normal(rng, rows * n, 0.1f, 1.5f);
+      const std::vector<float> delta = Normal(rng, rows * n, -0.2f, 0.7f);
+      const std::vector<float> w = Normal(rng, n, 1.0f, 0.2f);
+      auto d_delta = Upload(delta);
+      auto d_w = Upload(w);
+      auto d_x_two = Upload(x);
+      auto d_x_fused = Upload(x);
+      auto d_x_add_only = Upload(x);
+      DeviceBuffer<float> d_out_two(rows * n), d_out_fused(rows * n);
+      DeviceBuffer<bf16> d_bf_two(rows * n), d_bf_fused(rows * n);
+      ASSERT_EQ(cuda::AddInPlace(d_delta.get(), d_x_two.get(), rows * n, stream()), cudaSuccess);
+      ASSERT_EQ(cuda::RmsNorm(d_x_two.get(), d_w.get(), rows, n, 1e-5f, d_out_two.get(),
+                              d_bf_two.get(), stream()),
+                cudaSuccess);
+      ASSERT_EQ(cuda::AddRmsNorm(d_delta.get(), d_x_fused.get(), d_w.get(), rows, n, 1e-5f,
+                                 d_out_fused.get(), d_bf_fused.get(), stream()),
+                cudaSuccess);
+      ASSERT_EQ(cuda::AddRmsNorm(d_delta.get(), d_x_add_only.get(), d_w.get(), rows, n, 1e-5f,
+                                 nullptr, nullptr, stream()),
+                cudaSuccess);
+      Sync();
+      std::vector<float> want_x = x;
+      cpu::AddInPlace(delta.data(), want_x.data(), rows * n);
+      const std::vector<float> x_two = Download(d_x_two), x_fused = Download(d_x_fused);
+      const std::vector<float> out_two = Download(d_out_two), out_fused = Download(d_out_fused);
+      const std::vector<uint16_t> bf_two = DownloadBf16(d_bf_two);
+      const std::vector<uint16_t> bf_fused = DownloadBf16(d_bf_fused);
+      const std::vector<float> x_add_only = Download(d_x_add_only);
+      for (int64_t i = 0; i < rows * n; ++i) {
+        ASSERT_EQ(x_fused[i], want_x[i]) << i;
+        ASSERT_EQ(x_two[i], want_x[i]) << i;
+        ASSERT_EQ(x_add_only[i], want_x[i]) << i;
+        ASSERT_EQ(out_fused[i], out_two[i]) << i;
+        ASSERT_EQ(bf_fused[i], bf_two[i]) << i;
+      }
+    }
+  }
+}
+
 TEST_F(CudaElementwiseTest, AddInPlaceAndAddBiasAreExact) {
   for (const uint32_t seed : Seeds()) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
