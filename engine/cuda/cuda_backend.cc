@@ -659,13 +659,16 @@ class CudaBackend : public EngineBackend {
                                                         dims, ws.o.get() + row * q_width, stream),
                                    "prefill attention"));
     }
+    // The gate (when the layer has one) and the conversion to wo's bf16 input: one launch.
     if (a.w_gate.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
-      SDM_RETURN_IF_ERROR(Launched(kc::MulSigmoid(ws.gate.get(), ws.o.get(), n * q_width, stream),
-                                   "attention gate"));
+      SDM_RETURN_IF_ERROR(Launched(
+          kc::MulSigmoidToBf16(ws.gate.get(), ws.o.get(), n * q_width, ws.ob.get(), stream),
+          "attention gate"));
+    } else {
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert"));
     }
-    SDM_RETURN_IF_ERROR(
-        Launched(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert"));
     return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
   }
 
@@ -743,13 +746,16 @@ class CudaBackend : public EngineBackend {
                                  sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
                    "readings norm"));
     }
+    // The output gate (when the layer has one) and the conversion to wo's bf16 input: one launch.
     if (w.wog.w != nullptr) {
       SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
       SDM_RETURN_IF_ERROR(Launched(
-          kc::MulSigmoid(ws.gate.get(), ws.readings.get(), n * dim, stream), "output gate"));
+          kc::MulSigmoidToBf16(ws.gate.get(), ws.readings.get(), n * dim, ws.ob.get(), stream),
+          "output gate"));
+    } else {
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert"));
     }
-    SDM_RETURN_IF_ERROR(
-        Launched(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert"));
     return Linear(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get());
   }
 

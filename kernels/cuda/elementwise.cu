@@ -289,19 +289,35 @@ struct SwiGluOp {
   __device__ void Scalar(int64_t i) const { out[i] = __float2bfloat16_rn(Silu(gate[i]) * up[i]); }
 };
 
+// cpu::MulSigmoid's x * sigmoid(g) on four lanes (MulSigmoidOp, MulSigmoidToBf16Op).
+__device__ float4 MulSigmoid4(float4 g, float4 x) {
+  x.x *= Sigmoid(g.x);
+  x.y *= Sigmoid(g.y);
+  x.z *= Sigmoid(g.z);
+  x.w *= Sigmoid(g.w);
+  return x;
+}
+
 struct MulSigmoidOp {
   const float* g;
   float* x;
   __device__ void Vec4(int64_t v) const {
-    const float4 a = reinterpret_cast<const float4*>(g)[v];
-    float4 o = reinterpret_cast<float4*>(x)[v];
-    o.x *= Sigmoid(a.x);
-    o.y *= Sigmoid(a.y);
-    o.z *= Sigmoid(a.z);
-    o.w *= Sigmoid(a.w);
-    reinterpret_cast<float4*>(x)[v] = o;
+    reinterpret_cast<float4*>(x)[v] =
+        MulSigmoid4(reinterpret_cast<const float4*>(g)[v], reinterpret_cast<const float4*>(x)[v]);
   }
   __device__ void Scalar(int64_t i) const { x[i] *= Sigmoid(g[i]); }
+};
+
+// MulSigmoidOp then ToBf16Op on each element, x left as it is: the same fp32 product, rounded.
+struct MulSigmoidToBf16Op {
+  const float* g;
+  const float* x;
+  bf16* out;
+  __device__ void Vec4(int64_t v) const {
+    StoreBf16x4(out + 4 * v, MulSigmoid4(reinterpret_cast<const float4*>(g)[v],
+                                         reinterpret_cast<const float4*>(x)[v]));
+  }
+  __device__ void Scalar(int64_t i) const { out[i] = __float2bfloat16_rn(x[i] * Sigmoid(g[i])); }
 };
 
 struct ToBf16Op {
@@ -472,6 +488,12 @@ cudaError_t SwiGlu(const float* gate, const float* up, int64_t n, bf16* out, cud
 
 cudaError_t MulSigmoid(const float* g, float* x, int64_t n, cudaStream_t stream) {
   return LaunchMap(MulSigmoidOp{g, x}, n, Aligned(g, 16) && Aligned(x, 16), stream);
+}
+
+cudaError_t MulSigmoidToBf16(const float* g, const float* x, int64_t n, bf16* out,
+                             cudaStream_t stream) {
+  return LaunchMap(MulSigmoidToBf16Op{g, x, out}, n,
+                   Aligned(g, 16) && Aligned(x, 16) && Aligned(out, 8), stream);
 }
 
 cudaError_t FloatToBf16(const float* x, int64_t n, bf16* out, cudaStream_t stream) {

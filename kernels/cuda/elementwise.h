@@ -65,6 +65,10 @@ cudaError_t AddBias(float* y, const float* bias, int64_t rows, int64_t cols, cud
 cudaError_t SwiGlu(const float* gate, const float* up, int64_t n, bf16* out, cudaStream_t stream);
 // cpu::MulSigmoid: x *= sigmoid(g).
 cudaError_t MulSigmoid(const float* g, float* x, int64_t n, cudaStream_t stream);
+// MulSigmoid then FloatToBf16 in one launch (a gated output into its GEMM's bf16 input):
+// out = bf16(x * sigmoid(g)), bit for bit the two launches' result; x is not written.
+cudaError_t MulSigmoidToBf16(const float* g, const float* x, int64_t n, bf16* out,
+                             cudaStream_t stream);
 
 cudaError_t FloatToBf16(const float* x, int64_t n, bf16* out, cudaStream_t stream);
 cudaError_t Bf16ToFloat(const bf16* x, int64_t n, float* out, cudaStream_t stream);

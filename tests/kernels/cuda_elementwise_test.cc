@@ -494,6 +494,36 @@ TEST_F(CudaElementwiseTest, SwiGluAndMulSigmoidMatchCpu) {
   }
 }
 
+// The fused gate and conversion (a gated mixer output into wo's input) gives the bits of
+// MulSigmoid then FloatToBf16 and leaves x alone, on the vector path and the scalar one.
+TEST_F(CudaElementwiseTest, MulSigmoidToBf16IsTheGateThenTheConversionBitForBit) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t n = 1003;
+    const std::vector<float> gate = Normal(rng, n + 1, 0.0f, 4.0f);
+    const std::vector<float> x = Normal(rng, n + 1, 0.0f, 2.0f);
+    for (const int64_t offset : {0, 1}) {  // vector path, scalar path
+      SCOPED_TRACE(testing::Message() << "offset " << offset);
+      auto d_g = Upload(gate);
+      auto d_x_two = Upload(x);
+      auto d_x_fused = Upload(x);
+      DeviceBuffer<bf16> d_two(n), d_fused(n);
+      ASSERT_EQ(cuda::MulSigmoid(d_g.get() + offset, d_x_two.get() + offset, n, stream()),
+                cudaSuccess);
+      ASSERT_EQ(cuda::FloatToBf16(d_x_two.get() + offset, n, d_two.get(), stream()), cudaSuccess);
+      ASSERT_EQ(cuda::MulSigmoidToBf16(d_g.get() + offset, d_x_fused.get() + offset, n,
+                                       d_fused.get(), stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<uint16_t> two = DownloadBf16(d_two), fused = DownloadBf16(d_fused);
+      const std::vector<float> x_after = Download(d_x_fused);
+      for (int64_t i = 0; i < n; ++i) ASSERT_EQ(fused[i], two[i]) << i;
+      ASSERT_EQ(x_after, x);
+    }
+  }
+}
+
 TEST_F(CudaElementwiseTest, Bf16ConversionsRoundToNearestEven) {
   // Every bf16 bit pattern widens exactly.
   std::vector<uint16_t> all(65536);
