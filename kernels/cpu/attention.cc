@@ -1,5 +1,6 @@
 #include "kernels/cpu/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -33,41 +34,63 @@ void AttendDecodeHead(const float* q_head, int64_t head, int64_t pos, std::span<
 }
 
 void AttendPrefill(const float* q, int64_t num_tokens, int64_t pos0, std::span<const KvSpan> spans,
-                   const AttentionShape& shape, float* out) {
+                   const AttentionShape& shape, float* out, ThreadPool* pool) {
   const int64_t hd = shape.head_dim;
   const int64_t q_stride = shape.n_heads * hd;
   const int64_t group = shape.n_heads / shape.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  int64_t total = 0;
-  for (const KvSpan& s : spans) total += s.count;
-  const int64_t first = spans.empty() ? pos0 : spans.front().first_pos;
-  std::vector<float> scores(num_tokens * total);
-  for (int64_t h = 0; h < shape.n_heads; ++h) {
+  const int64_t tiles = (num_tokens + kPrefillQueryTile - 1) / kPrefillQueryTile;
+  // One task: head h, queries [t0, t1). It reads only the keys some query of the tile sees,
+  // [FirstVisiblePosition(pos0 + t0), pos0 + t1), and writes only its own slice of `out`.
+  auto task = [&](int64_t index) {
+    const int64_t h = index / tiles;
+    const int64_t t0 = (index % tiles) * kPrefillQueryTile;
+    const int64_t t1 = std::min(num_tokens, t0 + kPrefillQueryTile);
+    const int64_t rows = t1 - t0;
+    const int64_t lo = FirstVisiblePosition(pos0 + t0, shape.window);
+    const int64_t hi = pos0 + t1;  // exclusive
+    const int64_t width = hi - lo;
     const int64_t kv_off = (h / group) * hd;
-    // scores[t, j] = q_t . k_j for every cached position j, span by span.
-    int64_t col = 0;
+    // Reused across calls: a fresh buffer of this size costs more in page faults than the GEMMs.
+    thread_local std::vector<float> scores;
+    scores.resize(rows * width);
+    const float* q_tile = q + t0 * q_stride + h * hd;
+    float* out_tile = out + t0 * q_stride + h * hd;
+    // scores[t, j - lo] = q_t . k_j for j in [lo, hi), span by span.
     for (const KvSpan& s : spans) {
-      GemmNT(num_tokens, s.count, hd, 1.0f, q + h * hd, q_stride, s.k + kv_off, shape.row_stride,
-             0.0f, scores.data() + col, total);
-      col += s.count;
+      const int64_t b = std::max(lo, s.first_pos), e = std::min(hi, s.first_pos + s.count);
+      if (b >= e) continue;
+      const int64_t r = b - s.first_pos;
+      GemmNT(rows, e - b, hd, 1.0f, q_tile, q_stride, s.k + r * shape.row_stride + kv_off,
+             shape.row_stride, 0.0f, scores.data() + (b - lo), width);
     }
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      float* row = scores.data() + t * total;
-      const int64_t p = pos0 + t;
-      const int64_t lo = FirstVisiblePosition(p, shape.window) - first;
-      const int64_t hi = p - first;  // inclusive
-      for (int64_t c = 0; c < total; ++c) {
-        if (c < lo || c > hi) row[c] = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < rows; ++t) {
+      float* row = scores.data() + t * width;
+      const int64_t p = pos0 + t0 + t;
+      const int64_t first = FirstVisiblePosition(p, shape.window) - lo;
+      const int64_t last = p - lo;  // inclusive
+      for (int64_t c = 0; c < width; ++c) {
+        if (c < first || c > last) row[c] = -std::numeric_limits<float>::infinity();
       }
-      Softmax(row, total, scale);
+      Softmax(row, width, scale);
     }
     // out_h[t] = sum_j p[t, j] v_j
-    col = 0;
+    bool first_span = true;
     for (const KvSpan& s : spans) {
-      GemmNN(num_tokens, hd, s.count, 1.0f, scores.data() + col, total, s.v + kv_off,
-             shape.row_stride, col == 0 ? 0.0f : 1.0f, out + h * hd, q_stride);
-      col += s.count;
+      const int64_t b = std::max(lo, s.first_pos), e = std::min(hi, s.first_pos + s.count);
+      if (b >= e) continue;
+      const int64_t r = b - s.first_pos;
+      GemmNN(rows, hd, e - b, 1.0f, scores.data() + (b - lo), width,
+             s.v + r * shape.row_stride + kv_off, shape.row_stride, first_span ? 0.0f : 1.0f,
+             out_tile, q_stride);
+      first_span = false;
     }
+  };
+  const int64_t num_tasks = shape.n_heads * tiles;
+  if (pool != nullptr) {
+    pool->ParallelFor(num_tasks, task);
+  } else {
+    for (int64_t i = 0; i < num_tasks; ++i) task(i);
   }
 }
 

@@ -8,6 +8,7 @@
 #include <span>
 
 #include "kernels/common/attention_math.h"
+#include "kernels/cpu/parallel.h"
 
 namespace sdm::kernels::cpu {
 
@@ -41,11 +42,19 @@ using ::sdm::kernels::FirstVisiblePosition;
 void AttendDecodeHead(const float* q_head, int64_t head, int64_t pos, std::span<const KvSpan> spans,
                       const AttentionShape& shape, float* out_head);
 
+// Queries per task of AttendPrefill.
+inline constexpr int64_t kPrefillQueryTile = 128;
+
 // All heads of `num_tokens` consecutive queries at positions pos0.. (prefill). q and out are
 // [num_tokens, n_heads * head_dim]. `spans` cover [FirstVisiblePosition(pos0), pos0 + num_tokens)
-// in increasing order. Uses OpenBLAS: call from one thread.
+// in increasing order. The work is split into tasks of one head and kPrefillQueryTile queries,
+// each reading only the keys its queries can see (a window's band, the causal triangle's rows);
+// with `pool` they run on it, without it on the calling thread, with the same bits either way.
+// Each task makes OpenBLAS GEMM calls on its own thread: callers that pass a pool should run
+// OpenBLAS single-threaded (SetBlasThreads(1), kernels/cpu/linear.h) so that its threads do not
+// compete with the pool's. Safe to call concurrently (OpenBLAS's pthread build is thread-safe).
 void AttendPrefill(const float* q, int64_t num_tokens, int64_t pos0, std::span<const KvSpan> spans,
-                   const AttentionShape& shape, float* out);
+                   const AttentionShape& shape, float* out, ThreadPool* pool = nullptr);
 
 }  // namespace sdm::kernels::cpu
 

@@ -1,6 +1,8 @@
 #include "kernels/cpu/attention.h"
 
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <random>
 #include <vector>
 
@@ -78,10 +80,10 @@ void CheckDecode(const Fixture& f) {
   }
 }
 
-void CheckPrefill(const Fixture& f, int64_t pos0) {
+void CheckPrefill(const Fixture& f, int64_t pos0, int64_t span_rows = 5) {
   const int64_t hd = f.shape.head_dim, width = f.shape.n_heads * hd;
   const int64_t t = f.len - pos0;
-  auto spans = f.Spans(FirstVisiblePosition(pos0, f.shape.window), f.len, 5);
+  auto spans = f.Spans(FirstVisiblePosition(pos0, f.shape.window), f.len, span_rows);
   std::vector<float> out(t * width);
   AttendPrefill(&f.q[pos0 * width], t, pos0, spans, f.shape, out.data());
   for (int64_t i = 0; i < t; ++i) {
@@ -102,6 +104,45 @@ TEST(AttentionTest, DecodeSlidingWindow) { CheckDecode(Fixture(4, 2, 8, 4, 17, 3
 TEST(AttentionTest, PrefillFromStart) { CheckPrefill(Fixture(4, 2, 8, 0, 19, 4), 0); }
 TEST(AttentionTest, PrefillAfterCachedTokens) { CheckPrefill(Fixture(4, 4, 8, 0, 23, 5), 9); }
 TEST(AttentionTest, PrefillSlidingWindow) { CheckPrefill(Fixture(2, 1, 8, 5, 21, 6), 7); }
+
+// Prompts longer than one query tile: tiles past the first start their keys where their first
+// query's window does, and spans of 37 rows straddle the tiles' edges.
+TEST(AttentionTest, PrefillAcrossQueryTilesFullCausal) {
+  CheckPrefill(Fixture(2, 1, 8, 0, kPrefillQueryTile * 2 + 40, 7), 0, 37);
+}
+TEST(AttentionTest, PrefillAcrossQueryTilesSlidingWindow) {
+  CheckPrefill(Fixture(3, 1, 8, 50, kPrefillQueryTile * 3 + 5, 8), 60, 37);
+}
+TEST(AttentionTest, PrefillWindowWiderThanATile) {
+  CheckPrefill(Fixture(2, 2, 8, kPrefillQueryTile + 9, kPrefillQueryTile * 3, 9), 11, 37);
+}
+
+// The pool only changes which thread runs a (head, tile) task: the same bits, for a fixed and a
+// fresh seed, at several pool sizes.
+TEST(AttentionTest, PrefillOnAPoolGivesTheSameBits) {
+  for (uint32_t seed : {10u, std::random_device{}()}) {
+    SCOPED_TRACE(seed);
+    std::mt19937 rng(seed);
+    const int64_t window = std::uniform_int_distribution<int64_t>(0, 200)(rng);
+    const int64_t len = std::uniform_int_distribution<int64_t>(2, 3 * kPrefillQueryTile + 50)(rng);
+    const int64_t pos0 = std::uniform_int_distribution<int64_t>(0, len - 2)(rng);
+    const Fixture f(4, 2, 16, window, len, seed);
+    const int64_t width = f.shape.n_heads * f.shape.head_dim;
+    const int64_t t = len - pos0;
+    auto spans = f.Spans(FirstVisiblePosition(pos0, window), len, 29);
+    std::vector<float> serial(t * width);
+    AttendPrefill(&f.q[pos0 * width], t, pos0, spans, f.shape, serial.data());
+    for (int threads : {2, 3}) {
+      ThreadPool pool(threads);
+      std::vector<float> pooled(t * width, -1.0f);
+      AttendPrefill(&f.q[pos0 * width], t, pos0, spans, f.shape, pooled.data(), &pool);
+      for (int64_t i = 0; i < t * width; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(pooled[i]), std::bit_cast<uint32_t>(serial[i]))
+            << threads << " threads, value " << i;
+      }
+    }
+  }
+}
 
 TEST(AttentionTest, WindowEdgeIsExact) {
   // A window of 3: the query at position 5 sees 3, 4, 5 and not 2. Make key 2 dominate: if it
