@@ -9,13 +9,15 @@
 // (tokens, positions, segments, per-layer table pointers) to the device in one transfer; (4) run
 // the layers on the compute stream (the pass's single-token segments, which the front puts
 // first, as one decode-attention batch; longer segments through the prefill kernel); (5) copy the
-// logits back with the free-row count and the row counters, and synchronise once.
+// logits back into pinned memory with the free-row count and the row counters, and synchronise
+// once. Every copy is asynchronous (a copy into the caller's pageable buffer would block the host
+// in the middle of the pass); the logits move to the caller's buffer after the synchronisation.
 //
 // Failure part-way (engine/engine_backend.h, ForwardCommit). Everything that can fail without a
 // launch failing happens before step (3): residency, pages, row reservation, workspace, and the
 // plan of every cuBLASLt GEMM of the pass (BlasLtGemm::Plan: descriptors and checked algorithms,
 // cached per batch size). From step (3) on, any error still synchronises the stream before the
-// pass returns (the pinned step arrays and the caller's logits buffer outlive their copies), and
+// pass returns (the pinned step arrays and logits outlive their copies), and
 // an error after the first write to session state (the first KV append or SDM row preparation)
 // marks the pass's sessions failed: their device state may hold some layers of the pass and not
 // others. They are refused until deleted; nothing retries them into a double write.
@@ -71,6 +73,8 @@ struct Workspace {
   // The step's integers and pointers (one upload) and their pinned host image.
   kc::DeviceBuffer<unsigned char> step;
   kc::PinnedBuffer<unsigned char> step_host;
+  // Where the logits are downloaded to (pinned: the copy stays asynchronous); grown on demand.
+  kc::PinnedBuffer<float> logits_host;
 };
 
 class CudaBackend : public EngineBackend {
@@ -320,6 +324,17 @@ class CudaBackend : public EngineBackend {
     return absl::OkStatus();
   }
 
+  // Pinned room for the logits of `rows` rows, in powers of two from 64 rows; before the pass's
+  // first enqueue (cudaMallocHost may synchronise the device, and an allocation failure then
+  // changes nothing).
+  absl::Status EnsureLogitsHost(int64_t rows) {
+    const int64_t vocab = cfg_.vocab_size;
+    if (rows * vocab <= static_cast<int64_t>(ws_.logits_host.size())) return absl::OkStatus();
+    int64_t r = 64;
+    while (r < rows) r *= 2;
+    return CudaStatus(ws_.logits_host.Allocate(r * vocab), "allocating pinned logits");
+  }
+
   static kc::AttentionDims Dims(const AttentionGeometry& g) {
     kc::AttentionDims d;
     d.n_heads = static_cast<int32_t>(g.n_heads);
@@ -332,11 +347,12 @@ class CudaBackend : public EngineBackend {
   // Device pointers into the step's upload (see Forward).
   struct StepArrays {
     const int32_t* tokens;
-    const int32_t* positions;  // [n] per row
-    const int32_t* row_seq;    // [n] segment of each row
-    const int32_t* seg_first;  // [S]
-    const int32_t* seg_len;    // [S]
-    const int32_t* seg_pos;    // [S] position of each segment's last token (decode queries)
+    const int32_t* positions;   // [n] per row
+    const int32_t* row_seq;     // [n] segment of each row
+    const int32_t* seg_first;   // [S]
+    const int32_t* seg_len;     // [S]
+    const int32_t* seg_pos;     // [S] position of each segment's last token (decode queries)
+    const int32_t* logit_rows;  // [m] rows whose logits the pass returns
     // Per layer [S] device pointers: page tables (attention) or slot tables (SDM); row counters
     // (SDM).
     std::vector<int32_t* const*> tables;
@@ -387,12 +403,13 @@ class CudaBackend : public EngineBackend {
       SDM_RETURN_IF_ERROR(ctx_->ReserveRows(rows * n_sdm));
     }
     SDM_RETURN_IF_ERROR(EnsureWorkspace(n, max_visible));
+    SDM_RETURN_IF_ERROR(EnsureLogitsHost(static_cast<int64_t>(logit_rows.size())));
     // Every GEMM of the pass planned (descriptors, algorithms) before anything is enqueued: past
     // this point only a launch itself can fail.
     SDM_RETURN_IF_ERROR(PlanGemms(n, static_cast<int64_t>(logit_rows.size())));
 
     // (3)-(5) enqueued; whatever happens, the stream is synchronised before returning (the
-    // pinned step arrays and the caller's logits buffer outlive their copies), and a failure
+    // pinned step arrays and logits outlive their copies), and a failure
     // after the first write to session state marks the step's sessions failed (ForwardCommit).
     ForwardCommit commit(segs);
     commit_ = &commit;
@@ -402,6 +419,10 @@ class CudaBackend : public EngineBackend {
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream), "forward pass");
     if (status.ok() && synced.ok()) {
       ctx_->FinishRefresh();
+      if (!logit_rows.empty() && logits_out != nullptr) {
+        std::memcpy(logits_out, ws_.logits_host.get(),
+                    logit_rows.size() * cfg_.vocab_size * sizeof(float));
+      }
       profiler.Lap(&EngineProfile::head_seconds);  // the stream is synchronised already
       return absl::OkStatus();
     }
@@ -431,7 +452,8 @@ class CudaBackend : public EngineBackend {
     // (3) One upload of the step's integers and pointers.
     Workspace& ws = ws_;
     const int64_t n_layers = cfg_.n_layers;
-    const size_t int_count = 3 * n + 3 * num_segs;
+    const int64_t m = static_cast<int64_t>(logit_rows.size());
+    const size_t int_count = 3 * n + 3 * num_segs + m;
     const size_t ptr_count = 2 * n_layers * num_segs;
     const size_t bytes = ptr_count * sizeof(void*) + int_count * sizeof(int32_t);
     if (ws.step.size() < bytes) {
@@ -455,6 +477,8 @@ class CudaBackend : public EngineBackend {
     int32_t* h_first = h_seq + n;
     int32_t* h_len = h_first + num_segs;
     int32_t* h_segpos = h_len + num_segs;
+    int32_t* h_logit_rows = h_segpos + num_segs;
+    for (int64_t i = 0; i < m; ++i) h_logit_rows[i] = static_cast<int32_t>(logit_rows[i]);
     for (int64_t r = 0; r < n; ++r) h_tokens[r] = tokens[r];
     for (int64_t s = 0; s < num_segs; ++s) {
       h_first[s] = static_cast<int32_t>(segs[s].first_row);
@@ -477,6 +501,7 @@ class CudaBackend : public EngineBackend {
     arr.seg_first = di + 3 * n;
     arr.seg_len = arr.seg_first + num_segs;
     arr.seg_pos = arr.seg_len + num_segs;
+    arr.logit_rows = arr.seg_pos + num_segs;
     for (int64_t l = 0; l < n_layers; ++l) {
       arr.tables.push_back(dp + (2 * l) * num_segs);
       arr.counters.push_back(dp + (2 * l + 1) * num_segs);
@@ -536,28 +561,27 @@ class CudaBackend : public EngineBackend {
     }
 
     // (5) Logits, counters, one synchronisation.
-    const int64_t m = static_cast<int64_t>(logit_rows.size());
     if (m > 0 && logits_out != nullptr) {
       const float* rows_in = ws.x.get();
       bool identity = m == n;
       for (int64_t i = 0; identity && i < m; ++i) identity = logit_rows[i] == i;
       if (!identity) {
-        for (int64_t i = 0; i < m; ++i) {
-          SDM_RETURN_IF_ERROR(
-              Launched(cudaMemcpyAsync(ws.tmp.get() + i * dim, ws.x.get() + logit_rows[i] * dim,
-                                       dim * sizeof(float), cudaMemcpyDeviceToDevice, stream),
-                       "gathering logit rows"));
-        }
+        // One launch gathers the rows (not one copy per row): an fp32 row of `dim` values is
+        // moved as a block of 2 * dim 16-bit halves, bit for bit.
+        SDM_RETURN_IF_ERROR(Launched(
+            kc::GatherBlocks(reinterpret_cast<const bf16*>(ws.x.get()), 2 * dim, arr.logit_rows, m,
+                             reinterpret_cast<bf16*>(ws.tmp.get()), stream),
+            "gathering logit rows"));
         rows_in = ws.tmp.get();
       }
       SDM_RETURN_IF_ERROR(Launched(
           kc::RmsNorm(rows_in, final_norm_, m, dim, eps, nullptr, ws.final_b.get(), stream),
           "final norm"));
       SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
-      SDM_RETURN_IF_ERROR(
-          Launched(cudaMemcpyAsync(logits_out, ws.logits.get(), m * cfg_.vocab_size * sizeof(float),
-                                   cudaMemcpyDeviceToHost, stream),
-                   "downloading logits"));
+      SDM_RETURN_IF_ERROR(Launched(
+          cudaMemcpyAsync(ws.logits_host.get(), ws.logits.get(),
+                          m * cfg_.vocab_size * sizeof(float), cudaMemcpyDeviceToHost, stream),
+          "downloading logits"));
     }
     return absl::OkStatus();
   }

@@ -53,6 +53,8 @@ inline constexpr int64_t kPrefillQueryTile = 128;
 // Each task makes OpenBLAS GEMM calls on its own thread: callers that pass a pool should run
 // OpenBLAS single-threaded (SetBlasThreads(1), kernels/cpu/linear.h) so that its threads do not
 // compete with the pool's. Safe to call concurrently (OpenBLAS's pthread build is thread-safe).
+// Each thread keeps its largest scores buffer (kPrefillQueryTile x the keys a tile sees, floats)
+// for the next call: fresh pages cost more than the GEMMs here.
 void AttendPrefill(const float* q, int64_t num_tokens, int64_t pos0, std::span<const KvSpan> spans,
                    const AttentionShape& shape, float* out, ThreadPool* pool = nullptr);
 

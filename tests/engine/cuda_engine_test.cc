@@ -199,6 +199,53 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
   }
 }
 
+// One step mixing decode tokens, prefill chunks that want only their last row's logits, one
+// that wants none and one that wants all: the logit rows the backend returns are scattered over
+// the pass's rows (gathered on the device before the final norm), in the batch's order.
+TEST_P(CudaVsCpuTest, MixedStepScatteredLogitRowsMatchCpu) {
+  SKIP_WITHOUT_DEVICE();
+  Engines e = MakeEngines(GetParam(), /*prefill_chunk=*/64);
+  ASSERT_NE(e.cuda, nullptr);
+  const double tolerance = GetParam() == "tiny" ? kTinyLogitTolerance : kLogitTolerance;
+  const int64_t vocab = e.cpu->vocab_size();
+  constexpr int kSessions = 5;
+  std::vector<std::unique_ptr<SessionState>> cpu_s, gpu_s;
+  for (int i = 0; i < kSessions; ++i) {
+    cpu_s.push_back(e.cpu->NewSession());
+    gpu_s.push_back(e.cuda->NewSession());
+    const std::vector<int32_t> prompt = RandomTokens(9 + 4 * i, vocab, 700 + i);
+    ASSERT_TRUE(e.cpu->Prefill(*cpu_s[i], prompt, false, nullptr).ok());
+    absl::Status st = e.cuda->Prefill(*gpu_s[i], prompt, false, nullptr);
+    ASSERT_TRUE(st.ok()) << st;
+  }
+  // Decode tokens first (one token each), then chunks of 7, 5 and 3 tokens.
+  const std::vector<int32_t> t0 = RandomTokens(1, vocab, 801), t1 = RandomTokens(1, vocab, 802);
+  const std::vector<int32_t> t2 = RandomTokens(7, vocab, 803), t3 = RandomTokens(5, vocab, 804);
+  const std::vector<int32_t> t4 = RandomTokens(3, vocab, 805);
+  auto run = [&](Engine& engine, std::vector<std::unique_ptr<SessionState>>& s) {
+    StepBatch batch;
+    batch.Add(*s[0], t0, StepLogits::kLast);
+    batch.Add(*s[1], t1, StepLogits::kLast);
+    batch.Add(*s[2], t2, StepLogits::kLast);
+    batch.Add(*s[3], t3, StepLogits::kNone);
+    batch.Add(*s[4], t4, StepLogits::kAll);
+    std::vector<float> logits(batch.LogitRows() * vocab);
+    absl::Status st = engine.Step(batch, logits);
+    EXPECT_TRUE(st.ok()) << st;
+    return logits;
+  };
+  const std::vector<float> lc = run(*e.cpu, cpu_s);
+  const std::vector<float> lg = run(*e.cuda, gpu_s);
+  ASSERT_EQ(lc.size(), static_cast<size_t>(6 * vocab));  // 1 + 1 + 1 + 0 + 3 rows
+  ASSERT_EQ(lg.size(), lc.size());
+  for (int64_t r = 0; r < 6; ++r) {
+    const std::vector<float> a(lg.begin() + r * vocab, lg.begin() + (r + 1) * vocab);
+    const std::vector<float> b(lc.begin() + r * vocab, lc.begin() + (r + 1) * vocab);
+    EXPECT_LT(RelativeError(a, b), tolerance) << "logit row " << r;
+  }
+  for (int i = 0; i < kSessions; ++i) EXPECT_EQ(gpu_s[i]->position(), cpu_s[i]->position());
+}
+
 INSTANTIATE_TEST_SUITE_P(Presets, CudaVsCpuTest,
                          ::testing::Values("tiny", "debug_sdm", "debug_hybrid",
                                            "debug_sdm_batchnorm"));

@@ -370,15 +370,16 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
   const int threads =
       opt.threads > 0 ? opt.threads : static_cast<int>(std::thread::hardware_concurrency());
   doc["machine"]["engine_threads"] = threads;
-  doc["machine"]["blas_threads"] = kernels::cpu::BlasThreads();
+  // OpenBLAS times the sgemm reference only (the CPU engine runs it single-threaded for its
+  // prefill attention): with as many threads as the engine.
+  doc["machine"]["blas_threads"] = threads;
   doc["machine"]["gemm_isa"] = kernels::cpu::GemmIsaName();
 
   std::printf(
       "# sdm-bench decode: %s, %d hardware threads; engine threads %d, OpenBLAS threads %d; CPU "
       "GEMM %s\n",
       doc["machine"]["cpu"].get<std::string>().c_str(),
-      doc["machine"]["hardware_threads"].get<int>(), threads, kernels::cpu::BlasThreads(),
-      kernels::cpu::GemmIsaName());
+      doc["machine"]["hardware_threads"].get<int>(), threads, threads, kernels::cpu::GemmIsaName());
   std::printf("# device: %s (--device %s)\n", EngineDeviceName(device),
               EngineDeviceName(opt.device));
   if (cuda) {
@@ -629,7 +630,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
         for (const std::vector<Point>& round : rounds) {
           if (round.empty()) continue;
           absl::StatusOr<std::vector<PointTiming>> measured =
-              MeasureTogether(round, ctx, opt.warmup, opt.steps, cuda);
+              MeasureTogether(round, ctx, opt.warmup, opt.steps, cuda, threads);
           if (cuda && absl::IsResourceExhausted(measured.status())) {
             // Out of device memory in a step (new rows or pages): this point cannot be measured
             // here; the rest of the run goes on.

@@ -58,7 +58,9 @@ std::vector<GemmShape> DecodeGemms(const Model& model) {
   return gemms;
 }
 
-double MeasureSgemmRate(const std::vector<GemmShape>& gemms, int64_t b) {
+double MeasureSgemmRate(const std::vector<GemmShape>& gemms, int64_t b, int threads) {
+  const int engine_setting = kernels::cpu::BlasThreads();
+  kernels::cpu::SetBlasThreads(threads);
   int64_t max_k = 0, max_n = 0;
   for (const GemmShape& g : gemms) {
     max_k = std::max(max_k, g.k);
@@ -81,6 +83,7 @@ double MeasureSgemmRate(const std::vector<GemmShape>& gemms, int64_t b) {
     ++rounds;
     elapsed = Seconds(start, Clock::now());
   }
+  kernels::cpu::SetBlasThreads(engine_setting);
   return flops_per_round * rounds / elapsed / 1e9;
 }
 
@@ -155,14 +158,14 @@ absl::Status FillPool(ModelRun& run, int64_t ctx, int64_t target, json& prefill_
 
 absl::StatusOr<std::vector<PointTiming>> MeasureTogether(const std::vector<Point>& points,
                                                          int64_t ctx, int warmup, int steps,
-                                                         bool cuda) {
+                                                         bool cuda, int sgemm_threads) {
   std::vector<std::string> names;
   for (const Point& p : points) {
     names.push_back(absl::StrFormat("%s x%d", p.run->spec->name, p.batch));
     // OpenBLAS on the host says nothing about a device's GEMMs.
     if (!cuda && !p.run->sgemm_gflops.count(p.batch)) {
       Progress bar(absl::StrFormat("%s: sgemm at batch %d", p.run->spec->name, p.batch), 1, "");
-      p.run->sgemm_gflops[p.batch] = MeasureSgemmRate(p.run->gemms, p.batch);
+      p.run->sgemm_gflops[p.batch] = MeasureSgemmRate(p.run->gemms, p.batch, sgemm_threads);
       bar.Finish("", /*keep=*/false);
     }
   }

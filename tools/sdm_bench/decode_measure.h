@@ -33,9 +33,10 @@ struct GemmShape {
 // The step's GEMMs (byte_model.h's IsDecodeGemm) with their weights.
 std::vector<GemmShape> DecodeGemms(const Model& model);
 
-// OpenBLAS sgemm rate (GFLOP/s) on exactly `gemms` at batch `b`: one warm-up round, then rounds
-// until at least 3 and 0.5 s (at most 30).
-double MeasureSgemmRate(const std::vector<GemmShape>& gemms, int64_t b);
+// OpenBLAS sgemm rate (GFLOP/s) on exactly `gemms` at batch `b` with `threads` OpenBLAS threads
+// (the CPU engine sets OpenBLAS to one thread for its own calls; the previous setting is restored
+// after): one warm-up round, then rounds until at least 3 and 0.5 s (at most 30).
+double MeasureSgemmRate(const std::vector<GemmShape>& gemms, int64_t b, int threads);
 
 // The largest number of sessions of `state_bytes` each that fit in `budget_gb` (int32 max when
 // a session holds nothing).
@@ -88,11 +89,11 @@ struct PointTiming {
 // are that many), then the models' decode steps alternate (`warmup` untimed rounds, then `steps`
 // timed rounds: one step of each model in turn, one random token per session), so that the load
 // other processes put on a shared machine falls on all of them alike. On the CPU it first times
-// sgemm at each point's batch (once per run and batch, into run.sgemm_gflops). One timing per
-// point, in order.
+// sgemm at each point's batch with `sgemm_threads` OpenBLAS threads (once per run and batch, into
+// run.sgemm_gflops). One timing per point, in order.
 absl::StatusOr<std::vector<PointTiming>> MeasureTogether(const std::vector<Point>& points,
                                                          int64_t ctx, int warmup, int steps,
-                                                         bool cuda);
+                                                         bool cuda, int sgemm_threads);
 
 }  // namespace sdm::bench
 
