@@ -5,10 +5,14 @@
 # side by side on a 2-core machine. An interrupted run resumes from its checkpoint when the script
 # is rerun. Results land in models/sdm-fortunes-demo (bf16 weights + README.md card + plots).
 #
-#   scripts/train-demo.sh            (environment: SDM_TRAIN_STEPS, SDM_TRAIN_RUNS, SDM_TRAIN_OUT)
+#   scripts/train-demo.sh            (environment: SDM_TRAIN_STEPS, SDM_TRAIN_RUNS, SDM_TRAIN_OUT,
+#                                     SDM_TRAIN_PRESET: demo, or wide with its _twin; SDM_TRAIN_FLAGS:
+#                                     more training/train.py flags, e.g. "--lr 2e-3 --warmup 100")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEPS=${SDM_TRAIN_STEPS:-4000}
+PRESET=${SDM_TRAIN_PRESET:-demo}
+FLAGS=${SDM_TRAIN_FLAGS:-}
 RUNS=${SDM_TRAIN_RUNS:-runs}
 OUT=${SDM_TRAIN_OUT:-models/sdm-fortunes-demo}
 PY=/usr/bin/python3
@@ -24,19 +28,22 @@ fi
 
 mkdir -p "$RUNS"
 train() {  # preset
+  # shellcheck disable=SC2086  # FLAGS: several flags, split on spaces
   nice -n 10 "$PY" training/train.py --preset "$1" --run "$RUNS/$1" --steps "$STEPS" \
-    --threads 1 --export "$RUNS/$1/model"
+    --threads 1 --export "$RUNS/$1/model" $FLAGS
 }
-train demo 2> >(tee "$RUNS/demo.log" >&2) &
+train "$PRESET" 2> >(tee "$RUNS/$PRESET.log" >&2) &
 sdm_pid=$!
-train demo_twin 2> "$RUNS/demo_twin.log" &
+train "${PRESET}_twin" 2> "$RUNS/${PRESET}_twin.log" &
 twin_pid=$!
 wait "$sdm_pid"
 wait "$twin_pid"
-tail -n 2 "$RUNS/demo_twin.log"
+tail -n 2 "$RUNS/${PRESET}_twin.log"
 
 mkdir -p "$OUT"
-cp "$RUNS/demo/model/config.json" "$RUNS/demo/model/model.safetensors" "$OUT/"
-"$PY" training/card.py --run "$RUNS/demo" --twin "$RUNS/demo_twin" --model "$OUT" \
-  --notes training/card-notes.md
+cp "$RUNS/$PRESET/model/config.json" "$RUNS/$PRESET/model/model.safetensors" "$OUT/"
+notes=()  # the shipped model's card carries the notes written for it
+if [ "$PRESET" = demo ]; then notes=(--notes training/card-notes.md); fi
+"$PY" training/card.py --run "$RUNS/$PRESET" --twin "$RUNS/${PRESET}_twin" --model "$OUT" \
+  "${notes[@]}"
 echo "train-demo: the model is in $OUT; scripts/run.sh serves it"
