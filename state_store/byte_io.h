@@ -9,10 +9,13 @@
 #include <string>
 #include <utility>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "base/check.h"
 #include "state_store/byte_source.h"
+#include "xxhash.h"
 
 namespace sdm::internal_state {
 
@@ -91,6 +94,29 @@ class PieceWriter {
   size_t used_ = 0;
   char buffer_[8192];
 };
+
+// The size and XXH64 checksum (seed 0, as the formats use) of what `emit` passes to its sink,
+// streamed: the sources' first pass over a section's rows, whose checksum precedes them on disk.
+// `emit` must not fail on its own (only a sink's error would stop it, and this sink has none).
+struct HashedBytes {
+  uint64_t bytes = 0;
+  uint64_t checksum = 0;
+};
+inline HashedBytes HashEmitted(absl::FunctionRef<absl::Status(ByteSource::Sink)> emit) {
+  XXH64_state_t* hash = XXH64_createState();
+  SDM_CHECK(hash != nullptr);
+  XXH64_reset(hash, 0);
+  HashedBytes out;
+  const absl::Status s = emit([&](absl::string_view piece) {
+    XXH64_update(hash, piece.data(), piece.size());
+    out.bytes += piece.size();
+    return absl::OkStatus();
+  });
+  out.checksum = XXH64_digest(hash);
+  XXH64_freeState(hash);
+  SDM_CHECK(s.ok()) << s;
+  return out;
+}
 
 class Reader {
  public:

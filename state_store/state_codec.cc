@@ -175,21 +175,15 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t fingerprint) {
-  std::string out;
-  EncodeSessionStateInto(state, record, fingerprint, out);
-  return out;
-}
-
-void EncodeSessionStateInto(const SessionState& state, const SessionRecord& record,
-                            uint64_t fingerprint, std::string& out) {
   const SessionStateSource source(state, record, fingerprint);
-  out.clear();  // its capacity is kept
+  std::string out;
   out.reserve(source.size());
   const absl::Status s = source.Emit([&](absl::string_view piece) {
     out.append(piece.data(), piece.size());
     return absl::OkStatus();
   });
   SDM_CHECK(s.ok() && out.size() == source.size());
+  return out;
 }
 
 SessionStateSource::SessionStateSource(const SessionState& state, const SessionRecord& record,
@@ -199,8 +193,6 @@ SessionStateSource::SessionStateSource(const SessionState& state, const SessionR
   // The sizes the format gives (docs/state-format.md, Sizes), checked against what is emitted.
   total_ = kHeaderBytes + kSectionHeaderBytes + record_.size();
   sections_.push_back({kRecord, record_.size(), Checksum(record_.data(), record_.size())});
-  XXH64_state_t* hash = XXH64_createState();
-  SDM_CHECK(hash != nullptr);
   for (int64_t li = 0; li < state.num_layers(); ++li) {
     uint64_t expected = 4;
     if (state.is_sdm(li)) {
@@ -213,18 +205,12 @@ SessionStateSource::SessionStateSource(const SessionState& state, const SessionR
                            static_cast<uint64_t>(kv.row_width()) * sizeof(float);
     }
     // The checksum: one read of the layer's rows (the second is Emit's).
-    XXH64_reset(hash, 0);
-    uint64_t bytes = 0;
-    const absl::Status s = EmitLayer(li, [&](absl::string_view piece) {
-      XXH64_update(hash, piece.data(), piece.size());
-      bytes += piece.size();
-      return absl::OkStatus();
-    });
-    SDM_CHECK(s.ok() && bytes == expected) << bytes << " != " << expected;
-    sections_.push_back({state.is_sdm(li) ? kSdm : kKv, bytes, XXH64_digest(hash)});
-    total_ += kSectionHeaderBytes + bytes;
+    const internal_state::HashedBytes layer =
+        internal_state::HashEmitted([&](Sink sink) { return EmitLayer(li, sink); });
+    SDM_CHECK(layer.bytes == expected) << layer.bytes << " != " << expected;
+    sections_.push_back({state.is_sdm(li) ? kSdm : kKv, layer.bytes, layer.checksum});
+    total_ += kSectionHeaderBytes + layer.bytes;
   }
-  XXH64_freeState(hash);
   Writer w;
   w.Raw(kMagic, 8);
   w.U32(kStateFormatVersion);
@@ -277,10 +263,6 @@ absl::Status SessionStateSource::Emit(Sink sink) const {
     SDM_RETURN_IF_ERROR(i == 0 ? sink(record_) : EmitLayer(static_cast<int64_t>(i) - 1, sink));
   }
   return absl::OkStatus();
-}
-
-uint64_t SessionStateSource::record_prefix_size() const {
-  return kHeaderBytes + kSectionHeaderBytes + record_.size();
 }
 
 absl::StatusOr<uint64_t> RecordPrefixSize(absl::string_view first, uint64_t total_bytes,

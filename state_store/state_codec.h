@@ -47,9 +47,6 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 // (SDM_CHECK: encoding stale layers would silently lose the session's recent tokens).
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t model_fingerprint);
-// The same into `out` (replacing its contents, keeping its capacity).
-void EncodeSessionStateInto(const SessionState& state, const SessionRecord& record,
-                            uint64_t model_fingerprint, std::string& out);
 
 // The same bytes as a ByteSource (state_store/byte_source.h), produced straight from the state's
 // rows: what the store writes a snapshot from, with no buffer of the snapshot's size. The
@@ -63,8 +60,6 @@ class SessionStateSource final : public ByteSource {
 
   uint64_t size() const override { return total_; }
   absl::Status Emit(Sink sink) const override;
-  // Bytes of the header and the record section: the prefix SnapshotId() hashes.
-  uint64_t record_prefix_size() const;
 
  private:
   struct Section {

@@ -52,23 +52,24 @@ constexpr uint64_t kDirectBlock = 4096;
 // reused; a write larger than this goes out in several chunks.
 constexpr uint64_t kDirectChunk = uint64_t{4} << 20;
 
-struct Free {
-  void operator()(char* p) const { std::free(p); }
-};
-
-char* DirectBuffer() {
+// A kDirectChunk buffer aligned for O_DIRECT, one per thread and `Use` (null when allocation
+// failed): allocated on a thread's first write and reused by every later one.
+enum class ChunkUse { kDirectStaging, kSourceChunk };
+template <ChunkUse Use>
+char* ThreadChunkBuffer() {
+  struct Free {
+    void operator()(char* p) const { std::free(p); }
+  };
   thread_local std::unique_ptr<char, Free> buffer(
       static_cast<char*>(std::aligned_alloc(kDirectBlock, kDirectChunk)));
   return buffer.get();
 }
 
-// WriteSource()'s chunk buffer: another of the same size and alignment (a chunk is copied into
-// DirectBuffer() only when its file offset is unaligned).
-char* SourceChunkBuffer() {
-  thread_local std::unique_ptr<char, Free> buffer(
-      static_cast<char*>(std::aligned_alloc(kDirectBlock, kDirectChunk)));
-  return buffer.get();
-}
+// The staging copy of an unaligned O_DIRECT write.
+char* DirectBuffer() { return ThreadChunkBuffer<ChunkUse::kDirectStaging>(); }
+// WriteSource()'s chunk buffer (a chunk is staged in DirectBuffer() only when its file offset is
+// unaligned).
+char* SourceChunkBuffer() { return ThreadChunkBuffer<ChunkUse::kSourceChunk>(); }
 
 bool IsAligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kDirectBlock == 0; }
 

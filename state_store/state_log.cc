@@ -236,17 +236,10 @@ SessionDeltaSource::SessionDeltaSource(const SessionState& state, const SessionR
   SDM_CHECK(!state.on_device());
   SDM_CHECK(from <= state.position());
   // The checksum: one read of the rows (the second is Emit's).
-  XXH64_state_t* hash = XXH64_createState();
-  SDM_CHECK(hash != nullptr);
-  XXH64_reset(hash, 0);
-  const absl::Status s = EmitPayload([&](absl::string_view piece) {
-    XXH64_update(hash, piece.data(), piece.size());
-    payload_bytes_ += piece.size();
-    return absl::OkStatus();
-  });
-  checksum_ = XXH64_digest(hash);
-  XXH64_freeState(hash);
-  SDM_CHECK(s.ok());
+  const internal_state::HashedBytes payload =
+      internal_state::HashEmitted([&](Sink sink) { return EmitPayload(sink); });
+  payload_bytes_ = payload.bytes;
+  checksum_ = payload.checksum;
   SDM_CHECK(kLogRecordHeaderBytes + payload_bytes_ == SessionDeltaBytes(state, record, from));
 }
 

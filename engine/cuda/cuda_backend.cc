@@ -586,6 +586,24 @@ class CudaBackend : public EngineBackend {
     return absl::OkStatus();
   }
 
+  // A mixer's output: `mixed` [n, width] times sigmoid(xb gate^T + gate_bias) when the layer has a
+  // gate (the gate and the conversion to wo's bf16 input in one launch), else only converted;
+  // then wo into ws.tmp.
+  absl::Status GatedOutput(int64_t n, const float* mixed, int64_t width, const DeviceMatrix& gate,
+                           const float* gate_bias, const DeviceMatrix& wo, const float* wo_bias) {
+    Workspace& ws = ws_;
+    cudaStream_t stream = ctx_->compute();
+    if (gate.w != nullptr) {
+      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, gate, gate_bias, ws.gate.get()));
+      SDM_RETURN_IF_ERROR(Launched(
+          kc::MulSigmoidToBf16(ws.gate.get(), mixed, n * width, ws.ob.get(), stream), "gate"));
+    } else {
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::FloatToBf16(mixed, n * width, ws.ob.get(), stream), "convert"));
+    }
+    return Linear(ws.ob.get(), n, wo, wo_bias, ws.tmp.get());
+  }
+
   // A launch's result inside the pass: the fault-injection seam (EngineOptions::
   // inject_forward_fault) fires here once the pass began writing session state.
   absl::Status Launched(cudaError_t err, const char* what) {
@@ -683,17 +701,7 @@ class CudaBackend : public EngineBackend {
                                                         dims, ws.o.get() + row * q_width, stream),
                                    "prefill attention"));
     }
-    // The gate (when the layer has one) and the conversion to wo's bf16 input: one launch.
-    if (a.w_gate.w != nullptr) {
-      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
-      SDM_RETURN_IF_ERROR(Launched(
-          kc::MulSigmoidToBf16(ws.gate.get(), ws.o.get(), n * q_width, ws.ob.get(), stream),
-          "attention gate"));
-    } else {
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::FloatToBf16(ws.o.get(), n * q_width, ws.ob.get(), stream), "convert"));
-    }
-    return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
+    return GatedOutput(n, ws.o.get(), q_width, a.w_gate, nullptr, a.wo, nullptr);
   }
 
   absl::Status SdmMixer(int64_t li, const SdmTensors<DeviceMatrix, const float*>& w, int64_t n,
@@ -770,17 +778,7 @@ class CudaBackend : public EngineBackend {
                                  sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
                    "readings norm"));
     }
-    // The output gate (when the layer has one) and the conversion to wo's bf16 input: one launch.
-    if (w.wog.w != nullptr) {
-      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
-      SDM_RETURN_IF_ERROR(Launched(
-          kc::MulSigmoidToBf16(ws.gate.get(), ws.readings.get(), n * dim, ws.ob.get(), stream),
-          "output gate"));
-    } else {
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::FloatToBf16(ws.readings.get(), n * dim, ws.ob.get(), stream), "convert"));
-    }
-    return Linear(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get());
+    return GatedOutput(n, ws.readings.get(), dim, w.wog, w.bog, w.wo, w.bo);
   }
 
   std::shared_ptr<const Model> model_;

@@ -56,14 +56,20 @@ void AttendPrefill(const float* q, int64_t num_tokens, int64_t pos0, std::span<c
     scores.resize(rows * width);
     const float* q_tile = q + t0 * q_stride + h * hd;
     float* out_tile = out + t0 * q_stride + h * hd;
+    // Each span's part inside [lo, hi): fn(its first position b, its count, its k and v rows).
+    auto for_each_visible = [&](auto fn) {
+      for (const KvSpan& s : spans) {
+        const int64_t b = std::max(lo, s.first_pos), e = std::min(hi, s.first_pos + s.count);
+        if (b >= e) continue;
+        const int64_t at = (b - s.first_pos) * shape.row_stride + kv_off;
+        fn(b, e - b, s.k + at, s.v + at);
+      }
+    };
     // scores[t, j - lo] = q_t . k_j for j in [lo, hi), span by span.
-    for (const KvSpan& s : spans) {
-      const int64_t b = std::max(lo, s.first_pos), e = std::min(hi, s.first_pos + s.count);
-      if (b >= e) continue;
-      const int64_t r = b - s.first_pos;
-      GemmNT(rows, e - b, hd, 1.0f, q_tile, q_stride, s.k + r * shape.row_stride + kv_off,
-             shape.row_stride, 0.0f, scores.data() + (b - lo), width);
-    }
+    for_each_visible([&](int64_t b, int64_t count, const float* k, const float*) {
+      GemmNT(rows, count, hd, 1.0f, q_tile, q_stride, k, shape.row_stride, 0.0f,
+             scores.data() + (b - lo), width);
+    });
     for (int64_t t = 0; t < rows; ++t) {
       float* row = scores.data() + t * width;
       const int64_t p = pos0 + t0 + t;
@@ -76,15 +82,11 @@ void AttendPrefill(const float* q, int64_t num_tokens, int64_t pos0, std::span<c
     }
     // out_h[t] = sum_j p[t, j] v_j
     bool first_span = true;
-    for (const KvSpan& s : spans) {
-      const int64_t b = std::max(lo, s.first_pos), e = std::min(hi, s.first_pos + s.count);
-      if (b >= e) continue;
-      const int64_t r = b - s.first_pos;
-      GemmNN(rows, hd, e - b, 1.0f, scores.data() + (b - lo), width,
-             s.v + r * shape.row_stride + kv_off, shape.row_stride, first_span ? 0.0f : 1.0f,
-             out_tile, q_stride);
+    for_each_visible([&](int64_t b, int64_t count, const float*, const float* v) {
+      GemmNN(rows, hd, count, 1.0f, scores.data() + (b - lo), width, v, shape.row_stride,
+             first_span ? 0.0f : 1.0f, out_tile, q_stride);
       first_span = false;
-    }
+    });
   };
   const int64_t num_tasks = shape.n_heads * tiles;
   if (pool != nullptr) {
