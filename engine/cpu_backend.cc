@@ -94,9 +94,10 @@ class CpuBackend : public EngineBackend {
   }
   int64_t PackedWeightBytes() const override { return packed_bytes_; }
 
+  // Draws happen in the front (DrawsOnDevice() is false): `out.draws` is always empty here.
   absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
-                       std::span<const int64_t> logit_rows, float* logits_out,
-                       ForwardProfiler& profiler) override {
+                       const ForwardOutputs& out, ForwardProfiler& profiler) override {
+    const std::span<const int64_t> logit_rows = out.logit_rows;
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t dim = cfg_.dim;
     std::vector<float> x(n * dim), xn(n * dim), tmp(n * dim);
@@ -137,7 +138,7 @@ class CpuBackend : public EngineBackend {
     for (int64_t i = 0; i < m; ++i) {
       cpu::RmsNorm(&x[logit_rows[i] * dim], final_norm_, 1, dim, eps, &h[i * dim]);
     }
-    Linear(h.data(), m, output_, nullptr, logits_out);
+    Linear(h.data(), m, output_, nullptr, out.logits);
     profiler.Lap(&EngineProfile::head_seconds);
     return absl::OkStatus();
   }

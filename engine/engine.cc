@@ -196,28 +196,35 @@ class Engine::Impl {
   const EngineProfile& profile() const { return profile_; }
   void ResetProfile() { profile_ = EngineProfile{}; }
 
-  absl::Status Step(const StepBatch& batch, std::span<float> logits) {
-    if (auto s = Validate(batch, logits); !s.ok()) return s;
+  absl::Status Step(const StepBatch& batch, std::span<float> logits, std::span<int32_t> sampled) {
+    if (auto s = Validate(batch, logits, sampled); !s.ok()) return s;
     const int64_t chunk = options_.prefill_chunk;
     const int64_t vocab = config().vocab_size;
     const std::span<const StepSegment> segs(batch.segments);
-    // Where each segment's logits start in `logits` (rows), and how many passes the step takes.
+    // Where each segment's logits start in `logits` (rows) and its draw goes in `sampled`, and
+    // how many passes the step takes.
     std::vector<int64_t> out_row(segs.size(), -1);
+    std::vector<int64_t> draw_slot(segs.size(), -1);
     int64_t rows_so_far = 0;
+    int64_t draws_so_far = 0;
     int64_t passes = 0;
     for (size_t i = 0; i < segs.size(); ++i) {
       const int64_t len = static_cast<int64_t>(segs[i].tokens.size());
       passes = std::max(passes, (len + chunk - 1) / chunk);
+      if (segs[i].sampling != nullptr) draw_slot[i] = draws_so_far++;
       if (segs[i].logits == StepLogits::kNone) continue;
       out_row[i] = rows_so_far;
       rows_so_far += segs[i].logits == StepLogits::kAll ? len : 1;
     }
+    const bool device_draws = backend_->DrawsOnDevice();
     std::set<SessionState*> advanced;  // by the passes completed so far
     for (int64_t pass = 0; pass < passes; ++pass) {
       std::vector<int32_t> tokens;
       std::vector<Segment> pieces;
       std::vector<int64_t> logit_rows;  // rows of this pass whose logits are wanted ...
       std::vector<int64_t> dest_rows;   // ... and where they go in `logits`
+      std::vector<ForwardDraw> draws;   // rows of this pass to draw a token from ...
+      std::vector<int64_t> draw_dest;   // ... and where it goes in `sampled`
       // Single-token pieces first (the backend contract), each group in batch order.
       for (const bool singles : {true, false}) {
         for (size_t i = 0; i < segs.size(); ++i) {
@@ -230,34 +237,53 @@ class Engine::Impl {
           const int64_t first_row = static_cast<int64_t>(tokens.size());
           pieces.push_back({seg.session, first_row, n, seg.session->position()});
           tokens.insert(tokens.end(), seg.tokens.begin() + start, seg.tokens.begin() + start + n);
+          const bool last_piece = start + n == len;
           if (seg.logits == StepLogits::kAll) {
             for (int64_t t = 0; t < n; ++t) {
               logit_rows.push_back(first_row + t);
               dest_rows.push_back(out_row[i] + start + t);
             }
-          } else if (seg.logits == StepLogits::kLast && start + n == len) {
+          } else if (seg.logits == StepLogits::kLast && last_piece) {
             logit_rows.push_back(first_row + n - 1);
             dest_rows.push_back(out_row[i]);
           }
+          if (seg.sampling != nullptr && last_piece) {
+            draws.push_back({first_row + n - 1, seg.sampling, seg.draw_index});
+            draw_dest.push_back(draw_slot[i]);
+          }
         }
       }
-      // The backend writes rows contiguously: straight into `logits` when the destinations
-      // are consecutive (a plain decode batch, one prefill), else through scratch.
-      bool direct = true;
+      // A backend that cannot draw returns the drawn rows' logits after the wanted ones, and
+      // the tokens are drawn here.
+      const bool host_draws = !draws.empty() && !device_draws;
+      std::vector<int64_t> rows = logit_rows;
+      if (host_draws) {
+        for (const ForwardDraw& d : draws) rows.push_back(d.row);
+      }
+      // The backend writes rows contiguously: straight into `logits` when they are all wanted
+      // and their destinations consecutive (a plain decode batch, one prefill), else through
+      // scratch.
+      bool direct = !host_draws;
       for (size_t r = 1; direct && r < dest_rows.size(); ++r) {
         direct = dest_rows[r] == dest_rows[0] + static_cast<int64_t>(r);
       }
-      float* out = nullptr;
-      if (!dest_rows.empty()) {
+      ForwardOutputs out;
+      out.logit_rows = rows;
+      if (!rows.empty()) {
         if (direct) {
-          out = logits.data() + dest_rows[0] * vocab;
+          out.logits = logits.data() + dest_rows[0] * vocab;
         } else {
-          scratch_logits_.resize(dest_rows.size() * vocab);
-          out = scratch_logits_.data();
+          scratch_logits_.resize(rows.size() * vocab);
+          out.logits = scratch_logits_.data();
         }
       }
+      if (!draws.empty() && device_draws) {
+        scratch_sampled_.resize(draws.size());
+        out.draws = draws;
+        out.sampled = scratch_sampled_.data();
+      }
       ForwardProfiler profiler(options_.profile ? &profile_ : nullptr);
-      if (auto s = backend_->Forward(tokens, pieces, logit_rows, out, profiler); !s.ok()) {
+      if (auto s = backend_->Forward(tokens, pieces, out, profiler); !s.ok()) {
         return FailLaterPass(s, advanced);
       }
       for (const Segment& p : pieces) {
@@ -269,6 +295,14 @@ class Engine::Impl {
           std::copy_n(scratch_logits_.data() + r * vocab, vocab,
                       logits.data() + dest_rows[r] * vocab);
         }
+      }
+      for (size_t j = 0; j < draws.size(); ++j) {
+        sampled[draw_dest[j]] =
+            host_draws
+                ? SampleToken(std::span<const float>(
+                                  scratch_logits_.data() + (dest_rows.size() + j) * vocab, vocab),
+                              *draws[j].params, draws[j].draw_index)
+                : scratch_sampled_[j];
       }
     }
     return absl::OkStatus();
@@ -295,7 +329,8 @@ class Engine::Impl {
                                                "step are marked failed too"));
   }
 
-  absl::Status Validate(const StepBatch& batch, std::span<float> logits) const {
+  absl::Status Validate(const StepBatch& batch, std::span<float> logits,
+                        std::span<int32_t> sampled) const {
     std::set<const SessionState*> seen;
     for (const StepSegment& seg : batch.segments) {
       if (seg.session == nullptr)
@@ -308,6 +343,9 @@ class Engine::Impl {
         return absl::InvalidArgumentError(
             absl::StrCat("unknown logits request ", static_cast<int>(seg.logits)));
       }
+      if (seg.sampling != nullptr) {
+        if (auto s = ValidateSamplingParams(*seg.sampling, config().vocab_size); !s.ok()) return s;
+      }
       if (auto s = CheckTokens(seg.tokens); !s.ok()) return s;
       if (auto s = CheckSession(*seg.session); !s.ok()) return s;
       if (!seen.insert(seg.session).second) {
@@ -318,6 +356,10 @@ class Engine::Impl {
     if (static_cast<int64_t>(logits.size()) != want) {
       return absl::InvalidArgumentError(
           absl::StrCat("step logits buffer holds ", logits.size(), " floats, needs ", want));
+    }
+    if (static_cast<int64_t>(sampled.size()) != batch.Draws()) {
+      return absl::InvalidArgumentError(absl::StrCat("step sampled buffer holds ", sampled.size(),
+                                                     " tokens, needs ", batch.Draws()));
     }
     return absl::OkStatus();
   }
@@ -349,7 +391,8 @@ class Engine::Impl {
   uint64_t fingerprint_;
   std::unique_ptr<EngineBackend> backend_;
   EngineProfile profile_;
-  std::vector<float> scratch_logits_;  // logits of a pass whose rows are scattered
+  std::vector<float> scratch_logits_;     // logits of a pass whose rows are scattered
+  std::vector<int32_t> scratch_sampled_;  // tokens a backend drew on its device
 };
 
 absl::StatusOr<std::unique_ptr<Engine>> Engine::Create(std::shared_ptr<const Model> model,
@@ -406,6 +449,20 @@ int64_t StepBatch::Add(SessionState& session, std::span<const int32_t> tokens, S
   return row;
 }
 
+int64_t StepBatch::AddDraw(SessionState& session, std::span<const int32_t> tokens,
+                           StepLogits logits, const SamplingParams& sampling, uint64_t draw_index) {
+  const int64_t draw = Draws();
+  Add(session, tokens, logits);
+  segments.back().sampling = &sampling;
+  segments.back().draw_index = draw_index;
+  return draw;
+}
+
+int64_t StepBatch::Draws() const {
+  return std::count_if(segments.begin(), segments.end(),
+                       [](const StepSegment& s) { return s.sampling != nullptr; });
+}
+
 int64_t StepBatch::LogitRows() const {
   int64_t rows = 0;
   for (const StepSegment& s : segments) {
@@ -421,8 +478,9 @@ int64_t StepBatch::TokenCount() const {
   return n;
 }
 
-absl::Status Engine::Step(const StepBatch& batch, std::span<float> logits) {
-  return impl_->Step(batch, logits);
+absl::Status Engine::Step(const StepBatch& batch, std::span<float> logits,
+                          std::span<int32_t> sampled) {
+  return impl_->Step(batch, logits, sampled);
 }
 
 absl::Status Engine::Prefill(SessionState& session, std::span<const int32_t> tokens,

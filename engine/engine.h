@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "base/bf16.h"
 #include "engine/model.h"
+#include "engine/sampler.h"
 #include "state_store/session_state.h"
 #include "state_store/state_layout.h"
 
@@ -113,6 +114,13 @@ struct StepSegment {
   SessionState* session = nullptr;
   std::span<const int32_t> tokens;  // at least one
   StepLogits logits = StepLogits::kNone;
+  // Non-null: the step also draws the token that follows the segment's last one, exactly
+  // SampleToken(last token's logits, *sampling, draw_index) (engine/sampler.h), into Step's
+  // `sampled`. The caller owns the params (they outlive Step()) and the session's draw count:
+  // Step reads neither SessionState::sampler_draws nor changes it. On CUDA the draw runs on the
+  // device and the row's logits stay there unless `logits` asks for them too.
+  const SamplingParams* sampling = nullptr;
+  uint64_t draw_index = 0;
 };
 
 // One engine step: any mix of prefill chunks and decode tokens of distinct sessions.
@@ -122,9 +130,15 @@ struct StepBatch {
   // Appends a segment; returns the row of Step's logits holding its first requested row
   // (kLast: its only row; kAll: its first token's), or -1 for kNone.
   int64_t Add(SessionState& session, std::span<const int32_t> tokens, StepLogits logits);
+  // Appends a segment that also draws its next token (StepSegment::sampling); returns the index
+  // of that token in Step's `sampled`. The logits row, if asked for, is as Add's.
+  int64_t AddDraw(SessionState& session, std::span<const int32_t> tokens, StepLogits logits,
+                  const SamplingParams& sampling, uint64_t draw_index);
   // Rows of logits a Step of this batch writes: one per kLast segment, one per token of a kAll
   // segment, in segment order.
   int64_t LogitRows() const;
+  // Tokens a Step of this batch draws: one per segment with sampling, in segment order.
+  int64_t Draws() const;
   int64_t TokenCount() const;
 };
 
@@ -161,7 +175,8 @@ class Engine {
   std::unique_ptr<SessionState> NewSession() const;
 
   // Feeds every segment's tokens to its session and writes the logits asked for to `logits`
-  // ([batch.LogitRows(), vocab], rows in segment order; see StepBatch::Add).
+  // ([batch.LogitRows(), vocab], rows in segment order; see StepBatch::Add), and the tokens the
+  // segments draw to `sampled` ([batch.Draws()], in segment order; StepSegment::sampling).
   //
   // Chunking: a segment longer than options().prefill_chunk is cut into chunks of that many
   // tokens (the last may be shorter), counted from the segment's first token, and the step runs
@@ -170,14 +185,16 @@ class Engine {
   // own tokens are cut, never on the other segments.
   //
   // Errors (INVALID_ARGUMENT, nothing consumed): an empty or null segment, a token outside the
-  // vocabulary, a session of another model, a session twice, an unknown StepLogits, a logits
-  // buffer of the wrong size. A backend error (say RESOURCE_EXHAUSTED on a device) is returned
-  // as is when no session was changed. A pass that fails after it began writing state marks its
-  // sessions failed (SessionState::MarkFailed; the status says so), and so are the sessions that
-  // passes completed before it advanced (they consumed part of their tokens): Step refuses them
-  // from then on (FAILED_PRECONDITION) and the state store neither persists nor leases them.
-  // Sessions of a failed step that are not marked are as they were before it.
-  absl::Status Step(const StepBatch& batch, std::span<float> logits);
+  // vocabulary, a session of another model, a session twice, an unknown StepLogits, sampling
+  // params out of range (ValidateSamplingParams), a logits or sampled buffer of the wrong size. A
+  // backend error (say RESOURCE_EXHAUSTED on a device) is returned as is when no session was
+  // changed. A pass that fails after it began writing state marks its sessions failed
+  // (SessionState::MarkFailed; the status says so), and so are the sessions that passes completed
+  // before it advanced (they consumed part of their tokens): Step refuses them from then on
+  // (FAILED_PRECONDITION) and the state store neither persists nor leases them. Sessions of a
+  // failed step that are not marked are as they were before it.
+  absl::Status Step(const StepBatch& batch, std::span<float> logits,
+                    std::span<int32_t> sampled = {});
 
   // Convenience wrappers over Step.
   // Feeds `tokens` (at least one) to `session`. If `logits` is non-null it receives the logits

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "engine/engine.h"
 #include "engine/model.h"
+#include "engine/sampler.h"
 #include "kernels/common/sdm_addressing_math.h"
 #include "state_store/session_state.h"
 #include "state_store/state_layout.h"
@@ -103,6 +104,25 @@ class ForwardFaultInjector {
   int64_t calls_ = 0;
 };
 
+// A token a pass draws on the device from one of its rows (EngineBackend::DrawsOnDevice):
+// SampleToken(that row's logits, *params, draw_index), engine/sampler.h.
+struct ForwardDraw {
+  int64_t row = 0;
+  const SamplingParams* params = nullptr;
+  uint64_t draw_index = 0;
+};
+
+// What a forward pass hands back: the logits of `logit_rows`, in that order, to `logits`
+// ([rows, vocab]; null iff logit_rows is empty), and the token drawn for each of `draws` to
+// `sampled` ([draws.size()]; null iff draws is empty; only for a backend that DrawsOnDevice()).
+// A row may be in both lists.
+struct ForwardOutputs {
+  std::span<const int64_t> logit_rows;
+  float* logits = nullptr;
+  std::span<const ForwardDraw> draws;
+  int32_t* sampled = nullptr;
+};
+
 class EngineBackend {
  public:
   virtual ~EngineBackend() = default;
@@ -116,12 +136,15 @@ class EngineBackend {
   // On error either no session was changed (the status as is) or every segment's session is
   // marked failed (SessionState::MarkFailed; ForwardCommit) and the status says so; never a
   // silently half-updated session.
-  // Writes the logits of `logit_rows` (in that order) to logits_out ([rows, vocab]; null iff
-  // logit_rows is empty). Single-token segments take the decode attention path and longer
-  // ones the prefill path, whatever else is in the pass.
+  // Writes `out` (ForwardOutputs). Single-token segments take the decode attention path and
+  // longer ones the prefill path, whatever else is in the pass.
   virtual absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segments,
-                               std::span<const int64_t> logit_rows, float* logits_out,
-                               ForwardProfiler& profiler) = 0;
+                               const ForwardOutputs& out, ForwardProfiler& profiler) = 0;
+
+  // Whether Forward draws tokens itself (ForwardOutputs::draws). If not, the front asks for the
+  // rows' logits and draws on the host; the tokens are the same either way (the CUDA sampling
+  // kernel's contract, kernels/cuda/sampling.h).
+  virtual bool DrawsOnDevice() const { return false; }
 
   virtual EngineDevice device() const = 0;
   // One line for logs and model info, e.g. "cpu, 2 threads".

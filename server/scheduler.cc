@@ -70,6 +70,10 @@ int Scheduler::waiting() const {
 
 absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> observer) {
   if (spec.prompt.empty()) return absl::InvalidArgumentError("the prompt is empty");
+  // The engine's step refuses a whole batch over one bad draw: refuse the job here instead.
+  if (absl::Status s = ValidateSamplingParams(spec.sampling, engine_.vocab_size()); !s.ok()) {
+    return s;
+  }
   {
     absl::MutexLock lock(&mu_);
     if (!accepting_) return absl::UnavailableError("the server is shutting down");
@@ -194,8 +198,8 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   // into those same chunks, so its numerics are those of Prefill() calls whatever else runs.
   struct Planned {
     Job* job;
-    size_t prefill = 0;      // prompt tokens fed (0: a decode token)
-    int64_t logit_row = -1;  // row of the step's logits to sample from (-1: none)
+    size_t prefill = 0;  // prompt tokens fed (0: a decode token)
+    int64_t draw = -1;   // index of the token the step draws for it (-1: none)
   };
   std::vector<Planned> plan;
   StepBatch batch;
@@ -215,26 +219,33 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     }
     if (take > 0) {
       const bool last = job->fed + take == job->to_feed.size();
-      const int64_t row =
-          batch.Add(*job->state, std::span<const int32_t>(job->to_feed).subspan(job->fed, take),
-                    last ? StepLogits::kLast : StepLogits::kNone);
-      plan.push_back({job.get(), take, row});
+      const std::span<const int32_t> tokens =
+          std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
+      int64_t draw = -1;
+      if (last) {
+        draw = batch.AddDraw(*job->state, tokens, StepLogits::kNone, job->spec.sampling,
+                             job->state->sampler_draws);
+      } else {
+        batch.Add(*job->state, tokens, StepLogits::kNone);
+      }
+      plan.push_back({job.get(), take, draw});
     }
     if (budget <= 0) break;
   }
   int decodes = 0;
   for (auto& job : running) {
     if (job->done || job->next_input < 0) continue;
-    const int64_t row =
-        batch.Add(*job->state, std::span<const int32_t>(&job->next_input, 1), StepLogits::kLast);
-    plan.push_back({job.get(), 0, row});
+    const int64_t draw =
+        batch.AddDraw(*job->state, std::span<const int32_t>(&job->next_input, 1), StepLogits::kNone,
+                      job->spec.sampling, job->state->sampler_draws);
+    plan.push_back({job.get(), 0, draw});
     ++decodes;
   }
   if (plan.empty()) return;
 
-  const int64_t vocab = engine_.vocab_size();
-  std::vector<float> logits(batch.LogitRows() * vocab);
-  const absl::Status status = engine_.Step(batch, logits);
+  // The engine draws the tokens (on the device where the backend can): the logits stay there.
+  std::vector<int32_t> sampled(batch.Draws());
+  const absl::Status status = engine_.Step(batch, {}, sampled);
   for (const Planned& p : plan) {
     Job& job = *p.job;
     if (!status.ok()) {
@@ -246,9 +257,9 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     } else {
       job.next_input = -1;  // fed
     }
-    if (p.logit_row < 0) continue;
-    const int32_t token = SampleToken(std::span<const float>(&logits[p.logit_row * vocab], vocab),
-                                      job.spec.sampling, job.state->sampler_draws++);
+    if (p.draw < 0) continue;
+    const int32_t token = sampled[p.draw];
+    ++job.state->sampler_draws;  // the draw's index was the count before it
     const Clock::time_point t = Clock::now();
     if (listener_ != nullptr) {
       if (p.prefill > 0) {

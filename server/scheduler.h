@@ -6,11 +6,13 @@
 // engine step (Engine::Step): prompt tokens within prefill_token_budget, oldest job first, so a
 // long prompt never stalls running streams for more than its budget, plus one decode token for
 // every job past its prompt, and (4) runs that plan as one forward pass (more only when a job's
-// share of the budget spans several engine prefill chunks) and samples from its logits. Prompts
+// share of the budget spans several engine prefill chunks), in which the engine draws each job's
+// next token (StepBatch::AddDraw; on the device with CUDA, the logits never leave it). Prompts
 // are cut at multiples of the engine's prefill chunk and a step is batch-invariant, so a job's
 // tokens are bit for bit those it would get alone. A job whose prompt ends in a step gets its
 // first token from that step and decodes from the next one. Tokens are
-// sampled per job (engine/sampler.h) from the session's stream and handed to the job's observer
+// sampled per job (engine/sampler.h) from the session's stream (the scheduler passes the
+// session's draw count and advances it) and handed to the job's observer
 // with their UTF-8 text delta; stop ids, the tokenizer's EOS, stop strings and max_tokens end a
 // job, by the rules of engine/generation.h.
 //

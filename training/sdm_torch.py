@@ -147,7 +147,10 @@ class SdmMemory(nn.Module):
             self.memory = nn.Parameter(torch.zeros(H * s * s, hd))
         if self.normalize:
             self.readings_norm = nn.LayerNorm(hd, eps=self.ln_eps)
-        self.chunk = 32  # time steps per chunk of the parallel form (1: step by step)
+        # Time steps per chunk of the parallel form (1: step by step); a speed knob only, exact
+        # at any value (tests/training/test_sdm_chunked.py), though the last bits of training
+        # depend on it. training/train.py sets it (--sdm-chunk).
+        self.chunk = 32
 
     @staticmethod
     def _chunked(S, kw, qr, logd, alpha, beta, v, C):

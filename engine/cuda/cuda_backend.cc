@@ -44,6 +44,7 @@
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
 #include "kernels/cuda/gemm.h"
+#include "kernels/cuda/sampling.h"
 #include "kernels/cuda/sdm.h"
 
 namespace sdm {
@@ -75,6 +76,11 @@ struct Workspace {
   kc::PinnedBuffer<unsigned char> step_host;
   // Where the logits are downloaded to (pinned: the copy stays asynchronous); grown on demand.
   kc::PinnedBuffer<float> logits_host;
+  // Tokens drawn on the device (ForwardOutputs::draws), the sampling kernel's scratch, and the
+  // tokens' pinned host image; grown on demand.
+  kc::DeviceBuffer<int32_t> sampled;
+  kc::DeviceBuffer<unsigned char> sample_scratch;
+  kc::PinnedBuffer<int32_t> sampled_host;
 };
 
 class CudaBackend : public EngineBackend {
@@ -324,15 +330,30 @@ class CudaBackend : public EngineBackend {
     return absl::OkStatus();
   }
 
-  // Pinned room for the logits of `rows` rows, in powers of two from 64 rows; before the pass's
-  // first enqueue (cudaMallocHost may synchronise the device, and an allocation failure then
-  // changes nothing).
-  absl::Status EnsureLogitsHost(int64_t rows) {
+  // Pinned room for the logits of `rows` rows, and room for `draws` tokens drawn on the device,
+  // in powers of two from 64 rows; before the pass's first enqueue (cudaMallocHost may
+  // synchronise the device, and an allocation failure then changes nothing).
+  absl::Status EnsureOutputs(int64_t rows, int64_t draws) {
+    auto grown = [](int64_t need) {
+      int64_t r = 64;
+      while (r < need) r *= 2;
+      return r;
+    };
     const int64_t vocab = cfg_.vocab_size;
-    if (rows * vocab <= static_cast<int64_t>(ws_.logits_host.size())) return absl::OkStatus();
-    int64_t r = 64;
-    while (r < rows) r *= 2;
-    return CudaStatus(ws_.logits_host.Allocate(r * vocab), "allocating pinned logits");
+    Workspace& ws = ws_;
+    if (rows * vocab > static_cast<int64_t>(ws.logits_host.size())) {
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(ws.logits_host.Allocate(grown(rows) * vocab), "allocating pinned logits"));
+    }
+    if (draws > static_cast<int64_t>(ws.sampled.size())) {
+      const int64_t r = grown(draws);
+      SDM_RETURN_IF_ERROR(CudaStatus(ws.sampled.Allocate(r), "allocating sampled tokens"));
+      SDM_RETURN_IF_ERROR(CudaStatus(ws.sampled_host.Allocate(r), "allocating sampled tokens"));
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(ws.sample_scratch.Allocate(kc::SampleTokensScratchBytes(r, vocab)),
+                     "allocating sampling scratch"));
+    }
+    return absl::OkStatus();
   }
 
   static kc::AttentionDims Dims(const AttentionGeometry& g) {
@@ -347,22 +368,27 @@ class CudaBackend : public EngineBackend {
   // Device pointers into the step's upload (see Forward).
   struct StepArrays {
     const int32_t* tokens;
-    const int32_t* positions;   // [n] per row
-    const int32_t* row_seq;     // [n] segment of each row
-    const int32_t* seg_first;   // [S]
-    const int32_t* seg_len;     // [S]
-    const int32_t* seg_pos;     // [S] position of each segment's last token (decode queries)
-    const int32_t* logit_rows;  // [m] rows whose logits the pass returns
+    const int32_t* positions;  // [n] per row
+    const int32_t* row_seq;    // [n] segment of each row
+    const int32_t* seg_first;  // [S]
+    const int32_t* seg_len;    // [S]
+    const int32_t* seg_pos;    // [S] position of each segment's last token (decode queries)
+    // [m + d] rows whose logits the pass computes: the m it returns, then the d it draws from.
+    const int32_t* logit_rows;
+    const kc::RowSampling* draws;  // [d] how to draw each of the last d rows' tokens
     // Per layer [S] device pointers: page tables (attention) or slot tables (SDM); row counters
     // (SDM).
     std::vector<int32_t* const*> tables;
     std::vector<int32_t* const*> counters;
   };
 
+  bool DrawsOnDevice() const override { return true; }
+
   absl::Status Forward(std::span<const int32_t> tokens, std::span<const Segment> segs,
-                       std::span<const int64_t> logit_rows, float* logits_out,
-                       ForwardProfiler& profiler) override {
+                       const ForwardOutputs& out, ForwardProfiler& profiler) override {
     const int64_t n = static_cast<int64_t>(tokens.size());
+    const int64_t m = static_cast<int64_t>(out.logit_rows.size());
+    const int64_t d = static_cast<int64_t>(out.draws.size());
     const int64_t num_segs = static_cast<int64_t>(segs.size());
     cudaStream_t stream = ctx_->compute();
 
@@ -402,27 +428,28 @@ class CudaBackend : public EngineBackend {
       }
       SDM_RETURN_IF_ERROR(ctx_->ReserveRows(rows * n_sdm));
     }
-    SDM_RETURN_IF_ERROR(EnsureWorkspace(n, max_visible));
-    SDM_RETURN_IF_ERROR(EnsureLogitsHost(static_cast<int64_t>(logit_rows.size())));
+    // A row both returned and drawn from is computed twice (m + d <= 2n rows of logits).
+    SDM_RETURN_IF_ERROR(EnsureWorkspace(std::max(n, m + d), max_visible));
+    SDM_RETURN_IF_ERROR(EnsureOutputs(m, d));
     // Every GEMM of the pass planned (descriptors, algorithms) before anything is enqueued: past
     // this point only a launch itself can fail.
-    SDM_RETURN_IF_ERROR(PlanGemms(n, static_cast<int64_t>(logit_rows.size())));
+    SDM_RETURN_IF_ERROR(PlanGemms(n, m + d));
 
     // (3)-(5) enqueued; whatever happens, the stream is synchronised before returning (the
     // pinned step arrays and logits outlive their copies), and a failure
     // after the first write to session state marks the step's sessions failed (ForwardCommit).
     ForwardCommit commit(segs);
     commit_ = &commit;
-    absl::Status status = Enqueue(tokens, segs, logit_rows, logits_out, profiler, n_w, n_r);
+    absl::Status status = Enqueue(tokens, segs, out, profiler, n_w, n_r);
     commit_ = nullptr;
     if (status.ok()) status = ctx_->StartRefresh();
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream), "forward pass");
     if (status.ok() && synced.ok()) {
       ctx_->FinishRefresh();
-      if (!logit_rows.empty() && logits_out != nullptr) {
-        std::memcpy(logits_out, ws_.logits_host.get(),
-                    logit_rows.size() * cfg_.vocab_size * sizeof(float));
+      if (m > 0) {
+        std::memcpy(out.logits, ws_.logits_host.get(), m * cfg_.vocab_size * sizeof(float));
       }
+      if (d > 0) std::memcpy(out.sampled, ws_.sampled_host.get(), d * sizeof(int32_t));
       profiler.Lap(&EngineProfile::head_seconds);  // the stream is synchronised already
       return absl::OkStatus();
     }
@@ -438,8 +465,8 @@ class CudaBackend : public EngineBackend {
   // Steps (3) to (5) of Forward (file comment) up to the final synchronisation, enqueued on the
   // compute stream.
   absl::Status Enqueue(std::span<const int32_t> tokens, std::span<const Segment> segs,
-                       std::span<const int64_t> logit_rows, float* logits_out,
-                       ForwardProfiler& profiler, int64_t n_w, int64_t n_r) {
+                       const ForwardOutputs& out, ForwardProfiler& profiler, int64_t n_w,
+                       int64_t n_r) {
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t num_segs = static_cast<int64_t>(segs.size());
     const int64_t dim = cfg_.dim;
@@ -452,17 +479,32 @@ class CudaBackend : public EngineBackend {
     // (3) One upload of the step's integers and pointers.
     Workspace& ws = ws_;
     const int64_t n_layers = cfg_.n_layers;
-    const int64_t m = static_cast<int64_t>(logit_rows.size());
-    const size_t int_count = 3 * n + 3 * num_segs + m;
+    const int64_t m = static_cast<int64_t>(out.logit_rows.size());
+    const int64_t d = static_cast<int64_t>(out.draws.size());
+    // Rows whose logits are computed: the returned ones, then the drawn ones.
+    std::vector<int64_t> logit_rows(out.logit_rows.begin(), out.logit_rows.end());
+    for (const ForwardDraw& draw : out.draws) logit_rows.push_back(draw.row);
+    const int64_t ml = m + d;
+    // Layout: pointers, then the draws' params (8-byte aligned after the pointers), then ints.
+    const size_t int_count = 3 * n + 3 * num_segs + ml;
     const size_t ptr_count = 2 * n_layers * num_segs;
-    const size_t bytes = ptr_count * sizeof(void*) + int_count * sizeof(int32_t);
+    const size_t draws_bytes = d * sizeof(kc::RowSampling);
+    static_assert(sizeof(kc::RowSampling) % alignof(int32_t) == 0);
+    static_assert(alignof(kc::RowSampling) <= sizeof(void*));
+    const size_t bytes = ptr_count * sizeof(void*) + draws_bytes + int_count * sizeof(int32_t);
     if (ws.step.size() < bytes) {
       SDM_RETURN_IF_ERROR(Launched(ws.step.Allocate(bytes * 2), "allocating step arrays"));
       SDM_RETURN_IF_ERROR(Launched(ws.step_host.Allocate(bytes * 2), "allocating step arrays"));
     }
     unsigned char* h = ws.step_host.get();
     auto** hp = reinterpret_cast<int32_t**>(h);
-    auto* hi = reinterpret_cast<int32_t*>(h + ptr_count * sizeof(void*));
+    auto* hd = reinterpret_cast<kc::RowSampling*>(h + ptr_count * sizeof(void*));
+    for (int64_t i = 0; i < d; ++i) {
+      const SamplingParams& p = *out.draws[i].params;
+      hd[i] = kc::RowSampling{p.temperature, static_cast<int32_t>(p.top_k), p.top_p, p.seed,
+                              out.draws[i].draw_index};
+    }
+    auto* hi = reinterpret_cast<int32_t*>(h + ptr_count * sizeof(void*) + draws_bytes);
     for (int64_t l = 0; l < n_layers; ++l) {
       const int64_t si = ctx_->sdm_index(l);
       for (int64_t s = 0; s < num_segs; ++s) {
@@ -478,7 +520,7 @@ class CudaBackend : public EngineBackend {
     int32_t* h_len = h_first + num_segs;
     int32_t* h_segpos = h_len + num_segs;
     int32_t* h_logit_rows = h_segpos + num_segs;
-    for (int64_t i = 0; i < m; ++i) h_logit_rows[i] = static_cast<int32_t>(logit_rows[i]);
+    for (int64_t i = 0; i < ml; ++i) h_logit_rows[i] = static_cast<int32_t>(logit_rows[i]);
     for (int64_t r = 0; r < n; ++r) h_tokens[r] = tokens[r];
     for (int64_t s = 0; s < num_segs; ++s) {
       h_first[s] = static_cast<int32_t>(segs[s].first_row);
@@ -494,7 +536,9 @@ class CudaBackend : public EngineBackend {
                  "uploading step arrays"));
     StepArrays arr;
     int32_t* const* dp = reinterpret_cast<int32_t* const*>(ws.step.get());
-    auto* di = reinterpret_cast<const int32_t*>(ws.step.get() + ptr_count * sizeof(void*));
+    arr.draws = reinterpret_cast<const kc::RowSampling*>(ws.step.get() + ptr_count * sizeof(void*));
+    auto* di =
+        reinterpret_cast<const int32_t*>(ws.step.get() + ptr_count * sizeof(void*) + draws_bytes);
     arr.tokens = di;
     arr.positions = di + n;
     arr.row_seq = di + 2 * n;
@@ -560,28 +604,41 @@ class CudaBackend : public EngineBackend {
       SDM_RETURN_IF_ERROR(lap(&EngineProfile::ffn_seconds));
     }
 
-    // (5) Logits, counters, one synchronisation.
-    if (m > 0 && logits_out != nullptr) {
+    // (5) Logits and draws, counters, one synchronisation.
+    if (ml > 0) {
       const float* rows_in = ws.x.get();
-      bool identity = m == n;
-      for (int64_t i = 0; identity && i < m; ++i) identity = logit_rows[i] == i;
+      bool identity = ml == n;
+      for (int64_t i = 0; identity && i < ml; ++i) identity = logit_rows[i] == i;
       if (!identity) {
         // One launch gathers the rows (not one copy per row): an fp32 row of `dim` values is
         // moved as a block of 2 * dim 16-bit halves, bit for bit.
         SDM_RETURN_IF_ERROR(Launched(
-            kc::GatherBlocks(reinterpret_cast<const bf16*>(ws.x.get()), 2 * dim, arr.logit_rows, m,
+            kc::GatherBlocks(reinterpret_cast<const bf16*>(ws.x.get()), 2 * dim, arr.logit_rows, ml,
                              reinterpret_cast<bf16*>(ws.tmp.get()), stream),
             "gathering logit rows"));
         rows_in = ws.tmp.get();
       }
       SDM_RETURN_IF_ERROR(Launched(
-          kc::RmsNorm(rows_in, final_norm_, m, dim, eps, nullptr, ws.final_b.get(), stream),
+          kc::RmsNorm(rows_in, final_norm_, ml, dim, eps, nullptr, ws.final_b.get(), stream),
           "final norm"));
-      SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
+      SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), ml, output_, nullptr, ws.logits.get()));
+    }
+    if (m > 0) {
       SDM_RETURN_IF_ERROR(Launched(
           cudaMemcpyAsync(ws.logits_host.get(), ws.logits.get(),
                           m * cfg_.vocab_size * sizeof(float), cudaMemcpyDeviceToHost, stream),
           "downloading logits"));
+    }
+    if (d > 0) {
+      // The drawn rows' logits never leave the device: only their tokens come down.
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::SampleTokens(ws.logits.get() + m * cfg_.vocab_size, d, cfg_.vocab_size,
+                                    arr.draws, ws.sample_scratch.get(), ws.sampled.get(), stream),
+                   "sampling"));
+      SDM_RETURN_IF_ERROR(
+          Launched(cudaMemcpyAsync(ws.sampled_host.get(), ws.sampled.get(), d * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream),
+                   "downloading sampled tokens"));
     }
     return absl::OkStatus();
   }

@@ -111,6 +111,7 @@ class Server:
                     r[keys[k]] = int(line.split()[1])
         r["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
         r["own_threads"] = own_threads(pid)
+        r["mappings"] = mappings(pid)
         r.update(self.metrics())
         return r
 
@@ -351,6 +352,63 @@ def own_threads(pid):
     return count
 
 
+def mappings(pid):
+    """{start address: (size KiB, Rss KiB, name)} of every mapping in /proc/PID/smaps ({} when
+    unreadable): where RSS grows, by mapping (soak_verdict prints the largest growths)."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            start, name, size = None, "", 0
+            for line in f:
+                head = line.split(None, 5)
+                if re.match(r"^[0-9a-f]+-[0-9a-f]+$", head[0]):
+                    lo, hi = head[0].split("-")
+                    start = int(lo, 16)
+                    size = (int(hi, 16) - start) // 1024
+                    name = head[5].strip() if len(head) > 5 else ""
+                elif head[0] == "Rss:" and start is not None:
+                    out[start] = (size, int(head[1]), name)
+    except OSError:
+        return {}
+    return out
+
+
+def mapping_kind(start, size_kib, name):
+    """A guess at what an anonymous mapping is: glibc gives each thread an 8 MiB stack (the
+    default RLIMIT_STACK) and each malloc arena beyond the main one heaps of at most 64 MiB
+    aligned to 64 MiB (HEAP_MAX_SIZE), whose used part is a mapping of its own."""
+    if name:
+        return name
+    if size_kib == 8192:
+        return "anonymous 8 MiB (a thread stack)"
+    if start % (64 << 20) == 0 and size_kib <= 65536:
+        return "anonymous at a 64 MiB boundary (a malloc arena's heap)"
+    return "anonymous"
+
+
+def rss_growth_by_mapping(base, last, top=6):
+    """The mappings whose Rss grew most from `base` to `last` (samples), as a text line."""
+    a, b = base.get("mappings") or {}, last.get("mappings") or {}
+    if not a or not b:
+        return ""
+    deltas = []
+    for start in set(a) | set(b):
+        size, rss, name = b.get(start) or a.get(start)
+        deltas.append((b.get(start, (0, 0, ""))[1] - a.get(start, (0, 0, ""))[1], start, size,
+                       name))
+    deltas.sort(reverse=True)
+    by_kind = {}
+    for d, start, size, name in deltas:
+        k = mapping_kind(start, size, name)
+        by_kind[k] = by_kind.get(k, 0) + d
+    parts = [f"{d:+d} KiB at {start:#x} ({mapping_kind(start, size, name)}, {size} KiB mapped)"
+             for d, start, size, name in deltas[:top] if d > 0]
+    kinds = ", ".join(f"{k} {v:+d}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+                      if v)
+    return (f"soak: RSS growth by mapping kind (KiB): {kinds or 'none'}; largest: "
+            f"{'; '.join(parts) or 'none'}")
+
+
 def soak_verdict(args, server, samples):
     """Failures (0 or 1) of the soak's resource bounds after the warm-up (warmed_up()).
 
@@ -384,6 +442,9 @@ def soak_verdict(args, server, samples):
         f"{last.get('file')}); {state_note}; RSS net of state {100 * net:+.2f}%{heap}; "
         f"fds {base['fds']} -> {last['fds']}, own threads {base['own_threads']} -> "
         f"{last['own_threads']} (all threads {base['threads']} -> {last['threads']})")
+    where = rss_growth_by_mapping(base, last)
+    if where:
+        log(where)
     bad = 0
     if net > args.max_rss_growth:
         log(f"FAIL: RSS net of session state grew more than {100 * args.max_rss_growth:.1f}%")
@@ -498,7 +559,8 @@ def main():
         "lost": stats.lost, "rolled_back": stats.rolled_back, "diverged": stats.diverged,
         "inflight_kept": stats.inflight_kept, "inflight_dropped": stats.inflight_dropped,
         "checked": stats.checked, "unchecked": stats.unchecked,
-        "resources": samples}, indent=None))
+        "resources": [{k: v for k, v in r.items() if k != "mappings"}  # mappings: too long
+                      for r in samples]}, indent=None))
     if stats.turns == 0:
         log("FAIL: no turn completed")
         bad += 1

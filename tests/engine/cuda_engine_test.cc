@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/sampler.h"
 #if defined(SDM_HAVE_CUDA)
 #include "engine/cuda/device_state.h"
 #include "kernels/common/device_layout.h"
@@ -244,6 +245,80 @@ TEST_P(CudaVsCpuTest, MixedStepScatteredLogitRowsMatchCpu) {
     EXPECT_LT(RelativeError(a, b), tolerance) << "logit row " << r;
   }
   for (int i = 0; i < kSessions; ++i) EXPECT_EQ(gpu_s[i]->position(), cpu_s[i]->position());
+}
+
+// Tokens drawn on the device (StepSegment::sampling; kernels/cuda/sampling.h) are SampleToken of
+// the logits the same pass computes: one step returns the drawing rows' logits too and every draw
+// is checked against them (greedy, temperature, top-k, top-p; decode tokens and chunks). A second
+// step on twin sessions draws without returning logits (the rows stay on the device): its greedy
+// tokens are the argmax of the first step's rows wherever the top two logits are not a near-tie
+// (the two steps' output GEMMs have different row counts, so their last bits may differ).
+TEST_P(CudaVsCpuTest, DrawsOnTheDeviceAreSampleTokenOfThePassLogits) {
+  SKIP_WITHOUT_DEVICE();
+  Engines e = MakeEngines(GetParam(), /*prefill_chunk=*/64);
+  ASSERT_NE(e.cuda, nullptr);
+  const int64_t vocab = e.cuda->vocab_size();
+  constexpr int kSessions = 6;
+  const int lengths[kSessions] = {1, 1, 1, 7, 3, 1};
+  std::vector<SamplingParams> params(kSessions);
+  params[1].temperature = 1.0;
+  params[2].temperature = 0.7;
+  params[2].top_k = 40;
+  params[3].temperature = 1.1;
+  params[3].top_p = 0.9;
+  params[4].temperature = 2.0;
+  for (int i = 0; i < kSessions; ++i) params[i].seed = 1000 + i;
+  std::vector<std::unique_ptr<SessionState>> a, b;
+  std::vector<std::vector<int32_t>> tokens;
+  for (int i = 0; i < kSessions; ++i) {
+    a.push_back(e.cuda->NewSession());
+    b.push_back(e.cuda->NewSession());
+    const std::vector<int32_t> prompt = RandomTokens(5 + 3 * i, vocab, 900 + i);
+    ASSERT_TRUE(e.cuda->Prefill(*a[i], prompt, false, nullptr).ok());
+    ASSERT_TRUE(e.cuda->Prefill(*b[i], prompt, false, nullptr).ok());
+    tokens.push_back(RandomTokens(lengths[i], vocab, 950 + i));
+  }
+  // Step 1: every segment returns its logits (the 7-token chunk all of them, so the returned
+  // rows and the drawn ones are not in step) and draws from its last row.
+  StepBatch with_logits;
+  std::vector<int64_t> last_row(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    const StepLogits ask = i == 3 ? StepLogits::kAll : StepLogits::kLast;
+    with_logits.AddDraw(*a[i], tokens[i], ask, params[i], 3 + i);
+    last_row[i] = with_logits.LogitRows() - 1;
+  }
+  std::vector<float> logits(with_logits.LogitRows() * vocab);
+  std::vector<int32_t> drawn(kSessions, -1);
+  absl::Status st = e.cuda->Step(with_logits, logits, drawn);
+  ASSERT_TRUE(st.ok()) << st;
+  for (int i = 0; i < kSessions; ++i) {
+    const std::span<const float> row(logits.data() + last_row[i] * vocab, vocab);
+    EXPECT_EQ(drawn[i], SampleToken(row, params[i], 3 + i)) << "segment " << i;
+  }
+  // Step 2: greedy draws only.
+  const SamplingParams greedy;
+  StepBatch draws_only;
+  for (int i = 0; i < kSessions; ++i) {
+    draws_only.AddDraw(*b[i], tokens[i], StepLogits::kNone, greedy, 0);
+  }
+  std::vector<int32_t> greedy_drawn(kSessions, -1);
+  st = e.cuda->Step(draws_only, {}, greedy_drawn);
+  ASSERT_TRUE(st.ok()) << st;
+  int compared = 0;
+  for (int i = 0; i < kSessions; ++i) {
+    std::vector<float> row(logits.begin() + last_row[i] * vocab,
+                           logits.begin() + (last_row[i] + 1) * vocab);
+    const int32_t best = SampleToken(row, greedy, 0);
+    float second = -INFINITY;
+    for (int64_t t = 0; t < vocab; ++t) {
+      if (t != best) second = std::max(second, row[t]);
+    }
+    if (row[best] - second < 1e-3f * std::max(1.0f, std::fabs(row[best]))) continue;  // near-tie
+    EXPECT_EQ(greedy_drawn[i], best) << "segment " << i;
+    ++compared;
+  }
+  EXPECT_GE(compared, kSessions / 2);
+  for (int i = 0; i < kSessions; ++i) EXPECT_EQ(a[i]->position(), b[i]->position());
 }
 
 INSTANTIATE_TEST_SUITE_P(Presets, CudaVsCpuTest,

@@ -13,6 +13,7 @@
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
+#include "engine/sampler.h"
 #include "gtest/gtest.h"
 #include "tests/engine/test_model_util.h"
 
@@ -210,6 +211,7 @@ TEST(StepTest, LogitRowsFollowTheSegments) {
   EXPECT_EQ(batch.Add(*d, td, StepLogits::kLast), 3);
   EXPECT_EQ(batch.LogitRows(), 4);
   EXPECT_EQ(batch.TokenCount(), 6);
+  EXPECT_EQ(batch.Draws(), 0);
   std::vector<float> logits(4 * c.vocab_size);
   ASSERT_TRUE(engine->Step(batch, logits).ok());
   EXPECT_EQ(a->position(), 3);
@@ -217,6 +219,106 @@ TEST(StepTest, LogitRowsFollowTheSegments) {
   EXPECT_EQ(d->position(), 1);
   // An empty step is a no-op.
   EXPECT_TRUE(engine->Step(StepBatch{}, {}).ok());
+}
+
+// A step that draws tokens (StepSegment::sampling) gives each drawing segment exactly
+// SampleToken(its last token's logits, params, draw index), whatever else the segment and the
+// step ask for; the logits it also returns are those of a step without draws, bit for bit.
+void RunDrawingStep(uint32_t seed) {
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const ModelConfig c = Hybrid();
+  const int64_t vocab = c.vocab_size;
+  auto drawing = MakeEngine(c);
+  auto plain = MakeEngine(c);  // same weights (same seed): the reference logits
+  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(vocab) - 1);
+  constexpr int kSessions = 7;
+  // Segment lengths: decode tokens, a chunk, several chunks (the draw comes from the last pass).
+  const int lengths[kSessions] = {1, 1, 3, 4, 3 * kChunk + 2, 2, 5};
+  const StepLogits asks[kSessions] = {StepLogits::kNone, StepLogits::kLast, StepLogits::kAll,
+                                      StepLogits::kNone, StepLogits::kAll,  StepLogits::kLast,
+                                      StepLogits::kNone};
+  const bool draws[kSessions] = {true, true, true, true, true, false, false};
+  std::vector<SamplingParams> params(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    SamplingParams& p = params[i];
+    switch (i % 4) {
+      case 0:
+        break;  // greedy
+      case 1:
+        p.temperature = 1.5;
+        break;
+      case 2:
+        p.temperature = 0.8;
+        p.top_k = 5;
+        break;
+      case 3:
+        p.temperature = 1.2;
+        p.top_p = 0.7;
+        break;
+    }
+    p.seed = rng();
+  }
+  std::vector<std::unique_ptr<SessionState>> ds, ps;
+  std::vector<std::vector<int32_t>> tokens(kSessions);
+  std::vector<uint64_t> draw_index(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    ds.push_back(drawing->NewSession());
+    ps.push_back(plain->NewSession());
+    // Some history first, so decode tokens see a cache.
+    std::vector<int32_t> history(1 + rng() % 6);
+    for (int32_t& t : history) t = token(rng);
+    ASSERT_TRUE(drawing->Prefill(*ds[i], history, false, nullptr).ok());
+    ASSERT_TRUE(plain->Prefill(*ps[i], history, false, nullptr).ok());
+    tokens[i].resize(lengths[i]);
+    for (int32_t& t : tokens[i]) t = token(rng);
+    draw_index[i] = rng() % 1000;
+    ds[i]->sampler_draws = 17;  // the step neither reads nor changes it
+  }
+  StepBatch batch, reference;
+  std::vector<int64_t> slot(kSessions, -1);
+  std::vector<int64_t> row(kSessions, -1);  // reference's row holding each last token
+  for (int i = 0; i < kSessions; ++i) {
+    if (draws[i]) {
+      slot[i] = batch.AddDraw(*ds[i], tokens[i], asks[i], params[i], draw_index[i]);
+    } else {
+      batch.Add(*ds[i], tokens[i], asks[i]);
+    }
+    const int64_t first = reference.Add(*ps[i], tokens[i], StepLogits::kAll);
+    row[i] = first + lengths[i] - 1;
+  }
+  ASSERT_EQ(batch.Draws(), 5);
+  std::vector<float> logits(batch.LogitRows() * vocab), want(reference.LogitRows() * vocab);
+  std::vector<int32_t> sampled(batch.Draws(), -1);
+  absl::Status st = drawing->Step(batch, logits, sampled);
+  ASSERT_TRUE(st.ok()) << st;
+  st = plain->Step(reference, want);
+  ASSERT_TRUE(st.ok()) << st;
+  int64_t out_row = 0;
+  for (int i = 0; i < kSessions; ++i) {
+    SCOPED_TRACE(::testing::Message() << "segment " << i);
+    EXPECT_EQ(ds[i]->position(), ps[i]->position());
+    EXPECT_EQ(ds[i]->sampler_draws, 17u);
+    if (draws[i]) {
+      const std::vector<float> last = Row(want, row[i], vocab);
+      EXPECT_EQ(sampled[slot[i]], SampleToken(last, params[i], draw_index[i]));
+    }
+    // The returned logits are the reference's rows, bit for bit.
+    const int64_t n = asks[i] == StepLogits::kAll ? lengths[i] : asks[i] == StepLogits::kLast;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t ref_row = row[i] - (n - 1) + t;
+      EXPECT_EQ(Row(logits, out_row + t, vocab), Row(want, ref_row, vocab)) << "row " << t;
+    }
+    out_row += n;
+  }
+  EXPECT_EQ(out_row, batch.LogitRows());
+}
+
+TEST(StepTest, DrawsAreSampleTokenOfEachSegmentsLastLogits) {
+  for (uint32_t seed : {1u, 2u}) RunDrawingStep(seed);
+  const uint32_t fresh = std::random_device{}();
+  std::cout << "DrawsAreSampleTokenOfEachSegmentsLastLogits fresh seed: " << fresh << "\n";
+  RunDrawingStep(fresh);
 }
 
 TEST(StepTest, RejectsMalformedStepsWithoutConsumingAnything) {
@@ -285,6 +387,42 @@ TEST(StepTest, RejectsMalformedStepsWithoutConsumingAnything) {
     batch.Add(*foreign, ok, StepLogits::kNone);
     expect_refused(batch, {}, "session of another model");
     EXPECT_EQ(foreign->position(), 0);
+  }
+  // Draws: a sampled buffer of the wrong size, params out of range.
+  SamplingParams greedy;
+  SamplingParams negative_temperature;
+  negative_temperature.temperature = -1.0;
+  SamplingParams bad_top_p;
+  bad_top_p.temperature = 1.0;
+  bad_top_p.top_p = 0.0;
+  auto expect_draw_refused = [&](const StepBatch& batch, std::span<int32_t> sampled,
+                                 const char* what) {
+    const absl::Status s = engine->Step(batch, {}, sampled);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << what << ": " << s;
+    EXPECT_EQ(a->position(), 0) << what;
+    EXPECT_EQ(b->position(), 0) << what;
+  };
+  {
+    StepBatch batch;
+    EXPECT_EQ(batch.AddDraw(*a, ok, StepLogits::kNone, greedy, 0), 0);
+    EXPECT_EQ(batch.AddDraw(*b, ok, StepLogits::kNone, greedy, 0), 1);
+    std::vector<int32_t> one(1), three(3);
+    expect_draw_refused(batch, one, "sampled buffer too small");
+    expect_draw_refused(batch, three, "sampled buffer too large");
+    expect_draw_refused(batch, {}, "no sampled buffer");
+  }
+  {
+    StepBatch batch;
+    batch.Add(*a, ok, StepLogits::kNone);
+    batch.AddDraw(*b, ok, StepLogits::kNone, negative_temperature, 0);
+    std::vector<int32_t> one(1);
+    expect_draw_refused(batch, one, "negative temperature");
+  }
+  {
+    StepBatch batch;
+    batch.AddDraw(*a, ok, StepLogits::kNone, bad_top_p, 0);
+    std::vector<int32_t> one(1);
+    expect_draw_refused(batch, one, "top_p 0");
   }
 }
 
