@@ -33,6 +33,21 @@ bool SetMmapThreshold(size_t bytes) {
 #endif
 }
 
+bool SetArenaMax(int arenas) {
+#if defined(SDM_HAVE_GLIBC_MALLOC)
+  if (arenas < 1) return false;
+  if (std::getenv("MALLOC_ARENA_MAX") != nullptr) return false;
+  if (const char* t = std::getenv("GLIBC_TUNABLES");
+      t != nullptr && std::strstr(t, "glibc.malloc.arena_max") != nullptr) {
+    return false;
+  }
+  return mallopt(M_ARENA_MAX, arenas) == 1;
+#else
+  (void)arenas;
+  return false;
+#endif
+}
+
 HeapUsage GetHeapUsage() {
   HeapUsage u;
 #if defined(SDM_HAVE_MALLINFO2)

@@ -6,7 +6,7 @@
 // taken by whichever threads allocate) keeps the pages of chunks freed below its top, and its
 // dynamic mmap threshold rises to the size of the largest block freed (up to 32 MiB), after which
 // blocks of that size (a session's KV pages, encode buffers, forks' clones) come from the arenas
-// too and are never returned. Two remedies:
+// too and are never returned. Three remedies (SetArenaMax is declared below):
 //
 //   SetMmapThreshold(bytes): blocks of at least `bytes` are mapped on their own and unmapped on
 //     free (a fixed threshold also turns the dynamic one off), and an arena's top is trimmed
@@ -17,7 +17,8 @@
 //
 // Both are no-ops (returning false / trimming nothing) where the C library is not glibc.
 //
-// Thread-safety: SetMmapThreshold() is safe to call from any thread but meant for startup;
+// Thread-safety: SetMmapThreshold() and SetArenaMax() are safe to call from any thread but meant
+// for startup;
 // TrimHeap() and HeapTrimmer's methods are thread-safe.
 #ifndef SDMSERVE_BASE_HEAP_H_
 #define SDMSERVE_BASE_HEAP_H_
@@ -44,6 +45,15 @@ inline constexpr size_t kSoakMmapThreshold = size_t{64} << 10;
 // already sets it (MALLOC_MMAP_THRESHOLD_, or glibc.malloc.mmap_threshold in GLIBC_TUNABLES),
 // which then wins. Returns whether this call set it.
 bool SetMmapThreshold(size_t bytes);
+
+// Caps glibc's malloc arenas at `arenas` (M_ARENA_MAX) unless the environment already sets it
+// (MALLOC_ARENA_MAX, or glibc.malloc.arena_max in GLIBC_TUNABLES), which then wins. Once as many
+// arenas exist, a thread without one shares an existing arena instead of creating another. Each
+// arena keeps its used part at the peak of the threads that allocate from it, which the soak
+// test saw as most of its RSS growth (docs/robustness.md, Soak test); with one arena the heap
+// held stayed flat. Call early in main(), before the threads that allocate start; arenas
+// created before the call stay. Returns whether this call set it.
+bool SetArenaMax(int arenas);
 
 // Bytes the heap has in use (allocated and not freed), and what it holds from the system (arena
 // pages and mapped blocks). glibc's mallinfo2(); zeros elsewhere.

@@ -183,6 +183,12 @@ ABSL_FLAG(int64_t, malloc_mmap_threshold, 0,
           "measured 65536 (steadier RSS, but CPU decode at batch 8 ran at 0.72-0.81x: its "
           "per-step temporaries are then mapped and unmapped every step; hence not the default). "
           "MALLOC_MMAP_THRESHOLD_ or GLIBC_TUNABLES in the environment win.");
+ABSL_FLAG(int32_t, malloc_arena_max, 1,
+          "The most malloc arenas (glibc M_ARENA_MAX; docs/robustness.md, Soak test); 0: glibc's "
+          "default (8 per core). Each arena keeps its used part at the peak of the threads that "
+          "allocate from it: in a 20-minute soak four secondary arenas grew 2.2 MB after warm-up "
+          "(RSS +1.64%), against a flat heap and RSS +0.51% with one arena. MALLOC_ARENA_MAX or "
+          "GLIBC_TUNABLES in the environment win.");
 ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
           "How often the heap's free pages are returned to the system (malloc_trim); 0: never.");
 
@@ -375,6 +381,11 @@ int main(int argc, char** argv) {
     return UsageError("--malloc_mmap_threshold must be between 0 and 1 GiB");
   }
   if (mmap_threshold > 0) sdm::SetMmapThreshold(static_cast<size_t>(mmap_threshold));
+  const int32_t arena_max = absl::GetFlag(FLAGS_malloc_arena_max);
+  if (arena_max < 0 || arena_max > 1024) {
+    return UsageError("--malloc_arena_max must be between 0 and 1024");
+  }
+  if (arena_max > 0) sdm::SetArenaMax(arena_max);
 
   // Signals run OnShutdownSignal. They are blocked while the server starts, so that the threads
   // it starts inherit the mask and main takes them once it waits (threads started before main

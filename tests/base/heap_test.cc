@@ -1,11 +1,19 @@
 #include "base/heap.h"
 
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <mutex>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
+
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
@@ -76,6 +84,87 @@ TEST(HeapTest, TheEnvironmentWinsOverSetMmapThreshold) {
   ::setenv("MALLOC_MMAP_THRESHOLD_", "131072", 1);
   EXPECT_FALSE(SetMmapThreshold(kSoakMmapThreshold));
   ::unsetenv("MALLOC_MMAP_THRESHOLD_");
+}
+
+// Arenas malloc_info() reports (its <heap nr="..."> elements), or -1 where it cannot be read.
+int ArenaCount() {
+#if defined(__GLIBC__)
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* f = open_memstream(&text, &size);
+  if (f == nullptr) return -1;
+  const int rc = malloc_info(0, f);
+  std::fclose(f);
+  int count = 0;
+  for (const char* p = text; rc == 0 && (p = std::strstr(p, "<heap nr=")) != nullptr; ++p) {
+    ++count;
+  }
+  std::free(text);
+  return rc == 0 ? count : -1;
+#else
+  return -1;
+#endif
+}
+
+// Arenas that exist after `threads` threads each allocated (and still hold) a block at the same
+// time, less those before.
+int NewArenasFromThreads(int threads) {
+  const int before = ArenaCount();
+  std::mutex mu;
+  std::condition_variable cv;
+  int holding = 0;
+  bool release = false;
+  std::vector<std::thread> pool;
+  for (int i = 0; i < threads; ++i) {
+    pool.emplace_back([&] {
+      void* p = Touched(4096);
+      std::unique_lock<std::mutex> lock(mu);
+      ++holding;
+      cv.notify_all();
+      cv.wait(lock, [&] { return release; });
+      lock.unlock();
+      std::free(p);
+    });
+  }
+  int after;
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait(lock, [&] { return holding == threads; });
+    after = ArenaCount();
+    release = true;
+    cv.notify_all();
+  }
+  for (std::thread& t : pool) t.join();
+  return after - before;
+}
+
+// In a child process (the cap is process-wide and permanent): 20 threads allocating at once make
+// new arenas by default (glibc allows 8 per core), none once SetArenaMax(1) capped them.
+TEST(HeapTest, SetArenaMaxStopsNewArenas) {
+  if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
+  if (std::getenv("MALLOC_ARENA_MAX") != nullptr || std::getenv("GLIBC_TUNABLES") != nullptr) {
+    GTEST_SKIP() << "the environment sets malloc's tuning";
+  }
+  ASSERT_GE(ArenaCount(), 1);
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(NewArenasFromThreads(20) > 0 ? 0 : 1), ::testing::ExitedWithCode(0), "")
+      << "without a cap, threads allocating at once did not create arenas";
+  EXPECT_EXIT(
+      {
+        if (!SetArenaMax(1)) std::exit(2);
+        std::exit(NewArenasFromThreads(20) == 0 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "")
+      << "with the cap at 1, threads created arenas";
+}
+
+TEST(HeapTest, TheEnvironmentWinsOverSetArenaMax) {
+  if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
+  ASSERT_EQ(std::getenv("MALLOC_ARENA_MAX"), nullptr);
+  ::setenv("MALLOC_ARENA_MAX", "4", 1);
+  EXPECT_FALSE(SetArenaMax(1));
+  ::unsetenv("MALLOC_ARENA_MAX");
+  EXPECT_FALSE(SetArenaMax(0)) << "0 arenas is refused";
 }
 
 // Freed small blocks below a live one at an arena's top stay resident; TrimHeap() returns their

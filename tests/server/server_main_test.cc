@@ -107,6 +107,9 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(io.status, 2);
   EXPECT_THAT(io.err, ::testing::HasSubstr("--persist_io"));
   EXPECT_EQ(RunServer("--model x --persist_compact_ratio -1").status, 2);
+  const ProcessRun arenas = RunServer("--model x --malloc_arena_max -1");
+  EXPECT_EQ(arenas.status, 2);
+  EXPECT_THAT(arenas.err, ::testing::HasSubstr("--malloc_arena_max"));
   const ProcessRun missing =
       RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
   EXPECT_EQ(missing.status, 1);
