@@ -256,9 +256,8 @@ class Engine::Impl {
       // A backend that cannot draw returns the drawn rows' logits after the wanted ones, and
       // the tokens are drawn here.
       const bool host_draws = !draws.empty() && !device_draws;
-      std::vector<int64_t> rows = logit_rows;
       if (host_draws) {
-        for (const ForwardDraw& d : draws) rows.push_back(d.row);
+        for (const ForwardDraw& d : draws) logit_rows.push_back(d.row);
       }
       // The backend writes rows contiguously: straight into `logits` when they are all wanted
       // and their destinations consecutive (a plain decode batch, one prefill), else through
@@ -268,12 +267,12 @@ class Engine::Impl {
         direct = dest_rows[r] == dest_rows[0] + static_cast<int64_t>(r);
       }
       ForwardOutputs out;
-      out.logit_rows = rows;
-      if (!rows.empty()) {
+      out.logit_rows = logit_rows;
+      if (!logit_rows.empty()) {
         if (direct) {
           out.logits = logits.data() + dest_rows[0] * vocab;
         } else {
-          scratch_logits_.resize(rows.size() * vocab);
+          scratch_logits_.resize(logit_rows.size() * vocab);
           out.logits = scratch_logits_.data();
         }
       }

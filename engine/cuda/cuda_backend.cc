@@ -481,10 +481,7 @@ class CudaBackend : public EngineBackend {
     const int64_t n_layers = cfg_.n_layers;
     const int64_t m = static_cast<int64_t>(out.logit_rows.size());
     const int64_t d = static_cast<int64_t>(out.draws.size());
-    // Rows whose logits are computed: the returned ones, then the drawn ones.
-    std::vector<int64_t> logit_rows(out.logit_rows.begin(), out.logit_rows.end());
-    for (const ForwardDraw& draw : out.draws) logit_rows.push_back(draw.row);
-    const int64_t ml = m + d;
+    const int64_t ml = m + d;  // rows whose logits are computed: the returned, then the drawn
     // Layout: pointers, then the draws' params (8-byte aligned after the pointers), then ints.
     const size_t int_count = 3 * n + 3 * num_segs + ml;
     const size_t ptr_count = 2 * n_layers * num_segs;
@@ -520,7 +517,8 @@ class CudaBackend : public EngineBackend {
     int32_t* h_len = h_first + num_segs;
     int32_t* h_segpos = h_len + num_segs;
     int32_t* h_logit_rows = h_segpos + num_segs;
-    for (int64_t i = 0; i < ml; ++i) h_logit_rows[i] = static_cast<int32_t>(logit_rows[i]);
+    for (int64_t i = 0; i < m; ++i) h_logit_rows[i] = static_cast<int32_t>(out.logit_rows[i]);
+    for (int64_t i = 0; i < d; ++i) h_logit_rows[m + i] = static_cast<int32_t>(out.draws[i].row);
     for (int64_t r = 0; r < n; ++r) h_tokens[r] = tokens[r];
     for (int64_t s = 0; s < num_segs; ++s) {
       h_first[s] = static_cast<int32_t>(segs[s].first_row);
@@ -608,7 +606,7 @@ class CudaBackend : public EngineBackend {
     if (ml > 0) {
       const float* rows_in = ws.x.get();
       bool identity = ml == n;
-      for (int64_t i = 0; identity && i < ml; ++i) identity = logit_rows[i] == i;
+      for (int64_t i = 0; identity && i < ml; ++i) identity = h_logit_rows[i] == i;
       if (!identity) {
         // One launch gathers the rows (not one copy per row): an fp32 row of `dim` values is
         // moved as a block of 2 * dim 16-bit halves, bit for bit.

@@ -393,7 +393,7 @@ def rss_growth_by_mapping(base, last, top=6):
         return ""
     deltas = []
     for start in set(a) | set(b):
-        size, rss, name = b.get(start) or a.get(start)
+        size, _, name = b.get(start) or a.get(start)
         deltas.append((b.get(start, (0, 0, ""))[1] - a.get(start, (0, 0, ""))[1], start, size,
                        name))
     deltas.sort(reverse=True)
