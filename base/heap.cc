@@ -1,8 +1,17 @@
 #include "base/heap.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
 
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "base/check.h"
 #include "base/thread_name.h"
 
@@ -46,6 +55,67 @@ bool SetArenaMax(int arenas) {
   (void)arenas;
   return false;
 #endif
+}
+
+namespace {
+constexpr char kTcacheTunable[] = "glibc.malloc.tcache_count";
+}  // namespace
+
+int TcacheCountFromEnvironment() {
+  const char* t = std::getenv("GLIBC_TUNABLES");
+  if (t == nullptr) return -1;
+  const char* at = std::strstr(t, kTcacheTunable);
+  if (at == nullptr || at[sizeof(kTcacheTunable) - 1] != '=') return -1;
+  const char* value = at + sizeof(kTcacheTunable);
+  const char* end = std::strchr(value, ':');
+  int count = -1;
+  if (!absl::SimpleAtoi(end == nullptr ? std::string(value) : std::string(value, end), &count)) {
+    return -1;
+  }
+  return count;
+}
+
+absl::Status ReexecWithTcacheCount(int count) {
+  if (count < 0) return absl::OkStatus();
+  const char* env = std::getenv("GLIBC_TUNABLES");
+  if (env != nullptr && std::strstr(env, kTcacheTunable) != nullptr) {
+    return absl::OkStatus();  // set by the environment (or by the re-execution itself)
+  }
+  const bool had_tunables = env != nullptr;
+  const std::string tunables = had_tunables ? env : "";
+  std::ifstream cmdline("/proc/self/cmdline", std::ios::binary);
+  const std::string raw((std::istreambuf_iterator<char>(cmdline)),
+                        std::istreambuf_iterator<char>());
+  if (!cmdline.good() && !cmdline.eof()) {
+    return absl::UnavailableError("cannot read /proc/self/cmdline to re-execute");
+  }
+  std::vector<std::string> args;
+  for (size_t at = 0; at < raw.size();) {
+    const size_t end = raw.find('\0', at);
+    args.push_back(raw.substr(at, end == std::string::npos ? std::string::npos : end - at));
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  if (args.empty()) return absl::UnavailableError("empty /proc/self/cmdline");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string value =
+      absl::StrCat(tunables.empty() ? "" : absl::StrCat(tunables, ":"), kTcacheTunable, "=", count);
+  if (setenv("GLIBC_TUNABLES", value.c_str(), 1) != 0) {
+    return absl::Status(absl::ErrnoToStatusCode(errno),
+                        absl::StrCat("setenv GLIBC_TUNABLES: ", std::strerror(errno)));
+  }
+  execv("/proc/self/exe", argv.data());
+  const int err = errno;  // execv returns only on failure: restore the environment
+  if (had_tunables) {
+    setenv("GLIBC_TUNABLES", tunables.c_str(), 1);
+  } else {
+    unsetenv("GLIBC_TUNABLES");
+  }
+  return absl::Status(
+      absl::ErrnoToStatusCode(err),
+      absl::StrCat("re-executing /proc/self/exe with a tcache count: ", std::strerror(err)));
 }
 
 HeapUsage GetHeapUsage() {

@@ -28,6 +28,7 @@
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
@@ -55,8 +56,30 @@ bool SetMmapThreshold(size_t bytes);
 // created before the call stay. Returns whether this call set it.
 bool SetArenaMax(int arenas);
 
+// The per-thread cache of glibc's malloc (tcache) keeps up to 7 freed chunks of each size up to
+// 1,032 bytes in the thread that freed them. A server that allocates on one thread and frees on
+// another (requests built on gRPC threads and freed on the step thread, responses the other way)
+// fills the freeing threads' caches while the allocating threads take new chunks from the
+// arena: the bytes in use rise by a bounded but slow ~150 bytes a turn in the soak test (up to
+// ~235 KiB per thread; docs/benchmarks.md, "The bytes in use that were per-thread caches").
+// glibc reads the cache size only from GLIBC_TUNABLES at process start (mallopt has no such
+// parameter), so the only way for a process to set it is to execute itself again.
+//
+// If the environment does not already set glibc.malloc.tcache_count (it then wins), re-executes
+// /proc/self/exe with the same arguments (read from /proc/self/cmdline) and GLIBC_TUNABLES
+// extended by glibc.malloc.tcache_count=`count`; on success it does not return. Returns OK
+// without doing anything when count < 0 or the environment sets the count; an error when the
+// re-execution failed (the process carries on with glibc's default). Call first thing in main(),
+// before any thread starts and before anything is opened that must not be opened twice.
+absl::Status ReexecWithTcacheCount(int count);
+
+// The tcache count this process runs with as far as GLIBC_TUNABLES says (-1: not set there,
+// glibc's default of 7).
+int TcacheCountFromEnvironment();
+
 // Bytes the heap has in use (allocated and not freed), and what it holds from the system (arena
-// pages and mapped blocks). glibc's mallinfo2(); zeros elsewhere.
+// pages and mapped blocks). glibc's mallinfo2(); zeros elsewhere. Chunks held in the threads'
+// caches (tcache, above) count as in use.
 struct HeapUsage {
   int64_t in_use_bytes = 0;
   int64_t system_bytes = 0;

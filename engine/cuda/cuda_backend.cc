@@ -759,6 +759,35 @@ class CudaBackend : public EngineBackend {
     return GatedOutput(n, ws.o.get(), q_width, a.w_gate, nullptr, a.wo, nullptr);
   }
 
+  // The general SDM step (multi-token segments): rows prepared, then the fused write and read.
+  absl::Status SdmPrefillStep(const SdmTensors<DeviceMatrix, const float*>& w, int64_t n_w,
+                              int64_t n_r, const kc::SdmSegments& sg, const kc::SdmDims& dims) {
+    Workspace& ws = ws_;
+    cudaStream_t stream = ctx_->compute();
+    const SdmArgs& args = cfg_.sdm;
+    SDM_RETURN_IF_ERROR(
+        Launched(kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0.w,
+                                    ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
+                 "sdm row preparation"));
+    kc::SdmStepArgs step;
+    step.w_rows = ws.w_rows.get();
+    step.w_weights = ws.w_weights.get();
+    step.n_w = n_w;
+    step.r_refs = ws.r_refs.get();
+    step.r_weights = ws.r_weights.get();
+    step.n_r = n_r;
+    step.log_decay = ws.log_decay.get();
+    step.beta = ws.beta.get();
+    step.v = ws.sv.get();
+    step.key_weighted_decay = args.key_weighted_decay;
+    step.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
+    step.m0 = w.m0.w;
+    step.readings = ws.readings.get();
+    SDM_RETURN_IF_ERROR(
+        Launched(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
+    return absl::OkStatus();
+  }
+
   absl::Status SdmMixer(int64_t li, const SdmTensors<DeviceMatrix, const float*>& w, int64_t n,
                         int64_t n_w, int64_t n_r, std::span<const Segment> segs,
                         const StepArrays& arr) {
@@ -806,27 +835,30 @@ class CudaBackend : public EngineBackend {
     dims.heads = heads;
     dims.side = sdm_geom_.side;
     dims.row_width = sdm_geom_.head_width;
-    commit_->Begin();  // row preparation allocates and copies the sessions' rows
-    SDM_RETURN_IF_ERROR(
-        Launched(kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0.w,
-                                    ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
-                 "sdm row preparation"));
-    kc::SdmStepArgs step;
-    step.w_rows = ws.w_rows.get();
-    step.w_weights = ws.w_weights.get();
-    step.n_w = n_w;
-    step.r_refs = ws.r_refs.get();
-    step.r_weights = ws.r_weights.get();
-    step.n_r = n_r;
-    step.log_decay = ws.log_decay.get();
-    step.beta = ws.beta.get();
-    step.v = ws.sv.get();
-    step.key_weighted_decay = args.key_weighted_decay;
-    step.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
-    step.m0 = w.m0.w;
-    step.readings = ws.readings.get();
-    SDM_RETURN_IF_ERROR(
-        Launched(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
+    commit_->Begin();  // from here the step allocates and writes the sessions' rows
+    if (sg.max_length == 1) {
+      // A decode batch: allocation, the write and the read in one pass over the rows
+      // (kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path below computes.
+      kc::SdmDecodeArgs dec;
+      dec.w_slots = ws.w_slots.get();
+      dec.w_weights = ws.w_weights.get();
+      dec.n_w = n_w;
+      dec.r_slots = ws.r_slots.get();
+      dec.r_weights = ws.r_weights.get();
+      dec.n_r = n_r;
+      dec.log_decay = ws.log_decay.get();
+      dec.beta = ws.beta.get();
+      dec.v = ws.sv.get();
+      dec.key_weighted_decay = args.key_weighted_decay;
+      dec.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
+      dec.m0 = w.m0.w;
+      dec.readings = ws.readings.get();
+      dec.w_rows = ws.w_rows.get();
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::SdmDecodeStep(dec, sg, dims, ctx_->row_arena(), stream), "sdm decode step"));
+    } else {
+      SDM_RETURN_IF_ERROR(SdmPrefillStep(w, n_w, n_r, sg, dims));
+    }
     if (w.norm_w != nullptr) {
       SDM_RETURN_IF_ERROR(
           Launched(kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads,

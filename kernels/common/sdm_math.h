@@ -10,6 +10,7 @@
 
 #include <cmath>
 
+#include "kernels/common/fp_math.h"
 #include "kernels/common/host_device.h"
 
 namespace sdm::kernels {
@@ -35,6 +36,20 @@ SDM_HOST_DEVICE float SdmSharedResidual(float decayed, float k, float delta) {
 // New value of one written cell under the slot-residual rule.
 SDM_HOST_DEVICE float SdmSlotResidual(float decayed, float k, float beta, float v) {
   return decayed + beta * k * (v - decayed);
+}
+
+// The same two rules from the stored value m and the decay alpha, every operation rounded as
+// written whatever the compiler contracts (kernels/common/fp_math.h): the form the CUDA kernels
+// use, so that the two kernels that update a cell (SdmStep and SdmDecodeStep, kernels/cuda/sdm.h)
+// write the same bits, on the device and under the CPU emulator alike. The shared rule fuses the
+// decay into the update, alpha * m + (k * delta), which is what GCC makes of SdmSharedResidual.
+SDM_HOST_DEVICE float SdmSharedResidualRn(float alpha, float m, float k, float delta) {
+  return FmaRn(alpha, m, MulRn(k, delta));
+}
+
+SDM_HOST_DEVICE float SdmSlotResidualRn(float alpha, float m, float k, float beta, float v) {
+  const float decayed = MulRn(alpha, m);
+  return FmaRn(MulRn(beta, k), SubRn(v, decayed), decayed);
 }
 
 }  // namespace sdm::kernels

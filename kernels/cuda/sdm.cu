@@ -393,7 +393,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
 //   stage   indices, weights, decays, v tile into shared memory          | sync
 //   A       vhat partials = sum_i k_i alpha_i M_i (shared residual only) | sync
 //           delta = beta (v - vhat) per column                            | sync
-//   B       M_i = SdmSharedResidual / SdmSlotResidual(alpha_i M_i, ...), stored as bf16 | sync
+//   B       M_i = SdmSharedResidualRn / SdmSlotResidualRn (kernels/common/sdm_math.h), bf16 | sync
 //   read    y partials = sum_j q_j M_j (arena row, M0 row or zeros)      | sync
 //           y per column -> readings
 // B re-reads the rows A read (same warp, same lanes; L1/L2 hits). The sync after B makes the
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kStepThreads)
 #pragma unroll
           for (int b = 0; b < kBatch; ++b) {
 #pragma unroll
-            for (int c = 0; c < kVec; ++c) acc[c] += ka[b] * x[b][c];
+            for (int c = 0; c < kVec; ++c) acc[c] = FmaRn(ka[b], x[b][c], acc[c]);
           }
         }
       }
@@ -532,9 +532,8 @@ __global__ void __launch_bounds__(kStepThreads)
           const int base = lane * kVec;
 #pragma unroll
           for (int c = 0; c < kVec; ++c) {
-            const float mt = a * x[b][c];
-            x[b][c] = shared_residual ? SdmSharedResidual(mt, k, s_delta[base + c])
-                                      : SdmSlotResidual(mt, k, beta, s_v[base + c]);
+            x[b][c] = shared_residual ? SdmSharedResidualRn(a, x[b][c], k, s_delta[base + c])
+                                      : SdmSlotResidualRn(a, x[b][c], k, beta, s_v[base + c]);
           }
           StoreBf16<kVec>(rows + row * width + c_lane, x[b]);
         }
@@ -572,7 +571,7 @@ __global__ void __launch_bounds__(kStepThreads)
 #pragma unroll
         for (int b = 0; b < kBatch; ++b) {
 #pragma unroll
-          for (int c = 0; c < kVec; ++c) acc[c] += qb[b] * x[b][c];
+          for (int c = 0; c < kVec; ++c) acc[c] = FmaRn(qb[b], x[b][c], acc[c]);
         }
       }
     }
@@ -587,6 +586,308 @@ __global__ void __launch_bounds__(kStepThreads)
     }
     // The next token's staging touches no array read above; its first phase writes s_part
     // only after the next __syncthreads, which every thread reaches after this reduction.
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The decode step (SdmDecodeStep): one token per segment. Block (segment, column tile, head),
+// kStepThreads threads, the same warp split and summation order as StepKernel, so every column
+// sums the same products in the same order and the two agree bit for bit.
+//   allocate  (kAllocInBlock; else DecodeAllocKernel ran before) thread i takes write entry i:
+//             a slot still at kSdmNoRow needs a row; a block-wide prefix count of the needs,
+//             one atomicSub, entry i pops the row at top - 1 - (needs before i)      | sync
+//   stage     rows, weights, decays, v; each read entry looks its slot up among the
+//             write slots (binary search: both lists ascending) or in the table         | sync
+//   A         each warp copies its write rows' tile (the arena row, or M0 / zeros for a new
+//             row) into shared memory; shared residual: vhat partials as it goes        | sync
+//             delta = beta (v - vhat)                                                   | sync
+//   B         M_i from the staged copy; stored as bf16 to the arena and the staged copy | sync
+//   read      y partials = sum_j q_j M_j: the staged copy for a slot written this token,
+//             else the arena row, M0's row or zeros                                     | sync
+//             y per column -> readings
+// The staged tile is n_w x kTile bf16 of dynamic shared memory (64 KiB at the flagship's
+// n_w = 128 and 16-byte tiles). Registers: a warp keeps kBatch rows' raw bf16 loads in flight
+// (kVec / 2 registers each) and converts as it accumulates: the 16-byte path fits in 64.
+constexpr int kDecodeMinBlocks = 4;  // per SM: 65536 registers / (256 threads x 64)
+static_assert(kMaxSelected <= kStepThreads, "allocation gives each write entry its own thread");
+
+template <int kVec>
+struct alignas(2 * kVec) Bf16Pack {
+  __nv_bfloat16 h[kVec];
+};
+
+template <int kVec>
+__device__ __forceinline__ Bf16Pack<kVec> LoadPack(const __nv_bfloat16* p) {
+  return *reinterpret_cast<const Bf16Pack<kVec>*>(p);
+}
+
+template <int kVec>
+__device__ __forceinline__ Bf16Pack<kVec> ZeroPack() {
+  Bf16Pack<kVec> z;
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) z.h[c] = __float2bfloat16_rn(0.0f);
+  return z;
+}
+
+// Allocation of one (segment, head)'s write rows for the single token `rh` (every thread of the
+// block calls it; n_w <= kStepThreads). Writes the row of entry i to s_wrow[i] (kSdmNoRow when
+// the free list ran out) and whether it is new to s_fresh[i]; updates the table and row count.
+__device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, int64_t seg,
+                               const SdmSegments& segs, int32_t* table, int64_t slots_per_head,
+                               int32_t* free_list, int32_t* free_count, int32_t* s_wrow,
+                               int32_t* s_fresh, int32_t* s_warp_needs, int32_t* s_top) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  int32_t slot = -1, entry = kSdmNoRow;
+  bool need = false;
+  if (tid < n_w) {
+    slot = w_slots[rh * n_w + tid];
+    const bool in_range = slot >= 0 && slot < slots_per_head;
+    entry = in_range ? table[slot] : kSdmNoRow;
+    need = in_range && entry == kSdmNoRow;
+  }
+  const unsigned needs = __ballot_sync(kFullMask, need);
+  if (lane == 0) s_warp_needs[warp] = __popc(needs);
+  __syncthreads();
+  int32_t before = __popc(needs & LaneMaskLt(lane)), total = 0;
+  for (int w = 0; w < kStepWarps; ++w) {
+    if (w < warp) before += s_warp_needs[w];
+    total += s_warp_needs[w];
+  }
+  if (tid == 0) *s_top = total > 0 ? atomicSub(free_count, total) : 0;
+  __syncthreads();
+  if (tid < n_w) {
+    int32_t row = entry;
+    if (need) {
+      const int32_t pos = *s_top - 1 - before;
+      row = pos >= 0 ? free_list[pos] : kSdmNoRow;
+      if (row >= 0) table[slot] = row;
+    }
+    s_wrow[tid] = row;
+    s_fresh[tid] = need && row >= 0 ? 1 : 0;
+  }
+  if (tid == 0 && total > 0 && segs.row_counts != nullptr && segs.row_counts[seg] != nullptr) {
+    const int32_t top = *s_top;  // rows actually popped: those at positions >= 0
+    const int32_t got = top <= 0 ? 0 : (top < total ? top : total);
+    if (got > 0) atomicAdd(segs.row_counts[seg], got);
+  }
+}
+
+// Allocation as its own launch (rows wider than one block's tile): block (segment, head). The
+// entry's row goes to w_rows, a new row marked -2 - row for DecodeStepKernel.
+__global__ void __launch_bounds__(kStepThreads)
+    DecodeAllocKernel(SdmDecodeArgs args, SdmSegments segs, int64_t heads, int64_t slots_per_head,
+                      int32_t* free_list, int32_t* free_count) {
+  __shared__ int32_t s_wrow[kMaxSelected], s_fresh[kMaxSelected];
+  __shared__ int32_t s_warp_needs[kStepWarps], s_top;
+  const int64_t seg = blockIdx.x, h = blockIdx.y;
+  const int64_t rh = static_cast<int64_t>(segs.first_row[seg]) * heads + h;
+  int32_t* table = segs.tables[seg] + h * slots_per_head;
+  DecodeAllocate(args.w_slots, args.n_w, rh, seg, segs, table, slots_per_head, free_list,
+                 free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+  const int tid = threadIdx.x;
+  if (tid < args.n_w) {
+    const int32_t row = s_wrow[tid];
+    args.w_rows[rh * args.n_w + tid] = s_fresh[tid] != 0 ? -2 - row : row;
+  }
+}
+
+using ConstBf16Ptr = const __nv_bfloat16*;
+
+template <int kVec, bool kAllocInBlock>
+__global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
+    DecodeStepKernel(SdmDecodeArgs args, SdmSegments segs, int64_t heads, int64_t slots_per_head,
+                     int64_t width, SdmRowArena arena, int64_t tiles) {
+  constexpr int kTile = 32 * kVec;
+  __shared__ int32_t s_wslot[kMaxSelected], s_wrow[kMaxSelected], s_fresh[kMaxSelected];
+  __shared__ int32_t s_rhit[kMaxSelected];
+  __shared__ float s_k[kMaxSelected], s_alpha[kMaxSelected], s_q[kMaxSelected];
+  __shared__ __align__(16) float s_part[kStepWarps][kTile];
+  __shared__ float s_delta[kTile], s_v[kTile];
+  __shared__ int32_t s_warp_needs[kStepWarps], s_top;
+  // Where each write entry's old value and each read entry's value come from (row 0 of it; null:
+  // zeros): the arena row, or M0's row.
+  __shared__ ConstBf16Ptr s_wsrc[kMaxSelected], s_rsrc[kMaxSelected];
+  extern __shared__ uint4 decode_staged_raw[];  // [n_w][kTile] bf16
+  __nv_bfloat16* staged = reinterpret_cast<__nv_bfloat16*>(decode_staged_raw);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int64_t seg = blockIdx.x / tiles;
+  const int64_t tile = blockIdx.x % tiles;
+  const int64_t h = blockIdx.y;
+  const int n_w = static_cast<int>(args.n_w), n_r = static_cast<int>(args.n_r);  // <= 256
+  const int64_t rh = static_cast<int64_t>(segs.first_row[seg]) * heads + h;
+  int32_t* table = segs.tables[seg] + h * slots_per_head;
+  const int64_t c_lane = tile * kTile + lane * kVec;  // this lane's first column
+  const bool active = c_lane < width;                 // width % kVec == 0
+  const int64_t c_tid = tile * kTile + tid;           // column of the per-column steps
+  const bool shared_residual = !args.slot_residual;
+  __nv_bfloat16* const staged_lane = staged + lane * kVec;  // this lane's columns of staged row 0
+
+  if constexpr (kAllocInBlock) {
+    DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena.free_list,
+                   arena.free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+  } else {
+    for (int i = tid; i < n_w; i += kStepThreads) {
+      const int32_t mark = args.w_rows[rh * n_w + i];
+      s_wrow[i] = mark <= -2 ? -2 - mark : mark;
+      s_fresh[i] = mark <= -2 ? 1 : 0;
+    }
+  }
+  const float g = args.log_decay[rh];
+  const float beta = args.beta[rh];
+  for (int i = tid; i < n_w; i += kStepThreads) {
+    const float k = args.w_weights[rh * n_w + i];
+    const int32_t slot = args.w_slots[rh * n_w + i];
+    const int32_t row = s_wrow[i];  // written by this thread above
+    s_wslot[i] = slot;
+    s_k[i] = k;
+    s_alpha[i] = expf(args.key_weighted_decay ? g * k : g);
+    ConstBf16Ptr src = nullptr;
+    if (row >= 0 && s_fresh[i] == 0) {
+      src = arena.rows + static_cast<int64_t>(row) * width;
+    } else if (row >= 0 && args.m0 != nullptr) {
+      src = args.m0 + (h * slots_per_head + slot) * width;
+    }
+    s_wsrc[i] = src;
+  }
+  if (tid < kTile) s_v[tid] = c_tid < width ? args.v[rh * width + c_tid] : 0.0f;
+  __syncthreads();  // s_wslot, and (kAllocInBlock) this block's table updates
+  for (int j = tid; j < n_r; j += kStepThreads) {
+    const int32_t slot = args.r_slots[rh * n_r + j];
+    int32_t lo = 0, hi = static_cast<int32_t>(n_w);  // the first write slot >= slot
+    while (lo < hi) {
+      const int32_t mid = (lo + hi) >> 1;
+      if (s_wslot[mid] < slot) {
+        lo = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    // A hit only where the written row exists (not where the free list ran out: that slot
+    // still reads M0, as SdmPrepareRows resolves it).
+    const bool hit = lo < n_w && s_wslot[lo] == slot && s_wrow[lo] >= 0;
+    s_rhit[j] = hit ? lo : -1;
+    ConstBf16Ptr src = nullptr;
+    if (!hit) {
+      // Not written by this token, so the table entry is the one before the step.
+      const int32_t entry = table[slot];
+      if (entry >= 0) {
+        src = arena.rows + static_cast<int64_t>(entry) * width;
+      } else if (args.m0 != nullptr) {
+        src = args.m0 + (h * slots_per_head + slot) * width;
+      }
+    }
+    s_rsrc[j] = src;
+    s_q[j] = args.r_weights[rh * n_r + j];
+  }
+  // s_rhit / s_rsrc / s_q are first read after phase A's barrier.
+
+  // A: stage the write rows' tile; shared residual: vhat partials.
+  {
+    float acc[kVec] = {};
+    if (active) {
+      for (int i0 = warp; i0 < n_w; i0 += kStepWarps * kBatch) {
+        Bf16Pack<kVec> x[kBatch];
+        float ka[kBatch];
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int i = i0 + b * kStepWarps;
+          const bool has_row = i < n_w && s_wrow[i] >= 0;
+          const ConstBf16Ptr src = has_row ? s_wsrc[i] : nullptr;
+          ka[b] = has_row ? s_k[i] * s_alpha[i] : 0.0f;
+          x[b] = src != nullptr ? LoadPack<kVec>(src + c_lane) : ZeroPack<kVec>();
+        }
+#pragma unroll
+        for (int b = 0; b < kBatch; ++b) {
+          const int i = i0 + b * kStepWarps;
+          if (i < n_w) *reinterpret_cast<Bf16Pack<kVec>*>(staged_lane + i * kTile) = x[b];
+          if (shared_residual) {
+#pragma unroll
+            for (int c = 0; c < kVec; ++c) {
+              acc[c] = FmaRn(ka[b], __bfloat162float(x[b].h[c]), acc[c]);
+            }
+          }
+        }
+      }
+    }
+    if (shared_residual) {
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) s_part[warp][lane * kVec + c] = acc[c];
+    }
+    __syncthreads();
+    if (shared_residual) {
+      if (tid < kTile) {
+        float vhat = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kStepWarps; ++w) vhat += s_part[w][tid];
+        s_delta[tid] = beta * (s_v[tid] - vhat);
+      }
+      __syncthreads();
+    }
+  }
+
+  // B: the update, from and back to the staged copy (each warp its own rows), and to the arena.
+  if (active) {
+    for (int i = warp; i < n_w; i += kStepWarps) {
+      const int32_t row = s_wrow[i];
+      if (row < 0) continue;
+      Bf16Pack<kVec>* p = reinterpret_cast<Bf16Pack<kVec>*>(staged_lane + i * kTile);
+      Bf16Pack<kVec> x = *p;
+      const float a = s_alpha[i], k = s_k[i];
+      const int base = lane * kVec;
+#pragma unroll
+      for (int c = 0; c < kVec; ++c) {
+        const float m = __bfloat162float(x.h[c]);
+        const float y = shared_residual ? SdmSharedResidualRn(a, m, k, s_delta[base + c])
+                                        : SdmSlotResidualRn(a, m, k, beta, s_v[base + c]);
+        x.h[c] = __float2bfloat16_rn(y);
+      }
+      *p = x;
+      *reinterpret_cast<Bf16Pack<kVec>*>(arena.rows + static_cast<int64_t>(row) * width + c_lane) =
+          x;
+    }
+  }
+  __syncthreads();
+
+  // Read after write.
+  float acc[kVec] = {};
+  if (active) {
+    for (int j0 = warp; j0 < n_r; j0 += kStepWarps * kBatch) {
+      Bf16Pack<kVec> x[kBatch];
+      float qb[kBatch];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int j = j0 + b * kStepWarps;
+        qb[b] = 0.0f;
+        x[b] = ZeroPack<kVec>();
+        if (j < n_r) {
+          const int32_t hit = s_rhit[j];
+          if (hit >= 0) {
+            qb[b] = s_q[j];
+            x[b] = *reinterpret_cast<const Bf16Pack<kVec>*>(staged_lane + hit * kTile);
+          } else if (const ConstBf16Ptr src = s_rsrc[j]; src != nullptr) {
+            qb[b] = s_q[j];
+            x[b] = LoadPack<kVec>(src + c_lane);
+          }
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+#pragma unroll
+        for (int c = 0; c < kVec; ++c) {
+          acc[c] = FmaRn(qb[b], __bfloat162float(x[b].h[c]), acc[c]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kVec; ++c) s_part[warp][lane * kVec + c] = acc[c];
+  __syncthreads();
+  if (tid < kTile && c_tid < width) {
+    float y = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kStepWarps; ++w) y += s_part[w][tid];
+    args.readings[rh * width + c_tid] = y;
   }
 }
 
@@ -653,6 +954,32 @@ unsigned int WarpBlocks(int64_t warps, int threads) {
 unsigned int CappedBlocks(int64_t n, int threads) {
   const int64_t b = (n + threads - 1) / threads;
   return static_cast<unsigned int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
+}
+
+template <int kVec>
+cudaError_t LaunchDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs,
+                             const SdmDims& dims, const SdmRowArena& arena, int64_t tiles,
+                             cudaStream_t stream) {
+  const int64_t slots_per_head = dims.side * dims.side;
+  const size_t staged = static_cast<size_t>(args.n_w) * 32 * kVec * sizeof(__nv_bfloat16);
+  const dim3 grid(static_cast<unsigned int>(segs.num * tiles),
+                  static_cast<unsigned int>(dims.heads));
+  auto* kernel = tiles == 1 ? &DecodeStepKernel<kVec, true> : &DecodeStepKernel<kVec, false>;
+  if (tiles > 1 && args.n_w > 0) {
+    const dim3 alloc_grid(static_cast<unsigned int>(segs.num),
+                          static_cast<unsigned int>(dims.heads));
+    DecodeAllocKernel<<<alloc_grid, kStepThreads, 0, stream>>>(
+        args, segs, dims.heads, slots_per_head, arena.free_list, arena.free_count);
+    SDM_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  // Above 48 KiB a kernel must opt in to dynamic shared memory (cheap; idempotent).
+  if (staged > 48 * 1024) {
+    SDM_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             static_cast<int>(staged)));
+  }
+  kernel<<<grid, kStepThreads, staged, stream>>>(args, segs, dims.heads, slots_per_head,
+                                                 dims.row_width, arena, tiles);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -763,6 +1090,46 @@ cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmD
         <<<grid, kStepThreads, 0, stream>>>(args, segs, dims.heads, width, arena.rows, tiles);
   }
   return cudaGetLastError();
+}
+
+cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
+                          const SdmRowArena& arena, cudaStream_t stream) {
+  if (args.n_w < 0 || args.n_r < 0 || args.n_w > kMaxSelected || args.n_r > kMaxSelected ||
+      segs.num < 0 || dims.heads <= 0 || dims.heads > 65535 || dims.side <= 0 ||
+      dims.row_width <= 0 || dims.row_width != arena.row_width) {
+    return cudaErrorInvalidValue;
+  }
+  if (segs.num == 0) return cudaSuccess;
+  if (segs.max_length != 1) return cudaErrorInvalidValue;
+  const int64_t width = dims.row_width;
+  const bool vec8_ok =
+      width % 8 == 0 && Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
+  const bool vec2_ok =
+      width % 2 == 0 && Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
+  // One tile per row where a tile can cover it (one launch), the narrowest that does; else as
+  // SdmStep: 16-byte tiles when the grid fills the GPU, 4-byte tiles (4x the blocks) when not.
+  // The 16-byte tile stages n_w x 512 B: above 64 KiB (n_w > 128) the 4-byte tile is used.
+  constexpr int64_t kWideGrid = 264;  // as SdmStep
+  const bool vec8_fits = vec8_ok && args.n_w * 256 * 2 <= 64 * 1024;
+  int vec = 1;
+  if (width <= 32) {
+    vec = 1;
+  } else if (width <= 64 && vec2_ok) {
+    vec = 2;
+  } else if (width <= 256 && vec8_fits) {
+    vec = 8;
+  } else if (vec8_fits &&
+             (segs.num * dims.heads * ((width + 255) / 256) >= kWideGrid || !vec2_ok)) {
+    vec = 8;
+  } else if (vec2_ok) {
+    vec = 2;
+  }
+  const int64_t tiles = (width + 32 * vec - 1) / (32 * vec);
+  if (segs.num * tiles > INT32_MAX) return cudaErrorInvalidValue;
+  if (tiles > 1 && args.n_w > 0 && args.w_rows == nullptr) return cudaErrorInvalidValue;
+  if (vec == 8) return LaunchDecodeStep<8>(args, segs, dims, arena, tiles, stream);
+  if (vec == 2) return LaunchDecodeStep<2>(args, segs, dims, arena, tiles, stream);
+  return LaunchDecodeStep<1>(args, segs, dims, arena, tiles, stream);
 }
 
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,

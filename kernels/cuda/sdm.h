@@ -121,6 +121,46 @@ struct SdmStepArgs {
 cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmDims& dims,
                     const SdmRowArena& arena, cudaStream_t stream);
 
+// The arguments of a decode step: the addressing's slots (not rows) and weights, the gates and v.
+struct SdmDecodeArgs {
+  const int32_t* w_slots = nullptr;  // [rows, heads, n_w] from SdmAddress: distinct, ascending
+  const float* w_weights = nullptr;  // [rows, heads, n_w]
+  int64_t n_w = 0;
+  const int32_t* r_slots = nullptr;  // [rows, heads, n_r] from SdmAddress
+  const float* r_weights = nullptr;  // [rows, heads, n_r]
+  int64_t n_r = 0;
+  const float* log_decay = nullptr;  // [rows, heads]
+  const float* beta = nullptr;       // [rows, heads]
+  const float* v = nullptr;          // [rows, heads * row_width]
+  bool key_weighted_decay = false;
+  bool slot_residual = false;
+  const __nv_bfloat16* m0 = nullptr;  // null: zeros
+  float* readings = nullptr;          // [rows, heads * row_width] out
+  // [rows, heads, n_w] scratch for the allocation's result when it runs as its own launch (row
+  // width over one block's tile); its contents afterwards are unspecified.
+  int32_t* w_rows = nullptr;
+};
+
+// What SdmPrepareRows then SdmStep do for a decode batch (every segment one token: segs.max_length
+// == 1), bit for bit in the rows' contents, the readings, which slots get rows, the row counts
+// and the free count (the popped rows may go to the slots in another order), in one pass over
+// the rows instead of three:
+//   - a (segment, head)'s write slots are distinct (one token), so its rows are allocated in
+//     parallel by one block: one atomicSub on the free count per (segment, head);
+//   - a new row's first write reads M0's row (or zeros) and stores the result: no copy from M0
+//     beforehand;
+//   - each block stages its column tile of the token's written rows in shared memory once; the
+//     update and every read of a slot written by the same token use that copy, other reads go to
+//     the arena or M0.
+// When one block's column tile covers the row, allocation happens in the same launch: one
+// kernel per layer. Otherwise a block per (segment, head) allocates first (two launches), since
+// a tile block cannot see another block's allocations within a launch.
+// Preconditions as SdmPrepareRows (the reserve, no session in two segments); slots within a
+// (row, head) distinct. INVALID_VALUE for multi-token segments' bounds (segs.max_length != 1)
+// or n_w, n_r over 256.
+cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
+                          const SdmRowArena& arena, cudaStream_t stream);
+
 // Returns every row of table [n_slots] to the free list and resets its entries to kSdmNoRow.
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,
                            cudaStream_t stream);

@@ -167,6 +167,60 @@ TEST(HeapTest, TheEnvironmentWinsOverSetArenaMax) {
   EXPECT_FALSE(SetArenaMax(0)) << "0 arenas is refused";
 }
 
+#if defined(__GLIBC__) && (__GLIBC__ > 2 || (__GLIBC__ == 2 && __GLIBC_MINOR__ >= 33))
+// Bytes that reach malloc's fast bins when this thread frees seven 100-byte blocks it has just
+// allocated: none while the thread has a tcache (its bin of that size holds 7, and is empty
+// after the seven allocations took from it), all seven chunks (7 x 112 bytes) without one.
+int64_t FastBinBytesFromSevenFrees() {
+  void* blocks[7];
+  for (void*& b : blocks) b = Touched(100);
+  const size_t before = mallinfo2().fsmblks;
+  for (void* b : blocks) std::free(b);
+  return static_cast<int64_t>(mallinfo2().fsmblks) - static_cast<int64_t>(before);
+}
+#else
+int64_t FastBinBytesFromSevenFrees() { return 0; }
+#endif
+
+// In child processes: by default the frees go to the tcache; after ReexecWithTcacheCount(0) the
+// process runs again (same pid, the death test's own arguments) without one, and they reach the
+// fast bins. The re-executed child sees the count in its environment and does not re-execute.
+TEST(HeapTest, ReexecWithTcacheCountZeroTurnsTheCacheOff) {
+  if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
+  if (std::getenv("GLIBC_TUNABLES") != nullptr) {
+    GTEST_SKIP() << "the environment sets malloc's tuning";
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(std::exit(FastBinBytesFromSevenFrees() == 0 ? 0 : 1), ::testing::ExitedWithCode(0),
+              "")
+      << "with glibc's tcache, freed 100-byte blocks reached the fast bins";
+  EXPECT_EXIT(
+      {
+        const absl::Status s = ReexecWithTcacheCount(0);
+        if (!s.ok()) std::exit(2);
+        if (TcacheCountFromEnvironment() != 0) std::exit(3);
+        std::exit(FastBinBytesFromSevenFrees() >= 7 * 100 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "")
+      << "after re-executing with tcache_count=0, the frees did not reach the fast bins";
+}
+
+TEST(HeapTest, TheEnvironmentWinsOverReexecWithTcacheCount) {
+  if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
+  if (std::getenv("GLIBC_TUNABLES") != nullptr) {
+    GTEST_SKIP() << "the environment sets malloc's tuning";
+  }
+  EXPECT_EQ(TcacheCountFromEnvironment(), -1);
+  ::setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=3", 1);
+  EXPECT_EQ(TcacheCountFromEnvironment(), 3);
+  // Returns (OK) without re-executing: this test process is still here to check it.
+  EXPECT_TRUE(ReexecWithTcacheCount(0).ok());
+  ::setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_countx=3", 1);
+  EXPECT_EQ(TcacheCountFromEnvironment(), -1) << "another tunable's name";
+  ::unsetenv("GLIBC_TUNABLES");
+  EXPECT_TRUE(ReexecWithTcacheCount(-1).ok()) << "a negative count leaves glibc's default";
+}
+
 // Freed small blocks below a live one at an arena's top stay resident; TrimHeap() returns their
 // pages. Fresh seed each run for the block sizes, printed for a rerun.
 TEST(HeapTest, TrimHeapReturnsFreePagesBelowTheTop) {

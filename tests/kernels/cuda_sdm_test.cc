@@ -455,76 +455,113 @@ struct Scenario {
   uint32_t seed = 1;
 };
 
+// A batch's host inputs, drawn from `rng` in a fixed order: slot tables in which a fraction of
+// the slots hold private rows, an arena of random rows (the rows not handed out shuffled into
+// the free list, `slack` more than the step's reserve of rows * heads * n_w), M0 (random, or
+// none), the addressing of every (token, head) from the CPU twin (distinct slots, sorted), and
+// the gates and v.
+struct HostBatch {
+  int64_t n_w = 0, n_r = 0, rows = 0, capacity = 0;
+  std::vector<int32_t> first;                // [segments] first token row
+  std::vector<std::vector<int32_t>> tables;  // [segments][heads * s * s]
+  std::vector<int32_t> pre_count;            // [segments] private rows before the step
+  int64_t pre_total = 0;
+  std::vector<int32_t> perm;       // every row, shuffled: [0, pre_total) are in tables
+  std::vector<int32_t> free_list;  // perm[pre_total, capacity)
+  std::vector<__nv_bfloat16> arena, m0;
+  std::vector<int32_t> w_slots, r_slots;
+  std::vector<float> w_weights, r_weights, log_decay, beta, v;
+};
+
+HostBatch MakeHostBatch(std::mt19937& rng, int64_t heads, int64_t side, int64_t width,
+                        const std::vector<int32_t>& lengths, int64_t k_w, int64_t k_r, bool with_m0,
+                        double prepopulated, int64_t slack) {
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
+  HostBatch b;
+  const int64_t n_slots = heads * side * side;
+  const int64_t num = static_cast<int64_t>(lengths.size());
+  b.n_w = AddressCount(k_w, side);
+  b.n_r = AddressCount(k_r, side);
+  b.first.resize(num);
+  for (int64_t s = 0; s < num; ++s) {
+    b.first[s] = static_cast<int32_t>(b.rows);
+    b.rows += lengths[s];
+  }
+  b.tables.assign(num, std::vector<int32_t>(n_slots, kSdmNoRow));
+  b.pre_count.assign(num, 0);
+  for (int64_t s = 0; s < num; ++s) {
+    for (int32_t& e : b.tables[s]) {
+      if (uni(rng) < prepopulated) {
+        e = 0;  // numbered below
+        ++b.pre_count[s];
+        ++b.pre_total;
+      }
+    }
+  }
+  b.capacity = b.pre_total + b.rows * heads * b.n_w + slack;
+  b.perm.resize(b.capacity);
+  std::iota(b.perm.begin(), b.perm.end(), 0);
+  std::shuffle(b.perm.begin(), b.perm.end(), rng);
+  int64_t next = 0;
+  for (auto& table : b.tables) {
+    for (int32_t& e : table) {
+      if (e == 0) e = b.perm[next++];
+    }
+  }
+  b.free_list.assign(b.perm.begin() + b.pre_total, b.perm.end());
+  b.arena.resize(b.capacity * width);
+  for (auto& x : b.arena) x = ToBf16(0.5f * normal(rng));
+  if (with_m0) {
+    b.m0.resize(n_slots * width);
+    for (auto& x : b.m0) x = ToBf16(0.5f * normal(rng));
+  }
+  b.w_slots.resize(b.rows * heads * b.n_w);
+  b.r_slots.resize(b.rows * heads * b.n_r);
+  b.w_weights.resize(b.w_slots.size());
+  b.r_weights.resize(b.r_slots.size());
+  cpu::AddressScratch scratch;
+  for (int64_t rh = 0; rh < b.rows * heads; ++rh) {
+    std::vector<float> wsc = Scores(rng, 2 * side, false), rsc = Scores(rng, 2 * side, false);
+    std::span<int32_t> ws(&b.w_slots[rh * b.n_w], b.n_w), rs(&b.r_slots[rh * b.n_r], b.n_r);
+    std::span<float> wv(&b.w_weights[rh * b.n_w], b.n_w), rv(&b.r_weights[rh * b.n_r], b.n_r);
+    cpu::SelectSlots(wsc.data(), side, k_w, ws, wv, scratch);
+    cpu::ActivateAddress(AddressAct::kSoftmax, 2.0f, wv);
+    cpu::SelectSlots(rsc.data(), side, k_r, rs, rv, scratch);
+    cpu::ActivateAddress(AddressAct::kSoftmax, 2.0f, rv);
+  }
+  b.log_decay.resize(b.rows * heads);
+  b.beta.resize(b.rows * heads);
+  b.v.resize(b.rows * heads * width);
+  for (float& g : b.log_decay) g = -0.05f - 0.95f * uni(rng);  // alpha in [0.37, 0.95]
+  for (float& x : b.beta) x = 0.1f + 0.8f * uni(rng);
+  for (float& x : b.v) x = normal(rng);
+  return b;
+}
+
 void RunScenario(const Scenario& sc) {
   SCOPED_TRACE(testing::Message() << "seed " << sc.seed << " heads " << sc.heads << " side "
                                   << sc.side << " width " << sc.width << " segments "
                                   << sc.lengths.size());
   std::mt19937 rng(sc.seed);
-  std::normal_distribution<float> normal;
-  std::uniform_real_distribution<float> uni(0.0f, 1.0f);
   const int64_t heads = sc.heads, side = sc.side, width = sc.width;
   const int64_t ss = side * side, n_slots = heads * ss;
-  const int64_t n_w = AddressCount(sc.k_w, side), n_r = AddressCount(sc.k_r, side);
   const int64_t num = static_cast<int64_t>(sc.lengths.size());
-  std::vector<int32_t> first(num);
-  int64_t rows = 0;
-  for (int64_t s = 0; s < num; ++s) {
-    first[s] = static_cast<int32_t>(rows);
-    rows += sc.lengths[s];
-  }
   const int64_t max_length = *std::max_element(sc.lengths.begin(), sc.lengths.end());
-
-  // Arena: rows handed out to the prepopulated slots first, the rest shuffled into the free
-  // list. Every row (free ones too) starts with random values so the M0 copy is visible.
-  std::vector<std::vector<int32_t>> tables(num, std::vector<int32_t>(n_slots, kSdmNoRow));
-  std::vector<int32_t> pre_count(num, 0);
-  int64_t pre_total = 0;
-  for (int64_t s = 0; s < num; ++s) {
-    for (int32_t& e : tables[s]) {
-      if (uni(rng) < sc.prepopulated) {
-        e = 0;  // numbered below
-        ++pre_count[s];
-        ++pre_total;
-      }
-    }
-  }
-  const int64_t capacity = pre_total + rows * heads * n_w + 7;  // the step's reserve + slack
-  std::vector<int32_t> perm(capacity);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  int64_t next = 0;
-  for (auto& table : tables) {
-    for (int32_t& e : table) {
-      if (e == 0) e = perm[next++];
-    }
-  }
-  std::vector<int32_t> free_list(perm.begin() + pre_total, perm.end());
+  HostBatch batch = MakeHostBatch(rng, heads, side, width, sc.lengths, sc.k_w, sc.k_r, sc.m0,
+                                  sc.prepopulated, /*slack=*/7);
+  const int64_t n_w = batch.n_w, n_r = batch.n_r, rows = batch.rows, capacity = batch.capacity;
+  const std::vector<int32_t>& first = batch.first;
+  const std::vector<std::vector<int32_t>>& tables = batch.tables;
+  const std::vector<int32_t>& pre_count = batch.pre_count;
+  const std::vector<int32_t>& perm = batch.perm;
+  const std::vector<int32_t>& free_list = batch.free_list;
   const int32_t free_before = static_cast<int32_t>(free_list.size());
-  std::vector<__nv_bfloat16> arena(capacity * width);
-  for (auto& x : arena) x = ToBf16(0.5f * normal(rng));
-  std::vector<__nv_bfloat16> m0;
-  if (sc.m0) {
-    m0.resize(n_slots * width);
-    for (auto& x : m0) x = ToBf16(0.5f * normal(rng));
-  }
-
-  // Addressing from the CPU twin (distinct slots per (token, head), sorted).
-  std::vector<int32_t> w_slots(rows * heads * n_w), r_slots(rows * heads * n_r);
-  std::vector<float> w_weights(rows * heads * n_w), r_weights(rows * heads * n_r);
-  cpu::AddressScratch scratch;
-  for (int64_t rh = 0; rh < rows * heads; ++rh) {
-    std::vector<float> wsc = Scores(rng, 2 * side, false), rsc = Scores(rng, 2 * side, false);
-    std::span<int32_t> ws(&w_slots[rh * n_w], n_w), rs(&r_slots[rh * n_r], n_r);
-    std::span<float> wv(&w_weights[rh * n_w], n_w), rv(&r_weights[rh * n_r], n_r);
-    cpu::SelectSlots(wsc.data(), side, sc.k_w, ws, wv, scratch);
-    cpu::ActivateAddress(AddressAct::kSoftmax, 2.0f, wv);
-    cpu::SelectSlots(rsc.data(), side, sc.k_r, rs, rv, scratch);
-    cpu::ActivateAddress(AddressAct::kSoftmax, 2.0f, rv);
-  }
-  std::vector<float> log_decay(rows * heads), beta(rows * heads), v(rows * heads * width);
-  for (float& g : log_decay) g = -0.05f - 0.95f * uni(rng);  // alpha in [0.37, 0.95]
-  for (float& b : beta) b = 0.1f + 0.8f * uni(rng);
-  for (float& x : v) x = normal(rng);
+  const std::vector<__nv_bfloat16>& arena = batch.arena;
+  const std::vector<__nv_bfloat16>& m0 = batch.m0;
+  const std::vector<int32_t>&w_slots = batch.w_slots, &r_slots = batch.r_slots;
+  const std::vector<float>&w_weights = batch.w_weights, &r_weights = batch.r_weights;
+  const std::vector<float>&log_decay = batch.log_decay, &beta = batch.beta, &v = batch.v;
 
   // Device state.
   cuda::DeviceBuffer<__nv_bfloat16> d_rows = Upload(arena);
@@ -918,6 +955,304 @@ TEST(CudaSdmTest, FreshSeeds) {
   b.slot_residual = seed % 2 == 1;
   b.seed = seed + 1;
   RunScenario(b);
+#endif
+}
+
+#if defined(SDM_HAVE_CUDA)
+
+// ---------------------------------------------------------------------------------------------
+// The decode step (SdmDecodeStep) against SdmPrepareRows + SdmStep on a copy of the same state:
+// the same slots get rows, every slot's row holds the same bits, the readings are the same bits,
+// the same rows leave the free list and the row counts agree; rows outside the tables are left
+// alone. (RunScenario checks the two-stage path against the CPU twins.)
+struct DecodeCase {
+  int64_t heads = 2, side = 4, width = 32;
+  int64_t batch = 5;
+  int64_t k_w = 8, k_r = 8;
+  bool m0 = true;
+  bool key_weighted_decay = false;
+  bool slot_residual = false;
+  double prepopulated = 0.3;
+  int64_t reserve_short = 0;  // > 0: the free list holds this many rows fewer than the reserve
+  uint32_t seed = 1;
+};
+
+// One copy of a batch's mutable device state.
+struct DecodeState {
+  cuda::DeviceBuffer<__nv_bfloat16> rows;
+  cuda::DeviceBuffer<int32_t> free_list, free_count, row_counts;
+  std::vector<cuda::DeviceBuffer<int32_t>> tables;
+  cuda::DeviceBuffer<int32_t*> table_ptrs, count_ptrs;
+  cuda::DeviceBuffer<float> readings;
+};
+
+void RunDecodeCase(const DecodeCase& dc) {
+  SCOPED_TRACE(testing::Message() << "seed " << dc.seed << " heads " << dc.heads << " side "
+                                  << dc.side << " width " << dc.width << " batch " << dc.batch
+                                  << " k_w " << dc.k_w << " k_r " << dc.k_r);
+  std::mt19937 rng(dc.seed);
+  const int64_t heads = dc.heads, side = dc.side, width = dc.width, num = dc.batch;
+  const int64_t n_slots = heads * side * side;
+  const std::vector<int32_t> lengths(num, 1);
+  const HostBatch batch = MakeHostBatch(rng, heads, side, width, lengths, dc.k_w, dc.k_r, dc.m0,
+                                        dc.prepopulated, /*slack=*/5 - dc.reserve_short);
+  const int64_t n_w = batch.n_w, n_r = batch.n_r, capacity = batch.capacity;
+  const std::vector<std::vector<int32_t>>& tables = batch.tables;
+  const std::vector<__nv_bfloat16>& arena = batch.arena;
+  // The device's free list has room for every row; entries past the count are garbage.
+  std::vector<int32_t> free_storage = batch.free_list;
+  free_storage.resize(capacity, -7);
+  const int32_t free_before = static_cast<int32_t>(batch.free_list.size());
+
+  const std::vector<int32_t>& first = batch.first;
+  const std::vector<int32_t>& pre_count = batch.pre_count;
+  const std::vector<int32_t>&w_slots = batch.w_slots, &r_slots = batch.r_slots;
+  auto d_first = Upload(first);
+  auto d_lengths = Upload(lengths);
+  auto d_m0 = Upload(batch.m0);
+  auto d_w_slots = Upload(w_slots);
+  auto d_r_slots = Upload(r_slots);
+  auto d_w_weights = Upload(batch.w_weights);
+  auto d_r_weights = Upload(batch.r_weights);
+  auto d_log_decay = Upload(batch.log_decay);
+  auto d_beta = Upload(batch.beta);
+  auto d_v = Upload(batch.v);
+  const __nv_bfloat16* m0_ptr = dc.m0 ? d_m0.get() : nullptr;
+  cuda::SdmDims dims{heads, side, width};
+
+  auto make_state = [&](DecodeState& st) {
+    st.rows = Upload(arena);
+    st.free_list = Upload(free_storage);
+    st.free_count = Upload(std::vector<int32_t>{free_before});
+    st.row_counts = Upload(pre_count);
+    std::vector<int32_t*> tp, cp;
+    for (int64_t s = 0; s < num; ++s) {
+      st.tables.push_back(Upload(tables[s]));
+      tp.push_back(st.tables.back().get());
+      cp.push_back(st.row_counts.get() + s);
+    }
+    st.table_ptrs = Upload(tp);
+    st.count_ptrs = Upload(cp);
+    st.readings = cuda::DeviceBuffer<float>(num * heads * width);
+  };
+  auto arena_of = [&](DecodeState& st) {
+    return cuda::SdmRowArena{st.rows.get(), st.free_list.get(), st.free_count.get(), width,
+                             capacity};
+  };
+  auto segs_of = [&](DecodeState& st) {
+    cuda::SdmSegments segs;
+    segs.first_row = d_first.get();
+    segs.length = d_lengths.get();
+    segs.tables = st.table_ptrs.get();
+    segs.row_counts = st.count_ptrs.get();
+    segs.num = num;
+    segs.max_length = 1;
+    return segs;
+  };
+
+  // A: the two-stage path.
+  DecodeState a;
+  make_state(a);
+  cuda::DeviceBuffer<int32_t> d_w_rows(w_slots.size()), d_r_refs(r_slots.size());
+  ASSERT_EQ(cuda::SdmPrepareRows(d_w_slots.get(), n_w, d_r_slots.get(), n_r, segs_of(a), dims,
+                                 m0_ptr, arena_of(a), d_w_rows.get(), d_r_refs.get(), nullptr),
+            cudaSuccess);
+  cuda::SdmStepArgs step;
+  step.w_rows = d_w_rows.get();
+  step.w_weights = d_w_weights.get();
+  step.n_w = n_w;
+  step.r_refs = d_r_refs.get();
+  step.r_weights = d_r_weights.get();
+  step.n_r = n_r;
+  step.log_decay = d_log_decay.get();
+  step.beta = d_beta.get();
+  step.v = d_v.get();
+  step.key_weighted_decay = dc.key_weighted_decay;
+  step.slot_residual = dc.slot_residual;
+  step.m0 = m0_ptr;
+  step.readings = a.readings.get();
+  ASSERT_EQ(cuda::SdmStep(step, segs_of(a), dims, arena_of(a), nullptr), cudaSuccess);
+
+  // B: the decode step.
+  DecodeState b;
+  make_state(b);
+  cuda::DeviceBuffer<int32_t> d_scratch_rows(w_slots.size());
+  cuda::SdmDecodeArgs dec;
+  dec.w_slots = d_w_slots.get();
+  dec.w_weights = d_w_weights.get();
+  dec.n_w = n_w;
+  dec.r_slots = d_r_slots.get();
+  dec.r_weights = d_r_weights.get();
+  dec.n_r = n_r;
+  dec.log_decay = d_log_decay.get();
+  dec.beta = d_beta.get();
+  dec.v = d_v.get();
+  dec.key_weighted_decay = dc.key_weighted_decay;
+  dec.slot_residual = dc.slot_residual;
+  dec.m0 = m0_ptr;
+  dec.readings = b.readings.get();
+  dec.w_rows = d_scratch_rows.get();
+  ASSERT_EQ(cuda::SdmDecodeStep(dec, segs_of(b), dims, arena_of(b), nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+
+  const std::vector<__nv_bfloat16> rows_a = Download(a.rows.get(), arena.size());
+  const std::vector<__nv_bfloat16> rows_b = Download(b.rows.get(), arena.size());
+  const int32_t free_a = DownloadScalar(a.free_count.get());
+  const int32_t free_b = DownloadScalar(b.free_count.get());
+  EXPECT_EQ(free_b, free_a);
+  EXPECT_EQ(Download(b.row_counts.get(), num), Download(a.row_counts.get(), num));
+  std::set<int32_t> in_tables;
+  int64_t new_rows = 0;
+  for (int64_t s = 0; s < num; ++s) {
+    const std::vector<int32_t> ta = Download(a.tables[s].get(), n_slots);
+    const std::vector<int32_t> tb = Download(b.tables[s].get(), n_slots);
+    for (int64_t e = 0; e < n_slots; ++e) {
+      ASSERT_EQ(ta[e] >= 0, tb[e] >= 0) << "segment " << s << " slot " << e;
+      if (tb[e] < 0) continue;
+      if (tables[s][e] >= 0) {
+        ASSERT_EQ(tb[e], tables[s][e]) << "an existing row is kept";
+      } else {
+        ++new_rows;
+      }
+      in_tables.insert(tb[e]);
+      for (int64_t c = 0; c < width; ++c) {
+        ASSERT_EQ(BitsOf(rows_b[tb[e] * width + c]), BitsOf(rows_a[ta[e] * width + c]))
+            << "segment " << s << " slot " << e << " column " << c;
+      }
+    }
+  }
+  // The rows handed out are the ones popped from the top of the free list (both paths).
+  const int32_t popped = free_before - std::max(free_b, 0);
+  EXPECT_EQ(new_rows, popped);
+  for (int64_t i = std::max(free_b, 0); i < free_before; ++i) {
+    EXPECT_EQ(in_tables.count(free_storage[i]), 1u) << "free list entry " << i;
+  }
+  for (int64_t r = 0; r < capacity; ++r) {
+    if (in_tables.count(static_cast<int32_t>(r)) != 0) continue;
+    for (int64_t c = 0; c < width; ++c) {
+      ASSERT_EQ(BitsOf(rows_b[r * width + c]), BitsOf(arena[r * width + c])) << "free row " << r;
+    }
+  }
+  const std::vector<float> read_a = Download(a.readings.get(), num * heads * width);
+  const std::vector<float> read_b = Download(b.readings.get(), num * heads * width);
+  ASSERT_EQ(read_a.size(), read_b.size());
+  EXPECT_EQ(0, std::memcmp(read_a.data(), read_b.data(), read_a.size() * sizeof(float)))
+      << "readings differ";
+  if (dc.reserve_short > 0) {
+    EXPECT_LT(free_b, 0) << "the free list ran out";
+  }
+}
+
+#endif  // SDM_HAVE_CUDA
+
+// Width 32: one block covers a row, so allocation runs in the step's own launch (one kernel).
+// 16 slots with 8 written and 8 read per token: many reads of a slot the token just wrote.
+TEST(CudaSdmTest, DecodeStepInOneLaunchMatchesPrepareAndStep) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  DecodeCase dc;
+  dc.seed = 31;
+  RunDecodeCase(dc);
+  dc.width = 64;  // 4-byte tiles, one tile
+  dc.slot_residual = true;
+  dc.seed = 32;
+  RunDecodeCase(dc);
+  dc.width = 200;  // 16-byte tiles, one tile, lanes past the row idle
+  dc.slot_residual = false;
+  dc.m0 = false;
+  dc.key_weighted_decay = true;
+  dc.seed = 33;
+  RunDecodeCase(dc);
+#endif
+}
+
+// Rows wider than a tile: a separate allocation launch, then the step over several tiles.
+TEST(CudaSdmTest, DecodeStepOverSeveralTilesMatchesPrepareAndStep) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  DecodeCase dc;
+  dc.width = 33;  // odd: scalar tiles of 32 columns, two of them
+  dc.seed = 34;
+  RunDecodeCase(dc);
+  dc.side = 8;
+  dc.width = 512;  // 140 x 2 heads x 2 tiles: 16-byte tiles
+  dc.batch = 140;
+  dc.k_w = 16;
+  dc.seed = 35;
+  RunDecodeCase(dc);
+  dc.batch = 3;  // a narrow grid: 4-byte tiles, 8 per row
+  dc.slot_residual = true;
+  dc.seed = 36;
+  RunDecodeCase(dc);
+#endif
+}
+
+// sdm_flagship's shapes (2 heads, s = 256, hd 1024, 128 rows written and read) at batch 64: the
+// 16-byte tiles with 64 KiB of staged rows (the opt-in to large shared memory); and 256 rows
+// written per head, too many to stage 16-byte tiles, on 4-byte tiles instead.
+TEST(CudaSdmTest, DecodeStepAtFlagshipShapes) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  DecodeCase dc;
+  dc.side = 256;
+  dc.width = 1024;
+  dc.k_w = dc.k_r = 128;
+  dc.batch = 64;
+  dc.prepopulated = 0.002;
+  dc.seed = 37;
+  RunDecodeCase(dc);
+  dc.batch = 2;
+  dc.k_w = 256;
+  dc.seed = 38;
+  RunDecodeCase(dc);
+#endif
+}
+
+// The free list holding fewer rows than the reserve (a broken precondition): one (segment,
+// head), so both paths hand the rows out in the same order, and leave the same count.
+TEST(CudaSdmTest, DecodeStepWhenTheFreeListRunsOut) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  DecodeCase dc;
+  dc.heads = 1;
+  dc.batch = 1;
+  dc.prepopulated = 0.1;
+  dc.reserve_short = 9;  // the reserve's slack is 5: 4 writes find no row
+  dc.seed = 39;
+  RunDecodeCase(dc);
+  dc.width = 300;  // and with the allocation in its own launch
+  dc.seed = 40;
+  RunDecodeCase(dc);
+#endif
+}
+
+TEST(CudaSdmTest, DecodeStepFreshSeeds) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const uint32_t seed = FreshSeed();
+  DecodeCase dc;
+  dc.width = seed % 2 == 0 ? 96 : 320;
+  dc.batch = 1 + seed % 9;
+  dc.m0 = seed % 3 != 0;
+  dc.key_weighted_decay = seed % 5 < 2;
+  dc.slot_residual = seed % 7 < 3;
+  dc.seed = seed;
+  RunDecodeCase(dc);
+#endif
+}
+
+// Multi-token segments are not a decode step.
+TEST(CudaSdmTest, DecodeStepRefusesMultiTokenSegments) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  cuda::SdmSegments segs;
+  segs.num = 1;
+  segs.max_length = 2;
+  cuda::SdmRowArena arena;
+  arena.row_width = 32;
+  cuda::SdmDecodeArgs args;
+  EXPECT_EQ(cuda::SdmDecodeStep(args, segs, cuda::SdmDims{1, 4, 32}, arena, nullptr),
+            cudaErrorInvalidValue);
 #endif
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/common/sdm_math.h"
 #include "kernels/cpu/norm.h"
 
 namespace sdm::kernels {
@@ -127,6 +128,39 @@ TEST(FpMathTest, BatchNormEvalValueIsTheExplicitFormula) {
   std::vector<float> row = x;
   cpu::BatchNormEval(row.data(), w.data(), b.data(), mean.data(), var.data(), 1, kN, kEps);
   for (int i = 0; i < kN; ++i) ASSERT_EQ(Bits(row[i]), Bits(want[i])) << i;
+}
+
+// The SDM update rules in the GPU kernels' form (kernels/common/sdm_math.h): shared residual
+// fma(alpha, m, k * delta) with the product k * delta rounded; slot residual with the decay, the
+// gate product and the difference each rounded and one fused multiply-add. Inputs are kept only
+// where the other ways a compiler could fuse (or not fuse) the same expression give other bits,
+// so the test pins which of them the helpers compute.
+TEST(FpMathTest, SdmUpdateRulesRoundAsWritten) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> unit(0.05f, 0.99f);
+  int shared = 0, slot = 0;
+  for (int n = 0; n < 200000 && (shared < 2000 || slot < 2000); ++n) {
+    const float alpha = unit(rng), m = normal(rng), k = unit(rng), beta = unit(rng);
+    const float delta = normal(rng), v = normal(rng);
+    const float want_shared = std::fma(alpha, m, RefMul(k, delta));
+    const float other_shared = std::fma(k, delta, RefMul(alpha, m));
+    const float unfused_shared = RefAdd(RefMul(alpha, m), RefMul(k, delta));
+    if (Bits(want_shared) != Bits(other_shared) && Bits(want_shared) != Bits(unfused_shared)) {
+      ASSERT_EQ(Bits(SdmSharedResidualRn(alpha, m, k, delta)), Bits(want_shared)) << n;
+      ++shared;
+    }
+    const float decayed = RefMul(alpha, m), gate = RefMul(beta, k);
+    const float diff = RefSub(v, decayed);
+    const float want_slot = std::fma(gate, diff, decayed);
+    const float unfused_slot = RefAdd(decayed, RefMul(gate, diff));
+    if (Bits(want_slot) != Bits(unfused_slot)) {
+      ASSERT_EQ(Bits(SdmSlotResidualRn(alpha, m, k, beta, v)), Bits(want_slot)) << n;
+      ++slot;
+    }
+  }
+  EXPECT_GE(shared, 2000);
+  EXPECT_GE(slot, 2000);
 }
 
 }  // namespace

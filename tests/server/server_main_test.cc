@@ -9,6 +9,8 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
@@ -110,6 +112,9 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   const ProcessRun arenas = RunServer("--model x --malloc_arena_max -1");
   EXPECT_EQ(arenas.status, 2);
   EXPECT_THAT(arenas.err, ::testing::HasSubstr("--malloc_arena_max"));
+  const ProcessRun tcache = RunServer("--model x --malloc_tcache_count -2");
+  EXPECT_EQ(tcache.status, 2);
+  EXPECT_THAT(tcache.err, ::testing::HasSubstr("--malloc_tcache_count"));
   const ProcessRun missing =
       RunServer(absl::StrCat("--model '", (dir_.path() / "absent").string(), "' --port 0"));
   EXPECT_EQ(missing.status, 1);
@@ -162,6 +167,14 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
   v1::ModelInfo info;
   EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
   EXPECT_EQ(info.name(), "tiny-model");
+  // The server executed itself again with malloc's per-thread cache off (the default
+  // --malloc_tcache_count=0): same pid, flags re-read from the flag file, serving.
+  if (std::getenv("GLIBC_TUNABLES") == nullptr) {
+    std::ifstream environ_file(absl::StrCat("/proc/", pid, "/environ"), std::ios::binary);
+    const std::string server_env((std::istreambuf_iterator<char>(environ_file)),
+                                 std::istreambuf_iterator<char>());
+    EXPECT_THAT(server_env, ::testing::HasSubstr("GLIBC_TUNABLES=glibc.malloc.tcache_count=0"));
+  }
   {
     grpc::ClientContext create_context;
     v1::CreateSessionRequest request;

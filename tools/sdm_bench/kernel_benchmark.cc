@@ -389,6 +389,35 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   rows.push_back(
       {"sdm prepare+step", shape, batch, bytes, *both, copy_gbps, kKernelTargetFraction, 0});
   Print(rows.back());
+
+  // The decode kernel on the same steady state: its bytes are the same (each written row read
+  // and written once, each read row read once; reads of a slot written this token hit the
+  // staged copy, none here: the sets' write and read slots are disjoint).
+  kc::SdmDecodeArgs dec;
+  dec.w_weights = w_weights.get();
+  dec.n_w = kSdmW;
+  dec.r_weights = r_weights.get();
+  dec.n_r = kSdmR;
+  dec.log_decay = log_decay.get();
+  dec.beta = beta.get();
+  dec.v = v.get();
+  dec.m0 = m0.get();
+  dec.readings = readings.get();
+  dec.w_rows = tmp_rows.get();
+  absl::StatusOr<Timing> decode = Time(
+      stream, opt.warmup, opt.reps,
+      [&](int rep) {
+        const int64_t k = rep % sets;
+        kc::SdmDecodeArgs a = dec;
+        a.w_slots = d_w_slots.get() + k * nw;
+        a.r_slots = d_r_slots.get() + k * nr;
+        return kc::SdmDecodeStep(a, segs, dims, arena, stream);
+      },
+      "SdmDecodeStep");
+  if (!decode.ok()) return decode.status();
+  rows.push_back(
+      {"sdm decode step", shape, batch, bytes, *decode, copy_gbps, kKernelTargetFraction, 0});
+  Print(rows.back());
   return absl::OkStatus();
 }
 

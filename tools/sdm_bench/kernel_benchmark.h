@@ -8,10 +8,10 @@
 // free arena, and consecutive repetitions touch different rows and sequences (enough that the
 // working set of a cycle is several times the L2 cache), so that no figure is an L2 figure.
 //   - copy: device-to-device cudaMemcpy, read + write bytes / time (the ceiling);
-//   - sdm step: SdmStep alone on prepared rows, and SdmPrepareRows + SdmStep (the slots already
-//     have rows: the steady state), sdm_flagship geometry (2 heads, s = 256, hd = 1024,
-//     W = R = 128); bytes = per (session, head) W rows read + W rows written + R rows read, 2 B a
-//     value (docs/model-spec.md §9); target >= 70% of copy;
+//   - sdm step: SdmStep alone on prepared rows, SdmPrepareRows + SdmStep, and SdmDecodeStep (the
+//     slots already have rows: the steady state), sdm_flagship geometry (2 heads, s = 256, hd =
+//     1024, W = R = 128); bytes = per (session, head) W rows read + W rows written + R rows read, 2
+//     B a value (docs/model-spec.md §9); target >= 70% of copy;
 //   - attention decode: AttentionDecode over `context` cached positions per sequence,
 //     baseline_1.4B geometry (16 query / 8 KV heads, head_dim 128), pages scattered at random in
 //     the arena; bytes = the K and V rows read; target >= 70% of copy;
