@@ -384,6 +384,17 @@ int main(int argc, char** argv) {
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   options.malloc_trim_interval = absl::GetFlag(FLAGS_malloc_trim_interval);
+  const int32_t tcache_count = absl::GetFlag(FLAGS_malloc_tcache_count);
+  if (tcache_count < -1 || tcache_count > 65535) {
+    return UsageError("--malloc_tcache_count must be between -1 and 65535");
+  }
+  // First of the heap's settings (the mallopt calls below would be redone after a re-execution),
+  // before any thread starts or anything is opened; returns only when no re-execution was needed
+  // or it failed (the server then runs with glibc's cache, and says so).
+  if (absl::Status s = sdm::ReexecWithTcacheCount(tcache_count); !s.ok()) {
+    absl::FPrintF(stderr, "sdm-server: warning: --malloc_tcache_count=%d not applied: %s\n",
+                  tcache_count, s.message());
+  }
   const int64_t mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold);
   if (mmap_threshold < 0 || mmap_threshold > (int64_t{1} << 30)) {
     return UsageError("--malloc_mmap_threshold must be between 0 and 1 GiB");
@@ -394,16 +405,6 @@ int main(int argc, char** argv) {
     return UsageError("--malloc_arena_max must be between 0 and 1024");
   }
   if (arena_max > 0) sdm::SetArenaMax(arena_max);
-  const int32_t tcache_count = absl::GetFlag(FLAGS_malloc_tcache_count);
-  if (tcache_count < -1 || tcache_count > 65535) {
-    return UsageError("--malloc_tcache_count must be between -1 and 65535");
-  }
-  // Before any thread starts or anything is opened; returns only when no re-execution was needed
-  // or it failed (the server then runs with glibc's cache, and says so).
-  if (absl::Status s = sdm::ReexecWithTcacheCount(tcache_count); !s.ok()) {
-    absl::FPrintF(stderr, "sdm-server: warning: --malloc_tcache_count=%d not applied: %s\n",
-                  tcache_count, s.message());
-  }
 
   // Signals run OnShutdownSignal. They are blocked while the server starts, so that the threads
   // it starts inherit the mask and main takes them once it waits (threads started before main

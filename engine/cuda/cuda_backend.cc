@@ -837,7 +837,7 @@ class CudaBackend : public EngineBackend {
     dims.row_width = sdm_geom_.head_width;
     commit_->Begin();  // from here the step allocates and writes the sessions' rows
     if (sg.max_length == 1) {
-      // A decode batch: allocation, the write and the read in one pass over the rows
+      // A decode batch: allocation, the write and the read in one or two launches
       // (kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path below computes.
       kc::SdmDecodeArgs dec;
       dec.w_slots = ws.w_slots.get();

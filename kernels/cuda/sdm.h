@@ -143,8 +143,9 @@ struct SdmDecodeArgs {
 
 // What SdmPrepareRows then SdmStep do for a decode batch (every segment one token: segs.max_length
 // == 1), bit for bit in the rows' contents, the readings, which slots get rows, the row counts
-// and the free count (the popped rows may go to the slots in another order), in one pass over
-// the rows instead of three:
+// and the free count (the popped rows may go to the slots in another order), touching memory
+// less: each written row is read from memory once and written once (SdmStep reads it twice and
+// a new row is first copied from M0), each read row read once, a slot the token wrote not at all:
 //   - a (segment, head)'s write slots are distinct (one token), so its rows are allocated in
 //     parallel by one block: one atomicSub on the free count per (segment, head);
 //   - a new row's first write reads M0's row (or zeros) and stores the result: no copy from M0

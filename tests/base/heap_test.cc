@@ -182,14 +182,32 @@ int64_t FastBinBytesFromSevenFrees() {
 int64_t FastBinBytesFromSevenFrees() { return 0; }
 #endif
 
+// The death tests below run in children that execute this binary again and run the test from its
+// start, some of them with GLIBC_TUNABLES set by the test itself (or by a re-execution): the
+// parent marks its environment as its own, so that such a child does not skip the test as one
+// whose environment tunes malloc (a skip would pass without running the statement).
+constexpr char kOwnTunables[] = "SDM_HEAP_TEST_OWN_TUNABLES";
+
+bool EnvironmentTunesMalloc() {
+  return std::getenv("GLIBC_TUNABLES") != nullptr && std::getenv(kOwnTunables) == nullptr;
+}
+
+// Sets the mark for the test's lifetime.
+class OwnTunables {
+ public:
+  OwnTunables() { ::setenv(kOwnTunables, "1", 1); }
+  ~OwnTunables() { ::unsetenv(kOwnTunables); }
+  OwnTunables(const OwnTunables&) = delete;
+  OwnTunables& operator=(const OwnTunables&) = delete;
+};
+
 // In child processes: by default the frees go to the tcache; after ReexecWithTcacheCount(0) the
 // process runs again (same pid, the death test's own arguments) without one, and they reach the
 // fast bins. The re-executed child sees the count in its environment and does not re-execute.
 TEST(HeapTest, ReexecWithTcacheCountZeroTurnsTheCacheOff) {
   if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
-  if (std::getenv("GLIBC_TUNABLES") != nullptr) {
-    GTEST_SKIP() << "the environment sets malloc's tuning";
-  }
+  if (EnvironmentTunesMalloc()) GTEST_SKIP() << "the environment sets malloc's tuning";
+  const OwnTunables own;
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(std::exit(FastBinBytesFromSevenFrees() == 0 ? 0 : 1), ::testing::ExitedWithCode(0),
               "")
@@ -207,17 +225,27 @@ TEST(HeapTest, ReexecWithTcacheCountZeroTurnsTheCacheOff) {
 
 TEST(HeapTest, TheEnvironmentWinsOverReexecWithTcacheCount) {
   if (!kGlibc) GTEST_SKIP() << "glibc malloc only";
-  if (std::getenv("GLIBC_TUNABLES") != nullptr) {
-    GTEST_SKIP() << "the environment sets malloc's tuning";
-  }
-  EXPECT_EQ(TcacheCountFromEnvironment(), -1);
-  ::setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=3", 1);
+  if (EnvironmentTunesMalloc()) GTEST_SKIP() << "the environment sets malloc's tuning";
+  const OwnTunables own;
+  constexpr char kSet[] = "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=3";
+  ::setenv("GLIBC_TUNABLES", kSet, 1);
   EXPECT_EQ(TcacheCountFromEnvironment(), 3);
-  // Returns (OK) without re-executing: this test process is still here to check it.
-  EXPECT_TRUE(ReexecWithTcacheCount(0).ok());
+  // Returns OK without re-executing, the environment untouched. In a child process: had it
+  // re-executed, the child would run again with GLIBC_TUNABLES extended and exit 1 (a
+  // re-execution of this process itself would go unseen).
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        if (!ReexecWithTcacheCount(0).ok()) std::exit(2);
+        const char* t = std::getenv("GLIBC_TUNABLES");
+        std::exit(t != nullptr && std::strcmp(t, kSet) == 0 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "")
+      << "a count in the environment did not win";
   ::setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_countx=3", 1);
   EXPECT_EQ(TcacheCountFromEnvironment(), -1) << "another tunable's name";
   ::unsetenv("GLIBC_TUNABLES");
+  EXPECT_EQ(TcacheCountFromEnvironment(), -1);
   EXPECT_TRUE(ReexecWithTcacheCount(-1).ok()) << "a negative count leaves glibc's default";
 }
 
