@@ -366,6 +366,11 @@ void SdmServer::Impl::UpdateGauges() {
   add(metrics->persist_bytes, s.persist_bytes, last_stats.persist_bytes);
   metrics->sessions_unpersisted.Set(static_cast<double>(s.unpersisted));
   add(metrics->persist_syncs, s.persist_syncs, last_stats.persist_syncs);
+  add(metrics->persist_waits, s.persist_waits, last_stats.persist_waits);
+  if (s.persist_wait_us > last_stats.persist_wait_us) {
+    metrics->persist_wait_seconds.Increment(
+        static_cast<double>(s.persist_wait_us - last_stats.persist_wait_us) / 1e6);
+  }
   metrics->sessions_unsynced.Set(static_cast<double>(s.unsynced));
   metrics->persistence_healthy.Set(store->PersistHealth().ok() ? 1.0 : 0.0);
   last_stats = s;

@@ -96,24 +96,33 @@ class PieceWriter {
 };
 
 // The size and XXH64 checksum (seed 0, as the formats use) of what `emit` passes to its sink,
-// streamed: the sources' first pass over a section's rows, whose checksum precedes them on disk.
-// `emit` must not fail on its own (only a sink's error would stop it, and this sink has none).
+// streamed. With `forward`, each piece is also passed on to it right after it is hashed (while
+// it is in the cache): a source's one pass (ByteSource::EmitOnePass) reads each row once for its
+// checksum and its copy. Without, the checksum alone: Emit()'s first pass over a section whose
+// checksum precedes it on disk. `emit` must not fail on its own; a forward sink's error stops it
+// and is returned.
 struct HashedBytes {
   uint64_t bytes = 0;
   uint64_t checksum = 0;
 };
-inline HashedBytes HashEmitted(absl::FunctionRef<absl::Status(ByteSource::Sink)> emit) {
+inline absl::Status EmitHashed(absl::FunctionRef<absl::Status(ByteSource::Sink)> emit,
+                               const ByteSource::Sink* forward, HashedBytes& out) {
   XXH64_state_t* hash = XXH64_createState();
   SDM_CHECK(hash != nullptr);
   XXH64_reset(hash, 0);
-  HashedBytes out;
+  out = HashedBytes();
   const absl::Status s = emit([&](absl::string_view piece) {
     XXH64_update(hash, piece.data(), piece.size());
     out.bytes += piece.size();
-    return absl::OkStatus();
+    return forward != nullptr ? (*forward)(piece) : absl::OkStatus();
   });
   out.checksum = XXH64_digest(hash);
   XXH64_freeState(hash);
+  return s;
+}
+inline HashedBytes HashEmitted(absl::FunctionRef<absl::Status(ByteSource::Sink)> emit) {
+  HashedBytes out;
+  const absl::Status s = EmitHashed(emit, nullptr, out);
   SDM_CHECK(s.ok()) << s;
   return out;
 }

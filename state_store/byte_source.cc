@@ -1,6 +1,10 @@
 #include "state_store/byte_source.h"
 
 #include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "base/check.h"
 
 namespace sdm {
 
@@ -20,5 +24,28 @@ std::string SourcePrefix(const ByteSource& source, uint64_t n) {
 }
 
 std::string SourceBytes(const ByteSource& source) { return SourcePrefix(source, source.size()); }
+
+void AppendOnePass(const ByteSource& source, std::string& out) {
+  const size_t start = out.size();
+  out.reserve(start + source.size());
+  std::vector<ByteSource::Patch> patches;
+  const absl::Status s = source.EmitOnePass(
+      [&](absl::string_view piece) {
+        out.append(piece.data(), piece.size());
+        return absl::OkStatus();
+      },
+      patches);
+  SDM_CHECK(s.ok()) << s;
+  for (const ByteSource::Patch& p : patches) {
+    SDM_CHECK(p.offset + 8 <= out.size() - start) << "a patch past the content's end";
+    std::memcpy(out.data() + start + p.offset, &p.value, 8);
+  }
+}
+
+std::string SourceBytesOnePass(const ByteSource& source) {
+  std::string out;
+  AppendOnePass(source, out);
+  return out;
+}
 
 }  // namespace sdm

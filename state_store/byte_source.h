@@ -8,13 +8,18 @@
 // buffer per thread), straight from the session's rows.
 //
 // Emit() may be called more than once (a prefix is read before the whole is written); each call
-// produces the same bytes. Thread-safety: Emit() is const and safe to call from several threads
-// when the data behind the source does not change meanwhile (the caller's contract).
+// produces the same bytes. A checksum that precedes the bytes it covers (the state formats put
+// them in section and record headers) costs Emit() a read of those bytes before it can pass them
+// on; EmitOnePass() instead passes zeros in its place and gives the value afterwards, as a Patch,
+// so that a writer that can go back (a file) reads the rows once. Thread-safety: both are const
+// and safe to call from several threads when the data behind the source does not change meanwhile
+// (the caller's contract).
 #ifndef SDMSERVE_STATE_STORE_BYTE_SOURCE_H_
 #define SDMSERVE_STATE_STORE_BYTE_SOURCE_H_
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
@@ -36,7 +41,26 @@ class ByteSource {
   virtual absl::Status Emit(Sink sink) const = 0;
   // The whole content as one view when the source holds it so (no copy needed), else empty.
   virtual const char* contiguous() const { return nullptr; }
+
+  // An 8-byte little-endian field of the content whose value EmitOnePass() learns only after
+  // passing on the bytes it covers.
+  struct Patch {
+    uint64_t offset = 0;  // from the start of the content
+    uint64_t value = 0;
+  };
+  // The content in one pass over the data behind it: Emit()'s pieces, except that each deferred
+  // field is passed as zeros and appended to `patches` (in content order) with its value. The
+  // pieces with every patch written over them are Emit()'s bytes. The default has none: Emit().
+  virtual absl::Status EmitOnePass(Sink sink, std::vector<Patch>& patches) const {
+    (void)patches;
+    return Emit(sink);
+  }
 };
+
+// The content as EmitOnePass() produces it, patches applied (it equals SourceBytes()), appended
+// to `out` in place; SDM_CHECK-fails if the source fails (a source that cannot: an encoder).
+void AppendOnePass(const ByteSource& source, std::string& out);
+std::string SourceBytesOnePass(const ByteSource& source);
 
 // A view of bytes held elsewhere (which must outlive the source).
 class StringSource final : public ByteSource {

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <iterator>
 #include <map>
@@ -132,11 +133,13 @@ struct SessionStateStore::SnapshotStamp {
   bool operator==(const SnapshotStamp&) const = default;
 };
 
-// A WhenPersisted callback waiting for the write of `version`; `seq` orders arrivals.
+// A WhenPersisted callback waiting for the write of `version`; `seq` orders arrivals, `since`
+// is when it arrived (the wait counted in StoreStats::persist_wait_us).
 struct PersistWaiter {
   uint64_t version = 0;
   uint64_t seq = 0;
   std::function<void()> done;
+  std::chrono::steady_clock::time_point since;
 };
 constexpr uint64_t kNoWaiter = ~uint64_t{0};
 
@@ -1832,8 +1835,13 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
 void SessionStateStore::SettleWaiters(Entry& e, bool all) {
   if (e.waiters.empty()) return;
   auto settled = [&](const PersistWaiter& w) { return all || w.version <= e.attempted_version; };
+  const auto now = std::chrono::steady_clock::now();
   for (PersistWaiter& w : e.waiters) {
-    if (settled(w)) ready_.push_back(std::move(w.done));
+    if (!settled(w)) continue;
+    ready_.push_back(std::move(w.done));
+    ++counters_.persist_waits;
+    counters_.persist_wait_us +=
+        std::chrono::duration_cast<std::chrono::microseconds>(now - w.since).count();
   }
   std::erase_if(e.waiters, settled);
   e.first_waiter = e.waiters.empty() ? kNoWaiter : e.waiters.front().seq;
@@ -1863,7 +1871,7 @@ void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void(
     if (wait) {
       const uint64_t seq = ++waiter_clock_;
       if (e->waiters.empty()) e->first_waiter = seq;
-      e->waiters.push_back({e->version, seq, std::move(done)});
+      e->waiters.push_back({e->version, seq, std::move(done), std::chrono::steady_clock::now()});
       worker_pending_ = true;
       changed_.SignalAll();
       return;

@@ -256,12 +256,14 @@ struct StoreStats {
   int64_t unpersisted = 0;                   // sessions whose latest turn is not on disk yet
   int64_t persist_syncs = 0;                 // background fsyncs of files (PersistSync::kWrite)
   int64_t unsynced = 0;                      // sessions written but not fsynced yet (kWrite)
-  int64_t sync_errors = 0;                   // failed device -> host copies (session kept)
-  int64_t fenced_writes = 0;                 // writes refused: not the owner (ownership)
-  int64_t orphans_removed = 0;               // fenced: uncommitted snapshot files swept
-  int64_t device_sessions = 0;               // resident sessions on the device (as of last seen)
-  int64_t device_bytes = 0;                  // their device bytes (the device tier)
-  int64_t device_evictions = 0;              // device -> host copies (budget, park, fork)
+  int64_t persist_waits = 0;     // WhenPersisted calls that waited for a write (then were called)
+  int64_t persist_wait_us = 0;   // the microseconds they waited, in all
+  int64_t sync_errors = 0;       // failed device -> host copies (session kept)
+  int64_t fenced_writes = 0;     // writes refused: not the owner (ownership)
+  int64_t orphans_removed = 0;   // fenced: uncommitted snapshot files swept
+  int64_t device_sessions = 0;   // resident sessions on the device (as of last seen)
+  int64_t device_bytes = 0;      // their device bytes (the device tier)
+  int64_t device_evictions = 0;  // device -> host copies (budget, park, fork)
   int64_t quarantined = 0;
   int64_t expired = 0;
   int64_t in_use = 0;
@@ -379,7 +381,8 @@ class SessionStateStore {
   // on-device session (written when it leaves the device), or a state already written. Otherwise
   // `done` runs on the worker or a writer thread (persist_writers), as soon as that session's write
   // is done, never with the store's lock held; pending calls run at the latest when the store is
-  // destroyed.
+  // destroyed. A call that waited is counted in Stats().persist_waits, with the time from this
+  // call to the write's end in persist_wait_us (what durability costs a turn's acknowledgement).
   void WhenPersisted(const SessionKey& key, std::function<void()> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the

@@ -176,13 +176,8 @@ absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t fingerprint) {
   const SessionStateSource source(state, record, fingerprint);
-  std::string out;
-  out.reserve(source.size());
-  const absl::Status s = source.Emit([&](absl::string_view piece) {
-    out.append(piece.data(), piece.size());
-    return absl::OkStatus();
-  });
-  SDM_CHECK(s.ok() && out.size() == source.size());
+  std::string out = SourceBytesOnePass(source);
+  SDM_CHECK(out.size() == source.size());
   return out;
 }
 
@@ -190,26 +185,23 @@ SessionStateSource::SessionStateSource(const SessionState& state, const SessionR
                                        uint64_t fingerprint)
     : state_(state), record_(EncodeRecordSection(state, record)) {
   SDM_CHECK(!state.on_device());
-  // The sizes the format gives (docs/state-format.md, Sizes), checked against what is emitted.
+  record_checksum_ = Checksum(record_.data(), record_.size());
+  // The sizes the format gives (docs/state-format.md, Sizes); each emission checks them.
   total_ = kHeaderBytes + kSectionHeaderBytes + record_.size();
-  sections_.push_back({kRecord, record_.size(), Checksum(record_.data(), record_.size())});
+  sections_.push_back({kRecord, record_.size()});
   for (int64_t li = 0; li < state.num_layers(); ++li) {
-    uint64_t expected = 4;
+    uint64_t bytes = 4;
     if (state.is_sdm(li)) {
       const SdmTable& t = state.sdm(li);
-      expected += 32 + static_cast<uint64_t>(t.private_rows()) *
-                           (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
+      bytes += 32 + static_cast<uint64_t>(t.private_rows()) *
+                        (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
     } else {
       const KvCache& kv = state.kv(li);
-      expected += 32 + 2 * static_cast<uint64_t>(kv.length() - kv.first_position()) *
-                           static_cast<uint64_t>(kv.row_width()) * sizeof(float);
+      bytes += 32 + 2 * static_cast<uint64_t>(kv.length() - kv.first_position()) *
+                        static_cast<uint64_t>(kv.row_width()) * sizeof(float);
     }
-    // The checksum: one read of the layer's rows (the second is Emit's).
-    const internal_state::HashedBytes layer =
-        internal_state::HashEmitted([&](Sink sink) { return EmitLayer(li, sink); });
-    SDM_CHECK(layer.bytes == expected) << layer.bytes << " != " << expected;
-    sections_.push_back({state.is_sdm(li) ? kSdm : kKv, layer.bytes, layer.checksum});
-    total_ += kSectionHeaderBytes + layer.bytes;
+    sections_.push_back({state.is_sdm(li) ? kSdm : kKv, bytes});
+    total_ += kSectionHeaderBytes + bytes;
   }
   Writer w;
   w.Raw(kMagic, 8);
@@ -251,16 +243,45 @@ absl::Status SessionStateSource::EmitLayer(int64_t li, Sink sink) const {
   return w.Finish();
 }
 
-absl::Status SessionStateSource::Emit(Sink sink) const {
+absl::Status SessionStateSource::Emit(Sink sink) const { return EmitSections(sink, nullptr); }
+
+absl::Status SessionStateSource::EmitOnePass(Sink sink, std::vector<Patch>& patches) const {
+  return EmitSections(sink, &patches);
+}
+
+absl::Status SessionStateSource::EmitSections(Sink sink, std::vector<Patch>* patches) const {
   SDM_RETURN_IF_ERROR(sink(header_));
+  uint64_t at = header_.size();  // where the next section header starts
   for (size_t i = 0; i < sections_.size(); ++i) {
+    const Section& section = sections_[i];
+    const auto emit_payload = [&](Sink to) {
+      return i == 0 ? to(record_) : EmitLayer(static_cast<int64_t>(i) - 1, to);
+    };
+    // The record's checksum is known; a layer's is a pass over its rows, made here (Emit) or
+    // while they are passed on (EmitOnePass: zeros now, the value as a patch).
+    uint64_t checksum = record_checksum_;
+    if (i > 0 && patches == nullptr) {
+      const internal_state::HashedBytes hashed = internal_state::HashEmitted(emit_payload);
+      SDM_CHECK(hashed.bytes == section.bytes) << hashed.bytes << " != " << section.bytes;
+      checksum = hashed.checksum;
+    } else if (i > 0) {
+      checksum = 0;
+    }
     Writer h;
-    h.U32(sections_[i].type);
+    h.U32(section.type);
     h.U32(0);
-    h.U64(sections_[i].bytes);
-    h.U64(sections_[i].checksum);
+    h.U64(section.bytes);
+    h.U64(checksum);
     SDM_RETURN_IF_ERROR(sink(h.out()));
-    SDM_RETURN_IF_ERROR(i == 0 ? sink(record_) : EmitLayer(static_cast<int64_t>(i) - 1, sink));
+    if (i > 0 && patches != nullptr) {
+      internal_state::HashedBytes hashed;
+      SDM_RETURN_IF_ERROR(internal_state::EmitHashed(emit_payload, &sink, hashed));
+      SDM_CHECK(hashed.bytes == section.bytes) << hashed.bytes << " != " << section.bytes;
+      patches->push_back({at + 16, hashed.checksum});
+    } else {
+      SDM_RETURN_IF_ERROR(emit_payload(sink));
+    }
+    at += kSectionHeaderBytes + section.bytes;
   }
   return absl::OkStatus();
 }

@@ -50,8 +50,10 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
 
 // The same bytes as a ByteSource (state_store/byte_source.h), produced straight from the state's
 // rows: what the store writes a snapshot from, with no buffer of the snapshot's size. The
-// constructor reads every row once (the sections' checksums come before their payloads); each
-// Emit() reads them again. The state must not change while the source is in use (the store keeps
+// constructor only sizes the sections. A layer section's checksum precedes its rows, so Emit()
+// reads each layer's rows twice (hash, then pass on; a prefix up to the record section reads
+// none); EmitOnePass() reads them once and gives each layer's checksum as a Patch (what the
+// store's writes use). The state must not change while the source is in use (the store keeps
 // the session busy), and must outlive it. Precondition: !state.on_device() (SDM_CHECK).
 class SessionStateSource final : public ByteSource {
  public:
@@ -60,18 +62,21 @@ class SessionStateSource final : public ByteSource {
 
   uint64_t size() const override { return total_; }
   absl::Status Emit(Sink sink) const override;
+  absl::Status EmitOnePass(Sink sink, std::vector<Patch>& patches) const override;
 
  private:
   struct Section {
     uint32_t type = 0;
     uint64_t bytes = 0;  // of the payload
-    uint64_t checksum = 0;
   };
+  // Both emissions: with `patches`, each layer's checksum is deferred (one read of its rows).
+  absl::Status EmitSections(Sink sink, std::vector<Patch>* patches) const;
   // Layer li's section payload.
   absl::Status EmitLayer(int64_t li, Sink sink) const;
 
   const SessionState& state_;
   std::string record_;  // the record section's payload
+  uint64_t record_checksum_ = 0;
   std::string header_;  // the file header, complete
   std::vector<Section> sections_;
   uint64_t total_ = 0;

@@ -11,8 +11,10 @@
 #include <cstring>
 #include <memory>
 #include <system_error>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/status_macros.h"
 
 namespace sdm {
 namespace {
@@ -205,24 +207,44 @@ absl::Status StateFiles::WriteSource(int fd, const std::filesystem::path& path, 
   uint64_t used = 0;
   // The first chunk ends at a block boundary of the file, so every later one starts at one.
   uint64_t room = kDirectChunk - offset % kDirectBlock;
-  absl::Status written = data.Emit([&](absl::string_view piece) -> absl::Status {
-    while (!piece.empty()) {
-      const uint64_t n = std::min<uint64_t>(piece.size(), room - used);
-      std::memcpy(chunk + used, piece.data(), n);
-      used += n;
-      piece.remove_prefix(n);
-      if (used == room) {
-        if (absl::Status s = WriteFd(fd, path, at, absl::string_view(chunk, used)); !s.ok()) {
-          return s;
+  // One pass over the source's rows: its deferred checksums are written over their placeholders
+  // afterwards (below), in the last chunk before it goes out or over what is already written.
+  std::vector<ByteSource::Patch> patches;
+  absl::Status written = data.EmitOnePass(
+      [&](absl::string_view piece) -> absl::Status {
+        while (!piece.empty()) {
+          const uint64_t n = std::min<uint64_t>(piece.size(), room - used);
+          std::memcpy(chunk + used, piece.data(), n);
+          used += n;
+          piece.remove_prefix(n);
+          if (used == room) {
+            SDM_RETURN_IF_ERROR(WriteFd(fd, path, at, absl::string_view(chunk, used)));
+            at += used;
+            used = 0;
+            room = kDirectChunk;
+          }
         }
-        at += used;
-        used = 0;
-        room = kDirectChunk;
-      }
+        return absl::OkStatus();
+      },
+      patches);
+  SDM_RETURN_IF_ERROR(written);
+  for (const ByteSource::Patch& patch : patches) {
+    if (patch.offset + 8 > data.size()) {
+      return absl::InternalError(absl::StrCat("cannot write ", path.string(), ": a field at ",
+                                              patch.offset, " lies past the data's end"));
     }
-    return absl::OkStatus();
-  });
-  if (!written.ok()) return written;
+    char bytes[8];
+    std::memcpy(bytes, &patch.value, 8);  // little-endian, as the formats are (byte_io.h)
+    // [begin, begin + 8) in the file: the part from `at` on is still in the chunk.
+    const uint64_t begin = offset + patch.offset;
+    for (uint64_t i = 0; i < 8; ++i) {
+      if (begin + i >= at) chunk[begin + i - at] = bytes[i];
+    }
+    if (begin < at) {
+      const uint64_t n = std::min<uint64_t>(8, at - begin);
+      SDM_RETURN_IF_ERROR(WriteFd(fd, path, begin, absl::string_view(bytes, n)));
+    }
+  }
   if (used > 0) return WriteFd(fd, path, at, absl::string_view(chunk, used));
   return absl::OkStatus();
 }

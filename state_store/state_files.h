@@ -94,7 +94,10 @@ class StateFiles {
   // The same for a ByteSource: a contiguous one in one WriteFd(); otherwise its pieces gathered
   // into chunks of a buffer each calling thread keeps (aligned, 4 MiB: allocated once), one
   // WriteFd() per chunk, every chunk after the first starting at a multiple of the direct-I/O
-  // block in the file (so that Direct() writes each from that buffer with no staging copy).
+  // block in the file (so that Direct() writes each from that buffer with no staging copy). The
+  // source is produced once (ByteSource::EmitOnePass): each deferred checksum goes into the last
+  // chunk before it is written, or, when its chunk is already out, over the file's placeholder
+  // with an 8-byte WriteFd(); the file ends up with Emit()'s bytes either way.
   absl::Status WriteSource(int fd, const std::filesystem::path& path, uint64_t offset,
                            const ByteSource& data);
 };

@@ -235,12 +235,8 @@ SessionDeltaSource::SessionDeltaSource(const SessionState& state, const SessionR
       record_(EncodeRecordSection(state, record)) {
   SDM_CHECK(!state.on_device());
   SDM_CHECK(from <= state.position());
-  // The checksum: one read of the rows (the second is Emit's).
-  const internal_state::HashedBytes payload =
-      internal_state::HashEmitted([&](Sink sink) { return EmitPayload(sink); });
-  payload_bytes_ = payload.bytes;
-  checksum_ = payload.checksum;
-  SDM_CHECK(kLogRecordHeaderBytes + payload_bytes_ == SessionDeltaBytes(state, record, from));
+  // Each emission checks that it produced this many bytes.
+  payload_bytes_ = SessionDeltaBytes(state, record, from) - kLogRecordHeaderBytes;
 }
 
 absl::Status SessionDeltaSource::EmitPayload(Sink sink) const {
@@ -277,23 +273,35 @@ absl::Status SessionDeltaSource::EmitPayload(Sink sink) const {
 }
 
 absl::Status SessionDeltaSource::Emit(Sink sink) const {
+  const auto emit_payload = [&](Sink to) { return EmitPayload(to); };
+  // The checksum first: one read of the rows, the second passes them on.
+  const internal_state::HashedBytes payload = internal_state::HashEmitted(emit_payload);
+  SDM_CHECK(payload.bytes == payload_bytes_) << payload.bytes << " != " << payload_bytes_;
   SDM_RETURN_IF_ERROR(sink(log_header_));
   Writer frame;
   frame.U64(payload_bytes_);
-  frame.U64(checksum_);
+  frame.U64(payload.checksum);
   SDM_RETURN_IF_ERROR(sink(frame.out()));
   return EmitPayload(sink);
 }
 
+absl::Status SessionDeltaSource::EmitOnePass(Sink sink, std::vector<Patch>& patches) const {
+  SDM_RETURN_IF_ERROR(sink(log_header_));
+  Writer frame;
+  frame.U64(payload_bytes_);
+  frame.U64(0);  // the checksum: patched once the payload is out
+  SDM_RETURN_IF_ERROR(sink(frame.out()));
+  internal_state::HashedBytes payload;
+  SDM_RETURN_IF_ERROR(
+      internal_state::EmitHashed([&](Sink to) { return EmitPayload(to); }, &sink, payload));
+  SDM_CHECK(payload.bytes == payload_bytes_) << payload.bytes << " != " << payload_bytes_;
+  patches.push_back({log_header_.size() + 8, payload.checksum});
+  return absl::OkStatus();
+}
+
 void AppendSessionDelta(const SessionState& state, const SessionRecord& record, int64_t from,
                         std::string& out) {
-  const SessionDeltaSource source(state, record, from);
-  out.reserve(out.size() + source.size());
-  const absl::Status s = source.Emit([&](absl::string_view piece) {
-    out.append(piece.data(), piece.size());
-    return absl::OkStatus();
-  });
-  SDM_CHECK(s.ok());
+  AppendOnePass(SessionDeltaSource(state, record, from), out);
 }
 
 std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -56,9 +57,11 @@ uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& recor
 
 // The same record as a ByteSource (state_store/byte_source.h), after `log_header` (the log's
 // header when this record starts the log, else empty), produced straight from the state's rows:
-// what the store appends to a log, with no buffer of the record's size. The constructor reads the
-// rows once (the frame's checksum comes before the payload), each Emit() again; the state must not
-// change while the source is in use, and must outlive it. Preconditions as EncodeSessionDelta's.
+// what the store appends to a log, with no buffer of the record's size. The frame's checksum
+// comes before the payload, so Emit() reads the rows twice (hash, then pass on); EmitOnePass()
+// reads them once and gives the checksum as a Patch (what the store's appends use). The state
+// must not change while the source is in use, and must outlive it. Preconditions as
+// EncodeSessionDelta's.
 class SessionDeltaSource final : public ByteSource {
  public:
   SessionDeltaSource(const SessionState& state, const SessionRecord& record, int64_t from_position,
@@ -68,6 +71,7 @@ class SessionDeltaSource final : public ByteSource {
     return log_header_.size() + kLogRecordHeaderBytes + payload_bytes_;
   }
   absl::Status Emit(Sink sink) const override;
+  absl::Status EmitOnePass(Sink sink, std::vector<Patch>& patches) const override;
 
  private:
   absl::Status EmitPayload(Sink sink) const;
@@ -77,7 +81,6 @@ class SessionDeltaSource final : public ByteSource {
   std::string log_header_;
   std::string record_;  // the record section's payload
   uint64_t payload_bytes_ = 0;
-  uint64_t checksum_ = 0;
 };
 
 struct LogReplay {

@@ -124,6 +124,18 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                         .Help("Files fsynced by the background syncer (--persist_sync=write).")
                         .Register(registry)
                         .Add({})),
+      persist_waits(BuildCounter()
+                        .Name("sdm_persist_waits_total")
+                        .Help("Turns whose acknowledgement waited for their write to the state "
+                              "directory (--persist turn).")
+                        .Register(registry)
+                        .Add({})),
+      persist_wait_seconds(BuildCounter()
+                               .Name("sdm_persist_wait_seconds_total")
+                               .Help("Seconds the turns counted in sdm_persist_waits_total "
+                                     "waited for their writes, in all.")
+                               .Register(registry)
+                               .Add({})),
       sessions_unsynced(BuildGauge()
                             .Name("sdm_sessions_unsynced")
                             .Help("Sessions written to the state directory but not fsynced yet "

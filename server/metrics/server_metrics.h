@@ -99,6 +99,8 @@ class ServerMetrics {
   prometheus::Counter& persist_bytes;
   prometheus::Gauge& sessions_unpersisted;
   prometheus::Counter& persist_syncs;
+  prometheus::Counter& persist_waits;
+  prometheus::Counter& persist_wait_seconds;
   prometheus::Gauge& sessions_unsynced;
   prometheus::Gauge& persistence_healthy;
   // The process heap at the last scrape (base/heap.h, GetHeapUsage).

@@ -7,11 +7,14 @@
 // A kill -9 is simulated by copying the state directory while the store is alive (what the disk
 // holds at that instant) and opening a second store on the copy, as a restarted server would.
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -468,6 +471,86 @@ class GatedSyncFiles : public FaultInjectionFiles {
  private:
   absl::Notification gate_;
 };
+
+// Once armed, holds every write of session data (snapshot or log append) until opened, and
+// counts the writes that reached the gate.
+class GatedWriteFiles : public FaultInjectionFiles {
+ public:
+  using StateFiles::WriteAt;
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
+                       bool sync) override {
+    Hold();
+    return FaultInjectionFiles::WriteAt(path, offset, data, sync);
+  }
+  void Arm() { armed_ = true; }
+  void Open() {
+    if (!gate_.HasBeenNotified()) gate_.Notify();
+  }
+  int held() const { return held_.load(); }
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
+                            bool sync) override {
+    Hold();
+    return FaultInjectionFiles::WriteAndSync(path, data, sync);
+  }
+
+ private:
+  void Hold() {
+    if (!armed_.load()) return;
+    held_.fetch_add(1);
+    gate_.WaitForNotification();
+  }
+
+  std::atomic<bool> armed_{false};
+  std::atomic<int> held_{0};
+  absl::Notification gate_;
+};
+
+// What durability costs a turn's acknowledgement is counted (StoreStats::persist_waits,
+// persist_wait_us): a WhenPersisted call that waits, with at least the time its write was held;
+// one with nothing to wait for, not at all. No timing races: the test waits for the write to
+// reach the gate, and the store's wait must cover the test's own measure of the hold.
+TEST_F(DurabilityTest, AcknowledgementWaitsAreCountedWithTheirTime) {
+  GatedWriteFiles files;
+  SessionStoreOptions options;
+  options.dir = dir_.path();
+  options.files = &files;
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  SessionStateStore& store = **opened;
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its writers
+  ASSERT_TRUE(store.Create("s", "").ok());
+  absl::Notification created;
+  store.WhenPersisted("s", [&] { created.Notify(); });
+  created.WaitForNotification();
+  const StoreStats before = store.Stats();
+  // Written already: called at once, not counted.
+  bool at_once = false;
+  store.WhenPersisted("s", [&] { at_once = true; });
+  EXPECT_TRUE(at_once);
+  EXPECT_EQ(store.Stats().persist_waits, before.persist_waits);
+
+  files.Arm();
+  Turn(store, "s", testing::RandomTokens(5, 31));
+  absl::Notification acked;
+  store.WhenPersisted("s", [&] { acked.Notify(); });
+  const auto asked = std::chrono::steady_clock::now();
+  while (files.held() == 0) std::this_thread::yield();  // the turn's write is at the gate
+  EXPECT_FALSE(acked.HasBeenNotified());
+  // Held for at least 2 ms (measured, not slept): a wait recorded as nothing cannot pass below.
+  auto opening = std::chrono::steady_clock::now();
+  while (opening - asked < std::chrono::milliseconds(2)) {
+    std::this_thread::yield();
+    opening = std::chrono::steady_clock::now();
+  }
+  files.Open();
+  acked.WaitForNotification();
+  const StoreStats after = store.Stats();
+  EXPECT_EQ(after.persist_waits, before.persist_waits + 1);
+  EXPECT_GE(after.persist_wait_us - before.persist_wait_us,
+            std::chrono::duration_cast<std::chrono::microseconds>(opening - asked).count());
+}
 
 // --persist_sync=fsync: a turn is acknowledged (WhenPersisted) only once its write was fsynced:
 // every write asks for the fsync and none is left to the background syncer.

@@ -7,14 +7,18 @@
 #include "state_store/state_files.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "base/status_macros.h"
 #include "gtest/gtest.h"
 #include "state_store/byte_source.h"
 #include "tests/base/scoped_temp_dir.h"
@@ -36,31 +40,75 @@ std::string ReadAll(const std::filesystem::path& path) {
 
 // `data` in pieces of random sizes (empty ones too), as an encoder emits a snapshot; with
 // fail_after set, Emit() fails once that many bytes are out (a source whose producer fails).
+// With `deferred` offsets, EmitOnePass() passes zeros for the 8 bytes at each and gives their
+// values as patches (a checksum placed before what it covers); it counts Emit() calls.
 class PiecewiseSource : public ByteSource {
  public:
-  PiecewiseSource(absl::string_view data, uint64_t seed, int64_t fail_after = -1)
-      : data_(data), seed_(seed), fail_after_(fail_after) {}
+  PiecewiseSource(absl::string_view data, uint64_t seed, int64_t fail_after = -1,
+                  std::vector<uint64_t> deferred = {})
+      : data_(data), seed_(seed), fail_after_(fail_after), deferred_(std::move(deferred)) {
+    zeroed_ = std::string(data);
+    for (uint64_t at : deferred_) std::memset(zeroed_.data() + at, 0, 8);
+  }
   uint64_t size() const override { return data_.size(); }
   absl::Status Emit(Sink sink) const override {
+    ++emits_;
+    return EmitFrom(data_, sink);
+  }
+  absl::Status EmitOnePass(Sink sink, std::vector<Patch>& patches) const override {
+    SDM_RETURN_IF_ERROR(EmitFrom(zeroed_, sink));
+    for (uint64_t at : deferred_) {
+      Patch p{at, 0};
+      std::memcpy(&p.value, data_.data() + at, 8);
+      patches.push_back(p);
+    }
+    return absl::OkStatus();
+  }
+  int emits() const { return emits_; }
+
+ private:
+  absl::Status EmitFrom(absl::string_view data, Sink sink) const {
     std::mt19937_64 rng(seed_);
     size_t at = 0;
-    while (at < data_.size()) {
+    while (at < data.size()) {
       const size_t sizes[] = {0, 1, 7, 600, 4096, 70000, size_t{5} << 20};
-      const size_t n = std::min(data_.size() - at, sizes[rng() % 7] + rng() % 3);
+      const size_t n = std::min(data.size() - at, sizes[rng() % 7] + rng() % 3);
       if (fail_after_ >= 0 && at + n > static_cast<size_t>(fail_after_)) {
         return absl::InternalError("the producer failed");
       }
-      if (absl::Status s = sink(data_.substr(at, n)); !s.ok()) return s;
+      if (absl::Status s = sink(data.substr(at, n)); !s.ok()) return s;
       at += n;
     }
     return absl::OkStatus();
   }
 
- private:
   absl::string_view data_;
+  std::string zeroed_;  // data_ with the deferred fields zero
   uint64_t seed_;
   int64_t fail_after_;
+  std::vector<uint64_t> deferred_;
+  mutable std::atomic<int> emits_{0};
 };
+
+// Deferred fields for a source of `size` bytes written at file offset `at`: none below 8 bytes;
+// else the first and last 8 bytes, one across the end of the writer's first 4 MiB chunk (which
+// ends at a block boundary of the file), one across a block boundary, and a few anywhere.
+std::vector<uint64_t> DeferredFields(std::mt19937_64& rng, size_t size, uint64_t at) {
+  std::vector<uint64_t> out;
+  if (size < 8) return out;
+  const uint64_t first_chunk = (uint64_t{4} << 20) - at % 4096;
+  for (uint64_t candidate : {uint64_t{0}, size - 8, first_chunk - 3, 4096 - at % 4096 - 5}) {
+    if (candidate + 8 <= size) out.push_back(candidate);
+  }
+  for (int i = 0; i < 3; ++i) out.push_back(rng() % (size - 7));
+  // Fields do not overlap in a real source: keep the first of any two that would.
+  std::sort(out.begin(), out.end());
+  std::vector<uint64_t> apart;
+  for (uint64_t f : out) {
+    if (apart.empty() || f >= apart.back() + 8) apart.push_back(f);
+  }
+  return apart;
+}
 
 TEST(StateFilesTest, SourcePrefixStopsWhereAsked) {
   std::mt19937_64 rng(3);
@@ -74,6 +122,10 @@ TEST(StateFilesTest, SourcePrefixStopsWhereAsked) {
   const StringSource whole(data);
   EXPECT_EQ(whole.contiguous(), data.data());
   EXPECT_EQ(source.contiguous(), nullptr);
+  // One pass with its fields patched gives the same bytes.
+  const PiecewiseSource deferred(data, 5, -1, DeferredFields(rng, data.size(), 0));
+  EXPECT_EQ(SourceBytesOnePass(deferred), data);
+  EXPECT_EQ(deferred.emits(), 0);
 }
 
 TEST(StateFilesTest, ForIoNamesBothModes) {
@@ -100,12 +152,18 @@ TEST(StateFilesTest, DirectSnapshotsHoldExactlyTheirBytes) {
       ASSERT_TRUE(StateFiles::Direct()->WriteAtomically(path, data, sync).ok());
       EXPECT_EQ(ReadAll(path), data);
       EXPECT_FALSE(std::filesystem::exists(dir.path() / "s.sdmstate.tmp"));
-      // The same bytes from a source in pieces, both ways.
+      // The same bytes from a source in pieces, both ways, with fields patched after the pass
+      // (in the last chunk, over chunks already written, across chunk and block boundaries):
+      // produced once, never by the two-pass Emit().
       for (StateFiles* files : {StateFiles::Direct(), StateFiles::Default()}) {
         ASSERT_TRUE(
             StateFiles::Default()->WriteAtomically(path, RandomBytes(rng, size + 5000)).ok());
-        ASSERT_TRUE(files->WriteAtomically(path, PiecewiseSource(data, size), sync).ok());
-        EXPECT_EQ(ReadAll(path), data) << (files == StateFiles::Direct() ? "direct" : "buffered");
+        const PiecewiseSource source(data, size, -1, DeferredFields(rng, size, 0));
+        ASSERT_TRUE(files->WriteAtomically(path, source, sync).ok());
+        // Not EXPECT_EQ: a failure would print megabytes.
+        EXPECT_TRUE(ReadAll(path) == data)
+            << (files == StateFiles::Direct() ? "direct" : "buffered");
+        EXPECT_EQ(source.emits(), 0);
       }
     }
   }
@@ -156,14 +214,19 @@ TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
       const std::string data = RandomBytes(rng, size);
       const bool sync = rng() % 4 == 0;
       // As one string or in pieces (the store's deltas), alternately.
+      // With fields patched after the pass (a delta's frame checksum), both ways.
       if (rng() % 2 == 0) {
         ASSERT_TRUE(StateFiles::Direct()->WriteAt(direct, at, data, sync).ok());
       } else {
-        ASSERT_TRUE(
-            StateFiles::Direct()->WriteAt(direct, at, PiecewiseSource(data, rng()), sync).ok());
+        const PiecewiseSource source(data, rng(), -1, DeferredFields(rng, size, at));
+        ASSERT_TRUE(StateFiles::Direct()->WriteAt(direct, at, source, sync).ok());
+        EXPECT_EQ(source.emits(), 0);
       }
-      ASSERT_TRUE(
-          StateFiles::Default()->WriteAt(buffered, at, PiecewiseSource(data, rng()), sync).ok());
+      ASSERT_TRUE(StateFiles::Default()
+                      ->WriteAt(buffered, at,
+                                PiecewiseSource(data, rng(), -1, DeferredFields(rng, size, at)),
+                                sync)
+                      .ok());
       expected.resize(at);
       expected += data;
       ASSERT_EQ(ReadAll(direct), expected) << "record " << i << " at " << at;

@@ -5,9 +5,11 @@
 #include "state_store/state_log.h"
 
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -206,6 +208,61 @@ TEST_F(StateLogTest, ADeltaAppendedInPlaceIsTheRecordOfItsAnnouncedSize) {
   EXPECT_EQ(replay.records, 1);
   EXPECT_EQ(replay.record.last_used_unix_ms, 77);
   EXPECT_TRUE(testing::BitwiseEqual(Probe(**state), Probe(*live_)));
+}
+
+// A snapshot or a delta produced in one pass (what the store writes: placeholders, then each
+// checksum patched over its own) is byte for byte the two-pass emission, which computes each
+// checksum before the bytes it covers; the placeholders are exactly the checksum fields.
+TEST_F(StateLogTest, OnePassEmissionsAreTheTwoPassBytes) {
+  const uint32_t fresh = std::random_device{}();
+  for (uint32_t seed : {21u, 22u, fresh}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    Build(seed, 3 + static_cast<int>(seed % 40), 2);
+    const int64_t from = live_->position();
+    testing::DecodeEach(*engine_, *live_, testing::RandomTokens(1 + seed % 20, seed));
+    const SessionRecord record{"s", "meta", -1, 5};
+    const SessionStateSource snapshot(*live_, record, engine_->fingerprint());
+    const SessionDeltaSource first(*live_, record, from,
+                                   EncodeLogHeader(engine_->fingerprint(), IdOf(snapshot_)));
+    const SessionDeltaSource later(*live_, record, from);
+    const std::vector<std::pair<const ByteSource*, size_t>> sources = {
+        {&snapshot, static_cast<size_t>(live_->num_layers())}, {&first, 1}, {&later, 1}};
+    for (const auto& [source, fields] : sources) {
+      const std::string two_pass = SourceBytes(*source);
+      ASSERT_EQ(two_pass.size(), source->size());
+      EXPECT_EQ(SourceBytesOnePass(*source), two_pass);
+      // The raw pass: zeros at the patched fields, everything else already final.
+      std::string raw;
+      std::vector<ByteSource::Patch> patches;
+      ASSERT_TRUE(source
+                      ->EmitOnePass(
+                          [&](absl::string_view piece) {
+                            raw.append(piece.data(), piece.size());
+                            return absl::OkStatus();
+                          },
+                          patches)
+                      .ok());
+      ASSERT_EQ(patches.size(), fields);
+      std::string patched = raw;
+      for (const ByteSource::Patch& p : patches) {
+        EXPECT_EQ(raw.substr(p.offset, 8), std::string(8, '\0'));
+        std::memcpy(patched.data() + p.offset, &p.value, 8);
+      }
+      EXPECT_EQ(patched, two_pass);
+    }
+    // And what they encode restores the live session: the new snapshot alone, or the old one
+    // with its log and the new delta.
+    const std::string one_pass = SourceBytesOnePass(snapshot);
+    const std::vector<float> live = Probe(*live_);
+    auto alone = Restore(one_pass, EncodeLogHeader(engine_->fingerprint(), IdOf(one_pass)));
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    EXPECT_TRUE(testing::BitwiseEqual(Probe(**alone), live));
+    LogReplay replay;
+    auto logged = Restore(snapshot_, log_ + SourceBytesOnePass(later), &replay);
+    ASSERT_TRUE(logged.ok()) << logged.status();
+    EXPECT_EQ(replay.records, 3);
+    EXPECT_TRUE(testing::BitwiseEqual(Probe(**logged), live));
+  }
 }
 
 }  // namespace
