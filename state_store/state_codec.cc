@@ -259,13 +259,13 @@ absl::Status SessionStateSource::EmitSections(Sink sink, std::vector<Patch>* pat
     };
     // The record's checksum is known; a layer's is a pass over its rows, made here (Emit) or
     // while they are passed on (EmitOnePass: zeros now, the value as a patch).
-    uint64_t checksum = record_checksum_;
-    if (i > 0 && patches == nullptr) {
+    uint64_t checksum = 0;
+    if (i == 0) {
+      checksum = record_checksum_;
+    } else if (patches == nullptr) {
       const internal_state::HashedBytes hashed = internal_state::HashEmitted(emit_payload);
       SDM_CHECK(hashed.bytes == section.bytes) << hashed.bytes << " != " << section.bytes;
       checksum = hashed.checksum;
-    } else if (i > 0) {
-      checksum = 0;
     }
     Writer h;
     h.U32(section.type);

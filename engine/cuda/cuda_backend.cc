@@ -759,30 +759,37 @@ class CudaBackend : public EngineBackend {
     return GatedOutput(n, ws.o.get(), q_width, a.w_gate, nullptr, a.wo, nullptr);
   }
 
+  // The inputs both SDM step paths take (kc::SdmStepArgs, kc::SdmDecodeArgs): the activated
+  // write and read weights, the gates, v, the update rule, M0 and where the readings go.
+  template <typename StepArgs>
+  void SetSdmUpdateInputs(const __nv_bfloat16* m0, int64_t n_w, int64_t n_r, StepArgs& a) {
+    const Workspace& ws = ws_;
+    a.w_weights = ws.w_weights.get();
+    a.n_w = n_w;
+    a.r_weights = ws.r_weights.get();
+    a.n_r = n_r;
+    a.log_decay = ws.log_decay.get();
+    a.beta = ws.beta.get();
+    a.v = ws.sv.get();
+    a.key_weighted_decay = cfg_.sdm.key_weighted_decay;
+    a.slot_residual = cfg_.sdm.update_rule == UpdateRule::kSlotResidual;
+    a.m0 = m0;
+    a.readings = ws.readings.get();
+  }
+
   // The general SDM step (multi-token segments): rows prepared, then the fused write and read.
   absl::Status SdmPrefillStep(const SdmTensors<DeviceMatrix, const float*>& w, int64_t n_w,
                               int64_t n_r, const kc::SdmSegments& sg, const kc::SdmDims& dims) {
     Workspace& ws = ws_;
     cudaStream_t stream = ctx_->compute();
-    const SdmArgs& args = cfg_.sdm;
     SDM_RETURN_IF_ERROR(
         Launched(kc::SdmPrepareRows(ws.w_slots.get(), n_w, ws.r_slots.get(), n_r, sg, dims, w.m0.w,
                                     ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
                  "sdm row preparation"));
     kc::SdmStepArgs step;
+    SetSdmUpdateInputs(w.m0.w, n_w, n_r, step);
     step.w_rows = ws.w_rows.get();
-    step.w_weights = ws.w_weights.get();
-    step.n_w = n_w;
     step.r_refs = ws.r_refs.get();
-    step.r_weights = ws.r_weights.get();
-    step.n_r = n_r;
-    step.log_decay = ws.log_decay.get();
-    step.beta = ws.beta.get();
-    step.v = ws.sv.get();
-    step.key_weighted_decay = args.key_weighted_decay;
-    step.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
-    step.m0 = w.m0.w;
-    step.readings = ws.readings.get();
     SDM_RETURN_IF_ERROR(
         Launched(kc::SdmStep(step, sg, dims, ctx_->row_arena(), stream), "sdm step"));
     return absl::OkStatus();
@@ -840,19 +847,9 @@ class CudaBackend : public EngineBackend {
       // A decode batch: allocation, the write and the read in one or two launches
       // (kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path below computes.
       kc::SdmDecodeArgs dec;
+      SetSdmUpdateInputs(w.m0.w, n_w, n_r, dec);
       dec.w_slots = ws.w_slots.get();
-      dec.w_weights = ws.w_weights.get();
-      dec.n_w = n_w;
       dec.r_slots = ws.r_slots.get();
-      dec.r_weights = ws.r_weights.get();
-      dec.n_r = n_r;
-      dec.log_decay = ws.log_decay.get();
-      dec.beta = ws.beta.get();
-      dec.v = ws.sv.get();
-      dec.key_weighted_decay = args.key_weighted_decay;
-      dec.slot_residual = args.update_rule == UpdateRule::kSlotResidual;
-      dec.m0 = w.m0.w;
-      dec.readings = ws.readings.get();
       dec.w_rows = ws.w_rows.get();
       SDM_RETURN_IF_ERROR(
           Launched(kc::SdmDecodeStep(dec, sg, dims, ctx_->row_arena(), stream), "sdm decode step"));
