@@ -100,6 +100,13 @@ def describe(cfg):
     return ", ".join(layers)
 
 
+PRECISION = {
+    "fp32": "float32",
+    "bf16": "matrix products in bf16 (CPU autocast; weights, optimizer state and the SDM "
+            "recurrence in float32)",
+}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", required=True)
@@ -120,8 +127,8 @@ def main(argv=None):
     window = cfg["swa_window"]
 
     L = []
-    L.append(f"# {os.path.basename(os.path.normpath(args.model))}: a tiny byte-level SDM hybrid "
-             "trained on fortunes\n")
+    L.append(f"# {os.path.basename(os.path.normpath(args.model))}: a small byte-level SDM "
+             "hybrid trained on fortunes\n")
     L.append("Trained on this project's 2-core CPU by `scripts/train-demo.sh` (training/train.py); "
              "the model card is written by training/card.py from the run's own logs. It exists to "
              "show what the server is for — a session whose fixed-size memory carries what it was "
@@ -165,7 +172,8 @@ def main(argv=None):
     L.append(f"- {ev['steps']} steps of {ev['batch']} rows x {ev['seq']} bytes "
              f"({ev['tokens']:,} bytes), AdamW (betas 0.9/0.95, weight decay 0.1), peak learning "
              f"rate {ev['lr']:g} with warm-up and cosine decay to 10%, gradient clipping 1.0, "
-             f"seed {ev['seed']}, float32, {ev['threads']} torch thread(s)." +
+             f"seed {ev['seed']}, {PRECISION[ev.get('precision', 'fp32')]}, "
+             f"{ev['threads']} torch thread(s)." +
              (f" The SDM write strength starts low (b_proj bias {ev['beta_bias']:g}, beta = "
               f"{1 / (1 + math.exp(-ev['beta_bias'])):.2f}) so that text overwrites a slot "
               "slowly until the model has learned what to keep." if "beta_bias" in ev else ""))

@@ -208,6 +208,12 @@ class SdmMemory(nn.Module):
         return dense, mask
 
     def forward(self, x, state: Optional[torch.Tensor] = None, return_state: bool = False):
+        if torch.is_autocast_cpu_enabled():
+            # Under bf16 autocast (train.py --precision bf16) the memory layer still runs in
+            # float32: the delta rule accumulates into the same slots over thousands of steps,
+            # and the chunked form's triangular solve would lose it in bf16's 8 bits.
+            with torch.autocast("cpu", enabled=False):
+                return self.forward(x.float(), state, return_state)
         B, T, d = x.shape
         H, s, hd = self.H, self.s, self.hd
         S2 = s * s

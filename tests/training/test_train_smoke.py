@@ -8,6 +8,9 @@
   3. The bf16 export loads in the engine: `sdm-cli logits --all` equals the float64 reference
      (training/sdm_reference_model.py) on the exported files, and the trainable float32 model
      (training/sdm_torch.py, the chunked SDM form) on the same bf16 weights, within 1e-4 relative.
+  4. --precision bf16 (matrix products under bf16 autocast): the loss falls as well, and the SDM
+     layer still computes in float32 under autocast (its output equals, bit for bit, its output
+     without autocast).
 
 Usage: test_train_smoke.py SDM_MODEL SDM_CLI. Exit 0 pass, 1 fail, 77 skip (no numpy/torch).
 The corpus is generated here, so the test needs neither network nor the `fortunes` package.
@@ -131,6 +134,26 @@ def main() -> int:
             trained = m(torch.tensor([tokens]))[0].double().numpy()
         diff, tol = compare("trainable_vs_reference", trained, want, 1e-4)
         print(f"ok trainable model == reference on the export: max diff {diff:.2e}")
+
+        # 4. bf16 autocast: the loss falls; the SDM layer is untouched by it.
+        half = os.path.join(tmp, "bf16")
+        train(half, corpus, "--precision", "bf16", "--no-eval")
+        with open(os.path.join(half, "log.jsonl")) as f:
+            losses = [json.loads(line)["loss"] for line in f]
+        first, last = float(np.mean(losses[:10])), float(np.mean(losses[-10:]))
+        if not last < first - 1.0:
+            raise CheckFailed(f"bf16: the loss did not fall: first 10 steps {first:.3f}, "
+                              f"last 10 {last:.3f}")
+        memory = next(x for x in m.modules() if isinstance(x, sdm_torch.SdmMemory))
+        x = torch.randn(2, 40, config["dim"], generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            plain = memory(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                autocast = memory(x)
+        if autocast.dtype != torch.float32 or not torch.equal(plain, autocast):
+            raise CheckFailed(f"the SDM layer under bf16 autocast: {autocast.dtype}, max diff "
+                              f"{(plain - autocast.float()).abs().max().item():.3g}")
+        print(f"ok bf16: loss falls {first:.3f} -> {last:.3f}; the SDM layer stays float32")
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
