@@ -427,6 +427,9 @@ uint64_t Engine::fingerprint() const { return impl_->fingerprint(); }
 void Engine::ResetProfile() { impl_->ResetProfile(); }
 EngineDevice Engine::device() const { return impl_->backend().device(); }
 std::string Engine::DescribeDevice() const { return impl_->backend().Describe(); }
+DecodeGraphStats Engine::decode_graph_stats() const {
+  return impl_->backend().decode_graph_stats();
+}
 int64_t Engine::device_state_capacity_bytes() const {
   return impl_->backend().StateCapacityBytes();
 }

@@ -95,6 +95,19 @@ struct EngineOptions {
   // CPU backend: the storage of matrices and KV rows (see DType above; kBf16 needs the blocked
   // decode kernel).
   DType cpu_dtype = DType::kF32;
+  // CUDA backend: run each decode step (every segment one token) as a CUDA graph captured once
+  // per step shape (engine/cuda/decode_graph_cache.h), one launch instead of a few hundred. The
+  // results are bit for bit those of the step launched kernel by kernel, which is what runs
+  // when this is off, when profiling, when injecting faults, and for a shape whose capture
+  // failed.
+  bool cuda_graphs = true;
+};
+
+// How the CUDA backend ran its decode steps (EngineOptions::cuda_graphs); zeros elsewhere.
+struct DecodeGraphStats {
+  int64_t captures = 0;  // graphs captured and instantiated (one per new step shape)
+  int64_t replays = 0;   // steps run as one graph launch (a capture's own step included)
+  int64_t refusals = 0;  // step shapes whose capture failed (they run launch by launch)
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().
@@ -153,6 +166,7 @@ class Engine {
   // The device the forward pass runs on (never kAuto) and a one-line description of it.
   EngineDevice device() const;
   std::string DescribeDevice() const;
+  DecodeGraphStats decode_graph_stats() const;
   // Bytes of session state the device holds whatever its mix of KV pages and SDM rows; a state
   // store budget for resident sessions above it can make steps fail with RESOURCE_EXHAUSTED.
   // 0 on the CPU (bounded by host RAM only).

@@ -155,6 +155,8 @@ class EngineBackend {
 
   // Bytes of the matrices a step streams, as the backend stores them (0: not counted).
   virtual int64_t PackedWeightBytes() const { return 0; }
+  // The CUDA backend's decode graphs so far (EngineOptions::cuda_graphs); zeros elsewhere.
+  virtual DecodeGraphStats decode_graph_stats() const { return {}; }
 };
 
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCpuBackend(const EngineContext& context);

@@ -7,8 +7,9 @@
 # The machine reaches no package registry: first run scripts/fetch-device-deps.sh here, then
 # call the device tool with carry [".devdeps"] and the command `bash scripts/device-check.sh`.
 # Logs and JSON are written to a work folder; on exit the key files (summary.txt with the table,
-# failures.txt, kernels.json, decode.json, state.json, reference_decode.json) are copied to $OUT (the device
-# tool brings back at most 8 files) and every log is packed into $OUT/device-check-logs.tar.gz.
+# failures.txt, kernels.json, decode.json, state.json, reference_decode.json,
+# decode_launched.json) are copied to $OUT (the device tool brings back at most 8 files) and
+# every log is packed into $OUT/device-check-logs.tar.gz.
 # Without $OUT the work folder is ./device-check-out.
 #
 # It fails loudly (exit 3) when no GPU is visible or CMake did not enable CUDA, and exits 1 when
@@ -45,7 +46,7 @@ print_table() {
   echo "== sdmserve device check, $(date -u +%Y-%m-%dT%H:%MZ), $(elapsed) s =="
   local key
   for key in gpu host_compiler cuda_enabled build cuda cuda_skipped selection kernels decode \
-             state reference kernel_tests engine; do
+             state reference launched kernel_tests engine; do
     printf "%-20s %s\n" "$key" "${RESULT[$key]:-(not reached)}"
   done
   if [[ -s $OUT_DIR/selection.txt ]]; then
@@ -63,6 +64,10 @@ print_table() {
   if [[ -f $OUT_DIR/state.txt ]]; then
     echo "-- sdm-bench state (park and resume through the engine)"; tail -8 "$OUT_DIR/state.txt"
   fi
+  if [[ -f $OUT_DIR/decode_launched.txt ]]; then
+    echo "-- sdm-bench decode, sdm_flagship without CUDA graphs"
+    grep -E "^sdm_flagship|graphs" "$OUT_DIR/decode_launched.txt" | tail -6
+  fi
   if [[ -f $OUT_DIR/reference.txt ]]; then
     echo "-- reference decode step (scripts/device/reference_decode.py)"
     tail -8 "$OUT_DIR/reference.txt"
@@ -76,7 +81,8 @@ finish() {
   print_table | tee "$OUT_DIR/summary.txt"
   if [[ -n $RETURN_DIR ]]; then
     local f
-    for f in summary.txt failures.txt kernels.json decode.json state.json reference_decode.json; do
+    for f in summary.txt failures.txt kernels.json decode.json state.json reference_decode.json \
+        decode_launched.json; do
       [[ -s $OUT_DIR/$f ]] && cp "$OUT_DIR/$f" "$RETURN_DIR/"
     done
     tar czf "$RETURN_DIR/device-check-logs.tar.gz" -C "$OUT_DIR" . 2>/dev/null || true
@@ -250,6 +256,21 @@ else
   RESULT[reference]="not carried (.refcode/: scripts/fetch-reference.sh)"
 fi
 log "reference: ${RESULT[reference]}"
+
+# ---- decode without CUDA graphs: what the graphs save per step at small batch --------------------
+# The decode benchmark above runs its steps as graphs (the default; its output says how many were
+# captured and replayed); here the SDM model of the pair again with every kernel launched.
+if [[ -n "$BENCH" && "${SDM_DEVICE_CHECK_QUICK:-0}" != 1 ]]; then
+  if timeout "$(budget 90)" "$BENCH" decode --device cuda --presets sdm_flagship --contexts 1024 \
+      --batches 1,8 --fit_batch=false --steps 20 --cuda_graphs=false \
+      --json "$OUT_DIR/decode_launched.json" 2>&1 | tee "$OUT_DIR/decode_launched.txt"; \
+      [[ ${PIPESTATUS[0]} == 0 ]]; then
+    RESULT[launched]=ok
+  else
+    RESULT[launched]="FAIL"; FAILED=1
+  fi
+  log "decode without graphs: ${RESULT[launched]}"
+fi
 
 # ---- CPU-only tests last (CI runs them too; here they meet the host's ISA) ----------------------
 run_tests kernel_tests -L kernels -E "[Cc]uda" -j8

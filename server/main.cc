@@ -156,6 +156,9 @@ ABSL_FLAG(int64_t, max_session_tokens, sdm::ServiceOptions{}.max_session_tokens,
           "Longest history a session may reach, in tokens (OUT_OF_RANGE past it; max_tokens is "
           "cut to the room left); 0: no limit; -1: the tokens whose full-attention key/value "
           "cache fills --resident_budget (or the device's capacity), none without such layers.");
+ABSL_FLAG(bool, cuda_graphs, sdm::ServerOptions{}.engine.cuda_graphs,
+          "CUDA: run decode steps as CUDA graphs, one launch per step (false: every kernel "
+          "launched; the results are the same bit for bit).");
 ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
           "Engine threads; 0: one per hardware thread.");
 ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine.device),
@@ -370,6 +373,7 @@ int main(int argc, char** argv) {
   options.service.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
   options.service.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.engine.num_threads = absl::GetFlag(FLAGS_threads);
+  options.engine.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   {
     absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));
     if (!device.ok()) return UsageError(absl::StrCat("--device: ", device.status().message()));

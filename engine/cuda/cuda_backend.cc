@@ -21,23 +21,37 @@
 // an error after the first write to session state (the first KV append or SDM row preparation)
 // marks the pass's sessions failed: their device state may hold some layers of the pass and not
 // others. They are refused until deleted; nothing retries them into a double write.
+//
+// Decode steps as graphs (EngineOptions::cuda_graphs). A step whose segments are all single
+// tokens enqueues steps (3) to (5) as one CUDA graph, captured the first time its shape is seen
+// (engine/cuda/decode_graph_cache.h says what a shape is and when graphs are dropped) and
+// replayed after: the host fills the pinned step arrays and launches once. Capturing runs
+// nothing, so a capture that fails (say, a launch CUDA refuses in a graph) changes no session:
+// the shape is then run launch by launch, as every step is when profiling or injecting faults.
+// Its decode attention is sized from DecodeGraphVisible (kernels/common/attention_math.h), so
+// steps of a growing context share a graph with results unchanged.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "base/log.h"
 #include "base/status_macros.h"
+#include "engine/cuda/decode_graph_cache.h"
 #include "engine/cuda/device_state.h"
 #include "engine/engine_backend.h"
 #include "engine/layer_tensors.h"
 #include "engine/weight_spec.h"
+#include "kernels/common/attention_math.h"
 #include "kernels/common/device_layout.h"
 #include "kernels/common/sdm_addressing_math.h"
 #include "kernels/cuda/attention.h"
@@ -61,6 +75,31 @@ struct DeviceMatrix {
 
 // A layer's weights on the device: matrices (and M0) in bf16, vectors in fp32.
 using DeviceLayer = LayerTensors<DeviceMatrix, const float*>;
+
+// Owns an instantiated graph: cudaGraphExecDestroy exactly once.
+class GraphExec {
+ public:
+  explicit GraphExec(cudaGraphExec_t exec) : exec_(exec) {}
+  ~GraphExec() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  }
+  GraphExec(GraphExec&& o) noexcept : exec_(std::exchange(o.exec_, nullptr)) {}
+  GraphExec& operator=(GraphExec&& o) noexcept {
+    if (this != &o) {
+      if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+      exec_ = std::exchange(o.exec_, nullptr);
+    }
+    return *this;
+  }
+  cudaGraphExec_t get() const { return exec_; }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// The decode graphs kept at once: shapes differ by batch size (and, at long full-attention
+// context, by a handful of grid bounds), so a server's steady mix fits.
+constexpr size_t kDecodeGraphCapacity = 64;
 
 // Device activations for up to `rows` rows; grown on demand.
 struct Workspace {
@@ -92,7 +131,8 @@ class CudaBackend : public EngineBackend {
         layout_(*context.layout),
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)),
-        fault_(context.options.inject_forward_fault) {}
+        fault_(context.options.inject_forward_fault),
+        graphs_(kDecodeGraphCapacity) {}
 
   absl::Status Init() {
     int devices = 0;
@@ -198,6 +238,7 @@ class CudaBackend : public EngineBackend {
         sessions_at_max_);
   }
   int64_t StateCapacityBytes() const override { return state_capacity_bytes_; }
+  DecodeGraphStats decode_graph_stats() const override { return graph_stats_; }
 
  private:
   // ---- weights ---------------------------------------------------------------------------------
@@ -316,6 +357,7 @@ class CudaBackend : public EngineBackend {
         SDM_RETURN_IF_ERROR(CudaStatus(i.b->Allocate(i.n), "allocating activations"));
       }
       ws.rows = r;
+      graphs_.Clear();  // their launches point into the buffers just replaced
     }
     int64_t scratch = 0;
     for (int64_t li = 0; li < cfg_.n_layers; ++li) {
@@ -324,6 +366,7 @@ class CudaBackend : public EngineBackend {
       scratch = std::max(scratch, kc::AttentionDecodeScratchFloats(rows, dims, max_visible));
     }
     if (scratch > static_cast<int64_t>(ws.attn_scratch.size())) {
+      graphs_.Clear();
       SDM_RETURN_IF_ERROR(
           CudaStatus(ws.attn_scratch.Allocate(scratch), "allocating attention scratch"));
     }
@@ -342,10 +385,12 @@ class CudaBackend : public EngineBackend {
     const int64_t vocab = cfg_.vocab_size;
     Workspace& ws = ws_;
     if (rows * vocab > static_cast<int64_t>(ws.logits_host.size())) {
+      graphs_.Clear();
       SDM_RETURN_IF_ERROR(
           CudaStatus(ws.logits_host.Allocate(grown(rows) * vocab), "allocating pinned logits"));
     }
     if (draws > static_cast<int64_t>(ws.sampled.size())) {
+      graphs_.Clear();
       const int64_t r = grown(draws);
       SDM_RETURN_IF_ERROR(CudaStatus(ws.sampled.Allocate(r), "allocating sampled tokens"));
       SDM_RETURN_IF_ERROR(CudaStatus(ws.sampled_host.Allocate(r), "allocating sampled tokens"));
@@ -428,9 +473,24 @@ class CudaBackend : public EngineBackend {
       }
       SDM_RETURN_IF_ERROR(ctx_->ReserveRows(rows * n_sdm));
     }
+    // A decode step may run as a graph (file comment), its attention grid from a rounded bound.
+    bool decode_only = num_segs > 0;
+    for (const Segment& s : segs) decode_only = decode_only && s.length == 1;
+    std::optional<DecodeGraphKey> graph;
+    if (options_.cuda_graphs && decode_only && !profiler.enabled() &&
+        options_.inject_forward_fault < 0) {
+      max_visible = kernels::DecodeGraphVisible(max_visible, kc::kAttentionSplitTokens);
+      graph = DecodeGraphKey{.sessions = num_segs,
+                             .logit_rows = m,
+                             .draws = d,
+                             .gathered = !LogitRowsInPlace(out, n),
+                             .visible = max_visible};
+    }
     // A row both returned and drawn from is computed twice (m + d <= 2n rows of logits).
     SDM_RETURN_IF_ERROR(EnsureWorkspace(std::max(n, m + d), max_visible));
     SDM_RETURN_IF_ERROR(EnsureOutputs(m, d));
+    const StepLayout layout = StepLayoutOf(n, num_segs, m, d);
+    SDM_RETURN_IF_ERROR(EnsureStepArrays(layout.bytes));
     // Every GEMM of the pass planned (descriptors, algorithms) before anything is enqueued: past
     // this point only a launch itself can fail.
     SDM_RETURN_IF_ERROR(PlanGemms(n, m + d));
@@ -440,7 +500,8 @@ class CudaBackend : public EngineBackend {
     // after the first write to session state marks the step's sessions failed (ForwardCommit).
     ForwardCommit commit(segs);
     commit_ = &commit;
-    absl::Status status = Enqueue(tokens, segs, out, profiler, n_w, n_r);
+    absl::Status status =
+        Enqueue(tokens, segs, out, profiler, n_w, n_r, layout, max_visible, graph);
     commit_ = nullptr;
     if (status.ok()) status = ctx_->StartRefresh();
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream), "forward pass");
@@ -462,11 +523,62 @@ class CudaBackend : public EngineBackend {
     return commit.Fail(status);
   }
 
+  // Whether the pass's logit rows (the returned, then the drawn) are its n rows in order: then
+  // the final norm reads the rows in place, else one launch gathers them first.
+  static bool LogitRowsInPlace(const ForwardOutputs& out, int64_t n) {
+    const int64_t m = static_cast<int64_t>(out.logit_rows.size());
+    if (m + static_cast<int64_t>(out.draws.size()) != n) return false;
+    for (int64_t i = 0; i < m; ++i) {
+      if (out.logit_rows[i] != i) return false;
+    }
+    for (size_t i = 0; i < out.draws.size(); ++i) {
+      if (out.draws[i].row != m + static_cast<int64_t>(i)) return false;
+    }
+    return true;
+  }
+
+  // The step's upload: pointers, then the draws' params (8-byte aligned after the pointers), then
+  // integers.
+  struct StepLayout {
+    size_t ptr_count = 0;
+    size_t draws_bytes = 0;
+    size_t int_count = 0;
+    size_t bytes = 0;
+  };
+  StepLayout StepLayoutOf(int64_t n, int64_t num_segs, int64_t m, int64_t d) const {
+    static_assert(sizeof(kc::RowSampling) % alignof(int32_t) == 0);
+    static_assert(alignof(kc::RowSampling) <= sizeof(void*));
+    StepLayout l;
+    l.int_count = 3 * n + 3 * num_segs + m + d;
+    l.ptr_count = 2 * cfg_.n_layers * num_segs;
+    l.draws_bytes = d * sizeof(kc::RowSampling);
+    l.bytes = l.ptr_count * sizeof(void*) + l.draws_bytes + l.int_count * sizeof(int32_t);
+    return l;
+  }
+
+  // Room for the step's upload, device and pinned host, before the pass's first enqueue (and
+  // outside any capture: allocations are not allowed in one).
+  absl::Status EnsureStepArrays(size_t bytes) {
+    Workspace& ws = ws_;
+    if (ws.step.size() >= bytes) return absl::OkStatus();
+    graphs_.Clear();
+    SDM_RETURN_IF_ERROR(CudaStatus(ws.step.Allocate(bytes * 2), "allocating step arrays"));
+    return CudaStatus(ws.step_host.Allocate(bytes * 2), "allocating step arrays");
+  }
+
+  // The sessions' device state is about to change (the pass's first KV append or SDM row
+  // preparation): a failure from here marks them failed. Nothing changes while capturing.
+  void BeginStateWrites() {
+    if (commit_ != nullptr) commit_->Begin();
+  }
+
   // Steps (3) to (5) of Forward (file comment) up to the final synchronisation, enqueued on the
-  // compute stream.
+  // compute stream: launch by launch, or as the decode graph for `graph` (captured if new).
+  // `decode_visible` bounds the decode batch's visible positions (its attention grid).
   absl::Status Enqueue(std::span<const int32_t> tokens, std::span<const Segment> segs,
                        const ForwardOutputs& out, ForwardProfiler& profiler, int64_t n_w,
-                       int64_t n_r) {
+                       int64_t n_r, const StepLayout& layout, int64_t decode_visible,
+                       const std::optional<DecodeGraphKey>& graph) {
     const int64_t n = static_cast<int64_t>(tokens.size());
     const int64_t num_segs = static_cast<int64_t>(segs.size());
     const int64_t dim = cfg_.dim;
@@ -482,17 +594,9 @@ class CudaBackend : public EngineBackend {
     const int64_t m = static_cast<int64_t>(out.logit_rows.size());
     const int64_t d = static_cast<int64_t>(out.draws.size());
     const int64_t ml = m + d;  // rows whose logits are computed: the returned, then the drawn
-    // Layout: pointers, then the draws' params (8-byte aligned after the pointers), then ints.
-    const size_t int_count = 3 * n + 3 * num_segs + ml;
-    const size_t ptr_count = 2 * n_layers * num_segs;
-    const size_t draws_bytes = d * sizeof(kc::RowSampling);
-    static_assert(sizeof(kc::RowSampling) % alignof(int32_t) == 0);
-    static_assert(alignof(kc::RowSampling) <= sizeof(void*));
-    const size_t bytes = ptr_count * sizeof(void*) + draws_bytes + int_count * sizeof(int32_t);
-    if (ws.step.size() < bytes) {
-      SDM_RETURN_IF_ERROR(Launched(ws.step.Allocate(bytes * 2), "allocating step arrays"));
-      SDM_RETURN_IF_ERROR(Launched(ws.step_host.Allocate(bytes * 2), "allocating step arrays"));
-    }
+    const size_t ptr_count = layout.ptr_count;
+    const size_t draws_bytes = layout.draws_bytes;
+    const size_t bytes = layout.bytes;
     unsigned char* h = ws.step_host.get();
     auto** hp = reinterpret_cast<int32_t**>(h);
     auto* hd = reinterpret_cast<kc::RowSampling*>(h + ptr_count * sizeof(void*));
@@ -529,9 +633,6 @@ class CudaBackend : public EngineBackend {
         h_seq[segs[s].first_row + t] = static_cast<int32_t>(s);
       }
     }
-    SDM_RETURN_IF_ERROR(
-        Launched(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
-                 "uploading step arrays"));
     StepArrays arr;
     int32_t* const* dp = reinterpret_cast<int32_t* const*>(ws.step.get());
     arr.draws = reinterpret_cast<const kc::RowSampling*>(ws.step.get() + ptr_count * sizeof(void*));
@@ -549,96 +650,155 @@ class CudaBackend : public EngineBackend {
       arr.counters.push_back(dp + (2 * l + 1) * num_segs);
     }
 
-    // (4) The layers.
-    // The kernels run asynchronously: a lap waits for the stream, and only when profiling.
-    auto lap = [&](double EngineProfile::*part) -> absl::Status {
-      if (!profiler.enabled()) return absl::OkStatus();
-      SDM_RETURN_IF_ERROR(Launched(cudaStreamSynchronize(stream), "profiling"));
-      profiler.Lap(part);
+    auto enqueue_device = [&]() -> absl::Status {
+      SDM_RETURN_IF_ERROR(
+          Launched(cudaMemcpyAsync(ws.step.get(), h, bytes, cudaMemcpyHostToDevice, stream),
+                   "uploading step arrays"));
+
+      // (4) The layers.
+      // The kernels run asynchronously: a lap waits for the stream, and only when profiling.
+      auto lap = [&](double EngineProfile::*part) -> absl::Status {
+        if (!profiler.enabled()) return absl::OkStatus();
+        SDM_RETURN_IF_ERROR(Launched(cudaStreamSynchronize(stream), "profiling"));
+        profiler.Lap(part);
+        return absl::OkStatus();
+      };
+      const float eps = static_cast<float>(cfg_.norm_eps);
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream),
+                   "embedding"));
+      SDM_RETURN_IF_ERROR(lap(&EngineProfile::head_seconds));
+      // The single-token segments come first (engine_backend.h): they form one decode batch.
+      int64_t singles = 0;
+      int64_t singles_visible = 1;
+      while (singles < num_segs && segs[singles].length == 1) {
+        singles_visible = std::max(singles_visible, segs[singles].pos0 + 1);
+        ++singles;
+      }
+      if (graph.has_value()) singles_visible = decode_visible;  // every segment is a single
+      for (int64_t li = 0; li < n_layers; ++li) {
+        const DeviceLayer& l = layers_[li];
+        // The previous layer's FFN residual (in ws.tmp) is added by the same launch as this norm.
+        SDM_RETURN_IF_ERROR(
+            Launched(li == 0 ? kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr,
+                                           ws.xb.get(), stream)
+                             : kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.attention_norm, n, dim,
+                                              eps, nullptr, ws.xb.get(), stream),
+                     "attention norm"));
+        if (l.type == LayerType::kSdm) {
+          SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
+          SDM_RETURN_IF_ERROR(lap(&EngineProfile::sdm_seconds));
+        } else {
+          SDM_RETURN_IF_ERROR(
+              AttentionMixer(li, l.attention, n, singles, singles_visible, segs, arr));
+          SDM_RETURN_IF_ERROR(lap(l.type == LayerType::kSwa ? &EngineProfile::swa_seconds
+                                                            : &EngineProfile::attn_seconds));
+        }
+        SDM_RETURN_IF_ERROR(Launched(kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.ffn_norm, n, dim,
+                                                    eps, nullptr, ws.xb.get(), stream),
+                                     "residual and ffn norm"));
+        SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
+        SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
+        SDM_RETURN_IF_ERROR(Launched(
+            kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream), "swiglu"));
+        SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
+        // The residual is added by the next layer's norm; the last layer's here.
+        if (li + 1 == n_layers) {
+          SDM_RETURN_IF_ERROR(
+              Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
+        }
+        SDM_RETURN_IF_ERROR(lap(&EngineProfile::ffn_seconds));
+      }
+
+      // (5) Logits and draws, counters, one synchronisation.
+      if (ml > 0) {
+        const float* rows_in = ws.x.get();
+        if (!LogitRowsInPlace(out, n)) {
+          // One launch gathers the rows (not one copy per row): an fp32 row of `dim` values is
+          // moved as a block of 2 * dim 16-bit halves, bit for bit.
+          SDM_RETURN_IF_ERROR(Launched(
+              kc::GatherBlocks(reinterpret_cast<const bf16*>(ws.x.get()), 2 * dim, arr.logit_rows,
+                               ml, reinterpret_cast<bf16*>(ws.tmp.get()), stream),
+              "gathering logit rows"));
+          rows_in = ws.tmp.get();
+        }
+        SDM_RETURN_IF_ERROR(Launched(
+            kc::RmsNorm(rows_in, final_norm_, ml, dim, eps, nullptr, ws.final_b.get(), stream),
+            "final norm"));
+        SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), ml, output_, nullptr, ws.logits.get()));
+      }
+      if (m > 0) {
+        SDM_RETURN_IF_ERROR(Launched(
+            cudaMemcpyAsync(ws.logits_host.get(), ws.logits.get(),
+                            m * cfg_.vocab_size * sizeof(float), cudaMemcpyDeviceToHost, stream),
+            "downloading logits"));
+      }
+      if (d > 0) {
+        // The drawn rows' logits never leave the device: only their tokens come down.
+        SDM_RETURN_IF_ERROR(
+            Launched(kc::SampleTokens(ws.logits.get() + m * cfg_.vocab_size, d, cfg_.vocab_size,
+                                      arr.draws, ws.sample_scratch.get(), ws.sampled.get(), stream),
+                     "sampling"));
+        SDM_RETURN_IF_ERROR(
+            Launched(cudaMemcpyAsync(ws.sampled_host.get(), ws.sampled.get(), d * sizeof(int32_t),
+                                     cudaMemcpyDeviceToHost, stream),
+                     "downloading sampled tokens"));
+      }
       return absl::OkStatus();
     };
-    const float eps = static_cast<float>(cfg_.norm_eps);
-    SDM_RETURN_IF_ERROR(Launched(
-        kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream), "embedding"));
-    SDM_RETURN_IF_ERROR(lap(&EngineProfile::head_seconds));
-    // The single-token segments come first (engine_backend.h): they form one decode batch.
-    int64_t singles = 0;
-    int64_t singles_visible = 1;
-    while (singles < num_segs && segs[singles].length == 1) {
-      singles_visible = std::max(singles_visible, segs[singles].pos0 + 1);
-      ++singles;
-    }
-    for (int64_t li = 0; li < n_layers; ++li) {
-      const DeviceLayer& l = layers_[li];
-      // The previous layer's FFN residual (in ws.tmp) is added by the same launch as this norm.
-      SDM_RETURN_IF_ERROR(Launched(
-          li == 0
-              ? kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr, ws.xb.get(), stream)
-              : kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.attention_norm, n, dim, eps, nullptr,
-                               ws.xb.get(), stream),
-          "attention norm"));
-      if (l.type == LayerType::kSdm) {
-        SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
-        SDM_RETURN_IF_ERROR(lap(&EngineProfile::sdm_seconds));
-      } else {
-        SDM_RETURN_IF_ERROR(
-            AttentionMixer(li, l.attention, n, singles, singles_visible, segs, arr));
-        SDM_RETURN_IF_ERROR(lap(l.type == LayerType::kSwa ? &EngineProfile::swa_seconds
-                                                          : &EngineProfile::attn_seconds));
-      }
-      SDM_RETURN_IF_ERROR(Launched(kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.ffn_norm, n, dim, eps,
-                                                  nullptr, ws.xb.get(), stream),
-                                   "residual and ffn norm"));
-      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
-      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
-      SDM_RETURN_IF_ERROR(Launched(
-          kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream), "swiglu"));
-      SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
-      // The residual is added by the next layer's norm; the last layer's here.
-      if (li + 1 == n_layers) {
-        SDM_RETURN_IF_ERROR(
-            Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
-      }
-      SDM_RETURN_IF_ERROR(lap(&EngineProfile::ffn_seconds));
-    }
+    if (!graph.has_value()) return enqueue_device();
+    return EnqueueAsGraph(*graph, enqueue_device);
+  }
 
-    // (5) Logits and draws, counters, one synchronisation.
-    if (ml > 0) {
-      const float* rows_in = ws.x.get();
-      bool identity = ml == n;
-      for (int64_t i = 0; identity && i < ml; ++i) identity = h_logit_rows[i] == i;
-      if (!identity) {
-        // One launch gathers the rows (not one copy per row): an fp32 row of `dim` values is
-        // moved as a block of 2 * dim 16-bit halves, bit for bit.
-        SDM_RETURN_IF_ERROR(Launched(
-            kc::GatherBlocks(reinterpret_cast<const bf16*>(ws.x.get()), 2 * dim, arr.logit_rows, ml,
-                             reinterpret_cast<bf16*>(ws.tmp.get()), stream),
-            "gathering logit rows"));
-        rows_in = ws.tmp.get();
+  // Runs `enqueue_device` (steps (3) to (5)) as the graph for `key`: captured the first time,
+  // replayed after. A shape whose capture failed runs launch by launch from then on.
+  template <typename EnqueueFn>
+  absl::Status EnqueueAsGraph(const DecodeGraphKey& key, EnqueueFn& enqueue_device) {
+    GraphExec* exec = graphs_.Find(key);
+    if (exec == nullptr && !graphs_.Refused(key)) {
+      absl::StatusOr<GraphExec> captured = Capture(enqueue_device);
+      if (captured.ok()) {
+        exec = graphs_.Insert(key, *std::move(captured));
+        ++graph_stats_.captures;
+      } else {
+        graphs_.Refuse(key);
+        ++graph_stats_.refusals;
+        SDM_LOG(WARNING) << "sdm cuda: decode steps of " << key.sessions
+                         << " sessions run launch by launch (their graph: " << captured.status()
+                         << ")";
       }
-      SDM_RETURN_IF_ERROR(Launched(
-          kc::RmsNorm(rows_in, final_norm_, ml, dim, eps, nullptr, ws.final_b.get(), stream),
-          "final norm"));
-      SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), ml, output_, nullptr, ws.logits.get()));
     }
-    if (m > 0) {
-      SDM_RETURN_IF_ERROR(Launched(
-          cudaMemcpyAsync(ws.logits_host.get(), ws.logits.get(),
-                          m * cfg_.vocab_size * sizeof(float), cudaMemcpyDeviceToHost, stream),
-          "downloading logits"));
+    if (exec == nullptr) return enqueue_device();
+    BeginStateWrites();
+    ++graph_stats_.replays;
+    return Launched(cudaGraphLaunch(exec->get(), ctx_->compute()), "launching the decode graph");
+  }
+
+  // Captures what `enqueue_device` enqueues on the compute stream (nothing runs) and instantiates
+  // it. The stream leaves capture mode whatever happens.
+  template <typename EnqueueFn>
+  absl::StatusOr<GraphExec> Capture(EnqueueFn& enqueue_device) {
+    cudaStream_t stream = ctx_->compute();
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal),
+                                   "beginning the decode graph's capture"));
+    ForwardCommit* pass = std::exchange(commit_, nullptr);  // capturing changes no session
+    const absl::Status enqueued = enqueue_device();
+    commit_ = pass;
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(stream, &graph);
+    cudaGetLastError();  // a launch refused while capturing leaves its error here
+    cudaGraphExec_t exec = nullptr;
+    cudaError_t instantiated = cudaSuccess;
+    if (graph != nullptr) {
+      if (enqueued.ok() && ended == cudaSuccess) {
+        instantiated = cudaGraphInstantiate(&exec, graph, 0);
+      }
+      cudaGraphDestroy(graph);  // the instance does not need it
     }
-    if (d > 0) {
-      // The drawn rows' logits never leave the device: only their tokens come down.
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::SampleTokens(ws.logits.get() + m * cfg_.vocab_size, d, cfg_.vocab_size,
-                                    arr.draws, ws.sample_scratch.get(), ws.sampled.get(), stream),
-                   "sampling"));
-      SDM_RETURN_IF_ERROR(
-          Launched(cudaMemcpyAsync(ws.sampled_host.get(), ws.sampled.get(), d * sizeof(int32_t),
-                                   cudaMemcpyDeviceToHost, stream),
-                   "downloading sampled tokens"));
-    }
-    return absl::OkStatus();
+    SDM_RETURN_IF_ERROR(enqueued);
+    SDM_RETURN_IF_ERROR(CudaStatus(ended, "capturing the decode step"));
+    SDM_RETURN_IF_ERROR(CudaStatus(instantiated, "instantiating the decode graph"));
+    return GraphExec(exec);
   }
 
   // A mixer's output: `mixed` [n, width] times sigmoid(xb gate^T + gate_bias) when the layer has a
@@ -737,7 +897,7 @@ class CudaBackend : public EngineBackend {
         "rope"));
     kc::KvLayerView view = ctx_->kv_arena(li);
     view.page_tables = arr.tables[li];
-    commit_->Begin();  // the KV append writes the sessions' caches
+    BeginStateWrites();  // the KV append writes the sessions' caches
     SDM_RETURN_IF_ERROR(
         Launched(kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
                  "kv append"));
@@ -842,7 +1002,7 @@ class CudaBackend : public EngineBackend {
     dims.heads = heads;
     dims.side = sdm_geom_.side;
     dims.row_width = sdm_geom_.head_width;
-    commit_->Begin();  // from here the step allocates and writes the sessions' rows
+    BeginStateWrites();  // from here the step allocates and writes the sessions' rows
     if (sg.max_length == 1) {
       // A decode batch: allocation, the write and the read in one or two launches
       // (kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path below computes.
@@ -887,7 +1047,9 @@ class CudaBackend : public EngineBackend {
   std::shared_ptr<CudaDeviceContext> ctx_;
   Workspace ws_;
   ForwardFaultInjector fault_;
-  ForwardCommit* commit_ = nullptr;  // the pass in progress (Forward), else null
+  ForwardCommit* commit_ = nullptr;     // the pass in progress (Forward), else null
+  DecodeGraphCache<GraphExec> graphs_;  // after ws_: destroyed before the buffers they name
+  DecodeGraphStats graph_stats_;
 };
 
 }  // namespace

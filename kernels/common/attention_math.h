@@ -89,6 +89,19 @@ SDM_HOST_DEVICE int64_t DecodeGridChunkCount(int64_t max_visible, int64_t window
   return n > 1 ? n : 1;
 }
 
+// The bound a decode step run as a CUDA graph sizes its attention grid from (engine/cuda/
+// decode_graph_cache.h): max_visible rounded up so that steps whose context grows share a graph.
+// Up to one chunk: `split` (the grid stays one chunk); beyond: a power of two of chunks. A query
+// computes its own chunks from its own visible positions, capped by the grid (DecodeChunkCount),
+// so a grid at least as large changes nothing for it but the blocks that are empty for it: the
+// results are bit for bit those of the exact bound, whatever the window.
+SDM_HOST_DEVICE int64_t DecodeGraphVisible(int64_t max_visible, int64_t split) {
+  const int64_t chunks = (max_visible + split - 1) / split;
+  int64_t rounded = 1;
+  while (rounded < chunks) rounded *= 2;
+  return rounded * split;
+}
+
 // Positions [begin, end) of chunk c < DecodeChunkCount(...) for a query whose first visible
 // position is `first` and whose last is `last` (inclusive). The chunks tile [first, last] in order.
 struct PositionRange {

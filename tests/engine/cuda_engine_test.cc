@@ -823,6 +823,16 @@ TEST(CudaEngineTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
   EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
 }
 
+// A CUDA engine for debug_hybrid sessions of up to 1,024 positions.
+EngineOptions DebugHybridCudaOptions(int64_t prefill_chunk) {
+  EngineOptions o;
+  o.device = EngineDevice::kCuda;
+  o.device_state_bytes = int64_t{1} << 30;
+  o.max_context = 1024;
+  o.prefill_chunk = prefill_chunk;
+  return o;
+}
+
 // A launch failing part-way through a pass (engine/engine_backend.h, ForwardCommit; injected
 // through EngineOptions::inject_forward_fault after the pass's first write to session state):
 // the stream is synchronised, the pass's sessions are marked failed with a clear status and
@@ -833,11 +843,7 @@ TEST(CudaEngineTest, AFaultPartWayThroughAPassMarksItsSessionsFailed) {
   absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
   ASSERT_TRUE(c.ok());
   std::shared_ptr<const Model> model = Bf16Model(*c, 7);
-  EngineOptions o;
-  o.device = EngineDevice::kCuda;
-  o.device_state_bytes = int64_t{1} << 30;
-  o.max_context = 1024;
-  o.prefill_chunk = 16;
+  EngineOptions o = DebugHybridCudaOptions(/*prefill_chunk=*/16);
   auto reference = Engine::Create(model, o);
   ASSERT_TRUE(reference.ok()) << reference.status();
   o.inject_forward_fault = 3;  // the third launch after the first state write
@@ -880,6 +886,146 @@ TEST(CudaEngineTest, AFaultPartWayThroughAPassMarksItsSessionsFailed) {
     ASSERT_TRUE((*reference)->Decode({&pr, 1}, {&token, 1}, y).ok());
     EXPECT_EQ(x, y) << "step " << step;
   }
+}
+
+// ---- Decode steps as CUDA graphs (EngineOptions::cuda_graphs) ---------------------------------
+
+// What one engine returned over DecodeGraphSchedule, and how it ran its decode steps.
+struct ScheduleRecord {
+  std::vector<std::vector<float>> logits;
+  std::vector<std::vector<int32_t>> drawn;
+  DecodeGraphStats stats;
+  DecodeGraphStats before_growth;  // just before the step after the workspace grew
+  DecodeGraphStats after_growth;   // just after it
+};
+
+// A fixed schedule on `engine`: four sessions (one 500 tokens long, so that its decode steps
+// cross 512 visible positions, where the decode attention grid's rounded bound moves), decode
+// steps alternating logits only (Decode) and device draws with logits (Step with per-step
+// sampling parameters), batches of 4 and of 2 sessions and back, and one step of three prefill
+// chunks that grows the workspace.
+ScheduleRecord DecodeGraphSchedule(Engine& engine, uint32_t seed) {
+  ScheduleRecord r;
+  const int64_t vocab = engine.vocab_size();
+  constexpr int kSessions = 4;
+  const int prompt_lengths[kSessions] = {500, 3, 9, 17};
+  std::vector<std::unique_ptr<SessionState>> s;
+  for (int i = 0; i < kSessions; ++i) {
+    s.push_back(engine.NewSession());
+    const absl::Status st =
+        engine.Prefill(*s.back(), RandomTokens(prompt_lengths[i], vocab, seed + i), false, nullptr);
+    EXPECT_TRUE(st.ok()) << st;
+  }
+  auto decode = [&](const std::vector<int>& who, int step) {
+    const std::vector<int32_t> tokens = RandomTokens(who.size(), vocab, seed + 100 + step);
+    if (step % 2 == 0) {
+      std::vector<SessionState*> ptr;
+      for (int i : who) ptr.push_back(s[i].get());
+      std::vector<float> logits(who.size() * vocab);
+      const absl::Status st = engine.Decode(ptr, tokens, logits);
+      EXPECT_TRUE(st.ok()) << "step " << step << ": " << st;
+      r.logits.push_back(std::move(logits));
+      return;
+    }
+    std::vector<SamplingParams> params(who.size());
+    StepBatch batch;
+    for (size_t k = 0; k < who.size(); ++k) {
+      params[k].temperature = 0.5 + 0.1 * ((step + k) % 7);
+      params[k].top_k = (step + k) % 3 == 0 ? 20 : 0;
+      params[k].seed = seed + 7 * step + k;
+      batch.AddDraw(*s[who[k]], {&tokens[k], 1}, StepLogits::kLast, params[k], step);
+    }
+    std::vector<float> logits(batch.LogitRows() * vocab);
+    std::vector<int32_t> drawn(who.size(), -1);
+    const absl::Status st = engine.Step(batch, logits, drawn);
+    EXPECT_TRUE(st.ok()) << "step " << step << ": " << st;
+    r.logits.push_back(std::move(logits));
+    r.drawn.push_back(std::move(drawn));
+  };
+  int step = 0;
+  for (; step < 6; ++step) decode({0, 1, 2, 3}, step);
+  for (; step < 10; ++step) decode({0, 2}, step);
+  for (; step < 14; ++step) decode({0, 1, 2, 3}, step);  // session 0 passes 512 here
+  {
+    // Three prefill chunks in one step: 120 rows, more than the 64 the workspace started with.
+    StepBatch grow;
+    std::vector<std::vector<int32_t>> chunks;
+    for (int i = 1; i < kSessions; ++i) chunks.push_back(RandomTokens(40, vocab, seed + 50 + i));
+    for (int i = 1; i < kSessions; ++i) grow.Add(*s[i], chunks[i - 1], StepLogits::kLast);
+    std::vector<float> logits(grow.LogitRows() * vocab);
+    const absl::Status st = engine.Step(grow, logits);
+    EXPECT_TRUE(st.ok()) << st;
+    r.logits.push_back(std::move(logits));
+  }
+  r.before_growth = engine.decode_graph_stats();
+  decode({0, 1, 2, 3}, step++);  // a shape seen before the growth
+  r.after_growth = engine.decode_graph_stats();
+  for (; step < 20; ++step) decode({0, 1, 2, 3}, step);
+  for (; step < 24; ++step) decode({1, 3}, step);
+  r.stats = engine.decode_graph_stats();
+  return r;
+}
+
+// Graphs on and off, two engines on one model fed the same schedule: every decode step's logits
+// and drawn tokens are bit for bit equal; with graphs on every decode step ran as one graph
+// launch, each shape captured once and replayed when it came back (sampling parameters and
+// positions change between replays: the graph reads them from the step arrays), and the step
+// after the workspace grew captured its shape again (a graph kept across the growth would read
+// freed buffers: the CPU emulator aborts on that, a device gives other logits or faults).
+TEST(CudaEngineTest, DecodeGraphsComputeWhatLaunchingEachKernelComputes) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 5);
+  EngineOptions o = DebugHybridCudaOptions(/*prefill_chunk=*/64);
+  o.cuda_graphs = false;
+  auto launched = Engine::Create(model, o);
+  ASSERT_TRUE(launched.ok()) << launched.status();
+  o.cuda_graphs = true;
+  auto graphed = Engine::Create(model, o);
+  ASSERT_TRUE(graphed.ok()) << graphed.status();
+  const uint32_t seed = 4242;
+  const ScheduleRecord want = DecodeGraphSchedule(**launched, seed);
+  const ScheduleRecord got = DecodeGraphSchedule(**graphed, seed);
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  for (size_t i = 0; i < want.logits.size(); ++i) {
+    EXPECT_EQ(got.logits[i], want.logits[i]) << "step " << i;
+  }
+  EXPECT_EQ(got.drawn, want.drawn);
+  EXPECT_EQ(want.stats.captures + want.stats.replays + want.stats.refusals, 0);
+  constexpr int kDecodeSteps = 24;
+  EXPECT_EQ(got.stats.replays, kDecodeSteps);
+  EXPECT_EQ(got.stats.refusals, 0);
+  // Shapes: {4 sessions, 2 sessions} x {logits, draws}, again past 512 visible positions and
+  // again after the growth: at least 4 captures, far fewer than the steps.
+  EXPECT_GE(got.stats.captures, 4);
+  EXPECT_LE(got.stats.captures, 12);
+  EXPECT_EQ(got.after_growth.captures, got.before_growth.captures + 1);
+  std::printf("[graphs] %ld decode steps: %ld captures, %ld replays\n",
+              static_cast<long>(kDecodeSteps), static_cast<long>(got.stats.captures),
+              static_cast<long>(got.stats.replays));
+}
+
+// Profiling (a synchronisation after each part) runs every step launch by launch: no graph.
+TEST(CudaEngineTest, ProfilingRunsDecodeStepsWithoutGraphs) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  EngineOptions o;
+  o.device = EngineDevice::kCuda;
+  o.device_state_bytes = int64_t{1} << 28;
+  o.max_context = 256;
+  o.profile = true;
+  auto e = Engine::Create(Bf16Model(*c, 3), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  auto s = (*e)->NewSession();
+  const std::vector<int32_t> prompt = RandomTokens(5, (*e)->vocab_size(), 8);
+  ASSERT_TRUE((*e)->Prefill(*s, prompt, false, nullptr).ok());
+  SessionState* p = s.get();
+  std::vector<float> logits((*e)->vocab_size());
+  ASSERT_TRUE((*e)->Decode({&p, 1}, {&prompt[0], 1}, logits).ok());
+  EXPECT_EQ((*e)->decode_graph_stats().replays, 0);
+  EXPECT_EQ((*e)->decode_graph_stats().captures, 0);
 }
 
 #endif  // SDM_HAVE_CUDA

@@ -248,6 +248,49 @@ TEST(AttentionMathTest, DecodeGridIsClampedToTheWindow) {
   }
 }
 
+// A graph's grid bound (DecodeGraphVisible) covers the exact one, grows in few steps (one bound
+// per power of two of chunks: a graph serves many steps of a growing context), and gives every
+// query below the exact bound the chunk count the exact grid gives it, with the same window.
+TEST(AttentionMathTest, DecodeGraphVisibleKeepsEveryQuerysChunks) {
+  const int64_t split = 512;
+  EXPECT_EQ(DecodeGraphVisible(1, split), split);
+  EXPECT_EQ(DecodeGraphVisible(512, split), split);
+  EXPECT_EQ(DecodeGraphVisible(513, split), 2 * split);
+  EXPECT_EQ(DecodeGraphVisible(1537, split), 4 * split);
+  EXPECT_EQ(DecodeGraphVisible(131072, split), 131072);
+  std::mt19937 rng(std::random_device{}());
+  const uint32_t seed = rng();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 gen(seed);
+  std::uniform_int_distribution<int64_t> visible_dist(1, 40000);
+  std::uniform_int_distribution<int> window_pick(0, 6);
+  const int64_t windows[] = {0, 1, 64, 511, 512, 4096, 10000};
+  int64_t bounds = 0, last_bound = 0;
+  for (int64_t max_visible = 1; max_visible <= 40000; max_visible += 37) {
+    const int64_t bound = DecodeGraphVisible(max_visible, split);
+    ASSERT_GE(bound, max_visible);
+    ASSERT_GE(bound, last_bound);  // monotone: steps of a growing context only move up
+    bounds += bound != last_bound ? 1 : 0;
+    last_bound = bound;
+  }
+  EXPECT_LE(bounds, 8);  // 1, 2, 4, ... 128 chunks: 40000 positions share 8 graphs' bounds
+  for (int trial = 0; trial < 2000; ++trial) {
+    const int64_t max_visible = visible_dist(gen);
+    const int64_t window = windows[window_pick(gen)];
+    const int64_t exact = DecodeGridChunkCount(max_visible, window, split);
+    const int64_t graph =
+        DecodeGridChunkCount(DecodeGraphVisible(max_visible, split), window, split);
+    ASSERT_GE(graph, exact);
+    std::uniform_int_distribution<int64_t> pos_dist(0, max_visible - 1);
+    for (int q = 0; q < 8; ++q) {
+      const int64_t pos = q == 0 ? max_visible - 1 : pos_dist(gen);
+      const int64_t visible = pos - FirstVisiblePosition(pos, window) + 1;
+      ASSERT_EQ(DecodeChunkCount(visible, split, graph), DecodeChunkCount(visible, split, exact))
+          << "max_visible " << max_visible << " window " << window << " pos " << pos;
+    }
+  }
+}
+
 TEST(DeviceLayoutTest, PageTableIndex) {
   for (int64_t p : {0, 1, 63, 64, 65, 1000, 32767}) {
     EXPECT_EQ(KvPageTableIndex(p, 0), p / kKvPageTokens);

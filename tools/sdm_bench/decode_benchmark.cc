@@ -526,6 +526,7 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
         // On CUDA the per-part profile synchronises after every layer, which would distort the
         // step time: the device figures are whole steps only.
         eo.profile = !cuda;
+        eo.cuda_graphs = opt.cuda_graphs;
         eo.prefill_chunk = opt.prefill_chunk;
         eo.cpu_decode_attention = run.spec->cpu_attention;
         if (!cuda) eo.cpu_dtype = opt.cpu_dtype;
@@ -657,9 +658,23 @@ absl::Status RunDecodeBenchmark(const DecodeBenchOptions& opt) {
         for (const std::string& line : skip_lines) std::printf("%s\n", line.c_str());
         std::fflush(stdout);
       }
-      for (const ModelRun& run : runs) {
+      for (size_t k = 0; k < runs.size(); ++k) {
+        const ModelRun& run = runs[k];
         for (const auto& [b, rate] : run.sgemm_gflops) {
           sgemm.push_back({{"model", run.spec->name}, {"batch", b}, {"gflops", rate}});
+        }
+        if (cuda) {
+          // How the steps ran: one graph launch each (captured once per shape), or kernel by
+          // kernel (--cuda_graphs=false, or a shape whose capture failed).
+          const DecodeGraphStats g = run.engine->decode_graph_stats();
+          std::printf("# %s decode graphs %s: %ld captured, %ld steps replayed, %ld refused\n",
+                      run.spec->name.c_str(), opt.cuda_graphs ? "on" : "off",
+                      static_cast<long>(g.captures), static_cast<long>(g.replays),
+                      static_cast<long>(g.refusals));
+          gj["models"][phase[k]]["decode_graphs"] = {{"enabled", opt.cuda_graphs},
+                                                     {"captures", g.captures},
+                                                     {"replays", g.replays},
+                                                     {"refusals", g.refusals}};
         }
       }
       // Leaving the phase frees its models, engines and sessions (device memory included).

@@ -119,8 +119,9 @@ struct DecodeBenchOptions {
   int64_t max_batch = 16;  // cap of the `fit` batch
   int steps = 10;
   int warmup = 2;
-  int threads = 0;               // engine threads (0: one per hardware thread)
-  int64_t prefill_chunk = 256;   // the engine's prefill chunk (EngineOptions)
+  int threads = 0;                                 // engine threads (0: one per hardware thread)
+  int64_t prefill_chunk = 256;                     // the engine's prefill chunk (EngineOptions)
+  bool cuda_graphs = EngineOptions{}.cuda_graphs;  // CUDA: decode steps as graphs (EngineOptions)
   double state_budget_gb = 4.0;  // per model (CPU; on CUDA the device's memory bounds the batch)
   uint64_t seed = 1;
   int64_t bandwidth_mb = 512;  // size of each buffer of the bandwidth measurement (CUDA: >= 2048)

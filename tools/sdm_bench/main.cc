@@ -102,6 +102,8 @@ ABSL_FLAG(int, steps, 10, "Timed decode steps per (model, context, batch)");
 ABSL_FLAG(int, warmup, 2, "Untimed decode steps before timing");
 ABSL_FLAG(int, threads, 0, "Engine threads (0: one per hardware thread)");
 ABSL_FLAG(int64_t, prefill_chunk, 256, "The engine's prefill chunk (tokens)");
+ABSL_FLAG(bool, cuda_graphs, sdm::EngineOptions{}.cuda_graphs,
+          "CUDA: run decode steps as CUDA graphs (false: every kernel launched, for comparison)");
 ABSL_FLAG(double, state_budget_gb, 4.0,
           "Per model: skip batch sizes whose session state exceeds this many GB (a pair holds both "
           "models' batches at once)");
@@ -307,6 +309,7 @@ absl::StatusOr<sdm::bench::DecodeBenchOptions> DecodeOptionsFromFlags(
   opt.warmup = absl::GetFlag(FLAGS_warmup);
   opt.threads = absl::GetFlag(FLAGS_threads);
   opt.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
+  opt.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   opt.state_budget_gb = absl::GetFlag(FLAGS_state_budget_gb);
   opt.seed = absl::GetFlag(FLAGS_seed);
   opt.bandwidth_mb = absl::GetFlag(FLAGS_bandwidth_mb);

@@ -1,13 +1,17 @@
 // Cooperative-fiber emulation of CUDA blocks: every CUDA thread is a fiber; __syncthreads and
 // warp collectives are barriers; divergent warp collectives or barrier deadlocks abort.
 // Host runtime: device memory is malloc'd (ASan-visible) and registered so that memcpy kinds,
-// ranges and GEMM operands can be checked; streams and events are synchronous.
+// ranges and GEMM operands can be checked; streams and events are synchronous, except that a
+// capturing stream records its work for a graph (checked at capture and again at each replay,
+// so a graph that outlived a buffer it refers to fails loudly).
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cuda_runtime.h"
 #include "emu_fiber_switch.h"
@@ -208,8 +212,32 @@ static void RunBlock(size_t smem) {
   g_smem = nullptr;
 }
 
+}  // namespace emu
+
+enum class EmuCapture { kNone, kActive, kInvalidated };
+struct EmuStream {
+  int id;
+  EmuCapture capture = EmuCapture::kNone;
+  std::thread::id capturing_thread;
+  std::vector<std::function<void()>> ops;  // recorded while capturing
+};
+struct EmuEvent {
+  bool recorded;
+};
+struct EmuGraph {
+  std::vector<std::function<void()>> ops;
+};
+struct EmuGraphExec {
+  std::vector<std::function<void()>> ops;
+};
+
+namespace emu {
 static std::set<cudaStream_t> g_streams;
 static std::set<cudaEvent_t> g_events;
+static std::set<cudaGraph_t> g_graphs;
+static std::set<cudaGraphExec_t> g_graph_execs;
+// The stream this thread is capturing (cudaStreamCaptureModeThreadLocal), or null.
+thread_local cudaStream_t t_capturing = nullptr;
 
 static void CheckStream(cudaStream_t s, const char* what) {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -218,8 +246,36 @@ static void CheckStream(cudaStream_t s, const char* what) {
   }
 }
 
-void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
-  ++g_launches;
+void InvalidateCapture(cudaStream_t s) {
+  if (s != nullptr && s->capture == EmuCapture::kActive) {
+    s->capture = EmuCapture::kInvalidated;
+    s->ops.clear();
+  }
+}
+
+// A call CUDA refuses while this thread captures (an allocation, a synchronous copy, a
+// synchronisation): the capture is invalidated, as on the device, and the call fails.
+static bool RefusedWhileCapturing(const char* what) {
+  if (t_capturing == nullptr || t_capturing->capture != EmuCapture::kActive) return false;
+  if (std::getenv("EMU_VERBOSE")) std::fprintf(stderr, "EMU: %s during stream capture\n", what);
+  InvalidateCapture(t_capturing);
+  g_last_error = cudaErrorStreamCaptureUnsupported;
+  return true;
+}
+
+void Enqueue(cudaStream_t s, std::function<void()> op) {
+  if (s != nullptr && s->capture == EmuCapture::kActive) {
+    s->ops.push_back(std::move(op));
+    return;
+  }
+  if (s != nullptr && s->capture == EmuCapture::kInvalidated) {
+    g_last_error = cudaErrorStreamCaptureInvalidated;
+    return;
+  }
+  op();
+}
+
+bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
   CheckStream(s, "kernel launch");
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 ||
@@ -230,8 +286,15 @@ void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, c
                    grid.x, grid.y, grid.z, block.x, block.y, block.z, smem);
     }
     g_last_error = cudaErrorInvalidConfiguration;
-    return;
+    InvalidateCapture(s);
+    return false;
   }
+  return true;
+}
+
+void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem) {
+  ++g_launches;
+  const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (threads % 32 != 0) {
     std::fprintf(stderr, "EMU NOTE: block of %lu threads (not a multiple of 32)\n",
                  static_cast<unsigned long>(threads));
@@ -288,8 +351,8 @@ static Kind KindOf(const void* p, size_t n, const char* what) {
   return kHost;
 }
 
-static cudaError_t Copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind,
-                        const char* what) {
+static cudaError_t Copy(void* dst, const void* src, size_t n, cudaMemcpyKind kind, const char* what,
+                        bool check_only = false) {
   if (n == 0) return cudaSuccess;
   if (dst == nullptr || src == nullptr) HostFail(std::string(what) + ": null pointer");
   const Kind d = KindOf(dst, n, what), s = KindOf(src, n, what);
@@ -315,7 +378,7 @@ static cudaError_t Copy(void* dst, const void* src, size_t n, cudaMemcpyKind kin
     default:
       break;
   }
-  std::memmove(dst, src, n);
+  if (!check_only) std::memmove(dst, src, n);
   return cudaSuccess;
 }
 }  // namespace emu
@@ -324,6 +387,7 @@ using namespace emu;
 
 cudaError_t cudaMalloc(void** p, size_t bytes) {
   if (p == nullptr) return cudaErrorInvalidValue;
+  if (RefusedWhileCapturing("cudaMalloc")) return cudaErrorStreamCaptureUnsupported;
   *p = nullptr;
   if (bytes == 0) return cudaSuccess;
   {
@@ -344,6 +408,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 }
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
+  if (RefusedWhileCapturing("cudaFree")) return cudaErrorStreamCaptureUnsupported;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_device.find(reinterpret_cast<uintptr_t>(p));
@@ -355,6 +420,7 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  if (RefusedWhileCapturing("cudaMallocHost")) return cudaErrorStreamCaptureUnsupported;
   *p = std::aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
   if (*p == nullptr) return cudaErrorMemoryAllocation;
   std::memset(*p, FillByte(), bytes);
@@ -364,6 +430,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 }
 cudaError_t cudaFreeHost(void* p) {
   if (p == nullptr) return cudaSuccess;
+  if (RefusedWhileCapturing("cudaFreeHost")) return cudaErrorStreamCaptureUnsupported;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_pinned.find(reinterpret_cast<uintptr_t>(p));
@@ -374,22 +441,33 @@ cudaError_t cudaFreeHost(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind k) {
+  if (RefusedWhileCapturing("cudaMemcpy")) return cudaErrorStreamCaptureUnsupported;
   return Copy(dst, src, n, k, "cudaMemcpy");
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind k,
                             cudaStream_t s) {
   CheckStream(s, "cudaMemcpyAsync");
-  return Copy(dst, src, n, k, "cudaMemcpyAsync");
+  Copy(dst, src, n, k, "cudaMemcpyAsync", /*check_only=*/true);
+  Enqueue(s, [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); });
+  return cudaSuccess;
+}
+static void Fill(void* p, int v, size_t n, const char* what) {
+  if (n == 0) return;
+  if (KindOf(p, n, what) != kDevice) HostFail(std::string(what) + " on non-device memory");
+  std::memset(p, v, n);
 }
 cudaError_t cudaMemset(void* p, int v, size_t n) {
-  if (n == 0) return cudaSuccess;
-  if (KindOf(p, n, "cudaMemset") != kDevice) HostFail("cudaMemset on non-device memory");
-  std::memset(p, v, n);
+  if (RefusedWhileCapturing("cudaMemset")) return cudaErrorStreamCaptureUnsupported;
+  Fill(p, v, n, "cudaMemset");
   return cudaSuccess;
 }
 cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
   CheckStream(s, "cudaMemsetAsync");
-  return cudaMemset(p, v, n);
+  if (n > 0 && KindOf(p, n, "cudaMemsetAsync") != kDevice) {
+    HostFail("cudaMemsetAsync on non-device memory");
+  }
+  Enqueue(s, [=] { Fill(p, v, n, "cudaMemsetAsync"); });
+  return cudaSuccess;
 }
 cudaError_t cudaGetLastError() {
   const cudaError_t e = g_last_error;
@@ -407,6 +485,10 @@ const char* cudaGetErrorName(cudaError_t e) {
       return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration:
       return "cudaErrorInvalidConfiguration";
+    case cudaErrorStreamCaptureUnsupported:
+      return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated:
+      return "cudaErrorStreamCaptureInvalidated";
     default:
       return "cudaErrorOther";
   }
@@ -452,12 +534,6 @@ cudaError_t cudaRuntimeGetVersion(int* v) {
   return cudaSuccess;
 }
 
-struct EmuStream {
-  int id;
-};
-struct EmuEvent {
-  bool recorded;
-};
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
   *s = new EmuStream{0};
   std::lock_guard<std::mutex> lock(g_mu);
@@ -469,12 +545,96 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_streams.erase(s) == 0) HostFail("cudaStreamDestroy of an unknown stream");
+    if (s->capture != EmuCapture::kNone) HostFail("cudaStreamDestroy of a capturing stream");
   }
   delete s;
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   CheckStream(s, "cudaStreamSynchronize");
+  if (s != nullptr && s->capture != EmuCapture::kNone) {
+    InvalidateCapture(s);
+    g_last_error = cudaErrorStreamCaptureUnsupported;
+    return cudaErrorStreamCaptureUnsupported;
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+  CheckStream(s, "cudaStreamBeginCapture");
+  if (s == nullptr) return cudaErrorStreamCaptureUnsupported;  // the legacy stream
+  if (mode != cudaStreamCaptureModeThreadLocal) {
+    HostFail("cudaStreamBeginCapture: only cudaStreamCaptureModeThreadLocal is emulated");
+  }
+  if (s->capture != EmuCapture::kNone || t_capturing != nullptr) {
+    HostFail("cudaStreamBeginCapture while a capture is in progress");
+  }
+  s->capture = EmuCapture::kActive;
+  s->capturing_thread = std::this_thread::get_id();
+  s->ops.clear();
+  t_capturing = s;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
+  CheckStream(s, "cudaStreamEndCapture");
+  *graph = nullptr;
+  if (s == nullptr || s->capture == EmuCapture::kNone) return cudaErrorInvalidValue;
+  if (s->capturing_thread != std::this_thread::get_id()) {
+    HostFail("cudaStreamEndCapture from another thread than the one that began the capture");
+  }
+  const bool valid = s->capture == EmuCapture::kActive;
+  s->capture = EmuCapture::kNone;
+  t_capturing = nullptr;
+  if (!valid) {
+    s->ops.clear();
+    return cudaErrorStreamCaptureInvalidated;
+  }
+  *graph = new EmuGraph{std::move(s->ops)};
+  s->ops.clear();
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_graphs.insert(*graph);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status) {
+  CheckStream(s, "cudaStreamIsCapturing");
+  *status = s == nullptr || s->capture == EmuCapture::kNone ? cudaStreamCaptureStatusNone
+            : s->capture == EmuCapture::kActive             ? cudaStreamCaptureStatusActive
+                                                            : cudaStreamCaptureStatusInvalidated;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_graphs.count(graph) == 0) HostFail("cudaGraphInstantiate of an unknown graph");
+  *exec = new EmuGraphExec{graph->ops};
+  g_graph_execs.insert(*exec);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  CheckStream(s, "cudaGraphLaunch");
+  std::vector<std::function<void()>> ops;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_graph_execs.count(exec) == 0) HostFail("cudaGraphLaunch of an unknown graph exec");
+    ops = exec->ops;
+  }
+  Enqueue(s, [ops = std::move(ops)] {
+    for (const std::function<void()>& op : ops) op();
+  });
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_graph_execs.erase(exec) == 0) HostFail("cudaGraphExecDestroy of an unknown exec");
+  }
+  delete exec;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_graphs.erase(graph) == 0) HostFail("cudaGraphDestroy of an unknown graph");
+  }
+  delete graph;
   return cudaSuccess;
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
@@ -483,7 +643,10 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   if (g_events.count(e) == 0) HostFail("cudaStreamWaitEvent on an unknown event");
   return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize() {
+  if (RefusedWhileCapturing("cudaDeviceSynchronize")) return cudaErrorStreamCaptureUnsupported;
+  return cudaSuccess;
+}
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
   *e = new EmuEvent{false};
   std::lock_guard<std::mutex> lock(g_mu);

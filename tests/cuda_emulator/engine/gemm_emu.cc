@@ -94,22 +94,9 @@ bool BlasLtGemm::Init(size_t workspace_bytes) {
   return true;
 }
 
-bool BlasLtGemm::Linear(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, int64_t n,
-                        int64_t k, const float* bias, float* y, cudaStream_t stream) {
-  if (handle_ == nullptr) {
-    error_ = "BlasLtGemm::Linear before a successful Init";
-    return false;
-  }
-  if (m < 0 || n < 0 || k < 0) {
-    error_ = "BlasLtGemm::Linear: negative shape";
-    return false;
-  }
-  if (m == 0 || n == 0) return true;
-  (void)cudaStreamSynchronize(stream);  // validates the stream
-  CheckDev(x, m * k * 2, "x", m, n, k);
-  CheckDev(w, n * k * 2, "w", m, n, k);
-  CheckDev(y, m * n * 4, "y", m, n, k);
-  if (bias != nullptr) CheckDev(bias, n * 4, "bias", m, n, k);
+// y = x w^T (+ bias), fp32 accumulation of bf16 inputs.
+static void Multiply(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, int64_t n,
+                     int64_t k, const float* bias, float* y) {
   std::vector<float> xf(m * k), wr(k);
   for (int64_t i = 0; i < m * k; ++i) xf[i] = __bfloat162float(x[i]);
   for (int64_t c = 0; c < n; ++c) {
@@ -121,6 +108,31 @@ bool BlasLtGemm::Linear(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* 
       y[r * n + c] = bias != nullptr ? acc + bias[c] : acc;
     }
   }
+}
+
+bool BlasLtGemm::Linear(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w, int64_t n,
+                        int64_t k, const float* bias, float* y, cudaStream_t stream) {
+  if (handle_ == nullptr) {
+    error_ = "BlasLtGemm::Linear before a successful Init";
+    return false;
+  }
+  if (m < 0 || n < 0 || k < 0) {
+    error_ = "BlasLtGemm::Linear: negative shape";
+    return false;
+  }
+  if (m == 0 || n == 0) return true;
+  // Checked when enqueued and again when run (a captured GEMM runs at each graph replay).
+  auto check = [=] {
+    CheckDev(x, m * k * 2, "x", m, n, k);
+    CheckDev(w, n * k * 2, "w", m, n, k);
+    CheckDev(y, m * n * 4, "y", m, n, k);
+    if (bias != nullptr) CheckDev(bias, n * 4, "bias", m, n, k);
+  };
+  check();
+  emu::Enqueue(stream, [=] {
+    check();
+    Multiply(x, m, w, n, k, bias, y);
+  });
   return true;
 }
 

@@ -15,7 +15,8 @@ def shared(m):
         indent, align, typ, decls, count[0], regs, count[0])
 s = re.sub(r'^(\s*)__shared__\s+(__align__\(\d+\)\s+)?([\w:]+)\s+([^;]+);', shared, s, flags=re.M)
 def launch(m):
-    return 'emu::Launch([&] { %s(%s); }, %s);' % (m.group(1), m.group(3), m.group(2))
+    # By value: a launch recorded by stream capture runs after the wrapper's locals are gone.
+    return 'emu::Launch([=] { %s(%s); }, %s);' % (m.group(1), m.group(3), m.group(2))
 s, n = re.subn(r'([\w:]+(?:<\w+>)?)\s*<<<(.*?)>>>\s*\((.*?)\);', launch, s, flags=re.S)
 sys.stderr.write('%s: launches %d, static shared %d\n' % (sys.argv[1], n, count[0]))
 open(sys.argv[2], 'w').write(s)

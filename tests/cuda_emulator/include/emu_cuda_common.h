@@ -31,6 +31,8 @@ enum cudaError_t {
   cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorNoDevice = 100,
   cudaErrorInvalidResourceHandle = 400,
+  cudaErrorStreamCaptureUnsupported = 900,
+  cudaErrorStreamCaptureInvalidated = 901,
 };
 enum cudaMemcpyKind {
   cudaMemcpyHostToHost = 0,

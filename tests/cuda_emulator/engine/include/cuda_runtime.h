@@ -1,7 +1,26 @@
 // CPU emulation of the part of the CUDA runtime the sdmserve kernels and CUDA backend use
 // (testing only). Every CUDA thread is a fiber (emu.cc); warp intrinsics are warp barriers.
 #pragma once
+#include <functional>
+
 #include "emu_cuda_common.h"
+
+// Stream capture and graphs (the engine's decode-step graphs): a capturing stream records what
+// is enqueued on it instead of running it; a graph replays the records in order.
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal = 0,
+  cudaStreamCaptureModeThreadLocal = 1,
+  cudaStreamCaptureModeRelaxed = 2
+};
+enum cudaStreamCaptureStatus {
+  cudaStreamCaptureStatusNone = 0,
+  cudaStreamCaptureStatusActive = 1,
+  cudaStreamCaptureStatusInvalidated = 2
+};
+struct EmuGraph;
+struct EmuGraphExec;
+typedef EmuGraph* cudaGraph_t;
+typedef EmuGraphExec* cudaGraphExec_t;
 
 #define __shared__ static
 #define __constant__ static
@@ -21,10 +40,21 @@ uint64_t WarpExchange(uint64_t bits, unsigned mask, int src_lane);
 unsigned WarpBallot(bool pred, unsigned mask);
 unsigned WarpMatchAny(uint64_t bits, unsigned mask);
 void WarpSync(unsigned mask);
-void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, cudaStream_t s);
+// Checks a launch's stream and configuration; false (the last error set, and a capture on `s`
+// invalidated) when CUDA would refuse it.
+bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s);
+void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem);
+// Runs `op` now, or records it when `s` is capturing (replayed by cudaGraphLaunch). Work enqueued
+// on an invalidated capture is dropped with cudaErrorStreamCaptureInvalidated as the last error.
+void Enqueue(cudaStream_t s, std::function<void()> op);
+// transform.py captures the kernel's arguments by value: a captured launch replays them as they
+// were at capture, like CUDA's kernel nodes.
 template <class F>
 void Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr) {
-  RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem, s);
+  if (!LaunchAccepted(grid, block, smem, s)) return;
+  Enqueue(s, [f, grid, block, smem]() mutable {
+    RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem);
+  });
 }
 // Device-memory bookkeeping for the host-side checks.
 bool IsDevicePtr(const void* p, size_t n);
@@ -101,6 +131,14 @@ cudaError_t cudaStreamDestroy(cudaStream_t s);
 cudaError_t cudaStreamSynchronize(cudaStream_t s);
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned flags = 0);
 cudaError_t cudaDeviceSynchronize();
+cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode);
+cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph);
+cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus* status);
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph,
+                                 unsigned long long flags = 0);
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s);
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec);
+cudaError_t cudaGraphDestroy(cudaGraph_t graph);
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned flags);
 cudaError_t cudaEventCreate(cudaEvent_t* e);
 cudaError_t cudaEventDestroy(cudaEvent_t e);
