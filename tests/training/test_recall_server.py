@@ -5,8 +5,10 @@ fact, the server is restarted (sessions persisted in --state_dir), and the sessi
 For each example, session A is told "The code word of NAME is WORD." plus corpus text longer than
 the sliding window, the server restarts, and A is asked "Q: What is the code word of NAME?".
 Session B gets the same two turns with no restart between them. Asserted: A's answer (token ids)
-equals B's exactly, i.e. a restart changes nothing. Reported, not asserted: how many answers
-are the word (the model's recall accuracy; its card gives it on many more examples).
+equals B's exactly, i.e. a restart changes nothing, and every answer is the word: the words are
+code words of the training task (training/data.py WORDS), and the shipped model recalls 100% of
+256 held-out facts at each distance from 1x to 32x its window (its card). A retrained model that
+misses one of these four has lost what the demo shows.
 
 Usage: test_recall_server.py SDM_SERVER SDM_CLIENT [--model DIR]. Exit 0 pass, 1 fail, 77 skip
 (no shipped model).
@@ -32,7 +34,7 @@ EXAMPLES = [
      "to keep one's word is not to give it. When in doubt, tell the truth.\n\n"),
     ("Hugo", "walnut", "It is a poor workman who blames his tools; a good one keeps them sharp, "
      "clean and out of the rain. Time flies like an arrow.\n\n"),
-    ("Clara", "silver", "He who laughs last thinks slowest. A closed mouth gathers no feet, and "
+    ("Clara", "saffron", "He who laughs last thinks slowest. A closed mouth gathers no feet, and "
      "a rolling stone gathers no moss, but it gains a certain polish.\n\n"),
     ("Omar", "falcon", "Never put off till tomorrow what you can do the day after tomorrow. "
      "Experience is what you get when you didn't get what you wanted.\n\n"),
@@ -116,8 +118,10 @@ def main() -> int:
             print(f"ok {name}: same answer with and without a restart: {a['text']!r} "
                   f"({'the word' if hit else 'not the word ' + word})")
         server.stop()
-        print(f"recall through the server: {hits}/{len(EXAMPLES)} answers are the word "
-              "(reported, not asserted)")
+        print(f"recall through the server: {hits}/{len(EXAMPLES)} answers are the word")
+        if hits != len(EXAMPLES):
+            raise CheckFailed(f"only {hits} of {len(EXAMPLES)} answers after the restart are the "
+                              "word the session was told")
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
