@@ -823,12 +823,12 @@ TEST(CudaEngineTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
   EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
 }
 
-// A CUDA engine for debug_hybrid sessions of up to 1,024 positions.
-EngineOptions DebugHybridCudaOptions(int64_t prefill_chunk) {
+// A CUDA engine with `state_bytes` of session state, sessions of up to `max_context` positions.
+EngineOptions CudaOptions(int64_t state_bytes, int64_t max_context, int64_t prefill_chunk) {
   EngineOptions o;
   o.device = EngineDevice::kCuda;
-  o.device_state_bytes = int64_t{1} << 30;
-  o.max_context = 1024;
+  o.device_state_bytes = state_bytes;
+  o.max_context = max_context;
   o.prefill_chunk = prefill_chunk;
   return o;
 }
@@ -843,7 +843,7 @@ TEST(CudaEngineTest, AFaultPartWayThroughAPassMarksItsSessionsFailed) {
   absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
   ASSERT_TRUE(c.ok());
   std::shared_ptr<const Model> model = Bf16Model(*c, 7);
-  EngineOptions o = DebugHybridCudaOptions(/*prefill_chunk=*/16);
+  EngineOptions o = CudaOptions(int64_t{1} << 30, 1024, /*prefill_chunk=*/16);
   auto reference = Engine::Create(model, o);
   ASSERT_TRUE(reference.ok()) << reference.status();
   o.inject_forward_fault = 3;  // the third launch after the first state write
@@ -977,7 +977,7 @@ TEST(CudaEngineTest, DecodeGraphsComputeWhatLaunchingEachKernelComputes) {
   absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
   ASSERT_TRUE(c.ok());
   std::shared_ptr<const Model> model = Bf16Model(*c, 5);
-  EngineOptions o = DebugHybridCudaOptions(/*prefill_chunk=*/64);
+  EngineOptions o = CudaOptions(int64_t{1} << 30, 1024, /*prefill_chunk=*/64);
   o.cuda_graphs = false;
   auto launched = Engine::Create(model, o);
   ASSERT_TRUE(launched.ok()) << launched.status();
@@ -1004,6 +1004,55 @@ TEST(CudaEngineTest, DecodeGraphsComputeWhatLaunchingEachKernelComputes) {
   std::printf("[graphs] %ld decode steps: %ld captures, %ld replays\n",
               static_cast<long>(kDecodeSteps), static_cast<long>(got.stats.captures),
               static_cast<long>(got.stats.replays));
+}
+
+// A step that grows only the activation rows (one 100-token prefill after decode steps of 40
+// sessions, whose step arrays were larger) drops the graphs: the next decode step of a shape seen
+// before is captured again, and its logits equal those of the engine without graphs. (A graph
+// kept across the growth names freed activations: the CPU emulator aborts on its first GEMM.)
+TEST(CudaEngineTest, GrowingTheActivationsAloneDropsTheDecodeGraphs) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 9);
+  EngineOptions o = CudaOptions(int64_t{1} << 28, 256, /*prefill_chunk=*/128);
+  std::vector<std::vector<float>> got[2];
+  DecodeGraphStats before, after;
+  for (int graphs = 0; graphs < 2; ++graphs) {
+    o.cuda_graphs = graphs == 1;
+    auto e = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    const int64_t vocab = (*e)->vocab_size();
+    constexpr int kSessions = 40;
+    std::vector<std::unique_ptr<SessionState>> s;
+    std::vector<SessionState*> ptr;
+    for (int i = 0; i < kSessions; ++i) {
+      s.push_back((*e)->NewSession());
+      ptr.push_back(s.back().get());
+      ASSERT_TRUE((*e)->Prefill(*s.back(), RandomTokens(2, vocab, 300 + i), false, nullptr).ok());
+    }
+    auto decode = [&](int step) {
+      std::vector<float> logits(kSessions * vocab);
+      const absl::Status st = (*e)->Decode(ptr, RandomTokens(kSessions, vocab, 400 + step), logits);
+      ASSERT_TRUE(st.ok()) << st;
+      got[graphs].push_back(std::move(logits));
+    };
+    decode(0);
+    decode(1);
+    auto extra = (*e)->NewSession();
+    std::vector<float> last;
+    ASSERT_TRUE((*e)->Prefill(*extra, RandomTokens(100, vocab, 500), false, &last).ok());
+    got[graphs].push_back(std::move(last));
+    before = (*e)->decode_graph_stats();
+    decode(2);
+    after = (*e)->decode_graph_stats();
+  }
+  ASSERT_EQ(got[1].size(), got[0].size());
+  for (size_t i = 0; i < got[0].size(); ++i) EXPECT_EQ(got[1][i], got[0][i]) << "pass " << i;
+  EXPECT_EQ(before.captures, 1);
+  EXPECT_EQ(before.replays, 2);
+  EXPECT_EQ(after.captures, 2);
+  EXPECT_EQ(after.replays, 3);
 }
 
 // Profiling (a synchronisation after each part) runs every step launch by launch: no graph.
