@@ -560,7 +560,8 @@ class CudaBackend : public EngineBackend {
   // outside any capture: allocations are not allowed in one).
   absl::Status EnsureStepArrays(size_t bytes) {
     Workspace& ws = ws_;
-    if (ws.step.size() >= bytes) return absl::OkStatus();
+    // Both: a failed pinned allocation leaves the device half grown and the host half empty.
+    if (ws.step.size() >= bytes && ws.step_host.size() >= bytes) return absl::OkStatus();
     graphs_.Clear();
     SDM_RETURN_IF_ERROR(CudaStatus(ws.step.Allocate(bytes * 2), "allocating step arrays"));
     return CudaStatus(ws.step_host.Allocate(bytes * 2), "allocating step arrays");

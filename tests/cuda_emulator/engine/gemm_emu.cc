@@ -20,6 +20,15 @@ static void CheckDev(const void* p, size_t bytes, const char* what, int64_t m, i
   }
 }
 
+// Every operand of y[m, n] = x[m, k] w[n, k]^T (+ bias) is a device range of its size.
+static void CheckOperands(const void* x, int64_t m, const void* w, int64_t n, int64_t k,
+                          const float* bias, const void* y) {
+  CheckDev(x, m * k * 2, "x", m, n, k);
+  CheckDev(w, n * k * 2, "w", m, n, k);
+  CheckDev(y, m * n * 4, "y", m, n, k);
+  if (bias != nullptr) CheckDev(bias, n * 4, "bias", m, n, k);
+}
+
 BlasLtGemm::~BlasLtGemm() = default;
 void BlasLtGemm::DescDeleter::operator()(cublasLtMatmulDescOpaque_t*) const {}
 void BlasLtGemm::DescDeleter::operator()(cublasLtMatrixLayoutOpaque_t*) const {}
@@ -66,10 +75,7 @@ bool BlasLtGemm::Plan(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* w,
                       int64_t k, const float* bias, const float* y) {
   if (!Shape(m, n, k)) return false;
   if (m == 0 || n == 0 || k == 0) return true;
-  CheckDev(x, m * k * 2, "x", m, n, k);
-  CheckDev(w, n * k * 2, "w", m, n, k);
-  CheckDev(y, m * n * 4, "y", m, n, k);
-  if (bias != nullptr) CheckDev(bias, n * 4, "bias", m, n, k);
+  CheckOperands(x, m, w, n, k, bias, y);
   return Find(KeyOf(x, m, w, n, k, bias, y), /*make=*/true) != nullptr;
 }
 
@@ -122,15 +128,9 @@ bool BlasLtGemm::Linear(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* 
   }
   if (m == 0 || n == 0) return true;
   // Checked when enqueued and again when run (a captured GEMM runs at each graph replay).
-  auto check = [=] {
-    CheckDev(x, m * k * 2, "x", m, n, k);
-    CheckDev(w, n * k * 2, "w", m, n, k);
-    CheckDev(y, m * n * 4, "y", m, n, k);
-    if (bias != nullptr) CheckDev(bias, n * 4, "bias", m, n, k);
-  };
-  check();
+  CheckOperands(x, m, w, n, k, bias, y);
   emu::Enqueue(stream, [=] {
-    check();
+    CheckOperands(x, m, w, n, k, bias, y);
     Multiply(x, m, w, n, k, bias, y);
   });
   return true;
