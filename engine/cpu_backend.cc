@@ -31,8 +31,9 @@ namespace {
 namespace cpu = kernels::cpu;
 
 // Columns of an SDM row handled by one task: rows are independent across columns, so the
-// recurrence of a head is split into tiles that run on different threads.
-constexpr int64_t kSdmColumnTile = 128;
+// recurrence of a head is split into tiles that run on different threads (the tiling a journaled
+// write's replay uses too, cpu::SdmWriteRows).
+constexpr int64_t kSdmColumnTile = cpu::kSdmWriteColumnTile;
 
 using cpu::PackedMatrix;
 
@@ -345,6 +346,13 @@ class CpuBackend : public EngineBackend {
           const int64_t base = (r * heads + h) * n_w;
           for (int64_t i = 0; i < n_w; ++i)
             w_rows[base + i] = table.MutableRow(h, w_slot[base + i]);
+          // The write's inputs, for a delta that carries writes rather than rows (no-op unless
+          // the state store asked for it: state_store/sdm_table.h, the write journal).
+          const int64_t rh = r * heads + h;
+          table.JournalWrite(h, std::span<const int32_t>(&w_slot[base], n_w),
+                             std::span<const float>(&w_val[base], n_w),
+                             std::span<const float>(&alpha[rh * n_alpha], n_alpha), beta[rh],
+                             &v[r * dim + h * hd]);
         }
       }
       for (int64_t t = 0; t < s.length; ++t) {

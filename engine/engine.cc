@@ -11,6 +11,7 @@
 #include "base/log.h"
 #include "engine/engine_backend.h"
 #include "engine/weight_spec.h"
+#include "kernels/cpu/sdm_update.h"
 #include "kernels/cuda/cuda_runtime_info.h"
 #include "xxhash.h"
 
@@ -45,6 +46,14 @@ StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
         state.m0 = w.Share(m0->name);
       }
       state.row_pool = row_pool;
+      // Deltas may carry the writes instead of the rows; replaying one runs the CPU engine's
+      // own write (state_store/state_layout.h, SdmWriteSpec).
+      state.sdm_write.apply = &kernels::cpu::SdmWriteRows;
+      state.sdm_write.writes = cfg.sdm.num_writes;
+      state.sdm_write.alphas = cfg.sdm.key_weighted_decay ? cfg.sdm.num_writes : 1;
+      state.sdm_write.rule = static_cast<uint32_t>(cfg.sdm.update_rule == UpdateRule::kSlotResidual
+                                                       ? kernels::cpu::SdmRule::kSlotResidual
+                                                       : kernels::cpu::SdmRule::kSharedResidual);
     } else {
       const AttentionGeometry g = AttentionGeometryOf(cfg, i);
       state.kind = LayerStateLayout::Kind::kKv;

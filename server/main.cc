@@ -112,6 +112,11 @@ ABSL_FLAG(double, persist_compact_ratio, sdm::ServerOptions{}.store.log_compact_
           "full snapshots per turn (a turn costs its delta plus about 1/ratio of it), and lets a "
           "restore read up to (1 + ratio) x the snapshot. 0: every write is a full snapshot. "
           "docs/state-format.md, Durability.");
+ABSL_FLAG(bool, persist_journal, sdm::ServerOptions{}.store.journal_writes,
+          "A turn's delta carries each SDM layer's writes (slot ids, weights, decays and value "
+          "per token: a few KB) instead of the rows they changed, whichever is smaller; restoring "
+          "applies them with the engine's own write, bit for bit. false: always the rows. "
+          "docs/state-format.md, Delta log.");
 ABSL_FLAG(std::string, persist_io, "direct",
           "How sessions' data is written to --state_dir: direct (O_DIRECT, whole blocks straight "
           "to the disk, without the page-cache copy that cost decode most of its CPU on a small "
@@ -348,6 +353,7 @@ int main(int argc, char** argv) {
   }
   options.store.files = *persist_io;
   options.store.log_compact_ratio = absl::GetFlag(FLAGS_persist_compact_ratio);
+  options.store.journal_writes = absl::GetFlag(FLAGS_persist_journal);
   if (!(options.store.log_compact_ratio >= 0 && options.store.log_compact_ratio <= 1e6)) {
     return UsageError("--persist_compact_ratio must be between 0 and 1e6");
   }

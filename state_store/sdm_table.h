@@ -16,9 +16,11 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "state_store/row_pool.h"
 #include "state_store/state_layout.h"
 
@@ -58,8 +60,12 @@ class SdmTable {
   int64_t SharedRows() const;
   // Bytes of the slot->row table.
   int64_t TableBytes() const { return static_cast<int64_t>(slot_to_row_.size() * sizeof(int32_t)); }
-  // Bytes this session references: its rows (shared ones counted in full) plus the table.
-  int64_t ResidentBytes() const { return num_rows_ * pool_->row_bytes() + TableBytes(); }
+  // Bytes this session references: its rows (shared ones counted in full), the table and the
+  // write journal.
+  int64_t ResidentBytes() const {
+    return num_rows_ * pool_->row_bytes() + TableBytes() +
+           static_cast<int64_t>(journal_.capacity());
+  }
 
   // A table sharing every row with this one (copy-on-write; the pool's counts go up).
   SdmTable Fork() const;
@@ -94,10 +100,43 @@ class SdmTable {
     for (uint32_t i : order)
       fn(i / slots_per_head_, i % slots_per_head_, Row(i / slots_per_head_, i % slots_per_head_));
   }
+  // Forgets the dirty rows and the write journal.
   void ClearDirty();
+
+  // Write journal (docs/state-format.md, "Delta log"). While the layout's sdm_write.record is
+  // on, the engine records every delta-rule write with its inputs (JournalWrite, after the
+  // MutableRow calls for its rows), so that a delta can carry what the turns did — per token and
+  // head the W slot ids, W weights, the decays, beta and the hd values — instead of the rows
+  // they left (W rows of hd floats). ApplyJournal() runs such records through sdm_write.apply:
+  // the engine's function on the same inputs and rows, so the same bits.
+  //
+  // The journal is complete — replayed over the state as of the last ClearDirty(), it rebuilds
+  // every row written since — only if every row MutableRow() handed out since was for a
+  // journaled write and no row was restored. It is dropped (and stays incomplete until the next
+  // ClearDirty) once it would outgrow the dirty rows, whose delta is then the smaller.
+  //
+  // One record: u32 head | i32 slot x W | f32 k x W | f32 alpha x alphas | f32 beta |
+  // f32 value x row_width (little-endian, as in memory).
+  void JournalWrite(int64_t head, std::span<const int32_t> slots, std::span<const float> k,
+                    std::span<const float> alpha, float beta, const float* v);
+  bool journal_complete() const {
+    return write_spec_.record && !journal_dropped_ && journaled_rows_ == handed_out_rows_;
+  }
+  absl::string_view journal() const { return journal_; }
+  int64_t journal_records() const { return journal_records_; }
+  const SdmWriteSpec& write_spec() const { return write_spec_; }
+  int64_t JournalRecordBytes() const {
+    return 4 + 8 * write_spec_.writes + 4 * write_spec_.alphas + 4 + 4 * row_width_;
+  }
+  // Applies `count` records (laid out as journal() holds them) in order, each through
+  // MutableRow() and sdm_write.apply. Errors: FailedPrecondition without an apply function,
+  // DataLoss for records that do not fit the table (the table may then be partly written),
+  // ResourceExhausted when the pool runs out.
+  absl::Status ApplyJournal(absl::string_view records, int64_t count);
 
  private:
   void ReleaseAll();
+  void DropJournal();
 
   int64_t heads_;
   int64_t slots_per_head_;
@@ -110,6 +149,13 @@ class SdmTable {
   // Dirty slots: a bit per slot (sized at the first write) and the list of set bits.
   std::vector<uint64_t> dirty_bits_;
   std::vector<uint32_t> dirty_;
+  // The write journal (see JournalWrite), reset by ClearDirty().
+  SdmWriteSpec write_spec_;
+  std::string journal_;
+  int64_t journal_records_ = 0;
+  int64_t journaled_rows_ = 0;   // W per record
+  int64_t handed_out_rows_ = 0;  // MutableRow() calls
+  bool journal_dropped_ = false;
 };
 
 }  // namespace sdm

@@ -103,8 +103,9 @@ class SessionState {
   // OK, or the cause passed to the first MarkFailed.
   const absl::Status& failure() const { return failure_; }
 
-  // Forgets which SDM rows were written (SdmTable::ClearDirty on every SDM layer): called once
-  // what the session holds is on disk, so that the next delta carries only later writes.
+  // Forgets which SDM rows were written and the writes journaled (SdmTable::ClearDirty on every
+  // SDM layer): called once what the session holds is on disk, so that the next delta carries
+  // only later writes.
   void ClearDirty() {
     for (auto& layer : layers_) {
       if (auto* table = std::get_if<SdmTable>(&layer)) table->ClearDirty();

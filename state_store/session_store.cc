@@ -306,6 +306,10 @@ SessionStateStore::SessionStateStore(PassKey, const StateLayout& layout, uint64_
     if (l.kind != LayerStateLayout::Kind::kSdm) continue;
     if (pool_ == nullptr) pool_ = std::make_shared<RowPool>(l.row_width);
     l.row_pool = pool_;
+    // Writes are journaled only where deltas are written (a shared directory has none).
+    l.sdm_write.record = options.journal_writes && l.sdm_write.apply != nullptr &&
+                         !options.dir.empty() && !options.shared_dir &&
+                         options.persist != PersistPolicy::kShutdown;
   }
 }
 
@@ -1674,8 +1678,8 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   const int64_t from = e.persisted_position;
   const uint64_t log_bytes = e.log_bytes;
   const uint64_t base_id = e.base_id;
-  const uint64_t compact_at =
-      static_cast<uint64_t>(static_cast<double>(e.persisted_bytes) * options_.log_compact_ratio);
+  const double compact_ratio = options_.log_compact_ratio;
+  const uint64_t persisted_bytes = e.persisted_bytes;
   // Fenced: the new file's name and the claim it is written under, before it is written (a
   // commit passes only while that claim lasts, so a file of a lost claim is garbage; the sweep
   // leaves a file being written alone).
@@ -1703,6 +1707,12 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     status = owned;
   } else if (try_delta) {
     // Sized before it is encoded: a delta that would take the log past its limit is not built.
+    // The log is bounded by the ratio times the larger of the last snapshot and the snapshot
+    // the session would write now (its size is known without reading a row): a session created
+    // empty, whose first snapshot is a few hundred bytes, logs its first turns too.
+    const uint64_t full_now = SessionStateSource(*state, record, fingerprint_).size();
+    const uint64_t compact_at = static_cast<uint64_t>(
+        static_cast<double>(std::max(persisted_bytes, full_now)) * compact_ratio);
     if (log_bytes + SessionDeltaBytes(*state, record, from) <= compact_at) {
       delta = true;
       // A delta to append (after the log's header when the log starts), produced straight from

@@ -32,9 +32,11 @@
 // are coalesced into one write, and the write never blocks a step (an Acquire of that session
 // waits for it). WhenPersisted() lets the caller acknowledge a turn only once it is written (the
 // scheduler does), so a kill -9 loses at most the turn in flight. The first write is a full
-// snapshot; later ones are deltas appended to the session's log (state_store/state_log.h: the rows
-// the turns touched), compacted into a full snapshot once the log would pass log_compact_ratio
-// times the snapshot's size or 256 records. Up to persist_writers sessions are written at once,
+// snapshot; later ones are deltas appended to the session's log (state_store/state_log.h: the KV
+// rows the turns appended and, per SDM layer, the writes they made or the rows they touched,
+// whichever is smaller: journal_writes), compacted into a full snapshot once the log would pass
+// log_compact_ratio times the larger of the last snapshot and the snapshot the session would
+// write now, or 256 records. Up to persist_writers sessions are written at once,
 // the turns someone waits for first, and each waiter is called as soon as its own write is done.
 // What "written" means is SessionStoreOptions::persist_sync: with PersistSync::kWrite (the
 // default) a write is done once write(2) and rename(2) have handed it to the kernel — a process
@@ -182,10 +184,15 @@ struct SessionStoreOptions {
   // acknowledgements. Turns someone waits for (WhenPersisted) are written first, oldest first.
   int persist_writers = 4;
   // A session's delta log is compacted into a full snapshot once the next delta would take it
-  // past this many times the snapshot's size (or 256 records). A turn then writes its delta plus
+  // past this many times the snapshot's size (the larger of the last one written and the one the
+  // session would write now; or 256 records). A turn then writes its delta plus
   // about 1/ratio of it amortised (in full snapshots); recovery reads, and the directory holds, at
   // most (1 + ratio) x the snapshot per session. 0: every write is a full snapshot.
   double log_compact_ratio = kLogCompactRatio;
+  // Deltas carry an SDM layer's writes (slot ids, weights, decays, beta, the value: the write
+  // journal of state_store/sdm_table.h) instead of the rows they left, whichever is smaller, when
+  // the engine's layout can apply them (SdmWriteSpec::apply). false: always the rows.
+  bool journal_writes = true;
   // When a write counts as done (and WhenPersisted's callback runs): handed to the kernel
   // (kWrite; fsynced in the background) or fsynced (kFsync). See the class comment.
   PersistSync persist_sync = PersistSync::kWrite;

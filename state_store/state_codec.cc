@@ -431,6 +431,8 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
       }
     }
   }
+  // The restored rows are the baseline: nothing dirty, an empty (complete) write journal.
+  st.ClearDirty();
   return out;
 }
 

@@ -5,12 +5,29 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "base/bf16.h"
 #include "state_store/row_pool.h"
 
 namespace sdm {
+
+// How an SDM layer's delta-rule writes are journaled (SdmTable's write journal) and applied again
+// from a journal (recovery from a delta log, state_store/state_log.h). `apply` is the engine's own
+// write of one token and head (kernels/cpu/sdm_update.h, SdmWriteRows), so rows rebuilt from a
+// journal are bit for bit the rows the engine wrote.
+struct SdmWriteSpec {
+  using Apply = void (*)(std::span<float* const> rows, std::span<const float> k,
+                         std::span<const float> alpha, float beta, const float* v,
+                         int64_t row_width, uint32_t rule);
+  Apply apply = nullptr;  // null: writes are never journaled (deltas carry the rows)
+  int64_t writes = 0;     // rows written per token and head (W)
+  int64_t alphas = 0;     // decays per write: 1, or W with key-weighted decay
+  uint32_t rule = 0;      // the update rule, as `apply` numbers it
+  // Journal writes (needs `apply`): the state store turns it on when it persists deltas.
+  bool record = false;
+};
 
 struct LayerStateLayout {
   enum class Kind { kKv, kSdm };
@@ -30,6 +47,8 @@ struct LayerStateLayout {
   // Where the layer's private rows come from: one pool (of row_width floats) per model, shared
   // by all its SDM layers and sessions, so forks can share rows across sessions.
   std::shared_ptr<RowPool> row_pool;
+  // How its writes are journaled and applied (see SdmWriteSpec).
+  SdmWriteSpec sdm_write;
 };
 
 struct StateLayout {

@@ -19,7 +19,10 @@ using internal_state::Reader;
 using internal_state::Writer;
 
 constexpr char kLogMagic[8] = {'S', 'D', 'M', 'D', 'E', 'L', 'T', 'A'};
-enum DeltaKind : uint32_t { kKvDelta = 2, kSdmDelta = 3 };
+enum DeltaKind : uint32_t { kKvDelta = 2, kSdmDelta = 3, kSdmJournalDelta = 4 };
+// The body of a journal section before its records: u64 records | u32 W | u32 alphas | u32 rule
+// | u32 zero.
+constexpr uint64_t kJournalHeadBytes = 24;
 
 uint64_t Checksum(absl::string_view data) { return XXH64(data.data(), data.size(), 0); }
 
@@ -102,7 +105,27 @@ absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSe
   for (uint32_t li = 0; li < layers; ++li) {
     uint32_t layer = 0, kind = 0;
     if (!r.U32(layer) || !r.U32(kind) || layer != li) return Damaged("layers out of order");
-    if (state.is_sdm(li)) {
+    if (state.is_sdm(li) && kind == kSdmJournalDelta) {
+      SdmTable& t = state.sdm(li);
+      const SdmWriteSpec& spec = t.write_spec();
+      uint64_t records = 0;
+      uint32_t writes = 0, alphas = 0, rule = 0, zero = 0;
+      if (!r.U64(records) || !r.U32(writes) || !r.U32(alphas) || !r.U32(rule) || !r.U32(zero)) {
+        return Damaged(absl::StrCat("layer ", li, ": truncated"));
+      }
+      if (writes != spec.writes || alphas != spec.alphas || rule != spec.rule || zero != 0) {
+        return Damaged(absl::StrCat("layer ", li, ": SDM writes of another shape or rule"));
+      }
+      const uint64_t record_bytes = static_cast<uint64_t>(t.JournalRecordBytes());
+      absl::string_view body;
+      if (records > r.remaining() / record_bytes || !r.Span(records * record_bytes, body)) {
+        return Damaged(absl::StrCat("layer ", li, ": SDM writes do not fit"));
+      }
+      if (absl::Status s = t.ApplyJournal(body, static_cast<int64_t>(records)); !s.ok()) {
+        if (absl::IsDataLoss(s)) return Damaged(absl::StrCat("layer ", li, ": ", s.message()));
+        return s;
+      }
+    } else if (state.is_sdm(li)) {
       if (kind != kSdmDelta) return Damaged(absl::StrCat("layer ", li, " is not SDM"));
       SdmTable& t = state.sdm(li);
       uint64_t rows = 0;
@@ -213,7 +236,9 @@ uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& recor
   uint64_t payload = 8 + EncodeRecordSection(state, record).size() + 4;
   for (int64_t li = 0; li < state.num_layers(); ++li) {
     payload += 8;
-    if (state.is_sdm(li)) {
+    if (state.is_sdm(li) && state.sdm(li).journal_complete()) {
+      payload += kJournalHeadBytes + state.sdm(li).journal().size();
+    } else if (state.is_sdm(li)) {
       const SdmTable& t = state.sdm(li);
       payload += 8 + static_cast<uint64_t>(t.dirty_rows()) *
                          (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
@@ -246,7 +271,18 @@ absl::Status SessionDeltaSource::EmitPayload(Sink sink) const {
   w.U32(static_cast<uint32_t>(state_.num_layers()));
   for (int64_t li = 0; li < state_.num_layers(); ++li) {
     w.U32(static_cast<uint32_t>(li));
-    if (state_.is_sdm(li)) {
+    if (state_.is_sdm(li) && state_.sdm(li).journal_complete()) {
+      // The writes rather than the rows they left: the smaller (the journal is dropped once it
+      // would outgrow the rows, state_store/sdm_table.h).
+      const SdmTable& t = state_.sdm(li);
+      w.U32(kSdmJournalDelta);
+      w.U64(static_cast<uint64_t>(t.journal_records()));
+      w.U32(static_cast<uint32_t>(t.write_spec().writes));
+      w.U32(static_cast<uint32_t>(t.write_spec().alphas));
+      w.U32(t.write_spec().rule);
+      w.U32(0);
+      w.Span(t.journal().data(), t.journal().size());
+    } else if (state_.is_sdm(li)) {
       const SdmTable& t = state_.sdm(li);
       w.U32(kSdmDelta);
       w.U64(static_cast<uint64_t>(t.dirty_rows()));

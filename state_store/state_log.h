@@ -13,6 +13,10 @@
 //     KV:  u64 row width | i64 from | i64 to | i64 first | key rows [first, to) | value rows
 //          (from: the length before; first > from only for a ring, whose older rows are gone)
 //     SDM: u64 rows | u32 slot index (head * slots + slot) per row | the rows
+//     SDM writes (kind 4): u64 records | u32 W | u32 alphas | u32 rule | u32 0 | the records of
+//          the layer's write journal (state_store/sdm_table.h), replayed in order through the
+//          engine's own write (SdmWriteSpec::apply): the same bits as the rows. A layer is
+//          written in this form when its journal is complete (the smaller form then).
 //
 // A crash can leave a torn tail (a record cut short or failing its checksum): replay stops there
 // and drops it; the store then writes its next record at the end of the last good one. A log
@@ -43,9 +47,9 @@ inline constexpr uint64_t kLogRecordHeaderBytes = 16;
 std::string EncodeLogHeader(uint64_t model_fingerprint, uint64_t base_snapshot_id);
 
 // One framed record: `record` (with the state's position, sampler stream and pending token), the
-// KV rows of positions [from_position, position) still held, and the SDM rows written since the
-// last SessionState::ClearDirty(). Preconditions: !state.on_device(),
-// from_position <= state.position().
+// KV rows of positions [from_position, position) still held, and per SDM layer what was written
+// since the last SessionState::ClearDirty(): its write journal when complete, else the rows.
+// Preconditions: !state.on_device(), from_position <= state.position().
 std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
                                int64_t from_position);
 // The same record appended to `out` (after a log header, when the log starts), encoded in place:

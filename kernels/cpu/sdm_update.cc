@@ -47,6 +47,16 @@ void SdmWriteColumns(std::span<float* const> rows, std::span<const float> k,
   }
 }
 
+void SdmWriteRows(std::span<float* const> rows, std::span<const float> k,
+                  std::span<const float> alpha, float beta, const float* v, int64_t row_width,
+                  uint32_t rule) {
+  SDM_CHECK(rule <= static_cast<uint32_t>(SdmRule::kSlotResidual));
+  for (int64_t c0 = 0; c0 < row_width; c0 += kSdmWriteColumnTile) {
+    SdmWriteColumns(rows, k, alpha, beta, v, static_cast<SdmRule>(rule), c0,
+                    std::min(row_width, c0 + kSdmWriteColumnTile));
+  }
+}
+
 void SdmReadColumns(std::span<const float* const> rows, std::span<const float> q, float* y,
                     int64_t c0, int64_t c1) {
   SDM_CHECK(rows.size() == q.size());

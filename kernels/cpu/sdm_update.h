@@ -16,11 +16,22 @@
 
 namespace sdm::kernels::cpu {
 
-enum class SdmRule { kSharedResidual, kSlotResidual };
+enum class SdmRule : uint32_t { kSharedResidual = 0, kSlotResidual = 1 };
+
+// Columns per task when the engine tiles a write across threads (a multiple of the write's
+// internal tile of 64, so any tiling of a row by it computes each column alike).
+inline constexpr int64_t kSdmWriteColumnTile = 128;
 
 void SdmWriteColumns(std::span<float* const> rows, std::span<const float> k,
                      std::span<const float> alpha, float beta, const float* v, SdmRule rule,
                      int64_t c0, int64_t c1);
+
+// The write over a whole row width, tile by tile as the engine runs it: what replaying a
+// journaled write calls (state_store/state_layout.h, SdmWriteSpec::apply; `rule` an SdmRule), so
+// the rows come out bit for bit as the engine's step left them.
+void SdmWriteRows(std::span<float* const> rows, std::span<const float> k,
+                  std::span<const float> alpha, float beta, const float* v, int64_t row_width,
+                  uint32_t rule);
 
 void SdmReadColumns(std::span<const float* const> rows, std::span<const float> q, float* y,
                     int64_t c0, int64_t c1);

@@ -1,7 +1,7 @@
 // What the state-store fuzzers share (tests/fuzz/state_*_fuzzer.cc), besides
 // tests/fuzz/fuzz_util.h: a fixed small layout (no model needed) — a full-attention KV layer, an
 // SDM layer and a sliding-window KV layer whose ring wraps after 3 tokens — and a session filled
-// recognisably.
+// recognisably (its SDM writes journaled or not).
 #ifndef SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
 #define SDMSERVE_TESTS_FUZZ_FUZZ_STATE_UTIL_H_
 
@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 
@@ -26,6 +27,18 @@ inline constexpr int64_t kSdmHeads = 2;
 inline constexpr int64_t kSlots = 8;
 inline constexpr int64_t kRing = 3;
 
+// The SDM layer's stand-in write, for journaled deltas (state_store/sdm_table.h): four rows per
+// token, row[c] = alpha * row[c] + k * (v[c] - beta).
+inline void StandInWrite(std::span<float* const> rows, std::span<const float> k,
+                         std::span<const float> alpha, float beta, const float* v,
+                         int64_t row_width, uint32_t rule) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    for (int64_t c = 0; c < row_width; ++c) {
+      rows[i][c] = alpha[0] * rows[i][c] + k[i] * (v[c] - beta);
+    }
+  }
+}
+
 inline StateLayout MakeLayout() {
   LayerStateLayout full;
   full.kind = LayerStateLayout::Kind::kKv;
@@ -39,6 +52,10 @@ inline StateLayout MakeLayout() {
   for (int64_t i = 0; i < kSdmHeads * kSlots * kWidth; ++i) m0[i] = 0.25f * static_cast<float>(i);
   table.m0 = std::shared_ptr<const float>(m0, m0.get());
   table.row_pool = std::make_shared<RowPool>(kWidth, /*max_rows=*/4096);
+  table.sdm_write.apply = &StandInWrite;
+  table.sdm_write.writes = 4;
+  table.sdm_write.alphas = 1;
+  table.sdm_write.record = true;
   LayerStateLayout ring = full;
   ring.ring_capacity = kRing;
   StateLayout layout;
@@ -70,6 +87,30 @@ inline void FillState(SessionState& state, int tokens) {
   state.sampler_seed = 7;
   state.sampler_draws = static_cast<uint64_t>(state.position());
   state.pending_token = state.position() > 0 ? 65 : -1;
+}
+
+// The same, but the SDM layer's writes go through the write journal (four slots per token, as an
+// engine writes them): a delta of `state` then carries the writes, not the rows.
+inline void FillStateJournaled(SessionState& state, int tokens) {
+  for (int t = 0; t < tokens; ++t) {
+    const int64_t head = t % kSdmHeads;
+    int32_t slots[4];
+    float* rows[4];
+    for (int j = 0; j < 4; ++j) {
+      slots[j] = static_cast<int32_t>((t * 3 + j) % kSlots);
+      rows[j] = state.sdm(1).MutableRow(head, slots[j]);
+    }
+    const float k[4] = {0.5f, -0.25f, 1.0f, 2.0f}, alpha[1] = {0.75f}, v[kWidth] = {1, 2, 3, 4};
+    StandInWrite(rows, k, alpha, 0.5f, v, kWidth, 0);
+    state.sdm(1).JournalWrite(head, slots, k, alpha, 0.5f, v);
+    for (int layer : {0, 2}) {
+      float* key = state.kv(layer).NextKeyRow();
+      float* value = state.kv(layer).NextValueRow();
+      for (int64_t i = 0; i < kWidth; ++i) key[i] = value[i] = static_cast<float>(t + i);
+      state.kv(layer).Commit();
+    }
+    state.AdvancePosition();
+  }
 }
 
 // A fuzzer's LLVMFuzzerTestOneInput: a mode byte, then the bytes; mode bit 0 runs `fix_up`

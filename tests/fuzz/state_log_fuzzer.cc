@@ -5,7 +5,7 @@
 //
 // Input: one mode byte, then the log. Mode bit 0 set: the header's base id and checksum and every
 // record's checksum are recomputed, so that mutations reach the checks behind the checksums
-// (sizes, layer order, positions, slot indices, KV continuity).
+// (sizes, layer order, positions, slot indices, journaled writes, KV continuity).
 //
 // Properties on every input: errors are DATA_LOSS, FAILED_PRECONDITION or RESOURCE_EXHAUSTED;
 // memory allocated stays within a constant plus a small multiple of the input; ScanLog agrees
@@ -115,9 +115,20 @@ int WriteSeeds(const std::filesystem::path& dir) {
   sdm::SessionState& state = *decoded->state;
   std::string log = sdm::EncodeLogHeader(kFingerprint, BaseId());
   int n = 0;
-  for (int turn : {1, 2, 5}) {  // 5 > the ring of 3: the ring's reset path
+  // Turns of 1, 2 and 5 tokens (5 > the ring of 3: the ring's reset path), then two whose SDM
+  // writes are journaled: their deltas carry the writes (kind 4).
+  const int turns[][2] = {{1, 0}, {2, 0}, {5, 0}, {3, 1}, {2, 1}};
+  for (const auto [turn, journaled] : turns) {
     const int64_t from = state.position();
-    FillState(state, turn);
+    if (!journaled) {
+      FillState(state, turn);
+    } else {
+      FillStateJournaled(state, turn);
+      if (!state.sdm(1).journal_complete()) {
+        std::fprintf(stderr, "turn %d: the journal was dropped; its seed would carry rows\n", turn);
+        return 1;
+      }
+    }
     log += sdm::EncodeSessionDelta(state, sdm::SessionRecord{"s", "m", -1, 2}, from);
     state.ClearDirty();
     CheckLog(log);

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -202,6 +203,46 @@ TEST(SdmUpdateTest, FullAddressingEqualsDenseGatedDeltaRule) {
       double yc = 0;
       for (int64_t i = 0; i < n; ++i) yc += dense[i][c] * rq[i];
       ASSERT_NEAR(y[c], yc, 1e-5) << "step " << t << " col " << c;
+    }
+  }
+}
+
+// SdmWriteRows (what replaying a journaled write runs) computes every column as the engine's
+// tiling by kSdmWriteColumnTile does, bit for bit, for both rules, one or per-row decays, and
+// widths that are and are not multiples of the tile.
+TEST(SdmUpdateTest, WriteRowsIsTheEnginesTiledWriteBitForBit) {
+  const uint32_t fresh = std::random_device{}();
+  for (uint32_t seed : {1u, 2u, fresh}) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> normal;
+    for (int64_t width : {int64_t{32}, int64_t{128}, int64_t{300}, int64_t{1024}}) {
+      for (SdmRule rule : {SdmRule::kSharedResidual, SdmRule::kSlotResidual}) {
+        for (bool per_row : {false, true}) {
+          const int n = 5;
+          Table a(n, std::vector<float>(width));
+          for (auto& row : a) {
+            for (float& x : row) x = normal(rng);
+          }
+          Table b = a;
+          std::vector<float> k(n), alpha(per_row ? n : 1), v(width);
+          for (float& x : k) x = normal(rng);
+          for (float& x : alpha) x = std::exp(-std::abs(normal(rng)));
+          for (float& x : v) x = normal(rng);
+          const float beta = 0.3f + 0.1f * std::abs(normal(rng));
+          const std::vector<int32_t> idx = {0, 1, 2, 3, 4};
+          for (int64_t c0 = 0; c0 < width; c0 += kSdmWriteColumnTile) {
+            SdmWriteColumns(RowPtrs(a, idx), k, alpha, beta, v.data(), rule, c0,
+                            std::min(width, c0 + kSdmWriteColumnTile));
+          }
+          SdmWriteRows(RowPtrs(b, idx), k, alpha, beta, v.data(), width,
+                       static_cast<uint32_t>(rule));
+          for (int i = 0; i < n; ++i) {
+            ASSERT_EQ(0, std::memcmp(a[i].data(), b[i].data(), width * sizeof(float)))
+                << "width " << width << " row " << i;
+          }
+        }
+      }
     }
   }
 }

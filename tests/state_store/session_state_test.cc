@@ -1,10 +1,14 @@
 #include "state_store/session_state.h"
 
+#include <array>
+#include <cstring>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "state_store/state_codec.h"
 
@@ -104,6 +108,122 @@ TEST(SdmTableTest, ReleasingTablesReturnsRows) {
     EXPECT_EQ(pool->live_rows(), 3);
   }
   EXPECT_EQ(pool->live_rows(), 0);
+}
+
+// A stand-in write for the journal tests: row[c] = alpha * row[c] + k * (v[c] + beta + rule).
+void AddWrite(std::span<float* const> rows, std::span<const float> k, std::span<const float> alpha,
+              float beta, const float* v, int64_t width, uint32_t rule) {
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const float a = alpha.size() == 1 ? alpha[0] : alpha[i];
+    for (int64_t c = 0; c < width; ++c) {
+      rows[i][c] = a * rows[i][c] + k[i] * (v[c] + beta + static_cast<float>(rule));
+    }
+  }
+}
+
+LayerStateLayout JournalLayout(bool record) {
+  LayerStateLayout l = SdmLayout(nullptr);
+  l.sdm_write.apply = &AddWrite;
+  l.sdm_write.writes = 4;
+  l.sdm_write.alphas = 1;
+  l.sdm_write.rule = 3;
+  l.sdm_write.record = record;
+  return l;
+}
+
+// One journaled write of four slots, as the engine makes it: the rows first, then the record.
+void JournaledWrite(SdmTable& t, int64_t head, std::array<int32_t, 4> slots, float value) {
+  const float k[] = {0.5f, 0.25f, 2.0f, -1.0f}, alpha[] = {0.75f}, v[] = {value, 1, 2, 3};
+  std::vector<float*> rows;
+  for (int32_t s : slots) rows.push_back(t.MutableRow(head, s));
+  AddWrite(rows, k, alpha, 0.125f, v, 4, 3);
+  t.JournalWrite(head, slots, k, alpha, 0.125f, v);
+}
+
+TEST(SdmTableTest, AJournalReplayedOverTheCleanTableRebuildsItsRows) {
+  SdmTable live(JournalLayout(true));
+  JournaledWrite(live, 0, {1, 2, 3, 4}, 5.0f);
+  live.ClearDirty();
+  SdmTable replica = live.Clone();  // the state "on disk"
+  EXPECT_TRUE(live.journal_complete());
+  EXPECT_EQ(live.journal_records(), 0);
+  JournaledWrite(live, 0, {2, 7, 8, 9}, 6.0f);  // slot 2 again: the order matters
+  JournaledWrite(live, 1, {7, 0, 5, 6}, -1.0f);
+  JournaledWrite(live, 0, {7, 2, 10, 11}, 2.0f);
+  ASSERT_TRUE(live.journal_complete());
+  EXPECT_EQ(live.journal_records(), 3);
+  EXPECT_EQ(static_cast<int64_t>(live.journal().size()), 3 * live.JournalRecordBytes());
+  EXPECT_EQ(live.JournalRecordBytes(), 4 + 8 * 4 + 4 + 4 + 4 * 4);
+  ASSERT_TRUE(replica.ApplyJournal(live.journal(), live.journal_records()).ok());
+  for (int64_t h = 0; h < 2; ++h) {
+    for (int64_t s = 0; s < 16; ++s) {
+      for (int64_t c = 0; c < 4; ++c) EXPECT_EQ(replica.Row(h, s)[c], live.Row(h, s)[c]);
+    }
+  }
+  EXPECT_EQ(replica.private_rows(), live.private_rows());
+  // Damage the journal can name: a head or a slot outside the table, a count that does not fit.
+  std::string bad(live.journal());
+  bad[0] = 9;  // head 9
+  EXPECT_EQ(replica.ApplyJournal(bad, 3).code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(replica.ApplyJournal(live.journal(), 2).code(), absl::StatusCode::kDataLoss);
+  bad = std::string(live.journal());
+  const int32_t slot = 16;
+  std::memcpy(bad.data() + 4, &slot, 4);
+  EXPECT_EQ(replica.ApplyJournal(bad, 3).code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(SdmTableTest, AJournalIsCompleteOnlyIfItHoldsEveryWrite) {
+  SdmTable t(JournalLayout(true));
+  EXPECT_TRUE(t.journal_complete());
+  JournaledWrite(t, 0, {1, 2, 3, 4}, 1.0f);
+  EXPECT_TRUE(t.journal_complete());
+  t.MutableRow(1, 3)[0] = 4.0f;  // a write the journal does not hold
+  EXPECT_FALSE(t.journal_complete());
+  t.ClearDirty();
+  EXPECT_TRUE(t.journal_complete());
+  // A restored row is not a journaled write either.
+  const std::vector<float> row = {1, 2, 3, 4};
+  ASSERT_TRUE(t.RestoreRow(1, 9, row).ok());
+  EXPECT_FALSE(t.journal_complete());
+  t.ClearDirty();
+  // Forks keep the spec and start with an empty journal.
+  JournaledWrite(t, 0, {4, 5, 6, 7}, 1.0f);
+  SdmTable fork = t.Fork();
+  EXPECT_TRUE(fork.journal_complete());
+  EXPECT_EQ(fork.journal_records(), 0);
+  EXPECT_EQ(fork.write_spec().apply, &AddWrite);
+  // Not recording, or no write function: never complete, nothing recorded.
+  LayerStateLayout off_layout = JournalLayout(false);
+  LayerStateLayout no_apply_layout = JournalLayout(true);
+  no_apply_layout.sdm_write.apply = nullptr;
+  SdmTable off(off_layout), no_apply(no_apply_layout);
+  for (SdmTable* table : {&off, &no_apply}) {
+    JournaledWrite(*table, 0, {1, 2, 3, 4}, 1.0f);
+    EXPECT_FALSE(table->journal_complete());
+    EXPECT_EQ(table->journal_records(), 0);
+  }
+  EXPECT_EQ(no_apply.ApplyJournal("", 0).code(), absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(SdmTableTest, AJournalThatWouldOutgrowItsRowsIsDropped) {
+  SdmTable t(JournalLayout(true));
+  // A record is 60 bytes; the four rows it writes are 4 x 20 with their indices. Writing the
+  // same slots again grows the journal, not the rows.
+  JournaledWrite(t, 0, {1, 2, 3, 4}, 1.0f);
+  EXPECT_TRUE(t.journal_complete());  // 60 <= 80
+  JournaledWrite(t, 1, {1, 2, 3, 4}, 1.0f);
+  EXPECT_TRUE(t.journal_complete());  // 120 <= 160
+  EXPECT_EQ(t.journal_records(), 2);
+  JournaledWrite(t, 1, {4, 3, 2, 1}, 1.0f);  // 180 > 160
+  EXPECT_FALSE(t.journal_complete());
+  EXPECT_EQ(t.journal().size(), 0u);
+  EXPECT_EQ(t.journal_records(), 0);
+  JournaledWrite(t, 0, {5, 6, 7, 8}, 1.0f);  // dropped until the next ClearDirty
+  EXPECT_FALSE(t.journal_complete());
+  t.ClearDirty();
+  JournaledWrite(t, 0, {1, 2, 3, 4}, 1.0f);
+  EXPECT_TRUE(t.journal_complete());
+  EXPECT_EQ(t.journal_records(), 1);
 }
 
 TEST(KvCacheTest, FullCacheKeepsEveryPosition) {

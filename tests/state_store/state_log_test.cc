@@ -1,7 +1,8 @@
 // The delta log (state_store/state_log.h): a snapshot plus the deltas of later turns restores the
 // live session bit-exactly (next-token logits), through ring wrap and SDM row writes; a torn tail
 // is dropped at any cut, leaving exactly the previous turn; damage before the tail is DataLoss; a
-// log of another snapshot is refused as stale; a delta costs the rows its turn touched.
+// log of another snapshot is refused as stale; a delta costs the rows its turn touched; deltas of
+// journaled writes restore the same bits as deltas of rows.
 #include "state_store/state_log.h"
 
 #include <cstdint>
@@ -14,8 +15,10 @@
 
 #include "absl/status/status.h"
 #include "engine/engine.h"
+#include "engine/model_config.h"
 #include "gtest/gtest.h"
 #include "state_store/state_codec.h"
+#include "tests/engine/test_model_util.h"
 #include "tests/state_store/snapshot_test_util.h"
 
 namespace sdm {
@@ -262,6 +265,112 @@ TEST_F(StateLogTest, OnePassEmissionsAreTheTwoPassBytes) {
     ASSERT_TRUE(logged.ok()) << logged.status();
     EXPECT_EQ(replay.records, 3);
     EXPECT_TRUE(testing::BitwiseEqual(Probe(**logged), live));
+  }
+}
+
+// Deltas that carry an SDM layer's writes (the write journal, state_store/sdm_table.h) restore
+// the same bits as deltas that carry its rows: for both update rules and both decay forms,
+// through prefill and decode turns. They are the smaller; a turn whose journal would outgrow its
+// rows carries the rows (the same bytes as without a journal), and the next turn journals again.
+TEST(StateLogJournalTest, JournaledDeltasRestoreWhatRowDeltasRestore) {
+  ModelConfig slot_residual = testing::TinyConfig();
+  slot_residual.sdm.update_rule = UpdateRule::kSlotResidual;
+  ASSERT_TRUE(FinalizeModelConfig(slot_residual).ok());
+  const std::vector<std::pair<const char*, ModelConfig>> configs = {
+      {"tiny", testing::TinyConfig()},
+      {"slot residual", slot_residual},
+      {"key-weighted decay, 2 SDM layers", testing::MiniHybridConfig()}};
+  const uint32_t fresh = std::random_device{}();
+  for (const auto& [name, config] : configs) {
+    for (uint32_t seed : {1u, 2u, fresh}) {
+      SCOPED_TRACE(::testing::Message() << name << ", seed " << seed);
+      EngineOptions options;
+      options.num_threads = 1;
+      options.prefill_chunk = 8;
+      auto engine = Engine::Create(RandomModel(config, seed), options);
+      ASSERT_TRUE(engine.ok()) << engine.status();
+      const uint64_t fp = (*engine)->fingerprint();
+      StateLayout recording = (*engine)->state_layout();
+      for (LayerStateLayout& l : recording.layers) l.sdm_write.record = true;
+      auto journaled = std::make_unique<SessionState>(recording);
+      auto plain = (*engine)->NewSession();
+      std::mt19937 rng(seed);
+      const std::vector<int32_t> history = testing::RandomTokens(3 + rng() % 20, rng());
+      testing::DecodeEach(**engine, *journaled, history);
+      testing::DecodeEach(**engine, *plain, history);
+      const std::string snapshot = EncodeSessionState(*plain, SessionRecord{"s", "m"}, fp);
+      ASSERT_EQ(EncodeSessionState(*journaled, SessionRecord{"s", "m"}, fp), snapshot);
+      journaled->ClearDirty();
+      plain->ClearDirty();
+      auto prefix = RecordPrefixSize(snapshot, snapshot.size(), fp);
+      ASSERT_TRUE(prefix.ok()) << prefix.status();
+      const uint64_t base = SnapshotId(absl::string_view(snapshot).substr(0, *prefix));
+      std::string log_j = EncodeLogHeader(fp, base), log_p = log_j;
+      int journal_turns = 0, row_turns = 0;
+      for (int turn = 0; turn < 8; ++turn) {
+        const int64_t from = plain->position();
+        // Turn 5 is long enough that every row of the small tables is written several times.
+        const int n = turn == 5 ? 90 : 1 + static_cast<int>(rng() % 24);
+        const std::vector<int32_t> tokens = testing::RandomTokens(n, rng());
+        if (turn % 2 == 0) {  // a prefill: segments of several tokens
+          std::vector<float> logits;
+          ASSERT_TRUE((*engine)->Prefill(*journaled, tokens, false, &logits).ok());
+          ASSERT_TRUE((*engine)->Prefill(*plain, tokens, false, &logits).ok());
+        } else {
+          testing::DecodeEach(**engine, *journaled, tokens);
+          testing::DecodeEach(**engine, *plain, tokens);
+        }
+        bool complete = true;
+        for (int64_t l = 0; l < journaled->num_layers(); ++l) {
+          if (journaled->is_sdm(l)) complete = complete && journaled->sdm(l).journal_complete();
+        }
+        const SessionRecord record{"s", "m", -1, turn};
+        const std::string dj = EncodeSessionDelta(*journaled, record, from);
+        const std::string dp = EncodeSessionDelta(*plain, record, from);
+        EXPECT_EQ(SessionDeltaBytes(*journaled, record, from), dj.size());
+        if (complete) {
+          ++journal_turns;
+          EXPECT_LT(dj.size(), dp.size()) << "turn " << turn;
+        } else {
+          ++row_turns;
+          EXPECT_EQ(dj, dp) << "turn " << turn;
+        }
+        log_j += dj;
+        log_p += dp;
+        journaled->ClearDirty();
+        plain->ClearDirty();
+      }
+      EXPECT_GT(journal_turns, 0);
+      EXPECT_GT(row_turns, 0);  // turn 5
+      for (const std::string* log : {&log_j, &log_p}) {
+        auto decoded = DecodeSessionState(snapshot, recording, fp);
+        ASSERT_TRUE(decoded.ok()) << decoded.status();
+        SessionState& restored = *decoded->state;
+        auto replay = ReplayLog(*log, fp, base, restored);
+        ASSERT_TRUE(replay.ok()) << replay.status();
+        EXPECT_EQ(replay->records, 8);
+        ASSERT_EQ(restored.position(), plain->position());
+        for (int64_t l = 0; l < restored.num_layers(); ++l) {
+          if (!restored.is_sdm(l)) continue;
+          const SdmTable& got = restored.sdm(l);
+          const SdmTable& want = plain->sdm(l);
+          EXPECT_EQ(got.private_rows(), want.private_rows());
+          EXPECT_TRUE(got.journal_complete());  // replayed: clean, an empty journal
+          for (int64_t h = 0; h < want.heads(); ++h) {
+            for (int64_t s = 0; s < want.slots_per_head(); ++s) {
+              ASSERT_EQ(std::memcmp(got.Row(h, s), want.Row(h, s), want.row_width() * 4), 0)
+                  << "layer " << l << " head " << h << " slot " << s;
+              ASSERT_EQ(
+                  std::memcmp(journaled->sdm(l).Row(h, s), want.Row(h, s), want.row_width() * 4),
+                  0);
+            }
+          }
+        }
+        auto copy = plain->Clone();
+        EXPECT_TRUE(testing::BitwiseEqual(testing::ProbeLogits(**engine, restored, kProbe),
+                                          testing::ProbeLogits(**engine, *copy, kProbe)));
+      }
+    }
   }
 }
 

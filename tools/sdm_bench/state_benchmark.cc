@@ -167,23 +167,34 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       // of a 16-token turn after this history, against a full snapshot. The restored session
       // carries no dirty marks, so the delta holds exactly what the turn touched. CPU only (a
       // device copy-back would mark every row).
-      int64_t delta_1 = -1, delta_16 = -1, snapshot_bytes = -1;
+      // The store journals SDM writes (state_store/sdm_table.h): a delta carries them where they
+      // are smaller than the rows they touched; the rows are printed beside for comparison.
+      int64_t delta_1 = -1, delta_16 = -1, snapshot_bytes = -1, rows_1 = -1, rows_16 = -1;
+      const auto sdm_rows_bytes = [](const SessionState& st) {
+        int64_t bytes = 0;
+        for (int64_t l = 0; l < st.num_layers(); ++l) {
+          if (st.is_sdm(l)) bytes += st.sdm(l).dirty_rows() * (4 + st.sdm(l).row_width() * 4);
+        }
+        return bytes;
+      };
       if (!lease->state().on_device()) {
         SessionState& st = lease->state();
         const SessionRecord record{"bench", ""};
         delta_1 = static_cast<int64_t>(EncodeSessionDelta(st, record, length).size());
+        rows_1 = sdm_rows_bytes(st);
         std::vector<float> logits(engine.vocab_size());
         for (int32_t token : RandomTokens(15, rng)) {
           SessionState* batch[] = {&st};
           if (auto s = engine.Decode(batch, {&token, 1}, logits); !s.ok()) return s;
         }
         delta_16 = static_cast<int64_t>(EncodeSessionDelta(st, record, length).size());
+        rows_16 = sdm_rows_bytes(st);
         snapshot_bytes = static_cast<int64_t>(EncodeSessionState(st, record, 0).size());
         std::printf(
-            "#   %s at %lld tokens: a turn's delta %.3f MB (1 token), %.3f MB (16 tokens); full "
-            "snapshot %.3f MB\n",
+            "#   %s at %lld tokens: a turn's delta %.3f MB (1 token), %.3f MB (16 tokens); the "
+            "SDM rows those turns wrote %.3f MB, %.3f MB; full snapshot %.3f MB\n",
             preset.c_str(), static_cast<long long>(length), delta_1 / 1e6, delta_16 / 1e6,
-            snapshot_bytes / 1e6);
+            rows_1 / 1e6, rows_16 / 1e6, snapshot_bytes / 1e6);
       }
       const double rows_mb = rows * g.head_width * 4 / 1e6;
       std::printf(
@@ -221,6 +232,8 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
                          {"first_step_after_resume_s", first_step},
                          {"turn_delta_bytes_1_token", delta_1},
                          {"turn_delta_bytes_16_tokens", delta_16},
+                         {"turn_sdm_rows_bytes_1_token", rows_1},
+                         {"turn_sdm_rows_bytes_16_tokens", rows_16},
                          {"snapshot_bytes_after_16", snapshot_bytes},
                          {"exact", exact}});
     }

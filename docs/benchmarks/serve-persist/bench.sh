@@ -8,7 +8,9 @@
 # VARIANTS lists the servers as name:policy:binary[:flags] (default "off:shutdown:$SERVER
 # on:turn:$SERVER"; flags: more server flags, commas for spaces); e.g. add
 # "base:turn:/path/to/older/sdm-server" to compare an older build in the same sitting, or
-# "w1:turn:$SERVER:--persist_writers=1".
+# "w1:turn:$SERVER:--persist_writers=1". ORDER=rotate starts round r with the r-th server (the
+# first run of a sitting is often the fastest; rotating spreads that over the servers); the
+# default, fixed, runs them in the order listed.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 B=${OUT:-/tmp/serve-persist}
@@ -18,6 +20,7 @@ MODEL=$B/models/debug_sdm
 ROUNDS=${ROUNDS:-3}
 REQUESTS=${REQUESTS:-48}
 VARIANTS=${VARIANTS:-"off:shutdown:$SERVER on:turn:$SERVER"}
+ORDER=${ORDER:-fixed}
 mkdir -p $B
 [ -f $MODEL/config.json ] || build/tools/sdm_model/sdm-model init --preset debug_sdm --seed 0 --out $MODEL
 pids=()
@@ -44,7 +47,10 @@ for name in "${names[@]}"; do
   line=""
 done
 for round in $(seq 1 $ROUNDS); do
-  for name in "${names[@]}"; do
+  first=0
+  [ "$ORDER" = rotate ] && first=$(( (round - 1) % ${#names[@]} ))
+  for i in $(seq 0 $(( ${#names[@]} - 1 ))); do
+    name=${names[$(( (first + i) % ${#names[@]} ))]}
     echo "== round $round $name $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
     timeout 900 "$BENCH" serve --host 127.0.0.1:${port[$name]} --concurrency 8 \
       --requests $REQUESTS --warmup 2 --prompt_tokens uniform:16:64 --max_tokens 32 \
