@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <random>
 #include <thread>
@@ -116,6 +117,72 @@ struct WorkerOutput {
   std::vector<double> itl;
 };
 
+// A finished call's record (its e2e set) with its status, timings and usage, added to `out`.
+void FinishRecord(const grpc::Status& status, absl::Span<const std::pair<double, int64_t>> chunks,
+                  const sdm::v1::Usage& usage, RequestRecord record, WorkerOutput& out) {
+  record.code = status.error_code();
+  if (status.ok()) {
+    StreamTiming timing = TimeStream(chunks);
+    record.ttft = timing.ttft;
+    record.prompt_tokens = usage.prompt_tokens();
+    record.history_tokens = usage.history_tokens();
+    record.generated_tokens = usage.generated_tokens();
+    out.itl.insert(out.itl.end(), timing.itl.begin(), timing.itl.end());
+  }
+  out.records.push_back(record);
+}
+
+// One Generate call on gRPC's callback API (BenchServeOptions::async_calls): started by the
+// phase's thread, completed on gRPC's threads, which hand the finished call to `*done` (owned by
+// the phase, so that freeing the call never destroys the function still running).
+class AsyncCall final : public grpc::ClientReadReactor<sdm::v1::GenerateResponse> {
+ public:
+  AsyncCall(const ConnectionOptions& connection, const Plan& plan, double temperature,
+            const std::function<void(AsyncCall&)>* done)
+      : done_(done) {
+    request_.mutable_token_ids()->mutable_ids()->Add(plan.prompt.begin(), plan.prompt.end());
+    request_.mutable_sampling()->set_max_tokens(plan.max_tokens);
+    request_.mutable_sampling()->set_temperature(temperature);
+    Plan copy = plan;
+    request_.mutable_sampling()->set_seed(copy.rng());  // as RunRequest draws it
+    record_.prompt_tokens = static_cast<int64_t>(plan.prompt.size());
+    PrepareContext(connection, context_);
+  }
+
+  void Start(sdm::v1::SdmService::StubInterface::async_interface& async) {
+    start_ = Clock::now();
+    async.Generate(&context_, &request_, this);
+    StartRead(&chunk_);
+    StartCall();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) return;  // OnDone follows
+    chunks_.emplace_back(SecondsBetween(start_, Clock::now()), chunk_.token_ids_size());
+    if (chunk_.has_usage()) usage_ = chunk_.usage();
+    StartRead(&chunk_);
+  }
+
+  void OnDone(const grpc::Status& status) override {
+    record_.e2e = SecondsBetween(start_, Clock::now());
+    status_ = status;
+    (*done_)(*this);  // the phase may free this call from now on
+  }
+
+  void Finish(WorkerOutput& out) const { FinishRecord(status_, chunks_, usage_, record_, out); }
+
+ private:
+  const std::function<void(AsyncCall&)>* done_;
+  grpc::ClientContext context_;
+  sdm::v1::GenerateRequest request_;
+  sdm::v1::GenerateResponse chunk_;
+  sdm::v1::Usage usage_;
+  std::vector<std::pair<double, int64_t>> chunks_;
+  RequestRecord record_;
+  grpc::Status status_;
+  Clock::time_point start_;
+};
+
 void RunRequest(sdm::v1::SdmService::StubInterface& stub, const ConnectionOptions& connection,
                 const BenchServeOptions& options, SessionPool* pool, Plan plan, WorkerOutput& out) {
   sdm::v1::GenerateRequest request;
@@ -148,17 +215,7 @@ void RunRequest(sdm::v1::SdmService::StubInterface& stub, const ConnectionOption
   const grpc::Status status = reader->Finish();
   record.e2e = SecondsBetween(start, Clock::now());
   if (session.has_value()) pool->Release(*session);
-
-  record.code = status.error_code();
-  if (status.ok()) {
-    StreamTiming timing = TimeStream(chunks);
-    record.ttft = timing.ttft;
-    record.prompt_tokens = usage.prompt_tokens();
-    record.history_tokens = usage.history_tokens();
-    record.generated_tokens = usage.generated_tokens();
-    out.itl.insert(out.itl.end(), timing.itl.begin(), timing.itl.end());
-  }
-  out.records.push_back(record);
+  FinishRecord(status, chunks, usage, record, out);
 }
 
 // Runs one phase: `count` requests (or until `duration` has passed, when positive) on
@@ -197,6 +254,63 @@ double RunPhase(sdm::v1::SdmService::StubInterface& stub, const ConnectionOption
     merged.itl.insert(merged.itl.end(), o.itl.begin(), o.itl.end());
   }
   return wall;
+}
+
+// RunPhase with options.async_calls: this thread keeps options.concurrency calls in flight on
+// gRPC's callback API (no thread per call, so a burst of hundreds of calls is not also hundreds
+// of client threads competing for the CPU). No session reuse (ValidateOptions).
+double RunPhaseAsync(sdm::v1::SdmService::StubInterface::async_interface& async,
+                     const ConnectionOptions& connection, const BenchServeOptions& options,
+                     const ModelFacts& facts, uint64_t phase, int64_t count,
+                     absl::Duration duration, WorkerOutput& merged) {
+  absl::Mutex mu;
+  int64_t in_flight = 0;                         // guarded by mu
+  std::vector<std::unique_ptr<AsyncCall>> done;  // guarded by mu: finished, to record and free
+  const std::function<void(AsyncCall&)> on_done = [&](AsyncCall& call) {
+    absl::MutexLock lock(&mu);
+    --in_flight;
+    done.emplace_back(&call);
+  };
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point end =
+      duration > absl::ZeroDuration()
+          ? start + std::chrono::duration_cast<Clock::duration>(absl::ToChronoNanoseconds(duration))
+          : Clock::time_point::max();
+  int64_t started = 0;
+  const auto more = [&] {
+    return duration > absl::ZeroDuration() ? Clock::now() < end : started < count;
+  };
+  // All of a burst is started before any finished call is recorded.
+  while (true) {
+    std::vector<std::unique_ptr<AsyncCall>> finished;
+    int64_t free_slots = 0;
+    {
+      absl::MutexLock lock(&mu);
+      const auto can_go = [&] {
+        return !done.empty() || (in_flight < options.concurrency && more()) ||
+               (in_flight == 0 && !more());
+      };
+      mu.Await(absl::Condition(&can_go));
+      finished.swap(done);
+      free_slots = options.concurrency - in_flight;
+      if (in_flight == 0 && finished.empty() && !more()) break;
+    }
+    std::vector<AsyncCall*> batch;
+    while (free_slots > 0 && more()) {
+      auto call = std::make_unique<AsyncCall>(connection, MakePlan(options, facts, phase, started),
+                                              options.temperature, &on_done);
+      batch.push_back(call.release());  // owned by the phase once it is done
+      ++started;
+      --free_slots;
+    }
+    {
+      absl::MutexLock lock(&mu);
+      in_flight += static_cast<int64_t>(batch.size());
+    }
+    for (AsyncCall* call : batch) call->Start(async);
+    for (const auto& call : finished) call->Finish(merged);
+  }
+  return SecondsBetween(start, Clock::now());
 }
 
 std::string RandomPrefix() {
@@ -285,6 +399,9 @@ absl::Status ValidateOptions(const BenchServeOptions& o) {
   if (o.warmup < 0) {
     return absl::InvalidArgumentError(absl::StrCat("--warmup must be >= 0, got ", o.warmup));
   }
+  if (o.async_calls && o.session_reuse > 0) {
+    return absl::InvalidArgumentError("--async makes one-shot calls only (no --session_reuse)");
+  }
   if (o.temperature < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--temperature must be >= 0, got ", o.temperature));
@@ -297,6 +414,11 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
                                                const BenchServeOptions& options,
                                                std::ostream& log) {
   if (absl::Status s = ValidateOptions(options); !s.ok()) return s;
+  sdm::v1::SdmService::StubInterface::async_interface* async = nullptr;
+  if (options.async_calls) {
+    async = stub.async();
+    if (async == nullptr) return absl::InvalidArgumentError("--async needs a stub with async()");
+  }
   sdm::v1::ModelInfo info;
   {
     grpc::ClientContext context;
@@ -347,8 +469,13 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
   if (options.warmup > 0) {
     log << "warmup: " << options.warmup << " requests\n";
     WorkerOutput discarded;
-    RunPhase(stub, connection, options, facts, pool_ptr, /*phase=*/1, options.warmup,
-             absl::ZeroDuration(), discarded);
+    if (async != nullptr) {
+      RunPhaseAsync(*async, connection, options, facts, /*phase=*/1, options.warmup,
+                    absl::ZeroDuration(), discarded);
+    } else {
+      RunPhase(stub, connection, options, facts, pool_ptr, /*phase=*/1, options.warmup,
+               absl::ZeroDuration(), discarded);
+    }
   }
   log << "measuring: concurrency " << options.concurrency << ", "
       << (options.duration > absl::ZeroDuration()
@@ -356,8 +483,11 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
               : absl::StrCat(options.requests, " requests"))
       << "\n";
   WorkerOutput measured;
-  const double wall = RunPhase(stub, connection, options, facts, pool_ptr, /*phase=*/0,
-                               options.requests, options.duration, measured);
+  const double wall = async != nullptr
+                          ? RunPhaseAsync(*async, connection, options, facts, /*phase=*/0,
+                                          options.requests, options.duration, measured)
+                          : RunPhase(stub, connection, options, facts, pool_ptr, /*phase=*/0,
+                                     options.requests, options.duration, measured);
 
   if (reuse && !options.keep_sessions) {
     for (const std::string& id : session_ids) {
@@ -458,7 +588,7 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
   constexpr char kUsage[] =
       "usage: sdm-bench serve [--concurrency N] [--requests N | --duration 30s]\n"
       "         [--prompt_tokens DIST] [--max_tokens DIST] [--session_reuse F --sessions K]\n"
-      "         [--warmup N] [--seed S] [--json FILE] [connection flags]\n\n"
+      "         [--warmup N] [--seed S] [--async] [--json FILE] [connection flags]\n\n"
       "A load generator for a running sdm-server: keeps --concurrency Generate calls in flight\n"
       "and reports throughput, time to first token (TTFT), inter-token latency (ITL) and\n"
       "end-to-end latency percentiles. DIST is N, uniform:A:B or normal:MEAN:STD.\n";
@@ -486,6 +616,9 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
   flags.AddString("session_prefix", &options.session_prefix,
                   "ids of the reused sessions are PREFIX-k (default: bench-<random>)");
   flags.AddBool("keep_sessions", &options.keep_sessions, "do not delete the sessions at the end");
+  flags.AddBool("async", &options.async_calls,
+                "one client thread keeps the calls in flight (gRPC callback API) instead of a "
+                "thread per call: for bursts of many calls; one-shot calls only");
   AddConnectionFlags(flags, &connection_flags);
 
   if (WantsHelp(args)) {

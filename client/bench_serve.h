@@ -22,8 +22,8 @@
 // the measured phase (from its first call to its last status). Failed calls count by status code
 // and contribute no samples. `warmup` calls run first and are not measured.
 //
-// Thread-safety: RunBenchServe uses `concurrency` threads internally; the functions are
-// otherwise thread-compatible.
+// Thread-safety: RunBenchServe uses `concurrency` threads internally (or, with async_calls, its
+// own thread and gRPC's); the functions are otherwise thread-compatible.
 #ifndef SDMSERVE_CLIENT_BENCH_SERVE_H_
 #define SDMSERVE_CLIENT_BENCH_SERVE_H_
 
@@ -56,7 +56,11 @@ struct BenchServeOptions {
   int64_t sessions = 4;      // >= 1 when session_reuse > 0
   uint64_t seed = 1;
   int64_t warmup = 0;
-  double temperature = 0;      // sampling of every request (0: greedy)
+  double temperature = 0;  // sampling of every request (0: greedy)
+  // One thread keeps the calls in flight on gRPC's callback API instead of `concurrency`
+  // threads each making one call at a time (for bursts of many calls: client threads then do not
+  // compete with the server for the CPU). One-shot calls only (session_reuse must be 0).
+  bool async_calls = false;
   std::string session_prefix;  // ids are PREFIX-0 ... PREFIX-(K-1); empty: bench-<random hex>
   bool keep_sessions = false;
 };

@@ -120,8 +120,9 @@ void SdmTable::JournalWrite(int64_t head, std::span<const int32_t> slots, std::s
 
 absl::Status SdmTable::ApplyJournal(absl::string_view records, int64_t count) {
   if (write_spec_.apply == nullptr) {
-    return absl::FailedPreconditionError(
-        "this engine cannot apply journaled SDM writes (no write function)");
+    // Not FAILED_PRECONDITION: a log replay treats that as a stale log and drops it.
+    return absl::UnimplementedError(
+        "this build cannot apply journaled SDM writes (its state layout has no write function)");
   }
   const int64_t w = write_spec_.writes;
   const int64_t record = JournalRecordBytes();

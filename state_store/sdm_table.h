@@ -129,7 +129,7 @@ class SdmTable {
     return 4 + 8 * write_spec_.writes + 4 * write_spec_.alphas + 4 + 4 * row_width_;
   }
   // Applies `count` records (laid out as journal() holds them) in order, each through
-  // MutableRow() and sdm_write.apply. Errors: FailedPrecondition without an apply function,
+  // MutableRow() and sdm_write.apply. Errors: Unimplemented without an apply function,
   // DataLoss for records that do not fit the table (the table may then be partly written),
   // ResourceExhausted when the pool runs out.
   absl::Status ApplyJournal(absl::string_view records, int64_t count);

@@ -99,7 +99,9 @@ struct LogReplay {
 // extends), and clears its dirty marks (it then equals what the disk holds). Errors:
 // FailedPrecondition for a stale log (another base snapshot, model or version) — ignore it;
 // DataLoss for a damaged header or a good record that does not fit the state (then `state` may be
-// partly updated: discard it).
+// partly updated: discard it); Unimplemented for journaled SDM writes the state's layout cannot
+// apply (no SdmWriteSpec::apply), ResourceExhausted when the row pool runs out (both: discard
+// `state`, keep the log).
 absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t model_fingerprint,
                                     uint64_t base_snapshot_id, SessionState& state);
 

@@ -2,6 +2,7 @@
 // a fake SdmService on loopback.
 #include "client/bench_serve.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -315,6 +316,59 @@ TEST_F(BenchServeRunTest, FailedCallsAreCountedByCode) {
   EXPECT_EQ(r->errors_by_code.at("RESOURCE_EXHAUSTED"), 3);
   EXPECT_EQ(r->output_tokens, 4);
   EXPECT_EQ(r->ttft_ms.count, 2);
+}
+
+// --async: one thread keeps the calls in flight on gRPC's callback API. Every call is made and
+// measured as with a thread per call: the same requests for the same plan, failures counted by
+// code, a burst of calls all in flight at once.
+TEST_F(BenchServeRunTest, AsyncCallsAreTheSameCallsMeasuredAlike) {
+  server_.service().set_chunk_delay(absl::Milliseconds(1));
+  BenchServeOptions o;
+  o.concurrency = 3;
+  o.requests = 12;
+  o.warmup = 1;
+  o.prompt_tokens = *Distribution::Parse("uniform:2:20");
+  o.max_tokens = Distribution::Fixed(4);
+  o.seed = 5;
+  std::ostringstream log;
+  o.async_calls = true;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->requests, 12);
+  EXPECT_EQ(r->ok, 12) << FormatReport(*r);
+  EXPECT_EQ(r->output_tokens, 12 * 4);
+  EXPECT_EQ(r->ttft_ms.count, 12);
+  EXPECT_EQ(r->itl_ms.count, 12 * 3);
+  EXPECT_GE(r->itl_ms.p50, 0.5);  // the fake waits 1 ms before each token
+  o.async_calls = false;
+  ASSERT_TRUE(RunBenchServe(*stub_, connection_, o, log).ok());
+  // The same 13 requests (warm-up included), in whatever order they arrived.
+  std::vector<std::string> async_requests, sync_requests;
+  const auto q = server_.service().generate_requests();
+  ASSERT_EQ(q.size(), 26u);
+  for (size_t i = 0; i < 13; ++i) async_requests.push_back(q[i].SerializeAsString());
+  for (size_t i = 13; i < 26; ++i) sync_requests.push_back(q[i].SerializeAsString());
+  std::sort(async_requests.begin(), async_requests.end());
+  std::sort(sync_requests.begin(), sync_requests.end());
+  EXPECT_EQ(async_requests, sync_requests);
+
+  // A burst: every call in flight at once, most refused.
+  server_.service().FailNext("Generate",
+                             grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "queue full"), 20);
+  o.async_calls = true;
+  o.warmup = 0;
+  o.concurrency = 24;
+  o.requests = 24;
+  r = RunBenchServe(*stub_, connection_, o, log);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->requests, 24);
+  EXPECT_EQ(r->ok, 4);
+  EXPECT_EQ(r->errors_by_code.at("RESOURCE_EXHAUSTED"), 20);
+  EXPECT_EQ(r->failed_e2e_ms.count, 20);
+  // No session reuse in this mode.
+  o.session_reuse = 0.5;
+  EXPECT_EQ(RunBenchServe(*stub_, connection_, o, log).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(BenchServeRunTest, SetupFailuresAreReturned) {

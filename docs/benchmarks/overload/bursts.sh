@@ -3,7 +3,10 @@
 # sdm-server on debug_sdm with 8 running + 16 waiting, then ten bursts of 224 calls at once (about
 # 200 refused with RESOURCE_EXHAUSTED); prints each burst's "failed E2E" (the client's time from
 # the call to its refusal) and a summary per burst. Results in $OUT (default /tmp/overload).
+# ASYNC=1 makes each burst's calls from one client thread (sdm-bench serve --async) rather than
+# 224 threads, which otherwise compete with the server for the same cores.
 #   docs/benchmarks/overload/bursts.sh
+#   ASYNC=1 docs/benchmarks/overload/bursts.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/overload}
@@ -19,7 +22,8 @@ PORT=$(sed -E 's/.*listening on [^ ]*:([0-9]+).*/\1/' <<< "$line")
 for n in $(seq 1 10); do
   echo "== burst $n $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
   build/tools/sdm_bench/sdm-bench serve --host 127.0.0.1:$PORT --concurrency 224 --requests 224 \
-    --prompt_tokens 32 --max_tokens 32 --seed $n --json $OUT/burst-$n.json > $OUT/burst-$n.txt 2>&1
+    --prompt_tokens 32 --max_tokens 32 --seed $n --json $OUT/burst-$n.json \
+    $([ "${ASYNC:-0}" = 1 ] && echo --async) > $OUT/burst-$n.txt 2>&1
   grep -E "failed E2E|throughput" $OUT/burst-$n.txt
   sleep 2
 done
