@@ -117,6 +117,17 @@ struct WorkerOutput {
   std::vector<double> itl;
 };
 
+// The Generate request of `plan` (one-shot; the caller adds a session). Draws the sampling seed
+// from plan.rng: the first draw of the plan's generator after MakePlan.
+sdm::v1::GenerateRequest RequestOf(const BenchServeOptions& options, Plan& plan) {
+  sdm::v1::GenerateRequest request;
+  request.mutable_token_ids()->mutable_ids()->Add(plan.prompt.begin(), plan.prompt.end());
+  request.mutable_sampling()->set_max_tokens(plan.max_tokens);
+  request.mutable_sampling()->set_temperature(options.temperature);
+  request.mutable_sampling()->set_seed(plan.rng());
+  return request;
+}
+
 // A finished call's record (its e2e set) with its status, timings and usage, added to `out`.
 void FinishRecord(const grpc::Status& status, absl::Span<const std::pair<double, int64_t>> chunks,
                   const sdm::v1::Usage& usage, RequestRecord record, WorkerOutput& out) {
@@ -137,14 +148,9 @@ void FinishRecord(const grpc::Status& status, absl::Span<const std::pair<double,
 // the phase, so that freeing the call never destroys the function still running).
 class AsyncCall final : public grpc::ClientReadReactor<sdm::v1::GenerateResponse> {
  public:
-  AsyncCall(const ConnectionOptions& connection, const Plan& plan, double temperature,
+  AsyncCall(const ConnectionOptions& connection, const BenchServeOptions& options, Plan plan,
             const std::function<void(AsyncCall&)>* done)
-      : done_(done) {
-    request_.mutable_token_ids()->mutable_ids()->Add(plan.prompt.begin(), plan.prompt.end());
-    request_.mutable_sampling()->set_max_tokens(plan.max_tokens);
-    request_.mutable_sampling()->set_temperature(temperature);
-    Plan copy = plan;
-    request_.mutable_sampling()->set_seed(copy.rng());  // as RunRequest draws it
+      : done_(done), request_(RequestOf(options, plan)) {
     record_.prompt_tokens = static_cast<int64_t>(plan.prompt.size());
     PrepareContext(connection, context_);
   }
@@ -185,11 +191,7 @@ class AsyncCall final : public grpc::ClientReadReactor<sdm::v1::GenerateResponse
 
 void RunRequest(sdm::v1::SdmService::StubInterface& stub, const ConnectionOptions& connection,
                 const BenchServeOptions& options, SessionPool* pool, Plan plan, WorkerOutput& out) {
-  sdm::v1::GenerateRequest request;
-  request.mutable_token_ids()->mutable_ids()->Add(plan.prompt.begin(), plan.prompt.end());
-  request.mutable_sampling()->set_max_tokens(plan.max_tokens);
-  request.mutable_sampling()->set_temperature(options.temperature);
-  request.mutable_sampling()->set_seed(plan.rng());
+  sdm::v1::GenerateRequest request = RequestOf(options, plan);
   std::optional<size_t> session;
   if (plan.reuse && pool != nullptr) {
     session = pool->Acquire(plan.rng);
@@ -297,8 +299,8 @@ double RunPhaseAsync(sdm::v1::SdmService::StubInterface::async_interface& async,
     }
     std::vector<AsyncCall*> batch;
     while (free_slots > 0 && more()) {
-      auto call = std::make_unique<AsyncCall>(connection, MakePlan(options, facts, phase, started),
-                                              options.temperature, &on_done);
+      auto call = std::make_unique<AsyncCall>(connection, options,
+                                              MakePlan(options, facts, phase, started), &on_done);
       batch.push_back(call.release());  // owned by the phase once it is done
       ++started;
       --free_slots;
@@ -465,17 +467,18 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
   }
   SessionPool pool(session_ids);
   SessionPool* pool_ptr = reuse ? &pool : nullptr;
+  // A phase on a thread per call, or with --async on gRPC's callback API.
+  const auto run_phase = [&](uint64_t phase, int64_t count, absl::Duration duration,
+                             WorkerOutput& out) {
+    return async != nullptr
+               ? RunPhaseAsync(*async, connection, options, facts, phase, count, duration, out)
+               : RunPhase(stub, connection, options, facts, pool_ptr, phase, count, duration, out);
+  };
 
   if (options.warmup > 0) {
     log << "warmup: " << options.warmup << " requests\n";
     WorkerOutput discarded;
-    if (async != nullptr) {
-      RunPhaseAsync(*async, connection, options, facts, /*phase=*/1, options.warmup,
-                    absl::ZeroDuration(), discarded);
-    } else {
-      RunPhase(stub, connection, options, facts, pool_ptr, /*phase=*/1, options.warmup,
-               absl::ZeroDuration(), discarded);
-    }
+    run_phase(/*phase=*/1, options.warmup, absl::ZeroDuration(), discarded);
   }
   log << "measuring: concurrency " << options.concurrency << ", "
       << (options.duration > absl::ZeroDuration()
@@ -483,11 +486,7 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
               : absl::StrCat(options.requests, " requests"))
       << "\n";
   WorkerOutput measured;
-  const double wall = async != nullptr
-                          ? RunPhaseAsync(*async, connection, options, facts, /*phase=*/0,
-                                          options.requests, options.duration, measured)
-                          : RunPhase(stub, connection, options, facts, pool_ptr, /*phase=*/0,
-                                     options.requests, options.duration, measured);
+  const double wall = run_phase(/*phase=*/0, options.requests, options.duration, measured);
 
   if (reuse && !options.keep_sessions) {
     for (const std::string& id : session_ids) {

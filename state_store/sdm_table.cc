@@ -103,8 +103,7 @@ void SdmTable::JournalWrite(int64_t head, std::span<const int32_t> slots, std::s
             static_cast<int64_t>(alpha.size()) == write_spec_.alphas);
   journaled_rows_ += write_spec_.writes;
   const uint64_t record = static_cast<uint64_t>(JournalRecordBytes());
-  const uint64_t rows = dirty_.size() * (4 + static_cast<uint64_t>(row_width_) * sizeof(float));
-  if (journal_.size() + record > rows) {
+  if (journal_.size() + record > static_cast<uint64_t>(DirtyRowBytes())) {
     DropJournal();
     return;
   }

@@ -92,6 +92,8 @@ class SdmTable {
   // MutableRow() returned a row for. What a delta of the session must carry
   // (state_store/state_log.h). Forks, clones and restored tables start clean.
   int64_t dirty_rows() const { return static_cast<int64_t>(dirty_.size()); }
+  // What those rows take in a delta: each with its u32 slot index (state_store/state_log.h).
+  int64_t DirtyRowBytes() const { return dirty_rows() * (4 + row_width_ * 4); }
   // Calls fn(head, slot, row) for every dirty slot, in slot order.
   template <typename Fn>
   void ForEachDirtyRow(Fn&& fn) const {

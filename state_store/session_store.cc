@@ -1702,6 +1702,10 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   // Fenced snapshots: the commit is the check (below); otherwise check, then write.
   const std::string base_file = e.snapshot_file;
   bool unknown_commit = false;
+  // The full snapshot of a resident session, produced from its rows: sized (without reading a
+  // row) to bound the log, and written when this write is not a delta.
+  std::optional<SessionStateSource> encoded;
+  if (resident) encoded.emplace(*state, record, fingerprint_);
   absl::Status owned = fenced() ? absl::OkStatus() : CheckOwnership(key);
   if (!owned.ok()) {
     status = owned;
@@ -1710,9 +1714,8 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     // The log is bounded by the ratio times the larger of the last snapshot and the snapshot
     // the session would write now (its size is known without reading a row): a session created
     // empty, whose first snapshot is a few hundred bytes, logs its first turns too.
-    const uint64_t full_now = SessionStateSource(*state, record, fingerprint_).size();
     const uint64_t compact_at = static_cast<uint64_t>(
-        static_cast<double>(std::max(persisted_bytes, full_now)) * compact_ratio);
+        static_cast<double>(std::max(persisted_bytes, encoded->size())) * compact_ratio);
     if (log_bytes + SessionDeltaBytes(*state, record, from) <= compact_at) {
       delta = true;
       // A delta to append (after the log's header when the log starts), produced straight from
@@ -1726,11 +1729,9 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   if (owned.ok() && !delta) {
     // A full snapshot: likewise produced from the rows (not on device), or the host tier's blob
     // (e.blob: not moved while busy).
-    std::optional<SessionStateSource> encoded;
     std::optional<StringSource> held;
     const ByteSource& blob =
-        resident ? static_cast<const ByteSource&>(encoded.emplace(*state, record, fingerprint_))
-                 : held.emplace(e.blob);
+        resident ? static_cast<const ByteSource&>(*encoded) : held.emplace(e.blob);
     if (fenced()) {
       // A new file no reader knows yet, then the commit that makes it the session's state.
       const std::filesystem::path new_path = options_.dir / kGenerationsDir / new_file;

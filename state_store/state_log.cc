@@ -239,9 +239,7 @@ uint64_t SessionDeltaBytes(const SessionState& state, const SessionRecord& recor
     if (state.is_sdm(li) && state.sdm(li).journal_complete()) {
       payload += kJournalHeadBytes + state.sdm(li).journal().size();
     } else if (state.is_sdm(li)) {
-      const SdmTable& t = state.sdm(li);
-      payload += 8 + static_cast<uint64_t>(t.dirty_rows()) *
-                         (4 + static_cast<uint64_t>(t.row_width()) * sizeof(float));
+      payload += 8 + static_cast<uint64_t>(state.sdm(li).DirtyRowBytes());
     } else {
       const KvCache& kv = state.kv(li);
       const int64_t first = std::max(from, kv.first_position());

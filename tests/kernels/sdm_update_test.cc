@@ -209,7 +209,9 @@ TEST(SdmUpdateTest, FullAddressingEqualsDenseGatedDeltaRule) {
 
 // SdmWriteRows (what replaying a journaled write runs) computes every column as the engine's
 // tiling by kSdmWriteColumnTile does, bit for bit, for both rules, one or per-row decays, and
-// widths that are and are not multiples of the tile.
+// widths that are and are not multiples of the tile; and so does any tiling by a multiple of the
+// write's internal tile (one call over the whole row, tiles of 64): what the header promises, and
+// what lets the replay ignore how the engine split a row across threads.
 TEST(SdmUpdateTest, WriteRowsIsTheEnginesTiledWriteBitForBit) {
   const uint32_t fresh = std::random_device{}();
   for (uint32_t seed : {1u, 2u, fresh}) {
@@ -224,7 +226,7 @@ TEST(SdmUpdateTest, WriteRowsIsTheEnginesTiledWriteBitForBit) {
           for (auto& row : a) {
             for (float& x : row) x = normal(rng);
           }
-          Table b = a;
+          Table b = a, whole = a, by64 = a;
           std::vector<float> k(n), alpha(per_row ? n : 1), v(width);
           for (float& x : k) x = normal(rng);
           for (float& x : alpha) x = std::exp(-std::abs(normal(rng)));
@@ -237,9 +239,18 @@ TEST(SdmUpdateTest, WriteRowsIsTheEnginesTiledWriteBitForBit) {
           }
           SdmWriteRows(RowPtrs(b, idx), k, alpha, beta, v.data(), width,
                        static_cast<uint32_t>(rule));
+          SdmWriteColumns(RowPtrs(whole, idx), k, alpha, beta, v.data(), rule, 0, width);
+          for (int64_t c0 = 0; c0 < width; c0 += 64) {
+            SdmWriteColumns(RowPtrs(by64, idx), k, alpha, beta, v.data(), rule, c0,
+                            std::min(width, c0 + 64));
+          }
           for (int i = 0; i < n; ++i) {
             ASSERT_EQ(0, std::memcmp(a[i].data(), b[i].data(), width * sizeof(float)))
                 << "width " << width << " row " << i;
+            ASSERT_EQ(0, std::memcmp(a[i].data(), whole[i].data(), width * sizeof(float)))
+                << "width " << width << " row " << i << ", one call";
+            ASSERT_EQ(0, std::memcmp(a[i].data(), by64[i].data(), width * sizeof(float)))
+                << "width " << width << " row " << i << ", tiles of 64";
           }
         }
       }

@@ -173,7 +173,7 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       const auto sdm_rows_bytes = [](const SessionState& st) {
         int64_t bytes = 0;
         for (int64_t l = 0; l < st.num_layers(); ++l) {
-          if (st.is_sdm(l)) bytes += st.sdm(l).dirty_rows() * (4 + st.sdm(l).row_width() * 4);
+          if (st.is_sdm(l)) bytes += st.sdm(l).DirtyRowBytes();
         }
         return bytes;
       };
