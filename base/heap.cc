@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -137,6 +138,20 @@ bool TrimHeap() {
 #endif
 }
 
+HeapTrimSchedule::HeapTrimSchedule(absl::Duration interval, int64_t slack_bytes)
+    : interval_(interval), slack_bytes_(slack_bytes) {}
+
+bool HeapTrimSchedule::Sample(absl::Time now, int64_t in_use_bytes) {
+  if (last_trim_ == absl::InfinitePast()) last_trim_ = now;
+  while (!peaks_.empty() && peaks_.front().first <= now - interval_) peaks_.pop_front();
+  while (!peaks_.empty() && peaks_.back().second <= in_use_bytes) peaks_.pop_back();
+  peaks_.emplace_back(now, in_use_bytes);
+  const int64_t peak = peaks_.front().second;
+  if (now - last_trim_ < interval_ || peak - in_use_bytes > slack_bytes_) return false;
+  last_trim_ = now;
+  return true;
+}
+
 HeapTrimmer::HeapTrimmer(absl::Duration interval) : interval_(interval) {
   SDM_CHECK(interval > absl::ZeroDuration());
   thread_ = std::thread([this] { Loop(); });
@@ -163,16 +178,21 @@ void HeapTrimmer::AwaitTrims(int64_t n) const {
 
 void HeapTrimmer::Loop() {
   SetCurrentThreadName("sdm-heap-trim");
+  HeapTrimSchedule schedule(interval_);
+  const absl::Duration sample_every = std::min(interval_ / 4, absl::Seconds(1));
   absl::MutexLock lock(&mu_);
   while (true) {
-    const absl::Time deadline = absl::Now() + interval_;
+    mu_.Unlock();
+    const bool trim = schedule.Sample(absl::Now(), GetHeapUsage().in_use_bytes);
+    if (trim) TrimHeap();
+    mu_.Lock();
+    if (trim) {
+      ++trims_;
+      changed_.SignalAll();
+    }
+    const absl::Time deadline = absl::Now() + sample_every;
     while (!stop_ && absl::Now() < deadline) changed_.WaitWithDeadline(&mu_, deadline);
     if (stop_) return;
-    mu_.Unlock();
-    TrimHeap();
-    mu_.Lock();
-    ++trims_;
-    changed_.SignalAll();
   }
 }
 

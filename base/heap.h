@@ -12,8 +12,13 @@
 //     free (a fixed threshold also turns the dynamic one off), and an arena's top is trimmed
 //     once it holds more than 2 x bytes free. Call once, early in main(): a block is mapped only
 //     when no free space already held fits it.
-//   HeapTrimmer: a thread that calls malloc_trim(0) every `interval`, handing the free pages
-//     inside every arena back to the system (madvise), not only those at an arena's top.
+//   HeapTrimmer: a thread that calls malloc_trim(0) at most every `interval`, handing the free
+//     pages inside every arena back to the system (madvise), not only those at an arena's top,
+//     but only once the bytes in use have stayed near where they are for a whole interval
+//     (HeapTrimSchedule): pages freed by a burst of work stay for the next burst. Returning them
+//     between bursts made the next one fault them back in (on debug_sdm, 30-80 MB: ~23,000
+//     page faults as its sessions started), and the calls it refused meanwhile waited 55-83 ms
+//     at p99 instead of 10-30 (docs/benchmarks.md, "Overload rejection latency").
 //
 // Both are no-ops (returning false / trimming nothing) where the C library is not glibc.
 //
@@ -25,7 +30,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <thread>
+#include <utility>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -91,9 +98,43 @@ HeapUsage GetHeapUsage();
 // was released (false where unsupported).
 bool TrimHeap();
 
+// How far above the bytes in use now a recent peak may have been for a trim to go ahead: the
+// in-flight temporaries of a steady load (a step's activations, requests being read) come and go
+// below it, while a burst that starts sessions (tens of MB of rows and caches) exceeds it.
+inline constexpr int64_t kHeapTrimSlackBytes = int64_t{8} << 20;
+
+// When HeapTrimmer trims: at most once per `interval`, and only when no sample of the bytes in
+// use during the last `interval` exceeded the current one by more than `slack_bytes`. Memory the
+// process needed within the last interval is kept for its next need; what it has not needed for
+// a whole interval goes back. A steady or growing load trims every interval (what keeps RSS
+// flat under the soak test's fragmentation), a load that comes in bursts less than an interval
+// apart does not trim between them, and once the bursts stop the next trim comes about an
+// interval after the last peak.
+//
+// A value type fed by one caller (HeapTrimmer's thread; tests feed it made-up times).
+// Thread-compatible.
+class HeapTrimSchedule {
+ public:
+  explicit HeapTrimSchedule(absl::Duration interval, int64_t slack_bytes = kHeapTrimSlackBytes);
+
+  // Records `in_use_bytes` as the bytes in use at `now` (times must not go backwards) and says
+  // whether to trim now; true counts as a trim done at `now`. The first sample starts the first
+  // interval.
+  bool Sample(absl::Time now, int64_t in_use_bytes);
+
+ private:
+  const absl::Duration interval_;
+  const int64_t slack_bytes_;
+  absl::Time last_trim_ = absl::InfinitePast();  // or the first sample's time
+  // Samples of the last interval, oldest first, each above every later one (a later sample at
+  // least as high makes the earlier ones irrelevant to the peak): the front is the peak.
+  std::deque<std::pair<absl::Time, int64_t>> peaks_;
+};
+
 class HeapTrimmer {
  public:
-  // Starts the thread; interval must be positive.
+  // Starts the thread, which samples the bytes in use (GetHeapUsage) every interval / 4 (at most
+  // every second) and trims as HeapTrimSchedule(interval) says; interval must be positive.
   explicit HeapTrimmer(absl::Duration interval);
   // Stops and joins the thread.
   ~HeapTrimmer();

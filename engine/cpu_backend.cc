@@ -51,7 +51,7 @@ class CpuBackend : public EngineBackend {
   explicit CpuBackend(const EngineContext& context)
       : model_(context.model),
         cfg_(model_->config),
-        pool_(context.options.num_threads),
+        pool_(context.options.num_threads, context.options.decode_nice),
         decode_attention_(context.options.cpu_decode_attention),
         fault_(context.options.inject_forward_fault),
         dtype_(context.options.cpu_dtype),

@@ -9,6 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
+#include "base/thread_priority.h"
 #include "engine/engine_backend.h"
 #include "engine/weight_spec.h"
 #include "kernels/cpu/sdm_update.h"
@@ -161,6 +162,10 @@ class Engine::Impl {
         fingerprint_(ComputeFingerprint(*model_)) {}
 
   absl::Status Init() {
+    if (options_.decode_nice < 0 || options_.decode_nice > kMaxNiceIncrement) {
+      return absl::InvalidArgumentError(absl::StrCat("decode_nice must be 0 to ", kMaxNiceIncrement,
+                                                     ", not ", options_.decode_nice));
+    }
     const EngineDevice asked = options_.device;
     EngineDevice device = asked;
     if (device == EngineDevice::kAuto) {

@@ -70,6 +70,13 @@ absl::StatusOr<DType> ParseCpuDtype(std::string_view name);
 struct EngineOptions {
   EngineDevice device = EngineDevice::kCpu;
   int num_threads = 0;  // 0: one per hardware thread (CPU backend; the CUDA backend's host side)
+  // How much nicer (Linux nice increment, 0 to 19; base/thread_priority.h) the threads that run
+  // decode steps are than the rest of the process: the CPU backend's kernel threads, and the
+  // thread that calls Step(), which lowers itself (the server's scheduler does, with this value).
+  // On cores the decode fills, this lets a front end answer (refuse, cancel, report health)
+  // ahead of the next step; docs/benchmarks.md, "Overload rejection latency", measures both it
+  // and what it costs in decode throughput.
+  int decode_nice = 0;
   // Prefill processes prompts in chunks of this many tokens (bounds activation memory).
   int64_t prefill_chunk = 256;
   // Accumulate wall time per part of the forward pass (benchmarks); off: no clock reads.

@@ -166,6 +166,10 @@ ABSL_FLAG(bool, cuda_graphs, sdm::ServerOptions{}.engine.cuda_graphs,
           "launched; the results are the same bit for bit).");
 ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
           "Engine threads; 0: one per hardware thread.");
+ABSL_FLAG(int, decode_nice, sdm::ServerOptions{}.engine.decode_nice,
+          "How much nicer (Linux nice increment, 0 to 19) the decode threads (sdm-step, "
+          "sdm-kernel) run than the front end, so that refusals, cancellations and health checks "
+          "are answered ahead of the next step on cores the decode fills; 0: the same priority.");
 ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine.device),
           "Where the engine runs: auto (CUDA when a device is present, else the CPU), cpu or "
           "cuda.");
@@ -206,7 +210,10 @@ ABSL_FLAG(int32_t, malloc_tcache_count, 0,
           "once with GLIBC_TUNABLES extended (same pid and arguments); a tcache_count already in "
           "GLIBC_TUNABLES wins.");
 ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
-          "How often the heap's free pages are returned to the system (malloc_trim); 0: never.");
+          "The heap's free pages go back to the system (malloc_trim) at most this often, and only "
+          "once the bytes in use have not been more than 8 MiB above where they are for this "
+          "long: pages a burst freed stay for the next burst (base/heap.h, HeapTrimSchedule); "
+          "0: never.");
 
 namespace {
 
@@ -379,6 +386,7 @@ int main(int argc, char** argv) {
   options.service.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
   options.service.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.engine.num_threads = absl::GetFlag(FLAGS_threads);
+  options.engine.decode_nice = absl::GetFlag(FLAGS_decode_nice);
   options.engine.cuda_graphs = absl::GetFlag(FLAGS_cuda_graphs);
   {
     absl::StatusOr<sdm::EngineDevice> device = sdm::ParseEngineDevice(absl::GetFlag(FLAGS_device));

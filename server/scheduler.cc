@@ -5,7 +5,9 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "base/log.h"
 #include "base/thread_name.h"
+#include "base/thread_priority.h"
 
 namespace sdm {
 namespace {
@@ -131,6 +133,11 @@ void Scheduler::Shutdown(bool cancel) {
 
 void Scheduler::Loop() {
   SetCurrentThreadName("sdm-step");
+  // The decode runs below the front end (EngineOptions::decode_nice), the kernel threads too.
+  if (absl::Status lowered = LowerCurrentThreadPriority(engine_.options().decode_nice);
+      !lowered.ok()) {
+    SDM_LOG(WARNING) << "sdm step thread: " << lowered.message();
+  }
   // This is the store's step thread: device-host moves of sessions run here, between steps.
   store_.SetStepThread([this] {
     absl::MutexLock lock(&mu_);

@@ -26,7 +26,9 @@
 // dropped at the end.
 //
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs wait, before
-// the job has produced anything, so a client may retry.
+// the job has produced anything, so a client may retry. The step thread runs
+// EngineOptions::decode_nice below the thread that made the scheduler (engine/engine.h), as the
+// engine's kernel threads do, so that on busy cores Submit's callers are served first.
 //
 // Thread-safety: Submit/Shutdown/counters from any thread. Observers are called on the step
 // thread and must not block.

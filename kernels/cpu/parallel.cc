@@ -1,6 +1,8 @@
 #include "kernels/cpu/parallel.h"
 
+#include "base/log.h"
 #include "base/thread_name.h"
+#include "base/thread_priority.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -23,9 +25,15 @@ void SpinWhile(F waiting) {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int num_threads) {
+ThreadPool::ThreadPool(int num_threads, int worker_nice_increment) {
   if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
-  for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  // The wait's condition reads workers_.size(), and a worker's unlock may evaluate it; it is
+  // registered only once the loop below has finished growing workers_.
+  for (int i = 1; i < num_threads; ++i) {
+    workers_.emplace_back([this, worker_nice_increment] { WorkerLoop(worker_nice_increment); });
+  }
+  absl::MutexLock lock(&mu_);
+  mu_.Await(absl::Condition(this, &ThreadPool::AllStartedLocked));
 }
 
 ThreadPool::~ThreadPool() {
@@ -42,8 +50,15 @@ void ThreadPool::RunShare(const std::function<void(int64_t)>& fn, int64_t n) {
   for (int64_t i = next_.fetch_add(1); i < n; i = next_.fetch_add(1)) fn(i);
 }
 
-void ThreadPool::WorkerLoop() {
+void ThreadPool::WorkerLoop(int nice_increment) {
   SetCurrentThreadName("sdm-kernel");
+  if (absl::Status lowered = LowerCurrentThreadPriority(nice_increment); !lowered.ok()) {
+    SDM_LOG(WARNING) << "sdm kernel thread: " << lowered.message();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    ++started_;
+  }
   uint64_t seen = 0;
   while (true) {
     const std::function<void(int64_t)>* job = nullptr;

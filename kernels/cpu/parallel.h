@@ -10,6 +10,11 @@
 // microseconds) watching for the next call before it blocks on the condition variable, and the
 // caller likewise spins a while for the workers to finish before blocking. Both then fall back to
 // the mutex-protected protocol; the spin never decides anything, it only finds out sooner.
+//
+// Priority: the workers can run nicer than the thread that made the pool (worker_nice_increment,
+// base/thread_priority.h): the server runs its decode below its front end
+// (EngineOptions::decode_nice, engine/engine.h). The constructor returns once every worker runs
+// at its priority.
 #ifndef SDMSERVE_KERNELS_CPU_PARALLEL_H_
 #define SDMSERVE_KERNELS_CPU_PARALLEL_H_
 
@@ -26,8 +31,10 @@ namespace sdm::kernels::cpu {
 
 class ThreadPool {
  public:
-  // num_threads counts the caller: 1 means run everything on the calling thread.
-  explicit ThreadPool(int num_threads);
+  // num_threads counts the caller: 1 means run everything on the calling thread. Each worker
+  // adds worker_nice_increment (0 to kMaxNiceIncrement) to the nice value it starts with; one
+  // the system refuses is logged, and the worker runs at the priority it had.
+  explicit ThreadPool(int num_threads, int worker_nice_increment = 0);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -40,7 +47,10 @@ class ThreadPool {
   static constexpr int kSpinRounds = 2000;
 
  private:
-  void WorkerLoop();
+  void WorkerLoop(int nice_increment);
+  bool AllStartedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return started_ == static_cast<int>(workers_.size());
+  }
   void RunShare(const std::function<void(int64_t)>& fn, int64_t n);
 
   std::vector<std::thread> workers_;
@@ -53,7 +63,8 @@ class ThreadPool {
   uint64_t generation_ ABSL_GUARDED_BY(mu_) = 0;
   int busy_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::atomic<int64_t> next_{0};  // the next index to claim of the current job
+  int started_ ABSL_GUARDED_BY(mu_) = 0;  // workers named and at their priority
+  std::atomic<int64_t> next_{0};          // the next index to claim of the current job
   // Copies of generation_ and busy_, written under mu_ with them, read without it by spinning
   // threads (hints only: every decision is taken again under mu_).
   std::atomic<uint64_t> posted_{0};

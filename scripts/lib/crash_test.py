@@ -485,9 +485,10 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--max_rss_growth", type=float, default=0.01,
                     help="soak: allowed RSS growth after the warm-up round (fraction)")
-    ap.add_argument("--settle", type=float, default=11,
+    ap.add_argument("--settle", type=float, default=13,
                     help="soak: idle seconds before each sample (longer than the server's "
-                    "--malloc_trim_interval)")
+                    "--malloc_trim_interval plus its sampling, 1 s: it trims only once the "
+                    "bytes in use have been flat for an interval)")
     ap.add_argument("--server_flag", action="append", default=[],
                     help="an extra sdm-server flag (repeatable), e.g. --server_flag=--threads=2")
     ap.add_argument("--server_env", action="append", default=[],
@@ -525,8 +526,9 @@ def main():
                 stop.set()
                 for t in threads:
                     t.join()
-                # At rest: after the server's next heap trim (--malloc_trim_interval), so that
-                # the sample is what it keeps, not what the last calls had in flight.
+                # At rest: after the server's next heap trim (--malloc_trim_interval after the
+                # load stopped, base/heap.h HeapTrimSchedule), so that the sample is what it
+                # keeps, not what the last calls had in flight.
                 time.sleep(args.settle)
                 r = server.resources()
                 r["turns"] = stats.turns

@@ -1,5 +1,7 @@
 #include "base/heap.h"
 
+#include <algorithm>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
@@ -271,6 +273,108 @@ TEST(HeapTest, TrimHeapReturnsFreePagesBelowTheTop) {
   const int64_t after = RssAnonKib();
   EXPECT_LT(after, before - 32 * 1024) << "RssAnon " << before << " -> " << after << " KiB";
   std::free(top);
+}
+
+constexpr int64_t kMiB = int64_t{1} << 20;
+
+// Feeds a schedule samples every `step` from `from` to `to` (exclusive) of `in_use(t)` (t in
+// seconds since the epoch) and returns the times, in seconds, of the trims it asked for.
+template <typename F>
+std::vector<double> TrimTimes(HeapTrimSchedule& schedule, double from, double to, double step,
+                              F in_use) {
+  std::vector<double> trims;
+  for (double t = from; t < to; t += step) {
+    if (schedule.Sample(absl::FromUnixSeconds(0) + absl::Seconds(t), in_use(t))) {
+      trims.push_back(t);
+    }
+  }
+  return trims;
+}
+
+TEST(HeapTrimScheduleTest, ASteadyLoadTrimsEveryInterval) {
+  HeapTrimSchedule schedule(absl::Seconds(10));
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<int64_t> noise(-2 * kMiB, 2 * kMiB);
+  const std::vector<double> trims =
+      TrimTimes(schedule, 0, 61, 1, [&](double) { return 500 * kMiB + noise(rng); });
+  EXPECT_EQ(trims, (std::vector<double>{10, 20, 30, 40, 50, 60}));
+}
+
+TEST(HeapTrimScheduleTest, AGrowingLoadTrimsEveryInterval) {
+  HeapTrimSchedule schedule(absl::Seconds(10));
+  const std::vector<double> trims = TrimTimes(
+      schedule, 0, 31, 1, [](double t) { return 100 * kMiB + static_cast<int64_t>(t) * 5 * kMiB; });
+  EXPECT_EQ(trims, (std::vector<double>{10, 20, 30}));
+}
+
+// The overload benchmark's pattern: a burst every 4.5 s that holds 80 MB more for 2.5 s.
+TEST(HeapTrimScheduleTest, BurstsLessThanAnIntervalApartKeepTheirPages) {
+  HeapTrimSchedule schedule(absl::Seconds(10));
+  auto in_burst = [](double t) { return t < 60 && std::fmod(t, 4.5) < 2.5; };
+  auto in_use = [&](double t) { return 1000 * kMiB + (in_burst(t) ? 80 * kMiB : 0); };
+  // Sampled every 0.25 s, as HeapTrimmer samples at a 1 s interval. Between bursts their pages
+  // are free and stay: a trim may come only while a burst holds them (it then returns only what
+  // nothing used in the last interval).
+  const std::vector<double> during = TrimTimes(schedule, 0, 60, 0.25, in_use);
+  for (double t : during) EXPECT_TRUE(in_burst(t)) << "a trim between bursts at " << t;
+  // The last burst (from 58.5) is cut at 60: its last sample is 59.75, and the next trim is the
+  // first sample an interval after it; then one every interval.
+  EXPECT_EQ(TrimTimes(schedule, 60, 80, 0.25, in_use), (std::vector<double>{69.75, 79.75}));
+}
+
+TEST(HeapTrimScheduleTest, ADropWithinTheSlackTrimsAndOneBeyondItWaits) {
+  const absl::Time t0 = absl::FromUnixSeconds(1000);
+  for (int64_t extra : {int64_t{0}, int64_t{1}}) {
+    HeapTrimSchedule schedule(absl::Seconds(10), /*slack_bytes=*/4 * kMiB);
+    EXPECT_FALSE(schedule.Sample(t0, 100 * kMiB));
+    EXPECT_FALSE(schedule.Sample(t0 + absl::Seconds(5), 104 * kMiB + extra));
+    // An interval since the first sample; the peak of the last interval is 4 MiB (+ extra) up.
+    EXPECT_EQ(schedule.Sample(t0 + absl::Seconds(10), 100 * kMiB), extra == 0) << extra;
+    if (extra == 0) continue;
+    // The peak leaves the window once it is an interval old.
+    EXPECT_FALSE(schedule.Sample(t0 + absl::Seconds(14.9), 100 * kMiB));
+    EXPECT_TRUE(schedule.Sample(t0 + absl::Seconds(15), 100 * kMiB));
+  }
+}
+
+// Against the rule as written (HeapTrimSchedule, base/heap.h), over every sample kept: random
+// times and loads with bursts, fixed seeds and a fresh one.
+TEST(HeapTrimScheduleTest, AgreesWithTheRuleOverRandomLoads) {
+  std::vector<uint32_t> seeds = {1, 2, 3, 4, 5};
+  seeds.push_back(std::random_device{}());
+  for (uint32_t seed : seeds) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const absl::Duration interval = absl::Seconds(std::uniform_int_distribution<int>(2, 12)(rng));
+    const int64_t slack = std::uniform_int_distribution<int64_t>(0, 16)(rng) * kMiB;
+    HeapTrimSchedule schedule(interval, slack);
+    std::vector<std::pair<absl::Time, int64_t>> seen;
+    absl::Time now = absl::FromUnixSeconds(1);
+    absl::Time last_trim = absl::InfinitePast();  // the first sample starts the first interval
+    int64_t base = 200 * kMiB;
+    int trims = 0;
+    for (int i = 0; i < 3000; ++i) {
+      now += absl::Milliseconds(std::uniform_int_distribution<int>(0, 2000)(rng));
+      base += std::uniform_int_distribution<int64_t>(-kMiB, kMiB)(rng);
+      const int64_t burst = std::bernoulli_distribution(0.2)(rng)
+                                ? std::uniform_int_distribution<int64_t>(0, 64)(rng) * kMiB
+                                : 0;
+      const int64_t in_use = base + burst;
+      seen.emplace_back(now, in_use);
+      if (i == 0) last_trim = now;
+      int64_t peak = 0;
+      for (const auto& [t, bytes] : seen) {
+        if (t > now - interval) peak = std::max(peak, bytes);
+      }
+      const bool expected = now - last_trim >= interval && peak - in_use <= slack;
+      ASSERT_EQ(schedule.Sample(now, in_use), expected) << "sample " << i;
+      if (expected) {
+        last_trim = now;
+        ++trims;
+      }
+    }
+    EXPECT_GT(trims, 0);
+  }
 }
 
 TEST(HeapTest, TrimmerTrimsUntilDestroyed) {

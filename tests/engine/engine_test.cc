@@ -1,11 +1,20 @@
 #include "engine/engine.h"
 
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <random>
+#include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "base/thread_priority.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
@@ -181,6 +190,52 @@ TEST(EngineTest, RejectsBadInput) {
   std::vector<int32_t> one = {1};
   EXPECT_EQ(engine->Decode({&p, 1}, one, two_logits).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s->position(), 0);  // nothing was consumed by the rejected calls
+}
+
+// The ids of this process's threads named `name` (/proc/self/task/*/comm).
+std::set<int> ThreadsNamed(const std::string& name) {
+  std::set<int> ids;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ids.insert(std::stoi(task.path().filename()));
+  }
+  return ids;
+}
+
+TEST(EngineTest, DecodeNiceLowersTheKernelThreadsAndNotTheCaller) {
+#if !defined(__linux__)
+  GTEST_SKIP() << "thread priorities are Linux nice values";
+#endif
+  const int before = CurrentThreadNice();
+  const std::set<int> earlier = ThreadsNamed("sdm-kernel");
+  EngineOptions o;
+  o.num_threads = 3;
+  o.decode_nice = 5;
+  auto engine = Engine::Create(RandomModel(Tiny(), 11), o);
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  int workers = 0;
+  for (int id : ThreadsNamed("sdm-kernel")) {
+    if (earlier.count(id) != 0) continue;
+    ++workers;
+    errno = 0;
+    EXPECT_EQ(getpriority(PRIO_PROCESS, static_cast<id_t>(id)), std::min(before + 5, 19))
+        << "thread " << id;
+    EXPECT_EQ(errno, 0);
+  }
+  EXPECT_EQ(workers, 2);  // the caller is the third thread of the pool
+  EXPECT_EQ(CurrentThreadNice(), before);
+}
+
+TEST(EngineTest, RefusesADecodeNiceOutsideZeroToNineteen) {
+  for (int nice : {-1, kMaxNiceIncrement + 1}) {
+    EngineOptions o;
+    o.decode_nice = nice;
+    auto engine = Engine::Create(RandomModel(Tiny(), 11), o);
+    ASSERT_FALSE(engine.ok()) << nice;
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument) << engine.status();
+    EXPECT_NE(engine.status().message().find("decode_nice"), std::string::npos);
+  }
 }
 
 }  // namespace

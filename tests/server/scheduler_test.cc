@@ -1,5 +1,6 @@
 #include "server/scheduler.h"
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <filesystem>
@@ -11,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/check.h"
+#include "base/thread_priority.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
@@ -26,6 +28,7 @@ class Collector : public JobObserver {
  public:
   void OnToken(int32_t token, absl::string_view text) override {
     std::lock_guard<std::mutex> lock(mu_);
+    step_thread_nice = CurrentThreadNice();  // observers run on the step thread
     tokens.push_back(token);
     this->text += std::string(text);
     if (cancel_after > 0 && static_cast<int>(tokens.size()) >= cancel_after) cancelled = true;
@@ -52,6 +55,7 @@ class Collector : public JobObserver {
   bool finished = false;
   int cancel_after = 0;
   std::atomic<bool> cancelled{false};
+  int step_thread_nice = 0;  // as OnToken last saw it
 
  private:
   std::mutex mu_;
@@ -368,6 +372,29 @@ TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
   after->Wait();
   // Ends normally: its length, or EOS when the random model samples it first.
   EXPECT_TRUE(after->reason == FinishReason::kLength || after->reason == FinishReason::kEos);
+}
+
+TEST_F(SchedulerTest, TheStepThreadRunsAtTheEnginesDecodeNice) {
+  const int before = CurrentThreadNice();
+  for (int decode_nice : {0, 6}) {
+    scheduler_.reset();
+    store_.reset();
+    EngineOptions o;
+    o.decode_nice = decode_nice;
+    auto model = LoadModel(sdm::testing::NoEosModelDir());  // every job streams its tokens
+    ASSERT_TRUE(model.ok()) << model.status();
+    auto e = Engine::Create(*model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    engine_ = *std::move(e);
+    OpenStore();
+    StartScheduler();
+    auto c = std::make_shared<Collector>();
+    ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 3), c).ok());
+    c->Wait();
+    ASSERT_EQ(c->tokens.size(), 3u);
+    EXPECT_EQ(c->step_thread_nice, std::min(before + decode_nice, 19)) << decode_nice;
+    EXPECT_EQ(CurrentThreadNice(), before);  // the thread that submitted is as it was
+  }
 }
 
 TEST_F(SchedulerTest, StopIdsAndStopStrings) {

@@ -4,9 +4,12 @@
 # 200 refused with RESOURCE_EXHAUSTED); prints each burst's "failed E2E" (the client's time from
 # the call to its refusal) and a summary per burst. Results in $OUT (default /tmp/overload).
 # ASYNC=1 makes each burst's calls from one client thread (sdm-bench serve --async) rather than
-# 224 threads, which otherwise compete with the server for the same cores.
+# 224 threads, which otherwise compete with the server for the same cores. DECODE_NICE=N passes
+# --decode_nice N to the server (its decode threads N nicer than its front end); SERVER_FLAGS
+# adds any other flags.
 #   docs/benchmarks/overload/bursts.sh
 #   ASYNC=1 docs/benchmarks/overload/bursts.sh
+#   ASYNC=1 DECODE_NICE=5 docs/benchmarks/overload/bursts.sh
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/overload}
@@ -15,12 +18,12 @@ mkdir -p $OUT
 [ -f $M/config.json ] || build/tools/sdm_model/sdm-model init --preset debug_sdm --seed 0 --out $M
 rm -rf $OUT/state
 build/server/sdm-server --model $M --threads 2 --port 0 --metrics_port 0 --max_running 8 --max_waiting 16 \
-  --state_dir $OUT/state > $OUT/server.log 2>&1 &
+  --state_dir $OUT/state ${DECODE_NICE:+--decode_nice $DECODE_NICE} ${SERVER_FLAGS:-} > $OUT/server.log 2>&1 &
 SP=$!
 for _ in $(seq 1 240); do line=$(grep -m1 "listening on" $OUT/server.log) && break; sleep 0.5; done
 PORT=$(sed -E 's/.*listening on [^ ]*:([0-9]+).*/\1/' <<< "$line")
 for n in $(seq 1 10); do
-  echo "== burst $n $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
+  echo "== burst $n $(date +%T.%N) load $(cut -d' ' -f1 /proc/loadavg)"
   build/tools/sdm_bench/sdm-bench serve --host 127.0.0.1:$PORT --concurrency 224 --requests 224 \
     --prompt_tokens 32 --max_tokens 32 --seed $n --json $OUT/burst-$n.json \
     $([ "${ASYNC:-0}" = 1 ] && echo --async) > $OUT/burst-$n.txt 2>&1
