@@ -211,9 +211,9 @@ ABSL_FLAG(int32_t, malloc_tcache_count, 0,
           "GLIBC_TUNABLES wins.");
 ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
           "The heap's free pages go back to the system (malloc_trim) at most this often, and only "
-          "once the bytes in use have not been more than 8 MiB above where they are for this "
-          "long: pages a burst freed stay for the next burst (base/heap.h, HeapTrimSchedule); "
-          "0: never.");
+          "once the bytes in use have stayed near where they are for this long "
+          "(base/heap.h, HeapTrimSchedule): pages a burst freed stay for the next burst; 0: "
+          "never.");
 
 namespace {
 
