@@ -133,8 +133,9 @@ class HeapTrimSchedule {
 
 class HeapTrimmer {
  public:
-  // Starts the thread, which samples the bytes in use (GetHeapUsage) every interval / 4 (at most
-  // every second) and trims as HeapTrimSchedule(interval) says; interval must be positive.
+  // Starts the thread, which samples the bytes in use (GetHeapUsage) every interval / 4 or every
+  // second, whichever is shorter, and trims as HeapTrimSchedule(interval) says; interval must be
+  // positive.
   explicit HeapTrimmer(absl::Duration interval);
   // Stops and joins the thread.
   ~HeapTrimmer();
