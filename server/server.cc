@@ -172,6 +172,7 @@ class SdmServer::Impl final : public SchedulerListener {
 
   absl::Mutex gauges_mu;
   StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
+  int64_t heap_trims_counted ABSL_GUARDED_BY(gauges_mu) = 0;  // in metrics->heap_trims
 
   // Last, so that it stops first (null when malloc_trim_interval is zero).
   std::unique_ptr<HeapTrimmer> heap_trimmer;
@@ -338,6 +339,11 @@ void SdmServer::Impl::UpdateGauges() {
   const HeapUsage heap = GetHeapUsage();
   metrics->heap_in_use_bytes.Set(static_cast<double>(heap.in_use_bytes));
   metrics->heap_system_bytes.Set(static_cast<double>(heap.system_bytes));
+  if (heap_trimmer != nullptr) {
+    const int64_t trims = heap_trimmer->trims();
+    metrics->heap_trims.Increment(static_cast<double>(trims - heap_trims_counted));
+    heap_trims_counted = trims;
+  }
   if (store == nullptr) return;
   const StoreStats s = store->Stats();
   for (int t = 0; t < kNumTiers; ++t) {

@@ -160,6 +160,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                   "and blocks mapped on their own (glibc mallinfo2).")
                             .Register(registry)
                             .Add({})),
+      heap_trims(BuildCounter()
+                     .Name("sdm_heap_trims_total")
+                     .Help("Times the heap's free pages were handed back to the system "
+                           "(malloc_trim; --malloc_trim_interval).")
+                     .Register(registry)
+                     .Add({})),
       requests_(BuildCounter()
                     .Name("sdm_requests_total")
                     .Help("RPCs finished, by method and gRPC status code.")

@@ -106,6 +106,8 @@ class ServerMetrics {
   // The process heap at the last scrape (base/heap.h, GetHeapUsage).
   prometheus::Gauge& heap_in_use_bytes;
   prometheus::Gauge& heap_system_bytes;
+  // Times HeapTrimmer handed the heap's free pages back (base/heap.h), counted at scrapes.
+  prometheus::Counter& heap_trims;
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;

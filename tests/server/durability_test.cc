@@ -77,6 +77,28 @@ TEST(ServerDurabilityTest, EveryTurnIsOnDiskBehindTheStream) {
   EXPECT_EQ(Position(*restarted.stub, "chat"), position);
 }
 
+// The heap trimmer's work shows on /metrics (base/heap.h): an idle server's bytes in use are
+// flat, so it trims every interval.
+TEST(ServerHeapTest, TrimsAreCountedOnTheMetricsPage) {
+#if !defined(__GLIBC__)
+  GTEST_SKIP() << "the trimmer trims glibc's heap";
+#endif
+  ScopedTempDir state;
+  ServerOptions options = testing::TestOptions(state.path());
+  options.malloc_trim_interval = absl::Milliseconds(4);
+  testing::Served s = testing::Serve(options);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->metrics_port();
+  ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_heap_trims_total") >= 2; }));
+
+  options.malloc_trim_interval = absl::ZeroDuration();  // no trimmer: the counter stays at 0
+  ScopedTempDir other;
+  options.store.dir = other.path();
+  testing::Served off = testing::Serve(options);
+  ASSERT_NE(off.server, nullptr);
+  EXPECT_EQ(Metric(off.server->metrics_port(), "sdm_heap_trims_total"), 0);
+}
+
 TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   ScopedTempDir state;
   FaultInjectionFiles files;

@@ -134,6 +134,11 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
         {},
         "Bytes the process heap holds from the system: arena pages and blocks mapped on their "
         "own (glibc mallinfo2)."}},
+      {"sdm_heap_trims_total",
+       {"counter",
+        {},
+        "Times the heap's free pages were handed back to the system (malloc_trim; "
+        "--malloc_trim_interval)."}},
   };
   const ParsedPage page = RenderAndParse(registry);
   std::map<std::string, Declared> actual;
