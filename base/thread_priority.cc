@@ -33,11 +33,16 @@ int CurrentThreadNice() {
 #endif
 }
 
-absl::Status LowerCurrentThreadPriority(int increment) {
+absl::Status CheckNiceIncrement(int increment) {
   if (increment < 0 || increment > kMaxNiceIncrement) {
     return absl::InvalidArgumentError(
         absl::StrCat("a nice increment must be 0 to ", kMaxNiceIncrement, ", not ", increment));
   }
+  return absl::OkStatus();
+}
+
+absl::Status LowerCurrentThreadPriority(int increment) {
+  if (absl::Status valid = CheckNiceIncrement(increment); !valid.ok()) return valid;
   if (increment == 0) return absl::OkStatus();
 #if defined(__linux__)
   const int target = std::min(CurrentThreadNice() + increment, 19);

@@ -22,8 +22,12 @@ namespace sdm {
 // The largest increment accepted, the span of Linux nice values (-20 .. 19) above 0.
 inline constexpr int kMaxNiceIncrement = 19;
 
+// OK if 0 <= increment <= kMaxNiceIncrement, else INVALID_ARGUMENT saying so: the increments
+// LowerCurrentThreadPriority takes (for options checked before any thread starts).
+absl::Status CheckNiceIncrement(int increment);
+
 // Adds `increment` to the calling thread's nice value, stopping at 19 (the lowest priority).
-// INVALID_ARGUMENT unless 0 <= increment <= kMaxNiceIncrement; INTERNAL if the system refuses
+// CheckNiceIncrement's error for an increment out of range; INTERNAL if the system refuses
 // (errno's text). 0 changes nothing. A no-op (OK) where threads have no nice value of their own.
 absl::Status LowerCurrentThreadPriority(int increment);
 

@@ -162,9 +162,8 @@ class Engine::Impl {
         fingerprint_(ComputeFingerprint(*model_)) {}
 
   absl::Status Init() {
-    if (options_.decode_nice < 0 || options_.decode_nice > kMaxNiceIncrement) {
-      return absl::InvalidArgumentError(absl::StrCat("decode_nice must be 0 to ", kMaxNiceIncrement,
-                                                     ", not ", options_.decode_nice));
+    if (absl::Status nice = CheckNiceIncrement(options_.decode_nice); !nice.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("decode_nice: ", nice.message()));
     }
     const EngineDevice asked = options_.device;
     EngineDevice device = asked;
