@@ -15,10 +15,10 @@
 //   HeapTrimmer: a thread that calls malloc_trim(0) at most every `interval`, handing the free
 //     pages inside every arena back to the system (madvise), not only those at an arena's top,
 //     but only once the bytes in use have stayed near where they are for a whole interval
-//     (HeapTrimSchedule): pages freed by a burst of work stay for the next burst. Returning them
-//     between bursts made the next one fault them back in (on debug_sdm, 30-80 MB: ~23,000
-//     page faults as its sessions started), and the calls it refused meanwhile waited 55-83 ms
-//     at p99 instead of 10-30 (docs/benchmarks.md, "Overload rejection latency").
+//     (HeapTrimSchedule): bursts of work less than an interval apart are not trimmed in the
+//     gaps between them. Trims in the gaps handed 30-80 MB back on debug_sdm, which the next
+//     burst faulted back in, and coincided with its refusals taking 58-81 ms at p99 instead of
+//     7-45 (docs/benchmarks.md, "Overload rejection latency": why is not established).
 //
 // Both are no-ops (returning false / trimming nothing) where the C library is not glibc.
 //
@@ -104,12 +104,12 @@ bool TrimHeap();
 inline constexpr int64_t kHeapTrimSlackBytes = int64_t{8} << 20;
 
 // When HeapTrimmer trims: at most once per `interval`, and only when no sample of the bytes in
-// use during the last `interval` exceeded the current one by more than `slack_bytes`. Memory the
-// process needed within the last interval is kept for its next need; what it has not needed for
-// a whole interval goes back. A steady or growing load trims every interval (what keeps RSS
-// flat under the soak test's fragmentation), a load that comes in bursts less than an interval
-// apart does not trim between them, and once the bursts stop the next trim comes about an
-// interval after the last peak.
+// use during the last `interval` exceeded the current one by more than `slack_bytes`: a trim
+// comes when the bytes in use are near their highest of the last interval, so what it hands back
+// is more than that interval's peak needed. A steady or growing load trims every interval (what
+// keeps RSS flat under the soak test's fragmentation); a load that comes in bursts less than an
+// interval apart is not trimmed in the gaps between them (only near a burst's peak), and once
+// the bursts stop the next trim comes about an interval after the last peak.
 //
 // A value type fed by one caller (HeapTrimmer's thread; tests feed it made-up times).
 // Thread-compatible.

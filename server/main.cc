@@ -212,8 +212,8 @@ ABSL_FLAG(int32_t, malloc_tcache_count, 0,
 ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
           "The heap's free pages go back to the system (malloc_trim) at most this often, and only "
           "once the bytes in use have stayed near where they are for this long "
-          "(base/heap.h, HeapTrimSchedule): pages a burst freed stay for the next burst; 0: "
-          "never.");
+          "(base/heap.h, HeapTrimSchedule): bursts less than this far apart are not trimmed "
+          "between them; 0: never.");
 
 namespace {
 

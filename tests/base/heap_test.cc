@@ -308,13 +308,12 @@ TEST(HeapTrimScheduleTest, AGrowingLoadTrimsEveryInterval) {
 }
 
 // The overload benchmark's pattern: a burst every 4.5 s that holds 80 MB more for 2.5 s.
-TEST(HeapTrimScheduleTest, BurstsLessThanAnIntervalApartKeepTheirPages) {
+TEST(HeapTrimScheduleTest, BurstsLessThanAnIntervalApartAreNotTrimmedBetween) {
   HeapTrimSchedule schedule(absl::Seconds(10));
   auto in_burst = [](double t) { return t < 60 && std::fmod(t, 4.5) < 2.5; };
   auto in_use = [&](double t) { return 1000 * kMiB + (in_burst(t) ? 80 * kMiB : 0); };
   // Sampled every 0.25 s, as HeapTrimmer samples at a 1 s interval. Between bursts their pages
-  // are free and stay: a trim may come only while a burst holds them (it then returns only what
-  // nothing used in the last interval).
+  // are free and are not trimmed: a trim may come only while a burst holds them.
   const std::vector<double> during = TrimTimes(schedule, 0, 60, 0.25, in_use);
   for (double t : during) EXPECT_TRUE(in_burst(t)) << "a trim between bursts at " << t;
   // The last burst (from 58.5) is cut at 60: its last sample is 59.75, and the next trim is the
