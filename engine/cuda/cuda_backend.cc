@@ -1005,8 +1005,9 @@ class CudaBackend : public EngineBackend {
     dims.row_width = sdm_geom_.head_width;
     BeginStateWrites();  // from here the step allocates and writes the sessions' rows
     if (sg.max_length == 1) {
-      // A decode batch: allocation, the write and the read in one or two launches
-      // (kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path below computes.
+      // A decode batch: allocation, the write and the read in one launch (two for rows of more
+      // than 16 tiles: kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path
+      // below computes.
       kc::SdmDecodeArgs dec;
       SetSdmUpdateInputs(w.m0.w, n_w, n_r, dec);
       dec.w_slots = ws.w_slots.get();

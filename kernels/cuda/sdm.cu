@@ -1,6 +1,7 @@
 // The SDM layer on the GPU (see sdm.h; docs/model-spec.md §5, §6). Selection and update math
 // come from the SDM_HOST_DEVICE helpers that the CPU kernels use (kernels/common/
 // sdm_addressing_math.h, sdm_math.h), so the CPU tests cover them.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -10,6 +11,7 @@
 #include "kernels/common/device_layout.h"
 #include "kernels/common/fp_math.h"
 #include "kernels/common/sdm_addressing_math.h"
+#include "kernels/common/sdm_decode_plan.h"
 #include "kernels/common/sdm_math.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
@@ -592,10 +594,13 @@ __global__ void __launch_bounds__(kStepThreads)
 // ---------------------------------------------------------------------------------------------
 // The decode step (SdmDecodeStep): one token per segment. Block (segment, column tile, head),
 // kStepThreads threads, the same warp split and summation order as StepKernel, so every column
-// sums the same products in the same order and the two agree bit for bit.
-//   allocate  (kAllocInBlock; else DecodeAllocKernel ran before) thread i takes write entry i:
-//             a slot still at kSdmNoRow needs a row; a block-wide prefix count of the needs,
-//             one atomicSub, entry i pops the row at top - 1 - (needs before i)      | sync
+// sums the same products in the same order and the two agree bit for bit. Where the write rows
+// are allocated follows PlanSdmDecode (kernels/common/sdm_decode_plan.h):
+//   allocate  thread i takes write entry i: a slot still at kSdmNoRow needs a row; a block-wide
+//             prefix count of the needs, one atomicSub, entry i pops the row at
+//             top - 1 - (needs before i). kInBlock: this block; kCluster: the cluster's rank 0
+//             (tile 0), then a cluster barrier and the other ranks copy its result from rank
+//             0's shared memory; kSeparate: DecodeAllocKernel ran before              | sync
 //   stage     rows, weights, decays, v; each read entry looks its slot up among the
 //             write slots (binary search: both lists ascending) or in the table         | sync
 //   A         each warp copies its write rows' tile (the arena row, or M0 / zeros for a new
@@ -693,7 +698,7 @@ __global__ void __launch_bounds__(kStepThreads)
 
 using ConstBf16Ptr = const __nv_bfloat16*;
 
-template <int kVec, bool kAllocInBlock>
+template <int kVec, SdmDecodeAlloc kAlloc>
 __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
     DecodeStepKernel(SdmDecodeArgs args, SdmSegments segs, int64_t heads, int64_t slots_per_head,
                      int64_t width, SdmRowArena arena, int64_t tiles) {
@@ -723,9 +728,31 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
   const bool shared_residual = !args.slot_residual;
   __nv_bfloat16* const staged_lane = staged + lane * kVec;  // this lane's columns of staged row 0
 
-  if constexpr (kAllocInBlock) {
+  if constexpr (kAlloc == SdmDecodeAlloc::kInBlock) {
     DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena.free_list,
                    arena.free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+  } else if constexpr (kAlloc == SdmDecodeAlloc::kCluster) {
+    // The cluster is this (segment, head)'s tiles, rank = tile (grid.x = segments x tiles, the
+    // cluster tiles x 1 x 1). The barrier orders rank 0's allocation (its shared memory and the
+    // table) before every rank's reads; the arrive below, waited for at the end, keeps rank 0's
+    // shared memory alive until every rank has copied it.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    const bool allocates = cluster.block_rank() == 0;
+    if (allocates) {
+      DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena.free_list,
+                     arena.free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+    }
+    cluster.sync();
+    if (!allocates) {
+      const int32_t* const rank0_wrow = cluster.map_shared_rank(&s_wrow[0], 0);
+      const int32_t* const rank0_fresh = cluster.map_shared_rank(&s_fresh[0], 0);
+      for (int i = tid; i < n_w; i += kStepThreads) {
+        s_wrow[i] = rank0_wrow[i];
+        s_fresh[i] = rank0_fresh[i];
+      }
+    }
+    cluster.barrier_arrive();
   } else {
     for (int i = tid; i < n_w; i += kStepThreads) {
       const int32_t mark = args.w_rows[rh * n_w + i];
@@ -889,6 +916,9 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
     for (int w = 0; w < kStepWarps; ++w) y += s_part[w][tid];
     args.readings[rh * width + c_tid] = y;
   }
+  if constexpr (kAlloc == SdmDecodeAlloc::kCluster) {
+    cooperative_groups::this_cluster().barrier_wait();  // rank 0 exits after every copy
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -956,30 +986,94 @@ unsigned int CappedBlocks(int64_t n, int threads) {
   return static_cast<unsigned int>(b < 4096 ? (b > 0 ? b : 1) : 4096);
 }
 
+// Whether the decode kernel may run clusters of more than kSdmPortableClusterBlocks blocks: the
+// non-portable opt-in, asked for once per kernel instantiation (Hopper grants it; where it is
+// refused, wider rows take the two-launch path).
 template <int kVec>
-cudaError_t LaunchDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs,
-                             const SdmDims& dims, const SdmRowArena& arena, int64_t tiles,
-                             cudaStream_t stream) {
-  const int64_t slots_per_head = dims.side * dims.side;
-  const size_t staged = static_cast<size_t>(args.n_w) * 32 * kVec * sizeof(__nv_bfloat16);
-  const dim3 grid(static_cast<unsigned int>(segs.num * tiles),
-                  static_cast<unsigned int>(dims.heads));
-  auto* kernel = tiles == 1 ? &DecodeStepKernel<kVec, true> : &DecodeStepKernel<kVec, false>;
-  if (tiles > 1 && args.n_w > 0) {
-    const dim3 alloc_grid(static_cast<unsigned int>(segs.num),
-                          static_cast<unsigned int>(dims.heads));
-    DecodeAllocKernel<<<alloc_grid, kStepThreads, 0, stream>>>(
-        args, segs, dims.heads, slots_per_head, arena.free_list, arena.free_count);
-    SDM_RETURN_IF_ERROR(cudaGetLastError());
-  }
+bool NonPortableClustersAllowed() {
+  static const bool allowed = [] {
+    const cudaError_t e = cudaFuncSetAttribute(&DecodeStepKernel<kVec, SdmDecodeAlloc::kCluster>,
+                                               cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) (void)cudaGetLastError();  // refused: not an error of this step
+    return e == cudaSuccess;
+  }();
+  return allowed;
+}
+
+// Whether the current device launches thread-block clusters (every device the build's sm_90a
+// code runs on does; asked once per process, on the first decode step).
+bool DeviceLaunchesClusters() {
+  static const bool launches = [] {
+    int device = 0, value = 0;
+    const bool ok = cudaGetDevice(&device) == cudaSuccess &&
+                    cudaDeviceGetAttribute(&value, cudaDevAttrClusterLaunch, device) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    return ok && value != 0;
+  }();
+  return launches;
+}
+
+template <int kVec, SdmDecodeAlloc kAlloc>
+cudaError_t LaunchDecodeKernel(const SdmDecodeArgs& args, const SdmSegments& segs,
+                               const SdmDims& dims, const SdmRowArena& arena,
+                               const SdmDecodePlan& plan, cudaStream_t stream) {
+  auto* kernel = &DecodeStepKernel<kVec, kAlloc>;
+  const size_t staged = static_cast<size_t>(plan.staged_bytes);
   // Above 48 KiB a kernel must opt in to dynamic shared memory (cheap; idempotent).
   if (staged > 48 * 1024) {
     SDM_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              static_cast<int>(staged)));
   }
-  kernel<<<grid, kStepThreads, staged, stream>>>(args, segs, dims.heads, slots_per_head,
-                                                 dims.row_width, arena, tiles);
-  return cudaGetLastError();
+  const int64_t slots_per_head = dims.side * dims.side;
+  const int64_t tiles = plan.tiles;
+  const dim3 grid(static_cast<unsigned int>(segs.num * tiles),
+                  static_cast<unsigned int>(dims.heads));
+  if constexpr (kAlloc == SdmDecodeAlloc::kCluster) {
+    cudaLaunchAttribute cluster;
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = static_cast<unsigned int>(plan.cluster_blocks);
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = grid;
+    config.blockDim = dim3(kStepThreads);
+    config.dynamicSmemBytes = staged;
+    config.stream = stream;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    return cudaLaunchKernelEx(&config, kernel, args, segs, dims.heads, slots_per_head,
+                              dims.row_width, arena, tiles);
+  } else {
+    if constexpr (kAlloc == SdmDecodeAlloc::kSeparate) {
+      if (args.n_w > 0) {
+        const dim3 alloc_grid(static_cast<unsigned int>(segs.num),
+                              static_cast<unsigned int>(dims.heads));
+        DecodeAllocKernel<<<alloc_grid, kStepThreads, 0, stream>>>(
+            args, segs, dims.heads, slots_per_head, arena.free_list, arena.free_count);
+        SDM_RETURN_IF_ERROR(cudaGetLastError());
+      }
+    }
+    kernel<<<grid, kStepThreads, staged, stream>>>(args, segs, dims.heads, slots_per_head,
+                                                   dims.row_width, arena, tiles);
+    return cudaGetLastError();
+  }
+}
+
+template <int kVec>
+cudaError_t LaunchDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs,
+                             const SdmDims& dims, const SdmRowArena& arena,
+                             const SdmDecodePlan& plan, cudaStream_t stream) {
+  switch (plan.alloc) {
+    case SdmDecodeAlloc::kInBlock:
+      return LaunchDecodeKernel<kVec, SdmDecodeAlloc::kInBlock>(args, segs, dims, arena, plan,
+                                                                stream);
+    case SdmDecodeAlloc::kCluster:
+      return LaunchDecodeKernel<kVec, SdmDecodeAlloc::kCluster>(args, segs, dims, arena, plan,
+                                                                stream);
+    case SdmDecodeAlloc::kSeparate:
+      break;
+  }
+  return LaunchDecodeKernel<kVec, SdmDecodeAlloc::kSeparate>(args, segs, dims, arena, plan, stream);
 }
 
 }  // namespace
@@ -1062,14 +1156,13 @@ cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmD
   const int64_t width = dims.row_width;
   // 16-byte tiles when the grid is wide enough to fill the GPU (decode batches); 4-byte tiles
   // (4x more blocks) for few long segments (prefill); scalar for odd widths.
-  constexpr int64_t kWideGrid = 264;  // ~2 blocks per SM on an H200 (132 SMs)
   const bool vec8_ok =
       width % 8 == 0 && Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
   const bool vec2_ok =
       width % 2 == 0 && Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
   const int64_t tiles8 = (width + 255) / 256;
   int vec = 1;
-  if (vec8_ok && (segs.num * dims.heads * tiles8 >= kWideGrid || !vec2_ok)) {
+  if (vec8_ok && (segs.num * dims.heads * tiles8 >= kSdmWideGridBlocks || !vec2_ok)) {
     vec = 8;
   } else if (vec2_ok) {
     vec = 2;
@@ -1101,35 +1194,27 @@ cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, co
   }
   if (segs.num == 0) return cudaSuccess;
   if (segs.max_length != 1) return cudaErrorInvalidValue;
-  const int64_t width = dims.row_width;
-  const bool vec8_ok =
-      width % 8 == 0 && Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
-  const bool vec2_ok =
-      width % 2 == 0 && Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
-  // One tile per row where a tile can cover it (one launch), the narrowest that does; else as
-  // SdmStep: 16-byte tiles when the grid fills the GPU, 4-byte tiles (4x the blocks) when not.
-  // The 16-byte tile stages n_w x 512 B: above 64 KiB (n_w > 128) the 4-byte tile is used.
-  constexpr int64_t kWideGrid = 264;  // as SdmStep
-  const bool vec8_fits = vec8_ok && args.n_w * 256 * 2 <= 64 * 1024;
-  int vec = 1;
-  if (width <= 32) {
-    vec = 1;
-  } else if (width <= 64 && vec2_ok) {
-    vec = 2;
-  } else if (width <= 256 && vec8_fits) {
-    vec = 8;
-  } else if (vec8_fits &&
-             (segs.num * dims.heads * ((width + 255) / 256) >= kWideGrid || !vec2_ok)) {
-    vec = 8;
-  } else if (vec2_ok) {
-    vec = 2;
+  SdmDecodeShape shape;
+  shape.width = dims.row_width;
+  shape.n_w = args.n_w;
+  shape.segments = segs.num;
+  shape.heads = dims.heads;
+  shape.rows_aligned_16 = Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
+  shape.rows_aligned_4 = Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
+  SdmDecodePlan plan = PlanSdmDecode(shape, DeviceLaunchesClusters() ? kSdmMaxClusterBlocks : 1);
+  if (plan.alloc == SdmDecodeAlloc::kCluster && plan.cluster_blocks > kSdmPortableClusterBlocks) {
+    const bool allowed = plan.vec == 8   ? NonPortableClustersAllowed<8>()
+                         : plan.vec == 2 ? NonPortableClustersAllowed<2>()
+                                         : NonPortableClustersAllowed<1>();
+    if (!allowed) plan = PlanSdmDecode(shape, kSdmPortableClusterBlocks);
   }
-  const int64_t tiles = (width + 32 * vec - 1) / (32 * vec);
-  if (segs.num * tiles > INT32_MAX) return cudaErrorInvalidValue;
-  if (tiles > 1 && args.n_w > 0 && args.w_rows == nullptr) return cudaErrorInvalidValue;
-  if (vec == 8) return LaunchDecodeStep<8>(args, segs, dims, arena, tiles, stream);
-  if (vec == 2) return LaunchDecodeStep<2>(args, segs, dims, arena, tiles, stream);
-  return LaunchDecodeStep<1>(args, segs, dims, arena, tiles, stream);
+  if (segs.num * plan.tiles > INT32_MAX) return cudaErrorInvalidValue;
+  if (plan.alloc == SdmDecodeAlloc::kSeparate && args.n_w > 0 && args.w_rows == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  if (plan.vec == 8) return LaunchDecodeStep<8>(args, segs, dims, arena, plan, stream);
+  if (plan.vec == 2) return LaunchDecodeStep<2>(args, segs, dims, arena, plan, stream);
+  return LaunchDecodeStep<1>(args, segs, dims, arena, plan, stream);
 }
 
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,

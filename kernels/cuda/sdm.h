@@ -136,8 +136,9 @@ struct SdmDecodeArgs {
   bool slot_residual = false;
   const __nv_bfloat16* m0 = nullptr;  // null: zeros
   float* readings = nullptr;          // [rows, heads * row_width] out
-  // [rows, heads, n_w] scratch for the allocation's result when it runs as its own launch (row
-  // width over one block's tile); its contents afterwards are unspecified.
+  // [rows, heads, n_w] scratch for the allocation's result when it runs as its own launch (a
+  // row of more tiles than a cluster holds: SdmDecodeAlloc::kSeparate in
+  // kernels/common/sdm_decode_plan.h); its contents afterwards are unspecified.
   int32_t* w_rows = nullptr;
 };
 
@@ -153,9 +154,13 @@ struct SdmDecodeArgs {
 //   - each block stages its column tile of the token's written rows in shared memory once; the
 //     update and every read of a slot written by the same token use that copy, other reads go to
 //     the arena or M0.
-// When one block's column tile covers the row, allocation happens in the same launch: one
-// kernel per layer. Otherwise a block per (segment, head) allocates first (two launches), since
-// a tile block cannot see another block's allocations within a launch.
+// How a row is split over blocks follows PlanSdmDecode (kernels/common/sdm_decode_plan.h): when
+// one block's column tile covers the row, that block allocates (one kernel per layer); when the
+// row takes 2-16 tiles, they run as one thread-block cluster whose rank 0 allocates and the
+// others read its result from rank 0's shared memory after a cluster barrier (one kernel; more
+// than 8 blocks need the non-portable opt-in, and where it or cluster launch is refused the next
+// case applies); otherwise a block per (segment, head) allocates first (two launches), since a
+// tile block cannot see another block's allocations within a launch.
 // Preconditions as SdmPrepareRows (the reserve, no session in two segments); slots within a
 // (row, head) distinct. INVALID_VALUE for multi-token segments' bounds (segs.max_length != 1)
 // or n_w, n_r over 256.

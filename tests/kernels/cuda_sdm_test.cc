@@ -18,6 +18,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/common/device_layout.h"
+#include "kernels/common/sdm_decode_plan.h"
 #include "kernels/cpu/norm.h"
 #include "kernels/cpu/sdm_addressing.h"
 #include "kernels/cpu/sdm_update.h"
@@ -975,6 +976,9 @@ struct DecodeCase {
   double prepopulated = 0.3;
   int64_t reserve_short = 0;  // > 0: the free list holds this many rows fewer than the reserve
   uint32_t seed = 1;
+  // Where the rows are allocated at these shapes (PlanSdmDecode): checked against the plan and
+  // against the scratch the separate allocation launch writes and the others leave alone.
+  SdmDecodeAlloc expect_alloc = SdmDecodeAlloc::kInBlock;
 };
 
 // One copy of a batch's mutable device state.
@@ -1076,7 +1080,18 @@ void RunDecodeCase(const DecodeCase& dc) {
   // B: the decode step.
   DecodeState b;
   make_state(b);
-  cuda::DeviceBuffer<int32_t> d_scratch_rows(w_slots.size());
+  // INT32_MIN is no allocation mark (-2 - row would need row 2^31 - 2).
+  constexpr int32_t kUntouched = std::numeric_limits<int32_t>::min();
+  auto d_scratch_rows = Upload(std::vector<int32_t>(w_slots.size(), kUntouched));
+  SdmDecodeShape shape;
+  shape.width = width;
+  shape.n_w = n_w;
+  shape.segments = num;
+  shape.heads = heads;
+  shape.rows_aligned_16 = shape.rows_aligned_4 = true;  // cudaMalloc'd: 256-byte aligned
+  const SdmDecodePlan plan = PlanSdmDecode(shape);
+  EXPECT_EQ(static_cast<int>(plan.alloc), static_cast<int>(dc.expect_alloc))
+      << "vec " << plan.vec << " tiles " << plan.tiles;
   cuda::SdmDecodeArgs dec;
   dec.w_slots = d_w_slots.get();
   dec.w_weights = d_w_weights.get();
@@ -1094,6 +1109,13 @@ void RunDecodeCase(const DecodeCase& dc) {
   dec.w_rows = d_scratch_rows.get();
   ASSERT_EQ(cuda::SdmDecodeStep(dec, segs_of(b), dims, arena_of(b), nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<int32_t> scratch = Download(d_scratch_rows.get(), w_slots.size());
+  const auto untouched = std::count(scratch.begin(), scratch.end(), kUntouched);
+  if (plan.alloc == SdmDecodeAlloc::kSeparate) {
+    EXPECT_EQ(untouched, 0) << "the allocation launch writes every entry's row";
+  } else {
+    EXPECT_EQ(untouched, static_cast<int64_t>(scratch.size())) << "allocated within the step";
+  }
 
   const std::vector<__nv_bfloat16> rows_a = Download(a.rows.get(), arena.size());
   const std::vector<__nv_bfloat16> rows_b = Download(b.rows.get(), arena.size());
@@ -1166,11 +1188,13 @@ TEST(CudaSdmTest, DecodeStepInOneLaunchMatchesPrepareAndStep) {
 #endif
 }
 
-// Rows wider than a tile: a separate allocation launch, then the step over several tiles.
+// Rows wider than a tile: the row's tiles run as one thread-block cluster whose rank 0
+// allocates (one launch).
 TEST(CudaSdmTest, DecodeStepOverSeveralTilesMatchesPrepareAndStep) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
   DecodeCase dc;
+  dc.expect_alloc = SdmDecodeAlloc::kCluster;
   dc.width = 33;  // odd: scalar tiles of 32 columns, two of them
   dc.seed = 34;
   RunDecodeCase(dc);
@@ -1180,20 +1204,47 @@ TEST(CudaSdmTest, DecodeStepOverSeveralTilesMatchesPrepareAndStep) {
   dc.k_w = 16;
   dc.seed = 35;
   RunDecodeCase(dc);
-  dc.batch = 3;  // a narrow grid: 4-byte tiles, 8 per row
+  dc.batch = 3;  // a narrow grid: 4-byte tiles, 8 per row (the largest portable cluster)
   dc.slot_residual = true;
   dc.seed = 36;
   RunDecodeCase(dc);
 #endif
 }
 
+// More tiles per row than a cluster holds (16): a separate allocation launch first, then the
+// step over the tiles.
+TEST(CudaSdmTest, DecodeStepOverMoreTilesThanAClusterHolds) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  DecodeCase dc;
+  dc.expect_alloc = SdmDecodeAlloc::kSeparate;
+  dc.width = 1090;  // even, not a multiple of 8: 4-byte tiles, 18 per row
+  dc.batch = 3;
+  dc.seed = 41;
+  RunDecodeCase(dc);
+  dc.width = 545;  // odd: scalar tiles, 18 per row
+  dc.slot_residual = true;
+  dc.m0 = false;
+  dc.seed = 42;
+  RunDecodeCase(dc);
+  dc.heads = 1;  // and the free list running out, as DecodeStepWhenTheFreeListRunsOut
+  dc.batch = 1;
+  dc.prepopulated = 0.1;
+  dc.reserve_short = 9;
+  dc.seed = 43;
+  RunDecodeCase(dc);
+#endif
+}
+
 // sdm_flagship's shapes (2 heads, s = 256, hd 1024, 128 rows written and read) at batch 64: the
-// 16-byte tiles with 64 KiB of staged rows (the opt-in to large shared memory); and 256 rows
-// written per head, too many to stage 16-byte tiles, on 4-byte tiles instead.
+// 16-byte tiles with 64 KiB of staged rows (the opt-in to large shared memory), clusters of 4;
+// and 256 rows written per head, too many to stage 16-byte tiles, on 4-byte tiles instead:
+// clusters of 16 (the non-portable opt-in).
 TEST(CudaSdmTest, DecodeStepAtFlagshipShapes) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
   DecodeCase dc;
+  dc.expect_alloc = SdmDecodeAlloc::kCluster;
   dc.side = 256;
   dc.width = 1024;
   dc.k_w = dc.k_r = 128;
@@ -1220,7 +1271,8 @@ TEST(CudaSdmTest, DecodeStepWhenTheFreeListRunsOut) {
   dc.reserve_short = 9;  // the reserve's slack is 5: 4 writes find no row
   dc.seed = 39;
   RunDecodeCase(dc);
-  dc.width = 300;  // and with the allocation in its own launch
+  dc.width = 300;  // and with the allocation by rank 0 of a cluster of 5
+  dc.expect_alloc = SdmDecodeAlloc::kCluster;
   dc.seed = 40;
   RunDecodeCase(dc);
 #endif
@@ -1231,7 +1283,8 @@ TEST(CudaSdmTest, DecodeStepFreshSeeds) {
 #if defined(SDM_HAVE_CUDA)
   const uint32_t seed = FreshSeed();
   DecodeCase dc;
-  dc.width = seed % 2 == 0 ? 96 : 320;
+  dc.width = seed % 2 == 0 ? 96 : 320;  // one tile, or a cluster of 5 four-byte tiles
+  dc.expect_alloc = seed % 2 == 0 ? SdmDecodeAlloc::kInBlock : SdmDecodeAlloc::kCluster;
   dc.batch = 1 + seed % 9;
   dc.m0 = seed % 3 != 0;
   dc.key_weighted_decay = seed % 5 < 2;

@@ -675,6 +675,31 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
   *ms = 1;
   return cudaSuccess;
 }
+namespace emu {
+void RefuseClusterLaunch(dim3 c) {
+  HostFail("a launch with a thread-block cluster (" + std::to_string(c.x) + "," +
+           std::to_string(c.y) + "," + std::to_string(c.z) +
+           "): the engine dialect runs none; run the kernel under the kernels dialect");
+}
+[[noreturn]] static void NoClusters() {
+  Fail("a cluster_group call in the engine dialect, which runs no thread-block clusters");
+  std::abort();
+}
+void ClusterArrive() { NoClusters(); }
+void ClusterWait() { NoClusters(); }
+unsigned ClusterBlockRank() { NoClusters(); }
+dim3 ClusterDim() { NoClusters(); }
+dim3 ClusterBlockIndex() { NoClusters(); }
+void* MapSharedRank(const void*, unsigned) { NoClusters(); }
+unsigned QuerySharedRank(const void*) { NoClusters(); }
+}  // namespace emu
+
+// No cluster launches here (see RefuseClusterLaunch): the backend plans without them.
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int) {
+  *value = 0;
+  return attribute == cudaDevAttrClusterLaunch ? cudaSuccess : cudaErrorInvalidValue;
+}
+
 cudaError_t EmuFuncSetAttribute(const void*, cudaFuncAttribute, int value) {
   return value <= 227 * 1024 ? cudaSuccess : cudaErrorInvalidValue;
 }

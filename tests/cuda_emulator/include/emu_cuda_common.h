@@ -33,6 +33,7 @@ enum cudaError_t {
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorStreamCaptureInvalidated = 901,
+  cudaErrorInvalidClusterSize = 912,
 };
 enum cudaMemcpyKind {
   cudaMemcpyHostToHost = 0,
@@ -41,7 +42,10 @@ enum cudaMemcpyKind {
   cudaMemcpyDeviceToDevice = 3,
   cudaMemcpyDefault = 4
 };
-enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+enum cudaFuncAttribute {
+  cudaFuncAttributeMaxDynamicSharedMemorySize = 8,
+  cudaFuncAttributeNonPortableClusterSizeAllowed = 14,
+};
 struct EmuStream;
 struct EmuEvent;
 typedef EmuStream* cudaStream_t;
@@ -88,6 +92,58 @@ struct alignas(16) float4 {
 struct alignas(8) float2 {
   float x, y;
 };
+enum cudaDeviceAttr { cudaDevAttrClusterLaunch = 120 };
+// Each dialect defines these: the kernels dialect's device launches clusters, the engine
+// dialect's does not (it runs none).
+cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device);
+
+// cudaLaunchKernelEx's configuration (each dialect's cuda_runtime.h defines the launch): only
+// the cluster dimension attribute is modelled.
+enum cudaLaunchAttributeID { cudaLaunchAttributeClusterDimension = 4 };
+union cudaLaunchAttributeValue {
+  char pad[64];
+  struct {
+    unsigned x, y, z;
+  } clusterDim;
+};
+struct cudaLaunchAttribute {
+  cudaLaunchAttributeID id;
+  char pad[8 - sizeof(cudaLaunchAttributeID)];
+  cudaLaunchAttributeValue val;
+};
+struct cudaLaunchConfig_t {
+  dim3 gridDim;
+  dim3 blockDim;
+  size_t dynamicSmemBytes;
+  cudaStream_t stream;
+  cudaLaunchAttribute* attrs;
+  unsigned numAttrs;
+};
+// The cluster dimension a launch configuration asks for (1 x 1 x 1 without the attribute).
+inline dim3 EmuClusterDim(const cudaLaunchConfig_t& config) {
+  dim3 cluster(1, 1, 1);
+  for (unsigned i = 0; i < config.numAttrs; ++i) {
+    if (config.attrs[i].id == cudaLaunchAttributeClusterDimension) {
+      cluster = dim3(config.attrs[i].val.clusterDim.x, config.attrs[i].val.clusterDim.y,
+                     config.attrs[i].val.clusterDim.z);
+    }
+  }
+  return cluster;
+}
+
+// Thread-block clusters (cooperative_groups.h's cluster_group): the kernels dialect runs a
+// cluster's blocks together; the engine dialect runs no clusters and fails if asked to.
+namespace emu {
+void ClusterArrive();
+void ClusterWait();
+unsigned ClusterBlockRank();
+dim3 ClusterDim();
+dim3 ClusterBlockIndex();
+void* MapSharedRank(const void* addr, unsigned rank);
+unsigned QuerySharedRank(const void* addr);
+}  // namespace emu
+
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 inline int4 make_int4(int a, int b, int c, int d) { return {a, b, c, d}; }

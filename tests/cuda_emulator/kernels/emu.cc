@@ -1,6 +1,7 @@
 // Cooperative-fiber emulation of CUDA blocks: every CUDA thread is a fiber; __syncthreads and
 // warp shuffles are barriers; divergent shuffles or barrier deadlocks abort.
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,7 +13,7 @@
 #include "emu_fiber_switch.h"
 
 namespace emu {
-enum State { kRunnable, kWaitBlock, kWaitWarp, kDone };
+enum State { kRunnable, kWaitBlock, kWaitWarp, kWaitCluster, kDone };
 constexpr size_t kStack = 256 * 1024;
 struct Thread {
   void* sp = nullptr;
@@ -20,17 +21,44 @@ struct Thread {
   State state = kDone;
   uint3 tid{};
   int lane = 0;
-  int warp = 0;
+  int warp = 0;  // within its block
+  int rank = 0;  // its block's rank in the cluster
   unsigned wmask = 0;
   int wkind = 0;
+  // Cluster barrier: arrivals so far, whether one awaits its wait, and the arrival count a
+  // waiting thread needs every non-exited thread of the cluster to have reached.
+  uint64_t arrivals = 0;
+  bool arrived = false;
+  uint64_t wait_for = 0;
+};
+// Static __shared__ variables of one block: allocated on first use (filled with garbage).
+struct SharedVar {
+  const void* tag;
+  void* p;
+  size_t bytes;
+  size_t align;
+};
+// One block of the running cluster: its index, shared memory, and whether all its threads
+// exited (then its shared memory is freed, so that a later distributed access is a
+// use-after-free ASan reports, and MapSharedRank refuses it).
+struct Block {
+  dim3 idx;
+  char* smem = nullptr;
+  std::vector<SharedVar> statics;
+  size_t static_bytes = 0;
+  bool exited = false;
 };
 dim3 g_block_idx, g_block_dim, g_grid_dim;
 static Thread* g_cur = nullptr;
 static void* g_sched_sp = nullptr;
+// The running cluster's threads: rank r's thread i at r * g_block_slots + i (i < g_block_threads;
+// slots are padded to whole warps so that no warp spans two blocks).
 static std::vector<Thread> g_threads;
+static std::vector<Block> g_blocks;  // by rank
+static int g_block_threads = 0, g_block_slots = 0;
+static dim3 g_cluster_dim(1, 1, 1);
 static void (*g_fn)(void*) = nullptr;
 static void* g_ctx = nullptr;
-static char* g_smem = nullptr;
 static size_t g_dyn_smem = 0;
 static std::vector<uint64_t> g_warp_vals;
 static const void* g_main_bottom = nullptr;
@@ -73,7 +101,7 @@ static void Order(std::vector<int>& v) {
 
 uint3 CurThreadIdx() { return g_cur->tid; }
 int LaneId() { return g_cur->lane; }
-void* SharedMem() { return g_smem; }
+void* SharedMem() { return g_blocks[g_cur->rank].smem; }
 
 void Fail(const char* what) {
   std::fprintf(stderr, "EMU FAILURE: %s in kernel %s at block (%u,%u,%u)", what, g_kernel_name,
@@ -83,27 +111,32 @@ void Fail(const char* what) {
   std::abort();
 }
 
-// Static __shared__ variables: allocated per block on first use (filled with garbage), freed at
-// the block's end. Sizes are checked against the hardware limits.
-struct SharedVar {
-  const void* tag;
-  void* p;
-};
-static std::vector<SharedVar> g_static;
-static size_t g_static_bytes = 0;
-void* StaticShared(const void* tag, size_t bytes, size_t align) {
-  for (const SharedVar& v : g_static) {
+// Static __shared__ variable `tag` of block b, allocated on its first use. Sizes are checked
+// against the hardware limits.
+static void* BlockStatic(Block& b, const void* tag, size_t bytes, size_t align) {
+  for (const SharedVar& v : b.statics) {
     if (v.tag == tag) return v.p;
   }
   void* p = nullptr;
   if (posix_memalign(&p, align < 16 ? 16 : align, bytes == 0 ? 1 : bytes) != 0)
     Fail("out of memory");
   std::memset(p, g_fill, bytes);
-  g_static.push_back({tag, p});
-  g_static_bytes += bytes;
-  if (g_static_bytes > 48 * 1024) Fail("static shared memory over 48 KiB");
-  if (g_static_bytes + g_dyn_smem > 227 * 1024) Fail("shared memory over 227 KiB");
+  b.statics.push_back({tag, p, bytes, align});
+  b.static_bytes += bytes;
+  if (b.static_bytes > 48 * 1024) Fail("static shared memory over 48 KiB");
+  if (b.static_bytes + g_dyn_smem > 227 * 1024) Fail("shared memory over 227 KiB");
   return p;
+}
+void* StaticShared(const void* tag, size_t bytes, size_t align) {
+  return BlockStatic(g_blocks[g_cur->rank], tag, bytes, align);
+}
+
+static void FreeBlockShared(Block& b) {
+  std::free(b.smem);
+  b.smem = nullptr;
+  for (SharedVar& v : b.statics) std::free(v.p);
+  b.statics.clear();
+  b.static_bytes = 0;
 }
 
 static void Yield() {
@@ -121,7 +154,7 @@ void SyncThreads() {
 void WarpCollective(unsigned mask, int kind, uint64_t mine, uint64_t* all) {
   Thread* me = g_cur;
   if (((mask >> me->lane) & 1u) == 0) Fail("warp collective whose mask excludes the calling lane");
-  const int base = me->warp * 32;
+  const int base = me->rank * g_block_slots + me->warp * 32;
   g_warp_vals[base + me->lane] = mine;
   me->wmask = mask;
   me->wkind = kind;
@@ -134,6 +167,73 @@ void WarpCollective(unsigned mask, int kind, uint64_t mine, uint64_t* all) {
   Yield();
 }
 
+// ---- Clusters ----
+void ClusterArrive() {
+  if (g_cur->arrived) Fail("cluster barrier_arrive twice without a barrier_wait between");
+  g_cur->arrived = true;
+  ++g_cur->arrivals;
+}
+void ClusterWait() {
+  if (!g_cur->arrived) Fail("cluster barrier_wait without a barrier_arrive before it");
+  g_cur->arrived = false;
+  g_cur->wait_for = g_cur->arrivals;
+  g_cur->state = kWaitCluster;
+  Yield();
+}
+static unsigned RankOf(dim3 idx) {
+  return idx.x % g_cluster_dim.x + (idx.y % g_cluster_dim.y) * g_cluster_dim.x +
+         (idx.z % g_cluster_dim.z) * g_cluster_dim.x * g_cluster_dim.y;
+}
+unsigned ClusterBlockRank() { return static_cast<unsigned>(g_cur->rank); }
+dim3 ClusterDim() { return g_cluster_dim; }
+dim3 ClusterBlockIndex() {
+  return dim3(g_block_idx.x % g_cluster_dim.x, g_block_idx.y % g_cluster_dim.y,
+              g_block_idx.z % g_cluster_dim.z);
+}
+// Where `addr` lies in the calling block's shared memory: the dynamic area (tag null) or a
+// static variable, and the offset into it.
+struct SharedPlace {
+  const SharedVar* var = nullptr;
+  size_t offset = 0;
+};
+static SharedPlace LocateShared(const void* addr) {
+  const Block& b = g_blocks[g_cur->rank];
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  const uintptr_t dyn = reinterpret_cast<uintptr_t>(b.smem);
+  if (b.smem != nullptr && a >= dyn && a < dyn + (g_dyn_smem == 0 ? 1 : g_dyn_smem)) {
+    return {nullptr, a - dyn};
+  }
+  for (const SharedVar& v : b.statics) {
+    const uintptr_t p = reinterpret_cast<uintptr_t>(v.p);
+    if (a >= p && a < p + (v.bytes == 0 ? 1 : v.bytes)) return {&v, a - p};
+  }
+  Fail("distributed shared memory: the address is not in the calling block's shared memory");
+}
+void* MapSharedRank(const void* addr, unsigned rank) {
+  if (rank >= g_blocks.size()) Fail("map_shared_rank: rank beyond the cluster");
+  const SharedPlace place = LocateShared(addr);
+  Block& target = g_blocks[rank];
+  if (target.exited) Fail("map_shared_rank into a block that has exited");
+  if (place.var == nullptr) return target.smem + place.offset;
+  const SharedVar v = *place.var;  // BlockStatic may grow the vector place.var points into
+  return static_cast<char*>(BlockStatic(target, v.tag, v.bytes, v.align)) + place.offset;
+}
+unsigned QuerySharedRank(const void* addr) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  for (size_t r = 0; r < g_blocks.size(); ++r) {
+    const Block& b = g_blocks[r];
+    const uintptr_t dyn = reinterpret_cast<uintptr_t>(b.smem);
+    if (b.smem != nullptr && a >= dyn && a < dyn + (g_dyn_smem == 0 ? 1 : g_dyn_smem)) {
+      return static_cast<unsigned>(r);
+    }
+    for (const SharedVar& v : b.statics) {
+      const uintptr_t p = reinterpret_cast<uintptr_t>(v.p);
+      if (a >= p && a < p + (v.bytes == 0 ? 1 : v.bytes)) return static_cast<unsigned>(r);
+    }
+  }
+  Fail("query_shared_rank of an address in no block's shared memory");
+}
+
 static void Entry() {
   __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
   g_fn(g_ctx);
@@ -143,23 +243,26 @@ static void Entry() {
   std::abort();
 }
 
-// Releases every group of warp w whose lanes all wait at the same collective; fails on a group
-// that can never complete (a lane of the mask exited, waits at __syncthreads, or at another
-// collective). Called only when no lane of w is runnable.
-static bool ReleaseWarp(int w, int n) {
+// Releases every group of warp (rank, w) whose lanes all wait at the same collective; fails on a
+// group that can never complete (a lane of the mask exited, waits at a barrier, or at another
+// collective). Called only when no lane of the warp is runnable.
+static bool ReleaseWarp(int rank, int w) {
+  const int n = g_block_threads;
+  Thread* const lanes = &g_threads[rank * g_block_slots + w * 32];
   bool released = false, waiting = false;
   unsigned handled = 0;
   for (int l = 0; l < 32 && w * 32 + l < n; ++l) {
-    const Thread& t = g_threads[w * 32 + l];
+    const Thread& t = lanes[l];
     if (t.state != kWaitWarp || ((handled >> l) & 1u)) continue;
     const unsigned m = t.wmask;
     bool complete = true;
     for (int i = 0; i < 32; ++i) {
       if (((m >> i) & 1u) == 0) continue;
       if (w * 32 + i >= n) Fail("warp collective mask names a lane beyond the block");
-      const Thread& o = g_threads[w * 32 + i];
+      const Thread& o = lanes[i];
       if (o.state == kDone) Fail("warp collective waits for an exited lane");
       if (o.state == kWaitBlock) Fail("warp collective waits for a lane parked at __syncthreads");
+      if (o.state == kWaitCluster) Fail("warp collective waits for a lane at a cluster barrier");
       // A lane released by an earlier group of this pass has not arrived yet; a lane waiting at
       // another collective may be released later in the pass. Either way: not yet.
       if (o.state != kWaitWarp || o.wmask != m || o.wkind != t.wkind) complete = false;
@@ -169,7 +272,7 @@ static bool ReleaseWarp(int w, int n) {
       continue;
     }
     for (int i = 0; i < 32; ++i) {
-      if ((m >> i) & 1u) g_threads[w * 32 + i].state = kRunnable;
+      if ((m >> i) & 1u) lanes[i].state = kRunnable;
     }
     handled |= m;
     released = true;
@@ -180,46 +283,82 @@ static bool ReleaseWarp(int w, int n) {
   return released;
 }
 
-static void RunBlock() {
-  const int n = g_block_dim.x * g_block_dim.y * g_block_dim.z;
-  if (static_cast<int>(g_threads.size()) < n) g_threads.resize(n);
-  g_warp_vals.assign(((n + 31) / 32) * 32, 0);
-  const size_t smem = g_dyn_smem;
-  void* sm = nullptr;
-  if (posix_memalign(&sm, 16, smem == 0 ? 1 : smem) != 0) Fail("out of memory");
-  g_smem = static_cast<char*>(sm);
-  std::memset(g_smem, g_fill, smem == 0 ? 1 : smem);
-  for (int i = 0; i < n; ++i) {
-    Thread& t = g_threads[i];
-    if (t.stack == nullptr) t.stack = static_cast<char*>(std::malloc(kStack));
-    uint64_t* sp =
-        reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(t.stack + kStack) & ~uintptr_t{15});
-    *--sp = 0;
-    *--sp = reinterpret_cast<uint64_t>(&Entry);
-    for (int r = 0; r < 6; ++r) *--sp = 0;
-    t.sp = sp;
-    t.state = kRunnable;
-    t.tid = {static_cast<unsigned>(i % g_block_dim.x),
-             static_cast<unsigned>((i / g_block_dim.x) % g_block_dim.y),
-             static_cast<unsigned>(i / (g_block_dim.x * g_block_dim.y))};
-    t.lane = i % 32;
-    t.warp = i / 32;
-  }
-  // Warp at a time: a warp runs (through its warp collectives) until every lane waits at
-  // __syncthreads or exited, then the next warp (in EMU_ORDER) runs. Warps thus overtake each
-  // other as far as the barriers allow, which exposes a missing __syncthreads in one order or the
-  // other; lanes within a warp run in EMU_ORDER too.
+// Runs one cluster (g_blocks, already indexed) to completion.
+static void RunCluster() {
+  const int n = g_block_threads;
   const int warps = (n + 31) / 32;
-  std::vector<int> warp_order(warps), lane_order(32);
+  const int ranks = static_cast<int>(g_blocks.size());
+  g_block_slots = warps * 32;
+  const size_t total = static_cast<size_t>(ranks) * g_block_slots;
+  if (g_threads.size() < total) g_threads.resize(total);
+  g_warp_vals.assign(total, 0);
+  const size_t smem = g_dyn_smem;
+  for (Block& b : g_blocks) {
+    void* sm = nullptr;
+    if (posix_memalign(&sm, 16, smem == 0 ? 1 : smem) != 0) Fail("out of memory");
+    b.smem = static_cast<char*>(sm);
+    std::memset(b.smem, g_fill, smem == 0 ? 1 : smem);
+  }
+  for (int r = 0; r < ranks; ++r) {
+    for (int i = 0; i < g_block_slots; ++i) {
+      Thread& t = g_threads[r * g_block_slots + i];
+      t.state = kDone;
+      if (i >= n) continue;  // padding of the last warp
+      if (t.stack == nullptr) t.stack = static_cast<char*>(std::malloc(kStack));
+      uint64_t* sp = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(t.stack + kStack) &
+                                                 ~uintptr_t{15});
+      *--sp = 0;
+      *--sp = reinterpret_cast<uint64_t>(&Entry);
+      for (int reg = 0; reg < 6; ++reg) *--sp = 0;
+      t.sp = sp;
+      t.state = kRunnable;
+      t.tid = {static_cast<unsigned>(i % g_block_dim.x),
+               static_cast<unsigned>((i / g_block_dim.x) % g_block_dim.y),
+               static_cast<unsigned>(i / (g_block_dim.x * g_block_dim.y))};
+      t.lane = i % 32;
+      t.warp = i / 32;
+      t.rank = r;
+      t.arrivals = 0;
+      t.arrived = false;
+      t.wait_for = 0;
+    }
+  }
+  auto thread_of = [&](int r, int i) -> Thread& { return g_threads[r * g_block_slots + i]; };
+  // Warp at a time: a warp runs (through its warp collectives) until every lane waits at a
+  // barrier or exited, then the next warp (in EMU_ORDER) runs. Warps thus overtake each other as
+  // far as the barriers allow, which exposes a missing __syncthreads in one order or the other;
+  // lanes within a warp run in EMU_ORDER too. Then the barriers every thread they wait for has
+  // reached are released. The blocks of a cluster: with fwd (rev) one block at a time, the
+  // lowest (highest) rank that can run goes as far as it can before any other runs, so a block
+  // exits as early as the barriers let it (a read of its shared memory that a missing cluster
+  // barrier left late then fails in MapSharedRank); with rand the warps of all of them
+  // interleave.
+  std::vector<int> warp_order(ranks * warps), lane_order(32);
+  auto runnable_in = [&](int r) {
+    for (int i = 0; i < n; ++i) {
+      if (thread_of(r, i).state == kRunnable) return true;
+    }
+    return false;
+  };
   for (;;) {
     Order(warp_order);
-    for (int w : warp_order) {
+    int only_rank = -1;
+    if (ranks > 1 && g_order != 2) {
+      for (int k = 0; k < ranks && only_rank < 0; ++k) {
+        const int r = g_order == 1 ? ranks - 1 - k : k;
+        if (runnable_in(r)) only_rank = r;
+      }
+    }
+    for (int rw : warp_order) {
+      const int r = rw / warps, w = rw % warps;
+      if (only_rank >= 0 && r != only_rank) continue;
+      g_block_idx = g_blocks[r].idx;
       for (;;) {
         Order(lane_order);
         for (int l : lane_order) {
           const int i = w * 32 + l;
           if (i >= n) continue;
-          Thread& t = g_threads[i];
+          Thread& t = thread_of(r, i);
           if (t.state != kRunnable) continue;
           g_cur = &t;
           void* fake = nullptr;
@@ -228,48 +367,101 @@ static void RunBlock() {
           __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
         }
         g_cur = nullptr;
-        if (!ReleaseWarp(w, n)) break;
+        if (!ReleaseWarp(r, w)) break;
       }
     }
-    int done = 0, wait_block = 0;
-    for (int i = 0; i < n; ++i) {
-      done += g_threads[i].state == kDone;
-      wait_block += g_threads[i].state == kWaitBlock;
+    // Every thread of the blocks that ran now waits at __syncthreads or a cluster barrier, or
+    // exited; the other blocks' may still be runnable.
+    int cluster_done = 0;
+    uint64_t least_arrivals = UINT64_MAX;  // over the cluster's non-exited threads
+    for (int r = 0; r < ranks; ++r) {
+      int done = 0;
+      for (int i = 0; i < n; ++i) {
+        const Thread& t = thread_of(r, i);
+        if (t.state == kDone) {
+          ++done;
+        } else {
+          least_arrivals = std::min(least_arrivals, t.arrivals);
+        }
+      }
+      cluster_done += done;
+      if (done == n && !g_blocks[r].exited) {
+        g_blocks[r].exited = true;
+        FreeBlockShared(g_blocks[r]);
+      }
     }
-    if (done == n) break;
-    if (done > 0 && wait_block > 0) Fail("__syncthreads after some threads exited");
-    if (wait_block + done != n) Fail("deadlock");
-    for (int i = 0; i < n; ++i) {
-      if (g_threads[i].state == kWaitBlock) g_threads[i].state = kRunnable;
+    if (cluster_done == ranks * n) break;
+    bool released = false;
+    for (int r = 0; r < ranks; ++r) {
+      g_block_idx = g_blocks[r].idx;
+      int done = 0, wait_block = 0;
+      for (int i = 0; i < n; ++i) {
+        done += thread_of(r, i).state == kDone;
+        wait_block += thread_of(r, i).state == kWaitBlock;
+      }
+      if (wait_block == 0 || wait_block + done != n) continue;
+      if (done > 0) Fail("__syncthreads after some threads exited");
+      for (int i = 0; i < n; ++i) thread_of(r, i).state = kRunnable;
+      released = true;
+    }
+    // A cluster barrier's wait returns once every non-exited thread of the cluster has arrived
+    // as often as the waiter had.
+    for (int r = 0; r < ranks; ++r) {
+      for (int i = 0; i < n; ++i) {
+        Thread& t = thread_of(r, i);
+        if (t.state == kWaitCluster && t.wait_for <= least_arrivals) {
+          t.state = kRunnable;
+          released = true;
+        }
+      }
+    }
+    bool runnable = released;
+    for (int r = 0; r < ranks && !runnable; ++r) runnable = runnable_in(r);
+    if (!runnable) {
+      g_block_idx = g_blocks[0].idx;
+      Fail("deadlock (threads wait at __syncthreads or a cluster barrier others never reach)");
     }
   }
-  std::free(g_smem);
-  g_smem = nullptr;
-  for (SharedVar& v : g_static) std::free(v.p);
-  g_static.clear();
-  g_static_bytes = 0;
+  for (Block& b : g_blocks) FreeBlockShared(b);
 }
 
 static size_t g_max_dyn_smem = 48 * 1024;
 void SetMaxDynamicSmem(size_t bytes) { g_max_dyn_smem = std::max(g_max_dyn_smem, bytes); }
+static bool g_non_portable_clusters = false;
+void AllowNonPortableClusters() { g_non_portable_clusters = true; }
 
 static uint64_t g_launches = 0;
-void RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem) {
+cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid, dim3 block,
+                    size_t smem, dim3 cluster) {
   InitConfig();
   ++g_launches;
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   const size_t allowed = g_max_dyn_smem;
   g_kernel_name = kernel;
+  auto refuse = [&](cudaError_t e, const char* why) {
+    if (std::getenv("EMU_QUIET") == nullptr) {
+      std::fprintf(stderr,
+                   "EMU: invalid launch configuration (%s) grid (%u,%u,%u) block (%u,%u,%u) "
+                   "cluster (%u,%u,%u) smem %zu\n",
+                   why, grid.x, grid.y, grid.z, block.x, block.y, block.z, cluster.x, cluster.y,
+                   cluster.z, smem);
+    }
+    g_last_error = e;
+    return e;
+  };
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || block.z > 64 ||
       grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535 || smem > allowed ||
       smem > 227 * 1024) {
-    if (std::getenv("EMU_QUIET") == nullptr) {
-      std::fprintf(stderr,
-                   "EMU: invalid launch configuration grid (%u,%u,%u) block (%u,%u,%u) smem %zu\n",
-                   grid.x, grid.y, grid.z, block.x, block.y, block.z, smem);
-    }
-    g_last_error = cudaErrorInvalidConfiguration;
-    return;
+    return refuse(cudaErrorInvalidConfiguration, "grid, block or shared memory");
+  }
+  const uint64_t cluster_blocks = uint64_t{cluster.x} * cluster.y * cluster.z;
+  if (cluster_blocks == 0 || grid.x % cluster.x != 0 || grid.y % cluster.y != 0 ||
+      grid.z % cluster.z != 0) {
+    return refuse(cudaErrorInvalidClusterSize, "the cluster does not tile the grid");
+  }
+  if (cluster_blocks > (g_non_portable_clusters ? 16u : 8u)) {
+    return refuse(cudaErrorInvalidClusterSize,
+                  "more blocks per cluster than allowed (8, or 16 after the non-portable opt-in)");
   }
   if (threads % 32 != 0 && std::getenv("EMU_QUIET") == nullptr) {
     std::fprintf(stderr, "EMU note: block of %llu threads (not a multiple of 32)\n",
@@ -280,23 +472,40 @@ void RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid, dim3 b
   g_grid_dim = grid;
   g_block_dim = block;
   g_dyn_smem = smem;
-  const uint64_t blocks = uint64_t{grid.x} * grid.y * grid.z;
+  g_cluster_dim = cluster;
+  g_block_threads = static_cast<int>(threads);
+  const dim3 clusters(grid.x / cluster.x, grid.y / cluster.y, grid.z / cluster.z);
+  const uint64_t n_clusters = uint64_t{clusters.x} * clusters.y * clusters.z;
   std::vector<uint64_t> order;
   if (g_order != 0) {
-    order.resize(blocks);
-    for (uint64_t i = 0; i < blocks; ++i) order[i] = i;
+    order.resize(n_clusters);
+    for (uint64_t i = 0; i < n_clusters; ++i) order[i] = i;
     if (g_order == 1) std::reverse(order.begin(), order.end());
     if (g_order == 2) {
-      for (uint64_t i = blocks; i > 1; --i) std::swap(order[i - 1], order[Rand() % i]);
+      for (uint64_t i = n_clusters; i > 1; --i) std::swap(order[i - 1], order[Rand() % i]);
     }
   }
-  for (uint64_t b = 0; b < blocks; ++b) {
-    const uint64_t id = g_order != 0 ? order[b] : b;
-    g_block_idx =
-        dim3(static_cast<unsigned>(id % grid.x), static_cast<unsigned>((id / grid.x) % grid.y),
-             static_cast<unsigned>(id / (uint64_t{grid.x} * grid.y)));
-    RunBlock();
+  g_blocks.assign(cluster_blocks, Block{});
+  for (uint64_t c = 0; c < n_clusters; ++c) {
+    const uint64_t id = g_order != 0 ? order[c] : c;
+    const dim3 first(static_cast<unsigned>(id % clusters.x) * cluster.x,
+                     static_cast<unsigned>((id / clusters.x) % clusters.y) * cluster.y,
+                     static_cast<unsigned>(id / (uint64_t{clusters.x} * clusters.y)) * cluster.z);
+    for (unsigned z = 0; z < cluster.z; ++z) {
+      for (unsigned y = 0; y < cluster.y; ++y) {
+        for (unsigned x = 0; x < cluster.x; ++x) {
+          const dim3 idx(first.x + x, first.y + y, first.z + z);
+          Block& b = g_blocks[RankOf(idx)];
+          b = Block{};
+          b.idx = idx;
+        }
+      }
+    }
+    RunCluster();
   }
+  g_blocks.clear();
+  g_cluster_dim = dim3(1, 1, 1);
+  return cudaSuccess;
 }
 }  // namespace emu
 
@@ -404,6 +613,15 @@ cudaError_t cudaGetLastError() {
 }
 cudaError_t cudaPeekAtLastError() { return emu::g_last_error; }
 cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (device != 0 || attribute != cudaDevAttrClusterLaunch) return cudaErrorInvalidValue;
+  *value = 1;  // a Hopper: clusters of up to 8 blocks, 16 after the non-portable opt-in
+  return cudaSuccess;
+}
 const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
     case cudaSuccess:

@@ -1,4 +1,5 @@
 // Self-test of the emulator's warp intrinsics and atomics against CUDA's documented semantics.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -34,6 +35,81 @@ __global__ void K(int* out, unsigned long long* out64, float* outf) {
   o[13] = counter;
   o[14] = warp;
 }
+// Clusters: each block fills a static and its dynamic shared memory, then (after a cluster
+// barrier) reads both from the next rank's block through map_shared_rank; a split
+// arrive/wait keeps every block alive until the last read.
+__global__ void ClusterKernel(int* out) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  __shared__ int s_static[64];
+  extern __shared__ int s_dynamic[];
+  const unsigned rank = cluster.block_rank();
+  s_static[threadIdx.x] = 1000 * static_cast<int>(blockIdx.x) + static_cast<int>(threadIdx.x);
+  s_dynamic[threadIdx.x] = -s_static[threadIdx.x];
+  cluster.sync();
+  const unsigned next = (rank + 1) % cluster.num_blocks();
+  const int a = *cluster.map_shared_rank(&s_static[threadIdx.x], next);
+  const int b = *cluster.map_shared_rank(&s_dynamic[threadIdx.x], next);
+  cluster.barrier_arrive();
+  int* o = out + (blockIdx.x * 64 + threadIdx.x) * 6;
+  o[0] = a;
+  o[1] = b;
+  o[2] = static_cast<int>(rank);
+  o[3] = static_cast<int>(cluster.num_blocks());
+  o[4] = static_cast<int>(cluster.query_shared_rank(cluster.map_shared_rank(s_static, next)));
+  o[5] = static_cast<int>(cluster.block_index().x);
+  cluster.barrier_wait();
+}
+cudaError_t LaunchClusters(int* out, unsigned blocks, unsigned cluster_blocks) {
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = cluster_blocks;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(blocks);
+  config.blockDim = dim3(64);
+  config.dynamicSmemBytes = 64 * sizeof(int);
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, ClusterKernel, out);
+}
+// Returns the number of failed checks.
+int ClusterSelftest() {
+  int bad = 0;
+  auto check = [&](bool ok, const char* what, int t) {
+    if (!ok) {
+      ++bad;
+      std::printf("BAD %s thread %d\n", what, t);
+    }
+  };
+  int* out;
+  cudaMalloc(&out, 32 * 64 * 6 * 4);
+  check(LaunchClusters(out, 8, 4) == cudaSuccess, "cluster launch", -1);
+  int h[8 * 64 * 6];
+  cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost);
+  for (int t = 0; t < 8 * 64; ++t) {
+    const int block = t / 64, tid = t % 64, rank = block % 4;
+    const int next_block = block - rank + (rank + 1) % 4;
+    const int* o = h + t * 6;
+    check(o[0] == 1000 * next_block + tid, "map_shared_rank static", t);
+    check(o[1] == -(1000 * next_block + tid), "map_shared_rank dynamic", t);
+    check(o[2] == rank, "block_rank", t);
+    check(o[3] == 4, "num_blocks", t);
+    check(o[4] == (rank + 1) % 4, "query_shared_rank", t);
+    check(o[5] == rank, "block_index", t);
+  }
+  (void)cudaGetLastError();
+  check(LaunchClusters(out, 6, 4) == cudaErrorInvalidClusterSize, "cluster not tiling the grid",
+        -1);
+  check(LaunchClusters(out, 32, 16) == cudaErrorInvalidClusterSize, "16 blocks without opt-in", -1);
+  (void)cudaGetLastError();
+  cudaFuncSetAttribute(ClusterKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  check(LaunchClusters(out, 32, 16) == cudaSuccess, "16 blocks with the opt-in", -1);
+  check(LaunchClusters(out, 32, 32) == cudaErrorInvalidClusterSize, "32 blocks", -1);
+  return bad;
+}
+
 int main() {
   int* out;
   unsigned long long* o64;
@@ -79,6 +155,7 @@ int main() {
     check(o[11] == 1 && o[12] == 0, "any/all", t);
     check(o[13] == 64, "shared atomic", t);
   }
+  bad += ClusterSelftest();
   std::printf("%s (%d bad)\n", bad ? "SELFTEST FAILED" : "selftest ok", bad);
   return bad != 0;
 }

@@ -2,6 +2,8 @@
 // (testing only). Every CUDA thread is a fiber (emu.cc); warp intrinsics are warp barriers.
 #pragma once
 #include <functional>
+#include <tuple>
+#include <utility>
 
 #include "emu_cuda_common.h"
 
@@ -50,12 +52,17 @@ void Enqueue(cudaStream_t s, std::function<void()> op);
 // transform.py captures the kernel's arguments by value: a captured launch replays them as they
 // were at capture, like CUDA's kernel nodes.
 template <class F>
-void Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr) {
-  if (!LaunchAccepted(grid, block, smem, s)) return;
+bool Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr) {
+  if (!LaunchAccepted(grid, block, smem, s)) return false;
   Enqueue(s, [f, grid, block, smem]() mutable {
     RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem);
   });
+  return true;
 }
+// This dialect runs no thread-block clusters (its static __shared__ variables are shared by
+// every block): a launch asking for one aborts with EMU HOST FAILURE. The kernels dialect
+// (tests/cuda_emulator/kernels/) runs them.
+void RefuseClusterLaunch(dim3 cluster);
 // Device-memory bookkeeping for the host-side checks.
 bool IsDevicePtr(const void* p, size_t n);
 // Static __shared__ arrays (transform.py): refilled with garbage before every block.
@@ -63,9 +70,10 @@ bool RegisterShared(void* p, size_t n);
 }  // namespace emu
 
 #define threadIdx (::emu::CurThreadIdx())
-#define blockIdx (::emu::g_block_idx)
-#define blockDim (::emu::g_block_dim)
-#define gridDim (::emu::g_grid_dim)
+// References rather than macros, so that cudaLaunchConfig_t's members of the same names compile.
+inline const dim3& blockIdx = ::emu::g_block_idx;
+inline const dim3& blockDim = ::emu::g_block_dim;
+inline const dim3& gridDim = ::emu::g_grid_dim;
 constexpr int warpSize = 32;
 inline void __syncthreads() { emu::SyncThreads(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) { emu::WarpSync(mask); }
@@ -120,7 +128,6 @@ inline unsigned __activemask() { return 0xffffffffu; }
 
 cudaError_t cudaGetDeviceCount(int* n);
 cudaError_t cudaSetDevice(int d);
-cudaError_t cudaGetDevice(int* d);
 cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d);
 cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes);
 cudaError_t cudaDriverGetVersion(int* v);
@@ -150,4 +157,16 @@ cudaError_t EmuFuncSetAttribute(const void* fn, cudaFuncAttribute attr, int valu
 template <class K>
 cudaError_t cudaFuncSetAttribute(K k, cudaFuncAttribute a, int v) {
   return EmuFuncSetAttribute(reinterpret_cast<const void*>(k), a, v);
+}
+// Kernel arguments by value, as transform.py's launches take them.
+template <class... Expected, class... Actual>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Expected...),
+                               Actual&&... args) {
+  const dim3 cluster = EmuClusterDim(*config);
+  if (cluster.x != 1 || cluster.y != 1 || cluster.z != 1) emu::RefuseClusterLaunch(cluster);
+  std::tuple<Expected...> values(std::forward<Actual>(args)...);
+  return emu::Launch([kernel, values] { std::apply(kernel, values); }, config->gridDim,
+                     config->blockDim, config->dynamicSmemBytes, config->stream)
+             ? cudaSuccess
+             : cudaErrorInvalidConfiguration;
 }

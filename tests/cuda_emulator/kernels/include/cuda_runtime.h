@@ -2,6 +2,8 @@
 // (testing only). Device code is run by emu.cc: one fiber per CUDA thread, cooperative, so every
 // plain read-modify-write is atomic; warp intrinsics and __syncthreads are barriers.
 #pragma once
+#include <utility>
+
 #include "emu_cuda_common.h"
 
 // Static __shared__ declarations are rewritten by transform.py; anything left is a bug there.
@@ -19,12 +21,15 @@ int LaneId();
 void* SharedMem();
 void* StaticShared(const void* tag, size_t bytes, size_t align);
 [[noreturn]] void Fail(const char* what);
-void RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem);
+// Runs every block of the grid, a cluster's blocks together (cluster 1 x 1 x 1: one block at a
+// time). An invalid configuration runs nothing and returns (and records) its error.
+cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid, dim3 block,
+                    size_t smem, dim3 cluster = dim3(1, 1, 1));
 template <class F>
-void Launch(const char* kernel, F f, dim3 grid, dim3 block, size_t smem = 0,
-            cudaStream_t = nullptr) {
-  RunGrid(
-      kernel, [](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem);
+cudaError_t Launch(const char* kernel, F f, dim3 grid, dim3 block, size_t smem = 0,
+                   cudaStream_t = nullptr, dim3 cluster = dim3(1, 1, 1)) {
+  return RunGrid(
+      kernel, [](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem, cluster);
 }
 template <class T, size_t kAlign>
 T& SharedAligned(const void* tag) {
@@ -53,9 +58,10 @@ T Shfl(unsigned mask, T v, int src_lane) {
 }  // namespace emu
 
 #define threadIdx (::emu::CurThreadIdx())
-#define blockIdx (::emu::g_block_idx)
-#define blockDim (::emu::g_block_dim)
-#define gridDim (::emu::g_grid_dim)
+// References rather than macros, so that cudaLaunchConfig_t's members of the same names compile.
+inline const dim3& blockIdx = ::emu::g_block_idx;
+inline const dim3& blockDim = ::emu::g_block_dim;
+inline const dim3& gridDim = ::emu::g_grid_dim;
 constexpr int warpSize = 32;
 inline void __syncthreads() { emu::SyncThreads(); }
 inline void __syncwarp(unsigned mask = 0xffffffffu) {
@@ -142,10 +148,26 @@ inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
 }
 namespace emu {
 void SetMaxDynamicSmem(size_t bytes);
-}
-// Approximation: the largest opt-in of any kernel applies to every kernel.
+void AllowNonPortableClusters();
+}  // namespace emu
+// Approximation: the largest opt-in of any kernel (and the non-portable cluster opt-in of any)
+// applies to every kernel.
 template <class K>
-cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute, int bytes) {
-  emu::SetMaxDynamicSmem(static_cast<size_t>(bytes));
+cudaError_t cudaFuncSetAttribute(K, cudaFuncAttribute attribute, int value) {
+  if (attribute == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    emu::SetMaxDynamicSmem(static_cast<size_t>(value));
+  } else if (attribute == cudaFuncAttributeNonPortableClusterSizeAllowed && value != 0) {
+    emu::AllowNonPortableClusters();
+  }
   return cudaSuccess;
+}
+// Runs the kernel at once (streams are synchronous), with the configuration's cluster dimension.
+template <class... Expected, class... Actual>
+cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Expected...),
+                               Actual&&... args) {
+  return [&](Expected... coerced) {
+    return emu::Launch(
+        "(cudaLaunchKernelEx)", [&] { kernel(coerced...); }, config->gridDim, config->blockDim,
+        config->dynamicSmemBytes, config->stream, EmuClusterDim(*config));
+  }(std::forward<Actual>(args)...);
 }
