@@ -4,6 +4,8 @@
 // ranges and GEMM operands can be checked; streams and events are synchronous, except that a
 // capturing stream records its work for a graph (checked at capture and again at each replay,
 // so a graph that outlived a buffer it refers to fails loudly).
+#include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
@@ -14,19 +16,13 @@
 #include <vector>
 
 #include "cuda_runtime.h"
+#include "emu_blocks.h"
 #include "emu_fiber_switch.h"
 
 namespace emu {
-enum State { kRunnable, kWaitBlock, kWaitWarp, kDone };
 enum WarpOp { kOpNone, kOpExchange, kOpBallot, kOpMatch, kOpSync, kOpPost };
 constexpr size_t kStack = 128 * 1024;
-struct Thread {
-  void* sp = nullptr;
-  char* stack = nullptr;
-  State state = kDone;
-  uint3 tid{};
-  int lane = 0;
-  int warp = 0;
+struct Thread : EmuFiber {
   WarpOp op = kOpNone;
   unsigned mask = 0;
   uint64_t bits = 0;
@@ -34,11 +30,13 @@ struct Thread {
 Thread* g_cur = nullptr;
 dim3 g_block_idx, g_block_dim, g_grid_dim;
 static void* g_sched_sp = nullptr;
+// The running cluster's threads: rank r's thread i at r * g_block_slots + i (i < g_nthreads;
+// slots padded to whole warps so that no warp spans two blocks).
 static std::vector<Thread> g_threads;
-static int g_nthreads = 0;
+static int g_nthreads = 0, g_block_slots = 0;
+static EmuCluster g_cluster;  // the running cluster's blocks, by rank
 static void (*g_fn)(void*) = nullptr;
 static void* g_ctx = nullptr;
-static char* g_smem = nullptr;
 static const void* g_main_bottom = nullptr;
 static size_t g_main_size = 0;
 static cudaError_t g_last_error = cudaSuccess;
@@ -47,11 +45,11 @@ static std::mutex g_mu;  // host bookkeeping (the store may call from other thre
 static std::map<uintptr_t, size_t> g_device, g_pinned;
 static size_t g_device_bytes = 0;
 constexpr size_t kDeviceCapacity = size_t{8} << 30;
-static std::vector<std::pair<void*, size_t>> g_static_shared;
+static bool g_non_portable_clusters = false;
 
 uint3 CurThreadIdx() { return g_cur->tid; }
 int LaneId() { return g_cur->lane; }
-void* SharedMem() { return g_smem; }
+void* SharedMem() { return g_cluster.blocks[g_cur->rank].smem; }
 
 static void Fail(const char* what) {
   std::fprintf(stderr, "EMU FAILURE: %s at block (%u,%u,%u) thread %u (launch #%ld)\n", what,
@@ -71,10 +69,8 @@ static int FillByte() {
   return b;
 }
 
-bool RegisterShared(void* p, size_t n) {
-  g_static_shared.push_back({p, n});
-  std::memset(p, FillByte(), n);
-  return true;
+void* StaticShared(const void* tag, size_t bytes, size_t align) {
+  return g_cluster.Static(g_cur->rank, tag, bytes, align);
 }
 
 static void Yield() {
@@ -96,11 +92,14 @@ static void WarpWait(WarpOp op, unsigned mask) {
   Yield();
 }
 
+// The first thread of the calling thread's warp.
+static Thread* WarpBase() { return &g_threads[g_cur->rank * g_block_slots + g_cur->warp * 32]; }
+
 uint64_t WarpExchange(uint64_t bits, unsigned mask, int src) {
   g_cur->bits = bits;
   WarpWait(kOpExchange, mask);
   if (src < 0 || src > 31) Fail("shuffle source lane out of range");
-  const uint64_t r = g_threads[g_cur->warp * 32 + src].bits;
+  const uint64_t r = WarpBase()[src].bits;
   WarpWait(kOpPost, mask);
   return r;
 }
@@ -109,9 +108,9 @@ unsigned WarpBallot(bool pred, unsigned mask) {
   g_cur->bits = pred ? 1 : 0;
   WarpWait(kOpBallot, mask);
   unsigned r = 0;
-  const int base = g_cur->warp * 32;
-  for (int i = 0; i < 32 && base + i < g_nthreads; ++i) {
-    if (g_threads[base + i].bits != 0) r |= 1u << i;
+  const Thread* lanes = WarpBase();
+  for (int i = 0; i < 32 && g_cur->warp * 32 + i < g_nthreads; ++i) {
+    if (lanes[i].bits != 0) r |= 1u << i;
   }
   WarpWait(kOpPost, mask);
   return r & mask;
@@ -121,15 +120,20 @@ unsigned WarpMatchAny(uint64_t bits, unsigned mask) {
   g_cur->bits = bits;
   WarpWait(kOpMatch, mask);
   unsigned r = 0;
-  const int base = g_cur->warp * 32;
-  for (int i = 0; i < 32 && base + i < g_nthreads; ++i) {
-    if (g_threads[base + i].bits == bits) r |= 1u << i;
+  const Thread* lanes = WarpBase();
+  for (int i = 0; i < 32 && g_cur->warp * 32 + i < g_nthreads; ++i) {
+    if (lanes[i].bits == bits) r |= 1u << i;
   }
   WarpWait(kOpPost, mask);
   return r & mask;
 }
 
 void WarpSync(unsigned mask) { WarpWait(kOpSync, mask); }
+
+// ---- Clusters (the cluster_group entry points are in emu_blocks.h) ----
+EmuCluster& RunningCluster() { return g_cluster; }
+EmuFiber& RunningFiber() { return *g_cur; }
+void YieldToScheduler() { Yield(); }
 
 static void Entry() {
   __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
@@ -140,76 +144,82 @@ static void Entry() {
   std::abort();
 }
 
-static void RunBlock(size_t smem) {
+// Runs one cluster (g_cluster, started) to completion, in forward order: the lowest rank that
+// can run goes as far as its barriers let it before another runs (so a block exits as early as
+// it can); each round runs that block's runnable threads in index order, then releases its
+// warp collectives every lane has reached, then the barriers every thread they wait for has
+// reached.
+static void RunCluster() {
   const int n = g_nthreads;
-  if (static_cast<int>(g_threads.size()) < n) g_threads.resize(n);
-  const size_t smem_alloc = smem == 0 ? 16 : (smem + 15) / 16 * 16;
-  g_smem = static_cast<char*>(std::aligned_alloc(16, smem_alloc));
-  std::memset(g_smem, FillByte(), smem_alloc);  // garbage
-  for (auto& [p, sz] : g_static_shared) std::memset(p, FillByte(), sz);
-  for (int i = 0; i < n; ++i) {
-    Thread& t = g_threads[i];
-    if (t.stack == nullptr) t.stack = static_cast<char*>(std::malloc(kStack));
-    uint64_t* sp =
-        reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(t.stack + kStack) & ~uintptr_t{15});
-    *--sp = 0;
-    *--sp = reinterpret_cast<uint64_t>(&Entry);
-    for (int r = 0; r < 6; ++r) *--sp = 0;
-    t.sp = sp;
-    t.state = kRunnable;
-    t.op = kOpNone;
-    t.tid = {static_cast<unsigned>(i % g_block_dim.x),
-             static_cast<unsigned>((i / g_block_dim.x) % g_block_dim.y),
-             static_cast<unsigned>(i / (g_block_dim.x * g_block_dim.y))};
-    t.lane = i % 32;
-    t.warp = i / 32;
+  const int warps = (n + 31) / 32;
+  const int ranks = static_cast<int>(g_cluster.blocks.size());
+  g_block_slots = warps * 32;
+  const size_t total = static_cast<size_t>(ranks) * g_block_slots;
+  if (g_threads.size() < total) g_threads.resize(total);
+  auto thread_of = [&](int r, int i) -> Thread& { return g_threads[r * g_block_slots + i]; };
+  for (int r = 0; r < ranks; ++r) {
+    for (int i = 0; i < g_block_slots; ++i) {
+      Thread& t = thread_of(r, i);
+      t.state = kDone;
+      if (i >= n) continue;  // padding of the last warp
+      t.Start(i, r, g_block_dim, kStack, &Entry);
+      t.op = kOpNone;
+    }
   }
+  auto runnable_in = [&](int r) {
+    for (int i = 0; i < n; ++i) {
+      if (thread_of(r, i).state == kRunnable) return true;
+    }
+    return false;
+  };
   for (;;) {
-    for (int i = 0; i < n; ++i) {
-      Thread& t = g_threads[i];
-      if (t.state != kRunnable) continue;
-      g_cur = &t;
-      void* fake = nullptr;
-      __sanitizer_start_switch_fiber(&fake, t.stack, kStack);
-      emu_switch(&g_sched_sp, t.sp);
-      __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-    }
-    g_cur = nullptr;
-    bool released = false;
-    for (int w = 0; w * 32 < n; ++w) {
-      const int lo = w * 32, hi = std::min(n, lo + 32);
-      int ww = 0;
-      for (int i = lo; i < hi; ++i) ww += g_threads[i].state == kWaitWarp;
-      if (ww == 0) continue;
-      g_cur = &g_threads[lo];
-      if (ww != hi - lo) Fail("divergent warp collective (not every lane of the warp arrived)");
-      const WarpOp op = g_threads[lo].op;
-      const unsigned mask = g_threads[lo].mask;
-      for (int i = lo; i < hi; ++i) {
-        if (g_threads[i].op != op) Fail("lanes of a warp in different warp collectives");
-        if (g_threads[i].mask != mask) Fail("lanes of a warp pass different masks");
+    int r = 0;
+    while (r < ranks && !runnable_in(r)) ++r;
+    if (r < ranks) {
+      g_block_idx = g_cluster.blocks[r].idx;
+      for (int i = 0; i < n; ++i) {
+        Thread& t = thread_of(r, i);
+        if (t.state != kRunnable) continue;
+        g_cur = &t;
+        void* fake = nullptr;
+        __sanitizer_start_switch_fiber(&fake, t.stack, kStack);
+        emu_switch(&g_sched_sp, t.sp);
+        __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
       }
-      const unsigned full = hi - lo == 32 ? 0xffffffffu : ((1u << (hi - lo)) - 1u);
-      if (mask != full) Fail("warp collective mask is not the set of arriving lanes");
-      for (int i = lo; i < hi; ++i) g_threads[i].state = kRunnable;
-      released = true;
+      g_cur = nullptr;
+      bool released = false;
+      for (int w = 0; w < warps; ++w) {
+        const int lo = w * 32, hi = std::min(n, lo + 32);
+        int ww = 0;
+        for (int i = lo; i < hi; ++i) ww += thread_of(r, i).state == kWaitWarp;
+        if (ww == 0) continue;
+        g_cur = &thread_of(r, lo);
+        if (ww != hi - lo) Fail("divergent warp collective (not every lane of the warp arrived)");
+        const WarpOp op = thread_of(r, lo).op;
+        const unsigned mask = thread_of(r, lo).mask;
+        for (int i = lo; i < hi; ++i) {
+          if (thread_of(r, i).op != op) Fail("lanes of a warp in different warp collectives");
+          if (thread_of(r, i).mask != mask) Fail("lanes of a warp pass different masks");
+        }
+        const unsigned full = hi - lo == 32 ? 0xffffffffu : ((1u << (hi - lo)) - 1u);
+        if (mask != full) Fail("warp collective mask is not the set of arriving lanes");
+        for (int i = lo; i < hi; ++i) thread_of(r, i).state = kRunnable;
+        released = true;
+      }
+      g_cur = nullptr;
+      if (released) continue;
     }
-    g_cur = nullptr;
-    if (released) continue;
-    int done = 0, wait_block = 0;
-    for (int i = 0; i < n; ++i) {
-      done += g_threads[i].state == kDone;
-      wait_block += g_threads[i].state == kWaitBlock;
-    }
-    if (done == n) break;
-    if (done > 0 && wait_block > 0) Fail("__syncthreads after some threads exited");
-    if (wait_block + done != n) Fail("deadlock");
-    for (int i = 0; i < n; ++i) {
-      if (g_threads[i].state == kWaitBlock) g_threads[i].state = kRunnable;
+    // Block r is stuck: its threads wait at __syncthreads or a cluster barrier, or exited (the
+    // other blocks' may still be runnable).
+    bool all_done = false;
+    const bool released = g_cluster.ReleaseBarriers(n, thread_of, g_block_idx, &all_done);
+    if (all_done) break;
+    bool runnable = released;
+    for (int b = 0; b < ranks && !runnable; ++b) runnable = runnable_in(b);
+    if (!runnable) {
+      Fail("deadlock (threads wait at __syncthreads or a cluster barrier others never reach)");
     }
   }
-  std::free(g_smem);
-  g_smem = nullptr;
 }
 
 }  // namespace emu
@@ -275,7 +285,7 @@ void Enqueue(cudaStream_t s, std::function<void()> op) {
   op();
 }
 
-bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
+bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s, dim3 cluster) {
   CheckStream(s, "kernel launch");
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 ||
@@ -289,10 +299,19 @@ bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
     InvalidateCapture(s);
     return false;
   }
+  if (const char* why = ClusterRefusal(grid, cluster, g_non_portable_clusters)) {
+    if (std::getenv("EMU_VERBOSE")) {
+      std::fprintf(stderr, "EMU: invalid cluster (%u,%u,%u) for grid (%u,%u,%u): %s\n", cluster.x,
+                   cluster.y, cluster.z, grid.x, grid.y, grid.z, why);
+    }
+    g_last_error = cudaErrorInvalidClusterSize;
+    InvalidateCapture(s);
+    return false;
+  }
   return true;
 }
 
-void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem) {
+void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, dim3 cluster) {
   ++g_launches;
   const uint64_t threads = uint64_t{block.x} * block.y * block.z;
   if (threads % 32 != 0) {
@@ -304,12 +323,22 @@ void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem) {
   g_grid_dim = grid;
   g_block_dim = block;
   g_nthreads = static_cast<int>(threads);
-  for (unsigned z = 0; z < grid.z; ++z)
-    for (unsigned y = 0; y < grid.y; ++y)
-      for (unsigned x = 0; x < grid.x; ++x) {
-        g_block_idx = dim3(x, y, z);
-        RunBlock(smem);
-      }
+  if (uint64_t{cluster.x} * cluster.y * cluster.z > 1 && std::getenv("EMU_VERBOSE")) {
+    std::fprintf(stderr, "EMU: launch #%ld runs clusters of (%u,%u,%u) over grid (%u,%u,%u)\n",
+                 g_launches, cluster.x, cluster.y, cluster.z, grid.x, grid.y, grid.z);
+  }
+  g_cluster.dim = cluster;
+  g_cluster.dyn_smem = smem;
+  g_cluster.fill = FillByte();
+  g_cluster.fail = [](const char* what) { Fail(what); };
+  const uint64_t n_clusters =
+      uint64_t{grid.x / cluster.x} * (grid.y / cluster.y) * (grid.z / cluster.z);
+  for (uint64_t c = 0; c < n_clusters; ++c) {
+    g_cluster.Start(ClusterFirstBlock(grid, cluster, c));
+    RunCluster();
+  }
+  g_cluster.Finish();
+  g_cluster.dim = dim3(1, 1, 1);
 }
 
 // The allocation holding [p, p + n), or {0, 0}.
@@ -675,31 +704,18 @@ cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
   *ms = 1;
   return cudaSuccess;
 }
-namespace emu {
-void RefuseClusterLaunch(dim3 c) {
-  HostFail("a launch with a thread-block cluster (" + std::to_string(c.x) + "," +
-           std::to_string(c.y) + "," + std::to_string(c.z) +
-           "): the engine dialect runs none; run the kernel under the kernels dialect");
-}
-[[noreturn]] static void NoClusters() {
-  Fail("a cluster_group call in the engine dialect, which runs no thread-block clusters");
-  std::abort();
-}
-void ClusterArrive() { NoClusters(); }
-void ClusterWait() { NoClusters(); }
-unsigned ClusterBlockRank() { NoClusters(); }
-dim3 ClusterDim() { NoClusters(); }
-dim3 ClusterBlockIndex() { NoClusters(); }
-void* MapSharedRank(const void*, unsigned) { NoClusters(); }
-unsigned QuerySharedRank(const void*) { NoClusters(); }
-}  // namespace emu
 
-// No cluster launches here (see RefuseClusterLaunch): the backend plans without them.
-cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int) {
-  *value = 0;
-  return attribute == cudaDevAttrClusterLaunch ? cudaSuccess : cudaErrorInvalidValue;
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device) {
+  if (device != 0 || attribute != cudaDevAttrClusterLaunch) return cudaErrorInvalidValue;
+  *value = 1;  // a Hopper: clusters of up to 8 blocks, 16 after the non-portable opt-in
+  return cudaSuccess;
 }
 
-cudaError_t EmuFuncSetAttribute(const void*, cudaFuncAttribute, int value) {
+// Approximation: the non-portable cluster opt-in of any kernel applies to every kernel.
+cudaError_t EmuFuncSetAttribute(const void*, cudaFuncAttribute attribute, int value) {
+  if (attribute == cudaFuncAttributeNonPortableClusterSizeAllowed) {
+    if (value != 0) emu::g_non_portable_clusters = true;
+    return cudaSuccess;
+  }
   return value <= 227 * 1024 ? cudaSuccess : cudaErrorInvalidValue;
 }

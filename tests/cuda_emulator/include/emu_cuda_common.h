@@ -93,8 +93,7 @@ struct alignas(8) float2 {
   float x, y;
 };
 enum cudaDeviceAttr { cudaDevAttrClusterLaunch = 120 };
-// Each dialect defines these: the kernels dialect's device launches clusters, the engine
-// dialect's does not (it runs none).
+// Each dialect defines these; its device launches clusters (a Hopper).
 cudaError_t cudaGetDevice(int* device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attribute, int device);
 
@@ -132,8 +131,8 @@ inline dim3 EmuClusterDim(const cudaLaunchConfig_t& config) {
   return cluster;
 }
 
-// Thread-block clusters (cooperative_groups.h's cluster_group): the kernels dialect runs a
-// cluster's blocks together; the engine dialect runs no clusters and fails if asked to.
+// Thread-block clusters (cooperative_groups.h's cluster_group): each dialect's scheduler runs a
+// cluster's blocks together (include/emu_blocks.h).
 namespace emu {
 void ClusterArrive();
 void ClusterWait();

@@ -10,43 +10,14 @@
 #include <vector>
 
 #include "cuda_runtime.h"
+#include "emu_blocks.h"
 #include "emu_fiber_switch.h"
 
 namespace emu {
-enum State { kRunnable, kWaitBlock, kWaitWarp, kWaitCluster, kDone };
 constexpr size_t kStack = 256 * 1024;
-struct Thread {
-  void* sp = nullptr;
-  char* stack = nullptr;
-  State state = kDone;
-  uint3 tid{};
-  int lane = 0;
-  int warp = 0;  // within its block
-  int rank = 0;  // its block's rank in the cluster
+struct Thread : EmuFiber {
   unsigned wmask = 0;
   int wkind = 0;
-  // Cluster barrier: arrivals so far, whether one awaits its wait, and the arrival count a
-  // waiting thread needs every non-exited thread of the cluster to have reached.
-  uint64_t arrivals = 0;
-  bool arrived = false;
-  uint64_t wait_for = 0;
-};
-// Static __shared__ variables of one block: allocated on first use (filled with garbage).
-struct SharedVar {
-  const void* tag;
-  void* p;
-  size_t bytes;
-  size_t align;
-};
-// One block of the running cluster: its index, shared memory, and whether all its threads
-// exited (then its shared memory is freed, so that a later distributed access is a
-// use-after-free ASan reports, and MapSharedRank refuses it).
-struct Block {
-  dim3 idx;
-  char* smem = nullptr;
-  std::vector<SharedVar> statics;
-  size_t static_bytes = 0;
-  bool exited = false;
 };
 dim3 g_block_idx, g_block_dim, g_grid_dim;
 static Thread* g_cur = nullptr;
@@ -54,12 +25,10 @@ static void* g_sched_sp = nullptr;
 // The running cluster's threads: rank r's thread i at r * g_block_slots + i (i < g_block_threads;
 // slots are padded to whole warps so that no warp spans two blocks).
 static std::vector<Thread> g_threads;
-static std::vector<Block> g_blocks;  // by rank
+static EmuCluster g_cluster;  // the running cluster's blocks, by rank
 static int g_block_threads = 0, g_block_slots = 0;
-static dim3 g_cluster_dim(1, 1, 1);
 static void (*g_fn)(void*) = nullptr;
 static void* g_ctx = nullptr;
-static size_t g_dyn_smem = 0;
 static std::vector<uint64_t> g_warp_vals;
 static const void* g_main_bottom = nullptr;
 static size_t g_main_size = 0;
@@ -101,7 +70,7 @@ static void Order(std::vector<int>& v) {
 
 uint3 CurThreadIdx() { return g_cur->tid; }
 int LaneId() { return g_cur->lane; }
-void* SharedMem() { return g_blocks[g_cur->rank].smem; }
+void* SharedMem() { return g_cluster.blocks[g_cur->rank].smem; }
 
 void Fail(const char* what) {
   std::fprintf(stderr, "EMU FAILURE: %s in kernel %s at block (%u,%u,%u)", what, g_kernel_name,
@@ -111,32 +80,8 @@ void Fail(const char* what) {
   std::abort();
 }
 
-// Static __shared__ variable `tag` of block b, allocated on its first use. Sizes are checked
-// against the hardware limits.
-static void* BlockStatic(Block& b, const void* tag, size_t bytes, size_t align) {
-  for (const SharedVar& v : b.statics) {
-    if (v.tag == tag) return v.p;
-  }
-  void* p = nullptr;
-  if (posix_memalign(&p, align < 16 ? 16 : align, bytes == 0 ? 1 : bytes) != 0)
-    Fail("out of memory");
-  std::memset(p, g_fill, bytes);
-  b.statics.push_back({tag, p, bytes, align});
-  b.static_bytes += bytes;
-  if (b.static_bytes > 48 * 1024) Fail("static shared memory over 48 KiB");
-  if (b.static_bytes + g_dyn_smem > 227 * 1024) Fail("shared memory over 227 KiB");
-  return p;
-}
 void* StaticShared(const void* tag, size_t bytes, size_t align) {
-  return BlockStatic(g_blocks[g_cur->rank], tag, bytes, align);
-}
-
-static void FreeBlockShared(Block& b) {
-  std::free(b.smem);
-  b.smem = nullptr;
-  for (SharedVar& v : b.statics) std::free(v.p);
-  b.statics.clear();
-  b.static_bytes = 0;
+  return g_cluster.Static(g_cur->rank, tag, bytes, align);
 }
 
 static void Yield() {
@@ -167,72 +112,10 @@ void WarpCollective(unsigned mask, int kind, uint64_t mine, uint64_t* all) {
   Yield();
 }
 
-// ---- Clusters ----
-void ClusterArrive() {
-  if (g_cur->arrived) Fail("cluster barrier_arrive twice without a barrier_wait between");
-  g_cur->arrived = true;
-  ++g_cur->arrivals;
-}
-void ClusterWait() {
-  if (!g_cur->arrived) Fail("cluster barrier_wait without a barrier_arrive before it");
-  g_cur->arrived = false;
-  g_cur->wait_for = g_cur->arrivals;
-  g_cur->state = kWaitCluster;
-  Yield();
-}
-static unsigned RankOf(dim3 idx) {
-  return idx.x % g_cluster_dim.x + (idx.y % g_cluster_dim.y) * g_cluster_dim.x +
-         (idx.z % g_cluster_dim.z) * g_cluster_dim.x * g_cluster_dim.y;
-}
-unsigned ClusterBlockRank() { return static_cast<unsigned>(g_cur->rank); }
-dim3 ClusterDim() { return g_cluster_dim; }
-dim3 ClusterBlockIndex() {
-  return dim3(g_block_idx.x % g_cluster_dim.x, g_block_idx.y % g_cluster_dim.y,
-              g_block_idx.z % g_cluster_dim.z);
-}
-// Where `addr` lies in the calling block's shared memory: the dynamic area (tag null) or a
-// static variable, and the offset into it.
-struct SharedPlace {
-  const SharedVar* var = nullptr;
-  size_t offset = 0;
-};
-static SharedPlace LocateShared(const void* addr) {
-  const Block& b = g_blocks[g_cur->rank];
-  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-  const uintptr_t dyn = reinterpret_cast<uintptr_t>(b.smem);
-  if (b.smem != nullptr && a >= dyn && a < dyn + (g_dyn_smem == 0 ? 1 : g_dyn_smem)) {
-    return {nullptr, a - dyn};
-  }
-  for (const SharedVar& v : b.statics) {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(v.p);
-    if (a >= p && a < p + (v.bytes == 0 ? 1 : v.bytes)) return {&v, a - p};
-  }
-  Fail("distributed shared memory: the address is not in the calling block's shared memory");
-}
-void* MapSharedRank(const void* addr, unsigned rank) {
-  if (rank >= g_blocks.size()) Fail("map_shared_rank: rank beyond the cluster");
-  const SharedPlace place = LocateShared(addr);
-  Block& target = g_blocks[rank];
-  if (target.exited) Fail("map_shared_rank into a block that has exited");
-  if (place.var == nullptr) return target.smem + place.offset;
-  const SharedVar v = *place.var;  // BlockStatic may grow the vector place.var points into
-  return static_cast<char*>(BlockStatic(target, v.tag, v.bytes, v.align)) + place.offset;
-}
-unsigned QuerySharedRank(const void* addr) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-  for (size_t r = 0; r < g_blocks.size(); ++r) {
-    const Block& b = g_blocks[r];
-    const uintptr_t dyn = reinterpret_cast<uintptr_t>(b.smem);
-    if (b.smem != nullptr && a >= dyn && a < dyn + (g_dyn_smem == 0 ? 1 : g_dyn_smem)) {
-      return static_cast<unsigned>(r);
-    }
-    for (const SharedVar& v : b.statics) {
-      const uintptr_t p = reinterpret_cast<uintptr_t>(v.p);
-      if (a >= p && a < p + (v.bytes == 0 ? 1 : v.bytes)) return static_cast<unsigned>(r);
-    }
-  }
-  Fail("query_shared_rank of an address in no block's shared memory");
-}
+// ---- Clusters (the cluster_group entry points are in emu_blocks.h) ----
+EmuCluster& RunningCluster() { return g_cluster; }
+EmuFiber& RunningFiber() { return *g_cur; }
+void YieldToScheduler() { Yield(); }
 
 static void Entry() {
   __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
@@ -283,44 +166,21 @@ static bool ReleaseWarp(int rank, int w) {
   return released;
 }
 
-// Runs one cluster (g_blocks, already indexed) to completion.
+// Runs one cluster (g_cluster, started) to completion.
 static void RunCluster() {
   const int n = g_block_threads;
   const int warps = (n + 31) / 32;
-  const int ranks = static_cast<int>(g_blocks.size());
+  const int ranks = static_cast<int>(g_cluster.blocks.size());
   g_block_slots = warps * 32;
   const size_t total = static_cast<size_t>(ranks) * g_block_slots;
   if (g_threads.size() < total) g_threads.resize(total);
   g_warp_vals.assign(total, 0);
-  const size_t smem = g_dyn_smem;
-  for (Block& b : g_blocks) {
-    void* sm = nullptr;
-    if (posix_memalign(&sm, 16, smem == 0 ? 1 : smem) != 0) Fail("out of memory");
-    b.smem = static_cast<char*>(sm);
-    std::memset(b.smem, g_fill, smem == 0 ? 1 : smem);
-  }
   for (int r = 0; r < ranks; ++r) {
     for (int i = 0; i < g_block_slots; ++i) {
       Thread& t = g_threads[r * g_block_slots + i];
       t.state = kDone;
       if (i >= n) continue;  // padding of the last warp
-      if (t.stack == nullptr) t.stack = static_cast<char*>(std::malloc(kStack));
-      uint64_t* sp = reinterpret_cast<uint64_t*>(reinterpret_cast<uintptr_t>(t.stack + kStack) &
-                                                 ~uintptr_t{15});
-      *--sp = 0;
-      *--sp = reinterpret_cast<uint64_t>(&Entry);
-      for (int reg = 0; reg < 6; ++reg) *--sp = 0;
-      t.sp = sp;
-      t.state = kRunnable;
-      t.tid = {static_cast<unsigned>(i % g_block_dim.x),
-               static_cast<unsigned>((i / g_block_dim.x) % g_block_dim.y),
-               static_cast<unsigned>(i / (g_block_dim.x * g_block_dim.y))};
-      t.lane = i % 32;
-      t.warp = i / 32;
-      t.rank = r;
-      t.arrivals = 0;
-      t.arrived = false;
-      t.wait_for = 0;
+      t.Start(i, r, g_block_dim, kStack, &Entry);
     }
   }
   auto thread_of = [&](int r, int i) -> Thread& { return g_threads[r * g_block_slots + i]; };
@@ -352,7 +212,7 @@ static void RunCluster() {
     for (int rw : warp_order) {
       const int r = rw / warps, w = rw % warps;
       if (only_rank >= 0 && r != only_rank) continue;
-      g_block_idx = g_blocks[r].idx;
+      g_block_idx = g_cluster.blocks[r].idx;
       for (;;) {
         Order(lane_order);
         for (int l : lane_order) {
@@ -372,57 +232,15 @@ static void RunCluster() {
     }
     // Every thread of the blocks that ran now waits at __syncthreads or a cluster barrier, or
     // exited; the other blocks' may still be runnable.
-    int cluster_done = 0;
-    uint64_t least_arrivals = UINT64_MAX;  // over the cluster's non-exited threads
-    for (int r = 0; r < ranks; ++r) {
-      int done = 0;
-      for (int i = 0; i < n; ++i) {
-        const Thread& t = thread_of(r, i);
-        if (t.state == kDone) {
-          ++done;
-        } else {
-          least_arrivals = std::min(least_arrivals, t.arrivals);
-        }
-      }
-      cluster_done += done;
-      if (done == n && !g_blocks[r].exited) {
-        g_blocks[r].exited = true;
-        FreeBlockShared(g_blocks[r]);
-      }
-    }
-    if (cluster_done == ranks * n) break;
-    bool released = false;
-    for (int r = 0; r < ranks; ++r) {
-      g_block_idx = g_blocks[r].idx;
-      int done = 0, wait_block = 0;
-      for (int i = 0; i < n; ++i) {
-        done += thread_of(r, i).state == kDone;
-        wait_block += thread_of(r, i).state == kWaitBlock;
-      }
-      if (wait_block == 0 || wait_block + done != n) continue;
-      if (done > 0) Fail("__syncthreads after some threads exited");
-      for (int i = 0; i < n; ++i) thread_of(r, i).state = kRunnable;
-      released = true;
-    }
-    // A cluster barrier's wait returns once every non-exited thread of the cluster has arrived
-    // as often as the waiter had.
-    for (int r = 0; r < ranks; ++r) {
-      for (int i = 0; i < n; ++i) {
-        Thread& t = thread_of(r, i);
-        if (t.state == kWaitCluster && t.wait_for <= least_arrivals) {
-          t.state = kRunnable;
-          released = true;
-        }
-      }
-    }
+    bool all_done = false;
+    const bool released = g_cluster.ReleaseBarriers(n, thread_of, g_block_idx, &all_done);
+    if (all_done) break;
     bool runnable = released;
     for (int r = 0; r < ranks && !runnable; ++r) runnable = runnable_in(r);
     if (!runnable) {
-      g_block_idx = g_blocks[0].idx;
       Fail("deadlock (threads wait at __syncthreads or a cluster barrier others never reach)");
     }
   }
-  for (Block& b : g_blocks) FreeBlockShared(b);
 }
 
 static size_t g_max_dyn_smem = 48 * 1024;
@@ -454,14 +272,8 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
       smem > 227 * 1024) {
     return refuse(cudaErrorInvalidConfiguration, "grid, block or shared memory");
   }
-  const uint64_t cluster_blocks = uint64_t{cluster.x} * cluster.y * cluster.z;
-  if (cluster_blocks == 0 || grid.x % cluster.x != 0 || grid.y % cluster.y != 0 ||
-      grid.z % cluster.z != 0) {
-    return refuse(cudaErrorInvalidClusterSize, "the cluster does not tile the grid");
-  }
-  if (cluster_blocks > (g_non_portable_clusters ? 16u : 8u)) {
-    return refuse(cudaErrorInvalidClusterSize,
-                  "more blocks per cluster than allowed (8, or 16 after the non-portable opt-in)");
+  if (const char* why = ClusterRefusal(grid, cluster, g_non_portable_clusters)) {
+    return refuse(cudaErrorInvalidClusterSize, why);
   }
   if (threads % 32 != 0 && std::getenv("EMU_QUIET") == nullptr) {
     std::fprintf(stderr, "EMU note: block of %llu threads (not a multiple of 32)\n",
@@ -471,11 +283,13 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
   g_ctx = ctx;
   g_grid_dim = grid;
   g_block_dim = block;
-  g_dyn_smem = smem;
-  g_cluster_dim = cluster;
+  g_cluster.dim = cluster;
+  g_cluster.dyn_smem = smem;
+  g_cluster.fill = g_fill;
+  g_cluster.fail = [](const char* what) { Fail(what); };
   g_block_threads = static_cast<int>(threads);
-  const dim3 clusters(grid.x / cluster.x, grid.y / cluster.y, grid.z / cluster.z);
-  const uint64_t n_clusters = uint64_t{clusters.x} * clusters.y * clusters.z;
+  const uint64_t n_clusters =
+      uint64_t{grid.x / cluster.x} * (grid.y / cluster.y) * (grid.z / cluster.z);
   std::vector<uint64_t> order;
   if (g_order != 0) {
     order.resize(n_clusters);
@@ -485,26 +299,12 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
       for (uint64_t i = n_clusters; i > 1; --i) std::swap(order[i - 1], order[Rand() % i]);
     }
   }
-  g_blocks.assign(cluster_blocks, Block{});
   for (uint64_t c = 0; c < n_clusters; ++c) {
-    const uint64_t id = g_order != 0 ? order[c] : c;
-    const dim3 first(static_cast<unsigned>(id % clusters.x) * cluster.x,
-                     static_cast<unsigned>((id / clusters.x) % clusters.y) * cluster.y,
-                     static_cast<unsigned>(id / (uint64_t{clusters.x} * clusters.y)) * cluster.z);
-    for (unsigned z = 0; z < cluster.z; ++z) {
-      for (unsigned y = 0; y < cluster.y; ++y) {
-        for (unsigned x = 0; x < cluster.x; ++x) {
-          const dim3 idx(first.x + x, first.y + y, first.z + z);
-          Block& b = g_blocks[RankOf(idx)];
-          b = Block{};
-          b.idx = idx;
-        }
-      }
-    }
+    g_cluster.Start(ClusterFirstBlock(grid, cluster, g_order != 0 ? order[c] : c));
     RunCluster();
   }
-  g_blocks.clear();
-  g_cluster_dim = dim3(1, 1, 1);
+  g_cluster.Finish();
+  g_cluster.dim = dim3(1, 1, 1);
   return cudaSuccess;
 }
 }  // namespace emu

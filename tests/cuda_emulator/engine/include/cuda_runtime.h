@@ -24,7 +24,8 @@ struct EmuGraphExec;
 typedef EmuGraph* cudaGraph_t;
 typedef EmuGraphExec* cudaGraphExec_t;
 
-#define __shared__ static
+// Static __shared__ declarations are rewritten by transform.py; anything left is a bug there.
+#define __shared__ EMU_UNTRANSFORMED_SHARED_DECLARATION
 #define __constant__ static
 
 namespace emu {
@@ -44,29 +45,33 @@ unsigned WarpMatchAny(uint64_t bits, unsigned mask);
 void WarpSync(unsigned mask);
 // Checks a launch's stream and configuration; false (the last error set, and a capture on `s`
 // invalidated) when CUDA would refuse it.
-bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s);
-void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem);
+bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s, dim3 cluster);
+// Runs every block of the grid, a cluster's blocks together (cluster 1 x 1 x 1: one block at a
+// time).
+void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, dim3 cluster);
 // Runs `op` now, or records it when `s` is capturing (replayed by cudaGraphLaunch). Work enqueued
 // on an invalidated capture is dropped with cudaErrorStreamCaptureInvalidated as the last error.
 void Enqueue(cudaStream_t s, std::function<void()> op);
 // transform.py captures the kernel's arguments by value: a captured launch replays them as they
 // were at capture, like CUDA's kernel nodes.
 template <class F>
-bool Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr) {
-  if (!LaunchAccepted(grid, block, smem, s)) return false;
-  Enqueue(s, [f, grid, block, smem]() mutable {
-    RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem);
+bool Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr,
+            dim3 cluster = dim3(1, 1, 1)) {
+  if (!LaunchAccepted(grid, block, smem, s, cluster)) return false;
+  Enqueue(s, [f, grid, block, smem, cluster]() mutable {
+    RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem, cluster);
   });
   return true;
 }
-// This dialect runs no thread-block clusters (its static __shared__ variables are shared by
-// every block): a launch asking for one aborts with EMU HOST FAILURE. The kernels dialect
-// (tests/cuda_emulator/kernels/) runs them.
-void RefuseClusterLaunch(dim3 cluster);
 // Device-memory bookkeeping for the host-side checks.
 bool IsDevicePtr(const void* p, size_t n);
-// Static __shared__ arrays (transform.py): refilled with garbage before every block.
-bool RegisterShared(void* p, size_t n);
+// Static __shared__ variables (transform.py rewrites each declaration): per block, allocated on
+// first use and filled with garbage.
+void* StaticShared(const void* tag, size_t bytes, size_t align);
+template <class T, size_t kAlign>
+T& SharedAligned(const void* tag) {
+  return *static_cast<T*>(StaticShared(tag, sizeof(T), alignof(T) > kAlign ? alignof(T) : kAlign));
+}
 }  // namespace emu
 
 #define threadIdx (::emu::CurThreadIdx())
@@ -162,11 +167,10 @@ cudaError_t cudaFuncSetAttribute(K k, cudaFuncAttribute a, int v) {
 template <class... Expected, class... Actual>
 cudaError_t cudaLaunchKernelEx(const cudaLaunchConfig_t* config, void (*kernel)(Expected...),
                                Actual&&... args) {
-  const dim3 cluster = EmuClusterDim(*config);
-  if (cluster.x != 1 || cluster.y != 1 || cluster.z != 1) emu::RefuseClusterLaunch(cluster);
   std::tuple<Expected...> values(std::forward<Actual>(args)...);
   return emu::Launch([kernel, values] { std::apply(kernel, values); }, config->gridDim,
-                     config->blockDim, config->dynamicSmemBytes, config->stream)
+                     config->blockDim, config->dynamicSmemBytes, config->stream,
+                     EmuClusterDim(*config))
              ? cudaSuccess
              : cudaErrorInvalidConfiguration;
 }
