@@ -56,7 +56,7 @@ print_table() {
     grep "^\[batch64\]" "$OUT_DIR/selection.txt" | head -4
   fi
   if [[ -f $OUT_DIR/kernels.txt ]]; then
-    echo "-- sdm-bench kernels"; grep -v "^#" "$OUT_DIR/kernels.txt" | tail -20
+    echo "-- sdm-bench kernels"; grep -v "^#" "$OUT_DIR/kernels.txt" | tail -40
   fi
   if [[ -f $OUT_DIR/decode.txt ]]; then
     echo "-- sdm-bench decode (flagship pair)"; tail -25 "$OUT_DIR/decode.txt"

@@ -1186,10 +1186,11 @@ cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmD
 }
 
 cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
-                          const SdmRowArena& arena, cudaStream_t stream) {
+                          const SdmRowArena& arena, cudaStream_t stream,
+                          int64_t max_cluster_blocks) {
   if (args.n_w < 0 || args.n_r < 0 || args.n_w > kMaxSelected || args.n_r > kMaxSelected ||
       segs.num < 0 || dims.heads <= 0 || dims.heads > 65535 || dims.side <= 0 ||
-      dims.row_width <= 0 || dims.row_width != arena.row_width) {
+      dims.row_width <= 0 || dims.row_width != arena.row_width || max_cluster_blocks < 1) {
     return cudaErrorInvalidValue;
   }
   if (segs.num == 0) return cudaSuccess;
@@ -1201,7 +1202,7 @@ cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, co
   shape.heads = dims.heads;
   shape.rows_aligned_16 = Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
   shape.rows_aligned_4 = Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
-  SdmDecodePlan plan = PlanSdmDecode(shape, DeviceLaunchesClusters() ? kSdmMaxClusterBlocks : 1);
+  SdmDecodePlan plan = PlanSdmDecode(shape, DeviceLaunchesClusters() ? max_cluster_blocks : 1);
   if (plan.alloc == SdmDecodeAlloc::kCluster && plan.cluster_blocks > kSdmPortableClusterBlocks) {
     const bool allowed = plan.vec == 8   ? NonPortableClustersAllowed<8>()
                          : plan.vec == 2 ? NonPortableClustersAllowed<2>()

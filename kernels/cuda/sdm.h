@@ -17,6 +17,7 @@
 #include <span>
 
 #include "kernels/common/sdm_addressing_math.h"
+#include "kernels/common/sdm_decode_plan.h"
 
 namespace sdm::kernels::cuda {
 
@@ -164,8 +165,11 @@ struct SdmDecodeArgs {
 // Preconditions as SdmPrepareRows (the reserve, no session in two segments); slots within a
 // (row, head) distinct. INVALID_VALUE for multi-token segments' bounds (segs.max_length != 1)
 // or n_w, n_r over 256.
+// `max_cluster_blocks` caps the clusters (1: none, so rows of several tiles take the two
+// launches; for comparisons: sdm-bench kernels, the tests).
 cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
-                          const SdmRowArena& arena, cudaStream_t stream);
+                          const SdmRowArena& arena, cudaStream_t stream,
+                          int64_t max_cluster_blocks = kSdmMaxClusterBlocks);
 
 // Returns every row of table [n_slots] to the free list and resets its entries to kSdmNoRow.
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,

@@ -979,6 +979,7 @@ struct DecodeCase {
   // Where the rows are allocated at these shapes (PlanSdmDecode): checked against the plan and
   // against the scratch the separate allocation launch writes and the others leave alone.
   SdmDecodeAlloc expect_alloc = SdmDecodeAlloc::kInBlock;
+  int64_t max_cluster_blocks = kSdmMaxClusterBlocks;  // 1: no clusters (the two launches)
 };
 
 // One copy of a batch's mutable device state.
@@ -1089,7 +1090,7 @@ void RunDecodeCase(const DecodeCase& dc) {
   shape.segments = num;
   shape.heads = heads;
   shape.rows_aligned_16 = shape.rows_aligned_4 = true;  // cudaMalloc'd: 256-byte aligned
-  const SdmDecodePlan plan = PlanSdmDecode(shape);
+  const SdmDecodePlan plan = PlanSdmDecode(shape, dc.max_cluster_blocks);
   EXPECT_EQ(static_cast<int>(plan.alloc), static_cast<int>(dc.expect_alloc))
       << "vec " << plan.vec << " tiles " << plan.tiles;
   cuda::SdmDecodeArgs dec;
@@ -1107,7 +1108,8 @@ void RunDecodeCase(const DecodeCase& dc) {
   dec.m0 = m0_ptr;
   dec.readings = b.readings.get();
   dec.w_rows = d_scratch_rows.get();
-  ASSERT_EQ(cuda::SdmDecodeStep(dec, segs_of(b), dims, arena_of(b), nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::SdmDecodeStep(dec, segs_of(b), dims, arena_of(b), nullptr, dc.max_cluster_blocks),
+            cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<int32_t> scratch = Download(d_scratch_rows.get(), w_slots.size());
   const auto untouched = std::count(scratch.begin(), scratch.end(), kUntouched);
@@ -1165,6 +1167,17 @@ void RunDecodeCase(const DecodeCase& dc) {
   }
 }
 
+// Runs `dc` as it is and, where it takes a cluster, again without clusters (the two-launch path
+// at the same shapes): each against the two-stage path, so the two agree bit for bit.
+void RunDecodeCaseWithAndWithoutClusters(DecodeCase dc) {
+  RunDecodeCase(dc);
+  if (dc.expect_alloc != SdmDecodeAlloc::kCluster) return;
+  SCOPED_TRACE("without clusters");
+  dc.max_cluster_blocks = 1;
+  dc.expect_alloc = SdmDecodeAlloc::kSeparate;
+  RunDecodeCase(dc);
+}
+
 #endif  // SDM_HAVE_CUDA
 
 // Width 32: one block covers a row, so allocation runs in the step's own launch (one kernel).
@@ -1189,7 +1202,7 @@ TEST(CudaSdmTest, DecodeStepInOneLaunchMatchesPrepareAndStep) {
 }
 
 // Rows wider than a tile: the row's tiles run as one thread-block cluster whose rank 0
-// allocates (one launch).
+// allocates (one launch); and the same cases without clusters (two launches).
 TEST(CudaSdmTest, DecodeStepOverSeveralTilesMatchesPrepareAndStep) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
@@ -1197,17 +1210,17 @@ TEST(CudaSdmTest, DecodeStepOverSeveralTilesMatchesPrepareAndStep) {
   dc.expect_alloc = SdmDecodeAlloc::kCluster;
   dc.width = 33;  // odd: scalar tiles of 32 columns, two of them
   dc.seed = 34;
-  RunDecodeCase(dc);
+  RunDecodeCaseWithAndWithoutClusters(dc);
   dc.side = 8;
   dc.width = 512;  // 140 x 2 heads x 2 tiles: 16-byte tiles
   dc.batch = 140;
   dc.k_w = 16;
   dc.seed = 35;
-  RunDecodeCase(dc);
+  RunDecodeCaseWithAndWithoutClusters(dc);
   dc.batch = 3;  // a narrow grid: 4-byte tiles, 8 per row (the largest portable cluster)
   dc.slot_residual = true;
   dc.seed = 36;
-  RunDecodeCase(dc);
+  RunDecodeCaseWithAndWithoutClusters(dc);
 #endif
 }
 
@@ -1251,11 +1264,11 @@ TEST(CudaSdmTest, DecodeStepAtFlagshipShapes) {
   dc.batch = 64;
   dc.prepopulated = 0.002;
   dc.seed = 37;
-  RunDecodeCase(dc);
+  RunDecodeCaseWithAndWithoutClusters(dc);
   dc.batch = 2;
   dc.k_w = 256;
   dc.seed = 38;
-  RunDecodeCase(dc);
+  RunDecodeCaseWithAndWithoutClusters(dc);
 #endif
 }
 
@@ -1290,11 +1303,11 @@ TEST(CudaSdmTest, DecodeStepFreshSeeds) {
   dc.key_weighted_decay = seed % 5 < 2;
   dc.slot_residual = seed % 7 < 3;
   dc.seed = seed;
-  RunDecodeCase(dc);
+  RunDecodeCaseWithAndWithoutClusters(dc);
 #endif
 }
 
-// Multi-token segments are not a decode step.
+// Multi-token segments are not a decode step; a cluster cap must allow one block.
 TEST(CudaSdmTest, DecodeStepRefusesMultiTokenSegments) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
@@ -1305,6 +1318,9 @@ TEST(CudaSdmTest, DecodeStepRefusesMultiTokenSegments) {
   arena.row_width = 32;
   cuda::SdmDecodeArgs args;
   EXPECT_EQ(cuda::SdmDecodeStep(args, segs, cuda::SdmDims{1, 4, 32}, arena, nullptr),
+            cudaErrorInvalidValue);
+  segs.max_length = 1;  // and a cluster cap below one block
+  EXPECT_EQ(cuda::SdmDecodeStep(args, segs, cuda::SdmDims{1, 4, 32}, arena, nullptr, 0),
             cudaErrorInvalidValue);
 #endif
 }

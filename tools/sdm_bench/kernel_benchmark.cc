@@ -404,19 +404,40 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   dec.m0 = m0.get();
   dec.readings = readings.get();
   dec.w_rows = tmp_rows.get();
-  absl::StatusOr<Timing> decode = Time(
-      stream, opt.warmup, opt.reps,
-      [&](int rep) {
-        const int64_t k = rep % sets;
-        kc::SdmDecodeArgs a = dec;
-        a.w_slots = d_w_slots.get() + k * nw;
-        a.r_slots = d_r_slots.get() + k * nr;
-        return kc::SdmDecodeStep(a, segs, dims, arena, stream);
-      },
-      "SdmDecodeStep");
+  // The decode step with clusters up to `max_cluster_blocks` (1: none).
+  auto time_decode = [&](int64_t max_cluster_blocks, const char* what) {
+    return Time(
+        stream, opt.warmup, opt.reps,
+        [&](int rep) {
+          const int64_t k = rep % sets;
+          kc::SdmDecodeArgs a = dec;
+          a.w_slots = d_w_slots.get() + k * nw;
+          a.r_slots = d_r_slots.get() + k * nr;
+          return kc::SdmDecodeStep(a, segs, dims, arena, stream, max_cluster_blocks);
+        },
+        what);
+  };
+  absl::StatusOr<Timing> decode = time_decode(kernels::kSdmMaxClusterBlocks, "SdmDecodeStep");
   if (!decode.ok()) return decode.status();
-  rows.push_back(
-      {"sdm decode step", shape, batch, bytes, *decode, copy_gbps, kKernelTargetFraction, 0});
+  // The shapes' plan (kernels/common/sdm_decode_plan.h): at these shapes a row is several tiles,
+  // run as one cluster whose rank 0 allocates; the row after it is the same step without
+  // clusters (the allocation in a launch of its own), to show what the clusters save.
+  kernels::SdmDecodeShape plan_shape;
+  plan_shape.width = kSdmWidth;
+  plan_shape.n_w = kSdmW;
+  plan_shape.segments = batch;
+  plan_shape.heads = dims.heads;
+  plan_shape.rows_aligned_16 = plan_shape.rows_aligned_4 = true;  // cudaMalloc: 256 B aligned
+  const kernels::SdmDecodePlan plan = kernels::PlanSdmDecode(plan_shape);
+  rows.push_back({"sdm decode step",
+                  absl::StrFormat("%s; %d-byte tiles, %d per row, clusters of %d", shape,
+                                  2 * plan.vec, plan.tiles, plan.cluster_blocks),
+                  batch, bytes, *decode, copy_gbps, kKernelTargetFraction, 0});
+  Print(rows.back());
+  absl::StatusOr<Timing> separate = time_decode(1, "SdmDecodeStep without clusters");
+  if (!separate.ok()) return separate.status();
+  rows.push_back({"sdm decode step, no clusters", shape, batch, bytes, *separate, copy_gbps,
+                  kKernelTargetFraction, 0});
   Print(rows.back());
   return absl::OkStatus();
 }
