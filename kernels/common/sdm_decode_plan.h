@@ -3,7 +3,8 @@
 // allocated. Host-only and free of CUDA so that CI tests it on the CPU
 // (tests/kernels/sdm_decode_plan_test.cc); the launch in kernels/cuda/sdm.cu follows it exactly.
 //
-// A block of kSdmDecodeThreads threads owns one (segment, head) and one tile of 32 * vec columns.
+// A block of 256 threads (kStepThreads in kernels/cuda/sdm.cu) owns one (segment, head) and one
+// tile of 32 * vec columns.
 // The allocation of a (segment, head)'s new rows must be seen by every tile of that row:
 //   - one tile covers the row: its block allocates (one launch);
 //   - 2..kSdmMaxClusterBlocks tiles: the tiles run as one thread-block cluster; rank 0 allocates

@@ -163,10 +163,9 @@ struct SdmDecodeArgs {
 // case applies); otherwise a block per (segment, head) allocates first (two launches), since a
 // tile block cannot see another block's allocations within a launch.
 // Preconditions as SdmPrepareRows (the reserve, no session in two segments); slots within a
-// (row, head) distinct. INVALID_VALUE for multi-token segments' bounds (segs.max_length != 1)
-// or n_w, n_r over 256.
-// `max_cluster_blocks` caps the clusters (1: none, so rows of several tiles take the two
-// launches; for comparisons: sdm-bench kernels, the tests).
+// (row, head) distinct. `max_cluster_blocks` caps the clusters (1: none, so rows of several
+// tiles take the two launches; for comparisons: sdm-bench kernels, the tests). INVALID_VALUE for
+// multi-token segments' bounds (segs.max_length != 1), n_w or n_r over 256, or a cap below 1.
 cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
                           const SdmRowArena& arena, cudaStream_t stream,
                           int64_t max_cluster_blocks = kSdmMaxClusterBlocks);
