@@ -14,9 +14,9 @@
 //     when no free space already held fits it.
 //   HeapTrimmer: a thread that calls malloc_trim(0) at most every `interval`, handing the free
 //     pages inside every arena back to the system (madvise), not only those at an arena's top,
-//     but only once the bytes in use have stayed near where they are for a whole interval
-//     (HeapTrimSchedule): bursts of work less than an interval apart are not trimmed in the
-//     gaps between them. Trims in the gaps handed 30-80 MB back on debug_sdm, which the next
+//     but only when the bytes in use are within a slack of their highest sample of the last
+//     interval (HeapTrimSchedule): bursts of work less than an interval apart are not trimmed in
+//     the gaps between them. Trims in the gaps handed 30-80 MB back on debug_sdm, which the next
 //     burst faulted back in, and coincided with its refusals taking 58-81 ms at p99 instead of
 //     7-45 (docs/benchmarks.md, "Overload rejection latency": why is not established).
 //

@@ -211,7 +211,7 @@ ABSL_FLAG(int32_t, malloc_tcache_count, 0,
           "GLIBC_TUNABLES wins.");
 ABSL_FLAG(absl::Duration, malloc_trim_interval, sdm::ServerOptions{}.malloc_trim_interval,
           "The heap's free pages go back to the system (malloc_trim) at most this often, and only "
-          "once the bytes in use have stayed near where they are for this long "
+          "when the bytes in use are near their highest of the last such span "
           "(base/heap.h, HeapTrimSchedule): bursts less than this far apart are not trimmed "
           "between them; 0: never.");
 

@@ -87,9 +87,9 @@ struct ServerOptions {
   // How long Shutdown() lets requests in flight finish before cancelling them.
   absl::Duration shutdown_grace = absl::Seconds(30);
 
-  // How often at most the heap's free pages go back to the system, once the bytes in use have
-  // stayed near where they are for as long (base/heap.h, HeapTrimmer, HeapTrimSchedule: keeps
-  // RSS tracking the bytes in use under a long serving load); zero: never.
+  // How often at most the heap's free pages go back to the system, and the span whose highest
+  // bytes in use the current ones must be near for a trim (base/heap.h, HeapTrimmer,
+  // HeapTrimSchedule: keeps RSS tracking the bytes in use under a long serving load); zero: never.
   absl::Duration malloc_trim_interval = absl::Seconds(10);
 };
 

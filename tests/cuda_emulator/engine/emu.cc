@@ -157,24 +157,11 @@ static void RunCluster() {
   const size_t total = static_cast<size_t>(ranks) * g_block_slots;
   if (g_threads.size() < total) g_threads.resize(total);
   auto thread_of = [&](int r, int i) -> Thread& { return g_threads[r * g_block_slots + i]; };
-  for (int r = 0; r < ranks; ++r) {
-    for (int i = 0; i < g_block_slots; ++i) {
-      Thread& t = thread_of(r, i);
-      t.state = kDone;
-      if (i >= n) continue;  // padding of the last warp
-      t.Start(i, r, g_block_dim, kStack, &Entry);
-      t.op = kOpNone;
-    }
-  }
-  auto runnable_in = [&](int r) {
-    for (int i = 0; i < n; ++i) {
-      if (thread_of(r, i).state == kRunnable) return true;
-    }
-    return false;
-  };
+  g_cluster.StartFibers(n, g_block_slots, thread_of, g_block_dim, kStack, &Entry);
+  for (Thread& t : g_threads) t.op = kOpNone;
   for (;;) {
     int r = 0;
-    while (r < ranks && !runnable_in(r)) ++r;
+    while (r < ranks && !EmuCluster::Runnable(r, n, thread_of)) ++r;
     if (r < ranks) {
       g_block_idx = g_cluster.blocks[r].idx;
       for (int i = 0; i < n; ++i) {
@@ -211,14 +198,7 @@ static void RunCluster() {
     }
     // Block r is stuck: its threads wait at __syncthreads or a cluster barrier, or exited (the
     // other blocks' may still be runnable).
-    bool all_done = false;
-    const bool released = g_cluster.ReleaseBarriers(n, thread_of, g_block_idx, &all_done);
-    if (all_done) break;
-    bool runnable = released;
-    for (int b = 0; b < ranks && !runnable; ++b) runnable = runnable_in(b);
-    if (!runnable) {
-      Fail("deadlock (threads wait at __syncthreads or a cluster barrier others never reach)");
-    }
+    if (g_cluster.EndRound(n, thread_of, g_block_idx)) break;
   }
 }
 

@@ -100,11 +100,52 @@ struct EmuCluster {
     return dim3(block_idx.x % dim.x, block_idx.y % dim.y, block_idx.z % dim.z);
   }
 
+  // The schedulers' fibers: `fiber(r, i)` is rank r's thread i, for i < `slots` (a block's
+  // threads rounded up to whole warps); threads i >= n, the last warp's padding, never run.
+
+  // Starts every block's threads from `entry`.
+  template <class FiberOf>
+  void StartFibers(int n, int slots, FiberOf fiber, dim3 block, size_t stack_bytes,
+                   void (*entry)()) {
+    for (int r = 0; r < static_cast<int>(blocks.size()); ++r) {
+      for (int i = 0; i < slots; ++i) {
+        EmuFiber& t = fiber(r, i);
+        t.state = kDone;
+        if (i < n) t.Start(i, r, block, stack_bytes, entry);
+      }
+    }
+  }
+
+  // Whether a thread of block `rank` can run.
+  template <class FiberOf>
+  static bool Runnable(int rank, int n, FiberOf fiber) {
+    for (int i = 0; i < n; ++i) {
+      if (fiber(rank, i).state == kRunnable) return true;
+    }
+    return false;
+  }
+
+  // Ends a scheduling round: releases the barriers (ReleaseBarriers) and fails on a deadlock
+  // (nothing released and nothing runnable). Returns true when every thread has exited.
+  template <class FiberOf>
+  bool EndRound(int n, FiberOf fiber, dim3& block_idx) {
+    bool all_done = false;
+    bool progress = ReleaseBarriers(n, fiber, block_idx, &all_done);
+    if (all_done) return true;
+    for (int r = 0; r < static_cast<int>(blocks.size()) && !progress; ++r) {
+      progress = Runnable(r, n, fiber);
+    }
+    if (!progress) {
+      Fail("deadlock (threads wait at __syncthreads or a cluster barrier others never reach)");
+    }
+    return false;
+  }
+
   // Once no block can run further: marks the blocks whose threads all exited (freeing their
   // shared memory), then releases each block barrier its whole block has reached and each
   // cluster wait every non-exited thread of the cluster has arrived at as often as the waiter.
-  // `fiber(r, i)` is rank r's thread i (i < n); `block_idx` is set to the block a failure names.
-  // Returns whether anything was released; *all_done when every thread exited.
+  // `block_idx` is set to the block a failure names. Returns whether anything was released;
+  // *all_done when every thread exited.
   template <class FiberOf>
   bool ReleaseBarriers(int n, FiberOf fiber, dim3& block_idx, bool* all_done) {
     const int ranks = static_cast<int>(blocks.size());
@@ -230,6 +271,7 @@ struct EmuCluster {
         if (a >= p && a < p + (v.bytes == 0 ? 1 : v.bytes)) {
           var = &v;
           offset = a - p;
+          break;
         }
       }
       if (var == nullptr) {

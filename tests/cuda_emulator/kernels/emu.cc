@@ -175,15 +175,8 @@ static void RunCluster() {
   const size_t total = static_cast<size_t>(ranks) * g_block_slots;
   if (g_threads.size() < total) g_threads.resize(total);
   g_warp_vals.assign(total, 0);
-  for (int r = 0; r < ranks; ++r) {
-    for (int i = 0; i < g_block_slots; ++i) {
-      Thread& t = g_threads[r * g_block_slots + i];
-      t.state = kDone;
-      if (i >= n) continue;  // padding of the last warp
-      t.Start(i, r, g_block_dim, kStack, &Entry);
-    }
-  }
   auto thread_of = [&](int r, int i) -> Thread& { return g_threads[r * g_block_slots + i]; };
+  g_cluster.StartFibers(n, g_block_slots, thread_of, g_block_dim, kStack, &Entry);
   // Warp at a time: a warp runs (through its warp collectives) until every lane waits at a
   // barrier or exited, then the next warp (in EMU_ORDER) runs. Warps thus overtake each other as
   // far as the barriers allow, which exposes a missing __syncthreads in one order or the other;
@@ -194,19 +187,13 @@ static void RunCluster() {
   // barrier left late then fails in MapSharedRank); with rand the warps of all of them
   // interleave.
   std::vector<int> warp_order(ranks * warps), lane_order(32);
-  auto runnable_in = [&](int r) {
-    for (int i = 0; i < n; ++i) {
-      if (thread_of(r, i).state == kRunnable) return true;
-    }
-    return false;
-  };
   for (;;) {
     Order(warp_order);
     int only_rank = -1;
     if (ranks > 1 && g_order != 2) {
       for (int k = 0; k < ranks && only_rank < 0; ++k) {
         const int r = g_order == 1 ? ranks - 1 - k : k;
-        if (runnable_in(r)) only_rank = r;
+        if (EmuCluster::Runnable(r, n, thread_of)) only_rank = r;
       }
     }
     for (int rw : warp_order) {
@@ -232,14 +219,7 @@ static void RunCluster() {
     }
     // Every thread of the blocks that ran now waits at __syncthreads or a cluster barrier, or
     // exited; the other blocks' may still be runnable.
-    bool all_done = false;
-    const bool released = g_cluster.ReleaseBarriers(n, thread_of, g_block_idx, &all_done);
-    if (all_done) break;
-    bool runnable = released;
-    for (int r = 0; r < ranks && !runnable; ++r) runnable = runnable_in(r);
-    if (!runnable) {
-      Fail("deadlock (threads wait at __syncthreads or a cluster barrier others never reach)");
-    }
+    if (g_cluster.EndRound(n, thread_of, g_block_idx)) break;
   }
 }
 
