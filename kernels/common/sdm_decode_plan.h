@@ -23,7 +23,7 @@ namespace sdm::kernels {
 inline constexpr int64_t kSdmPortableClusterBlocks = 8;
 inline constexpr int64_t kSdmMaxClusterBlocks = 16;
 // A grid of at least this many blocks fills the GPU with 16-byte tiles: ~2 blocks per SM on an
-// H100/H200 (132 SMs). SdmStep chooses its tiles by it too.
+// H100/H200 (132 SMs). SdmStep chooses its tiles by it too (SdmMultiTileVec).
 inline constexpr int64_t kSdmWideGridBlocks = 264;
 // Staged rows of one block: n_w x tile bf16, at most this many bytes for 16-byte tiles.
 inline constexpr int64_t kSdmDecodeMaxStagedBytes = 64 * 1024;
@@ -51,18 +51,30 @@ struct SdmDecodePlan {
   int64_t staged_bytes = 0;    // dynamic shared memory per block: n_w x tile bf16
 };
 
-// The narrowest tile that covers the row when one can (one launch); else 16-byte tiles when the
-// grid fills the GPU (or 4-byte accesses are not possible), 4-byte tiles (4x the blocks) when not.
-// 16-byte tiles stage n_w x 512 B: above kSdmDecodeMaxStagedBytes the 4-byte tile is used. Widths
-// that are odd (or rows not 4-byte aligned) take 1-column-per-lane tiles.
+// The tile width (columns per lane) for rows of several tiles, the one rule SdmStep
+// (kernels/cuda/sdm.h) and the decode step share: 16-byte tiles when the grid they make fills the
+// GPU (kSdmWideGridBlocks) or 4-byte accesses are not possible; else 4-byte tiles (4x the blocks,
+// for prefill's few long segments); 1 column per lane for odd widths or rows not 4-byte aligned.
+// `vec8_allowed`: false where 16-byte tiles are ruled out otherwise (the decode step's staging
+// limit). shape.n_w is not used.
+inline int SdmMultiTileVec(const SdmDecodeShape& shape, bool vec8_allowed = true) {
+  const bool vec8_ok = vec8_allowed && shape.width % 8 == 0 && shape.rows_aligned_16;
+  const bool vec2_ok = shape.width % 2 == 0 && shape.rows_aligned_4;
+  const int64_t blocks_at_vec8 = shape.segments * shape.heads * ((shape.width + 255) / 256);
+  if (vec8_ok && (blocks_at_vec8 >= kSdmWideGridBlocks || !vec2_ok)) return 8;
+  return vec2_ok ? 2 : 1;
+}
+
+// The narrowest tile that covers the row when one can (one launch); else SdmMultiTileVec, with
+// 16-byte tiles ruled out where they would stage n_w x 512 B above kSdmDecodeMaxStagedBytes.
 // `max_cluster_blocks`: the largest cluster the launch may use (kSdmMaxClusterBlocks, or
 // kSdmPortableClusterBlocks where the non-portable opt-in was refused; 1: no clusters).
 inline SdmDecodePlan PlanSdmDecode(const SdmDecodeShape& shape,
                                    int64_t max_cluster_blocks = kSdmMaxClusterBlocks) {
   const int64_t width = shape.width;
-  const bool vec8_ok = width % 8 == 0 && shape.rows_aligned_16;
   const bool vec2_ok = width % 2 == 0 && shape.rows_aligned_4;
-  const bool vec8_fits = vec8_ok && shape.n_w * 256 * 2 <= kSdmDecodeMaxStagedBytes;
+  const bool vec8_fits =
+      width % 8 == 0 && shape.rows_aligned_16 && shape.n_w * 256 * 2 <= kSdmDecodeMaxStagedBytes;
   SdmDecodePlan plan;
   if (width <= 32) {
     plan.vec = 1;
@@ -70,12 +82,8 @@ inline SdmDecodePlan PlanSdmDecode(const SdmDecodeShape& shape,
     plan.vec = 2;
   } else if (width <= 256 && vec8_fits) {
     plan.vec = 8;
-  } else if (vec8_fits &&
-             (shape.segments * shape.heads * ((width + 255) / 256) >= kSdmWideGridBlocks ||
-              !vec2_ok)) {
-    plan.vec = 8;
-  } else if (vec2_ok) {
-    plan.vec = 2;
+  } else {
+    plan.vec = SdmMultiTileVec(shape, shape.n_w * 256 * 2 <= kSdmDecodeMaxStagedBytes);
   }
   const int64_t tile = 32 * plan.vec;
   plan.tiles = (width + tile - 1) / tile;

@@ -1145,6 +1145,24 @@ cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r
   return cudaSuccess;
 }
 
+namespace {
+
+// The shape the tile rules of kernels/common/sdm_decode_plan.h decide by: 16- and 4-byte accesses
+// need both the arena's rows and M0 (when given) aligned.
+SdmDecodeShape RowShape(const SdmSegments& segs, const SdmDims& dims, const SdmRowArena& arena,
+                        const __nv_bfloat16* m0, int64_t n_w) {
+  SdmDecodeShape shape;
+  shape.width = dims.row_width;
+  shape.n_w = n_w;
+  shape.segments = segs.num;
+  shape.heads = dims.heads;
+  shape.rows_aligned_16 = Aligned(arena.rows, 16) && (m0 == nullptr || Aligned(m0, 16));
+  shape.rows_aligned_4 = Aligned(arena.rows, 4) && (m0 == nullptr || Aligned(m0, 4));
+  return shape;
+}
+
+}  // namespace
+
 cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmDims& dims,
                     const SdmRowArena& arena, cudaStream_t stream) {
   if (args.n_w < 0 || args.n_r < 0 || args.n_w > kMaxSelected || args.n_r > kMaxSelected ||
@@ -1154,19 +1172,7 @@ cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmD
   }
   if (segs.num == 0) return cudaSuccess;
   const int64_t width = dims.row_width;
-  // 16-byte tiles when the grid is wide enough to fill the GPU (decode batches); 4-byte tiles
-  // (4x more blocks) for few long segments (prefill); scalar for odd widths.
-  const bool vec8_ok =
-      width % 8 == 0 && Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
-  const bool vec2_ok =
-      width % 2 == 0 && Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
-  const int64_t tiles8 = (width + 255) / 256;
-  int vec = 1;
-  if (vec8_ok && (segs.num * dims.heads * tiles8 >= kSdmWideGridBlocks || !vec2_ok)) {
-    vec = 8;
-  } else if (vec2_ok) {
-    vec = 2;
-  }
+  const int vec = SdmMultiTileVec(RowShape(segs, dims, arena, args.m0, /*n_w=*/0));
   const int64_t tile_cols = 32 * vec;
   const int64_t tiles = (width + tile_cols - 1) / tile_cols;
   if (segs.num * tiles > INT32_MAX) return cudaErrorInvalidValue;
@@ -1185,6 +1191,20 @@ cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmD
   return cudaGetLastError();
 }
 
+SdmDecodePlan SdmDecodeStepPlan(const SdmDecodeArgs& args, const SdmSegments& segs,
+                                const SdmDims& dims, const SdmRowArena& arena,
+                                int64_t max_cluster_blocks) {
+  const SdmDecodeShape shape = RowShape(segs, dims, arena, args.m0, args.n_w);
+  SdmDecodePlan plan = PlanSdmDecode(shape, DeviceLaunchesClusters() ? max_cluster_blocks : 1);
+  if (plan.alloc == SdmDecodeAlloc::kCluster && plan.cluster_blocks > kSdmPortableClusterBlocks) {
+    const bool allowed = plan.vec == 8   ? NonPortableClustersAllowed<8>()
+                         : plan.vec == 2 ? NonPortableClustersAllowed<2>()
+                                         : NonPortableClustersAllowed<1>();
+    if (!allowed) plan = PlanSdmDecode(shape, kSdmPortableClusterBlocks);
+  }
+  return plan;
+}
+
 cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
                           const SdmRowArena& arena, cudaStream_t stream,
                           int64_t max_cluster_blocks) {
@@ -1195,20 +1215,7 @@ cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, co
   }
   if (segs.num == 0) return cudaSuccess;
   if (segs.max_length != 1) return cudaErrorInvalidValue;
-  SdmDecodeShape shape;
-  shape.width = dims.row_width;
-  shape.n_w = args.n_w;
-  shape.segments = segs.num;
-  shape.heads = dims.heads;
-  shape.rows_aligned_16 = Aligned(arena.rows, 16) && (args.m0 == nullptr || Aligned(args.m0, 16));
-  shape.rows_aligned_4 = Aligned(arena.rows, 4) && (args.m0 == nullptr || Aligned(args.m0, 4));
-  SdmDecodePlan plan = PlanSdmDecode(shape, DeviceLaunchesClusters() ? max_cluster_blocks : 1);
-  if (plan.alloc == SdmDecodeAlloc::kCluster && plan.cluster_blocks > kSdmPortableClusterBlocks) {
-    const bool allowed = plan.vec == 8   ? NonPortableClustersAllowed<8>()
-                         : plan.vec == 2 ? NonPortableClustersAllowed<2>()
-                                         : NonPortableClustersAllowed<1>();
-    if (!allowed) plan = PlanSdmDecode(shape, kSdmPortableClusterBlocks);
-  }
+  const SdmDecodePlan plan = SdmDecodeStepPlan(args, segs, dims, arena, max_cluster_blocks);
   if (segs.num * plan.tiles > INT32_MAX) return cudaErrorInvalidValue;
   if (plan.alloc == SdmDecodeAlloc::kSeparate && args.n_w > 0 && args.w_rows == nullptr) {
     return cudaErrorInvalidValue;

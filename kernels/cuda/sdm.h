@@ -170,6 +170,14 @@ cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, co
                           const SdmRowArena& arena, cudaStream_t stream,
                           int64_t max_cluster_blocks = kSdmMaxClusterBlocks);
 
+// What SdmDecodeStep launches for these arguments on the current device: PlanSdmDecode
+// (kernels/common/sdm_decode_plan.h) capped by what the device grants (no clusters where it does
+// not launch them; clusters of at most kSdmPortableClusterBlocks where the kernel's non-portable
+// opt-in is refused, which this asks for once). For benchmarks' labels and the tests.
+SdmDecodePlan SdmDecodeStepPlan(const SdmDecodeArgs& args, const SdmSegments& segs,
+                                const SdmDims& dims, const SdmRowArena& arena,
+                                int64_t max_cluster_blocks = kSdmMaxClusterBlocks);
+
 // Returns every row of table [n_slots] to the free list and resets its entries to kSdmNoRow.
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,
                            cudaStream_t stream);

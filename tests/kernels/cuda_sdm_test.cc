@@ -1108,12 +1108,20 @@ void RunDecodeCase(const DecodeCase& dc) {
   dec.m0 = m0_ptr;
   dec.readings = b.readings.get();
   dec.w_rows = d_scratch_rows.get();
+  // What the step launches on this device: the shapes' plan (every device the build targets
+  // launches clusters and grants the non-portable opt-in).
+  const SdmDecodePlan launched =
+      cuda::SdmDecodeStepPlan(dec, segs_of(b), dims, arena_of(b), dc.max_cluster_blocks);
+  EXPECT_EQ(launched.vec, plan.vec);
+  EXPECT_EQ(launched.tiles, plan.tiles);
+  EXPECT_EQ(static_cast<int>(launched.alloc), static_cast<int>(plan.alloc));
+  EXPECT_EQ(launched.cluster_blocks, plan.cluster_blocks);
   ASSERT_EQ(cuda::SdmDecodeStep(dec, segs_of(b), dims, arena_of(b), nullptr, dc.max_cluster_blocks),
             cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<int32_t> scratch = Download(d_scratch_rows.get(), w_slots.size());
   const auto untouched = std::count(scratch.begin(), scratch.end(), kUntouched);
-  if (plan.alloc == SdmDecodeAlloc::kSeparate) {
+  if (launched.alloc == SdmDecodeAlloc::kSeparate) {
     EXPECT_EQ(untouched, 0) << "the allocation launch writes every entry's row";
   } else {
     EXPECT_EQ(untouched, static_cast<int64_t>(scratch.size())) << "allocated within the step";

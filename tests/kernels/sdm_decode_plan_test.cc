@@ -1,5 +1,6 @@
-// PlanSdmDecode (kernels/common/sdm_decode_plan.h): how the CUDA decode step splits a row over
-// thread blocks, and where its write rows are allocated. Tested here, on the CPU, because the
+// PlanSdmDecode and SdmMultiTileVec (kernels/common/sdm_decode_plan.h): how the CUDA decode step
+// (and SdmStep) split a row over thread blocks, and where the decode step's write rows are
+// allocated. Tested here, on the CPU, because the
 // CUDA launch follows the plan exactly and CI has no GPU.
 #include "kernels/common/sdm_decode_plan.h"
 
@@ -19,6 +20,21 @@ SdmDecodeShape Shape(int64_t width, int64_t n_w, int64_t segments, int64_t heads
   shape.segments = segments;
   shape.heads = heads;
   shape.rows_aligned_16 = shape.rows_aligned_4 = true;
+  return shape;
+}
+
+// Widths min_width..min_width + 4095, 0-256 writes, 1-300 segments, 1-8 heads; rows 16-byte
+// aligned 3 times in 4, else 4-byte aligned half the time.
+SdmDecodeShape RandomShape(std::mt19937& rng, int64_t min_width) {
+  // One draw per statement: the order of a call's arguments is unspecified, and a seed must
+  // name the same shapes under every compiler.
+  const int64_t width = min_width + rng() % 4096;
+  const int64_t n_w = rng() % 257;
+  const int64_t segments = 1 + rng() % 300;
+  const int64_t heads = 1 + rng() % 8;
+  SdmDecodeShape shape = Shape(width, n_w, segments, heads);
+  shape.rows_aligned_16 = rng() % 4 != 0;
+  shape.rows_aligned_4 = shape.rows_aligned_16 || rng() % 2 == 0;
   return shape;
 }
 
@@ -81,14 +97,45 @@ TEST(SdmDecodePlanTest, AlignmentAndOddWidthsNarrowTheTile) {
 // Invariants over random shapes (fixed seeds and a fresh one): the tiles cover the row and no
 // more than one tile's worth past it; a cluster is exactly the row's tiles and within the limit;
 // the 16-byte tile is used only when its staged rows fit; vec 8/2 only where the accesses allow.
+// SdmStep's tiles (SdmMultiTileVec): 16-byte tiles for a decode batch that fills the GPU,
+// 4-byte tiles (4x the blocks) for prefill's few long segments, narrower where the alignment or
+// the width rules the wider out.
+TEST(SdmDecodePlanTest, StepTilesFollowTheGridWidth) {
+  EXPECT_EQ(SdmMultiTileVec(Shape(1024, 0, 64)), 8);  // 64 x 2 x 4 = 512 blocks
+  EXPECT_EQ(SdmMultiTileVec(Shape(1024, 0, 33)), 8);  // 264: exactly kSdmWideGridBlocks
+  EXPECT_EQ(SdmMultiTileVec(Shape(1024, 0, 32)), 2);  // 256 blocks: too few
+  EXPECT_EQ(SdmMultiTileVec(Shape(1024, 0, 1)), 2);   // one prefill segment
+  EXPECT_EQ(SdmMultiTileVec(Shape(1025, 0, 64)), 1);  // odd width
+  EXPECT_EQ(SdmMultiTileVec(Shape(1028, 0, 64)), 2);  // not a multiple of 8
+  EXPECT_EQ(SdmMultiTileVec(Shape(1024, 0, 64), /*vec8_allowed=*/false), 2);
+  SdmDecodeShape shape = Shape(1024, 0, 64);
+  shape.rows_aligned_16 = false;  // M0 or the arena only 4-byte aligned
+  EXPECT_EQ(SdmMultiTileVec(shape), 2);
+  shape.rows_aligned_4 = false;
+  EXPECT_EQ(SdmMultiTileVec(shape), 1);
+}
+
+// For rows wider than one 16-byte tile the decode step's tile is SdmStep's, less 16-byte tiles
+// where they would stage too much: one rule, stated once.
+TEST(SdmDecodePlanTest, WideRowsTakeTheStepsTile) {
+  for (uint32_t seed : {7u, std::random_device{}()}) {
+    SCOPED_TRACE(seed);
+    std::mt19937 rng(seed);
+    for (int i = 0; i < 2000; ++i) {
+      const SdmDecodeShape shape = RandomShape(rng, /*min_width=*/257);
+      const bool fits = shape.n_w * 512 <= kSdmDecodeMaxStagedBytes;
+      ASSERT_EQ(PlanSdmDecode(shape).vec, SdmMultiTileVec(shape, fits))
+          << shape.width << " " << shape.n_w << " " << shape.segments << " " << shape.heads;
+    }
+  }
+}
+
 TEST(SdmDecodePlanTest, PlansCoverTheRowWithinTheLimits) {
   for (uint32_t seed : {1u, 2u, 3u, std::random_device{}()}) {
     SCOPED_TRACE(seed);
     std::mt19937 rng(seed);
     for (int i = 0; i < 2000; ++i) {
-      SdmDecodeShape shape = Shape(1 + rng() % 4096, rng() % 257, 1 + rng() % 300, 1 + rng() % 8);
-      shape.rows_aligned_16 = rng() % 4 != 0;
-      shape.rows_aligned_4 = shape.rows_aligned_16 || rng() % 2 == 0;
+      const SdmDecodeShape shape = RandomShape(rng, /*min_width=*/1);
       const int64_t limit = 1 + rng() % 20;
       const SdmDecodePlan plan = PlanSdmDecode(shape, limit);
       const int64_t tile = 32 * plan.vec;

@@ -196,6 +196,19 @@ void Print(const Row& r) {
 // ---- SDM step ----
 
 // SdmStep (and SdmPrepareRows + SdmStep) at `batch` sessions of sdm_flagship's geometry.
+// Where a decode plan allocates the write rows, for the benchmark's label.
+std::string PlanAllocation(const kernels::SdmDecodePlan& plan) {
+  switch (plan.alloc) {
+    case kernels::SdmDecodeAlloc::kInBlock:
+      return "allocated in the block";
+    case kernels::SdmDecodeAlloc::kCluster:
+      return absl::StrFormat("clusters of %d", plan.cluster_blocks);
+    case kernels::SdmDecodeAlloc::kSeparate:
+      return "allocated by a launch of its own";
+  }
+  return "?";
+}
+
 absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_gbps,
                       cudaStream_t stream, std::mt19937_64& rng, std::vector<Row>& rows) {
   const int64_t per_set = batch * kSdmHeads;  // (session, head) pairs
@@ -419,19 +432,17 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   };
   absl::StatusOr<Timing> decode = time_decode(kernels::kSdmMaxClusterBlocks, "SdmDecodeStep");
   if (!decode.ok()) return decode.status();
-  // The shapes' plan (kernels/common/sdm_decode_plan.h): at these shapes a row is several tiles,
-  // run as one cluster whose rank 0 allocates; the row after it is the same step without
-  // clusters (the allocation in a launch of its own), to show what the clusters save.
-  kernels::SdmDecodeShape plan_shape;
-  plan_shape.width = kSdmWidth;
-  plan_shape.n_w = kSdmW;
-  plan_shape.segments = batch;
-  plan_shape.heads = dims.heads;
-  plan_shape.rows_aligned_16 = plan_shape.rows_aligned_4 = true;  // cudaMalloc: 256 B aligned
-  const kernels::SdmDecodePlan plan = kernels::PlanSdmDecode(plan_shape);
+  // What the step launched (kernels/common/sdm_decode_plan.h, capped by what this device
+  // grants): at these shapes a row is several tiles, run as one cluster whose rank 0 allocates;
+  // the row after it is the same step without clusters (the allocation in a launch of its own),
+  // to show what the clusters save.
+  kc::SdmDecodeArgs plan_args = dec;
+  plan_args.w_slots = d_w_slots.get();
+  plan_args.r_slots = d_r_slots.get();
+  const kernels::SdmDecodePlan plan = kc::SdmDecodeStepPlan(plan_args, segs, dims, arena);
   rows.push_back({"sdm decode step",
-                  absl::StrFormat("%s; %d-byte tiles, %d per row, clusters of %d", shape,
-                                  2 * plan.vec, plan.tiles, plan.cluster_blocks),
+                  absl::StrFormat("%s; %d-byte tiles, %d per row, %s", shape, 2 * plan.vec,
+                                  plan.tiles, PlanAllocation(plan)),
                   batch, bytes, *decode, copy_gbps, kKernelTargetFraction, 0});
   Print(rows.back());
   absl::StatusOr<Timing> separate = time_decode(1, "SdmDecodeStep without clusters");
