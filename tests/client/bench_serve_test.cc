@@ -293,14 +293,16 @@ TEST_F(BenchServeRunTest, DurationModeRunsUntilTheTimeIsUp) {
   server_.service().set_chunk_delay(absl::Milliseconds(2));
   BenchServeOptions o;
   o.concurrency = 2;
-  o.duration = absl::Milliseconds(300);
+  o.duration = absl::Seconds(1);
   o.max_tokens = Distribution::Fixed(3);
   std::ostringstream log;
   absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_GT(r->ok, 2);
-  EXPECT_GE(r->wall_seconds, 0.3);
-  EXPECT_LT(r->wall_seconds, 5);
+  // It ran for the whole duration, and every call it made is counted (how many fit in the
+  // second depends on the machine's load, so only "some").
+  EXPECT_GE(r->wall_seconds, 1.0);
+  EXPECT_GT(r->ok, 0);
+  EXPECT_EQ(r->ok, static_cast<int64_t>(server_.service().generate_requests().size()));
 }
 
 TEST_F(BenchServeRunTest, FailedCallsAreCountedByCode) {

@@ -19,6 +19,7 @@
 #include "server/grpc_status.h"
 #include "server/http/chat_template.h"
 #include "server/http/http_status.h"
+#include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 
 namespace sdm::testing {
@@ -468,13 +469,9 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
 
   // Hang up mid-stream: the job ends, the session is free and keeps what was generated.
   EXPECT_EQ(StreamAndHangUp(port, "long", 4), 4);
-  bool idle = false;
   v1::Session session;
-  for (int i = 0; i < 500 && !idle; ++i) {
-    idle = GetSession(*s.stub, "long", &session).ok() && !session.generating();
-    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(idle);
+  ASSERT_TRUE(Eventually(
+      [&] { return GetSession(*s.stub, "long", &session).ok() && !session.generating(); }));
   EXPECT_GE(session.position(), 3);
   const Reply next = Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 3}});
   EXPECT_EQ(next.status, 200) << next.raw;
@@ -493,12 +490,9 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
   EXPECT_EQ(busy.status, 409) << busy.raw;
   EXPECT_THAT(busy.raw, HasSubstr("already generating"));
   auto waiting = s.stub->Generate(&waiting_context, TextRequest("waiting", 1'000'000));
-  bool queued = false;
-  for (int i = 0; i < 500 && !queued; ++i) {
-    queued = MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_waiting") == 1;
-    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(queued);
+  ASSERT_TRUE(Eventually([&] {
+    return MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_waiting") == 1;
+  }));
   const Reply full = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
   EXPECT_EQ(full.status, 429) << full.raw;
   EXPECT_EQ(full.retry_after, "1");
@@ -511,12 +505,9 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
   }
   running->Finish();
   waiting->Finish();
-  bool served = false;
-  for (int i = 0; i < 500 && !served; ++i) {
-    served = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}}).status == 200;
-    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(served);
+  EXPECT_TRUE(Eventually([&] {
+    return Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}}).status == 200;
+  }));
   const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
   EXPECT_EQ(MetricValue(page, "sdm_requests_total",
                         {{"method", "OpenAI.ChatCompletions"}, {"code", "CANCELLED"}}),
@@ -542,21 +533,14 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
   });
   // Generating (no response yet: it would come after a million tokens), then the client leaves.
   v1::Session session;
-  bool generating = false;
-  for (int i = 0; i < 500 && !generating; ++i) {
-    generating = GetSession(*s.stub, "whole", &session).ok() && session.generating();
-    if (!generating) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(generating);
+  ASSERT_TRUE(Eventually(
+      [&] { return GetSession(*s.stub, "whole", &session).ok() && session.generating(); }));
   client.stop();
   waiting.join();
   EXPECT_TRUE(returned.load());
-  bool idle = false;
-  for (int i = 0; i < 500 && !idle; ++i) {
-    idle = GetSession(*s.stub, "whole", &session).ok() && !session.generating();
-    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(idle) << "the job kept running after its client left";
+  EXPECT_TRUE(Eventually([&] {
+    return GetSession(*s.stub, "whole", &session).ok() && !session.generating();
+  })) << "the job kept running after its client left";
   // Its place in the batch (max_running 1) is free again.
   EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 2}}).status, 200);
 }
@@ -622,7 +606,8 @@ TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
 
 TEST_F(OpenAiHttpTest, WhileTheServerDrainsNewRequestsGet503WithRetryAfter) {
   ServerOptions o = Options();
-  o.shutdown_grace = absl::Seconds(20);  // the running stream below keeps it draining
+  o.shutdown_grace = absl::Hours(1);  // never reached: the running stream below keeps it draining
+                                      // until the test cancels it
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->http_port();
@@ -634,10 +619,10 @@ TEST_F(OpenAiHttpTest, WhileTheServerDrainsNewRequestsGet503WithRetryAfter) {
   ASSERT_TRUE(running->Read(&chunk));
   std::thread shutdown([&] { EXPECT_TRUE(s.server->Shutdown().ok()); });
   Reply refused;
-  for (int i = 0; i < 500 && refused.status != 503; ++i) {
+  Eventually([&] {
     refused = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
-    if (refused.status != 503) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+    return refused.status == 503;
+  });
   EXPECT_EQ(refused.status, 503) << refused.raw;
   EXPECT_EQ(refused.retry_after, "1");
   EXPECT_EQ(refused.body["error"]["type"], "service_unavailable");

@@ -20,6 +20,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "sdm/v1/sdm.grpc.pb.h"
+#include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 
 extern char** environ;
@@ -236,10 +237,7 @@ TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   ASSERT_TRUE(stream->Read(&chunk));
   ASSERT_EQ(::kill(pid, SIGTERM), 0);
   // Wait (setup) until the server has started its graceful shutdown.
-  for (int i = 0; i < 3000 && ReadFile(err.string()).find("shutting down") == std::string::npos;
-       ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  Eventually([&] { return ReadFile(err.string()).find("shutting down") != std::string::npos; });
   ASSERT_THAT(ReadFile(err.string()), ::testing::HasSubstr("shutting down"));
   ASSERT_EQ(::kill(pid, SIGTERM), 0);
   int raw = 0;

@@ -24,6 +24,7 @@
 #include "server/auth.h"
 #include "server/grpc_status.h"
 #include "server/tenancy.h"
+#include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 #include "tests/state_store/held_read_files.h"
 
@@ -40,30 +41,25 @@ class ServiceTest : public ::testing::Test {
   ScopedTempDir dir_;
 };
 
-// Waits (up to 5 s) until the session is no longer generating; false on timeout.
+// Waits (Eventually: tests/base/eventually.h) until the session is no longer generating; false if
+// it never stops.
 bool WaitUntilIdle(v1::SdmService::Stub& stub, const std::string& id,
                    const std::string& api_key = "") {
-  for (int i = 0; i < 500; ++i) {
+  return Eventually([&] {
     grpc::ClientContext context;
     Prepare(context, {.api_key = api_key});
     v1::GetSessionRequest request;
     request.set_session_id(id);
     v1::Session session;
-    if (stub.GetSession(&context, request, &session).ok() && !session.generating()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return false;
+    return stub.GetSession(&context, request, &session).ok() && !session.generating();
+  });
 }
 
-// Waits (up to 5 s) until the metric has `value`: the server records a call's outcome just
+// Waits (Eventually) until the metric has `value`: the server records a call's outcome just
 // after the client has heard it.
 bool WaitForMetric(int port, const std::string& name,
                    const std::map<std::string, std::string>& labels, double value) {
-  for (int i = 0; i < 500; ++i) {
-    if (MetricValue(ScrapeMetrics(port), name, labels) == value) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  return false;
+  return Eventually([&] { return MetricValue(ScrapeMetrics(port), name, labels) == value; });
 }
 
 grpc::Status ForkSession(v1::SdmService::Stub& stub, const std::string& from, const std::string& to,
@@ -196,11 +192,10 @@ TEST_F(ServiceTest, DeadlineExceededFreesTheSequence) {
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
   ASSERT_TRUE(CreateSession(*s.stub, "slow").ok());
-  const auto start = std::chrono::steady_clock::now();
   const Completion late = Generate(*s.stub, TextRequest("a long story", 1'000'000, "slow"),
                                    {.timeout = std::chrono::milliseconds(300)});
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+  // The server's side: the job ends (left alone it would run a million tokens, minutes here).
   ASSERT_TRUE(WaitUntilIdle(*s.stub, "slow"));
   // The server hears a client's deadline as a cancellation (gRPC sends the same RST_STREAM for
   // both) and counts it as DEADLINE_EXCEEDED when it comes near the deadline as the server
@@ -214,12 +209,12 @@ TEST_F(ServiceTest, DeadlineExceededFreesTheSequence) {
   const std::map<std::string, std::string> cancelled = {{"method", "Generate"},
                                                         {"code", "CANCELLED"}};
   double counted = 0;
-  for (int i = 0; i < 500 && counted == 0; ++i) {
+  Eventually([&] {
     const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
     counted = MetricValue(page, "sdm_requests_total", deadline) +
               MetricValue(page, "sdm_requests_total", cancelled);
-    if (counted == 0) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+    return counted != 0;
+  });
   EXPECT_EQ(counted, 1);
   const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
   EXPECT_EQ(MetricValue(page, "sdm_requests_total", {{"method", "Generate"}, {"code", "OK"}}), 0);
@@ -245,12 +240,7 @@ TEST_F(ServiceTest, FullQueueIsResourceExhaustedWithPushbackAndTheServerKeepsSer
   v1::GenerateResponse chunk;
   ASSERT_TRUE(running->Read(&chunk));
   auto waiting = s.stub->Generate(&waiting_context, TextRequest("waiting", 1'000'000));
-  bool queued = false;
-  for (int i = 0; i < 500 && !queued; ++i) {
-    queued = MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_waiting") == 1;
-    if (!queued) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(queued);
+  ASSERT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_waiting", {}, 1));
   // Refused on a session: the session is left exactly as it was.
   const Completion refused = Generate(*s.stub, TextRequest("refused", 4, "chat"));
   EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
@@ -267,14 +257,11 @@ TEST_F(ServiceTest, FullQueueIsResourceExhaustedWithPushbackAndTheServerKeepsSer
   EXPECT_EQ(running->Finish().error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_EQ(waiting->Finish().error_code(), grpc::StatusCode::CANCELLED);
   // The client learns of its cancellation at once; the server ends both jobs within a step or two.
-  bool idle = false;
-  for (int i = 0; i < 500 && !idle; ++i) {
+  ASSERT_TRUE(Eventually([&] {
     const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
-    idle = MetricValue(page, "sdm_requests_running") == 0 &&
+    return MetricValue(page, "sdm_requests_running") == 0 &&
            MetricValue(page, "sdm_requests_waiting") == 0;
-    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(idle);
+  }));
   const Completion after = Generate(*s.stub, TextRequest(" second", 6, "chat"));
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
   ASSERT_TRUE(CreateSession(*s.stub, "ref").ok());
@@ -344,31 +331,80 @@ TEST_F(ServiceTest, StopStringsStopIdsAndTokenIdPrompts) {
   EXPECT_EQ(as_text.tokens, free_run.tokens);
 }
 
-TEST_F(ServiceTest, GracefulShutdownDrainsCancelsLeftoversAndPersistsSessions) {
-  ServerOptions o = Options();
-  o.shutdown_grace = absl::Seconds(2);
-  Served s = Serve(o);
-  ASSERT_NE(s.server, nullptr);
-  ASSERT_TRUE(CreateSession(*s.stub, "kept").ok());
-  grpc::ClientContext context;
-  Prepare(context, {});
-  auto stream = s.stub->Generate(&context, TextRequest("endless", 1'000'000, "kept"));
-  v1::GenerateResponse chunk;
-  ASSERT_TRUE(stream->Read(&chunk));
-  std::thread stopper([&] { EXPECT_TRUE(s.server->Shutdown().ok()); });
-  // While it drains: not serving, and new Generate calls are refused (retryable elsewhere).
-  httplib::Client http("127.0.0.1", s.server->metrics_port());
-  bool draining = false;
-  for (int i = 0; i < 100 && !draining; ++i) {
-    const httplib::Result health = http.Get("/healthz");
-    draining = health && health->status == 503;
-    if (!draining) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+// A server (options `o`) whose session "kept" is in a Generate stream that runs until stopped
+// (a million tokens), its first chunk read, while `stopper` runs Shutdown(): the two
+// graceful-shutdown tests. `streaming` is false where the setup failed (the stopper not started).
+struct ShutdownMidStream {
+  explicit ShutdownMidStream(const ServerOptions& o) : served(Serve(o)) {
+    if (served.server == nullptr || !CreateSession(*served.stub, "kept").ok()) return;
+    Prepare(context, {});
+    stream = served.stub->Generate(&context, TextRequest("endless", 1'000'000, "kept"));
+    v1::GenerateResponse chunk;
+    streaming = stream->Read(&chunk);
+    if (streaming) stopper = std::thread([this] { EXPECT_TRUE(served.server->Shutdown().ok()); });
   }
-  EXPECT_TRUE(draining);
+  ~ShutdownMidStream() {
+    context.TryCancel();  // where a test stopped early: ends the stream, so the drain ends too
+    if (stopper.joinable()) stopper.join();
+  }
+
+  Served served;
+  grpc::ClientContext context;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> stream;
+  bool streaming = false;
+  std::thread stopper;
+};
+
+// While Shutdown() drains, new work is refused and health says so; the drain ends when the
+// last request in flight does (here its client leaves), long before the grace period would.
+TEST_F(ServiceTest, GracefulShutdownRefusesNewWorkWhileItDrains) {
+  ServerOptions o = Options();
+  o.shutdown_grace = absl::Hours(1);  // never reached: the test ends the drain itself
+  ShutdownMidStream run(o);
+  ASSERT_TRUE(run.streaming);
+  Served& s = run.served;
+  grpc::ClientContext& context = run.context;
+  auto& stream = run.stream;
+  v1::GenerateResponse chunk;
+  // Draining: not serving, and new Generate calls are refused (retryable elsewhere).
+  httplib::Client http("127.0.0.1", s.server->metrics_port());
+  EXPECT_TRUE(Eventually([&] {
+    const httplib::Result health = http.Get("/healthz");
+    return health && health->status == 503;
+  }));
   EXPECT_EQ(HealthCheck(*s.channel, "sdm.v1.SdmService"), kNotServing);
   EXPECT_EQ(Generate(*s.stub, TextRequest("late", 2)).status.error_code(),
             grpc::StatusCode::UNAVAILABLE);
-  // After the grace period the stream is cancelled by the server: a final chunk, status OK.
+  // Other calls keep working while it drains.
+  v1::Session session;
+  ASSERT_TRUE(GetSession(*s.stub, "kept", &session).ok());
+  EXPECT_TRUE(session.generating());
+  // The client leaves: nothing is in flight, so the drain (and Shutdown) ends.
+  context.TryCancel();
+  while (stream->Read(&chunk)) {
+  }
+  EXPECT_EQ(stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  run.stopper.join();
+  s = Served();
+  // The session was written at shutdown and carries what was generated before the client left.
+  Served again = Serve(o);
+  ASSERT_NE(again.server, nullptr);
+  ASSERT_TRUE(GetSession(*again.stub, "kept", &session).ok());
+  EXPECT_EQ(session.tier(), v1::TIER_DISK);
+  EXPECT_FALSE(session.generating());
+  EXPECT_GE(session.position(), 1 + 7 + 1);  // BOS, "endless", at least the chunk read
+}
+
+// What outlasts the grace period is cancelled by the server: a final chunk (status OK), and the
+// session, written at shutdown, carries everything that stream generated.
+TEST_F(ServiceTest, GracefulShutdownCancelsWhatOutlastsTheGraceAndPersistsSessions) {
+  ServerOptions o = Options();
+  o.shutdown_grace = absl::ZeroDuration();  // cancel at once: no race with the stream's end
+  ShutdownMidStream run(o);
+  ASSERT_TRUE(run.streaming);
+  Served& s = run.served;
+  auto& stream = run.stream;
+  v1::GenerateResponse chunk;
   v1::FinishReason finish = v1::FINISH_REASON_UNSPECIFIED;
   int64_t generated = 0;
   while (stream->Read(&chunk)) {
@@ -378,11 +414,10 @@ TEST_F(ServiceTest, GracefulShutdownDrainsCancelsLeftoversAndPersistsSessions) {
     }
   }
   EXPECT_TRUE(stream->Finish().ok());
-  stopper.join();
+  run.stopper.join();
   EXPECT_EQ(finish, v1::FINISH_REASON_CANCELLED);
   EXPECT_GT(generated, 0);
   s = Served();
-  // The session was written at shutdown and carries what was generated.
   Served again = Serve(o);
   ASSERT_NE(again.server, nullptr);
   v1::Session session;
@@ -456,11 +491,9 @@ TEST_F(ServiceTest, SessionsParkedByTheBudgetsResumeExactly) {
       if (s == &tight) {
         // Wait until the store has moved it to disk before the next turn.
         v1::Session session;
-        for (int i = 0; i < 500; ++i) {
-          ASSERT_TRUE(GetSession(*s->stub, "chat", &session).ok());
-          if (session.tier() == v1::TIER_DISK) break;
-          std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        }
+        Eventually([&] {
+          return GetSession(*s->stub, "chat", &session).ok() && session.tier() == v1::TIER_DISK;
+        });
         EXPECT_EQ(session.tier(), v1::TIER_DISK);
       }
     }
@@ -1222,12 +1255,7 @@ TEST_F(ServiceTest, MetricsMoveWithTheTraffic) {
   EXPECT_EQ(MetricValue(after, "sdm_sessions", {{"tier", "resident"}}), 1);
   EXPECT_GT(MetricValue(after, "sdm_state_bytes", {{"tier", "resident"}}), 0);
   // The gauge is read at scrape time; the step that finished the last job may still be ending.
-  bool idle = false;
-  for (int i = 0; i < 500 && !idle; ++i) {
-    idle = MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_running") == 0;
-    if (!idle) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  EXPECT_TRUE(idle);
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_running", {}, 0));
   for (const char* family :
        {"sdm_state_offloads_total", "sdm_state_restores_total", "sdm_snapshot_errors_total"}) {
     EXPECT_NE(after.Family(family), nullptr) << family;

@@ -14,6 +14,7 @@
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
 #include "state_store/state_codec.h"
+#include "tests/base/eventually.h"
 #include "tests/state_store/held_read_files.h"
 
 namespace sdm {
@@ -380,10 +381,7 @@ TEST(StoreBackgroundTest, WorkerParksIdleSessionsOffTheCallingThread) {
     ASSERT_TRUE(engine->Prefill(lease->state(), Tokens(6, i), false, nullptr).ok());
   }
   // The worker moves the idle sessions down within a few of its one-second rounds.
-  for (int i = 0; i < 100 && store->Stats().sessions[2] < 3; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_GE(store->Stats().sessions[2], 3);
+  EXPECT_TRUE(testing::Eventually([&] { return store->Stats().sessions[2] >= 3; }));
   auto lease = store->Acquire("b0");
   ASSERT_TRUE(lease.ok()) << lease.status();
   EXPECT_EQ(lease->state().position(), 6);
