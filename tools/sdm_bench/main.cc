@@ -376,7 +376,7 @@ int main(int argc, char** argv) {
       "device",       "device_state_gb", "pair",          "presets",         "set",
       "contexts",     "batches",         "fit_batch",     "max_batch",       "steps",
       "warmup",       "threads",         "prefill_chunk", "state_budget_gb", "seed",
-      "bandwidth_mb", "cpu_attention",   "cpu_dtype"};
+      "bandwidth_mb", "cpu_attention",   "cpu_dtype",     "cuda_graphs"};
   decode_flags.insert(decode_flags.end(), output_flags.begin(), output_flags.end());
   std::vector<std::string> report_flags = {"from"};
   report_flags.insert(report_flags.end(), output_flags.begin(), output_flags.end());
