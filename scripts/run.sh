@@ -8,7 +8,8 @@
 # call that streams a chat completion, printed and run.
 #
 #   scripts/run.sh [PROMPT]   (environment: SDM_MODEL_DIR, SDM_PRESET, SDM_BUILD_DIR, SDM_PORT,
-#                              SDM_HTTP_PORT)
+#                              SDM_HTTP_PORT, SDM_STATE_DIR: the sessions' state, default
+#                              ./sdm-state)
 #
 # SDM_PRESET=NAME serves a randomly initialised preset model instead (models/NAME, created on
 # first use; the text is then noise, the mechanics the same).
