@@ -19,6 +19,7 @@ namespace {
 
 using testing::FaultInjectionFiles;
 using testing::ScopedTempDir;
+using testing::TestHttpClient;
 
 // Waits until `done` holds, polling; the store's worker acts on every change and at least once
 // a second, so this converges quickly. Fails the test after a generous bound rather than hang.
@@ -107,7 +108,7 @@ TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   testing::Served s = testing::Serve(options);
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->metrics_port();
-  httplib::Client http("127.0.0.1", port);
+  httplib::Client http = TestHttpClient(port);
   EXPECT_EQ(http.Get("/healthz")->status, 200);
 
   files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));

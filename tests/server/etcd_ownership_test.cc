@@ -22,10 +22,13 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "server/grpc_status.h"
+#include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 
 namespace sdm {
 namespace {
+
+using ::sdm::testing::Eventually;
 
 int FreePort() {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -63,12 +66,8 @@ class EtcdOwnershipTest : public ::testing::Test {
     }
     ASSERT_GT(pid_, 0);
     // Up when it grants a lease (bounded: a broken etcd fails the test, it does not hang).
-    for (int i = 0; i < 300; ++i) {
-      auto probe = EtcdOwnership::Start(Options("probe"));
-      if (probe.ok()) return;
-      absl::SleepFor(absl::Milliseconds(100));
-    }
-    FAIL() << "etcd did not start; see " << log;
+    ASSERT_TRUE(Eventually([&] { return EtcdOwnership::Start(Options("probe")).ok(); }))
+        << "etcd did not start; see " << log;
   }
 
   void TearDown() override {
@@ -83,6 +82,7 @@ class EtcdOwnershipTest : public ::testing::Test {
     o.endpoint = endpoint_;
     o.replica_id = replica;
     o.lease_ttl = absl::Seconds(30);           // never expires during a test: expiry is a revoke
+    o.request_timeout = absl::Seconds(30);     // etcd answers slowly on a loaded machine
     o.handoff_wait = absl::Milliseconds(200);  // refusals come quickly (no handler answers)
     return o;
   }
@@ -220,7 +220,9 @@ TEST_F(EtcdOwnershipTest, AStaleClaimIsRefusedLocallyOrByEtcdWithTheTestingOptio
   for (const bool keep : {false, true}) {
     SCOPED_TRACE(keep ? "keep stale claims" : "forget stale claims");
     EtcdOwnershipOptions paused = Options(keep ? "kept" : "forgot");
-    paused.lease_ttl = absl::Seconds(3);  // keepalive every second: it finds the revoked lease
+    // Keepalive every 3 s: it finds the revoked lease soon, and a stall of the test shorter than
+    // the TTL does not let the lease expire by itself between the claim and its commit.
+    paused.lease_ttl = absl::Seconds(9);
     paused.testing_keep_stale_claims = keep;
     auto a = EtcdOwnership::Start(paused);
     ASSERT_TRUE(a.ok()) << a.status();
@@ -232,10 +234,7 @@ TEST_F(EtcdOwnershipTest, AStaleClaimIsRefusedLocallyOrByEtcdWithTheTestingOptio
     const int64_t old_lease = (*a)->lease_id();
     Revoke(old_lease);
     // Bounded wait for the keepalive to notice and grant a new lease (not a timing assertion).
-    for (int i = 0; i < 300 && (*a)->lease_id() == old_lease; ++i) {
-      absl::SleepFor(absl::Milliseconds(50));
-    }
-    ASSERT_NE((*a)->lease_id(), old_lease);
+    ASSERT_TRUE(Eventually([&] { return (*a)->lease_id() != old_lease; }));
     ASSERT_TRUE(b->Claim(s).ok());
     ASSERT_TRUE(b->CommitSnapshot(s, b->ClaimEpoch(s), "one", "two").ok());
     const absl::Status late = (*a)->CommitSnapshot(s, (*a)->ClaimEpoch(s), "one", "late");

@@ -20,6 +20,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
 #include "server/metrics/exposition.h"
+#include "tests/server/http_test_client.h"
 #include "tests/server/prometheus_text_parser.h"
 
 namespace sdm {
@@ -27,6 +28,7 @@ namespace {
 
 using ::sdm::testing::ParsedPage;
 using ::sdm::testing::ParsePrometheusText;
+using ::sdm::testing::TestHttpClient;
 using ::testing::HasSubstr;
 using ::testing::Not;
 using ::testing::StartsWith;
@@ -56,7 +58,7 @@ TEST(HttpEndpointTest, ServesMetricsOnAChosenPort) {
   const int port = (*endpoint)->port();
   ASSERT_GT(port, 0);
 
-  httplib::Client client("127.0.0.1", port);
+  httplib::Client client = TestHttpClient(port);
   tokens.Increment(42);
   const httplib::Result response = client.Get("/metrics");
   ASSERT_TRUE(response) << httplib::to_string(response.error());
@@ -83,7 +85,7 @@ TEST(HttpEndpointTest, HealthFollowsTheCallback) {
     return absl::OkStatus();
   });
   ASSERT_TRUE(endpoint.ok()) << endpoint.status();
-  httplib::Client client("127.0.0.1", (*endpoint)->port());
+  httplib::Client client = TestHttpClient((*endpoint)->port());
 
   httplib::Result healthy = client.Get("/healthz");
   ASSERT_TRUE(healthy);
@@ -104,7 +106,7 @@ TEST(HttpEndpointTest, WithoutACallbackItIsHealthy) {
   prometheus::Registry registry;
   auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
   ASSERT_TRUE(endpoint.ok());
-  httplib::Client client("127.0.0.1", (*endpoint)->port());
+  httplib::Client client = TestHttpClient((*endpoint)->port());
   EXPECT_EQ(client.Get("/healthz")->status, 200);
 }
 
@@ -112,7 +114,7 @@ TEST(HttpEndpointTest, OtherPathsAreNotFound) {
   prometheus::Registry registry;
   auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
   ASSERT_TRUE(endpoint.ok());
-  httplib::Client client("127.0.0.1", (*endpoint)->port());
+  httplib::Client client = TestHttpClient((*endpoint)->port());
   const httplib::Result response = client.Get("/");
   ASSERT_TRUE(response);
   EXPECT_EQ(response->status, 404);
@@ -162,7 +164,7 @@ TEST(HttpEndpointTest, DestroyingStopsListening) {
     auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
     ASSERT_TRUE(endpoint.ok());
     port = (*endpoint)->port();
-    httplib::Client client("127.0.0.1", port);
+    httplib::Client client = TestHttpClient(port);
     EXPECT_TRUE(client.Get("/healthz"));
   }
   httplib::Client client("127.0.0.1", port);
@@ -227,8 +229,7 @@ TEST(HttpEndpointTest, ClientsDrippingHeaderBytesDoNotStarveHealthChecks) {
   });
   // Health checks and scrapes are answered while the slow clients keep their connections (with
   // the old 2 workers they waited for as long as the dripping lasted; the bound here is generous).
-  httplib::Client client("127.0.0.1", port);
-  client.set_read_timeout(20, 0);
+  httplib::Client client = TestHttpClient(port);
   for (const char* path : {"/healthz", "/metrics", "/healthz"}) {
     const httplib::Result response = client.Get(path);
     ASSERT_TRUE(response) << path << ": " << httplib::to_string(response.error());

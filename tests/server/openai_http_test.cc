@@ -50,8 +50,7 @@ struct Reply {
 // One HTTP request with a JSON body (empty: none); the reply's body parsed when it is JSON.
 Reply Call(int port, const std::string& method, const std::string& path, const std::string& body,
            const std::string& api_key = "", const httplib::Headers& extra = {}) {
-  httplib::Client client("127.0.0.1", port);
-  client.set_read_timeout(60, 0);
+  httplib::Client client = TestHttpClient(port);
   httplib::Headers headers = extra;
   if (!api_key.empty()) headers.emplace("Authorization", "Bearer " + api_key);
   httplib::Result r = method == "GET"      ? client.Get(path, headers)
@@ -430,7 +429,7 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
 // Streams a chat completion with a raw client, stopping (closing the connection) after
 // `stop_after` data events; returns the events seen.
 int StreamAndHangUp(int port, const std::string& session, int stop_after) {
-  httplib::Client client("127.0.0.1", port);
+  httplib::Client client = TestHttpClient(port);
   httplib::Request req;
   req.method = "POST";
   req.path = "/v1/chat/completions";
@@ -521,7 +520,7 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->http_port();
   ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "whole"}}).status, 200);
-  httplib::Client client("127.0.0.1", port);
+  httplib::Client client = TestHttpClient(port);
   std::atomic<bool> returned{false};
   std::thread waiting([&] {
     const httplib::Result r = client.Post(
@@ -644,7 +643,7 @@ TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
   std::atomic<bool> got_chunk{false};
   std::string body;
   std::thread client([&] {
-    httplib::Client c("127.0.0.1", port);
+    httplib::Client c = TestHttpClient(port);
     httplib::Request req;
     req.method = "POST";
     req.path = "/v1/completions";
@@ -658,7 +657,7 @@ TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
     httplib::Error error = httplib::Error::Success;
     c.send(req, res, error);
   });
-  while (!got_chunk.load()) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  EXPECT_TRUE(Eventually([&] { return got_chunk.load(); })) << "the stream sent no chunk";
   EXPECT_TRUE(s.server->Shutdown().ok());
   client.join();
   const Streamed streamed = ParseStream(body, /*chat=*/false);

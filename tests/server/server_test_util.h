@@ -22,6 +22,7 @@
 #include "sdm/v1/sdm.grpc.pb.h"
 #include "server/server.h"
 #include "tests/engine/test_model_util.h"
+#include "tests/server/http_test_client.h"
 #include "tests/server/prometheus_text_parser.h"
 
 namespace sdm::testing {
@@ -173,7 +174,7 @@ inline v1::GenerateRequest IdsRequest(const std::vector<int32_t>& ids, int64_t m
 
 // The /metrics page of the server's HTTP port, parsed (a parse failure fails the test).
 inline ParsedPage ScrapeMetrics(int port) {
-  httplib::Client client("127.0.0.1", port);
+  httplib::Client client = TestHttpClient(port);
   const httplib::Result response = client.Get("/metrics");
   ParsedPage page;
   EXPECT_TRUE(response) << "GET /metrics failed";

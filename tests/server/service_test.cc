@@ -192,8 +192,11 @@ TEST_F(ServiceTest, DeadlineExceededFreesTheSequence) {
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
   ASSERT_TRUE(CreateSession(*s.stub, "slow").ok());
+  // A deadline long enough that the server has the call before it passes on any machine (were
+  // the call still on its way, the server would never count it), short against the million
+  // tokens asked for.
   const Completion late = Generate(*s.stub, TextRequest("a long story", 1'000'000, "slow"),
-                                   {.timeout = std::chrono::milliseconds(300)});
+                                   {.timeout = std::chrono::seconds(3)});
   EXPECT_EQ(late.status.error_code(), grpc::StatusCode::DEADLINE_EXCEEDED);
   // The server's side: the job ends (left alone it would run a million tokens, minutes here).
   ASSERT_TRUE(WaitUntilIdle(*s.stub, "slow"));
@@ -367,7 +370,7 @@ TEST_F(ServiceTest, GracefulShutdownRefusesNewWorkWhileItDrains) {
   auto& stream = run.stream;
   v1::GenerateResponse chunk;
   // Draining: not serving, and new Generate calls are refused (retryable elsewhere).
-  httplib::Client http("127.0.0.1", s.server->metrics_port());
+  httplib::Client http = TestHttpClient(s.server->metrics_port());
   EXPECT_TRUE(Eventually([&] {
     const httplib::Result health = http.Get("/healthz");
     return health && health->status == 503;
@@ -1261,7 +1264,7 @@ TEST_F(ServiceTest, MetricsMoveWithTheTraffic) {
     EXPECT_NE(after.Family(family), nullptr) << family;
   }
 
-  httplib::Client http("127.0.0.1", s.server->metrics_port());
+  httplib::Client http = TestHttpClient(s.server->metrics_port());
   const httplib::Result health = http.Get("/healthz");
   ASSERT_TRUE(health);
   EXPECT_EQ(health->status, 200);
