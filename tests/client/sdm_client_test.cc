@@ -217,7 +217,7 @@ TEST(SdmClientErrorsTest, AnUnreachableServerIsUnavailable) {
     FakeServer gone;
     address = gone.address();
   }
-  const RunResult r = RunClient({"info", "--host", address, "--timeout", "5"});
+  const RunResult r = RunClient({"info", "--host", address, "--timeout", "60"});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
 }
@@ -268,12 +268,12 @@ TEST(SdmClientTlsTest, TlsWithTheServersCaFromAFlagOrTheEnvironment) {
   r = RunClient({"info", "--host", server.address()}, "", {{"SDM_TLS_CA", ca}});
   EXPECT_EQ(r.exit, kExitOk) << r.err;
   // Plaintext against a TLS port fails: --tls=false wins over the environment.
-  r = RunClient({"info", "--host", server.address(), "--tls=false", "--timeout", "5"}, "",
+  r = RunClient({"info", "--host", server.address(), "--tls=false", "--timeout", "60"}, "",
                 {{"SDM_TLS_CA", ca}});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
   // TLS with the system's roots does not trust a self-signed certificate.
-  r = RunClient({"info", "--host", server.address(), "--tls", "--timeout", "5"});
+  r = RunClient({"info", "--host", server.address(), "--tls", "--timeout", "60"});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
   EXPECT_EQ(server.service().calls("GetModelInfo").size(), 2u);

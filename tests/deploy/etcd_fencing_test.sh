@@ -16,7 +16,9 @@
 #
 # Replicas: rA (creates the session and its first turn, then drains: the snapshot is committed
 # and its lease revoked), r0 (--persist shutdown: its turn stays in memory until it drains; the
-# replica that is frozen), r1 (takes over). All with --etcd_lease_ttl 4s. Exit 77 without etcd.
+# replica that is frozen), r1 (takes over). All with --etcd_lease_ttl 15s: long enough that a live
+# replica stalled by a loaded machine keeps its lease, while the frozen one's expires within the
+# wait for it. Exit 77 without etcd.
 #
 #   tests/deploy/etcd_fencing_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
@@ -31,7 +33,7 @@ trap 'cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -r
 
 make_model
 start_etcd
-ttl=4s
+ttl=15s
 flags=(--etcd "$ETCD_URL" --etcd_lease_ttl "$ttl")
 start_replica rA "${flags[@]}" --replica_id rA
 port_a=$REPLICA_PORT
@@ -80,7 +82,7 @@ stale=$(retry_unavailable turn "127.0.0.1:$port_0" "a turn that is lost") || fai
 r0_pid=$(cat "$work/r0.pid")
 kill -STOP "$r0_pid"
 # Its lease expires (no keepalive from a stopped process): the ownership key disappears.
-wait_for "r0's ownership key to expire" 60 key_absent "$owner_key"
+wait_for "r0's ownership key to expire" 120 key_absent "$owner_key"
 
 # A file of the session that was written but never committed (as a replica that crashed between
 # its write and its commit leaves it): the next replica to claim the session removes it.

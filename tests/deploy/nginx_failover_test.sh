@@ -61,9 +61,10 @@ turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
   "$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" --max_tokens 4 \
     --json 2>>"$work/client.err" | jq -c '.token_ids'
 }
-# retry CMD...: runs CMD until it succeeds, for up to 30 s (a lease TTL of 10 s and margin).
+# retry CMD...: runs CMD until it succeeds, for up to 120 s (a lease TTL of 10 s, and margin for
+# a loaded machine).
 retry() {
-  local deadline=$(($(date +%s) + 30))
+  local deadline=$(($(date +%s) + 120))
   until "$@"; do
     [ "$(date +%s)" -lt $deadline ] || return 1
     echo >>"$work/retries"  # (a subshell: counted in a file)
@@ -111,7 +112,7 @@ drain_ms=n/a
 if [ "$mode" = drain ]; then
   term_ns=$(date +%s%N)
   kill -TERM "$victim_pid"
-  for _ in $(seq 1 600); do kill -0 "$victim_pid" 2>/dev/null || break; sleep 0.05; done
+  for _ in $(seq 1 2400); do kill -0 "$victim_pid" 2>/dev/null || break; sleep 0.05; done
   kill -0 "$victim_pid" 2>/dev/null && fail "the drained replica did not exit"
   drain_ms=$((($(date +%s%N) - term_ns) / 1000000))
 else

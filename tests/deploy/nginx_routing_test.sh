@@ -55,7 +55,7 @@ for k in $(seq 1 $one_shots); do
 done
 
 log="$work/nginx/logs/access.log"
-for _ in $(seq 1 50); do  # nginx writes a log line as each call ends (calls without a session log "-")
+for _ in $(seq 1 1200); do  # nginx writes a log line as each call ends (calls without a session log "-")
   [ "$(grep -c 'session="-"' "$log" || true)" -ge $one_shots ] && break
   sleep 0.1
 done

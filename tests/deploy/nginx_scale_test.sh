@@ -24,7 +24,9 @@ trap 'touch "$work/stop"; cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "
 
 make_model
 start_etcd
-flags=(--etcd "$ETCD_URL" --etcd_lease_ttl 4s)
+# Leases of 15 s (keepalive every 5 s): nothing here waits for one to expire (a drained replica
+# revokes its own), and a live replica stalled by a loaded machine for less keeps its sessions.
+flags=(--etcd "$ETCD_URL" --etcd_lease_ttl 15s)
 ports=()
 for i in 0 1 2; do
   start_replica "r$i" "${flags[@]}" --replica_id "r$i"
@@ -41,7 +43,7 @@ log="$work/nginx/logs/access.log"
 # gives for that call (waiting for its line: nginx may write it just after the client has its
 # answer). ID need not exist.
 route_of() {
-  local before deadline=$(($(date +%s) + 30))
+  local before deadline=$(($(date +%s) + 120))
   before=$(grep -c "session=\"$1\"" "$log" 2>/dev/null || true)
   "$client_bin" sessions get "$1" --host "$via" >/dev/null 2>&1 || true
   until [ "$(grep -c "session=\"$1\"" "$log" 2>/dev/null || true)" -gt "$before" ]; do
@@ -141,7 +143,7 @@ fi
 set_upstreams "${ports[@]}"
 # The reload is asynchronous: wait until nginx routes that name off the 4th replica again, so that
 # no session is created there.
-deadline=$(($(date +%s) + 60))
+deadline=$(($(date +%s) + 120))
 while [ "$(route_of "$to_r3_name")" = "127.0.0.1:$port_3" ]; do
   [ "$(date +%s)" -lt $deadline ] || fail "nginx still routes to the 4th replica after the reload"
   sleep 0.1

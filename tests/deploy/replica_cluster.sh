@@ -57,7 +57,7 @@ start_nginx() {
   done
   nginx -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" ||
     { cat "$work/nginx/logs/error.log"; fail "nginx did not start"; }
-  for _ in $(seq 1 100); do
+  for _ in $(seq 1 600); do
     [ -s "$work/nginx/nginx.pid" ] && return 0
     sleep 0.1
   done
@@ -74,7 +74,7 @@ start_etcd() {
     --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
     --initial-cluster "default=http://127.0.0.1:$peer" >"$work/etcd.log" 2>&1 &
   echo $! >>"$work/pids"; disown
-  for _ in $(seq 1 300); do
+  for _ in $(seq 1 600); do
     curl -sf -X POST "$ETCD_URL/v3/kv/range" -d '{"key":"AA=="}' >/dev/null 2>&1 && return 0
     sleep 0.1
   done
