@@ -164,7 +164,7 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
   auto stub =
       v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
   v1::ModelInfo info;
   EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok());
   EXPECT_EQ(info.name(), "tiny-model");

@@ -177,7 +177,7 @@ TEST_F(ServiceTest, CancellationMidStreamFreesTheSequence) {
   ASSERT_TRUE(WaitUntilIdle(*s.stub, "long"));
   // The only place in the batch is free again: a one-shot and the same session both run.
   const Completion next =
-      Generate(*s.stub, TextRequest("next", 4), {.timeout = std::chrono::seconds(20)});
+      Generate(*s.stub, TextRequest("next", 4), {.timeout = std::chrono::seconds(60)});
   EXPECT_TRUE(next.status.ok()) << next.status.error_message();
   const Completion again = Generate(*s.stub, TextRequest(" again", 4, "long"));
   EXPECT_TRUE(again.status.ok()) << again.status.error_message();
