@@ -2,17 +2,8 @@
 // checks that it produces a well-formed report: exit code, the JSON document's keys and one row
 // per (model, context, batch), the CSV, and report.md naming every parameter. Benchmarks are not
 // tests: no timing is checked. Also the --device flag (cpu works, a bad name and an absent device
-// fail with clear messages) and `kernels` where it cannot run (no CUDA build or no device). And
-// that every sdm-bench command written in the docs and scripts uses only flags its subcommand
-// accepts (a documented command that exits "unknown flag" is a broken promise, and in
-// scripts/device-check.sh a lease spent).
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
+// fail with clear messages) and `kernels` where it cannot run (no CUDA build or no device).
 #include <filesystem>
-#include <map>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <string>
@@ -24,6 +15,7 @@
 #include "kernels/cuda/cuda_runtime_info.h"
 #include "nlohmann/json.hpp"
 #include "tests/engine/test_model_util.h"
+#include "tests/tools/run_tool.h"
 
 namespace sdm {
 namespace {
@@ -34,24 +26,9 @@ using ::testing::HasSubstr;
 
 constexpr char kBinary[] = SDM_BINARY_DIR "/tools/sdm_bench/sdm-bench";
 
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
+using Result = ::sdm::testing::ToolResult;
 
-Result RunTool(const std::string& args) {
-  Result r;
-  FILE* pipe = ::popen((std::string(kBinary) + " " + args + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
-    r.output.append(buffer.data(), n);
-  }
-  const int status = ::pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+Result RunTool(const std::string& args) { return ::sdm::testing::RunTool(kBinary, args); }
 
 // The keys every result row carries (the CSV columns, in order).
 const std::vector<std::string> kRowKeys = {
@@ -274,80 +251,6 @@ TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {
   EXPECT_EQ(r.code, 2);
   r = RunTool("prefill");
   EXPECT_EQ(r.code, 2);
-}
-
-// The flags `sdm-bench SUB --help` lists ("  --name (default: ...)" or "  --name (int, ...").
-std::set<std::string> AcceptedFlags(const std::string& subcommand) {
-  std::set<std::string> flags = {"help"};
-  const Result help = RunTool(subcommand + " --help");
-  EXPECT_EQ(help.code, 0) << subcommand << ": " << help.output;
-  static const std::regex kFlagLine(R"(^  --([a-z0-9_]+) \()");
-  for (const std::string& line : Lines(help.output)) {
-    std::smatch m;
-    if (std::regex_search(line, m, kFlagLine)) flags.insert(m[1]);
-  }
-  return flags;
-}
-
-// The lines of a script or a markdown file as commands are written in them: backslash
-// continuations joined; in markdown, each paragraph outside code fences joined into one line (a
-// code span may wrap).
-std::vector<std::string> LogicalLines(const std::filesystem::path& file) {
-  const std::string text = std::regex_replace(ReadFile(file), std::regex(R"(\\\n\s*)"), " ");
-  std::vector<std::string> lines;
-  std::istringstream in(text);
-  const bool markdown = file.extension() == ".md";
-  bool in_fence = false;
-  std::string paragraph;
-  for (std::string line; std::getline(in, line);) {
-    if (!markdown || line.starts_with("```") || in_fence) {
-      if (line.starts_with("```")) in_fence = !in_fence;
-      lines.push_back(line);
-    } else if (line.find_first_not_of(" \t") == std::string::npos) {
-      lines.push_back(paragraph);
-      paragraph.clear();
-    } else {
-      paragraph += " " + line;
-    }
-  }
-  lines.push_back(paragraph);
-  return lines;
-}
-
-TEST_F(SdmBenchToolTest, DocumentedCommandsUseOnlyFlagsTheirSubcommandAccepts) {
-  std::vector<std::filesystem::path> files = {std::filesystem::path(SDM_SOURCE_DIR) / "README.md"};
-  for (const char* dir : {"docs", "scripts"}) {
-    for (const auto& entry : std::filesystem::recursive_directory_iterator(
-             std::filesystem::path(SDM_SOURCE_DIR) / dir)) {
-      const std::string ext = entry.path().extension().string();
-      if (entry.is_regular_file() && (ext == ".md" || ext == ".sh")) files.push_back(entry.path());
-    }
-  }
-  // A command: "sdm-bench SUB" (or "$BENCH" SUB in the scripts) and what follows it on its line,
-  // continuation lines joined, up to the end of the code span, table cell, pipe or redirection.
-  static const std::regex kCommand(
-      R"re((?:sdm-bench|\$BENCH)"?\s+(decode|report|state|cpu-attention|cpu-gemm|kernels|serve)\b([^`|;>]*))re");
-  static const std::regex kFlag(R"((?:^|\s)--([a-z0-9_]+))");
-  std::map<std::string, std::set<std::string>> accepted;
-  int commands = 0;
-  for (const std::filesystem::path& file : files) {
-    for (const std::string& line : LogicalLines(file)) {
-      for (std::sregex_iterator c(line.begin(), line.end(), kCommand), end; c != end; ++c) {
-        const std::string sub = (*c)[1];
-        const std::string rest = (*c)[2];
-        if (!accepted.contains(sub)) accepted[sub] = AcceptedFlags(sub);
-        ++commands;
-        for (std::sregex_iterator f(rest.begin(), rest.end(), kFlag); f != end; ++f) {
-          std::string flag = (*f)[1];
-          if (!accepted[sub].contains(flag) && flag.starts_with("no")) flag = flag.substr(2);
-          EXPECT_TRUE(accepted[sub].contains(flag))
-              << file.lexically_relative(SDM_SOURCE_DIR) << ": 'sdm-bench " << sub << "' has no --"
-              << (*f)[1] << " (in: " << (*c)[0] << ")";
-        }
-      }
-    }
-  }
-  EXPECT_GT(commands, 20) << "the commands were not found: the pattern no longer matches them";
 }
 
 TEST_F(SdmBenchToolTest, SkipsBatchesOverTheStateBudget) {

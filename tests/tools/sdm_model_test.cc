@@ -1,8 +1,4 @@
 // Runs the built `sdm-model` binary: exit codes, the files `init` writes, and `info`.
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <cstring>
 #include <string>
 
@@ -12,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/engine/test_model_util.h"
+#include "tests/tools/run_tool.h"
 
 namespace sdm {
 namespace {
@@ -20,23 +17,10 @@ using ::sdm::testing::ScopedTempDir;
 using ::sdm::testing::WriteFile;
 using ::testing::HasSubstr;
 
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
+using Result = ::sdm::testing::ToolResult;
 
 Result RunTool(const std::string& args) {
-  const std::string binary = SDM_BINARY_DIR "/tools/sdm_model/sdm-model";
-  Result r;
-  FILE* pipe = ::popen((binary + " " + args + " 2>&1").c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buffer;
-  size_t n;
-  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0)
-    r.output.append(buffer.data(), n);
-  const int status = ::pclose(pipe);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return ::sdm::testing::RunTool(SDM_BINARY_DIR "/tools/sdm_model/sdm-model", args);
 }
 
 class SdmModelToolTest : public ::testing::Test {
