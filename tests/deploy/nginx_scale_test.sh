@@ -140,14 +140,24 @@ done
 if ! printf '%s\n' "${names[@]}" | grep -qx "$to_r3_name"; then
   names[$((sessions - 1))]=$to_r3_name
 fi
+# wait_ring yes|no: until nginx routes $to_r3_name to the 4th replica (yes) or elsewhere (no).
+# A reload is asynchronous: the calls that follow set_upstreams may still meet the old ring, and
+# the phases below assert on what the new one does.
+wait_ring() {
+  local deadline=$(($(date +%s) + 120)) route
+  while :; do
+    route=$(route_of "$to_r3_name")
+    if [ "$1" = yes ]; then
+      [ "$route" = "127.0.0.1:$port_3" ] && return 0
+    else
+      [ "$route" != "127.0.0.1:$port_3" ] && return 0
+    fi
+    [ "$(date +%s)" -lt $deadline ] || fail "nginx's ring did not change after its reload ($1)"
+    sleep 0.1
+  done
+}
 set_upstreams "${ports[@]}"
-# The reload is asynchronous: wait until nginx routes that name off the 4th replica again, so that
-# no session is created there.
-deadline=$(($(date +%s) + 120))
-while [ "$(route_of "$to_r3_name")" = "127.0.0.1:$port_3" ]; do
-  [ "$(date +%s)" -lt $deadline ] || fail "nginx still routes to the 4th replica after the reload"
-  sleep 0.1
-done
+wait_ring no  # so that no session is created on the 4th replica
 for id in "${names[@]}"; do
   "$client_bin" sessions create "$id" --host "$via" >/dev/null || fail "create $id"
   "$client_bin" sessions create "$id" --host "$control" >/dev/null || fail "create control $id"
@@ -165,11 +175,13 @@ wait_turns "$sessions"
 # 1. Scale up: the 4th replica joins the ring; about a quarter of the sessions (at least one, by
 # the choice of names) hash to it and are handed over on request by their live owners.
 set_upstreams "${ports[@]}" "$port_3"
+wait_ring yes
 phase
 to_r3=$(cat "$work"/r[012].err | grep -c "asked by 'r3'" || true)
 [ "$to_r3" -gt 0 ] || fail "no session was handed over to the 4th replica"
 # 2. Out of the ring, still running: its sessions are asked for by the others and handed back.
 set_upstreams "${ports[@]}"
+wait_ring no
 phase
 from_r3=$(count "handed session" "$work/r3.err")
 [ "$from_r3" -gt 0 ] || fail "the 4th replica handed nothing back on request"
@@ -177,10 +189,12 @@ from_r3=$(count "handed session" "$work/r3.err")
 # calls reaching it are refused (retryable, with a hint) or, once its port closes, go to the
 # next replica; its lease is revoked after it wrote every session.
 set_upstreams "${ports[@]}" "$port_3"
+wait_ring yes
 phase
 stop_replica r3 TERM
 phase
 set_upstreams "${ports[@]}"
+wait_ring no
 phase
 touch "$work/stop"
 wait "$traffic_pid" || fail "traffic: $(cat "$work/bad" 2>/dev/null)"
