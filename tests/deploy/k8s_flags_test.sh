@@ -67,6 +67,8 @@ PY
     >"$work/configmap.out" 2>&1 || status=$?
   [ "$status" -ne 2 ] || { cat "$work/configmap.out"; echo "FAIL: the ConfigMap's flags are refused"; exit 1; }
   [ "$status" -ne 0 ] || { echo "FAIL: sdm-server started without a model"; exit 1; }
+  [ "$status" -eq 1 ] ||
+    { cat "$work/configmap.out"; echo "FAIL: sdm-server exited $status (hung or crashed?), not 1"; exit 1; }
   echo "ok: the ConfigMap's flags pass sdm-server's usage checks (exit $status: no model here)"
 fi
 
