@@ -19,6 +19,9 @@
 #                         comparison for the tiny and debug_hybrid presets; the rest take ~8 min)
 #   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
 #                         environment is passed through as well)
+#   --streams deferred    sets EMU_STREAMS=deferred (engine tests): streams run their work only
+#                         when the host or another stream waits for it, as late as CUDA allows
+#                         (tests/cuda_emulator/engine/emu.cc)
 #   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with,
 #                         or $EMU_ASAN)
 #   -j N                  parallel compile jobs (default: nproc)
@@ -48,6 +51,7 @@ while [[ $# -gt 0 ]]; do
     -f | --filter) FILTER="$2"; shift 2 ;;
     --all) ALL=1; shift ;;
     --order) export EMU_ORDER="$2"; shift 2 ;;
+    --streams) export EMU_STREAMS="$2"; shift 2 ;;
     --no-asan) ASAN=0; shift ;;
     -j) JOBS="$2"; shift 2 ;;
     --build-only) RUN_STEP=0; shift ;;
@@ -265,7 +269,7 @@ if want engine; then
 fi
 
 echo
-echo "== emulate-cuda summary (EMU_ORDER=${EMU_ORDER:-fwd}, asan=$ASAN)"
+echo "== emulate-cuda summary (EMU_ORDER=${EMU_ORDER:-fwd}, EMU_STREAMS=${EMU_STREAMS:-eager}, asan=$ASAN)"
 printf '%s\n' "${SUMMARY[@]}"
 [[ $OVERALL == 0 ]] && echo "ALL PASSED" || echo "SOME FAILED"
 exit $OVERALL

@@ -1,14 +1,22 @@
 // Cooperative-fiber emulation of CUDA blocks: every CUDA thread is a fiber; __syncthreads and
 // warp collectives are barriers; divergent warp collectives or barrier deadlocks abort.
 // Host runtime: device memory is malloc'd (ASan-visible) and registered so that memcpy kinds,
-// ranges and GEMM operands can be checked; streams and events are synchronous, except that a
-// capturing stream records its work for a graph (checked at capture and again at each replay,
-// so a graph that outlived a buffer it refers to fails loudly).
+// ranges and GEMM operands can be checked; a capturing stream records its work for a graph
+// (checked at capture and again at each replay, so a graph that outlived a buffer it refers to
+// fails loudly). Streams run their work when it is enqueued, or with EMU_STREAMS=deferred as
+// late as CUDA allows: only when the host waits for it (a stream or event synchronisation, a
+// device synchronisation, cudaFree) or another stream waits for an event after it. Then a host
+// buffer rewritten before the copy that reads it has run, a result read before the host waited
+// for it, or a missing wait between streams gives other numbers, as it may on a device.
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -210,9 +218,16 @@ struct EmuStream {
   EmuCapture capture = EmuCapture::kNone;
   std::thread::id capturing_thread;
   std::vector<std::function<void()>> ops;  // recorded while capturing
+  // EMU_STREAMS=deferred: the work enqueued and not run yet, in order; `enqueued` counts every
+  // op ever enqueued, `ran` those run (so an event names a position: "the first N ops").
+  std::deque<std::function<void()>> pending;
+  uint64_t enqueued = 0;
+  uint64_t ran = 0;
 };
 struct EmuEvent {
   bool recorded;
+  cudaStream_t stream = nullptr;  // EMU_STREAMS=deferred: the stream of its last record ...
+  uint64_t position = 0;          // ... and how many of that stream's ops precede it
 };
 struct EmuGraph {
   std::vector<std::function<void()>> ops;
@@ -253,6 +268,51 @@ static bool RefusedWhileCapturing(const char* what) {
   return true;
 }
 
+static bool DeferredStreams() {
+  static const bool deferred = [] {
+    const char* v = std::getenv("EMU_STREAMS");
+    return v != nullptr && std::strcmp(v, "deferred") == 0;
+  }();
+  return deferred;
+}
+
+// Serialises running deferred work (recursive: an op that waits on an event runs another
+// stream's ops first).
+static std::recursive_mutex g_run_mu;
+
+// Runs stream s's deferred ops until `position` of them have run.
+static void RunUntil(cudaStream_t s, uint64_t position) {
+  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  while (s->ran < position && !s->pending.empty()) {
+    std::function<void()> op = std::move(s->pending.front());
+    s->pending.pop_front();
+    ++s->ran;
+    op();
+  }
+}
+
+// Runs everything enqueued on s so far.
+static void RunStream(cudaStream_t s) {
+  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  RunUntil(s, s->enqueued);
+}
+
+static bool LiveStream(cudaStream_t s) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_streams.count(s) > 0;
+}
+
+// Runs every stream's deferred work (what a device synchronisation waits for).
+static void RunAllStreams() {
+  if (!DeferredStreams()) return;
+  std::vector<cudaStream_t> streams;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    streams.assign(g_streams.begin(), g_streams.end());
+  }
+  for (cudaStream_t s : streams) RunStream(s);
+}
+
 void Enqueue(cudaStream_t s, std::function<void()> op) {
   if (s != nullptr && s->capture == EmuCapture::kActive) {
     s->ops.push_back(std::move(op));
@@ -261,6 +321,17 @@ void Enqueue(cudaStream_t s, std::function<void()> op) {
   if (s != nullptr && s->capture == EmuCapture::kInvalidated) {
     g_last_error = cudaErrorStreamCaptureInvalidated;
     return;
+  }
+  if (DeferredStreams()) {
+    std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+    if (s != nullptr) {
+      s->pending.push_back(std::move(op));
+      ++s->enqueued;
+      return;
+    }
+    // The legacy stream: after everything enqueued before (conservative: the project's streams
+    // are non-blocking, which the legacy stream does not wait for on a device).
+    RunAllStreams();
   }
   op();
 }
@@ -418,6 +489,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
   if (RefusedWhileCapturing("cudaFree")) return cudaErrorStreamCaptureUnsupported;
+  RunAllStreams();  // cudaFree waits for the device's work
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_device.find(reinterpret_cast<uintptr_t>(p));
@@ -440,6 +512,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 cudaError_t cudaFreeHost(void* p) {
   if (p == nullptr) return cudaSuccess;
   if (RefusedWhileCapturing("cudaFreeHost")) return cudaErrorStreamCaptureUnsupported;
+  RunAllStreams();  // as cudaFree
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto it = g_pinned.find(reinterpret_cast<uintptr_t>(p));
@@ -457,6 +530,22 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
                             cudaStream_t s) {
   CheckStream(s, "cudaMemcpyAsync");
   Copy(dst, src, n, k, "cudaMemcpyAsync", /*check_only=*/true);
+  const bool capturing = s != nullptr && s->capture != EmuCapture::kNone;
+  if (DeferredStreams() && !capturing && n > 0) {
+    // Pageable host memory is not copied asynchronously on a device: a source is staged at the
+    // call, and a copy into it returns once done (after the stream's earlier work).
+    if (k == cudaMemcpyHostToDevice && KindOf(src, n, "cudaMemcpyAsync") == kHost) {
+      auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
+                                                        static_cast<const char*>(src) + n);
+      Enqueue(s, [=] { Copy(dst, staged->data(), n, k, "cudaMemcpyAsync"); });
+      return cudaSuccess;
+    }
+    if (k == cudaMemcpyDeviceToHost && KindOf(dst, n, "cudaMemcpyAsync") == kHost) {
+      if (s != nullptr) RunStream(s);
+      if (s == nullptr) RunAllStreams();
+      return Copy(dst, src, n, k, "cudaMemcpyAsync");
+    }
+  }
   Enqueue(s, [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); });
   return cudaSuccess;
 }
@@ -551,6 +640,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  if (DeferredStreams() && LiveStream(s)) RunStream(s);  // its work still completes
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_streams.erase(s) == 0) HostFail("cudaStreamDestroy of an unknown stream");
@@ -565,6 +655,13 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     InvalidateCapture(s);
     g_last_error = cudaErrorStreamCaptureUnsupported;
     return cudaErrorStreamCaptureUnsupported;
+  }
+  if (DeferredStreams()) {
+    if (s == nullptr) {
+      RunAllStreams();
+    } else {
+      RunStream(s);
+    }
   }
   return cudaSuccess;
 }
@@ -648,12 +745,21 @@ cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
 }
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   CheckStream(s, "cudaStreamWaitEvent");
-  std::lock_guard<std::mutex> lock(g_mu);
-  if (g_events.count(e) == 0) HostFail("cudaStreamWaitEvent on an unknown event");
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (g_events.count(e) == 0) HostFail("cudaStreamWaitEvent on an unknown event");
+  }
+  if (DeferredStreams() && e->stream != nullptr && e->stream != s) {
+    // s's later work runs after the event's stream has reached the event.
+    Enqueue(s, [target = e->stream, position = e->position] {
+      if (LiveStream(target)) RunUntil(target, position);
+    });
+  }
   return cudaSuccess;
 }
 cudaError_t cudaDeviceSynchronize() {
   if (RefusedWhileCapturing("cudaDeviceSynchronize")) return cudaErrorStreamCaptureUnsupported;
+  RunAllStreams();
   return cudaSuccess;
 }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
@@ -673,14 +779,34 @@ cudaError_t cudaEventDestroy(cudaEvent_t e) {
 }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
   CheckStream(s, "cudaEventRecord");
+  std::lock_guard<std::recursive_mutex> run_lock(g_run_mu);  // s->enqueued; before g_mu
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_events.count(e) == 0) HostFail("cudaEventRecord on an unknown event");
   e->recorded = true;
+  // Deferred: the position in s's work (none on the legacy stream, which runs at once, or in a
+  // capture, whose graph runs its work in order).
+  const bool deferred_here = s != nullptr && s->capture == EmuCapture::kNone;
+  e->stream = deferred_here ? s : nullptr;
+  e->position = deferred_here ? s->enqueued : 0;
   return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventQuery(cudaEvent_t) { return cudaSuccess; }
-cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
+// Runs what the event waits for (deferred streams).
+static void ReachEvent(cudaEvent_t e) {
+  if (DeferredStreams() && e != nullptr && e->stream != nullptr && LiveStream(e->stream)) {
+    RunUntil(e->stream, e->position);
+  }
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  ReachEvent(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  ReachEvent(e);
+  return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t a, cudaEvent_t b) {
+  ReachEvent(a);
+  ReachEvent(b);
   *ms = 1;
   return cudaSuccess;
 }
