@@ -19,8 +19,9 @@
 #                         comparison for the tiny and debug_hybrid presets; the rest take ~8 min)
 #   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
 #                         environment is passed through as well)
-#   --streams deferred    sets EMU_STREAMS=deferred (engine tests): streams run their work only
-#                         when the host or another stream waits for it, as late as CUDA allows
+#   --streams MODE        sets EMU_STREAMS (engine tests): deferred (the default: streams run
+#                         their work only when the host or another stream waits for it, as late
+#                         as CUDA allows) or eager (when it is enqueued)
 #                         (tests/cuda_emulator/engine/emu.cc)
 #   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with,
 #                         or $EMU_ASAN)
@@ -269,7 +270,7 @@ if want engine; then
 fi
 
 echo
-echo "== emulate-cuda summary (EMU_ORDER=${EMU_ORDER:-fwd}, EMU_STREAMS=${EMU_STREAMS:-eager}, asan=$ASAN)"
+echo "== emulate-cuda summary (EMU_ORDER=${EMU_ORDER:-fwd}, EMU_STREAMS=${EMU_STREAMS:-deferred}, asan=$ASAN)"
 printf '%s\n' "${SUMMARY[@]}"
 [[ $OVERALL == 0 ]] && echo "ALL PASSED" || echo "SOME FAILED"
 exit $OVERALL

@@ -3,8 +3,8 @@
 // Host runtime: device memory is malloc'd (ASan-visible) and registered so that memcpy kinds,
 // ranges and GEMM operands can be checked; a capturing stream records its work for a graph
 // (checked at capture and again at each replay, so a graph that outlived a buffer it refers to
-// fails loudly). Streams run their work when it is enqueued, or with EMU_STREAMS=deferred as
-// late as CUDA allows: only when the host waits for it (a stream or event synchronisation, a
+// fails loudly). Streams run their work as late as CUDA allows (EMU_STREAMS=eager: when it is
+// enqueued instead): only when the host waits for it (a stream or event synchronisation, a
 // device synchronisation, cudaFree) or another stream waits for an event after it. Then a host
 // buffer rewritten before the copy that reads it has run, a result read before the host waited
 // for it, or a missing wait between streams gives other numbers, as it may on a device.
@@ -218,15 +218,15 @@ struct EmuStream {
   EmuCapture capture = EmuCapture::kNone;
   std::thread::id capturing_thread;
   std::vector<std::function<void()>> ops;  // recorded while capturing
-  // EMU_STREAMS=deferred: the work enqueued and not run yet, in order; `enqueued` counts every
-  // op ever enqueued, `ran` those run (so an event names a position: "the first N ops").
+  // Deferred streams (the default): the work enqueued and not run yet, in order; `enqueued` counts
+  // every op ever enqueued, `ran` those run (so an event names a position: "the first N ops").
   std::deque<std::function<void()>> pending;
   uint64_t enqueued = 0;
   uint64_t ran = 0;
 };
 struct EmuEvent {
   bool recorded;
-  cudaStream_t stream = nullptr;  // EMU_STREAMS=deferred: the stream of its last record ...
+  cudaStream_t stream = nullptr;  // deferred streams: the stream of its last record ...
   uint64_t position = 0;          // ... and how many of that stream's ops precede it
 };
 struct EmuGraph {
@@ -271,7 +271,7 @@ static bool RefusedWhileCapturing(const char* what) {
 static bool DeferredStreams() {
   static const bool deferred = [] {
     const char* v = std::getenv("EMU_STREAMS");
-    return v != nullptr && std::strcmp(v, "deferred") == 0;
+    return v == nullptr || std::strcmp(v, "eager") != 0;
   }();
   return deferred;
 }
