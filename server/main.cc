@@ -181,7 +181,7 @@ ABSL_FLAG(std::string, api_keys, "",
           "needs 'authorization: Bearer KEY'; without it, every caller is the tenant 'default'.");
 ABSL_FLAG(std::string, tenant_limits, "",
           "JSON file of per-tenant limits on sessions and state bytes (docs/api.md); empty: the "
-          "default limits (each tenant at most 64 GiB of state, sessions unlimited).");
+          "default limits (docs/api.md: a cap on each tenant's state bytes, not on sessions).");
 ABSL_FLAG(std::string, tls_cert, "",
           "PEM certificate chain for TLS on the gRPC port (with --tls_key); empty: plaintext.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");

@@ -73,8 +73,8 @@ inline SdmDecodePlan PlanSdmDecode(const SdmDecodeShape& shape,
                                    int64_t max_cluster_blocks = kSdmMaxClusterBlocks) {
   const int64_t width = shape.width;
   const bool vec2_ok = width % 2 == 0 && shape.rows_aligned_4;
-  const bool vec8_fits =
-      width % 8 == 0 && shape.rows_aligned_16 && shape.n_w * 256 * 2 <= kSdmDecodeMaxStagedBytes;
+  const bool vec8_stages = shape.n_w * 256 * 2 <= kSdmDecodeMaxStagedBytes;
+  const bool vec8_fits = width % 8 == 0 && shape.rows_aligned_16 && vec8_stages;
   SdmDecodePlan plan;
   if (width <= 32) {
     plan.vec = 1;
@@ -83,7 +83,7 @@ inline SdmDecodePlan PlanSdmDecode(const SdmDecodeShape& shape,
   } else if (width <= 256 && vec8_fits) {
     plan.vec = 8;
   } else {
-    plan.vec = SdmMultiTileVec(shape, shape.n_w * 256 * 2 <= kSdmDecodeMaxStagedBytes);
+    plan.vec = SdmMultiTileVec(shape, vec8_stages);
   }
   const int64_t tile = 32 * plan.vec;
   plan.tiles = (width + tile - 1) / tile;

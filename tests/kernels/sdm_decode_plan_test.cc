@@ -94,9 +94,6 @@ TEST(SdmDecodePlanTest, AlignmentAndOddWidthsNarrowTheTile) {
   EXPECT_EQ(PlanSdmDecode(shape).alloc, SdmDecodeAlloc::kSeparate);  // 32 tiles
 }
 
-// Invariants over random shapes (fixed seeds and a fresh one): the tiles cover the row and no
-// more than one tile's worth past it; a cluster is exactly the row's tiles and within the limit;
-// the 16-byte tile is used only when its staged rows fit; vec 8/2 only where the accesses allow.
 // SdmStep's tiles (SdmMultiTileVec): 16-byte tiles for a decode batch that fills the GPU,
 // 4-byte tiles (4x the blocks) for prefill's few long segments, narrower where the alignment or
 // the width rules the wider out.
@@ -130,6 +127,9 @@ TEST(SdmDecodePlanTest, WideRowsTakeTheStepsTile) {
   }
 }
 
+// Invariants over random shapes (fixed seeds and a fresh one): the tiles cover the row and no
+// more than one tile's worth past it; a cluster is exactly the row's tiles and within the limit;
+// the 16-byte tile is used only when its staged rows fit; vec 8/2 only where the accesses allow.
 TEST(SdmDecodePlanTest, PlansCoverTheRowWithinTheLimits) {
   for (uint32_t seed : {1u, 2u, 3u, std::random_device{}()}) {
     SCOPED_TRACE(seed);

@@ -489,9 +489,7 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
   EXPECT_EQ(busy.status, 409) << busy.raw;
   EXPECT_THAT(busy.raw, HasSubstr("already generating"));
   auto waiting = s.stub->Generate(&waiting_context, TextRequest("waiting", 1'000'000));
-  ASSERT_TRUE(Eventually([&] {
-    return MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_waiting") == 1;
-  }));
+  ASSERT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_waiting", {}, 1));
   const Reply full = Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}});
   EXPECT_EQ(full.status, 429) << full.raw;
   EXPECT_EQ(full.retry_after, "1");

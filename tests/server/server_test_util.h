@@ -21,6 +21,7 @@
 #include "httplib.h"
 #include "sdm/v1/sdm.grpc.pb.h"
 #include "server/server.h"
+#include "tests/base/eventually.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/server/http_test_client.h"
 #include "tests/server/prometheus_text_parser.h"
@@ -188,6 +189,14 @@ inline ParsedPage ScrapeMetrics(int port) {
 inline double MetricValue(const ParsedPage& page, const std::string& name,
                           const std::map<std::string, std::string>& labels = {}) {
   return page.Value(name, labels).value_or(0.0);
+}
+
+// Waits (Eventually: tests/base/eventually.h) until the metric on the server's HTTP port has
+// `value`: the server records a call's outcome just after the client has heard it, and gauges
+// follow the scheduler's steps. False if it never does.
+inline bool WaitForMetric(int port, const std::string& name,
+                          const std::map<std::string, std::string>& labels, double value) {
+  return Eventually([&] { return MetricValue(ScrapeMetrics(port), name, labels) == value; });
 }
 
 // Session calls, as a client makes them (api_key: sent when non-empty).

@@ -55,13 +55,6 @@ bool WaitUntilIdle(v1::SdmService::Stub& stub, const std::string& id,
   });
 }
 
-// Waits (Eventually) until the metric has `value`: the server records a call's outcome just
-// after the client has heard it.
-bool WaitForMetric(int port, const std::string& name,
-                   const std::map<std::string, std::string>& labels, double value) {
-  return Eventually([&] { return MetricValue(ScrapeMetrics(port), name, labels) == value; });
-}
-
 grpc::Status ForkSession(v1::SdmService::Stub& stub, const std::string& from, const std::string& to,
                          v1::Session* out = nullptr, const std::string& api_key = "") {
   grpc::ClientContext context;

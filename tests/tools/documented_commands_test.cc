@@ -9,6 +9,7 @@
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_join.h"
@@ -94,17 +95,20 @@ std::vector<std::string> LogicalLines(const std::filesystem::path& file) {
   return lines;
 }
 
-std::vector<std::filesystem::path> DocumentedFiles() {
+// Each documented file and its logical lines, read once.
+std::vector<std::pair<std::filesystem::path, std::vector<std::string>>> DocumentedFiles() {
   const std::filesystem::path root(SDM_SOURCE_DIR);
-  std::vector<std::filesystem::path> files = {root / "README.md"};
+  std::vector<std::filesystem::path> paths = {root / "README.md"};
   for (const char* dir : {"docs", "scripts", "deploy"}) {
     for (const auto& entry : std::filesystem::recursive_directory_iterator(root / dir)) {
       const std::string ext = entry.path().extension().string();
       if (entry.is_regular_file() && (ext == ".md" || ext == ".sh" || ext == ".service")) {
-        files.push_back(entry.path());
+        paths.push_back(entry.path());
       }
     }
   }
+  std::vector<std::pair<std::filesystem::path, std::vector<std::string>>> files;
+  for (const std::filesystem::path& path : paths) files.emplace_back(path, LogicalLines(path));
   return files;
 }
 
@@ -130,7 +134,7 @@ bool RunsTheTool(std::string_view head) {         // the line up to the characte
 }
 
 TEST(DocumentedCommandsTest, UseOnlyFlagsTheirCommandAccepts) {
-  const std::vector<std::filesystem::path> files = DocumentedFiles();
+  const auto files = DocumentedFiles();
   int checked = 0;
   for (const Tool& tool : Tools()) {
     SCOPED_TRACE(tool.name);
@@ -146,8 +150,8 @@ TEST(DocumentedCommandsTest, UseOnlyFlagsTheirCommandAccepts) {
                              "([^`|;>)#]*)");
     static const std::regex kFlag(R"((?:^|\s)--([a-z0-9_]+))");
     std::map<std::string, std::set<std::string>> accepted;  // by subcommand
-    for (const std::filesystem::path& file : files) {
-      for (const std::string& line : LogicalLines(file)) {
+    for (const auto& [file, lines] : files) {
+      for (const std::string& line : lines) {
         for (std::sregex_iterator c(line.begin(), line.end(), command), end; c != end; ++c) {
           if (!RunsTheTool(std::string_view(line).substr(0, c->position() + 1))) continue;
           const std::string subcommand = (*c)[1];

@@ -195,7 +195,6 @@ void Print(const Row& r) {
 
 // ---- SDM step ----
 
-// SdmStep (and SdmPrepareRows + SdmStep) at `batch` sessions of sdm_flagship's geometry.
 // Where a decode plan allocates the write rows, for the benchmark's label.
 std::string PlanAllocation(const kernels::SdmDecodePlan& plan) {
   switch (plan.alloc) {
@@ -209,6 +208,7 @@ std::string PlanAllocation(const kernels::SdmDecodePlan& plan) {
   return "?";
 }
 
+// SdmStep (and SdmPrepareRows + SdmStep) at `batch` sessions of sdm_flagship's geometry.
 absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_gbps,
                       cudaStream_t stream, std::mt19937_64& rng, std::vector<Row>& rows) {
   const int64_t per_set = batch * kSdmHeads;  // (session, head) pairs
@@ -369,35 +369,32 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   const std::string shape =
       absl::StrFormat("flagship: heads 2, s 256, hd 1024, W=R=128, %d sets", sets);
   const double bytes = static_cast<double>(per_set) * (2 * kSdmW + kSdmR) * kSdmWidth * 2;
-  absl::StatusOr<Timing> step = Time(
-      stream, opt.warmup, opt.reps,
-      [&](int rep) {
-        const int64_t k = rep % sets;
-        kc::SdmStepArgs a = args;
-        a.w_rows = w_rows.get() + k * nw;
-        a.r_refs = r_refs.get() + k * nr;
-        return kc::SdmStep(a, segs, dims, arena, stream);
-      },
-      "SdmStep");
+  // Times `body(k)` with repetition i on set k = i % sets (each set its own slots).
+  auto time_sets = [&](const char* what, const std::function<cudaError_t(int64_t)>& body) {
+    return Time(
+        stream, opt.warmup, opt.reps, [&](int rep) { return body(rep % sets); }, what);
+  };
+  absl::StatusOr<Timing> step = time_sets("SdmStep", [&](int64_t k) {
+    kc::SdmStepArgs a = args;
+    a.w_rows = w_rows.get() + k * nw;
+    a.r_refs = r_refs.get() + k * nr;
+    return kc::SdmStep(a, segs, dims, arena, stream);
+  });
   if (!step.ok()) return step.status();
   rows.push_back({"sdm step", shape, batch, bytes, *step, copy_gbps, kKernelTargetFraction, 0});
   Print(rows.back());
 
-  absl::StatusOr<Timing> both = Time(
-      stream, opt.warmup, opt.reps,
-      [&](int rep) {
-        const int64_t k = rep % sets;
-        // The slots already have rows: nothing is allocated (the steady state).
-        const cudaError_t err =
-            kc::SdmPrepareRows(d_w_slots.get() + k * nw, kSdmW, d_r_slots.get() + k * nr, kSdmR,
-                               segs, dims, m0.get(), arena, tmp_rows.get(), tmp_refs.get(), stream);
-        if (err != cudaSuccess) return err;
-        kc::SdmStepArgs a = args;
-        a.w_rows = tmp_rows.get();
-        a.r_refs = tmp_refs.get();
-        return kc::SdmStep(a, segs, dims, arena, stream);
-      },
-      "SdmPrepareRows + SdmStep");
+  absl::StatusOr<Timing> both = time_sets("SdmPrepareRows + SdmStep", [&](int64_t k) {
+    // The slots already have rows: nothing is allocated (the steady state).
+    const cudaError_t err =
+        kc::SdmPrepareRows(d_w_slots.get() + k * nw, kSdmW, d_r_slots.get() + k * nr, kSdmR, segs,
+                           dims, m0.get(), arena, tmp_rows.get(), tmp_refs.get(), stream);
+    if (err != cudaSuccess) return err;
+    kc::SdmStepArgs a = args;
+    a.w_rows = tmp_rows.get();
+    a.r_refs = tmp_refs.get();
+    return kc::SdmStep(a, segs, dims, arena, stream);
+  });
   if (!both.ok()) return both.status();
   rows.push_back(
       {"sdm prepare+step", shape, batch, bytes, *both, copy_gbps, kKernelTargetFraction, 0});
@@ -419,16 +416,12 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   dec.w_rows = tmp_rows.get();
   // The decode step with clusters up to `max_cluster_blocks` (1: none).
   auto time_decode = [&](int64_t max_cluster_blocks, const char* what) {
-    return Time(
-        stream, opt.warmup, opt.reps,
-        [&](int rep) {
-          const int64_t k = rep % sets;
-          kc::SdmDecodeArgs a = dec;
-          a.w_slots = d_w_slots.get() + k * nw;
-          a.r_slots = d_r_slots.get() + k * nr;
-          return kc::SdmDecodeStep(a, segs, dims, arena, stream, max_cluster_blocks);
-        },
-        what);
+    return time_sets(what, [&](int64_t k) {
+      kc::SdmDecodeArgs a = dec;
+      a.w_slots = d_w_slots.get() + k * nw;
+      a.r_slots = d_r_slots.get() + k * nr;
+      return kc::SdmDecodeStep(a, segs, dims, arena, stream, max_cluster_blocks);
+    });
   };
   absl::StatusOr<Timing> decode = time_decode(kernels::kSdmMaxClusterBlocks, "SdmDecodeStep");
   if (!decode.ok()) return decode.status();

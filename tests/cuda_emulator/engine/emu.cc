@@ -291,12 +291,6 @@ static void RunUntil(cudaStream_t s, uint64_t position) {
   }
 }
 
-// Runs everything enqueued on s so far.
-static void RunStream(cudaStream_t s) {
-  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
-  RunUntil(s, s->enqueued);
-}
-
 static bool LiveStream(cudaStream_t s) {
   std::lock_guard<std::mutex> lock(g_mu);
   return g_streams.count(s) > 0;
@@ -304,13 +298,22 @@ static bool LiveStream(cudaStream_t s) {
 
 // Runs every stream's deferred work (what a device synchronisation waits for).
 static void RunAllStreams() {
-  if (!DeferredStreams()) return;
+  if (!DeferredStreams()) return;  // nothing is ever pending
   std::vector<cudaStream_t> streams;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     streams.assign(g_streams.begin(), g_streams.end());
   }
-  for (cudaStream_t s : streams) RunStream(s);
+  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  for (cudaStream_t s : streams) RunUntil(s, s->enqueued);
+}
+
+// Runs everything enqueued on s so far; for the legacy stream (null), on every stream (the
+// legacy stream's own work runs when it is enqueued).
+static void RunStream(cudaStream_t s) {
+  if (s == nullptr) return RunAllStreams();
+  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  RunUntil(s, s->enqueued);
 }
 
 void Enqueue(cudaStream_t s, std::function<void()> op) {
@@ -541,8 +544,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
       return cudaSuccess;
     }
     if (k == cudaMemcpyDeviceToHost && KindOf(dst, n, "cudaMemcpyAsync") == kHost) {
-      if (s != nullptr) RunStream(s);
-      if (s == nullptr) RunAllStreams();
+      RunStream(s);
       return Copy(dst, src, n, k, "cudaMemcpyAsync");
     }
   }
@@ -640,7 +642,7 @@ cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
 }
 cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  if (DeferredStreams() && LiveStream(s)) RunStream(s);  // its work still completes
+  if (LiveStream(s)) RunStream(s);  // its work still completes
   {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_streams.erase(s) == 0) HostFail("cudaStreamDestroy of an unknown stream");
@@ -656,13 +658,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s) {
     g_last_error = cudaErrorStreamCaptureUnsupported;
     return cudaErrorStreamCaptureUnsupported;
   }
-  if (DeferredStreams()) {
-    if (s == nullptr) {
-      RunAllStreams();
-    } else {
-      RunStream(s);
-    }
-  }
+  RunStream(s);
   return cudaSuccess;
 }
 cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
