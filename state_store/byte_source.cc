@@ -37,7 +37,8 @@ void AppendOnePass(const ByteSource& source, std::string& out) {
       patches);
   SDM_CHECK(s.ok()) << s;
   for (const ByteSource::Patch& p : patches) {
-    SDM_CHECK(p.offset + 8 <= out.size() - start) << "a patch past the content's end";
+    SDM_CHECK(p.offset <= out.size() - start && out.size() - start - p.offset >= 8)
+        << "a patch past the content's end";
     std::memcpy(out.data() + start + p.offset, &p.value, 8);
   }
 }

@@ -229,7 +229,7 @@ absl::Status StateFiles::WriteSource(int fd, const std::filesystem::path& path, 
       patches);
   SDM_RETURN_IF_ERROR(written);
   for (const ByteSource::Patch& patch : patches) {
-    if (patch.offset + 8 > data.size()) {
+    if (patch.offset > data.size() || data.size() - patch.offset < 8) {  // no wrap-around
       return absl::InternalError(absl::StrCat("cannot write ", path.string(), ": a field at ",
                                               patch.offset, " lies past the data's end"));
     }

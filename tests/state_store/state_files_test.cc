@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
 #include <utility>
@@ -97,7 +98,12 @@ std::vector<uint64_t> DeferredFields(std::mt19937_64& rng, size_t size, uint64_t
   std::vector<uint64_t> out;
   if (size < 8) return out;
   const uint64_t first_chunk = (uint64_t{4} << 20) - at % 4096;
-  for (uint64_t candidate : {uint64_t{0}, size - 8, first_chunk - 3, 4096 - at % 4096 - 5}) {
+  const uint64_t to_block_end = 4096 - at % 4096;  // 1 to 4096
+  std::vector<uint64_t> candidates = {0, size - 8, first_chunk - 3};
+  // 5 bytes before the block boundary; within 5 bytes of `at`, the field at 0 crosses it (and
+  // the difference would wrap: a field before the source, as once here: 1 record in 1,000).
+  if (to_block_end >= 5) candidates.push_back(to_block_end - 5);
+  for (uint64_t candidate : candidates) {
     if (candidate + 8 <= size) out.push_back(candidate);
   }
   for (int i = 0; i < 3; ++i) out.push_back(rng() % (size - 7));
@@ -232,6 +238,39 @@ TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
       ASSERT_EQ(ReadAll(direct), expected) << "record " << i << " at " << at;
       ASSERT_EQ(ReadAll(buffered), expected) << "record " << i << " at " << at;
     }
+  }
+}
+
+// A source naming a deferred field outside its content (a broken source; an offset so large that
+// offset + 8 wraps around, as a field "before" the content would): the write is refused, and
+// nothing before the record's offset changes. Both file systems, both write paths.
+class BadFieldSource : public ByteSource {
+ public:
+  explicit BadFieldSource(std::string data) : data_(std::move(data)) {}
+  uint64_t size() const override { return data_.size(); }
+  absl::Status Emit(Sink sink) const override { return sink(data_); }
+  absl::Status EmitOnePass(Sink sink, std::vector<Patch>& patches) const override {
+    SDM_RETURN_IF_ERROR(sink(data_));
+    patches.push_back({std::numeric_limits<uint64_t>::max() - 3, 0x0102030405060708});
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string data_;
+};
+
+TEST(StateFilesTest, AFieldOutsideTheSourceIsRefused) {
+  testing::ScopedTempDir dir;
+  std::mt19937_64 rng(17);
+  const std::string head = RandomBytes(rng, 12287);
+  for (StateFiles* files : {StateFiles::Direct(), StateFiles::Default()}) {
+    const std::filesystem::path path = dir.path() / "bad.sdmlog";
+    ASSERT_TRUE(StateFiles::Default()->WriteAtomically(path, head).ok());
+    const absl::Status s =
+        files->WriteAt(path, head.size(), BadFieldSource(RandomBytes(rng, 5000)));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    EXPECT_NE(s.message().find("past the data's end"), std::string::npos) << s;
+    EXPECT_EQ(ReadAll(path).substr(0, head.size()), head);
   }
 }
 
