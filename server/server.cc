@@ -38,9 +38,7 @@ namespace sdm {
 namespace {
 
 constexpr char kServiceName[] = "sdm.v1.SdmService";
-// After the grace period and the cancellation of what was left, how long streams get to send
-// their final chunk before the gRPC server cancels them; then how long other calls get.
-constexpr absl::Duration kFinalWriteGrace = absl::Seconds(5);
+// After the streams' final chunks (ServerOptions::final_write_grace), how long other calls get.
 constexpr auto kUnaryGrace = std::chrono::milliseconds(200);
 
 std::string HostPort(const std::string& host, int port) {
@@ -95,6 +93,9 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   }
   if (o.shutdown_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");
+  }
+  if (o.final_write_grace < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("final_write_grace must not be negative");
   }
   if (o.malloc_trim_interval < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("malloc_trim_interval must not be negative");
@@ -406,7 +407,7 @@ absl::Status SdmServer::Impl::Shutdown() {
   // client connections to close until its deadline, hence the wait for the streams here and a
   // short deadline, which cancels the calls still open then.
   if (grpc_server != nullptr) {
-    const absl::Time streams_done = absl::Now() + kFinalWriteGrace;
+    const absl::Time streams_done = absl::Now() + options.final_write_grace;
     while (service != nullptr && service->active_generates() > 0 && absl::Now() < streams_done) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
@@ -416,7 +417,7 @@ absl::Status SdmServer::Impl::Shutdown() {
   }
   // 4b. The same for the HTTP API: its streams write their last chunk, then its port closes.
   if (openai != nullptr) {
-    const absl::Time streams_done = absl::Now() + kFinalWriteGrace;
+    const absl::Time streams_done = absl::Now() + options.final_write_grace;
     while (openai->active_generations() > 0 && absl::Now() < streams_done) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }

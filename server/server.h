@@ -14,7 +14,7 @@
 //   2. wait for the requests in flight (running or queued) up to shutdown_grace;
 //   3. cancel what is left: those streams end with a final chunk whose finish_reason is
 //      FINISH_REASON_CANCELLED (status OK), their sessions keeping what was generated;
-//   4. stop the gRPC server (calls still open after a few more seconds are cancelled), then the
+//   4. stop the gRPC server (calls still open after final_write_grace are cancelled), then the
 //      HTTP API the same way (its streams end with finish_reason "cancelled");
 //   5. write every session to the state directory (PersistAll);
 //   6. stop the HTTP endpoint.
@@ -85,6 +85,10 @@ struct ServerOptions {
 
   // How long Shutdown() lets requests in flight finish before cancelling them.
   absl::Duration shutdown_grace = absl::Seconds(30);
+  // After that, how long the cancelled streams get to send their final chunk (each API's) before
+  // their calls are cancelled. A stream writes it within a step, so this only bounds a client that
+  // does not read; tests on loaded machines raise it.
+  absl::Duration final_write_grace = absl::Seconds(5);
 
   // How often at most the heap's free pages go back to the system, and the span whose highest
   // bytes in use the current ones must be near for a trim (base/heap.h, HeapTrimmer,

@@ -570,6 +570,9 @@ TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
   std::vector<Completion> over_grpc(kEach);
   std::vector<Reply> over_http(kEach);
   {
+    // Every step of the requests below is shared at least with the held stream.
+    HeldStream held(*s.stub);
+    ASSERT_TRUE(held.running());
     std::atomic<int> ready{0};
     std::vector<std::thread> clients;
     for (int i = 0; i < 2 * kEach; ++i) {

@@ -86,6 +86,7 @@ inline ServerOptions TestOptions(const std::filesystem::path& state_dir) {
   o.service.max_prompt_tokens = 256;
   o.service.max_tokens_limit = 1'000'000;  // long streams for cancellation tests
   o.shutdown_grace = absl::Seconds(5);
+  o.final_write_grace = absl::Minutes(1);  // a loaded machine may take seconds to write a chunk
   return o;
 }
 
@@ -172,6 +173,40 @@ inline v1::GenerateRequest IdsRequest(const std::vector<int32_t>& ids, int64_t m
   r.mutable_sampling()->set_max_tokens(max_tokens);
   return r;
 }
+
+// A one-shot stream that runs until the test cancels it (a million tokens on the no-EOS model of
+// TestOptions): while it runs, every other job shares its engine steps. Tests that need batches
+// of more than one sequence hold one, rather than hoping that concurrent clients meet in a step
+// (on a loaded machine they may arrive one after another). The constructor returns once the
+// stream has produced its first chunk, so it is running; the destructor cancels it and requires
+// that it ran until then.
+class HeldStream {
+ public:
+  explicit HeldStream(v1::SdmService::Stub& stub) {
+    Prepare(context_, {});
+    reader_ = stub.Generate(&context_, TextRequest("held", 1'000'000));
+    v1::GenerateResponse chunk;
+    running_ = reader_->Read(&chunk);
+    EXPECT_TRUE(running_) << "the held stream ended before its first chunk";
+  }
+  ~HeldStream() {
+    context_.TryCancel();
+    v1::GenerateResponse chunk;
+    while (reader_->Read(&chunk)) {
+      EXPECT_EQ(chunk.finish_reason(), v1::FINISH_REASON_UNSPECIFIED) << "ended by itself";
+    }
+    EXPECT_EQ(reader_->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  }
+  HeldStream(const HeldStream&) = delete;
+  HeldStream& operator=(const HeldStream&) = delete;
+
+  bool running() const { return running_; }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReader<v1::GenerateResponse>> reader_;
+  bool running_ = false;
+};
 
 // The /metrics page of the server's HTTP port, parsed (a parse failure fails the test).
 inline ParsedPage ScrapeMetrics(int port) {

@@ -119,6 +119,19 @@ TEST_F(ServiceTest, GreedyGenerateEqualsSdmCli) {
   EXPECT_GT(eos_endings, 0) << "no prompt exercised EOS: pick another for this model";
 }
 
+TEST_F(ServiceTest, NegativeShutdownGracesAreRefusedAtStart) {
+  for (const char* field : {"shutdown_grace", "final_write_grace"}) {
+    ServerOptions o = Options();
+    (std::string(field) == "shutdown_grace" ? o.shutdown_grace : o.final_write_grace) =
+        -absl::Seconds(1);
+    absl::StatusOr<std::unique_ptr<SdmServer>> server = SdmServer::Start(o);
+    ASSERT_FALSE(server.ok()) << field;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(server.status().message()),
+                ::testing::HasSubstr(absl::StrCat(field, " must not be negative")));
+  }
+}
+
 TEST_F(ServiceTest, ThirtyTwoConcurrentStreamsEachEqualTheirSoloRun) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);
@@ -129,6 +142,9 @@ TEST_F(ServiceTest, ThirtyTwoConcurrentStreamsEachEqualTheirSoloRun) {
   for (int i = 0; i < kStreams; ++i) ASSERT_TRUE(CreateSession(*s.stub, absl::StrCat("c", i)).ok());
   std::vector<Completion> together(kStreams);
   {
+    // Every step of the streams below is shared at least with the held one.
+    HeldStream held(*s.stub);
+    ASSERT_TRUE(held.running());
     std::atomic<int> ready{0};
     std::vector<std::thread> clients;
     for (int i = 0; i < kStreams; ++i) {
@@ -141,7 +157,7 @@ TEST_F(ServiceTest, ThirtyTwoConcurrentStreamsEachEqualTheirSoloRun) {
     }
     for (std::thread& t : clients) t.join();
   }
-  // Batches of more than one sequence did run.
+  // Batches of more than one sequence did run (the held stream sees to it).
   const ParsedPage page = ScrapeMetrics(s.server->metrics_port());
   EXPECT_LT(MetricValue(page, "sdm_batch_size_bucket", {{"le", "1"}}),
             MetricValue(page, "sdm_batch_size_count"));
