@@ -10,9 +10,11 @@
 #   -b, --build-dir DIR   where to build (default /tmp/sdm-emu)
 #   --cmake-build DIR     reuse an existing CPU-only CMake build (-DSDM_CUDA=OFF) for the
 #                         project's libraries; default: configure and build DIR/cmake here
-#   -t, --tests LIST      comma-separated subset of: selftest,attention,sdm,elementwise,sampling,engine
-#                         (default: all of them)
-#                         (default: all of them, or $EMU_TESTS)
+#   -t, --tests LIST      comma-separated subset of:
+#                         selftest,streams,attention,sdm,elementwise,sampling,engine
+#                         (default: all of them, or $EMU_TESTS); streams is the engine
+#                         dialect's stream model checked in every EMU_STREAMS mode
+#                         (tests/cuda_emulator/engine/streams_selftest.cc)
 #   -f, --filter PATTERN  gtest filter for every test binary (replaces the defaults below;
 #                         default: $EMU_FILTER)
 #   --all                 run every engine test (default: the cheap ones and the CUDA-vs-CPU
@@ -21,8 +23,9 @@
 #                         environment is passed through as well)
 #   --streams MODE        sets EMU_STREAMS (engine tests): deferred (the default: streams run
 #                         their work only when the host or another stream waits for it, as late
-#                         as CUDA allows) or eager (when it is enqueued)
-#                         (tests/cuda_emulator/engine/emu.cc)
+#                         as CUDA allows), eager (when it is enqueued) or shuffle:SEED (deferred,
+#                         and at random some pending work of every stream runs early, the
+#                         streams interleaved) (tests/cuda_emulator/engine/emu.cc)
 #   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with,
 #                         or $EMU_ASAN)
 #   -j N                  parallel compile jobs (default: nproc)
@@ -36,7 +39,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 EMU="$ROOT/tests/cuda_emulator"
 BUILD=/tmp/sdm-emu
 CMAKE_BUILD=""
-TESTS="${EMU_TESTS:-selftest,attention,sdm,elementwise,sampling,engine}"
+TESTS="${EMU_TESTS:-selftest,streams,attention,sdm,elementwise,sampling,engine}"
 FILTER="${EMU_FILTER:-}"
 BUILD_STEP=1
 RUN_STEP=1
@@ -57,7 +60,7 @@ while [[ $# -gt 0 ]]; do
     -j) JOBS="$2"; shift 2 ;;
     --build-only) RUN_STEP=0; shift ;;
     --run-only) BUILD_STEP=0; shift ;;
-    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h | --help) sed -n '2,/^# Exit status/p' "$0"; exit 0 ;;
     *) echo "unknown option: $1" >&2; exit 2 ;;
   esac
 done
@@ -74,7 +77,10 @@ mkdir -p "$LOGS" "$BUILD/gen" "$KO" "$BUILD/obj-e" "$BUILD/bin"
 KERNEL_TESTS=()
 for t in attention sdm elementwise sampling; do want "$t" && KERNEL_TESTS+=("$t"); done
 if [[ $BUILD_STEP == 1 ]]; then
-# --- 1. CPU-only CMake build: the project's libraries and the link line of a test binary. ---
+# --- 1. CPU-only CMake build: the project's libraries and the link line of a test binary
+# (the self-tests need neither). ---
+LIBS=""
+if [[ ${#KERNEL_TESTS[@]} -gt 0 ]] || want engine; then
 if [[ -z "$CMAKE_BUILD" ]]; then
   CMAKE_BUILD="$BUILD/cmake"
   echo "== CPU-only CMake build in $CMAKE_BUILD (log: $LOGS/cmake.log)"
@@ -92,7 +98,6 @@ CMAKE_BUILD="$(cd "$CMAKE_BUILD" && pwd)"
 # static libraries, absl, OpenBLAS and gtest_main. Makefile trees keep it in link.txt (paths
 # relative to tests/), Ninja trees give it with `ninja -t commands` (relative to the tree).
 LINK_TXT="$CMAKE_BUILD/tests/CMakeFiles/engine_cuda_engine_test.dir/link.txt"
-LIBS=""
 if ! grep -q "SDM_CUDA:BOOL=ON" "$CMAKE_BUILD/CMakeCache.txt" 2>/dev/null; then
   if [[ -f "$LINK_TXT" ]]; then
     LIBS="$(sed -e 's/^.*-o engine_cuda_engine_test *//' -e "s#\.\./#$CMAKE_BUILD/#g" "$LINK_TXT")"
@@ -106,6 +111,7 @@ if [[ -z "$LIBS" ]]; then
   echo "$CMAKE_BUILD is not a CPU-only build with engine_cuda_engine_test built" >&2
   exit 1
 fi
+fi  # the project's libraries
 
 # --- 2. Compile helpers (parallel, rebuild when the source or the emulator changed). ---
 rm -f "$BUILD/compile-failed"
@@ -183,10 +189,10 @@ if [[ ${#KERNEL_TESTS[@]} -gt 0 ]] || want selftest; then
 fi
 
 # --- 4. Engine test: tests/cuda_emulator/engine (allocation tracking, naive GEMM). ---
+EO="$BUILD/obj-e"
+EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 -fno-strict-aliasing "${COMMON_DEFS[@]}" -I"$EMU/engine/include" -I"$EMU/include")
 if want engine; then
   echo "== building the emulated engine test in $BUILD"
-  EO="$BUILD/obj-e"
-  EFL=(-std=c++20 -O2 -g -w -march=x86-64-v3 -fno-strict-aliasing "${COMMON_DEFS[@]}" -I"$EMU/engine/include" -I"$EMU/include")
   ESRCS=("$EMU/engine/emu.cc" "$EMU/engine/gemm_emu.cc" "$ROOT/engine/engine.cc"
          "$ROOT"/engine/cuda/*.cc "$ROOT/tests/engine/cuda_engine_test.cc")
   for cu in "$ROOT"/kernels/cuda/*.cu; do
@@ -206,13 +212,23 @@ if want engine; then
   # The recompiled engine.o (with SDM_HAVE_CUDA) precedes libsdm_engine.a, so it is the one used.
   g++ -o "$BUILD/bin/cuda_engine_test" "${EOBJS[@]}" $LIBS || exit 1
 fi
+# --- 4b. The engine dialect's stream model on its own (no project code). ---
+if want streams; then
+  echo "== building the stream-model self-test in $BUILD"
+  compile "$EO/emu.o" "$EMU/engine/emu.cc" "${EFL[@]}"  # fresh already when engine was built
+  compile "$EO/streams_selftest.o" "$EMU/engine/streams_selftest.cc" "${EFL[@]}"
+  wait_all
+  [[ -f "$BUILD/compile-failed" ]] && exit 1
+  g++ -o "$BUILD/bin/streams_selftest" "$EO/streams_selftest.o" "$EO/emu.o" || exit 1
+fi
 
 fi  # BUILD_STEP
 [[ $RUN_STEP == 1 ]] || exit 0
 
 # --- 5. Run. ---
 if [[ $BUILD_STEP == 0 ]]; then
-  for b in $(want selftest && echo selftest neg) ${KERNEL_TESTS[@]/#/cuda_} \
+  for b in $(want selftest && echo selftest neg) $(want streams && echo streams_selftest) \
+           ${KERNEL_TESTS[@]/#/cuda_} \
            $(want engine && echo cuda_engine); do
     [[ $b == cuda_* ]] && b="${b}_test"
     [[ -x "$BUILD/bin/$b" ]] || { echo "$BUILD/bin/$b was not built"; exit 77; }
@@ -261,6 +277,19 @@ if want selftest; then
   [[ $rc != 0 || $caught != 7 ]] && verdict=FAIL && OVERALL=1
   SUMMARY+=("$(printf '%-5s %-22s intrinsics rc=%s, planted bugs caught %s/7  %s' "$verdict" \
     selftest "$rc" "$caught" "$log")")
+fi
+if want streams; then
+  # Every mode, whatever EMU_STREAMS says: each scenario's outcomes are what that mode allows.
+  log="$LOGS/streams_selftest.log"
+  : >"$log"
+  failed_modes=()
+  for mode in eager deferred shuffle:1 shuffle:2 shuffle:3; do
+    EMU_STREAMS="$mode" "$BUILD/bin/streams_selftest" >>"$log" 2>&1 || failed_modes+=("$mode")
+  done
+  verdict=PASS
+  [[ ${#failed_modes[@]} -gt 0 ]] && verdict=FAIL && OVERALL=1
+  SUMMARY+=("$(printf '%-5s %-22s modes failing: %s  %s' "$verdict" streams_selftest \
+    "${failed_modes[*]:-none}" "$log")")
 fi
 for t in "${KERNEL_TESTS[@]}"; do run_gtest "cuda_${t}_test" "$BUILD/bin/cuda_${t}_test" "$FILTER"; done
 if want engine; then

@@ -8,6 +8,7 @@
 // device synchronisation, cudaFree) or another stream waits for an event after it. Then a host
 // buffer rewritten before the copy that reads it has run, a result read before the host waited
 // for it, or a missing wait between streams gives other numbers, as it may on a device.
+// EMU_STREAMS=shuffle:SEED also runs pending work early in random interleavings (ShuffleSeed).
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -18,6 +19,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -214,7 +217,7 @@ static void RunCluster() {
 
 enum class EmuCapture { kNone, kActive, kInvalidated };
 struct EmuStream {
-  int id;
+  int id;  // creation order (shuffled streams visit streams in this order, for reproducibility)
   EmuCapture capture = EmuCapture::kNone;
   std::thread::id capturing_thread;
   std::vector<std::function<void()>> ops;  // recorded while capturing
@@ -276,6 +279,25 @@ static bool DeferredStreams() {
   return deferred;
 }
 
+// EMU_STREAMS=shuffle:SEED: deferred streams, and besides, at every enqueue and every host wait
+// a coin (seeded) decides whether some pending work runs early: a random prefix of each stream's
+// pending ops, the streams interleaved at random. A device may run a stream's work any time after
+// it is enqueued and its waits are met, so this is still a legal order, and it tries orders that
+// deferred streams never produce: a stream the host waits for later running first (a download
+// missing its wait for the step that writes what it reads, when the host then synchronises the
+// step's stream first, runs in the right order deferred and in the wrong one here).
+static std::optional<uint64_t> ShuffleSeed() {
+  static const std::optional<uint64_t> seed = []() -> std::optional<uint64_t> {
+    const char* v = std::getenv("EMU_STREAMS");
+    if (v == nullptr || std::strncmp(v, "shuffle:", 8) != 0) return std::nullopt;
+    char* end = nullptr;
+    const uint64_t parsed = std::strtoull(v + 8, &end, 10);
+    if (end == v + 8 || *end != '\0') HostFail("EMU_STREAMS=shuffle:SEED needs a decimal seed");
+    return parsed;
+  }();
+  return seed;
+}
+
 // Serialises running deferred work (recursive: an op that waits on an event runs another
 // stream's ops first).
 static std::recursive_mutex g_run_mu;
@@ -296,16 +318,46 @@ static bool LiveStream(cudaStream_t s) {
   return g_streams.count(s) > 0;
 }
 
-// Runs every stream's deferred work (what a device synchronisation waits for).
-static void RunAllStreams() {
-  if (!DeferredStreams()) return;  // nothing is ever pending
+// The live streams in creation order.
+static std::vector<cudaStream_t> LiveStreams() {
   std::vector<cudaStream_t> streams;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     streams.assign(g_streams.begin(), g_streams.end());
   }
+  std::sort(streams.begin(), streams.end(),
+            [](cudaStream_t a, cudaStream_t b) { return a->id < b->id; });
+  return streams;
+}
+
+// EMU_STREAMS=shuffle:SEED (above): maybe runs some pending work early. Called by the host-side
+// entry points only (enqueues and waits), never by an op.
+static void MaybeRunEarly() {
+  const std::optional<uint64_t> seed = ShuffleSeed();
+  if (!seed) return;
   std::lock_guard<std::recursive_mutex> lock(g_run_mu);
-  for (cudaStream_t s : streams) RunUntil(s, s->enqueued);
+  static std::mt19937_64 rng(*seed);
+  if (rng() % 2 == 0) return;
+  // How far each stream runs now: a random prefix of its pending ops.
+  std::vector<std::pair<cudaStream_t, uint64_t>> until;
+  for (cudaStream_t s : LiveStreams()) {
+    const uint64_t n = rng() % (s->pending.size() + 1);
+    if (n > 0) until.emplace_back(s, s->ran + n);
+  }
+  while (!until.empty()) {
+    const size_t i = rng() % until.size();
+    cudaStream_t s = until[i].first;
+    if (s->ran < until[i].second) RunUntil(s, s->ran + 1);  // one op (its waits may run others)
+    if (s->ran >= until[i].second || s->pending.empty()) until.erase(until.begin() + i);
+  }
+}
+
+// Runs every stream's deferred work (what a device synchronisation waits for).
+static void RunAllStreams() {
+  if (!DeferredStreams()) return;  // nothing is ever pending
+  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  MaybeRunEarly();
+  for (cudaStream_t s : LiveStreams()) RunUntil(s, s->enqueued);
 }
 
 // Runs everything enqueued on s so far; for the legacy stream (null), on every stream (the
@@ -313,6 +365,7 @@ static void RunAllStreams() {
 static void RunStream(cudaStream_t s) {
   if (s == nullptr) return RunAllStreams();
   std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  MaybeRunEarly();
   RunUntil(s, s->enqueued);
 }
 
@@ -330,6 +383,7 @@ void Enqueue(cudaStream_t s, std::function<void()> op) {
     if (s != nullptr) {
       s->pending.push_back(std::move(op));
       ++s->enqueued;
+      MaybeRunEarly();
       return;
     }
     // The legacy stream: after everything enqueued before (conservative: the project's streams
@@ -635,8 +689,9 @@ cudaError_t cudaRuntimeGetVersion(int* v) {
 }
 
 cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  *s = new EmuStream{0};
+  static int created = 0;
   std::lock_guard<std::mutex> lock(g_mu);
+  *s = new EmuStream{++created};
   g_streams.insert(*s);
   return cudaSuccess;
 }
@@ -789,6 +844,8 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 // Runs what the event waits for (deferred streams).
 static void ReachEvent(cudaEvent_t e) {
   if (DeferredStreams() && e != nullptr && e->stream != nullptr && LiveStream(e->stream)) {
+    std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+    MaybeRunEarly();
     RunUntil(e->stream, e->position);
   }
 }
