@@ -505,8 +505,8 @@ class CudaBackend : public EngineBackend {
     commit_ = nullptr;
     if (status.ok()) status = ctx_->StartRefresh();
     const absl::Status synced = CudaStatus(cudaStreamSynchronize(stream), "forward pass");
+    if (status.ok() && synced.ok()) status = ctx_->FinishRefresh();
     if (status.ok() && synced.ok()) {
-      ctx_->FinishRefresh();
       if (m > 0) {
         std::memcpy(out.logits, ws_.logits_host.get(), m * cfg_.vocab_size * sizeof(float));
       }
@@ -557,7 +557,10 @@ class CudaBackend : public EngineBackend {
   }
 
   // Room for the step's upload, device and pinned host, before the pass's first enqueue (and
-  // outside any capture: allocations are not allowed in one).
+  // outside any capture: allocations are not allowed in one). Twice what this step needs, so a
+  // batch that grows by a few sessions does not reallocate (which drops every decode graph).
+  // One buffer, not two alternating: a pass synchronises before it returns, so the next pass
+  // never writes the image while a copy of it is pending.
   absl::Status EnsureStepArrays(size_t bytes) {
     Workspace& ws = ws_;
     // Both: a failed pinned allocation leaves the device half grown and the host half empty.

@@ -175,6 +175,7 @@ int64_t CudaDeviceContext::free_rows_lower_bound() const {
 absl::Status CudaDeviceContext::ReserveRows(int64_t rows) {
   {
     absl::MutexLock lock(&mu_);
+    SDM_RETURN_IF_ERROR(free_list_error_);  // once corrupt, every reservation fails
     if (rows <= free_rows_) {
       free_rows_ -= rows;
       return absl::OkStatus();
@@ -231,14 +232,15 @@ absl::Status CudaDeviceContext::CheckFreeCount(int64_t device_free) {
   return free_list_error_;
 }
 
-void CudaDeviceContext::FinishRefresh() {
+absl::Status CudaDeviceContext::FinishRefresh() {
   absl::MutexLock lock(&mu_);
-  if (free_count_.get() != nullptr) {
-    const int32_t device_free = *free_count_host_.get();
-    // Out of range: ReserveRows() fails from now on, loudly (the error is logged once).
-    if (CheckFreeCount(device_free).ok()) free_rows_ = device_free;
-  }
   std::memcpy(counters_published_.data(), counters_host_.get(), counters_.bytes());
+  if (free_count_.get() == nullptr) return absl::OkStatus();
+  const int32_t device_free = *free_count_host_.get();
+  // Out of range: this step failed, and ReserveRows() fails from now on (logged once).
+  SDM_RETURN_IF_ERROR(CheckFreeCount(device_free));
+  free_rows_ = device_free;
+  return absl::OkStatus();
 }
 
 namespace {
@@ -301,6 +303,32 @@ int64_t CudaDeviceContext::transfer_staging_allocations() const {
   return staging_.allocations();
 }
 
+absl::Status CudaDeviceContext::TakeTable(int64_t entries, kc::DeviceBuffer<int32_t>* table) {
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = free_tables_.find(entries);
+    if (it != free_tables_.end() && !it->second.empty()) {
+      *table = std::move(it->second.back());
+      it->second.pop_back();
+      return absl::OkStatus();
+    }
+    ++table_allocations_;
+  }
+  return CudaStatus(table->Allocate(static_cast<size_t>(entries)), "allocating a session table");
+}
+
+void CudaDeviceContext::ReturnTable(kc::DeviceBuffer<int32_t> table) {
+  if (table.get() == nullptr) return;
+  const auto entries = static_cast<int64_t>(table.size());
+  absl::MutexLock lock(&mu_);
+  free_tables_[entries].push_back(std::move(table));
+}
+
+int64_t CudaDeviceContext::table_allocations() const {
+  absl::MutexLock lock(&mu_);
+  return table_allocations_;
+}
+
 // ---------------------------------------------------------------------------------------------
 
 absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
@@ -324,8 +352,7 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     const LayerStateLayout& ls = layout.layers[l];
     Layer& layer = s->layers_[l];
     if (IsSdm(ls)) {
-      SDM_RETURN_IF_ERROR(
-          CudaStatus(layer.table.Allocate(SlotsOf(ls)), "allocating an SDM slot table"));
+      SDM_RETURN_IF_ERROR(ctx->TakeTable(SlotsOf(ls), &layer.table));
       // 0xff bytes make every entry kSdmNoRow (-1).
       SDM_RETURN_IF_ERROR(
           CudaStatus(cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
@@ -338,8 +365,7 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
       sdm_rows[l] = static_cast<int64_t>(ids.size()) - run_ids.back();
       runs.push_back({ls.row_width, sdm_rows[l]});
     } else {
-      SDM_RETURN_IF_ERROR(
-          CudaStatus(layer.table.Allocate(ctx->page_table_entries(l)), "allocating a page table"));
+      SDM_RETURN_IF_ERROR(ctx->TakeTable(ctx->page_table_entries(l), &layer.table));
       layer.pages.reserve(ctx->page_table_entries(l));
     }
   }
@@ -460,14 +486,15 @@ CudaSessionState::~CudaSessionState() {
     } else if (!layer.pages.empty()) {
       ctx_->FreePages(l, layer.pages);
     }
+    // To the pool, with the release kernel that reads it still queued: its next session's first
+    // use comes after it on the same stream (CudaDeviceContext::TakeTable), so nothing waits.
+    ctx_->ReturnTable(std::move(layer.table));
   }
   if (counter_slot_ >= 0) {
     const int64_t n = std::max<int64_t>(1, ctx_->num_sdm_layers());
     cudaMemsetAsync(ctx_->row_counter(counter_slot_, 0), 0, n * sizeof(int32_t), ctx_->compute());
+    ctx_->FreeCounterSlot(counter_slot_);
   }
-  // The release kernels read the tables this object frees: let them finish first.
-  cudaStreamSynchronize(ctx_->compute());
-  if (counter_slot_ >= 0) ctx_->FreeCounterSlot(counter_slot_);
 }
 
 absl::Status CudaSessionState::EnsurePages(int64_t end) {

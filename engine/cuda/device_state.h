@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -149,9 +150,12 @@ class CudaDeviceContext {
   // (before a step enqueues its work, or before an upload's scatter).
   absl::Status ReserveRows(int64_t rows);
   // Enqueues copies of the free-row count and the counters to pinned host memory on the compute
-  // stream; FinishRefresh (after the stream was synchronised) publishes them.
+  // stream; FinishRefresh (after the stream was synchronised) publishes them. FinishRefresh
+  // fails (Internal) when the count is outside [0, rows]: rows were taken or returned twice, so
+  // the step that ran may have written through a row it did not own; from then on every
+  // ReserveRows() fails the same way.
   absl::Status StartRefresh();
-  void FinishRefresh();
+  absl::Status FinishRefresh();
 
   // Runs `transfer` with the context's staging, one transfer at a time. When `transfer` fails,
   // both streams are synchronised before the staging is handed on, so no copy it enqueued still
@@ -160,6 +164,18 @@ class CudaDeviceContext {
       ABSL_LOCKS_EXCLUDED(staging_mu_);
   // TransferStaging::allocations() (tests: that repeated parks and resumes allocate nothing).
   int64_t transfer_staging_allocations() const ABSL_LOCKS_EXCLUDED(staging_mu_);
+
+  // A session's slot or page table of `entries` int32 (contents undefined): one a session no
+  // longer resident gave back (ReturnTable), else a new allocation. So once residency repeats a
+  // resume allocates no table and a park frees none (cudaFree synchronises the whole device).
+  // Reuse needs no synchronisation: a table's last use by its previous session (the release of
+  // its rows) and its first by the next (clearing, or a page-table update) are both on the
+  // compute stream, in that order. The pool holds at most the tables of the most sessions ever
+  // resident at once (bounded by max_sessions); they are freed with the context. Thread-safe.
+  absl::Status TakeTable(int64_t entries, kernels::cuda::DeviceBuffer<int32_t>* table);
+  void ReturnTable(kernels::cuda::DeviceBuffer<int32_t> table);
+  // Tables allocated so far (tests: constant once residency repeats).
+  int64_t table_allocations() const;
 
  private:
   CudaDeviceContext(const StateLayout& layout, const DeviceStateSizes& sizes)
@@ -189,6 +205,10 @@ class CudaDeviceContext {
   absl::Status free_list_error_ ABSL_GUARDED_BY(mu_);
   absl::Status CheckFreeCount(int64_t device_free) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<int32_t> counters_published_ ABSL_GUARDED_BY(mu_);
+  // TakeTable/ReturnTable: free tables by entry count.
+  std::map<int64_t, std::vector<kernels::cuda::DeviceBuffer<int32_t>>> free_tables_
+      ABSL_GUARDED_BY(mu_);
+  int64_t table_allocations_ ABSL_GUARDED_BY(mu_) = 0;
 
   mutable absl::Mutex staging_mu_;
   TransferStaging staging_ ABSL_GUARDED_BY(staging_mu_);

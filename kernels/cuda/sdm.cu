@@ -296,10 +296,20 @@ __device__ void WarpCopyRow(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_
 // w_rows (SdmStep skips such writes) and leaves *free_count negative for the engine to see.
 constexpr int kPrepareThreads = 128;
 
+// The row at position `pos` of the free list, or kSdmNoRow where the position or the entry there
+// is outside the list: a count pushed out of range (a broken precondition, which the engine's
+// refresh reports, CudaDeviceContext::CheckFreeCount) must not become a read past the list or a
+// write to a row outside the arena.
+__device__ __forceinline__ int32_t PopFreeRow(const int32_t* free_list, int64_t capacity,
+                                              int64_t pos) {
+  if (pos < 0 || pos >= capacity) return kSdmNoRow;
+  const int32_t row = free_list[pos];
+  return row >= 0 && row < capacity ? row : kSdmNoRow;
+}
+
 __global__ void __launch_bounds__(kPrepareThreads)
     PrepareAllocKernel(const int32_t* w_slots, int64_t n_w, SdmSegments segs, int64_t heads,
-                       int64_t slots_per_head, int32_t* free_list, int32_t* free_count,
-                       int32_t* w_rows) {
+                       int64_t slots_per_head, SdmRowArena arena, int32_t* w_rows) {
   const int lane = threadIdx.x & 31;
   const int64_t group = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (group >= segs.num * heads) return;  // whole warps exit together
@@ -323,13 +333,13 @@ __global__ void __launch_bounds__(kPrepareThreads)
     const unsigned news = __ballot_sync(kFullMask, is_new);
     int32_t top = 0;
     if (news != 0) {
-      if (lane == 0) top = atomicSub(free_count, __popc(news));
+      if (lane == 0) top = atomicSub(arena.free_count, __popc(news));
       top = __shfl_sync(kFullMask, top, 0);
     }
     int32_t row = entry;
     if (is_new) {
       const int32_t pos = top - 1 - __popc(news & LaneMaskLt(lane));
-      row = pos >= 0 ? free_list[pos] : kSdmNoRow;
+      row = PopFreeRow(arena.free_list, arena.capacity, pos);
       if (row >= 0) table[slot] = row;
     }
     const int32_t leader_row = __shfl_sync(kFullMask, row, leader);
@@ -639,8 +649,8 @@ __device__ __forceinline__ Bf16Pack<kVec> ZeroPack() {
 // the free list ran out) and whether it is new to s_fresh[i]; updates the table and row count.
 __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, int64_t seg,
                                const SdmSegments& segs, int32_t* table, int64_t slots_per_head,
-                               int32_t* free_list, int32_t* free_count, int32_t* s_wrow,
-                               int32_t* s_fresh, int32_t* s_warp_needs, int32_t* s_top) {
+                               const SdmRowArena& arena, int32_t* s_wrow, int32_t* s_fresh,
+                               int32_t* s_warp_needs, int32_t* s_top) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int32_t slot = -1, entry = kSdmNoRow;
   bool need = false;
@@ -658,22 +668,24 @@ __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, 
     if (w < warp) before += s_warp_needs[w];
     total += s_warp_needs[w];
   }
-  if (tid == 0) *s_top = total > 0 ? atomicSub(free_count, total) : 0;
+  if (tid == 0) *s_top = total > 0 ? atomicSub(arena.free_count, total) : 0;
   __syncthreads();
   if (tid < n_w) {
     int32_t row = entry;
     if (need) {
       const int32_t pos = *s_top - 1 - before;
-      row = pos >= 0 ? free_list[pos] : kSdmNoRow;
+      row = PopFreeRow(arena.free_list, arena.capacity, pos);
       if (row >= 0) table[slot] = row;
     }
     s_wrow[tid] = row;
     s_fresh[tid] = need && row >= 0 ? 1 : 0;
   }
   if (tid == 0 && total > 0 && segs.row_counts != nullptr && segs.row_counts[seg] != nullptr) {
-    const int32_t top = *s_top;  // rows actually popped: those at positions >= 0
-    const int32_t got = top <= 0 ? 0 : (top < total ? top : total);
-    if (got > 0) atomicAdd(segs.row_counts[seg], got);
+    // Rows actually popped: the positions [top - total, top) inside [0, capacity).
+    const int64_t top = *s_top;
+    const int64_t end = top < arena.capacity ? top : arena.capacity;
+    const int64_t got = end - (top - total > 0 ? top - total : 0);
+    if (got > 0) atomicAdd(segs.row_counts[seg], static_cast<int32_t>(got));
   }
 }
 
@@ -681,14 +693,14 @@ __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, 
 // entry's row goes to w_rows, a new row marked -2 - row for DecodeStepKernel.
 __global__ void __launch_bounds__(kStepThreads)
     DecodeAllocKernel(SdmDecodeArgs args, SdmSegments segs, int64_t heads, int64_t slots_per_head,
-                      int32_t* free_list, int32_t* free_count) {
+                      SdmRowArena arena) {
   __shared__ int32_t s_wrow[kMaxSelected], s_fresh[kMaxSelected];
   __shared__ int32_t s_warp_needs[kStepWarps], s_top;
   const int64_t seg = blockIdx.x, h = blockIdx.y;
   const int64_t rh = static_cast<int64_t>(segs.first_row[seg]) * heads + h;
   int32_t* table = segs.tables[seg] + h * slots_per_head;
-  DecodeAllocate(args.w_slots, args.n_w, rh, seg, segs, table, slots_per_head, free_list,
-                 free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+  DecodeAllocate(args.w_slots, args.n_w, rh, seg, segs, table, slots_per_head, arena, s_wrow,
+                 s_fresh, s_warp_needs, &s_top);
   const int tid = threadIdx.x;
   if (tid < args.n_w) {
     const int32_t row = s_wrow[tid];
@@ -729,8 +741,8 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
   __nv_bfloat16* const staged_lane = staged + lane * kVec;  // this lane's columns of staged row 0
 
   if constexpr (kAlloc == SdmDecodeAlloc::kInBlock) {
-    DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena.free_list,
-                   arena.free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+    DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena, s_wrow, s_fresh,
+                   s_warp_needs, &s_top);
   } else if constexpr (kAlloc == SdmDecodeAlloc::kCluster) {
     // The cluster is this (segment, head)'s tiles, rank = tile (grid.x = segments x tiles, the
     // cluster tiles x 1 x 1). The barrier orders rank 0's allocation (its shared memory and the
@@ -740,8 +752,8 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
     const cg::cluster_group cluster = cg::this_cluster();
     const bool allocates = cluster.block_rank() == 0;
     if (allocates) {
-      DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena.free_list,
-                     arena.free_count, s_wrow, s_fresh, s_warp_needs, &s_top);
+      DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena, s_wrow,
+                     s_fresh, s_warp_needs, &s_top);
     }
     cluster.sync();
     if (!allocates) {
@@ -952,19 +964,17 @@ __global__ void ReleaseKernel(int32_t* table, int64_t n_slots, int32_t* free_lis
 
 template <bool kVec16>
 __global__ void ScatterKernel(const __nv_bfloat16* src, const int32_t* slot_ids, int64_t count,
-                              int32_t* table, __nv_bfloat16* rows, int64_t width,
-                              int32_t* free_list, int32_t* free_count) {
+                              int32_t* table, SdmRowArena arena) {
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (i >= count) return;  // whole warps
   const int lane = threadIdx.x & 31;
   int32_t row = kSdmNoRow;
-  if (lane == 0) {
-    const int32_t pos = atomicSub(free_count, 1) - 1;
-    row = pos >= 0 ? free_list[pos] : kSdmNoRow;
-  }
+  if (lane == 0)
+    row = PopFreeRow(arena.free_list, arena.capacity, atomicSub(arena.free_count, 1) - 1);
   row = __shfl_sync(kFullMask, row, 0);
-  if (row < 0) return;  // free list exhausted: *free_count stays negative
-  WarpCopyRow<kVec16>(rows + static_cast<int64_t>(row) * width, src + i * width, width, lane);
+  if (row < 0) return;  // free list exhausted (or its count out of range): reported by the engine
+  const int64_t width = arena.row_width;
+  WarpCopyRow<kVec16>(arena.rows + static_cast<int64_t>(row) * width, src + i * width, width, lane);
   if (lane == 0) table[slot_ids[i]] = row;
 }
 
@@ -1048,8 +1058,8 @@ cudaError_t LaunchDecodeKernel(const SdmDecodeArgs& args, const SdmSegments& seg
       if (args.n_w > 0) {
         const dim3 alloc_grid(static_cast<unsigned int>(segs.num),
                               static_cast<unsigned int>(dims.heads));
-        DecodeAllocKernel<<<alloc_grid, kStepThreads, 0, stream>>>(
-            args, segs, dims.heads, slots_per_head, arena.free_list, arena.free_count);
+        DecodeAllocKernel<<<alloc_grid, kStepThreads, 0, stream>>>(args, segs, dims.heads,
+                                                                   slots_per_head, arena);
         SDM_RETURN_IF_ERROR(cudaGetLastError());
       }
     }
@@ -1119,8 +1129,7 @@ cudaError_t SdmPrepareRows(const int32_t* w_slots, int64_t n_w, const int32_t* r
   const unsigned int seg_blocks = static_cast<unsigned int>(segs.num < 65535 ? segs.num : 65535);
   if (n_w > 0) {
     PrepareAllocKernel<<<WarpBlocks(segs.num * dims.heads, kPrepareThreads), kPrepareThreads, 0,
-                         stream>>>(w_slots, n_w, segs, dims.heads, slots_per_head, arena.free_list,
-                                   arena.free_count, w_rows);
+                         stream>>>(w_slots, n_w, segs, dims.heads, slots_per_head, arena, w_rows);
     SDM_RETURN_IF_ERROR(cudaGetLastError());
     const dim3 grid(WarpBlocks(segs.max_length * dims.heads * n_w, kPrepareThreads), seg_blocks);
     const bool vec16 =
@@ -1248,11 +1257,9 @@ cudaError_t SdmScatterRows(const __nv_bfloat16* src, const int32_t* slot_ids, in
   const int64_t width = arena.row_width;
   const unsigned int blocks = WarpBlocks(count, kMoveThreads);
   if (width % 8 == 0 && Aligned(arena.rows, 16) && Aligned(src, 16)) {
-    ScatterKernel<true><<<blocks, kMoveThreads, 0, stream>>>(
-        src, slot_ids, count, table, arena.rows, width, arena.free_list, arena.free_count);
+    ScatterKernel<true><<<blocks, kMoveThreads, 0, stream>>>(src, slot_ids, count, table, arena);
   } else {
-    ScatterKernel<false><<<blocks, kMoveThreads, 0, stream>>>(
-        src, slot_ids, count, table, arena.rows, width, arena.free_list, arena.free_count);
+    ScatterKernel<false><<<blocks, kMoveThreads, 0, stream>>>(src, slot_ids, count, table, arena);
   }
   return cudaGetLastError();
 }

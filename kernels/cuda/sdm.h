@@ -27,9 +27,10 @@ struct SdmRowArena {
   int32_t* free_list = nullptr;   // [capacity]: entries [0, *free_count) are free row indices
   int32_t* free_count = nullptr;  // device scalar
   int64_t row_width = 0;
-  // Rows in the arena (the free list's length). A release never writes outside [0, capacity):
-  // a count pushed out of range by a broken precondition is reported by the engine
-  // (CudaDeviceContext's refresh), not turned into a wild write.
+  // Rows in the arena (the free list's length). A release never writes outside [0, capacity),
+  // and a pop never reads outside it nor takes an entry outside [0, capacity) (it gets no row,
+  // as when the list is empty): a count pushed out of range by a broken precondition is
+  // reported by the engine (CudaDeviceContext's refresh), not turned into a wild access.
   int64_t capacity = 0;
 };
 

@@ -516,9 +516,11 @@ TEST_P(CudaVsCpuTest, WriteSelectionAgreement) {
 }
 
 // The flagship's SDM step shapes end to end with a decode batch of 64 sessions: 2 SDM heads of
-// width 1024 (dim 2048), 128 slots written and read per head, so the decode batch takes the
-// 16-byte tile path of SdmStep (64 x 2 heads x 4 tiles >= its wide-grid threshold; the kernel test
-// CudaSdmTest.FlagshipDecodeBatch64SixteenByteTiles checks that path directly). One SWA layer
+// width 1024 (dim 2048), 128 slots written and read per head, so the decode step (SdmDecodeStep)
+// takes 16-byte tiles in clusters of 4 (64 x 2 heads x 4 tiles >= the wide-grid threshold,
+// SdmMultiTileVec; the kernel tests CudaSdmTest.DecodeStepAtFlagshipShapes, and for SdmStep
+// FlagshipDecodeBatch64SixteenByteTiles, check those paths directly), and the prefill that
+// builds the sessions' state takes SdmStep. One SWA layer
 // before the SDM layer, 256 slots per head to keep the model and state small. Logits of every
 // session and its SDM layer after a sync are compared with the CPU engine.
 TEST(CudaEngineTest, DecodeBatchOf64SessionsAtFlagshipSdmWidth) {
@@ -648,7 +650,8 @@ int64_t LargestBlockBytes(const StateLayout& layout) {
 // transfer overwrites what the previous one left in the staging) continues bit-identically with
 // a twin that never left the device: with the default chunk (one chunk a transfer here) and with
 // a chunk little larger than the largest block (a KV page), so that transfers take many chunks,
-// pages and rows split across them.
+// pages and rows split across them. The sessions' slot and page tables are reused the same way
+// (CudaDeviceContext::TakeTable): once six sessions were resident, no resume allocates one.
 TEST(CudaEngineTest, ParkAndResumeReuseTheirStaging) {
   SKIP_WITHOUT_DEVICE();
   int64_t largest_block_bytes = 0;
@@ -675,6 +678,10 @@ TEST(CudaEngineTest, ParkAndResumeReuseTheirStaging) {
       }
     }
     const auto* ctx = static_cast<const CudaDeviceContext*>(parked[0]->device()->owner());
+    // Every table the test needs exists now (six sessions resident): parks return theirs to
+    // the context's pool and resumes take them back, allocating none.
+    const int64_t tables = ctx->table_allocations();
+    EXPECT_GT(tables, 0);
     ASSERT_TRUE(parked[0]->SyncToHost().ok());
     const int64_t after_first_park = ctx->transfer_staging_allocations();
     EXPECT_GT(after_first_park, 0);
@@ -709,6 +716,7 @@ TEST(CudaEngineTest, ParkAndResumeReuseTheirStaging) {
       for (int i = 0; i < kSessions; ++i) {
         ASSERT_TRUE(parked[(i + step) % kSessions]->SyncToHost().ok());
       }
+      EXPECT_EQ(ctx->table_allocations(), tables) << "a resume allocated a table, step " << step;
     }
   }
 }
@@ -885,6 +893,49 @@ TEST(CudaEngineTest, AFaultPartWayThroughAPassMarksItsSessionsFailed) {
     ASSERT_TRUE((*faulty)->Decode({&pf, 1}, {&token, 1}, x).ok());
     ASSERT_TRUE((*reference)->Decode({&pr, 1}, {&token, 1}, y).ok());
     EXPECT_EQ(x, y) << "step " << step;
+  }
+}
+
+// The device's free-row count out of range (rows taken or returned twice: a broken precondition,
+// planted here by overwriting the count, below zero or above the arena's rows): the step that
+// sees it fails with the free list named and its sessions are marked failed; every later step
+// fails the same way before it enqueues anything, on a new session too (whose state stays
+// untouched), however many rows the host's bound still counts as free.
+TEST(CudaEngineTest, AFreeRowCountOutOfRangeFailsTheStepAndEveryLaterOne) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  for (const bool above : {false, true}) {
+    SCOPED_TRACE(above ? "count above the arena's rows" : "count below zero");
+    auto gpu = Engine::Create(model, CudaOptions(int64_t{1} << 26, 256, /*prefill_chunk=*/16));
+    ASSERT_TRUE(gpu.ok()) << gpu.status();
+    const int64_t vocab = (*gpu)->vocab_size();
+    auto a = (*gpu)->NewSession();
+    ASSERT_TRUE((*gpu)->Prefill(*a, RandomTokens(9, vocab, 31), false, nullptr).ok());
+    const auto* ctx = static_cast<const CudaDeviceContext*>(a->device()->owner());
+    const kernels::cuda::SdmRowArena arena = ctx->row_arena();
+    ASSERT_GT(arena.capacity, 0);
+    ASSERT_GT(ctx->free_rows_lower_bound(), 0);
+    const int32_t planted = above ? static_cast<int32_t>(arena.capacity + 1000) : -3;
+    ASSERT_EQ(cudaMemcpy(arena.free_count, &planted, sizeof(planted), cudaMemcpyHostToDevice),
+              cudaSuccess);
+
+    const int32_t token = RandomTokens(1, vocab, 32)[0];
+    std::vector<float> logits(vocab);
+    SessionState* pa = a.get();
+    const absl::Status failed = (*gpu)->Decode({&pa, 1}, {&token, 1}, logits);
+    EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+    EXPECT_NE(failed.message().find("free list is corrupt"), std::string::npos) << failed;
+    EXPECT_NE(failed.message().find("1 session(s) are marked failed"), std::string::npos) << failed;
+    EXPECT_TRUE(a->failed());
+
+    auto b = (*gpu)->NewSession();
+    const absl::Status refused = (*gpu)->Prefill(*b, RandomTokens(5, vocab, 33), false, nullptr);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInternal) << refused;
+    EXPECT_NE(refused.message().find("free list is corrupt"), std::string::npos) << refused;
+    EXPECT_FALSE(b->failed());
+    EXPECT_EQ(b->position(), 0);
   }
 }
 

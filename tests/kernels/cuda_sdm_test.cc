@@ -1368,6 +1368,73 @@ TEST(CudaSdmTest, ReleaseNeverWritesOutsideTheFreeList) {
 #endif
 }
 
+// Pops when the count is out of range above (more returns than rows: a broken precondition) or
+// the list holds an entry outside the arena: a scatter's pops at positions past the list, or of
+// such an entry, take no row (the slot stays empty, nothing outside the list is read, no row
+// outside the arena is written), the others take their rows as usual, and the count still
+// drops by one per pop, out of range for the engine's refresh to report.
+TEST(CudaSdmTest, PopsNeverReadOutsideTheFreeList) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int64_t capacity = 16, width = 8, margin = 32, over = 5;
+  // The arena's rows and the list each sit inside a larger buffer whose margins must stay as
+  // they were (-7 in the list's margins: read as a row, it would be refused anyway).
+  std::vector<__nv_bfloat16> row_storage((capacity + 2 * margin) * width,
+                                         __float2bfloat16_rn(-1.0f));
+  auto d_row_storage = Upload(row_storage);
+  std::vector<int32_t> list_storage(capacity + 2 * margin, -7);
+  for (int64_t i = 0; i < capacity; ++i) list_storage[margin + i] = static_cast<int32_t>(i);
+  list_storage[margin + 3] = static_cast<int32_t>(capacity + 2);  // an entry outside the arena
+  auto d_list_storage = Upload(list_storage);
+  auto d_count = Upload(std::vector<int32_t>{static_cast<int32_t>(capacity + over)});
+  cuda::SdmRowArena arena;
+  arena.rows = d_row_storage.get() + margin * width;
+  arena.free_list = d_list_storage.get() + margin;
+  arena.free_count = d_count.get();
+  arena.row_width = width;
+  arena.capacity = capacity;
+  // capacity + over pops: positions capacity + over - 1 down to 0.
+  const int64_t pops = capacity + over;
+  std::vector<int32_t> slot_ids(pops);
+  std::vector<__nv_bfloat16> src(pops * width);
+  for (int64_t i = 0; i < pops; ++i) {
+    slot_ids[i] = static_cast<int32_t>(i);
+    for (int64_t c = 0; c < width; ++c) src[i * width + c] = __float2bfloat16_rn(float(i));
+  }
+  auto d_src = Upload(src);
+  auto d_slots = Upload(slot_ids);
+  auto d_table = Upload(std::vector<int32_t>(pops, kSdmNoRow));
+  ASSERT_EQ(cuda::SdmScatterRows(d_src.get(), d_slots.get(), pops, d_table.get(), arena, nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(DownloadScalar(d_count.get()), 0);
+  const std::vector<int32_t> table = Download(d_table.get(), pops);
+  const std::vector<__nv_bfloat16> rows =
+      Download(d_row_storage.get(), (capacity + 2 * margin) * width);
+  std::vector<int> taken(capacity, 0);
+  int64_t empty = 0;
+  for (int64_t i = 0; i < pops; ++i) {
+    if (table[i] == kSdmNoRow) {
+      ++empty;
+      continue;
+    }
+    ASSERT_GE(table[i], 0);
+    ASSERT_LT(table[i], capacity);
+    ++taken[table[i]];
+    EXPECT_EQ(__bfloat162float(rows[(margin + table[i]) * width]), static_cast<float>(i));
+  }
+  // The `over` positions past the list and the entry outside the arena gave no row; every
+  // other row was taken once, row 3 (whose entry was replaced) never.
+  EXPECT_EQ(empty, over + 1);
+  for (int64_t r = 0; r < capacity; ++r) EXPECT_EQ(taken[r], r == 3 ? 0 : 1) << "row " << r;
+  for (int64_t i = 0; i < margin * width; ++i) {
+    ASSERT_EQ(__bfloat162float(rows[i]), -1.0f) << "wrote before the arena at " << i;
+    ASSERT_EQ(__bfloat162float(rows[(margin + capacity) * width + i]), -1.0f)
+        << "wrote past the arena at " << i;
+  }
+#endif
+}
+
 // The free list drained to empty by pops, then a release: the count comes back to the capacity,
 // the list holds every row exactly once, nothing outside it is written, and the rows can be
 // popped again (distinct, in range, holding what was scattered into them).
