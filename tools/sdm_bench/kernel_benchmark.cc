@@ -21,6 +21,7 @@
 #include "base/status_macros.h"
 #include "common/percentile.h"
 #include "kernels/common/device_layout.h"
+#include "kernels/cpu/attention.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_runtime_info.h"
 #include "kernels/cuda/cuda_util.h"
@@ -443,6 +444,71 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
   rows.push_back({"sdm decode step, no clusters", shape, batch, bytes, *separate, copy_gbps,
                   kKernelTargetFraction, 0});
   Print(rows.back());
+
+  // What was timed computes the same bits (the kernel tests check these paths against the CPU
+  // twins at these shapes, tests/kernels/cuda_sdm_test.cc): set 0's step from one copy of the
+  // arena by SdmStep, by the decode step and by the decode step without clusters; every row of
+  // the arena and every reading of the last two must equal the first's.
+  kc::DeviceBuffer<bf16> saved;
+  SDM_RETURN_IF_ERROR(Alloc(saved, arena_rows.size(), "a copy of the SDM row arena"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(saved.get(), arena_rows.get(), arena_rows.bytes(),
+                                           cudaMemcpyDeviceToDevice, stream),
+                           "copying the arena"));
+  struct Outcome {
+    std::vector<uint16_t> rows;  // bf16 bits
+    std::vector<float> readings;
+  };
+  auto run_from_copy = [&](const char* what,
+                           const std::function<cudaError_t()>& body) -> absl::StatusOr<Outcome> {
+    SDM_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(arena_rows.get(), saved.get(), saved.bytes(),
+                                             cudaMemcpyDeviceToDevice, stream),
+                             "restoring the arena"));
+    SDM_RETURN_IF_ERROR(Cuda(body(), what));
+    SDM_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), what));
+    Outcome o;
+    o.rows.resize(arena_rows.size());
+    o.readings.resize(readings.size());
+    SDM_RETURN_IF_ERROR(Cuda(
+        cudaMemcpy(o.rows.data(), arena_rows.get(), arena_rows.bytes(), cudaMemcpyDeviceToHost),
+        "reading the arena back"));
+    SDM_RETURN_IF_ERROR(Cuda(
+        cudaMemcpy(o.readings.data(), readings.get(), readings.bytes(), cudaMemcpyDeviceToHost),
+        "reading the readings back"));
+    return o;
+  };
+  absl::StatusOr<Outcome> want = run_from_copy("SdmStep", [&] {
+    kc::SdmStepArgs a = args;
+    a.w_rows = w_rows.get();
+    a.r_refs = r_refs.get();
+    return kc::SdmStep(a, segs, dims, arena, stream);
+  });
+  if (!want.ok()) return want.status();
+  for (const int64_t max_cluster_blocks : {kernels::kSdmMaxClusterBlocks, int64_t{1}}) {
+    absl::StatusOr<Outcome> got = run_from_copy("SdmDecodeStep", [&] {
+      kc::SdmDecodeArgs a = dec;
+      a.w_slots = d_w_slots.get();
+      a.r_slots = d_r_slots.get();
+      return kc::SdmDecodeStep(a, segs, dims, arena, stream, max_cluster_blocks);
+    });
+    if (!got.ok()) return got.status();
+    int64_t rows_differ = 0, readings_differ = 0;
+    for (size_t i = 0; i < want->rows.size(); ++i) rows_differ += got->rows[i] != want->rows[i];
+    for (size_t i = 0; i < want->readings.size(); ++i) {
+      readings_differ +=
+          std::memcmp(&got->readings[i], &want->readings[i], sizeof(float)) != 0 ? 1 : 0;
+    }
+    if (rows_differ != 0 || readings_differ != 0) {
+      return absl::InternalError(absl::StrFormat(
+          "SdmDecodeStep (clusters of up to %d blocks) at batch %d differs from SdmStep: %d of "
+          "%d row elements and %d of %d readings",
+          max_cluster_blocks, batch, rows_differ, want->rows.size(), readings_differ,
+          want->readings.size()));
+    }
+  }
+  std::printf(
+      "# sdm decode step at batch %lld: the same bits as SdmStep (with and without "
+      "clusters)\n",
+      static_cast<long long>(batch));
   return absl::OkStatus();
 }
 
@@ -475,8 +541,8 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   SDM_RETURN_IF_ERROR(Alloc(pool, pages * kernels::KvPageElements(kv_width), "the KV pool"));
   SDM_RETURN_IF_ERROR(FillBf16(pool.get(), pool.size(), 1.0f, rng));
   // Pages scattered at random in the arena, as a long-running server's would be.
+  std::vector<int32_t> ids(pages);
   {
-    std::vector<int32_t> ids(pages);
     std::iota(ids.begin(), ids.end(), 0);
     std::shuffle(ids.begin(), ids.end(), rng);
     SDM_RETURN_IF_ERROR(Alloc(page_ids, pages, "page tables"));
@@ -494,8 +560,8 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   const int64_t q_width = int64_t{kAttnHeads} * kAttnHeadDim;
   SDM_RETURN_IF_ERROR(Alloc(q, max_batch * q_width, "queries"));
   SDM_RETURN_IF_ERROR(Alloc(out, max_batch * q_width, "outputs"));
-  SDM_RETURN_IF_ERROR(
-      Upload(q.get(), RandomFloats(max_batch * q_width, -1.0f, 1.0f, rng), "uploading queries"));
+  const std::vector<float> q_host = RandomFloats(max_batch * q_width, -1.0f, 1.0f, rng);
+  SDM_RETURN_IF_ERROR(Upload(q.get(), q_host, "uploading queries"));
   kc::AttentionDims dims;
   dims.n_heads = kAttnHeads;
   dims.n_kv_heads = kAttnKvHeads;
@@ -528,6 +594,64 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
                     bytes, *t, copy_gbps, kKernelTargetFraction, 0});
     Print(rows.back());
   }
+
+  // What was timed computes attention: the first sequence's output (every head, over every
+  // position of the context) against the CPU twin (kernels/cpu/attention.h) on the same bf16
+  // keys and values. The kernel tests check the kernel closely (tests/kernels/
+  // cuda_attention_test.cc); this tolerance only catches a kernel that reads the wrong keys.
+  kc::KvLayerView kv;
+  kv.pool = pool.get();
+  kv.kv_width = kv_width;
+  kv.ring_pages = 0;
+  kv.page_tables = table_ptrs.get();
+  SDM_RETURN_IF_ERROR(Cuda(kc::AttentionDecode(q.get(), 1, positions.get(), ctx, kv, dims,
+                                               scratch.get(), out.get(), stream),
+                           "AttentionDecode"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), "AttentionDecode"));
+  std::vector<float> got(q_width);
+  SDM_RETURN_IF_ERROR(
+      Cuda(cudaMemcpy(got.data(), out.get(), q_width * sizeof(float), cudaMemcpyDeviceToHost),
+           "reading the attention output back"));
+  std::vector<float> k(ctx * kv_width), v(ctx * kv_width);
+  std::vector<bf16> page(kernels::KvPageElements(kv_width));
+  for (int64_t p = 0; p < pages_per_seq; ++p) {
+    const int32_t id = ids[p];  // sequence 0's table is the first pages_per_seq ids
+    SDM_RETURN_IF_ERROR(
+        Cuda(cudaMemcpy(page.data(), pool.get() + id * kernels::KvPageElements(kv_width),
+                        page.size() * sizeof(bf16), cudaMemcpyDeviceToHost),
+             "reading a KV page back"));
+    for (int64_t pos = p * kernels::kKvPageTokens;
+         pos < std::min<int64_t>(ctx, (p + 1) * kernels::kKvPageTokens); ++pos) {
+      for (const bool value : {false, true}) {
+        const bf16* row = page.data() + kernels::KvRowOffset(0, pos, kv_width, value);
+        float* dst = (value ? v.data() : k.data()) + pos * kv_width;
+        for (int64_t c = 0; c < kv_width; ++c) dst[c] = __bfloat162float(row[c]);
+      }
+    }
+  }
+  const kernels::cpu::AttentionShape shape{kAttnHeads, kAttnKvHeads, kAttnHeadDim, 0, kv_width};
+  const kernels::cpu::KvSpan span{k.data(), v.data(), 0, ctx};
+  std::vector<float> want(q_width);
+  int64_t off = 0;
+  double worst = 0;
+  for (int64_t h = 0; h < kAttnHeads; ++h) {
+    kernels::cpu::AttendDecodeHead(&q_host[h * kAttnHeadDim], h, ctx - 1, {&span, 1}, shape,
+                                   &want[h * kAttnHeadDim]);
+  }
+  for (int64_t i = 0; i < q_width; ++i) {
+    const double err = std::abs(static_cast<double>(got[i]) - want[i]);
+    worst = std::max(worst, err);
+    off += !(err <= 1e-3 * (1.0 + std::abs(want[i])));  // NaN counts as off
+  }
+  if (off != 0) {
+    return absl::InternalError(absl::StrFormat(
+        "AttentionDecode at context %d differs from the CPU twin in %d of %d outputs (largest "
+        "difference %g)",
+        ctx, off, q_width, worst));
+  }
+  std::printf(
+      "# attention decode at context %lld: the CPU twin's output (largest difference %.2g)\n",
+      static_cast<long long>(ctx), worst);
   return absl::OkStatus();
 }
 
