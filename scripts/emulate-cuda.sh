@@ -23,9 +23,11 @@
 #                         environment is passed through as well)
 #   --streams MODE        sets EMU_STREAMS (engine tests): deferred (the default: streams run
 #                         their work only when the host or another stream waits for it, as late
-#                         as CUDA allows), eager (when it is enqueued) or shuffle:SEED (deferred,
-#                         and at random some pending work of every stream runs early, the
-#                         streams interleaved) (tests/cuda_emulator/engine/emu.cc)
+#                         as CUDA allows), eager (when it is enqueued), others-first (deferred,
+#                         and a wait for one stream runs every other stream's work first) or
+#                         shuffle:SEED (deferred, and at random some pending work of every
+#                         stream runs early, the streams interleaved)
+#                         (tests/cuda_emulator/engine/emu.cc)
 #   --no-asan             build the kernel tests without ASan/UBSan (faster; default is with,
 #                         or $EMU_ASAN)
 #   -j N                  parallel compile jobs (default: nproc)
@@ -283,9 +285,17 @@ if want streams; then
   log="$LOGS/streams_selftest.log"
   : >"$log"
   failed_modes=()
-  for mode in eager deferred shuffle:1 shuffle:2 shuffle:3; do
+  for mode in eager deferred others-first shuffle:1 shuffle:2 shuffle:3; do
     EMU_STREAMS="$mode" "$BUILD/bin/streams_selftest" >>"$log" 2>&1 || failed_modes+=("$mode")
+    # The page-locked race check (any mode): the unordered copies abort, the ordered ones pass.
+    if (EMU_STREAMS="$mode" "$BUILD/bin/streams_selftest" race; exit $?) >"$log.race" 2>&1 ||
+       ! grep -q "EMU HOST FAILURE.*race" "$log.race"; then
+      cat "$log.race" >>"$log"; failed_modes+=("$mode(race not caught)")
+    fi
+    EMU_STREAMS="$mode" "$BUILD/bin/streams_selftest" race-ordered >>"$log" 2>&1 ||
+      failed_modes+=("$mode(false race)")
   done
+  rm -f "$log.race"
   verdict=PASS
   [[ ${#failed_modes[@]} -gt 0 ]] && verdict=FAIL && OVERALL=1
   SUMMARY+=("$(printf '%-5s %-22s modes failing: %s  %s' "$verdict" streams_selftest \

@@ -8,8 +8,10 @@
 // device synchronisation, cudaFree) or another stream waits for an event after it. Then a host
 // buffer rewritten before the copy that reads it has run, a result read before the host waited
 // for it, or a missing wait between streams gives other numbers, as it may on a device.
-// EMU_STREAMS=shuffle:SEED also runs pending work early in random interleavings (ShuffleSeed).
+// EMU_STREAMS=shuffle:SEED also runs pending work early in random interleavings (ShuffleSeed);
+// EMU_STREAMS=others-first runs every other stream's work before the one the host waits for.
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -216,6 +218,15 @@ static void RunCluster() {
 }  // namespace emu
 
 enum class EmuCapture { kNone, kActive, kInvalidated };
+// A deferred op: what it runs, the page-locked host bytes it reads or writes (an async copy;
+// empty for the rest), and for a cudaStreamWaitEvent the stream and position it waits for.
+struct EmuPendingOp {
+  std::function<void()> run;
+  uintptr_t host_begin = 0, host_end = 0;
+  bool host_write = false;
+  cudaStream_t wait_on = nullptr;
+  uint64_t wait_position = 0;
+};
 struct EmuStream {
   int id;  // creation order (shuffled streams visit streams in this order, for reproducibility)
   EmuCapture capture = EmuCapture::kNone;
@@ -223,7 +234,18 @@ struct EmuStream {
   std::vector<std::function<void()>> ops;  // recorded while capturing
   // Deferred streams (the default): the work enqueued and not run yet, in order; `enqueued` counts
   // every op ever enqueued, `ran` those run (so an event names a position: "the first N ops").
-  std::deque<std::function<void()>> pending;
+  std::deque<EmuPendingOp> pending;
+  // For the page-locked race check (CheckPinnedAccess): per other stream, how many of its ops
+  // this stream's ops enqueued from now on come after (its cudaStreamWaitEvent calls) ...
+  std::map<cudaStream_t, uint64_t> waited;
+  // ... and this stream's copies to or from page-locked memory that a later copy on another
+  // stream could still race with.
+  struct PinnedAccess {
+    uint64_t index;  // the op's number in its stream
+    uintptr_t begin, end;
+    bool write;
+  };
+  std::deque<PinnedAccess> pinned;
   uint64_t enqueued = 0;
   uint64_t ran = 0;
 };
@@ -291,31 +313,94 @@ static std::optional<uint64_t> ShuffleSeed() {
     const char* v = std::getenv("EMU_STREAMS");
     if (v == nullptr || std::strncmp(v, "shuffle:", 8) != 0) return std::nullopt;
     char* end = nullptr;
+    errno = 0;
     const uint64_t parsed = std::strtoull(v + 8, &end, 10);
-    if (end == v + 8 || *end != '\0') HostFail("EMU_STREAMS=shuffle:SEED needs a decimal seed");
+    if (v[8] < '0' || v[8] > '9' || *end != '\0' || errno != 0) {
+      HostFail("EMU_STREAMS=shuffle:SEED needs a decimal seed");
+    }
     return parsed;
   }();
   return seed;
+}
+
+// EMU_STREAMS=others-first: deferred streams, and when the host waits for one stream (its
+// synchronisation, an event recorded on it), every other stream's pending work runs first, whole.
+// The mirror image of deferred streams, and deterministic: work the host did not wait for runs
+// as early as it can relative to the work it waits for, so a stream missing its wait for
+// another's later work (a failed park's downloads still queued when the next resume refills the
+// staging and uploads it) reads or writes in the wrong order every time. Deferred streams catch
+// the opposite: work the host needed and did not wait for.
+static bool OthersFirst() {
+  static const bool others_first = [] {
+    const char* v = std::getenv("EMU_STREAMS");
+    return v != nullptr && std::strcmp(v, "others-first") == 0;
+  }();
+  return others_first;
 }
 
 // Serialises running deferred work (recursive: an op that waits on an event runs another
 // stream's ops first).
 static std::recursive_mutex g_run_mu;
 
+static bool LiveStream(cudaStream_t s) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_streams.count(s) > 0;
+}
+
+// Per stream, how many of its ops the host has waited for (a stream, event or device
+// synchronisation): every op enqueued later, on any stream, comes after them.
+static std::map<cudaStream_t, uint64_t> g_host_waited;
+
+// Records that the host waited for stream s's first `position` ops (and forgets their page-locked
+// accesses: nothing enqueued from now on can race with them).
+static void HostWaited(cudaStream_t s, uint64_t position) {
+  uint64_t& waited = g_host_waited[s];
+  waited = std::max(waited, position);
+  while (!s->pinned.empty() && s->pinned.front().index < waited) s->pinned.pop_front();
+}
+
+// The page-locked race check, in every stream mode and whatever order the emulation runs things
+// in: op number `index` of stream s, a copy to or from page-locked bytes [begin, end), against
+// every copy of overlapping bytes enqueued before it on another stream t (one of the two
+// writing) that it does not come after: neither a wait of s for it nor a host synchronisation
+// that covered it. On a device the two may run in either order or together: fails loudly.
+// (Orders through a third stream's waits are not followed; this project has two streams.)
+static void CheckPinnedAccess(cudaStream_t s, uint64_t index, uintptr_t begin, uintptr_t end,
+                              bool write) {
+  std::vector<cudaStream_t> others;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    others.assign(g_streams.begin(), g_streams.end());
+  }
+  for (cudaStream_t t : others) {
+    if (t == s) continue;
+    const auto w = s->waited.find(t);
+    const uint64_t after = std::max(w == s->waited.end() ? 0 : w->second, g_host_waited[t]);
+    for (const EmuStream::PinnedAccess& a : t->pinned) {
+      if (a.index < after || a.end <= begin || end <= a.begin || !(a.write || write)) continue;
+      char what[300];
+      std::snprintf(what, sizeof(what),
+                    "race on page-locked memory: a copy %s [%#lx, %#lx) is enqueued on one "
+                    "stream while a copy %s [%#lx, %#lx) on another stream, enqueued earlier, is "
+                    "not ordered before it (no event wait, no host synchronisation between them)",
+                    write ? "into" : "from", static_cast<unsigned long>(begin),
+                    static_cast<unsigned long>(end), a.write ? "into" : "from",
+                    static_cast<unsigned long>(a.begin), static_cast<unsigned long>(a.end));
+      HostFail(what);
+    }
+  }
+  s->pinned.push_back({index, begin, end, write});
+}
+
 // Runs stream s's deferred ops until `position` of them have run.
 static void RunUntil(cudaStream_t s, uint64_t position) {
   std::lock_guard<std::recursive_mutex> lock(g_run_mu);
   while (s->ran < position && !s->pending.empty()) {
-    std::function<void()> op = std::move(s->pending.front());
+    EmuPendingOp op = std::move(s->pending.front());
     s->pending.pop_front();
     ++s->ran;
-    op();
+    op.run();
   }
-}
-
-static bool LiveStream(cudaStream_t s) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  return g_streams.count(s) > 0;
 }
 
 // The live streams in creation order.
@@ -354,10 +439,20 @@ static void MaybeRunEarly() {
 
 // Runs every stream's deferred work (what a device synchronisation waits for).
 static void RunAllStreams() {
-  if (!DeferredStreams()) return;  // nothing is ever pending
   std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  for (cudaStream_t s : LiveStreams()) HostWaited(s, s->enqueued);
+  if (!DeferredStreams()) return;  // nothing is ever pending
   MaybeRunEarly();
   for (cudaStream_t s : LiveStreams()) RunUntil(s, s->enqueued);
+}
+
+// EMU_STREAMS=others-first: runs every stream but `waited` to its end.
+static void RunOthersFirst(cudaStream_t waited) {
+  if (!OthersFirst()) return;
+  std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  for (cudaStream_t s : LiveStreams()) {
+    if (s != waited) RunUntil(s, s->enqueued);
+  }
 }
 
 // Runs everything enqueued on s so far; for the legacy stream (null), on every stream (the
@@ -365,11 +460,21 @@ static void RunAllStreams() {
 static void RunStream(cudaStream_t s) {
   if (s == nullptr) return RunAllStreams();
   std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+  HostWaited(s, s->enqueued);
   MaybeRunEarly();
+  RunOthersFirst(s);
   RunUntil(s, s->enqueued);
 }
 
+// Enqueue with what a deferred op touches of page-locked memory, or waits for (EmuPendingOp).
+static void EnqueueOp(cudaStream_t s, EmuPendingOp op);
 void Enqueue(cudaStream_t s, std::function<void()> op) {
+  EmuPendingOp pending;
+  pending.run = std::move(op);
+  EnqueueOp(s, std::move(pending));
+}
+static void EnqueueOp(cudaStream_t s, EmuPendingOp pending) {
+  std::function<void()>& op = pending.run;
   if (s != nullptr && s->capture == EmuCapture::kActive) {
     s->ops.push_back(std::move(op));
     return;
@@ -378,16 +483,25 @@ void Enqueue(cudaStream_t s, std::function<void()> op) {
     g_last_error = cudaErrorStreamCaptureInvalidated;
     return;
   }
-  if (DeferredStreams()) {
+  if (s != nullptr) {
     std::lock_guard<std::recursive_mutex> lock(g_run_mu);
-    if (s != nullptr) {
-      s->pending.push_back(std::move(op));
-      ++s->enqueued;
+    if (pending.wait_on != nullptr) {
+      uint64_t& waited = s->waited[pending.wait_on];
+      waited = std::max(waited, pending.wait_position);
+    }
+    if (pending.host_end > pending.host_begin) {
+      CheckPinnedAccess(s, s->enqueued, pending.host_begin, pending.host_end, pending.host_write);
+    }
+    ++s->enqueued;
+    if (DeferredStreams()) {
+      s->pending.push_back(std::move(pending));
       MaybeRunEarly();
       return;
     }
+  } else if (DeferredStreams()) {
     // The legacy stream: after everything enqueued before (conservative: the project's streams
     // are non-blocking, which the legacy stream does not wait for on a device).
+    std::lock_guard<std::recursive_mutex> lock(g_run_mu);
     RunAllStreams();
   }
   op();
@@ -602,7 +716,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
       return Copy(dst, src, n, k, "cudaMemcpyAsync");
     }
   }
-  Enqueue(s, [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); });
+  EmuPendingOp op;
+  op.run = [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); };
+  // Page-locked host bytes it reads or writes, for CheckPinnedRace.
+  if (KindOf(dst, n, "cudaMemcpyAsync") == kPinned) {
+    op.host_begin = reinterpret_cast<uintptr_t>(dst);
+    op.host_write = true;
+  } else if (KindOf(src, n, "cudaMemcpyAsync") == kPinned) {
+    op.host_begin = reinterpret_cast<uintptr_t>(src);
+  }
+  if (op.host_begin != 0) op.host_end = op.host_begin + n;
+  EnqueueOp(s, std::move(op));
   return cudaSuccess;
 }
 static void Fill(void* p, int v, size_t n, const char* what) {
@@ -699,9 +823,13 @@ cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags
 cudaError_t cudaStreamDestroy(cudaStream_t s) {
   if (LiveStream(s)) RunStream(s);  // its work still completes
   {
+    std::lock_guard<std::recursive_mutex> run_lock(g_run_mu);  // before g_mu
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_streams.erase(s) == 0) HostFail("cudaStreamDestroy of an unknown stream");
     if (s->capture != EmuCapture::kNone) HostFail("cudaStreamDestroy of a capturing stream");
+    // A later stream may get the same address: nothing may remember this one.
+    g_host_waited.erase(s);
+    for (cudaStream_t t : g_streams) t->waited.erase(s);
   }
   delete s;
   return cudaSuccess;
@@ -800,11 +928,16 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
     std::lock_guard<std::mutex> lock(g_mu);
     if (g_events.count(e) == 0) HostFail("cudaStreamWaitEvent on an unknown event");
   }
-  if (DeferredStreams() && e->stream != nullptr && e->stream != s) {
-    // s's later work runs after the event's stream has reached the event.
-    Enqueue(s, [target = e->stream, position = e->position] {
+  if (e->stream != nullptr && e->stream != s && s != nullptr) {
+    // s's later work runs after the event's stream has reached the event (eager streams ran it
+    // already: only the order is recorded, for the page-locked race check).
+    EmuPendingOp op;
+    op.run = [target = e->stream, position = e->position] {
       if (LiveStream(target)) RunUntil(target, position);
-    });
+    };
+    op.wait_on = e->stream;
+    op.wait_position = e->position;
+    EnqueueOp(s, std::move(op));
   }
   return cudaSuccess;
 }
@@ -843,9 +976,12 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
 }
 // Runs what the event waits for (deferred streams).
 static void ReachEvent(cudaEvent_t e) {
-  if (DeferredStreams() && e != nullptr && e->stream != nullptr && LiveStream(e->stream)) {
+  if (e != nullptr && e->stream != nullptr && LiveStream(e->stream)) {
     std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+    HostWaited(e->stream, e->position);
+    if (!DeferredStreams()) return;
     MaybeRunEarly();
+    RunOthersFirst(e->stream);
     RunUntil(e->stream, e->position);
   }
 }

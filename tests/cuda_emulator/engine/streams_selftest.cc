@@ -1,15 +1,22 @@
 // Self-test of the engine dialect's stream model (emu.cc) in the mode EMU_STREAMS names: eager,
-// deferred (unset) or shuffle:SEED. Each scenario is a race or its fix, built from copies and
-// memsets, whose outcome the mode determines:
+// deferred (unset), others-first or shuffle:SEED. Each scenario is a race or its fix, built from
+// copies and memsets, whose outcome the mode determines:
 //   late source   a pinned buffer rewritten after the copy that reads it was enqueued: eager
-//                 copies the old value, deferred the new one (the copy ran at the host's wait),
-//                 shuffle either;
+//                 copies the old value, deferred and others-first the new one (the copy ran at
+//                 the host's wait), shuffle either;
 //   missing wait  stream A sets a device byte, stream B downloads it without waiting for A, the
-//                 host waits for A first: eager and deferred always see A's value; shuffle sees
-//                 both outcomes over the repetitions (B's work may run first);
+//                 host waits for A first: eager and deferred always see A's value, others-first
+//                 never (B's work runs before the A the host waits for), shuffle sees both
+//                 outcomes over the repetitions;
 //   with the wait the same, B waiting for an event recorded after A's memset: every mode, every
-//                 repetition sees A's value (shuffling keeps the order a wait imposes).
+//                 repetition sees A's value (no mode breaks the order a wait imposes).
 // Prints one line per scenario and exits 1 when one outcome is not what the mode allows.
+//
+// With an argument, one scenario of the page-locked race check (every mode):
+//   race          stream A's upload from a page-locked buffer, then stream B's download into it,
+//                 no wait between them: must abort with "EMU HOST FAILURE ... race" (the script
+//                 checks), whichever order the mode runs them in;
+//   race-ordered  the same with B waiting for an event recorded after A's upload: no race.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,10 +42,35 @@ void Must(cudaError_t e, const char* what) {
 
 }  // namespace
 
-int main() {
+// The race-check scenarios (file comment).
+int RaceScenario(bool ordered) {
+  cudaStream_t a = nullptr, b = nullptr;
+  Must(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  Must(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  unsigned char *device = nullptr, *other = nullptr, *pinned = nullptr;
+  Must(cudaMalloc(&device, 64), "cudaMalloc");
+  Must(cudaMalloc(&other, 64), "cudaMalloc");
+  Must(cudaMallocHost(&pinned, 64), "cudaMallocHost");
+  cudaEvent_t uploaded = nullptr;
+  Must(cudaEventCreateWithFlags(&uploaded, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+  Must(cudaMemcpyAsync(device, pinned, 64, cudaMemcpyHostToDevice, a), "cudaMemcpyAsync");
+  if (ordered) {
+    Must(cudaEventRecord(uploaded, a), "cudaEventRecord");
+    Must(cudaStreamWaitEvent(b, uploaded, 0), "cudaStreamWaitEvent");
+  }
+  Must(cudaMemcpyAsync(pinned + 16, other, 16, cudaMemcpyDeviceToHost, b), "cudaMemcpyAsync");
+  Must(cudaStreamSynchronize(ordered ? b : a), "cudaStreamSynchronize");
+  Must(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  std::printf("%s: no race reported\n", ordered ? "race-ordered" : "race");
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc > 1) return RaceScenario(std::string(argv[1]) == "race-ordered");
   const char* env = std::getenv("EMU_STREAMS");
   const std::string mode = env == nullptr ? "deferred" : env;
-  const bool eager = mode == "eager", shuffle = mode.rfind("shuffle:", 0) == 0;
+  const bool eager = mode == "eager", shuffle = mode.rfind("shuffle:", 0) == 0,
+             others_first = mode == "others-first";
   std::printf("EMU_STREAMS=%s\n", mode.c_str());
 
   cudaStream_t a = nullptr, b = nullptr;
@@ -89,10 +121,14 @@ int main() {
     }
     const std::string counts = std::to_string(saw_set) + "/" + std::to_string(kRepetitions) +
                                " downloads saw stream A's memset";
-    if (with_wait || !shuffle) {
-      Check(saw_set == kRepetitions, with_wait ? "with the wait" : "missing wait", counts);
-    } else {
+    if (with_wait) {
+      Check(saw_set == kRepetitions, "with the wait", counts);
+    } else if (shuffle) {
       Check(saw_set > 0 && saw_set < kRepetitions, "missing wait", counts + ", want some");
+    } else if (others_first) {
+      Check(saw_set == 0, "missing wait", counts + ", want none");
+    } else {
+      Check(saw_set == kRepetitions, "missing wait", counts);
     }
   }
 
