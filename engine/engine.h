@@ -99,6 +99,11 @@ struct EngineOptions {
   // every pass; on the CUDA backend each launch of a pass once it began writing state.
   // Negative: never.
   int64_t inject_forward_fault = -1;
+  // Testing only (CUDA backend): make a park or resume fail part-way: the transfer chunk
+  // numbered this (each chunk of every park and resume, counted over the engine's life) fails
+  // once, after its copies were enqueued (engine/cuda/device_state.h, TransferStaging). Negative:
+  // never.
+  int64_t inject_transfer_fault = -1;
   // CPU backend: the storage of matrices and KV rows (see DType above; kBf16 needs the blocked
   // decode kernel).
   DType cpu_dtype = DType::kF32;

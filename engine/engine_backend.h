@@ -97,7 +97,8 @@ class ForwardCommit {
 class ForwardFaultInjector {
  public:
   explicit ForwardFaultInjector(int64_t fail_at) : fail_at_(fail_at) {}
-  bool Fire() { return fail_at_ >= 0 && calls_++ == fail_at_; }
+  bool Fire() { return calls_++ == fail_at_ && fail_at_ >= 0; }
+  int64_t calls() const { return calls_; }  // fault points passed so far
 
  private:
   int64_t fail_at_;

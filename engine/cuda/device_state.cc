@@ -91,6 +91,11 @@ absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
   return ctx;
 }
 
+CudaDeviceContext::~CudaDeviceContext() {
+  if (compute_.get() != nullptr) cudaStreamSynchronize(compute_.get());
+  if (transfer_.get() != nullptr) cudaStreamSynchronize(transfer_.get());
+}
+
 kc::SdmRowArena CudaDeviceContext::row_arena() const {
   kc::SdmRowArena a;
   a.rows = rows_.get();
@@ -303,6 +308,11 @@ int64_t CudaDeviceContext::transfer_staging_allocations() const {
   return staging_.allocations();
 }
 
+int64_t CudaDeviceContext::transfer_chunks() const {
+  absl::MutexLock lock(&staging_mu_);
+  return staging_.chunks();
+}
+
 absl::Status CudaDeviceContext::TakeTable(int64_t entries, kc::DeviceBuffer<int32_t>* table) {
   {
     absl::MutexLock lock(&mu_);
@@ -357,6 +367,7 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
       SDM_RETURN_IF_ERROR(
           CudaStatus(cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
                      "clearing an SDM slot table"));
+      layer.cleared = true;
       run_layer.push_back(l);
       run_ids.push_back(static_cast<int64_t>(ids.size()));
       host.sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
@@ -455,6 +466,7 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
               "scattering uploaded pages"));
         }
       }
+      SDM_RETURN_IF_ERROR(staging.ChunkFault());
     }
     // Each SDM layer's row counter, from page-locked memory after the ids.
     int32_t* counts = staging.host_ids() + n_ids;
@@ -479,7 +491,7 @@ CudaSessionState::~CudaSessionState() {
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
     Layer& layer = layers_[l];
     if (IsSdm(layout.layers[l])) {
-      if (layer.table.get() != nullptr && ctx_->row_arena().rows != nullptr) {
+      if (layer.cleared && ctx_->row_arena().rows != nullptr) {
         kc::SdmReleaseRows(layer.table.get(), SlotsOf(layout.layers[l]), ctx_->row_arena(),
                            ctx_->compute());
       }
@@ -524,8 +536,8 @@ absl::Status CudaSessionState::EnsurePages(int64_t end) {
       }
       layer.pages.push_back(*page);
     }
-    // The mirror never reallocates (reserved to `entries`), and entries once written never
-    // change, so the copy may read it after this returns.
+    // From pageable memory: CUDA has read the source when the call returns, so the mirror may
+    // change or go (a failed upload frees it) while the copy is queued.
     SDM_RETURN_IF_ERROR(CudaStatus(
         cudaMemcpyAsync(layer.table.get() + have, layer.pages.data() + have,
                         (needed - have) * sizeof(int32_t), cudaMemcpyHostToDevice, ctx_->compute()),
@@ -650,6 +662,7 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
           CudaStatus(cudaMemcpyAsync(staging.image() + chunk.image_offset, staging.chunk(),
                                      chunk.elems * sizeof(bf16), cudaMemcpyDeviceToHost, t),
                      "downloading session state"));
+      SDM_RETURN_IF_ERROR(staging.ChunkFault());
     }
     SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading a session"));
 

@@ -32,6 +32,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
+#include "engine/engine_backend.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/sdm.h"
@@ -52,6 +53,9 @@ struct DeviceStateSizes {
   int64_t max_sessions = 4096;    // device-resident sessions at once (row counters)
   // The most a transfer's device chunk holds (TransferStaging); 0: kTransferChunkBytes.
   int64_t transfer_chunk_bytes = 0;
+  // Testing only (EngineOptions::inject_transfer_fault): the transfer chunk numbered this,
+  // counted over the context's life, fails once after its copies were enqueued. -1: never.
+  int64_t inject_transfer_fault = -1;
 };
 
 // Element counts a transfer needs of each TransferStaging buffer.
@@ -84,8 +88,15 @@ int64_t LargestTransferBlockBytes(const StateLayout& layout);
 // to one transfer at a time.
 class TransferStaging {
  public:
-  // The chunk never grows past `chunk_limit_elems` (> 0).
-  explicit TransferStaging(int64_t chunk_limit_elems) : chunk_limit_elems_(chunk_limit_elems) {}
+  // The chunk never grows past `chunk_limit_elems` (> 0). `inject_fault`: DeviceStateSizes.
+  explicit TransferStaging(int64_t chunk_limit_elems, int64_t inject_fault = -1)
+      : chunk_limit_elems_(chunk_limit_elems), fault_(inject_fault) {}
+
+  // Testing seam: called by a park or resume after each chunk's copies were enqueued; the
+  // injected error when this chunk is the one DeviceStateSizes::inject_transfer_fault names.
+  absl::Status ChunkFault() {
+    return fault_.Fire() ? absl::InternalError("injected transfer fault") : absl::OkStatus();
+  }
 
   // The chunk a transfer of `image` elements moves through: all of it, up to the limit.
   int64_t ChunkElemsFor(int64_t image) const { return std::min(image, chunk_limit_elems_); }
@@ -100,6 +111,8 @@ class TransferStaging {
   int32_t* ids() const { return ids_.get(); }
   // Buffers (re)allocated so far: constant once the transfers' sizes repeat.
   int64_t allocations() const { return allocations_; }
+  // Chunks that parks and resumes moved through the staging so far (ChunkFault() calls).
+  int64_t chunks() const { return fault_.calls(); }
 
  private:
   kernels::cuda::PinnedBuffer<__nv_bfloat16> image_;
@@ -108,6 +121,7 @@ class TransferStaging {
   kernels::cuda::DeviceBuffer<int32_t> ids_;
   int64_t chunk_limit_elems_;
   int64_t allocations_ = 0;
+  ForwardFaultInjector fault_;
 };
 
 class CudaDeviceContext {
@@ -116,6 +130,11 @@ class CudaDeviceContext {
   static absl::StatusOr<std::shared_ptr<CudaDeviceContext>> Create(
       const StateLayout& layout, const DeviceStateSizes& sizes,
       std::vector<const __nv_bfloat16*> m0);
+  // Waits for both streams first: the last sessions' release kernels read the tables, the free
+  // list and the counters this frees.
+  ~CudaDeviceContext();
+  CudaDeviceContext(const CudaDeviceContext&) = delete;
+  CudaDeviceContext& operator=(const CudaDeviceContext&) = delete;
 
   cudaStream_t compute() const { return compute_.get(); }
   cudaStream_t transfer() const { return transfer_.get(); }
@@ -164,6 +183,8 @@ class CudaDeviceContext {
       ABSL_LOCKS_EXCLUDED(staging_mu_);
   // TransferStaging::allocations() (tests: that repeated parks and resumes allocate nothing).
   int64_t transfer_staging_allocations() const ABSL_LOCKS_EXCLUDED(staging_mu_);
+  // TransferStaging::chunks() (tests: where an injected transfer fault will fire).
+  int64_t transfer_chunks() const ABSL_LOCKS_EXCLUDED(staging_mu_);
 
   // A session's slot or page table of `entries` int32 (contents undefined): one a session no
   // longer resident gave back (ReturnTable), else a new allocation. So once residency repeats a
@@ -171,7 +192,8 @@ class CudaDeviceContext {
   // Reuse needs no synchronisation: a table's last use by its previous session (the release of
   // its rows) and its first by the next (clearing, or a page-table update) are both on the
   // compute stream, in that order. The pool holds at most the tables of the most sessions ever
-  // resident at once (bounded by max_sessions); they are freed with the context. Thread-safe.
+  // resident at once (bounded by max_sessions; not counted in any session's DeviceBytes); they
+  // are freed with the context. Thread-safe.
   absl::Status TakeTable(int64_t entries, kernels::cuda::DeviceBuffer<int32_t>* table);
   void ReturnTable(kernels::cuda::DeviceBuffer<int32_t> table);
   // Tables allocated so far (tests: constant once residency repeats).
@@ -183,7 +205,8 @@ class CudaDeviceContext {
         sizes_(sizes),
         staging_(
             (sizes.transfer_chunk_bytes > 0 ? sizes.transfer_chunk_bytes : kTransferChunkBytes) /
-            static_cast<int64_t>(sizeof(__nv_bfloat16))) {}
+                static_cast<int64_t>(sizeof(__nv_bfloat16)),
+            sizes.inject_transfer_fault) {}
 
   StateLayout layout_;
   DeviceStateSizes sizes_;
@@ -217,8 +240,8 @@ class CudaDeviceContext {
 // One session's residency on the device.
 class CudaSessionState final : public DeviceResidency {
  public:
-  // Copies `host`'s layers to the device (bulk copies on the transfer stream, row scatter on the
-  // compute stream, which waits for them) and returns the residency to attach to it.
+  // Copies `host`'s layers to the device (copies and scatters on the compute stream, through the
+  // context's staging) and returns the residency to attach to it.
   static absl::StatusOr<std::unique_ptr<CudaSessionState>> Upload(
       std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host);
   ~CudaSessionState() override;
@@ -243,6 +266,9 @@ class CudaSessionState final : public DeviceResidency {
   struct Layer {
     // SDM: slot->row table [heads * slots]; attention: page table [page_table_entries].
     kernels::cuda::DeviceBuffer<int32_t> table;
+    // SDM: the table's clearing was enqueued, so its entries are rows to release (a table from
+    // the pool holds another session's entries until then).
+    bool cleared = false;
     std::vector<int32_t> pages;  // attention: arena pages in table order (host mirror)
   };
   std::shared_ptr<CudaDeviceContext> ctx_;

@@ -670,6 +670,7 @@ __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, 
   }
   if (tid == 0) *s_top = total > 0 ? atomicSub(arena.free_count, total) : 0;
   __syncthreads();
+  bool fresh = false;
   if (tid < n_w) {
     int32_t row = entry;
     if (need) {
@@ -677,15 +678,15 @@ __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, 
       row = PopFreeRow(arena.free_list, arena.capacity, pos);
       if (row >= 0) table[slot] = row;
     }
+    fresh = need && row >= 0;
     s_wrow[tid] = row;
-    s_fresh[tid] = need && row >= 0 ? 1 : 0;
+    s_fresh[tid] = fresh ? 1 : 0;
   }
-  if (tid == 0 && total > 0 && segs.row_counts != nullptr && segs.row_counts[seg] != nullptr) {
-    // Rows actually popped: the positions [top - total, top) inside [0, capacity).
-    const int64_t top = *s_top;
-    const int64_t end = top < arena.capacity ? top : arena.capacity;
-    const int64_t got = end - (top - total > 0 ? top - total : 0);
-    if (got > 0) atomicAdd(segs.row_counts[seg], static_cast<int32_t>(got));
+  // The rows actually taken (as PrepareAllocKernel counts them): one add per warp.
+  const unsigned fresh_mask = __ballot_sync(kFullMask, fresh);
+  if (lane == 0 && fresh_mask != 0 && segs.row_counts != nullptr &&
+      segs.row_counts[seg] != nullptr) {
+    atomicAdd(segs.row_counts[seg], __popc(fresh_mask));
   }
 }
 

@@ -939,6 +939,118 @@ TEST(CudaEngineTest, AFreeRowCountOutOfRangeFailsTheStepAndEveryLaterOne) {
   }
 }
 
+// A park or a resume failing part-way (EngineOptions::inject_transfer_fault: a chunk's copies
+// enqueued, then an error) leaves every session intact: the failed park's session stays on the
+// device, and the resume that follows it (the same staging, refilled by the host while the
+// failed park's downloads were queued on the other stream: the error path waits for them)
+// continues bit for bit; a failed resume fails its step before the step wrote anything, the
+// session stays parked, and the retried step continues bit for bit. Chunks are small, so each
+// transfer takes many; where the fault lands is learnt from an engine without one. Under the
+// CPU emulator, a park whose error path does not wait for its downloads fails here in every
+// stream mode: the resume's upload from the staging is a race with them (the emulator's
+// page-locked race check, tests/cuda_emulator/README.md).
+TEST(CudaEngineTest, ATransferFailingPartWayLeavesEverySessionIntact) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = ConfigNamed("debug_hybrid");
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  EngineOptions options = CudaOptions(int64_t{2} << 30, 4096, /*prefill_chunk=*/16);
+  {
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(model, options);
+    ASSERT_TRUE(e.ok()) << e.status();
+    options.device_transfer_chunk_bytes = LargestBlockBytes((*e)->state_layout()) + 3000;
+  }
+  auto make = [&](int64_t fault) {
+    EngineOptions o = options;
+    o.inject_transfer_fault = fault;
+    return Engine::Create(model, o);
+  };
+  struct Run {
+    std::unique_ptr<Engine> engine;
+    std::vector<std::unique_ptr<SessionState>> parked, twins;
+  };
+  // Sessions 0 (45 tokens) and 1 (90), each with a twin that never leaves the device.
+  auto start = [&](int64_t fault) {
+    Run r;
+    absl::StatusOr<std::unique_ptr<Engine>> e = make(fault);
+    EXPECT_TRUE(e.ok()) << e.status();
+    if (!e.ok()) return r;
+    r.engine = *std::move(e);
+    for (int i = 0; i < 2; ++i) {
+      const std::vector<int32_t> prompt =
+          RandomTokens(i == 0 ? 45 : 90, r.engine->vocab_size(), 11 + i);
+      for (auto* list : {&r.parked, &r.twins}) {
+        list->push_back(r.engine->NewSession());
+        EXPECT_TRUE(r.engine->Prefill(*list->back(), prompt, false, nullptr).ok());
+      }
+    }
+    return r;
+  };
+  auto chunks = [](const Run& r) {
+    return static_cast<const CudaDeviceContext*>(r.twins[0]->device()->owner())->transfer_chunks();
+  };
+  // One decode step of all four; each parked session's logits equal its twin's.
+  auto step_and_compare = [](Run& r, int step) {
+    const int64_t vocab = r.engine->vocab_size();
+    std::vector<SessionState*> batch = {r.parked[0].get(), r.parked[1].get(), r.twins[0].get(),
+                                        r.twins[1].get()};
+    std::vector<int32_t> tokens = {RandomTokens(1, vocab, 70 + step)[0],
+                                   RandomTokens(1, vocab, 80 + step)[0]};
+    tokens.insert(tokens.end(), tokens.begin(), tokens.end());
+    std::vector<float> logits(4 * vocab);
+    const absl::Status s = r.engine->Decode(batch, tokens, logits);
+    if (!s.ok()) return s;
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_TRUE(std::equal(logits.begin() + i * vocab, logits.begin() + (i + 1) * vocab,
+                             logits.begin() + (2 + i) * vocab))
+          << "session " << i << ", step " << step;
+    }
+    return absl::OkStatus();
+  };
+
+  // Where the chunks fall: parking session 1 takes `park1`, session 0's park follows.
+  int64_t park1 = 0;
+  {
+    Run probe = start(-1);
+    ASSERT_NE(probe.engine, nullptr);
+    ASSERT_TRUE(probe.parked[1]->SyncToHost().ok());
+    park1 = chunks(probe);
+    ASSERT_TRUE(probe.parked[0]->SyncToHost().ok());
+    ASSERT_GE(chunks(probe) - park1, 3) << "session 0's park should take several chunks";
+  }
+
+  {
+    SCOPED_TRACE("a park fails at its second chunk");
+    Run r = start(park1 + 1);
+    ASSERT_NE(r.engine, nullptr);
+    ASSERT_TRUE(r.parked[1]->SyncToHost().ok());
+    const absl::Status failed = r.parked[0]->SyncToHost();
+    EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+    EXPECT_NE(failed.message().find("injected transfer fault"), std::string::npos) << failed;
+    EXPECT_TRUE(r.parked[0]->on_device());        // the device copy is still the session
+    ASSERT_TRUE(step_and_compare(r, 0).ok());     // session 1 resumed through the same staging
+    ASSERT_TRUE(r.parked[0]->SyncToHost().ok());  // the park again, whole
+    ASSERT_TRUE(r.parked[1]->SyncToHost().ok());
+    ASSERT_TRUE(step_and_compare(r, 1).ok());
+  }
+  {
+    SCOPED_TRACE("a resume fails at its second chunk");
+    Run r = start(park1 + 1);
+    ASSERT_NE(r.engine, nullptr);
+    ASSERT_TRUE(r.parked[1]->SyncToHost().ok());
+    const absl::Status failed = step_and_compare(r, 0);
+    EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+    EXPECT_NE(failed.message().find("injected transfer fault"), std::string::npos) << failed;
+    for (const auto* list : {&r.parked, &r.twins}) {
+      for (const auto& s : *list) EXPECT_FALSE(s->failed());
+    }
+    EXPECT_FALSE(r.parked[1]->on_device());  // still parked
+    EXPECT_EQ(r.parked[1]->position(), 90);
+    ASSERT_TRUE(step_and_compare(r, 0).ok());  // the same step again
+    ASSERT_TRUE(step_and_compare(r, 1).ok());
+  }
+}
+
 // ---- Decode steps as CUDA graphs (EngineOptions::cuda_graphs) ---------------------------------
 
 // What one engine returned over DecodeGraphSchedule, and how it ran its decode steps.

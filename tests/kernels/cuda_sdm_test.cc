@@ -1377,12 +1377,12 @@ TEST(CudaSdmTest, PopsNeverReadOutsideTheFreeList) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
   const int64_t capacity = 16, width = 8, margin = 32, over = 5;
-  // The arena's rows and the list each sit inside a larger buffer whose margins must stay as
-  // they were (-7 in the list's margins: read as a row, it would be refused anyway).
+  // The arena's rows sit inside a larger buffer whose margins must stay as they were; the list's
+  // margins hold row 1, so a pop that read past the list would take row 1 a second time.
   std::vector<__nv_bfloat16> row_storage((capacity + 2 * margin) * width,
                                          __float2bfloat16_rn(-1.0f));
   auto d_row_storage = Upload(row_storage);
-  std::vector<int32_t> list_storage(capacity + 2 * margin, -7);
+  std::vector<int32_t> list_storage(capacity + 2 * margin, 1);
   for (int64_t i = 0; i < capacity; ++i) list_storage[margin + i] = static_cast<int32_t>(i);
   list_storage[margin + 3] = static_cast<int32_t>(capacity + 2);  // an entry outside the arena
   auto d_list_storage = Upload(list_storage);
