@@ -42,7 +42,7 @@ def compare(ours, reference, model):
         if o is not None:
             row.update(ours_ms=o["ms_per_step_median"], ours_tok_s=o["tokens_per_s"],
                        ours_fraction_of_bandwidth=o.get("fraction_of_bandwidth"))
-        if "median_ms" in ref and ref.get("status") in ("ok", "partial"):
+        if isinstance(ref.get("median_ms"), (int, float)) and ref.get("status") in ("ok", "partial"):
             row.update(reference_ms=ref["median_ms"], reference_tok_s=ref.get("tok_s"),
                        reference_status=ref["status"])
         if "ours_ms" in row and "reference_ms" in row and row["ours_ms"] > 0:
@@ -51,6 +51,8 @@ def compare(ours, reference, model):
             why = []
             if o is None:
                 why.append(f"ours: no {model} result at context {context}, batch {b}")
+            elif not row["ours_ms"] > 0:
+                why.append(f"ours: a median of {row['ours_ms']} ms")
             if "reference_ms" not in row:
                 why.append(f"reference: {ref.get('status', '?')} ({ref.get('reason', '')})")
             row["reason"] = "; ".join(why)
@@ -59,7 +61,11 @@ def compare(ours, reference, model):
 
 
 def fmt(v, spec):
-    return "-" if v is None else format(v, spec)
+    """v formatted by spec, or a dash as wide as spec says (its leading digits)."""
+    if v is None:
+        width = int("".join(c for c in spec.split(".")[0] if c.isdigit()) or 0)
+        return "-".rjust(width)
+    return format(v, spec)
 
 
 def main():

@@ -183,7 +183,7 @@ inline v1::GenerateRequest IdsRequest(const std::vector<int32_t>& ids, int64_t m
 class HeldStream {
  public:
   explicit HeldStream(v1::SdmService::Stub& stub) {
-    Prepare(context_, {});
+    Prepare(context_, {.timeout = std::chrono::hours(1)});  // ends by the test's cancellation
     reader_ = stub.Generate(&context_, TextRequest("held", 1'000'000));
     v1::GenerateResponse chunk;
     running_ = reader_->Read(&chunk);

@@ -463,6 +463,9 @@ absl::Status BenchSdm(int64_t batch, const KernelBenchOptions& opt, double copy_
     SDM_RETURN_IF_ERROR(Cuda(cudaMemcpyAsync(arena_rows.get(), saved.get(), saved.bytes(),
                                              cudaMemcpyDeviceToDevice, stream),
                              "restoring the arena"));
+    // NaN bits, so that readings a kernel failed to write cannot match the previous run's.
+    SDM_RETURN_IF_ERROR(
+        Cuda(cudaMemsetAsync(readings.get(), 0xff, readings.bytes(), stream), "clearing readings"));
     SDM_RETURN_IF_ERROR(Cuda(body(), what));
     SDM_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), what));
     Outcome o;
