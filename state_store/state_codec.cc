@@ -126,6 +126,11 @@ absl::StatusOr<SessionRecord> ParseRecord(absl::string_view payload, int64_t& po
       !r.I32(pending) || !r.U32(layers) || r.remaining() != 0) {
     return Corrupt("record section has the wrong size");
   }
+  if (position < 0) return Corrupt("negative position");
+  if (position > kMaxSessionPosition) {
+    return Corrupt(
+        absl::StrCat("position ", position, " is past the limit of ", kMaxSessionPosition));
+  }
   return rec;
 }
 
@@ -346,7 +351,6 @@ absl::StatusOr<DecodedSession> DecodeSessionState(absl::string_view blob, const 
     return absl::FailedPreconditionError(absl::StrCat(
         "session state has ", num_layers, " layers, the model has ", layout.layers.size()));
   }
-  if (position < 0) return Corrupt("negative position");
 
   DecodedSession out;
   out.record = *std::move(record);

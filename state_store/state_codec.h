@@ -25,6 +25,11 @@ namespace sdm {
 
 inline constexpr uint32_t kStateFormatVersion = 1;
 
+// The largest position a decoded state may claim (2^62 tokens): beyond any history, and far enough
+// from int64's end that position arithmetic (position + 1, a prefill's end) cannot wrap. A
+// record claiming more is DataLoss.
+inline constexpr int64_t kMaxSessionPosition = int64_t{1} << 62;
+
 // What the store keeps beside the state: the session's id and an opaque metadata string (the
 // server's owner, labels and TTL, as JSON).
 struct SessionRecord {
@@ -110,7 +115,8 @@ struct RecordSection {
   uint64_t sampler_draws = 0;
   uint32_t layers = 0;
 };
-// DataLoss when the payload does not have the record's size.
+// DataLoss when the payload does not have the record's size or its position is outside
+// [0, kMaxSessionPosition].
 absl::StatusOr<RecordSection> ParseRecordSection(absl::string_view payload);
 
 // A snapshot's identity, for the delta log that extends it (state_store/state_log.h): a hash of

@@ -151,14 +151,19 @@ absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSe
         return Damaged(absl::StrCat("layer ", li, ": truncated"));
       }
       const uint64_t row_bytes = width * sizeof(float);
-      if (static_cast<int64_t>(width) != kv.row_width() || from != kv.length() || to != position ||
-          first < from || first > to || (first > from && kv.ring_capacity() == 0) ||
-          static_cast<uint64_t>(to - first) * 2 * row_bytes > r.remaining()) {
+      // Counted by division: (to - first) * 2 * row_bytes can wrap to anything (a record
+      // claiming 2^55 rows of 64 floats once passed as 0 bytes and crashed the replay).
+      if (static_cast<int64_t>(width) != kv.row_width() || row_bytes == 0 || from != kv.length() ||
+          to != position || first < from || first > to ||
+          (first > from && kv.ring_capacity() == 0) ||
+          static_cast<uint64_t>(to - first) > r.remaining() / (2 * row_bytes)) {
         return Damaged(absl::StrCat("layer ", li, ": KV rows do not continue the session"));
       }
       absl::string_view keys, values;
-      r.Span(static_cast<uint64_t>(to - first) * row_bytes, keys);
-      r.Span(static_cast<uint64_t>(to - first) * row_bytes, values);
+      if (!r.Span(static_cast<uint64_t>(to - first) * row_bytes, keys) ||
+          !r.Span(static_cast<uint64_t>(to - first) * row_bytes, values)) {
+        return Damaged(absl::StrCat("layer ", li, ": KV rows do not fit"));
+      }
       std::vector<float> k(width), v(width);
       const int64_t ring = kv.ring_capacity();
       if (ring > 0 && to - from >= ring) {

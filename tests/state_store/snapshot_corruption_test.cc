@@ -382,6 +382,33 @@ TEST(SnapshotCodecHugeClaimTest, HugePositionIsRefusedWithoutAllocating) {
       ::testing::ExitedWithCode(0), "DATA_LOSS");
 }
 
+// A record claiming a position past kMaxSessionPosition is damage whatever its layers say (a
+// sliding-window or SDM-only state has no KV length to bound it, and the server's position + 1
+// would wrap): refused by the record's own parse, which snapshots, deltas and listings share.
+TEST(SnapshotCodecHugeClaimTest, APositionPastTheLimitIsDataLoss) {
+  StateLayout layout;
+  LayerStateLayout kv;
+  kv.kind = LayerStateLayout::Kind::kKv;
+  kv.kv_row_width = 64;
+  layout.layers.push_back(kv);
+  SessionState state(layout);
+  const std::string good = EncodeRecordSection(state, SessionRecord{"s", ""});
+  ASSERT_TRUE(ParseRecordSection(good).ok());
+  const size_t position_at = 8 + 1 + 8 + 0 + 16;  // id "s", empty metadata, TTL, last use
+  for (const int64_t claim : {kMaxSessionPosition + 1, std::numeric_limits<int64_t>::max(),
+                              std::numeric_limits<int64_t>::min(), int64_t{-1}}) {
+    std::string bad = good;
+    StoreAt<int64_t>(bad, position_at, claim);
+    const absl::StatusOr<RecordSection> parsed = ParseRecordSection(bad);
+    EXPECT_EQ(parsed.status().code(), absl::StatusCode::kDataLoss) << claim;
+  }
+  std::string edge = good;
+  StoreAt<int64_t>(edge, position_at, kMaxSessionPosition);
+  const absl::StatusOr<RecordSection> parsed = ParseRecordSection(edge);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  EXPECT_EQ(parsed->record.position, kMaxSessionPosition);
+}
+
 // ---- Through the store: quarantine, errors, other sessions unaffected ----
 
 class SnapshotStoreCorruptionTest : public ::testing::Test {

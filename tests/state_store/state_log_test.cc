@@ -20,6 +20,7 @@
 #include "state_store/state_codec.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/state_store/snapshot_test_util.h"
+#include "xxhash.h"
 
 namespace sdm {
 namespace {
@@ -272,6 +273,55 @@ TEST_F(StateLogTest, OnePassEmissionsAreTheTwoPassBytes) {
 // the same bits as deltas that carry its rows: for both update rules and both decay forms,
 // through prefill and decode turns. They are the smaller; a turn whose journal would outgrow its
 // rows carries the rows (the same bytes as without a journal), and the next turn journals again.
+// A KV delta claiming so many rows that their size wraps around 2^64 (2^55 rows of 64 floats:
+// 2^55 x 2 x 256 bytes) with none present: damage, found before any row is read (the size was
+// once multiplied out, wrapped to 0, passed, and the replay read rows from nowhere).
+TEST(StateLogHugeClaimTest, AKvDeltaWhoseSizeWrapsIsDamage) {
+  StateLayout layout;
+  LayerStateLayout kv;
+  kv.kind = LayerStateLayout::Kind::kKv;
+  kv.kv_row_width = 64;
+  layout.layers.push_back(kv);
+  constexpr uint64_t kFingerprint = 5;
+  SessionState state(layout);
+  auto append = [&] {
+    state.kv(0).NextKeyRow()[0] = 1.0f;
+    state.kv(0).NextValueRow()[0] = 2.0f;
+    state.kv(0).Commit();
+    state.AdvancePosition();
+  };
+  for (int i = 0; i < 3; ++i) append();
+  const std::string snapshot = EncodeSessionState(state, SessionRecord{"s", ""}, kFingerprint);
+  state.ClearDirty();
+  const int64_t from = state.position();
+  append();
+  std::string delta = EncodeSessionDelta(state, SessionRecord{"s", ""}, from);
+  // The frame: bytes, checksum, then the payload: the record section's size and bytes (its
+  // position 33 bytes in: id "s", empty metadata, TTL, last use), the layer count, then layer 0:
+  // index, kind, width, from, to, first, rows.
+  const size_t payload = 16;
+  const size_t record = payload + 8;
+  const size_t layer = record + static_cast<size_t>(testing::LoadAt<uint64_t>(delta, payload)) + 4;
+  ASSERT_EQ(testing::LoadAt<int64_t>(delta, record + 33), from + 1);
+  ASSERT_EQ(testing::LoadAt<uint64_t>(delta, layer + 8), 64u);
+  ASSERT_EQ(testing::LoadAt<int64_t>(delta, layer + 16), from);
+  ASSERT_EQ(testing::LoadAt<int64_t>(delta, layer + 24), from + 1);
+  const int64_t claim = from + (int64_t{1} << 55);
+  testing::StoreAt<int64_t>(delta, record + 33, claim);
+  testing::StoreAt<int64_t>(delta, layer + 24, claim);
+  testing::StoreAt<uint64_t>(delta, 8, XXH64(delta.data() + payload, delta.size() - payload, 0));
+
+  auto prefix = RecordPrefixSize(snapshot, snapshot.size(), kFingerprint);
+  ASSERT_TRUE(prefix.ok()) << prefix.status();
+  const uint64_t id = SnapshotId(absl::string_view(snapshot).substr(0, *prefix));
+  auto decoded = DecodeSessionState(snapshot, layout, kFingerprint);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  const absl::StatusOr<LogReplay> replay =
+      ReplayLog(EncodeLogHeader(kFingerprint, id) + delta, kFingerprint, id, *decoded->state);
+  EXPECT_EQ(replay.status().code(), absl::StatusCode::kDataLoss) << replay.status();
+  EXPECT_NE(replay.status().message().find("KV rows"), std::string::npos) << replay.status();
+}
+
 TEST(StateLogJournalTest, JournaledDeltasRestoreWhatRowDeltasRestore) {
   ModelConfig slot_residual = testing::TinyConfig();
   slot_residual.sdm.update_rule = UpdateRule::kSlotResidual;
