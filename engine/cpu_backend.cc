@@ -54,6 +54,7 @@ class CpuBackend : public EngineBackend {
         pool_(context.options.num_threads, context.options.decode_nice),
         decode_attention_(context.options.cpu_decode_attention),
         fault_(context.options.inject_forward_fault),
+        observe_sdm_readings_(context.options.observe_sdm_readings),
         dtype_(context.options.cpu_dtype),
         hidden_(FfnHiddenDim(cfg_)),
         sdm_geom_(SdmGeometryOf(cfg_)) {
@@ -390,6 +391,7 @@ class CpuBackend : public EngineBackend {
       }
     });
 
+    if (observe_sdm_readings_) observe_sdm_readings_(li, readings);
     if (w.norm_w != nullptr) {
       cpu::LayerNorm(readings.data(), w.norm_w, w.norm_b, n * heads, hd,
                      static_cast<float>(args.norm_eps));
@@ -411,6 +413,8 @@ class CpuBackend : public EngineBackend {
   cpu::ThreadPool pool_;
   CpuDecodeAttention decode_attention_;
   ForwardFaultInjector fault_;
+  // EngineOptions::observe_sdm_readings (testing).
+  std::function<void(int64_t, std::span<const float>)> observe_sdm_readings_;
   DType dtype_;
   int64_t packed_bytes_ = 0;
   int64_t hidden_;

@@ -21,6 +21,7 @@
 #define SDMSERVE_ENGINE_ENGINE_H_
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -104,6 +105,12 @@ struct EngineOptions {
   // once, after its copies were enqueued (engine/cuda/device_state.h, TransferStaging). Negative:
   // never.
   int64_t inject_transfer_fault = -1;
+  // Testing only: called after each SDM layer of a pass with that layer's readings before their
+  // norm ([pass rows, dim] floats, rows in the pass's order), so that tests compare backends
+  // layer by layer. The CUDA backend copies them to the host, synchronising inside the pass, and
+  // runs decode steps without graphs while it is set. Empty: never.
+  std::function<void(int64_t layer, std::span<const float> readings)> observe_sdm_readings =
+      nullptr;
   // CPU backend: the storage of matrices and KV rows (see DType above; kBf16 needs the blocked
   // decode kernel).
   DType cpu_dtype = DType::kF32;

@@ -66,6 +66,7 @@ print_table() {
     echo "-- product-key selection and SDM state, CUDA against CPU"
     grep "^\[selection\]" "$OUT_DIR/selection.txt" | grep -v " layer " | head -20
     grep "^\[sdm-state\]" "$OUT_DIR/selection.txt" | head -12
+    grep "^\[sdm-readings\]" "$OUT_DIR/selection.txt" | head -4
     grep "^\[batch64\]" "$OUT_DIR/selection.txt" | head -4
   fi
   if [[ -f $OUT_DIR/kernels.txt ]]; then
@@ -224,11 +225,12 @@ run_tests() {  # name, required|optional, ctest args... (optional: a timeout is 
 }
 # Verbose, so that the tests' measurement lines reach the log: "[selection]" (how often the
 # device's product-key selection differs from the CPU's: kernels on identical scores, and the
-# engines on the test models), "[sdm-state]" (SDM rows per layer against the CPU after a sync)
-# and "[batch64]" (sessions of the 64-session decode batch beyond the logit tolerance).
+# engines on the test models), "[sdm-state]" (SDM rows per layer against the CPU after a sync),
+# "[sdm-readings]" (each SDM layer's readings against the CPU, pass by pass) and "[batch64]"
+# (sessions of the 64-session decode batch beyond the logit tolerance).
 run_tests cuda required -R "[Cc]uda" -j8 -V
 if [[ -f $OUT_DIR/ctest-cuda.log ]]; then
-  grep -ho "\[selection\].*\|\[sdm-state\].*\|\[batch64\].*" "$OUT_DIR/ctest-cuda.log" \
+  grep -ho "\[selection\].*\|\[sdm-state\].*\|\[sdm-readings\].*\|\[batch64\].*" "$OUT_DIR/ctest-cuda.log" \
     >"$OUT_DIR/selection.txt" || true
   RESULT[selection]="$(grep -c "" "$OUT_DIR/selection.txt") lines (selection.txt)"
   # A CUDA test that skipped on this machine (no device seen by the process) is a failure here.

@@ -479,7 +479,7 @@ class CudaBackend : public EngineBackend {
     for (const Segment& s : segs) decode_only = decode_only && s.length == 1;
     std::optional<DecodeGraphKey> graph;
     if (options_.cuda_graphs && decode_only && !profiler.enabled() &&
-        options_.inject_forward_fault < 0) {
+        !options_.observe_sdm_readings && options_.inject_forward_fault < 0) {
       max_visible = kernels::DecodeGraphVisible(max_visible, kc::kAttentionSplitTokens);
       graph = DecodeGraphKey{.sessions = num_segs,
                              .logit_rows = m,
@@ -1021,6 +1021,15 @@ class CudaBackend : public EngineBackend {
           Launched(kc::SdmDecodeStep(dec, sg, dims, ctx_->row_arena(), stream), "sdm decode step"));
     } else {
       SDM_RETURN_IF_ERROR(SdmPrefillStep(w, n_w, n_r, sg, dims));
+    }
+    if (options_.observe_sdm_readings) {  // testing: the readings, to the host
+      std::vector<float> readings(static_cast<size_t>(n * dim));
+      SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "observing readings"));
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpy(readings.data(), ws.readings.get(), readings.size() * sizeof(float),
+                                cudaMemcpyDeviceToHost),
+                     "observing readings"));
+      options_.observe_sdm_readings(li, readings);
     }
     if (w.norm_w != nullptr) {
       SDM_RETURN_IF_ERROR(

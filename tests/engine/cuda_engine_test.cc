@@ -7,9 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <map>
 #include <memory>
 #include <random>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -130,17 +132,22 @@ absl::StatusOr<ModelConfig> ConfigNamed(const std::string& name) {
   return c;
 }
 
+// `cpu_readings` / `cuda_readings`: EngineOptions::observe_sdm_readings of each engine.
+using ReadingsObserver = std::function<void(int64_t, std::span<const float>)>;
 Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
-                    int64_t transfer_chunk_bytes = 0) {
+                    int64_t transfer_chunk_bytes = 0, ReadingsObserver cpu_readings = {},
+                    ReadingsObserver cuda_readings = {}) {
   absl::StatusOr<ModelConfig> c = ConfigNamed(preset);
   EXPECT_TRUE(c.ok()) << c.status();
   std::shared_ptr<const Model> model = Bf16Model(*c, 7);
   EngineOptions o;
   o.prefill_chunk = prefill_chunk;
   o.device = EngineDevice::kCpu;
+  o.observe_sdm_readings = std::move(cpu_readings);
   auto cpu = Engine::Create(model, o);
   EXPECT_TRUE(cpu.ok()) << cpu.status();
   o.device = EngineDevice::kCuda;
+  o.observe_sdm_readings = std::move(cuda_readings);
   o.device_state_bytes = int64_t{2} << 30;
   o.device_transfer_chunk_bytes = transfer_chunk_bytes;
   // The arenas must hold one session at max_context: debug_sdm's four full-attention layers
@@ -197,6 +204,93 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
     ASSERT_TRUE(st.ok()) << st;
     EXPECT_LT(RelativeError(lg, lc), tolerance) << "decode step " << step;
     for (int i = 0; i < kSessions; ++i) EXPECT_EQ(gpu_s[i]->position(), cpu_s[i]->position());
+  }
+}
+
+// Each SDM layer's readings (before their norm) against the CPU engine's from the same state:
+// 12 sessions prefilled on the device, synced to the host, and their copies continued by the CPU
+// engine while the device continues the originals: one decode step of all 12 (SdmDecodeStep),
+// then a chunk of 16 tokens on one (the prefill path). Localises a read-path bug to its layer
+// where the logits only say that something differs. Per (row, head) relative L2, in every SDM
+// layer, the median under 5e-2: a wrong read (a dropped slot or weight) moves every head by
+// about 1/K of its reading or more (a read slot dropped from the decode step, planted under the
+// emulator: medians 0.65 to 0.98 on the four test models), while bf16 rows and activations and
+// the product-key near-ties that rounding flips leave the median at 0.003 to 0.028 there (the
+// largest with query BatchNorm; one flipped head alone can reach 0.17, hence a median over
+// many). Printed as [sdm-readings] lines.
+TEST_P(CudaVsCpuTest, SdmReadingsMatchCpuFromTheSameState) {
+  SKIP_WITHOUT_DEVICE();
+  std::vector<std::pair<int64_t, std::vector<float>>> cpu_seen, gpu_seen;
+  auto observe = [](std::vector<std::pair<int64_t, std::vector<float>>>& seen) {
+    return [&seen](int64_t layer, std::span<const float> readings) {
+      seen.emplace_back(layer, std::vector<float>(readings.begin(), readings.end()));
+    };
+  };
+  Engines e =
+      MakeEngines(GetParam(), /*prefill_chunk=*/16, 0, observe(cpu_seen), observe(gpu_seen));
+  ASSERT_NE(e.cuda, nullptr);
+  absl::StatusOr<ModelConfig> config = ConfigNamed(GetParam());
+  ASSERT_TRUE(config.ok());
+  const int64_t hd = SdmGeometryOf(*config).head_width;
+  const int64_t vocab = e.cpu->vocab_size();
+  constexpr int kSessions = 12;
+  std::vector<std::unique_ptr<SessionState>> gpu_s, cpu_s;
+  std::vector<SessionState*> gpu_ptr, cpu_ptr;
+  for (int i = 0; i < kSessions; ++i) {
+    gpu_s.push_back(e.cuda->NewSession());
+    ASSERT_TRUE(
+        e.cuda->Prefill(*gpu_s[i], RandomTokens(20 + 3 * i, vocab, 700 + i), false, nullptr).ok());
+    ASSERT_TRUE(gpu_s[i]->SyncToHost().ok());
+    cpu_s.push_back(gpu_s[i]->Clone());
+    gpu_ptr.push_back(gpu_s[i].get());
+    cpu_ptr.push_back(cpu_s[i].get());
+  }
+  for (const int tokens : {1, 16}) {
+    SCOPED_TRACE(testing::Message() << (tokens == 1 ? "decode step of 12" : "chunk of 16"));
+    cpu_seen.clear();
+    gpu_seen.clear();
+    if (tokens == 1) {
+      const std::vector<int32_t> next = RandomTokens(kSessions, vocab, 711);
+      std::vector<float> lc(kSessions * vocab), lg(kSessions * vocab);
+      ASSERT_TRUE(e.cpu->Decode(cpu_ptr, next, lc).ok());
+      ASSERT_TRUE(e.cuda->Decode(gpu_ptr, next, lg).ok());
+    } else {
+      const std::vector<int32_t> next = RandomTokens(tokens, vocab, 716);
+      ASSERT_TRUE(e.cpu->Prefill(*cpu_s[0], next, false, nullptr).ok());
+      ASSERT_TRUE(e.cuda->Prefill(*gpu_s[0], next, false, nullptr).ok());
+    }
+    ASSERT_FALSE(cpu_seen.empty()) << GetParam() << " has no SDM layer";
+    ASSERT_EQ(gpu_seen.size(), cpu_seen.size());
+    double worst_median = 0, worst_far = 0;
+    for (size_t i = 0; i < cpu_seen.size(); ++i) {
+      SCOPED_TRACE(testing::Message() << "layer " << cpu_seen[i].first);
+      ASSERT_EQ(gpu_seen[i].first, cpu_seen[i].first);
+      const std::vector<float>&want = cpu_seen[i].second, &got = gpu_seen[i].second;
+      ASSERT_EQ(got.size(), want.size());
+      ASSERT_EQ(want.size(), static_cast<size_t>((tokens == 1 ? kSessions : tokens) * config->dim));
+      // Not a comparison of zeros (reads of M0 = 0 on a debug model are).
+      ASSERT_GT(std::count_if(want.begin(), want.end(), [](float x) { return x != 0; }),
+                static_cast<long>(want.size() / 8));
+      std::vector<double> errors;  // per (row, head)
+      for (size_t at = 0; at + hd <= want.size(); at += hd) {
+        errors.push_back(
+            RelativeError(std::vector<float>(got.begin() + at, got.begin() + at + hd),
+                          std::vector<float>(want.begin() + at, want.begin() + at + hd)));
+      }
+      std::sort(errors.begin(), errors.end());
+      const double median = errors[errors.size() / 2];
+      const double far = static_cast<double>(std::count_if(errors.begin(), errors.end(),
+                                                           [](double x) { return x > 3e-2; })) /
+                         static_cast<double>(errors.size());
+      worst_median = std::max(worst_median, median);
+      worst_far = std::max(worst_far, far);
+      EXPECT_LT(median, 5e-2);
+    }
+    std::printf(
+        "[sdm-readings] %s, %s, %zu SDM layers: largest median (row, head) relative L2 %.3g, "
+        "largest share beyond 3e-2 %.3g\n",
+        GetParam().c_str(), tokens == 1 ? "decode step of 12" : "chunk of 16", cpu_seen.size(),
+        worst_median, worst_far);
   }
 }
 

@@ -10,6 +10,7 @@
 #include <memory>
 #include <random>
 #include <set>
+#include <span>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -170,6 +171,65 @@ TEST(EngineTest, SdmStateGrowsByDistinctSlotsWritten) {
   // 5 tokens x 2 heads x 8 writes at most, and at least one token's worth.
   EXPECT_GE(rows, 2 * 8);
   EXPECT_LE(rows, 5 * 2 * 8);
+}
+
+// EngineOptions::observe_sdm_readings (what tests comparing backends layer by layer read): called
+// once per SDM layer of every pass, in layer order, with the pass's rows x dim readings; a batched
+// pass's readings are each session's alone, in batch order (the CPU engine is batch-invariant).
+TEST(EngineTest, ObservedSdmReadingsComePerSdmLayerAndPassInRowOrder) {
+  const ModelConfig c = Tiny();
+  std::vector<std::pair<int64_t, std::vector<float>>> seen;
+  EngineOptions o;
+  o.num_threads = 2;
+  o.prefill_chunk = 4;
+  o.observe_sdm_readings = [&](int64_t layer, std::span<const float> readings) {
+    seen.emplace_back(layer, std::vector<float>(readings.begin(), readings.end()));
+  };
+  auto made = Engine::Create(RandomModel(c, 11), o);
+  ASSERT_TRUE(made.ok()) << made.status();
+  Engine& engine = **made;
+  std::vector<int64_t> sdm_layers;
+  for (size_t l = 0; l < engine.state_layout().layers.size(); ++l) {
+    if (engine.state_layout().layers[l].kind == LayerStateLayout::Kind::kSdm) {
+      sdm_layers.push_back(static_cast<int64_t>(l));
+    }
+  }
+  ASSERT_FALSE(sdm_layers.empty());
+  const size_t per_pass = sdm_layers.size();
+
+  // A prefill of 10 tokens in chunks of 4: passes of 4, 4 and 2 rows.
+  auto a = engine.NewSession(), b = engine.NewSession();
+  ASSERT_TRUE(engine.Prefill(*a, RandomTokens(10, 1), false, nullptr).ok());
+  ASSERT_EQ(seen.size(), 3 * per_pass);
+  for (size_t i = 0; i < seen.size(); ++i) {
+    EXPECT_EQ(seen[i].first, sdm_layers[i % per_pass]);
+    const int64_t rows = i / per_pass < 2 ? 4 : 2;
+    EXPECT_EQ(seen[i].second.size(), static_cast<size_t>(rows * c.dim));
+  }
+  ASSERT_TRUE(engine.Prefill(*b, RandomTokens(7, 2), false, nullptr).ok());
+
+  // One decode step of a and b together, then of each alone from clones: the same bits, rows in
+  // batch order.
+  auto a_alone = a->Clone(), b_alone = b->Clone();
+  const std::vector<int32_t> tokens = {5, 9};
+  std::vector<float> logits(2 * engine.vocab_size());
+  seen.clear();
+  std::vector<SessionState*> both = {a.get(), b.get()};
+  ASSERT_TRUE(engine.Decode(both, tokens, logits).ok());
+  const auto together = seen;
+  ASSERT_EQ(together.size(), per_pass);
+  for (int i = 0; i < 2; ++i) {
+    seen.clear();
+    SessionState* alone = i == 0 ? a_alone.get() : b_alone.get();
+    std::vector<float> one(engine.vocab_size());
+    ASSERT_TRUE(engine.Decode({&alone, 1}, {&tokens[i], 1}, one).ok());
+    ASSERT_EQ(seen.size(), per_pass);
+    for (size_t l = 0; l < per_pass; ++l) {
+      const std::vector<float> row(together[l].second.begin() + i * c.dim,
+                                   together[l].second.begin() + (i + 1) * c.dim);
+      EXPECT_EQ(row, seen[l].second) << "session " << i << ", layer " << sdm_layers[l];
+    }
+  }
 }
 
 TEST(EngineTest, RejectsBadInput) {
