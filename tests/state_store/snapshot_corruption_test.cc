@@ -346,18 +346,9 @@ void LimitAddressSpace(int64_t extra) {
 // A self-consistent snapshot claiming an enormous history for a full-attention layer must be
 // refused from its sizes, before any memory is reserved for that history.
 TEST(SnapshotCodecHugeClaimTest, HugePositionIsRefusedWithoutAllocating) {
-  StateLayout layout;
-  LayerStateLayout kv;
-  kv.kind = LayerStateLayout::Kind::kKv;
-  kv.kv_row_width = 64;
-  layout.layers.push_back(kv);
+  const StateLayout layout = testing::OneKvLayerLayout(64);
   SessionState state(layout);
-  for (int i = 0; i < 3; ++i) {
-    state.kv(0).NextKeyRow()[0] = 1.0f;
-    state.kv(0).NextValueRow()[0] = 2.0f;
-    state.kv(0).Commit();
-    state.AdvancePosition();
-  }
+  for (int i = 0; i < 3; ++i) testing::AppendKvPosition(state);
   const std::string good = EncodeSessionState(state, SessionRecord{"s", ""}, 5);
   ASSERT_TRUE(DecodeSessionState(good, layout, 5).ok());
   auto sections = ParseSections(good);
@@ -386,12 +377,7 @@ TEST(SnapshotCodecHugeClaimTest, HugePositionIsRefusedWithoutAllocating) {
 // sliding-window or SDM-only state has no KV length to bound it, and the server's position + 1
 // would wrap): refused by the record's own parse, which snapshots, deltas and listings share.
 TEST(SnapshotCodecHugeClaimTest, APositionPastTheLimitIsDataLoss) {
-  StateLayout layout;
-  LayerStateLayout kv;
-  kv.kind = LayerStateLayout::Kind::kKv;
-  kv.kv_row_width = 64;
-  layout.layers.push_back(kv);
-  SessionState state(layout);
+  SessionState state(testing::OneKvLayerLayout(64));
   const std::string good = EncodeRecordSection(state, SessionRecord{"s", ""});
   ASSERT_TRUE(ParseRecordSection(good).ok());
   const size_t position_at = 8 + 1 + 8 + 0 + 16;  // id "s", empty metadata, TTL, last use

@@ -58,6 +58,25 @@ inline std::vector<float> ProbeLogits(Engine& engine, SessionState& session, int
   return logits;
 }
 
+// A layout of one full-attention KV layer of `width` floats per row (the huge-claim tests' state:
+// hand-made blobs are easy to navigate with a single small section).
+inline StateLayout OneKvLayerLayout(int64_t width) {
+  StateLayout layout;
+  LayerStateLayout kv;
+  kv.kind = LayerStateLayout::Kind::kKv;
+  kv.kv_row_width = width;
+  layout.layers.push_back(kv);
+  return layout;
+}
+
+// Appends one position to a OneKvLayerLayout state (key row starting 1, value row 2).
+inline void AppendKvPosition(SessionState& state) {
+  state.kv(0).NextKeyRow()[0] = 1.0f;
+  state.kv(0).NextValueRow()[0] = 2.0f;
+  state.kv(0).Commit();
+  state.AdvancePosition();
+}
+
 inline bool BitwiseEqual(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }

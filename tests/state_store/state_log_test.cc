@@ -277,24 +277,14 @@ TEST_F(StateLogTest, OnePassEmissionsAreTheTwoPassBytes) {
 // 2^55 x 2 x 256 bytes) with none present: damage, found before any row is read (the size was
 // once multiplied out, wrapped to 0, passed, and the replay read rows from nowhere).
 TEST(StateLogHugeClaimTest, AKvDeltaWhoseSizeWrapsIsDamage) {
-  StateLayout layout;
-  LayerStateLayout kv;
-  kv.kind = LayerStateLayout::Kind::kKv;
-  kv.kv_row_width = 64;
-  layout.layers.push_back(kv);
+  const StateLayout layout = testing::OneKvLayerLayout(64);
   constexpr uint64_t kFingerprint = 5;
   SessionState state(layout);
-  auto append = [&] {
-    state.kv(0).NextKeyRow()[0] = 1.0f;
-    state.kv(0).NextValueRow()[0] = 2.0f;
-    state.kv(0).Commit();
-    state.AdvancePosition();
-  };
-  for (int i = 0; i < 3; ++i) append();
+  for (int i = 0; i < 3; ++i) testing::AppendKvPosition(state);
   const std::string snapshot = EncodeSessionState(state, SessionRecord{"s", ""}, kFingerprint);
   state.ClearDirty();
   const int64_t from = state.position();
-  append();
+  testing::AppendKvPosition(state);
   std::string delta = EncodeSessionDelta(state, SessionRecord{"s", ""}, from);
   // The frame: bytes, checksum, then the payload: the record section's size and bytes (its
   // position 33 bytes in: id "s", empty metadata, TTL, last use), the layer count, then layer 0:

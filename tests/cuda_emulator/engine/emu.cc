@@ -218,10 +218,10 @@ static void RunCluster() {
 }  // namespace emu
 
 enum class EmuCapture { kNone, kActive, kInvalidated };
-// A deferred op: what it runs, the page-locked host bytes it reads or writes (an async copy;
-// empty for the rest), and for a cudaStreamWaitEvent the stream and position it waits for.
-struct EmuPendingOp {
-  std::function<void()> run;
+// What the page-locked race check (CheckPinnedAccess) needs to know of an op when it is
+// enqueued: the page-locked host bytes it reads or writes (an async copy; empty for the rest),
+// and for a cudaStreamWaitEvent the stream and position it waits for.
+struct EmuOpOrder {
   uintptr_t host_begin = 0, host_end = 0;
   bool host_write = false;
   cudaStream_t wait_on = nullptr;
@@ -234,7 +234,7 @@ struct EmuStream {
   std::vector<std::function<void()>> ops;  // recorded while capturing
   // Deferred streams (the default): the work enqueued and not run yet, in order; `enqueued` counts
   // every op ever enqueued, `ran` those run (so an event names a position: "the first N ops").
-  std::deque<EmuPendingOp> pending;
+  std::deque<std::function<void()>> pending;
   // For the page-locked race check (CheckPinnedAccess): per other stream, how many of its ops
   // this stream's ops enqueued from now on come after (its cudaStreamWaitEvent calls) ...
   std::map<cudaStream_t, uint64_t> waited;
@@ -293,13 +293,34 @@ static bool RefusedWhileCapturing(const char* what) {
   return true;
 }
 
-static bool DeferredStreams() {
-  static const bool deferred = [] {
+// EMU_STREAMS, parsed once: eager, deferred (unset, or any other value), others-first, or
+// shuffle:SEED (the last two are deferred streams too; see ShuffleSeed and OthersFirst).
+struct EmuStreamMode {
+  bool deferred = true;
+  bool others_first = false;
+  std::optional<uint64_t> shuffle_seed;
+};
+static const EmuStreamMode& StreamMode() {
+  static const EmuStreamMode mode = [] {
+    EmuStreamMode m;
     const char* v = std::getenv("EMU_STREAMS");
-    return v == nullptr || std::strcmp(v, "eager") != 0;
+    if (v == nullptr) return m;
+    m.deferred = std::strcmp(v, "eager") != 0;
+    m.others_first = std::strcmp(v, "others-first") == 0;
+    if (std::strncmp(v, "shuffle:", 8) == 0) {
+      char* end = nullptr;
+      errno = 0;
+      const uint64_t seed = std::strtoull(v + 8, &end, 10);
+      if (v[8] < '0' || v[8] > '9' || *end != '\0' || errno != 0) {
+        HostFail("EMU_STREAMS=shuffle:SEED needs a decimal seed");
+      }
+      m.shuffle_seed = seed;
+    }
+    return m;
   }();
-  return deferred;
+  return mode;
 }
+static bool DeferredStreams() { return StreamMode().deferred; }
 
 // EMU_STREAMS=shuffle:SEED: deferred streams, and besides, at every enqueue and every host wait
 // a coin (seeded) decides whether some pending work runs early: a random prefix of each stream's
@@ -308,20 +329,7 @@ static bool DeferredStreams() {
 // deferred streams never produce: a stream the host waits for later running first (a download
 // missing its wait for the step that writes what it reads, when the host then synchronises the
 // step's stream first, runs in the right order deferred and in the wrong one here).
-static std::optional<uint64_t> ShuffleSeed() {
-  static const std::optional<uint64_t> seed = []() -> std::optional<uint64_t> {
-    const char* v = std::getenv("EMU_STREAMS");
-    if (v == nullptr || std::strncmp(v, "shuffle:", 8) != 0) return std::nullopt;
-    char* end = nullptr;
-    errno = 0;
-    const uint64_t parsed = std::strtoull(v + 8, &end, 10);
-    if (v[8] < '0' || v[8] > '9' || *end != '\0' || errno != 0) {
-      HostFail("EMU_STREAMS=shuffle:SEED needs a decimal seed");
-    }
-    return parsed;
-  }();
-  return seed;
-}
+static std::optional<uint64_t> ShuffleSeed() { return StreamMode().shuffle_seed; }
 
 // EMU_STREAMS=others-first: deferred streams, and when the host waits for one stream (its
 // synchronisation, an event recorded on it), every other stream's pending work runs first, whole.
@@ -330,13 +338,7 @@ static std::optional<uint64_t> ShuffleSeed() {
 // another's later work (a failed park's downloads still queued when the next resume refills the
 // staging and uploads it) reads or writes in the wrong order every time. Deferred streams catch
 // the opposite: work the host needed and did not wait for.
-static bool OthersFirst() {
-  static const bool others_first = [] {
-    const char* v = std::getenv("EMU_STREAMS");
-    return v != nullptr && std::strcmp(v, "others-first") == 0;
-  }();
-  return others_first;
-}
+static bool OthersFirst() { return StreamMode().others_first; }
 
 // Serialises running deferred work (recursive: an op that waits on an event runs another
 // stream's ops first).
@@ -396,10 +398,10 @@ static void CheckPinnedAccess(cudaStream_t s, uint64_t index, uintptr_t begin, u
 static void RunUntil(cudaStream_t s, uint64_t position) {
   std::lock_guard<std::recursive_mutex> lock(g_run_mu);
   while (s->ran < position && !s->pending.empty()) {
-    EmuPendingOp op = std::move(s->pending.front());
+    std::function<void()> op = std::move(s->pending.front());
     s->pending.pop_front();
     ++s->ran;
-    op.run();
+    op();
   }
 }
 
@@ -466,15 +468,10 @@ static void RunStream(cudaStream_t s) {
   RunUntil(s, s->enqueued);
 }
 
-// Enqueue with what a deferred op touches of page-locked memory, or waits for (EmuPendingOp).
-static void EnqueueOp(cudaStream_t s, EmuPendingOp op);
-void Enqueue(cudaStream_t s, std::function<void()> op) {
-  EmuPendingOp pending;
-  pending.run = std::move(op);
-  EnqueueOp(s, std::move(pending));
-}
-static void EnqueueOp(cudaStream_t s, EmuPendingOp pending) {
-  std::function<void()>& op = pending.run;
+// Enqueue with what the op touches of page-locked memory, or waits for (EmuOpOrder).
+static void EnqueueOp(cudaStream_t s, std::function<void()> op, const EmuOpOrder& order);
+void Enqueue(cudaStream_t s, std::function<void()> op) { EnqueueOp(s, std::move(op), {}); }
+static void EnqueueOp(cudaStream_t s, std::function<void()> op, const EmuOpOrder& order) {
   if (s != nullptr && s->capture == EmuCapture::kActive) {
     s->ops.push_back(std::move(op));
     return;
@@ -485,16 +482,16 @@ static void EnqueueOp(cudaStream_t s, EmuPendingOp pending) {
   }
   if (s != nullptr) {
     std::lock_guard<std::recursive_mutex> lock(g_run_mu);
-    if (pending.wait_on != nullptr) {
-      uint64_t& waited = s->waited[pending.wait_on];
-      waited = std::max(waited, pending.wait_position);
+    if (order.wait_on != nullptr) {
+      uint64_t& waited = s->waited[order.wait_on];
+      waited = std::max(waited, order.wait_position);
     }
-    if (pending.host_end > pending.host_begin) {
-      CheckPinnedAccess(s, s->enqueued, pending.host_begin, pending.host_end, pending.host_write);
+    if (order.host_end > order.host_begin) {
+      CheckPinnedAccess(s, s->enqueued, order.host_begin, order.host_end, order.host_write);
     }
     ++s->enqueued;
     if (DeferredStreams()) {
-      s->pending.push_back(std::move(pending));
+      s->pending.push_back(std::move(op));
       MaybeRunEarly();
       return;
     }
@@ -716,17 +713,17 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
       return Copy(dst, src, n, k, "cudaMemcpyAsync");
     }
   }
-  EmuPendingOp op;
-  op.run = [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); };
-  // Page-locked host bytes it reads or writes, for CheckPinnedRace.
+  // Page-locked host bytes it reads or writes, for CheckPinnedAccess.
+  EmuOpOrder order;
   if (KindOf(dst, n, "cudaMemcpyAsync") == kPinned) {
-    op.host_begin = reinterpret_cast<uintptr_t>(dst);
-    op.host_write = true;
+    order.host_begin = reinterpret_cast<uintptr_t>(dst);
+    order.host_write = true;
   } else if (KindOf(src, n, "cudaMemcpyAsync") == kPinned) {
-    op.host_begin = reinterpret_cast<uintptr_t>(src);
+    order.host_begin = reinterpret_cast<uintptr_t>(src);
   }
-  if (op.host_begin != 0) op.host_end = op.host_begin + n;
-  EnqueueOp(s, std::move(op));
+  if (order.host_begin != 0) order.host_end = order.host_begin + n;
+  EnqueueOp(
+      s, [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); }, order);
   return cudaSuccess;
 }
 static void Fill(void* p, int v, size_t n, const char* what) {
@@ -931,13 +928,15 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
   if (e->stream != nullptr && e->stream != s && s != nullptr) {
     // s's later work runs after the event's stream has reached the event (eager streams ran it
     // already: only the order is recorded, for the page-locked race check).
-    EmuPendingOp op;
-    op.run = [target = e->stream, position = e->position] {
-      if (LiveStream(target)) RunUntil(target, position);
-    };
-    op.wait_on = e->stream;
-    op.wait_position = e->position;
-    EnqueueOp(s, std::move(op));
+    EmuOpOrder order;
+    order.wait_on = e->stream;
+    order.wait_position = e->position;
+    EnqueueOp(
+        s,
+        [target = e->stream, position = e->position] {
+          if (LiveStream(target)) RunUntil(target, position);
+        },
+        order);
   }
   return cudaSuccess;
 }
