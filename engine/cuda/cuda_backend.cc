@@ -50,6 +50,7 @@
 #include "engine/cuda/device_state.h"
 #include "engine/engine_backend.h"
 #include "engine/layer_tensors.h"
+#include "engine/stacked_projection.h"
 #include "engine/weight_spec.h"
 #include "kernels/common/attention_math.h"
 #include "kernels/common/device_layout.h"
@@ -73,8 +74,26 @@ struct DeviceMatrix {
   int64_t out = 0, in = 0;
 };
 
-// A layer's weights on the device: matrices (and M0) in bf16, vectors in fp32.
+// A layer's weights on the device: matrices (and M0) in bf16, vectors in fp32. The matrices of
+// its stacked projections point into those stacks.
 using DeviceLayer = LayerTensors<DeviceMatrix, const float*>;
+
+// Projections that read the same input, as one GEMM (engine/stacked_projection.h): the stacked
+// weight, its stacked bias (null when no part has one) and where each part's columns start in
+// a row of the output (whose rows are layout.width apart).
+struct DeviceStack {
+  DeviceMatrix w;
+  const float* bias = nullptr;
+  StackedLayout layout;
+  // Part `part`'s columns of row 0 of an output `y` of this stack.
+  float* Part(float* y, int part) const { return y + layout.offsets[part]; }
+  int64_t stride() const { return layout.width; }
+};
+
+// A layer's stacks: the mixer's inputs and the feed-forward's.
+struct LayerStacks {
+  DeviceStack mixer_in, ffn_in;
+};
 
 // Owns an instantiated graph: cudaGraphExecDestroy exactly once.
 class GraphExec {
@@ -104,10 +123,12 @@ constexpr size_t kDecodeGraphCapacity = 64;
 // Device activations for up to `rows` rows; grown on demand.
 struct Workspace {
   int64_t rows = 0;
-  kc::DeviceBuffer<float> x, tmp, q, k, v, o, gate, h1, h3, logits;
+  kc::DeviceBuffer<float> x, tmp, o, logits;
+  // The outputs of a layer's stacked projections (LayerStacks), rows `stride()` apart.
+  kc::DeviceBuffer<float> mixer_in, ffn_in;
   kc::DeviceBuffer<bf16> xb, ob, hb, final_b;
   // SDM
-  kc::DeviceBuffer<float> rq, wkey, sv, a, b, log_decay, beta, w_weights, r_weights, readings;
+  kc::DeviceBuffer<float> log_decay, beta, w_weights, r_weights, readings;
   kc::DeviceBuffer<int32_t> w_slots, r_slots, w_rows, r_refs;
   kc::DeviceBuffer<float> attn_scratch;
   // The step's integers and pointers (one upload) and their pinned host image.
@@ -244,9 +265,97 @@ class CudaBackend : public EngineBackend {
  private:
   // ---- weights ---------------------------------------------------------------------------------
 
+  // Where UploadWeights puts a tensor that is part of a stack (null: a buffer of its own).
+  struct StackSlot {
+    bf16* matrix = nullptr;   // its first row in the stacked weight
+    float* vector = nullptr;  // its first element in the stacked bias
+  };
+
+  // Allocates the stack of `parts` (zeros where no part is: the alignment gaps and a bias's
+  // parts without one) and says where each part's tensors go. A tensor that another role also
+  // uses cannot move into a stack (`uses`: roles per tensor).
+  absl::Status AllocateStack(const WeightSpec& spec, std::span<const StackedPart> parts,
+                             const std::vector<int>& uses, DeviceStack* stack,
+                             std::vector<StackSlot>* slots) {
+    for (const StackedPart& part : parts) {
+      for (const TensorRef ref : {part.matrix, part.bias}) {
+        if (!ref.present()) continue;
+        const auto t = static_cast<size_t>(ref.index);
+        if (uses[t] != 1) {
+          return absl::InternalError(absl::StrCat(spec.tensors[t].name,
+                                                  " serves more than one role; it cannot be "
+                                                  "stacked with the projections beside it"));
+        }
+      }
+    }
+    absl::StatusOr<StackedLayout> layout = PlanStackedProjection(spec, parts);
+    if (!layout.ok()) return layout.status();
+    stack->layout = *std::move(layout);
+    const StackedLayout& l = stack->layout;
+    kc::DeviceBuffer<bf16> w;
+    SDM_RETURN_IF_ERROR(CudaStatus(w.Allocate(l.width * l.in), "allocating weights"));
+    SDM_RETURN_IF_ERROR(CudaStatus(cudaMemset(w.get(), 0, w.bytes()), "clearing weights"));
+    stack->w = {w.get(), l.width, l.in};
+    weight_bytes_ += static_cast<int64_t>(w.bytes());
+    float* bias = nullptr;
+    if (l.has_bias) {
+      kc::DeviceBuffer<float> b;
+      SDM_RETURN_IF_ERROR(CudaStatus(b.Allocate(l.width), "allocating weights"));
+      SDM_RETURN_IF_ERROR(CudaStatus(cudaMemset(b.get(), 0, b.bytes()), "clearing weights"));
+      bias = b.get();
+      stack->bias = bias;
+      weight_bytes_ += static_cast<int64_t>(b.bytes());
+      f32_buffers_.push_back(std::move(b));
+    }
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (parts[i].matrix.present()) {
+        (*slots)[static_cast<size_t>(parts[i].matrix.index)].matrix = w.get() + l.offsets[i] * l.in;
+      }
+      if (parts[i].bias.present()) {
+        (*slots)[static_cast<size_t>(parts[i].bias.index)].vector = bias + l.offsets[i];
+      }
+    }
+    bf16_buffers_.push_back(std::move(w));
+    return absl::OkStatus();
+  }
+
+  // Copies `host` to `dst` (its place in a stack), or to a buffer of its own added to `owned`
+  // when `dst` is null; returns where it went.
+  template <typename T>
+  absl::StatusOr<T*> UploadTensor(std::span<const T> host, T* dst,
+                                  std::vector<kc::DeviceBuffer<T>>& owned) {
+    if (dst == nullptr) {
+      kc::DeviceBuffer<T> buf;
+      SDM_RETURN_IF_ERROR(CudaStatus(buf.Allocate(host.size()), "allocating weights"));
+      weight_bytes_ += static_cast<int64_t>(buf.bytes());
+      dst = buf.get();
+      owned.push_back(std::move(buf));
+    }
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpy(dst, host.data(), host.size_bytes(), cudaMemcpyHostToDevice),
+                   "uploading weights"));
+    return dst;
+  }
+
   absl::Status UploadWeights() {
     const ModelWeights& w = *model_->weights;
     const WeightSpec spec = BuildWeightSpec(cfg_);
+    // The stacks first (engine/stacked_projection.h): their parts are uploaded into them.
+    std::vector<int> uses(spec.tensors.size(), 0);
+    auto count = [&](TensorRef ref) {
+      if (ref.present()) ++uses[static_cast<size_t>(ref.index)];
+      return 0;
+    };
+    (void)spec.roles.Map(count, count);
+    std::vector<StackSlot> slots(spec.tensors.size());
+    stacks_.resize(cfg_.n_layers);
+    for (int64_t i = 0; i < cfg_.n_layers; ++i) {
+      const LayerTensors<TensorRef, TensorRef>& roles = spec.roles.layers[i];
+      SDM_RETURN_IF_ERROR(
+          AllocateStack(spec, MixerInputParts(roles), uses, &stacks_[i].mixer_in, &slots));
+      SDM_RETURN_IF_ERROR(
+          AllocateStack(spec, FfnInputParts(roles), uses, &stacks_[i].ffn_in, &slots));
+    }
     // Every tensor once, in spec order; roles below refer to them by index.
     std::vector<DeviceMatrix> matrices(spec.tensors.size());
     std::vector<const float*> vectors(spec.tensors.size(), nullptr);
@@ -258,23 +367,13 @@ class CudaBackend : public EngineBackend {
       if (t.shape.size() == 2) {
         staging.resize(v.size());
         for (size_t j = 0; j < v.size(); ++j) staging[j] = __float2bfloat16_rn(v[j]);
-        kc::DeviceBuffer<bf16> buf;
-        SDM_RETURN_IF_ERROR(CudaStatus(buf.Allocate(v.size()), "allocating weights"));
-        SDM_RETURN_IF_ERROR(
-            CudaStatus(cudaMemcpy(buf.get(), staging.data(), buf.bytes(), cudaMemcpyHostToDevice),
-                       "uploading weights"));
-        weight_bytes_ += static_cast<int64_t>(buf.bytes());
-        matrices[i] = {buf.get(), t.shape[0], t.shape[1]};
-        bf16_buffers_.push_back(std::move(buf));
+        absl::StatusOr<bf16*> dst = UploadTensor<bf16>(staging, slots[i].matrix, bf16_buffers_);
+        if (!dst.ok()) return dst.status();
+        matrices[i] = {*dst, t.shape[0], t.shape[1]};
       } else {
-        kc::DeviceBuffer<float> buf;
-        SDM_RETURN_IF_ERROR(CudaStatus(buf.Allocate(v.size()), "allocating weights"));
-        SDM_RETURN_IF_ERROR(
-            CudaStatus(cudaMemcpy(buf.get(), v.data(), buf.bytes(), cudaMemcpyHostToDevice),
-                       "uploading weights"));
-        weight_bytes_ += static_cast<int64_t>(buf.bytes());
-        vectors[i] = buf.get();
-        f32_buffers_.push_back(std::move(buf));
+        absl::StatusOr<float*> dst = UploadTensor<float>(v, slots[i].vector, f32_buffers_);
+        if (!dst.ok()) return dst.status();
+        vectors[i] = *dst;
       }
     }
     auto matrix = [&](TensorRef ref) {
@@ -305,12 +404,13 @@ class CudaBackend : public EngineBackend {
       int64_t r = 64;  // capacity grows in powers of two
       while (r < rows) r *= 2;
       const int64_t dim = cfg_.dim;
-      int64_t q_width = dim, kv_width = 0;
+      int64_t q_width = dim, mixer_in = 0, ffn_in = 0;
       for (int64_t li = 0; li < cfg_.n_layers; ++li) {
+        mixer_in = std::max(mixer_in, stacks_[li].mixer_in.stride());
+        ffn_in = std::max(ffn_in, stacks_[li].ffn_in.stride());
         if (layers_[li].type == LayerType::kSdm) continue;
         const AttentionGeometry& g = attention_geom_[li];
         q_width = std::max(q_width, g.n_heads * g.head_dim);
-        kv_width = std::max(kv_width, g.n_kv_heads * g.head_dim);
       }
       const int64_t heads = sdm_geom_.heads;
       const int64_t n_w = heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
@@ -319,26 +419,11 @@ class CudaBackend : public EngineBackend {
         kc::DeviceBuffer<float>* b;
         int64_t n;
       };
-      for (F f : {F{&ws.x, r * dim},
-                  F{&ws.tmp, r * dim},
-                  F{&ws.q, r * q_width},
-                  F{&ws.k, r * kv_width},
-                  F{&ws.v, r * kv_width},
-                  F{&ws.o, r * q_width},
-                  F{&ws.gate, r * std::max(dim, q_width)},
-                  F{&ws.h1, r * hidden_},
-                  F{&ws.h3, r * hidden_},
-                  F{&ws.logits, r * cfg_.vocab_size},
-                  F{&ws.rq, r * sdm_geom_.key_size},
-                  F{&ws.wkey, r * sdm_geom_.key_size},
-                  F{&ws.sv, heads > 0 ? r * dim : 0},
-                  F{&ws.a, r * heads},
-                  F{&ws.b, r * heads},
-                  F{&ws.log_decay, r * heads},
-                  F{&ws.beta, r * heads},
-                  F{&ws.w_weights, r * heads * n_w},
-                  F{&ws.r_weights, r * heads * n_r},
-                  F{&ws.readings, heads > 0 ? r * dim : 0}}) {
+      for (F f : {F{&ws.x, r * dim}, F{&ws.tmp, r * dim}, F{&ws.o, r * q_width},
+                  F{&ws.mixer_in, r * mixer_in}, F{&ws.ffn_in, r * ffn_in},
+                  F{&ws.logits, r * cfg_.vocab_size}, F{&ws.log_decay, r * heads},
+                  F{&ws.beta, r * heads}, F{&ws.w_weights, r * heads * n_w},
+                  F{&ws.r_weights, r * heads * n_r}, F{&ws.readings, heads > 0 ? r * dim : 0}}) {
         SDM_RETURN_IF_ERROR(CudaStatus(f.b->Allocate(f.n), "allocating activations"));
       }
       struct B {
@@ -702,10 +787,13 @@ class CudaBackend : public EngineBackend {
         SDM_RETURN_IF_ERROR(Launched(kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.ffn_norm, n, dim,
                                                     eps, nullptr, ws.xb.get(), stream),
                                      "residual and ffn norm"));
-        SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
-        SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
+        // w1 and w3 as one GEMM (engine/stacked_projection.h), then SwiGLU of their parts.
+        const DeviceStack& ffn = stacks_[li].ffn_in;
+        SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, ffn.w, ffn.bias, ws.ffn_in.get()));
         SDM_RETURN_IF_ERROR(Launched(
-            kc::SwiGlu(ws.h1.get(), ws.h3.get(), n * hidden_, ws.hb.get(), stream), "swiglu"));
+            kc::SwiGlu(ffn.Part(ws.ffn_in.get(), kFfnGate), ffn.Part(ws.ffn_in.get(), kFfnUp), n,
+                       hidden_, ffn.stride(), ws.hb.get(), stream),
+            "swiglu"));
         SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
         // The residual is added by the next layer's norm; the last layer's here.
         if (li + 1 == n_layers) {
@@ -806,17 +894,16 @@ class CudaBackend : public EngineBackend {
     return GraphExec(exec);
   }
 
-  // A mixer's output: `mixed` [n, width] times sigmoid(xb gate^T + gate_bias) when the layer has a
-  // gate (the gate and the conversion to wo's bf16 input in one launch), else only converted;
-  // then wo into ws.tmp.
-  absl::Status GatedOutput(int64_t n, const float* mixed, int64_t width, const DeviceMatrix& gate,
-                           const float* gate_bias, const DeviceMatrix& wo, const float* wo_bias) {
+  // A mixer's output: `mixed` [n, width] times sigmoid(gate) when the layer has a gate (`gate`:
+  // the gate projection's output, rows gate_stride apart; the gate and the conversion to wo's
+  // bf16 input in one launch), else only converted; then wo into ws.tmp.
+  absl::Status GatedOutput(int64_t n, const float* mixed, int64_t width, const float* gate,
+                           int64_t gate_stride, const DeviceMatrix& wo, const float* wo_bias) {
     Workspace& ws = ws_;
     cudaStream_t stream = ctx_->compute();
-    if (gate.w != nullptr) {
-      SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, gate, gate_bias, ws.gate.get()));
+    if (gate != nullptr) {
       SDM_RETURN_IF_ERROR(Launched(
-          kc::MulSigmoidToBf16(ws.gate.get(), mixed, n * width, ws.ob.get(), stream), "gate"));
+          kc::MulSigmoidToBf16(gate, gate_stride, mixed, n, width, ws.ob.get(), stream), "gate"));
     } else {
       SDM_RETURN_IF_ERROR(
           Launched(kc::FloatToBf16(mixed, n * width, ws.ob.get(), stream), "convert"));
@@ -845,26 +932,18 @@ class CudaBackend : public EngineBackend {
       }
       return absl::OkStatus();
     };
-    for (const DeviceLayer& l : layers_) {
+    for (size_t li = 0; li < layers_.size(); ++li) {
+      const DeviceLayer& l = layers_[li];
+      const LayerStacks& stacks = stacks_[li];
+      SDM_RETURN_IF_ERROR(
+          plan(ws.xb.get(), n, stacks.mixer_in.w, stacks.mixer_in.bias, ws.mixer_in.get()));
       if (l.type == LayerType::kSdm) {
-        const auto& w = l.sdm;
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wq_read, w.bq_read, ws.rq.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wk_write, w.bk_write, ws.wkey.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wv_write, w.bv_write, ws.sv.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, w.wog, w.bog, ws.gate.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.ob.get(), n, l.sdm.wo, l.sdm.bo, ws.tmp.get()));
       } else {
-        const auto& a = l.attention;
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.wk, nullptr, ws.k.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.wv, nullptr, ws.v.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, a.w_gate, nullptr, ws.gate.get()));
-        SDM_RETURN_IF_ERROR(plan(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get()));
+        SDM_RETURN_IF_ERROR(plan(ws.ob.get(), n, l.attention.wo, nullptr, ws.tmp.get()));
       }
-      SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, l.w1, nullptr, ws.h1.get()));
-      SDM_RETURN_IF_ERROR(plan(ws.xb.get(), n, l.w3, nullptr, ws.h3.get()));
+      SDM_RETURN_IF_ERROR(
+          plan(ws.xb.get(), n, stacks.ffn_in.w, stacks.ffn_in.bias, ws.ffn_in.get()));
       SDM_RETURN_IF_ERROR(plan(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
     }
     if (m > 0) SDM_RETURN_IF_ERROR(plan(ws.final_b.get(), m, output_, nullptr, ws.logits.get()));
@@ -892,42 +971,48 @@ class CudaBackend : public EngineBackend {
     const AttentionGeometry& g = attention_geom_[li];
     const int64_t q_width = g.n_heads * g.head_dim;
     const float theta = static_cast<float>(cfg_.rope_theta);
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wq, nullptr, ws.q.get()));
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wk, nullptr, ws.k.get()));
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, a.wv, nullptr, ws.v.get()));
+    // q, k, v and the gate as one GEMM (engine/stacked_projection.h); each kernel reads its
+    // part of the output's rows.
+    const DeviceStack& in = stacks_[li].mixer_in;
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, in.w, in.bias, ws.mixer_in.get()));
+    const int64_t stride = in.stride();
+    float* q = in.Part(ws.mixer_in.get(), kAttnQuery);
+    float* k = in.Part(ws.mixer_in.get(), kAttnKey);
+    const float* v = in.Part(ws.mixer_in.get(), kAttnValue);
     SDM_RETURN_IF_ERROR(Launched(
-        kc::ApplyRope(ws.q.get(), n, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope"));
+        kc::ApplyRope(q, n, stride, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope"));
     SDM_RETURN_IF_ERROR(Launched(
-        kc::ApplyRope(ws.k.get(), n, g.n_kv_heads, g.head_dim, arr.positions, theta, stream),
+        kc::ApplyRope(k, n, stride, g.n_kv_heads, g.head_dim, arr.positions, theta, stream),
         "rope"));
     kc::KvLayerView view = ctx_->kv_arena(li);
     view.page_tables = arr.tables[li];
     BeginStateWrites();  // the KV append writes the sessions' caches
-    SDM_RETURN_IF_ERROR(
-        Launched(kc::KvAppend(ws.k.get(), ws.v.get(), n, arr.row_seq, arr.positions, view, stream),
-                 "kv append"));
+    SDM_RETURN_IF_ERROR(Launched(
+        kc::KvAppend(k, v, stride, n, arr.row_seq, arr.positions, view, stream), "kv append"));
     const kc::AttentionDims dims = Dims(g);
     if (singles > 0) {
       // Segment s < singles has its query at row s and its page table at index s.
       SDM_RETURN_IF_ERROR(
-          Launched(kc::AttentionDecode(ws.q.get(), singles, arr.seg_pos, singles_visible, view,
-                                       dims, ws.attn_scratch.get(), ws.o.get(), stream),
+          Launched(kc::AttentionDecode(q, stride, singles, arr.seg_pos, singles_visible, view, dims,
+                                       ws.attn_scratch.get(), ws.o.get(), stream),
                    "decode attention"));
     }
     for (int64_t s = singles; s < static_cast<int64_t>(segs.size()); ++s) {
       const int64_t row = segs[s].first_row;
-      SDM_RETURN_IF_ERROR(Launched(kc::AttentionPrefill(ws.q.get() + row * q_width, segs[s].length,
+      SDM_RETURN_IF_ERROR(Launched(kc::AttentionPrefill(q + row * stride, stride, segs[s].length,
                                                         segs[s].pos0, static_cast<int32_t>(s), view,
                                                         dims, ws.o.get() + row * q_width, stream),
                                    "prefill attention"));
     }
-    return GatedOutput(n, ws.o.get(), q_width, a.w_gate, nullptr, a.wo, nullptr);
+    const float* gate = a.w_gate.w != nullptr ? in.Part(ws.mixer_in.get(), kAttnGate) : nullptr;
+    return GatedOutput(n, ws.o.get(), q_width, gate, stride, a.wo, nullptr);
   }
 
   // The inputs both SDM step paths take (kc::SdmStepArgs, kc::SdmDecodeArgs): the activated
   // write and read weights, the gates, v, the update rule, M0 and where the readings go.
   template <typename StepArgs>
-  void SetSdmUpdateInputs(const __nv_bfloat16* m0, int64_t n_w, int64_t n_r, StepArgs& a) {
+  void SetSdmUpdateInputs(const __nv_bfloat16* m0, int64_t n_w, int64_t n_r, const float* v,
+                          int64_t v_stride, StepArgs& a) {
     const Workspace& ws = ws_;
     a.w_weights = ws.w_weights.get();
     a.n_w = n_w;
@@ -935,7 +1020,8 @@ class CudaBackend : public EngineBackend {
     a.n_r = n_r;
     a.log_decay = ws.log_decay.get();
     a.beta = ws.beta.get();
-    a.v = ws.sv.get();
+    a.v = v;
+    a.v_stride = v_stride;
     a.key_weighted_decay = cfg_.sdm.key_weighted_decay;
     a.slot_residual = cfg_.sdm.update_rule == UpdateRule::kSlotResidual;
     a.m0 = m0;
@@ -944,7 +1030,8 @@ class CudaBackend : public EngineBackend {
 
   // The general SDM step (multi-token segments): rows prepared, then the fused write and read.
   absl::Status SdmPrefillStep(const SdmTensors<DeviceMatrix, const float*>& w, int64_t n_w,
-                              int64_t n_r, const kc::SdmSegments& sg, const kc::SdmDims& dims) {
+                              int64_t n_r, const float* v, int64_t v_stride,
+                              const kc::SdmSegments& sg, const kc::SdmDims& dims) {
     Workspace& ws = ws_;
     cudaStream_t stream = ctx_->compute();
     SDM_RETURN_IF_ERROR(
@@ -952,7 +1039,7 @@ class CudaBackend : public EngineBackend {
                                     ctx_->row_arena(), ws.w_rows.get(), ws.r_refs.get(), stream),
                  "sdm row preparation"));
     kc::SdmStepArgs step;
-    SetSdmUpdateInputs(w.m0.w, n_w, n_r, step);
+    SetSdmUpdateInputs(w.m0.w, n_w, n_r, v, v_stride, step);
     step.w_rows = ws.w_rows.get();
     step.r_refs = ws.r_refs.get();
     SDM_RETURN_IF_ERROR(
@@ -968,33 +1055,38 @@ class CudaBackend : public EngineBackend {
     const SdmArgs& args = cfg_.sdm;
     const int64_t dim = cfg_.dim;
     const int64_t heads = sdm_geom_.heads;
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wq_read, w.bq_read, ws.rq.get()));
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wk_write, w.bk_write, ws.wkey.get()));
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.wv_write, w.bv_write, ws.sv.get()));
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.a_proj, w.a_bias, ws.a.get()));
-    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, w.b_proj, w.b_bias, ws.b.get()));
+    // The read query, write key, value, output gate and the gates' inputs as one GEMM
+    // (engine/stacked_projection.h, with their biases); each kernel reads its part of the rows.
+    const DeviceStack& in = stacks_[li].mixer_in;
+    SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, in.w, in.bias, ws.mixer_in.get()));
+    const int64_t stride = in.stride();
+    float* const out = ws.mixer_in.get();
     // Write and read addressing in one launch, each key's BatchNorm (when the layer has one)
     // applied as the addressing reads the key.
     const kc::SdmAddressJob addressing[2] = {
-        {ws.wkey.get(),
-         args.num_writes,
-         ToAddressAct(args.write_act),
-         static_cast<float>(args.write_act_scale),
-         ws.w_slots.get(),
-         ws.w_weights.get(),
-         {w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, kSdmBatchNormEps}},
-        {ws.rq.get(),
-         args.num_reads,
-         ToAddressAct(args.read_act),
-         static_cast<float>(args.read_act_scale),
-         ws.r_slots.get(),
-         ws.r_weights.get(),
-         {w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, kSdmBatchNormEps}}};
+        {.scores = in.Part(out, kSdmWriteKey),
+         .k = args.num_writes,
+         .act = ToAddressAct(args.write_act),
+         .scale = static_cast<float>(args.write_act_scale),
+         .slots = ws.w_slots.get(),
+         .weights = ws.w_weights.get(),
+         .norm = {w.kbn_w, w.kbn_b, w.kbn_mean, w.kbn_var, kSdmBatchNormEps},
+         .scores_stride = stride},
+        {.scores = in.Part(out, kSdmReadQuery),
+         .k = args.num_reads,
+         .act = ToAddressAct(args.read_act),
+         .scale = static_cast<float>(args.read_act_scale),
+         .slots = ws.r_slots.get(),
+         .weights = ws.r_weights.get(),
+         .norm = {w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, kSdmBatchNormEps},
+         .scores_stride = stride}};
     SDM_RETURN_IF_ERROR(
         Launched(kc::SdmAddressJobs(addressing, n, heads, sdm_geom_.side, stream), "addressing"));
-    SDM_RETURN_IF_ERROR(Launched(kc::SdmGates(ws.a.get(), ws.b.get(), w.a_log, w.dt_bias, n, heads,
-                                              ws.log_decay.get(), ws.beta.get(), stream),
-                                 "sdm gates"));
+    SDM_RETURN_IF_ERROR(Launched(
+        kc::SdmGates(in.Part(out, kSdmDecayInput), in.Part(out, kSdmBetaInput), stride, w.a_log,
+                     w.dt_bias, n, heads, ws.log_decay.get(), ws.beta.get(), stream),
+        "sdm gates"));
+    const float* v = in.Part(out, kSdmValue);
     kc::SdmSegments sg;
     sg.first_row = arr.seg_first;
     sg.length = arr.seg_len;
@@ -1013,14 +1105,14 @@ class CudaBackend : public EngineBackend {
       // than 16 tiles: kernels/cuda/sdm.h SdmDecodeStep), bit for bit what the general path
       // below computes.
       kc::SdmDecodeArgs dec;
-      SetSdmUpdateInputs(w.m0.w, n_w, n_r, dec);
+      SetSdmUpdateInputs(w.m0.w, n_w, n_r, v, stride, dec);
       dec.w_slots = ws.w_slots.get();
       dec.r_slots = ws.r_slots.get();
       dec.w_rows = ws.w_rows.get();
       SDM_RETURN_IF_ERROR(
           Launched(kc::SdmDecodeStep(dec, sg, dims, ctx_->row_arena(), stream), "sdm decode step"));
     } else {
-      SDM_RETURN_IF_ERROR(SdmPrefillStep(w, n_w, n_r, sg, dims));
+      SDM_RETURN_IF_ERROR(SdmPrefillStep(w, n_w, n_r, v, stride, sg, dims));
     }
     if (options_.observe_sdm_readings) {  // testing: the readings, to the host
       std::vector<float> readings(static_cast<size_t>(n * dim));
@@ -1037,7 +1129,8 @@ class CudaBackend : public EngineBackend {
                                  sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
                    "readings norm"));
     }
-    return GatedOutput(n, ws.readings.get(), dim, w.wog, w.bog, w.wo, w.bo);
+    const float* gate = w.wog.w != nullptr ? in.Part(out, kSdmOutputGate) : nullptr;
+    return GatedOutput(n, ws.readings.get(), dim, gate, stride, w.wo, w.bo);
   }
 
   std::shared_ptr<const Model> model_;
@@ -1058,6 +1151,7 @@ class CudaBackend : public EngineBackend {
   const float* final_norm_ = nullptr;
   DeviceMatrix output_;
   std::vector<DeviceLayer> layers_;
+  std::vector<LayerStacks> stacks_;                // per layer
   std::vector<AttentionGeometry> attention_geom_;  // per layer (unused for sdm layers)
   std::shared_ptr<CudaDeviceContext> ctx_;
   Workspace ws_;

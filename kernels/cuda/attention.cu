@@ -5,7 +5,8 @@
 // n_kv_heads, head_dim a multiple of 8 and at most 256, kv_width == n_kv_heads * head_dim. With
 // head_dim % 8 == 0 every cached row slice of one kv head starts on a 16-byte boundary (the arena
 // comes from cudaMalloc), which the 16-byte loads and stores below rely on; q, k, v and out must
-// be 16-byte aligned as well (rows of whole heads in cudaMalloc'ed buffers are).
+// be 16-byte aligned as well (rows of whole heads in cudaMalloc'ed buffers are; q, k and v rows
+// may sit inside a wider row of a fused projection's output when its stride is a multiple of 4).
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -55,12 +56,19 @@ bool ValidDims(const KvLayerView& kv, const AttentionDims& dims) {
          kv.pool != nullptr && kv.page_tables != nullptr && kv.ring_pages >= 0 && dims.window >= 0;
 }
 
+// A query row's stride: at least a row of heads, and a multiple of 4 floats so that every row
+// stays 16-byte aligned (the kernels load q as float4).
+bool ValidQueryStride(int64_t q_stride, const AttentionDims& dims) {
+  return q_stride >= static_cast<int64_t>(dims.n_heads) * dims.head_dim && q_stride % 4 == 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // KvAppend: one thread per 8 consecutive values of one row (two float4 loads of k and of v, one
 // 16-byte bf16 store each). Rows with a negative position are padding and are skipped.
 
 __global__ void KvAppendKernel(const float* __restrict__ k, const float* __restrict__ v,
-                               int64_t rows, const int32_t* __restrict__ row_seq,
+                               int64_t row_stride, int64_t rows,
+                               const int32_t* __restrict__ row_seq,
                                const int32_t* __restrict__ row_pos, KvLayerView kv) {
   const int64_t vecs_per_row = kv.kv_width / 8;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -71,7 +79,7 @@ __global__ void KvAppendKernel(const float* __restrict__ k, const float* __restr
   if (pos < 0) return;
   const int32_t* table = kv.page_tables[row_seq[r]];
   const int32_t page = table[KvPageTableIndex(pos, kv.ring_pages)];
-  const int64_t src = r * kv.kv_width + col;
+  const int64_t src = r * row_stride + col;
   const float4 k0 = *reinterpret_cast<const float4*>(k + src);
   const float4 k1 = *reinterpret_cast<const float4*>(k + src + 4);
   const float4 v0 = *reinterpret_cast<const float4*>(v + src);
@@ -124,11 +132,11 @@ __device__ __forceinline__ float* DecodeRecord(float* scratch, int64_t b, int64_
 
 template <int G>
 __global__ void __launch_bounds__(kDecodeThreads)
-    AttentionDecodeKernel(const float* __restrict__ q, const int32_t* __restrict__ positions,
-                          KvLayerView kv, int32_t n_heads, int32_t head_dim, int32_t group,
-                          int32_t heads_per_block, int64_t window, int32_t lanes,
-                          int64_t grid_chunks, float q_scale, float* __restrict__ scratch,
-                          float* __restrict__ out) {
+    AttentionDecodeKernel(const float* __restrict__ q, int64_t q_stride,
+                          const int32_t* __restrict__ positions, KvLayerView kv, int32_t n_heads,
+                          int32_t head_dim, int32_t group, int32_t heads_per_block, int64_t window,
+                          int32_t lanes, int64_t grid_chunks, float q_scale,
+                          float* __restrict__ scratch, float* __restrict__ out) {
   constexpr int U = DecodeUnroll<G>();
   extern __shared__ float smem[];  // [kDecodeWarps][G][head_dim] acc, then [kDecodeWarps][G] m, l
 
@@ -174,7 +182,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
       acc[g][d] = 0.0f;
     }
     if (g < heads_per_block && active) {
-      const float* qh = q + (b * n_heads + h0 + g) * hd + dim_lane * 8;
+      const float* qh = q + b * q_stride + (h0 + g) * hd + dim_lane * 8;
       const float4 a = *reinterpret_cast<const float4*>(qh);
       const float4 e = *reinterpret_cast<const float4*>(qh + 4);
       qr[g][0] = a.x * q_scale;
@@ -343,7 +351,7 @@ int32_t DecodeHeadsPerBlock(int32_t group) {
 }
 
 template <int G>
-cudaError_t LaunchDecode(const float* q, int64_t batch, const int32_t* positions,
+cudaError_t LaunchDecode(const float* q, int64_t q_stride, int64_t batch, const int32_t* positions,
                          int64_t grid_chunks, const KvLayerView& kv, const AttentionDims& dims,
                          int32_t heads_per_block, int32_t lanes, float* scratch, float* out,
                          cudaStream_t stream) {
@@ -353,7 +361,7 @@ cudaError_t LaunchDecode(const float* q, int64_t batch, const int32_t* positions
   const size_t smem = sizeof(float) * kDecodeWarps * G * (dims.head_dim + 2);
   const float q_scale = kLog2e / sqrtf(static_cast<float>(dims.head_dim));
   AttentionDecodeKernel<G><<<grid, kDecodeThreads, smem, stream>>>(
-      q, positions, kv, dims.n_heads, dims.head_dim, dims.n_heads / dims.n_kv_heads,
+      q, q_stride, positions, kv, dims.n_heads, dims.head_dim, dims.n_heads / dims.n_kv_heads,
       heads_per_block, dims.window, lanes, grid_chunks, q_scale, scratch, out);
   return cudaGetLastError();
 }
@@ -381,9 +389,10 @@ constexpr size_t PrefillSmemBytes() {
 
 template <int kHd>
 __global__ void __launch_bounds__(kPrefillThreads)
-    AttentionPrefillKernel(const float* __restrict__ q, int64_t num_tokens, int64_t pos0,
-                           int32_t seq, KvLayerView kv, int32_t n_heads, int32_t head_dim,
-                           int32_t group, int64_t window, float q_scale, float* __restrict__ out) {
+    AttentionPrefillKernel(const float* __restrict__ q, int64_t q_stride, int64_t num_tokens,
+                           int64_t pos0, int32_t seq, KvLayerView kv, int32_t n_heads,
+                           int32_t head_dim, int32_t group, int64_t window, float q_scale,
+                           float* __restrict__ out) {
   static_assert(kHd % 16 == 0 && kPrefillKeys == 32 && kPrefillQueries == 32);
   constexpr int kStride = PrefillStride<kHd>();
   constexpr int kVecs = kHd / 8;   // 8-value vectors per row
@@ -396,7 +405,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kPrefillQueries;
   const int32_t h = blockIdx.y;
   const int64_t hd = head_dim;
-  const int64_t q_stride = static_cast<int64_t>(n_heads) * hd;
+  const int64_t out_stride = static_cast<int64_t>(n_heads) * hd;
   const int64_t col = static_cast<int64_t>(h / group) * hd;
   const int64_t t_last =
       (t0 + kPrefillQueries < num_tokens ? t0 + kPrefillQueries : num_tokens) - 1;
@@ -520,7 +529,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
   }
 
   if (t >= num_tokens) return;
-  float* dst = out + t * q_stride + h * hd;
+  float* dst = out + t * out_stride + h * hd;
 #pragma unroll
   for (int i = 0; i < kAcc4; ++i) {
     const int d = 4 * (j + 4 * i);
@@ -533,8 +542,8 @@ __global__ void __launch_bounds__(kPrefillThreads)
 }
 
 template <int kHd>
-cudaError_t LaunchPrefill(const float* q, int64_t num_tokens, int64_t pos0, int32_t seq,
-                          const KvLayerView& kv, const AttentionDims& dims, float* out,
+cudaError_t LaunchPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
+                          int32_t seq, const KvLayerView& kv, const AttentionDims& dims, float* out,
                           cudaStream_t stream) {
   constexpr size_t smem = PrefillSmemBytes<kHd>();
   auto* kernel = &AttentionPrefillKernel<kHd>;
@@ -544,24 +553,27 @@ cudaError_t LaunchPrefill(const float* q, int64_t num_tokens, int64_t pos0, int3
   const dim3 grid(static_cast<unsigned>((num_tokens + kPrefillQueries - 1) / kPrefillQueries),
                   static_cast<unsigned>(dims.n_heads));
   const float q_scale = kLog2e / sqrtf(static_cast<float>(dims.head_dim));
-  kernel<<<grid, kPrefillThreads, smem, stream>>>(q, num_tokens, pos0, seq, kv, dims.n_heads,
-                                                  dims.head_dim, dims.n_heads / dims.n_kv_heads,
-                                                  dims.window, q_scale, out);
+  kernel<<<grid, kPrefillThreads, smem, stream>>>(
+      q, q_stride, num_tokens, pos0, seq, kv, dims.n_heads, dims.head_dim,
+      dims.n_heads / dims.n_kv_heads, dims.window, q_scale, out);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t KvAppend(const float* k, const float* v, int64_t rows, const int32_t* row_seq,
-                     const int32_t* row_pos, const KvLayerView& kv, cudaStream_t stream) {
+cudaError_t KvAppend(const float* k, const float* v, int64_t row_stride, int64_t rows,
+                     const int32_t* row_seq, const int32_t* row_pos, const KvLayerView& kv,
+                     cudaStream_t stream) {
   if (rows < 0 || kv.kv_width <= 0 || kv.kv_width % 8 != 0 || kv.pool == nullptr ||
-      kv.page_tables == nullptr || kv.ring_pages < 0) {
+      kv.page_tables == nullptr || kv.ring_pages < 0 || row_stride < kv.kv_width ||
+      row_stride % 4 != 0) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int64_t n = rows * (kv.kv_width / 8);
-  KvAppendKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(k, v, rows, row_seq, row_pos, kv);
+  KvAppendKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(k, v, row_stride, rows, row_seq,
+                                                                  row_pos, kv);
   return cudaGetLastError();
 }
 
@@ -572,10 +584,13 @@ int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims,
   return batch * dims.n_heads * chunks * (static_cast<int64_t>(dims.head_dim) + 2);
 }
 
-cudaError_t AttentionDecode(const float* q, int64_t batch, const int32_t* positions,
-                            int64_t max_visible, const KvLayerView& kv, const AttentionDims& dims,
-                            float* scratch, float* out, cudaStream_t stream) {
-  if (!ValidDims(kv, dims) || batch < 0 || batch > 65535) return cudaErrorInvalidValue;
+cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
+                            const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
+                            const AttentionDims& dims, float* scratch, float* out,
+                            cudaStream_t stream) {
+  if (!ValidDims(kv, dims) || batch < 0 || batch > 65535 || !ValidQueryStride(q_stride, dims)) {
+    return cudaErrorInvalidValue;
+  }
   if (batch == 0) return cudaSuccess;
   const int64_t grid_chunks = DecodeGridChunks(max_visible, dims.window);
   if (grid_chunks > 1 && scratch == nullptr) return cudaErrorInvalidValue;
@@ -584,17 +599,17 @@ cudaError_t AttentionDecode(const float* q, int64_t batch, const int32_t* positi
   while (lanes * 8 < dims.head_dim) lanes *= 2;  // <= 32 since head_dim <= 256
   cudaError_t err;
   if (heads_per_block <= 1) {
-    err = LaunchDecode<1>(q, batch, positions, grid_chunks, kv, dims, heads_per_block, lanes,
-                          scratch, out, stream);
+    err = LaunchDecode<1>(q, q_stride, batch, positions, grid_chunks, kv, dims, heads_per_block,
+                          lanes, scratch, out, stream);
   } else if (heads_per_block <= 2) {
-    err = LaunchDecode<2>(q, batch, positions, grid_chunks, kv, dims, heads_per_block, lanes,
-                          scratch, out, stream);
+    err = LaunchDecode<2>(q, q_stride, batch, positions, grid_chunks, kv, dims, heads_per_block,
+                          lanes, scratch, out, stream);
   } else if (heads_per_block <= 4) {
-    err = LaunchDecode<4>(q, batch, positions, grid_chunks, kv, dims, heads_per_block, lanes,
-                          scratch, out, stream);
+    err = LaunchDecode<4>(q, q_stride, batch, positions, grid_chunks, kv, dims, heads_per_block,
+                          lanes, scratch, out, stream);
   } else {
-    err = LaunchDecode<8>(q, batch, positions, grid_chunks, kv, dims, heads_per_block, lanes,
-                          scratch, out, stream);
+    err = LaunchDecode<8>(q, q_stride, batch, positions, grid_chunks, kv, dims, heads_per_block,
+                          lanes, scratch, out, stream);
   }
   if (err != cudaSuccess || grid_chunks <= 1) return err;
   DecodeMergeKernel<<<dim3(static_cast<unsigned>(dims.n_heads), static_cast<unsigned>(batch)), 128,
@@ -603,23 +618,24 @@ cudaError_t AttentionDecode(const float* q, int64_t batch, const int32_t* positi
   return cudaGetLastError();
 }
 
-cudaError_t AttentionPrefill(const float* q, int64_t num_tokens, int64_t pos0, int32_t seq,
-                             const KvLayerView& kv, const AttentionDims& dims, float* out,
-                             cudaStream_t stream) {
-  if (!ValidDims(kv, dims) || num_tokens < 0 || pos0 < 0 || seq < 0) {
+cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
+                             int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
+                             float* out, cudaStream_t stream) {
+  if (!ValidDims(kv, dims) || num_tokens < 0 || pos0 < 0 || seq < 0 ||
+      !ValidQueryStride(q_stride, dims)) {
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
   if (dims.head_dim <= 16)
-    return LaunchPrefill<16>(q, num_tokens, pos0, seq, kv, dims, out, stream);
+    return LaunchPrefill<16>(q, q_stride, num_tokens, pos0, seq, kv, dims, out, stream);
   if (dims.head_dim <= 32)
-    return LaunchPrefill<32>(q, num_tokens, pos0, seq, kv, dims, out, stream);
+    return LaunchPrefill<32>(q, q_stride, num_tokens, pos0, seq, kv, dims, out, stream);
   if (dims.head_dim <= 64)
-    return LaunchPrefill<64>(q, num_tokens, pos0, seq, kv, dims, out, stream);
+    return LaunchPrefill<64>(q, q_stride, num_tokens, pos0, seq, kv, dims, out, stream);
   if (dims.head_dim <= 128) {
-    return LaunchPrefill<128>(q, num_tokens, pos0, seq, kv, dims, out, stream);
+    return LaunchPrefill<128>(q, q_stride, num_tokens, pos0, seq, kv, dims, out, stream);
   }
-  return LaunchPrefill<256>(q, num_tokens, pos0, seq, kv, dims, out, stream);
+  return LaunchPrefill<256>(q, q_stride, num_tokens, pos0, seq, kv, dims, out, stream);
 }
 
 }  // namespace sdm::kernels::cuda

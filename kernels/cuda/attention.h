@@ -36,28 +36,34 @@ struct AttentionDims {
 // (kernels/common/attention_math.h).
 inline constexpr int64_t kAttentionSplitTokens = 512;
 
-// Stores row r of k and v ([rows, kv_width] fp32, k already rotated) as bf16 at position
-// row_pos[r] of sequence row_seq[r]. The pages must already be in the sequence's page table.
-cudaError_t KvAppend(const float* k, const float* v, int64_t rows, const int32_t* row_seq,
-                     const int32_t* row_pos, const KvLayerView& kv, cudaStream_t stream);
+// Stores row r of k and v (kv_width fp32 each at k + r * row_stride and v + r * row_stride, k
+// already rotated; row_stride >= kv_width and a multiple of 4, more than kv_width when k and v
+// are parts of a fused projection's output) as bf16 at position row_pos[r] of sequence
+// row_seq[r]. The pages must already be in the sequence's page table.
+cudaError_t KvAppend(const float* k, const float* v, int64_t row_stride, int64_t rows,
+                     const int32_t* row_seq, const int32_t* row_pos, const KvLayerView& kv,
+                     cudaStream_t stream);
 
 // Floats of scratch AttentionDecode needs for `batch` sequences of at most `max_visible` visible
 // positions each.
 int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims, int64_t max_visible);
 
-// q [batch, n_heads * head_dim]: sequence b's query at positions[b], whose own key and value are
-// already in the cache. out has q's shape. `max_visible` bounds every sequence's visible
+// Sequence b's query (n_heads * head_dim fp32 at q + b * q_stride; q_stride >= that and a
+// multiple of 4) at positions[b], whose own key and value are already in the cache. out is
+// [batch, n_heads * head_dim] contiguous. `max_visible` bounds every sequence's visible
 // positions (positions[b] < max_visible); it sizes the grid, clamped to dims.window for a
 // sliding window (DecodeGridChunkCount). scratch: AttentionDecodeScratchFloats floats.
-cudaError_t AttentionDecode(const float* q, int64_t batch, const int32_t* positions,
-                            int64_t max_visible, const KvLayerView& kv, const AttentionDims& dims,
-                            float* scratch, float* out, cudaStream_t stream);
+cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
+                            const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
+                            const AttentionDims& dims, float* scratch, float* out,
+                            cudaStream_t stream);
 
 // Queries of sequence `seq` (index into kv.page_tables) at positions pos0 .. pos0 + num_tokens - 1,
-// q and out [num_tokens, n_heads * head_dim]; their keys and values are already in the cache.
-cudaError_t AttentionPrefill(const float* q, int64_t num_tokens, int64_t pos0, int32_t seq,
-                             const KvLayerView& kv, const AttentionDims& dims, float* out,
-                             cudaStream_t stream);
+// token t's at q + t * q_stride (as AttentionDecode's), out [num_tokens, n_heads * head_dim]
+// contiguous; their keys and values are already in the cache.
+cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
+                             int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
+                             float* out, cudaStream_t stream);
 
 }  // namespace sdm::kernels::cuda
 

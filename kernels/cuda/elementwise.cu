@@ -194,22 +194,23 @@ struct RopeFreqs {
 };
 
 // One item per (row, head, pair); consecutive items are consecutive pairs of a head.
-__global__ void ApplyRopeKernel(float* x, int64_t rows, int64_t n_heads, int64_t head_dim,
-                                const int32_t* positions, float theta, RopeFreqs freqs,
-                                bool host_freqs, bool vec) {
+__global__ void ApplyRopeKernel(float* x, int64_t rows, int64_t row_stride, int64_t n_heads,
+                                int64_t head_dim, const int32_t* positions, float theta,
+                                RopeFreqs freqs, bool host_freqs, bool vec) {
   const int64_t half = head_dim / 2;
   const int64_t total = rows * n_heads * half;
   for (int64_t idx = GlobalThread(); idx < total; idx += GridStride()) {
     const int64_t i = idx % half;
     const int64_t rh = idx / half;  // row * n_heads + head
     const int64_t r = rh / n_heads;
+    const int64_t head = rh - r * n_heads;
     const float inv_freq = host_freqs ? freqs.inv_freq[i] : RopeInvFreq(i, head_dim, theta);
     const float angle = RopeAngle(positions[r], inv_freq);
     float s, c;
     sincosf(angle, &s, &c);
-    float* p = x + rh * head_dim + 2 * i;
+    float* p = x + r * row_stride + head * head_dim + 2 * i;
     if (vec) {
-      // Even head_dim and 8-byte aligned x: every pair starts at an even float offset.
+      // Even head_dim and row_stride, 8-byte aligned x: every pair starts at an even offset.
       float2 q = *reinterpret_cast<float2*>(p);
       RopeRotatePair(c, s, &q.x, &q.y);
       *reinterpret_cast<float2*>(p) = q;
@@ -276,17 +277,29 @@ struct AddBiasOp {
   __device__ void Scalar(int64_t i) const { y[i] += bias[i % cols]; }
 };
 
+// Item i of a [rows, cols] output whose inputs' rows are `stride` apart: the input offset.
+// Vec4 needs cols % 4 == 0 and stride % 4 == 0, so four items share a row and stay aligned.
+__device__ __forceinline__ int64_t StridedOffset(int64_t i, int64_t cols, int64_t stride) {
+  const int64_t r = i / cols;
+  return r * stride + (i - r * cols);
+}
+
 struct SwiGluOp {
   const float* gate;
   const float* up;
+  int64_t cols, stride;
   bf16* out;
   __device__ void Vec4(int64_t v) const {
-    const float4 g = reinterpret_cast<const float4*>(gate)[v];
-    const float4 u = reinterpret_cast<const float4*>(up)[v];
+    const int64_t at = StridedOffset(4 * v, cols, stride);
+    const float4 g = *reinterpret_cast<const float4*>(gate + at);
+    const float4 u = *reinterpret_cast<const float4*>(up + at);
     StoreBf16x4(out + 4 * v,
                 make_float4(Silu(g.x) * u.x, Silu(g.y) * u.y, Silu(g.z) * u.z, Silu(g.w) * u.w));
   }
-  __device__ void Scalar(int64_t i) const { out[i] = __float2bfloat16_rn(Silu(gate[i]) * up[i]); }
+  __device__ void Scalar(int64_t i) const {
+    const int64_t at = StridedOffset(i, cols, stride);
+    out[i] = __float2bfloat16_rn(Silu(gate[at]) * up[at]);
+  }
 };
 
 // cpu::MulSigmoid's x * sigmoid(g) on four lanes (MulSigmoidOp, MulSigmoidToBf16Op).
@@ -309,15 +322,21 @@ struct MulSigmoidOp {
 };
 
 // MulSigmoidOp then ToBf16Op on each element, x left as it is: the same fp32 product, rounded.
+// g's rows are g_stride apart (StridedOffset); x and out are contiguous.
 struct MulSigmoidToBf16Op {
   const float* g;
+  int64_t cols, g_stride;
   const float* x;
   bf16* out;
   __device__ void Vec4(int64_t v) const {
-    StoreBf16x4(out + 4 * v, MulSigmoid4(reinterpret_cast<const float4*>(g)[v],
-                                         reinterpret_cast<const float4*>(x)[v]));
+    StoreBf16x4(
+        out + 4 * v,
+        MulSigmoid4(*reinterpret_cast<const float4*>(g + StridedOffset(4 * v, cols, g_stride)),
+                    reinterpret_cast<const float4*>(x)[v]));
   }
-  __device__ void Scalar(int64_t i) const { out[i] = __float2bfloat16_rn(x[i] * Sigmoid(g[i])); }
+  __device__ void Scalar(int64_t i) const {
+    out[i] = __float2bfloat16_rn(x[i] * Sigmoid(g[StridedOffset(i, cols, g_stride)]));
+  }
 };
 
 struct ToBf16Op {
@@ -342,6 +361,7 @@ struct ToFloatOp {
 struct SdmGatesOp {
   const float* a;
   const float* b;
+  int64_t in_stride;
   const float* a_log;
   const float* dt_bias;
   int64_t heads;
@@ -350,8 +370,9 @@ struct SdmGatesOp {
   __device__ void Vec4(int64_t) const {}  // launched scalar only (rows * heads is small)
   __device__ void Scalar(int64_t i) const {
     const int64_t h = i % heads;
-    log_decay[i] = SdmLogDecay(a_log[h], a[i], dt_bias[h]);
-    beta[i] = Sigmoid(b[i]);
+    const int64_t at = StridedOffset(i, heads, in_stride);
+    log_decay[i] = SdmLogDecay(a_log[h], a[at], dt_bias[h]);
+    beta[i] = Sigmoid(b[at]);
   }
 };
 
@@ -456,18 +477,19 @@ cudaError_t BatchNormEval(float* x, const float* w, const float* b, const float*
   return cudaGetLastError();
 }
 
-cudaError_t ApplyRope(float* x, int64_t rows, int64_t n_heads, int64_t head_dim,
+cudaError_t ApplyRope(float* x, int64_t rows, int64_t row_stride, int64_t n_heads, int64_t head_dim,
                       const int32_t* positions, float theta, cudaStream_t stream) {
   const int64_t half = head_dim / 2;
   if (rows <= 0 || n_heads <= 0 || half <= 0) return cudaSuccess;
-  const bool vec = head_dim % 2 == 0 && Aligned(x, 8);
+  if (row_stride < n_heads * head_dim) return cudaErrorInvalidValue;
+  const bool vec = head_dim % 2 == 0 && row_stride % 2 == 0 && Aligned(x, 8);
   RopeFreqs freqs{};
   const bool host_freqs = half <= kMaxRopePairs;
   if (host_freqs) {
     for (int64_t i = 0; i < half; ++i) freqs.inv_freq[i] = RopeInvFreq(i, head_dim, theta);
   }
   ApplyRopeKernel<<<GridFor(rows * n_heads * half), kThreads, 0, stream>>>(
-      x, rows, n_heads, head_dim, positions, theta, freqs, host_freqs, vec);
+      x, rows, row_stride, n_heads, head_dim, positions, theta, freqs, host_freqs, vec);
   return cudaGetLastError();
 }
 
@@ -481,19 +503,26 @@ cudaError_t AddBias(float* y, const float* bias, int64_t rows, int64_t cols, cud
   return LaunchMap(AddBiasOp{y, bias, cols}, rows * cols, vec, stream);
 }
 
-cudaError_t SwiGlu(const float* gate, const float* up, int64_t n, bf16* out, cudaStream_t stream) {
-  const bool vec = Aligned(gate, 16) && Aligned(up, 16) && Aligned(out, 8);
-  return LaunchMap(SwiGluOp{gate, up, out}, n, vec, stream);
+cudaError_t SwiGlu(const float* gate, const float* up, int64_t rows, int64_t cols,
+                   int64_t in_stride, bf16* out, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (in_stride < cols) return cudaErrorInvalidValue;
+  const bool vec = cols % 4 == 0 && in_stride % 4 == 0 && Aligned(gate, 16) && Aligned(up, 16) &&
+                   Aligned(out, 8);
+  return LaunchMap(SwiGluOp{gate, up, cols, in_stride, out}, rows * cols, vec, stream);
 }
 
 cudaError_t MulSigmoid(const float* g, float* x, int64_t n, cudaStream_t stream) {
   return LaunchMap(MulSigmoidOp{g, x}, n, Aligned(g, 16) && Aligned(x, 16), stream);
 }
 
-cudaError_t MulSigmoidToBf16(const float* g, const float* x, int64_t n, bf16* out,
-                             cudaStream_t stream) {
-  return LaunchMap(MulSigmoidToBf16Op{g, x, out}, n,
-                   Aligned(g, 16) && Aligned(x, 16) && Aligned(out, 8), stream);
+cudaError_t MulSigmoidToBf16(const float* g, int64_t g_stride, const float* x, int64_t rows,
+                             int64_t cols, bf16* out, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return cudaSuccess;
+  if (g_stride < cols) return cudaErrorInvalidValue;
+  const bool vec =
+      cols % 4 == 0 && g_stride % 4 == 0 && Aligned(g, 16) && Aligned(x, 16) && Aligned(out, 8);
+  return LaunchMap(MulSigmoidToBf16Op{g, cols, g_stride, x, out}, rows * cols, vec, stream);
 }
 
 cudaError_t FloatToBf16(const float* x, int64_t n, bf16* out, cudaStream_t stream) {
@@ -504,11 +533,13 @@ cudaError_t Bf16ToFloat(const bf16* x, int64_t n, float* out, cudaStream_t strea
   return LaunchMap(ToFloatOp{x, out}, n, Aligned(x, 8) && Aligned(out, 16), stream);
 }
 
-cudaError_t SdmGates(const float* a, const float* b, const float* a_log, const float* dt_bias,
-                     int64_t rows, int64_t heads, float* log_decay, float* beta,
-                     cudaStream_t stream) {
+cudaError_t SdmGates(const float* a, const float* b, int64_t in_stride, const float* a_log,
+                     const float* dt_bias, int64_t rows, int64_t heads, float* log_decay,
+                     float* beta, cudaStream_t stream) {
   if (heads <= 0) return cudaSuccess;
-  return LaunchMap(SdmGatesOp{a, b, a_log, dt_bias, heads, log_decay, beta}, rows * heads,
+  if (in_stride < heads) return cudaErrorInvalidValue;
+  return LaunchMap(SdmGatesOp{a, b, in_stride, a_log, dt_bias, heads, log_decay, beta},
+                   rows * heads,
                    /*vec=*/false, stream);
 }
 

@@ -52,33 +52,41 @@ cudaError_t BatchNormEval(float* x, const float* w, const float* b, const float*
                           const float* var, int64_t rows, int64_t n, float eps,
                           cudaStream_t stream);
 
-// cpu::ApplyRope for every row r of x [rows, n_heads * head_dim] at position positions[r]
-// (adjacent pairs, kernels/common/rope_math.h).
-cudaError_t ApplyRope(float* x, int64_t rows, int64_t n_heads, int64_t head_dim,
+// cpu::ApplyRope for every row r of x at position positions[r] (adjacent pairs,
+// kernels/common/rope_math.h): row r's n_heads * head_dim values start at x + r * row_stride
+// (row_stride >= n_heads * head_dim; more when x is part of a fused projection's output, whose
+// other columns are left as they are).
+cudaError_t ApplyRope(float* x, int64_t rows, int64_t row_stride, int64_t n_heads, int64_t head_dim,
                       const int32_t* positions, float theta, cudaStream_t stream);
 
 // cpu::AddInPlace: y += x.
 cudaError_t AddInPlace(const float* x, float* y, int64_t n, cudaStream_t stream);
 // y[r, c] += bias[c] for y [rows, cols].
 cudaError_t AddBias(float* y, const float* bias, int64_t rows, int64_t cols, cudaStream_t stream);
-// cpu::SwiGlu: out = silu(gate) * up, written as bf16 (the input of the w2 GEMM).
-cudaError_t SwiGlu(const float* gate, const float* up, int64_t n, bf16* out, cudaStream_t stream);
+// cpu::SwiGlu on rows: out [rows, cols] (contiguous) = silu(gate) * up, written as bf16 (the
+// input of the w2 GEMM), where row r of gate and of up starts at r * in_stride (in_stride >=
+// cols: w1 and w3 as one GEMM write each row's gate and up side by side).
+cudaError_t SwiGlu(const float* gate, const float* up, int64_t rows, int64_t cols,
+                   int64_t in_stride, bf16* out, cudaStream_t stream);
 // cpu::MulSigmoid: x *= sigmoid(g).
 cudaError_t MulSigmoid(const float* g, float* x, int64_t n, cudaStream_t stream);
 // MulSigmoid then FloatToBf16 in one launch (a gated output into its GEMM's bf16 input):
-// out = bf16(x * sigmoid(g)), bit for bit the two launches' result; x is not written.
-cudaError_t MulSigmoidToBf16(const float* g, const float* x, int64_t n, bf16* out,
-                             cudaStream_t stream);
+// out = bf16(x * sigmoid(g)), bit for bit the two launches' result; x is not written. x and out
+// are [rows, cols] contiguous; row r of g starts at g + r * g_stride (g_stride >= cols: the gate
+// may be part of a fused projection's output).
+cudaError_t MulSigmoidToBf16(const float* g, int64_t g_stride, const float* x, int64_t rows,
+                             int64_t cols, bf16* out, cudaStream_t stream);
 
 cudaError_t FloatToBf16(const float* x, int64_t n, bf16* out, cudaStream_t stream);
 cudaError_t Bf16ToFloat(const bf16* x, int64_t n, float* out, cudaStream_t stream);
 
-// SDM gates (docs/model-spec.md §5.1) for a, b [rows, heads] (a_proj, b_proj outputs plus biases):
-// log_decay = SdmLogDecay(a_log[h], a, dt_bias[h]) and beta = Sigmoid(b)
-// (kernels/common/sdm_math.h). The decay itself, exp(g) or exp(g * k_i), is taken by SdmStep.
-cudaError_t SdmGates(const float* a, const float* b, const float* a_log, const float* dt_bias,
-                     int64_t rows, int64_t heads, float* log_decay, float* beta,
-                     cudaStream_t stream);
+// SDM gates (docs/model-spec.md §5.1) for a, b (a_proj, b_proj outputs plus biases; row r's
+// `heads` values of each at r * in_stride, in_stride >= heads): log_decay = SdmLogDecay(a_log[h],
+// a, dt_bias[h]) and beta = Sigmoid(b) (kernels/common/sdm_math.h), both [rows, heads]
+// contiguous. The decay itself, exp(g) or exp(g * k_i), is taken by SdmStep.
+cudaError_t SdmGates(const float* a, const float* b, int64_t in_stride, const float* a_log,
+                     const float* dt_bias, int64_t rows, int64_t heads, float* log_decay,
+                     float* beta, cudaStream_t stream);
 
 }  // namespace sdm::kernels::cuda
 

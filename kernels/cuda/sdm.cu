@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kAddressThreads)
 
   const int tid = threadIdx.x;
   const int64_t rh = blockIdx.x;
-  const float* src = scores + rh * 2 * side;
+  const float* src = scores + (rh / heads) * job.scores_stride + (rh % heads) * 2 * side;
   const int half_bytes = AddressIndexBytes(side);
   const SdmScoreNorm& norm = job.norm;
   const int64_t first_column = (rh % heads) * 2 * side;  // of this head's scores in the row
@@ -486,7 +486,8 @@ __global__ void __launch_bounds__(kStepThreads)
       s_rref[j] = args.r_refs[rh * n_r + j];
       s_q[j] = args.r_weights[rh * n_r + j];
     }
-    if (tid < kTile) s_v[tid] = c_tid < width ? args.v[rh * width + c_tid] : 0.0f;
+    if (tid < kTile)
+      s_v[tid] = c_tid < width ? args.v[r * args.v_stride + h * width + c_tid] : 0.0f;
     __syncthreads();
 
     if (shared_residual) {
@@ -790,7 +791,10 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
     }
     s_wsrc[i] = src;
   }
-  if (tid < kTile) s_v[tid] = c_tid < width ? args.v[rh * width + c_tid] : 0.0f;
+  if (tid < kTile) {
+    s_v[tid] =
+        c_tid < width ? args.v[segs.first_row[seg] * args.v_stride + h * width + c_tid] : 0.0f;
+  }
   __syncthreads();  // s_wslot, and (kAllocInBlock) this block's table updates
   for (int j = tid; j < n_r; j += kStepThreads) {
     const int32_t slot = args.r_slots[rh * n_r + j];
@@ -1099,7 +1103,11 @@ cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, in
     if (job.k < 0) return cudaErrorInvalidValue;
     const int64_t count = AddressCount(job.k, side);
     too_many |= count > kMaxSelected;
-    if (count > 0) pair.job[launched++] = job;  // a job selecting nothing launches nothing
+    if (count == 0) continue;  // a job selecting nothing launches nothing
+    SdmAddressJob& launch = pair.job[launched++];
+    launch = job;
+    launch.scores_stride = job.scores_stride == 0 ? heads * 2 * side : job.scores_stride;
+    if (launch.scores_stride < heads * 2 * side) return cudaErrorInvalidValue;
   }
   if (rows * heads == 0 || launched == 0) return cudaSuccess;
   if (side > kMaxSide || too_many || rows * heads > INT32_MAX) return cudaErrorInvalidValue;
@@ -1112,7 +1120,8 @@ cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, in
 cudaError_t SdmAddress(const float* scores, int64_t rows, int64_t heads, int64_t side, int64_t k,
                        AddressAct act, float scale, int32_t* slots, float* weights,
                        cudaStream_t stream) {
-  const SdmAddressJob job{scores, k, act, scale, slots, weights, {}};
+  const SdmAddressJob job{
+      .scores = scores, .k = k, .act = act, .scale = scale, .slots = slots, .weights = weights};
   return SdmAddressJobs(std::span<const SdmAddressJob>(&job, 1), rows, heads, side, stream);
 }
 
@@ -1173,11 +1182,22 @@ SdmDecodeShape RowShape(const SdmSegments& segs, const SdmDims& dims, const SdmR
 
 }  // namespace
 
-cudaError_t SdmStep(const SdmStepArgs& args, const SdmSegments& segs, const SdmDims& dims,
+namespace {
+
+// The step arguments' v_stride as the kernels read it (0: rows of v back to back).
+int64_t ResolvedVStride(int64_t v_stride, const SdmDims& dims) {
+  return v_stride == 0 ? dims.heads * dims.row_width : v_stride;
+}
+
+}  // namespace
+
+cudaError_t SdmStep(const SdmStepArgs& given, const SdmSegments& segs, const SdmDims& dims,
                     const SdmRowArena& arena, cudaStream_t stream) {
+  SdmStepArgs args = given;
+  args.v_stride = ResolvedVStride(given.v_stride, dims);
   if (args.n_w < 0 || args.n_r < 0 || args.n_w > kMaxSelected || args.n_r > kMaxSelected ||
       segs.num < 0 || dims.heads <= 0 || dims.heads > 65535 || dims.row_width <= 0 ||
-      dims.row_width != arena.row_width) {
+      dims.row_width != arena.row_width || args.v_stride < dims.heads * dims.row_width) {
     return cudaErrorInvalidValue;
   }
   if (segs.num == 0) return cudaSuccess;
@@ -1215,12 +1235,15 @@ SdmDecodePlan SdmDecodeStepPlan(const SdmDecodeArgs& args, const SdmSegments& se
   return plan;
 }
 
-cudaError_t SdmDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs, const SdmDims& dims,
+cudaError_t SdmDecodeStep(const SdmDecodeArgs& given, const SdmSegments& segs, const SdmDims& dims,
                           const SdmRowArena& arena, cudaStream_t stream,
                           int64_t max_cluster_blocks) {
+  SdmDecodeArgs args = given;
+  args.v_stride = ResolvedVStride(given.v_stride, dims);
   if (args.n_w < 0 || args.n_r < 0 || args.n_w > kMaxSelected || args.n_r > kMaxSelected ||
       segs.num < 0 || dims.heads <= 0 || dims.heads > 65535 || dims.side <= 0 ||
-      dims.row_width <= 0 || dims.row_width != arena.row_width || max_cluster_blocks < 1) {
+      dims.row_width <= 0 || dims.row_width != arena.row_width || max_cluster_blocks < 1 ||
+      args.v_stride < dims.heads * dims.row_width) {
     return cudaErrorInvalidValue;
   }
   if (segs.num == 0) return cudaSuccess;

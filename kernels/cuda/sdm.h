@@ -74,13 +74,16 @@ struct SdmScoreNorm {
 
 // One SdmAddress call's own arguments, and optionally the BatchNorm its scores still need.
 struct SdmAddressJob {
-  const float* scores = nullptr;  // [rows, heads * 2 * side]
+  const float* scores = nullptr;  // [rows, heads * 2 * side], rows scores_stride apart
   int64_t k = 0;
   AddressAct act{};
   float scale = 1.0f;
   int32_t* slots = nullptr;  // [rows, heads, AddressCount(k, side)]
   float* weights = nullptr;  // same shape
   SdmScoreNorm norm;
+  // Floats from one row's scores to the next (>= heads * 2 * side: the scores may be part of a
+  // fused projection's output); 0: heads * 2 * side, the rows back to back.
+  int64_t scores_stride = 0;
 };
 
 // SdmAddress for up to two jobs over the same rows, heads and side in one launch (a step's write
@@ -108,9 +111,11 @@ struct SdmStepArgs {
   const int32_t* r_refs = nullptr;   // [rows, heads, n_r] from SdmPrepareRows
   const float* r_weights = nullptr;  // [rows, heads, n_r] activated read weights q_j
   int64_t n_r = 0;
-  const float* log_decay = nullptr;   // [rows, heads] g (SdmGates)
-  const float* beta = nullptr;        // [rows, heads]
-  const float* v = nullptr;           // [rows, heads * row_width]
+  const float* log_decay = nullptr;  // [rows, heads] g (SdmGates)
+  const float* beta = nullptr;       // [rows, heads]
+  const float* v = nullptr;          // [rows, heads * row_width], rows v_stride apart
+  // Floats from one row of v to the next (>= heads * row_width); 0: heads * row_width.
+  int64_t v_stride = 0;
   bool key_weighted_decay = false;    // alpha_i = exp(g * k_i) instead of exp(g)
   bool slot_residual = false;         // update_rule: slot_residual instead of shared residual
   const __nv_bfloat16* m0 = nullptr;  // for M0 references (null: zeros)
@@ -133,7 +138,8 @@ struct SdmDecodeArgs {
   int64_t n_r = 0;
   const float* log_decay = nullptr;  // [rows, heads]
   const float* beta = nullptr;       // [rows, heads]
-  const float* v = nullptr;          // [rows, heads * row_width]
+  const float* v = nullptr;          // [rows, heads * row_width], rows v_stride apart
+  int64_t v_stride = 0;              // as SdmStepArgs::v_stride
   bool key_weighted_decay = false;
   bool slot_residual = false;
   const __nv_bfloat16* m0 = nullptr;  // null: zeros

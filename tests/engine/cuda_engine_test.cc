@@ -67,8 +67,12 @@ TEST(CudaEngineTest, ParsesDeviceNames) {
 
 // A random model whose matrices are exactly representable in bf16 (what the device stores). The
 // scores' BatchNorms (query_batchnorm), which ModelWeights::Random leaves at the identity, get
-// statistics of their own, so that normalising changes which slots are selected.
-std::shared_ptr<const Model> Bf16Model(const ModelConfig& config, uint64_t seed) {
+// statistics of their own, so that normalising changes which slots are selected. With
+// `random_biases`, every other bias (the SDM projections', the readings norm's), which
+// ModelWeights::Random leaves at zero, is random too: each lands in its own place of a stacked
+// projection's bias (engine/stacked_projection.h), and a misplaced one changes the logits.
+std::shared_ptr<const Model> Bf16Model(const ModelConfig& config, uint64_t seed,
+                                       bool random_biases = false) {
   std::shared_ptr<const ModelWeights> random = ModelWeights::Random(config, seed);
   std::mt19937 rng(static_cast<uint32_t>(seed));
   std::normal_distribution<float> normal;
@@ -87,6 +91,8 @@ std::shared_ptr<const Model> Bf16Model(const ModelConfig& config, uint64_t seed)
         if (t.name.ends_with(".running_mean")) x = 0.1f * z;
         if (t.name.ends_with(".running_var")) x = 0.05f + z * z;
       }
+    } else if (random_biases && t.name.ends_with(".bias")) {
+      for (float& x : out) x = 0.1f * normal(rng);
     }
     arrays[t.name] = std::move(out);
   }
@@ -121,15 +127,25 @@ struct Engines {
   std::unique_ptr<Engine> cpu, cuda;
 };
 
-// A preset name, or "debug_sdm_batchnorm": debug_sdm with the scores' BatchNorms on (the CUDA
-// engine applies them inside the addressing launch, kernels/cuda/sdm.h SdmScoreNorm).
+// A preset name, or one of two variants: "debug_sdm_batchnorm", debug_sdm with the scores'
+// BatchNorms on (the CUDA engine applies them inside the addressing launch, kernels/cuda/sdm.h
+// SdmScoreNorm); "debug_hybrid_gated", debug_hybrid with the attention layers' output gate on and
+// random biases (every part of both mixers' stacked projections present, each bias nonzero).
 absl::StatusOr<ModelConfig> ConfigNamed(const std::string& name) {
-  if (name != "debug_sdm_batchnorm") return PresetConfig(name);
-  absl::StatusOr<ModelConfig> c = PresetConfig("debug_sdm");
+  if (name != "debug_sdm_batchnorm" && name != "debug_hybrid_gated") return PresetConfig(name);
+  absl::StatusOr<ModelConfig> c =
+      PresetConfig(name == "debug_sdm_batchnorm" ? "debug_sdm" : "debug_hybrid");
   if (!c.ok()) return c.status();
-  c->sdm.query_batchnorm = true;
+  if (name == "debug_sdm_batchnorm") c->sdm.query_batchnorm = true;
+  if (name == "debug_hybrid_gated") c->attn_gate = true;
   if (absl::Status s = FinalizeModelConfig(*c); !s.ok()) return s;
   return c;
+}
+
+// The model the CUDA-against-CPU tests run for `name` (ConfigNamed).
+std::shared_ptr<const Model> ModelNamed(const std::string& name, const ModelConfig& config,
+                                        uint64_t seed) {
+  return Bf16Model(config, seed, /*random_biases=*/name == "debug_hybrid_gated");
 }
 
 // `cpu_readings` / `cuda_readings`: EngineOptions::observe_sdm_readings of each engine.
@@ -139,7 +155,7 @@ Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
                     ReadingsObserver cuda_readings = {}) {
   absl::StatusOr<ModelConfig> c = ConfigNamed(preset);
   EXPECT_TRUE(c.ok()) << c.status();
-  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  std::shared_ptr<const Model> model = ModelNamed(preset, *c, 7);
   EngineOptions o;
   o.prefill_chunk = prefill_chunk;
   o.device = EngineDevice::kCpu;
@@ -417,7 +433,7 @@ TEST_P(CudaVsCpuTest, DrawsOnTheDeviceAreSampleTokenOfThePassLogits) {
 
 INSTANTIATE_TEST_SUITE_P(Presets, CudaVsCpuTest,
                          ::testing::Values("tiny", "debug_sdm", "debug_hybrid",
-                                           "debug_sdm_batchnorm"));
+                                           "debug_sdm_batchnorm", "debug_hybrid_gated"));
 
 // ---- Per-layer state and product-key selection against the CPU (issue 16) --------------------
 // After a sync the device's SDM rows are on the host, so each SDM layer is compared with the CPU

@@ -19,6 +19,7 @@
 #include "kernels/common/device_layout.h"
 #include "kernels/cpu/attention.h"
 #include "kernels/cuda/cuda_runtime_info.h"
+#include "tests/kernels/strided_rows.h"
 #if defined(SDM_HAVE_CUDA)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -154,12 +155,16 @@ class PagedCache {
       pos.push_back(-1);
       cuda::DeviceBuffer<float> dk, dv;
       cuda::DeviceBuffer<int32_t> dseq, dpos;
-      SDM_RETURN_IF_ERROR(Upload(dk, k));
-      SDM_RETURN_IF_ERROR(Upload(dv, v));
+      // Every other call reads k and v out of wider rows (a stacked projection's output), the
+      // gaps NaN: a read of a gap would poison the cache.
+      const int64_t stride = kv_width_ + (p0 / kKvPageTokens % 2 == 1 ? 4 : 0);
+      SDM_RETURN_IF_ERROR(Upload(dk, Strided(k, kv_width_, stride)));
+      SDM_RETURN_IF_ERROR(Upload(dv, Strided(v, kv_width_, stride)));
       SDM_RETURN_IF_ERROR(Upload(dseq, seq));
       SDM_RETURN_IF_ERROR(Upload(dpos, pos));
-      SDM_RETURN_IF_ERROR(cuda::KvAppend(dk.get(), dv.get(), static_cast<int64_t>(seq.size()),
-                                         dseq.get(), dpos.get(), View(), nullptr));
+      SDM_RETURN_IF_ERROR(cuda::KvAppend(dk.get(), dv.get(), stride,
+                                         static_cast<int64_t>(seq.size()), dseq.get(), dpos.get(),
+                                         View(), nullptr));
       SDM_RETURN_IF_ERROR(cudaDeviceSynchronize());  // before the buffers are freed
     }
     return cudaSuccess;
@@ -273,7 +278,9 @@ void CheckDecode(PagedCache& cache, uint32_t seed, int64_t max_visible_override 
 
   cuda::DeviceBuffer<float> dq, dout, dscratch;
   cuda::DeviceBuffer<int32_t> dpos;
-  ASSERT_CUDA_OK(Upload(dq, q));
+  // The queries inside wider rows (a stacked projection's output), the gaps NaN.
+  const int64_t q_stride = width + 8;
+  ASSERT_CUDA_OK(Upload(dq, Strided(q, width, q_stride)));
   ASSERT_CUDA_OK(Upload(dpos, positions));
   ASSERT_CUDA_OK(dout.Allocate(batch * width));
   ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));  // NaN: every output is written
@@ -281,8 +288,9 @@ void CheckDecode(PagedCache& cache, uint32_t seed, int64_t max_visible_override 
   ASSERT_CUDA_OK(dscratch.Allocate(scratch));
   cuda::CudaStream stream;
   ASSERT_CUDA_OK(stream.Create());
-  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), batch, dpos.get(), max_visible, cache.View(),
-                                       cache.Dims(), dscratch.get(), dout.get(), stream.get()));
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
+                                       cache.View(), cache.Dims(), dscratch.get(), dout.get(),
+                                       stream.get()));
   ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
   std::vector<float> got;
   ASSERT_CUDA_OK(Download(got, dout.get(), batch * width));
@@ -313,13 +321,15 @@ void CheckPrefill(PagedCache& cache, int32_t seq, int64_t num_tokens, uint32_t s
   for (float& x : q) x = 2.0f * normal(rng);
 
   cuda::DeviceBuffer<float> dq, dout;
-  ASSERT_CUDA_OK(Upload(dq, q));
+  // The queries inside wider rows (a stacked projection's output), the gaps NaN.
+  const int64_t q_stride = width + 4;
+  ASSERT_CUDA_OK(Upload(dq, Strided(q, width, q_stride)));
   ASSERT_CUDA_OK(dout.Allocate(num_tokens * width));
   ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
   cuda::CudaStream stream;
   ASSERT_CUDA_OK(stream.Create());
-  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), num_tokens, pos0, seq, cache.View(), cache.Dims(),
-                                        dout.get(), stream.get()));
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), q_stride, num_tokens, pos0, seq, cache.View(),
+                                        cache.Dims(), dout.get(), stream.get()));
   ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
   std::vector<float> got;
   ASSERT_CUDA_OK(Download(got, dout.get(), num_tokens * width));
@@ -358,8 +368,9 @@ void CheckDecodeCountsEveryKey(const Config& c, uint32_t seed) {
   ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
   ASSERT_CUDA_OK(
       dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible)));
-  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), batch, dpos.get(), max_visible, cache.View(),
-                                       cache.Dims(), dscratch.get(), dout.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), width, batch, dpos.get(), max_visible,
+                                       cache.View(), cache.Dims(), dscratch.get(), dout.get(),
+                                       nullptr));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got;
   ASSERT_CUDA_OK(Download(got, dout.get(), batch * width));
@@ -411,8 +422,8 @@ void CheckPrefillCountsEveryKey(const Config& c, int32_t seq, int64_t num_tokens
   ASSERT_CUDA_OK(Upload(dq, std::vector<float>(num_tokens * width, 0.0f)));
   ASSERT_CUDA_OK(dout.Allocate(num_tokens * width));
   ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
-  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), num_tokens, pos0, seq, cache.View(), cache.Dims(),
-                                        dout.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), width, num_tokens, pos0, seq, cache.View(),
+                                        cache.Dims(), dout.get(), nullptr));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got;
   ASSERT_CUDA_OK(Download(got, dout.get(), num_tokens * width));
@@ -557,7 +568,7 @@ TEST(CudaAttentionTest, WindowEdgeIsExact) {
   ASSERT_CUDA_OK(Upload(dseq, std::vector<int32_t>(6, 0)));
   ASSERT_CUDA_OK(Upload(dpos, std::vector<int32_t>{0, 1, 2, 3, 4, 5}));
   ASSERT_CUDA_OK(
-      cuda::KvAppend(dk.get(), dv.get(), 6, dseq.get(), dpos.get(), cache.View(), nullptr));
+      cuda::KvAppend(dk.get(), dv.get(), hd, 6, dseq.get(), dpos.get(), cache.View(), nullptr));
   std::vector<float> q(4 * hd, 0.0f);
   for (int t = 0; t < 4; ++t) q[t * hd] = 1.0f;
   ASSERT_CUDA_OK(Upload(dq, q));
@@ -565,14 +576,14 @@ TEST(CudaAttentionTest, WindowEdgeIsExact) {
   // Decode of the query at position 5 (the last row of q).
   cuda::DeviceBuffer<int32_t> dposition;
   ASSERT_CUDA_OK(Upload(dposition, std::vector<int32_t>{5}));
-  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get() + 3 * hd, 1, dposition.get(), 3, cache.View(),
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get() + 3 * hd, hd, 1, dposition.get(), 3, cache.View(),
                                        cache.Dims(), nullptr, dout.get(), nullptr));
   std::vector<float> got;
   ASSERT_CUDA_OK(Download(got, dout.get(), hd));
   for (int d = 0; d < hd; ++d) EXPECT_EQ(got[d], 1.0f) << d;
   // Prefill of positions 2..5.
-  ASSERT_CUDA_OK(
-      cuda::AttentionPrefill(dq.get(), 4, 2, 0, cache.View(), cache.Dims(), dout.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), hd, 4, 2, 0, cache.View(), cache.Dims(),
+                                        dout.get(), nullptr));
   ASSERT_CUDA_OK(Download(got, dout.get(), 4 * hd));
   EXPECT_NEAR(got[0], 1000.0f, 1e-2);  // position 2 sees itself
   EXPECT_EQ(got[3 * hd], 1.0f);        // position 5 no longer sees position 2
@@ -610,18 +621,31 @@ TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
   ASSERT_CUDA_OK(cache.Build());
   cuda::AttentionDims dims = cache.Dims();
   dims.n_kv_heads = 3;  // 4 heads do not group over 3 kv heads (and kv_width disagrees)
-  EXPECT_EQ(cuda::AttentionPrefill(nullptr, 1, 0, 0, cache.View(), dims, nullptr, nullptr),
+  EXPECT_EQ(cuda::AttentionPrefill(nullptr, 1024, 1, 0, 0, cache.View(), dims, nullptr, nullptr),
             cudaErrorInvalidValue);
   dims = cache.Dims();
   dims.head_dim = 12;  // not a multiple of 8
-  EXPECT_EQ(
-      cuda::AttentionDecode(nullptr, 1, nullptr, 1, cache.View(), dims, nullptr, nullptr, nullptr),
-      cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::AttentionDecode(nullptr, 1024, 1, nullptr, 1, cache.View(), dims, nullptr,
+                                  nullptr, nullptr),
+            cudaErrorInvalidValue);
   // Nothing to do is not an error.
-  EXPECT_EQ(cuda::AttentionPrefill(nullptr, 0, 0, 0, cache.View(), cache.Dims(), nullptr, nullptr),
+  const int64_t q_width = int64_t{cache.Dims().n_heads} * cache.Dims().head_dim;
+  EXPECT_EQ(cuda::AttentionPrefill(nullptr, q_width, 0, 0, 0, cache.View(), cache.Dims(), nullptr,
+                                   nullptr),
             cudaSuccess);
-  EXPECT_EQ(cuda::KvAppend(nullptr, nullptr, 0, nullptr, nullptr, cache.View(), nullptr),
+  EXPECT_EQ(cuda::KvAppend(nullptr, nullptr, cache.View().kv_width, 0, nullptr, nullptr,
+                           cache.View(), nullptr),
             cudaSuccess);
+  // A query stride below a row of heads, or not a multiple of 4 floats; a KV stride below kv_width.
+  EXPECT_EQ(cuda::AttentionPrefill(nullptr, q_width - 8, 1, 0, 0, cache.View(), cache.Dims(),
+                                   nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::AttentionDecode(nullptr, q_width + 2, 1, nullptr, 1, cache.View(), cache.Dims(),
+                                  nullptr, nullptr, nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::KvAppend(nullptr, nullptr, cache.View().kv_width - 8, 1, nullptr, nullptr,
+                           cache.View(), nullptr),
+            cudaErrorInvalidValue);
 #endif
 }
 
@@ -665,8 +689,8 @@ TEST(CudaAttentionTest, DecodeBandwidth32kBatch64) {
   ASSERT_CUDA_OK(start.Create(/*timing=*/true));
   ASSERT_CUDA_OK(stop.Create(/*timing=*/true));
   auto run = [&] {
-    return cuda::AttentionDecode(dq.get(), batch, dpos.get(), context, view, dims, dscratch.get(),
-                                 dout.get(), stream.get());
+    return cuda::AttentionDecode(dq.get(), 16 * 128, batch, dpos.get(), context, view, dims,
+                                 dscratch.get(), dout.get(), stream.get());
   };
   ASSERT_CUDA_OK(run());  // warm-up
   const int iters = 10;

@@ -24,6 +24,7 @@
 #include "kernels/cpu/rope.h"
 #include "kernels/cpu/vector_math.h"
 #include "kernels/cuda/cuda_runtime_info.h"
+#include "tests/kernels/strided_rows.h"
 #if defined(SDM_HAVE_CUDA)
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
@@ -354,9 +355,9 @@ TEST_F(CudaElementwiseTest, ApplyRopeMatchesCpu) {
       }
       auto d_x = Upload(x);
       auto d_pos = Upload(pos);
-      ASSERT_EQ(
-          cuda::ApplyRope(d_x.get(), rows, c.n_heads, c.head_dim, d_pos.get(), c.theta, stream()),
-          cudaSuccess);
+      ASSERT_EQ(cuda::ApplyRope(d_x.get(), rows, width, c.n_heads, c.head_dim, d_pos.get(), c.theta,
+                                stream()),
+                cudaSuccess);
       Sync();
       const std::vector<float> got = Download(d_x);
       for (int64_t r = 0; r < rows; ++r) {
@@ -473,8 +474,9 @@ TEST_F(CudaElementwiseTest, SwiGluAndMulSigmoidMatchCpu) {
       auto d_g = Upload(gate);
       auto d_u = Upload(up);
       DeviceBuffer<bf16> d_out(n);
-      ASSERT_EQ(cuda::SwiGlu(d_g.get() + offset, d_u.get() + offset, n, d_out.get(), stream()),
-                cudaSuccess);
+      ASSERT_EQ(
+          cuda::SwiGlu(d_g.get() + offset, d_u.get() + offset, 1, n, n, d_out.get(), stream()),
+          cudaSuccess);
       // MulSigmoid in place on `up`.
       std::vector<float> want_ms(up.begin() + offset, up.begin() + offset + n);
       cpu::MulSigmoid(gate.data() + offset, want_ms.data(), n);
@@ -512,7 +514,7 @@ TEST_F(CudaElementwiseTest, MulSigmoidToBf16IsTheGateThenTheConversionBitForBit)
       ASSERT_EQ(cuda::MulSigmoid(d_g.get() + offset, d_x_two.get() + offset, n, stream()),
                 cudaSuccess);
       ASSERT_EQ(cuda::FloatToBf16(d_x_two.get() + offset, n, d_two.get(), stream()), cudaSuccess);
-      ASSERT_EQ(cuda::MulSigmoidToBf16(d_g.get() + offset, d_x_fused.get() + offset, n,
+      ASSERT_EQ(cuda::MulSigmoidToBf16(d_g.get() + offset, n, d_x_fused.get() + offset, 1, n,
                                        d_fused.get(), stream()),
                 cudaSuccess);
       Sync();
@@ -521,6 +523,114 @@ TEST_F(CudaElementwiseTest, MulSigmoidToBf16IsTheGateThenTheConversionBitForBit)
       for (int64_t i = 0; i < n; ++i) ASSERT_EQ(fused[i], two[i]) << i;
       ASSERT_EQ(x_after, x);
     }
+  }
+}
+
+// The kernels that read a part of a stacked projection's rows (SwiGlu, MulSigmoidToBf16,
+// SdmGates, ApplyRope) give, bit for bit, what they give on the same rows back to back: on the
+// vector path (widths and strides multiples of 4) and the scalar one (an odd width or stride);
+// reading a gap would put a NaN in the output. ApplyRope leaves the gaps as they were. A stride
+// below the width is refused.
+TEST_F(CudaElementwiseTest, StridedRowsGiveTheContiguousResultBitForBit) {
+  const int64_t rows = 7;
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const int64_t cols : {96, 10}) {
+      for (const int64_t pad : {4, 8, 3}) {
+        SCOPED_TRACE(testing::Message() << "cols " << cols << " pad " << pad);
+        const int64_t stride = cols + pad;
+        const std::vector<float> gate = Normal(rng, rows * cols, 0.0f, 4.0f);
+        const std::vector<float> up = Normal(rng, rows * cols, 0.0f, 2.0f);
+        auto d_gate = Upload(gate), d_up = Upload(up);
+        auto d_gate_s = Upload(Strided(gate, cols, stride)),
+             d_up_s = Upload(Strided(up, cols, stride));
+        DeviceBuffer<bf16> want(rows * cols), got(rows * cols);
+        ASSERT_EQ(cuda::SwiGlu(d_gate.get(), d_up.get(), rows, cols, cols, want.get(), stream()),
+                  cudaSuccess);
+        ASSERT_EQ(
+            cuda::SwiGlu(d_gate_s.get(), d_up_s.get(), rows, cols, stride, got.get(), stream()),
+            cudaSuccess);
+        Sync();
+        ASSERT_EQ(DownloadBf16(got), DownloadBf16(want)) << "SwiGlu";
+        // The gate strided, x back to back (a mixer's output).
+        ASSERT_EQ(cuda::MulSigmoidToBf16(d_gate.get(), cols, d_up.get(), rows, cols, want.get(),
+                                         stream()),
+                  cudaSuccess);
+        ASSERT_EQ(cuda::MulSigmoidToBf16(d_gate_s.get(), stride, d_up.get(), rows, cols, got.get(),
+                                         stream()),
+                  cudaSuccess);
+        Sync();
+        ASSERT_EQ(DownloadBf16(got), DownloadBf16(want)) << "MulSigmoidToBf16";
+        EXPECT_EQ(cuda::SwiGlu(d_gate.get(), d_up.get(), rows, cols, cols - 1, got.get(), stream()),
+                  cudaErrorInvalidValue);
+        EXPECT_EQ(cuda::MulSigmoidToBf16(d_gate.get(), cols - 1, d_up.get(), rows, cols, got.get(),
+                                         stream()),
+                  cudaErrorInvalidValue);
+      }
+    }
+    // SdmGates: a and b [rows, heads] inside wider rows.
+    const int64_t heads = 5;
+    const std::vector<float> a = Normal(rng, rows * heads, 0.0f, 2.0f);
+    const std::vector<float> b = Normal(rng, rows * heads, 0.0f, 2.0f);
+    const std::vector<float> a_log = Normal(rng, heads, 0.0f, 1.0f);
+    const std::vector<float> dt_bias = Normal(rng, heads, 0.0f, 1.0f);
+    auto d_a = Upload(a), d_b = Upload(b), d_log = Upload(a_log), d_dt = Upload(dt_bias);
+    DeviceBuffer<float> g_want(rows * heads), beta_want(rows * heads), g_got(rows * heads),
+        beta_got(rows * heads);
+    ASSERT_EQ(cuda::SdmGates(d_a.get(), d_b.get(), heads, d_log.get(), d_dt.get(), rows, heads,
+                             g_want.get(), beta_want.get(), stream()),
+              cudaSuccess);
+    for (const int64_t pad : {3, 11}) {
+      auto d_a_s = Upload(Strided(a, heads, heads + pad));
+      auto d_b_s = Upload(Strided(b, heads, heads + pad));
+      ASSERT_EQ(cuda::SdmGates(d_a_s.get(), d_b_s.get(), heads + pad, d_log.get(), d_dt.get(), rows,
+                               heads, g_got.get(), beta_got.get(), stream()),
+                cudaSuccess);
+      Sync();
+      ASSERT_EQ(Download(g_got), Download(g_want)) << "SdmGates log decay, pad " << pad;
+      ASSERT_EQ(Download(beta_got), Download(beta_want)) << "SdmGates beta, pad " << pad;
+    }
+    EXPECT_EQ(cuda::SdmGates(d_a.get(), d_b.get(), heads - 1, d_log.get(), d_dt.get(), rows, heads,
+                             g_got.get(), beta_got.get(), stream()),
+              cudaErrorInvalidValue);
+    // ApplyRope in place on q or k inside wider rows: 3 heads of 6 (pairs), even and odd strides.
+    const int64_t n_heads = 3, head_dim = 6, width = n_heads * head_dim;
+    std::vector<int32_t> pos(rows);
+    for (int32_t& p : pos) p = std::uniform_int_distribution<int32_t>(0, 5000)(rng);
+    auto d_pos = Upload(pos);
+    const std::vector<float> x = Normal(rng, rows * width, 0.0f, 1.0f);
+    auto d_x = Upload(x);
+    ASSERT_EQ(
+        cuda::ApplyRope(d_x.get(), rows, width, n_heads, head_dim, d_pos.get(), 1e4f, stream()),
+        cudaSuccess);
+    Sync();
+    const std::vector<float> want_x = Download(d_x);
+    for (const int64_t pad : {2, 3, 8}) {
+      SCOPED_TRACE(testing::Message() << "rope pad " << pad);
+      const int64_t stride = width + pad;
+      const std::vector<float> before = Strided(x, width, stride);
+      auto d_s = Upload(before);
+      ASSERT_EQ(
+          cuda::ApplyRope(d_s.get(), rows, stride, n_heads, head_dim, d_pos.get(), 1e4f, stream()),
+          cudaSuccess);
+      Sync();
+      const std::vector<float> after = Download(d_s);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < stride; ++c) {
+          const float got_v = after[r * stride + c];
+          if (c < width) {
+            ASSERT_EQ(std::memcmp(&got_v, &want_x[r * width + c], sizeof(float)), 0)
+                << "row " << r << " col " << c;
+          } else {
+            ASSERT_TRUE(std::isnan(got_v)) << "a gap was written: row " << r << " col " << c;
+          }
+        }
+      }
+    }
+    EXPECT_EQ(
+        cuda::ApplyRope(d_x.get(), rows, width - 1, n_heads, head_dim, d_pos.get(), 1e4f, stream()),
+        cudaErrorInvalidValue);
   }
 }
 
@@ -592,10 +702,10 @@ TEST_F(CudaElementwiseTest, Bf16ConversionsRoundToNearestEven) {
 TEST_F(CudaElementwiseTest, EmptyInputsLaunchNothing) {
   // n = 0 must not launch a zero-block grid (a launch error).
   EXPECT_EQ(cuda::AddInPlace(nullptr, nullptr, 0, stream()), cudaSuccess);
-  EXPECT_EQ(cuda::SwiGlu(nullptr, nullptr, 0, nullptr, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::SwiGlu(nullptr, nullptr, 0, 64, 64, nullptr, stream()), cudaSuccess);
   EXPECT_EQ(cuda::RmsNorm(nullptr, nullptr, 0, 64, 1e-5f, nullptr, nullptr, stream()), cudaSuccess);
   EXPECT_EQ(cuda::LayerNorm(nullptr, nullptr, nullptr, 0, 64, 1e-5f, stream()), cudaSuccess);
-  EXPECT_EQ(cuda::ApplyRope(nullptr, 0, 4, 64, nullptr, 1e4f, stream()), cudaSuccess);
+  EXPECT_EQ(cuda::ApplyRope(nullptr, 0, 256, 4, 64, nullptr, 1e4f, stream()), cudaSuccess);
   EXPECT_EQ(cuda::EmbeddingLookup(nullptr, nullptr, 0, 64, nullptr, stream()), cudaSuccess);
   EXPECT_EQ(cuda::GatherBlocks(nullptr, 64, nullptr, 0, nullptr, stream()), cudaSuccess);
   EXPECT_EQ(cuda::ScatterBlocks(nullptr, 64, nullptr, 0, nullptr, stream()), cudaSuccess);

@@ -56,8 +56,8 @@ TEST(CudaGatesTest, MatchesCpu) {
     ASSERT_EQ(cudaMemcpy(d_log.get(), a_log.data(), heads * 4, cudaMemcpyHostToDevice),
               cudaSuccess);
     ASSERT_EQ(cudaMemcpy(d_dt.get(), dt.data(), heads * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cuda::SdmGates(d_a.get(), d_b.get(), d_log.get(), d_dt.get(), rows, heads, d_g.get(),
-                             d_beta.get(), stream.get()),
+    ASSERT_EQ(cuda::SdmGates(d_a.get(), d_b.get(), heads, d_log.get(), d_dt.get(), rows, heads,
+                             d_g.get(), d_beta.get(), stream.get()),
               cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream.get()), cudaSuccess);
     std::vector<float> log_decay(n), beta(n);

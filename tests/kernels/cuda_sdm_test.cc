@@ -23,6 +23,7 @@
 #include "kernels/cpu/sdm_addressing.h"
 #include "kernels/cpu/sdm_update.h"
 #include "kernels/cuda/cuda_runtime_info.h"
+#include "tests/kernels/strided_rows.h"
 #if defined(SDM_HAVE_CUDA)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -231,25 +232,32 @@ TEST(CudaSdmTest, AddressJobsInOneLaunchMatchSeparateCalls) {
       float scale;
     };
     const Case cases[2] = {{8, AddressAct::kSoftmax, 0.5f}, {32, AddressAct::kL2Normalize, 1.0f}};
-    std::vector<cuda::DeviceBuffer<float>> scores, weights, weights_alone;
+    std::vector<cuda::DeviceBuffer<float>> scores, strided_scores, weights, weights_alone;
     std::vector<cuda::DeviceBuffer<int32_t>> slots, slots_alone;
     std::vector<cuda::SdmAddressJob> jobs;
+    // The jobs read their scores inside wider rows (a stacked projection's output, the gaps
+    // NaN), the separate calls back to back.
+    const int64_t score_width = heads * 2 * side;
+    const int64_t strides[2] = {score_width + 4, score_width + 24};
     for (const Case& c : cases) {
       const int64_t n = rows * heads * AddressCount(c.k, side);
-      scores.push_back(Upload(Scores(rng, rows * heads * 2 * side, /*nasty=*/true)));
+      const std::vector<float> host = Scores(rng, rows * heads * 2 * side, /*nasty=*/true);
+      scores.push_back(Upload(host));
+      strided_scores.push_back(Upload(Strided(host, score_width, strides[scores.size() - 1])));
       slots.emplace_back(n);
       weights.emplace_back(n);
       slots_alone.emplace_back(n);
       weights_alone.emplace_back(n);
     }
     for (size_t j = 0; j < 2; ++j) {
-      jobs.push_back({scores[j].get(),
-                      cases[j].k,
-                      cases[j].act,
-                      cases[j].scale,
-                      slots[j].get(),
-                      weights[j].get(),
-                      {}});
+      jobs.push_back({.scores = strided_scores[j].get(),
+                      .k = cases[j].k,
+                      .act = cases[j].act,
+                      .scale = cases[j].scale,
+                      .slots = slots[j].get(),
+                      .weights = weights[j].get(),
+                      .norm = {},
+                      .scores_stride = strides[j]});
       ASSERT_EQ(
           cuda::SdmAddress(scores[j].get(), rows, heads, side, cases[j].k, cases[j].act,
                            cases[j].scale, slots_alone[j].get(), weights_alone[j].get(), nullptr),
@@ -593,7 +601,9 @@ void RunScenario(const Scenario& sc) {
   auto d_r_weights = Upload(r_weights);
   auto d_log_decay = Upload(log_decay);
   auto d_beta = Upload(beta);
-  auto d_v = Upload(v);
+  // v inside wider rows (a stacked projection's output), the gaps NaN.
+  const int64_t v_stride = heads * width + 4;
+  auto d_v = Upload(Strided(v, heads * width, v_stride));
   cuda::DeviceBuffer<int32_t> d_w_rows(w_slots.size()), d_r_refs(r_slots.size());
   cuda::DeviceBuffer<float> d_readings(rows * heads * width);
 
@@ -706,6 +716,7 @@ void RunScenario(const Scenario& sc) {
   args.log_decay = d_log_decay.get();
   args.beta = d_beta.get();
   args.v = d_v.get();
+  args.v_stride = v_stride;
   args.key_weighted_decay = sc.key_weighted_decay;
   args.slot_residual = sc.slot_residual;
   args.m0 = m0_ptr;
@@ -1022,6 +1033,10 @@ void RunDecodeCase(const DecodeCase& dc) {
   auto d_log_decay = Upload(batch.log_decay);
   auto d_beta = Upload(batch.beta);
   auto d_v = Upload(batch.v);
+  // The decode step reads v inside wider rows (a stacked projection's output, the gaps NaN); the
+  // two-stage path it is compared with reads it back to back.
+  const int64_t v_stride = heads * width + 8;
+  auto d_v_strided = Upload(Strided(batch.v, heads * width, v_stride));
   const __nv_bfloat16* m0_ptr = dc.m0 ? d_m0.get() : nullptr;
   cuda::SdmDims dims{heads, side, width};
 
@@ -1102,7 +1117,8 @@ void RunDecodeCase(const DecodeCase& dc) {
   dec.n_r = n_r;
   dec.log_decay = d_log_decay.get();
   dec.beta = d_beta.get();
-  dec.v = d_v.get();
+  dec.v = d_v_strided.get();
+  dec.v_stride = v_stride;
   dec.key_weighted_decay = dc.key_weighted_decay;
   dec.slot_residual = dc.slot_residual;
   dec.m0 = m0_ptr;
@@ -1330,6 +1346,36 @@ TEST(CudaSdmTest, DecodeStepRefusesMultiTokenSegments) {
   segs.max_length = 1;  // and a cluster cap below one block
   EXPECT_EQ(cuda::SdmDecodeStep(args, segs, cuda::SdmDims{1, 4, 32}, arena, nullptr, 0),
             cudaErrorInvalidValue);
+#endif
+}
+
+// A part of a stacked projection's rows read with a stride below a row is refused, not read.
+TEST(CudaSdmTest, StridesBelowARowAreRefused) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  const int64_t heads = 2, side = 4, width = 32;
+  cuda::SdmAddressJob job;
+  job.k = 4;
+  job.scores_stride = heads * 2 * side - 1;
+  EXPECT_EQ(
+      cuda::SdmAddressJobs(std::span<const cuda::SdmAddressJob>(&job, 1), 1, heads, side, nullptr),
+      cudaErrorInvalidValue);
+  const cuda::SdmDims dims{heads, side, width};
+  cuda::SdmRowArena arena;
+  arena.row_width = width;
+  cuda::SdmSegments segs;  // none: only the arguments are checked
+  segs.max_length = 1;
+  cuda::SdmStepArgs step;
+  step.v_stride = heads * width - 1;
+  EXPECT_EQ(cuda::SdmStep(step, segs, dims, arena, nullptr), cudaErrorInvalidValue);
+  cuda::SdmDecodeArgs dec;
+  dec.v_stride = heads * width - 1;
+  EXPECT_EQ(cuda::SdmDecodeStep(dec, segs, dims, arena, nullptr), cudaErrorInvalidValue);
+  // The same calls with the stride of a row back to back (or 0, the same) do nothing and succeed.
+  step.v_stride = heads * width;
+  dec.v_stride = 0;
+  EXPECT_EQ(cuda::SdmStep(step, segs, dims, arena, nullptr), cudaSuccess);
+  EXPECT_EQ(cuda::SdmDecodeStep(dec, segs, dims, arena, nullptr), cudaSuccess);
 #endif
 }
 

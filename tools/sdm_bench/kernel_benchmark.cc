@@ -586,8 +586,8 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
           kv.kv_width = kv_width;
           kv.ring_pages = 0;
           kv.page_tables = table_ptrs.get() + (rep % groups) * b;
-          return kc::AttentionDecode(q.get(), b, positions.get(), ctx, kv, dims, scratch.get(),
-                                     out.get(), stream);
+          return kc::AttentionDecode(q.get(), q_width, b, positions.get(), ctx, kv, dims,
+                                     scratch.get(), out.get(), stream);
         },
         "AttentionDecode");
     if (!t.ok()) return t.status();
@@ -607,7 +607,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   kv.kv_width = kv_width;
   kv.ring_pages = 0;
   kv.page_tables = table_ptrs.get();
-  SDM_RETURN_IF_ERROR(Cuda(kc::AttentionDecode(q.get(), 1, positions.get(), ctx, kv, dims,
+  SDM_RETURN_IF_ERROR(Cuda(kc::AttentionDecode(q.get(), q_width, 1, positions.get(), ctx, kv, dims,
                                                scratch.get(), out.get(), stream),
                            "AttentionDecode"));
   SDM_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), "AttentionDecode"));
