@@ -355,6 +355,15 @@ class CudaBackend : public EngineBackend {
           AllocateStack(spec, MixerInputParts(roles), uses, &stacks_[i].mixer_in, &slots));
       SDM_RETURN_IF_ERROR(
           AllocateStack(spec, FfnInputParts(roles), uses, &stacks_[i].ffn_in, &slots));
+      // One RoPE launch rotates q and k together (AttentionMixer): k's columns must follow q's,
+      // which they do when q's width is a multiple of the stack's alignment.
+      const StackedLayout& in = stacks_[i].mixer_in.layout;
+      if (roles.type != LayerType::kSdm &&
+          in.offsets[kAttnKey] != in.offsets[kAttnQuery] + in.rows[kAttnQuery]) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", i, ": the CUDA backend needs the query width (",
+                         in.rows[kAttnQuery], ") to be a multiple of ", kStackedPartAlign));
+      }
     }
     // Every tensor once, in spec order; roles below refer to them by index.
     std::vector<DeviceMatrix> matrices(spec.tensors.size());
@@ -977,13 +986,13 @@ class CudaBackend : public EngineBackend {
     SDM_RETURN_IF_ERROR(Linear(ws.xb.get(), n, in.w, in.bias, ws.mixer_in.get()));
     const int64_t stride = in.stride();
     float* q = in.Part(ws.mixer_in.get(), kAttnQuery);
-    float* k = in.Part(ws.mixer_in.get(), kAttnKey);
+    const float* k = in.Part(ws.mixer_in.get(), kAttnKey);
     const float* v = in.Part(ws.mixer_in.get(), kAttnValue);
-    SDM_RETURN_IF_ERROR(Launched(
-        kc::ApplyRope(q, n, stride, g.n_heads, g.head_dim, arr.positions, theta, stream), "rope"));
-    SDM_RETURN_IF_ERROR(Launched(
-        kc::ApplyRope(k, n, stride, g.n_kv_heads, g.head_dim, arr.positions, theta, stream),
-        "rope"));
+    // k's heads follow q's in each row (UploadWeights checks it): one launch rotates both, each
+    // pair as alone.
+    SDM_RETURN_IF_ERROR(Launched(kc::ApplyRope(q, n, stride, g.n_heads + g.n_kv_heads, g.head_dim,
+                                               arr.positions, theta, stream),
+                                 "rope"));
     kc::KvLayerView view = ctx_->kv_arena(li);
     view.page_tables = arr.tables[li];
     BeginStateWrites();  // the KV append writes the sessions' caches

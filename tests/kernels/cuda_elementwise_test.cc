@@ -631,6 +631,25 @@ TEST_F(CudaElementwiseTest, StridedRowsGiveTheContiguousResultBitForBit) {
     EXPECT_EQ(
         cuda::ApplyRope(d_x.get(), rows, width - 1, n_heads, head_dim, d_pos.get(), 1e4f, stream()),
         cudaErrorInvalidValue);
+    // q's heads then k's in one row (a stack's adjacent parts): one launch over both rotates
+    // each pair as the two launches do, bit for bit.
+    const int64_t kv_heads = 2, qk_width = (n_heads + kv_heads) * head_dim,
+                  qk_stride = qk_width + 4;
+    const std::vector<float> qk =
+        Strided(Normal(rng, rows * qk_width, 0.0f, 1.0f), qk_width, qk_stride);
+    auto d_one = Upload(qk), d_two = Upload(qk);
+    ASSERT_EQ(cuda::ApplyRope(d_one.get(), rows, qk_stride, n_heads + kv_heads, head_dim,
+                              d_pos.get(), 1e4f, stream()),
+              cudaSuccess);
+    ASSERT_EQ(cuda::ApplyRope(d_two.get(), rows, qk_stride, n_heads, head_dim, d_pos.get(), 1e4f,
+                              stream()),
+              cudaSuccess);
+    ASSERT_EQ(cuda::ApplyRope(d_two.get() + n_heads * head_dim, rows, qk_stride, kv_heads, head_dim,
+                              d_pos.get(), 1e4f, stream()),
+              cudaSuccess);
+    Sync();
+    const std::vector<float> one = Download(d_one), two = Download(d_two);
+    ASSERT_EQ(std::memcmp(one.data(), two.data(), one.size() * sizeof(float)), 0);
   }
 }
 
