@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One command for a lent CUDA machine (issue 6): builds the engine, kernels, tests and
 # benchmarks without gRPC, runs every CUDA test (each kernel against its CPU twin; CPU vs CUDA
-# logits on tiny, debug_sdm and debug_hybrid; resume-after-offload exactness), then the kernel
-# and decode benchmarks, and prints a short table last. Budget: an overall deadline of 450 s
+# logits on tiny, debug_sdm, debug_hybrid and two variants; resume-after-offload exactness),
+# then the kernel and decode benchmarks, and prints a short table last. Budget: an overall deadline of 450 s
 # (7.5 minutes) after the machine has started.
 #
 # The machine reaches no package registry: first run scripts/fetch-device-deps.sh here, then

@@ -850,7 +850,9 @@ absl::Status RunKernelBenchmark(const KernelBenchOptions& opt) {
   // Last, and its failure reported after the JSON of everything before it is written (a new
   // benchmark that fails on its first device must not take the other figures with it).
   const absl::Status stacked = BenchStackedGemm(opt, copy_gbps, stream.get(), rng, rows);
-  if (!stacked.ok()) std::printf("# stacked GEMMs: %s\n", stacked.ToString().c_str());
+  if (!stacked.ok()) {
+    std::fprintf(stderr, "sdm-bench kernels: stacked GEMMs: %s\n", stacked.ToString().c_str());
+  }
 
   int missed = 0;
   for (const Row& r : rows) missed += r.has_target() && !r.meets();

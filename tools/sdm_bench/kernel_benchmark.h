@@ -16,7 +16,12 @@
 //     baseline_1.4B geometry (16 query / 8 KV heads, head_dim 128), pages scattered at random in
 //     the arena; bytes = the K and V rows read; target >= 70% of copy;
 //   - park / resume: cudaMemcpyAsync of an sdm_flagship-sized state (6 layers x 2 heads x 65,536
-//     slots x 1024 x 2 B = 1.61 GB) device -> pinned host and back; target >= 25 GB/s each way.
+//     slots x 1024 x 2 B = 1.61 GB) device -> pinned host and back; target >= 25 GB/s each way;
+//   - gemm q,k,v / w1,w3, apart and stacked: cuBLASLt at sdm_flagship's shapes as separate GEMMs
+//     and as the one GEMM over stacked weights the engine runs (engine/stacked_projection.h),
+//     cycling through 8 copies of the weights; bytes = the weights; no target (the two compared).
+//     Run last: its output is checked against the separate GEMMs', and a failure is returned
+//     after the JSON of every figure is written.
 #ifndef SDMSERVE_TOOLS_SDM_BENCH_KERNEL_BENCHMARK_H_
 #define SDMSERVE_TOOLS_SDM_BENCH_KERNEL_BENCHMARK_H_
 

@@ -56,7 +56,7 @@ ABSL_FLAG(double, device_state_gb, 0,
           "decode on CUDA: device memory for sessions' state in GB (0: the engine's default share "
           "of what the weights leave free)");
 ABSL_FLAG(std::vector<std::string>, kernel_batches, std::vector<std::string>({"1", "8", "64"}),
-          "kernels: batch sizes of the SDM step and attention decode microbenchmarks");
+          "kernels: batch sizes of the SDM step, attention decode and GEMM microbenchmarks");
 ABSL_FLAG(int64_t, kernel_context, 32768, "kernels: cached positions per attention sequence");
 ABSL_FLAG(int, kernel_reps, 20, "kernels: timed repetitions (the median is reported)");
 ABSL_FLAG(int, kernel_warmup, 3, "kernels: untimed repetitions first");
@@ -428,8 +428,8 @@ int main(int argc, char** argv) {
       {"kernels",
        "sdm-bench kernels [--kernel_batches 1,8,64] [--kernel_context 32768] [--kernel_reps 20] "
        "[--kernel_warmup 3] [--bandwidth_mb 2048] [--seed 1] [--json FILE]",
-       "CUDA microbenchmarks (copy, SDM step, attention decode, park and resume) against the "
-       "device's copy bandwidth (CUDA builds only).",
+       "CUDA microbenchmarks (copy, SDM step, attention decode, park and resume, stacked and "
+       "separate GEMMs) against the device's copy bandwidth (CUDA builds only).",
        {"kernel_batches", "kernel_context", "kernel_reps", "kernel_warmup", "bandwidth_mb", "seed",
         "json"},
        /*max_positional=*/0,
