@@ -414,7 +414,7 @@ class CpuBackend : public EngineBackend {
   CpuDecodeAttention decode_attention_;
   ForwardFaultInjector fault_;
   // EngineOptions::observe_sdm_readings (testing).
-  std::function<void(int64_t, std::span<const float>)> observe_sdm_readings_;
+  SdmReadingsObserver observe_sdm_readings_;
   DType dtype_;
   int64_t packed_bytes_ = 0;
   int64_t hidden_;

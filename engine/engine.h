@@ -68,6 +68,9 @@ enum class CpuDecodeAttention {
 const char* CpuDtypeName(DType dtype);
 absl::StatusOr<DType> ParseCpuDtype(std::string_view name);
 
+// Testing only (EngineOptions::observe_sdm_readings): an SDM layer's readings before their norm.
+using SdmReadingsObserver = std::function<void(int64_t layer, std::span<const float> readings)>;
+
 struct EngineOptions {
   EngineDevice device = EngineDevice::kCpu;
   int num_threads = 0;  // 0: one per hardware thread (CPU backend; the CUDA backend's host side)
@@ -109,8 +112,7 @@ struct EngineOptions {
   // norm ([pass rows, dim] floats, rows in the pass's order), so that tests compare backends
   // layer by layer. The CUDA backend copies them to the host, synchronising inside the pass, and
   // runs decode steps without graphs while it is set. Empty: never.
-  std::function<void(int64_t layer, std::span<const float> readings)> observe_sdm_readings =
-      nullptr;
+  SdmReadingsObserver observe_sdm_readings = nullptr;
   // CPU backend: the storage of matrices and KV rows (see DType above; kBf16 needs the blocked
   // decode kernel).
   DType cpu_dtype = DType::kF32;

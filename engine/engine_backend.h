@@ -97,8 +97,8 @@ class ForwardCommit {
 class ForwardFaultInjector {
  public:
   explicit ForwardFaultInjector(int64_t fail_at) : fail_at_(fail_at) {}
-  bool Fire() { return calls_++ == fail_at_ && fail_at_ >= 0; }
-  int64_t calls() const { return calls_; }  // fault points passed so far
+  bool Fire() { return calls_++ == fail_at_; }  // a negative fail_at_ is never reached
+  int64_t calls() const { return calls_; }      // fault points passed so far
 
  private:
   int64_t fail_at_;

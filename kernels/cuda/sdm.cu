@@ -470,8 +470,11 @@ __global__ void __launch_bounds__(kStepThreads)
   const bool active = c_lane < width;                 // width % kVec == 0
   const int64_t c_tid = tile * kTile + tid;           // column of the per-column steps
   const bool shared_residual = !args.slot_residual;
+  // This thread's column of v at the segment's first token, a row of v further each token (an
+  // advanced pointer, not r * v_stride: that index cost StepKernel<1> and <2> a spill).
+  const float* v_at = args.v + first * args.v_stride + h * width + c_tid;
 
-  for (int64_t t = 0; t < len; ++t) {
+  for (int64_t t = 0; t < len; ++t, v_at += args.v_stride) {
     const int64_t r = first + t;
     const int64_t rh = r * heads + h;
     const float g = args.log_decay[rh];
@@ -486,8 +489,7 @@ __global__ void __launch_bounds__(kStepThreads)
       s_rref[j] = args.r_refs[rh * n_r + j];
       s_q[j] = args.r_weights[rh * n_r + j];
     }
-    if (tid < kTile)
-      s_v[tid] = c_tid < width ? args.v[r * args.v_stride + h * width + c_tid] : 0.0f;
+    if (tid < kTile) s_v[tid] = c_tid < width ? *v_at : 0.0f;
     __syncthreads();
 
     if (shared_residual) {

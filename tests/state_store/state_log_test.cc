@@ -269,10 +269,6 @@ TEST_F(StateLogTest, OnePassEmissionsAreTheTwoPassBytes) {
   }
 }
 
-// Deltas that carry an SDM layer's writes (the write journal, state_store/sdm_table.h) restore
-// the same bits as deltas that carry its rows: for both update rules and both decay forms,
-// through prefill and decode turns. They are the smaller; a turn whose journal would outgrow its
-// rows carries the rows (the same bytes as without a journal), and the next turn journals again.
 // A KV delta claiming so many rows that their size wraps around 2^64 (2^55 rows of 64 floats:
 // 2^55 x 2 x 256 bytes) with none present: damage, found before any row is read (the size was
 // once multiplied out, wrapped to 0, passed, and the replay read rows from nowhere).
@@ -312,6 +308,10 @@ TEST(StateLogHugeClaimTest, AKvDeltaWhoseSizeWrapsIsDamage) {
   EXPECT_NE(replay.status().message().find("KV rows"), std::string::npos) << replay.status();
 }
 
+// Deltas that carry an SDM layer's writes (the write journal, state_store/sdm_table.h) restore
+// the same bits as deltas that carry its rows: for both update rules and both decay forms,
+// through prefill and decode turns. They are the smaller; a turn whose journal would outgrow its
+// rows carries the rows (the same bytes as without a journal), and the next turn journals again.
 TEST(StateLogJournalTest, JournaledDeltasRestoreWhatRowDeltasRestore) {
   ModelConfig slot_residual = testing::TinyConfig();
   slot_residual.sdm.update_rule = UpdateRule::kSlotResidual;

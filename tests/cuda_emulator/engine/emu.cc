@@ -699,26 +699,28 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
   CheckStream(s, "cudaMemcpyAsync");
   Copy(dst, src, n, k, "cudaMemcpyAsync", /*check_only=*/true);
   const bool capturing = s != nullptr && s->capture != EmuCapture::kNone;
+  const Kind dst_kind = KindOf(dst, n, "cudaMemcpyAsync");
+  const Kind src_kind = KindOf(src, n, "cudaMemcpyAsync");
   if (DeferredStreams() && !capturing && n > 0) {
     // Pageable host memory is not copied asynchronously on a device: a source is staged at the
     // call, and a copy into it returns once done (after the stream's earlier work).
-    if (k == cudaMemcpyHostToDevice && KindOf(src, n, "cudaMemcpyAsync") == kHost) {
+    if (k == cudaMemcpyHostToDevice && src_kind == kHost) {
       auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                         static_cast<const char*>(src) + n);
       Enqueue(s, [=] { Copy(dst, staged->data(), n, k, "cudaMemcpyAsync"); });
       return cudaSuccess;
     }
-    if (k == cudaMemcpyDeviceToHost && KindOf(dst, n, "cudaMemcpyAsync") == kHost) {
+    if (k == cudaMemcpyDeviceToHost && dst_kind == kHost) {
       RunStream(s);
       return Copy(dst, src, n, k, "cudaMemcpyAsync");
     }
   }
   // Page-locked host bytes it reads or writes, for CheckPinnedAccess.
   EmuOpOrder order;
-  if (KindOf(dst, n, "cudaMemcpyAsync") == kPinned) {
+  if (dst_kind == kPinned) {
     order.host_begin = reinterpret_cast<uintptr_t>(dst);
     order.host_write = true;
-  } else if (KindOf(src, n, "cudaMemcpyAsync") == kPinned) {
+  } else if (src_kind == kPinned) {
     order.host_begin = reinterpret_cast<uintptr_t>(src);
   }
   if (order.host_begin != 0) order.host_end = order.host_begin + n;
