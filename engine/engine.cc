@@ -443,6 +443,16 @@ std::string Engine::DescribeDevice() const { return impl_->backend().Describe();
 DecodeGraphStats Engine::decode_graph_stats() const {
   return impl_->backend().decode_graph_stats();
 }
+ResumeStagingStats Engine::resume_staging_stats() const {
+  return impl_->backend().resume_staging_stats();
+}
+absl::Status Engine::StageResume(SessionState& session) {
+  if (session.num_layers() != config().n_layers) {
+    return absl::InvalidArgumentError("session state was made for a different model");
+  }
+  if (session.failed() || session.on_device()) return absl::OkStatus();
+  return impl_->backend().StageResume(session);
+}
 int64_t Engine::device_state_capacity_bytes() const {
   return impl_->backend().StateCapacityBytes();
 }

@@ -95,6 +95,10 @@ struct EngineOptions {
   // (engine/cuda/device_state.h, TransferStaging); 0: the default, kTransferChunkBytes there.
   // Tests set it small to make transfers take many chunks.
   int64_t device_transfer_chunk_bytes = 0;
+  // CUDA backend: the most page-locked host memory that resumes staged ahead of their step
+  // hold at once (Engine::StageResume), the pool of their buffers included: host memory on top
+  // of the state store's budgets. 0: none staged.
+  int64_t resume_staging_bytes = int64_t{4} << 30;
   // CPU backend: the decode attention kernel.
   CpuDecodeAttention cpu_decode_attention = CpuDecodeAttention::kBlocked;
   // Testing only: make a forward pass fail part-way, after it began writing session state
@@ -129,6 +133,14 @@ struct DecodeGraphStats {
   int64_t captures = 0;  // graphs captured and instantiated (one per new step shape)
   int64_t replays = 0;   // steps run as one graph launch (a capture's own step included)
   int64_t refusals = 0;  // step shapes whose capture failed (they run launch by launch)
+};
+
+// What Engine::StageResume did so far (the CUDA backend; zeros elsewhere).
+struct ResumeStagingStats {
+  int64_t staged = 0;      // sessions staged
+  int64_t used = 0;        // resumes that uploaded from a staged image instead of converting
+  int64_t refused = 0;     // sessions left unstaged: resume_staging_bytes was in use (or 0)
+  int64_t held_bytes = 0;  // page-locked bytes held now by staged images and their pool
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().
@@ -188,6 +200,8 @@ class Engine {
   EngineDevice device() const;
   std::string DescribeDevice() const;
   DecodeGraphStats decode_graph_stats() const;
+  // Thread-safe (metrics read it while steps run).
+  ResumeStagingStats resume_staging_stats() const;
   // Bytes of session state the device holds whatever its mix of KV pages and SDM rows; a state
   // store budget for resident sessions above it can make steps fail with RESOURCE_EXHAUSTED.
   // 0 on the CPU (bounded by host RAM only).
@@ -230,6 +244,21 @@ class Engine {
   // failed step that are not marked are as they were before it.
   absl::Status Step(const StepBatch& batch, std::span<float> logits,
                     std::span<int32_t> sampled = {});
+
+  // Prepares a session that is not on the device so that the step resuming it only copies: on
+  // the CUDA backend, converts its layers to the device's bf16 image in page-locked memory
+  // (host work on the calling thread: about a second for a full sdm_flagship session) and
+  // attaches it to the session (SessionState::staged()) until the step that uploads the
+  // session takes it, or the layers change and the session drops it. Without it that
+  // conversion runs inside the step, and every session of the step waits for it.
+  // Nothing is done (OK) on the CPU, for a session on the device, already staged, failed or
+  // holding nothing to convert, and when resume_staging_bytes is in use (counted in
+  // ResumeStagingStats::refused; the step then converts as without this call).
+  // Errors: INVALID_ARGUMENT for a session of another model.
+  // Thread-safety: for a session no step or other thread uses meanwhile; may run while Step()
+  // runs other sessions, and alongside other StageResume calls (the scheduler stages a job's
+  // session on the thread that submits it).
+  absl::Status StageResume(SessionState& session);
 
   // Convenience wrappers over Step.
   // Feeds `tokens` (at least one) to `session`. If `logits` is non-null it receives the logits

@@ -158,6 +158,11 @@ class EngineBackend {
   virtual int64_t PackedWeightBytes() const { return 0; }
   // The CUDA backend's decode graphs so far (EngineOptions::cuda_graphs); zeros elsewhere.
   virtual DecodeGraphStats decode_graph_stats() const { return {}; }
+
+  // Engine::StageResume for a session of this model that is not failed. Called from any thread,
+  // also while Forward runs on other sessions. Default: nothing to stage.
+  virtual absl::Status StageResume(SessionState& session) { return absl::OkStatus(); }
+  virtual ResumeStagingStats resume_staging_stats() const { return {}; }
 };
 
 absl::StatusOr<std::unique_ptr<EngineBackend>> CreateCpuBackend(const EngineContext& context);

@@ -76,7 +76,8 @@ print_table() {
     echo "-- sdm-bench decode (flagship pair)"; tail -25 "$OUT_DIR/decode.txt"
   fi
   if [[ -f $OUT_DIR/state.txt ]]; then
-    echo "-- sdm-bench state (park and resume through the engine)"; tail -8 "$OUT_DIR/state.txt"
+    echo "-- sdm-bench state (park and resume through the engine)"
+    grep -vF '] ' "$OUT_DIR/state.txt" | tail -12  # not the progress lines ("[preset] ...")
   fi
   if [[ -f $OUT_DIR/decode_launched.txt ]]; then
     echo "-- sdm-bench decode, sdm_flagship without CUDA graphs"
@@ -267,9 +268,12 @@ if [[ -n "$BENCH" ]]; then
     log "decode benchmark: ${RESULT[decode]}"
     # Park and resume through the engine's real path: an sdm_flagship session prefilled on the
     # device, its state synced to the host (device_to_host_s), written, read back and resumed
-    # with one decode step.
+    # with one decode step: converted inside the step, and staged ahead (Engine::StageResume:
+    # staging_s, first_step_after_staged_resume_s); then the same for a session whose SDM
+    # tables hold every slot (--full_table: 1.61 GB of bf16 rows, park GB/s through SyncToHost).
     if ! may_start state; then :
-    elif timeout "$(budget 120)" "$BENCH" state --device cuda --presets sdm_flagship --lengths 128 \
+    elif timeout "$(budget 150)" "$BENCH" state --device cuda --presets sdm_flagship --lengths 128 \
+        --full_table \
         --dir /tmp/sdm-device-state --json "$OUT_DIR/state.json" 2>&1 |
         tee "$OUT_DIR/state.txt"; [[ ${PIPESTATUS[0]} == 0 ]]; then
       RESULT[state]=ok

@@ -136,6 +136,11 @@ ABSL_FLAG(std::string, device_budget,
           "On a GPU: bytes of device memory held by sessions before the least recently used idle "
           "ones are copied back to host memory between steps; 0: the device's session-state "
           "capacity (the engine's arenas).");
+ABSL_FLAG(std::string, resume_staging,
+          sdm::FormatByteSize(sdm::ServerOptions{}.engine.resume_staging_bytes),
+          "On a GPU: page-locked host memory for sessions converted for their upload when their "
+          "request is submitted, so that the step resuming them only copies; a session that "
+          "does not fit is converted inside its step; 0: never ahead.");
 ABSL_FLAG(std::string, host_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.host_budget_bytes),
           "Bytes of parked session state kept in host memory before the oldest are written to "
@@ -330,7 +335,9 @@ int main(int argc, char** argv) {
         std::tuple{"host_budget", absl::GetFlag(FLAGS_host_budget),
                    &options.store.host_budget_bytes},
         std::tuple{"device_budget", absl::GetFlag(FLAGS_device_budget),
-                   &options.store.device_budget_bytes}}) {
+                   &options.store.device_budget_bytes},
+        std::tuple{"resume_staging", absl::GetFlag(FLAGS_resume_staging),
+                   &options.engine.resume_staging_bytes}}) {
     absl::StatusOr<int64_t> bytes = sdm::ParseByteSize(value);
     if (!bytes.ok()) return UsageError(absl::StrCat("--", flag, ": ", bytes.status().message()));
     *out = *bytes;

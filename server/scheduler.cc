@@ -105,6 +105,12 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   job->to_feed.insert(job->to_feed.end(), job->spec.prompt.begin(), job->spec.prompt.end());
   job->usage.prompt_tokens = static_cast<int64_t>(job->to_feed.size());
   st.sampler_seed = job->spec.sampling.seed;
+  // A session that is not on the device is converted for it here, on the caller's thread, not
+  // inside the step that resumes it, where every other session would wait (Engine::StageResume;
+  // nothing to do on the CPU). Step reports any error of the session's.
+  if (absl::Status staged = engine_.StageResume(st); !staged.ok()) {
+    SDM_LOG(WARNING) << "sdm scheduler: staging a resume: " << staged;
+  }
   absl::MutexLock lock(&mu_);
   absl::Status refused;
   if (!accepting_) {
@@ -115,6 +121,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   }
   if (!refused.ok()) {
     if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
+    st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
     return refused;
   }
   waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
@@ -305,6 +312,7 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
     job.state->pending_token = job.to_feed[0];  // ended before reading anything: keep it
   }
   job.next_input = -1;
+  job.state->DropStaged();  // a job that never ran: its staged image goes back now
   // Back to the store (which may park it) before the observer hears of the end, so a client
   // that sends its next turn right away finds the session free.
   job.lease = SessionLease();

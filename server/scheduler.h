@@ -18,10 +18,11 @@
 //
 // Sessions: a job with a session id takes the session's lease from the SessionStateStore when it
 // is submitted — so a busy session (ABORTED), an unknown one (NOT_FOUND) or a broken snapshot
-// (DATA_LOSS) is refused before anything is streamed, and a parked session is restored off the
-// step thread — and holds it until it finishes. The last sampled token of a job is left in the
-// session as its pending token (not yet fed); the next job on the session feeds it first, so a
-// conversation's history is exactly the tokens it saw. A job without a session runs on a one-shot
+// (DATA_LOSS) is refused before anything is streamed, a parked session is restored off the
+// step thread, and a session not on the device is converted for its upload there too
+// (Engine::StageResume) — and holds it until it finishes. The last sampled token of a job is left
+// in the session as its pending token (not yet fed); the next job on the session feeds it first, so
+// a conversation's history is exactly the tokens it saw. A job without a session runs on a one-shot
 // session of the store (SessionStateStore::NewSession(), counted in its resident bytes) that is
 // dropped at the end.
 //

@@ -173,7 +173,8 @@ class SdmServer::Impl final : public SchedulerListener {
 
   absl::Mutex gauges_mu;
   StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
-  int64_t heap_trims_counted ABSL_GUARDED_BY(gauges_mu) = 0;  // in metrics->heap_trims
+  int64_t heap_trims_counted ABSL_GUARDED_BY(gauges_mu) = 0;   // in metrics->heap_trims
+  ResumeStagingStats last_staging ABSL_GUARDED_BY(gauges_mu);  // in the resume_* metrics
 
   // Last, so that it stops first (null when malloc_trim_interval is zero).
   std::unique_ptr<HeapTrimmer> heap_trimmer;
@@ -344,6 +345,17 @@ void SdmServer::Impl::UpdateGauges() {
     const int64_t trims = heap_trimmer->trims();
     metrics->heap_trims.Increment(static_cast<double>(trims - heap_trims_counted));
     heap_trims_counted = trims;
+  }
+  if (engine != nullptr) {
+    const ResumeStagingStats staging = engine->resume_staging_stats();
+    const auto grow = [](prometheus::Counter& counter, int64_t now, int64_t before) {
+      if (now > before) counter.Increment(static_cast<double>(now - before));
+    };
+    grow(metrics->resumes_staged, staging.staged, last_staging.staged);
+    grow(metrics->resumes_from_staged, staging.used, last_staging.used);
+    grow(metrics->resume_staging_refused, staging.refused, last_staging.refused);
+    metrics->resume_staging_bytes.Set(static_cast<double>(staging.held_bytes));
+    last_staging = staging;
   }
   if (store == nullptr) return;
   const StoreStats s = store->Stats();

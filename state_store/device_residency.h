@@ -19,6 +19,10 @@
 // store's eviction worker, never during a step, never with the store's lock held. So an
 // implementation may use its compute and transfer streams without further locking against
 // steps; it must still finish (or fence) any work using the memory before freeing it.
+//
+// A StagedUpload (below) is the step before residency: a backend's copy of a host-only
+// session's layers, already converted to what its device takes, made off the step thread
+// (Engine::StageResume) so that the step that resumes the session only copies it.
 #ifndef SDMSERVE_STATE_STORE_DEVICE_RESIDENCY_H_
 #define SDMSERVE_STATE_STORE_DEVICE_RESIDENCY_H_
 
@@ -49,6 +53,33 @@ class DeviceResidency {
   // Device bytes this session alone holds (KV pages, private SDM rows, slot tables; not the
   // shared weights or M0): what it counts in the store's device tier.
   virtual int64_t DeviceBytes() const = 0;
+
+ private:
+  const void* const owner_;
+};
+
+// A host-only session's layers as a backend will upload them (e.g. converted to the device's
+// number format in page-locked memory), made ahead of the step that resumes the session. It is
+// a copy of the host layers at the time it was made, so SessionState drops it whenever they may
+// change (any non-const access to a layer, a position change, attaching a residency); a backend
+// that finds one of its own on a session it resumes uploads from it instead of converting.
+//
+// Threads: made on any thread while nothing steps the session (it is a read of the host
+// layers); destroyed on any thread, so its destructor must not wait for the device (a backend
+// gives its memory back to a pool; it is not in use by then: an upload that read it has
+// finished or was waited for).
+//
+// Memory: what it holds is the backend's, bounded by the backend (EngineOptions::
+// resume_staging_bytes on CUDA), and counted in none of the store's budgets.
+class StagedUpload {
+ public:
+  explicit StagedUpload(const void* owner) : owner_(owner) {}
+  virtual ~StagedUpload() = default;
+  StagedUpload(const StagedUpload&) = delete;
+  StagedUpload& operator=(const StagedUpload&) = delete;
+
+  // The backend instance that made it (as DeviceResidency::owner()).
+  const void* owner() const { return owner_; }
 
  private:
   const void* const owner_;

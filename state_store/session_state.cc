@@ -44,7 +44,14 @@ std::unique_ptr<SessionState> SessionState::Fork() const { return Copy(/*share_r
 void SessionState::AttachDevice(std::unique_ptr<DeviceResidency> residency) {
   SDM_CHECK(residency != nullptr);
   SDM_CHECK(device_ == nullptr);  // two device copies: which one is the truth?
+  staged_.reset();                // the device copy is the truth from now on
   device_ = std::move(residency);
+}
+
+void SessionState::AttachStaged(std::unique_ptr<StagedUpload> staged) {
+  SDM_CHECK(staged != nullptr);
+  SDM_CHECK(device_ == nullptr);  // the host layers it copies are stale
+  staged_ = std::move(staged);
 }
 
 absl::Status SessionState::SyncToHost() {

@@ -10,6 +10,12 @@
 // pending_token stay current on the host. Whoever reads or copies the layers on the host
 // (codec, Clone, Fork, parking) calls SyncToHost() first.
 //
+// Staged uploads (state_store/device_residency.h, StagedUpload): a backend may attach a copy of
+// a host-only session's layers prepared for its device ahead of the step that resumes it. The
+// session drops it whenever the copy may go stale: on any non-const access to a layer (the
+// engine writes layers only through them), a position change, or AttachDevice. So a stale copy
+// is never uploaded; at worst a fresh one is discarded and the step converts the layers itself.
+//
 // Not thread-safe: a session takes part in at most one engine step at a time.
 #ifndef SDMSERVE_STATE_STORE_SESSION_STATE_H_
 #define SDMSERVE_STATE_STORE_SESSION_STATE_H_
@@ -35,14 +41,24 @@ class SessionState {
 
   // Tokens consumed so far; the next token fed is at this position.
   int64_t position() const { return position_; }
-  void AdvancePosition() { ++position_; }
+  void AdvancePosition() {
+    staged_.reset();
+    ++position_;
+  }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
   bool is_sdm(int64_t layer) const { return std::holds_alternative<SdmTable>(layers_[layer]); }
   // Precondition: the layer is of the matching kind (the engine's layout guarantees it).
-  KvCache& kv(int64_t layer) { return std::get<KvCache>(layers_[layer]); }
+  // The non-const accessors drop a staged upload (see above).
+  KvCache& kv(int64_t layer) {
+    staged_.reset();
+    return std::get<KvCache>(layers_[layer]);
+  }
   const KvCache& kv(int64_t layer) const { return std::get<KvCache>(layers_[layer]); }
-  SdmTable& sdm(int64_t layer) { return std::get<SdmTable>(layers_[layer]); }
+  SdmTable& sdm(int64_t layer) {
+    staged_.reset();
+    return std::get<SdmTable>(layers_[layer]);
+  }
   const SdmTable& sdm(int64_t layer) const { return std::get<SdmTable>(layers_[layer]); }
 
   // The session's sampler stream (engine/sampler.h draws token i of a stream from
@@ -72,6 +88,16 @@ class SessionState {
   // Hands the layers' truth to `residency` (called by a backend after it copied the layers to
   // the device). Precondition: not on device already (SDM_CHECK) and residency non-null.
   void AttachDevice(std::unique_ptr<DeviceResidency> residency);
+  // Attaches a backend's staged copy of the host layers (replacing any earlier one).
+  // Precondition: not on device (SDM_CHECK: the host layers are stale there) and non-null.
+  void AttachStaged(std::unique_ptr<StagedUpload> staged);
+  // The staged upload; null when none is attached or it was dropped.
+  const StagedUpload* staged() const { return staged_.get(); }
+  // Detaches and returns it (null if none): the backend that resumes the session takes it.
+  std::unique_ptr<StagedUpload> TakeStaged() { return std::move(staged_); }
+  // Drops it (its memory goes back to its backend), e.g. when a job that staged the session
+  // ends without running it.
+  void DropStaged() { staged_.reset(); }
   // The attached residency; null while host-only.
   DeviceResidency* device() const { return device_.get(); }
   bool on_device() const { return device_ != nullptr; }
@@ -86,7 +112,10 @@ class SessionState {
   void DetachDevice() { device_.reset(); }
 
   // For restoring a parked session (state_store/state_codec.h).
-  void set_position(int64_t position) { position_ = position; }
+  void set_position(int64_t position) {
+    staged_.reset();
+    position_ = position;
+  }
 
   // Damage. A backend whose forward pass fails after it began changing the layers (engine/
   // engine_backend.h, ForwardCommit) marks every session of that pass failed: its layers may
@@ -121,6 +150,7 @@ class SessionState {
   // Declared after layers_ so that it is destroyed first: a residency may refer to the host
   // layers (e.g. pinned staging registered over them) until it is gone.
   std::unique_ptr<DeviceResidency> device_;
+  std::unique_ptr<StagedUpload> staged_;  // only while host-only
 };
 
 }  // namespace sdm

@@ -246,7 +246,7 @@ struct SessionStateStore::Entry {
     rows = 0;
     for (int64_t l = 0; l < state->num_layers(); ++l) {
       if (!state->is_sdm(l)) continue;
-      const SdmTable& t = state->sdm(l);
+      const SdmTable& t = std::as_const(*state).sdm(l);  // a read: keeps a staged upload
       rows += t.private_rows();
       own_bytes -= t.private_rows() * t.row_width() * static_cast<int64_t>(sizeof(float));
     }
@@ -1246,7 +1246,7 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
     info.device_bytes = e.device_bytes;
     if (!e.in_use && !e.busy && e.state != nullptr) {
       for (int64_t l = 0; l < e.state->num_layers(); ++l) {
-        if (e.state->is_sdm(l)) info.shared_rows += e.state->sdm(l).SharedRows();
+        if (e.state->is_sdm(l)) info.shared_rows += std::as_const(*e.state).sdm(l).SharedRows();
       }
     }
   }

@@ -3,7 +3,8 @@
 // kernels/cuda/ for the rest. Sessions become device-resident on their first step
 // (engine/cuda/device_state.h) and stay so until the state store parks them.
 //
-// A step: (1) upload sessions that are not resident and give their attention layers the pages
+// A step: (1) upload sessions that are not resident (from the image StageResume converted ahead
+// of the step, when there is one) and give their attention layers the pages
 // the step's positions need; (2) reserve the SDM rows the step may allocate (copy-on-write can
 // take at most rows * heads * writes per SDM layer); (3) copy the step's small integer arrays
 // (tokens, positions, segments, per-layer table pointers) to the device in one transfer; (4) run
@@ -34,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -196,8 +198,13 @@ class CudaBackend : public EngineBackend {
           ") must hold the largest block a park or resume moves (an SDM row or a KV page): ",
           LargestTransferBlockBytes(layout_), " bytes"));
     }
+    if (options_.resume_staging_bytes < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("resume_staging_bytes must be >= 0, not ", options_.resume_staging_bytes));
+    }
     DeviceStateSizes sizes;
     sizes.max_context = options_.max_context;
+    sizes.staged_bytes = options_.resume_staging_bytes;
     sizes.transfer_chunk_bytes = options_.device_transfer_chunk_bytes;
     sizes.inject_transfer_fault = options_.inject_transfer_fault;
     // Arenas in proportion to what one session needs at most: its SDM table fully written, its
@@ -261,6 +268,44 @@ class CudaBackend : public EngineBackend {
   }
   int64_t StateCapacityBytes() const override { return state_capacity_bytes_; }
   DecodeGraphStats decode_graph_stats() const override { return graph_stats_; }
+
+  // Off the step thread: reads the host session and the context's pool (thread-safe), never the
+  // streams.
+  absl::Status StageResume(SessionState& session) override {
+    if (session.staged() != nullptr && session.staged()->owner() == ctx_.get()) {
+      return absl::OkStatus();  // staged already (and still current: stale ones are dropped)
+    }
+    if (session.position() == 0) return absl::OkStatus();  // a new session: nothing to convert
+    if (ctx_->sizes().staged_bytes == 0) {
+      staged_refused_.fetch_add(1, std::memory_order_relaxed);
+      return absl::OkStatus();
+    }
+    absl::StatusOr<std::unique_ptr<CudaStagedUpload>> staged =
+        CudaStagedUpload::Stage(ctx_, session);
+    if (absl::IsResourceExhausted(staged.status())) {
+      staged_refused_.fetch_add(1, std::memory_order_relaxed);
+      return absl::OkStatus();  // the step converts, as without staging
+    }
+    // Anything else (a position past max_context) is the step's to report, as without staging.
+    if (!staged.ok()) {
+      if (!absl::IsOutOfRange(staged.status())) {
+        SDM_LOG(WARNING) << "sdm cuda: staging a resume failed: " << staged.status();
+      }
+      return absl::OkStatus();
+    }
+    if (*staged == nullptr) return absl::OkStatus();  // nothing to convert
+    session.AttachStaged(*std::move(staged));
+    staged_count_.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+  ResumeStagingStats resume_staging_stats() const override {
+    ResumeStagingStats stats;
+    stats.staged = staged_count_.load(std::memory_order_relaxed);
+    stats.used = staged_used_.load(std::memory_order_relaxed);
+    stats.refused = staged_refused_.load(std::memory_order_relaxed);
+    stats.held_bytes = ctx_->staged_image_stats().held_bytes;
+    return stats;
+  }
 
  private:
   // ---- weights ---------------------------------------------------------------------------------
@@ -538,9 +583,20 @@ class CudaBackend : public EngineBackend {
     for (int64_t s = 0; s < num_segs; ++s) {
       SessionState& session = *segs[s].session;
       if (!session.on_device()) {
+        // From the image staged ahead (StageResume) when there is one of ours; another
+        // backend's is of no use here and goes when the session is attached.
+        std::unique_ptr<StagedUpload> staged = session.TakeStaged();
+        const CudaStagedUpload* ours = staged != nullptr && staged->owner() == ctx_.get()
+                                           ? static_cast<const CudaStagedUpload*>(staged.get())
+                                           : nullptr;
         absl::StatusOr<std::unique_ptr<CudaSessionState>> up =
-            CudaSessionState::Upload(ctx_, session);
-        if (!up.ok()) return up.status();
+            CudaSessionState::Upload(ctx_, session, ours);
+        if (!up.ok()) {
+          // Nothing of the session changed: a retry may still use the staged image.
+          if (staged != nullptr) session.AttachStaged(std::move(staged));
+          return up.status();
+        }
+        if (ours != nullptr) staged_used_.fetch_add(1, std::memory_order_relaxed);
         session.AttachDevice(*std::move(up));
       }
       // Another engine's residency has tables into that engine's arenas (and may be of another
@@ -1165,6 +1221,8 @@ class CudaBackend : public EngineBackend {
   std::shared_ptr<CudaDeviceContext> ctx_;
   Workspace ws_;
   ForwardFaultInjector fault_;
+  // StageResume's counts (ResumeStagingStats): staging runs on other threads than the step.
+  std::atomic<int64_t> staged_count_{0}, staged_used_{0}, staged_refused_{0};
   ForwardCommit* commit_ = nullptr;     // the pass in progress (Forward), else null
   DecodeGraphCache<GraphExec> graphs_;  // after ws_: destroyed before the buffers they name
   DecodeGraphStats graph_stats_;

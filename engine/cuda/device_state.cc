@@ -121,6 +121,18 @@ int64_t CudaDeviceContext::page_table_entries(int64_t layer) const {
   return (sizes_.max_context + kernels::kKvPageTokens - 1) / kernels::kKvPageTokens;
 }
 
+absl::StatusOr<int64_t> CudaDeviceContext::PagesCovering(int64_t layer, int64_t end) const {
+  if (end <= 0) return 0;
+  const int64_t entries = page_table_entries(layer);
+  const int64_t logical = (end - 1) / kernels::kKvPageTokens + 1;
+  if (layout_.layers[layer].ring_capacity == 0 && logical > entries) {
+    return absl::OutOfRangeError(absl::StrCat("position ", end - 1,
+                                              " is past the engine's max_context of ",
+                                              sizes_.max_context, " tokens"));
+  }
+  return std::min(logical, entries);
+}
+
 int64_t CudaDeviceContext::page_bytes(int64_t layer) const {
   return kernels::KvPageElements(layout_.layers[layer].kv_row_width) *
          static_cast<int64_t>(sizeof(bf16));
@@ -334,6 +346,79 @@ void CudaDeviceContext::ReturnTable(kc::DeviceBuffer<int32_t> table) {
   free_tables_[entries].push_back(std::move(table));
 }
 
+absl::StatusOr<kc::PinnedBuffer<bf16>> CudaDeviceContext::TakeStagedImage(int64_t elems) {
+  if (elems <= 0) return kc::PinnedBuffer<bf16>();
+  const int64_t elem_bytes = static_cast<int64_t>(sizeof(bf16));
+  const int64_t bytes = elems * elem_bytes;
+  const int64_t budget = sizes_.staged_bytes;
+  // Buffers freed to make room, and the new allocation, happen outside the lock: both can take
+  // long (cudaFreeHost waits for the device; pinning gigabytes takes a fraction of a second),
+  // and the step thread gives buffers back under it.
+  std::vector<kc::PinnedBuffer<bf16>> to_free;
+  int64_t alloc_bytes = 0;
+  {
+    absl::MutexLock lock(&staged_mu_);
+    // The smallest pooled buffer that holds it.
+    auto best = staged_pool_.end();
+    for (auto it = staged_pool_.begin(); it != staged_pool_.end(); ++it) {
+      if (static_cast<int64_t>(it->size()) >= elems &&
+          (best == staged_pool_.end() || it->size() < best->size())) {
+        best = it;
+      }
+    }
+    if (best != staged_pool_.end()) {
+      kc::PinnedBuffer<bf16> buffer = std::move(*best);
+      staged_pool_.erase(best);
+      return buffer;
+    }
+    int64_t pooled = 0;
+    for (const auto& b : staged_pool_) pooled += static_cast<int64_t>(b.bytes());
+    const int64_t in_use = staged_stats_.held_bytes - pooled;
+    if (in_use + bytes > budget) {
+      ++staged_stats_.refusals;
+      return absl::ResourceExhaustedError(absl::StrCat("staging a resume needs ", bytes,
+                                                       " bytes of page-locked memory; ", in_use,
+                                                       " of the ", budget, " allowed are in use"));
+    }
+    // Pooled buffers go (largest first) only while the image itself would not fit beside them.
+    std::sort(staged_pool_.begin(), staged_pool_.end(),
+              [](const auto& a, const auto& b) { return a.size() < b.size(); });
+    while (!staged_pool_.empty() && staged_stats_.held_bytes + bytes > budget) {
+      staged_stats_.held_bytes -= static_cast<int64_t>(staged_pool_.back().bytes());
+      to_free.push_back(std::move(staged_pool_.back()));
+      staged_pool_.pop_back();
+    }
+    // A quarter more than asked where the budget has that room free: a session staged again
+    // after it grew by a few tokens then reuses its buffer.
+    const int64_t room = (budget - staged_stats_.held_bytes) / elem_bytes * elem_bytes;
+    alloc_bytes = std::max(bytes, std::min(bytes + bytes / 4 / elem_bytes * elem_bytes, room));
+    staged_stats_.held_bytes += alloc_bytes;  // reserved while allocating
+  }
+  to_free.clear();
+  kc::PinnedBuffer<bf16> buffer;
+  if (const cudaError_t err = buffer.Allocate(alloc_bytes / elem_bytes); err != cudaSuccess) {
+    absl::MutexLock lock(&staged_mu_);
+    staged_stats_.held_bytes -= alloc_bytes;
+    return absl::UnavailableError(
+        absl::StrCat("could not pin ", alloc_bytes,
+                     " bytes of host memory to stage a resume: ", kc::CudaErrorText(err)));
+  }
+  absl::MutexLock lock(&staged_mu_);
+  ++staged_stats_.allocations;
+  return buffer;
+}
+
+void CudaDeviceContext::ReturnStagedImage(kc::PinnedBuffer<bf16> image) {
+  if (image.get() == nullptr) return;
+  absl::MutexLock lock(&staged_mu_);
+  staged_pool_.push_back(std::move(image));
+}
+
+StagedImageStats CudaDeviceContext::staged_image_stats() const {
+  absl::MutexLock lock(&staged_mu_);
+  return staged_stats_;
+}
+
 int64_t CudaDeviceContext::table_allocations() const {
   absl::MutexLock lock(&mu_);
   return table_allocations_;
@@ -341,8 +426,107 @@ int64_t CudaDeviceContext::table_allocations() const {
 
 // ---------------------------------------------------------------------------------------------
 
-absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
+absl::StatusOr<UploadPlan> PlanUpload(const CudaDeviceContext& ctx, const SessionState& host) {
+  const StateLayout& layout = ctx.layout();
+  const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
+  UploadPlan plan;
+  plan.position = host.position();
+  plan.sdm_rows.assign(n_layers, 0);
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const LayerStateLayout& ls = layout.layers[l];
+    if (!IsSdm(ls)) continue;
+    plan.run_layer.push_back(l);
+    plan.run_first.push_back(static_cast<int64_t>(plan.slot_ids.size()));
+    host.sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
+      plan.slot_ids.push_back(static_cast<int32_t>(head * ls.slots_per_head + slot));
+    });
+    plan.sdm_rows[l] = static_cast<int64_t>(plan.slot_ids.size()) - plan.run_first.back();
+    plan.runs.push_back({ls.row_width, plan.sdm_rows[l]});
+  }
+  int64_t next_id = static_cast<int64_t>(plan.slot_ids.size());
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const LayerStateLayout& ls = layout.layers[l];
+    if (IsSdm(ls)) continue;
+    absl::StatusOr<int64_t> pages = ctx.PagesCovering(l, plan.position);
+    if (!pages.ok()) return pages.status();
+    if (*pages == 0) continue;
+    plan.run_layer.push_back(l);
+    plan.run_first.push_back(next_id);
+    next_id += *pages;
+    plan.runs.push_back({kernels::KvPageElements(ls.kv_row_width), *pages});
+  }
+  plan.run_offset = TransferRunOffsets(plan.runs);
+  return plan;
+}
+
+void WriteUploadImage(const CudaDeviceContext& ctx, const UploadPlan& plan,
+                      const SessionState& host, bf16* image) {
+  const StateLayout& layout = ctx.layout();
+  for (size_t r = 0; r < plan.runs.size(); ++r) {
+    const int64_t l = plan.run_layer[r];
+    const LayerStateLayout& ls = layout.layers[l];
+    bf16* dst = image + plan.run_offset[r];
+    if (IsSdm(ls)) {
+      host.sdm(l).ForEachPrivateRow([&](int64_t, int64_t, const float* row) {
+        for (int64_t c = 0; c < ls.row_width; ++c) dst[c] = __float2bfloat16_rn(row[c]);
+        dst += ls.row_width;
+      });
+      continue;
+    }
+    const TransferRun& run = plan.runs[r];
+    std::memset(static_cast<void*>(dst), 0, run.count * run.block_elems * sizeof(bf16));
+    const KvCache& kv = host.kv(l);
+    const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
+    for (int64_t pos = kv.first_position(); pos < kv.length(); ++pos) {
+      // Page-table entry e is the run's block e (the pages in table order).
+      const int64_t entry = kernels::KvPageTableIndex(pos, ring);
+      for (int value = 0; value < 2; ++value) {
+        const float* src = value ? kv.ValueRow(pos) : kv.KeyRow(pos);
+        bf16* row = dst + entry * run.block_elems +
+                    kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
+        for (int64_t c = 0; c < ls.kv_row_width; ++c) row[c] = __float2bfloat16_rn(src[c]);
+      }
+    }
+  }
+}
+
+absl::StatusOr<std::unique_ptr<CudaStagedUpload>> CudaStagedUpload::Stage(
     std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host) {
+  absl::StatusOr<UploadPlan> plan = PlanUpload(*ctx, host);
+  if (!plan.ok()) return plan.status();
+  if (plan->image_elems() == 0) return nullptr;  // nothing to convert
+  absl::StatusOr<kc::PinnedBuffer<bf16>> image = ctx->TakeStagedImage(plan->image_elems());
+  if (!image.ok()) return image.status();
+  WriteUploadImage(*ctx, *plan, host, image->get());
+  return std::unique_ptr<CudaStagedUpload>(
+      new CudaStagedUpload(std::move(ctx), *std::move(plan), *std::move(image)));
+}
+
+CudaStagedUpload::~CudaStagedUpload() { ctx_->ReturnStagedImage(std::move(image_)); }
+
+absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
+    std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host,
+    const CudaStagedUpload* staged) {
+  // A staged image is host's as it is now (SessionState drops one whenever the layers or the
+  // position change); should one not match anyway, converting here is always right.
+  if (staged != nullptr &&
+      (staged->owner() != ctx.get() || staged->plan().position != host.position())) {
+    staged = nullptr;
+  }
+  for (size_t r = 0; staged != nullptr && r < staged->plan().runs.size(); ++r) {
+    const int64_t l = staged->plan().run_layer[r];
+    if (IsSdm(ctx->layout().layers[l])) continue;
+    absl::StatusOr<int64_t> pages = ctx->PagesCovering(l, host.position());
+    if (!pages.ok() || *pages != staged->plan().runs[r].count) staged = nullptr;
+  }
+  UploadPlan planned;
+  if (staged == nullptr) {
+    absl::StatusOr<UploadPlan> plan = PlanUpload(*ctx, host);
+    if (!plan.ok()) return plan.status();
+    planned = *std::move(plan);
+  }
+  const UploadPlan& plan = staged != nullptr ? staged->plan() : planned;
+
   std::unique_ptr<CudaSessionState> s(new CudaSessionState(ctx));
   absl::StatusOr<int32_t> slot = ctx->AllocateCounterSlot();
   if (!slot.ok()) return slot.status();
@@ -350,14 +534,6 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   const StateLayout& layout = ctx->layout();
   const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
   s->layers_.resize(n_layers);
-
-  // The image (engine/transfer_plan.h): one run of private rows per SDM layer, in layer order,
-  // then one run of pages per attention layer. Slot ids and page ids go to host_ids in the
-  // same order, each run's ids back to back; the row counts after them.
-  std::vector<TransferRun> runs;
-  std::vector<int64_t> run_layer, run_ids;  // per run: its layer, its first id in host_ids
-  std::vector<int32_t> ids;
-  std::vector<int64_t> sdm_rows(n_layers, 0);  // per SDM layer: the rows it uploads
   for (int64_t l = 0; l < n_layers; ++l) {
     const LayerStateLayout& ls = layout.layers[l];
     Layer& layer = s->layers_[l];
@@ -368,73 +544,44 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
           CudaStatus(cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
                      "clearing an SDM slot table"));
       layer.cleared = true;
-      run_layer.push_back(l);
-      run_ids.push_back(static_cast<int64_t>(ids.size()));
-      host.sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
-        ids.push_back(static_cast<int32_t>(head * ls.slots_per_head + slot));
-      });
-      sdm_rows[l] = static_cast<int64_t>(ids.size()) - run_ids.back();
-      runs.push_back({ls.row_width, sdm_rows[l]});
     } else {
       SDM_RETURN_IF_ERROR(ctx->TakeTable(ctx->page_table_entries(l), &layer.table));
       layer.pages.reserve(ctx->page_table_entries(l));
     }
   }
-  const int64_t total_rows = static_cast<int64_t>(ids.size());
   if (auto st = s->EnsurePages(host.position()); !st.ok()) return st;
-  for (int64_t l = 0; l < n_layers; ++l) {
-    const LayerStateLayout& ls = layout.layers[l];
-    if (IsSdm(ls) || s->layers_[l].pages.empty()) continue;
-    run_layer.push_back(l);
-    run_ids.push_back(static_cast<int64_t>(ids.size()));
-    ids.insert(ids.end(), s->layers_[l].pages.begin(), s->layers_[l].pages.end());
-    runs.push_back({kernels::KvPageElements(ls.kv_row_width),
-                    static_cast<int64_t>(s->layers_[l].pages.size())});
+  // The ids: the SDM runs' slot ids, then each KV run's pages in table order.
+  std::vector<int32_t> ids = plan.slot_ids;
+  const int64_t total_rows = static_cast<int64_t>(ids.size());
+  for (size_t r = 0; r < plan.runs.size(); ++r) {
+    const int64_t l = plan.run_layer[r];
+    if (IsSdm(layout.layers[l])) continue;
+    const std::vector<int32_t>& pages = s->layers_[l].pages;
+    if (static_cast<int64_t>(pages.size()) != plan.runs[r].count ||
+        plan.run_first[r] != static_cast<int64_t>(ids.size())) {
+      return absl::InternalError("an upload's plan disagrees with the session's page tables");
+    }
+    ids.insert(ids.end(), pages.begin(), pages.end());
   }
   if (total_rows > 0) {
     if (auto st = ctx->ReserveRows(total_rows); !st.ok()) return st;
   }
-  const std::vector<int64_t> run_offset = TransferRunOffsets(runs);
-  const int64_t image_elems = run_offset.back();
+  const int64_t image_elems = plan.image_elems();
   if (image_elems == 0) return s;
 
   const int64_t n_ids = static_cast<int64_t>(ids.size());
   TransferSizes need;
-  need.image = image_elems;
-  need.host_ids = n_ids + n_layers;  // the ids, then a row count per layer
+  need.image = staged != nullptr ? 0 : image_elems;  // a staged image has its own buffer
+  need.host_ids = n_ids + n_layers;                  // the ids, then a row count per layer
   need.ids = n_ids;
   SDM_RETURN_IF_ERROR(ctx->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
     need.chunk = staging.ChunkElemsFor(image_elems);
     SDM_RETURN_IF_ERROR(staging.Reserve(need));
     absl::StatusOr<std::vector<TransferChunk>> chunks =
-        PlanTransferChunks(runs, staging.chunk_elems());
+        PlanTransferChunks(plan.runs, staging.chunk_elems());
     if (!chunks.ok()) return chunks.status();
-    // The image: each layer's private rows as bf16, each page's held positions (the rest 0).
-    for (size_t r = 0; r < runs.size(); ++r) {
-      const int64_t l = run_layer[r];
-      const LayerStateLayout& ls = layout.layers[l];
-      bf16* dst = staging.image() + run_offset[r];
-      if (IsSdm(ls)) {
-        host.sdm(l).ForEachPrivateRow([&](int64_t, int64_t, const float* row) {
-          for (int64_t c = 0; c < ls.row_width; ++c) dst[c] = __float2bfloat16_rn(row[c]);
-          dst += ls.row_width;
-        });
-        continue;
-      }
-      std::memset(static_cast<void*>(dst), 0, runs[r].count * runs[r].block_elems * sizeof(bf16));
-      const KvCache& kv = host.kv(l);
-      const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
-      for (int64_t pos = kv.first_position(); pos < kv.length(); ++pos) {
-        // Page-table entry e is the run's block e (the pages in table order).
-        const int64_t entry = kernels::KvPageTableIndex(pos, ring);
-        for (int value = 0; value < 2; ++value) {
-          const float* src = value ? kv.ValueRow(pos) : kv.KeyRow(pos);
-          bf16* row = dst + entry * runs[r].block_elems +
-                      kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
-          for (int64_t c = 0; c < ls.kv_row_width; ++c) row[c] = __float2bfloat16_rn(src[c]);
-        }
-      }
-    }
+    const bf16* image = staged != nullptr ? staged->image() : staging.image();
+    if (staged == nullptr) WriteUploadImage(*ctx, plan, host, staging.image());
     std::memcpy(staging.host_ids(), ids.data(), n_ids * sizeof(int32_t));
 
     // Everything on the compute stream, in order: the rows' scatter pops the free list, which
@@ -447,12 +594,12 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
                    "uploading slot and page ids"));
     for (const TransferChunk& chunk : *chunks) {
       SDM_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(staging.chunk(), staging.image() + chunk.image_offset,
+          CudaStatus(cudaMemcpyAsync(staging.chunk(), image + chunk.image_offset,
                                      chunk.elems * sizeof(bf16), cudaMemcpyHostToDevice, c),
                      "uploading session state"));
       for (const TransferPiece& p : chunk.pieces) {
-        const int64_t l = run_layer[p.run];
-        const int32_t* piece_ids = staging.ids() + run_ids[p.run] + p.first;
+        const int64_t l = plan.run_layer[p.run];
+        const int32_t* piece_ids = staging.ids() + plan.run_first[p.run] + p.first;
         const bf16* src = staging.chunk() + p.chunk_offset;
         if (IsSdm(layout.layers[l])) {
           SDM_RETURN_IF_ERROR(
@@ -461,9 +608,9 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
                          "scattering uploaded rows"));
         } else {
           const kc::KvLayerView arena = ctx->kv_arena(l);
-          SDM_RETURN_IF_ERROR(CudaStatus(
-              kc::ScatterBlocks(src, runs[p.run].block_elems, piece_ids, p.count, arena.pool, c),
-              "scattering uploaded pages"));
+          SDM_RETURN_IF_ERROR(CudaStatus(kc::ScatterBlocks(src, plan.runs[p.run].block_elems,
+                                                           piece_ids, p.count, arena.pool, c),
+                                         "scattering uploaded pages"));
         }
       }
       SDM_RETURN_IF_ERROR(staging.ChunkFault());
@@ -471,15 +618,16 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     // Each SDM layer's row counter, from page-locked memory after the ids.
     int32_t* counts = staging.host_ids() + n_ids;
     for (int64_t l = 0; l < n_layers; ++l) {
-      if (sdm_rows[l] == 0) continue;
-      counts[l] = static_cast<int32_t>(sdm_rows[l]);
+      if (plan.sdm_rows[l] == 0) continue;
+      counts[l] = static_cast<int32_t>(plan.sdm_rows[l]);
       SDM_RETURN_IF_ERROR(
           CudaStatus(cudaMemcpyAsync(ctx->row_counter(s->counter_slot_, ctx->sdm_index(l)),
                                      counts + l, sizeof(int32_t), cudaMemcpyHostToDevice, c),
                      "setting a row counter"));
     }
-    // The staging is the next transfer's: wait for the copies and scatters (a resume is one
-    // upload of at most the session's state; the next step would wait for it anyway).
+    // The staging (and a staged image) is the next transfer's: wait for the copies and
+    // scatters (a resume is one upload of at most the session's state; the next step would
+    // wait for it anyway). On error WithTransferStaging waits for both streams.
     return CudaStatus(cudaStreamSynchronize(c), "uploading a session");
   }));
   return s;
@@ -514,14 +662,9 @@ absl::Status CudaSessionState::EnsurePages(int64_t end) {
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
     const LayerStateLayout& ls = layout.layers[l];
     if (IsSdm(ls) || end <= 0) continue;
-    const int64_t entries = ctx_->page_table_entries(l);
-    const int64_t logical = (end - 1) / kernels::kKvPageTokens + 1;
-    if (ls.ring_capacity == 0 && logical > entries) {
-      return absl::OutOfRangeError(absl::StrCat("position ", end - 1,
-                                                " is past the engine's max_context of ",
-                                                ctx_->sizes().max_context, " tokens"));
-    }
-    const int64_t needed = std::min(logical, entries);
+    absl::StatusOr<int64_t> covering = ctx_->PagesCovering(l, end);
+    if (!covering.ok()) return covering.status();
+    const int64_t needed = *covering;
     Layer& layer = layers_[l];
     const int64_t have = static_cast<int64_t>(layer.pages.size());
     if (have >= needed) continue;

@@ -11,7 +11,10 @@
 // the compute stream, so they never race. A park's gathers and copies run on the transfer
 // stream, after an event on the compute stream; a resume's copies and scatters run on the
 // compute stream (the scatter pops the free list, and the next step needs the session anyway).
-// Both move the state through the context's TransferStaging (below). Host bookkeeping (free pages,
+// Both move the state through the context's TransferStaging (below). A resume may be staged
+// ahead of its step (CudaStagedUpload, Engine::StageResume): the host-side conversion to the
+// bf16 image runs then, on the staging thread, into page-locked memory from the context's
+// staged-image pool, and the step only copies and scatters. Host bookkeeping (free pages,
 // counter slots) is guarded by the context's mutex: the store's worker thread parks sessions
 // while the scheduler thread runs steps.
 #ifndef SDMSERVE_ENGINE_CUDA_DEVICE_STATE_H_
@@ -33,6 +36,7 @@
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "engine/engine_backend.h"
+#include "engine/transfer_plan.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/sdm.h"
@@ -56,6 +60,16 @@ struct DeviceStateSizes {
   // Testing only (EngineOptions::inject_transfer_fault): the transfer chunk numbered this,
   // counted over the context's life, fails once after its copies were enqueued. -1: never.
   int64_t inject_transfer_fault = -1;
+  // The most page-locked host memory staged uploads hold at once, pooled buffers included
+  // (EngineOptions::resume_staging_bytes). 0: nothing is staged.
+  int64_t staged_bytes = 0;
+};
+
+// What the staged-image pool has done (CudaDeviceContext::staged_image_stats; tests, logs).
+struct StagedImageStats {
+  int64_t held_bytes = 0;   // page-locked bytes held now, in use and pooled
+  int64_t allocations = 0;  // buffers allocated so far
+  int64_t refusals = 0;     // requests the budget could not hold beside the buffers in use
 };
 
 // Element counts a transfer needs of each TransferStaging buffer.
@@ -124,6 +138,33 @@ class TransferStaging {
   ForwardFaultInjector fault_;
 };
 
+// What a resume moves (engine/transfer_plan.h): one run of private rows per SDM layer, in layer
+// order, then one run of pages per attention layer that holds any, block e being page-table
+// entry e; the image is the runs back to back in bf16. Made from the host session alone (no
+// device work), so it can be planned and its image written ahead of the step (a staged upload).
+struct UploadPlan {
+  int64_t position = 0;  // the session's when planned (it sizes the KV runs)
+  std::vector<TransferRun> runs;
+  std::vector<int64_t> run_layer;   // per run: its layer
+  std::vector<int64_t> run_first;   // per run: its first id in the upload's ids
+  std::vector<int64_t> run_offset;  // TransferRunOffsets(runs): image offsets, then the total
+  // The ids the SDM runs scatter to (head * slots_per_head + slot), back to back in run order;
+  // the upload appends each KV run's page ids after them.
+  std::vector<int32_t> slot_ids;
+  std::vector<int64_t> sdm_rows;  // per layer: the private rows it uploads (0: attention)
+  int64_t image_elems() const { return run_offset.back(); }
+};
+
+class CudaDeviceContext;
+
+// Plans the upload of `host`'s layers (host only). OutOfRange when its position is past what the
+// context's page tables hold (as EnsurePages).
+absl::StatusOr<UploadPlan> PlanUpload(const CudaDeviceContext& ctx, const SessionState& host);
+// Writes `plan`'s image of `host`'s layers to `image` ([plan.image_elems()]): each SDM layer's
+// private rows as bf16, each page's held positions (the rest 0). Host only, any thread.
+void WriteUploadImage(const CudaDeviceContext& ctx, const UploadPlan& plan,
+                      const SessionState& host, __nv_bfloat16* image);
+
 class CudaDeviceContext {
  public:
   // Allocates the arenas for `layout`. m0[l] is layer l's M0 on the device (null: zeros).
@@ -149,6 +190,9 @@ class CudaDeviceContext {
   int64_t num_sdm_layers() const { return num_sdm_layers_; }
   // Page-table entries of an attention layer: the ring, or max_context / page.
   int64_t page_table_entries(int64_t layer) const;
+  // Pages of attention layer `layer` that hold positions [0, end): all of the ring's once it
+  // is full. OutOfRange past max_context.
+  absl::StatusOr<int64_t> PagesCovering(int64_t layer, int64_t end) const;
   int64_t page_bytes(int64_t layer) const;
 
   // Host bookkeeping, thread-safe.
@@ -185,6 +229,22 @@ class CudaDeviceContext {
   int64_t transfer_staging_allocations() const ABSL_LOCKS_EXCLUDED(staging_mu_);
   // TransferStaging::chunks() (tests: where an injected transfer fault will fire).
   int64_t transfer_chunks() const ABSL_LOCKS_EXCLUDED(staging_mu_);
+
+  // The staged-image pool (CudaStagedUpload): a page-locked buffer of at least `elems` bf16. A
+  // pooled one if one is large enough (the smallest such); else a new one when the budget
+  // (DeviceStateSizes::staged_bytes) holds `elems` beside the buffers in use, after freeing
+  // pooled buffers only if the image would not fit beside them too (cudaFreeHost waits for the
+  // device: only when sizes change), a quarter larger than asked where the budget has that room
+  // free. ResourceExhausted when the buffers in use leave no room (counted as a refusal);
+  // Unavailable when the host memory cannot be pinned. Buffers go back with ReturnStagedImage
+  // and are freed with the context. Thread-safe (staging runs off the step thread); nothing
+  // slow runs under the pool's lock, which the step thread takes to give a buffer back.
+  absl::StatusOr<kernels::cuda::PinnedBuffer<__nv_bfloat16>> TakeStagedImage(int64_t elems)
+      ABSL_LOCKS_EXCLUDED(staged_mu_);
+  // Precondition: no copy reads it any more.
+  void ReturnStagedImage(kernels::cuda::PinnedBuffer<__nv_bfloat16> image)
+      ABSL_LOCKS_EXCLUDED(staged_mu_);
+  StagedImageStats staged_image_stats() const ABSL_LOCKS_EXCLUDED(staged_mu_);
 
   // A session's slot or page table of `entries` int32 (contents undefined): one a session no
   // longer resident gave back (ReturnTable), else a new allocation. So once residency repeats a
@@ -235,15 +295,52 @@ class CudaDeviceContext {
 
   mutable absl::Mutex staging_mu_;
   TransferStaging staging_ ABSL_GUARDED_BY(staging_mu_);
+
+  mutable absl::Mutex staged_mu_;
+  std::vector<kernels::cuda::PinnedBuffer<__nv_bfloat16>> staged_pool_ ABSL_GUARDED_BY(staged_mu_);
+  StagedImageStats staged_stats_ ABSL_GUARDED_BY(staged_mu_);
+};
+
+// A resume staged ahead of its step (state_store/device_residency.h, StagedUpload): the upload
+// plan and the bf16 image of a host session's layers in a page-locked buffer of the context's
+// pool, given back when this is destroyed (on any thread; never while an upload reads it:
+// CudaSessionState::Upload has finished with it, or waited, before it lets go).
+class CudaStagedUpload final : public StagedUpload {
+ public:
+  // Plans and writes the image of `host` (host work, on the calling thread); null when the
+  // image is empty (nothing to convert). ResourceExhausted when the staged-image budget cannot
+  // hold it; OutOfRange as PlanUpload.
+  static absl::StatusOr<std::unique_ptr<CudaStagedUpload>> Stage(
+      std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host);
+  ~CudaStagedUpload() override;
+
+  const UploadPlan& plan() const { return plan_; }
+  const __nv_bfloat16* image() const { return image_.get(); }
+
+ private:
+  CudaStagedUpload(std::shared_ptr<CudaDeviceContext> ctx, UploadPlan plan,
+                   kernels::cuda::PinnedBuffer<__nv_bfloat16> image)
+      : StagedUpload(ctx.get()),
+        ctx_(std::move(ctx)),
+        plan_(std::move(plan)),
+        image_(std::move(image)) {}
+
+  std::shared_ptr<CudaDeviceContext> ctx_;
+  UploadPlan plan_;
+  kernels::cuda::PinnedBuffer<__nv_bfloat16> image_;
 };
 
 // One session's residency on the device.
 class CudaSessionState final : public DeviceResidency {
  public:
   // Copies `host`'s layers to the device (copies and scatters on the compute stream, through the
-  // context's staging) and returns the residency to attach to it.
+  // context's staging) and returns the residency to attach to it. With `staged` (made by this
+  // context from `host` as it is now: SessionState drops stale ones) the image is taken from it
+  // instead of being converted here (one that does not match is ignored); it is free to go once
+  // this returns.
   static absl::StatusOr<std::unique_ptr<CudaSessionState>> Upload(
-      std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host);
+      std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host,
+      const CudaStagedUpload* staged = nullptr);
   ~CudaSessionState() override;
 
   absl::Status CopyToHost(SessionState& host) override;

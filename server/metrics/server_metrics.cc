@@ -166,6 +166,32 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                            "(malloc_trim; --malloc_trim_interval).")
                      .Register(registry)
                      .Add({})),
+      resumes_staged(BuildCounter()
+                         .Name("sdm_resumes_staged_total")
+                         .Help("GPU: sessions converted for their upload when their request was "
+                               "submitted, not inside the step that resumes them "
+                               "(--resume_staging).")
+                         .Register(registry)
+                         .Add({})),
+      resumes_from_staged(BuildCounter()
+                              .Name("sdm_resumes_from_staged_total")
+                              .Help("Of sdm_resumes_staged_total, resumes whose step uploaded "
+                                    "that image (the rest changed or ended first).")
+                              .Register(registry)
+                              .Add({})),
+      resume_staging_refused(BuildCounter()
+                                 .Name("sdm_resume_staging_refused_total")
+                                 .Help("GPU: sessions not converted ahead because "
+                                       "--resume_staging had no room (their step converted "
+                                       "them).")
+                                 .Register(registry)
+                                 .Add({})),
+      resume_staging_bytes(BuildGauge()
+                               .Name("sdm_resume_staging_bytes")
+                               .Help("Page-locked host memory held for sessions converted ahead, "
+                                     "pooled buffers included (at most --resume_staging).")
+                               .Register(registry)
+                               .Add({})),
       requests_(BuildCounter()
                     .Name("sdm_requests_total")
                     .Help("RPCs finished, by method and gRPC status code.")

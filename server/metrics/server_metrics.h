@@ -28,6 +28,11 @@
 //   sdm_persist_syncs_total                counter    background fsyncs (--persist_sync=write)
 //   sdm_sessions_unsynced                  gauge      sessions written but not fsynced yet
 //   sdm_persistence_healthy                gauge      1 while sessions can be written, else 0
+//   sdm_resumes_staged_total               counter    GPU: sessions converted for their upload
+//                                                     when their request was submitted
+//   sdm_resumes_from_staged_total          counter    of those, uploaded from that image
+//   sdm_resume_staging_refused_total       counter    sessions not converted ahead (no room)
+//   sdm_resume_staging_bytes               gauge      page-locked bytes held for them
 //
 // Labelled series are reached through the functions below, so that label names are spelled only
 // in server_metrics.cc (prometheus-cpp families do not declare their label names: a misspelt
@@ -108,6 +113,11 @@ class ServerMetrics {
   prometheus::Gauge& heap_system_bytes;
   // Times HeapTrimmer handed the heap's free pages back (base/heap.h), counted at scrapes.
   prometheus::Counter& heap_trims;
+  // Resumes staged ahead of their step (Engine::resume_staging_stats), counted at scrapes.
+  prometheus::Counter& resumes_staged;
+  prometheus::Counter& resumes_from_staged;
+  prometheus::Counter& resume_staging_refused;
+  prometheus::Gauge& resume_staging_bytes;
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;

@@ -5,6 +5,7 @@
 //
 // Every test but the first needs a device and skips without one (CI has none).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -13,6 +14,7 @@
 #include <random>
 #include <span>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine/engine.h"
@@ -1158,6 +1160,319 @@ TEST(CudaEngineTest, ATransferFailingPartWayLeavesEverySessionIntact) {
     EXPECT_EQ(r.parked[1]->position(), 90);
     ASSERT_TRUE(step_and_compare(r, 0).ok());  // the same step again
     ASSERT_TRUE(step_and_compare(r, 1).ok());
+  }
+}
+
+// ---- Resumes staged ahead of their step (Engine::StageResume) --------------------------------
+
+// One decode step of `session` alone; its logits ([vocab]), or empty when the step failed.
+std::vector<float> DecodeAlone(Engine& engine, SessionState& session, int32_t token,
+                               absl::Status* status = nullptr) {
+  std::vector<float> logits(engine.vocab_size());
+  SessionState* batch = &session;
+  absl::Status s = engine.Decode({&batch, 1}, {&token, 1}, logits);
+  if (status != nullptr) *status = s;
+  EXPECT_TRUE(status != nullptr || s.ok()) << s;
+  if (!s.ok()) logits.clear();
+  return logits;
+}
+
+// The staged-image pool of the context `session` is resident in.
+StagedImageStats PoolOf(const SessionState& session) {
+  return static_cast<const CudaDeviceContext*>(session.device()->owner())->staged_image_stats();
+}
+
+// A resume staged ahead of its step (its layers converted to the device's bf16 image before the
+// step, as the scheduler does on the submitting thread) continues bit for bit like one the step
+// converts itself, and the step takes the staged image instead of converting: on presets with
+// SDM, sliding-window and full-attention state, with the default transfer chunk and with one so
+// small that each upload takes many chunks. A staged image whose host layers then change (the
+// session stepped on the CPU engine) is dropped and never uploaded: the next resume converts
+// the new layers and still matches the twin.
+TEST(CudaEngineTest, AStagedResumeContinuesBitForBitFromTheStagedImage) {
+  SKIP_WITHOUT_DEVICE();
+  int64_t small_chunk = 0;
+  {
+    Engines probe = MakeEngines("debug_hybrid", 16);
+    ASSERT_NE(probe.cuda, nullptr);
+    small_chunk = LargestBlockBytes(probe.cuda->state_layout()) + 3000;
+  }
+  for (const std::string preset : {"tiny", "debug_hybrid"}) {
+    for (const int64_t chunk_bytes : {int64_t{0}, small_chunk}) {
+      SCOPED_TRACE(testing::Message() << preset << ", transfer chunk bytes " << chunk_bytes);
+      Engines e = MakeEngines(preset, 16, chunk_bytes);
+      ASSERT_NE(e.cuda, nullptr);
+      ASSERT_NE(e.cpu, nullptr);
+      const int64_t vocab = e.cuda->vocab_size();
+      auto staged = e.cuda->NewSession(), plain = e.cuda->NewSession();
+      const std::vector<int32_t> prompt = RandomTokens(70, vocab, 9);
+      ASSERT_TRUE(e.cuda->Prefill(*staged, prompt, false, nullptr).ok());
+      ASSERT_TRUE(e.cuda->Prefill(*plain, prompt, false, nullptr).ok());
+      int64_t stagings = 0;
+      for (int step = 0; step < 6; ++step) {
+        const int32_t token = RandomTokens(1, vocab, 40 + step)[0];
+        if (step % 2 == 0) {
+          ASSERT_TRUE(staged->SyncToHost().ok());
+          ASSERT_TRUE(plain->SyncToHost().ok());
+          ASSERT_TRUE(e.cuda->StageResume(*staged).ok());
+          ASSERT_NE(staged->staged(), nullptr);
+          EXPECT_EQ(e.cuda->resume_staging_stats().staged, ++stagings);
+          EXPECT_GT(e.cuda->resume_staging_stats().held_bytes, 0);
+          ASSERT_TRUE(e.cuda->StageResume(*staged).ok());  // staged already: nothing more
+          EXPECT_EQ(e.cuda->resume_staging_stats().staged, stagings);
+        }
+        if (step == 4) {
+          // Both sessions take this token on the CPU engine (same host layers, bit for bit):
+          // the staged image no longer matches `staged`'s layers.
+          ASSERT_TRUE(e.cpu->Prefill(*staged, {&token, 1}, false, nullptr).ok());
+          ASSERT_TRUE(e.cpu->Prefill(*plain, {&token, 1}, false, nullptr).ok());
+          EXPECT_EQ(staged->staged(), nullptr) << "a stale staged image was kept";
+        }
+        const std::vector<float> a = DecodeAlone(*e.cuda, *staged, token);
+        const std::vector<float> b = DecodeAlone(*e.cuda, *plain, token);
+        EXPECT_EQ(a, b) << "step " << step;
+        EXPECT_TRUE(staged->on_device());
+        EXPECT_EQ(staged->staged(), nullptr);
+        // Steps 0 and 2 resumed from their staged images; step 4's was dropped.
+        EXPECT_EQ(e.cuda->resume_staging_stats().used, std::min(step / 2 + 1, 2)) << step;
+      }
+      EXPECT_EQ(e.cuda->resume_staging_stats().refused, 0);
+    }
+  }
+}
+
+// The step uploads the staged bytes themselves, not a conversion of its own: a staged image
+// whose SDM rows were overwritten (here, through the test's hold on the page-locked buffer)
+// changes the resumed session's logits, and the same session staged again continues like its
+// twin. Without this a step that ignored the staged image would pass every other test here
+// (its own conversion gives the same bytes).
+TEST(CudaEngineTest, TheStepUploadsTheStagedBytes) {
+  SKIP_WITHOUT_DEVICE();
+  Engines e = MakeEngines("debug_hybrid", 16);
+  ASSERT_NE(e.cuda, nullptr);
+  const int64_t vocab = e.cuda->vocab_size();
+  const std::vector<int32_t> prompt = RandomTokens(45, vocab, 11);
+  auto poisoned = e.cuda->NewSession(), restaged = e.cuda->NewSession(),
+       twin = e.cuda->NewSession();
+  for (auto* s : {poisoned.get(), restaged.get(), twin.get()}) {
+    ASSERT_TRUE(e.cuda->Prefill(*s, prompt, false, nullptr).ok());
+  }
+  ASSERT_TRUE(poisoned->SyncToHost().ok());
+  ASSERT_TRUE(restaged->SyncToHost().ok());
+  ASSERT_TRUE(e.cuda->StageResume(*poisoned).ok());
+  ASSERT_TRUE(e.cuda->StageResume(*restaged).ok());
+  const auto* staged = static_cast<const CudaStagedUpload*>(poisoned->staged());
+  ASSERT_NE(staged, nullptr);
+  // The image starts with the first SDM layer's private rows (UploadPlan): scale them.
+  ASSERT_FALSE(staged->plan().runs.empty());
+  const TransferRun& rows = staged->plan().runs[0];
+  ASSERT_GT(rows.count, 0);
+  auto* image = const_cast<__nv_bfloat16*>(staged->image());
+  for (int64_t i = 0; i < rows.count * rows.block_elems; ++i) {
+    image[i] = __float2bfloat16_rn(8.0f * __bfloat162float(image[i]) + 1.0f);
+  }
+  const int32_t token = RandomTokens(1, vocab, 50)[0];
+  const std::vector<float> want = DecodeAlone(*e.cuda, *twin, token);
+  EXPECT_NE(DecodeAlone(*e.cuda, *poisoned, token), want)
+      << "the step did not upload the staged image";
+  EXPECT_EQ(DecodeAlone(*e.cuda, *restaged, token), want);
+  EXPECT_EQ(e.cuda->resume_staging_stats().used, 2);
+}
+
+// The staged images' page-locked memory stays within EngineOptions::resume_staging_bytes: a
+// session whose image does not fit beside the images in use is not staged (counted as refused;
+// its step converts it, with the same result), an image given back (the staged session dropped
+// it, or was resumed) is pooled and reused by the next staging without an allocation, and a
+// budget of 0 stages nothing.
+TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  EngineOptions o = CudaOptions(int64_t{1} << 30, 1024, /*prefill_chunk=*/16);
+  const std::vector<int32_t> prompt = RandomTokens(45, c->vocab_size, 11);
+  // Parked sessions of `engine` that took `prompt`.
+  auto parked_session = [&](Engine& engine) {
+    std::unique_ptr<SessionState> s = engine.NewSession();
+    EXPECT_TRUE(engine.Prefill(*s, prompt, false, nullptr).ok());
+    EXPECT_TRUE(s->SyncToHost().ok());
+    return s;
+  };
+  int64_t one_image = 0;  // bytes the pool holds for one such session's image
+  {
+    auto e = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    auto s = parked_session(**e);
+    ASSERT_TRUE((*e)->StageResume(*s).ok());
+    one_image = (*e)->resume_staging_stats().held_bytes;
+    ASSERT_GT(one_image, 0);
+  }
+  {
+    SCOPED_TRACE("a budget of one image");
+    o.resume_staging_bytes = one_image;
+    auto e = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    Engine& engine = **e;
+    auto a = parked_session(engine), b = parked_session(engine), twin = parked_session(engine);
+    ASSERT_TRUE(engine.StageResume(*a).ok());
+    ASSERT_NE(a->staged(), nullptr);
+    ASSERT_TRUE(engine.StageResume(*b).ok());  // a's image holds the budget
+    EXPECT_EQ(b->staged(), nullptr);
+    EXPECT_EQ(engine.resume_staging_stats().refused, 1);
+    EXPECT_EQ(engine.resume_staging_stats().held_bytes, one_image);
+    a->DropStaged();  // back to the pool
+    ASSERT_TRUE(engine.StageResume(*b).ok());
+    ASSERT_NE(b->staged(), nullptr);
+    EXPECT_EQ(engine.resume_staging_stats().held_bytes, one_image);
+    EXPECT_EQ(engine.resume_staging_stats().staged, 2);
+    const int32_t token = RandomTokens(1, c->vocab_size, 50)[0];
+    const std::vector<float> from_a = DecodeAlone(engine, *a, token);  // converted in the step
+    const std::vector<float> from_b = DecodeAlone(engine, *b, token);  // from the staged image
+    const std::vector<float> from_twin = DecodeAlone(engine, *twin, token);
+    EXPECT_EQ(from_b, from_twin);
+    EXPECT_EQ(from_a, from_twin);
+    EXPECT_EQ(engine.resume_staging_stats().used, 1);
+    EXPECT_EQ(PoolOf(*b).allocations, 1) << "the pooled image was not reused";
+  }
+  {
+    SCOPED_TRACE("another engine's staged image, and a session past max_context");
+    auto e = Engine::Create(model, o);
+    auto other = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    ASSERT_TRUE(other.ok()) << other.status();
+    auto a = parked_session(**e), twin = parked_session(**e);
+    ASSERT_TRUE((*other)->StageResume(*a).ok());
+    ASSERT_NE(a->staged(), nullptr);
+    const int32_t token = RandomTokens(1, c->vocab_size, 51)[0];
+    // The engine stepping `a` converts it itself; the other engine's image is dropped.
+    EXPECT_EQ(DecodeAlone(**e, *a, token), DecodeAlone(**e, *twin, token));
+    EXPECT_EQ(a->staged(), nullptr);
+    EXPECT_EQ((*e)->resume_staging_stats().used, 0);
+    EXPECT_EQ((*other)->resume_staging_stats().used, 0);
+    // A session longer than the engine's max_context (1024 here; prefilled on the CPU) is not
+    // staged, and not counted as refused: its step reports the error.
+    EngineOptions cpu_options;
+    cpu_options.prefill_chunk = 256;
+    auto cpu = Engine::Create(model, cpu_options);
+    ASSERT_TRUE(cpu.ok()) << cpu.status();
+    auto long_session = (*cpu)->NewSession();
+    ASSERT_TRUE(
+        (*cpu)->Prefill(*long_session, RandomTokens(1100, c->vocab_size, 52), false, nullptr).ok());
+    ASSERT_TRUE((*e)->StageResume(*long_session).ok());
+    EXPECT_EQ(long_session->staged(), nullptr);
+    EXPECT_EQ((*e)->resume_staging_stats().refused, 0);
+    absl::Status too_long;
+    DecodeAlone(**e, *long_session, token, &too_long);
+    EXPECT_EQ(too_long.code(), absl::StatusCode::kOutOfRange) << too_long;
+  }
+  {
+    SCOPED_TRACE("a budget of 0");
+    o.resume_staging_bytes = 0;
+    auto e = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    auto a = parked_session(**e);
+    ASSERT_TRUE((*e)->StageResume(*a).ok());
+    EXPECT_EQ(a->staged(), nullptr);
+    EXPECT_EQ((*e)->resume_staging_stats().refused, 1);
+    EXPECT_EQ((*e)->resume_staging_stats().held_bytes, 0);
+  }
+}
+
+// Staging runs on the thread that submits a job while the step thread runs other sessions
+// (Engine::StageResume's thread-safety): sessions staged on another thread while the engine
+// decodes others continue bit for bit, each from its staged image. And a staged resume whose
+// upload fails part-way (an injected transfer fault) fails its step before anything was
+// written: the session stays parked with its staged image, and the retried step uses it.
+TEST(CudaEngineTest, StagingOffTheStepThreadAndAFailedStagedUpload) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  EngineOptions o = CudaOptions(int64_t{1} << 30, 1024, /*prefill_chunk=*/16);
+  {
+    auto probe = Engine::Create(model, o);
+    ASSERT_TRUE(probe.ok()) << probe.status();
+    o.device_transfer_chunk_bytes = LargestBlockBytes((*probe)->state_layout()) + 3000;
+  }
+  const int64_t vocab = c->vocab_size;
+  constexpr int kStaged = 3;
+  auto make = [&](int64_t fault) {
+    EngineOptions with_fault = o;
+    with_fault.inject_transfer_fault = fault;
+    return Engine::Create(model, with_fault);
+  };
+  {
+    SCOPED_TRACE("staged on another thread");
+    auto e = make(-1);
+    ASSERT_TRUE(e.ok()) << e.status();
+    Engine& engine = **e;
+    std::vector<std::unique_ptr<SessionState>> staged, twins;
+    for (int i = 0; i < kStaged; ++i) {
+      const std::vector<int32_t> prompt = RandomTokens(30 + 20 * i, vocab, 30 + i);
+      for (auto* list : {&staged, &twins}) {
+        list->push_back(engine.NewSession());
+        ASSERT_TRUE(engine.Prefill(*list->back(), prompt, false, nullptr).ok());
+      }
+      ASSERT_TRUE(staged.back()->SyncToHost().ok());
+    }
+    auto busy = engine.NewSession();
+    ASSERT_TRUE(engine.Prefill(*busy, RandomTokens(20, vocab, 29), false, nullptr).ok());
+    absl::Status staging_status;
+    std::atomic<bool> staging_done{false};
+    std::thread stager([&] {
+      for (auto& s : staged) {
+        if (absl::Status st = engine.StageResume(*s); !st.ok()) staging_status = st;
+      }
+      staging_done = true;
+    });
+    // Steps until the stager is done (at least two), so that staging overlaps them.
+    for (int step = 0; step < 2 || !staging_done; ++step) {
+      DecodeAlone(engine, *busy, RandomTokens(1, vocab, step)[0]);
+    }
+    stager.join();
+    ASSERT_TRUE(staging_status.ok()) << staging_status;
+    for (int i = 0; i < kStaged; ++i) {
+      ASSERT_NE(staged[i]->staged(), nullptr) << i;
+      const int32_t token = RandomTokens(1, vocab, 90 + i)[0];
+      EXPECT_EQ(DecodeAlone(engine, *staged[i], token), DecodeAlone(engine, *twins[i], token))
+          << "session " << i;
+    }
+    EXPECT_EQ(engine.resume_staging_stats().used, kStaged);
+  }
+  {
+    SCOPED_TRACE("a staged upload failing part-way");
+    // Where the fault lands: the chunks before the resume (prefills move nothing; the park
+    // takes some), learnt from an engine without one; the fault hits the resume's second chunk.
+    int64_t before_resume = 0;
+    {
+      auto e = make(-1);
+      ASSERT_TRUE(e.ok()) << e.status();
+      auto s = (*e)->NewSession();
+      ASSERT_TRUE((*e)->Prefill(*s, RandomTokens(90, vocab, 12), false, nullptr).ok());
+      const auto* ctx = static_cast<const CudaDeviceContext*>(s->device()->owner());
+      ASSERT_TRUE(s->SyncToHost().ok());
+      before_resume = ctx->transfer_chunks();
+    }
+    auto e = make(before_resume + 1);
+    ASSERT_TRUE(e.ok()) << e.status();
+    Engine& engine = **e;
+    auto s = engine.NewSession(), twin = engine.NewSession();
+    for (auto* session : {s.get(), twin.get()}) {
+      ASSERT_TRUE(engine.Prefill(*session, RandomTokens(90, vocab, 12), false, nullptr).ok());
+    }
+    ASSERT_TRUE(s->SyncToHost().ok());
+    ASSERT_TRUE(engine.StageResume(*s).ok());
+    const int32_t token = RandomTokens(1, vocab, 77)[0];
+    absl::Status failed;
+    EXPECT_TRUE(DecodeAlone(engine, *s, token, &failed).empty());
+    EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+    EXPECT_NE(failed.message().find("injected transfer fault"), std::string::npos) << failed;
+    EXPECT_FALSE(s->failed());
+    EXPECT_FALSE(s->on_device());
+    EXPECT_EQ(s->position(), 90);
+    EXPECT_NE(s->staged(), nullptr) << "the staged image was lost with the failed upload";
+    EXPECT_EQ(DecodeAlone(engine, *s, token), DecodeAlone(engine, *twin, token));
+    EXPECT_EQ(engine.resume_staging_stats().used, 1);
   }
 }
 

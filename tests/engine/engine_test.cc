@@ -252,6 +252,24 @@ TEST(EngineTest, RejectsBadInput) {
   EXPECT_EQ(s->position(), 0);  // nothing was consumed by the rejected calls
 }
 
+// Engine::StageResume on the CPU: nothing to convert (the CPU steps the host layers), so it
+// attaches nothing and the session continues as if it had not been called; a session of another
+// model is refused as Step refuses it.
+TEST(EngineTest, StagingAResumeOnTheCpuAttachesNothing) {
+  const ModelConfig c = Tiny();
+  auto engine = MakeEngine(c);
+  auto s = engine->NewSession();
+  ASSERT_TRUE(engine->Prefill(*s, RandomTokens(3, 1), false, nullptr).ok());
+  EXPECT_TRUE(engine->StageResume(*s).ok());
+  EXPECT_EQ(s->staged(), nullptr);
+  EXPECT_EQ(engine->resume_staging_stats().staged, 0);
+  const ModelConfig other_config = MiniHybrid();
+  ASSERT_NE(other_config.n_layers, c.n_layers);  // what tells a session's model apart
+  auto other = MakeEngine(other_config);
+  auto foreign = other->NewSession();
+  EXPECT_EQ(engine->StageResume(*foreign).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // The ids of this process's threads named `name` (/proc/self/task/*/comm).
 std::set<int> ThreadsNamed(const std::string& name) {
   std::set<int> ids;

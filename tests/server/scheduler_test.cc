@@ -62,6 +62,18 @@ class Collector : public JobObserver {
   std::condition_variable cv_;
 };
 
+// A staged upload (state_store/device_residency.h) that records when it is let go: what a CUDA
+// engine's StageResume attaches to a job's session, faked so the CPU scheduler tests see it.
+class FakeStaged : public StagedUpload {
+ public:
+  explicit FakeStaged(std::shared_ptr<std::atomic<bool>> dropped)
+      : StagedUpload(nullptr), dropped_(std::move(dropped)) {}
+  ~FakeStaged() override { *dropped_ = true; }
+
+ private:
+  std::shared_ptr<std::atomic<bool>> dropped_;
+};
+
 std::vector<int32_t> Tokens(int n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::uniform_int_distribution<int32_t> tok(0, 255);
@@ -325,11 +337,20 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   o.max_running = 1;
   StartScheduler(o);
   ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  // The session holds a staged upload (as a CUDA engine's StageResume leaves it): a job that
+  // never runs must give it back when it ends, not leave it to the session's next turn.
+  auto staged_dropped = std::make_shared<std::atomic<bool>>(false);
+  {
+    absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    lease->state().AttachStaged(std::make_unique<FakeStaged>(staged_dropped));
+  }
   // The only running place is held by a long job until the test cancels it.
   auto running = std::make_shared<Collector>();
   ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 1000000), running).ok());
   auto queued = std::make_shared<Collector>();
   ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(4, 2), 5), queued).ok());
+  EXPECT_FALSE(*staged_dropped) << "dropped before the job ended";
   auto expired = std::make_shared<Collector>();
   GenerateJob late = Job("", Tokens(4, 3), 5);
   late.deadline = absl::Now();  // past by the next step
@@ -339,6 +360,7 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   expired->Wait();
   EXPECT_FALSE(running->finished);
   EXPECT_EQ(queued->reason, FinishReason::kCancelled);
+  EXPECT_TRUE(*staged_dropped);
   EXPECT_TRUE(queued->tokens.empty());
   EXPECT_EQ(queued->usage.generated_tokens, 0);
   EXPECT_EQ(expired->reason, FinishReason::kDeadline);

@@ -139,6 +139,26 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
         {},
         "Times the heap's free pages were handed back to the system (malloc_trim; "
         "--malloc_trim_interval)."}},
+      {"sdm_resumes_staged_total",
+       {"counter",
+        {},
+        "GPU: sessions converted for their upload when their request was submitted, not inside "
+        "the step that resumes them (--resume_staging)."}},
+      {"sdm_resumes_from_staged_total",
+       {"counter",
+        {},
+        "Of sdm_resumes_staged_total, resumes whose step uploaded that image (the rest changed "
+        "or ended first)."}},
+      {"sdm_resume_staging_refused_total",
+       {"counter",
+        {},
+        "GPU: sessions not converted ahead because --resume_staging had no room (their step "
+        "converted them)."}},
+      {"sdm_resume_staging_bytes",
+       {"gauge",
+        {},
+        "Page-locked host memory held for sessions converted ahead, pooled buffers included (at "
+        "most --resume_staging)."}},
   };
   const ParsedPage page = RenderAndParse(registry);
   std::map<std::string, Declared> actual;

@@ -417,6 +417,99 @@ TEST_F(DeviceResidencyTest, CopiesOfAnOnDeviceSessionAreProgrammingErrors) {
                "check failed");
 }
 
+// A staged upload (StagedUpload) that records whether it is still held.
+class FakeStaged : public StagedUpload {
+ public:
+  explicit FakeStaged(std::shared_ptr<bool> destroyed)
+      : StagedUpload(&kFakeDevice), destroyed_(std::move(destroyed)) {}
+  ~FakeStaged() override { *destroyed_ = true; }
+
+ private:
+  std::shared_ptr<bool> destroyed_;
+};
+
+// Attaches a FakeStaged to `s`; the flag turns true when the session lets it go.
+std::shared_ptr<bool> Stage(SessionState& s) {
+  auto destroyed = std::make_shared<bool>(false);
+  s.AttachStaged(std::make_unique<FakeStaged>(destroyed));
+  return destroyed;
+}
+
+// A staged copy of the host layers must never outlive a change to them: every way a layer or
+// the position can change drops it, and reading does not.
+TEST_F(DeviceResidencyTest, AStagedUploadIsDroppedWhenTheLayersMayChange) {
+  auto s = engine_->NewSession();
+  ASSERT_TRUE(engine_->Prefill(*s, prompt_, false, nullptr).ok());
+  const SessionState& view = *s;
+
+  auto dropped = Stage(*s);
+  ASSERT_NE(s->staged(), nullptr);
+  EXPECT_EQ(s->staged()->owner(), &kFakeDevice);
+  // Reads (const accessors, copies, the codec) keep it.
+  for (int64_t l = 0; l < view.num_layers(); ++l) {
+    if (view.is_sdm(l)) {
+      EXPECT_GE(view.sdm(l).ResidentBytes(), 0);
+    } else {
+      EXPECT_GE(view.kv(l).length(), 0);
+    }
+  }
+  auto fork = s->Fork();
+  auto clone = s->Clone();
+  EXPECT_FALSE(EncodeSessionState(*s, {}, engine_->fingerprint()).empty());
+  s->ClearDirty();  // what was written is on disk: the rows themselves are unchanged
+  EXPECT_FALSE(*dropped);
+  EXPECT_EQ(fork->staged(), nullptr);  // a copy is another session: nothing staged for it
+  EXPECT_EQ(clone->staged(), nullptr);
+
+  // A step writes the layers (and advances the position).
+  HostDecode(*s, {7});
+  EXPECT_TRUE(*dropped);
+  EXPECT_EQ(s->staged(), nullptr);
+
+  const int64_t kv_layer = config_.swa_at[0];
+  const int64_t sdm_layer = config_.sdm_at[0];
+  dropped = Stage(*s);
+  s->kv(kv_layer);
+  EXPECT_TRUE(*dropped) << "a mutable KV cache";
+  dropped = Stage(*s);
+  s->sdm(sdm_layer);
+  EXPECT_TRUE(*dropped) << "a mutable SDM table";
+  dropped = Stage(*s);
+  s->DropStaged();
+  EXPECT_TRUE(*dropped) << "DropStaged";
+
+  // Attaching a residency makes the host layers stale: the staged copy goes too.
+  dropped = Stage(*s);
+  auto probe = Attach(*s);
+  EXPECT_TRUE(*dropped) << "AttachDevice";
+  EXPECT_EQ(s->staged(), nullptr);
+
+  // Destroying the session destroys its staged upload; TakeStaged hands it over whole.
+  auto other = engine_->NewSession();
+  dropped = Stage(*other);
+  other->AdvancePosition();
+  EXPECT_TRUE(*dropped) << "AdvancePosition";
+  dropped = Stage(*other);
+  other->set_position(0);
+  EXPECT_TRUE(*dropped) << "set_position";
+  dropped = Stage(*other);
+  std::unique_ptr<StagedUpload> taken = other->TakeStaged();
+  EXPECT_EQ(other->staged(), nullptr);
+  EXPECT_FALSE(*dropped);
+  taken.reset();
+  EXPECT_TRUE(*dropped);
+  dropped = Stage(*other);
+  other.reset();
+  EXPECT_TRUE(*dropped) << "destroying the session";
+}
+
+TEST_F(DeviceResidencyTest, StagingAnOnDeviceSessionIsAProgrammingError) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  auto s = engine_->NewSession();
+  auto probe = Attach(*s);
+  EXPECT_DEATH(Stage(*s), "check failed");
+}
+
 // ---- Through the store ----
 
 TEST_F(DeviceResidencyTest, ParkingSyncsAndResumesBitExact) {

@@ -8,7 +8,7 @@
 //                    [--bandwidth_mb 512] [--json FILE] [--csv FILE] [--report DIR]
 //   sdm-bench report --from results.json [--report DIR] [--json FILE] [--csv FILE]
 //   sdm-bench state [--device auto|cpu|cuda] [--presets debug_sdm] [--lengths 128,1024,8192]
-//                   [--dir DIR] [--json FILE]
+//                   [--full_table] [--dir DIR] [--json FILE]
 //   sdm-bench cpu-attention [--presets debug] [--attention_contexts 8192]
 //                           [--attention_batches 1,8] [--window 0] [--kernel_reps 20]
 //                           [--kernel_warmup 3] [--threads 0] [--bandwidth_mb 512] [--seed 1]
@@ -118,6 +118,9 @@ ABSL_FLAG(std::string, python, "/usr/bin/python3", "Python with matplotlib, for 
 ABSL_FLAG(std::vector<std::string>, lengths, std::vector<std::string>({}),
           "state: history lengths (default 128,1024,8192)");
 ABSL_FLAG(std::string, dir, "", "state: snapshot directory (default: a temporary one)");
+ABSL_FLAG(bool, full_table, false,
+          "state: also park and resume a session whose SDM tables hold every slot (random rows): "
+          "the most a park or resume moves, converted in the step and staged ahead");
 ABSL_FLAG(std::string, from, "", "report: the JSON document of an earlier decode run");
 ABSL_FLAG(std::string, plot_script, "",
           "plot_decode.py (default: next to the binary, else in the source tree)");
@@ -254,6 +257,7 @@ int RunState() {
   so.seed = absl::GetFlag(FLAGS_seed);
   so.dir = absl::GetFlag(FLAGS_dir);
   so.json_path = absl::GetFlag(FLAGS_json);
+  so.full_table = absl::GetFlag(FLAGS_full_table);
   const absl::Status s = sdm::bench::RunStateBenchmark(so);
   if (!s.ok()) {
     std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
@@ -402,9 +406,9 @@ int main(int argc, char** argv) {
        /*max_positional=*/0, [&](const sdm::cli::ParsedArgs&) { return RunReport(command_line); }},
       {"state",
        "sdm-bench state [--device auto|cpu|cuda] [--presets debug_sdm] [--lengths "
-       "128,1024,8192] [--dir DIR] [--json FILE]",
+       "128,1024,8192] [--full_table] [--dir DIR] [--json FILE]",
        "What a session's state costs and how fast it parks and resumes against re-prefill.",
-       {"device", "presets", "lengths", "threads", "seed", "dir", "json"},
+       {"device", "presets", "lengths", "threads", "seed", "dir", "json", "full_table"},
        /*max_positional=*/0,
        [](const sdm::cli::ParsedArgs&) { return RunState(); }},
       {"cpu-attention",

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "engine/engine.h"
@@ -60,12 +61,122 @@ std::vector<float> NextLogits(Engine& engine, SessionState& s, int32_t token) {
   return logits;
 }
 
+// Fills every slot of `s`'s SDM tables with its own row of values in [-0.05, 0.05) (a cheap
+// generator: 805 M values for sdm_flagship). `s` is host-only.
+absl::Status FillSdmTables(SessionState& s, uint64_t seed) {
+  uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+  for (int64_t l = 0; l < s.num_layers(); ++l) {
+    if (!s.is_sdm(l)) continue;
+    SdmTable& t = s.sdm(l);
+    for (int64_t h = 0; h < t.heads(); ++h) {
+      for (int64_t slot = 0; slot < t.slots_per_head(); ++slot) {
+        float* row = t.MutableRow(h, slot);
+        if (row == nullptr) return absl::ResourceExhaustedError("the host row pool is full");
+        for (int64_t c = 0; c < t.row_width(); ++c) {
+          x ^= x << 13;
+          x ^= x >> 7;
+          x ^= x << 17;
+          row[c] = static_cast<float>(static_cast<int64_t>(x >> 40) - (int64_t{1} << 23)) *
+                   (0.05f / (1 << 23));
+        }
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+// The full-table measurement (StateBenchOptions::full_table): a session prefilled with 16 tokens
+// whose SDM tables then hold a random row in every slot, and its clone. The session's first
+// step resumes it converting inside the step; a park (SyncToHost) brings it back; the clone is
+// staged ahead (Engine::StageResume) and its first step resumes it from the staged image (its
+// logits must equal the session's, else `mismatch`); then one step of the resident clone. On the
+// CPU there is no device: the steps are plain steps and the park and staging do nothing.
+absl::Status MeasureFullTable(Engine& engine, const std::string& preset,
+                              const std::string& described, std::mt19937& rng,
+                              nlohmann::json& results, absl::Status* mismatch) {
+  std::unique_ptr<SessionState> s = engine.NewSession();
+  const std::vector<int32_t> prompt = RandomTokens(16, rng);
+  if (auto st = Prefill(engine, *s, prompt, "full table: prefill", preset); !st.ok()) return st;
+  if (auto st = s->SyncToHost(); !st.ok()) return st;
+  std::fprintf(stderr, "[%s] full table: filling every SDM slot...\n", preset.c_str());
+  if (auto st = FillSdmTables(*s, rng()); !st.ok()) return st;
+  int64_t rows = 0, row_width = 0;
+  for (int64_t l = 0; l < s->num_layers(); ++l) {
+    if (!s->is_sdm(l)) continue;
+    rows += std::as_const(*s).sdm(l).private_rows();
+    row_width = std::as_const(*s).sdm(l).row_width();
+  }
+  if (rows == 0) return absl::OkStatus();  // a model without SDM layers: nothing to measure
+  std::unique_ptr<SessionState> clone = s->Clone();
+  const bool cuda = engine.device() == EngineDevice::kCuda;
+  // What moves: the rows in the device's format (bf16 on CUDA), the KV of 16 tokens aside.
+  const double bytes = static_cast<double>(rows) * row_width * (cuda ? 2 : 4);
+  const std::vector<int32_t> next = RandomTokens(2, rng);
+
+  Clock::time_point t0 = Clock::now();
+  const std::vector<float> want = NextLogits(engine, *s, next[0]);
+  const double step_converting = Since(t0);
+  t0 = Clock::now();
+  if (auto st = s->SyncToHost(); !st.ok()) return st;
+  const double park = Since(t0);
+  s.reset();  // its host copy and, on the device, nothing left
+  t0 = Clock::now();
+  if (auto st = engine.StageResume(*clone); !st.ok()) return st;
+  const double staging = Since(t0);
+  if (cuda && clone->staged() == nullptr) {
+    return absl::InternalError(
+        "the full table was not staged (EngineOptions::resume_staging_bytes is too low for it)");
+  }
+  t0 = Clock::now();
+  const bool exact = NextLogits(engine, *clone, next[0]) == want;
+  const double step_staged = Since(t0);
+  t0 = Clock::now();
+  if (NextLogits(engine, *clone, next[1]).empty()) return absl::InternalError("a step failed");
+  const double step_resident = Since(t0);
+  if (cuda) {
+    std::printf(
+        "#   %s full table: %lld rows, %.3f GB as the device holds them; first step converting "
+        "in the step %.2f ms, park (SyncToHost) %.2f ms (%.2f GB/s); staged ahead %.2f ms (%.2f "
+        "GB/s of rows, off the step thread), then the first step %.2f ms; a resident step %.2f "
+        "ms; staged continuation exact: %s\n",
+        preset.c_str(), static_cast<long long>(rows), bytes / 1e9, step_converting * 1e3,
+        park * 1e3, bytes / park / 1e9, staging * 1e3, bytes / staging / 1e9, step_staged * 1e3,
+        step_resident * 1e3, exact ? "yes" : "NO");
+  } else {
+    std::printf(
+        "#   %s full table: %lld rows, %.3f GB; no device (nothing to park or stage): a step "
+        "%.2f ms, the clone's %.2f ms, then %.2f ms; the clone continues exactly: %s\n",
+        preset.c_str(), static_cast<long long>(rows), bytes / 1e9, step_converting * 1e3,
+        step_staged * 1e3, step_resident * 1e3, exact ? "yes" : "NO");
+  }
+  std::fflush(stdout);
+  results.push_back({{"model", preset},
+                     {"device", EngineDeviceName(engine.device())},
+                     {"engine", described},
+                     {"full_table", true},
+                     {"sdm_rows", rows},
+                     {"row_bytes_moved", bytes},
+                     {"first_step_converting_s", step_converting},
+                     {"park_s", park},
+                     {"park_gbps", cuda ? nlohmann::json(bytes / park / 1e9) : nlohmann::json()},
+                     {"staging_s", staging},
+                     {"first_step_after_staged_resume_s", step_staged},
+                     {"resident_step_s", step_resident},
+                     {"staged_exact", exact}});
+  if (!exact && mismatch->ok()) {
+    *mismatch = absl::InternalError(
+        absl::StrCat(preset, " full table: the staged resume did not continue bit for bit"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
   absl::StatusOr<EngineDevice> device = ResolveBenchDevice(opt.device);
   if (!device.ok()) return device.status();
   nlohmann::json results = nlohmann::json::array();
+  absl::Status mismatch;  // the first staged resume that did not continue exactly
   const std::filesystem::path dir =
       opt.dir.empty()
           ? std::filesystem::temp_directory_path() / absl::StrCat("sdm-bench-state-", ::getpid())
@@ -159,10 +270,28 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       auto lease = (*store_or)->Acquire("bench");
       if (!lease.ok()) return lease.status();
       resume_disk = Since(t0);
-      // On CUDA the first step after a resume also uploads the state to the device.
+      // On CUDA the first step after a resume also uploads the state to the device: converted
+      // inside the step (first_step), or staged ahead (Engine::StageResume, which the scheduler
+      // runs on the submitting thread: staging_s) so that the step only copies
+      // (first_step_staged), measured on a copy of the restored session.
+      std::unique_ptr<SessionState> staged_copy;
+      if (engine.device() == EngineDevice::kCuda) staged_copy = lease->state().Clone();
       const Clock::time_point t1 = Clock::now();
       const bool exact = NextLogits(engine, lease->state(), next) == want;
       const double first_step = Since(t1);
+      double staging = -1, first_step_staged = -1;
+      bool staged_exact = true;
+      if (staged_copy != nullptr) {
+        Clock::time_point t2 = Clock::now();
+        if (auto s = engine.StageResume(*staged_copy); !s.ok()) return s;
+        staging = Since(t2);
+        if (staged_copy->staged() == nullptr) {
+          return absl::InternalError("the resume was not staged (resume_staging_bytes too low)");
+        }
+        t2 = Clock::now();
+        staged_exact = NextLogits(engine, *staged_copy, next) == want;
+        first_step_staged = Since(t2);
+      }
       // What per-turn persistence writes (state_store/state_log.h): the delta of a 1-token and
       // of a 16-token turn after this history, against a full snapshot. The restored session
       // carries no dirty marks, so the delta holds exactly what the turn touched. CPU only (a
@@ -209,6 +338,13 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
             "resume from disk (upload + one decode step) %.2f ms\n",
             preset.c_str(), static_cast<long long>(length), device_to_host * 1e3, first_step * 1e3);
       }
+      if (staging >= 0) {
+        std::printf(
+            "#   %s at %lld tokens: resume staged ahead %.2f ms (off the step thread), then the "
+            "first step %.2f ms (upload from the staged image + one decode step; exact: %s)\n",
+            preset.c_str(), static_cast<long long>(length), staging * 1e3, first_step_staged * 1e3,
+            staged_exact ? "yes" : "NO");
+      }
       std::fflush(stdout);
       results.push_back({{"model", preset},
                          {"device", EngineDeviceName(engine.device())},
@@ -230,12 +366,27 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
                          {"device_to_host_s",
                           device_to_host >= 0 ? nlohmann::json(device_to_host) : nlohmann::json()},
                          {"first_step_after_resume_s", first_step},
+                         {"staging_s", staging >= 0 ? nlohmann::json(staging) : nlohmann::json()},
+                         {"first_step_after_staged_resume_s",
+                          staging >= 0 ? nlohmann::json(first_step_staged) : nlohmann::json()},
+                         {"staged_exact", staged_exact},
                          {"turn_delta_bytes_1_token", delta_1},
                          {"turn_delta_bytes_16_tokens", delta_16},
                          {"turn_sdm_rows_bytes_1_token", rows_1},
                          {"turn_sdm_rows_bytes_16_tokens", rows_16},
                          {"snapshot_bytes_after_16", snapshot_bytes},
                          {"exact", exact}});
+      if (!staged_exact && mismatch.ok()) {
+        mismatch = absl::InternalError(absl::StrCat(preset, " at ", length,
+                                                    " tokens: the staged resume did not continue "
+                                                    "bit for bit"));
+      }
+    }
+    if (opt.full_table) {
+      if (auto st = MeasureFullTable(engine, preset, described, rng, results, &mismatch);
+          !st.ok()) {
+        return st;
+      }
     }
   }
   if (opt.dir.empty()) std::filesystem::remove_all(dir);
@@ -244,7 +395,7 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
     out << results.dump(2) << "\n";
     if (!out) return absl::InternalError(absl::StrCat("could not write ", opt.json_path));
   }
-  return absl::OkStatus();
+  return mismatch;  // a staged resume that did not continue exactly fails the run, JSON written
 }
 
 }  // namespace sdm::bench

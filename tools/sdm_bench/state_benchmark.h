@@ -37,6 +37,10 @@ struct StateBenchOptions {
   uint64_t seed = 1;
   std::string dir;  // snapshot directory (default: a temporary one)
   std::string json_path;
+  // Also measure a session whose SDM tables hold a row for every slot (random values): the most
+  // a park or resume moves (1.61 GB of bf16 rows for sdm_flagship), through the engine's own
+  // path: a resume converted inside its step and one staged ahead, and a park (SyncToHost).
+  bool full_table = false;
 };
 
 absl::Status RunStateBenchmark(const StateBenchOptions& options);
