@@ -346,77 +346,14 @@ void CudaDeviceContext::ReturnTable(kc::DeviceBuffer<int32_t> table) {
   free_tables_[entries].push_back(std::move(table));
 }
 
-absl::StatusOr<kc::PinnedBuffer<bf16>> CudaDeviceContext::TakeStagedImage(int64_t elems) {
-  if (elems <= 0) return kc::PinnedBuffer<bf16>();
-  const int64_t elem_bytes = static_cast<int64_t>(sizeof(bf16));
-  const int64_t bytes = elems * elem_bytes;
-  const int64_t budget = sizes_.staged_bytes;
-  // Buffers freed to make room, and the new allocation, happen outside the lock: both can take
-  // long (cudaFreeHost waits for the device; pinning gigabytes takes a fraction of a second),
-  // and the step thread gives buffers back under it.
-  std::vector<kc::PinnedBuffer<bf16>> to_free;
-  int64_t alloc_bytes = 0;
-  {
-    absl::MutexLock lock(&staged_mu_);
-    // The smallest pooled buffer that holds it.
-    auto best = staged_pool_.end();
-    for (auto it = staged_pool_.begin(); it != staged_pool_.end(); ++it) {
-      if (static_cast<int64_t>(it->size()) >= elems &&
-          (best == staged_pool_.end() || it->size() < best->size())) {
-        best = it;
-      }
-    }
-    if (best != staged_pool_.end()) {
-      kc::PinnedBuffer<bf16> buffer = std::move(*best);
-      staged_pool_.erase(best);
-      return buffer;
-    }
-    int64_t pooled = 0;
-    for (const auto& b : staged_pool_) pooled += static_cast<int64_t>(b.bytes());
-    const int64_t in_use = staged_stats_.held_bytes - pooled;
-    if (in_use + bytes > budget) {
-      ++staged_stats_.refusals;
-      return absl::ResourceExhaustedError(absl::StrCat("staging a resume needs ", bytes,
-                                                       " bytes of page-locked memory; ", in_use,
-                                                       " of the ", budget, " allowed are in use"));
-    }
-    // Pooled buffers go (largest first) only while the image itself would not fit beside them.
-    std::sort(staged_pool_.begin(), staged_pool_.end(),
-              [](const auto& a, const auto& b) { return a.size() < b.size(); });
-    while (!staged_pool_.empty() && staged_stats_.held_bytes + bytes > budget) {
-      staged_stats_.held_bytes -= static_cast<int64_t>(staged_pool_.back().bytes());
-      to_free.push_back(std::move(staged_pool_.back()));
-      staged_pool_.pop_back();
-    }
-    // A quarter more than asked where the budget has that room free: a session staged again
-    // after it grew by a few tokens then reuses its buffer.
-    const int64_t room = (budget - staged_stats_.held_bytes) / elem_bytes * elem_bytes;
-    alloc_bytes = std::max(bytes, std::min(bytes + bytes / 4 / elem_bytes * elem_bytes, room));
-    staged_stats_.held_bytes += alloc_bytes;  // reserved while allocating
-  }
-  to_free.clear();
+absl::StatusOr<kc::PinnedBuffer<bf16>> CudaDeviceContext::AllocateStagedImage(int64_t elems) {
   kc::PinnedBuffer<bf16> buffer;
-  if (const cudaError_t err = buffer.Allocate(alloc_bytes / elem_bytes); err != cudaSuccess) {
-    absl::MutexLock lock(&staged_mu_);
-    staged_stats_.held_bytes -= alloc_bytes;
+  if (const cudaError_t err = buffer.Allocate(elems); err != cudaSuccess) {
     return absl::UnavailableError(
-        absl::StrCat("could not pin ", alloc_bytes,
+        absl::StrCat("could not pin ", elems * static_cast<int64_t>(sizeof(bf16)),
                      " bytes of host memory to stage a resume: ", kc::CudaErrorText(err)));
   }
-  absl::MutexLock lock(&staged_mu_);
-  ++staged_stats_.allocations;
   return buffer;
-}
-
-void CudaDeviceContext::ReturnStagedImage(kc::PinnedBuffer<bf16> image) {
-  if (image.get() == nullptr) return;
-  absl::MutexLock lock(&staged_mu_);
-  staged_pool_.push_back(std::move(image));
-}
-
-StagedImageStats CudaDeviceContext::staged_image_stats() const {
-  absl::MutexLock lock(&staged_mu_);
-  return staged_stats_;
 }
 
 int64_t CudaDeviceContext::table_allocations() const {

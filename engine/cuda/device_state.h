@@ -35,6 +35,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
+#include "engine/budgeted_buffer_pool.h"
 #include "engine/engine_backend.h"
 #include "engine/transfer_plan.h"
 #include "kernels/cuda/attention.h"
@@ -66,11 +67,7 @@ struct DeviceStateSizes {
 };
 
 // What the staged-image pool has done (CudaDeviceContext::staged_image_stats; tests, logs).
-struct StagedImageStats {
-  int64_t held_bytes = 0;   // page-locked bytes held now, in use and pooled
-  int64_t allocations = 0;  // buffers allocated so far
-  int64_t refusals = 0;     // requests the budget could not hold beside the buffers in use
-};
+using StagedImageStats = BufferPoolStats;
 
 // Element counts a transfer needs of each TransferStaging buffer.
 struct TransferSizes {
@@ -230,21 +227,22 @@ class CudaDeviceContext {
   // TransferStaging::chunks() (tests: where an injected transfer fault will fire).
   int64_t transfer_chunks() const ABSL_LOCKS_EXCLUDED(staging_mu_);
 
-  // The staged-image pool (CudaStagedUpload): a page-locked buffer of at least `elems` bf16. A
-  // pooled one if one is large enough (the smallest such); else a new one when the budget
-  // (DeviceStateSizes::staged_bytes) holds `elems` beside the buffers in use, after freeing
-  // pooled buffers only if the image would not fit beside them too (cudaFreeHost waits for the
-  // device: only when sizes change), a quarter larger than asked where the budget has that room
-  // free. ResourceExhausted when the buffers in use leave no room (counted as a refusal);
-  // Unavailable when the host memory cannot be pinned. Buffers go back with ReturnStagedImage
-  // and are freed with the context. Thread-safe (staging runs off the step thread); nothing
-  // slow runs under the pool's lock, which the step thread takes to give a buffer back.
-  absl::StatusOr<kernels::cuda::PinnedBuffer<__nv_bfloat16>> TakeStagedImage(int64_t elems)
-      ABSL_LOCKS_EXCLUDED(staged_mu_);
-  // Precondition: no copy reads it any more.
-  void ReturnStagedImage(kernels::cuda::PinnedBuffer<__nv_bfloat16> image)
-      ABSL_LOCKS_EXCLUDED(staged_mu_);
-  StagedImageStats staged_image_stats() const ABSL_LOCKS_EXCLUDED(staged_mu_);
+  // The staged-image pool (CudaStagedUpload): page-locked buffers of bf16 under the budget
+  // DeviceStateSizes::staged_bytes, by the policy of engine/budgeted_buffer_pool.h (reuse the
+  // smallest that fits; allocate, a quarter larger where there is room, only when the budget
+  // holds the request beside the buffers in use; free pooled buffers only when it needs their
+  // room: cudaFreeHost waits for the device, so only when sizes change). ResourceExhausted when
+  // the buffers in use leave no room; Unavailable when host memory cannot be pinned. Buffers go
+  // back with ReturnStagedImage (precondition: no copy reads it any more) and are freed with the
+  // context. Thread-safe; nothing slow runs under the pool's lock, which the step thread takes
+  // to give a buffer back.
+  absl::StatusOr<kernels::cuda::PinnedBuffer<__nv_bfloat16>> TakeStagedImage(int64_t elems) {
+    return staged_pool_.Take(elems);
+  }
+  void ReturnStagedImage(kernels::cuda::PinnedBuffer<__nv_bfloat16> image) {
+    staged_pool_.Return(std::move(image));
+  }
+  StagedImageStats staged_image_stats() const { return staged_pool_.stats(); }
 
   // A session's slot or page table of `entries` int32 (contents undefined): one a session no
   // longer resident gave back (ReturnTable), else a new allocation. So once residency repeats a
@@ -266,7 +264,12 @@ class CudaDeviceContext {
         staging_(
             (sizes.transfer_chunk_bytes > 0 ? sizes.transfer_chunk_bytes : kTransferChunkBytes) /
                 static_cast<int64_t>(sizeof(__nv_bfloat16)),
-            sizes.inject_transfer_fault) {}
+            sizes.inject_transfer_fault),
+        staged_pool_(sizes.staged_bytes, static_cast<int64_t>(sizeof(__nv_bfloat16)),
+                     AllocateStagedImage) {}
+  // The staged-image pool's allocator: page-locked memory (Unavailable when it cannot be had).
+  static absl::StatusOr<kernels::cuda::PinnedBuffer<__nv_bfloat16>> AllocateStagedImage(
+      int64_t elems);
 
   StateLayout layout_;
   DeviceStateSizes sizes_;
@@ -296,9 +299,7 @@ class CudaDeviceContext {
   mutable absl::Mutex staging_mu_;
   TransferStaging staging_ ABSL_GUARDED_BY(staging_mu_);
 
-  mutable absl::Mutex staged_mu_;
-  std::vector<kernels::cuda::PinnedBuffer<__nv_bfloat16>> staged_pool_ ABSL_GUARDED_BY(staged_mu_);
-  StagedImageStats staged_stats_ ABSL_GUARDED_BY(staged_mu_);
+  BudgetedBufferPool<kernels::cuda::PinnedBuffer<__nv_bfloat16>> staged_pool_;
 };
 
 // A resume staged ahead of its step (state_store/device_residency.h, StagedUpload): the upload
