@@ -159,8 +159,8 @@ class EngineBackend {
   // The CUDA backend's decode graphs so far (EngineOptions::cuda_graphs); zeros elsewhere.
   virtual DecodeGraphStats decode_graph_stats() const { return {}; }
 
-  // Engine::StageResume for a session of this model that is not failed. Called from any thread,
-  // also while Forward runs on other sessions. Default: nothing to stage.
+  // Engine::StageResume for a session of this model, not failed and not on a device. Called from
+  // any thread, also while Forward runs on other sessions. Default: nothing to stage.
   virtual absl::Status StageResume(SessionState& session) { return absl::OkStatus(); }
   virtual ResumeStagingStats resume_staging_stats() const { return {}; }
 };

@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
+#include "base/parallel_tasks.h"
 #include "engine/transfer_plan.h"
 #include "kernels/common/device_layout.h"
 #include "kernels/cuda/elementwise.h"
@@ -18,6 +19,10 @@ namespace kc = kernels::cuda;
 using bf16 = __nv_bfloat16;
 
 bool IsSdm(const LayerStateLayout& l) { return l.kind == LayerStateLayout::Kind::kSdm; }
+
+// Threads that convert a park's or resume's layers between fp32 and bf16 on the host (one layer
+// each; sdm_flagship's 805 M values of a full table take ~0.6 s on one core).
+constexpr int kConversionThreads = 8;
 
 int64_t SlotsOf(const LayerStateLayout& l) { return l.sdm_heads * l.slots_per_head; }
 
@@ -399,7 +404,8 @@ absl::StatusOr<UploadPlan> PlanUpload(const CudaDeviceContext& ctx, const Sessio
 void WriteUploadImage(const CudaDeviceContext& ctx, const UploadPlan& plan,
                       const SessionState& host, bf16* image) {
   const StateLayout& layout = ctx.layout();
-  for (size_t r = 0; r < plan.runs.size(); ++r) {
+  // Each run (a layer) reads its own layer and writes its own part of the image.
+  RunTasksInParallel(static_cast<int64_t>(plan.runs.size()), kConversionThreads, [&](int64_t r) {
     const int64_t l = plan.run_layer[r];
     const LayerStateLayout& ls = layout.layers[l];
     bf16* dst = image + plan.run_offset[r];
@@ -408,7 +414,7 @@ void WriteUploadImage(const CudaDeviceContext& ctx, const UploadPlan& plan,
         for (int64_t c = 0; c < ls.row_width; ++c) dst[c] = __float2bfloat16_rn(row[c]);
         dst += ls.row_width;
       });
-      continue;
+      return;
     }
     const TransferRun& run = plan.runs[r];
     std::memset(static_cast<void*>(dst), 0, run.count * run.block_elems * sizeof(bf16));
@@ -424,7 +430,7 @@ void WriteUploadImage(const CudaDeviceContext& ctx, const UploadPlan& plan,
         for (int64_t c = 0; c < ls.kv_row_width; ++c) row[c] = __float2bfloat16_rn(src[c]);
       }
     }
-  }
+  });
 }
 
 absl::StatusOr<std::unique_ptr<CudaStagedUpload>> CudaStagedUpload::Stage(
@@ -746,46 +752,75 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     }
     SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading a session"));
 
-    // Write the host layers. Host private rows are a subset of the device's (the device copy
-    // started from them and only gains rows).
-    std::vector<float> values(row_width);
-    for (size_t i = 0; i < rows.size(); ++i) {
-      const RowDownload& d = rows[i];
-      const LayerStateLayout& ls = layout.layers[d.layer];
-      const bf16* src = staging.image() + static_cast<int64_t>(i) * row_width;
-      for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
-      SdmTable& table = host.sdm(d.layer);
-      const int64_t head = d.slot / ls.slots_per_head, slot = d.slot % ls.slots_per_head;
-      if (table.IsPrivate(head, slot)) {
-        float* row = table.MutableRow(head, slot);
-        if (row == nullptr) return absl::ResourceExhaustedError("host row pool is exhausted");
-        std::memcpy(row, values.data(), row_width * sizeof(float));
-      } else if (auto st = table.RestoreRow(head, slot, values); !st.ok()) {
-        return st;
-      }
-    }
-    // Every attention layer is reset to the session's length, also one without pages (position
-    // 0); run r (its pages) starts at run_offset[r].
-    size_t r = 1;
+    // Write the host layers, each layer a task of its own (tables and caches are distinct
+    // objects; the row pool is thread-safe), taken here, on the calling thread: the session's
+    // non-const accessors are not for concurrent use. Host private rows are a subset of the
+    // device's (the device copy started from them and only gains rows); rows come in layer order.
+    struct LayerWrite {
+      int64_t layer;
+      size_t first_row = 0, end_row = 0;  // SDM: its rows in `rows`
+      int64_t run = -1;                   // attention: its pages' run, -1 for none
+      SdmTable* table = nullptr;
+      KvCache* kv = nullptr;
+    };
+    std::vector<LayerWrite> writes;
+    size_t next_row = 0, r = 1;
     for (int64_t l = 0; l < n_layers; ++l) {
-      const LayerStateLayout& ls = layout.layers[l];
-      if (IsSdm(ls)) continue;
-      KvCache& kv = host.kv(l);
-      const int64_t length = host.position();
+      LayerWrite w{l};
+      if (IsSdm(layout.layers[l])) {
+        w.table = &host.sdm(l);
+        w.first_row = next_row;
+        while (next_row < rows.size() && rows[next_row].layer == l) ++next_row;
+        w.end_row = next_row;
+      } else {
+        w.kv = &host.kv(l);
+        if (r < runs.size() && run_layer[r] == l) w.run = static_cast<int64_t>(r++);
+      }
+      writes.push_back(w);
+    }
+    const int64_t length = host.position();
+    std::vector<absl::Status> written(writes.size());
+    RunTasksInParallel(static_cast<int64_t>(writes.size()), kConversionThreads, [&](int64_t i) {
+      const LayerWrite& w = writes[i];
+      const LayerStateLayout& ls = layout.layers[w.layer];
+      if (w.table != nullptr) {
+        std::vector<float> values(row_width);
+        for (size_t k = w.first_row; k < w.end_row; ++k) {
+          const bf16* src = staging.image() + static_cast<int64_t>(k) * row_width;
+          for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
+          const int64_t head = rows[k].slot / ls.slots_per_head;
+          const int64_t slot = rows[k].slot % ls.slots_per_head;
+          if (w.table->IsPrivate(head, slot)) {
+            float* row = w.table->MutableRow(head, slot);
+            if (row == nullptr) {
+              written[i] = absl::ResourceExhaustedError("host row pool is exhausted");
+              return;
+            }
+            std::memcpy(row, values.data(), row_width * sizeof(float));
+          } else if (auto st = w.table->RestoreRow(head, slot, values); !st.ok()) {
+            written[i] = st;
+            return;
+          }
+        }
+        return;
+      }
+      // Every attention layer is reset to the session's length, also one without pages
+      // (position 0); run w.run (its pages) starts at run_offset[w.run].
+      KvCache& kv = *w.kv;
       kv.ResetForRestore(length);
-      if (r >= runs.size() || run_layer[r] != l) continue;  // no pages
+      if (w.run < 0) return;
       const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
       for (int64_t pos = kv.first_position(); pos < length; ++pos) {
-        const bf16* page = staging.image() + run_offset[r] +
-                           kernels::KvPageTableIndex(pos, ring) * runs[r].block_elems;
+        const bf16* page = staging.image() + run_offset[w.run] +
+                           kernels::KvPageTableIndex(pos, ring) * runs[w.run].block_elems;
         for (int value = 0; value < 2; ++value) {
           const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
           float* dst = value ? kv.MutableValueRow(pos) : kv.MutableKeyRow(pos);
           for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
         }
       }
-      ++r;
-    }
+    });
+    for (const absl::Status& st : written) SDM_RETURN_IF_ERROR(st);
     return absl::OkStatus();
   });
 }
