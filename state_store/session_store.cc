@@ -1255,15 +1255,27 @@ SessionInfo SessionStateStore::InfoOf(const Entry& e, const SessionKey& key) con
 
 absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const {
   // Fenced: the committed file may be replaced (and removed) by its owner between the look-up
-  // of its name and the read: the name is looked up again (a few times at most).
+  // of its name and the read: the name is looked up again (a few times at most). A copy this
+  // store holds is current while it is in use or this store holds the session's claim; one it
+  // holds without a claim (it handed the session over, or lost its lease) answers only while
+  // its snapshot is still the committed one: else another replica wrote or deleted the session
+  // since, and the answer is the committed snapshot's (the service decides from it, e.g.,
+  // whether a turn starts the sequence; a stale position 0 would add a BOS mid-conversation).
+  const auto owned = [&](const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return e.in_use || e.busy || options_.ownership->ClaimEpoch(key) != 0;
+  };
   for (int attempt = 0; fenced() && attempt < 3; ++attempt) {
     {
       absl::MutexLock lock(&mu_);
-      if (const Entry* e = Find(key); e != nullptr) return InfoOf(*e, key);
+      if (const Entry* e = Find(key); e != nullptr && owned(*e)) return InfoOf(*e, key);
     }
-    ObserveShared(key);  // what Discover reads
+    ObserveShared(key);  // what Discover reads; Committed() below is its answer
     absl::MutexLock lock(&mu_);
-    if (const Entry* e = Find(key); e != nullptr) return InfoOf(*e, key);
+    if (const Entry* e = Find(key);
+        e != nullptr &&
+        (owned(*e) || options_.ownership->Committed(key).value_or("") == e->snapshot_file)) {
+      return InfoOf(*e, key);
+    }
     absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
     if (found.ok()) return InfoOf(**found, key);
     const bool replaced = absl::IsNotFound(found.status()) &&

@@ -348,6 +348,9 @@ class SessionStateStore {
                     absl::Duration ttl = absl::ZeroDuration());
   absl::Status SetMetadata(const SessionKey& key, absl::string_view metadata);
 
+  // Fenced (replicas): a copy this store holds without the session's claim (it handed the
+  // session over, or lost its lease) answers only while its snapshot is still the committed one;
+  // otherwise the committed snapshot's record answers (one etcd look-up).
   absl::StatusOr<SessionInfo> Get(const SessionKey& key) const;
   std::vector<SessionInfo> List() const;                          // sorted by key
   std::vector<SessionInfo> List(absl::string_view tenant) const;  // the tenant's, sorted by id

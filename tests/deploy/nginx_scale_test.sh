@@ -20,7 +20,22 @@ command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
 work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
-trap 'touch "$work/stop"; cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
+# On failure, what the CI log needs to tell a retried call that had already run (a GOAWAY from
+# nginx's reload) from a handoff that lost or repeated a turn: the calls that failed and were
+# retried, and what each replica logged about sessions and handoffs.
+report_failure() {
+  echo "-- calls that failed and were retried ($work/failures):"
+  cat "$work/failures" 2>/dev/null || echo "(none)"
+  echo "-- sessions whose call nginx's reload ended (GOAWAY): $(sort -u "$work/goaway" 2>/dev/null |
+    tr '\n' ' ')"
+  for err in "$work"/r*.err; do
+    [ -f "$err" ] || continue
+    echo "-- $(basename "$err") (lines naming a session, handoff or park, last 15):"
+    grep -iE "session|handoff|hand|park|claim" "$err" | tail -15 || true
+  done
+}
+trap 'rc=$?; touch "$work/stop"; [ $rc -ne 0 ] && report_failure; cluster_cleanup
+[ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
 
 make_model
 start_etcd

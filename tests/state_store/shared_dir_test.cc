@@ -284,6 +284,39 @@ TEST_F(SharedDirTest, OnlyTheOwnerTakesASessionUpAndParkingReleasesIt) {
   EXPECT_TRUE(absl::IsUnavailable(a->Acquire("o").status()));
 }
 
+// A replica that handed a session over keeps its copy's record at the disk tier; once another
+// replica has run turns on the session, that record is stale, and Get there must answer the
+// committed snapshot's position and pending token, not the old ones (the service decides from
+// Get whether a turn starts the sequence: a stale position 0 added a BOS to a conversation's
+// third turn when a session created on one replica came back to it, deploy.nginx_scale).
+TEST_F(SharedDirTest, GetOnAReplicaThatHandedASessionOverAnswersTheCommittedState) {
+  FencedTable table;
+  FencedTable::View own_a(&table, "a"), own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("h", "").ok());
+  ASSERT_TRUE(a->Park("h", Tier::kDisk).ok());  // hands it over before its first turn
+  Turn(*b, "h", testing::RandomTokens(5, 30));
+  {
+    auto lease = b->Acquire("h");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    lease->state().pending_token = 7;  // what a turn that ends on a sampled token leaves
+  }
+  ASSERT_TRUE(b->Park("h", Tier::kDisk).ok());  // writes it, and hands it back
+  absl::StatusOr<SessionInfo> seen = a->Get("h");
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(seen->position, reference_->position());
+  EXPECT_TRUE(seen->pending_token);
+  // b, which wrote it last and holds its copy without the claim, answers the same.
+  absl::StatusOr<SessionInfo> on_b = b->Get("h");
+  ASSERT_TRUE(on_b.ok()) << on_b.status();
+  EXPECT_EQ(on_b->position, reference_->position());
+  // And a's next turn continues b's state.
+  Turn(*a, "h", testing::RandomTokens(3, 31));
+  ExpectLikeReference(*a, "h");
+}
+
 // A replica paused past its lease (its session given to another meanwhile) finishes its turn
 // when it resumes: its write is refused and counted, and the new owner's state stays on disk.
 TEST_F(SharedDirTest, AWriteOfAReplicaThatLostTheSessionIsRefused) {
