@@ -50,8 +50,6 @@ class BudgetedBufferPool {
   BudgetedBufferPool(const BudgetedBufferPool&) = delete;
   BudgetedBufferPool& operator=(const BudgetedBufferPool&) = delete;
 
-  int64_t budget_bytes() const { return budget_; }
-
   // A buffer of at least `elems` elements (an empty one for elems <= 0), see the file comment.
   // ResourceExhausted (counted as a refusal) when the buffers in use leave no room for it; the
   // allocator's error, with nothing kept, when it fails.

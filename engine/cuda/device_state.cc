@@ -20,9 +20,13 @@ using bf16 = __nv_bfloat16;
 
 bool IsSdm(const LayerStateLayout& l) { return l.kind == LayerStateLayout::Kind::kSdm; }
 
-// Threads that convert a park's or resume's layers between fp32 and bf16 on the host (one layer
-// each; sdm_flagship's 805 M values of a full table take ~0.6 s on one core).
-constexpr int kConversionThreads = 8;
+// Threads that convert a park's or resume's image of `elems` values between fp32 and bf16 on
+// the host, one layer each: one per 4 M values, at most 8 (sdm_flagship's 805 M values of a full
+// table take ~0.6 s on one core; a small session's conversion is not worth a thread's start,
+// and a park runs on the step thread).
+int ConversionThreads(int64_t elems) {
+  return static_cast<int>(std::clamp<int64_t>(elems / (int64_t{4} << 20), 1, 8));
+}
 
 int64_t SlotsOf(const LayerStateLayout& l) { return l.sdm_heads * l.slots_per_head; }
 
@@ -373,19 +377,16 @@ absl::StatusOr<UploadPlan> PlanUpload(const CudaDeviceContext& ctx, const Sessio
   const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
   UploadPlan plan;
   plan.position = host.position();
-  plan.sdm_rows.assign(n_layers, 0);
   for (int64_t l = 0; l < n_layers; ++l) {
     const LayerStateLayout& ls = layout.layers[l];
     if (!IsSdm(ls)) continue;
-    plan.run_layer.push_back(l);
-    plan.run_first.push_back(static_cast<int64_t>(plan.slot_ids.size()));
+    const int64_t first = static_cast<int64_t>(plan.slot_ids.size());
     host.sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float*) {
       plan.slot_ids.push_back(static_cast<int32_t>(head * ls.slots_per_head + slot));
     });
-    plan.sdm_rows[l] = static_cast<int64_t>(plan.slot_ids.size()) - plan.run_first.back();
-    plan.runs.push_back({ls.row_width, plan.sdm_rows[l]});
+    plan.run_layer.push_back(l);
+    plan.runs.push_back({ls.row_width, static_cast<int64_t>(plan.slot_ids.size()) - first});
   }
-  int64_t next_id = static_cast<int64_t>(plan.slot_ids.size());
   for (int64_t l = 0; l < n_layers; ++l) {
     const LayerStateLayout& ls = layout.layers[l];
     if (IsSdm(ls)) continue;
@@ -393,8 +394,6 @@ absl::StatusOr<UploadPlan> PlanUpload(const CudaDeviceContext& ctx, const Sessio
     if (!pages.ok()) return pages.status();
     if (*pages == 0) continue;
     plan.run_layer.push_back(l);
-    plan.run_first.push_back(next_id);
-    next_id += *pages;
     plan.runs.push_back({kernels::KvPageElements(ls.kv_row_width), *pages});
   }
   plan.run_offset = TransferRunOffsets(plan.runs);
@@ -405,32 +404,34 @@ void WriteUploadImage(const CudaDeviceContext& ctx, const UploadPlan& plan,
                       const SessionState& host, bf16* image) {
   const StateLayout& layout = ctx.layout();
   // Each run (a layer) reads its own layer and writes its own part of the image.
-  RunTasksInParallel(static_cast<int64_t>(plan.runs.size()), kConversionThreads, [&](int64_t r) {
-    const int64_t l = plan.run_layer[r];
-    const LayerStateLayout& ls = layout.layers[l];
-    bf16* dst = image + plan.run_offset[r];
-    if (IsSdm(ls)) {
-      host.sdm(l).ForEachPrivateRow([&](int64_t, int64_t, const float* row) {
-        for (int64_t c = 0; c < ls.row_width; ++c) dst[c] = __float2bfloat16_rn(row[c]);
-        dst += ls.row_width;
+  RunTasksInParallel(
+      static_cast<int64_t>(plan.runs.size()), ConversionThreads(plan.image_elems()),
+      [&](int64_t r) {
+        const int64_t l = plan.run_layer[r];
+        const LayerStateLayout& ls = layout.layers[l];
+        bf16* dst = image + plan.run_offset[r];
+        if (IsSdm(ls)) {
+          host.sdm(l).ForEachPrivateRow([&](int64_t, int64_t, const float* row) {
+            for (int64_t c = 0; c < ls.row_width; ++c) dst[c] = __float2bfloat16_rn(row[c]);
+            dst += ls.row_width;
+          });
+          return;
+        }
+        const TransferRun& run = plan.runs[r];
+        std::memset(static_cast<void*>(dst), 0, run.count * run.block_elems * sizeof(bf16));
+        const KvCache& kv = host.kv(l);
+        const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
+        for (int64_t pos = kv.first_position(); pos < kv.length(); ++pos) {
+          // Page-table entry e is the run's block e (the pages in table order).
+          const int64_t entry = kernels::KvPageTableIndex(pos, ring);
+          for (int value = 0; value < 2; ++value) {
+            const float* src = value ? kv.ValueRow(pos) : kv.KeyRow(pos);
+            bf16* row = dst + entry * run.block_elems +
+                        kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
+            for (int64_t c = 0; c < ls.kv_row_width; ++c) row[c] = __float2bfloat16_rn(src[c]);
+          }
+        }
       });
-      return;
-    }
-    const TransferRun& run = plan.runs[r];
-    std::memset(static_cast<void*>(dst), 0, run.count * run.block_elems * sizeof(bf16));
-    const KvCache& kv = host.kv(l);
-    const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
-    for (int64_t pos = kv.first_position(); pos < kv.length(); ++pos) {
-      // Page-table entry e is the run's block e (the pages in table order).
-      const int64_t entry = kernels::KvPageTableIndex(pos, ring);
-      for (int value = 0; value < 2; ++value) {
-        const float* src = value ? kv.ValueRow(pos) : kv.KeyRow(pos);
-        bf16* row = dst + entry * run.block_elems +
-                    kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
-        for (int64_t c = 0; c < ls.kv_row_width; ++c) row[c] = __float2bfloat16_rn(src[c]);
-      }
-    }
-  });
 }
 
 absl::StatusOr<std::unique_ptr<CudaStagedUpload>> CudaStagedUpload::Stage(
@@ -455,12 +456,6 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   if (staged != nullptr &&
       (staged->owner() != ctx.get() || staged->plan().position != host.position())) {
     staged = nullptr;
-  }
-  for (size_t r = 0; staged != nullptr && r < staged->plan().runs.size(); ++r) {
-    const int64_t l = staged->plan().run_layer[r];
-    if (IsSdm(ctx->layout().layers[l])) continue;
-    absl::StatusOr<int64_t> pages = ctx->PagesCovering(l, host.position());
-    if (!pages.ok() || *pages != staged->plan().runs[r].count) staged = nullptr;
   }
   UploadPlan planned;
   if (staged == nullptr) {
@@ -493,15 +488,19 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     }
   }
   if (auto st = s->EnsurePages(host.position()); !st.ok()) return st;
-  // The ids: the SDM runs' slot ids, then each KV run's pages in table order.
+  // The ids: the SDM runs' slot ids, then each KV run's pages in table order; run r's are at
+  // run_first[r] (a block per id).
   std::vector<int32_t> ids = plan.slot_ids;
   const int64_t total_rows = static_cast<int64_t>(ids.size());
+  std::vector<int64_t> run_first;
+  int64_t next_id = 0;
   for (size_t r = 0; r < plan.runs.size(); ++r) {
+    run_first.push_back(next_id);
+    next_id += plan.runs[r].count;
     const int64_t l = plan.run_layer[r];
     if (IsSdm(layout.layers[l])) continue;
     const std::vector<int32_t>& pages = s->layers_[l].pages;
-    if (static_cast<int64_t>(pages.size()) != plan.runs[r].count ||
-        plan.run_first[r] != static_cast<int64_t>(ids.size())) {
+    if (static_cast<int64_t>(pages.size()) != plan.runs[r].count) {
       return absl::InternalError("an upload's plan disagrees with the session's page tables");
     }
     ids.insert(ids.end(), pages.begin(), pages.end());
@@ -542,7 +541,7 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
                      "uploading session state"));
       for (const TransferPiece& p : chunk.pieces) {
         const int64_t l = plan.run_layer[p.run];
-        const int32_t* piece_ids = staging.ids() + plan.run_first[p.run] + p.first;
+        const int32_t* piece_ids = staging.ids() + run_first[p.run] + p.first;
         const bf16* src = staging.chunk() + p.chunk_offset;
         if (IsSdm(layout.layers[l])) {
           SDM_RETURN_IF_ERROR(
@@ -560,9 +559,10 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     }
     // Each SDM layer's row counter, from page-locked memory after the ids.
     int32_t* counts = staging.host_ids() + n_ids;
-    for (int64_t l = 0; l < n_layers; ++l) {
-      if (plan.sdm_rows[l] == 0) continue;
-      counts[l] = static_cast<int32_t>(plan.sdm_rows[l]);
+    for (size_t r = 0; r < plan.runs.size(); ++r) {
+      const int64_t l = plan.run_layer[r];
+      if (!IsSdm(layout.layers[l]) || plan.runs[r].count == 0) continue;
+      counts[l] = static_cast<int32_t>(plan.runs[r].count);
       SDM_RETURN_IF_ERROR(
           CudaStatus(cudaMemcpyAsync(ctx->row_counter(s->counter_slot_, ctx->sdm_index(l)),
                                      counts + l, sizeof(int32_t), cudaMemcpyHostToDevice, c),
@@ -780,46 +780,47 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     }
     const int64_t length = host.position();
     std::vector<absl::Status> written(writes.size());
-    RunTasksInParallel(static_cast<int64_t>(writes.size()), kConversionThreads, [&](int64_t i) {
-      const LayerWrite& w = writes[i];
-      const LayerStateLayout& ls = layout.layers[w.layer];
-      if (w.table != nullptr) {
-        std::vector<float> values(row_width);
-        for (size_t k = w.first_row; k < w.end_row; ++k) {
-          const bf16* src = staging.image() + static_cast<int64_t>(k) * row_width;
-          for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
-          const int64_t head = rows[k].slot / ls.slots_per_head;
-          const int64_t slot = rows[k].slot % ls.slots_per_head;
-          if (w.table->IsPrivate(head, slot)) {
-            float* row = w.table->MutableRow(head, slot);
-            if (row == nullptr) {
-              written[i] = absl::ResourceExhaustedError("host row pool is exhausted");
-              return;
+    RunTasksInParallel(
+        static_cast<int64_t>(writes.size()), ConversionThreads(image_elems), [&](int64_t i) {
+          const LayerWrite& w = writes[i];
+          const LayerStateLayout& ls = layout.layers[w.layer];
+          if (w.table != nullptr) {
+            std::vector<float> values(row_width);
+            for (size_t k = w.first_row; k < w.end_row; ++k) {
+              const bf16* src = staging.image() + static_cast<int64_t>(k) * row_width;
+              for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
+              const int64_t head = rows[k].slot / ls.slots_per_head;
+              const int64_t slot = rows[k].slot % ls.slots_per_head;
+              if (w.table->IsPrivate(head, slot)) {
+                float* row = w.table->MutableRow(head, slot);
+                if (row == nullptr) {
+                  written[i] = absl::ResourceExhaustedError("host row pool is exhausted");
+                  return;
+                }
+                std::memcpy(row, values.data(), row_width * sizeof(float));
+              } else if (auto st = w.table->RestoreRow(head, slot, values); !st.ok()) {
+                written[i] = st;
+                return;
+              }
             }
-            std::memcpy(row, values.data(), row_width * sizeof(float));
-          } else if (auto st = w.table->RestoreRow(head, slot, values); !st.ok()) {
-            written[i] = st;
             return;
           }
-        }
-        return;
-      }
-      // Every attention layer is reset to the session's length, also one without pages
-      // (position 0); run w.run (its pages) starts at run_offset[w.run].
-      KvCache& kv = *w.kv;
-      kv.ResetForRestore(length);
-      if (w.run < 0) return;
-      const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
-      for (int64_t pos = kv.first_position(); pos < length; ++pos) {
-        const bf16* page = staging.image() + run_offset[w.run] +
-                           kernels::KvPageTableIndex(pos, ring) * runs[w.run].block_elems;
-        for (int value = 0; value < 2; ++value) {
-          const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
-          float* dst = value ? kv.MutableValueRow(pos) : kv.MutableKeyRow(pos);
-          for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
-        }
-      }
-    });
+          // Every attention layer is reset to the session's length, also one without pages
+          // (position 0); run w.run (its pages) starts at run_offset[w.run].
+          KvCache& kv = *w.kv;
+          kv.ResetForRestore(length);
+          if (w.run < 0) return;
+          const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
+          for (int64_t pos = kv.first_position(); pos < length; ++pos) {
+            const bf16* page = staging.image() + run_offset[w.run] +
+                               kernels::KvPageTableIndex(pos, ring) * runs[w.run].block_elems;
+            for (int value = 0; value < 2; ++value) {
+              const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
+              float* dst = value ? kv.MutableValueRow(pos) : kv.MutableKeyRow(pos);
+              for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
+            }
+          }
+        });
     for (const absl::Status& st : written) SDM_RETURN_IF_ERROR(st);
     return absl::OkStatus();
   });

@@ -140,15 +140,13 @@ class TransferStaging {
 // entry e; the image is the runs back to back in bf16. Made from the host session alone (no
 // device work), so it can be planned and its image written ahead of the step (a staged upload).
 struct UploadPlan {
-  int64_t position = 0;  // the session's when planned (it sizes the KV runs)
-  std::vector<TransferRun> runs;
+  int64_t position = 0;             // the session's when planned (it sizes the KV runs)
+  std::vector<TransferRun> runs;    // an SDM run's count is the layer's private rows
   std::vector<int64_t> run_layer;   // per run: its layer
-  std::vector<int64_t> run_first;   // per run: its first id in the upload's ids
   std::vector<int64_t> run_offset;  // TransferRunOffsets(runs): image offsets, then the total
   // The ids the SDM runs scatter to (head * slots_per_head + slot), back to back in run order;
   // the upload appends each KV run's page ids after them.
   std::vector<int32_t> slot_ids;
-  std::vector<int64_t> sdm_rows;  // per layer: the private rows it uploads (0: attention)
   int64_t image_elems() const { return run_offset.back(); }
 };
 

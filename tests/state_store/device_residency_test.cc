@@ -448,9 +448,9 @@ TEST_F(DeviceResidencyTest, AStagedUploadIsDroppedWhenTheLayersMayChange) {
   // Reads (const accessors, copies, the codec) keep it.
   for (int64_t l = 0; l < view.num_layers(); ++l) {
     if (view.is_sdm(l)) {
-      EXPECT_GE(view.sdm(l).ResidentBytes(), 0);
+      (void)view.sdm(l);
     } else {
-      EXPECT_GE(view.kv(l).length(), 0);
+      (void)view.kv(l);
     }
   }
   auto fork = s->Fork();

@@ -61,6 +61,28 @@ std::vector<float> NextLogits(Engine& engine, SessionState& s, int32_t token) {
   return logits;
 }
 
+// A resume staged ahead (Engine::StageResume, what the scheduler does on the submitting thread)
+// and its first step, timed: the step uploads the staged image instead of converting.
+struct StagedResume {
+  double staging_s = 0;
+  double first_step_s = 0;
+  std::vector<float> logits;  // of that step
+};
+absl::StatusOr<StagedResume> TimeStagedResume(Engine& engine, SessionState& s, int32_t token) {
+  StagedResume r;
+  Clock::time_point t0 = Clock::now();
+  if (auto st = engine.StageResume(s); !st.ok()) return st;
+  r.staging_s = Since(t0);
+  if (engine.device() == EngineDevice::kCuda && s.staged() == nullptr) {
+    return absl::InternalError(
+        "the resume was not staged (EngineOptions::resume_staging_bytes is too low for it)");
+  }
+  t0 = Clock::now();
+  r.logits = NextLogits(engine, s, token);
+  r.first_step_s = Since(t0);
+  return r;
+}
+
 // Fills every slot of `s`'s SDM tables with its own row of values in [-0.05, 0.05) (a cheap
 // generator: 805 M values for sdm_flagship). `s` is host-only.
 absl::Status FillSdmTables(SessionState& s, uint64_t seed) {
@@ -120,16 +142,10 @@ absl::Status MeasureFullTable(Engine& engine, const std::string& preset,
   if (auto st = s->SyncToHost(); !st.ok()) return st;
   const double park = Since(t0);
   s.reset();  // its host copy and, on the device, nothing left
-  t0 = Clock::now();
-  if (auto st = engine.StageResume(*clone); !st.ok()) return st;
-  const double staging = Since(t0);
-  if (cuda && clone->staged() == nullptr) {
-    return absl::InternalError(
-        "the full table was not staged (EngineOptions::resume_staging_bytes is too low for it)");
-  }
-  t0 = Clock::now();
-  const bool exact = NextLogits(engine, *clone, next[0]) == want;
-  const double step_staged = Since(t0);
+  absl::StatusOr<StagedResume> staged = TimeStagedResume(engine, *clone, next[0]);
+  if (!staged.ok()) return staged.status();
+  const double staging = staged->staging_s, step_staged = staged->first_step_s;
+  const bool exact = staged->logits == want;
   t0 = Clock::now();
   if (NextLogits(engine, *clone, next[1]).empty()) return absl::InternalError("a step failed");
   const double step_resident = Since(t0);
@@ -282,15 +298,11 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       double staging = -1, first_step_staged = -1;
       bool staged_exact = true;
       if (staged_copy != nullptr) {
-        Clock::time_point t2 = Clock::now();
-        if (auto s = engine.StageResume(*staged_copy); !s.ok()) return s;
-        staging = Since(t2);
-        if (staged_copy->staged() == nullptr) {
-          return absl::InternalError("the resume was not staged (resume_staging_bytes too low)");
-        }
-        t2 = Clock::now();
-        staged_exact = NextLogits(engine, *staged_copy, next) == want;
-        first_step_staged = Since(t2);
+        absl::StatusOr<StagedResume> staged = TimeStagedResume(engine, *staged_copy, next);
+        if (!staged.ok()) return staged.status();
+        staging = staged->staging_s;
+        first_step_staged = staged->first_step_s;
+        staged_exact = staged->logits == want;
       }
       // What per-turn persistence writes (state_store/state_log.h): the delta of a 1-token and
       // of a 16-token turn after this history, against a full snapshot. The restored session
