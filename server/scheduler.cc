@@ -4,6 +4,7 @@
 #include <chrono>
 #include <optional>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/thread_name.h"
@@ -18,7 +19,15 @@ double Seconds(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// Marks Submit's refusal of a job prepared from a stale read of its session.
+constexpr absl::string_view kSessionChangedPayload = "sdmserve/session-changed";
+
 }  // namespace
+
+bool IsSessionChanged(const absl::Status& status) {
+  return status.code() == absl::StatusCode::kAborted &&
+         status.GetPayload(kSessionChangedPayload).has_value();
+}
 
 struct Scheduler::Job {
   // Why the job must end before its next step, if it must: cancelled, or past its deadline.
@@ -96,6 +105,14 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   }
   job->state = &job->lease.state();
   SessionState& st = *job->state;
+  if (const int64_t history = st.position() + (st.pending_token >= 0 ? 1 : 0);
+      job->spec.expected_history >= 0 && history != job->spec.expected_history) {
+    absl::Status changed = absl::AbortedError(absl::StrCat(
+        "session '", job->spec.session.id, "' changed while the request was prepared (",
+        job->spec.expected_history, " tokens of history then, ", history, " now); retry"));
+    changed.SetPayload(kSessionChangedPayload, absl::Cord("1"));
+    return changed;  // the lease goes back with the job, the session untouched
+  }
   job->usage.history_tokens = st.position();
   if (st.pending_token >= 0) {
     job->to_feed.push_back(st.pending_token);

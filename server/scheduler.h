@@ -18,8 +18,9 @@
 //
 // Sessions: a job with a session id takes the session's lease from the SessionStateStore when it
 // is submitted — so a busy session (ABORTED), an unknown one (NOT_FOUND) or a broken snapshot
-// (DATA_LOSS) is refused before anything is streamed, a parked session is restored off the
-// step thread, and a session not on the device is converted for its upload there too
+// (DATA_LOSS) is refused before anything is streamed, as is a job prepared from a read of the
+// session that is stale by then (GenerateJob::expected_history), a parked session is restored off
+// the step thread, and a session not on the device is converted for its upload there too
 // (Engine::StageResume) — and holds it until it finishes. The last sampled token of a job is left
 // in the session as its pending token (not yet fed); the next job on the session feeds it first, so
 // a conversation's history is exactly the tokens it saw. A job without a session runs on a one-shot
@@ -68,7 +69,16 @@ struct GenerateJob {
   SamplingParams sampling;      // validated by the caller
   std::vector<std::string> stop_strings;
   absl::Time deadline = absl::InfiniteFuture();
+  // The session's history (position, plus one for a pending token) that the caller read when it
+  // decided on BOS and on the limits; -1: not checked. Submit refuses the job when the leased
+  // session holds another history (IsSessionChanged), so a decision made from a stale read (a
+  // replica's copy before another replica's turn, or a turn that finished in between) never runs.
+  int64_t expected_history = -1;
 };
+
+// Whether `status` is Submit's refusal of a job whose GenerateJob::expected_history no longer
+// matches its session (ABORTED; nothing was changed): the caller prepares the job again.
+bool IsSessionChanged(const absl::Status& status);
 
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which
 // comes once the turn is written to the state directory (SessionStateStore::WhenPersisted: from

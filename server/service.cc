@@ -364,6 +364,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
     at_start = session->info.position == 0 && !session->info.pending_token;
     history = session->info.position + (session->info.pending_token ? 1 : 0);
     job.session = session->info.key;
+    job.expected_history = history;  // Submit refuses the job if the session moved on meanwhile
   }
   const bool add_bos = request.has_add_bos() ? request.add_bos() : at_start;
   std::vector<int32_t>& prompt = job.prompt;
@@ -399,7 +400,7 @@ absl::Status SdmServiceImpl::SubmitGenerate(GenerateJob job,
       (s.code() == absl::StatusCode::kUnavailable && !RetryAfter(s).has_value())) {
     // Queue full; shutting down (a router sends the retry to another replica).
     s = WithRetryAfter(s, options_.queue_full_retry_after);
-  } else if (s.code() == absl::StatusCode::kAborted) {
+  } else if (s.code() == absl::StatusCode::kAborted && !IsSessionChanged(s)) {
     s = absl::AbortedError(absl::StrCat("session '", user_id,
                                         "' is already generating: one Generate at a time per "
                                         "session; retry when that call has finished"));
@@ -425,6 +426,15 @@ absl::Status SdmServiceImpl::FitInSession(absl::string_view session_id, int64_t 
   return absl::OkStatus();
 }
 
+absl::Status RetryWhileSessionChanged(absl::FunctionRef<absl::Status()> attempt) {
+  absl::Status status;
+  for (int tries = 0; tries < kGenerateAttempts; ++tries) {
+    status = attempt();
+    if (!IsSessionChanged(status)) break;
+  }
+  return status;
+}
+
 int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes) {
   if (kv_bytes_per_token <= 0) return 0;
   return std::max<int64_t>(1, budget_bytes / kv_bytes_per_token);
@@ -445,17 +455,21 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
       });
   reactor->set_stream(stream);
 
-  GenerateJob job;
   const absl::StatusOr<std::string> tenant = TenantOf(*context);
-  if (absl::Status s = tenant.ok() ? PrepareGenerate(*tenant, DeadlineOf(*context), *request, job)
-                                   : tenant.status();
-      !s.ok()) {
-    stream->Reject(s);
-    return reactor;
+  absl::Status s = tenant.status();
+  if (s.ok()) {
+    s = RetryWhileSessionChanged([&] {
+      GenerateJob job;
+      if (absl::Status prepared = PrepareGenerate(*tenant, DeadlineOf(*context), *request, job);
+          !prepared.ok()) {
+        return prepared;
+      }
+      stream->set_prompt_tokens(static_cast<int64_t>(job.prompt.size()));
+      stream->set_deadline(job.deadline);
+      return SubmitGenerate(std::move(job), stream);
+    });
   }
-  stream->set_prompt_tokens(static_cast<int64_t>(job.prompt.size()));
-  stream->set_deadline(job.deadline);
-  if (absl::Status s = SubmitGenerate(std::move(job), stream); !s.ok()) stream->Reject(s);
+  if (!s.ok()) stream->Reject(s);
   return reactor;
 }
 

@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -84,6 +85,16 @@ inline constexpr absl::Duration kMinSessionTtl = absl::Seconds(1);
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 256;
 inline constexpr int kMaxStopTokenIds = 1024;
+
+// How many times a front end prepares and submits one Generate when its session changed between
+// the read that prepared it and the lease (IsSessionChanged): another turn or replica wrote the
+// session in that window, which is rare, so a few tries settle it; the last refusal (ABORTED)
+// goes to the client.
+inline constexpr int kGenerateAttempts = 3;
+
+// Runs `attempt` (read the session, prepare a job, submit it) again while it fails with
+// IsSessionChanged, at most kGenerateAttempts times in all; returns its last status.
+absl::Status RetryWhileSessionChanged(absl::FunctionRef<absl::Status()> attempt);
 
 struct ServiceDeps {
   const Model& model;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "base/status_macros.h"
 #include "base/thread_name.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
@@ -251,33 +252,35 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
   }
 
   // The prompt text: the chat template's rendering of the new messages, continuing the session's
-  // conversation when it already holds one.
-  std::string prompt_text = request->prompt_text;
-  std::vector<std::string> template_stop;
-  if (endpoint == OpenAiEndpoint::kChatCompletions) {
-    bool continuing = false;
-    if (!request->session_id.empty()) {
-      v1::GetSessionRequest get;
-      get.set_session_id(request->session_id);
-      v1::Session session;
-      if (absl::Status s = service_.DoGetSession(*tenant, get, session); !s.ok()) return refuse(s);
-      continuing = session.position() > 0;
-    }
-    prompt_text = chat_template_.Render(request->messages, continuing);
-    template_stop = chat_template_.stop;
-  }
-  const v1::GenerateRequest generate = ToGenerateRequest(*request, prompt_text, template_stop);
-  GenerateJob job;
-  if (absl::Status s = service_.PrepareGenerate(*tenant, absl::InfiniteFuture(), generate, job);
-      !s.ok()) {
-    return refuse(s);
-  }
-  const int64_t prompt_tokens = static_cast<int64_t>(job.prompt.size());
+  // conversation when it already holds one. Read again, with the job, if the session changed
+  // before the job took it (RetryWhileSessionChanged).
   auto observer = std::make_shared<HttpJob>();
+  int64_t prompt_tokens = 0;
   owner_.active_generations_.fetch_add(1);
-  if (absl::Status s = service_.SubmitGenerate(std::move(job), observer); !s.ok()) {
+  const absl::Status submitted = RetryWhileSessionChanged([&]() -> absl::Status {
+    std::string prompt_text = request->prompt_text;
+    std::vector<std::string> template_stop;
+    if (endpoint == OpenAiEndpoint::kChatCompletions) {
+      bool continuing = false;
+      if (!request->session_id.empty()) {
+        v1::GetSessionRequest get;
+        get.set_session_id(request->session_id);
+        v1::Session session;
+        SDM_RETURN_IF_ERROR(service_.DoGetSession(*tenant, get, session));
+        continuing = session.position() > 0;
+      }
+      prompt_text = chat_template_.Render(request->messages, continuing);
+      template_stop = chat_template_.stop;
+    }
+    const v1::GenerateRequest generate = ToGenerateRequest(*request, prompt_text, template_stop);
+    GenerateJob job;
+    SDM_RETURN_IF_ERROR(service_.PrepareGenerate(*tenant, absl::InfiniteFuture(), generate, job));
+    prompt_tokens = static_cast<int64_t>(job.prompt.size());
+    return service_.SubmitGenerate(std::move(job), observer);
+  });
+  if (!submitted.ok()) {
     owner_.active_generations_.fetch_sub(1);
-    return refuse(s);
+    return refuse(submitted);
   }
 
   // Accepted: from here on the status is 200 and the body carries what happens.

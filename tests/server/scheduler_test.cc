@@ -298,6 +298,55 @@ TEST_F(SchedulerTest, BusyAndUnknownSessionsAreRefusedBeforeStreaming) {
   EXPECT_FALSE(c->finished);  // nothing was streamed
 }
 
+// A job prepared from a read of its session that a turn in between made stale (its
+// expected_history) is refused with IsSessionChanged and changes nothing: the session keeps its
+// pending token, and the job prepared again from the session as it is now continues it exactly.
+TEST_F(SchedulerTest, AJobPreparedFromAStaleReadIsRefusedAndChangesNothing) {
+  StartScheduler();
+  ASSERT_TRUE(store_->Create("chat", "").ok());
+  const auto p1 = Tokens(6, 2), p2 = Tokens(4, 3);
+  auto first = std::make_shared<Collector>();
+  GenerateJob turn1 = Job("chat", p1, 5);
+  turn1.expected_history = 0;  // as read: a new session
+  ASSERT_TRUE(scheduler_->Submit(std::move(turn1), first).ok());
+  first->Wait();
+  const int64_t history = 6 + first->usage.generated_tokens;  // fed tokens and the pending one
+
+  for (const int64_t stale : {int64_t{0}, history - 1, history + 1}) {
+    auto refused = std::make_shared<Collector>();
+    GenerateJob job = Job("chat", p2, 5);
+    job.expected_history = stale;
+    const absl::Status s = scheduler_->Submit(std::move(job), refused);
+    EXPECT_TRUE(IsSessionChanged(s)) << s;
+    EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+    EXPECT_FALSE(refused->finished);
+  }
+  // Not a session change: another job holding the session is ABORTED without the mark.
+  {
+    auto lease = store_->Acquire("chat");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position() + (lease->state().pending_token >= 0 ? 1 : 0), history);
+    auto c = std::make_shared<Collector>();
+    const absl::Status busy = scheduler_->Submit(Job("chat", p2, 5), c);
+    EXPECT_EQ(busy.code(), absl::StatusCode::kAborted) << busy;
+    EXPECT_FALSE(IsSessionChanged(busy)) << busy;
+  }
+  auto second = std::make_shared<Collector>();
+  GenerateJob turn2 = Job("chat", p2, 5);
+  turn2.expected_history = history;
+  ASSERT_TRUE(scheduler_->Submit(std::move(turn2), second).ok());
+  second->Wait();
+  EXPECT_EQ(second->usage.history_tokens, history - 1);  // the pending token is fed first
+  scheduler_.reset();
+
+  auto s = engine_->NewSession();
+  int32_t pending = -1;
+  EXPECT_EQ(first->tokens, Direct(*s, p1, 5, &pending));
+  std::vector<int32_t> feed2 = {pending};
+  feed2.insert(feed2.end(), p2.begin(), p2.end());
+  EXPECT_EQ(second->tokens, Direct(*s, feed2, 5));
+}
+
 TEST_F(SchedulerTest, CancellationFreesTheSequenceWithinAStep) {
   SchedulerOptions o;
   o.max_running = 1;

@@ -1,0 +1,166 @@
+// A Generate prepared from a read of its session that is stale by the time the job takes the
+// session (another turn, or another replica, wrote it in between) must not run on that read:
+// PrepareGenerate decides BOS and the limits from the session's history, which Submit checks
+// again under the lease (GenerateJob::expected_history, server/scheduler.h). The service runs
+// here without gRPC (its transport-independent methods, server/service.h) over a tiny random model
+// and an in-memory store.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "engine/model.h"
+#include "engine/tokenizer.h"
+#include "gtest/gtest.h"
+#include "prometheus/registry.h"
+#include "server/auth.h"
+#include "server/metrics/server_metrics.h"
+#include "server/scheduler.h"
+#include "server/service.h"
+#include "server/tenant_limits.h"
+#include "state_store/session_store.h"
+
+namespace sdm {
+namespace {
+
+// Collects one job's tokens; Wait() returns once it has finished.
+class Turn : public JobObserver {
+ public:
+  void OnToken(int32_t token, absl::string_view) override { tokens.push_back(token); }
+  void OnFinish(FinishReason, const Usage& u, const absl::Status& e) override {
+    usage = u;
+    error = e;
+    done.Notify();
+  }
+  bool IsCancelled() const override { return false; }
+  void Wait() { done.WaitForNotification(); }
+
+  std::vector<int32_t> tokens;  // written on the step thread before `done`
+  Usage usage;
+  absl::Status error;
+  absl::Notification done;
+};
+
+class StaleSessionReadTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = RandomModel(*PresetConfig("tiny"), 7);
+    auto engine = Engine::Create(model_, EngineOptions{});
+    ASSERT_TRUE(engine.ok()) << engine.status();
+    engine_ = *std::move(engine);
+    tokenizer_ = Tokenizer::CreateByteTokenizer();
+    SessionStoreOptions store_options;
+    store_options.background = false;
+    auto store =
+        SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), store_options);
+    ASSERT_TRUE(store.ok()) << store.status();
+    store_ = *std::move(store);
+    metrics_ = std::make_unique<ServerMetrics>(registry_);
+    scheduler_ = std::make_unique<Scheduler>(*engine_, *store_, *tokenizer_, SchedulerOptions{});
+    service_ = std::make_unique<SdmServiceImpl>(ServiceDeps{*model_, *engine_, *tokenizer_, *store_,
+                                                            *scheduler_, *metrics_, auth_, limits_},
+                                                ServiceOptions{});
+    v1::CreateSessionRequest create;
+    create.set_session_id("chat");
+    v1::Session session;
+    ASSERT_TRUE(service_->DoCreateSession(kTenant, create, session).ok());
+  }
+  void TearDown() override { scheduler_.reset(); }
+
+  v1::GenerateRequest Request(const std::string& text) const {
+    v1::GenerateRequest request;
+    request.set_session_id("chat");
+    request.set_text(text);
+    request.mutable_sampling()->set_max_tokens(4);
+    return request;
+  }
+  absl::Status Prepare(const std::string& text, GenerateJob& job) {
+    return service_->PrepareGenerate(kTenant, absl::InfiniteFuture(), Request(text), job);
+  }
+
+  static constexpr char kTenant[] = "";  // the default tenant (no API keys)
+  std::shared_ptr<const Model> model_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<Tokenizer> tokenizer_;
+  std::unique_ptr<SessionStateStore> store_;
+  prometheus::Registry registry_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  ApiKeyAuthenticator auth_;
+  TenantLimitsConfig limits_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<SdmServiceImpl> service_;
+};
+
+// Two requests read the new session (both would start the sequence with BOS); the first runs.
+// The second, submitted as prepared, is refused (its BOS would land mid-conversation); prepared
+// again, it continues the conversation without BOS.
+TEST_F(StaleSessionReadTest, AJobPreparedBeforeAnotherTurnIsRefusedAndPreparedAgain) {
+  GenerateJob first, stale;
+  ASSERT_TRUE(Prepare("hello", first).ok());
+  ASSERT_TRUE(Prepare("again", stale).ok());
+  ASSERT_EQ(first.prompt.front(), tokenizer_->bos_id());
+  ASSERT_EQ(stale.prompt, (std::vector<int32_t>{tokenizer_->bos_id(), 'a', 'g', 'a', 'i', 'n'}));
+  auto turn1 = std::make_shared<Turn>();
+  ASSERT_TRUE(service_->SubmitGenerate(std::move(first), turn1).ok());
+  turn1->Wait();
+  ASSERT_TRUE(turn1->error.ok()) << turn1->error;
+
+  auto refused = std::make_shared<Turn>();
+  const absl::Status s = service_->SubmitGenerate(std::move(stale), refused);
+  EXPECT_TRUE(IsSessionChanged(s)) << s;
+  EXPECT_NE(s.message().find("changed while the request was prepared"), std::string::npos) << s;
+  EXPECT_FALSE(refused->done.HasBeenNotified());
+
+  auto turn2 = std::make_shared<Turn>();
+  int attempts = 0;
+  GenerateJob prepared;
+  ASSERT_TRUE(RetryWhileSessionChanged([&] {
+                ++attempts;
+                prepared = GenerateJob();
+                if (absl::Status p = Prepare("again", prepared); !p.ok()) return p;
+                GenerateJob job = prepared;
+                return service_->SubmitGenerate(std::move(job), turn2);
+              }).ok());
+  turn2->Wait();
+  EXPECT_EQ(attempts, 1);
+  EXPECT_EQ(prepared.prompt, (std::vector<int32_t>{'a', 'g', 'a', 'i', 'n'}));  // no BOS
+  EXPECT_EQ(turn2->usage.history_tokens, 6 + turn1->usage.generated_tokens - 1);
+}
+
+// The retry gives up after kGenerateAttempts tries, returning the last refusal; any other result
+// (success, or another error: ABORTED for a busy session included) ends it at once.
+TEST_F(StaleSessionReadTest, TheRetryStopsAtKGenerateAttemptsAndOnAnythingButASessionChange) {
+  GenerateJob first, stale;
+  ASSERT_TRUE(Prepare("hello", first).ok());
+  ASSERT_TRUE(Prepare("again", stale).ok());
+  auto turn1 = std::make_shared<Turn>();
+  ASSERT_TRUE(service_->SubmitGenerate(std::move(first), turn1).ok());
+  turn1->Wait();
+  const absl::Status changed = service_->SubmitGenerate(std::move(stale), std::make_shared<Turn>());
+  ASSERT_TRUE(IsSessionChanged(changed)) << changed;
+
+  int calls = 0;
+  EXPECT_EQ(RetryWhileSessionChanged([&] {
+              ++calls;
+              return changed;
+            }),
+            changed);
+  EXPECT_EQ(calls, kGenerateAttempts);
+  calls = 0;
+  EXPECT_TRUE(RetryWhileSessionChanged([&] {
+                return ++calls < kGenerateAttempts ? changed : absl::OkStatus();
+              }).ok());
+  EXPECT_EQ(calls, kGenerateAttempts);
+  calls = 0;
+  const absl::Status busy = absl::AbortedError("session 'chat' is in use");
+  EXPECT_EQ(RetryWhileSessionChanged([&] {
+              ++calls;
+              return busy;
+            }),
+            busy);
+  EXPECT_EQ(calls, 1);
+}
+
+}  // namespace
+}  // namespace sdm
