@@ -99,6 +99,14 @@ struct EngineOptions {
   // hold at once (Engine::StageResume), the pool of their buffers included: host memory on top
   // of the state store's budgets. 0: none staged.
   int64_t resume_staging_bytes = int64_t{4} << 30;
+  // CUDA backend: the most device memory that staged resumes copied to the device ahead of their
+  // step hold at once (on a stream of their own, as they are staged; the step then only scatters
+  // them), the pool of their buffers included. Kept out of the memory left free once weights are
+  // loaded before device_state_fraction's share is taken; with device_state_bytes set, it comes
+  // from the memory beside that, as the activations do. Nothing is kept, or copied ahead, when
+  // resume_staging_bytes is 0. A staged image that does not fit waits in page-locked memory and
+  // its step copies it, as with 0 (none copied ahead).
+  int64_t resume_prefetch_bytes = int64_t{2} << 30;
   // CPU backend: the decode attention kernel.
   CpuDecodeAttention cpu_decode_attention = CpuDecodeAttention::kBlocked;
   // Testing only: make a forward pass fail part-way, after it began writing session state
@@ -141,6 +149,8 @@ struct ResumeStagingStats {
   int64_t used = 0;        // resumes that uploaded from a staged image instead of converting
   int64_t refused = 0;     // sessions left unstaged: resume_staging_bytes was in use (or 0)
   int64_t held_bytes = 0;  // page-locked bytes held now by staged images and their pool
+  int64_t prefetched = 0;  // staged images also copied to the device ahead (resume_prefetch_bytes)
+  int64_t prefetch_held_bytes = 0;  // device bytes held now by those copies and their pool
 };
 
 // Seconds spent in each part of the forward pass since the last ResetProfile().
@@ -245,17 +255,19 @@ class Engine {
   absl::Status Step(const StepBatch& batch, std::span<float> logits,
                     std::span<int32_t> sampled = {});
 
-  // Prepares a session that is not on the device so that the step resuming it only copies: on
-  // the CUDA backend, converts its layers to the device's bf16 image in page-locked memory
-  // (host work on the calling thread: about 0.6 s on one core for a full sdm_flagship table, split
-  // by layer over up to 8 threads for large sessions) and attaches it to the session
-  // (SessionState::staged()) until the step that uploads the session takes it, or the layers change
-  // and the session drops it. Without it that conversion runs inside the step, and every session of
-  // the step waits for it. Nothing is done (OK) on the CPU, for a session on the device, already
-  // staged, failed or holding nothing to convert, and when resume_staging_bytes is in use (counted
-  // in ResumeStagingStats::refused; the step then converts as without this call). Errors:
-  // INVALID_ARGUMENT for a session of another model. Thread-safety: for a session no step or other
-  // thread uses meanwhile; may run while Step() runs other sessions, and alongside other
+  // Prepares a session that is not on the device so that the step resuming it only copies, or
+  // only scatters: on the CUDA backend, converts its layers to the device's bf16 image in
+  // page-locked memory (host work on the calling thread: about 0.6 s on one core for a full
+  // sdm_flagship table, split by layer over up to 8 threads for large sessions) and attaches it
+  // to the session (SessionState::staged()) until the step that uploads the session takes it, or
+  // the layers change and the session drops it; where resume_prefetch_bytes has room, also starts
+  // copying that image to the device (on a stream of its own), so the step only scatters it.
+  // Without it that conversion (and the copy) runs inside the step, and every session of the step
+  // waits for it. Nothing is done (OK) on the CPU, for a session on the device, already staged,
+  // failed or holding nothing to convert, and when resume_staging_bytes is in use (counted in
+  // ResumeStagingStats::refused; the step then converts as without this call). Errors:
+  // INVALID_ARGUMENT for a session of another model. Thread-safety: for a session no step or
+  // other thread uses meanwhile; may run while Step() runs other sessions, and alongside other
   // StageResume calls (the scheduler stages a job's session on the thread that submits it).
   absl::Status StageResume(SessionState& session);
 

@@ -270,7 +270,8 @@ if [[ -n "$BENCH" ]]; then
     # device, its state synced to the host (device_to_host_s), written, read back and resumed
     # with one decode step: converted inside the step, and staged ahead (Engine::StageResume:
     # staging_s, first_step_after_staged_resume_s); then the same for a session whose SDM
-    # tables hold every slot (--full_table: 1.61 GB of bf16 rows, park GB/s through SyncToHost).
+    # tables hold every slot (--full_table: 1.61 GB of bf16 rows, park GB/s through SyncToHost;
+    # its staged image copied to the device ahead, copy_ahead_wait_s, so the step only scatters).
     if ! may_start state; then :
     elif timeout "$(budget 150)" "$BENCH" state --device cuda --presets sdm_flagship --lengths 128 \
         --full_table \

@@ -141,6 +141,13 @@ ABSL_FLAG(std::string, resume_staging,
           "On a GPU: page-locked host memory for sessions converted for their upload when their "
           "request is submitted, so that the step resuming them only copies; a session that "
           "does not fit is converted inside its step; 0: never ahead.");
+ABSL_FLAG(std::string, resume_prefetch,
+          sdm::FormatByteSize(sdm::ServerOptions{}.engine.resume_prefetch_bytes),
+          "On a GPU: device memory for those sessions' images copied to the device as they are "
+          "staged (on a stream of their own, beside the steps), so that the step resuming them "
+          "only scatters; kept out of the memory the session-state arenas are sized from (none "
+          "with --resume_staging=0); an image that does not fit is copied inside its step; 0: "
+          "never ahead.");
 ABSL_FLAG(std::string, host_budget,
           sdm::FormatByteSize(sdm::ServerOptions{}.store.host_budget_bytes),
           "Bytes of parked session state kept in host memory before the oldest are written to "
@@ -337,7 +344,9 @@ int main(int argc, char** argv) {
         std::tuple{"device_budget", absl::GetFlag(FLAGS_device_budget),
                    &options.store.device_budget_bytes},
         std::tuple{"resume_staging", absl::GetFlag(FLAGS_resume_staging),
-                   &options.engine.resume_staging_bytes}}) {
+                   &options.engine.resume_staging_bytes},
+        std::tuple{"resume_prefetch", absl::GetFlag(FLAGS_resume_prefetch),
+                   &options.engine.resume_prefetch_bytes}}) {
     absl::StatusOr<int64_t> bytes = sdm::ParseByteSize(value);
     if (!bytes.ok()) return UsageError(absl::StrCat("--", flag, ": ", bytes.status().message()));
     *out = *bytes;

@@ -355,6 +355,8 @@ void SdmServer::Impl::UpdateGauges() {
     grow(metrics->resumes_from_staged, staging.used, last_staging.used);
     grow(metrics->resume_staging_refused, staging.refused, last_staging.refused);
     metrics->resume_staging_bytes.Set(static_cast<double>(staging.held_bytes));
+    grow(metrics->resumes_prefetched, staging.prefetched, last_staging.prefetched);
+    metrics->resume_prefetch_bytes.Set(static_cast<double>(staging.prefetch_held_bytes));
     last_staging = staging;
   }
   if (store == nullptr) return;

@@ -22,7 +22,8 @@
 //
 // A StagedUpload (below) is the step before residency: a backend's copy of a host-only
 // session's layers, already converted to what its device takes, made off the step thread
-// (Engine::StageResume) so that the step that resumes the session only copies it.
+// (Engine::StageResume) so that the step that resumes the session only copies it (or, where the
+// backend also copied it to the device ahead, only scatters it).
 #ifndef SDMSERVE_STATE_STORE_DEVICE_RESIDENCY_H_
 #define SDMSERVE_STATE_STORE_DEVICE_RESIDENCY_H_
 
@@ -66,8 +67,8 @@ class DeviceResidency {
 //
 // Threads: made on any thread while nothing steps the session (it is a read of the host
 // layers); destroyed on any thread, so its destructor must not wait for the device (a backend
-// gives its memory back to a pool; it is not in use by then: an upload that read it has
-// finished or was waited for).
+// gives its memory back to a pool: an upload that read it has finished or was waited for, and
+// memory a copy it started ahead may still use stays out of the pool until that copy is done).
 //
 // Memory: what it holds is the backend's, bounded by the backend (EngineOptions::
 // resume_staging_bytes on CUDA), and counted in none of the store's budgets.
@@ -80,6 +81,9 @@ class StagedUpload {
 
   // The backend instance that made it (as DeviceResidency::owner()).
   const void* owner() const { return owner_; }
+  // Blocks until the work it started ahead of the step (a copy to the device) is done; nothing
+  // to wait for by default. Benchmarks call it to time a step apart from that work.
+  virtual absl::Status WaitForCopy() const { return absl::OkStatus(); }
 
  private:
   const void* const owner_;

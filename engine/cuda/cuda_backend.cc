@@ -4,7 +4,8 @@
 // (engine/cuda/device_state.h) and stay so until the state store parks them.
 //
 // A step: (1) upload sessions that are not resident (from the image StageResume converted ahead
-// of the step, when there is one) and give their attention layers the pages
+// of the step, when there is one, scattered from its device copy when that was made ahead too)
+// and give their attention layers the pages
 // the step's positions need; (2) reserve the SDM rows the step may allocate (copy-on-write can
 // take at most rows * heads * writes per SDM layer); (3) copy the step's small integer arrays
 // (tokens, positions, segments, per-layer table pointers) to the device in one transfer; (4) run
@@ -175,15 +176,26 @@ class CudaBackend : public EngineBackend {
         CudaStatus(cudaMemGetInfo(&free_bytes, &total_bytes), "querying device memory"));
     // Keep room for activations of a large step (and cuBLASLt's workspace).
     const int64_t activation_reserve = int64_t{2} << 30;
+    if (options_.resume_prefetch_bytes < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("resume_prefetch_bytes must be >= 0, not ", options_.resume_prefetch_bytes));
+    }
+    // Copies ahead need staged images: without staging none is made, and none is kept room for.
+    const int64_t prefetch_bytes =
+        options_.resume_staging_bytes > 0 ? options_.resume_prefetch_bytes : 0;
     int64_t state_bytes = options_.device_state_bytes;
     if (state_bytes <= 0) {
-      state_bytes = static_cast<int64_t>((static_cast<double>(free_bytes) - activation_reserve) *
-                                         options_.device_state_fraction);
+      state_bytes = static_cast<int64_t>(
+          (static_cast<double>(free_bytes) - activation_reserve - prefetch_bytes) *
+          options_.device_state_fraction);
     }
     if (state_bytes <= 0) {
-      return absl::ResourceExhaustedError(
-          absl::StrFormat("the weights leave no device memory for session state (%.2f GiB free)",
-                          free_bytes / double(1 << 30)));
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "the weights leave no device memory for session state (%.2f GiB free, of which %.2f "
+          "GiB are kept for activations and %.2f GiB for resumes copied ahead: "
+          "resume_prefetch_bytes, --resume_prefetch)",
+          free_bytes / double(1 << 30), activation_reserve / double(1 << 30),
+          prefetch_bytes / double(1 << 30)));
     }
     if (options_.device_transfer_chunk_bytes < 0) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -205,6 +217,7 @@ class CudaBackend : public EngineBackend {
     DeviceStateSizes sizes;
     sizes.max_context = options_.max_context;
     sizes.staged_bytes = options_.resume_staging_bytes;
+    sizes.prefetch_bytes = prefetch_bytes;
     sizes.transfer_chunk_bytes = options_.device_transfer_chunk_bytes;
     sizes.inject_transfer_fault = options_.inject_transfer_fault;
     // Arenas in proportion to what one session needs at most: its SDM table fully written, its
@@ -294,6 +307,9 @@ class CudaBackend : public EngineBackend {
       return absl::OkStatus();
     }
     if (*staged == nullptr) return absl::OkStatus();  // nothing to convert
+    if ((*staged)->device_image() != nullptr) {
+      prefetched_.fetch_add(1, std::memory_order_relaxed);
+    }
     session.AttachStaged(*std::move(staged));
     staged_count_.fetch_add(1, std::memory_order_relaxed);
     return absl::OkStatus();
@@ -304,6 +320,8 @@ class CudaBackend : public EngineBackend {
     stats.used = staged_used_.load(std::memory_order_relaxed);
     stats.refused = staged_refused_.load(std::memory_order_relaxed);
     stats.held_bytes = ctx_->staged_image_stats().held_bytes;
+    stats.prefetched = prefetched_.load(std::memory_order_relaxed);
+    stats.prefetch_held_bytes = ctx_->prefetch_image_stats().held_bytes;
     return stats;
   }
 
@@ -1222,7 +1240,7 @@ class CudaBackend : public EngineBackend {
   Workspace ws_;
   ForwardFaultInjector fault_;
   // StageResume's counts (ResumeStagingStats): staging runs on other threads than the step.
-  std::atomic<int64_t> staged_count_{0}, staged_used_{0}, staged_refused_{0};
+  std::atomic<int64_t> staged_count_{0}, staged_used_{0}, staged_refused_{0}, prefetched_{0};
   ForwardCommit* commit_ = nullptr;     // the pass in progress (Forward), else null
   DecodeGraphCache<GraphExec> graphs_;  // after ws_: destroyed before the buffers they name
   DecodeGraphStats graph_stats_;

@@ -48,6 +48,7 @@ absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
   absl::MutexLock init_lock(&ctx->mu_);
   SDM_RETURN_IF_ERROR(CudaStatus(ctx->compute_.Create(), "creating the compute stream"));
   SDM_RETURN_IF_ERROR(CudaStatus(ctx->transfer_.Create(), "creating the transfer stream"));
+  SDM_RETURN_IF_ERROR(CudaStatus(ctx->prefetch_.Create(), "creating the prefetch stream"));
   const int64_t n_layers = static_cast<int64_t>(layout.layers.size());
   ctx->m0_ = std::move(m0);
   ctx->m0_.resize(n_layers, nullptr);
@@ -103,6 +104,7 @@ absl::StatusOr<std::shared_ptr<CudaDeviceContext>> CudaDeviceContext::Create(
 CudaDeviceContext::~CudaDeviceContext() {
   if (compute_.get() != nullptr) cudaStreamSynchronize(compute_.get());
   if (transfer_.get() != nullptr) cudaStreamSynchronize(transfer_.get());
+  if (prefetch_.get() != nullptr) cudaStreamSynchronize(prefetch_.get());
 }
 
 kc::SdmRowArena CudaDeviceContext::row_arena() const {
@@ -365,6 +367,49 @@ absl::StatusOr<kc::PinnedBuffer<bf16>> CudaDeviceContext::AllocateStagedImage(in
   return buffer;
 }
 
+absl::StatusOr<kc::DeviceBuffer<bf16>> CudaDeviceContext::AllocatePrefetchImage(int64_t elems) {
+  kc::DeviceBuffer<bf16> buffer;
+  if (const cudaError_t err = buffer.Allocate(elems); err != cudaSuccess) {
+    cudaGetLastError();  // an out-of-memory error is not sticky: clear it for the next call
+    return absl::ResourceExhaustedError(
+        absl::StrCat("could not allocate ", elems * static_cast<int64_t>(sizeof(bf16)),
+                     " bytes of device memory to copy a resume ahead: ", kc::CudaErrorText(err)));
+  }
+  return buffer;
+}
+
+void CudaDeviceContext::ReturnCopiedAhead(kc::PinnedBuffer<bf16> image,
+                                          kc::DeviceBuffer<bf16> device,
+                                          std::unique_ptr<kc::CudaEvent> copied) {
+  const cudaError_t done = cudaEventQuery(copied->get());
+  if (done == cudaErrorNotReady) {
+    absl::MutexLock lock(&retired_mu_);
+    retired_.push_back({std::move(image), std::move(device), std::move(copied)});
+    return;
+  }
+  if (done != cudaSuccess) cudaGetLastError();  // a failed copy is not running either
+  ReturnPrefetchImage(std::move(device));
+  ReturnStagedImage(std::move(image));
+}
+
+void CudaDeviceContext::ReclaimCopiesAhead() {
+  std::vector<RetiredCopy> retired;
+  {
+    absl::MutexLock lock(&retired_mu_);
+    retired.swap(retired_);
+  }
+  for (RetiredCopy& r : retired) {
+    if (cudaEventSynchronize(r.copied->get()) != cudaSuccess) cudaGetLastError();
+    ReturnPrefetchImage(std::move(r.device));
+    ReturnStagedImage(std::move(r.image));
+  }
+}
+
+int64_t CudaDeviceContext::copies_ahead_pending() const {
+  absl::MutexLock lock(&retired_mu_);
+  return static_cast<int64_t>(retired_.size());
+}
+
 int64_t CudaDeviceContext::table_allocations() const {
   absl::MutexLock lock(&mu_);
   return table_allocations_;
@@ -439,14 +484,59 @@ absl::StatusOr<std::unique_ptr<CudaStagedUpload>> CudaStagedUpload::Stage(
   absl::StatusOr<UploadPlan> plan = PlanUpload(*ctx, host);
   if (!plan.ok()) return plan.status();
   if (plan->image_elems() == 0) return nullptr;  // nothing to convert
+  ctx->ReclaimCopiesAhead();  // buffers of dropped stagings whose copies were still running
   absl::StatusOr<kc::PinnedBuffer<bf16>> image = ctx->TakeStagedImage(plan->image_elems());
   if (!image.ok()) return image.status();
   WriteUploadImage(*ctx, *plan, host, image->get());
-  return std::unique_ptr<CudaStagedUpload>(
+  std::unique_ptr<CudaStagedUpload> staged(
       new CudaStagedUpload(std::move(ctx), *std::move(plan), *std::move(image)));
+  staged->StartCopy();
+  return staged;
 }
 
-CudaStagedUpload::~CudaStagedUpload() { ctx_->ReturnStagedImage(std::move(image_)); }
+void CudaStagedUpload::StartCopy() {
+  const int64_t elems = plan_.image_elems();
+  absl::StatusOr<kc::DeviceBuffer<bf16>> device = ctx_->TakePrefetchImage(elems);
+  if (!device.ok()) return;  // no room (or memory): the step copies from the page-locked image
+  auto copied = std::make_unique<kc::CudaEvent>();
+  if (copied->Create() != cudaSuccess) {
+    cudaGetLastError();
+    ctx_->ReturnPrefetchImage(*std::move(device));
+    return;
+  }
+  // On the prefetch stream, which nothing else uses: the copy overlaps the steps and parks that
+  // run meanwhile. The upload orders its scatter after `copied_` on the compute stream.
+  const cudaError_t copy = cudaMemcpyAsync(device->get(), image_.get(), elems * sizeof(bf16),
+                                           cudaMemcpyHostToDevice, ctx_->prefetch());
+  const cudaError_t record =
+      copy == cudaSuccess ? cudaEventRecord(copied->get(), ctx_->prefetch()) : copy;
+  if (record != cudaSuccess) {
+    SDM_LOG(WARNING) << "sdm cuda: copying a staged resume ahead failed ("
+                     << kc::CudaErrorText(record) << "); its step copies it";
+    // Whatever was enqueued must finish before the buffers go back (the staging thread waits).
+    cudaStreamSynchronize(ctx_->prefetch());
+    cudaGetLastError();
+    ctx_->ReturnPrefetchImage(*std::move(device));
+    return;
+  }
+  device_image_ = *std::move(device);
+  copied_ = std::move(copied);
+}
+
+absl::Status CudaStagedUpload::WaitForCopy() const {
+  if (copied_ == nullptr) return absl::OkStatus();
+  return CudaStatus(cudaEventSynchronize(copied_->get()), "waiting for a resume's copy ahead");
+}
+
+CudaStagedUpload::~CudaStagedUpload() {
+  if (copied_ != nullptr) {
+    // The copy reads the page-locked image and writes the device one: both stay out of the
+    // pools until it is done (at once when an upload used it: the upload waited for its scatter).
+    ctx_->ReturnCopiedAhead(std::move(image_), std::move(device_image_), std::move(copied_));
+  } else {
+    ctx_->ReturnStagedImage(std::move(image_));
+  }
+}
 
 absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host,
@@ -512,15 +602,20 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   if (image_elems == 0) return s;
 
   const int64_t n_ids = static_cast<int64_t>(ids.size());
+  // A staged image copied ahead is scattered from the device; nothing is copied here.
+  const bf16* copied_ahead = staged != nullptr ? staged->device_image() : nullptr;
   TransferSizes need;
   need.image = staged != nullptr ? 0 : image_elems;  // a staged image has its own buffer
   need.host_ids = n_ids + n_layers;                  // the ids, then a row count per layer
   need.ids = n_ids;
   SDM_RETURN_IF_ERROR(ctx->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
-    need.chunk = staging.ChunkElemsFor(image_elems);
+    // Chunks of the same size either way (the transfer-fault seam counts them alike); only a
+    // copy needs the device chunk.
+    const int64_t chunk_elems = staging.ChunkElemsFor(image_elems);
+    need.chunk = copied_ahead != nullptr ? 0 : chunk_elems;
     SDM_RETURN_IF_ERROR(staging.Reserve(need));
-    absl::StatusOr<std::vector<TransferChunk>> chunks =
-        PlanTransferChunks(plan.runs, staging.chunk_elems());
+    absl::StatusOr<std::vector<TransferChunk>> chunks = PlanTransferChunks(
+        plan.runs, copied_ahead != nullptr ? chunk_elems : staging.chunk_elems());
     if (!chunks.ok()) return chunks.status();
     const bf16* image = staged != nullptr ? staged->image() : staging.image();
     if (staged == nullptr) WriteUploadImage(*ctx, plan, host, staging.image());
@@ -529,20 +624,30 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     // Everything on the compute stream, in order: the rows' scatter pops the free list, which
     // only the compute stream touches (and the next step needs the session anyway). Copies
     // come from page-locked memory; each chunk's copy waits for the previous chunk's scatter.
+    // A copy made ahead (on the prefetch stream) is waited for by its event instead.
     cudaStream_t c = ctx->compute();
+    if (copied_ahead != nullptr) {
+      SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamWaitEvent(c, staged->copied(), 0),
+                                     "waiting for a resume's copy ahead"));
+    }
     SDM_RETURN_IF_ERROR(
         CudaStatus(cudaMemcpyAsync(staging.ids(), staging.host_ids(), n_ids * sizeof(int32_t),
                                    cudaMemcpyHostToDevice, c),
                    "uploading slot and page ids"));
     for (const TransferChunk& chunk : *chunks) {
-      SDM_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(staging.chunk(), image + chunk.image_offset,
-                                     chunk.elems * sizeof(bf16), cudaMemcpyHostToDevice, c),
-                     "uploading session state"));
+      const bf16* chunk_src = staging.chunk();
+      if (copied_ahead != nullptr) {
+        chunk_src = copied_ahead + chunk.image_offset;
+      } else {
+        SDM_RETURN_IF_ERROR(
+            CudaStatus(cudaMemcpyAsync(staging.chunk(), image + chunk.image_offset,
+                                       chunk.elems * sizeof(bf16), cudaMemcpyHostToDevice, c),
+                       "uploading session state"));
+      }
       for (const TransferPiece& p : chunk.pieces) {
         const int64_t l = plan.run_layer[p.run];
         const int32_t* piece_ids = staging.ids() + run_first[p.run] + p.first;
-        const bf16* src = staging.chunk() + p.chunk_offset;
+        const bf16* src = chunk_src + p.chunk_offset;
         if (IsSdm(layout.layers[l])) {
           SDM_RETURN_IF_ERROR(
               CudaStatus(kc::SdmScatterRows(src, piece_ids, p.count, s->layers_[l].table.get(),

@@ -14,7 +14,9 @@
 // Both move the state through the context's TransferStaging (below). A resume may be staged
 // ahead of its step (CudaStagedUpload, Engine::StageResume): the host-side conversion to the
 // bf16 image runs then, on the staging thread, into page-locked memory from the context's
-// staged-image pool, and the step only copies and scatters. Host bookkeeping (free pages,
+// staged-image pool, and where the prefetch pool has room its copy to the device starts then
+// too, on a third stream, the prefetch stream (the scatter stays on the compute stream, after
+// the copy's event): the step only scatters, or copies and scatters. Host bookkeeping (free pages,
 // counter slots) is guarded by the context's mutex: the store's worker thread parks sessions
 // while the scheduler thread runs steps.
 #ifndef SDMSERVE_ENGINE_CUDA_DEVICE_STATE_H_
@@ -64,6 +66,9 @@ struct DeviceStateSizes {
   // The most page-locked host memory staged uploads hold at once, pooled buffers included
   // (EngineOptions::resume_staging_bytes). 0: nothing is staged.
   int64_t staged_bytes = 0;
+  // The most device memory staged images copied ahead of their step hold at once, pooled
+  // buffers included (EngineOptions::resume_prefetch_bytes). 0: none is copied ahead.
+  int64_t prefetch_bytes = 0;
 };
 
 // What the staged-image pool has done (CudaDeviceContext::staged_image_stats; tests, logs).
@@ -166,7 +171,7 @@ class CudaDeviceContext {
   static absl::StatusOr<std::shared_ptr<CudaDeviceContext>> Create(
       const StateLayout& layout, const DeviceStateSizes& sizes,
       std::vector<const __nv_bfloat16*> m0);
-  // Waits for both streams first: the last sessions' release kernels read the tables, the free
+  // Waits for its streams first: the last sessions' release kernels read the tables, the free
   // list and the counters this frees.
   ~CudaDeviceContext();
   CudaDeviceContext(const CudaDeviceContext&) = delete;
@@ -174,6 +179,9 @@ class CudaDeviceContext {
 
   cudaStream_t compute() const { return compute_.get(); }
   cudaStream_t transfer() const { return transfer_.get(); }
+  // Staged images' copies ahead (CudaStagedUpload) only: a stream of their own, so that a park
+  // (on the transfer stream, waited for on the step thread) never queues behind them.
+  cudaStream_t prefetch() const { return prefetch_.get(); }
   const StateLayout& layout() const { return layout_; }
   const DeviceStateSizes& sizes() const { return sizes_; }
   kernels::cuda::SdmRowArena row_arena() const;
@@ -241,6 +249,30 @@ class CudaDeviceContext {
     staged_pool_.Return(std::move(image));
   }
   StagedImageStats staged_image_stats() const { return staged_pool_.stats(); }
+  // The same for the device copies of staged images (CudaStagedUpload's copy ahead): device
+  // buffers under DeviceStateSizes::prefetch_bytes, by the same policy (cudaMalloc on the staging
+  // thread; cudaFree, which waits for the device, only when sizes change). ReturnPrefetchImage's
+  // precondition: no copy or scatter uses the buffer any more.
+  absl::StatusOr<kernels::cuda::DeviceBuffer<__nv_bfloat16>> TakePrefetchImage(int64_t elems) {
+    return prefetch_pool_.Take(elems);
+  }
+  void ReturnPrefetchImage(kernels::cuda::DeviceBuffer<__nv_bfloat16> image) {
+    prefetch_pool_.Return(std::move(image));
+  }
+  StagedImageStats prefetch_image_stats() const { return prefetch_pool_.stats(); }
+  // The buffers of a staged upload that copied ahead, given back without waiting for the device:
+  // to their pools at once when the copy is done (`copied` has fired), else kept until it is,
+  // which the next staging waits for before it takes buffers (ReclaimCopiesAhead). So no
+  // destructor waits for a copy, and no buffer is handed out while a copy may still use it.
+  void ReturnCopiedAhead(kernels::cuda::PinnedBuffer<__nv_bfloat16> image,
+                         kernels::cuda::DeviceBuffer<__nv_bfloat16> device,
+                         std::unique_ptr<kernels::cuda::CudaEvent> copied)
+      ABSL_LOCKS_EXCLUDED(retired_mu_);
+  // Waits for the copies of buffers ReturnCopiedAhead kept and gives those buffers back to their
+  // pools. Called on the staging thread before it takes buffers: never on the step thread.
+  void ReclaimCopiesAhead() ABSL_LOCKS_EXCLUDED(retired_mu_);
+  // Staged uploads' buffers kept until their copies are done (tests).
+  int64_t copies_ahead_pending() const ABSL_LOCKS_EXCLUDED(retired_mu_);
 
   // A session's slot or page table of `entries` int32 (contents undefined): one a session no
   // longer resident gave back (ReturnTable), else a new allocation. So once residency repeats a
@@ -264,14 +296,19 @@ class CudaDeviceContext {
                 static_cast<int64_t>(sizeof(__nv_bfloat16)),
             sizes.inject_transfer_fault),
         staged_pool_(sizes.staged_bytes, static_cast<int64_t>(sizeof(__nv_bfloat16)),
-                     AllocateStagedImage) {}
+                     AllocateStagedImage),
+        prefetch_pool_(sizes.prefetch_bytes, static_cast<int64_t>(sizeof(__nv_bfloat16)),
+                       AllocatePrefetchImage) {}
   // The staged-image pool's allocator: page-locked memory (Unavailable when it cannot be had).
   static absl::StatusOr<kernels::cuda::PinnedBuffer<__nv_bfloat16>> AllocateStagedImage(
+      int64_t elems);
+  // The prefetch pool's: device memory (ResourceExhausted when the device has none left).
+  static absl::StatusOr<kernels::cuda::DeviceBuffer<__nv_bfloat16>> AllocatePrefetchImage(
       int64_t elems);
 
   StateLayout layout_;
   DeviceStateSizes sizes_;
-  kernels::cuda::CudaStream compute_, transfer_;
+  kernels::cuda::CudaStream compute_, transfer_, prefetch_;
   std::vector<const __nv_bfloat16*> m0_;
   std::vector<int64_t> sdm_index_;
   int64_t num_sdm_layers_ = 0;
@@ -298,23 +335,45 @@ class CudaDeviceContext {
   TransferStaging staging_ ABSL_GUARDED_BY(staging_mu_);
 
   BudgetedBufferPool<kernels::cuda::PinnedBuffer<__nv_bfloat16>> staged_pool_;
+  BudgetedBufferPool<kernels::cuda::DeviceBuffer<__nv_bfloat16>> prefetch_pool_;
+
+  // ReturnCopiedAhead's buffers whose copy had not finished.
+  struct RetiredCopy {
+    kernels::cuda::PinnedBuffer<__nv_bfloat16> image;
+    kernels::cuda::DeviceBuffer<__nv_bfloat16> device;
+    std::unique_ptr<kernels::cuda::CudaEvent> copied;
+  };
+  mutable absl::Mutex retired_mu_;
+  std::vector<RetiredCopy> retired_ ABSL_GUARDED_BY(retired_mu_);
 };
 
 // A resume staged ahead of its step (state_store/device_residency.h, StagedUpload): the upload
 // plan and the bf16 image of a host session's layers in a page-locked buffer of the context's
-// pool, given back when this is destroyed (on any thread; never while an upload reads it:
-// CudaSessionState::Upload has finished with it, or waited, before it lets go).
+// pool and, where the prefetch pool has room, a copy of that image on the device, started on the
+// context's prefetch stream when staged (the copy ahead: the step then only scatters it, after
+// waiting for the copy's event). Both buffers go back to their pools when this is destroyed, on
+// any thread, without waiting for the device: never while an upload reads them
+// (CudaSessionState::Upload has finished with them, or waited, before it lets go), and a copy
+// ahead that may still run keeps them until it is done (CudaDeviceContext::ReturnCopiedAhead).
 class CudaStagedUpload final : public StagedUpload {
  public:
-  // Plans and writes the image of `host` (host work, on the calling thread); null when the
-  // image is empty (nothing to convert). ResourceExhausted when the staged-image budget cannot
-  // hold it; OutOfRange as PlanUpload.
+  // Plans and writes the image of `host` (host work, on the calling thread), then starts its copy
+  // to the device if the prefetch pool holds it; null when the image is empty (nothing to
+  // convert). ResourceExhausted when the staged-image budget cannot hold it; OutOfRange as
+  // PlanUpload. A copy ahead that cannot start (no room, no memory) is not an error: the step
+  // copies from the page-locked image.
   static absl::StatusOr<std::unique_ptr<CudaStagedUpload>> Stage(
       std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host);
   ~CudaStagedUpload() override;
 
   const UploadPlan& plan() const { return plan_; }
   const __nv_bfloat16* image() const { return image_.get(); }
+  // The image's copy on the device (null: not copied ahead), complete once copied() has fired:
+  // work on another stream that reads it waits for that event first.
+  __nv_bfloat16* device_image() const { return device_image_.get(); }
+  cudaEvent_t copied() const { return copied_ != nullptr ? copied_->get() : nullptr; }
+  // Blocks until the copy ahead (if any) is complete (tests and benchmarks).
+  absl::Status WaitForCopy() const override;
 
  private:
   CudaStagedUpload(std::shared_ptr<CudaDeviceContext> ctx, UploadPlan plan,
@@ -323,10 +382,15 @@ class CudaStagedUpload final : public StagedUpload {
         ctx_(std::move(ctx)),
         plan_(std::move(plan)),
         image_(std::move(image)) {}
+  // Starts the copy ahead if the prefetch pool holds the image; leaves none on any failure.
+  void StartCopy();
 
   std::shared_ptr<CudaDeviceContext> ctx_;
   UploadPlan plan_;
   kernels::cuda::PinnedBuffer<__nv_bfloat16> image_;
+  kernels::cuda::DeviceBuffer<__nv_bfloat16> device_image_;
+  // Recorded on the prefetch stream after the copy (null: no copy ahead).
+  std::unique_ptr<kernels::cuda::CudaEvent> copied_;
 };
 
 // One session's residency on the device.
@@ -335,8 +399,9 @@ class CudaSessionState final : public DeviceResidency {
   // Copies `host`'s layers to the device (copies and scatters on the compute stream, through the
   // context's staging) and returns the residency to attach to it. With `staged` (made by this
   // context from `host` as it is now: SessionState drops stale ones) the image is taken from it
-  // instead of being converted here (one that does not match is ignored); it is free to go once
-  // this returns.
+  // instead of being converted here (one that does not match is ignored), and when it was copied
+  // ahead the compute stream waits for that copy and scatters from its device image, copying
+  // nothing; it is free to go once this returns.
   static absl::StatusOr<std::unique_ptr<CudaSessionState>> Upload(
       std::shared_ptr<CudaDeviceContext> ctx, const SessionState& host,
       const CudaStagedUpload* staged = nullptr);

@@ -192,6 +192,19 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                      "pooled buffers included (at most --resume_staging).")
                                .Register(registry)
                                .Add({})),
+      resumes_prefetched(BuildCounter()
+                             .Name("sdm_resumes_prefetched_total")
+                             .Help("GPU: of sdm_resumes_staged_total, sessions whose image was "
+                                   "also copied to the device ahead of their step "
+                                   "(--resume_prefetch).")
+                             .Register(registry)
+                             .Add({})),
+      resume_prefetch_bytes(BuildGauge()
+                                .Name("sdm_resume_prefetch_bytes")
+                                .Help("Device memory held for images copied ahead, pooled "
+                                      "buffers included (at most --resume_prefetch).")
+                                .Register(registry)
+                                .Add({})),
       requests_(BuildCounter()
                     .Name("sdm_requests_total")
                     .Help("RPCs finished, by method and gRPC status code.")

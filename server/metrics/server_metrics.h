@@ -33,6 +33,9 @@
 //   sdm_resumes_from_staged_total          counter    of those, uploaded from that image
 //   sdm_resume_staging_refused_total       counter    sessions not converted ahead (no room)
 //   sdm_resume_staging_bytes               gauge      page-locked bytes held for them
+//   sdm_resumes_prefetched_total           counter    of the staged, also copied to the device
+//                                                     ahead of their step
+//   sdm_resume_prefetch_bytes              gauge      device bytes held for those copies
 //
 // Labelled series are reached through the functions below, so that label names are spelled only
 // in server_metrics.cc (prometheus-cpp families do not declare their label names: a misspelt
@@ -118,6 +121,8 @@ class ServerMetrics {
   prometheus::Counter& resumes_from_staged;
   prometheus::Counter& resume_staging_refused;
   prometheus::Gauge& resume_staging_bytes;
+  prometheus::Counter& resumes_prefetched;
+  prometheus::Gauge& resume_prefetch_bytes;
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;

@@ -1184,9 +1184,10 @@ StagedImageStats PoolOf(const SessionState& session) {
 
 // A resume staged ahead of its step (its layers converted to the device's bf16 image before the
 // step, as the scheduler does on the submitting thread) continues bit for bit like one the step
-// converts itself, and the step takes the staged image instead of converting: on presets with
-// SDM, sliding-window and full-attention state, with the default transfer chunk and with one so
-// small that each upload takes many chunks. A staged image whose host layers then change (the
+// converts itself, and the step takes the staged image instead of converting (here scattering
+// the image's copy made ahead on the device): on presets with SDM, sliding-window and
+// full-attention state, with the default transfer chunk and with one so small that each upload
+// takes many chunks. A staged image whose host layers then change (the
 // session stepped on the CPU engine) is dropped and never uploaded: the next resume converts
 // the new layers and still matches the twin.
 TEST(CudaEngineTest, AStagedResumeContinuesBitForBitFromTheStagedImage) {
@@ -1218,6 +1219,10 @@ TEST(CudaEngineTest, AStagedResumeContinuesBitForBitFromTheStagedImage) {
           ASSERT_NE(staged->staged(), nullptr);
           EXPECT_EQ(e.cuda->resume_staging_stats().staged, ++stagings);
           EXPECT_GT(e.cuda->resume_staging_stats().held_bytes, 0);
+          // Copied to the device ahead too (the default resume_prefetch_bytes holds it): the
+          // step scatters from the device copy.
+          EXPECT_EQ(e.cuda->resume_staging_stats().prefetched, stagings);
+          EXPECT_GT(e.cuda->resume_staging_stats().prefetch_held_bytes, 0);
           ASSERT_TRUE(e.cuda->StageResume(*staged).ok());  // staged already: nothing more
           EXPECT_EQ(e.cuda->resume_staging_stats().staged, stagings);
         }
@@ -1242,48 +1247,69 @@ TEST(CudaEngineTest, AStagedResumeContinuesBitForBitFromTheStagedImage) {
 }
 
 // The step uploads the staged bytes themselves, not a conversion of its own: a staged image
-// whose SDM rows were overwritten (here, through the test's hold on the page-locked buffer)
-// changes the resumed session's logits, and the same session staged again continues like its
-// twin. Without this a step that ignored the staged image would pass every other test here
-// (its own conversion gives the same bytes).
+// whose SDM rows were overwritten changes the resumed session's logits, and the same session
+// staged again continues like its twin. Without a copy ahead the step copies the page-locked
+// image (overwritten here through the test's hold on it); with one it scatters the device copy
+// (overwritten once the copy is done) and never reads the page-locked image again. Without this
+// a step that ignored either would pass every other test here (its own conversion gives the same
+// bytes).
 TEST(CudaEngineTest, TheStepUploadsTheStagedBytes) {
   SKIP_WITHOUT_DEVICE();
-  Engines e = MakeEngines("debug_hybrid", 16);
-  ASSERT_NE(e.cuda, nullptr);
-  const int64_t vocab = e.cuda->vocab_size();
-  const std::vector<int32_t> prompt = RandomTokens(45, vocab, 11);
-  auto poisoned = e.cuda->NewSession(), restaged = e.cuda->NewSession(),
-       twin = e.cuda->NewSession();
-  for (auto* s : {poisoned.get(), restaged.get(), twin.get()}) {
-    ASSERT_TRUE(e.cuda->Prefill(*s, prompt, false, nullptr).ok());
+  absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
+  ASSERT_TRUE(c.ok());
+  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+  const int64_t vocab = c->vocab_size;
+  for (const bool ahead : {false, true}) {
+    SCOPED_TRACE(ahead ? "copied ahead" : "copied by the step");
+    EngineOptions o = CudaOptions(int64_t{1} << 30, 1024, /*prefill_chunk=*/16);
+    if (!ahead) o.resume_prefetch_bytes = 0;
+    auto created = Engine::Create(model, o);
+    ASSERT_TRUE(created.ok()) << created.status();
+    Engine& engine = **created;
+    const std::vector<int32_t> prompt = RandomTokens(45, vocab, 11);
+    auto poisoned = engine.NewSession(), restaged = engine.NewSession(), twin = engine.NewSession();
+    for (auto* s : {poisoned.get(), restaged.get(), twin.get()}) {
+      ASSERT_TRUE(engine.Prefill(*s, prompt, false, nullptr).ok());
+    }
+    ASSERT_TRUE(poisoned->SyncToHost().ok());
+    ASSERT_TRUE(restaged->SyncToHost().ok());
+    ASSERT_TRUE(engine.StageResume(*poisoned).ok());
+    ASSERT_TRUE(engine.StageResume(*restaged).ok());
+    EXPECT_EQ(engine.resume_staging_stats().prefetched, ahead ? 2 : 0);
+    const auto* staged = static_cast<const CudaStagedUpload*>(poisoned->staged());
+    ASSERT_NE(staged, nullptr);
+    ASSERT_EQ(staged->device_image() != nullptr, ahead);
+    // The image starts with the first SDM layer's private rows (UploadPlan): scale them.
+    ASSERT_FALSE(staged->plan().runs.empty());
+    const TransferRun& rows = staged->plan().runs[0];
+    ASSERT_GT(rows.count, 0);
+    const int64_t n = rows.count * rows.block_elems;
+    std::vector<__nv_bfloat16> scaled(staged->image(), staged->image() + n);
+    for (__nv_bfloat16& x : scaled) x = __float2bfloat16_rn(8.0f * __bfloat162float(x) + 1.0f);
+    if (ahead) {
+      ASSERT_TRUE(staged->WaitForCopy().ok());
+      ASSERT_EQ(cudaMemcpy(staged->device_image(), scaled.data(), n * sizeof(__nv_bfloat16),
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+    } else {
+      std::copy(scaled.begin(), scaled.end(), const_cast<__nv_bfloat16*>(staged->image()));
+    }
+    const int32_t token = RandomTokens(1, vocab, 50)[0];
+    const std::vector<float> want = DecodeAlone(engine, *twin, token);
+    EXPECT_NE(DecodeAlone(engine, *poisoned, token), want)
+        << "the step did not upload the staged image";
+    EXPECT_EQ(DecodeAlone(engine, *restaged, token), want);
+    EXPECT_EQ(engine.resume_staging_stats().used, 2);
   }
-  ASSERT_TRUE(poisoned->SyncToHost().ok());
-  ASSERT_TRUE(restaged->SyncToHost().ok());
-  ASSERT_TRUE(e.cuda->StageResume(*poisoned).ok());
-  ASSERT_TRUE(e.cuda->StageResume(*restaged).ok());
-  const auto* staged = static_cast<const CudaStagedUpload*>(poisoned->staged());
-  ASSERT_NE(staged, nullptr);
-  // The image starts with the first SDM layer's private rows (UploadPlan): scale them.
-  ASSERT_FALSE(staged->plan().runs.empty());
-  const TransferRun& rows = staged->plan().runs[0];
-  ASSERT_GT(rows.count, 0);
-  auto* image = const_cast<__nv_bfloat16*>(staged->image());
-  for (int64_t i = 0; i < rows.count * rows.block_elems; ++i) {
-    image[i] = __float2bfloat16_rn(8.0f * __bfloat162float(image[i]) + 1.0f);
-  }
-  const int32_t token = RandomTokens(1, vocab, 50)[0];
-  const std::vector<float> want = DecodeAlone(*e.cuda, *twin, token);
-  EXPECT_NE(DecodeAlone(*e.cuda, *poisoned, token), want)
-      << "the step did not upload the staged image";
-  EXPECT_EQ(DecodeAlone(*e.cuda, *restaged, token), want);
-  EXPECT_EQ(e.cuda->resume_staging_stats().used, 2);
 }
 
 // The staged images' page-locked memory stays within EngineOptions::resume_staging_bytes: a
 // session whose image does not fit beside the images in use is not staged (counted as refused;
 // its step converts it, with the same result), an image given back (the staged session dropped
 // it, or was resumed) is pooled and reused by the next staging without an allocation, and a
-// budget of 0 stages nothing.
+// budget of 0 stages nothing. Their copies ahead on the device stay within
+// resume_prefetch_bytes the same way: an image whose copy does not fit is staged without one and
+// its step copies it, with the same result.
 TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
   SKIP_WITHOUT_DEVICE();
   absl::StatusOr<ModelConfig> c = PresetConfig("debug_hybrid");
@@ -1298,14 +1324,49 @@ TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
     EXPECT_TRUE(s->SyncToHost().ok());
     return s;
   };
-  int64_t one_image = 0;  // bytes the pool holds for one such session's image
+  int64_t one_image = 0;         // bytes the pool holds for one such session's image
+  int64_t one_device_image = 0;  // and the prefetch pool for its copy ahead
   {
     auto e = Engine::Create(model, o);
     ASSERT_TRUE(e.ok()) << e.status();
     auto s = parked_session(**e);
     ASSERT_TRUE((*e)->StageResume(*s).ok());
     one_image = (*e)->resume_staging_stats().held_bytes;
+    one_device_image = (*e)->resume_staging_stats().prefetch_held_bytes;
     ASSERT_GT(one_image, 0);
+    ASSERT_GT(one_device_image, 0);
+  }
+  {
+    SCOPED_TRACE("a prefetch budget of one image");
+    EngineOptions one = o;
+    one.resume_prefetch_bytes = one_device_image;
+    auto e = Engine::Create(model, one);
+    ASSERT_TRUE(e.ok()) << e.status();
+    Engine& engine = **e;
+    auto a = parked_session(engine), b = parked_session(engine), c2 = parked_session(engine),
+         twin = parked_session(engine);
+    ASSERT_TRUE(engine.StageResume(*a).ok());
+    ASSERT_TRUE(engine.StageResume(*b).ok());  // staged, but a's copy holds the device budget
+    ASSERT_NE(a->staged(), nullptr);
+    ASSERT_NE(b->staged(), nullptr);
+    EXPECT_NE(static_cast<const CudaStagedUpload*>(a->staged())->device_image(), nullptr);
+    EXPECT_EQ(static_cast<const CudaStagedUpload*>(b->staged())->device_image(), nullptr);
+    EXPECT_EQ(engine.resume_staging_stats().prefetched, 1);
+    EXPECT_EQ(engine.resume_staging_stats().prefetch_held_bytes, one_device_image);
+    const int32_t token = RandomTokens(1, c->vocab_size, 53)[0];
+    const std::vector<float> want = DecodeAlone(engine, *twin, token);
+    EXPECT_EQ(DecodeAlone(engine, *a, token), want);  // scattered from its device copy
+    EXPECT_EQ(DecodeAlone(engine, *b, token), want);  // copied from page-locked memory
+    EXPECT_EQ(engine.resume_staging_stats().used, 2);
+    // a's device buffer went back with its resume: the next copy ahead reuses it.
+    ASSERT_TRUE(engine.StageResume(*c2).ok());
+    EXPECT_EQ(engine.resume_staging_stats().prefetched, 2);
+    EXPECT_EQ(engine.resume_staging_stats().prefetch_held_bytes, one_device_image);
+    EXPECT_EQ(static_cast<const CudaDeviceContext*>(a->device()->owner())
+                  ->prefetch_image_stats()
+                  .allocations,
+              1);
+    EXPECT_EQ(DecodeAlone(engine, *c2, token), want);
   }
   {
     SCOPED_TRACE("a budget of one image");
@@ -1320,11 +1381,17 @@ TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
     EXPECT_EQ(b->staged(), nullptr);
     EXPECT_EQ(engine.resume_staging_stats().refused, 1);
     EXPECT_EQ(engine.resume_staging_stats().held_bytes, one_image);
-    a->DropStaged();  // back to the pool
+    // Back to the pools, or (its copy ahead still queued: deferred streams) kept until that copy
+    // is done, which the next staging waits for before it takes buffers.
+    const auto* a_staged = static_cast<const CudaStagedUpload*>(a->staged());
+    ASSERT_NE(a_staged, nullptr);
+    ASSERT_NE(a_staged->device_image(), nullptr);
+    a->DropStaged();
     ASSERT_TRUE(engine.StageResume(*b).ok());
     ASSERT_NE(b->staged(), nullptr);
     EXPECT_EQ(engine.resume_staging_stats().held_bytes, one_image);
     EXPECT_EQ(engine.resume_staging_stats().staged, 2);
+    EXPECT_EQ(engine.resume_staging_stats().prefetched, 2);  // into a's device buffer
     const int32_t token = RandomTokens(1, c->vocab_size, 50)[0];
     const std::vector<float> from_a = DecodeAlone(engine, *a, token);  // converted in the step
     const std::vector<float> from_b = DecodeAlone(engine, *b, token);  // from the staged image
@@ -1333,6 +1400,10 @@ TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
     EXPECT_EQ(from_a, from_twin);
     EXPECT_EQ(engine.resume_staging_stats().used, 1);
     EXPECT_EQ(PoolOf(*b).allocations, 1) << "the pooled image was not reused";
+    const auto* device_ctx = static_cast<const CudaDeviceContext*>(b->device()->owner());
+    EXPECT_EQ(device_ctx->prefetch_image_stats().allocations, 1)
+        << "the device buffer was not reused";
+    EXPECT_EQ(device_ctx->copies_ahead_pending(), 0);
   }
   {
     SCOPED_TRACE("another engine's staged image, and a session past max_context");
@@ -1375,6 +1446,8 @@ TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
     EXPECT_EQ(a->staged(), nullptr);
     EXPECT_EQ((*e)->resume_staging_stats().refused, 1);
     EXPECT_EQ((*e)->resume_staging_stats().held_bytes, 0);
+    EXPECT_EQ((*e)->resume_staging_stats().prefetched, 0);
+    EXPECT_EQ((*e)->resume_staging_stats().prefetch_held_bytes, 0);
   }
 }
 
@@ -1396,9 +1469,10 @@ TEST(CudaEngineTest, StagingOffTheStepThreadAndAFailedStagedUpload) {
   }
   const int64_t vocab = c->vocab_size;
   constexpr int kStaged = 3;
-  auto make = [&](int64_t fault) {
+  auto make = [&](int64_t fault, int64_t prefetch_bytes = EngineOptions{}.resume_prefetch_bytes) {
     EngineOptions with_fault = o;
     with_fault.inject_transfer_fault = fault;
+    with_fault.resume_prefetch_bytes = prefetch_bytes;
     return Engine::Create(model, with_fault);
   };
   {
@@ -1438,41 +1512,53 @@ TEST(CudaEngineTest, StagingOffTheStepThreadAndAFailedStagedUpload) {
           << "session " << i;
     }
     EXPECT_EQ(engine.resume_staging_stats().used, kStaged);
+    EXPECT_EQ(engine.resume_staging_stats().prefetched, kStaged);  // copied ahead as well
+    // The busy session's decode steps ran as graphs, captured while the other thread staged and
+    // copied ahead: nothing it did broke a capture (the step would then launch kernel by kernel,
+    // with the same results).
+    EXPECT_GT(engine.decode_graph_stats().captures, 0);
+    EXPECT_EQ(engine.decode_graph_stats().refusals, 0);
   }
   {
-    SCOPED_TRACE("a staged upload failing part-way");
-    // Where the fault lands: the chunks before the resume (prefills move nothing; the park
-    // takes some), learnt from an engine without one; the fault hits the resume's second chunk.
-    int64_t before_resume = 0;
-    {
-      auto e = make(-1);
+    // With the image copied ahead (the scatter fails at its second chunk) and without (the
+    // step's copy does).
+    for (const int64_t prefetch_bytes : {EngineOptions{}.resume_prefetch_bytes, int64_t{0}}) {
+      SCOPED_TRACE(testing::Message()
+                   << "a staged upload failing part-way, resume_prefetch_bytes " << prefetch_bytes);
+      // Where the fault lands: the chunks before the resume (prefills move nothing; the park
+      // takes some), learnt from an engine without one; the fault hits the resume's second chunk.
+      int64_t before_resume = 0;
+      {
+        auto e = make(-1);
+        ASSERT_TRUE(e.ok()) << e.status();
+        auto s = (*e)->NewSession();
+        ASSERT_TRUE((*e)->Prefill(*s, RandomTokens(90, vocab, 12), false, nullptr).ok());
+        const auto* ctx = static_cast<const CudaDeviceContext*>(s->device()->owner());
+        ASSERT_TRUE(s->SyncToHost().ok());
+        before_resume = ctx->transfer_chunks();
+      }
+      auto e = make(before_resume + 1, prefetch_bytes);
       ASSERT_TRUE(e.ok()) << e.status();
-      auto s = (*e)->NewSession();
-      ASSERT_TRUE((*e)->Prefill(*s, RandomTokens(90, vocab, 12), false, nullptr).ok());
-      const auto* ctx = static_cast<const CudaDeviceContext*>(s->device()->owner());
+      Engine& engine = **e;
+      auto s = engine.NewSession(), twin = engine.NewSession();
+      for (auto* session : {s.get(), twin.get()}) {
+        ASSERT_TRUE(engine.Prefill(*session, RandomTokens(90, vocab, 12), false, nullptr).ok());
+      }
       ASSERT_TRUE(s->SyncToHost().ok());
-      before_resume = ctx->transfer_chunks();
+      ASSERT_TRUE(engine.StageResume(*s).ok());
+      EXPECT_EQ(engine.resume_staging_stats().prefetched, prefetch_bytes > 0 ? 1 : 0);
+      const int32_t token = RandomTokens(1, vocab, 77)[0];
+      absl::Status failed;
+      EXPECT_TRUE(DecodeAlone(engine, *s, token, &failed).empty());
+      EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+      EXPECT_NE(failed.message().find("injected transfer fault"), std::string::npos) << failed;
+      EXPECT_FALSE(s->failed());
+      EXPECT_FALSE(s->on_device());
+      EXPECT_EQ(s->position(), 90);
+      EXPECT_NE(s->staged(), nullptr) << "the staged image was lost with the failed upload";
+      EXPECT_EQ(DecodeAlone(engine, *s, token), DecodeAlone(engine, *twin, token));
+      EXPECT_EQ(engine.resume_staging_stats().used, 1);
     }
-    auto e = make(before_resume + 1);
-    ASSERT_TRUE(e.ok()) << e.status();
-    Engine& engine = **e;
-    auto s = engine.NewSession(), twin = engine.NewSession();
-    for (auto* session : {s.get(), twin.get()}) {
-      ASSERT_TRUE(engine.Prefill(*session, RandomTokens(90, vocab, 12), false, nullptr).ok());
-    }
-    ASSERT_TRUE(s->SyncToHost().ok());
-    ASSERT_TRUE(engine.StageResume(*s).ok());
-    const int32_t token = RandomTokens(1, vocab, 77)[0];
-    absl::Status failed;
-    EXPECT_TRUE(DecodeAlone(engine, *s, token, &failed).empty());
-    EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
-    EXPECT_NE(failed.message().find("injected transfer fault"), std::string::npos) << failed;
-    EXPECT_FALSE(s->failed());
-    EXPECT_FALSE(s->on_device());
-    EXPECT_EQ(s->position(), 90);
-    EXPECT_NE(s->staged(), nullptr) << "the staged image was lost with the failed upload";
-    EXPECT_EQ(DecodeAlone(engine, *s, token), DecodeAlone(engine, *twin, token));
-    EXPECT_EQ(engine.resume_staging_stats().used, 1);
   }
 }
 

@@ -159,6 +159,16 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
         {},
         "Page-locked host memory held for sessions converted ahead, pooled buffers included (at "
         "most --resume_staging)."}},
+      {"sdm_resumes_prefetched_total",
+       {"counter",
+        {},
+        "GPU: of sdm_resumes_staged_total, sessions whose image was also copied to the device "
+        "ahead of their step (--resume_prefetch)."}},
+      {"sdm_resume_prefetch_bytes",
+       {"gauge",
+        {},
+        "Device memory held for images copied ahead, pooled buffers included (at most "
+        "--resume_prefetch)."}},
   };
   const ParsedPage page = RenderAndParse(registry);
   std::map<std::string, Declared> actual;

@@ -65,11 +65,14 @@ std::vector<float> NextLogits(Engine& engine, SessionState& s, int32_t token) {
 // and its first step, timed: the step uploads the staged image instead of converting.
 struct StagedResume {
   double staging_s = 0;
-  double first_step_s = 0;
+  bool copied_ahead = false;  // the staged image's copy to the device started with it
+  double copy_wait_s = 0;     // then waited for, from the end of the staging
+  double first_step_s = 0;    // after that copy, if any: the step only scatters
   std::vector<float> logits;  // of that step
 };
 absl::StatusOr<StagedResume> TimeStagedResume(Engine& engine, SessionState& s, int32_t token) {
   StagedResume r;
+  const int64_t prefetched_before = engine.resume_staging_stats().prefetched;
   Clock::time_point t0 = Clock::now();
   if (auto st = engine.StageResume(s); !st.ok()) return st;
   r.staging_s = Since(t0);
@@ -77,6 +80,12 @@ absl::StatusOr<StagedResume> TimeStagedResume(Engine& engine, SessionState& s, i
     return absl::InternalError(
         "the resume was not staged (EngineOptions::resume_staging_bytes is too low for it)");
   }
+  r.copied_ahead = engine.resume_staging_stats().prefetched > prefetched_before;
+  t0 = Clock::now();
+  if (s.staged() != nullptr) {
+    if (auto st = s.staged()->WaitForCopy(); !st.ok()) return st;
+  }
+  r.copy_wait_s = Since(t0);
   t0 = Clock::now();
   r.logits = NextLogits(engine, s, token);
   r.first_step_s = Since(t0);
@@ -110,9 +119,10 @@ absl::Status FillSdmTables(SessionState& s, uint64_t seed) {
 // The full-table measurement (StateBenchOptions::full_table): a session prefilled with 16 tokens
 // whose SDM tables then hold a random row in every slot, and its clone. The session's first
 // step resumes it converting inside the step; a park (SyncToHost) brings it back; the clone is
-// staged ahead (Engine::StageResume) and its first step resumes it from the staged image (its
-// logits must equal the session's, else `mismatch`); then one step of the resident clone. On the
-// CPU there is no device: the steps are plain steps and the park and staging do nothing.
+// staged ahead (Engine::StageResume), its copy to the device (made ahead where
+// resume_prefetch_bytes holds it) waited for, and its first step resumes it from the staged image
+// (its logits must equal the session's, else `mismatch`); then one step of the resident clone. On
+// the CPU there is no device: the steps are plain steps and the park and staging do nothing.
 absl::Status MeasureFullTable(Engine& engine, const std::string& preset,
                               const std::string& described, std::mt19937& rng,
                               nlohmann::json& results, absl::Status* mismatch) {
@@ -145,6 +155,7 @@ absl::Status MeasureFullTable(Engine& engine, const std::string& preset,
   absl::StatusOr<StagedResume> staged = TimeStagedResume(engine, *clone, next[0]);
   if (!staged.ok()) return staged.status();
   const double staging = staged->staging_s, step_staged = staged->first_step_s;
+  const double copy_wait = staged->copy_wait_s;
   const bool exact = staged->logits == want;
   t0 = Clock::now();
   if (NextLogits(engine, *clone, next[1]).empty()) return absl::InternalError("a step failed");
@@ -153,10 +164,11 @@ absl::Status MeasureFullTable(Engine& engine, const std::string& preset,
     std::printf(
         "#   %s full table: %lld rows, %.3f GB as the device holds them; first step converting "
         "in the step %.2f ms, park (SyncToHost) %.2f ms (%.2f GB/s); staged ahead %.2f ms (%.2f "
-        "GB/s of rows, off the step thread), then the first step %.2f ms; a resident step %.2f "
-        "ms; staged continuation exact: %s\n",
+        "GB/s of rows, off the step thread), its copy to the device %s (%.2f ms more to wait), "
+        "then the first step %.2f ms; a resident step %.2f ms; staged continuation exact: %s\n",
         preset.c_str(), static_cast<long long>(rows), bytes / 1e9, step_converting * 1e3,
-        park * 1e3, bytes / park / 1e9, staging * 1e3, bytes / staging / 1e9, step_staged * 1e3,
+        park * 1e3, bytes / park / 1e9, staging * 1e3, bytes / staging / 1e9,
+        staged->copied_ahead ? "ahead" : "in the step", copy_wait * 1e3, step_staged * 1e3,
         step_resident * 1e3, exact ? "yes" : "NO");
   } else {
     std::printf(
@@ -176,6 +188,8 @@ absl::Status MeasureFullTable(Engine& engine, const std::string& preset,
                      {"park_s", park},
                      {"park_gbps", cuda ? nlohmann::json(bytes / park / 1e9) : nlohmann::json()},
                      {"staging_s", staging},
+                     {"copied_ahead", staged->copied_ahead},
+                     {"copy_ahead_wait_s", copy_wait},
                      {"first_step_after_staged_resume_s", step_staged},
                      {"resident_step_s", step_resident},
                      {"staged_exact", exact}});
@@ -288,8 +302,9 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       resume_disk = Since(t0);
       // On CUDA the first step after a resume also uploads the state to the device: converted
       // inside the step (first_step), or staged ahead (Engine::StageResume, which the scheduler
-      // runs on the submitting thread: staging_s) so that the step only copies
-      // (first_step_staged), measured on a copy of the restored session.
+      // runs on the submitting thread: staging_s) so that the step only copies, or only
+      // scatters when the copy was made ahead too and waited for (first_step_staged), measured
+      // on a copy of the restored session.
       std::unique_ptr<SessionState> staged_copy;
       if (engine.device() == EngineDevice::kCuda) staged_copy = lease->state().Clone();
       const Clock::time_point t1 = Clock::now();

@@ -771,6 +771,7 @@ const char* cudaGetErrorName(cudaError_t e) {
   }
 }
 const char* cudaGetErrorString(cudaError_t e) {
+  if (e == cudaErrorNotReady) return "device not ready";
   return e == cudaErrorMemoryAllocation ? "out of memory" : "emulated error";
 }
 cudaError_t cudaGetDeviceCount(int* n) {
@@ -990,7 +991,17 @@ cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   ReachEvent(e);
   return cudaSuccess;
 }
+// Deferred streams answer as a device may while the work is still queued: not ready, running
+// nothing (shuffled streams may first run some work early, as they do at any host call). So code
+// that polls an event must cope with work that has not run yet; eager streams are always done.
 cudaError_t cudaEventQuery(cudaEvent_t e) {
+  if (e != nullptr && e->stream != nullptr && LiveStream(e->stream) && DeferredStreams()) {
+    std::lock_guard<std::recursive_mutex> lock(g_run_mu);
+    MaybeRunEarly();
+    if (e->stream->ran < e->position) return cudaErrorNotReady;
+    HostWaited(e->stream, e->position);
+    return cudaSuccess;
+  }
   ReachEvent(e);
   return cudaSuccess;
 }

@@ -30,6 +30,7 @@ enum cudaError_t {
   cudaErrorInvalidDevicePointer = 17,
   cudaErrorInvalidMemcpyDirection = 21,
   cudaErrorNoDevice = 100,
+  cudaErrorNotReady = 600,
   cudaErrorInvalidResourceHandle = 400,
   cudaErrorStreamCaptureUnsupported = 900,
   cudaErrorStreamCaptureInvalidated = 901,
