@@ -24,6 +24,15 @@ constexpr absl::string_view kSessionChangedPayload = "sdmserve/session-changed";
 
 }  // namespace
 
+absl::Status SessionChangedError(absl::string_view session_id, int64_t expected_history,
+                                 int64_t history) {
+  absl::Status changed = absl::AbortedError(
+      absl::StrCat("session '", session_id, "' changed while the request was prepared (",
+                   expected_history, " tokens of history then, ", history, " now); retry"));
+  changed.SetPayload(kSessionChangedPayload, absl::Cord("1"));
+  return changed;
+}
+
 bool IsSessionChanged(const absl::Status& status) {
   return status.code() == absl::StatusCode::kAborted &&
          status.GetPayload(kSessionChangedPayload).has_value();
@@ -107,11 +116,8 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   SessionState& st = *job->state;
   if (const int64_t history = st.position() + (st.pending_token >= 0 ? 1 : 0);
       job->spec.expected_history >= 0 && history != job->spec.expected_history) {
-    absl::Status changed = absl::AbortedError(absl::StrCat(
-        "session '", job->spec.session.id, "' changed while the request was prepared (",
-        job->spec.expected_history, " tokens of history then, ", history, " now); retry"));
-    changed.SetPayload(kSessionChangedPayload, absl::Cord("1"));
-    return changed;  // the lease goes back with the job, the session untouched
+    // The lease goes back with the job, the session untouched.
+    return SessionChangedError(job->spec.session.id, job->spec.expected_history, history);
   }
   job->usage.history_tokens = st.position();
   if (st.pending_token >= 0) {

@@ -76,8 +76,11 @@ struct GenerateJob {
   int64_t expected_history = -1;
 };
 
-// Whether `status` is Submit's refusal of a job whose GenerateJob::expected_history no longer
-// matches its session (ABORTED; nothing was changed): the caller prepares the job again.
+// Submit's refusal of a job whose GenerateJob::expected_history no longer matches its session
+// (ABORTED, marked so that IsSessionChanged recognises it; nothing was changed); a front end that
+// finds two of its own reads disagreeing answers the same. The caller prepares the job again.
+absl::Status SessionChangedError(absl::string_view session_id, int64_t expected_history,
+                                 int64_t history);
 bool IsSessionChanged(const absl::Status& status);
 
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which

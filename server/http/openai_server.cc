@@ -260,21 +260,26 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
   const absl::Status submitted = RetryWhileSessionChanged([&]() -> absl::Status {
     std::string prompt_text = request->prompt_text;
     std::vector<std::string> template_stop;
+    int64_t chat_history = -1;  // the session's history the template was rendered for
     if (endpoint == OpenAiEndpoint::kChatCompletions) {
-      bool continuing = false;
       if (!request->session_id.empty()) {
         v1::GetSessionRequest get;
         get.set_session_id(request->session_id);
         v1::Session session;
         SDM_RETURN_IF_ERROR(service_.DoGetSession(*tenant, get, session));
-        continuing = session.position() > 0;
+        chat_history = session.position();  // tokens, a pending one included
       }
-      prompt_text = chat_template_.Render(request->messages, continuing);
+      prompt_text = chat_template_.Render(request->messages, /*continuing=*/chat_history > 0);
       template_stop = chat_template_.stop;
     }
     const v1::GenerateRequest generate = ToGenerateRequest(*request, prompt_text, template_stop);
     GenerateJob job;
     SDM_RETURN_IF_ERROR(service_.PrepareGenerate(*tenant, absl::InfiniteFuture(), generate, job));
+    // Submit checks the lease against PrepareGenerate's read; the template came from this
+    // earlier one, so the two must agree too.
+    if (chat_history >= 0 && chat_history != job.expected_history) {
+      return SessionChangedError(request->session_id, chat_history, job.expected_history);
+    }
     prompt_tokens = static_cast<int64_t>(job.prompt.size());
     return service_.SubmitGenerate(std::move(job), observer);
   });

@@ -148,6 +148,13 @@ class SchedulerTest : public ::testing::Test {
     return out;
   }
 
+  // What a session's next turn feeds: its pending token, then the prompt.
+  static std::vector<int32_t> AfterPending(int32_t pending, const std::vector<int32_t>& prompt) {
+    std::vector<int32_t> feed = {pending};
+    feed.insert(feed.end(), prompt.begin(), prompt.end());
+    return feed;
+  }
+
   GenerateJob Job(std::string session, std::vector<int32_t> prompt, int max_tokens) {
     GenerateJob j;
     j.session = SessionKey(std::move(session));
@@ -227,12 +234,8 @@ TEST_F(SchedulerTest, SessionTurnsContinueTheConversationAndSurviveARestart) {
   auto s = engine_->NewSession();
   int32_t pending = -1;
   EXPECT_EQ(t1->tokens, Direct(*s, p1, 5, &pending));
-  std::vector<int32_t> feed2 = {pending};
-  feed2.insert(feed2.end(), p2.begin(), p2.end());
-  EXPECT_EQ(t2->tokens, Direct(*s, feed2, 5, &pending));
-  std::vector<int32_t> feed3 = {pending};
-  feed3.insert(feed3.end(), p3.begin(), p3.end());
-  EXPECT_EQ(t3->tokens, Direct(*s, feed3, 5));
+  EXPECT_EQ(t2->tokens, Direct(*s, AfterPending(pending, p2), 5, &pending));
+  EXPECT_EQ(t3->tokens, Direct(*s, AfterPending(pending, p3), 5));
 }
 
 // A step failing part-way (EngineOptions::inject_forward_fault, engine/engine_backend.h): the
@@ -342,9 +345,7 @@ TEST_F(SchedulerTest, AJobPreparedFromAStaleReadIsRefusedAndChangesNothing) {
   auto s = engine_->NewSession();
   int32_t pending = -1;
   EXPECT_EQ(first->tokens, Direct(*s, p1, 5, &pending));
-  std::vector<int32_t> feed2 = {pending};
-  feed2.insert(feed2.end(), p2.begin(), p2.end());
-  EXPECT_EQ(second->tokens, Direct(*s, feed2, 5));
+  EXPECT_EQ(second->tokens, Direct(*s, AfterPending(pending, p2), 5));
 }
 
 TEST_F(SchedulerTest, CancellationFreesTheSequenceWithinAStep) {

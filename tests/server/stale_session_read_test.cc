@@ -24,10 +24,10 @@
 namespace sdm {
 namespace {
 
-// Collects one job's tokens; Wait() returns once it has finished.
+// One job's usage and error; Wait() returns once it has finished.
 class Turn : public JobObserver {
  public:
-  void OnToken(int32_t token, absl::string_view) override { tokens.push_back(token); }
+  void OnToken(int32_t, absl::string_view) override {}
   void OnFinish(FinishReason, const Usage& u, const absl::Status& e) override {
     usage = u;
     error = e;
@@ -36,8 +36,7 @@ class Turn : public JobObserver {
   bool IsCancelled() const override { return false; }
   void Wait() { done.WaitForNotification(); }
 
-  std::vector<int32_t> tokens;  // written on the step thread before `done`
-  Usage usage;
+  Usage usage;  // written on the step thread before `done`
   absl::Status error;
   absl::Notification done;
 };
