@@ -30,6 +30,21 @@ int ConversionThreads(int64_t elems) {
 
 int64_t SlotsOf(const LayerStateLayout& l) { return l.sdm_heads * l.slots_per_head; }
 
+// A pool buffer of `elems` bf16 values for the staged-image and prefetch pools; `code` and `what`
+// say what failed ("could not allocate N bytes <what>"). Allocation errors are not sticky: the
+// last error is cleared for the next call.
+template <typename Buffer>
+absl::StatusOr<Buffer> AllocateImage(int64_t elems, absl::StatusCode code, const char* what) {
+  Buffer buffer;
+  if (const cudaError_t err = buffer.Allocate(elems); err != cudaSuccess) {
+    cudaGetLastError();
+    return absl::Status(
+        code, absl::StrCat("could not allocate ", elems * static_cast<int64_t>(sizeof(bf16)),
+                           " bytes ", what, ": ", kc::CudaErrorText(err)));
+  }
+  return buffer;
+}
+
 }  // namespace
 
 absl::Status CudaStatus(cudaError_t err, const char* what) {
@@ -358,24 +373,13 @@ void CudaDeviceContext::ReturnTable(kc::DeviceBuffer<int32_t> table) {
 }
 
 absl::StatusOr<kc::PinnedBuffer<bf16>> CudaDeviceContext::AllocateStagedImage(int64_t elems) {
-  kc::PinnedBuffer<bf16> buffer;
-  if (const cudaError_t err = buffer.Allocate(elems); err != cudaSuccess) {
-    return absl::UnavailableError(
-        absl::StrCat("could not pin ", elems * static_cast<int64_t>(sizeof(bf16)),
-                     " bytes of host memory to stage a resume: ", kc::CudaErrorText(err)));
-  }
-  return buffer;
+  return AllocateImage<kc::PinnedBuffer<bf16>>(elems, absl::StatusCode::kUnavailable,
+                                               "of host memory to stage a resume (pinned)");
 }
 
 absl::StatusOr<kc::DeviceBuffer<bf16>> CudaDeviceContext::AllocatePrefetchImage(int64_t elems) {
-  kc::DeviceBuffer<bf16> buffer;
-  if (const cudaError_t err = buffer.Allocate(elems); err != cudaSuccess) {
-    cudaGetLastError();  // an out-of-memory error is not sticky: clear it for the next call
-    return absl::ResourceExhaustedError(
-        absl::StrCat("could not allocate ", elems * static_cast<int64_t>(sizeof(bf16)),
-                     " bytes of device memory to copy a resume ahead: ", kc::CudaErrorText(err)));
-  }
-  return buffer;
+  return AllocateImage<kc::DeviceBuffer<bf16>>(elems, absl::StatusCode::kResourceExhausted,
+                                               "of device memory to copy a resume ahead");
 }
 
 void CudaDeviceContext::ReturnCopiedAhead(kc::PinnedBuffer<bf16> image,
@@ -610,12 +614,11 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
   need.ids = n_ids;
   SDM_RETURN_IF_ERROR(ctx->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
     // Chunks of the same size either way (the transfer-fault seam counts them alike); only a
-    // copy needs the device chunk.
+    // copy needs the device chunk (which Reserve makes at least this large).
     const int64_t chunk_elems = staging.ChunkElemsFor(image_elems);
     need.chunk = copied_ahead != nullptr ? 0 : chunk_elems;
     SDM_RETURN_IF_ERROR(staging.Reserve(need));
-    absl::StatusOr<std::vector<TransferChunk>> chunks = PlanTransferChunks(
-        plan.runs, copied_ahead != nullptr ? chunk_elems : staging.chunk_elems());
+    absl::StatusOr<std::vector<TransferChunk>> chunks = PlanTransferChunks(plan.runs, chunk_elems);
     if (!chunks.ok()) return chunks.status();
     const bf16* image = staged != nullptr ? staged->image() : staging.image();
     if (staged == nullptr) WriteUploadImage(*ctx, plan, host, staging.image());
