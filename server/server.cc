@@ -348,15 +348,7 @@ void SdmServer::Impl::UpdateGauges() {
   }
   if (engine != nullptr) {
     const ResumeStagingStats staging = engine->resume_staging_stats();
-    const auto grow = [](prometheus::Counter& counter, int64_t now, int64_t before) {
-      if (now > before) counter.Increment(static_cast<double>(now - before));
-    };
-    grow(metrics->resumes_staged, staging.staged, last_staging.staged);
-    grow(metrics->resumes_from_staged, staging.used, last_staging.used);
-    grow(metrics->resume_staging_refused, staging.refused, last_staging.refused);
-    metrics->resume_staging_bytes.Set(static_cast<double>(staging.held_bytes));
-    grow(metrics->resumes_prefetched, staging.prefetched, last_staging.prefetched);
-    metrics->resume_prefetch_bytes.Set(static_cast<double>(staging.prefetch_held_bytes));
+    metrics->RecordResumeStaging(staging, last_staging);
     last_staging = staging;
   }
   if (store == nullptr) return;

@@ -3,6 +3,8 @@
 #include <string>
 #include <utility>
 
+#include "engine/engine.h"
+
 namespace sdm {
 namespace {
 
@@ -264,6 +266,19 @@ prometheus::Counter& ServerMetrics::StateOffloads(absl::string_view tier) {
 
 prometheus::Counter& ServerMetrics::StateRestores(absl::string_view tier) {
   return state_restores_.Add(TierLabel(tier));
+}
+
+void ServerMetrics::RecordResumeStaging(const ResumeStagingStats& now,
+                                        const ResumeStagingStats& before) {
+  const auto grow = [](prometheus::Counter& counter, int64_t count, int64_t previous) {
+    if (count > previous) counter.Increment(static_cast<double>(count - previous));
+  };
+  grow(resumes_staged, now.staged, before.staged);
+  grow(resumes_from_staged, now.used, before.used);
+  grow(resume_staging_refused, now.refused, before.refused);
+  resume_staging_bytes.Set(static_cast<double>(now.held_bytes));
+  grow(resumes_prefetched, now.prefetched, before.prefetched);
+  resume_prefetch_bytes.Set(static_cast<double>(now.prefetch_held_bytes));
 }
 
 }  // namespace sdm

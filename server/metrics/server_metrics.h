@@ -59,6 +59,8 @@
 
 namespace sdm {
 
+struct ResumeStagingStats;  // engine/engine.h
+
 // Values of the `tier` label, as the API names tiers (sdm.v1.Tier).
 inline constexpr absl::string_view kTierResident = "resident";
 inline constexpr absl::string_view kTierHost = "host";
@@ -123,6 +125,11 @@ class ServerMetrics {
   prometheus::Gauge& resume_staging_bytes;
   prometheus::Counter& resumes_prefetched;
   prometheus::Gauge& resume_prefetch_bytes;
+
+  // The six above from the engine's counts `now` and those of the previous scrape, `before`: each
+  // counter grows by what its count grew (a count that went down, as after an engine restart,
+  // adds nothing), the gauges take `now`'s bytes. Not thread-safe: the caller serialises scrapes.
+  void RecordResumeStaging(const ResumeStagingStats& now, const ResumeStagingStats& before);
 
  private:
   prometheus::Family<prometheus::Counter>& requests_;

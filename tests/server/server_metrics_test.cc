@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "engine/engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
@@ -291,6 +292,34 @@ TEST(ServerMetricsTest, UnknownStatusCodesCountAsUnknown) {
   EXPECT_EQ(RenderAndParse(registry).Value("sdm_requests_total",
                                            {{"method", "GetSession"}, {"code", "UNKNOWN"}}),
             1);
+}
+
+// The engine's staging counts reach the page as the scrapes see them: counters grow by each
+// scrape's increase (a count that went down adds nothing), gauges hold the last bytes.
+TEST(ServerMetricsTest, ResumeStagingCountsGrowByEachScrapesIncrease) {
+  prometheus::Registry registry;
+  ServerMetrics metrics(registry);
+  const ResumeStagingStats first = {.staged = 5,
+                                    .used = 3,
+                                    .refused = 2,
+                                    .held_bytes = 4096,
+                                    .prefetched = 4,
+                                    .prefetch_held_bytes = 8192};
+  metrics.RecordResumeStaging(first, ResumeStagingStats{});
+  ResumeStagingStats second = first;
+  second.staged = 9;
+  second.used = 1;  // went down: adds nothing
+  second.prefetched = 7;
+  second.held_bytes = 0;
+  second.prefetch_held_bytes = 1024;
+  metrics.RecordResumeStaging(second, first);
+  const ParsedPage page = RenderAndParse(registry);
+  EXPECT_EQ(page.Value("sdm_resumes_staged_total", {}), 9);
+  EXPECT_EQ(page.Value("sdm_resumes_from_staged_total", {}), 3);
+  EXPECT_EQ(page.Value("sdm_resume_staging_refused_total", {}), 2);
+  EXPECT_EQ(page.Value("sdm_resume_staging_bytes", {}), 0);
+  EXPECT_EQ(page.Value("sdm_resumes_prefetched_total", {}), 7);
+  EXPECT_EQ(page.Value("sdm_resume_prefetch_bytes", {}), 1024);
 }
 
 // The server's registry refuses a second registration of the same names.
