@@ -126,7 +126,7 @@ constexpr size_t kDecodeGraphCapacity = 64;
 // Device activations for up to `rows` rows; grown on demand.
 struct Workspace {
   int64_t rows = 0;
-  kc::DeviceBuffer<float> x, tmp, o, logits;
+  kc::DeviceBuffer<float> x, tmp, logits;
   // The outputs of a layer's stacked projections (LayerStacks), rows `stride()` apart.
   kc::DeviceBuffer<float> mixer_in, ffn_in;
   kc::DeviceBuffer<bf16> xb, ob, hb, final_b;
@@ -418,15 +418,6 @@ class CudaBackend : public EngineBackend {
           AllocateStack(spec, MixerInputParts(roles), uses, &stacks_[i].mixer_in, &slots));
       SDM_RETURN_IF_ERROR(
           AllocateStack(spec, FfnInputParts(roles), uses, &stacks_[i].ffn_in, &slots));
-      // One RoPE launch rotates q and k together (AttentionMixer): k's columns must follow q's,
-      // which they do when q's width is a multiple of the stack's alignment.
-      const StackedLayout& in = stacks_[i].mixer_in.layout;
-      if (roles.type != LayerType::kSdm &&
-          in.offsets[kAttnKey] != in.offsets[kAttnQuery] + in.rows[kAttnQuery]) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layer ", i, ": the CUDA backend needs the query width (",
-                         in.rows[kAttnQuery], ") to be a multiple of ", kStackedPartAlign));
-      }
     }
     // Every tensor once, in spec order; roles below refer to them by index.
     std::vector<DeviceMatrix> matrices(spec.tensors.size());
@@ -491,11 +482,11 @@ class CudaBackend : public EngineBackend {
         kc::DeviceBuffer<float>* b;
         int64_t n;
       };
-      for (F f : {F{&ws.x, r * dim}, F{&ws.tmp, r * dim}, F{&ws.o, r * q_width},
-                  F{&ws.mixer_in, r * mixer_in}, F{&ws.ffn_in, r * ffn_in},
-                  F{&ws.logits, r * cfg_.vocab_size}, F{&ws.log_decay, r * heads},
-                  F{&ws.beta, r * heads}, F{&ws.w_weights, r * heads * n_w},
-                  F{&ws.r_weights, r * heads * n_r}, F{&ws.readings, heads > 0 ? r * dim : 0}}) {
+      for (F f :
+           {F{&ws.x, r * dim}, F{&ws.tmp, r * dim}, F{&ws.mixer_in, r * mixer_in},
+            F{&ws.ffn_in, r * ffn_in}, F{&ws.logits, r * cfg_.vocab_size},
+            F{&ws.log_decay, r * heads}, F{&ws.beta, r * heads}, F{&ws.w_weights, r * heads * n_w},
+            F{&ws.r_weights, r * heads * n_r}, F{&ws.readings, heads > 0 ? r * dim : 0}}) {
         SDM_RETURN_IF_ERROR(CudaStatus(f.b->Allocate(f.n), "allocating activations"));
       }
       struct B {
@@ -977,9 +968,10 @@ class CudaBackend : public EngineBackend {
     return GraphExec(exec);
   }
 
-  // A mixer's output: `mixed` [n, width] times sigmoid(gate) when the layer has a gate (`gate`:
-  // the gate projection's output, rows gate_stride apart; the gate and the conversion to wo's
-  // bf16 input in one launch), else only converted; then wo into ws.tmp.
+  // An SDM mixer's readings without their norm: `mixed` [n, width] times sigmoid(gate) when the
+  // layer has a gate (`gate`: the gate projection's output, rows gate_stride apart; the gate and
+  // the conversion to wo's bf16 input in one launch), else only converted; then wo into ws.tmp.
+  // (Attention kernels and LayerNormToBf16 write wo's input themselves.)
   absl::Status GatedOutput(int64_t n, const float* mixed, int64_t width, const float* gate,
                            int64_t gate_stride, const DeviceMatrix& wo, const float* wo_bias) {
     Workspace& ws = ws_;
@@ -1062,33 +1054,38 @@ class CudaBackend : public EngineBackend {
     float* q = in.Part(ws.mixer_in.get(), kAttnQuery);
     const float* k = in.Part(ws.mixer_in.get(), kAttnKey);
     const float* v = in.Part(ws.mixer_in.get(), kAttnValue);
-    // k's heads follow q's in each row (UploadWeights checks it): one launch rotates both, each
-    // pair as alone.
-    SDM_RETURN_IF_ERROR(Launched(kc::ApplyRope(q, n, stride, g.n_heads + g.n_kv_heads, g.head_dim,
-                                               arr.positions, theta, stream),
-                                 "rope"));
     kc::KvLayerView view = ctx_->kv_arena(li);
     view.page_tables = arr.tables[li];
-    BeginStateWrites();  // the KV append writes the sessions' caches
-    SDM_RETURN_IF_ERROR(Launched(
-        kc::KvAppend(k, v, stride, n, arr.row_seq, arr.positions, view, stream), "kv append"));
     const kc::AttentionDims dims = Dims(g);
+    BeginStateWrites();  // the KV append writes the sessions' caches
+    // RoPE of q (in place) and of k, and the append of k and v, in one launch.
+    SDM_RETURN_IF_ERROR(Launched(
+        kc::RopeKvAppend(q, k, v, stride, n, arr.row_seq, arr.positions, theta, dims, view, stream),
+        "rope and kv append"));
+    // The attention kernels write wo's bf16 input themselves, gated when the layer has a gate
+    // (kc::AttentionOutput: what GatedOutput would make of their fp32 output).
+    const float* gate = a.w_gate.w != nullptr ? in.Part(ws.mixer_in.get(), kAttnGate) : nullptr;
+    const auto output_from = [&](int64_t row) {
+      return kc::AttentionOutput{.f32 = nullptr,
+                                 .bf16 = ws.ob.get() + row * q_width,
+                                 .gate = gate != nullptr ? gate + row * stride : nullptr,
+                                 .gate_stride = stride};
+    };
     if (singles > 0) {
       // Segment s < singles has its query at row s and its page table at index s.
       SDM_RETURN_IF_ERROR(
           Launched(kc::AttentionDecode(q, stride, singles, arr.seg_pos, singles_visible, view, dims,
-                                       ws.attn_scratch.get(), ws.o.get(), stream),
+                                       ws.attn_scratch.get(), output_from(0), stream),
                    "decode attention"));
     }
     for (int64_t s = singles; s < static_cast<int64_t>(segs.size()); ++s) {
       const int64_t row = segs[s].first_row;
-      SDM_RETURN_IF_ERROR(Launched(kc::AttentionPrefill(q + row * stride, stride, segs[s].length,
-                                                        segs[s].pos0, static_cast<int32_t>(s), view,
-                                                        dims, ws.o.get() + row * q_width, stream),
-                                   "prefill attention"));
+      SDM_RETURN_IF_ERROR(Launched(
+          kc::AttentionPrefill(q + row * stride, stride, segs[s].length, segs[s].pos0,
+                               static_cast<int32_t>(s), view, dims, output_from(row), stream),
+          "prefill attention"));
     }
-    const float* gate = a.w_gate.w != nullptr ? in.Part(ws.mixer_in.get(), kAttnGate) : nullptr;
-    return GatedOutput(n, ws.o.get(), q_width, gate, stride, a.wo, nullptr);
+    return Linear(ws.ob.get(), n, a.wo, nullptr, ws.tmp.get());
   }
 
   // The inputs both SDM step paths take (kc::SdmStepArgs, kc::SdmDecodeArgs): the activated
@@ -1163,12 +1160,16 @@ class CudaBackend : public EngineBackend {
          .weights = ws.r_weights.get(),
          .norm = {w.qbn_w, w.qbn_b, w.qbn_mean, w.qbn_var, kSdmBatchNormEps},
          .scores_stride = stride}};
-    SDM_RETURN_IF_ERROR(
-        Launched(kc::SdmAddressJobs(addressing, n, heads, sdm_geom_.side, stream), "addressing"));
+    // The decay and beta gates in the same launch.
+    const kc::SdmGateJob gates = {.a = in.Part(out, kSdmDecayInput),
+                                  .b = in.Part(out, kSdmBetaInput),
+                                  .in_stride = stride,
+                                  .a_log = w.a_log,
+                                  .dt_bias = w.dt_bias,
+                                  .log_decay = ws.log_decay.get(),
+                                  .beta = ws.beta.get()};
     SDM_RETURN_IF_ERROR(Launched(
-        kc::SdmGates(in.Part(out, kSdmDecayInput), in.Part(out, kSdmBetaInput), stride, w.a_log,
-                     w.dt_bias, n, heads, ws.log_decay.get(), ws.beta.get(), stream),
-        "sdm gates"));
+        kc::SdmAddressJobs(addressing, n, heads, sdm_geom_.side, stream, gates), "addressing"));
     const float* v = in.Part(out, kSdmValue);
     kc::SdmSegments sg;
     sg.first_row = arr.seg_first;
@@ -1206,13 +1207,16 @@ class CudaBackend : public EngineBackend {
                      "observing readings"));
       options_.observe_sdm_readings(li, readings);
     }
-    if (w.norm_w != nullptr) {
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::LayerNorm(ws.readings.get(), w.norm_w, w.norm_b, n * heads,
-                                 sdm_geom_.head_width, static_cast<float>(args.norm_eps), stream),
-                   "readings norm"));
-    }
     const float* gate = w.wog.w != nullptr ? in.Part(out, kSdmOutputGate) : nullptr;
+    if (w.norm_w != nullptr) {
+      // The readings' LayerNorm, the gate and the conversion to wo's input in one launch.
+      SDM_RETURN_IF_ERROR(
+          Launched(kc::LayerNormToBf16(ws.readings.get(), w.norm_w, w.norm_b, n * heads,
+                                       sdm_geom_.head_width, static_cast<float>(args.norm_eps),
+                                       gate, dim, stride, ws.ob.get(), stream),
+                   "readings norm"));
+      return Linear(ws.ob.get(), n, w.wo, w.bo, ws.tmp.get());
+    }
     return GatedOutput(n, ws.readings.get(), dim, gate, stride, w.wo, w.bo);
   }
 

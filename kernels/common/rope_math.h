@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "kernels/common/fp_math.h"
 #include "kernels/common/host_device.h"
 
 namespace sdm::kernels {
@@ -32,6 +33,16 @@ SDM_HOST_DEVICE void RopeRotatePair(float c, float s, float* x0, float* x1) {
   const float a = *x0, b = *x1;
   *x0 = a * c - b * s;
   *x1 = a * s + b * c;
+}
+
+// RopeRotatePair with each product and sum rounded separately (kernels/common/fp_math.h): what
+// the CUDA kernels use, so that every kernel that rotates (ApplyRope, and RopeKvAppend, which
+// rotates inside the KV append) gives the same bits whatever the compiler contracts in each.
+// Not the CPU's: the backends' RoPE differs anyway, by their sines and cosines.
+SDM_HOST_DEVICE void RopeRotatePairRounded(float c, float s, float* x0, float* x1) {
+  const float a = *x0, b = *x1;
+  *x0 = SubRn(MulRn(a, c), MulRn(b, s));
+  *x1 = AddRn(MulRn(a, s), MulRn(b, c));
 }
 
 }  // namespace sdm::kernels

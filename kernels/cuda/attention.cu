@@ -15,6 +15,8 @@
 
 #include "kernels/common/attention_math.h"
 #include "kernels/common/device_layout.h"
+#include "kernels/common/rope_math.h"
+#include "kernels/common/sdm_math.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
 
@@ -62,6 +64,33 @@ bool ValidQueryStride(int64_t q_stride, const AttentionDims& dims) {
   return q_stride >= static_cast<int64_t>(dims.n_heads) * dims.head_dim && q_stride % 4 == 0;
 }
 
+// The output's pointers and gate stride (AttentionOutput): exactly one of f32 and bf16 (f32's
+// alignment is the file comment's), a gate only with bf16; the bf16 and gate alignments are the
+// prefill kernel's vector accesses.
+bool ValidOutput(const AttentionOutput& out, const AttentionDims& dims) {
+  const auto aligned = [](const void* p, uintptr_t bytes) {
+    return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+  };
+  if ((out.f32 == nullptr) == (out.bf16 == nullptr)) return false;
+  if (out.f32 != nullptr) return out.gate == nullptr;
+  return aligned(out.bf16, 8) &&
+         (out.gate == nullptr ||
+          (aligned(out.gate, 16) && out.gate_stride % 4 == 0 &&
+           out.gate_stride >= static_cast<int64_t>(dims.n_heads) * dims.head_dim));
+}
+
+// Element `col` of output row `row` (rows of `width`): FloatToBf16's or MulSigmoidToBf16's
+// rounding of v (elementwise.cu) when the output is bf16.
+__device__ __forceinline__ void StoreOutput(const AttentionOutput& out, int64_t row, int64_t width,
+                                            int64_t col, float v) {
+  if (out.bf16 == nullptr) {
+    out.f32[row * width + col] = v;
+    return;
+  }
+  if (out.gate != nullptr) v *= Sigmoid(out.gate[row * out.gate_stride + col]);
+  out.bf16[row * width + col] = __float2bfloat16_rn(v);
+}
+
 // ---------------------------------------------------------------------------------------------
 // KvAppend: one thread per 8 consecutive values of one row (two float4 loads of k and of v, one
 // 16-byte bf16 store each). Rows with a negative position are padding and are skipped.
@@ -86,6 +115,60 @@ __global__ void KvAppendKernel(const float* __restrict__ k, const float* __restr
   const float4 v1 = *reinterpret_cast<const float4*>(v + src + 4);
   const uint4 kp = {PackBf16x2(k0.x, k0.y), PackBf16x2(k0.z, k0.w), PackBf16x2(k1.x, k1.y),
                     PackBf16x2(k1.z, k1.w)};
+  const uint4 vp = {PackBf16x2(v0.x, v0.y), PackBf16x2(v0.z, v0.w), PackBf16x2(v1.x, v1.y),
+                    PackBf16x2(v1.z, v1.w)};
+  *reinterpret_cast<uint4*>(kv.pool + KvRowOffset(page, pos, kv.kv_width, false) + col) = kp;
+  *reinterpret_cast<uint4*>(kv.pool + KvRowOffset(page, pos, kv.kv_width, true) + col) = vp;
+}
+
+// RopeKvAppend: RoPE's inverse frequencies for heads of up to kMaxHeadDim dims, computed on the
+// host by RopeInvFreq (the CPU engine's powf, as ApplyRope's host table) and passed by value.
+struct RopeInvFreqs {
+  float v[kMaxHeadDim / 2];
+};
+
+// One thread per 8 consecutive values of one row: the row's q_width / 8 query vectors, then its
+// kv_width / 8 key-and-value vectors (as KvAppendKernel's). head_dim % 8 == 0, so a vector's
+// four pairs lie in one head. A query vector is rotated in place (every row, as ApplyRope
+// does); a key vector is rotated in registers and stored with its value vector as bf16, rows
+// with a negative position skipped (padding), k left as it is.
+__global__ void RopeKvAppendKernel(float* q, const float* __restrict__ k,
+                                   const float* __restrict__ v, int64_t row_stride, int64_t rows,
+                                   int64_t q_width, int32_t head_dim,
+                                   const int32_t* __restrict__ row_seq,
+                                   const int32_t* __restrict__ positions, RopeInvFreqs freqs,
+                                   KvLayerView kv) {
+  const int64_t q_vecs = q_width / 8;
+  const int64_t per_row = q_vecs + kv.kv_width / 8;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * per_row) return;
+  const int64_t r = i / per_row;
+  const int64_t c = i % per_row;
+  const bool query = c < q_vecs;
+  const int64_t col = (query ? c : c - q_vecs) * 8;
+  const int32_t pos = positions[r];
+  if (!query && pos < 0) return;
+  const int64_t src = r * row_stride + col;
+  const float4 x0 = *reinterpret_cast<const float4*>((query ? q : k) + src);
+  const float4 x1 = *reinterpret_cast<const float4*>((query ? q : k) + src + 4);
+  float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+  const int64_t pair0 = (col % head_dim) / 2;
+  for (int j = 0; j < 4; ++j) {
+    float sn, cs;
+    sincosf(RopeAngle(pos, freqs.v[pair0 + j]), &sn, &cs);
+    RopeRotatePairRounded(cs, sn, &x[2 * j], &x[2 * j + 1]);
+  }
+  if (query) {
+    *reinterpret_cast<float4*>(q + src) = make_float4(x[0], x[1], x[2], x[3]);
+    *reinterpret_cast<float4*>(q + src + 4) = make_float4(x[4], x[5], x[6], x[7]);
+    return;
+  }
+  const int32_t* table = kv.page_tables[row_seq[r]];
+  const int32_t page = table[KvPageTableIndex(pos, kv.ring_pages)];
+  const float4 v0 = *reinterpret_cast<const float4*>(v + src);
+  const float4 v1 = *reinterpret_cast<const float4*>(v + src + 4);
+  const uint4 kp = {PackBf16x2(x[0], x[1]), PackBf16x2(x[2], x[3]), PackBf16x2(x[4], x[5]),
+                    PackBf16x2(x[6], x[7])};
   const uint4 vp = {PackBf16x2(v0.x, v0.y), PackBf16x2(v0.z, v0.w), PackBf16x2(v1.x, v1.y),
                     PackBf16x2(v1.z, v1.w)};
   *reinterpret_cast<uint4*>(kv.pool + KvRowOffset(page, pos, kv.kv_width, false) + col) = kp;
@@ -136,7 +219,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
                           const int32_t* __restrict__ positions, KvLayerView kv, int32_t n_heads,
                           int32_t head_dim, int32_t group, int32_t heads_per_block, int64_t window,
                           int32_t lanes, int64_t grid_chunks, float q_scale,
-                          float* __restrict__ scratch, float* __restrict__ out) {
+                          float* __restrict__ scratch, AttentionOutput out) {
   constexpr int U = DecodeUnroll<G>();
   extern __shared__ float smem[];  // [kDecodeWarps][G][head_dim] acc, then [kDecodeWarps][G] m, l
 
@@ -153,7 +236,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     // Nothing visible (a negative position): the output is zero, written once by chunk 0.
     if (c == 0) {
       for (int64_t i = threadIdx.x; i < heads_per_block * hd; i += blockDim.x) {
-        out[(b * n_heads + h0) * hd + i] = 0.0f;
+        StoreOutput(out, b, n_heads * hd, h0 * hd + i, 0.0f);
       }
     }
     return;
@@ -298,7 +381,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
     }
     const int64_t h = h0 + g;
     if (chunks == 1) {
-      out[(b * n_heads + h) * hd + d] = SoftmaxFinish(a, st.l);
+      StoreOutput(out, b, n_heads * hd, h * hd + d, SoftmaxFinish(a, st.l));
     } else {
       float* rec = DecodeRecord(scratch, b, h, c, n_heads, grid_chunks, hd);
       rec[d] = a;
@@ -313,7 +396,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
 // Folds the chunks of one (sequence, query head) in chunk order. Grid (n_heads, batch).
 __global__ void DecodeMergeKernel(const int32_t* __restrict__ positions, int32_t n_heads,
                                   int32_t head_dim, int64_t window, int64_t grid_chunks,
-                                  const float* __restrict__ scratch, float* __restrict__ out) {
+                                  const float* __restrict__ scratch, AttentionOutput out) {
   const int64_t h = blockIdx.x;
   const int64_t b = blockIdx.y;
   const int64_t hd = head_dim;
@@ -331,7 +414,7 @@ __global__ void DecodeMergeKernel(const int32_t* __restrict__ positions, int32_t
       st = mg.state;
       a = a * mg.scale_a + rec[d] * mg.scale_b;
     }
-    out[(b * n_heads + h) * hd + d] = SoftmaxFinish(a, st.l);
+    StoreOutput(out, b, n_heads * hd, h * hd + d, SoftmaxFinish(a, st.l));
   }
 }
 
@@ -353,8 +436,8 @@ int32_t DecodeHeadsPerBlock(int32_t group) {
 template <int G>
 cudaError_t LaunchDecode(const float* q, int64_t q_stride, int64_t batch, const int32_t* positions,
                          int64_t grid_chunks, const KvLayerView& kv, const AttentionDims& dims,
-                         int32_t heads_per_block, int32_t lanes, float* scratch, float* out,
-                         cudaStream_t stream) {
+                         int32_t heads_per_block, int32_t lanes, float* scratch,
+                         const AttentionOutput& out, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(grid_chunks),
                   static_cast<unsigned>(dims.n_heads / heads_per_block),
                   static_cast<unsigned>(batch));
@@ -392,7 +475,7 @@ __global__ void __launch_bounds__(kPrefillThreads)
     AttentionPrefillKernel(const float* __restrict__ q, int64_t q_stride, int64_t num_tokens,
                            int64_t pos0, int32_t seq, KvLayerView kv, int32_t n_heads,
                            int32_t head_dim, int32_t group, int64_t window, float q_scale,
-                           float* __restrict__ out) {
+                           AttentionOutput out) {
   static_assert(kHd % 16 == 0 && kPrefillKeys == 32 && kPrefillQueries == 32);
   constexpr int kStride = PrefillStride<kHd>();
   constexpr int kVecs = kHd / 8;   // 8-value vectors per row
@@ -529,22 +612,38 @@ __global__ void __launch_bounds__(kPrefillThreads)
   }
 
   if (t >= num_tokens) return;
-  float* dst = out + t * out_stride + h * hd;
 #pragma unroll
   for (int i = 0; i < kAcc4; ++i) {
     const int d = 4 * (j + 4 * i);
     if (d < head_dim) {
-      *reinterpret_cast<float4*>(dst + d) =
-          make_float4(SoftmaxFinish(acc[i].x, l), SoftmaxFinish(acc[i].y, l),
-                      SoftmaxFinish(acc[i].z, l), SoftmaxFinish(acc[i].w, l));
+      const float4 o = make_float4(SoftmaxFinish(acc[i].x, l), SoftmaxFinish(acc[i].y, l),
+                                   SoftmaxFinish(acc[i].z, l), SoftmaxFinish(acc[i].w, l));
+      const int64_t at = t * out_stride + h * hd + d;
+      if (out.bf16 == nullptr) {
+        *reinterpret_cast<float4*>(out.f32 + at) = o;
+        continue;
+      }
+      // StoreOutput on four elements at once (ValidOutput's alignments: a 16-byte gate load, an
+      // 8-byte store).
+      float4 v = o;
+      if (out.gate != nullptr) {
+        const float4 g =
+            *reinterpret_cast<const float4*>(out.gate + t * out.gate_stride + h * hd + d);
+        v.x *= Sigmoid(g.x);
+        v.y *= Sigmoid(g.y);
+        v.z *= Sigmoid(g.z);
+        v.w *= Sigmoid(g.w);
+      }
+      const uint2 packed = {PackBf16x2(v.x, v.y), PackBf16x2(v.z, v.w)};
+      *reinterpret_cast<uint2*>(out.bf16 + at) = packed;
     }
   }
 }
 
 template <int kHd>
 cudaError_t LaunchPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
-                          int32_t seq, const KvLayerView& kv, const AttentionDims& dims, float* out,
-                          cudaStream_t stream) {
+                          int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
+                          const AttentionOutput& out, cudaStream_t stream) {
   constexpr size_t smem = PrefillSmemBytes<kHd>();
   auto* kernel = &AttentionPrefillKernel<kHd>;
   // Above 48 KB a kernel must opt in to dynamic shared memory (cheap; idempotent).
@@ -577,6 +676,27 @@ cudaError_t KvAppend(const float* k, const float* v, int64_t row_stride, int64_t
   return cudaGetLastError();
 }
 
+cudaError_t RopeKvAppend(float* q, const float* k, const float* v, int64_t row_stride, int64_t rows,
+                         const int32_t* row_seq, const int32_t* positions, float theta,
+                         const AttentionDims& dims, const KvLayerView& kv, cudaStream_t stream) {
+  const int64_t q_width = static_cast<int64_t>(dims.n_heads) * dims.head_dim;
+  const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  if (rows < 0 || !ValidDims(kv, dims) || row_stride < q_width || row_stride < kv.kv_width ||
+      row_stride % 4 != 0 || !aligned(q) || !aligned(k) || !aligned(v)) {
+    return cudaErrorInvalidValue;
+  }
+  if (rows == 0) return cudaSuccess;
+  RopeInvFreqs freqs{};
+  for (int64_t i = 0; i < dims.head_dim / 2; ++i) {
+    freqs.v[i] = RopeInvFreq(i, dims.head_dim, theta);
+  }
+  constexpr int kThreads = 256;
+  const int64_t n = rows * ((q_width + kv.kv_width) / 8);
+  RopeKvAppendKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(
+      q, k, v, row_stride, rows, q_width, dims.head_dim, row_seq, positions, freqs, kv);
+  return cudaGetLastError();
+}
+
 int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims,
                                      int64_t max_visible) {
   const int64_t chunks = DecodeGridChunks(max_visible, dims.window);
@@ -588,10 +708,19 @@ cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
                             const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
                             const AttentionDims& dims, float* scratch, float* out,
                             cudaStream_t stream) {
+  return AttentionDecode(q, q_stride, batch, positions, max_visible, kv, dims, scratch,
+                         AttentionOutput{.f32 = out}, stream);
+}
+
+cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
+                            const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
+                            const AttentionDims& dims, float* scratch, const AttentionOutput& out,
+                            cudaStream_t stream) {
   if (!ValidDims(kv, dims) || batch < 0 || batch > 65535 || !ValidQueryStride(q_stride, dims)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0) return cudaSuccess;
+  if (!ValidOutput(out, dims)) return cudaErrorInvalidValue;
   const int64_t grid_chunks = DecodeGridChunks(max_visible, dims.window);
   if (grid_chunks > 1 && scratch == nullptr) return cudaErrorInvalidValue;
   const int32_t heads_per_block = DecodeHeadsPerBlock(dims.n_heads / dims.n_kv_heads);
@@ -621,11 +750,19 @@ cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
 cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
                              int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
                              float* out, cudaStream_t stream) {
+  return AttentionPrefill(q, q_stride, num_tokens, pos0, seq, kv, dims, AttentionOutput{.f32 = out},
+                          stream);
+}
+
+cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
+                             int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
+                             const AttentionOutput& out, cudaStream_t stream) {
   if (!ValidDims(kv, dims) || num_tokens < 0 || pos0 < 0 || seq < 0 ||
       !ValidQueryStride(q_stride, dims)) {
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
+  if (!ValidOutput(out, dims)) return cudaErrorInvalidValue;
   if (dims.head_dim <= 16)
     return LaunchPrefill<16>(q, q_stride, num_tokens, pos0, seq, kv, dims, out, stream);
   if (dims.head_dim <= 32)

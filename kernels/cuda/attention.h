@@ -24,6 +24,20 @@ struct KvLayerView {
   const int32_t* const* page_tables = nullptr;
 };
 
+// Where an attention kernel puts its output, row r's n_heads * head_dim values (r: the sequence
+// of a decode batch, the token of a prefill chunk): fp32 into f32, or, with bf16 set instead,
+// rounded to bf16 (the input of the wo GEMM), first multiplied by Sigmoid of the gate when gate
+// is set: what FloatToBf16 or MulSigmoidToBf16 (elementwise.h) make of the fp32 output, bit for
+// bit. Rows are contiguous in f32 and bf16; row r's gate values start at gate + r * gate_stride
+// (gate_stride >= n_heads * head_dim and a multiple of 4, gate 16-byte aligned: a part of a
+// fused projection's output). bf16 is 8-byte aligned.
+struct AttentionOutput {
+  float* f32 = nullptr;
+  __nv_bfloat16* bf16 = nullptr;
+  const float* gate = nullptr;
+  int64_t gate_stride = 0;
+};
+
 struct AttentionDims {
   int32_t n_heads = 0;
   int32_t n_kv_heads = 0;
@@ -39,10 +53,23 @@ inline constexpr int64_t kAttentionSplitTokens = 512;
 // Stores row r of k and v (kv_width fp32 each at k + r * row_stride and v + r * row_stride, k
 // already rotated; row_stride >= kv_width and a multiple of 4, more than kv_width when k and v
 // are parts of a fused projection's output) as bf16 at position row_pos[r] of sequence
-// row_seq[r]. The pages must already be in the sequence's page table.
+// row_seq[r]. The pages must already be in the sequence's page table. The engine appends
+// through RopeKvAppend (below), which rotates k on its way.
 cudaError_t KvAppend(const float* k, const float* v, int64_t row_stride, int64_t rows,
                      const int32_t* row_seq, const int32_t* row_pos, const KvLayerView& kv,
                      cudaStream_t stream);
+
+// ApplyRope (elementwise.h) on q's n_heads and k's n_kv_heads heads of every row, then KvAppend
+// of the rotated k and of v, in one launch, bit for bit what those give (both rotate with
+// RopeRotatePairRounded, kernels/common/rope_math.h, from frequencies computed on the host):
+// row r's query is rotated in place (n_heads * head_dim fp32 at q + r * row_stride, every row)
+// and its key and value stored at position positions[r] of sequence row_seq[r] (rows with a
+// negative position skipped); k itself is not written. q, k and v are 16-byte aligned and
+// row_stride (a multiple of 4, at least each part's width) apart: parts of a fused projection's
+// output. The pages must already be in the sequence's page table.
+cudaError_t RopeKvAppend(float* q, const float* k, const float* v, int64_t row_stride, int64_t rows,
+                         const int32_t* row_seq, const int32_t* positions, float theta,
+                         const AttentionDims& dims, const KvLayerView& kv, cudaStream_t stream);
 
 // Floats of scratch AttentionDecode needs for `batch` sequences of at most `max_visible` visible
 // positions each.
@@ -57,6 +84,11 @@ cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
                             const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
                             const AttentionDims& dims, float* scratch, float* out,
                             cudaStream_t stream);
+// The same, the output written as `out` says (AttentionOutput).
+cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
+                            const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
+                            const AttentionDims& dims, float* scratch, const AttentionOutput& out,
+                            cudaStream_t stream);
 
 // Queries of sequence `seq` (index into kv.page_tables) at positions pos0 .. pos0 + num_tokens - 1,
 // token t's at q + t * q_stride (as AttentionDecode's), out [num_tokens, n_heads * head_dim]
@@ -64,6 +96,10 @@ cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
 cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
                              int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
                              float* out, cudaStream_t stream);
+// The same, the output written as `out` says (AttentionOutput; row t is token t's).
+cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,
+                             int32_t seq, const KvLayerView& kv, const AttentionDims& dims,
+                             const AttentionOutput& out, cudaStream_t stream);
 
 }  // namespace sdm::kernels::cuda
 

@@ -61,6 +61,13 @@ __device__ __forceinline__ int64_t GridStride() {
   return static_cast<int64_t>(gridDim.x) * blockDim.x;
 }
 
+// Item i of a [rows, cols] output whose inputs' rows are `stride` apart: the input offset.
+// Vec4 needs cols % 4 == 0 and stride % 4 == 0, so four items share a row and stay aligned.
+__device__ __forceinline__ int64_t StridedOffset(int64_t i, int64_t cols, int64_t stride) {
+  const int64_t r = i / cols;
+  return r * stride + (i - r * cols);
+}
+
 // Sum of v over the block, returned to every thread. scratch: one float per warp. Ends with a
 // barrier, so scratch may be reused by the next call.
 __device__ float BlockSum(float v, float* scratch) {
@@ -150,9 +157,14 @@ __global__ void RmsNormKernel(float* x, const float* delta, const float* w, int6
 
 // One block per row, two-pass (mean, then biased variance of x - mean), as cpu::LayerNorm.
 // Rows are re-read from global memory; they are short (a head, hd values) and stay in L1/L2.
-__global__ void LayerNormKernel(float* x, const float* w, const float* b, int64_t n, float eps) {
+// out_bf16 null: the result replaces x (LayerNorm). Else x is left as it is and element i of the
+// result goes to out_bf16[i], times Sigmoid(g[StridedOffset(i, g_cols, g_stride)]) when g is set
+// (LayerNormToBf16: what MulSigmoidToBf16 or FloatToBf16 would make of the stored result).
+__global__ void LayerNormKernel(float* x, const float* w, const float* b, int64_t n, float eps,
+                                const float* g, int64_t g_cols, int64_t g_stride, bf16* out_bf16) {
   __shared__ float scratch[kThreads / 32];
-  float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
+  float* xr = x + base;
   float sum = 0.0f;
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) sum += xr[i];
   const float mean = BlockSum(sum, scratch) / static_cast<float>(n);
@@ -164,10 +176,17 @@ __global__ void LayerNormKernel(float* x, const float* w, const float* b, int64_
   const float var = BlockSum(sq, scratch) / static_cast<float>(n);
   const float inv = 1.0f / sqrtf(var + eps);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    float o = (xr[i] - mean) * inv;
-    if (w != nullptr) o *= w[i];
-    if (b != nullptr) o += b[i];
-    xr[i] = o;
+    // Separately rounded (fp_math.h), so that both outputs hold the same value whatever the
+    // compiler contracts in each.
+    float o = MulRn(SubRn(xr[i], mean), inv);
+    if (w != nullptr) o = MulRn(o, w[i]);
+    if (b != nullptr) o = AddRn(o, b[i]);
+    if (out_bf16 == nullptr) {
+      xr[i] = o;
+    } else {
+      if (g != nullptr) o *= Sigmoid(g[StridedOffset(base + i, g_cols, g_stride)]);
+      out_bf16[base + i] = __float2bfloat16_rn(o);
+    }
   }
 }
 
@@ -212,11 +231,11 @@ __global__ void ApplyRopeKernel(float* x, int64_t rows, int64_t row_stride, int6
     if (vec) {
       // Even head_dim and row_stride, 8-byte aligned x: every pair starts at an even offset.
       float2 q = *reinterpret_cast<float2*>(p);
-      RopeRotatePair(c, s, &q.x, &q.y);
+      RopeRotatePairRounded(c, s, &q.x, &q.y);
       *reinterpret_cast<float2*>(p) = q;
     } else {
       float x0 = p[0], x1 = p[1];
-      RopeRotatePair(c, s, &x0, &x1);
+      RopeRotatePairRounded(c, s, &x0, &x1);
       p[0] = x0;
       p[1] = x1;
     }
@@ -276,13 +295,6 @@ struct AddBiasOp {
   }
   __device__ void Scalar(int64_t i) const { y[i] += bias[i % cols]; }
 };
-
-// Item i of a [rows, cols] output whose inputs' rows are `stride` apart: the input offset.
-// Vec4 needs cols % 4 == 0 and stride % 4 == 0, so four items share a row and stay aligned.
-__device__ __forceinline__ int64_t StridedOffset(int64_t i, int64_t cols, int64_t stride) {
-  const int64_t r = i / cols;
-  return r * stride + (i - r * cols);
-}
 
 struct SwiGluOp {
   const float* gate;
@@ -465,7 +477,21 @@ cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, in
                       cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;
-  LayerNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(x, w, b, n, eps);
+  LayerNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(x, w, b, n, eps,
+                                                                            nullptr, 0, 0, nullptr);
+  return cudaGetLastError();
+}
+
+cudaError_t LayerNormToBf16(const float* x, const float* w, const float* b, int64_t rows, int64_t n,
+                            float eps, const float* g, int64_t g_cols, int64_t g_stride, bf16* out,
+                            cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return cudaSuccess;
+  if (rows > 0x7fffffff || out == nullptr ||
+      (g != nullptr && (g_cols <= 0 || g_stride < g_cols || (rows * n) % g_cols != 0))) {
+    return cudaErrorInvalidValue;
+  }
+  LayerNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+      const_cast<float*>(x), w, b, n, eps, g, g_cols, g_stride, out);
   return cudaGetLastError();
 }
 

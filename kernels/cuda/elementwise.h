@@ -40,9 +40,18 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
 cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t rows, int64_t n,
                        float eps, float* out_f32, bf16* out_bf16, cudaStream_t stream);
 
-// cpu::LayerNorm in place over rows of n (weight and bias may both be null: no affine).
+// cpu::LayerNorm in place over rows of n (weight and bias may both be null: no affine). The
+// engine normalises the SDM readings with LayerNormToBf16 (below).
 cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps,
                       cudaStream_t stream);
+// LayerNorm then MulSigmoidToBf16 (g set) or FloatToBf16 (g null) in one launch, bit for bit
+// the two launches' result (a normalised, gated SDM reading into wo's bf16 input); x is not
+// written. The result, [rows, n] contiguous like x and out, is gated as MulSigmoidToBf16 gates
+// [rows * n / g_cols, g_cols]: element i by g[(i / g_cols) * g_stride + i % g_cols]
+// (g_stride >= g_cols, and g_cols divides rows * n).
+cudaError_t LayerNormToBf16(const float* x, const float* w, const float* b, int64_t rows, int64_t n,
+                            float eps, const float* g, int64_t g_cols, int64_t g_stride, bf16* out,
+                            cudaStream_t stream);
 
 // cpu::BatchNormEval in place: x [rows, n], per-column running statistics. Bit for bit the CPU
 // kernel's result (both call kernels/common/fp_math.h, BatchNormEvalValue). The engine applies
@@ -55,7 +64,8 @@ cudaError_t BatchNormEval(float* x, const float* w, const float* b, const float*
 // cpu::ApplyRope for every row r of x at position positions[r] (adjacent pairs,
 // kernels/common/rope_math.h): row r's n_heads * head_dim values start at x + r * row_stride
 // (row_stride >= n_heads * head_dim; more when x is part of a fused projection's output, whose
-// other columns are left as they are).
+// other columns are left as they are). The engine rotates inside the KV append instead
+// (RopeKvAppend, attention.h); this kernel is what the tests compare that with.
 cudaError_t ApplyRope(float* x, int64_t rows, int64_t row_stride, int64_t n_heads, int64_t head_dim,
                       const int32_t* positions, float theta, cudaStream_t stream);
 
@@ -83,7 +93,9 @@ cudaError_t Bf16ToFloat(const bf16* x, int64_t n, float* out, cudaStream_t strea
 // SDM gates (docs/model-spec.md §5.1) for a, b (a_proj, b_proj outputs plus biases; row r's
 // `heads` values of each at r * in_stride, in_stride >= heads): log_decay = SdmLogDecay(a_log[h],
 // a, dt_bias[h]) and beta = Sigmoid(b) (kernels/common/sdm_math.h), both [rows, heads]
-// contiguous. The decay itself, exp(g) or exp(g * k_i), is taken by SdmStep.
+// contiguous. The decay itself, exp(g) or exp(g * k_i), is taken by SdmStep. The engine computes
+// the gates in the addressing launch (SdmAddressJobs, sdm.h), which runs this kernel only when
+// no addressing job selects anything.
 cudaError_t SdmGates(const float* a, const float* b, int64_t in_stride, const float* a_log,
                      const float* dt_bias, int64_t rows, int64_t heads, float* log_decay,
                      float* beta, cudaStream_t stream);

@@ -133,7 +133,15 @@ struct AddressJobPair {
 };
 
 __global__ void __launch_bounds__(kAddressThreads)
-    AddressKernel(AddressJobPair jobs, int64_t heads, int64_t side) {
+    AddressKernel(AddressJobPair jobs, int64_t heads, int64_t side, SdmGateJob gates) {
+  if (gates.log_decay != nullptr && blockIdx.y == 0 && threadIdx.x == 0) {
+    // SdmGatesOp's (elementwise.cu) for this block's row and head.
+    const int64_t rh = blockIdx.x;
+    const int64_t h = rh % heads;
+    const int64_t at = (rh / heads) * gates.in_stride + h;
+    gates.log_decay[rh] = SdmLogDecay(gates.a_log[h], gates.a[at], gates.dt_bias[h]);
+    gates.beta[rh] = Sigmoid(gates.b[at]);
+  }
   // A select, not a run-time index into the parameter array (which would copy it to the stack).
   const SdmAddressJob job = blockIdx.y == 0 ? jobs.job[0] : jobs.job[1];
   const float* scores = job.scores;
@@ -1096,8 +1104,13 @@ cudaError_t LaunchDecodeStep(const SdmDecodeArgs& args, const SdmSegments& segs,
 }  // namespace
 
 cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, int64_t heads,
-                           int64_t side, cudaStream_t stream) {
+                           int64_t side, cudaStream_t stream, const SdmGateJob& gates) {
   if (rows < 0 || heads < 0 || side <= 0 || jobs.size() > 2) return cudaErrorInvalidValue;
+  if (gates.log_decay != nullptr &&
+      (gates.in_stride < heads || gates.a == nullptr || gates.b == nullptr ||
+       gates.a_log == nullptr || gates.dt_bias == nullptr || gates.beta == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   AddressJobPair pair;
   unsigned int launched = 0;
   bool too_many = false;
@@ -1111,11 +1124,16 @@ cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, in
     launch.scores_stride = job.scores_stride == 0 ? heads * 2 * side : job.scores_stride;
     if (launch.scores_stride < heads * 2 * side) return cudaErrorInvalidValue;
   }
-  if (rows * heads == 0 || launched == 0) return cudaSuccess;
+  if (rows * heads == 0) return cudaSuccess;
+  if (launched == 0) {
+    if (gates.log_decay == nullptr) return cudaSuccess;
+    return SdmGates(gates.a, gates.b, gates.in_stride, gates.a_log, gates.dt_bias, rows, heads,
+                    gates.log_decay, gates.beta, stream);
+  }
   if (side > kMaxSide || too_many || rows * heads > INT32_MAX) return cudaErrorInvalidValue;
   const size_t smem = static_cast<size_t>(2 * side) * (sizeof(float) + sizeof(uint64_t));
   const dim3 grid(static_cast<unsigned int>(rows * heads), launched);
-  AddressKernel<<<grid, kAddressThreads, smem, stream>>>(pair, heads, side);
+  AddressKernel<<<grid, kAddressThreads, smem, stream>>>(pair, heads, side, gates);
   return cudaGetLastError();
 }
 

@@ -86,11 +86,26 @@ struct SdmAddressJob {
   int64_t scores_stride = 0;
 };
 
+// SdmGates's arguments (elementwise.h) over the same rows and heads as the addressing, for
+// SdmAddressJobs to compute in its launch. log_decay == nullptr: no gates.
+struct SdmGateJob {
+  const float* a = nullptr;  // row r's `heads` values at r * in_stride
+  const float* b = nullptr;
+  int64_t in_stride = 0;
+  const float* a_log = nullptr;
+  const float* dt_bias = nullptr;
+  float* log_decay = nullptr;  // [rows, heads] out
+  float* beta = nullptr;       // [rows, heads] out
+};
+
 // SdmAddress for up to two jobs over the same rows, heads and side in one launch (a step's write
 // and read addressing), each with its own BatchNorm or none: each job's outputs are exactly what
-// BatchNormEval (when job.norm.w is set) then its own SdmAddress call write, bit for bit.
+// BatchNormEval (when job.norm.w is set) then its own SdmAddress call write, bit for bit. With
+// `gates`, the launch also writes what SdmGates writes for them (the block of the first job that
+// selects anything computes its row and head's gates; SdmGates is launched instead when no job
+// selects anything).
 cudaError_t SdmAddressJobs(std::span<const SdmAddressJob> jobs, int64_t rows, int64_t heads,
-                           int64_t side, cudaStream_t stream);
+                           int64_t side, cudaStream_t stream, const SdmGateJob& gates = {});
 
 // Copy-on-write: for every segment, in token order, every write slot w_slots [rows, heads, n_w]
 // whose table entry is kSdmNoRow gets a row popped from the arena's free list, initialised from

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -26,6 +27,7 @@
 
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/elementwise.h"
 #endif
 
 namespace sdm::kernels {
@@ -614,6 +616,210 @@ TEST(CudaAttentionTest, PrefillCountsEveryVisibleKeyOnce) {
 #endif
 }
 
+// RopeKvAppend against ApplyRope (q's heads, then k's) and KvAppend on the same rows, each on its
+// own copy of one cache: the rotated queries and the whole arena bit for bit, k and v left as
+// they were. Rows: q, k, v and a gap inside a stacked projection's rows (NaN gaps); one row per
+// sequence at a held position (the last, and an earlier one for a ring that wrapped), a few
+// rows of one sequence as a prefill writes them, and a padding row (position -1, huge values)
+// whose key and value must not be stored.
+void CheckRopeKvAppend(const Config& c, float theta, uint32_t seed) {
+  PagedCache want_cache(c, seed), got_cache(c, seed);  // the same tables
+  ASSERT_CUDA_OK(want_cache.Build());
+  ASSERT_CUDA_OK(got_cache.Build());
+  const int64_t q_width = int64_t{c.n_heads} * c.head_dim;
+  const int64_t kv_width = want_cache.kv_width();
+  const int64_t stride = q_width + 2 * kv_width + 8;
+  std::vector<int32_t> seq, pos;
+  for (size_t s = 0; s < c.lengths.size(); ++s) {
+    seq.push_back(static_cast<int32_t>(s));
+    pos.push_back(static_cast<int32_t>(c.lengths[s] - 1));
+  }
+  const size_t longest = std::max_element(c.lengths.begin(), c.lengths.end()) - c.lengths.begin();
+  for (int64_t p = want_cache.FirstHeld(longest);
+       p < std::min<int64_t>(want_cache.FirstHeld(longest) + 5, c.lengths[longest] - 1); ++p) {
+    seq.push_back(static_cast<int32_t>(longest));
+    pos.push_back(static_cast<int32_t>(p));
+  }
+  seq.push_back(0);
+  pos.push_back(-1);
+  const int64_t rows = static_cast<int64_t>(seq.size());
+  std::mt19937 rng(seed + 1);
+  std::normal_distribution<float> normal;
+  std::vector<float> host(rows * stride, std::numeric_limits<float>::quiet_NaN());
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < q_width + 2 * kv_width; ++i) {
+      host[r * stride + i] = pos[r] < 0 ? 1e30f : 3.0f * normal(rng);
+    }
+  }
+  cuda::DeviceBuffer<float> want_rows, got_rows;
+  cuda::DeviceBuffer<int32_t> dseq, dpos;
+  ASSERT_CUDA_OK(Upload(want_rows, host));
+  ASSERT_CUDA_OK(Upload(got_rows, host));
+  ASSERT_CUDA_OK(Upload(dseq, seq));
+  ASSERT_CUDA_OK(Upload(dpos, pos));
+  float* const wq = want_rows.get();
+  ASSERT_CUDA_OK(
+      cuda::ApplyRope(wq, rows, stride, c.n_heads, c.head_dim, dpos.get(), theta, nullptr));
+  ASSERT_CUDA_OK(cuda::ApplyRope(wq + q_width, rows, stride, c.n_kv_heads, c.head_dim, dpos.get(),
+                                 theta, nullptr));
+  ASSERT_CUDA_OK(cuda::KvAppend(wq + q_width, wq + q_width + kv_width, stride, rows, dseq.get(),
+                                dpos.get(), want_cache.View(), nullptr));
+  float* const gq = got_rows.get();
+  ASSERT_CUDA_OK(cuda::RopeKvAppend(gq, gq + q_width, gq + q_width + kv_width, stride, rows,
+                                    dseq.get(), dpos.get(), theta, got_cache.Dims(),
+                                    got_cache.View(), nullptr));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  std::vector<float> want_out, got_out;
+  ASSERT_CUDA_OK(Download(want_out, wq, host.size()));
+  ASSERT_CUDA_OK(Download(got_out, gq, host.size()));
+  const auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  int64_t rotated = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < stride; ++i) {
+      const int64_t at = r * stride + i;
+      if (i < q_width) {
+        ASSERT_EQ(bits(got_out[at]), bits(want_out[at])) << "row " << r << " query " << i;
+        rotated += bits(got_out[at]) != bits(host[at]) ? 1 : 0;
+      } else {
+        ASSERT_EQ(bits(got_out[at]), bits(host[at])) << "row " << r << " column " << i;
+      }
+    }
+  }
+  EXPECT_GT(rotated, 0);
+  const int64_t arena_elems = want_cache.num_pages() * KvPageElements(kv_width);
+  std::vector<uint16_t> want_arena, got_arena, before;
+  ASSERT_CUDA_OK(
+      Download(want_arena, reinterpret_cast<const uint16_t*>(want_cache.arena()), arena_elems));
+  ASSERT_CUDA_OK(
+      Download(got_arena, reinterpret_cast<const uint16_t*>(got_cache.arena()), arena_elems));
+  int64_t differences = 0;
+  for (int64_t i = 0; i < arena_elems; ++i) {
+    if (got_arena[i] != want_arena[i]) ++differences;
+  }
+  EXPECT_EQ(differences, 0) << "of " << arena_elems << " cached values";
+  // The append changed the cache (else the comparison above proves nothing).
+  PagedCache untouched(c, seed);
+  ASSERT_CUDA_OK(untouched.Build());
+  ASSERT_CUDA_OK(
+      Download(before, reinterpret_cast<const uint16_t*>(untouched.arena()), arena_elems));
+  EXPECT_NE(before, got_arena);
+}
+
+TEST(CudaAttentionTest, RopeKvAppendIsTheRopeThenTheAppendBitForBit) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const uint32_t seed : {51u, FreshSeed()}) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    ASSERT_NO_FATAL_FAILURE(CheckRopeKvAppend(TinySwa(), 1e4f, seed));
+    ASSERT_NO_FATAL_FAILURE(CheckRopeKvAppend(WindowedGroup3(), 5e5f, seed));
+    ASSERT_NO_FATAL_FAILURE(CheckRopeKvAppend(Group16Hd24(), 1e4f, seed));
+  }
+#endif
+}
+
+// Attention writing wo's bf16 input itself (AttentionOutput) against the fp32 output then
+// FloatToBf16, or MulSigmoidToBf16 with a gate inside wider rows: decode of every sequence's
+// last position (several split-K chunks merged for the longer ones, one chunk written by the
+// decode kernel for the shorter) plus a sequence at position -1 (nothing visible: zeros), and a
+// prefill of 40 positions of the longest sequence; bit for bit.
+void CheckBf16Output(PagedCache& cache, uint32_t seed) {
+  const Config& c = cache.config();
+  const int64_t width = static_cast<int64_t>(c.n_heads) * c.head_dim;
+  const int64_t q_stride = width + 8, gate_stride = width + 4;
+  const int64_t batch = static_cast<int64_t>(c.lengths.size()) + 1;
+  const int64_t tokens = 40;  // of the prefill
+  const int64_t rows = std::max(batch, tokens);
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> q(rows * width), gate(rows * width);
+  for (float& x : q) x = 2.0f * normal(rng);
+  for (float& x : gate) x = 3.0f * normal(rng);
+  std::vector<int32_t> positions;
+  int64_t max_visible = 1;
+  for (int64_t len : c.lengths) {
+    positions.push_back(static_cast<int32_t>(len - 1));
+    max_visible = std::max(max_visible, len - FirstVisiblePosition(len - 1, c.window));
+  }
+  positions.push_back(-1);
+  cuda::DeviceBuffer<float> dq, dgate, dout, dscratch;
+  cuda::DeviceBuffer<int32_t> dpos;
+  ASSERT_CUDA_OK(Upload(dq, Strided(q, width, q_stride)));
+  ASSERT_CUDA_OK(Upload(dgate, Strided(gate, width, gate_stride)));
+  ASSERT_CUDA_OK(Upload(dpos, positions));
+  ASSERT_CUDA_OK(dout.Allocate(rows * width));
+  ASSERT_CUDA_OK(
+      dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible)));
+  cuda::DeviceBuffer<__nv_bfloat16> want_plain, want_gated, got_plain, got_gated;
+  for (auto* b : {&want_plain, &want_gated, &got_plain, &got_gated}) {
+    ASSERT_CUDA_OK(b->Allocate(rows * width));
+    ASSERT_CUDA_OK(cudaMemset(b->get(), 0xff, b->bytes()));  // NaN: every output is written
+  }
+  const auto bf16_bits = [](const cuda::DeviceBuffer<__nv_bfloat16>& b, int64_t n) {
+    std::vector<uint16_t> bits;
+    EXPECT_EQ(Download(bits, reinterpret_cast<const uint16_t*>(b.get()), n), cudaSuccess);
+    return bits;
+  };
+  // Decode.
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
+                                       cache.View(), cache.Dims(), dscratch.get(), dout.get(),
+                                       nullptr));
+  ASSERT_CUDA_OK(cuda::FloatToBf16(dout.get(), batch * width, want_plain.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::MulSigmoidToBf16(dgate.get(), gate_stride, dout.get(), batch, width,
+                                        want_gated.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
+                                       cache.View(), cache.Dims(), dscratch.get(),
+                                       cuda::AttentionOutput{.bf16 = got_plain.get()}, nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionDecode(
+      dq.get(), q_stride, batch, dpos.get(), max_visible, cache.View(), cache.Dims(),
+      dscratch.get(),
+      cuda::AttentionOutput{
+          .bf16 = got_gated.get(), .gate = dgate.get(), .gate_stride = gate_stride},
+      nullptr));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(bf16_bits(got_plain, batch * width), bf16_bits(want_plain, batch * width));
+  EXPECT_EQ(bf16_bits(got_gated, batch * width), bf16_bits(want_gated, batch * width));
+  EXPECT_NE(bf16_bits(got_gated, batch * width), bf16_bits(got_plain, batch * width));
+  // Prefill of 40 positions of the longest sequence.
+  const int32_t seq = static_cast<int32_t>(std::max_element(c.lengths.begin(), c.lengths.end()) -
+                                           c.lengths.begin());
+  const int64_t pos0 = c.lengths[seq] - tokens;
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), q_stride, tokens, pos0, seq, cache.View(),
+                                        cache.Dims(), dout.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::FloatToBf16(dout.get(), tokens * width, want_plain.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::MulSigmoidToBf16(dgate.get(), gate_stride, dout.get(), tokens, width,
+                                        want_gated.get(), nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), q_stride, tokens, pos0, seq, cache.View(),
+                                        cache.Dims(),
+                                        cuda::AttentionOutput{.bf16 = got_plain.get()}, nullptr));
+  ASSERT_CUDA_OK(cuda::AttentionPrefill(
+      dq.get(), q_stride, tokens, pos0, seq, cache.View(), cache.Dims(),
+      cuda::AttentionOutput{
+          .bf16 = got_gated.get(), .gate = dgate.get(), .gate_stride = gate_stride},
+      nullptr));
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(bf16_bits(got_plain, tokens * width), bf16_bits(want_plain, tokens * width));
+  EXPECT_EQ(bf16_bits(got_gated, tokens * width), bf16_bits(want_gated, tokens * width));
+}
+
+TEST(CudaAttentionTest, Bf16OutputIsTheConversionOfTheFp32OutputBitForBit) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const uint32_t seed : {61u, FreshSeed()}) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    // head_dim 16, 64, 24 (the prefill's padded tile) and 256 (eight heads per decode block).
+    for (const Config& c : {TinySwa(), WindowedGroup3(), Group16Hd24(), WideGroup8()}) {
+      PagedCache cache(c, seed);
+      ASSERT_CUDA_OK(cache.Build());
+      ASSERT_NO_FATAL_FAILURE(CheckBf16Output(cache, seed + 1));
+    }
+  }
+#endif
+}
+
 TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
@@ -646,6 +852,40 @@ TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
   EXPECT_EQ(cuda::KvAppend(nullptr, nullptr, cache.View().kv_width - 8, 1, nullptr, nullptr,
                            cache.View(), nullptr),
             cudaErrorInvalidValue);
+  // An output with both or neither of f32 and bf16, or a gate stride not a multiple of 4.
+  cuda::DeviceBuffer<float> out_f32;
+  cuda::DeviceBuffer<__nv_bfloat16> out_bf16;
+  ASSERT_CUDA_OK(out_f32.Allocate(2 * q_width));
+  ASSERT_CUDA_OK(out_bf16.Allocate(2 * q_width));
+  for (const cuda::AttentionOutput& bad :
+       {cuda::AttentionOutput{},
+        cuda::AttentionOutput{.f32 = out_f32.get(), .bf16 = out_bf16.get()},
+        cuda::AttentionOutput{.f32 = out_f32.get(), .gate = out_f32.get(), .gate_stride = q_width},
+        cuda::AttentionOutput{
+            .bf16 = out_bf16.get(), .gate = out_f32.get(), .gate_stride = q_width + 2}}) {
+    EXPECT_EQ(cuda::AttentionPrefill(out_f32.get(), q_width, 1, 0, 0, cache.View(), cache.Dims(),
+                                     bad, nullptr),
+              cudaErrorInvalidValue);
+  }
+  // The same call with a valid output runs (the refusals above are the output's).
+  ASSERT_CUDA_OK(cudaMemset(out_f32.get(), 0, out_f32.bytes()));
+  EXPECT_EQ(cuda::AttentionPrefill(out_f32.get(), q_width, 1, 0, 0, cache.View(), cache.Dims(),
+                                   cuda::AttentionOutput{.bf16 = out_bf16.get()}, nullptr),
+            cudaSuccess);
+  ASSERT_CUDA_OK(cudaDeviceSynchronize());
+  // RopeKvAppend: a stride below a row of query heads, rows not 16-byte aligned.
+  cuda::DeviceBuffer<float> rows;
+  ASSERT_CUDA_OK(rows.Allocate(4 * q_width));
+  float* const q = rows.get();
+  EXPECT_EQ(cuda::RopeKvAppend(q, q, q, q_width - 4, 1, nullptr, nullptr, 1e4f, cache.Dims(),
+                               cache.View(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::RopeKvAppend(q, q + 2, q, q_width, 1, nullptr, nullptr, 1e4f, cache.Dims(),
+                               cache.View(), nullptr),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::RopeKvAppend(q, q, q, q_width, 0, nullptr, nullptr, 1e4f, cache.Dims(),
+                               cache.View(), nullptr),
+            cudaSuccess);
 #endif
 }
 

@@ -526,6 +526,60 @@ TEST_F(CudaElementwiseTest, MulSigmoidToBf16IsTheGateThenTheConversionBitForBit)
   }
 }
 
+// LayerNormToBf16 against LayerNorm then MulSigmoidToBf16 (or FloatToBf16 without a gate): a
+// reading of `heads` heads of `n` per row, its gate part of a wider row (stride cols + 4, the
+// gaps NaN), affine or not; the bf16 bits equal, x not written. Heads of n = 64, and of n = 37
+// (an odd row width: MulSigmoidToBf16 takes its scalar path).
+TEST_F(CudaElementwiseTest, LayerNormToBf16IsTheNormThenTheGateBitForBit) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    for (const int64_t n : {64, 37}) {
+      const int64_t rows = 3, heads = 2, cols = heads * n, stride = cols + 4;
+      const std::vector<float> x = Normal(rng, rows * cols, 0.5f, 2.0f);
+      const std::vector<float> w = Normal(rng, n, 1.0f, 0.2f);
+      const std::vector<float> b = Normal(rng, n, 0.0f, 0.5f);
+      const std::vector<float> gate = Normal(rng, rows * cols, 0.0f, 4.0f);
+      auto d_w = Upload(w), d_b = Upload(b);
+      auto d_gate = Upload(Strided(gate, cols, stride));
+      for (const bool affine : {true, false}) {
+        for (const bool gated : {true, false}) {
+          SCOPED_TRACE(testing::Message()
+                       << "n " << n << " affine " << affine << " gated " << gated);
+          const float* nw = affine ? d_w.get() : nullptr;
+          const float* nb = affine ? d_b.get() : nullptr;
+          const float* g = gated ? d_gate.get() : nullptr;
+          auto d_two = Upload(x), d_fused = Upload(x);
+          DeviceBuffer<bf16> want(rows * cols), got(rows * cols);
+          ASSERT_EQ(cuda::LayerNorm(d_two.get(), nw, nb, rows * heads, n, 1e-5f, stream()),
+                    cudaSuccess);
+          ASSERT_EQ(gated ? cuda::MulSigmoidToBf16(g, stride, d_two.get(), rows, cols, want.get(),
+                                                   stream())
+                          : cuda::FloatToBf16(d_two.get(), rows * cols, want.get(), stream()),
+                    cudaSuccess);
+          ASSERT_EQ(cuda::LayerNormToBf16(d_fused.get(), nw, nb, rows * heads, n, 1e-5f, g, cols,
+                                          stride, got.get(), stream()),
+                    cudaSuccess);
+          Sync();
+          const std::vector<uint16_t> two = DownloadBf16(want), fused = DownloadBf16(got);
+          for (int64_t i = 0; i < rows * cols; ++i) ASSERT_EQ(fused[i], two[i]) << i;
+          ASSERT_EQ(Download(d_fused), x);
+          ASSERT_NE(Download(d_two), x);  // the norm did change the values compared
+        }
+      }
+    }
+  }
+  // A gate stride below the gated row's width, or no output, is refused.
+  DeviceBuffer<float> buf(64);
+  DeviceBuffer<bf16> out(64);
+  EXPECT_EQ(cuda::LayerNormToBf16(buf.get(), nullptr, nullptr, 2, 32, 1e-5f, buf.get(), 64, 60,
+                                  out.get(), stream()),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::LayerNormToBf16(buf.get(), nullptr, nullptr, 2, 32, 1e-5f, nullptr, 0, 0, nullptr,
+                                  stream()),
+            cudaErrorInvalidValue);
+}
+
 // The kernels that read a part of a stacked projection's rows (SwiGlu, MulSigmoidToBf16,
 // SdmGates, ApplyRope) give, bit for bit, what they give on the same rows back to back: on the
 // vector path (widths and strides multiples of 4) and the scalar one (an odd width or stride);

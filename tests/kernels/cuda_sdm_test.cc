@@ -283,6 +283,89 @@ TEST(CudaSdmTest, AddressJobsInOneLaunchMatchSeparateCalls) {
 #endif
 }
 
+// The decay and beta gates computed in the addressing launch (SdmAddressJobs with a gate job)
+// are SdmGates's, bit for bit: a and b inside wider rows (the gaps NaN), beside one job and
+// beside two; with no job selecting anything SdmGates runs instead. The addressing itself is
+// unchanged by the gates. A gate stride below the heads is refused.
+TEST(CudaSdmTest, GatesInTheAddressingLaunchAreSdmGatesBitForBit) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const uint32_t seed : {20261206u, FreshSeed()}) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t rows = 11, heads = 3, side = 32, k = 8, stride = heads + 5;
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> a(rows * heads), b(rows * heads), a_log(heads), dt_bias(heads);
+    for (float& x : a) x = normal(rng);
+    for (float& x : b) x = normal(rng);
+    for (float& x : a_log) x = 0.3f * normal(rng);
+    for (float& x : dt_bias) x = 0.3f * normal(rng);
+    a[2] = 25.0f;  // above Softplus's threshold
+    auto d_a = Upload(a), d_b = Upload(b), d_a_log = Upload(a_log), d_dt = Upload(dt_bias);
+    auto d_a_s = Upload(Strided(a, heads, stride)), d_b_s = Upload(Strided(b, heads, stride));
+    cuda::DeviceBuffer<float> want_g(rows * heads), want_beta(rows * heads);
+    ASSERT_EQ(cuda::SdmGates(d_a.get(), d_b.get(), heads, d_a_log.get(), d_dt.get(), rows, heads,
+                             want_g.get(), want_beta.get(), nullptr),
+              cudaSuccess);
+    const std::vector<float> scores = Scores(rng, rows * heads * 2 * side, /*nasty=*/false);
+    auto d_scores = Upload(scores);
+    const int64_t n = rows * heads * AddressCount(k, side);
+    cuda::DeviceBuffer<int32_t> slots_alone(n), slots(n);
+    cuda::DeviceBuffer<float> weights_alone(n), weights(n);
+    ASSERT_EQ(cuda::SdmAddress(d_scores.get(), rows, heads, side, k, AddressAct::kSoftmax, 1.0f,
+                               slots_alone.get(), weights_alone.get(), nullptr),
+              cudaSuccess);
+    const cuda::SdmAddressJob job = {.scores = d_scores.get(),
+                                     .k = k,
+                                     .act = AddressAct::kSoftmax,
+                                     .scale = 1.0f,
+                                     .slots = slots.get(),
+                                     .weights = weights.get(),
+                                     .norm = {},
+                                     .scores_stride = 0};
+    cuda::SdmAddressJob nothing = job;
+    nothing.k = 0;
+    const std::vector<std::vector<cuda::SdmAddressJob>> job_sets = {
+        {job}, {job, job}, {nothing}, {nothing, nothing}};
+    for (size_t set = 0; set < job_sets.size(); ++set) {
+      SCOPED_TRACE(testing::Message() << "job set " << set);
+      cuda::DeviceBuffer<float> got_g(rows * heads), got_beta(rows * heads);
+      ASSERT_EQ(cudaMemset(got_g.get(), 0xff, got_g.bytes()), cudaSuccess);  // NaN
+      ASSERT_EQ(cudaMemset(got_beta.get(), 0xff, got_beta.bytes()), cudaSuccess);
+      const cuda::SdmGateJob gates = {.a = d_a_s.get(),
+                                      .b = d_b_s.get(),
+                                      .in_stride = stride,
+                                      .a_log = d_a_log.get(),
+                                      .dt_bias = d_dt.get(),
+                                      .log_decay = got_g.get(),
+                                      .beta = got_beta.get()};
+      ASSERT_EQ(cuda::SdmAddressJobs(job_sets[set], rows, heads, side, nullptr, gates),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto bits = [](const std::vector<float>& v) {
+        std::vector<uint32_t> u(v.size());
+        std::memcpy(u.data(), v.data(), v.size() * sizeof(float));
+        return u;
+      };
+      ASSERT_EQ(bits(Download(got_g.get(), got_g.size())),
+                bits(Download(want_g.get(), want_g.size())));
+      ASSERT_EQ(bits(Download(got_beta.get(), got_beta.size())),
+                bits(Download(want_beta.get(), want_beta.size())));
+      if (job_sets[set][0].k > 0) ExpectSameAddressing(slots, weights, slots_alone, weights_alone);
+    }
+    const cuda::SdmGateJob narrow = {.a = d_a.get(),
+                                     .b = d_b.get(),
+                                     .in_stride = heads - 1,
+                                     .a_log = d_a_log.get(),
+                                     .dt_bias = d_dt.get(),
+                                     .log_decay = want_g.get(),
+                                     .beta = want_beta.get()};
+    EXPECT_EQ(cuda::SdmAddressJobs(job_sets[0], rows, heads, side, nullptr, narrow),
+              cudaErrorInvalidValue);
+  }
+#endif
+}
+
 // Product-key selection from the same projections on both backends (issue 16, item 4): eval
 // BatchNorm (each backend's kernel) then addressing (each backend's kernel). The BatchNorm
 // kernels share kernels/common/fp_math.h's explicitly rounded BatchNormEvalValue, so the scores

@@ -226,12 +226,14 @@ struct EmuOpOrder {
   bool host_write = false;
   cudaStream_t wait_on = nullptr;
   uint64_t wait_position = 0;
+  const char* kind = "other";  // what the op is, for EMU_GRAPH_STATS
 };
 struct EmuStream {
   int id;  // creation order (shuffled streams visit streams in this order, for reproducibility)
   EmuCapture capture = EmuCapture::kNone;
   std::thread::id capturing_thread;
-  std::vector<std::function<void()>> ops;  // recorded while capturing
+  std::vector<std::function<void()>> ops;     // recorded while capturing
+  std::map<std::string, int> captured_kinds;  // how many ops of each kind (EMU_GRAPH_STATS)
   // Deferred streams (the default): the work enqueued and not run yet, in order; `enqueued` counts
   // every op ever enqueued, `ran` those run (so an event names a position: "the first N ops").
   std::deque<std::function<void()>> pending;
@@ -470,10 +472,15 @@ static void RunStream(cudaStream_t s) {
 
 // Enqueue with what the op touches of page-locked memory, or waits for (EmuOpOrder).
 static void EnqueueOp(cudaStream_t s, std::function<void()> op, const EmuOpOrder& order);
-void Enqueue(cudaStream_t s, std::function<void()> op) { EnqueueOp(s, std::move(op), {}); }
+void Enqueue(cudaStream_t s, std::function<void()> op, const char* kind) {
+  EmuOpOrder order;
+  order.kind = kind;
+  EnqueueOp(s, std::move(op), order);
+}
 static void EnqueueOp(cudaStream_t s, std::function<void()> op, const EmuOpOrder& order) {
   if (s != nullptr && s->capture == EmuCapture::kActive) {
     s->ops.push_back(std::move(op));
+    ++s->captured_kinds[order.kind];
     return;
   }
   if (s != nullptr && s->capture == EmuCapture::kInvalidated) {
@@ -707,7 +714,8 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
     if (k == cudaMemcpyHostToDevice && src_kind == kHost) {
       auto staged = std::make_shared<std::vector<char>>(static_cast<const char*>(src),
                                                         static_cast<const char*>(src) + n);
-      Enqueue(s, [=] { Copy(dst, staged->data(), n, k, "cudaMemcpyAsync"); });
+      Enqueue(
+          s, [=] { Copy(dst, staged->data(), n, k, "cudaMemcpyAsync"); }, "copy");
       return cudaSuccess;
     }
     if (k == cudaMemcpyDeviceToHost && dst_kind == kHost) {
@@ -724,6 +732,7 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind
     order.host_begin = reinterpret_cast<uintptr_t>(src);
   }
   if (order.host_begin != 0) order.host_end = order.host_begin + n;
+  order.kind = "copy";
   EnqueueOp(
       s, [=] { Copy(dst, src, n, k, "cudaMemcpyAsync"); }, order);
   return cudaSuccess;
@@ -743,7 +752,8 @@ cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s) {
   if (n > 0 && KindOf(p, n, "cudaMemsetAsync") != kDevice) {
     HostFail("cudaMemsetAsync on non-device memory");
   }
-  Enqueue(s, [=] { Fill(p, v, n, "cudaMemsetAsync"); });
+  Enqueue(
+      s, [=] { Fill(p, v, n, "cudaMemsetAsync"); }, "memset");
   return cudaSuccess;
 }
 cudaError_t cudaGetLastError() {
@@ -869,9 +879,18 @@ cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* graph) {
   const bool valid = s->capture == EmuCapture::kActive;
   s->capture = EmuCapture::kNone;
   t_capturing = nullptr;
+  std::map<std::string, int> kinds = std::move(s->captured_kinds);
+  s->captured_kinds.clear();
   if (!valid) {
     s->ops.clear();
     return cudaErrorStreamCaptureInvalidated;
+  }
+  if (std::getenv("EMU_GRAPH_STATS")) {
+    std::string counts;
+    for (const auto& [kind, count] : kinds) {
+      counts += " " + std::to_string(count) + " " + kind;
+    }
+    std::fprintf(stderr, "EMU: captured a graph of %zu ops:%s\n", s->ops.size(), counts.c_str());
   }
   *graph = new EmuGraph{std::move(s->ops)};
   s->ops.clear();

@@ -129,10 +129,13 @@ bool BlasLtGemm::Linear(const __nv_bfloat16* x, int64_t m, const __nv_bfloat16* 
   if (m == 0 || n == 0) return true;
   // Checked when enqueued and again when run (a captured GEMM runs at each graph replay).
   CheckOperands(x, m, w, n, k, bias, y);
-  emu::Enqueue(stream, [=] {
-    CheckOperands(x, m, w, n, k, bias, y);
-    Multiply(x, m, w, n, k, bias, y);
-  });
+  emu::Enqueue(
+      stream,
+      [=] {
+        CheckOperands(x, m, w, n, k, bias, y);
+        Multiply(x, m, w, n, k, bias, y);
+      },
+      "gemm");
   return true;
 }
 

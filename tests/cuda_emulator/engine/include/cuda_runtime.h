@@ -51,16 +51,20 @@ bool LaunchAccepted(dim3 grid, dim3 block, size_t smem, cudaStream_t s, dim3 clu
 void RunGrid(void (*fn)(void*), void* ctx, dim3 grid, dim3 block, size_t smem, dim3 cluster);
 // Runs `op` now, or records it when `s` is capturing (replayed by cudaGraphLaunch). Work enqueued
 // on an invalidated capture is dropped with cudaErrorStreamCaptureInvalidated as the last error.
-void Enqueue(cudaStream_t s, std::function<void()> op);
+// `kind` names the op for EMU_GRAPH_STATS ("kernel", "gemm", "copy", ...).
+void Enqueue(cudaStream_t s, std::function<void()> op, const char* kind = "other");
 // transform.py captures the kernel's arguments by value: a captured launch replays them as they
 // were at capture, like CUDA's kernel nodes.
 template <class F>
 bool Launch(F f, dim3 grid, dim3 block, size_t smem = 0, cudaStream_t s = nullptr,
             dim3 cluster = dim3(1, 1, 1)) {
   if (!LaunchAccepted(grid, block, smem, s, cluster)) return false;
-  Enqueue(s, [f, grid, block, smem, cluster]() mutable {
-    RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem, cluster);
-  });
+  Enqueue(
+      s,
+      [f, grid, block, smem, cluster]() mutable {
+        RunGrid([](void* c) { (*static_cast<F*>(c))(); }, &f, grid, block, smem, cluster);
+      },
+      "kernel");
   return true;
 }
 // Device-memory bookkeeping for the host-side checks.
