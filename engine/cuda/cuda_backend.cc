@@ -134,6 +134,7 @@ struct Workspace {
   kc::DeviceBuffer<float> log_decay, beta, w_weights, r_weights, readings;
   kc::DeviceBuffer<int32_t> w_slots, r_slots, w_rows, r_refs;
   kc::DeviceBuffer<float> attn_scratch;
+  kc::DeviceBuffer<unsigned int> attn_counters;
   // The step's integers and pointers (one upload) and their pinned host image.
   kc::DeviceBuffer<unsigned char> step;
   kc::PinnedBuffer<unsigned char> step_host;
@@ -508,16 +509,26 @@ class CudaBackend : public EngineBackend {
       ws.rows = r;
       graphs_.Clear();  // their launches point into the buffers just replaced
     }
-    int64_t scratch = 0;
+    int64_t scratch = 0, counters = 0;
     for (int64_t li = 0; li < cfg_.n_layers; ++li) {
       if (layers_[li].type == LayerType::kSdm) continue;
       const kc::AttentionDims dims = Dims(attention_geom_[li]);
       scratch = std::max(scratch, kc::AttentionDecodeScratchFloats(rows, dims, max_visible));
+      counters = std::max(counters, kc::AttentionDecodeCounters(rows, dims));
     }
     if (scratch > static_cast<int64_t>(ws.attn_scratch.size())) {
       graphs_.Clear();
       SDM_RETURN_IF_ERROR(
           CudaStatus(ws.attn_scratch.Allocate(scratch), "allocating attention scratch"));
+    }
+    if (scratch > 0 && counters > static_cast<int64_t>(ws.attn_counters.size())) {
+      graphs_.Clear();
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(ws.attn_counters.Allocate(counters), "allocating attention counters"));
+      // Zero once: every decode attention launch leaves them zero (kc::AttentionDecodeScratch).
+      SDM_RETURN_IF_ERROR(CudaStatus(
+          cudaMemsetAsync(ws.attn_counters.get(), 0, ws.attn_counters.bytes(), ctx_->compute()),
+          "zeroing attention counters"));
     }
     return absl::OkStatus();
   }
@@ -1075,7 +1086,8 @@ class CudaBackend : public EngineBackend {
       // Segment s < singles has its query at row s and its page table at index s.
       SDM_RETURN_IF_ERROR(
           Launched(kc::AttentionDecode(q, stride, singles, arr.seg_pos, singles_visible, view, dims,
-                                       ws.attn_scratch.get(), output_from(0), stream),
+                                       {ws.attn_scratch.get(), ws.attn_counters.get()},
+                                       output_from(0), stream),
                    "decode attention"));
     }
     for (int64_t s = singles; s < static_cast<int64_t>(segs.size()); ++s) {

@@ -185,8 +185,11 @@ __global__ void RopeKvAppendKernel(float* q, const float* __restrict__ k,
 // directly; long ones (32k -> 64 chunks) spread a sequence over many blocks, which is what fills
 // the GPU at small batch and keeps enough loads in flight to run at memory bandwidth at large
 // batch (batch 64 x 8 kv heads x 64 chunks = 32768 blocks of 256 KB of K/V each). Each block
-// leaves a partial state (m, l, acc) per query head in scratch, and DecodeMergeKernel folds a
-// sequence's chunks with the merge rule of attention_math.h.
+// leaves a partial state (m, l, acc) per query head in scratch, and the last of a sequence's
+// chunk blocks of a head group to finish folds the chunks in chunk order with the merge rule of
+// attention_math.h (MergeDecodeChunks): a per-(sequence, head group) counter after the records
+// says which block is last, as in the CUDA programming guide's memory-fence example, so that no
+// second launch is needed.
 //
 // Inside a block. kLanes = head_dim / 8 rounded up to a power of two lanes share one key row:
 // lane i holds dims [8i, 8i + 8) (one 16-byte load of K and of V). The block's 128 threads form
@@ -213,13 +216,61 @@ __device__ __forceinline__ float* DecodeRecord(float* scratch, int64_t b, int64_
   return scratch + ((b * n_heads + h) * grid_chunks + c) * (hd + 2);
 }
 
+// Floats of the records of `batch` sequences.
+int64_t DecodeRecordFloats(int64_t batch, int64_t n_heads, int64_t chunks, int64_t head_dim) {
+  return batch * n_heads * chunks * (head_dim + 2);
+}
+
+// The last block of sequence b's `chunks` chunk blocks of head group `group_index` to arrive
+// folds their records (its own included) for its heads and stores the output; the others return.
+// Every thread of the block calls it after writing its records. The counter goes back to 0, so
+// the next launch (a graph's replay) finds it there.
+__device__ void MergeDecodeChunks(float* scratch, unsigned int* counters, int64_t b,
+                                  int64_t group_index, int32_t h0, int32_t heads_per_block,
+                                  int64_t chunks, int32_t n_heads, int64_t grid_chunks, int64_t hd,
+                                  const AttentionOutput& out) {
+  __shared__ bool last;
+  __threadfence();  // this thread's records are visible device-wide before the block counts in
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned int* counter = counters + b * n_heads + group_index;
+    last = atomicAdd(counter, 1u) == static_cast<unsigned int>(chunks - 1);
+    if (last) *counter = 0;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int64_t i = threadIdx.x; i < heads_per_block * hd; i += blockDim.x) {
+    const int64_t h = h0 + i / hd;
+    const int64_t d = i % hd;
+    SoftmaxState st = EmptySoftmaxState();
+    float a = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) {
+      // Volatile: written by other blocks during this launch, never from this SM's L1.
+      const volatile float* rec = DecodeRecord(scratch, b, h, c, n_heads, grid_chunks, hd);
+      const SoftmaxMerge mg = MergeSoftmaxStates(st, {rec[hd], rec[hd + 1]});
+      st = mg.state;
+      a = a * mg.scale_a + rec[d] * mg.scale_b;
+    }
+    StoreOutput(out, b, n_heads * hd, h * hd + d, SoftmaxFinish(a, st.l));
+  }
+}
+
+// Blocks per SM the decode kernel is compiled for (registers at most 65536 / (128 x that)): what
+// each G reached before the chunk merge moved into the kernel (72, 96, 128 and 233 registers),
+// which otherwise costs G = 2 a block per SM of a bandwidth-bound loop.
 template <int G>
-__global__ void __launch_bounds__(kDecodeThreads)
+constexpr int DecodeMinBlocks() {
+  return G == 1 ? 7 : (G == 2 ? 5 : (G == 4 ? 4 : 2));
+}
+
+template <int G>
+__global__ void __launch_bounds__(kDecodeThreads, DecodeMinBlocks<G>())
     AttentionDecodeKernel(const float* __restrict__ q, int64_t q_stride,
                           const int32_t* __restrict__ positions, KvLayerView kv, int32_t n_heads,
                           int32_t head_dim, int32_t group, int32_t heads_per_block, int64_t window,
-                          int32_t lanes, int64_t grid_chunks, float q_scale,
-                          float* __restrict__ scratch, AttentionOutput out) {
+                          int32_t lanes, int64_t grid_chunks, float q_scale, float* scratch,
+                          unsigned int* counters, AttentionOutput out) {
   constexpr int U = DecodeUnroll<G>();
   extern __shared__ float smem[];  // [kDecodeWarps][G][head_dim] acc, then [kDecodeWarps][G] m, l
 
@@ -391,31 +442,9 @@ __global__ void __launch_bounds__(kDecodeThreads)
       }
     }
   }
-}
-
-// Folds the chunks of one (sequence, query head) in chunk order. Grid (n_heads, batch).
-__global__ void DecodeMergeKernel(const int32_t* __restrict__ positions, int32_t n_heads,
-                                  int32_t head_dim, int64_t window, int64_t grid_chunks,
-                                  const float* __restrict__ scratch, AttentionOutput out) {
-  const int64_t h = blockIdx.x;
-  const int64_t b = blockIdx.y;
-  const int64_t hd = head_dim;
-  const int64_t pos = positions[b];
-  const int64_t chunks = DecodeChunkCount(pos - FirstVisiblePosition(pos, window) + 1,
-                                          kAttentionSplitTokens, grid_chunks);
-  if (chunks <= 1) return;  // written by the decode kernel itself
-  const float* recs = scratch + (b * n_heads + h) * grid_chunks * (hd + 2);
-  for (int64_t d = threadIdx.x; d < hd; d += blockDim.x) {
-    SoftmaxState st = EmptySoftmaxState();
-    float a = 0.0f;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const float* rec = recs + c * (hd + 2);
-      const SoftmaxMerge mg = MergeSoftmaxStates(st, {rec[hd], rec[hd + 1]});
-      st = mg.state;
-      a = a * mg.scale_a + rec[d] * mg.scale_b;
-    }
-    StoreOutput(out, b, n_heads * hd, h * hd + d, SoftmaxFinish(a, st.l));
-  }
+  if (chunks == 1) return;
+  MergeDecodeChunks(scratch, counters, b, blockIdx.y, h0, heads_per_block, chunks, n_heads,
+                    grid_chunks, hd, out);
 }
 
 // Sized from min(max_visible, window) (attention_math.h): at long context a sliding-window layer
@@ -436,8 +465,9 @@ int32_t DecodeHeadsPerBlock(int32_t group) {
 template <int G>
 cudaError_t LaunchDecode(const float* q, int64_t q_stride, int64_t batch, const int32_t* positions,
                          int64_t grid_chunks, const KvLayerView& kv, const AttentionDims& dims,
-                         int32_t heads_per_block, int32_t lanes, float* scratch,
-                         const AttentionOutput& out, cudaStream_t stream) {
+                         int32_t heads_per_block, int32_t lanes,
+                         const AttentionDecodeScratch& scratch, const AttentionOutput& out,
+                         cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(grid_chunks),
                   static_cast<unsigned>(dims.n_heads / heads_per_block),
                   static_cast<unsigned>(batch));
@@ -445,7 +475,8 @@ cudaError_t LaunchDecode(const float* q, int64_t q_stride, int64_t batch, const 
   const float q_scale = kLog2e / sqrtf(static_cast<float>(dims.head_dim));
   AttentionDecodeKernel<G><<<grid, kDecodeThreads, smem, stream>>>(
       q, q_stride, positions, kv, dims.n_heads, dims.head_dim, dims.n_heads / dims.n_kv_heads,
-      heads_per_block, dims.window, lanes, grid_chunks, q_scale, scratch, out);
+      heads_per_block, dims.window, lanes, grid_chunks, q_scale, scratch.partials, scratch.counters,
+      out);
   return cudaGetLastError();
 }
 
@@ -701,28 +732,34 @@ int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims,
                                      int64_t max_visible) {
   const int64_t chunks = DecodeGridChunks(max_visible, dims.window);
   if (chunks <= 1) return 0;  // single-chunk decode writes the output directly
-  return batch * dims.n_heads * chunks * (static_cast<int64_t>(dims.head_dim) + 2);
+  return DecodeRecordFloats(batch, dims.n_heads, chunks, dims.head_dim);
+}
+
+int64_t AttentionDecodeCounters(int64_t batch, const AttentionDims& dims) {
+  return batch * dims.n_heads;
 }
 
 cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
                             const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
-                            const AttentionDims& dims, float* scratch, float* out,
-                            cudaStream_t stream) {
+                            const AttentionDims& dims, const AttentionDecodeScratch& scratch,
+                            float* out, cudaStream_t stream) {
   return AttentionDecode(q, q_stride, batch, positions, max_visible, kv, dims, scratch,
                          AttentionOutput{.f32 = out}, stream);
 }
 
 cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
                             const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
-                            const AttentionDims& dims, float* scratch, const AttentionOutput& out,
-                            cudaStream_t stream) {
+                            const AttentionDims& dims, const AttentionDecodeScratch& scratch,
+                            const AttentionOutput& out, cudaStream_t stream) {
   if (!ValidDims(kv, dims) || batch < 0 || batch > 65535 || !ValidQueryStride(q_stride, dims)) {
     return cudaErrorInvalidValue;
   }
   if (batch == 0) return cudaSuccess;
   if (!ValidOutput(out, dims)) return cudaErrorInvalidValue;
   const int64_t grid_chunks = DecodeGridChunks(max_visible, dims.window);
-  if (grid_chunks > 1 && scratch == nullptr) return cudaErrorInvalidValue;
+  if (grid_chunks > 1 && (scratch.partials == nullptr || scratch.counters == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
   const int32_t heads_per_block = DecodeHeadsPerBlock(dims.n_heads / dims.n_kv_heads);
   int32_t lanes = 1;
   while (lanes * 8 < dims.head_dim) lanes *= 2;  // <= 32 since head_dim <= 256
@@ -740,11 +777,7 @@ cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
     err = LaunchDecode<8>(q, q_stride, batch, positions, grid_chunks, kv, dims, heads_per_block,
                           lanes, scratch, out, stream);
   }
-  if (err != cudaSuccess || grid_chunks <= 1) return err;
-  DecodeMergeKernel<<<dim3(static_cast<unsigned>(dims.n_heads), static_cast<unsigned>(batch)), 128,
-                      0, stream>>>(positions, dims.n_heads, dims.head_dim, dims.window, grid_chunks,
-                                   scratch, out);
-  return cudaGetLastError();
+  return err;
 }
 
 cudaError_t AttentionPrefill(const float* q, int64_t q_stride, int64_t num_tokens, int64_t pos0,

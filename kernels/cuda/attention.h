@@ -71,24 +71,35 @@ cudaError_t RopeKvAppend(float* q, const float* k, const float* v, int64_t row_s
                          const int32_t* row_seq, const int32_t* positions, float theta,
                          const AttentionDims& dims, const KvLayerView& kv, cudaStream_t stream);
 
-// Floats of scratch AttentionDecode needs for `batch` sequences of at most `max_visible` visible
-// positions each.
+// Floats of partial states AttentionDecode needs for `batch` sequences of at most `max_visible`
+// visible positions each (0 when no sequence spans more than one chunk).
 int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims, int64_t max_visible);
+// Counters AttentionDecode needs beside them for `batch` sequences: one per sequence and query
+// head (the last of a sequence's chunk blocks of a head group to finish merges the chunks).
+int64_t AttentionDecodeCounters(int64_t batch, const AttentionDims& dims);
+
+// AttentionDecode's working memory: both null when AttentionDecodeScratchFloats is 0. The
+// counters must be zero before the first call; every call leaves them zero (so one buffer serves
+// every layer and step, a CUDA graph's replays included).
+struct AttentionDecodeScratch {
+  float* partials = nullptr;         // AttentionDecodeScratchFloats floats
+  unsigned int* counters = nullptr;  // AttentionDecodeCounters entries
+};
 
 // Sequence b's query (n_heads * head_dim fp32 at q + b * q_stride; q_stride >= that and a
 // multiple of 4) at positions[b], whose own key and value are already in the cache. out is
 // [batch, n_heads * head_dim] contiguous. `max_visible` bounds every sequence's visible
 // positions (positions[b] < max_visible); it sizes the grid, clamped to dims.window for a
-// sliding window (DecodeGridChunkCount). scratch: AttentionDecodeScratchFloats floats.
+// sliding window (DecodeGridChunkCount). One launch, whatever the chunks.
 cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
                             const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
-                            const AttentionDims& dims, float* scratch, float* out,
-                            cudaStream_t stream);
+                            const AttentionDims& dims, const AttentionDecodeScratch& scratch,
+                            float* out, cudaStream_t stream);
 // The same, the output written as `out` says (AttentionOutput).
 cudaError_t AttentionDecode(const float* q, int64_t q_stride, int64_t batch,
                             const int32_t* positions, int64_t max_visible, const KvLayerView& kv,
-                            const AttentionDims& dims, float* scratch, const AttentionOutput& out,
-                            cudaStream_t stream);
+                            const AttentionDims& dims, const AttentionDecodeScratch& scratch,
+                            const AttentionOutput& out, cudaStream_t stream);
 
 // Queries of sequence `seq` (index into kv.page_tables) at positions pos0 .. pos0 + num_tokens - 1,
 // token t's at q + t * q_stride (as AttentionDecode's), out [num_tokens, n_heads * head_dim]

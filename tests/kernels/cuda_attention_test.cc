@@ -74,6 +74,26 @@ cudaError_t Download(std::vector<T>& dst, const T* src, size_t n) {
   return cudaMemcpy(dst.data(), src, n * sizeof(T), cudaMemcpyDeviceToHost);
 }
 
+// AttentionDecode's scratch for `batch` sequences, its counters zeroed once.
+struct DecodeScratch {
+  cuda::DeviceBuffer<float> partials;
+  cuda::DeviceBuffer<unsigned int> counters;
+
+  cudaError_t Allocate(int64_t batch, const cuda::AttentionDims& dims, int64_t max_visible) {
+    SDM_RETURN_IF_ERROR(
+        partials.Allocate(cuda::AttentionDecodeScratchFloats(batch, dims, max_visible)));
+    SDM_RETURN_IF_ERROR(counters.Allocate(cuda::AttentionDecodeCounters(batch, dims)));
+    return cudaMemset(counters.get(), 0, counters.bytes());
+  }
+  cuda::AttentionDecodeScratch View() { return {partials.get(), counters.get()}; }
+  // Every call leaves the counters zero (the next call, a graph's replay, relies on it).
+  void ExpectCountersZero() {
+    std::vector<unsigned int> left;
+    ASSERT_EQ(Download(left, counters.get(), counters.size()), cudaSuccess);
+    for (size_t i = 0; i < left.size(); ++i) ASSERT_EQ(left[i], 0u) << "counter " << i;
+  }
+};
+
 struct Config {
   int32_t n_heads;
   int32_t n_kv_heads;
@@ -278,7 +298,8 @@ void CheckDecode(PagedCache& cache, uint32_t seed, int64_t max_visible_override 
   }
   if (max_visible_override > 0) max_visible = max_visible_override;
 
-  cuda::DeviceBuffer<float> dq, dout, dscratch;
+  cuda::DeviceBuffer<float> dq, dout;
+  DecodeScratch dscratch;
   cuda::DeviceBuffer<int32_t> dpos;
   // The queries inside wider rows (a stacked projection's output), the gaps NaN.
   const int64_t q_stride = width + 8;
@@ -286,16 +307,21 @@ void CheckDecode(PagedCache& cache, uint32_t seed, int64_t max_visible_override 
   ASSERT_CUDA_OK(Upload(dpos, positions));
   ASSERT_CUDA_OK(dout.Allocate(batch * width));
   ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));  // NaN: every output is written
-  const int64_t scratch = cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible);
-  ASSERT_CUDA_OK(dscratch.Allocate(scratch));
+  ASSERT_CUDA_OK(dscratch.Allocate(batch, cache.Dims(), max_visible));
   cuda::CudaStream stream;
   ASSERT_CUDA_OK(stream.Create());
-  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
-                                       cache.View(), cache.Dims(), dscratch.get(), dout.get(),
-                                       stream.get()));
-  ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
-  std::vector<float> got;
-  ASSERT_CUDA_OK(Download(got, dout.get(), batch * width));
+  // Twice on the same scratch: the second launch finds the counters the first left (zero), and
+  // computes the same bits.
+  std::vector<float> got, again;
+  for (std::vector<float>* result : {&got, &again}) {
+    ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
+                                         cache.View(), cache.Dims(), dscratch.View(), dout.get(),
+                                         stream.get()));
+    ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
+    ASSERT_CUDA_OK(Download(*result, dout.get(), batch * width));
+    ASSERT_NO_FATAL_FAILURE(dscratch.ExpectCountersZero());
+  }
+  ASSERT_EQ(std::memcmp(got.data(), again.data(), got.size() * sizeof(float)), 0);
 
   std::vector<float> want(batch * width);
   const cpu::AttentionShape shape = cache.Shape();
@@ -362,16 +388,16 @@ void CheckDecodeCountsEveryKey(const Config& c, uint32_t seed) {
     positions[b] = static_cast<int32_t>(c.lengths[b] - 1);
     max_visible = std::max<int64_t>(max_visible, positions[b] + 1);  // unclamped, as the engine
   }
-  cuda::DeviceBuffer<float> dq, dout, dscratch;
+  cuda::DeviceBuffer<float> dq, dout;
+  DecodeScratch dscratch;
   cuda::DeviceBuffer<int32_t> dpos;
   ASSERT_CUDA_OK(Upload(dq, std::vector<float>(batch * width, 0.0f)));
   ASSERT_CUDA_OK(Upload(dpos, positions));
   ASSERT_CUDA_OK(dout.Allocate(batch * width));
   ASSERT_CUDA_OK(cudaMemset(dout.get(), 0xff, dout.bytes()));
-  ASSERT_CUDA_OK(
-      dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible)));
+  ASSERT_CUDA_OK(dscratch.Allocate(batch, cache.Dims(), max_visible));
   ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), width, batch, dpos.get(), max_visible,
-                                       cache.View(), cache.Dims(), dscratch.get(), dout.get(),
+                                       cache.View(), cache.Dims(), dscratch.View(), dout.get(),
                                        nullptr));
   ASSERT_CUDA_OK(cudaDeviceSynchronize());
   std::vector<float> got;
@@ -579,7 +605,7 @@ TEST(CudaAttentionTest, WindowEdgeIsExact) {
   cuda::DeviceBuffer<int32_t> dposition;
   ASSERT_CUDA_OK(Upload(dposition, std::vector<int32_t>{5}));
   ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get() + 3 * hd, hd, 1, dposition.get(), 3, cache.View(),
-                                       cache.Dims(), nullptr, dout.get(), nullptr));
+                                       cache.Dims(), {}, dout.get(), nullptr));
   std::vector<float> got;
   ASSERT_CUDA_OK(Download(got, dout.get(), hd));
   for (int d = 0; d < hd; ++d) EXPECT_EQ(got[d], 1.0f) << d;
@@ -745,14 +771,14 @@ void CheckBf16Output(PagedCache& cache, uint32_t seed) {
     max_visible = std::max(max_visible, len - FirstVisiblePosition(len - 1, c.window));
   }
   positions.push_back(-1);
-  cuda::DeviceBuffer<float> dq, dgate, dout, dscratch;
+  cuda::DeviceBuffer<float> dq, dgate, dout;
+  DecodeScratch dscratch;
   cuda::DeviceBuffer<int32_t> dpos;
   ASSERT_CUDA_OK(Upload(dq, Strided(q, width, q_stride)));
   ASSERT_CUDA_OK(Upload(dgate, Strided(gate, width, gate_stride)));
   ASSERT_CUDA_OK(Upload(dpos, positions));
   ASSERT_CUDA_OK(dout.Allocate(rows * width));
-  ASSERT_CUDA_OK(
-      dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, cache.Dims(), max_visible)));
+  ASSERT_CUDA_OK(dscratch.Allocate(batch, cache.Dims(), max_visible));
   cuda::DeviceBuffer<__nv_bfloat16> want_plain, want_gated, got_plain, got_gated;
   for (auto* b : {&want_plain, &want_gated, &got_plain, &got_gated}) {
     ASSERT_CUDA_OK(b->Allocate(rows * width));
@@ -765,17 +791,17 @@ void CheckBf16Output(PagedCache& cache, uint32_t seed) {
   };
   // Decode.
   ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
-                                       cache.View(), cache.Dims(), dscratch.get(), dout.get(),
+                                       cache.View(), cache.Dims(), dscratch.View(), dout.get(),
                                        nullptr));
   ASSERT_CUDA_OK(cuda::FloatToBf16(dout.get(), batch * width, want_plain.get(), nullptr));
   ASSERT_CUDA_OK(cuda::MulSigmoidToBf16(dgate.get(), gate_stride, dout.get(), batch, width,
                                         want_gated.get(), nullptr));
   ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
-                                       cache.View(), cache.Dims(), dscratch.get(),
+                                       cache.View(), cache.Dims(), dscratch.View(),
                                        cuda::AttentionOutput{.bf16 = got_plain.get()}, nullptr));
   ASSERT_CUDA_OK(cuda::AttentionDecode(
       dq.get(), q_stride, batch, dpos.get(), max_visible, cache.View(), cache.Dims(),
-      dscratch.get(),
+      dscratch.View(),
       cuda::AttentionOutput{
           .bf16 = got_gated.get(), .gate = dgate.get(), .gate_stride = gate_stride},
       nullptr));
@@ -831,9 +857,9 @@ TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
             cudaErrorInvalidValue);
   dims = cache.Dims();
   dims.head_dim = 12;  // not a multiple of 8
-  EXPECT_EQ(cuda::AttentionDecode(nullptr, 1024, 1, nullptr, 1, cache.View(), dims, nullptr,
-                                  nullptr, nullptr),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cuda::AttentionDecode(nullptr, 1024, 1, nullptr, 1, cache.View(), dims, {}, nullptr, nullptr),
+      cudaErrorInvalidValue);
   // Nothing to do is not an error.
   const int64_t q_width = int64_t{cache.Dims().n_heads} * cache.Dims().head_dim;
   EXPECT_EQ(cuda::AttentionPrefill(nullptr, q_width, 0, 0, 0, cache.View(), cache.Dims(), nullptr,
@@ -847,7 +873,7 @@ TEST(CudaAttentionTest, RejectsUnsupportedShapes) {
                                    nullptr, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cuda::AttentionDecode(nullptr, q_width + 2, 1, nullptr, 1, cache.View(), cache.Dims(),
-                                  nullptr, nullptr, nullptr),
+                                  {}, nullptr, nullptr),
             cudaErrorInvalidValue);
   EXPECT_EQ(cuda::KvAppend(nullptr, nullptr, cache.View().kv_width - 8, 1, nullptr, nullptr,
                            cache.View(), nullptr),
@@ -917,12 +943,13 @@ TEST(CudaAttentionTest, DecodeBandwidth32kBatch64) {
   view.pool = arena.get();
   view.kv_width = kv_width;
   view.page_tables = dptrs.get();
-  cuda::DeviceBuffer<float> dq, dout, dscratch;
+  cuda::DeviceBuffer<float> dq, dout;
+  DecodeScratch dscratch;
   cuda::DeviceBuffer<int32_t> dpos;
   ASSERT_CUDA_OK(Upload(dq, std::vector<float>(batch * 16 * 128, 0.5f)));
   ASSERT_CUDA_OK(Upload(dpos, std::vector<int32_t>(batch, static_cast<int32_t>(context - 1))));
   ASSERT_CUDA_OK(dout.Allocate(batch * 16 * 128));
-  ASSERT_CUDA_OK(dscratch.Allocate(cuda::AttentionDecodeScratchFloats(batch, dims, context)));
+  ASSERT_CUDA_OK(dscratch.Allocate(batch, dims, context));
   cuda::CudaStream stream;
   cuda::CudaEvent start, stop;
   ASSERT_CUDA_OK(stream.Create());
@@ -930,7 +957,7 @@ TEST(CudaAttentionTest, DecodeBandwidth32kBatch64) {
   ASSERT_CUDA_OK(stop.Create(/*timing=*/true));
   auto run = [&] {
     return cuda::AttentionDecode(dq.get(), 16 * 128, batch, dpos.get(), context, view, dims,
-                                 dscratch.get(), dout.get(), stream.get());
+                                 dscratch.View(), dout.get(), stream.get());
   };
   ASSERT_CUDA_OK(run());  // warm-up
   const int iters = 10;

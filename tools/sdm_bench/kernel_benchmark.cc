@@ -544,6 +544,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   kc::DeviceBuffer<int32_t> page_ids, positions;
   kc::DeviceBuffer<const int32_t*> table_ptrs;
   kc::DeviceBuffer<float> q, out, scratch;
+  kc::DeviceBuffer<unsigned int> counters;
   SDM_RETURN_IF_ERROR(Alloc(pool, pages * kernels::KvPageElements(kv_width), "the KV pool"));
   SDM_RETURN_IF_ERROR(FillBf16(pool.get(), pool.size(), 1.0f, rng));
   // Pages scattered at random in the arena, as a long-running server's would be.
@@ -578,6 +579,13 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
     scratch_floats = std::max(scratch_floats, kc::AttentionDecodeScratchFloats(b, dims, ctx));
   }
   SDM_RETURN_IF_ERROR(Alloc(scratch, scratch_floats, "attention scratch"));
+  int64_t counter_count = 1;
+  for (int64_t b : opt.batches) {
+    counter_count = std::max(counter_count, kc::AttentionDecodeCounters(b, dims));
+  }
+  SDM_RETURN_IF_ERROR(Alloc(counters, counter_count, "attention counters"));
+  SDM_RETURN_IF_ERROR(
+      Cuda(cudaMemset(counters.get(), 0, counters.bytes()), "zeroing attention counters"));
 
   for (int64_t b : opt.batches) {
     const int64_t groups = seqs / b;  // >= 1: b <= seqs
@@ -590,7 +598,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
           kv.ring_pages = 0;
           kv.page_tables = table_ptrs.get() + (rep % groups) * b;
           return kc::AttentionDecode(q.get(), q_width, b, positions.get(), ctx, kv, dims,
-                                     scratch.get(), out.get(), stream);
+                                     {scratch.get(), counters.get()}, out.get(), stream);
         },
         "AttentionDecode");
     if (!t.ok()) return t.status();
@@ -611,7 +619,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   kv.ring_pages = 0;
   kv.page_tables = table_ptrs.get();
   SDM_RETURN_IF_ERROR(Cuda(kc::AttentionDecode(q.get(), q_width, 1, positions.get(), ctx, kv, dims,
-                                               scratch.get(), out.get(), stream),
+                                               {scratch.get(), counters.get()}, out.get(), stream),
                            "AttentionDecode"));
   SDM_RETURN_IF_ERROR(Cuda(cudaStreamSynchronize(stream), "AttentionDecode"));
   std::vector<float> got(q_width);
