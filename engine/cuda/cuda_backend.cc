@@ -526,9 +526,11 @@ class CudaBackend : public EngineBackend {
       SDM_RETURN_IF_ERROR(
           CudaStatus(ws.attn_counters.Allocate(counters), "allocating attention counters"));
       // Zero once: every decode attention launch leaves them zero (kc::AttentionDecodeScratch).
-      SDM_RETURN_IF_ERROR(CudaStatus(
-          cudaMemsetAsync(ws.attn_counters.get(), 0, ws.attn_counters.bytes(), ctx_->compute()),
-          "zeroing attention counters"));
+      // Not kept unless zeroed, so that a later step allocates and zeroes them again.
+      const cudaError_t zeroed =
+          cudaMemsetAsync(ws.attn_counters.get(), 0, ws.attn_counters.bytes(), ctx_->compute());
+      if (zeroed != cudaSuccess) ws.attn_counters.Reset();
+      SDM_RETURN_IF_ERROR(CudaStatus(zeroed, "zeroing attention counters"));
     }
     return absl::OkStatus();
   }

@@ -233,24 +233,27 @@ __device__ void MergeDecodeChunks(float* scratch, unsigned int* counters, int64_
   __threadfence();  // this thread's records are visible device-wide before the block counts in
   __syncthreads();
   if (threadIdx.x == 0) {
+    // Fences on both sides of the count as well: the block's records (ordered before this
+    // thread's fence by the barrier) go out before it, the other blocks' are read after it.
+    __threadfence();
     unsigned int* counter = counters + b * n_heads + group_index;
     last = atomicAdd(counter, 1u) == static_cast<unsigned int>(chunks - 1);
+    __threadfence();
     if (last) *counter = 0;
   }
   __syncthreads();
   if (!last) return;
-  __threadfence();
   for (int64_t i = threadIdx.x; i < heads_per_block * hd; i += blockDim.x) {
     const int64_t h = h0 + i / hd;
     const int64_t d = i % hd;
     SoftmaxState st = EmptySoftmaxState();
     float a = 0.0f;
     for (int64_t c = 0; c < chunks; ++c) {
-      // Volatile: written by other blocks during this launch, never from this SM's L1.
-      const volatile float* rec = DecodeRecord(scratch, b, h, c, n_heads, grid_chunks, hd);
-      const SoftmaxMerge mg = MergeSoftmaxStates(st, {rec[hd], rec[hd + 1]});
+      // __ldcg (cached in L2, not L1): written by other blocks during this launch.
+      const float* rec = DecodeRecord(scratch, b, h, c, n_heads, grid_chunks, hd);
+      const SoftmaxMerge mg = MergeSoftmaxStates(st, {__ldcg(rec + hd), __ldcg(rec + hd + 1)});
       st = mg.state;
-      a = a * mg.scale_a + rec[d] * mg.scale_b;
+      a = a * mg.scale_a + __ldcg(rec + d) * mg.scale_b;
     }
     StoreOutput(out, b, n_heads * hd, h * hd + d, SoftmaxFinish(a, st.l));
   }

@@ -74,8 +74,9 @@ cudaError_t RopeKvAppend(float* q, const float* k, const float* v, int64_t row_s
 // Floats of partial states AttentionDecode needs for `batch` sequences of at most `max_visible`
 // visible positions each (0 when no sequence spans more than one chunk).
 int64_t AttentionDecodeScratchFloats(int64_t batch, const AttentionDims& dims, int64_t max_visible);
-// Counters AttentionDecode needs beside them for `batch` sequences: one per sequence and query
-// head (the last of a sequence's chunk blocks of a head group to finish merges the chunks).
+// Counters AttentionDecode needs beside them for `batch` sequences: room for one per sequence and
+// query head, of which it uses one per sequence and head group (the last of a sequence's chunk
+// blocks of a head group to finish merges the chunks).
 int64_t AttentionDecodeCounters(int64_t batch, const AttentionDims& dims);
 
 // AttentionDecode's working memory: both null when AttentionDecodeScratchFloats is 0. The

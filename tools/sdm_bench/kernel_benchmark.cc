@@ -586,6 +586,7 @@ absl::Status BenchAttention(const KernelBenchOptions& opt, double copy_gbps, cud
   SDM_RETURN_IF_ERROR(Alloc(counters, counter_count, "attention counters"));
   SDM_RETURN_IF_ERROR(
       Cuda(cudaMemset(counters.get(), 0, counters.bytes()), "zeroing attention counters"));
+  SDM_RETURN_IF_ERROR(Cuda(cudaDeviceSynchronize(), "zeroing attention counters"));
 
   for (int64_t b : opt.batches) {
     const int64_t groups = seqs / b;  // >= 1: b <= seqs

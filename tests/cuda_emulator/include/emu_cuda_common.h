@@ -191,6 +191,10 @@ inline T __ldcs(const T* p) {
   return *p;
 }
 template <class T>
+inline T __ldcg(const T* p) {
+  return *p;
+}
+template <class T>
 inline void __stcs(T* p, T v) {
   *p = v;
 }
