@@ -19,6 +19,7 @@
 #include "kernels/common/sdm_math.h"
 #include "kernels/cuda/attention.h"
 #include "kernels/cuda/cuda_util.h"
+#include "kernels/cuda/rope_freqs.h"
 
 namespace sdm::kernels::cuda {
 namespace {
@@ -68,14 +69,11 @@ bool ValidQueryStride(int64_t q_stride, const AttentionDims& dims) {
 // alignment is the file comment's), a gate only with bf16; the bf16 and gate alignments are the
 // prefill kernel's vector accesses.
 bool ValidOutput(const AttentionOutput& out, const AttentionDims& dims) {
-  const auto aligned = [](const void* p, uintptr_t bytes) {
-    return reinterpret_cast<uintptr_t>(p) % bytes == 0;
-  };
   if ((out.f32 == nullptr) == (out.bf16 == nullptr)) return false;
   if (out.f32 != nullptr) return out.gate == nullptr;
-  return aligned(out.bf16, 8) &&
+  return Aligned(out.bf16, 8) &&
          (out.gate == nullptr ||
-          (aligned(out.gate, 16) && out.gate_stride % 4 == 0 &&
+          (Aligned(out.gate, 16) && out.gate_stride % 4 == 0 &&
            out.gate_stride >= static_cast<int64_t>(dims.n_heads) * dims.head_dim));
 }
 
@@ -121,12 +119,6 @@ __global__ void KvAppendKernel(const float* __restrict__ k, const float* __restr
   *reinterpret_cast<uint4*>(kv.pool + KvRowOffset(page, pos, kv.kv_width, true) + col) = vp;
 }
 
-// RopeKvAppend: RoPE's inverse frequencies for heads of up to kMaxHeadDim dims, computed on the
-// host by RopeInvFreq (the CPU engine's powf, as ApplyRope's host table) and passed by value.
-struct RopeInvFreqs {
-  float v[kMaxHeadDim / 2];
-};
-
 // One thread per 8 consecutive values of one row: the row's q_width / 8 query vectors, then its
 // kv_width / 8 key-and-value vectors (as KvAppendKernel's). head_dim % 8 == 0, so a vector's
 // four pairs lie in one head. A query vector is rotated in place (every row, as ApplyRope
@@ -136,7 +128,7 @@ __global__ void RopeKvAppendKernel(float* q, const float* __restrict__ k,
                                    const float* __restrict__ v, int64_t row_stride, int64_t rows,
                                    int64_t q_width, int32_t head_dim,
                                    const int32_t* __restrict__ row_seq,
-                                   const int32_t* __restrict__ positions, RopeInvFreqs freqs,
+                                   const int32_t* __restrict__ positions, RopeFreqs freqs,
                                    KvLayerView kv) {
   const int64_t q_vecs = q_width / 8;
   const int64_t per_row = q_vecs + kv.kv_width / 8;
@@ -155,7 +147,7 @@ __global__ void RopeKvAppendKernel(float* q, const float* __restrict__ k,
   const int64_t pair0 = (col % head_dim) / 2;
   for (int j = 0; j < 4; ++j) {
     float sn, cs;
-    sincosf(RopeAngle(pos, freqs.v[pair0 + j]), &sn, &cs);
+    sincosf(RopeAngle(pos, freqs.inv_freq[pair0 + j]), &sn, &cs);
     RopeRotatePairRounded(cs, sn, &x[2 * j], &x[2 * j + 1]);
   }
   if (query) {
@@ -714,16 +706,14 @@ cudaError_t RopeKvAppend(float* q, const float* k, const float* v, int64_t row_s
                          const int32_t* row_seq, const int32_t* positions, float theta,
                          const AttentionDims& dims, const KvLayerView& kv, cudaStream_t stream) {
   const int64_t q_width = static_cast<int64_t>(dims.n_heads) * dims.head_dim;
-  const auto aligned = [](const float* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  RopeFreqs freqs{};
+  // ValidDims bounds head_dim by kMaxHeadDim, whose pairs the host table holds.
   if (rows < 0 || !ValidDims(kv, dims) || row_stride < q_width || row_stride < kv.kv_width ||
-      row_stride % 4 != 0 || !aligned(q) || !aligned(k) || !aligned(v)) {
+      row_stride % 4 != 0 || !Aligned(q, 16) || !Aligned(k, 16) || !Aligned(v, 16) ||
+      !HostRopeFreqs(dims.head_dim, theta, &freqs)) {
     return cudaErrorInvalidValue;
   }
   if (rows == 0) return cudaSuccess;
-  RopeInvFreqs freqs{};
-  for (int64_t i = 0; i < dims.head_dim / 2; ++i) {
-    freqs.v[i] = RopeInvFreq(i, dims.head_dim, theta);
-  }
   constexpr int kThreads = 256;
   const int64_t n = rows * ((q_width + kv.kv_width) / 8);
   RopeKvAppendKernel<<<BlocksFor(n, kThreads), kThreads, 0, stream>>>(

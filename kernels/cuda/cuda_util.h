@@ -21,6 +21,11 @@ inline constexpr bool IsOk(cudaError_t err) { return err == cudaSuccess; }
 
 namespace sdm::kernels::cuda {
 
+// Whether `p` is a multiple of `bytes` (the alignment a kernel's vector accesses need).
+inline bool Aligned(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
 // "cudaErrorMemoryAllocation: out of memory" style text for messages.
 inline std::string CudaErrorText(cudaError_t err) {
   return std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err);

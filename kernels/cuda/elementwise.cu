@@ -18,6 +18,7 @@
 #include "kernels/common/sdm_math.h"
 #include "kernels/cuda/cuda_util.h"
 #include "kernels/cuda/elementwise.h"
+#include "kernels/cuda/rope_freqs.h"
 
 namespace sdm::kernels::cuda {
 namespace {
@@ -29,8 +30,6 @@ constexpr int64_t kMaxBlocks = 4096;
 unsigned int GridFor(int64_t work) {
   return static_cast<unsigned int>(std::min<int64_t>(BlocksFor(work, kThreads), kMaxBlocks));
 }
-
-bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 // Four bf16 (8 bytes) and eight bf16 (16 bytes), for vector loads and stores.
 struct alignas(8) Bf16x4 {
@@ -203,15 +202,8 @@ __global__ void BatchNormEvalKernel(float* x, const float* w, const float* b, co
 
 // ---- RoPE ----------------------------------------------------------------------------------
 
-// Inverse frequencies computed on the host by RopeInvFreq (the CPU engine's powf), passed by
-// value so the device uses bit-identical frequencies: at position p an ulp of frequency is p
-// ulps of angle. 2 KiB of kernel parameters covers head_dim <= 1024; wider heads compute the
-// frequencies on the device with the same helper (device powf, within 2 ulp).
-constexpr int64_t kMaxRopePairs = 512;
-struct RopeFreqs {
-  float inv_freq[kMaxRopePairs];
-};
-
+// Frequencies from the host table (rope_freqs.h) for heads of up to 1024 dims; wider heads
+// compute them on the device with the same helper (device powf, within 2 ulp).
 // One item per (row, head, pair); consecutive items are consecutive pairs of a head.
 __global__ void ApplyRopeKernel(float* x, int64_t rows, int64_t row_stride, int64_t n_heads,
                                 int64_t head_dim, const int32_t* positions, float theta,
@@ -510,10 +502,7 @@ cudaError_t ApplyRope(float* x, int64_t rows, int64_t row_stride, int64_t n_head
   if (row_stride < n_heads * head_dim) return cudaErrorInvalidValue;
   const bool vec = head_dim % 2 == 0 && row_stride % 2 == 0 && Aligned(x, 8);
   RopeFreqs freqs{};
-  const bool host_freqs = half <= kMaxRopePairs;
-  if (host_freqs) {
-    for (int64_t i = 0; i < half; ++i) freqs.inv_freq[i] = RopeInvFreq(i, head_dim, theta);
-  }
+  const bool host_freqs = HostRopeFreqs(head_dim, theta, &freqs);
   ApplyRopeKernel<<<GridFor(rows * n_heads * half), kThreads, 0, stream>>>(
       x, rows, row_stride, n_heads, head_dim, positions, theta, freqs, host_freqs, vec);
   return cudaGetLastError();

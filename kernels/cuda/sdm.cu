@@ -26,8 +26,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int64_t kMaxSelected = 256;  // slots per (row, head): AddressCount(k, s) <= 256
 constexpr int64_t kMaxSide = 1024;     // s; candidates k_sub^2 <= 65536, slots < 2^20
 
-bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
-
 __device__ __forceinline__ unsigned LaneMaskLt(int lane) { return (1u << lane) - 1u; }
 
 // Block-wide reduction with `op` (every thread of the block calls it; blockDim a multiple of

@@ -822,46 +822,35 @@ void CheckBf16Output(PagedCache& cache, uint32_t seed) {
     EXPECT_EQ(Download(bits, reinterpret_cast<const uint16_t*>(b.get()), n), cudaSuccess);
     return bits;
   };
+  // `attend` runs one attention call into the output it is given, over `out_rows` rows: fp32
+  // (then converted, plain and gated), bf16 plain, bf16 gated.
+  const auto check = [&](int64_t out_rows, const auto& attend) {
+    const int64_t n = out_rows * width;
+    ASSERT_CUDA_OK(attend(cuda::AttentionOutput{.f32 = dout.get()}));
+    ASSERT_CUDA_OK(cuda::FloatToBf16(dout.get(), n, want_plain.get(), nullptr));
+    ASSERT_CUDA_OK(cuda::MulSigmoidToBf16(dgate.get(), gate_stride, dout.get(), out_rows, width,
+                                          want_gated.get(), nullptr));
+    ASSERT_CUDA_OK(attend(cuda::AttentionOutput{.bf16 = got_plain.get()}));
+    ASSERT_CUDA_OK(attend(cuda::AttentionOutput{
+        .bf16 = got_gated.get(), .gate = dgate.get(), .gate_stride = gate_stride}));
+    ASSERT_CUDA_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(bf16_bits(got_plain, n), bf16_bits(want_plain, n));
+    EXPECT_EQ(bf16_bits(got_gated, n), bf16_bits(want_gated, n));
+    EXPECT_NE(bf16_bits(got_gated, n), bf16_bits(got_plain, n));
+  };
   // Decode.
-  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
-                                       cache.View(), cache.Dims(), dscratch.View(), dout.get(),
-                                       nullptr));
-  ASSERT_CUDA_OK(cuda::FloatToBf16(dout.get(), batch * width, want_plain.get(), nullptr));
-  ASSERT_CUDA_OK(cuda::MulSigmoidToBf16(dgate.get(), gate_stride, dout.get(), batch, width,
-                                        want_gated.get(), nullptr));
-  ASSERT_CUDA_OK(cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible,
-                                       cache.View(), cache.Dims(), dscratch.View(),
-                                       cuda::AttentionOutput{.bf16 = got_plain.get()}, nullptr));
-  ASSERT_CUDA_OK(cuda::AttentionDecode(
-      dq.get(), q_stride, batch, dpos.get(), max_visible, cache.View(), cache.Dims(),
-      dscratch.View(),
-      cuda::AttentionOutput{
-          .bf16 = got_gated.get(), .gate = dgate.get(), .gate_stride = gate_stride},
-      nullptr));
-  ASSERT_CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(bf16_bits(got_plain, batch * width), bf16_bits(want_plain, batch * width));
-  EXPECT_EQ(bf16_bits(got_gated, batch * width), bf16_bits(want_gated, batch * width));
-  EXPECT_NE(bf16_bits(got_gated, batch * width), bf16_bits(got_plain, batch * width));
+  ASSERT_NO_FATAL_FAILURE(check(batch, [&](const cuda::AttentionOutput& out) {
+    return cuda::AttentionDecode(dq.get(), q_stride, batch, dpos.get(), max_visible, cache.View(),
+                                 cache.Dims(), dscratch.View(), out, nullptr);
+  }));
   // Prefill of 40 positions of the longest sequence.
   const int32_t seq = static_cast<int32_t>(std::max_element(c.lengths.begin(), c.lengths.end()) -
                                            c.lengths.begin());
   const int64_t pos0 = c.lengths[seq] - tokens;
-  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), q_stride, tokens, pos0, seq, cache.View(),
-                                        cache.Dims(), dout.get(), nullptr));
-  ASSERT_CUDA_OK(cuda::FloatToBf16(dout.get(), tokens * width, want_plain.get(), nullptr));
-  ASSERT_CUDA_OK(cuda::MulSigmoidToBf16(dgate.get(), gate_stride, dout.get(), tokens, width,
-                                        want_gated.get(), nullptr));
-  ASSERT_CUDA_OK(cuda::AttentionPrefill(dq.get(), q_stride, tokens, pos0, seq, cache.View(),
-                                        cache.Dims(),
-                                        cuda::AttentionOutput{.bf16 = got_plain.get()}, nullptr));
-  ASSERT_CUDA_OK(cuda::AttentionPrefill(
-      dq.get(), q_stride, tokens, pos0, seq, cache.View(), cache.Dims(),
-      cuda::AttentionOutput{
-          .bf16 = got_gated.get(), .gate = dgate.get(), .gate_stride = gate_stride},
-      nullptr));
-  ASSERT_CUDA_OK(cudaDeviceSynchronize());
-  EXPECT_EQ(bf16_bits(got_plain, tokens * width), bf16_bits(want_plain, tokens * width));
-  EXPECT_EQ(bf16_bits(got_gated, tokens * width), bf16_bits(want_gated, tokens * width));
+  ASSERT_NO_FATAL_FAILURE(check(tokens, [&](const cuda::AttentionOutput& out) {
+    return cuda::AttentionPrefill(dq.get(), q_stride, tokens, pos0, seq, cache.View(), cache.Dims(),
+                                  out, nullptr);
+  }));
 }
 
 TEST(CudaAttentionTest, Bf16OutputIsTheConversionOfTheFp32OutputBitForBit) {
