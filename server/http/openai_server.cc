@@ -21,6 +21,7 @@
 #include "server/http/console_page.h"
 #include "server/http/http_status.h"
 #include "server/http/openai_json.h"
+#include "server/http/openai_prompt.h"
 #include "server/scheduler.h"
 
 namespace sdm {
@@ -251,35 +252,16 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
     request->session_id = header_session;
   }
 
-  // The prompt text: the chat template's rendering of the new messages, continuing the session's
-  // conversation when it already holds one. Read again, with the job, if the session changed
-  // before the job took it (RetryWhileSessionChanged).
+  // The prompt text, rendered again with the job if the session changed before the job took it
+  // (server/http/openai_prompt.h).
   auto observer = std::make_shared<HttpJob>();
   int64_t prompt_tokens = 0;
   owner_.active_generations_.fetch_add(1);
   const absl::Status submitted = RetryWhileSessionChanged([&]() -> absl::Status {
-    std::string prompt_text = request->prompt_text;
-    std::vector<std::string> template_stop;
-    int64_t chat_history = -1;  // the session's history the template was rendered for
-    if (endpoint == OpenAiEndpoint::kChatCompletions) {
-      if (!request->session_id.empty()) {
-        v1::GetSessionRequest get;
-        get.set_session_id(request->session_id);
-        v1::Session session;
-        SDM_RETURN_IF_ERROR(service_.DoGetSession(*tenant, get, session));
-        chat_history = session.position();  // tokens, a pending one included
-      }
-      prompt_text = chat_template_.Render(request->messages, /*continuing=*/chat_history > 0);
-      template_stop = chat_template_.stop;
-    }
-    const v1::GenerateRequest generate = ToGenerateRequest(*request, prompt_text, template_stop);
+    SDM_ASSIGN_OR_RETURN(const OpenAiPrompt prompt,
+                         RenderOpenAiPrompt(service_, *tenant, *request, chat_template_));
     GenerateJob job;
-    SDM_RETURN_IF_ERROR(service_.PrepareGenerate(*tenant, absl::InfiniteFuture(), generate, job));
-    // Submit checks the lease against PrepareGenerate's read; the template came from this
-    // earlier one, so the two must agree too.
-    if (chat_history >= 0 && chat_history != job.expected_history) {
-      return SessionChangedError(request->session_id, chat_history, job.expected_history);
-    }
+    SDM_RETURN_IF_ERROR(PrepareOpenAiJob(service_, *tenant, *request, prompt, job));
     prompt_tokens = static_cast<int64_t>(job.prompt.size());
     return service_.SubmitGenerate(std::move(job), observer);
   });

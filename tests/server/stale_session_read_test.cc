@@ -3,7 +3,8 @@
 // PrepareGenerate decides BOS and the limits from the session's history, which Submit checks
 // again under the lease (GenerateJob::expected_history, server/scheduler.h). The service runs
 // here without gRPC (its transport-independent methods, server/service.h) over a tiny random model
-// and an in-memory store.
+// and an in-memory store; the HTTP API's two reads (a chat's template and the job) through its
+// own halves (server/http/openai_prompt.h).
 #include <memory>
 #include <string>
 #include <vector>
@@ -15,6 +16,9 @@
 #include "gtest/gtest.h"
 #include "prometheus/registry.h"
 #include "server/auth.h"
+#include "server/http/chat_template.h"
+#include "server/http/openai_json.h"
+#include "server/http/openai_prompt.h"
 #include "server/metrics/server_metrics.h"
 #include "server/scheduler.h"
 #include "server/service.h"
@@ -159,6 +163,60 @@ TEST_F(StaleSessionReadTest, TheRetryStopsAtKGenerateAttemptsAndOnAnythingButASe
             }),
             busy);
   EXPECT_EQ(calls, 1);
+}
+
+// The HTTP API renders a chat's template from one read of the session (RenderOpenAiPrompt) and
+// prepares the job from another (PrepareGenerate's, which Submit checks under the lease). A turn
+// that finishes between the two would give a template rendered for a new conversation to a job
+// continuing one: PrepareOpenAiJob refuses it, and rendered again the prompt continues.
+TEST_F(StaleSessionReadTest, AChatPromptRenderedBeforeAnotherTurnIsRefusedAndRenderedAgain) {
+  absl::StatusOr<OpenAiRequest> chat = ParseOpenAiRequest(
+      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+          "session_id": "chat"})",
+      OpenAiEndpoint::kChatCompletions);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  const ChatTemplate chat_template;
+  absl::StatusOr<OpenAiPrompt> stale = RenderOpenAiPrompt(*service_, kTenant, *chat, chat_template);
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  EXPECT_EQ(stale->history, 0);
+  EXPECT_EQ(stale->text, chat_template.Render(chat->messages, /*continuing=*/false));
+  EXPECT_EQ(stale->stop, chat_template.stop);
+
+  // Another turn runs on the session between the render and the job.
+  GenerateJob other;
+  ASSERT_TRUE(Prepare("hello", other).ok());
+  auto turn = std::make_shared<Turn>();
+  ASSERT_TRUE(service_->SubmitGenerate(std::move(other), turn).ok());
+  turn->Wait();
+  ASSERT_TRUE(turn->error.ok()) << turn->error;
+
+  GenerateJob job;
+  const absl::Status refused = PrepareOpenAiJob(*service_, kTenant, *chat, *stale, job);
+  EXPECT_TRUE(IsSessionChanged(refused)) << refused;
+
+  absl::StatusOr<OpenAiPrompt> fresh = RenderOpenAiPrompt(*service_, kTenant, *chat, chat_template);
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  EXPECT_EQ(fresh->history, 6 + turn->usage.generated_tokens);  // BOS, "hello", the reply
+  EXPECT_EQ(fresh->text, chat_template.Render(chat->messages, /*continuing=*/true));
+  EXPECT_NE(fresh->text, stale->text);
+  job = GenerateJob();
+  ASSERT_TRUE(PrepareOpenAiJob(*service_, kTenant, *chat, *fresh, job).ok());
+  EXPECT_EQ(job.expected_history, fresh->history);
+  ASSERT_FALSE(job.prompt.empty());
+  EXPECT_NE(job.prompt.front(), tokenizer_->bos_id());
+
+  // A completion reads no session: nothing to disagree with.
+  absl::StatusOr<OpenAiRequest> completion = ParseOpenAiRequest(
+      R"({"prompt": "x", "max_tokens": 2, "session_id": "chat"})", OpenAiEndpoint::kCompletions);
+  ASSERT_TRUE(completion.ok()) << completion.status();
+  absl::StatusOr<OpenAiPrompt> plain =
+      RenderOpenAiPrompt(*service_, kTenant, *completion, chat_template);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->history, -1);
+  EXPECT_EQ(plain->text, "x");
+  EXPECT_TRUE(plain->stop.empty());
+  job = GenerateJob();
+  EXPECT_TRUE(PrepareOpenAiJob(*service_, kTenant, *completion, *plain, job).ok());
 }
 
 }  // namespace

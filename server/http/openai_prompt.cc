@@ -1,0 +1,39 @@
+#include "server/http/openai_prompt.h"
+
+#include "absl/time/time.h"
+#include "base/status_macros.h"
+
+namespace sdm {
+
+absl::StatusOr<OpenAiPrompt> RenderOpenAiPrompt(SdmServiceImpl& service, absl::string_view tenant,
+                                                const OpenAiRequest& request,
+                                                const ChatTemplate& chat_template) {
+  OpenAiPrompt prompt;
+  if (request.endpoint != OpenAiEndpoint::kChatCompletions) {
+    prompt.text = request.prompt_text;
+    return prompt;
+  }
+  if (!request.session_id.empty()) {
+    v1::GetSessionRequest get;
+    get.set_session_id(request.session_id);
+    v1::Session session;
+    SDM_RETURN_IF_ERROR(service.DoGetSession(tenant, get, session));
+    prompt.history = session.position();
+  }
+  prompt.text = chat_template.Render(request.messages, /*continuing=*/prompt.history > 0);
+  prompt.stop = chat_template.stop;
+  return prompt;
+}
+
+absl::Status PrepareOpenAiJob(SdmServiceImpl& service, absl::string_view tenant,
+                              const OpenAiRequest& request, const OpenAiPrompt& prompt,
+                              GenerateJob& job) {
+  const v1::GenerateRequest generate = ToGenerateRequest(request, prompt.text, prompt.stop);
+  SDM_RETURN_IF_ERROR(service.PrepareGenerate(tenant, absl::InfiniteFuture(), generate, job));
+  if (prompt.history >= 0 && prompt.history != job.expected_history) {
+    return SessionChangedError(request.session_id, prompt.history, job.expected_history);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace sdm
