@@ -771,6 +771,7 @@ class CudaBackend : public EngineBackend {
     const int64_t m = static_cast<int64_t>(out.logit_rows.size());
     const int64_t d = static_cast<int64_t>(out.draws.size());
     const int64_t ml = m + d;  // rows whose logits are computed: the returned, then the drawn
+    const bool logits_in_place = LogitRowsInPlace(out, n);  // ml == n, row i's logits in row i
     const size_t ptr_count = layout.ptr_count;
     const size_t draws_bytes = layout.draws_bytes;
     const size_t bytes = layout.bytes;
@@ -841,9 +842,11 @@ class CudaBackend : public EngineBackend {
         return absl::OkStatus();
       };
       const float eps = static_cast<float>(cfg_.norm_eps);
-      SDM_RETURN_IF_ERROR(
-          Launched(kc::EmbeddingLookup(tok_embeddings_, arr.tokens, n, dim, ws.x.get(), stream),
-                   "embedding"));
+      // The embedding and the first layer's attention norm in one launch.
+      SDM_RETURN_IF_ERROR(Launched(
+          kc::EmbeddingRmsNorm(tok_embeddings_, arr.tokens, ws.x.get(), layers_[0].attention_norm,
+                               n, dim, eps, nullptr, ws.xb.get(), stream),
+          "embedding and attention norm"));
       SDM_RETURN_IF_ERROR(lap(&EngineProfile::head_seconds));
       // The single-token segments come first (engine_backend.h): they form one decode batch.
       int64_t singles = 0;
@@ -855,13 +858,13 @@ class CudaBackend : public EngineBackend {
       if (graph.has_value()) singles_visible = decode_visible;  // every segment is a single
       for (int64_t li = 0; li < n_layers; ++li) {
         const DeviceLayer& l = layers_[li];
-        // The previous layer's FFN residual (in ws.tmp) is added by the same launch as this norm.
-        SDM_RETURN_IF_ERROR(
-            Launched(li == 0 ? kc::RmsNorm(ws.x.get(), l.attention_norm, n, dim, eps, nullptr,
-                                           ws.xb.get(), stream)
-                             : kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.attention_norm, n, dim,
-                                              eps, nullptr, ws.xb.get(), stream),
-                     "attention norm"));
+        // The previous layer's FFN residual (in ws.tmp) is added by the same launch as this norm
+        // (the first layer's norm came with the embedding).
+        if (li > 0) {
+          SDM_RETURN_IF_ERROR(Launched(kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), l.attention_norm, n,
+                                                      dim, eps, nullptr, ws.xb.get(), stream),
+                                       "attention norm"));
+        }
         if (l.type == LayerType::kSdm) {
           SDM_RETURN_IF_ERROR(SdmMixer(li, l.sdm, n, n_w, n_r, segs, arr));
           SDM_RETURN_IF_ERROR(lap(&EngineProfile::sdm_seconds));
@@ -882,8 +885,9 @@ class CudaBackend : public EngineBackend {
                        hidden_, ffn.stride(), ws.hb.get(), stream),
             "swiglu"));
         SDM_RETURN_IF_ERROR(Linear(ws.hb.get(), n, l.w2, nullptr, ws.tmp.get()));
-        // The residual is added by the next layer's norm; the last layer's here.
-        if (li + 1 == n_layers) {
+        // The residual is added by the next layer's norm; the last layer's by the final norm
+        // where the logit rows are the step's rows in order, else here (before the gather).
+        if (li + 1 == n_layers && ml > 0 && !logits_in_place) {
           SDM_RETURN_IF_ERROR(
               Launched(kc::AddInPlace(ws.tmp.get(), ws.x.get(), n * dim, stream), "residual"));
         }
@@ -892,19 +896,21 @@ class CudaBackend : public EngineBackend {
 
       // (5) Logits and draws, counters, one synchronisation.
       if (ml > 0) {
-        const float* rows_in = ws.x.get();
-        if (!LogitRowsInPlace(out, n)) {
+        if (logits_in_place) {
+          SDM_RETURN_IF_ERROR(Launched(kc::AddRmsNorm(ws.tmp.get(), ws.x.get(), final_norm_, ml,
+                                                      dim, eps, nullptr, ws.final_b.get(), stream),
+                                       "residual and final norm"));
+        } else {
           // One launch gathers the rows (not one copy per row): an fp32 row of `dim` values is
           // moved as a block of 2 * dim 16-bit halves, bit for bit.
           SDM_RETURN_IF_ERROR(Launched(
               kc::GatherBlocks(reinterpret_cast<const bf16*>(ws.x.get()), 2 * dim, arr.logit_rows,
                                ml, reinterpret_cast<bf16*>(ws.tmp.get()), stream),
               "gathering logit rows"));
-          rows_in = ws.tmp.get();
+          SDM_RETURN_IF_ERROR(Launched(kc::RmsNorm(ws.tmp.get(), final_norm_, ml, dim, eps, nullptr,
+                                                   ws.final_b.get(), stream),
+                                       "final norm"));
         }
-        SDM_RETURN_IF_ERROR(Launched(
-            kc::RmsNorm(rows_in, final_norm_, ml, dim, eps, nullptr, ws.final_b.get(), stream),
-            "final norm"));
         SDM_RETURN_IF_ERROR(Linear(ws.final_b.get(), ml, output_, nullptr, ws.logits.get()));
       }
       if (m > 0) {

@@ -110,16 +110,26 @@ __global__ void EmbeddingKernel(const bf16* table, const int32_t* tokens, int64_
 // all reads of the first pass end at BlockSum's barrier.
 // With `delta` (AddRmsNorm), x += delta first, row by row: each thread adds and stores the
 // elements it then squares and, after the reduction, reads back (the same elements in both
-// loops), so the norm sees exactly the sums AddInPlace would have stored.
-__global__ void RmsNormKernel(float* x, const float* delta, const float* w, int64_t n, float eps,
+// loops), so the norm sees exactly the sums AddInPlace would have stored. With `table`
+// (EmbeddingRmsNorm), row r of x is first written from the table's row tokens[r] the same way.
+__global__ void RmsNormKernel(float* x, const float* delta, const bf16* table,
+                              const int32_t* tokens, const float* w, int64_t n, float eps,
                               float* out_f32, bf16* out_bf16, bool vec) {
   __shared__ float scratch[kThreads / 32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   float* xr = x + base;
+  const bf16* er =
+      table != nullptr ? table + static_cast<int64_t>(tokens[blockIdx.x]) * n : nullptr;
   float ss = 0.0f;
   if (vec) {
     for (int64_t v = threadIdx.x; v < n / 4; v += blockDim.x) {
-      float4 q = reinterpret_cast<const float4*>(xr)[v];
+      float4 q;
+      if (er != nullptr) {
+        q = LoadBf16x4(er + 4 * v);
+        reinterpret_cast<float4*>(xr)[v] = q;
+      } else {
+        q = reinterpret_cast<const float4*>(xr)[v];
+      }
       if (delta != nullptr) {
         const float4 d = reinterpret_cast<const float4*>(delta + base)[v];
         q = make_float4(q.x + d.x, q.y + d.y, q.z + d.z, q.w + d.w);
@@ -129,6 +139,7 @@ __global__ void RmsNormKernel(float* x, const float* delta, const float* w, int6
     }
   } else {
     for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      if (er != nullptr) xr[i] = __bfloat162float(er[i]);
       if (delta != nullptr) xr[i] = xr[i] + delta[base + i];
       ss += xr[i] * xr[i];
     }
@@ -449,7 +460,7 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
                    Aligned(out_bf16, 8);
   // Without a delta the kernel never writes x.
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-      const_cast<float*>(x), nullptr, w, n, eps, out_f32, out_bf16, vec);
+      const_cast<float*>(x), nullptr, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec);
   return cudaGetLastError();
 }
 
@@ -460,8 +471,24 @@ cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t row
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
   const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(delta, 16) && Aligned(w, 16) &&
                    Aligned(out_f32, 16) && Aligned(out_bf16, 8);
-  RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(x, delta, w, n, eps,
-                                                                          out_f32, out_bf16, vec);
+  RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+      x, delta, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec);
+  return cudaGetLastError();
+}
+
+cudaError_t EmbeddingRmsNorm(const bf16* table, const int32_t* tokens, float* x, const float* w,
+                             int64_t rows, int64_t n, float eps, float* out_f32, bf16* out_bf16,
+                             cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return cudaSuccess;
+  if (out_f32 == nullptr && out_bf16 == nullptr) {
+    return EmbeddingLookup(table, tokens, rows, n, x, stream);
+  }
+  if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
+  // The table's rows start 8-byte aligned when n % 4 == 0 (and the table is).
+  const bool vec = n % 4 == 0 && Aligned(table, 8) && Aligned(x, 16) && Aligned(w, 16) &&
+                   Aligned(out_f32, 16) && Aligned(out_bf16, 8);
+  RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
+      x, nullptr, table, tokens, w, n, eps, out_f32, out_bf16, vec);
   return cudaGetLastError();
 }
 

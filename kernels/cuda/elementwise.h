@@ -40,6 +40,13 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
 cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t rows, int64_t n,
                        float eps, float* out_f32, bf16* out_bf16, cudaStream_t stream);
 
+// EmbeddingLookup(table, tokens, rows, n, x) then RmsNorm of x, in one launch: the embedding and
+// the first layer's norm (x and out_f32 / out_bf16 as the two launches leave them, bit for bit;
+// out_f32 may alias x). Both outputs null: the lookup alone.
+cudaError_t EmbeddingRmsNorm(const bf16* table, const int32_t* tokens, float* x, const float* w,
+                             int64_t rows, int64_t n, float eps, float* out_f32, bf16* out_bf16,
+                             cudaStream_t stream);
+
 // cpu::LayerNorm in place over rows of n (weight and bias may both be null: no affine). The
 // engine normalises the SDM readings with LayerNormToBf16 (below).
 cudaError_t LayerNorm(float* x, const float* w, const float* b, int64_t rows, int64_t n, float eps,

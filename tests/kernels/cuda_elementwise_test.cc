@@ -123,6 +123,18 @@ class CudaElementwiseTest : public ::testing::Test {
 
 #if defined(SDM_HAVE_CUDA)
 
+// A bf16 table [vocab, dim] of normal values and n tokens drawn from it, the first of them the
+// last row (so that it is reachable).
+void RandomEmbedding(std::mt19937& rng, int64_t vocab, int64_t dim, int64_t n,
+                     std::vector<uint16_t>& table, std::vector<int32_t>& tokens) {
+  table.resize(vocab * dim);
+  for (uint16_t& b : table) b = Bf16Bits(Normal(rng, 1, 0.0f, 1.0f)[0]);
+  tokens.resize(n);
+  std::uniform_int_distribution<int32_t> tok(0, vocab - 1);
+  for (int32_t& t : tokens) t = tok(rng);
+  tokens[0] = vocab - 1;
+}
+
 TEST_F(CudaElementwiseTest, EmbeddingLookupCopiesRowsExactly) {
   for (const uint32_t seed : Seeds()) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
@@ -130,13 +142,10 @@ TEST_F(CudaElementwiseTest, EmbeddingLookupCopiesRowsExactly) {
     const int64_t vocab = 50;
     for (const int64_t dim : {64, 13}) {  // 16-byte vector path, scalar path
       SCOPED_TRACE(testing::Message() << "dim " << dim);
-      std::vector<uint16_t> table(vocab * dim);
-      for (uint16_t& b : table) b = Bf16Bits(Normal(rng, 1, 0.0f, 1.0f)[0]);
       const int64_t n = 37;
-      std::vector<int32_t> tokens(n);
-      std::uniform_int_distribution<int32_t> tok(0, vocab - 1);
-      for (int32_t& t : tokens) t = tok(rng);
-      tokens[0] = vocab - 1;  // the last row is reachable
+      std::vector<uint16_t> table;
+      std::vector<int32_t> tokens;
+      RandomEmbedding(rng, vocab, dim, n, table, tokens);
       auto d_table = UploadBf16(table);
       auto d_tokens = Upload(tokens);
       DeviceBuffer<float> d_out(n * dim);
@@ -422,6 +431,67 @@ TEST_F(CudaElementwiseTest, AddRmsNormIsTheAddThenTheNormBitForBit) {
         ASSERT_EQ(x_add_only[i], want_x[i]) << i;
         ASSERT_EQ(out_fused[i], out_two[i]) << i;
         ASSERT_EQ(bf_fused[i], bf_two[i]) << i;
+      }
+    }
+  }
+}
+
+// The embedding and the first layer's norm in one launch write x and the outputs exactly as
+// EmbeddingLookup followed by RmsNorm, on the vector and the scalar path, with out_f32 aliasing x
+// as well; with no output it is the lookup alone.
+TEST_F(CudaElementwiseTest, EmbeddingRmsNormIsTheLookupThenTheNormBitForBit) {
+  for (const uint32_t seed : Seeds()) {
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    std::mt19937 rng(seed);
+    const int64_t vocab = 40;
+    for (const int64_t n : {1024, 37}) {  // vector path, scalar path
+      SCOPED_TRACE(testing::Message() << "n " << n);
+      const int64_t rows = 5;
+      std::vector<uint16_t> table;
+      std::vector<int32_t> tokens;
+      RandomEmbedding(rng, vocab, n, rows, table, tokens);
+      const std::vector<float> w = Normal(rng, n, 1.0f, 0.2f);
+      auto d_table = UploadBf16(table);
+      auto d_tokens = Upload(tokens);
+      auto d_w = Upload(w);
+      DeviceBuffer<float> d_x_two(rows * n), d_x_fused(rows * n), d_x_lookup(rows * n);
+      DeviceBuffer<float> d_x_aliased(rows * n);
+      DeviceBuffer<float> d_out_two(rows * n), d_out_fused(rows * n);
+      DeviceBuffer<bf16> d_bf_two(rows * n), d_bf_fused(rows * n);
+      ASSERT_EQ(
+          cuda::EmbeddingLookup(d_table.get(), d_tokens.get(), rows, n, d_x_two.get(), stream()),
+          cudaSuccess);
+      ASSERT_EQ(cuda::RmsNorm(d_x_two.get(), d_w.get(), rows, n, 1e-5f, d_out_two.get(),
+                              d_bf_two.get(), stream()),
+                cudaSuccess);
+      ASSERT_EQ(
+          cuda::EmbeddingRmsNorm(d_table.get(), d_tokens.get(), d_x_fused.get(), d_w.get(), rows, n,
+                                 1e-5f, d_out_fused.get(), d_bf_fused.get(), stream()),
+          cudaSuccess);
+      ASSERT_EQ(cuda::EmbeddingRmsNorm(d_table.get(), d_tokens.get(), d_x_lookup.get(), d_w.get(),
+                                       rows, n, 1e-5f, nullptr, nullptr, stream()),
+                cudaSuccess);
+      ASSERT_EQ(cuda::EmbeddingRmsNorm(d_table.get(), d_tokens.get(), d_x_aliased.get(), d_w.get(),
+                                       rows, n, 1e-5f, d_x_aliased.get(), nullptr, stream()),
+                cudaSuccess);
+      Sync();
+      const std::vector<float> x_two = Download(d_x_two), x_fused = Download(d_x_fused);
+      const std::vector<float> x_lookup = Download(d_x_lookup);
+      const std::vector<float> x_aliased = Download(d_x_aliased);
+      const std::vector<float> out_two = Download(d_out_two), out_fused = Download(d_out_fused);
+      const std::vector<uint16_t> bf_two = DownloadBf16(d_bf_two);
+      const std::vector<uint16_t> bf_fused = DownloadBf16(d_bf_fused);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < n; ++c) {
+          const int64_t i = r * n + c;
+          const float embedded = Bf16Value(table[tokens[r] * n + c]);
+          ASSERT_EQ(x_two[i], embedded) << r << "," << c;
+          ASSERT_EQ(x_fused[i], embedded) << r << "," << c;
+          ASSERT_EQ(x_lookup[i], embedded) << r << "," << c;
+          ASSERT_EQ(out_fused[i], out_two[i]) << r << "," << c;
+          ASSERT_EQ(x_aliased[i], out_two[i]) << r << "," << c;
+          ASSERT_EQ(bf_fused[i], bf_two[i]) << r << "," << c;
+        }
       }
     }
   }
