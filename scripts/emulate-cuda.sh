@@ -21,6 +21,10 @@
 #                         comparison for the tiny and debug_hybrid presets; the rest take ~8 min)
 #   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
 #                         environment is passed through as well)
+#   --coresident K        sets EMU_CORESIDENT (kernel tests): a launch without clusters runs its
+#                         blocks in groups of up to K whose warps interleave, switching at
+#                         atomics, fences and __ldcg too; use with --order rand:SEED
+#                         (tests/cuda_emulator/kernels/emu.cc)
 #   --streams MODE        sets EMU_STREAMS (engine tests): deferred (the default: streams run
 #                         their work only when the host or another stream waits for it, as late
 #                         as CUDA allows), eager (when it is enqueued), others-first (deferred,
@@ -58,6 +62,7 @@ while [[ $# -gt 0 ]]; do
     --all) ALL=1; shift ;;
     --order) export EMU_ORDER="$2"; shift 2 ;;
     --streams) export EMU_STREAMS="$2"; shift 2 ;;
+    --coresident) export EMU_CORESIDENT="$2"; shift 2 ;;
     --no-asan) ASAN=0; shift ;;
     -j) JOBS="$2"; shift 2 ;;
     --build-only) RUN_STEP=0; shift ;;
@@ -265,6 +270,8 @@ if want selftest; then
   log="$LOGS/selftest.log"
   "$BUILD/bin/selftest" >"$log" 2>&1
   rc=$?
+  # Again with the blocks as co-resident groups (EMU_CORESIDENT): they must interleave.
+  EMU_CORESIDENT=8 EMU_ORDER=rand:1 "$BUILD/bin/selftest" >>"$log" 2>&1 || rc=1
   # neg.cu plants one bug per mode; each must be caught ("EMU FAILURE", nonzero exit).
   caught=0
   for mode in 0 1 2 3 4 5 6; do

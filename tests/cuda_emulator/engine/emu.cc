@@ -147,6 +147,8 @@ void WarpSync(unsigned mask) { WarpWait(kOpSync, mask); }
 EmuCluster& RunningCluster() { return g_cluster; }
 EmuFiber& RunningFiber() { return *g_cur; }
 void YieldToScheduler() { Yield(); }
+// Blocks run one after another here (no EMU_CORESIDENT): nothing to interleave with.
+void InterleavePoint() {}
 
 static void Entry() {
   __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);

@@ -72,9 +72,15 @@ struct EmuBlock {
 
 // The running cluster: blocks by rank, the dynamic shared memory size of the launch, the fill
 // byte of fresh shared memory, and the dialect's failure report (aborts).
+//
+// `coresident`: the blocks are not a cluster but a group of a cluster-less launch's blocks run
+// together (EMU_CORESIDENT, kernels/emu.cc) so that their warps interleave, as blocks resident
+// on a device at once do; to the kernel each block is then a cluster of one (rank 0, one block,
+// its cluster barrier waits for its own threads, map_shared_rank reaches only itself).
 struct EmuCluster {
   std::vector<EmuBlock> blocks;
   dim3 dim{1, 1, 1};
+  bool coresident = false;
   size_t dyn_smem = 0;
   int fill = 0xff;
   void (*fail)(const char*) = nullptr;  // reports and aborts
@@ -97,8 +103,11 @@ struct EmuCluster {
     t.state = kWaitCluster;
   }
   dim3 IndexInCluster(dim3 block_idx) const {
+    if (coresident) return dim3(0, 0, 0);
     return dim3(block_idx.x % dim.x, block_idx.y % dim.y, block_idx.z % dim.z);
   }
+  // The cluster's shape as the kernel sees it.
+  dim3 KernelDim() const { return coresident ? dim3(1, 1, 1) : dim; }
 
   // The schedulers' fibers: `fiber(r, i)` is rank r's thread i, for i < `slots` (a block's
   // threads rounded up to whole warps); threads i >= n, the last warp's padding, never run.
@@ -150,7 +159,10 @@ struct EmuCluster {
   bool ReleaseBarriers(int n, FiberOf fiber, dim3& block_idx, bool* all_done) {
     const int ranks = static_cast<int>(blocks.size());
     int cluster_done = 0;
+    // The fewest cluster-barrier arrivals of a non-exited thread: of the cluster, and of each
+    // block (a co-resident group's blocks are clusters of one).
     uint64_t least_arrivals = UINT64_MAX;
+    std::vector<uint64_t> block_least(ranks, UINT64_MAX);
     for (int r = 0; r < ranks; ++r) {
       int done = 0;
       for (int i = 0; i < n; ++i) {
@@ -158,9 +170,10 @@ struct EmuCluster {
         if (t.state == kDone) {
           ++done;
         } else {
-          least_arrivals = t.arrivals < least_arrivals ? t.arrivals : least_arrivals;
+          block_least[r] = t.arrivals < block_least[r] ? t.arrivals : block_least[r];
         }
       }
+      least_arrivals = block_least[r] < least_arrivals ? block_least[r] : least_arrivals;
       cluster_done += done;
       if (done == n) Exited(r);
     }
@@ -182,7 +195,8 @@ struct EmuCluster {
     for (int r = 0; r < ranks; ++r) {
       for (int i = 0; i < n; ++i) {
         EmuFiber& t = fiber(r, i);
-        if (t.state == kWaitCluster && t.wait_for <= least_arrivals) {
+        if (t.state == kWaitCluster &&
+            t.wait_for <= (coresident ? block_least[r] : least_arrivals)) {
           t.state = kRunnable;
           released = true;
         }
@@ -313,16 +327,30 @@ void ClusterWait() {
   RunningCluster().BeginWait(RunningFiber());
   YieldToScheduler();
 }
-unsigned ClusterBlockRank() { return static_cast<unsigned>(RunningFiber().rank); }
-dim3 ClusterDim() { return RunningCluster().dim; }
+unsigned ClusterBlockRank() {
+  return RunningCluster().coresident ? 0u : static_cast<unsigned>(RunningFiber().rank);
+}
+dim3 ClusterDim() { return RunningCluster().KernelDim(); }
 dim3 ClusterBlockIndex() {
   EmuCluster& c = RunningCluster();
   return c.IndexInCluster(c.blocks[RunningFiber().rank].idx);
 }
 void* MapSharedRank(const void* addr, unsigned rank) {
-  return RunningCluster().Map(RunningFiber().rank, addr, rank);
+  EmuCluster& c = RunningCluster();
+  const int me = RunningFiber().rank;
+  if (!c.coresident) return c.Map(me, addr, rank);
+  if (rank != 0) c.Fail("map_shared_rank: rank beyond the cluster");
+  return c.Map(me, addr, static_cast<unsigned>(me));
 }
-unsigned QuerySharedRank(const void* addr) { return RunningCluster().Query(addr); }
+unsigned QuerySharedRank(const void* addr) {
+  EmuCluster& c = RunningCluster();
+  const unsigned r = c.Query(addr);
+  if (!c.coresident) return r;
+  if (r != static_cast<unsigned>(RunningFiber().rank)) {
+    c.Fail("query_shared_rank of an address in another block's shared memory");
+  }
+  return 0;
+}
 
 // Why a launch's cluster is refused (nullptr: accepted): it must tile the grid and hold at most
 // 8 blocks, or 16 after the non-portable opt-in.

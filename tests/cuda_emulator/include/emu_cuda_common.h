@@ -142,6 +142,11 @@ dim3 ClusterDim();
 dim3 ClusterBlockIndex();
 void* MapSharedRank(const void* addr, unsigned rank);
 unsigned QuerySharedRank(const void* addr);
+// Where the running thread may let others run before it goes on: atomics, fences and L2 reads
+// (__ldcg), the operations through which blocks running at once talk. The kernel dialect
+// switches fibers there when the launch's blocks run as co-resident groups (EMU_CORESIDENT);
+// otherwise, and in the engine dialect, it does nothing.
+void InterleavePoint();
 }  // namespace emu
 
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
@@ -192,6 +197,7 @@ inline T __ldcs(const T* p) {
 }
 template <class T>
 inline T __ldcg(const T* p) {
+  emu::InterleavePoint();
   return *p;
 }
 template <class T>
@@ -201,13 +207,14 @@ inline void __stcs(T* p, T v) {
 inline float __frcp_rn(float x) { return 1.0f / x; }
 inline float __fsqrt_rn(float x) { return sqrtf(x); }
 inline float __fmaf_rn(float a, float b, float c) { return fmaf(a, b, c); }
-inline void __threadfence() {}
+inline void __threadfence() { emu::InterleavePoint(); }
 inline void __threadfence_block() {}
 
 // Atomics: the overloads CUDA has (so argument conversions match). Cooperative fibers never
-// preempt, so a plain read-modify-write is atomic.
+// preempt, so a plain read-modify-write is atomic; other threads may run just before it.
 #define EMU_ATOMIC_RMW(NAME, T, EXPR) \
   inline T NAME(T* p, T v) {          \
+    emu::InterleavePoint();           \
     T old = *p;                       \
     *p = (EXPR);                      \
     return old;                       \
@@ -238,6 +245,7 @@ EMU_ATOMIC_RMW(atomicAnd, unsigned, old& v)
 #undef EMU_ATOMIC_RMW
 #define EMU_ATOMIC_CAS(T)                \
   inline T atomicCAS(T* p, T cmp, T v) { \
+    emu::InterleavePoint();              \
     T old = *p;                          \
     if (old == cmp) *p = v;              \
     return old;                          \

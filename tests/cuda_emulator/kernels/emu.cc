@@ -38,12 +38,22 @@ static const char* g_kernel_name = "";
 // EMU_ORDER: fwd (default), rev, or rand[:seed] -- order of fibers within a scheduling round and
 // of blocks in the grid, to expose missing barriers and inter-block order dependence.
 // EMU_FILL: byte that fresh device and shared memory is filled with (default 0xff).
+// EMU_CORESIDENT: K > 1 runs a cluster-less launch's blocks in groups of up to K (a box of the
+// grid, x first) whose warps interleave like a cluster's, and lets a thread's atomics, fences
+// and __ldcg hand over to the others (InterleavePoint): blocks that talk through global memory
+// during one launch then meet each other mid-way, as resident blocks do on a device. With
+// EMU_ORDER=rand only: fwd and rev run a group's blocks one after another as before.
 static int g_order = -1;  // 0 fwd, 1 rev, 2 rand
 static uint64_t g_rng = 88172645463325252ull;
 static int g_fill = 0xff;
+static unsigned g_coresident = 1;
 static void InitConfig() {
   if (g_order >= 0) return;
   g_order = 0;
+  if (const char* k = std::getenv("EMU_CORESIDENT")) {
+    const unsigned long v = std::strtoul(k, nullptr, 10);
+    g_coresident = v < 1 ? 1 : (v > 64 ? 64 : static_cast<unsigned>(v));
+  }
   if (const char* o = std::getenv("EMU_ORDER")) {
     if (std::strncmp(o, "rev", 3) == 0) g_order = 1;
     if (std::strncmp(o, "rand", 4) == 0) {
@@ -116,6 +126,9 @@ void WarpCollective(unsigned mask, int kind, uint64_t mine, uint64_t* all) {
 EmuCluster& RunningCluster() { return g_cluster; }
 EmuFiber& RunningFiber() { return *g_cur; }
 void YieldToScheduler() { Yield(); }
+void InterleavePoint() {
+  if (g_cur != nullptr && g_cluster.coresident) Yield();  // stays runnable
+}
 
 static void Entry() {
   __sanitizer_finish_switch_fiber(nullptr, &g_main_bottom, &g_main_size);
@@ -166,6 +179,15 @@ static bool ReleaseWarp(int rank, int w) {
   return released;
 }
 
+// Whether a lane of warp w of block `rank` can run (one paused at an interleave point).
+static bool WarpRunnable(int rank, int w) {
+  const Thread* const lanes = &g_threads[rank * g_block_slots + w * 32];
+  for (int l = 0; l < 32 && w * 32 + l < g_block_threads; ++l) {
+    if (lanes[l].state == kRunnable) return true;
+  }
+  return false;
+}
+
 // Runs one cluster (g_cluster, started) to completion.
 static void RunCluster() {
   const int n = g_block_threads;
@@ -185,8 +207,14 @@ static void RunCluster() {
   // lowest (highest) rank that can run goes as far as it can before any other runs, so a block
   // exits as early as the barriers let it (a read of its shared memory that a missing cluster
   // barrier left late then fails in MapSharedRank); with rand the warps of all of them
-  // interleave.
+  // interleave. A co-resident group's blocks (EMU_CORESIDENT) are scheduled the same way, and
+  // a lane paused at an interleave point lets the next warp run.
   std::vector<int> warp_order(ranks * warps), lane_order(32);
+  // A co-resident group under rand: each round, each warp runs with probability 1/2 (at least
+  // one runnable warp does), so that warps and blocks drift whole barrier phases apart instead
+  // of moving in step from barrier to barrier.
+  std::vector<char> stalled(ranks * warps, 0);
+  const bool stalls = g_cluster.coresident && g_order == 2;
   for (;;) {
     Order(warp_order);
     int only_rank = -1;
@@ -196,9 +224,22 @@ static void RunCluster() {
         if (EmuCluster::Runnable(r, n, thread_of)) only_rank = r;
       }
     }
+    if (stalls) {
+      std::vector<int> runnable;
+      bool one_runs = false;
+      for (int rw = 0; rw < ranks * warps; ++rw) {
+        stalled[rw] = Rand() % 2 == 0;
+        if (WarpRunnable(rw / warps, rw % warps)) {
+          runnable.push_back(rw);
+          one_runs = one_runs || !stalled[rw];
+        }
+      }
+      if (!one_runs && !runnable.empty()) stalled[runnable[Rand() % runnable.size()]] = 0;
+    }
     for (int rw : warp_order) {
       const int r = rw / warps, w = rw % warps;
       if (only_rank >= 0 && r != only_rank) continue;
+      if (stalls && stalled[rw]) continue;
       g_block_idx = g_cluster.blocks[r].idx;
       for (;;) {
         Order(lane_order);
@@ -214,6 +255,13 @@ static void RunCluster() {
           __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
         }
         g_cur = nullptr;
+        // A lane that stopped at an interleave point lets the other warps go first; with rand,
+        // a co-resident group's warp goes on three times in four, so that warps drift apart
+        // (one reads what another has not written yet, or writes after it).
+        if (WarpRunnable(r, w)) {
+          if (g_cluster.coresident && g_order == 2 && Rand() % 4 != 0) continue;
+          break;
+        }
         if (!ReleaseWarp(r, w)) break;
       }
     }
@@ -263,6 +311,20 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
   g_ctx = ctx;
   g_grid_dim = grid;
   g_block_dim = block;
+  // A cluster-less launch under EMU_CORESIDENT runs as groups of blocks: a box of the grid of up
+  // to g_coresident blocks, x first, that tiles it.
+  const bool coresident = g_coresident > 1 && cluster.x * cluster.y * cluster.z == 1;
+  if (coresident) {
+    auto divisor_at_most = [](unsigned extent, unsigned limit) {
+      unsigned d = limit < extent ? limit : extent;
+      while (d > 1 && extent % d != 0) --d;
+      return d < 1 ? 1u : d;
+    };
+    cluster.x = divisor_at_most(grid.x, g_coresident);
+    cluster.y = divisor_at_most(grid.y, g_coresident / cluster.x);
+    cluster.z = divisor_at_most(grid.z, g_coresident / (cluster.x * cluster.y));
+  }
+  g_cluster.coresident = coresident;
   g_cluster.dim = cluster;
   g_cluster.dyn_smem = smem;
   g_cluster.fill = g_fill;
@@ -285,6 +347,7 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
   }
   g_cluster.Finish();
   g_cluster.dim = dim3(1, 1, 1);
+  g_cluster.coresident = false;
   return cudaSuccess;
 }
 }  // namespace emu
@@ -420,5 +483,12 @@ const char* cudaGetErrorString(cudaError_t) { return "emulated"; }
 
 namespace sdm::kernels::cuda {
 int DeviceCount() { return 1; }
-std::string DescribeDevice() { return "CPU fiber emulator"; }
+std::string DescribeDevice() {
+  emu::InitConfig();
+  if (emu::g_coresident > 1) {
+    return "CPU fiber emulator, co-resident blocks (EMU_CORESIDENT=" +
+           std::to_string(emu::g_coresident) + ")";
+  }
+  return "CPU fiber emulator";
+}
 }  // namespace sdm::kernels::cuda

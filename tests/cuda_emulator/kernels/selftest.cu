@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 __global__ void K(int* out, unsigned long long* out64, float* outf) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __shared__ int counter;
@@ -74,6 +76,76 @@ cudaError_t LaunchClusters(int* out, unsigned blocks, unsigned cluster_blocks) {
   config.numAttrs = 1;
   return cudaLaunchKernelEx(&config, ClusterKernel, out);
 }
+// Blocks of a cluster-less launch: thread 0 of each counts itself in twice on one counter, a
+// fence between. Run one after another, every block sees its own two counts adjacent; run as a
+// co-resident group (EMU_CORESIDENT with EMU_ORDER=rand), some block sees another's count between
+// them. Either way each block is a cluster of one to the kernel.
+__global__ void CoresidentKernel(unsigned* counter, int* out) {
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  __shared__ int s[64];
+  s[threadIdx.x] = static_cast<int>(threadIdx.x);
+  cluster.sync();
+  int* o = out + (blockIdx.x * 64 + threadIdx.x) * 4;
+  o[0] = static_cast<int>(cluster.block_rank());
+  o[1] = static_cast<int>(cluster.num_blocks());
+  o[2] = *cluster.map_shared_rank(&s[(threadIdx.x + 1) % 64], 0);
+  o[3] = 0;
+  if (threadIdx.x == 0) {
+    const unsigned first = atomicAdd(counter, 1u);
+    __threadfence();
+    o[3] = static_cast<int>(atomicAdd(counter, 1u) - first);
+  }
+}
+// Returns the number of failed checks. The blocks must have interleaved when the run sets
+// EMU_CORESIDENT >= 8 and EMU_ORDER=rand (the script's second run), and not otherwise.
+int CoresidentSelftest() {
+  const char* k = std::getenv("EMU_CORESIDENT");
+  const char* order = std::getenv("EMU_ORDER");
+  const bool coresident =
+      k != nullptr && std::atoi(k) >= 8 && order != nullptr && std::strncmp(order, "rand", 4) == 0;
+  int bad = 0;
+  auto check = [&](bool ok, const char* what, int t) {
+    if (!ok) {
+      ++bad;
+      std::printf("BAD %s thread %d\n", what, t);
+    }
+  };
+  constexpr int kBlocks = 8;
+  unsigned* counter;
+  int* out;
+  cudaMalloc(&counter, sizeof(unsigned));
+  cudaMalloc(&out, kBlocks * 64 * 4 * sizeof(int));
+  cudaMemset(counter, 0, sizeof(unsigned));
+  (void)cudaGetLastError();  // the cluster checks' refused launches
+  CoresidentKernel<<<kBlocks, 64>>>(counter, out);
+  check(cudaGetLastError() == cudaSuccess, "co-resident launch", -1);
+  int h[kBlocks * 64 * 4];
+  unsigned total = 0;
+  cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost);
+  cudaMemcpy(&total, counter, sizeof(total), cudaMemcpyDeviceToHost);
+  check(total == 2 * kBlocks, "every count", -1);
+  int overtaken = 0;
+  for (int t = 0; t < kBlocks * 64; ++t) {
+    const int* o = h + t * 4;
+    check(o[0] == 0, "block_rank of a cluster of one", t);
+    check(o[1] == 1, "num_blocks of a cluster of one", t);
+    check(o[2] == (t % 64 + 1) % 64, "map_shared_rank to itself", t);
+    if (t % 64 == 0) {
+      check(o[3] >= 1 && o[3] < 2 * kBlocks, "counts", t);
+      overtaken += o[3] > 1;
+    }
+  }
+  if (coresident) {
+    check(overtaken > 0, "blocks interleaved (some block overtaken between its two counts)", -1);
+  } else {
+    check(overtaken == 0, "blocks one after another (no block overtaken)", -1);
+  }
+  std::printf("co-resident blocks %s: %d of %d blocks overtaken\n", coresident ? "on" : "off",
+              overtaken, kBlocks);
+  return bad;
+}
+
 // Returns the number of failed checks.
 int ClusterSelftest() {
   int bad = 0;
@@ -156,6 +228,7 @@ int main() {
     check(o[13] == 64, "shared atomic", t);
   }
   bad += ClusterSelftest();
+  bad += CoresidentSelftest();
   std::printf("%s (%d bad)\n", bad ? "SELFTEST FAILED" : "selftest ok", bad);
   return bad != 0;
 }
