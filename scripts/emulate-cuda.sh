@@ -22,9 +22,9 @@
 #   --order ORDER         sets EMU_ORDER=fwd|rev|rand:SEED (kernel tests; EMU_ORDER from the
 #                         environment is passed through as well)
 #   --coresident K        sets EMU_CORESIDENT (kernel tests): a launch without clusters runs its
-#                         blocks in groups of up to K whose warps interleave, switching at
-#                         atomics, fences and __ldcg too; use with --order rand:SEED
-#                         (tests/cuda_emulator/kernels/emu.cc)
+#                         blocks in groups of K consecutive blocks whose warps interleave,
+#                         switching at atomics, fences and __ldcg too; needs --order rand:SEED
+#                         (ignored otherwise; tests/cuda_emulator/kernels/emu.cc)
 #   --streams MODE        sets EMU_STREAMS (engine tests): deferred (the default: streams run
 #                         their work only when the host or another stream waits for it, as late
 #                         as CUDA allows), eager (when it is enqueued), others-first (deferred,

@@ -114,7 +114,7 @@ __global__ void EmbeddingKernel(const bf16* table, const int32_t* tokens, int64_
 // (EmbeddingRmsNorm), row r of x is first written from the table's row tokens[r] the same way.
 __global__ void RmsNormKernel(float* x, const float* delta, const bf16* table,
                               const int32_t* tokens, const float* w, int64_t n, float eps,
-                              float* out_f32, bf16* out_bf16, bool vec) {
+                              float* out_f32, bf16* out_bf16, bool vec, bool table_vec) {
   __shared__ float scratch[kThreads / 32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   float* xr = x + base;
@@ -125,7 +125,11 @@ __global__ void RmsNormKernel(float* x, const float* delta, const bf16* table,
     for (int64_t v = threadIdx.x; v < n / 4; v += blockDim.x) {
       float4 q;
       if (er != nullptr) {
-        q = LoadBf16x4(er + 4 * v);
+        // The table's rows may be misaligned where x is not: the same sums either way.
+        q = table_vec
+                ? LoadBf16x4(er + 4 * v)
+                : make_float4(__bfloat162float(er[4 * v]), __bfloat162float(er[4 * v + 1]),
+                              __bfloat162float(er[4 * v + 2]), __bfloat162float(er[4 * v + 3]));
         reinterpret_cast<float4*>(xr)[v] = q;
       } else {
         q = reinterpret_cast<const float4*>(xr)[v];
@@ -460,7 +464,7 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
                    Aligned(out_bf16, 8);
   // Without a delta the kernel never writes x.
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-      const_cast<float*>(x), nullptr, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec);
+      const_cast<float*>(x), nullptr, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec, false);
   return cudaGetLastError();
 }
 
@@ -472,7 +476,7 @@ cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t row
   const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(delta, 16) && Aligned(w, 16) &&
                    Aligned(out_f32, 16) && Aligned(out_bf16, 8);
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-      x, delta, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec);
+      x, delta, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec, false);
   return cudaGetLastError();
 }
 
@@ -484,11 +488,12 @@ cudaError_t EmbeddingRmsNorm(const bf16* table, const int32_t* tokens, float* x,
     return EmbeddingLookup(table, tokens, rows, n, x, stream);
   }
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
-  // The table's rows start 8-byte aligned when n % 4 == 0 (and the table is).
-  const bool vec = n % 4 == 0 && Aligned(table, 8) && Aligned(x, 16) && Aligned(w, 16) &&
-                   Aligned(out_f32, 16) && Aligned(out_bf16, 8);
+  // The path RmsNorm of x would take (the order of the sum of squares depends on it); the
+  // table's rows start 8-byte aligned when n % 4 == 0 and the table is.
+  const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(w, 16) && Aligned(out_f32, 16) &&
+                   Aligned(out_bf16, 8);
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-      x, nullptr, table, tokens, w, n, eps, out_f32, out_bf16, vec);
+      x, nullptr, table, tokens, w, n, eps, out_f32, out_bf16, vec, Aligned(table, 8));
   return cudaGetLastError();
 }
 

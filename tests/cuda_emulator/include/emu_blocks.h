@@ -219,16 +219,31 @@ struct EmuCluster {
       for (unsigned y = 0; y < dim.y; ++y) {
         for (unsigned x = 0; x < dim.x; ++x) {
           const dim3 idx(first.x + x, first.y + y, first.z + z);
-          EmuBlock& b = blocks[RankOf(idx)];
-          b.idx = idx;
-          void* sm = nullptr;
-          // Exact size, so that ASan reports an overrun.
-          if (posix_memalign(&sm, 16, dyn_smem == 0 ? 1 : dyn_smem) != 0) Fail("out of memory");
-          b.smem = static_cast<char*>(sm);
-          std::memset(b.smem, fill, dyn_smem == 0 ? 1 : dyn_smem);
+          Open(blocks[RankOf(idx)], idx);
         }
       }
     }
+  }
+  // A co-resident group (coresident set): the `count` blocks of `grid` from linear index
+  // `first` on (x fastest), as ranks 0 .. count - 1.
+  void StartGroup(dim3 grid, uint64_t first, unsigned count) {
+    for (EmuBlock& b : blocks) Free(b);
+    blocks.assign(count, EmuBlock{});
+    for (unsigned r = 0; r < count; ++r) {
+      const uint64_t id = first + r;
+      Open(blocks[r],
+           dim3(static_cast<unsigned>(id % grid.x), static_cast<unsigned>((id / grid.x) % grid.y),
+                static_cast<unsigned>(id / (uint64_t{grid.x} * grid.y))));
+    }
+  }
+  // Block `idx` with fresh dynamic shared memory of the exact size (so that ASan reports an
+  // overrun), filled with `fill`.
+  void Open(EmuBlock& b, dim3 idx) {
+    b.idx = idx;
+    void* sm = nullptr;
+    if (posix_memalign(&sm, 16, dyn_smem == 0 ? 1 : dyn_smem) != 0) Fail("out of memory");
+    b.smem = static_cast<char*>(sm);
+    std::memset(b.smem, fill, dyn_smem == 0 ? 1 : dyn_smem);
   }
   void Finish() {
     for (EmuBlock& b : blocks) Free(b);

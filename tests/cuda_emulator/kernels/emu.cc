@@ -38,15 +38,15 @@ static const char* g_kernel_name = "";
 // EMU_ORDER: fwd (default), rev, or rand[:seed] -- order of fibers within a scheduling round and
 // of blocks in the grid, to expose missing barriers and inter-block order dependence.
 // EMU_FILL: byte that fresh device and shared memory is filled with (default 0xff).
-// EMU_CORESIDENT: K > 1 runs a cluster-less launch's blocks in groups of up to K (a box of the
-// grid, x first) whose warps interleave like a cluster's, and lets a thread's atomics, fences
-// and __ldcg hand over to the others (InterleavePoint): blocks that talk through global memory
-// during one launch then meet each other mid-way, as resident blocks do on a device. With
-// EMU_ORDER=rand only: fwd and rev run a group's blocks one after another as before.
+// EMU_CORESIDENT: K > 1, with EMU_ORDER=rand, runs a cluster-less launch's blocks in groups of
+// K consecutive blocks (x fastest; the last group may be shorter) whose warps interleave like a
+// cluster's, and lets a thread's atomics, fences and __ldcg hand over to the others
+// (InterleavePoint): blocks that talk through global memory during one launch then meet each
+// other mid-way, as resident blocks do on a device. Ignored with fwd and rev.
 static int g_order = -1;  // 0 fwd, 1 rev, 2 rand
 static uint64_t g_rng = 88172645463325252ull;
 static int g_fill = 0xff;
-static unsigned g_coresident = 1;
+static unsigned g_coresident = 1;  // 1 when EMU_CORESIDENT is unset, or the order is not rand
 static void InitConfig() {
   if (g_order >= 0) return;
   g_order = 0;
@@ -60,6 +60,12 @@ static void InitConfig() {
       g_order = 2;
       if (o[4] == ':') g_rng = std::strtoull(o + 5, nullptr, 10) * 2654435761ull + 1;
     }
+  }
+  if (g_order != 2 && g_coresident > 1) {
+    if (std::getenv("EMU_QUIET") == nullptr) {
+      std::fprintf(stderr, "EMU note: EMU_CORESIDENT needs EMU_ORDER=rand; ignored\n");
+    }
+    g_coresident = 1;
   }
   if (const char* f = std::getenv("EMU_FILL"))
     g_fill = static_cast<int>(std::strtol(f, nullptr, 0));
@@ -214,7 +220,7 @@ static void RunCluster() {
   // one runnable warp does), so that warps and blocks drift whole barrier phases apart instead
   // of moving in step from barrier to barrier.
   std::vector<char> stalled(ranks * warps, 0);
-  const bool stalls = g_cluster.coresident && g_order == 2;
+  const bool stalls = g_cluster.coresident;  // under rand only (InitConfig)
   for (;;) {
     Order(warp_order);
     int only_rank = -1;
@@ -259,7 +265,7 @@ static void RunCluster() {
         // a co-resident group's warp goes on three times in four, so that warps drift apart
         // (one reads what another has not written yet, or writes after it).
         if (WarpRunnable(r, w)) {
-          if (g_cluster.coresident && g_order == 2 && Rand() % 4 != 0) continue;
+          if (g_cluster.coresident && Rand() % 4 != 0) continue;
           break;
         }
         if (!ReleaseWarp(r, w)) break;
@@ -311,27 +317,19 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
   g_ctx = ctx;
   g_grid_dim = grid;
   g_block_dim = block;
-  // A cluster-less launch under EMU_CORESIDENT runs as groups of blocks: a box of the grid of up
-  // to g_coresident blocks, x first, that tiles it.
+  // A cluster-less launch under EMU_CORESIDENT runs as groups of g_coresident consecutive
+  // blocks (to the kernel each still a cluster of one).
   const bool coresident = g_coresident > 1 && cluster.x * cluster.y * cluster.z == 1;
-  if (coresident) {
-    auto divisor_at_most = [](unsigned extent, unsigned limit) {
-      unsigned d = limit < extent ? limit : extent;
-      while (d > 1 && extent % d != 0) --d;
-      return d < 1 ? 1u : d;
-    };
-    cluster.x = divisor_at_most(grid.x, g_coresident);
-    cluster.y = divisor_at_most(grid.y, g_coresident / cluster.x);
-    cluster.z = divisor_at_most(grid.z, g_coresident / (cluster.x * cluster.y));
-  }
   g_cluster.coresident = coresident;
   g_cluster.dim = cluster;
   g_cluster.dyn_smem = smem;
   g_cluster.fill = g_fill;
   g_cluster.fail = [](const char* what) { Fail(what); };
   g_block_threads = static_cast<int>(threads);
+  const uint64_t n_blocks = uint64_t{grid.x} * grid.y * grid.z;
   const uint64_t n_clusters =
-      uint64_t{grid.x / cluster.x} * (grid.y / cluster.y) * (grid.z / cluster.z);
+      coresident ? (n_blocks + g_coresident - 1) / g_coresident
+                 : uint64_t{grid.x / cluster.x} * (grid.y / cluster.y) * (grid.z / cluster.z);
   std::vector<uint64_t> order;
   if (g_order != 0) {
     order.resize(n_clusters);
@@ -342,7 +340,15 @@ cudaError_t RunGrid(const char* kernel, void (*fn)(void*), void* ctx, dim3 grid,
     }
   }
   for (uint64_t c = 0; c < n_clusters; ++c) {
-    g_cluster.Start(ClusterFirstBlock(grid, cluster, g_order != 0 ? order[c] : c));
+    const uint64_t id = g_order != 0 ? order[c] : c;
+    if (coresident) {
+      const uint64_t first = id * g_coresident;
+      const uint64_t left = n_blocks - first;
+      g_cluster.StartGroup(grid, first,
+                           static_cast<unsigned>(left < g_coresident ? left : g_coresident));
+    } else {
+      g_cluster.Start(ClusterFirstBlock(grid, cluster, id));
+    }
     RunCluster();
   }
   g_cluster.Finish();

@@ -97,13 +97,14 @@ __global__ void CoresidentKernel(unsigned* counter, int* out) {
     o[3] = static_cast<int>(atomicAdd(counter, 1u) - first);
   }
 }
-// Returns the number of failed checks. The blocks must have interleaved when the run sets
-// EMU_CORESIDENT >= 8 and EMU_ORDER=rand (the script's second run), and not otherwise.
+// Returns the number of failed checks. The mode is on when EMU_CORESIDENT > 1 and EMU_ORDER is
+// rand (the emulator's own rule, kernels/emu.cc): then, within a few launches, some block must
+// be overtaken (one launch may happen not to interleave them); otherwise none ever is.
 int CoresidentSelftest() {
   const char* k = std::getenv("EMU_CORESIDENT");
   const char* order = std::getenv("EMU_ORDER");
   const bool coresident =
-      k != nullptr && std::atoi(k) >= 8 && order != nullptr && std::strncmp(order, "rand", 4) == 0;
+      k != nullptr && std::atoi(k) > 1 && order != nullptr && std::strncmp(order, "rand", 4) == 0;
   int bad = 0;
   auto check = [&](bool ok, const char* what, int t) {
     if (!ok) {
@@ -112,28 +113,32 @@ int CoresidentSelftest() {
     }
   };
   constexpr int kBlocks = 8;
+  constexpr int kLaunches = 8;
   unsigned* counter;
   int* out;
   cudaMalloc(&counter, sizeof(unsigned));
   cudaMalloc(&out, kBlocks * 64 * 4 * sizeof(int));
-  cudaMemset(counter, 0, sizeof(unsigned));
   (void)cudaGetLastError();  // the cluster checks' refused launches
-  CoresidentKernel<<<kBlocks, 64>>>(counter, out);
-  check(cudaGetLastError() == cudaSuccess, "co-resident launch", -1);
-  int h[kBlocks * 64 * 4];
-  unsigned total = 0;
-  cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost);
-  cudaMemcpy(&total, counter, sizeof(total), cudaMemcpyDeviceToHost);
-  check(total == 2 * kBlocks, "every count", -1);
-  int overtaken = 0;
-  for (int t = 0; t < kBlocks * 64; ++t) {
-    const int* o = h + t * 4;
-    check(o[0] == 0, "block_rank of a cluster of one", t);
-    check(o[1] == 1, "num_blocks of a cluster of one", t);
-    check(o[2] == (t % 64 + 1) % 64, "map_shared_rank to itself", t);
-    if (t % 64 == 0) {
-      check(o[3] >= 1 && o[3] < 2 * kBlocks, "counts", t);
-      overtaken += o[3] > 1;
+  int overtaken = 0, launches = 0;
+  while (launches < kLaunches && (overtaken == 0 || !coresident)) {
+    ++launches;
+    cudaMemset(counter, 0, sizeof(unsigned));
+    CoresidentKernel<<<kBlocks, 64>>>(counter, out);
+    check(cudaGetLastError() == cudaSuccess, "co-resident launch", -1);
+    int h[kBlocks * 64 * 4];
+    unsigned total = 0;
+    cudaMemcpy(h, out, sizeof(h), cudaMemcpyDeviceToHost);
+    cudaMemcpy(&total, counter, sizeof(total), cudaMemcpyDeviceToHost);
+    check(total == 2 * kBlocks, "every count", -1);
+    for (int t = 0; t < kBlocks * 64; ++t) {
+      const int* o = h + t * 4;
+      check(o[0] == 0, "block_rank of a cluster of one", t);
+      check(o[1] == 1, "num_blocks of a cluster of one", t);
+      check(o[2] == (t % 64 + 1) % 64, "map_shared_rank to itself", t);
+      if (t % 64 == 0) {
+        check(o[3] >= 1 && o[3] < 2 * kBlocks, "counts", t);
+        overtaken += o[3] > 1;
+      }
     }
   }
   if (coresident) {
@@ -141,8 +146,8 @@ int CoresidentSelftest() {
   } else {
     check(overtaken == 0, "blocks one after another (no block overtaken)", -1);
   }
-  std::printf("co-resident blocks %s: %d of %d blocks overtaken\n", coresident ? "on" : "off",
-              overtaken, kBlocks);
+  std::printf("co-resident blocks %s: %d blocks overtaken in %d launches of %d\n",
+              coresident ? "on" : "off", overtaken, launches, kBlocks);
   return bad;
 }
 
