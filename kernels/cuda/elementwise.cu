@@ -434,6 +434,14 @@ cudaError_t MoveBlocks(const bf16* from, bf16* to, int64_t block_elems, const in
   return cudaGetLastError();
 }
 
+// Whether RmsNormKernel takes its float4 path for these operands: one rule for every norm of the
+// family, since the path decides the order of the sum of squares (bit for bit across launches).
+bool RmsNormVectorPath(const float* x, const float* w, int64_t n, const float* out_f32,
+                       const bf16* out_bf16) {
+  return n % 4 == 0 && Aligned(x, 16) && Aligned(w, 16) && Aligned(out_f32, 16) &&
+         Aligned(out_bf16, 8);
+}
+
 }  // namespace
 
 cudaError_t GatherBlocks(const bf16* blocks, int64_t block_elems, const int32_t* ids, int64_t count,
@@ -460,8 +468,7 @@ cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t n, flo
                     float* out_f32, bf16* out_bf16, cudaStream_t stream) {
   if (rows <= 0 || n <= 0 || (out_f32 == nullptr && out_bf16 == nullptr)) return cudaSuccess;
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
-  const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(w, 16) && Aligned(out_f32, 16) &&
-                   Aligned(out_bf16, 8);
+  const bool vec = RmsNormVectorPath(x, w, n, out_f32, out_bf16);
   // Without a delta the kernel never writes x.
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
       const_cast<float*>(x), nullptr, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec, false);
@@ -473,8 +480,7 @@ cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t row
   if (rows <= 0 || n <= 0) return cudaSuccess;
   if (out_f32 == nullptr && out_bf16 == nullptr) return AddInPlace(delta, x, rows * n, stream);
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
-  const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(delta, 16) && Aligned(w, 16) &&
-                   Aligned(out_f32, 16) && Aligned(out_bf16, 8);
+  const bool vec = RmsNormVectorPath(x, w, n, out_f32, out_bf16) && Aligned(delta, 16);
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
       x, delta, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec, false);
   return cudaGetLastError();
@@ -488,10 +494,9 @@ cudaError_t EmbeddingRmsNorm(const bf16* table, const int32_t* tokens, float* x,
     return EmbeddingLookup(table, tokens, rows, n, x, stream);
   }
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
-  // The path RmsNorm of x would take (the order of the sum of squares depends on it); the
-  // table's rows start 8-byte aligned when n % 4 == 0 and the table is.
-  const bool vec = n % 4 == 0 && Aligned(x, 16) && Aligned(w, 16) && Aligned(out_f32, 16) &&
-                   Aligned(out_bf16, 8);
+  // RmsNorm's path (the order of the sum of squares depends on it); the table's rows start
+  // 8-byte aligned when n % 4 == 0 and the table is.
+  const bool vec = RmsNormVectorPath(x, w, n, out_f32, out_bf16);
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
       x, nullptr, table, tokens, w, n, eps, out_f32, out_bf16, vec, Aligned(table, 8));
   return cudaGetLastError();

@@ -125,6 +125,17 @@ struct EmuCluster {
     }
   }
 
+  // The fewest cluster-barrier arrivals of a non-exited thread of block `rank`.
+  template <class FiberOf>
+  static uint64_t LeastArrivals(int rank, int n, FiberOf fiber) {
+    uint64_t least = UINT64_MAX;
+    for (int i = 0; i < n; ++i) {
+      const EmuFiber& t = fiber(rank, i);
+      if (t.state != kDone && t.arrivals < least) least = t.arrivals;
+    }
+    return least;
+  }
+
   // Whether a thread of block `rank` can run.
   template <class FiberOf>
   static bool Runnable(int rank, int n, FiberOf fiber) {
@@ -159,10 +170,7 @@ struct EmuCluster {
   bool ReleaseBarriers(int n, FiberOf fiber, dim3& block_idx, bool* all_done) {
     const int ranks = static_cast<int>(blocks.size());
     int cluster_done = 0;
-    // The fewest cluster-barrier arrivals of a non-exited thread: of the cluster, and of each
-    // block (a co-resident group's blocks are clusters of one).
     uint64_t least_arrivals = UINT64_MAX;
-    std::vector<uint64_t> block_least(ranks, UINT64_MAX);
     for (int r = 0; r < ranks; ++r) {
       int done = 0;
       for (int i = 0; i < n; ++i) {
@@ -170,10 +178,9 @@ struct EmuCluster {
         if (t.state == kDone) {
           ++done;
         } else {
-          block_least[r] = t.arrivals < block_least[r] ? t.arrivals : block_least[r];
+          least_arrivals = t.arrivals < least_arrivals ? t.arrivals : least_arrivals;
         }
       }
-      least_arrivals = block_least[r] < least_arrivals ? block_least[r] : least_arrivals;
       cluster_done += done;
       if (done == n) Exited(r);
     }
@@ -193,10 +200,11 @@ struct EmuCluster {
       released = true;
     }
     for (int r = 0; r < ranks; ++r) {
+      // A co-resident group's blocks are clusters of one: a wait counts its own block's arrivals.
+      const uint64_t least = coresident ? LeastArrivals(r, n, fiber) : least_arrivals;
       for (int i = 0; i < n; ++i) {
         EmuFiber& t = fiber(r, i);
-        if (t.state == kWaitCluster &&
-            t.wait_for <= (coresident ? block_least[r] : least_arrivals)) {
+        if (t.state == kWaitCluster && t.wait_for <= least) {
           t.state = kRunnable;
           released = true;
         }

@@ -220,6 +220,7 @@ static void RunCluster() {
   // one runnable warp does), so that warps and blocks drift whole barrier phases apart instead
   // of moving in step from barrier to barrier.
   std::vector<char> stalled(ranks * warps, 0);
+  std::vector<int> runnable;
   const bool stalls = g_cluster.coresident;  // under rand only (InitConfig)
   for (;;) {
     Order(warp_order);
@@ -231,7 +232,7 @@ static void RunCluster() {
       }
     }
     if (stalls) {
-      std::vector<int> runnable;
+      runnable.clear();
       bool one_runs = false;
       for (int rw = 0; rw < ranks * warps; ++rw) {
         stalled[rw] = Rand() % 2 == 0;
