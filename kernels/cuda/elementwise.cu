@@ -112,9 +112,11 @@ __global__ void EmbeddingKernel(const bf16* table, const int32_t* tokens, int64_
 // elements it then squares and, after the reduction, reads back (the same elements in both
 // loops), so the norm sees exactly the sums AddInPlace would have stored. With `table`
 // (EmbeddingRmsNorm), row r of x is first written from the table's row tokens[r] the same way.
+// `vec` picks the float4 path (RmsNormVectorPath); `source_vec` says whether delta's or the
+// table's rows may be read with vector loads on it (16 and 8 bytes), else a value at a time.
 __global__ void RmsNormKernel(float* x, const float* delta, const bf16* table,
                               const int32_t* tokens, const float* w, int64_t n, float eps,
-                              float* out_f32, bf16* out_bf16, bool vec, bool table_vec) {
+                              float* out_f32, bf16* out_bf16, bool vec, bool source_vec) {
   __shared__ float scratch[kThreads / 32];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * n;
   float* xr = x + base;
@@ -125,8 +127,9 @@ __global__ void RmsNormKernel(float* x, const float* delta, const bf16* table,
     for (int64_t v = threadIdx.x; v < n / 4; v += blockDim.x) {
       float4 q;
       if (er != nullptr) {
-        // The table's rows may be misaligned where x is not: the same sums either way.
-        q = table_vec
+        // The table's or delta's rows may be misaligned where x is not (source_vec false: read
+        // a value at a time): the same sums either way.
+        q = source_vec
                 ? LoadBf16x4(er + 4 * v)
                 : make_float4(__bfloat162float(er[4 * v]), __bfloat162float(er[4 * v + 1]),
                               __bfloat162float(er[4 * v + 2]), __bfloat162float(er[4 * v + 3]));
@@ -135,7 +138,9 @@ __global__ void RmsNormKernel(float* x, const float* delta, const bf16* table,
         q = reinterpret_cast<const float4*>(xr)[v];
       }
       if (delta != nullptr) {
-        const float4 d = reinterpret_cast<const float4*>(delta + base)[v];
+        const float* dr = delta + base + 4 * v;
+        const float4 d = source_vec ? *reinterpret_cast<const float4*>(dr)
+                                    : make_float4(dr[0], dr[1], dr[2], dr[3]);
         q = make_float4(q.x + d.x, q.y + d.y, q.z + d.z, q.w + d.w);
         reinterpret_cast<float4*>(xr)[v] = q;
       }
@@ -480,9 +485,10 @@ cudaError_t AddRmsNorm(const float* delta, float* x, const float* w, int64_t row
   if (rows <= 0 || n <= 0) return cudaSuccess;
   if (out_f32 == nullptr && out_bf16 == nullptr) return AddInPlace(delta, x, rows * n, stream);
   if (rows > 0x7fffffff) return cudaErrorInvalidValue;  // one block per row
-  const bool vec = RmsNormVectorPath(x, w, n, out_f32, out_bf16) && Aligned(delta, 16);
+  // RmsNorm's path whatever delta's alignment (a misaligned delta is read a value at a time).
+  const bool vec = RmsNormVectorPath(x, w, n, out_f32, out_bf16);
   RmsNormKernel<<<static_cast<unsigned int>(rows), kThreads, 0, stream>>>(
-      x, delta, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec, false);
+      x, delta, nullptr, nullptr, w, n, eps, out_f32, out_bf16, vec, Aligned(delta, 16));
   return cudaGetLastError();
 }
 

@@ -1,5 +1,7 @@
 #include "server/http/openai_prompt.h"
 
+#include <utility>
+
 #include "absl/time/time.h"
 #include "base/status_macros.h"
 
@@ -34,6 +36,24 @@ absl::Status PrepareOpenAiJob(SdmServiceImpl& service, absl::string_view tenant,
     return SessionChangedError(request.session_id, prompt.history, job.expected_history);
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<int64_t> SubmitOpenAiRequest(SdmServiceImpl& service, absl::string_view tenant,
+                                            const OpenAiRequest& request,
+                                            const ChatTemplate& chat_template,
+                                            std::shared_ptr<JobObserver> observer,
+                                            const std::function<void()>& between_reads) {
+  int64_t prompt_tokens = 0;
+  SDM_RETURN_IF_ERROR(RetryWhileSessionChanged([&]() -> absl::Status {
+    SDM_ASSIGN_OR_RETURN(const OpenAiPrompt prompt,
+                         RenderOpenAiPrompt(service, tenant, request, chat_template));
+    if (between_reads) between_reads();
+    GenerateJob job;
+    SDM_RETURN_IF_ERROR(PrepareOpenAiJob(service, tenant, request, prompt, job));
+    prompt_tokens = static_cast<int64_t>(job.prompt.size());
+    return service.SubmitGenerate(std::move(job), observer);
+  }));
+  return prompt_tokens;
 }
 
 }  // namespace sdm

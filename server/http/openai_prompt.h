@@ -4,14 +4,16 @@
 // PrepareOpenAiJob prepares the job from that text. PrepareGenerate reads the session again (its
 // read decides BOS and the limits, and Submit checks the lease against it); a turn that finished
 // between the two reads would leave the template rendered for another history than the job, so
-// PrepareOpenAiJob refuses that with SessionChangedError, and the handler renders again
-// (RetryWhileSessionChanged, server/service.h).
+// PrepareOpenAiJob refuses that with SessionChangedError, and SubmitOpenAiRequest (the handler's
+// path) renders again (RetryWhileSessionChanged, server/service.h).
 //
 // Thread-safety: free functions; the service is thread-safe.
 #ifndef SDMSERVE_SERVER_HTTP_OPENAI_PROMPT_H_
 #define SDMSERVE_SERVER_HTTP_OPENAI_PROMPT_H_
 
 #include <cstdint>
+#include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,17 @@ absl::StatusOr<OpenAiPrompt> RenderOpenAiPrompt(SdmServiceImpl& service, absl::s
 absl::Status PrepareOpenAiJob(SdmServiceImpl& service, absl::string_view tenant,
                               const OpenAiRequest& request, const OpenAiPrompt& prompt,
                               GenerateJob& job);
+
+// What the handler does with a request: renders its prompt, prepares its job and submits it to
+// `observer` (the two functions above, then SubmitGenerate), all again while the session changed
+// in between (RetryWhileSessionChanged). Returns the prompt's length in tokens, or the last
+// refusal. `between_reads`, when set, runs after each render and before its job is prepared: the
+// window a test fills with another turn (the handler passes none).
+absl::StatusOr<int64_t> SubmitOpenAiRequest(SdmServiceImpl& service, absl::string_view tenant,
+                                            const OpenAiRequest& request,
+                                            const ChatTemplate& chat_template,
+                                            std::shared_ptr<JobObserver> observer,
+                                            const std::function<void()>& between_reads = {});
 
 }  // namespace sdm
 

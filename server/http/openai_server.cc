@@ -255,20 +255,14 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
   // The prompt text, rendered again with the job if the session changed before the job took it
   // (server/http/openai_prompt.h).
   auto observer = std::make_shared<HttpJob>();
-  int64_t prompt_tokens = 0;
   owner_.active_generations_.fetch_add(1);
-  const absl::Status submitted = RetryWhileSessionChanged([&]() -> absl::Status {
-    SDM_ASSIGN_OR_RETURN(const OpenAiPrompt prompt,
-                         RenderOpenAiPrompt(service_, *tenant, *request, chat_template_));
-    GenerateJob job;
-    SDM_RETURN_IF_ERROR(PrepareOpenAiJob(service_, *tenant, *request, prompt, job));
-    prompt_tokens = static_cast<int64_t>(job.prompt.size());
-    return service_.SubmitGenerate(std::move(job), observer);
-  });
+  const absl::StatusOr<int64_t> submitted =
+      SubmitOpenAiRequest(service_, *tenant, *request, chat_template_, observer);
   if (!submitted.ok()) {
     owner_.active_generations_.fetch_sub(1);
-    return refuse(submitted);
+    return refuse(submitted.status());
   }
+  const int64_t prompt_tokens = *submitted;
 
   // Accepted: from here on the status is 200 and the body carries what happens.
   const std::string id = RandomId(endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-");

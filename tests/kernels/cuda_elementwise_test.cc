@@ -390,33 +390,38 @@ TEST_F(CudaElementwiseTest, ApplyRopeMatchesCpu) {
 }
 
 // The fused residual add and norm (the backend's per-layer launch) leaves x and writes the
-// outputs exactly as AddInPlace followed by RmsNorm, on the vector and the scalar path.
+// outputs exactly as AddInPlace followed by RmsNorm, on the vector and the scalar path, and with a
+// delta that is not 16-byte aligned (x's path is the norm's, delta read a value at a time).
 TEST_F(CudaElementwiseTest, AddRmsNormIsTheAddThenTheNormBitForBit) {
   for (const uint32_t seed : Seeds()) {
     SCOPED_TRACE(testing::Message() << "seed " << seed);
     std::mt19937 rng(seed);
-    for (const int64_t n : {1024, 37}) {  // vector path, scalar path
-      SCOPED_TRACE(testing::Message() << "n " << n);
+    for (const auto& [n, delta_offset] :
+         {std::pair<int64_t, int64_t>{1024, 0}, {1024, 1}, {37, 0}}) {
+      SCOPED_TRACE(testing::Message() << "n " << n << " delta offset " << delta_offset);
       const int64_t rows = 3;
       const std::vector<float> x = Normal(rng, rows * n, 0.1f, 1.5f);
       const std::vector<float> delta = Normal(rng, rows * n, -0.2f, 0.7f);
       const std::vector<float> w = Normal(rng, n, 1.0f, 0.2f);
-      auto d_delta = Upload(delta);
+      std::vector<float> padded(delta_offset, 0.0f);
+      padded.insert(padded.end(), delta.begin(), delta.end());
+      auto d_padded = Upload(padded);
+      const float* d_delta = d_padded.get() + delta_offset;
       auto d_w = Upload(w);
       auto d_x_two = Upload(x);
       auto d_x_fused = Upload(x);
       auto d_x_add_only = Upload(x);
       DeviceBuffer<float> d_out_two(rows * n), d_out_fused(rows * n);
       DeviceBuffer<bf16> d_bf_two(rows * n), d_bf_fused(rows * n);
-      ASSERT_EQ(cuda::AddInPlace(d_delta.get(), d_x_two.get(), rows * n, stream()), cudaSuccess);
+      ASSERT_EQ(cuda::AddInPlace(d_delta, d_x_two.get(), rows * n, stream()), cudaSuccess);
       ASSERT_EQ(cuda::RmsNorm(d_x_two.get(), d_w.get(), rows, n, 1e-5f, d_out_two.get(),
                               d_bf_two.get(), stream()),
                 cudaSuccess);
-      ASSERT_EQ(cuda::AddRmsNorm(d_delta.get(), d_x_fused.get(), d_w.get(), rows, n, 1e-5f,
+      ASSERT_EQ(cuda::AddRmsNorm(d_delta, d_x_fused.get(), d_w.get(), rows, n, 1e-5f,
                                  d_out_fused.get(), d_bf_fused.get(), stream()),
                 cudaSuccess);
-      ASSERT_EQ(cuda::AddRmsNorm(d_delta.get(), d_x_add_only.get(), d_w.get(), rows, n, 1e-5f,
-                                 nullptr, nullptr, stream()),
+      ASSERT_EQ(cuda::AddRmsNorm(d_delta, d_x_add_only.get(), d_w.get(), rows, n, 1e-5f, nullptr,
+                                 nullptr, stream()),
                 cudaSuccess);
       Sync();
       std::vector<float> want_x = x;

@@ -219,5 +219,55 @@ TEST_F(StaleSessionReadTest, AChatPromptRenderedBeforeAnotherTurnIsRefusedAndRen
   EXPECT_TRUE(PrepareOpenAiJob(*service_, kTenant, *completion, *plain, job).ok());
 }
 
+// The handler's whole path (SubmitOpenAiRequest): a turn that finishes between a chat's render
+// and its job makes it render again, and the job that runs continues the conversation; a session
+// that changes in that window every time is refused after kGenerateAttempts renders.
+TEST_F(StaleSessionReadTest, TheHttpPathRendersAgainWhenATurnFinishesBetweenItsReads) {
+  absl::StatusOr<OpenAiRequest> chat = ParseOpenAiRequest(
+      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+          "session_id": "chat"})",
+      OpenAiEndpoint::kChatCompletions);
+  ASSERT_TRUE(chat.ok()) << chat.status();
+  const ChatTemplate chat_template;
+  int64_t history = 0;  // the session's tokens, a pending one included
+  const auto another_turn = [&] {
+    GenerateJob job;
+    ASSERT_TRUE(Prepare("hello", job).ok());
+    const int64_t prompt = static_cast<int64_t>(job.prompt.size());
+    auto turn = std::make_shared<Turn>();
+    ASSERT_TRUE(service_->SubmitGenerate(std::move(job), turn).ok());
+    turn->Wait();
+    ASSERT_TRUE(turn->error.ok()) << turn->error;
+    history += prompt + turn->usage.generated_tokens;
+  };
+
+  int renders = 0;
+  auto reply = std::make_shared<Turn>();
+  absl::StatusOr<int64_t> prompt_tokens =
+      SubmitOpenAiRequest(*service_, kTenant, *chat, chat_template, reply, [&] {
+        if (++renders == 1) another_turn();
+      });
+  ASSERT_TRUE(prompt_tokens.ok()) << prompt_tokens.status();
+  reply->Wait();
+  ASSERT_TRUE(reply->error.ok()) << reply->error;
+  EXPECT_EQ(renders, 2);
+  ASSERT_GE(history, 6 + 1);  // BOS, "hello", the reply
+  // The continuing template without BOS (the stale render would be shorter, BOS one longer).
+  const std::string continued = chat_template.Render(chat->messages, /*continuing=*/true);
+  EXPECT_EQ(*prompt_tokens, static_cast<int64_t>(tokenizer_->Encode(continued, false).size()));
+  EXPECT_EQ(reply->usage.history_tokens + reply->usage.prompt_tokens, history + *prompt_tokens);
+
+  renders = 0;
+  auto refused = std::make_shared<Turn>();
+  const absl::StatusOr<int64_t> changing =
+      SubmitOpenAiRequest(*service_, kTenant, *chat, chat_template, refused, [&] {
+        ++renders;
+        another_turn();
+      });
+  EXPECT_TRUE(IsSessionChanged(changing.status())) << changing.status();
+  EXPECT_EQ(renders, kGenerateAttempts);
+  EXPECT_FALSE(refused->done.HasBeenNotified());
+}
+
 }  // namespace
 }  // namespace sdm
