@@ -51,6 +51,23 @@ class DeviceResidency {
   // residency stays attached (the device copy is intact). Called by SessionState::SyncToHost().
   virtual absl::Status CopyToHost(SessionState& host) = 0;
 
+  // Makes `host`'s layers current without detaching: copies back only what changed on the
+  // device since the residency was attached or since the last successful call (SDM rows the
+  // device wrote, through SdmTable::MutableRow so that the host table marks them dirty, and KV
+  // positions the host lacks), so that the store can write a turn's delta while the session
+  // stays on the device. Returns once the host bytes are in place; on error `host` may be partly
+  // written (still stale) and the next call copies everything it would have. An implementation
+  // relies on the host layers holding what they held at the attach (the device copy was made
+  // from them; nobody writes them while attached) plus what earlier calls copied. Unimplemented
+  // by default (CopiesChanges() false): the store then writes the session only when it leaves
+  // the device. Same thread rules as CopyToHost.
+  virtual absl::Status CopyChangesToHost(SessionState& host) {
+    (void)host;
+    return absl::UnimplementedError("this device residency copies back only whole sessions");
+  }
+  // Whether CopyChangesToHost is implemented.
+  virtual bool CopiesChanges() const { return false; }
+
   // Device bytes this session alone holds (KV pages, private SDM rows, slot tables; not the
   // shared weights or M0): what it counts in the store's device tier.
   virtual int64_t DeviceBytes() const = 0;

@@ -46,6 +46,9 @@ void SessionState::AttachDevice(std::unique_ptr<DeviceResidency> residency) {
   SDM_CHECK(device_ == nullptr);  // two device copies: which one is the truth?
   staged_.reset();                // the device copy is the truth from now on
   device_ = std::move(residency);
+  // Stale until copied back: a backend may change the host layers as it attaches (the contract
+  // is that they are stale), so only CopyChangesToHost says they are current.
+  host_current_ = false;
 }
 
 void SessionState::AttachStaged(std::unique_ptr<StagedUpload> staged) {
@@ -56,8 +59,17 @@ void SessionState::AttachStaged(std::unique_ptr<StagedUpload> staged) {
 
 absl::Status SessionState::SyncToHost() {
   if (device_ == nullptr) return absl::OkStatus();
-  if (absl::Status s = device_->CopyToHost(*this); !s.ok()) return s;
+  if (!host_current_) {
+    if (absl::Status s = device_->CopyToHost(*this); !s.ok()) return s;
+  }
   device_.reset();
+  return absl::OkStatus();
+}
+
+absl::Status SessionState::CopyChangesToHost() {
+  if (host_current()) return absl::OkStatus();
+  if (absl::Status s = device_->CopyChangesToHost(*this); !s.ok()) return s;
+  host_current_ = true;
   return absl::OkStatus();
 }
 

@@ -43,6 +43,7 @@ class SessionState {
   int64_t position() const { return position_; }
   void AdvancePosition() {
     staged_.reset();
+    host_current_ = false;
     ++position_;
   }
 
@@ -102,10 +103,19 @@ class SessionState {
   DeviceResidency* device() const { return device_.get(); }
   bool on_device() const { return device_ != nullptr; }
   // Makes the host layers current: no-op when host-only; else copies the device layers back
-  // and detaches (destroying the residency frees its device memory). On error the session
-  // stays on device (the device copy is intact, the host layers may be partly written and are
-  // still stale) and the error is returned.
+  // and detaches (destroying the residency frees its device memory); when the host layers are
+  // current already (host_current(): copied back since the last step) it only detaches. On
+  // error the session stays on device (the device copy is intact, the host layers may be partly
+  // written and are still stale) and the error is returned.
   absl::Status SyncToHost();
+  // Makes the host layers current and stays on device (DeviceResidency::CopyChangesToHost):
+  // no-op when host-only or already current. Until the next position change (a step) the host
+  // layers may then be read (encoded, written) as a host-only session's are. Same thread rules
+  // as SyncToHost; errors as CopyChangesToHost (Unimplemented where the backend cannot).
+  absl::Status CopyChangesToHost();
+  // Whether the host layers are current: host-only, or on device and copied back
+  // (CopyChangesToHost) since it was attached and since the last position change.
+  bool host_current() const { return device_ == nullptr || host_current_; }
   // Drops the residency without copying back (the device copy is lost; the host layers stay
   // as stale as they were). For sessions being deleted, or a backend discarding its copy.
   // Frees device memory: same thread rules as SyncToHost (state_store/device_residency.h).
@@ -114,6 +124,7 @@ class SessionState {
   // For restoring a parked session (state_store/state_codec.h).
   void set_position(int64_t position) {
     staged_.reset();
+    host_current_ = false;
     position_ = position;
   }
 
@@ -145,6 +156,8 @@ class SessionState {
   std::unique_ptr<SessionState> Copy(bool share_rows) const;
 
   int64_t position_ = 0;
+  // On device: the host layers hold what the device does (see host_current()).
+  bool host_current_ = false;
   absl::Status failure_;
   std::vector<std::variant<KvCache, SdmTable>> layers_;
   // Declared after layers_ so that it is destroyed first: a residency may refer to the host

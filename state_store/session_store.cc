@@ -1597,8 +1597,9 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
   std::vector<const Entry*> due;
   for (const auto& [key, e] : entries_) {
     if (e->version == e->persisted_version || e->in_use || e->busy || !e->broken.ok()) continue;
-    // Its host layers are stale on the device: written when it leaves it (nobody waits).
-    if (e->tier == Tier::kResident && e->state->on_device()) {
+    // Its host layers are stale on a device that cannot copy back changes: written when it
+    // leaves it (nobody waits).
+    if (StaleOnDevice(*e)) {
       SettleWaiters(*e, /*all=*/true);
       continue;
     }
@@ -1618,7 +1619,8 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     // Checked again: the lock was released by earlier writes (and writers may have taken it).
     if (!DueLocked(e, now)) continue;
     // WriteChanges keeps leases and moves off the entry (busy) while it is encoded and written
-    // unlocked; an Acquire of it waits for the write (the write never waits for a step).
+    // unlocked; an Acquire of it waits for the write (which waits for a step only to copy back
+    // the changes of a session on the device, between steps).
     if (WriteChanges(e, SyncOnWrite()).ok()) ++written;
     // Each turn is acknowledged as soon as its own write is done, not after the whole batch.
     FlushReadyLocked();
@@ -1629,7 +1631,7 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
 bool SessionStateStore::DueLocked(const Entry& e, absl::Time now) const {
   if (e.version == e.persisted_version || e.in_use || e.busy || !e.broken.ok()) return false;
   if (e.tier == Tier::kDisk) return false;  // its file is all there is
-  if (e.tier == Tier::kResident && e.state->on_device()) return false;
+  if (StaleOnDevice(e)) return false;
   if (options_.persist == PersistPolicy::kIdle && now - e.last_used < options_.persist_idle) {
     return false;
   }
@@ -1675,7 +1677,17 @@ bool SessionStateStore::SyncOnWrite() const {
 
 absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   const bool resident = e.tier == Tier::kResident;
-  SDM_CHECK(!e.busy && (resident ? !e.state->on_device() : e.tier == Tier::kHost));
+  if (resident && e.state->on_device()) {
+    // Its host layers are made current first: what its turns changed is copied back between
+    // steps, and it stays on the device (mu_ released meanwhile; busy keeps leases off it).
+    if (absl::Status s = CopyChangesLocked(e); !s.ok()) {
+      e.attempted_version = e.version;
+      PersistFailed(e, s);
+      SettleWaiters(e, /*all=*/false);
+      return s;
+    }
+  }
+  SDM_CHECK(!e.busy && (resident ? e.state->host_current() : e.tier == Tier::kHost));
   const uint64_t version = e.version;
   const SessionKey key = e.key;
   SessionRecord record{SessionRecordId(e.key), e.metadata, ToMs(e.ttl),
@@ -1890,7 +1902,7 @@ void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void(
                       options_.persist == PersistPolicy::kTurn && persist_error_.ok() &&
                       e->broken.ok() && e->version != e->persisted_version &&
                       // (a resident entry being parked to host has no state meanwhile: busy)
-                      !(e->tier == Tier::kResident && e->state != nullptr && e->state->on_device());
+                      !StaleOnDevice(*e);
     if (wait) {
       const uint64_t seq = ++waiter_clock_;
       if (e->waiters.empty()) e->first_waiter = seq;
@@ -1958,46 +1970,68 @@ absl::Status SessionStateStore::RefuseWhenUnpersistable() const {
 // `done`.
 struct SessionStateStore::SyncJob {
   Entry* entry;
+  bool changes_only = false;  // CopyChangesLocked's: stays on the device
   bool done = false;
   absl::Status status;
 };
+
+bool SessionStateStore::StaleOnDevice(const Entry& e) {
+  return e.tier == Tier::kResident && e.state != nullptr && e.state->on_device() &&
+         !e.state->device()->CopiesChanges();
+}
 
 bool SessionStateStore::DeferDeviceWork() const {
   return wake_step_thread_ != nullptr && std::this_thread::get_id() != step_thread_;
 }
 
-absl::Status SessionStateStore::CopyBackHere(Entry& e) {
+absl::Status SessionStateStore::CopyBackHere(Entry& e, bool changes_only) {
   SessionState* state = e.state.get();
   mu_.Unlock();
-  absl::Status status = state->SyncToHost();
+  absl::Status status = changes_only ? state->CopyChangesToHost() : state->SyncToHost();
   mu_.Lock();
   return status;
+}
+
+absl::Status SessionStateStore::RunDeviceJobLocked(SyncJob& job) {
+  if (!DeferDeviceWork()) return CopyBackHere(*job.entry, job.changes_only);
+  sync_jobs_.push_back(&job);
+  std::function<void()> wake = wake_step_thread_;
+  mu_.Unlock();
+  wake();
+  mu_.Lock();
+  while (!job.done && DeferDeviceWork()) changed_.Wait(&mu_);
+  if (job.done) return job.status;
+  // The step thread went away before it got to this job (ClearStepThread ran the queue it saw;
+  // this one came later): it is ours to run.
+  sync_jobs_.erase(std::find(sync_jobs_.begin(), sync_jobs_.end(), &job));
+  return CopyBackHere(*job.entry, job.changes_only);
+}
+
+absl::Status SessionStateStore::CopyChangesLocked(Entry& e) {
+  SDM_CHECK(e.tier == Tier::kResident && !e.busy && !e.in_use);
+  if (e.state->host_current()) return absl::OkStatus();
+  e.busy = true;  // keeps every other store operation (and lease) off it meanwhile
+  SyncJob job{.entry = &e, .changes_only = true, .done = false, .status = absl::OkStatus()};
+  const absl::Status status = RunDeviceJobLocked(job);
+  e.busy = false;
+  Refresh(e);  // its host rows grew (also after a failure: they may be partly written)
+  changed_.SignalAll();
+  if (!status.ok()) {
+    ++counters_.sync_errors;
+    return SyncError(e.key.id, status);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
   SDM_CHECK(e.tier == Tier::kResident && !e.busy && !e.in_use);
   if (!e.state->on_device()) return absl::OkStatus();
   e.busy = true;  // keeps every other store operation (and lease) off it meanwhile
-  absl::Status status;
-  if (DeferDeviceWork()) {
-    SyncJob job{.entry = &e, .done = false, .status = absl::OkStatus()};
-    sync_jobs_.push_back(&job);
-    std::function<void()> wake = wake_step_thread_;
-    mu_.Unlock();
-    wake();
-    mu_.Lock();
-    while (!job.done && DeferDeviceWork()) changed_.Wait(&mu_);
-    if (job.done) {
-      status = job.status;
-    } else {
-      // The step thread went away before it got to this job (ClearStepThread ran the queue it
-      // saw; this one came later): it is ours to run.
-      sync_jobs_.erase(std::find(sync_jobs_.begin(), sync_jobs_.end(), &job));
-      status = CopyBackHere(e);
-    }
-  } else {
-    status = CopyBackHere(e);
-  }
+  // A session whose turns were copied back since its last step is only detached, and its dirty
+  // marks still say what its next delta must carry.
+  const bool whole_copy = !e.state->host_current();
+  SyncJob job{.entry = &e, .changes_only = false, .done = false, .status = absl::OkStatus()};
+  const absl::Status status = RunDeviceJobLocked(job);
   e.busy = false;
   Refresh(e);  // also after a failure: the host layers may have been partly written
   changed_.SignalAll();
@@ -2006,8 +2040,8 @@ absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
     return SyncError(e.key.id, status);
   }
   ++counters_.device_evictions;
-  // The copy-back rewrote host rows outside the dirty marks' view: the next write is whole.
-  e.needs_full = true;
+  // A whole copy-back rewrote host rows outside the dirty marks' view: the next write is whole.
+  if (whole_copy) e.needs_full = true;
   return absl::OkStatus();
 }
 
@@ -2056,7 +2090,7 @@ void SessionStateStore::RunDeviceMoves() {
     std::vector<SyncJob*> jobs;
     jobs.swap(sync_jobs_);
     for (SyncJob* job : jobs) {
-      job->status = CopyBackHere(*job->entry);
+      job->status = CopyBackHere(*job->entry, job->changes_only);
       job->done = true;
     }
     if (!jobs.empty()) changed_.SignalAll();

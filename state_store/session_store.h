@@ -30,13 +30,14 @@
 // written when it is created or forked and after every turn (its lease returned), by the
 // background worker, behind the decode path: turns that end before the worker gets to a session
 // are coalesced into one write, and the write never blocks a step (an Acquire of that session
-// waits for it). WhenPersisted() lets the caller acknowledge a turn only once it is written (the
-// scheduler does), so a kill -9 loses at most the turn in flight. The first write is a full
-// snapshot; later ones are deltas appended to the session's log (state_store/state_log.h: the KV
-// rows the turns appended and, per SDM layer, the writes they made or the rows they touched,
-// whichever is smaller: journal_writes), compacted into a full snapshot once the log would pass
-// log_compact_ratio times the larger of the last snapshot and the snapshot the session would
-// write now, or 256 records. Up to persist_writers sessions are written at once,
+// waits for it; a write of a session on the device first waits for the end of the current step,
+// whose thread copies the session's changes back). WhenPersisted() lets the caller acknowledge a
+// turn only once it is written (the scheduler does), so a kill -9 loses at most the turn in flight.
+// The first write is a full snapshot; later ones are deltas appended to the session's log
+// (state_store/state_log.h: the KV rows the turns appended and, per SDM layer, the writes they made
+// or the rows they touched, whichever is smaller: journal_writes), compacted into a full snapshot
+// once the log would pass log_compact_ratio times the larger of the last snapshot and the snapshot
+// the session would write now, or 256 records. Up to persist_writers sessions are written at once,
 // the turns someone waits for first, and each waiter is called as soon as its own write is done.
 // What "written" means is SessionStoreOptions::persist_sync: with PersistSync::kWrite (the
 // default) a write is done once write(2) and rename(2) have handed it to the kernel — a process
@@ -50,8 +51,11 @@
 // again in full, fsynced, and is healthy once that has reached the disk. Parks to disk (eviction,
 // PersistAll) always fsync; so does a shared directory (other stores read it).
 // kIdle: once a session has been idle for `persist_idle`. kShutdown: only PersistAll() and eviction
-// to disk write. Sessions an accelerator holds on the device are written when they leave it (their
-// host layers are stale until then).
+// to disk write. A session an accelerator holds on the device is written as any other where its
+// residency copies back what changed (DeviceResidency::CopiesChanges, the CUDA backend's): before
+// the write, the step thread copies the turns' changes to the host layers between steps, and the
+// session stays on the device. Where it does not, such a session is written only when it leaves
+// the device (its host layers are stale until then) and nobody waits for its turns.
 //
 // Failures are loud: a failed write is counted once per session and episode
 // (StoreStats::persist_failures), logged once per distinct cause, and turns PersistHealth() to
@@ -72,7 +76,8 @@
 // The device tier (state_store/device_residency.h): on an accelerator backend a resident
 // session's layers may live in device memory. The store budgets the device bytes separately
 // (device_budget_bytes, StoreStats::device_bytes); the resident bytes count host memory only
-// (a session on device keeps its stale host copy, which still occupies RAM). Device-host moves
+// (a session on device keeps its host copy, stale or, where its turns are copied back to be
+// written, current, which still occupies RAM). Device-host moves
 // and the destruction of residencies run only on the step thread between steps: a thread that
 // runs engine steps registers itself (SetStepThread) and calls RunDeviceMoves() before each
 // step; the store queues work for it and wakes it. RunDeviceMoves() copies back the least
@@ -501,8 +506,15 @@ class SessionStateStore {
   // meanwhile; mu_ released while waiting or copying. A failure is counted and returned, naming
   // the session; the entry stays resident on its device copy.
   absl::Status SyncToHostLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copies `e` back on this thread (mu_ released meanwhile). Precondition: e.busy.
-  absl::Status CopyBackHere(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The same, but copying back only what changed and leaving `e` on the device
+  // (SessionState::CopyChangesToHost), so that it can be written.
+  absl::Status CopyChangesLocked(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies `e` back on this thread (mu_ released meanwhile): whole and detached, or with
+  // `changes_only` what changed, left on the device. Precondition: e.busy.
+  absl::Status CopyBackHere(Entry& e, bool changes_only = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `e` is on a device whose copy cannot be written while it stays there (its residency
+  // does not copy changes back): such an entry is written only once it leaves the device.
+  static bool StaleOnDevice(const Entry& e);
   // Copies back the least recently used idle sessions on device while the device tier is over
   // its budget. Runs the copies here: on the step thread, or where there is none.
   void EnforceDeviceBudget() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -589,6 +601,9 @@ class SessionStateStore {
 
   // Device moves for the step thread (see SetStepThread).
   struct SyncJob;
+  // Asks for `job` (SyncToHostLocked's or CopyChangesLocked's) on the step thread, or runs it
+  // here (DeferDeviceWork), and returns its status. Precondition: the job's entry is busy.
+  absl::Status RunDeviceJobLocked(SyncJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> wake_step_thread_ ABSL_GUARDED_BY(mu_);
   std::thread::id step_thread_ ABSL_GUARDED_BY(mu_);  // default id: none registered
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);

@@ -170,7 +170,7 @@ uint64_t SnapshotId(absl::string_view record_prefix) {
 absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
                                                   const SessionRecord& record,
                                                   uint64_t fingerprint) {
-  if (state.on_device()) {
+  if (!state.host_current()) {
     return absl::FailedPreconditionError(
         absl::StrCat("session '", record.id,
                      "' is on the device: its host state is stale (sync it to the host first)"));
@@ -189,7 +189,7 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
 SessionStateSource::SessionStateSource(const SessionState& state, const SessionRecord& record,
                                        uint64_t fingerprint)
     : state_(state), record_(EncodeRecordSection(state, record)) {
-  SDM_CHECK(!state.on_device());
+  SDM_CHECK(state.host_current());
   record_checksum_ = Checksum(record_.data(), record_.size());
   // The sizes the format gives (docs/state-format.md, Sizes); each emission checks them.
   total_ = kHeaderBytes + kSectionHeaderBytes + record_.size();

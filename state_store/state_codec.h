@@ -43,13 +43,15 @@ struct SessionRecord {
   int32_t pending_token = -1;
 };
 
-// The serialised session. FailedPrecondition while `state` is on device: its host layers are
-// stale (state_store/device_residency.h), so the caller must SyncToHost() first.
+// The serialised session. FailedPrecondition while `state`'s host layers are stale (on device and
+// not copied back since its last step: state_store/device_residency.h), so the caller must
+// SyncToHost() or CopyChangesToHost() first.
 absl::StatusOr<std::string> TryEncodeSessionState(const SessionState& state,
                                                   const SessionRecord& record,
                                                   uint64_t model_fingerprint);
-// The same for a state known to be host-only (tests, tools). Precondition: !state.on_device()
-// (SDM_CHECK: encoding stale layers would silently lose the session's recent tokens).
+// The same for a state known to be current on the host (tests, tools). Precondition:
+// state.host_current() (SDM_CHECK: encoding stale layers would silently lose the session's
+// recent tokens).
 std::string EncodeSessionState(const SessionState& state, const SessionRecord& record,
                                uint64_t model_fingerprint);
 
@@ -59,7 +61,7 @@ std::string EncodeSessionState(const SessionState& state, const SessionRecord& r
 // reads each layer's rows twice (hash, then pass on; a prefix up to the record section reads
 // none); EmitOnePass() reads them once and gives each layer's checksum as a Patch (what the
 // store's writes use). The state must not change while the source is in use (the store keeps
-// the session busy), and must outlive it. Precondition: !state.on_device() (SDM_CHECK).
+// the session busy), and must outlive it. Precondition: state.host_current() (SDM_CHECK).
 class SessionStateSource final : public ByteSource {
  public:
   SessionStateSource(const SessionState& state, const SessionRecord& record,

@@ -261,7 +261,7 @@ SessionDeltaSource::SessionDeltaSource(const SessionState& state, const SessionR
       from_(from),
       log_header_(std::move(log_header)),
       record_(EncodeRecordSection(state, record)) {
-  SDM_CHECK(!state.on_device());
+  SDM_CHECK(state.host_current());
   SDM_CHECK(from <= state.position());
   // Each emission checks that it produced this many bytes.
   payload_bytes_ = SessionDeltaBytes(state, record, from) - kLogRecordHeaderBytes;

@@ -49,7 +49,7 @@ std::string EncodeLogHeader(uint64_t model_fingerprint, uint64_t base_snapshot_i
 // One framed record: `record` (with the state's position, sampler stream and pending token), the
 // KV rows of positions [from_position, position) still held, and per SDM layer what was written
 // since the last SessionState::ClearDirty(): its write journal when complete, else the rows.
-// Preconditions: !state.on_device(), from_position <= state.position().
+// Preconditions: state.host_current(), from_position <= state.position().
 std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& record,
                                int64_t from_position);
 // The same record appended to `out` (after a log header, when the log starts), encoded in place:

@@ -584,9 +584,10 @@ class CudaBackend : public EngineBackend {
     const int32_t* logit_rows;
     const kc::RowSampling* draws;  // [d] how to draw each of the last d rows' tokens
     // Per layer [S] device pointers: page tables (attention) or slot tables (SDM); row counters
-    // (SDM).
+    // and written marks (SDM).
     std::vector<int32_t* const*> tables;
     std::vector<int32_t* const*> counters;
+    std::vector<uint8_t* const*> written;
   };
 
   bool DrawsOnDevice() const override { return true; }
@@ -723,7 +724,7 @@ class CudaBackend : public EngineBackend {
     static_assert(alignof(kc::RowSampling) <= sizeof(void*));
     StepLayout l;
     l.int_count = 3 * n + 3 * num_segs + m + d;
-    l.ptr_count = 2 * cfg_.n_layers * num_segs;
+    l.ptr_count = 3 * cfg_.n_layers * num_segs;
     l.draws_bytes = d * sizeof(kc::RowSampling);
     l.bytes = l.ptr_count * sizeof(void*) + l.draws_bytes + l.int_count * sizeof(int32_t);
     return l;
@@ -787,9 +788,11 @@ class CudaBackend : public EngineBackend {
     for (int64_t l = 0; l < n_layers; ++l) {
       const int64_t si = ctx_->sdm_index(l);
       for (int64_t s = 0; s < num_segs; ++s) {
-        hp[(2 * l) * num_segs + s] = si >= 0 ? dev[s]->sdm_table(l) : dev[s]->page_table(l);
-        hp[(2 * l + 1) * num_segs + s] =
+        hp[(3 * l) * num_segs + s] = si >= 0 ? dev[s]->sdm_table(l) : dev[s]->page_table(l);
+        hp[(3 * l + 1) * num_segs + s] =
             si >= 0 ? ctx_->row_counter(dev[s]->counter_slot(), si) : nullptr;
+        hp[(3 * l + 2) * num_segs + s] =
+            si >= 0 ? reinterpret_cast<int32_t*>(dev[s]->written_marks(l)) : nullptr;
       }
     }
     int32_t* h_tokens = hi;
@@ -824,8 +827,9 @@ class CudaBackend : public EngineBackend {
     arr.seg_pos = arr.seg_len + num_segs;
     arr.logit_rows = arr.seg_pos + num_segs;
     for (int64_t l = 0; l < n_layers; ++l) {
-      arr.tables.push_back(dp + (2 * l) * num_segs);
-      arr.counters.push_back(dp + (2 * l + 1) * num_segs);
+      arr.tables.push_back(dp + (3 * l) * num_segs);
+      arr.counters.push_back(dp + (3 * l + 1) * num_segs);
+      arr.written.push_back(reinterpret_cast<uint8_t* const*>(dp + (3 * l + 2) * num_segs));
     }
 
     auto enqueue_device = [&]() -> absl::Status {
@@ -1196,6 +1200,7 @@ class CudaBackend : public EngineBackend {
     sg.length = arr.seg_len;
     sg.tables = arr.tables[li];
     sg.row_counts = arr.counters[li];
+    sg.written = arr.written[li];
     sg.num = static_cast<int64_t>(segs.size());
     sg.max_length = 0;
     for (const Segment& s : segs) sg.max_length = std::max(sg.max_length, s.length);

@@ -576,6 +576,10 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
           CudaStatus(cudaMemsetAsync(layer.table.get(), 0xff, layer.table.bytes(), ctx->compute()),
                      "clearing an SDM slot table"));
       layer.cleared = true;
+      SDM_RETURN_IF_ERROR(ctx->TakeTable((SlotsOf(ls) + 3) / 4, &layer.written));
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemsetAsync(layer.written.get(), 0, layer.written.bytes(), ctx->compute()),
+                     "clearing written marks"));
     } else {
       SDM_RETURN_IF_ERROR(ctx->TakeTable(ctx->page_table_entries(l), &layer.table));
       layer.pages.reserve(ctx->page_table_entries(l));
@@ -700,6 +704,7 @@ CudaSessionState::~CudaSessionState() {
     // To the pool, with the release kernel that reads it still queued: its next session's first
     // use comes after it on the same stream (CudaDeviceContext::TakeTable), so nothing waits.
     ctx_->ReturnTable(std::move(layer.table));
+    if (layer.written.get() != nullptr) ctx_->ReturnTable(std::move(layer.written));
   }
   if (counter_slot_ >= 0) {
     const int64_t n = std::max<int64_t>(1, ctx_->num_sdm_layers());
@@ -745,7 +750,7 @@ int64_t CudaSessionState::DeviceBytes() const {
   int64_t bytes = 0;
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
     const LayerStateLayout& ls = layout.layers[l];
-    bytes += static_cast<int64_t>(layers_[l].table.bytes());
+    bytes += static_cast<int64_t>(layers_[l].table.bytes() + layers_[l].written.bytes());
     if (IsSdm(ls)) {
       bytes += static_cast<int64_t>(ctx_->row_count(counter_slot_, ctx_->sdm_index(l))) *
                ls.row_width * static_cast<int64_t>(sizeof(bf16));
@@ -757,8 +762,17 @@ int64_t CudaSessionState::DeviceBytes() const {
 }
 
 absl::Status CudaSessionState::CopyToHost(SessionState& host) {
+  return Download(host, /*changes_only=*/false);
+}
+
+absl::Status CudaSessionState::CopyChangesToHost(SessionState& host) {
+  return Download(host, /*changes_only=*/true);
+}
+
+absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
   const StateLayout& layout = ctx_->layout();
   const int64_t n_layers = static_cast<int64_t>(layers_.size());
+  const int64_t length = host.position();
   // Everything the compute stream did to this session so far happens before the copies.
   kc::CudaEvent computed;
   SDM_RETURN_IF_ERROR(CudaStatus(computed.Create(), "creating an event"));
@@ -768,35 +782,61 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
       CudaStatus(cudaStreamWaitEvent(ctx_->transfer(), computed.get(), 0), "ordering streams"));
   cudaStream_t t = ctx_->transfer();
 
-  // host_ids: the SDM tables (table_entries), then the ids of the rows they name and of the
-  // pages (at most table_entries + pages, placed once the tables are read).
-  std::vector<int64_t> table_offset(n_layers, 0);
+  // host_ids: the SDM tables (table_entries), with changes_only their written marks after each
+  // table (marks_words int32 holding a byte per entry), then the ids of the rows they name and of
+  // the pages (at most table_entries + pages, placed once the tables are read).
+  std::vector<int64_t> table_offset(n_layers, 0), marks_offset(n_layers, 0);
   int64_t table_entries = 0, n_pages = 0;
   for (int64_t l = 0; l < n_layers; ++l) {
     if (IsSdm(layout.layers[l])) {
       table_offset[l] = table_entries;
-      table_entries += static_cast<int64_t>(layers_[l].table.size());
+      table_entries += SlotsOf(layout.layers[l]);
+      if (changes_only) {
+        marks_offset[l] = table_entries;
+        table_entries += static_cast<int64_t>(layers_[l].written.size());
+      }
     } else {
       n_pages += static_cast<int64_t>(layers_[l].pages.size());
     }
+  }
+  // Per attention layer, the first position to copy: every held one, or (changes_only) those the
+  // host does not hold yet.
+  std::vector<int64_t> copy_from(n_layers, 0);
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const LayerStateLayout& ls = layout.layers[l];
+    if (IsSdm(ls)) continue;
+    const int64_t ring = ls.ring_capacity;
+    const int64_t held_from = ring > 0 ? std::max<int64_t>(0, length - ring) : 0;
+    const int64_t host_length = host.kv(l).length();
+    if (changes_only && host_length > length) {
+      return absl::InternalError("the host holds positions past the session's");
+    }
+    copy_from[l] = changes_only ? std::max(host_length, held_from) : held_from;
   }
   const int64_t row_width = ctx_->row_arena().row_width;
   return ctx_->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
     TransferSizes need;
     need.host_ids = 2 * table_entries + n_pages;
     SDM_RETURN_IF_ERROR(staging.Reserve(need));
-    // The SDM tables first: they say which rows to move.
+    // The SDM tables (and marks) first: they say which rows to move.
     for (int64_t l = 0; l < n_layers; ++l) {
       if (!IsSdm(layout.layers[l])) continue;
-      SDM_RETURN_IF_ERROR(
-          CudaStatus(cudaMemcpyAsync(staging.host_ids() + table_offset[l], layers_[l].table.get(),
-                                     layers_[l].table.bytes(), cudaMemcpyDeviceToHost, t),
-                     "downloading an SDM table"));
+      SDM_RETURN_IF_ERROR(CudaStatus(
+          cudaMemcpyAsync(staging.host_ids() + table_offset[l], layers_[l].table.get(),
+                          SlotsOf(layout.layers[l]) * sizeof(int32_t), cudaMemcpyDeviceToHost, t),
+          "downloading an SDM table"));
+      if (changes_only) {
+        SDM_RETURN_IF_ERROR(CudaStatus(
+            cudaMemcpyAsync(staging.host_ids() + marks_offset[l], layers_[l].written.get(),
+                            layers_[l].written.bytes(), cudaMemcpyDeviceToHost, t),
+            "downloading written marks"));
+      }
     }
     SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading SDM tables"));
 
-    // The image (engine/transfer_plan.h): one run of every private row (layer order, then slot
-    // order), then one run of pages per attention layer; their ids after the tables.
+    // The image (engine/transfer_plan.h): one run of the rows to copy (every private row, or the
+    // written ones; layer order, then slot order), then one run of pages per attention layer;
+    // their ids after the tables.
     struct RowDownload {
       int64_t layer, slot;  // the row's index in the run is its index here
     };
@@ -805,8 +845,11 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     for (int64_t l = 0; l < n_layers; ++l) {
       if (!IsSdm(layout.layers[l])) continue;
       const int32_t* table = staging.host_ids() + table_offset[l];
-      for (int64_t i = 0; i < static_cast<int64_t>(layers_[l].table.size()); ++i) {
-        if (table[i] < 0) continue;
+      const auto* marks = reinterpret_cast<const uint8_t*>(staging.host_ids() + marks_offset[l]);
+      for (int64_t i = 0; i < SlotsOf(layout.layers[l]); ++i) {
+        // A marked slot without a row only follows a step that ran out of rows, which failed
+        // its sessions: nothing of it is copied.
+        if (table[i] < 0 || (changes_only && marks[i] == 0)) continue;
         ids[rows.size()] = table[i];
         rows.push_back({l, i});
       }
@@ -814,19 +857,32 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
     // (A model without SDM layers has row_width 0: an empty run of 1-element blocks.)
     std::vector<TransferRun> runs = {
         {std::max<int64_t>(row_width, 1), static_cast<int64_t>(rows.size())}};
-    // Per run: its layer (-1 for the rows), the arena its blocks come from, its first id.
-    std::vector<int64_t> run_layer = {-1}, run_ids = {0};
+    // Per run: its layer (-1 for the rows), the arena its blocks come from, its first id, and
+    // (pages) the page-table index of its first page: a run's pages are consecutive entries of
+    // the table, wrapping around a ring's.
+    std::vector<int64_t> run_layer = {-1}, run_ids = {0}, run_first_entry = {0};
     std::vector<const bf16*> run_blocks = {ctx_->row_arena().rows};
     int64_t n_ids = static_cast<int64_t>(rows.size());
     for (int64_t l = 0; l < n_layers; ++l) {
-      if (IsSdm(layout.layers[l]) || layers_[l].pages.empty()) continue;
+      const LayerStateLayout& ls = layout.layers[l];
+      if (IsSdm(ls) || layers_[l].pages.empty() || copy_from[l] >= length) continue;
+      const std::vector<int32_t>& pages = layers_[l].pages;
+      const int64_t entries = static_cast<int64_t>(pages.size());
+      // Every page in table order, or (changes_only) the table entries of the logical pages
+      // that hold [copy_from, length), consecutive modulo a ring's pages (all of them at most).
+      int64_t start = 0, count = entries;
+      if (changes_only) {
+        const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
+        const int64_t first_logical = copy_from[l] / kernels::kKvPageTokens;
+        count = std::min(entries, (length - 1) / kernels::kKvPageTokens - first_logical + 1);
+        start = kernels::KvPageTableIndex(copy_from[l], ring);
+      }
       run_layer.push_back(l);
       run_blocks.push_back(ctx_->kv_arena(l).pool);
       run_ids.push_back(n_ids);
-      std::memcpy(ids + n_ids, layers_[l].pages.data(), layers_[l].pages.size() * sizeof(int32_t));
-      n_ids += static_cast<int64_t>(layers_[l].pages.size());
-      runs.push_back({kernels::KvPageElements(layout.layers[l].kv_row_width),
-                      static_cast<int64_t>(layers_[l].pages.size())});
+      run_first_entry.push_back(start);
+      for (int64_t k = 0; k < count; ++k) ids[n_ids++] = pages[(start + k) % entries];
+      runs.push_back({kernels::KvPageElements(ls.kv_row_width), count});
     }
     const std::vector<int64_t> run_offset = TransferRunOffsets(runs);
     const int64_t image_elems = run_offset.back();
@@ -886,7 +942,6 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
       }
       writes.push_back(w);
     }
-    const int64_t length = host.position();
     std::vector<absl::Status> written(writes.size());
     RunTasksInParallel(
         static_cast<int64_t>(writes.size()), ConversionThreads(image_elems), [&](int64_t i) {
@@ -899,7 +954,10 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
               for (int64_t c = 0; c < row_width; ++c) values[c] = __bfloat162float(src[c]);
               const int64_t head = rows[k].slot / ls.slots_per_head;
               const int64_t slot = rows[k].slot % ls.slots_per_head;
-              if (w.table->IsPrivate(head, slot)) {
+              // A changed row goes through MutableRow, which marks it dirty (what the next
+              // delta carries: state_store/sdm_table.h), copying it first from M0 or a row shared
+              // with a fork.
+              if (changes_only || w.table->IsPrivate(head, slot)) {
                 float* row = w.table->MutableRow(head, slot);
                 if (row == nullptr) {
                   written[i] = absl::ResourceExhaustedError("host row pool is exhausted");
@@ -914,22 +972,44 @@ absl::Status CudaSessionState::CopyToHost(SessionState& host) {
             return;
           }
           // Every attention layer is reset to the session's length, also one without pages
-          // (position 0); run w.run (its pages) starts at run_offset[w.run].
+          // (position 0), or (changes_only) extended to it: positions [copy_from, length) are
+          // appended, or, where they are a whole ring, the layer is reset and they are its
+          // rows. Run w.run (its pages) starts at run_offset[w.run], with the page of table
+          // entry run_first_entry[w.run].
           KvCache& kv = *w.kv;
-          kv.ResetForRestore(length);
+          const bool append = changes_only && copy_from[w.layer] == kv.length();
+          if (!append) kv.ResetForRestore(length);
           if (w.run < 0) return;
           const int32_t ring = ls.ring_capacity > 0 ? kernels::KvRingPages(ls.ring_capacity) : 0;
-          for (int64_t pos = kv.first_position(); pos < length; ++pos) {
-            const bf16* page = staging.image() + run_offset[w.run] +
-                               kernels::KvPageTableIndex(pos, ring) * runs[w.run].block_elems;
-            for (int value = 0; value < 2; ++value) {
-              const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, value != 0);
-              float* dst = value ? kv.MutableValueRow(pos) : kv.MutableKeyRow(pos);
+          const int64_t entries = static_cast<int64_t>(layers_[w.layer].pages.size());
+          std::vector<float> key(ls.kv_row_width), value(ls.kv_row_width);
+          for (int64_t pos = append ? kv.length() : kv.first_position(); pos < length; ++pos) {
+            const int64_t k =
+                (kernels::KvPageTableIndex(pos, ring) - run_first_entry[w.run] + entries) % entries;
+            const bf16* page = staging.image() + run_offset[w.run] + k * runs[w.run].block_elems;
+            for (int v = 0; v < 2; ++v) {
+              const bf16* src = page + kernels::KvRowOffset(0, pos, ls.kv_row_width, v != 0);
+              float* dst = v ? value.data() : key.data();
               for (int64_t c = 0; c < ls.kv_row_width; ++c) dst[c] = __bfloat162float(src[c]);
+            }
+            if (append) {
+              kv.AppendRow(key.data(), value.data());
+            } else {
+              kv.StoreRow(pos, /*value=*/false, key.data());
+              kv.StoreRow(pos, /*value=*/true, value.data());
             }
           }
         });
     for (const absl::Status& st : written) SDM_RETURN_IF_ERROR(st);
+    if (!changes_only) return absl::OkStatus();
+    // The host holds every mark's row now: the next copy carries only later writes. On the
+    // compute stream, before the next step's marks (the marks were read above).
+    for (int64_t l = 0; l < n_layers; ++l) {
+      if (!IsSdm(layout.layers[l])) continue;
+      SDM_RETURN_IF_ERROR(CudaStatus(
+          cudaMemsetAsync(layers_[l].written.get(), 0, layers_[l].written.bytes(), ctx_->compute()),
+          "clearing written marks"));
+    }
     return absl::OkStatus();
   });
 }

@@ -408,6 +408,13 @@ class CudaSessionState final : public DeviceResidency {
   ~CudaSessionState() override;
 
   absl::Status CopyToHost(SessionState& host) override;
+  // The rows written since the session came to the device or since the last call (the written
+  // marks, kernels/cuda/sdm.h SdmSegments::written; each goes through SdmTable::MutableRow, so
+  // the host table marks it dirty) and the KV positions the host lacks (appended; a ring the
+  // session went round since is copied whole). Leaves the residency attached and, on success,
+  // clears the marks. Between steps, as CopyToHost.
+  absl::Status CopyChangesToHost(SessionState& host) override;
+  bool CopiesChanges() const override { return true; }
   int64_t DeviceBytes() const override;
 
   // Makes the page tables of every attention layer cover positions [0, end) (the ring's pages
@@ -417,6 +424,10 @@ class CudaSessionState final : public DeviceResidency {
 
   int32_t* sdm_table(int64_t layer) const { return layers_[layer].table.get(); }
   int32_t* page_table(int64_t layer) const { return layers_[layer].table.get(); }
+  // An SDM layer's written marks: a byte per table entry (SdmSegments::written).
+  uint8_t* written_marks(int64_t layer) const {
+    return reinterpret_cast<uint8_t*>(layers_[layer].written.get());
+  }
   int32_t counter_slot() const { return counter_slot_; }
 
  private:
@@ -430,8 +441,13 @@ class CudaSessionState final : public DeviceResidency {
     // SDM: the table's clearing was enqueued, so its entries are rows to release (a table from
     // the pool holds another session's entries until then).
     bool cleared = false;
+    // SDM: the written marks, a byte per table entry (in a pooled table of int32, hence the
+    // entries / 4 rounded up), zeroed at upload and by each CopyChangesToHost.
+    kernels::cuda::DeviceBuffer<int32_t> written;
     std::vector<int32_t> pages;  // attention: arena pages in table order (host mirror)
   };
+  // CopyToHost (everything) or CopyChangesToHost (changes_only).
+  absl::Status Download(SessionState& host, bool changes_only);
   std::shared_ptr<CudaDeviceContext> ctx_;
   std::vector<Layer> layers_;
   int32_t counter_slot_ = -1;

@@ -302,6 +302,14 @@ __device__ void WarpCopyRow(__nv_bfloat16* dst, const __nv_bfloat16* src, int64_
 // w_rows (SdmStep skips such writes) and leaves *free_count negative for the engine to see.
 constexpr int kPrepareThreads = 128;
 
+// Head h's written marks of segment `seg` (SdmSegments::written; byte `slot` is the slot's), or
+// null where marks are not kept. Several threads may mark one byte: they store the same value.
+__device__ __forceinline__ uint8_t* WrittenMarks(const SdmSegments& segs, int64_t seg, int64_t h,
+                                                 int64_t slots_per_head) {
+  if (segs.written == nullptr || segs.written[seg] == nullptr) return nullptr;
+  return segs.written[seg] + h * slots_per_head;
+}
+
 // The row at position `pos` of the free list, or kSdmNoRow where the position or the entry there
 // is outside the list: a count pushed out of range (a broken precondition, which the engine's
 // refresh reports, CudaDeviceContext::CheckFreeCount) must not become a read past the list or a
@@ -323,6 +331,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
   const int64_t first = segs.first_row[seg];
   const int64_t total = static_cast<int64_t>(segs.length[seg]) * n_w;
   int32_t* table = segs.tables[seg] + h * slots_per_head;
+  uint8_t* const written = WrittenMarks(segs, seg, h, slots_per_head);
   int32_t allocated = 0;
   for (int64_t base = 0; base < total; base += 32) {
     const int64_t w = base + lane;
@@ -332,6 +341,7 @@ __global__ void __launch_bounds__(kPrepareThreads)
     const bool in_range = valid && slot >= 0 && slot < slots_per_head;
     const int32_t entry = in_range ? table[slot] : kSdmNoRow;
     const bool need = in_range && entry == kSdmNoRow;
+    if (in_range && written != nullptr) written[slot] = 1;
     // Lanes needing the same slot group together; the lowest lane allocates.
     const unsigned same = __match_any_sync(kFullMask, need ? slot : -1 - lane);
     const int leader = __ffs(same) - 1;
@@ -655,11 +665,12 @@ __device__ __forceinline__ Bf16Pack<kVec> ZeroPack() {
 
 // Allocation of one (segment, head)'s write rows for the single token `rh` (every thread of the
 // block calls it; n_w <= kStepThreads). Writes the row of entry i to s_wrow[i] (kSdmNoRow when
-// the free list ran out) and whether it is new to s_fresh[i]; updates the table and row count.
+// the free list ran out) and whether it is new to s_fresh[i]; updates the table and row count,
+// and marks each slot in `written` (the head's marks; null: none kept).
 __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, int64_t seg,
-                               const SdmSegments& segs, int32_t* table, int64_t slots_per_head,
-                               const SdmRowArena& arena, int32_t* s_wrow, int32_t* s_fresh,
-                               int32_t* s_warp_needs, int32_t* s_top) {
+                               const SdmSegments& segs, int32_t* table, uint8_t* written,
+                               int64_t slots_per_head, const SdmRowArena& arena, int32_t* s_wrow,
+                               int32_t* s_fresh, int32_t* s_warp_needs, int32_t* s_top) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   int32_t slot = -1, entry = kSdmNoRow;
   bool need = false;
@@ -668,6 +679,7 @@ __device__ void DecodeAllocate(const int32_t* w_slots, int64_t n_w, int64_t rh, 
     const bool in_range = slot >= 0 && slot < slots_per_head;
     entry = in_range ? table[slot] : kSdmNoRow;
     need = in_range && entry == kSdmNoRow;
+    if (in_range && written != nullptr) written[slot] = 1;
   }
   const unsigned needs = __ballot_sync(kFullMask, need);
   if (lane == 0) s_warp_needs[warp] = __popc(needs);
@@ -709,8 +721,9 @@ __global__ void __launch_bounds__(kStepThreads)
   const int64_t seg = blockIdx.x, h = blockIdx.y;
   const int64_t rh = static_cast<int64_t>(segs.first_row[seg]) * heads + h;
   int32_t* table = segs.tables[seg] + h * slots_per_head;
-  DecodeAllocate(args.w_slots, args.n_w, rh, seg, segs, table, slots_per_head, arena, s_wrow,
-                 s_fresh, s_warp_needs, &s_top);
+  DecodeAllocate(args.w_slots, args.n_w, rh, seg, segs, table,
+                 WrittenMarks(segs, seg, h, slots_per_head), slots_per_head, arena, s_wrow, s_fresh,
+                 s_warp_needs, &s_top);
   const int tid = threadIdx.x;
   if (tid < args.n_w) {
     const int32_t row = s_wrow[tid];
@@ -751,8 +764,9 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
   __nv_bfloat16* const staged_lane = staged + lane * kVec;  // this lane's columns of staged row 0
 
   if constexpr (kAlloc == SdmDecodeAlloc::kInBlock) {
-    DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena, s_wrow, s_fresh,
-                   s_warp_needs, &s_top);
+    DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table,
+                   WrittenMarks(segs, seg, h, slots_per_head), slots_per_head, arena, s_wrow,
+                   s_fresh, s_warp_needs, &s_top);
   } else if constexpr (kAlloc == SdmDecodeAlloc::kCluster) {
     // The cluster is this (segment, head)'s tiles, rank = tile (grid.x = segments x tiles, the
     // cluster tiles x 1 x 1). The barrier orders rank 0's allocation (its shared memory and the
@@ -762,7 +776,8 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
     const cg::cluster_group cluster = cg::this_cluster();
     const bool allocates = cluster.block_rank() == 0;
     if (allocates) {
-      DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table, slots_per_head, arena, s_wrow,
+      DecodeAllocate(args.w_slots, n_w, rh, seg, segs, table,
+                     WrittenMarks(segs, seg, h, slots_per_head), slots_per_head, arena, s_wrow,
                      s_fresh, s_warp_needs, &s_top);
     }
     cluster.sync();

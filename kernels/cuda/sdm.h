@@ -47,6 +47,11 @@ struct SdmSegments {
   // [num] device pointers to one int32 per table counting its private rows (SdmPrepareRows adds
   // the rows it allocates; the engine reads them back for memory accounting). May be null.
   int32_t* const* row_counts = nullptr;
+  // [num] device pointers to one byte per table entry ([heads * s * s]): the allocation sets the
+  // byte of every slot a segment's tokens write to 1 (whether its row is new or not), so that a
+  // backend can copy back what a turn changed (CudaSessionState::CopyChangesToHost). Never
+  // cleared here. May be null, as may an entry.
+  uint8_t* const* written = nullptr;
   int64_t num = 0;
   int64_t max_length = 0;  // longest segment (1 for decode)
 };
@@ -166,10 +171,11 @@ struct SdmDecodeArgs {
 };
 
 // What SdmPrepareRows then SdmStep do for a decode batch (every segment one token: segs.max_length
-// == 1), bit for bit in the rows' contents, the readings, which slots get rows, the row counts
-// and the free count (the popped rows may go to the slots in another order), touching memory
-// less: each written row is read from memory once and written once (SdmStep reads it twice and
-// a new row is first copied from M0), each read row read once, a slot the token wrote not at all:
+// == 1), bit for bit in the rows' contents, the readings, which slots get rows, the row counts,
+// the written marks and the free count (the popped rows may go to the slots in another order),
+// touching memory less: each written row is read from memory once and written once (SdmStep
+// reads it twice and a new row is first copied from M0), each read row read once, a slot the
+// token wrote not at all:
 //   - a (segment, head)'s write slots are distinct (one token), so its rows are allocated in
 //     parallel by one block: one atomicSub on the free count per (segment, head);
 //   - a new row's first write reads M0's row (or zeros) and stores the result: no copy from M0

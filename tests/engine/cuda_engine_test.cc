@@ -8,13 +8,16 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <random>
+#include <set>
 #include <span>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "engine/engine.h"
@@ -738,6 +741,133 @@ TEST(CudaEngineTest, ResumeAfterOffloadIsBitIdentical) {
                                std::span<const int32_t>(&token, 1), b)
                       .ok());
       EXPECT_EQ(a, b) << preset << ", step " << step;
+    }
+  }
+}
+
+// (layer, head, slot) of an SDM row.
+using RowKey = std::tuple<int64_t, int64_t, int64_t>;
+
+// Every private SDM row of `s`'s host layers, with its values.
+std::map<RowKey, std::vector<float>> PrivateRows(const SessionState& s) {
+  std::map<RowKey, std::vector<float>> rows;
+  for (int64_t l = 0; l < s.num_layers(); ++l) {
+    if (!s.is_sdm(l)) continue;
+    const SdmTable& t = s.sdm(l);
+    t.ForEachPrivateRow([&](int64_t h, int64_t slot, const float* row) {
+      rows[{l, h, slot}] = std::vector<float>(row, row + t.row_width());
+    });
+  }
+  return rows;
+}
+
+bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// A turn's changes copied back while the session stays on the device (CopyChangesToHost: the
+// rows the device wrote, found by their written marks, and the positions the host lacks) leave
+// the host layers as a whole copy back leaves them (SyncToHost of a twin that took the same
+// tokens), turn after turn: short turns (positions appended), and on tiny (a ring of 24 positions,
+// one page) a turn longer than the ring (the ring copied whole). Each copy marks dirty at least
+// every row whose value the turn changed, so that a delta carries it. The session stays on the
+// device and continues bit for bit with its twin.
+TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
+  SKIP_WITHOUT_DEVICE();
+  for (const auto& [preset, turns] :
+       {std::pair<std::string, std::vector<int>>{"tiny", {70, 1, 2, 30, 1}},
+        {"debug_hybrid", {70, 1, 3}}}) {
+    SCOPED_TRACE(preset);
+    Engines e = MakeEngines(preset, 16);
+    ASSERT_NE(e.cuda, nullptr);
+    const int64_t vocab = e.cuda->vocab_size();
+    const StateLayout& layout = e.cuda->state_layout();
+    auto kept = e.cuda->NewSession();
+    auto twin = e.cuda->NewSession();
+    std::map<RowKey, std::vector<float>> before;  // the rows as of the last turn
+    uint32_t seed = 60;
+    for (size_t turn = 0; turn < turns.size(); ++turn) {
+      SCOPED_TRACE(testing::Message() << "turn " << turn);
+      const std::vector<int32_t> tokens = RandomTokens(turns[turn], vocab, ++seed);
+      if (turn == 0) {
+        ASSERT_TRUE(e.cuda->Prefill(*kept, tokens, false, nullptr).ok());
+        ASSERT_TRUE(e.cuda->Prefill(*twin, tokens, false, nullptr).ok());
+      } else {
+        for (const int32_t token : tokens) {
+          std::vector<float> a(vocab), b(vocab);
+          SessionState* pa = kept.get();
+          SessionState* pb = twin.get();
+          ASSERT_TRUE(e.cuda->Decode({&pa, 1}, {&token, 1}, a).ok());
+          ASSERT_TRUE(e.cuda->Decode({&pb, 1}, {&token, 1}, b).ok());
+          ASSERT_TRUE(SameBits(a, b)) << "the kept session's logits";
+        }
+      }
+      ASSERT_TRUE(kept->on_device());
+      EXPECT_FALSE(kept->host_current());
+      ASSERT_TRUE(kept->CopyChangesToHost().ok());
+      EXPECT_TRUE(kept->on_device()) << "stays on the device";
+      EXPECT_TRUE(kept->host_current());
+      ASSERT_TRUE(twin->SyncToHost().ok());
+
+      // SDM: the same private rows, bit for bit; dirty: every row the turn changed.
+      const std::map<RowKey, std::vector<float>> rows = PrivateRows(*kept);
+      const std::map<RowKey, std::vector<float>> whole = PrivateRows(*twin);
+      ASSERT_EQ(rows.size(), whole.size());
+      for (const auto& [key, values] : whole) {
+        auto it = rows.find(key);
+        ASSERT_TRUE(it != rows.end()) << "a row the whole copy has";
+        ASSERT_TRUE(SameBits(it->second, values))
+            << "layer " << std::get<0>(key) << " head " << std::get<1>(key) << " slot "
+            << std::get<2>(key);
+      }
+      std::set<RowKey> dirty;
+      int64_t changed = 0;
+      for (int64_t l = 0; l < kept->num_layers(); ++l) {
+        if (!kept->is_sdm(l)) continue;
+        kept->sdm(l).ForEachDirtyRow([&](int64_t h, int64_t slot, const float*) {
+          dirty.insert({l, h, slot});
+        });
+      }
+      for (const auto& [key, values] : whole) {
+        auto it = before.find(key);
+        if (it != before.end() && SameBits(it->second, values)) continue;
+        ++changed;
+        EXPECT_EQ(dirty.count(key), 1u) << "a changed row is not dirty: layer " << std::get<0>(key)
+                                        << " slot " << std::get<2>(key);
+      }
+      EXPECT_GT(changed, 0);
+      for (const RowKey& key : dirty) EXPECT_EQ(whole.count(key), 1u) << "dirty, not private";
+      before = whole;
+      kept->ClearDirty();  // what a write does
+
+      // KV, bit for bit: every held position where the turn went round a ring (both copies read
+      // each position from the page its ring slot is in), else the positions the device still
+      // holds (a ring's last pages; the kept session's older rows are the true ones, which the
+      // device has since overwritten).
+      for (int64_t l = 0; l < kept->num_layers(); ++l) {
+        if (kept->is_sdm(l)) continue;
+        const KvCache& got = kept->kv(l);
+        const KvCache& want = twin->kv(l);
+        ASSERT_EQ(got.length(), kept->position()) << "layer " << l;
+        ASSERT_EQ(want.length(), kept->position()) << "layer " << l;
+        const int64_t length = got.length();
+        int64_t from = 0;
+        const int64_t ring = layout.layers[l].ring_capacity;
+        if (ring > 0 && (turn == 0 || turns[turn] >= ring)) {
+          from = got.first_position();
+        } else if (ring > 0) {
+          const int64_t pages = kernels::KvRingPages(ring);
+          from = std::max<int64_t>(0, length - ((length - 1) % kernels::kKvPageTokens + 1) -
+                                          (pages - 1) * kernels::kKvPageTokens);
+        }
+        for (int64_t p = from; p < length; ++p) {
+          const std::vector<float> gk(got.KeyRow(p), got.KeyRow(p) + got.row_width());
+          const std::vector<float> wk(want.KeyRow(p), want.KeyRow(p) + want.row_width());
+          const std::vector<float> gv(got.ValueRow(p), got.ValueRow(p) + got.row_width());
+          const std::vector<float> wv(want.ValueRow(p), want.ValueRow(p) + want.row_width());
+          ASSERT_TRUE(SameBits(gk, wk) && SameBits(gv, wv)) << "layer " << l << " position " << p;
+        }
+      }
     }
   }
 }

@@ -547,6 +547,53 @@ struct Scenario {
   uint32_t seed = 1;
 };
 
+// Written marks (SdmSegments::written) of `num` segments of `n_slots` entries each: about one
+// in eight preset (the kernels never clear a mark), and none kept for every third segment (a null
+// entry).
+struct WrittenMarks {
+  std::vector<std::vector<uint8_t>> before;  // per segment; empty: none kept
+  std::vector<cuda::DeviceBuffer<uint8_t>> device;
+  cuda::DeviceBuffer<uint8_t*> ptrs;
+};
+
+WrittenMarks MakeWrittenMarks(uint32_t seed, int64_t num, int64_t n_slots) {
+  std::mt19937 rng(seed);
+  WrittenMarks m;
+  std::vector<uint8_t*> ptrs;
+  for (int64_t s = 0; s < num; ++s) {
+    m.before.emplace_back();
+    m.device.emplace_back();
+    if (s % 3 == 2) {
+      ptrs.push_back(nullptr);
+      continue;
+    }
+    for (int64_t e = 0; e < n_slots; ++e) m.before[s].push_back(rng() % 8 == 0 ? 1 : 0);
+    m.device[s] = Upload(m.before[s]);
+    ptrs.push_back(m.device[s].get());
+  }
+  m.ptrs = Upload(ptrs);
+  return m;
+}
+
+// After a step: each kept segment's marks are what they were plus every slot its tokens wrote.
+// w_slots [rows, heads, n_w], segment s's tokens rows first[s] .. first[s] + lengths[s] - 1.
+void ExpectWrittenMarks(const WrittenMarks& m, const std::vector<int32_t>& w_slots, int64_t n_w,
+                        int64_t heads, int64_t slots_per_head, const std::vector<int32_t>& first,
+                        const std::vector<int32_t>& lengths) {
+  for (size_t s = 0; s < m.before.size(); ++s) {
+    if (m.before[s].empty()) continue;
+    std::vector<uint8_t> want = m.before[s];
+    for (int64_t t = 0; t < lengths[s]; ++t) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < n_w; ++i) {
+          want[h * slots_per_head + w_slots[((first[s] + t) * heads + h) * n_w + i]] = 1;
+        }
+      }
+    }
+    EXPECT_EQ(Download(m.device[s].get(), want.size()), want) << "written marks, segment " << s;
+  }
+}
+
 // A batch's host inputs, drawn from `rng` in a fixed order: slot tables in which a fraction of
 // the slots hold private rows, an arena of random rows (the rows not handed out shuffled into
 // the free list, `slack` more than the step's reserve of rows * heads * n_w), M0 (random, or
@@ -705,6 +752,8 @@ void RunScenario(const Scenario& sc) {
   segs.length = d_lengths.get();
   segs.tables = d_table_ptrs.get();
   segs.row_counts = d_count_ptrs.get();
+  const WrittenMarks marks = MakeWrittenMarks(sc.seed + 1, num, n_slots);
+  segs.written = marks.ptrs.get();
   segs.num = num;
   segs.max_length = max_length;
   const __nv_bfloat16* m0_ptr = sc.m0 ? d_m0.get() : nullptr;
@@ -723,6 +772,7 @@ void RunScenario(const Scenario& sc) {
   const std::vector<int32_t> free_list_after = Download(d_free.get(), capacity);
   const std::vector<int32_t> row_counts = Download(d_row_counts.get(), num);
   const std::vector<__nv_bfloat16> prepared = Download(d_rows.get(), arena.size());
+  ExpectWrittenMarks(marks, w_slots, n_w, heads, ss, first, sc.lengths);
 
   int64_t total_new = 0;
   std::vector<int32_t> new_rows;
@@ -1083,6 +1133,7 @@ struct DecodeState {
   std::vector<cuda::DeviceBuffer<int32_t>> tables;
   cuda::DeviceBuffer<int32_t*> table_ptrs, count_ptrs;
   cuda::DeviceBuffer<float> readings;
+  WrittenMarks marks;
 };
 
 void RunDecodeCase(const DecodeCase& dc) {
@@ -1137,6 +1188,7 @@ void RunDecodeCase(const DecodeCase& dc) {
     st.table_ptrs = Upload(tp);
     st.count_ptrs = Upload(cp);
     st.readings = cuda::DeviceBuffer<float>(num * heads * width);
+    st.marks = MakeWrittenMarks(dc.seed + 1, num, n_slots);
   };
   auto arena_of = [&](DecodeState& st) {
     return cuda::SdmRowArena{st.rows.get(), st.free_list.get(), st.free_count.get(), width,
@@ -1148,6 +1200,7 @@ void RunDecodeCase(const DecodeCase& dc) {
     segs.length = d_lengths.get();
     segs.tables = st.table_ptrs.get();
     segs.row_counts = st.count_ptrs.get();
+    segs.written = st.marks.ptrs.get();
     segs.num = num;
     segs.max_length = 1;
     return segs;
@@ -1228,6 +1281,14 @@ void RunDecodeCase(const DecodeCase& dc) {
 
   const std::vector<__nv_bfloat16> rows_a = Download(a.rows.get(), arena.size());
   const std::vector<__nv_bfloat16> rows_b = Download(b.rows.get(), arena.size());
+  {
+    SCOPED_TRACE("two-stage path");
+    ExpectWrittenMarks(a.marks, w_slots, n_w, heads, side * side, first, lengths);
+  }
+  {
+    SCOPED_TRACE("decode step");
+    ExpectWrittenMarks(b.marks, w_slots, n_w, heads, side * side, first, lengths);
+  }
   const int32_t free_a = DownloadScalar(a.free_count.get());
   const int32_t free_b = DownloadScalar(b.free_count.get());
   EXPECT_EQ(free_b, free_a);

@@ -22,6 +22,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "base/check.h"
 #include "engine/engine.h"
 #include "engine/model.h"
@@ -47,9 +48,14 @@ const char kFakeDevice = 0;
 // What a test observes of a residency, surviving its destruction. Written by whichever thread
 // copies or destroys, read by the test after it synchronised with that thread.
 struct Probe {
-  int copies = 0;          // successful CopyToHost calls
-  int failed_copies = 0;   // CopyToHost calls answered with the injected error
-  bool fail = false;       // CopyToHost fails while set
+  int copies = 0;         // successful CopyToHost calls
+  int failed_copies = 0;  // CopyToHost calls answered with the injected error
+  bool fail = false;      // CopyToHost fails while set
+  // CopyChangesToHost: implemented (CopiesChanges) while set; its successful calls and where the
+  // last one ran. `fail` fails it too.
+  bool copies_changes = false;
+  int change_copies = 0;
+  std::thread::id change_thread;
   bool destroyed = false;  // the residency was destroyed (its "device memory" freed)
   std::thread::id copy_thread, destroy_thread;  // where the last copy and the destruction ran
 };
@@ -77,17 +83,9 @@ class FakeResidency : public DeviceResidency {
     for (int64_t l = 0; l < copy_->num_layers(); ++l) {
       if (copy_->is_sdm(l)) {
         // The device's rows are a superset of the host's (it only ever writes more slots).
-        SdmTable& dst = host.sdm(l);
-        absl::Status status;
-        copy_->sdm(l).ForEachPrivateRow([&](int64_t head, int64_t slot, const float* row) {
-          float* out = dst.MutableRow(head, slot);
-          if (out == nullptr) {
-            status = absl::ResourceExhaustedError("host row pool is full");
-            return;
-          }
-          std::memcpy(out, row, dst.row_width() * sizeof(float));
-        });
-        if (!status.ok()) return status;
+        if (absl::Status s = CopyRows(copy_->sdm(l), /*dirty_only=*/false, host.sdm(l)); !s.ok()) {
+          return s;
+        }
       } else {
         const KvCache& src = copy_->kv(l);
         KvCache& dst = host.kv(l);
@@ -102,9 +100,65 @@ class FakeResidency : public DeviceResidency {
     return absl::OkStatus();
   }
 
+  // What changed on the fake device since the attach or the last call: the rows the engine
+  // marked dirty on the device copy (through MutableRow, so the host marks them dirty too) and
+  // the positions the host lacks, as the CUDA residency copies them.
+  absl::Status CopyChangesToHost(SessionState& host) override {
+    if (!probe_->copies_changes) return DeviceResidency::CopyChangesToHost(host);
+    probe_->change_thread = std::this_thread::get_id();
+    if (probe_->fail) {
+      ++probe_->failed_copies;
+      return absl::InternalError("injected device copy failure");
+    }
+    for (int64_t l = 0; l < copy_->num_layers(); ++l) {
+      if (copy_->is_sdm(l)) {
+        if (absl::Status s = CopyRows(copy_->sdm(l), /*dirty_only=*/true, host.sdm(l)); !s.ok()) {
+          return s;
+        }
+        continue;
+      }
+      const KvCache& src = copy_->kv(l);
+      KvCache& dst = host.kv(l);
+      if (dst.length() < src.first_position()) {  // went round the ring since: all of it
+        dst.ResetForRestore(src.length());
+        for (int64_t p = src.first_position(); p < src.length(); ++p) {
+          dst.StoreRow(p, /*value=*/false, src.KeyRow(p));
+          dst.StoreRow(p, /*value=*/true, src.ValueRow(p));
+        }
+      } else {
+        for (int64_t p = dst.length(); p < src.length(); ++p) {
+          dst.AppendRow(src.KeyRow(p), src.ValueRow(p));
+        }
+      }
+    }
+    copy_->ClearDirty();
+    ++probe_->change_copies;
+    return absl::OkStatus();
+  }
+  bool CopiesChanges() const override { return probe_->copies_changes; }
+
   int64_t DeviceBytes() const override { return kDeviceBytes; }
 
  private:
+  // Copies src's private rows (dirty_only: its dirty rows) into dst, through MutableRow.
+  static absl::Status CopyRows(const SdmTable& src, bool dirty_only, SdmTable& dst) {
+    absl::Status status;
+    auto copy = [&](int64_t head, int64_t slot, const float* row) {
+      float* out = status.ok() ? dst.MutableRow(head, slot) : nullptr;
+      if (out == nullptr) {
+        if (status.ok()) status = absl::ResourceExhaustedError("host row pool is full");
+        return;
+      }
+      std::memcpy(out, row, dst.row_width() * sizeof(float));
+    };
+    if (dirty_only) {
+      src.ForEachDirtyRow(copy);
+    } else {
+      src.ForEachPrivateRow(copy);
+    }
+    return status;
+  }
+
   std::unique_ptr<SessionState> copy_;
   std::shared_ptr<Probe> probe_;
 };
@@ -581,6 +635,108 @@ TEST_F(DeviceResidencyTest, PersistAllSyncsEverySession) {
     ASSERT_TRUE(lease.ok()) << lease.status();
     EXPECT_TRUE(SameContent(lease->state(), *control)) << id;
   }
+}
+
+// Where the residency copies back changes (as the CUDA backend's does), every turn of a session
+// on the device is written like a host session's turn, and the session stays on the device: the
+// step thread copies what the turn changed, the writer appends it as a delta, and the turn is
+// acknowledged (WhenPersisted) only then. A crash copy of the directory, taken after each turn
+// with the session still on the device, restores it bit for bit. Parking it then copies nothing.
+TEST_F(DeviceResidencyTest, TurnsOnTheDeviceAreWrittenWhileTheSessionStaysThere) {
+  testing::ScopedTempDir dir, crashes;
+  std::unique_ptr<SessionStateStore> store = OpenStore(dir.path(), 0, /*background=*/true);
+  FakeStepThread step(*store);
+  ASSERT_TRUE(store->Create("s", "meta").ok());
+  auto control = engine_->NewSession();
+  std::shared_ptr<Probe> probe;
+  int crash = 0;
+  for (const std::vector<int32_t>& turn : {prompt_, steps_, more_, Tokens(30, 4)}) {
+    {
+      auto lease = store->Acquire("s");
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      if (probe == nullptr) {
+        // (Attach poisons the host layers; the session is empty yet, so nothing is lost: the
+        // host holds what the device copy was made from, as CopyChangesToHost requires.)
+        probe = Attach(lease->state());
+        probe->copies_changes = true;
+      }
+      ASSERT_TRUE(lease->state().on_device());
+      DeviceDecode(lease->state(), turn);
+    }
+    HostDecode(*control, turn);
+    absl::Notification acked;
+    store->WhenPersisted("s", [&] { acked.Notify(); });
+    acked.WaitForNotification();
+    EXPECT_TRUE(store->PersistHealth().ok());
+    EXPECT_EQ(probe->change_copies, crash + 1);
+    EXPECT_EQ(probe->change_thread, step.id());
+    EXPECT_EQ(probe->copies, 0) << "never copied back whole";
+    EXPECT_FALSE(probe->destroyed) << "still on the device";
+
+    const std::filesystem::path copy = crashes.path() / std::to_string(++crash);
+    std::filesystem::copy(dir.path(), copy, std::filesystem::copy_options::recursive);
+    auto restarted = OpenStore(copy);
+    auto lease = restarted->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), control->position());
+    EXPECT_TRUE(SameContent(lease->state(), *control)) << "after turn " << crash;
+  }
+  // The turns after the first were deltas: what they changed, not the session.
+  const int64_t deltas = store->Stats().persist_deltas;
+  EXPECT_GE(deltas, 2);
+
+  // Parked now, the session is only detached (its host layers were copied back after its last
+  // step), and its next turn, on the host, is still a delta.
+  ASSERT_TRUE(store->Park("s", Tier::kHost).ok());
+  EXPECT_EQ(probe->copies, 0);
+  EXPECT_TRUE(probe->destroyed);
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    ASSERT_FALSE(lease->state().on_device());
+    EXPECT_TRUE(SameContent(lease->state(), *control));
+    HostDecode(lease->state(), steps_);
+  }
+  HostDecode(*control, steps_);
+  absl::Notification acked;
+  store->WhenPersisted("s", [&] { acked.Notify(); });
+  acked.WaitForNotification();
+  EXPECT_EQ(store->Stats().persist_deltas, deltas + 1);
+  const std::filesystem::path copy = crashes.path() / "parked";
+  std::filesystem::copy(dir.path(), copy, std::filesystem::copy_options::recursive);
+  auto restarted = OpenStore(copy);
+  auto lease = restarted->Acquire("s");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_TRUE(SameContent(lease->state(), *control));
+}
+
+// Without it (the default of a residency), a session on the device is written only when it
+// leaves, and nobody waits for its turns: the crash copy holds the session as created.
+TEST_F(DeviceResidencyTest, TurnsOnADeviceThatCannotCopyChangesAreWrittenWhenItLeaves) {
+  testing::ScopedTempDir dir, crashes;
+  std::unique_ptr<SessionStateStore> store = OpenStore(dir.path(), 0, /*background=*/true);
+  FakeStepThread step(*store);
+  ASSERT_TRUE(store->Create("s", "meta").ok());
+  absl::Notification created;
+  store->WhenPersisted("s", [&] { created.Notify(); });
+  created.WaitForNotification();
+  std::shared_ptr<Probe> probe;
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    probe = Attach(lease->state());
+    DeviceDecode(lease->state(), prompt_);
+  }
+  absl::Notification acked;
+  store->WhenPersisted("s", [&] { acked.Notify(); });
+  acked.WaitForNotification();  // at once: nothing to wait for
+  EXPECT_EQ(probe->change_copies, 0);
+  EXPECT_EQ(store->Stats().unpersisted, 1);
+  std::filesystem::copy(dir.path(), crashes.path() / "1", std::filesystem::copy_options::recursive);
+  auto restarted = OpenStore(crashes.path() / "1");
+  auto lease = restarted->Acquire("s");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), 0);
 }
 
 TEST_F(DeviceResidencyTest, ForkSyncsTheSourceFirst) {
