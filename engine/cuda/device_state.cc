@@ -769,6 +769,117 @@ absl::Status CudaSessionState::CopyChangesToHost(SessionState& host) {
   return Download(host, /*changes_only=*/true);
 }
 
+absl::StatusOr<bool> CudaSessionState::ListWrittenRows(TransferStaging& staging,
+                                                       cudaStream_t stream,
+                                                       std::vector<RowDownload>& rows) {
+  const StateLayout& layout = ctx_->layout();
+  // Per SDM layer: its index, the most pairs its list may hold (its private rows as of the last
+  // step's refresh: a written slot with a row is a private one) and where they go.
+  std::vector<int64_t> layers, capacity, offset;
+  int64_t pairs = 0;
+  for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
+    if (!IsSdm(layout.layers[l])) continue;
+    layers.push_back(l);
+    capacity.push_back(std::max<int64_t>(0, ctx_->row_count(counter_slot_, ctx_->sdm_index(l))));
+    offset.push_back(pairs);
+    pairs += capacity.back();
+  }
+  const int64_t n = static_cast<int64_t>(layers.size());
+  if (n == 0) return true;
+  // ids and host_ids: the n counts, then the lists (two int32 a pair).
+  TransferSizes need;
+  need.ids = n + 2 * pairs;
+  need.host_ids = n + 2 * pairs;
+  SDM_RETURN_IF_ERROR(staging.Reserve(need));
+  int32_t* const counts = staging.ids();
+  int32_t* const lists = counts + n;
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaMemsetAsync(counts, 0, n * sizeof(int32_t), stream),
+                                 "clearing written-row counts"));
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t l = layers[i];
+    SDM_RETURN_IF_ERROR(CudaStatus(
+        kc::SdmCollectWritten(layers_[l].table.get(), written_marks(l), SlotsOf(layout.layers[l]),
+                              lists + 2 * offset[i], capacity[i], counts + i, stream),
+        "listing written rows"));
+  }
+  int32_t* const host_counts = staging.host_ids();
+  SDM_RETURN_IF_ERROR(CudaStatus(
+      cudaMemcpyAsync(host_counts, counts, n * sizeof(int32_t), cudaMemcpyDeviceToHost, stream),
+      "downloading written-row counts"));
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "listing written rows"));
+  for (int64_t i = 0; i < n; ++i) {
+    if (host_counts[i] > capacity[i]) return false;  // the counts were stale: read the tables
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    if (host_counts[i] == 0) continue;
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(host_counts + n + 2 * offset[i], lists + 2 * offset[i],
+                                   2 * static_cast<int64_t>(host_counts[i]) * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream),
+                   "downloading written rows"));
+  }
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "downloading written rows"));
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t* list = host_counts + n + 2 * offset[i];
+    const size_t first = rows.size();
+    for (int32_t k = 0; k < host_counts[i]; ++k) {
+      rows.push_back({layers[i], list[2 * k], list[2 * k + 1]});
+    }
+    std::sort(rows.begin() + first, rows.end(),
+              [](const RowDownload& a, const RowDownload& b) { return a.slot < b.slot; });
+  }
+  return true;
+}
+
+absl::Status CudaSessionState::ScanTables(TransferStaging& staging, cudaStream_t stream,
+                                          bool marked_only, std::vector<RowDownload>& rows) {
+  const StateLayout& layout = ctx_->layout();
+  const int64_t n_layers = static_cast<int64_t>(layers_.size());
+  // host_ids: each SDM table, with marked_only its marks after it (int32 words holding a byte
+  // per entry).
+  std::vector<int64_t> table_offset(n_layers, 0), marks_offset(n_layers, 0);
+  int64_t words = 0;
+  for (int64_t l = 0; l < n_layers; ++l) {
+    if (!IsSdm(layout.layers[l])) continue;
+    table_offset[l] = words;
+    words += SlotsOf(layout.layers[l]);
+    if (marked_only) {
+      marks_offset[l] = words;
+      words += static_cast<int64_t>(layers_[l].written.size());
+    }
+  }
+  TransferSizes need;
+  need.host_ids = words;
+  SDM_RETURN_IF_ERROR(staging.Reserve(need));
+  for (int64_t l = 0; l < n_layers; ++l) {
+    if (!IsSdm(layout.layers[l])) continue;
+    SDM_RETURN_IF_ERROR(
+        CudaStatus(cudaMemcpyAsync(staging.host_ids() + table_offset[l], layers_[l].table.get(),
+                                   SlotsOf(layout.layers[l]) * sizeof(int32_t),
+                                   cudaMemcpyDeviceToHost, stream),
+                   "downloading an SDM table"));
+    if (marked_only) {
+      SDM_RETURN_IF_ERROR(
+          CudaStatus(cudaMemcpyAsync(staging.host_ids() + marks_offset[l], layers_[l].written.get(),
+                                     layers_[l].written.bytes(), cudaMemcpyDeviceToHost, stream),
+                     "downloading written marks"));
+    }
+  }
+  SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream), "downloading SDM tables"));
+  for (int64_t l = 0; l < n_layers; ++l) {
+    if (!IsSdm(layout.layers[l])) continue;
+    const int32_t* table = staging.host_ids() + table_offset[l];
+    const auto* marks = reinterpret_cast<const uint8_t*>(staging.host_ids() + marks_offset[l]);
+    for (int64_t i = 0; i < SlotsOf(layout.layers[l]); ++i) {
+      // A marked slot without a row only follows a step that ran out of rows, which failed its
+      // sessions: nothing of it is copied.
+      if (table[i] < 0 || (marked_only && marks[i] == 0)) continue;
+      rows.push_back({l, i, table[i]});
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
   const StateLayout& layout = ctx_->layout();
   const int64_t n_layers = static_cast<int64_t>(layers_.size());
@@ -782,22 +893,9 @@ absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
       CudaStatus(cudaStreamWaitEvent(ctx_->transfer(), computed.get(), 0), "ordering streams"));
   cudaStream_t t = ctx_->transfer();
 
-  // host_ids: the SDM tables (table_entries), with changes_only their written marks after each
-  // table (marks_words int32 holding a byte per entry), then the ids of the rows they name and of
-  // the pages (at most table_entries + pages, placed once the tables are read).
-  std::vector<int64_t> table_offset(n_layers, 0), marks_offset(n_layers, 0);
-  int64_t table_entries = 0, n_pages = 0;
+  int64_t n_pages = 0;
   for (int64_t l = 0; l < n_layers; ++l) {
-    if (IsSdm(layout.layers[l])) {
-      table_offset[l] = table_entries;
-      table_entries += SlotsOf(layout.layers[l]);
-      if (changes_only) {
-        marks_offset[l] = table_entries;
-        table_entries += static_cast<int64_t>(layers_[l].written.size());
-      }
-    } else {
-      n_pages += static_cast<int64_t>(layers_[l].pages.size());
-    }
+    if (!IsSdm(layout.layers[l])) n_pages += static_cast<int64_t>(layers_[l].pages.size());
   }
   // Per attention layer, the first position to copy: every held one, or (changes_only) those the
   // host does not hold yet.
@@ -815,45 +913,26 @@ absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
   }
   const int64_t row_width = ctx_->row_arena().row_width;
   return ctx_->WithTransferStaging([&](TransferStaging& staging) -> absl::Status {
-    TransferSizes need;
-    need.host_ids = 2 * table_entries + n_pages;
-    SDM_RETURN_IF_ERROR(staging.Reserve(need));
-    // The SDM tables (and marks) first: they say which rows to move.
-    for (int64_t l = 0; l < n_layers; ++l) {
-      if (!IsSdm(layout.layers[l])) continue;
-      SDM_RETURN_IF_ERROR(CudaStatus(
-          cudaMemcpyAsync(staging.host_ids() + table_offset[l], layers_[l].table.get(),
-                          SlotsOf(layout.layers[l]) * sizeof(int32_t), cudaMemcpyDeviceToHost, t),
-          "downloading an SDM table"));
-      if (changes_only) {
-        SDM_RETURN_IF_ERROR(CudaStatus(
-            cudaMemcpyAsync(staging.host_ids() + marks_offset[l], layers_[l].written.get(),
-                            layers_[l].written.bytes(), cudaMemcpyDeviceToHost, t),
-            "downloading written marks"));
-      }
-    }
-    SDM_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(t), "downloading SDM tables"));
-
-    // The image (engine/transfer_plan.h): one run of the rows to copy (every private row, or the
-    // written ones; layer order, then slot order), then one run of pages per attention layer;
-    // their ids after the tables.
-    struct RowDownload {
-      int64_t layer, slot;  // the row's index in the run is its index here
-    };
+    // The rows to copy, in layer then slot order: the written ones, listed on the device so that
+    // only they cross the bus, or (a whole copy, or a list that came out incomplete) every
+    // private row, or the marked ones, read from the tables and marks themselves.
     std::vector<RowDownload> rows;
-    int32_t* ids = staging.host_ids() + table_entries;
-    for (int64_t l = 0; l < n_layers; ++l) {
-      if (!IsSdm(layout.layers[l])) continue;
-      const int32_t* table = staging.host_ids() + table_offset[l];
-      const auto* marks = reinterpret_cast<const uint8_t*>(staging.host_ids() + marks_offset[l]);
-      for (int64_t i = 0; i < SlotsOf(layout.layers[l]); ++i) {
-        // A marked slot without a row only follows a step that ran out of rows, which failed
-        // its sessions: nothing of it is copied.
-        if (table[i] < 0 || (changes_only && marks[i] == 0)) continue;
-        ids[rows.size()] = table[i];
-        rows.push_back({l, i});
-      }
+    bool listed = false;
+    if (changes_only && ctx_->sizes().list_written_rows) {
+      absl::StatusOr<bool> l = ListWrittenRows(staging, t, rows);
+      if (!l.ok()) return l.status();
+      listed = *l;
     }
+    if (!listed) SDM_RETURN_IF_ERROR(ScanTables(staging, t, changes_only, rows));
+    if (changes_only) ctx_->CountWrittenRows(listed);
+
+    // The image (engine/transfer_plan.h): one run of the rows, then one run of pages per
+    // attention layer; their ids in host_ids.
+    TransferSizes need;
+    need.host_ids = static_cast<int64_t>(rows.size()) + n_pages;
+    SDM_RETURN_IF_ERROR(staging.Reserve(need));
+    int32_t* ids = staging.host_ids();
+    for (size_t i = 0; i < rows.size(); ++i) ids[i] = rows[i].row;
     // (A model without SDM layers has row_width 0: an empty run of 1-element blocks.)
     std::vector<TransferRun> runs = {
         {std::max<int64_t>(row_width, 1), static_cast<int64_t>(rows.size())}};

@@ -25,6 +25,7 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -63,6 +64,9 @@ struct DeviceStateSizes {
   // Testing only (EngineOptions::inject_transfer_fault): the transfer chunk numbered this,
   // counted over the context's life, fails once after its copies were enqueued. -1: never.
   int64_t inject_transfer_fault = -1;
+  // Testing only (EngineOptions::list_written_rows): false makes CopyChangesToHost read the
+  // tables and marks instead of listing the written rows on the device.
+  bool list_written_rows = true;
   // The most page-locked host memory staged uploads hold at once, pooled buffers included
   // (EngineOptions::resume_staging_bytes). 0: nothing is staged.
   int64_t staged_bytes = 0;
@@ -287,6 +291,12 @@ class CudaDeviceContext {
   // Tables allocated so far (tests: constant once residency repeats).
   int64_t table_allocations() const;
 
+  // How copies of turns' changes (CudaSessionState::CopyChangesToHost) found their rows so far
+  // (tests): listed on the device, or read from the tables and marks.
+  int64_t written_row_lists() const { return written_row_lists_.load(); }
+  int64_t written_row_scans() const { return written_row_scans_.load(); }
+  void CountWrittenRows(bool listed) { ++(listed ? written_row_lists_ : written_row_scans_); }
+
  private:
   CudaDeviceContext(const StateLayout& layout, const DeviceStateSizes& sizes)
       : layout_(layout),
@@ -330,6 +340,8 @@ class CudaDeviceContext {
   std::map<int64_t, std::vector<kernels::cuda::DeviceBuffer<int32_t>>> free_tables_
       ABSL_GUARDED_BY(mu_);
   int64_t table_allocations_ ABSL_GUARDED_BY(mu_) = 0;
+
+  std::atomic<int64_t> written_row_lists_{0}, written_row_scans_{0};
 
   mutable absl::Mutex staging_mu_;
   TransferStaging staging_ ABSL_GUARDED_BY(staging_mu_);
@@ -448,6 +460,20 @@ class CudaSessionState final : public DeviceResidency {
   };
   // CopyToHost (everything) or CopyChangesToHost (changes_only).
   absl::Status Download(SessionState& host, bool changes_only);
+  // A row a download moves: SDM layer, table entry (head * slots_per_head + slot), arena row.
+  struct RowDownload {
+    int64_t layer = 0, slot = 0;
+    int32_t row = 0;
+  };
+  // Download's rows, in layer then slot order, after the compute stream's work (on `stream`,
+  // which waits for it). ListWrittenRows: the written ones with a row, listed on the device
+  // (kernels/cuda/sdm.h SdmCollectWritten) within each layer's private-row count; false (rows
+  // left empty) when a list came out longer than that count. ScanTables: from the downloaded
+  // tables, every private row or (marked_only) the marked ones.
+  absl::StatusOr<bool> ListWrittenRows(TransferStaging& staging, cudaStream_t stream,
+                                       std::vector<RowDownload>& rows);
+  absl::Status ScanTables(TransferStaging& staging, cudaStream_t stream, bool marked_only,
+                          std::vector<RowDownload>& rows);
   std::shared_ptr<CudaDeviceContext> ctx_;
   std::vector<Layer> layers_;
   int32_t counter_slot_ = -1;

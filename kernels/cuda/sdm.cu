@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <span>
 
 #include "kernels/common/device_layout.h"
@@ -965,25 +966,48 @@ __global__ void __launch_bounds__(kStepThreads, kDecodeMinBlocks)
 // Release, gather, scatter, free-list initialisation.
 constexpr int kMoveThreads = 256;
 
+// Warp-aggregated claim (every lane of the warp calls it, with a uniform trip count): the lanes
+// that `take` get distinct consecutive positions from *counter, in lane order, with one atomicAdd
+// per warp by the lowest taking lane; the others get an unspecified value.
+__device__ __forceinline__ int64_t WarpClaim(bool take, int32_t* counter) {
+  const unsigned mask = __ballot_sync(kFullMask, take);
+  if (mask == 0) return 0;
+  const int lane = threadIdx.x & 31;
+  const int leader = __ffs(mask) - 1;
+  int32_t pos = 0;
+  if (lane == leader) pos = atomicAdd(counter, __popc(mask));
+  pos = __shfl_sync(kFullMask, pos, leader);
+  return static_cast<int64_t>(pos) + __popc(mask & LaneMaskLt(lane));
+}
+
+__global__ void CollectWrittenKernel(const int32_t* table, const uint8_t* marks, int64_t entries,
+                                     int32_t* pairs, int64_t capacity, int32_t* count) {
+  // Uniform trip count per warp (base is per block), so the ballot sees every lane.
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < entries;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const int32_t row = i < entries && marks[i] != 0 ? table[i] : kSdmNoRow;
+    const bool hit = row >= 0;
+    const int64_t at = WarpClaim(hit, count);
+    if (hit && at < capacity) {
+      pairs[2 * at] = static_cast<int32_t>(i);
+      pairs[2 * at + 1] = row;
+    }
+  }
+}
+
 __global__ void ReleaseKernel(int32_t* table, int64_t n_slots, int32_t* free_list,
                               int32_t* free_count, int64_t capacity) {
-  const int lane = threadIdx.x & 31;
   // Uniform trip count per warp (base is per block), so the ballot sees every lane.
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * blockDim.x; base < n_slots;
        base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t i = base + threadIdx.x;
     const int32_t row = i < n_slots ? table[i] : kSdmNoRow;
     const bool has = row >= 0;
-    const unsigned mask = __ballot_sync(kFullMask, has);
-    if (mask == 0) continue;
-    const int leader = __ffs(mask) - 1;
-    int32_t pos = 0;
-    if (lane == leader) pos = atomicAdd(free_count, __popc(mask));
-    pos = __shfl_sync(kFullMask, pos, leader);
+    const int64_t at = WarpClaim(has, free_count);
     if (has) {
       // Guarded: only a count already out of range (a broken precondition, reported by the
       // engine's refresh) could put the slot outside the list; the row then leaks loudly.
-      const int64_t at = static_cast<int64_t>(pos) + __popc(mask & LaneMaskLt(lane));
       if (at >= 0 && at < capacity) free_list[at] = row;
       table[i] = kSdmNoRow;
     }
@@ -1297,6 +1321,18 @@ cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& a
   if (n_slots == 0) return cudaSuccess;
   ReleaseKernel<<<CappedBlocks(n_slots, kMoveThreads), kMoveThreads, 0, stream>>>(
       table, n_slots, arena.free_list, arena.free_count, arena.capacity);
+  return cudaGetLastError();
+}
+
+cudaError_t SdmCollectWritten(const int32_t* table, const uint8_t* marks, int64_t entries,
+                              int32_t* pairs, int64_t capacity, int32_t* count,
+                              cudaStream_t stream) {
+  if (entries < 0 || capacity < 0 || entries > std::numeric_limits<int32_t>::max()) {
+    return cudaErrorInvalidValue;
+  }
+  if (entries == 0) return cudaSuccess;
+  CollectWrittenKernel<<<CappedBlocks(entries, kMoveThreads), kMoveThreads, 0, stream>>>(
+      table, marks, entries, pairs, capacity, count);
   return cudaGetLastError();
 }
 

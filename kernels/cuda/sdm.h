@@ -210,6 +210,16 @@ SdmDecodePlan SdmDecodeStepPlan(const SdmDecodeArgs& args, const SdmSegments& se
 cudaError_t SdmReleaseRows(int32_t* table, int64_t n_slots, const SdmRowArena& arena,
                            cudaStream_t stream);
 
+// The written slots of one table that have a row (SdmSegments::written): for every entry e of
+// table [entries] with marks[e] != 0 and table[e] >= 0, the pair (e, table[e]) in pairs
+// [2 * capacity], in no particular order, and one count added to *count (which the caller zeroes
+// first). Every such entry is counted, also past `capacity`, whose pairs are then not written, so
+// a count above capacity says the list is incomplete. Marks and table are left as they are.
+// INVALID_VALUE for negative sizes or entries past 2^31.
+cudaError_t SdmCollectWritten(const int32_t* table, const uint8_t* marks, int64_t entries,
+                              int32_t* pairs, int64_t capacity, int32_t* count,
+                              cudaStream_t stream);
+
 // dst[i] = arena row row_ids[i] for i < count (dst contiguous [count, row_width]): GatherBlocks
 // (kernels/cuda/elementwise.h) over the arena's rows.
 cudaError_t SdmGatherRows(const SdmRowArena& arena, const int32_t* row_ids, int64_t count,

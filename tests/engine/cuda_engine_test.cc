@@ -156,7 +156,7 @@ std::shared_ptr<const Model> ModelNamed(const std::string& name, const ModelConf
 // `cpu_readings` / `cuda_readings`: EngineOptions::observe_sdm_readings of each engine.
 Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
                     int64_t transfer_chunk_bytes = 0, SdmReadingsObserver cpu_readings = {},
-                    SdmReadingsObserver cuda_readings = {}) {
+                    SdmReadingsObserver cuda_readings = {}, bool list_written_rows = true) {
   absl::StatusOr<ModelConfig> c = ConfigNamed(preset);
   EXPECT_TRUE(c.ok()) << c.status();
   std::shared_ptr<const Model> model = ModelNamed(preset, *c, 7);
@@ -170,6 +170,7 @@ Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
   o.observe_sdm_readings = std::move(cuda_readings);
   o.device_state_bytes = int64_t{2} << 30;
   o.device_transfer_chunk_bytes = transfer_chunk_bytes;
+  o.list_written_rows = list_written_rows;
   // The arenas must hold one session at max_context: debug_sdm's four full-attention layers
   // need 2 GiB of KV at the default 131072, more than the 2 GiB above. The sessions here are
   // short.
@@ -771,14 +772,21 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
 // tokens), turn after turn: short turns (positions appended), and on tiny (a ring of 24 positions,
 // one page) a turn longer than the ring (the ring copied whole). Each copy marks dirty at least
 // every row whose value the turn changed, so that a delta carries it. The session stays on the
-// device and continues bit for bit with its twin.
+// device and continues bit for bit with its twin. The rows are listed on the device
+// (SdmCollectWritten), and, on tiny, also read from the tables and marks (the fallback).
 TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
   SKIP_WITHOUT_DEVICE();
-  for (const auto& [preset, turns] :
-       {std::pair<std::string, std::vector<int>>{"tiny", {70, 1, 2, 30, 1}},
-        {"debug_hybrid", {70, 1, 3}}}) {
-    SCOPED_TRACE(preset);
-    Engines e = MakeEngines(preset, 16);
+  struct Case {
+    std::string preset;
+    std::vector<int> turns;
+    bool list;
+  };
+  for (const Case& c : {Case{"tiny", {70, 1, 2, 30, 1}, true}, Case{"tiny", {70, 1, 30}, false},
+                        Case{"debug_hybrid", {70, 1, 3}, true}}) {
+    const std::string& preset = c.preset;
+    const std::vector<int>& turns = c.turns;
+    SCOPED_TRACE(testing::Message() << preset << (c.list ? ", listed" : ", tables read"));
+    Engines e = MakeEngines(preset, 16, 0, {}, {}, c.list);
     ASSERT_NE(e.cuda, nullptr);
     const int64_t vocab = e.cuda->vocab_size();
     const StateLayout& layout = e.cuda->state_layout();
@@ -804,7 +812,11 @@ TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
       }
       ASSERT_TRUE(kept->on_device());
       EXPECT_FALSE(kept->host_current());
+      const auto* ctx = static_cast<const CudaDeviceContext*>(kept->device()->owner());
+      const int64_t lists = ctx->written_row_lists(), scans = ctx->written_row_scans();
       ASSERT_TRUE(kept->CopyChangesToHost().ok());
+      EXPECT_EQ(ctx->written_row_lists(), lists + (c.list ? 1 : 0));
+      EXPECT_EQ(ctx->written_row_scans(), scans + (c.list ? 0 : 1));
       EXPECT_TRUE(kept->on_device()) << "stays on the device";
       EXPECT_TRUE(kept->host_current());
       ASSERT_TRUE(twin->SyncToHost().ok());

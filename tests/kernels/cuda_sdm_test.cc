@@ -10,6 +10,7 @@
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -1706,6 +1707,58 @@ TEST(CudaSdmTest, InitFreeListHoldsEveryRow) {
   EXPECT_EQ(DownloadScalar(count.get()), capacity);
   const std::vector<int32_t> got = Download(list.get(), capacity);
   for (int64_t i = 0; i < capacity; ++i) ASSERT_EQ(got[i], i);
+#endif
+}
+
+// The written slots with a row, as (slot, row) pairs: exactly the entries whose mark is set and
+// whose table entry is a row (a marked slot at M0 is not listed), each once, whatever the order;
+// with too small a capacity the count still counts them all and the pairs written are some of
+// them, distinct; marks and table unchanged. Fixed and fresh seeds; sizes around a warp and a
+// block.
+TEST(CudaSdmTest, CollectWrittenListsTheMarkedSlotsWithRows) {
+  SDM_SKIP_WITHOUT_DEVICE();
+#if defined(SDM_HAVE_CUDA)
+  for (const uint32_t seed : {1u, 2u, FreshSeed()}) {
+    for (const int64_t entries : {int64_t{1}, int64_t{31}, int64_t{257}, int64_t{70001}}) {
+      SCOPED_TRACE(testing::Message() << "seed " << seed << " entries " << entries);
+      std::mt19937 rng(seed);
+      std::vector<int32_t> table(entries);
+      std::vector<uint8_t> marks(entries);
+      std::map<int32_t, int32_t> want;  // slot -> row
+      for (int64_t e = 0; e < entries; ++e) {
+        table[e] = rng() % 3 == 0 ? kSdmNoRow : static_cast<int32_t>(rng() % 1000000);
+        marks[e] = rng() % 4 == 0 ? static_cast<uint8_t>(1 + rng() % 255) : 0;
+        if (marks[e] != 0 && table[e] >= 0) want[static_cast<int32_t>(e)] = table[e];
+      }
+      const int64_t total = static_cast<int64_t>(want.size());
+      auto d_table = Upload(table);
+      auto d_marks = Upload(marks);
+      for (const int64_t capacity : {total, total / 2}) {
+        SCOPED_TRACE(testing::Message() << "capacity " << capacity);
+        cuda::DeviceBuffer<int32_t> pairs(2 * capacity + 2), count(1);
+        ASSERT_EQ(cudaMemset(count.get(), 0, sizeof(int32_t)), cudaSuccess);
+        ASSERT_EQ(cudaMemset(pairs.get(), 0xff, pairs.bytes()), cudaSuccess);
+        ASSERT_EQ(cuda::SdmCollectWritten(d_table.get(), d_marks.get(), entries, pairs.get(),
+                                          capacity, count.get(), nullptr),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_EQ(DownloadScalar(count.get()), total);
+        const std::vector<int32_t> got = Download(pairs.get(), 2 * capacity + 2);
+        std::set<int32_t> seen;
+        for (int64_t k = 0; k < capacity; ++k) {
+          auto it = want.find(got[2 * k]);
+          ASSERT_TRUE(it != want.end()) << "pair " << k << " names slot " << got[2 * k];
+          EXPECT_EQ(got[2 * k + 1], it->second) << "slot " << got[2 * k];
+          EXPECT_TRUE(seen.insert(got[2 * k]).second) << "slot " << got[2 * k] << " twice";
+        }
+        EXPECT_EQ(got[2 * capacity], -1) << "a pair written past the capacity";
+        EXPECT_EQ(Download(d_table.get(), entries), table);
+        EXPECT_EQ(Download(d_marks.get(), entries), marks);
+      }
+    }
+  }
+  EXPECT_EQ(cuda::SdmCollectWritten(nullptr, nullptr, -1, nullptr, 0, nullptr, nullptr),
+            cudaErrorInvalidValue);
 #endif
 }
 
