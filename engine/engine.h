@@ -120,10 +120,10 @@ struct EngineOptions {
   // once, after its copies were enqueued (engine/cuda/device_state.h, TransferStaging). Negative:
   // never.
   int64_t inject_transfer_fault = -1;
-  // Testing only (CUDA backend): false makes each copy of a turn's changes read the SDM tables
-  // and marks (the fallback for a list of written rows that came out incomplete,
-  // engine/cuda/device_state.h CudaSessionState::ListWrittenRows) instead of listing them.
-  bool list_written_rows = true;
+  // Testing only (CUDA backend): the most (slot, row) pairs a copy of a turn's changes lists per
+  // SDM layer (engine/cuda/device_state.h CudaSessionState::ListWrittenRows); a longer list falls
+  // back to reading the SDM tables and marks. Negative: the layer's private-row count.
+  int64_t written_list_capacity = -1;
   // Testing only: called after each SDM layer of a pass with that layer's readings before their
   // norm ([pass rows, dim] floats, rows in the pass's order), so that tests compare backends
   // layer by layer. The CUDA backend copies them to the host, synchronising inside the pass, and

@@ -117,6 +117,11 @@ ABSL_FLAG(bool, persist_journal, sdm::ServerOptions{}.store.journal_writes,
           "per token: a few KB) instead of the rows they changed, whichever is smaller; restoring "
           "applies them with the engine's own write, bit for bit. false: always the rows. "
           "docs/state-format.md, Delta log.");
+ABSL_FLAG(bool, persist_device_turns, sdm::ServerOptions{}.store.persist_device_turns,
+          "On a GPU: sessions held on the device are written after every turn as others are, "
+          "their changes copied back between steps while they stay there; the host then keeps a "
+          "current copy of each (counted in --resident_budget). false: written only when they "
+          "leave the device. docs/state-format.md, Durability.");
 ABSL_FLAG(std::string, persist_io, "direct",
           "How sessions' data is written to --state_dir: direct (O_DIRECT, whole blocks straight "
           "to the disk, without the page-cache copy that cost decode most of its CPU on a small "
@@ -377,6 +382,7 @@ int main(int argc, char** argv) {
   options.store.files = *persist_io;
   options.store.log_compact_ratio = absl::GetFlag(FLAGS_persist_compact_ratio);
   options.store.journal_writes = absl::GetFlag(FLAGS_persist_journal);
+  options.store.persist_device_turns = absl::GetFlag(FLAGS_persist_device_turns);
   if (!(options.store.log_compact_ratio >= 0 && options.store.log_compact_ratio <= 1e6)) {
     return UsageError("--persist_compact_ratio must be between 0 and 1e6");
   }

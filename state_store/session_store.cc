@@ -1975,9 +1975,9 @@ struct SessionStateStore::SyncJob {
   absl::Status status;
 };
 
-bool SessionStateStore::StaleOnDevice(const Entry& e) {
+bool SessionStateStore::StaleOnDevice(const Entry& e) const {
   return e.tier == Tier::kResident && e.state != nullptr && e.state->on_device() &&
-         !e.state->device()->CopiesChanges();
+         (!options_.persist_device_turns || !e.state->device()->CopiesChanges());
 }
 
 bool SessionStateStore::DeferDeviceWork() const {

@@ -198,6 +198,13 @@ struct SessionStoreOptions {
   // journal of state_store/sdm_table.h) instead of the rows they left, whichever is smaller, when
   // the engine's layout can apply them (SdmWriteSpec::apply). false: always the rows.
   bool journal_writes = true;
+  // Sessions held on a device are written after their turns as host sessions are, their changes
+  // copied back while they stay there (where the residency can: DeviceResidency::CopiesChanges).
+  // The host then keeps a current (fp32) copy of each such session, which counts in
+  // resident_budget_bytes: past it, the least recently used idle sessions leave the device too.
+  // false: a session on the device is written only when it leaves it, its host copy stays as it
+  // was when it arrived, and nobody waits for its turns.
+  bool persist_device_turns = true;
   // When a write counts as done (and WhenPersisted's callback runs): handed to the kernel
   // (kWrite; fsynced in the background) or fsynced (kFsync). See the class comment.
   PersistSync persist_sync = PersistSync::kWrite;
@@ -512,9 +519,10 @@ class SessionStateStore {
   // Copies `e` back on this thread (mu_ released meanwhile): whole and detached, or with
   // `changes_only` what changed, left on the device. Precondition: e.busy.
   absl::Status CopyBackHere(Entry& e, bool changes_only = false) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Whether `e` is on a device whose copy cannot be written while it stays there (its residency
-  // does not copy changes back): such an entry is written only once it leaves the device.
-  static bool StaleOnDevice(const Entry& e);
+  // Whether `e` is on a device whose copy is not written while it stays there (its residency
+  // does not copy changes back, or persist_device_turns is off): such an entry is written only
+  // once it leaves the device.
+  bool StaleOnDevice(const Entry& e) const;
   // Copies back the least recently used idle sessions on device while the device tier is over
   // its budget. Runs the copies here: on the step thread, or where there is none.
   void EnforceDeviceBudget() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -221,7 +221,7 @@ class CudaBackend : public EngineBackend {
     sizes.prefetch_bytes = prefetch_bytes;
     sizes.transfer_chunk_bytes = options_.device_transfer_chunk_bytes;
     sizes.inject_transfer_fault = options_.inject_transfer_fault;
-    sizes.list_written_rows = options_.list_written_rows;
+    sizes.written_list_capacity = options_.written_list_capacity;
     // Arenas in proportion to what one session needs at most: its SDM table fully written, its
     // sliding-window rings full, its full-attention caches at max_context. Session state of
     // `sessions` such sessions then fits exactly, and shorter sessions fit more.

@@ -780,7 +780,11 @@ absl::StatusOr<bool> CudaSessionState::ListWrittenRows(TransferStaging& staging,
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
     if (!IsSdm(layout.layers[l])) continue;
     layers.push_back(l);
-    capacity.push_back(std::max<int64_t>(0, ctx_->row_count(counter_slot_, ctx_->sdm_index(l))));
+    const int64_t testing_cap = ctx_->sizes().written_list_capacity;
+    capacity.push_back(
+        testing_cap >= 0
+            ? testing_cap
+            : std::max<int64_t>(0, ctx_->row_count(counter_slot_, ctx_->sdm_index(l))));
     offset.push_back(pairs);
     pairs += capacity.back();
   }
@@ -918,7 +922,7 @@ absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
     // private row, or the marked ones, read from the tables and marks themselves.
     std::vector<RowDownload> rows;
     bool listed = false;
-    if (changes_only && ctx_->sizes().list_written_rows) {
+    if (changes_only) {
       absl::StatusOr<bool> l = ListWrittenRows(staging, t, rows);
       if (!l.ok()) return l.status();
       listed = *l;

@@ -64,9 +64,9 @@ struct DeviceStateSizes {
   // Testing only (EngineOptions::inject_transfer_fault): the transfer chunk numbered this,
   // counted over the context's life, fails once after its copies were enqueued. -1: never.
   int64_t inject_transfer_fault = -1;
-  // Testing only (EngineOptions::list_written_rows): false makes CopyChangesToHost read the
-  // tables and marks instead of listing the written rows on the device.
-  bool list_written_rows = true;
+  // Testing only (EngineOptions::written_list_capacity): the most pairs ListWrittenRows lists
+  // per layer; negative: the layer's private-row count.
+  int64_t written_list_capacity = -1;
   // The most page-locked host memory staged uploads hold at once, pooled buffers included
   // (EngineOptions::resume_staging_bytes). 0: nothing is staged.
   int64_t staged_bytes = 0;

@@ -989,7 +989,7 @@ __global__ void CollectWrittenKernel(const int32_t* table, const uint8_t* marks,
     const int32_t row = i < entries && marks[i] != 0 ? table[i] : kSdmNoRow;
     const bool hit = row >= 0;
     const int64_t at = WarpClaim(hit, count);
-    if (hit && at < capacity) {
+    if (hit && at >= 0 && at < capacity) {
       pairs[2 * at] = static_cast<int32_t>(i);
       pairs[2 * at + 1] = row;
     }

@@ -156,7 +156,7 @@ std::shared_ptr<const Model> ModelNamed(const std::string& name, const ModelConf
 // `cpu_readings` / `cuda_readings`: EngineOptions::observe_sdm_readings of each engine.
 Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
                     int64_t transfer_chunk_bytes = 0, SdmReadingsObserver cpu_readings = {},
-                    SdmReadingsObserver cuda_readings = {}, bool list_written_rows = true) {
+                    SdmReadingsObserver cuda_readings = {}, int64_t written_list_capacity = -1) {
   absl::StatusOr<ModelConfig> c = ConfigNamed(preset);
   EXPECT_TRUE(c.ok()) << c.status();
   std::shared_ptr<const Model> model = ModelNamed(preset, *c, 7);
@@ -170,7 +170,7 @@ Engines MakeEngines(const std::string& preset, int64_t prefill_chunk,
   o.observe_sdm_readings = std::move(cuda_readings);
   o.device_state_bytes = int64_t{2} << 30;
   o.device_transfer_chunk_bytes = transfer_chunk_bytes;
-  o.list_written_rows = list_written_rows;
+  o.written_list_capacity = written_list_capacity;
   // The arenas must hold one session at max_context: debug_sdm's four full-attention layers
   // need 2 GiB of KV at the default 131072, more than the 2 GiB above. The sessions here are
   // short.
@@ -773,7 +773,8 @@ bool SameBits(const std::vector<float>& a, const std::vector<float>& b) {
 // one page) a turn longer than the ring (the ring copied whole). Each copy marks dirty at least
 // every row whose value the turn changed, so that a delta carries it. The session stays on the
 // device and continues bit for bit with its twin. The rows are listed on the device
-// (SdmCollectWritten), and, on tiny, also read from the tables and marks (the fallback).
+// (SdmCollectWritten), and, on tiny, also with lists capped at one pair, which every turn
+// overflows (the fallback: the tables and marks read on the same staging).
 TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
   SKIP_WITHOUT_DEVICE();
   struct Case {
@@ -785,8 +786,8 @@ TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
                         Case{"debug_hybrid", {70, 1, 3}, true}}) {
     const std::string& preset = c.preset;
     const std::vector<int>& turns = c.turns;
-    SCOPED_TRACE(testing::Message() << preset << (c.list ? ", listed" : ", tables read"));
-    Engines e = MakeEngines(preset, 16, 0, {}, {}, c.list);
+    SCOPED_TRACE(testing::Message() << preset << (c.list ? ", listed" : ", lists overflowing"));
+    Engines e = MakeEngines(preset, 16, 0, {}, {}, /*written_list_capacity=*/c.list ? -1 : 1);
     ASSERT_NE(e.cuda, nullptr);
     const int64_t vocab = e.cuda->vocab_size();
     const StateLayout& layout = e.cuda->state_layout();

@@ -1714,12 +1714,14 @@ TEST(CudaSdmTest, InitFreeListHoldsEveryRow) {
 // whose table entry is a row (a marked slot at M0 is not listed), each once, whatever the order;
 // with too small a capacity the count still counts them all and the pairs written are some of
 // them, distinct; marks and table unchanged. Fixed and fresh seeds; sizes around a warp and a
-// block.
+// block, and (one seed) past what one pass of the capped grid covers (4096 blocks of 256).
 TEST(CudaSdmTest, CollectWrittenListsTheMarkedSlotsWithRows) {
   SDM_SKIP_WITHOUT_DEVICE();
 #if defined(SDM_HAVE_CUDA)
   for (const uint32_t seed : {1u, 2u, FreshSeed()}) {
-    for (const int64_t entries : {int64_t{1}, int64_t{31}, int64_t{257}, int64_t{70001}}) {
+    std::vector<int64_t> sizes = {1, 31, 257, 70001};
+    if (seed == 1) sizes.push_back(int64_t{4096} * 256 + 70001);
+    for (const int64_t entries : sizes) {
       SCOPED_TRACE(testing::Message() << "seed " << seed << " entries " << entries);
       std::mt19937 rng(seed);
       std::vector<int32_t> table(entries);

@@ -295,8 +295,10 @@ class DeviceResidencyTest : public ::testing::Test {
   }
 
   std::unique_ptr<SessionStateStore> OpenStore(const std::filesystem::path& dir,
-                                               int64_t device_budget = 0, bool background = false) {
+                                               int64_t device_budget = 0, bool background = false,
+                                               bool persist_device_turns = true) {
     SessionStoreOptions o;
+    o.persist_device_turns = persist_device_turns;
     o.dir = dir;
     o.resident_budget_bytes = int64_t{1} << 30;
     o.host_budget_bytes = int64_t{1} << 30;
@@ -382,6 +384,10 @@ class DeviceResidencyTest : public ::testing::Test {
     DeviceDecode(lease->state(), steps);
     return probe;
   }
+
+  // TurnsOnADeviceThatCannotCopyChangesAreWrittenWhenItLeaves, with the residency able to copy
+  // changes and the store's switch off, or the other way round.
+  void TurnsAreWrittenWhenTheSessionLeaves(bool switched_off);
 
   ModelConfig config_;
   std::unique_ptr<Engine> engine_;
@@ -710,11 +716,20 @@ TEST_F(DeviceResidencyTest, TurnsOnTheDeviceAreWrittenWhileTheSessionStaysThere)
   EXPECT_TRUE(SameContent(lease->state(), *control));
 }
 
-// Without it (the default of a residency), a session on the device is written only when it
-// leaves, and nobody waits for its turns: the crash copy holds the session as created.
+// Without it (the default of a residency), or with SessionStoreOptions::persist_device_turns
+// off, a session on the device is written only when it leaves, and nobody waits for its turns:
+// the crash copy holds the session as created.
 TEST_F(DeviceResidencyTest, TurnsOnADeviceThatCannotCopyChangesAreWrittenWhenItLeaves) {
+  for (const bool switched_off : {false, true}) {
+    SCOPED_TRACE(switched_off ? "persist_device_turns off" : "a residency without it");
+    TurnsAreWrittenWhenTheSessionLeaves(switched_off);
+  }
+}
+
+void DeviceResidencyTest::TurnsAreWrittenWhenTheSessionLeaves(bool switched_off) {
   testing::ScopedTempDir dir, crashes;
-  std::unique_ptr<SessionStateStore> store = OpenStore(dir.path(), 0, /*background=*/true);
+  std::unique_ptr<SessionStateStore> store =
+      OpenStore(dir.path(), 0, /*background=*/true, /*persist_device_turns=*/!switched_off);
   FakeStepThread step(*store);
   ASSERT_TRUE(store->Create("s", "meta").ok());
   absl::Notification created;
@@ -725,6 +740,7 @@ TEST_F(DeviceResidencyTest, TurnsOnADeviceThatCannotCopyChangesAreWrittenWhenItL
     auto lease = store->Acquire("s");
     ASSERT_TRUE(lease.ok()) << lease.status();
     probe = Attach(lease->state());
+    probe->copies_changes = switched_off;  // the switch alone keeps it from being written
     DeviceDecode(lease->state(), prompt_);
   }
   absl::Notification acked;
