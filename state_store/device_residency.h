@@ -61,8 +61,7 @@ class DeviceResidency {
   // from them; nobody writes them while attached) plus what earlier calls copied. Unimplemented
   // by default (CopiesChanges() false): the store then writes the session only when it leaves
   // the device. Same thread rules as CopyToHost.
-  virtual absl::Status CopyChangesToHost(SessionState& host) {
-    (void)host;
+  virtual absl::Status CopyChangesToHost(SessionState& /*host*/) {
     return absl::UnimplementedError("this device residency copies back only whole sessions");
   }
   // Whether CopyChangesToHost is implemented.

@@ -46,8 +46,9 @@ void SessionState::AttachDevice(std::unique_ptr<DeviceResidency> residency) {
   SDM_CHECK(device_ == nullptr);  // two device copies: which one is the truth?
   staged_.reset();                // the device copy is the truth from now on
   device_ = std::move(residency);
-  // Stale until copied back: a backend may change the host layers as it attaches (the contract
-  // is that they are stale), so only CopyChangesToHost says they are current.
+  // Not current until a copy back says so: only a backend that copies the host layers
+  // unchanged to the device (what CopyChangesToHost relies on) leaves them equal to its copy, so
+  // nothing encodes them on the strength of the attach alone.
   host_current_ = false;
 }
 

@@ -2007,30 +2007,10 @@ absl::Status SessionStateStore::RunDeviceJobLocked(SyncJob& job) {
   return CopyBackHere(*job.entry, job.changes_only);
 }
 
-absl::Status SessionStateStore::CopyChangesLocked(Entry& e) {
+absl::Status SessionStateStore::CopyFromDeviceLocked(Entry& e, bool changes_only) {
   SDM_CHECK(e.tier == Tier::kResident && !e.busy && !e.in_use);
-  if (e.state->host_current()) return absl::OkStatus();
   e.busy = true;  // keeps every other store operation (and lease) off it meanwhile
-  SyncJob job{.entry = &e, .changes_only = true, .done = false, .status = absl::OkStatus()};
-  const absl::Status status = RunDeviceJobLocked(job);
-  e.busy = false;
-  Refresh(e);  // its host rows grew (also after a failure: they may be partly written)
-  changed_.SignalAll();
-  if (!status.ok()) {
-    ++counters_.sync_errors;
-    return SyncError(e.key.id, status);
-  }
-  return absl::OkStatus();
-}
-
-absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
-  SDM_CHECK(e.tier == Tier::kResident && !e.busy && !e.in_use);
-  if (!e.state->on_device()) return absl::OkStatus();
-  e.busy = true;  // keeps every other store operation (and lease) off it meanwhile
-  // A session whose turns were copied back since its last step is only detached, and its dirty
-  // marks still say what its next delta must carry.
-  const bool whole_copy = !e.state->host_current();
-  SyncJob job{.entry = &e, .changes_only = false, .done = false, .status = absl::OkStatus()};
+  SyncJob job{.entry = &e, .changes_only = changes_only, .done = false, .status = absl::OkStatus()};
   const absl::Status status = RunDeviceJobLocked(job);
   e.busy = false;
   Refresh(e);  // also after a failure: the host layers may have been partly written
@@ -2039,6 +2019,20 @@ absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
     ++counters_.sync_errors;
     return SyncError(e.key.id, status);
   }
+  return absl::OkStatus();
+}
+
+absl::Status SessionStateStore::CopyChangesLocked(Entry& e) {
+  if (e.state->host_current()) return absl::OkStatus();
+  return CopyFromDeviceLocked(e, /*changes_only=*/true);
+}
+
+absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
+  if (!e.state->on_device()) return absl::OkStatus();
+  // A session whose turns were copied back since its last step is only detached, and its dirty
+  // marks still say what its next delta must carry.
+  const bool whole_copy = !e.state->host_current();
+  SDM_RETURN_IF_ERROR(CopyFromDeviceLocked(e, /*changes_only=*/false));
   ++counters_.device_evictions;
   // A whole copy-back rewrote host rows outside the dirty marks' view: the next write is whole.
   if (whole_copy) e.needs_full = true;

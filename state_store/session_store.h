@@ -609,9 +609,13 @@ class SessionStateStore {
 
   // Device moves for the step thread (see SetStepThread).
   struct SyncJob;
-  // Asks for `job` (SyncToHostLocked's or CopyChangesLocked's) on the step thread, or runs it
-  // here (DeferDeviceWork), and returns its status. Precondition: the job's entry is busy.
+  // Asks for `job` on the step thread, or runs it here (DeferDeviceWork), and returns its
+  // status. Precondition: the job's entry is busy.
   absl::Status RunDeviceJobLocked(SyncJob& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // What SyncToHostLocked and CopyChangesLocked share: `e` busy while the step thread (or this
+  // one) copies it back, whole or (changes_only) its changes; then its accounting refreshed and
+  // a failure counted and returned naming the session.
+  absl::Status CopyFromDeviceLocked(Entry& e, bool changes_only) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> wake_step_thread_ ABSL_GUARDED_BY(mu_);
   std::thread::id step_thread_ ABSL_GUARDED_BY(mu_);  // default id: none registered
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);

@@ -777,10 +777,10 @@ absl::StatusOr<bool> CudaSessionState::ListWrittenRows(TransferStaging& staging,
   // step's refresh: a written slot with a row is a private one) and where they go.
   std::vector<int64_t> layers, capacity, offset;
   int64_t pairs = 0;
+  const int64_t testing_cap = ctx_->sizes().written_list_capacity;
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
     if (!IsSdm(layout.layers[l])) continue;
     layers.push_back(l);
-    const int64_t testing_cap = ctx_->sizes().written_list_capacity;
     capacity.push_back(
         testing_cap >= 0
             ? testing_cap

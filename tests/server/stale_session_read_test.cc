@@ -78,6 +78,13 @@ class StaleSessionReadTest : public ::testing::Test {
     request.mutable_sampling()->set_max_tokens(4);
     return request;
   }
+  // A chat request continuing the session "chat" with one user message.
+  static absl::StatusOr<OpenAiRequest> ChatTurn() {
+    return ParseOpenAiRequest(
+        R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "session_id": "chat"})",
+        OpenAiEndpoint::kChatCompletions);
+  }
   absl::Status Prepare(const std::string& text, GenerateJob& job) {
     return service_->PrepareGenerate(kTenant, absl::InfiniteFuture(), Request(text), job);
   }
@@ -170,10 +177,7 @@ TEST_F(StaleSessionReadTest, TheRetryStopsAtKGenerateAttemptsAndOnAnythingButASe
 // that finishes between the two would give a template rendered for a new conversation to a job
 // continuing one: PrepareOpenAiJob refuses it, and rendered again the prompt continues.
 TEST_F(StaleSessionReadTest, AChatPromptRenderedBeforeAnotherTurnIsRefusedAndRenderedAgain) {
-  absl::StatusOr<OpenAiRequest> chat = ParseOpenAiRequest(
-      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-          "session_id": "chat"})",
-      OpenAiEndpoint::kChatCompletions);
+  const absl::StatusOr<OpenAiRequest> chat = ChatTurn();
   ASSERT_TRUE(chat.ok()) << chat.status();
   const ChatTemplate chat_template;
   absl::StatusOr<OpenAiPrompt> stale = RenderOpenAiPrompt(*service_, kTenant, *chat, chat_template);
@@ -223,10 +227,7 @@ TEST_F(StaleSessionReadTest, AChatPromptRenderedBeforeAnotherTurnIsRefusedAndRen
 // and its job makes it render again, and the job that runs continues the conversation; a session
 // that changes in that window every time is refused after kGenerateAttempts renders.
 TEST_F(StaleSessionReadTest, TheHttpPathRendersAgainWhenATurnFinishesBetweenItsReads) {
-  absl::StatusOr<OpenAiRequest> chat = ParseOpenAiRequest(
-      R"({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-          "session_id": "chat"})",
-      OpenAiEndpoint::kChatCompletions);
+  const absl::StatusOr<OpenAiRequest> chat = ChatTurn();
   ASSERT_TRUE(chat.ok()) << chat.status();
   const ChatTemplate chat_template;
   int64_t history = 0;  // the session's tokens, a pending one included

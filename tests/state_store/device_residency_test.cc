@@ -749,10 +749,20 @@ void DeviceResidencyTest::TurnsAreWrittenWhenTheSessionLeaves(bool switched_off)
   EXPECT_EQ(probe->change_copies, 0);
   EXPECT_EQ(store->Stats().unpersisted, 1);
   std::filesystem::copy(dir.path(), crashes.path() / "1", std::filesystem::copy_options::recursive);
-  auto restarted = OpenStore(crashes.path() / "1");
+  {
+    auto restarted = OpenStore(crashes.path() / "1");
+    auto lease = restarted->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), 0);
+  }
+  // Leaving the device (parked to disk: copied back whole, then written) writes its turns.
+  ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
+  EXPECT_EQ(probe->copies, 1);
+  std::filesystem::copy(dir.path(), crashes.path() / "2", std::filesystem::copy_options::recursive);
+  auto restarted = OpenStore(crashes.path() / "2");
   auto lease = restarted->Acquire("s");
   ASSERT_TRUE(lease.ok()) << lease.status();
-  EXPECT_EQ(lease->state().position(), 0);
+  EXPECT_EQ(lease->state().position(), static_cast<int64_t>(prompt_.size()));
 }
 
 TEST_F(DeviceResidencyTest, ForkSyncsTheSourceFirst) {
