@@ -585,6 +585,7 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
       layer.pages.reserve(ctx->page_table_entries(l));
     }
   }
+  s->marks_cleared_at_ = host.position();
   if (auto st = s->EnsurePages(host.position()); !st.ok()) return st;
   // The ids: the SDM runs' slot ids, then each KV run's pages in table order; run r's are at
   // run_first[r] (a block per id).
@@ -770,21 +771,31 @@ absl::Status CudaSessionState::CopyChangesToHost(SessionState& host) {
 }
 
 absl::StatusOr<bool> CudaSessionState::ListWrittenRows(TransferStaging& staging,
-                                                       cudaStream_t stream,
+                                                       cudaStream_t stream, int64_t position,
                                                        std::vector<RowDownload>& rows) {
   const StateLayout& layout = ctx_->layout();
-  // Per SDM layer: its index, the most pairs its list may hold (its private rows as of the last
-  // step's refresh: a written slot with a row is a private one) and where they go.
+  // Per SDM layer: its index, the most pairs its list may hold and where they go. A written
+  // slot with a row is a private one (so at most the private rows as of the last step's
+  // refresh), and a token writes at most heads * writes slots (so at most that many per token
+  // since the marks were zeroed): a bound that stays near a turn's writes keeps the staging
+  // from growing with the session. A step that wrote without advancing the position (one that
+  // failed) may exceed it: the count says so, and the copy reads the tables instead.
   std::vector<int64_t> layers, capacity, offset;
   int64_t pairs = 0;
   const int64_t testing_cap = ctx_->sizes().written_list_capacity;
+  const int64_t tokens = std::max<int64_t>(0, position - marks_cleared_at_);
   for (int64_t l = 0; l < static_cast<int64_t>(layers_.size()); ++l) {
-    if (!IsSdm(layout.layers[l])) continue;
+    const LayerStateLayout& ls = layout.layers[l];
+    if (!IsSdm(ls)) continue;
     layers.push_back(l);
-    capacity.push_back(
-        testing_cap >= 0
-            ? testing_cap
-            : std::max<int64_t>(0, ctx_->row_count(counter_slot_, ctx_->sdm_index(l))));
+    const int64_t private_rows =
+        std::max<int64_t>(0, ctx_->row_count(counter_slot_, ctx_->sdm_index(l)));
+    const int64_t token_writes = ls.sdm_heads * std::max<int64_t>(1, ls.sdm_write.writes);
+    capacity.push_back(testing_cap >= 0
+                           ? testing_cap
+                           : std::min(private_rows, tokens > private_rows / token_writes
+                                                        ? private_rows
+                                                        : tokens * token_writes));
     offset.push_back(pairs);
     pairs += capacity.back();
   }
@@ -923,7 +934,7 @@ absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
     std::vector<RowDownload> rows;
     bool listed = false;
     if (changes_only) {
-      absl::StatusOr<bool> l = ListWrittenRows(staging, t, rows);
+      absl::StatusOr<bool> l = ListWrittenRows(staging, t, length, rows);
       if (!l.ok()) return l.status();
       listed = *l;
     }
@@ -1093,6 +1104,7 @@ absl::Status CudaSessionState::Download(SessionState& host, bool changes_only) {
           cudaMemsetAsync(layers_[l].written.get(), 0, layers_[l].written.bytes(), ctx_->compute()),
           "clearing written marks"));
     }
+    marks_cleared_at_ = length;
     return absl::OkStatus();
   });
 }

@@ -466,17 +466,21 @@ class CudaSessionState final : public DeviceResidency {
     int32_t row = 0;
   };
   // Download's rows, in layer then slot order, after the compute stream's work (on `stream`,
-  // which waits for it). ListWrittenRows: the written ones with a row, listed on the device
-  // (kernels/cuda/sdm.h SdmCollectWritten) within each layer's private-row count; false (rows
-  // left empty) when a list came out longer than that count. ScanTables: from the downloaded
+  // which waits for it). ListWrittenRows: the written ones with a row of the session at
+  // `position`, listed on the device (kernels/cuda/sdm.h SdmCollectWritten) within each layer's
+  // bound (its private-row count, and the writes of the tokens since the marks were zeroed); false
+  // (rows left empty) when a list came out longer than that bound. ScanTables: from the downloaded
   // tables, every private row or (marked_only) the marked ones.
   absl::StatusOr<bool> ListWrittenRows(TransferStaging& staging, cudaStream_t stream,
-                                       std::vector<RowDownload>& rows);
+                                       int64_t position, std::vector<RowDownload>& rows);
   absl::Status ScanTables(TransferStaging& staging, cudaStream_t stream, bool marked_only,
                           std::vector<RowDownload>& rows);
   std::shared_ptr<CudaDeviceContext> ctx_;
   std::vector<Layer> layers_;
   int32_t counter_slot_ = -1;
+  // The session's position when the written marks were last zeroed (at upload and by each
+  // CopyChangesToHost): every mark since is a write of a token past it, which bounds a list.
+  int64_t marks_cleared_at_ = 0;
 };
 
 }  // namespace sdm

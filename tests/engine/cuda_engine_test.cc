@@ -885,6 +885,37 @@ TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
   }
 }
 
+// A turn's list of written rows is sized by the turn (its tokens' writes), not by the session's
+// private rows, which grow turn after turn: one-token turns on a session that prefilled 70 tokens
+// copy back without growing the staging (sized by the private rows, every turn that added a row
+// reallocated it, a device-wide synchronisation on the step thread), and every copy still takes
+// the list, none the tables.
+TEST(CudaEngineTest, ShortTurnsCopyBackWithoutGrowingTheStaging) {
+  SKIP_WITHOUT_DEVICE();
+  Engines e = MakeEngines("debug_hybrid", 16);
+  ASSERT_NE(e.cuda, nullptr);
+  const int64_t vocab = e.cuda->vocab_size();
+  auto session = e.cuda->NewSession();
+  ASSERT_TRUE(e.cuda->Prefill(*session, RandomTokens(70, vocab, 5), false, nullptr).ok());
+  ASSERT_TRUE(session->CopyChangesToHost().ok());
+  const auto* ctx = static_cast<const CudaDeviceContext*>(session->device()->owner());
+  const int64_t allocations = ctx->transfer_staging_allocations();
+  const int64_t lists = ctx->written_row_lists();
+  const int64_t rows_before = PrivateRows(*session).size();
+  const std::vector<int32_t> tokens = RandomTokens(24, vocab, 6);
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    std::vector<float> logits(vocab);
+    SessionState* p = session.get();
+    ASSERT_TRUE(e.cuda->Decode({&p, 1}, {&tokens[i], 1}, logits).ok());
+    ASSERT_TRUE(session->CopyChangesToHost().ok());
+    EXPECT_EQ(ctx->transfer_staging_allocations(), allocations) << "turn " << i;
+  }
+  EXPECT_EQ(ctx->written_row_lists(), lists + static_cast<int64_t>(tokens.size()));
+  EXPECT_EQ(ctx->written_row_scans(), 0);
+  // The turns added rows (else the private rows would not have grown either).
+  EXPECT_GT(PrivateRows(*session).size(), rows_before);
+}
+
 // The largest block a transfer moves whole, in bytes (bf16): an SDM row or a KV page. The
 // tests' own count, beside the engine's LargestTransferBlockBytes.
 int64_t LargestBlockBytes(const StateLayout& layout) {
