@@ -55,7 +55,8 @@ void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {
   flags.SetDefaultText("max_tokens", "unset: the server's, 256");
   flags.AddDouble("temperature", &values->temperature, "0: greedy; otherwise softmax temperature");
   flags.AddInt("top_k", &values->top_k, "sample among the k most probable tokens; 0: no limit");
-  flags.AddDouble("top_p", &values->top_p, "nucleus sampling threshold in (0, 1]");
+  flags.AddDouble("top_p", &values->top_p,
+                  "nucleus sampling threshold in [0, 1] (0: the most probable token)");
   flags.AddString("seed", &values->seed, "sampler seed (unsigned 64-bit)");
   flags.AddStringList("stop", &values->stop, "stop when the text contains this string");
   flags.AddString("stop_ids", &values->stop_ids,

@@ -34,9 +34,10 @@ absl::Status ValidateSamplingParams(const SamplingParams& params, int64_t vocab_
         absl::StrCat("top_k must be >= 0 (0 means no top-k limit), got ", params.top_k));
   }
   // Written so that NaN fails too.
-  if (!(params.top_p > 0 && params.top_p <= 1)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_p must be in (0, 1] (1 means no nucleus limit), got ", params.top_p));
+  if (!(params.top_p >= 0 && params.top_p <= 1)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "top_p must be in [0, 1] (1 means no nucleus limit, 0 the most probable token), got ",
+        params.top_p));
   }
   if (params.max_tokens < 1) {
     return absl::InvalidArgumentError(

@@ -39,7 +39,7 @@ struct SamplingParams {
 };
 
 // InvalidArgument naming the field and the accepted range if any field is out of range:
-// temperature negative, NaN or infinite; top_k negative; top_p not in (0, 1]; max_tokens < 1;
+// temperature negative, NaN or infinite; top_k negative; top_p not in [0, 1]; max_tokens < 1;
 // a stop id outside [0, vocab_size).
 absl::Status ValidateSamplingParams(const SamplingParams& params, int64_t vocab_size);
 

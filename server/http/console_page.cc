@@ -70,8 +70,8 @@ constexpr char kPage[] = R"sdmconsole(<!doctype html>
   <h2>Sampling</h2>
   <label for="max_tokens">max_tokens</label><input id="max_tokens" type="number" value="64" min="1">
   <label for="temperature">temperature</label><input id="temperature" type="number" value="0.7" min="0" step="0.1">
-  <label for="top_p">top_p</label><input id="top_p" type="number" value="1" min="0.01" max="1" step="0.05">
-  <label for="seed">seed</label><input id="seed" type="number" value="0" min="0">
+  <label for="top_p">top_p</label><input id="top_p" type="number" value="1" min="0" max="1" step="0.05">
+  <label for="seed">seed</label><input id="seed" type="number" placeholder="random" min="0">
   <h2>Live</h2>
   <div class="fig"><span>model</span><b id="f-model">-</b></div>
   <div class="fig"><span>time to first token</span><b id="f-ttft">-</b></div>
@@ -184,7 +184,8 @@ $("send").addEventListener("submit", async (e) => {
   const body = { model, messages: [{ role: "user", content: text }], stream: true,
                  stream_options: { include_usage: true },
                  max_tokens: Number($("max_tokens").value), temperature: Number($("temperature").value),
-                 top_p: Number($("top_p").value), seed: Number($("seed").value) };
+                 top_p: Number($("top_p").value) };
+  if ($("seed").value !== "") body.seed = Number($("seed").value);  // else a fresh one
   if (current) body.session_id = current;
   const start = performance.now();
   let first = 0;

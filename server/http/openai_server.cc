@@ -30,6 +30,13 @@ namespace {
 using Json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
+// Every JSON response's type, with its charset. Not for show: httplib compresses a chunked
+// response typed exactly "application/json" for a client that accepts gzip or br (the official
+// SDKs do), and its compressor holds back the non-streaming heartbeats, so a client that left
+// would never be noticed (the heartbeats: server/http/openai_server.h). Event streams are never
+// compressed.
+constexpr char kJsonContentType[] = "application/json; charset=utf-8";
+
 std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
 void SendError(httplib::Response& res, const absl::Status& status, absl::string_view code = "") {
@@ -38,12 +45,12 @@ void SendError(httplib::Response& res, const absl::Status& status, absl::string_
   if (e.retry_after_seconds.has_value()) {
     res.set_header("Retry-After", absl::StrCat(*e.retry_after_seconds));
   }
-  res.set_content(e.body, "application/json");
+  res.set_content(e.body, kJsonContentType);
 }
 
 void SendJson(httplib::Response& res, const Json& body) {
   res.status = 200;
-  res.set_content(Dump(body), "application/json");
+  res.set_content(Dump(body), kJsonContentType);
 }
 
 std::string RandomId(absl::string_view prefix) {
@@ -198,7 +205,12 @@ class OpenAiServer::Handlers {
   template <typename Body>
   void Unary(const httplib::Request& req, httplib::Response& res, absl::string_view method,
              Body&& body);
-  void Generate(const httplib::Request& req, httplib::Response& res, OpenAiEndpoint endpoint);
+  void Generate(const httplib::Request& req, const std::string& body, httplib::Response& res,
+                OpenAiEndpoint endpoint);
+  // Routes POSTs to `pattern` to `handler(req, body, res)`, the body read here (see Install).
+  void Post(httplib::Server& http, const std::string& pattern,
+            std::function<void(const httplib::Request&, const std::string&, httplib::Response&)>
+                handler) const;
 
   OpenAiServer& owner_;
   const OpenAiServerOptions options_;
@@ -224,8 +236,35 @@ void OpenAiServer::Handlers::Unary(const httplib::Request& req, httplib::Respons
   SendJson(res, *out);
 }
 
-void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Response& res,
-                                      OpenAiEndpoint endpoint) {
+void OpenAiServer::Handlers::Post(
+    httplib::Server& http, const std::string& pattern,
+    std::function<void(const httplib::Request&, const std::string&, httplib::Response&)> handler)
+    const {
+  // httplib's own read of a body refuses one sent as application/x-www-form-urlencoded (what
+  // `curl -d` sends without a Content-Type) past 8 KiB (CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_
+  // LENGTH, compiled into the library) whatever the server's limit; read here, every content
+  // type has the one limit, max_body_bytes (past it: 413). httplib applies it to a body with a
+  // Content-Length (and skips the body, so the connection stays usable); the check below covers
+  // a chunked one.
+  const size_t limit = options_.max_body_bytes;
+  http.Post(pattern, [handler = std::move(handler), limit](const httplib::Request& req,
+                                                           httplib::Response& res,
+                                                           const httplib::ContentReader& read) {
+    std::string body;
+    bool too_large = false;
+    const bool complete = read([&](const char* data, size_t size) {
+      too_large = body.size() + size > limit;
+      if (!too_large) body.append(data, size);
+      return !too_large;
+    });
+    if (too_large) res.status = 413;
+    if (!complete || too_large) return;  // res.status says why; the error handler writes it
+    handler(req, body, res);
+  });
+}
+
+void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::string& body,
+                                      httplib::Response& res, OpenAiEndpoint endpoint) {
   const Clock::time_point start = Clock::now();
   const absl::string_view method =
       endpoint == OpenAiEndpoint::kCompletions ? "OpenAI.Completions" : "OpenAI.ChatCompletions";
@@ -235,8 +274,14 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
   };
   absl::StatusOr<std::string> tenant = Tenant(req);
   if (!tenant.ok()) return refuse(tenant.status());
-  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(req.body, endpoint);
+  absl::StatusOr<OpenAiRequest> request = ParseOpenAiRequest(body, endpoint);
   if (!request.ok()) return refuse(request.status());
+  if (!request->seed.has_value()) {
+    // As OpenAI's API: without a seed, each request samples afresh (a regenerate button, a
+    // retry after a bad answer). gRPC's default seed is 0, for reproducible runs.
+    thread_local absl::BitGen gen;
+    request->seed = absl::Uniform<uint64_t>(gen);
+  }
   if (!request->model.empty() && request->model != model_name_) {
     return refuse(absl::NotFoundError(absl::StrCat("the model '", request->model,
                                                    "' does not exist; this server serves '",
@@ -399,7 +444,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, httplib::Resp
     if (!state->recorded) service->RecordRequest(method, absl::StatusCode::kCancelled, start);
     owner->active_generations_.fetch_sub(1);
   };
-  res.set_chunked_content_provider(stream ? "text/event-stream" : "application/json", provider,
+  res.set_chunked_content_provider(stream ? "text/event-stream" : kJsonContentType, provider,
                                    release);
 }
 
@@ -425,32 +470,36 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
       return ModelJson();
     });
   });
-  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    Generate(req, res, OpenAiEndpoint::kCompletions);
-  });
-  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    Generate(req, res, OpenAiEndpoint::kChatCompletions);
-  });
+  Post(http, "/v1/completions",
+       [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
+         Generate(req, body, res, OpenAiEndpoint::kCompletions);
+       });
+  Post(http, "/v1/chat/completions",
+       [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
+         Generate(req, body, res, OpenAiEndpoint::kChatCompletions);
+       });
 
   // Sessions (our extension), with the semantics of the gRPC session RPCs.
-  http.Post("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
-    Unary(req, res, "CreateSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
-      absl::StatusOr<Json> body = ParseObjectBody(req.body);
-      if (!body.ok()) return body.status();
-      v1::CreateSessionRequest create;
-      std::string id;
-      if (absl::Status s = GetStringField(*body, "session_id", id); !s.ok()) return s;
-      create.set_session_id(id);
-      if (absl::Status s = ParseLabels(*body, *create.mutable_labels()); !s.ok()) return s;
-      bool has_ttl = false;
-      google::protobuf::Duration ttl;
-      if (absl::Status s = ParseTtl(*body, ttl, has_ttl); !s.ok()) return s;
-      if (has_ttl) *create.mutable_ttl() = ttl;
-      v1::Session session;
-      if (absl::Status s = service_.DoCreateSession(tenant, create, session); !s.ok()) return s;
-      return SessionToJson(session);
-    });
-  });
+  Post(http, "/v1/sessions",
+       [this](const httplib::Request& req, const std::string& text, httplib::Response& res) {
+         Unary(req, res, "CreateSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+           absl::StatusOr<Json> body = ParseObjectBody(text);
+           if (!body.ok()) return body.status();
+           v1::CreateSessionRequest create;
+           std::string id;
+           if (absl::Status s = GetStringField(*body, "session_id", id); !s.ok()) return s;
+           create.set_session_id(id);
+           if (absl::Status s = ParseLabels(*body, *create.mutable_labels()); !s.ok()) return s;
+           bool has_ttl = false;
+           google::protobuf::Duration ttl;
+           if (absl::Status s = ParseTtl(*body, ttl, has_ttl); !s.ok()) return s;
+           if (has_ttl) *create.mutable_ttl() = ttl;
+           v1::Session session;
+           if (absl::Status s = service_.DoCreateSession(tenant, create, session); !s.ok())
+             return s;
+           return SessionToJson(session);
+         });
+       });
   http.Get("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
     Unary(req, res, "ListSessions", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
       v1::ListSessionsRequest list;
@@ -494,30 +543,30 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
           return Json{{"id", del.session_id()}, {"object", "session.deleted"}, {"deleted", true}};
         });
       });
-  http.Post(R"(/v1/sessions/([^/]+)/fork)",
-            [this](const httplib::Request& req, httplib::Response& res) {
-              Unary(req, res, "ForkSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
-                absl::StatusOr<Json> body = ParseObjectBody(req.body);
-                if (!body.ok()) return body.status();
-                v1::ForkSessionRequest fork;
-                fork.set_session_id(req.matches[1].str());
-                std::string id;
-                if (absl::Status s = GetStringField(*body, "new_session_id", id); !s.ok()) {
-                  return s;
-                }
-                fork.set_new_session_id(id);
-                if (absl::Status s = ParseLabels(*body, *fork.mutable_labels()); !s.ok()) return s;
-                bool has_ttl = false;
-                google::protobuf::Duration ttl;
-                if (absl::Status s = ParseTtl(*body, ttl, has_ttl); !s.ok()) return s;
-                if (has_ttl) *fork.mutable_ttl() = ttl;
-                v1::Session session;
-                if (absl::Status s = service_.DoForkSession(tenant, fork, session); !s.ok()) {
-                  return s;
-                }
-                return SessionToJson(session);
-              });
-            });
+  Post(http, R"(/v1/sessions/([^/]+)/fork)",
+       [this](const httplib::Request& req, const std::string& text, httplib::Response& res) {
+         Unary(req, res, "ForkSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
+           absl::StatusOr<Json> body = ParseObjectBody(text);
+           if (!body.ok()) return body.status();
+           v1::ForkSessionRequest fork;
+           fork.set_session_id(req.matches[1].str());
+           std::string id;
+           if (absl::Status s = GetStringField(*body, "new_session_id", id); !s.ok()) {
+             return s;
+           }
+           fork.set_new_session_id(id);
+           if (absl::Status s = ParseLabels(*body, *fork.mutable_labels()); !s.ok()) return s;
+           bool has_ttl = false;
+           google::protobuf::Duration ttl;
+           if (absl::Status s = ParseTtl(*body, ttl, has_ttl); !s.ok()) return s;
+           if (has_ttl) *fork.mutable_ttl() = ttl;
+           v1::Session session;
+           if (absl::Status s = service_.DoForkSession(tenant, fork, session); !s.ok()) {
+             return s;
+           }
+           return SessionToJson(session);
+         });
+       });
 
   // Errors decided by the HTTP server itself (unknown path, body too large) in OpenAI's shape;
   // responses that already carry a body are left alone.
@@ -536,13 +585,13 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
         message = absl::StrCat("HTTP ", res.status);
     }
     res.set_content(ErrorBody(res.status, message, res.status == 413 ? "payload_too_large" : ""),
-                    "application/json");
+                    kJsonContentType);
     return httplib::Server::HandlerResponse::Handled;
   }));
   http.set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
         res.status = 500;
-        res.set_content(ErrorBody(500, "internal error", "internal"), "application/json");
+        res.set_content(ErrorBody(500, "internal error", "internal"), kJsonContentType);
       });
 }
 

@@ -17,8 +17,12 @@
 // merged, so a slow reader gets fewer, larger chunks. While there is nothing to send, a stream
 // writes an SSE comment (": keep-alive") and a non-streaming response a space (JSON allows
 // leading whitespace) every `heartbeat`: a write that fails means the client went away, and its
-// job is cancelled within one scheduler step. An engine error after the response started is
+// job is cancelled within one scheduler step (for that, no response is compressed: a
+// compressor would hold the heartbeats back). An engine error after the response started is
 // reported in the body (an `error` event, or the error JSON) since the status line is out.
+//
+// Request bodies: at most `max_body_bytes` whatever their Content-Type (413 past it), read as
+// JSON whatever it says (`curl -d` sends application/x-www-form-urlencoded).
 //
 // Shutdown (SdmServer): the service stops admitting (503 from then on), streams in flight finish
 // or are cancelled by the scheduler (finish_reason "cancelled"), then Stop() closes the port.

@@ -256,8 +256,12 @@ TEST(SampleTokenTest, TopPRestrictsToTheNucleus) {
   counts = Histogram(logits, Sampling(1.0, 0, 0.81, 8), n);
   EXPECT_EQ(Support(counts), (std::set<int32_t>{0, 1, 2}));
   ExpectFrequenciesMatch(counts, {0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0}, n);
-  // A tiny top_p still keeps one token: the most probable.
+  // A tiny top_p still keeps one token: the most probable; so does 0 (OpenAI's API accepts it).
   EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 0, 1e-9, 8), 500)), (std::set<int32_t>{0}));
+  EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 0, 0.0, 8), 500)), (std::set<int32_t>{0}));
+  // The most probable also where it is not the first id.
+  const std::vector<float> reversed(logits.rbegin(), logits.rend());
+  EXPECT_EQ(Support(Histogram(reversed, Sampling(1.0, 0, 0.0, 8), 500)), (std::set<int32_t>{3}));
   // top_p = 1 keeps everything.
   EXPECT_EQ(Support(Histogram(logits, Sampling(1.0, 0, 1.0, 8), n)),
             (std::set<int32_t>{0, 1, 2, 3}));
@@ -334,6 +338,8 @@ TEST(ValidateSamplingParamsTest, AcceptsDefaultsAndEdgeValues) {
   p.max_tokens = 1;
   p.stop_token_ids = {0, 257};
   EXPECT_TRUE(ValidateSamplingParams(p, 258).ok());
+  p.top_p = 0.0;  // the most probable token only
+  EXPECT_TRUE(ValidateSamplingParams(p, 258).ok());
 }
 
 TEST(ValidateSamplingParamsTest, RejectsEachBadFieldByName) {
@@ -351,7 +357,7 @@ TEST(ValidateSamplingParamsTest, RejectsEachBadFieldByName) {
   with([](SamplingParams& p) { p.temperature = std::nan(""); }, "temperature");
   with([](SamplingParams& p) { p.temperature = INFINITY; }, "temperature");
   with([](SamplingParams& p) { p.top_k = -1; }, "top_k");
-  with([](SamplingParams& p) { p.top_p = 0.0; }, "top_p");
+  with([](SamplingParams& p) { p.top_p = -0.01; }, "top_p");
   with([](SamplingParams& p) { p.top_p = 1.5; }, "top_p");
   with([](SamplingParams& p) { p.top_p = std::nan(""); }, "top_p");
   with([](SamplingParams& p) { p.max_tokens = 0; }, "max_tokens");

@@ -394,7 +394,7 @@ TEST(StepTest, RejectsMalformedStepsWithoutConsumingAnything) {
   negative_temperature.temperature = -1.0;
   SamplingParams bad_top_p;
   bad_top_p.temperature = 1.0;
-  bad_top_p.top_p = 0.0;
+  bad_top_p.top_p = -0.5;
   auto expect_draw_refused = [&](const StepBatch& batch, std::span<int32_t> sampled,
                                  const char* what) {
     const absl::Status s = engine->Step(batch, {}, sampled);

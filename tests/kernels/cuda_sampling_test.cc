@@ -80,7 +80,7 @@ std::vector<float> MakeLogits(int64_t vocab, int kind, std::mt19937_64& rng) {
 SamplingParams MakeParams(int64_t vocab, std::mt19937_64& rng) {
   const double temperatures[] = {0.0, 1e-30, 0.05, 0.7, 1.0, 3.0, 100.0};
   const int64_t top_ks[] = {0, 0, 0, 1, 2, 5, 50, vocab - 1, vocab, vocab + 7};
-  const double top_ps[] = {1.0, 1.0, 1.0, 1e-9, 0.3, 0.5, 0.9, 0.999};
+  const double top_ps[] = {1.0, 1.0, 1.0, 1e-9, 0.0, 0.3, 0.5, 0.9, 0.999};
   SamplingParams p;
   p.temperature = temperatures[rng() % std::size(temperatures)];
   p.top_k = static_cast<int>(std::max<int64_t>(0, top_ks[rng() % std::size(top_ks)]));

@@ -49,13 +49,14 @@ struct Reply {
 
 // One HTTP request with a JSON body (empty: none); the reply's body parsed when it is JSON.
 Reply Call(int port, const std::string& method, const std::string& path, const std::string& body,
-           const std::string& api_key = "", const httplib::Headers& extra = {}) {
+           const std::string& api_key = "", const httplib::Headers& extra = {},
+           const std::string& content_type = "application/json") {
   httplib::Client client = TestHttpClient(port);
   httplib::Headers headers = extra;
   if (!api_key.empty()) headers.emplace("Authorization", "Bearer " + api_key);
   httplib::Result r = method == "GET"      ? client.Get(path, headers)
                       : method == "DELETE" ? client.Delete(path, headers)
-                                           : client.Post(path, headers, body, "application/json");
+                                           : client.Post(path, headers, body, content_type);
   Reply out;
   EXPECT_TRUE(r) << method << " " << path << " failed: " << httplib::to_string(r.error());
   if (!r) return out;
@@ -436,6 +437,7 @@ int StreamAndHangUp(int port, const std::string& session, int stop_after) {
   req.body = Json{
       {"messages", {{{"role", "user"}, {"content", "tell me"}}}},
       {"max_tokens", 1'000'000},
+      {"temperature", 0},  // greedy: the model never ends it by itself (NoEosModelDir)
       {"stream", true},
       {"session_id",
        session}}.dump();
@@ -511,35 +513,137 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
             1);
 }
 
+// Also for a client that accepts compressed responses, as the official SDKs do (httpx, undici:
+// "gzip, deflate, br"): a compressor would hold the heartbeats back and the hang-up would go
+// unnoticed.
 TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
   ServerOptions o = Options();
   o.scheduler.max_running = 1;
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->http_port();
-  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "whole"}}).status, 200);
+  for (const std::string& encodings : {std::string(), std::string("gzip, deflate, br")}) {
+    SCOPED_TRACE("Accept-Encoding: " + encodings);
+    const std::string id = encodings.empty() ? "whole" : "whole-compressible";
+    ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", id}}).status, 200);
+    httplib::Headers headers;
+    if (!encodings.empty()) headers.emplace("Accept-Encoding", encodings);
+    httplib::Client client = TestHttpClient(port);
+    std::atomic<bool> returned{false};
+    std::thread waiting([&] {
+      const httplib::Result r =
+          client.Post("/v1/completions", headers,
+                      Json{{"prompt", "go"},
+                           {"max_tokens", 1'000'000},
+                           {"temperature", 0},  // greedy: never ended by the model itself
+                           {"session_id", id}}
+                          .dump(),
+                      "application/json");
+      EXPECT_FALSE(r && r->status == 200 && absl::StrContains(r->body, "choices"));
+      returned.store(true);
+    });
+    // Generating (no response yet: it would come after a million tokens), then the client
+    // leaves.
+    v1::Session session;
+    ASSERT_TRUE(
+        Eventually([&] { return GetSession(*s.stub, id, &session).ok() && session.generating(); }));
+    client.stop();
+    waiting.join();
+    EXPECT_TRUE(returned.load());
+    EXPECT_TRUE(Eventually([&] {
+      return GetSession(*s.stub, id, &session).ok() && !session.generating();
+    })) << "the job kept running after its client left";
+    // Its place in the batch (max_running 1) is free again.
+    EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 2}}).status, 200);
+  }
+  // A whole response to such a client comes uncompressed, its type with a charset.
   httplib::Client client = TestHttpClient(port);
-  std::atomic<bool> returned{false};
-  std::thread waiting([&] {
-    const httplib::Result r = client.Post(
-        "/v1/completions",
-        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"session_id", "whole"}}.dump(),
-        "application/json");
-    EXPECT_FALSE(r && r->status == 200 && absl::StrContains(r->body, "choices"));
-    returned.store(true);
-  });
-  // Generating (no response yet: it would come after a million tokens), then the client leaves.
-  v1::Session session;
-  ASSERT_TRUE(Eventually(
-      [&] { return GetSession(*s.stub, "whole", &session).ok() && session.generating(); }));
-  client.stop();
-  waiting.join();
-  EXPECT_TRUE(returned.load());
-  EXPECT_TRUE(Eventually([&] {
-    return GetSession(*s.stub, "whole", &session).ok() && !session.generating();
-  })) << "the job kept running after its client left";
-  // Its place in the batch (max_running 1) is free again.
-  EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 2}}).status, 200);
+  const httplib::Result r =
+      client.Post("/v1/completions", {{"Accept-Encoding", "gzip, deflate, br"}},
+                  Json{{"prompt", "go"}, {"max_tokens", 2}}.dump(), "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+  EXPECT_EQ(r->get_header_value("Content-Encoding"), "");
+  EXPECT_EQ(r->get_header_value("Content-Type"), "application/json; charset=utf-8");
+}
+
+// A body is read as JSON up to --http_max_body_bytes whatever its Content-Type says: `curl -d`
+// sends application/x-www-form-urlencoded, which httplib itself caps at 8 KiB.
+TEST_F(OpenAiHttpTest, BodiesAreReadAsJsonWhateverTheirContentType) {
+  ServerOptions o = Options();
+  o.http.max_body_bytes = 64 << 10;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const std::string form = "application/x-www-form-urlencoded";
+  const std::string long_body =
+      Json{{"prompt", "x"}, {"max_tokens", 2}, {"user", std::string(20'000, 'u')}}.dump();
+  for (const std::string& type :
+       {form, std::string("text/plain"), std::string("application/json")}) {
+    SCOPED_TRACE(type);
+    const Reply r = Call(port, "POST", "/v1/completions", long_body, "", {}, type);
+    EXPECT_EQ(r.status, 200) << r.raw.substr(0, 300);
+    EXPECT_EQ(r.body["usage"]["completion_tokens"], 2);
+    // A session endpoint too (JSON allows the trailing whitespace that makes it long).
+    const std::string id = "s-" + std::to_string(type.size());
+    const Reply created =
+        Call(port, "POST", "/v1/sessions",
+             Json{{"session_id", id}}.dump() + std::string(10'000, ' '), "", {}, type);
+    EXPECT_EQ(created.status, 200) << created.raw.substr(0, 300);
+    EXPECT_EQ(created.body["id"], id);
+    // Past the limit: 413 in OpenAI's shape, and the connection's next request is served.
+    const Reply big =
+        Call(port, "POST", "/v1/completions", std::string(100 << 10, ' '), "", {}, type);
+    EXPECT_EQ(big.status, 413) << big.raw.substr(0, 300);
+    EXPECT_THAT(big.body["error"]["message"].get<std::string>(), HasSubstr("larger than"));
+  }
+  // A chunked body (no Content-Length) past the limit: 413 too.
+  httplib::Client client = TestHttpClient(port);
+  size_t sent = 0;
+  const httplib::Result chunked = client.Post(
+      "/v1/completions",
+      [&](size_t, httplib::DataSink& sink) {
+        const std::string piece(16 << 10, ' ');
+        if (sent < (128 << 10)) {
+          sink.write(piece.data(), piece.size());
+          sent += piece.size();
+        } else {
+          sink.done();
+        }
+        return true;
+      },
+      "application/json");
+  if (chunked) {  // else the server closed the connection before reading all of it
+    EXPECT_EQ(chunked->status, 413);
+  }
+  EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+}
+
+// Sampling as OpenAI's API: without a seed each request samples afresh; with one it is
+// reproducible; top_p 0 keeps only the most probable token (so it samples greedily).
+TEST_F(OpenAiHttpTest, WithoutASeedEachRequestSamplesAfresh) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const auto text = [&](const Json& body) {
+    const Reply r = Post(port, "/v1/completions", body);
+    EXPECT_EQ(r.status, 200) << r.raw;
+    return r.status == 200 ? r.body["choices"][0]["text"].get<std::string>() : std::string();
+  };
+  const Json sampled = {{"prompt", "Once upon"}, {"max_tokens", 24}};  // temperature 1
+  std::set<std::string> texts;
+  for (int i = 0; i < 3; ++i) texts.insert(text(sampled));
+  // Three draws of 24 tokens from a random model's near-flat distributions: equal only if the
+  // seed was the same.
+  EXPECT_EQ(texts.size(), 3u);
+  Json seeded = sampled;
+  seeded["seed"] = 7;
+  EXPECT_EQ(text(seeded), text(seeded));
+  Json nucleus_of_one = sampled;
+  nucleus_of_one["top_p"] = 0;
+  Json greedy = sampled;
+  greedy["temperature"] = 0;
+  EXPECT_EQ(text(nucleus_of_one), text(greedy));
 }
 
 TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
@@ -648,7 +752,9 @@ TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
     httplib::Request req;
     req.method = "POST";
     req.path = "/v1/completions";
-    req.body = Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"stream", true}}.dump();
+    req.body =
+        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"temperature", 0}, {"stream", true}}
+            .dump();
     req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
       body.append(data, n);
       if (absl::StrContains(body, "data: {")) got_chunk.store(true);

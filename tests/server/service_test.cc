@@ -830,7 +830,8 @@ TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
     r.mutable_sampling()->set_temperature(std::numeric_limits<double>::infinity());
   });
   add("top_k negative", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_sampling()->set_top_k(-1); });
-  add("top_p 0", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_sampling()->set_top_p(0); });
+  add("top_p negative", C::INVALID_ARGUMENT,
+      [](auto& r) { r.mutable_sampling()->set_top_p(-0.5); });
   add("top_p above 1", C::INVALID_ARGUMENT, [](auto& r) { r.mutable_sampling()->set_top_p(1.5); });
   add("top_p NaN", C::INVALID_ARGUMENT,
       [](auto& r) { r.mutable_sampling()->set_top_p(std::nan("")); });
