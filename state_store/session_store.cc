@@ -154,7 +154,12 @@ struct SessionStateStore::Entry {
   bool pending = false;                 // with position: state->pending_token >= 0
   bool in_use = false;                  // pinned by a lease
   bool busy = false;                    // being moved by the store, outside the lock
-  uint64_t tick = 0;                    // LRU order
+  // Replicas: a Park to disk is giving the session's claim up (SessionOwnership::Release,
+  // outside the lock); `handoffs` counts those finished. An Acquire whose claim may predate
+  // one (it saw another count, or one in progress) claims again (see Acquire).
+  bool handing_off = false;
+  uint64_t handoffs = 0;
+  uint64_t tick = 0;  // LRU order
   absl::Time last_used;
   absl::Duration ttl = absl::InfiniteDuration();
   // Its snapshot failed its checks (quarantined), or (broken_in_step) an engine step failed
@@ -181,7 +186,8 @@ struct SessionStateStore::Entry {
   // The delta log (state_store/state_log.h) extending the snapshot: the snapshot's id, the
   // log's good bytes (0: none) and records, and the position the disk holds (snapshot + log).
   // needs_full: the next write must be a full snapshot (the dirty-row marks do not cover
-  // everything since the last write: a fork, a park to host, a device copy-back, metadata).
+  // everything since the last write: a fork, a park to host, a device copy-back, metadata; or
+  // the log's base is unknown: a snapshot write failed).
   uint64_t base_id = 0;
   uint64_t log_bytes = 0;
   int64_t log_records = 0;
@@ -897,8 +903,13 @@ const SessionStateStore::Entry* SessionStateStore::Find(const SessionKey& key) c
   return orphan == orphans_.end() ? nullptr : orphan->second.get();
 }
 
-void SessionStateStore::WaitIdle(Entry& e) {
-  while (e.busy) changed_.Wait(&mu_);
+SessionStateStore::Entry* SessionStateStore::WaitIdle(const SessionKey& key) {
+  while (true) {
+    auto it = entries_.find(key);
+    if (it == entries_.end()) return nullptr;
+    if (!it->second->busy) return it->second.get();
+    changed_.Wait(&mu_);  // the entry may be gone when it wakes (deleted, expired)
+  }
 }
 
 absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const SessionKey& key) {
@@ -1021,13 +1032,40 @@ void SessionStateStore::ReleaseOneShot(int64_t bytes) {
 }
 
 absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
-  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
-  RefreshFromSharedDir(key);
-  SweepGenerations(key, /*force=*/false);
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Entry*> found = FindIdle(key);
-  if (!found.ok()) return found.status();
-  Entry* e = *found;
+  while (true) {
+    // A claim of a session this store already owns is answered locally; a Park handing it over
+    // may release that claim after the answer and before this lease is taken, and another
+    // replica then takes it up too. So the claim counts only if no release ended since it was
+    // asked for and none is under way: otherwise (after it ends) the claim is asked again, and
+    // goes to the ownership's keeper.
+    uint64_t handoffs = 0;
+    if (options_.ownership != nullptr) {
+      {
+        absl::MutexLock lock(&mu_);
+        if (const Entry* e = Find(key); e != nullptr) handoffs = e->handoffs;
+      }
+      SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
+    }
+    RefreshFromSharedDir(key);
+    SweepGenerations(key, /*force=*/false);
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<Entry*> found = FindIdle(key);
+    if (!found.ok()) return found.status();
+    if ((*found)->handing_off || (*found)->handoffs != handoffs) {
+      while (true) {
+        auto it = entries_.find(key);
+        if (it == entries_.end() || !it->second->handing_off) break;
+        changed_.Wait(&mu_);
+      }
+      continue;
+    }
+    return AcquireIdleLocked(key, **found);
+  }
+}
+
+absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionKey& key,
+                                                                  Entry& idle) {
+  Entry* e = &idle;
   if (!e->broken.ok()) return e->BrokenError(key.id);
   if (e->in_use) {
     return absl::AbortedError(absl::StrCat(
@@ -1367,7 +1405,11 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
       !(e.tier == Tier::kResident && e.state->on_device())) {
     SDM_RETURN_IF_ERROR(SyncNowLocked(e));
   }
-  const bool unsynced = unsynced_.contains(e.key) || e.sync_failed_seq != 0;
+  // In a background round under way (SyncRound: out of unsynced_, not yet fsynced) counts as
+  // unsynced too: the round's fsync may still fail, and the memory copy is what would be
+  // written again then.
+  const bool unsynced =
+      unsynced_.contains(e.key) || syncing_.contains(e.key) || e.sync_failed_seq != 0;
   if (target == Tier::kDisk && e.version == e.persisted_version && e.persisted_bytes > 0 &&
       !unsynced && !(e.tier == Tier::kResident && e.state->on_device())) {
     // Its snapshot file is current (written after its last turn): only the memory copy goes.
@@ -1432,14 +1474,21 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
 }
 
 absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
-  absl::Status parked = ParkByKey(key, tier);
-  if (parked.ok() && tier == Tier::kDisk && options_.ownership != nullptr) {
+  const bool hand_off = tier == Tier::kDisk && options_.ownership != nullptr;
+  absl::Status parked = ParkByKey(key, tier, hand_off);
+  if (parked.ok() && hand_off) {
     options_.ownership->Release(key);  // on disk: any replica may take it up
+    absl::MutexLock lock(&mu_);
+    if (auto it = entries_.find(key); it != entries_.end()) {
+      it->second->handing_off = false;
+      ++it->second->handoffs;
+    }
+    changed_.SignalAll();
   }
   return parked;
 }
 
-absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier) {
+absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier, bool hand_off) {
   ObserveShared(key);
   absl::MutexLock lock(&mu_);
   absl::StatusOr<Entry*> found = FindIdle(key);
@@ -1450,8 +1499,11 @@ absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier) {
   if (tier == Tier::kDisk && options_.dir.empty()) {
     return absl::FailedPreconditionError("the store has no snapshot directory");
   }
-  if (static_cast<int>(e->tier) >= static_cast<int>(tier)) return absl::OkStatus();
-  return ParkOne(*e, tier);
+  absl::Status parked =
+      static_cast<int>(e->tier) >= static_cast<int>(tier) ? absl::OkStatus() : ParkOne(*e, tier);
+  // Marked before the lock is let go: no Acquire takes the claim being released for its own.
+  if (parked.ok() && hand_off) e->handing_off = true;
+  return parked;
 }
 
 void SessionStateStore::PersistAllLocked(std::vector<std::string>& skipped,
@@ -1459,10 +1511,9 @@ void SessionStateStore::PersistAllLocked(std::vector<std::string>& skipped,
   std::vector<SessionKey> keys;
   for (const auto& [key, e] : entries_) keys.push_back(key);
   for (const SessionKey& key : keys) {
-    auto it = entries_.find(key);
-    if (it == entries_.end()) continue;
-    Entry& e = *it->second;
-    WaitIdle(e);
+    Entry* const idle = WaitIdle(key);
+    if (idle == nullptr) continue;
+    Entry& e = *idle;
     if (e.tier == Tier::kDisk || !e.broken.ok()) continue;
     if (e.in_use) {
       skipped.push_back(DebugString(key));
@@ -1813,6 +1864,10 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     return owned;
   }
   if (!status.ok()) {
+    // A snapshot that failed may still have replaced the one the log extends (a failure after
+    // the rename: the directory's fsync): the log's base is unknown, so a delta appended to it
+    // could be dropped as stale at the next read, with every turn since. Only a snapshot knows.
+    if (!delta) e.needs_full = true;
     PersistFailed(e, status);
     SettleWaiters(e, /*all=*/false);
     return status;

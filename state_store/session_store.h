@@ -445,7 +445,13 @@ class SessionStateStore {
   absl::Status CheckOwnership(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
   void WriteFenced(const SessionKey& key, const absl::Status& why)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ParkByKey(const SessionKey& key, Tier tier) ABSL_LOCKS_EXCLUDED(mu_);
+  // Park without the ownership's release; `hand_off`: marks the entry handing_off (on success)
+  // for the release that follows.
+  absl::Status ParkByKey(const SessionKey& key, Tier tier, bool hand_off = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Acquire's work once the entry is idle and its claim current.
+  absl::StatusOr<SessionLease> AcquireIdleLocked(const SessionKey& key, Entry& idle)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The record of the snapshot at `path` (`size` bytes) and its SnapshotId.
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
                                            uint64_t size, uint64_t* snapshot_id) const;
@@ -543,7 +549,8 @@ class SessionStateStore {
   Entry* NextDueLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // FlushReady() with mu_ released meanwhile (background stores only).
   void FlushReadyLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void WaitIdle(Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The entry of `key` once nobody works on it (busy false); null when it is gone meanwhile.
+  Entry* WaitIdle(const SessionKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The entry of `key` once no store operation is moving it; NOT_FOUND if there is none. Adopts
   // an orphan (see SessionStoreOptions::legacy_key) whose file stem is the key's.
   absl::StatusOr<Entry*> FindIdle(const SessionKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -31,7 +31,15 @@ absl::Status Damaged(absl::string_view what) {
 }
 
 absl::Status CheckHeader(absl::string_view header, uint64_t fingerprint, uint64_t base_id) {
-  if (header.size() < kLogHeaderBytes) return Damaged("truncated header");
+  // A log's first write is its header and first record at once, acknowledged only when whole:
+  // a header cut short (a crash or a failed write during that first append) or never written
+  // (zeros, where a power loss left the file's size without its data) held no acknowledged
+  // record. It is a torn first append, stale like one that names another snapshot: the
+  // snapshot holds everything, and the store removes it.
+  if (header.size() < kLogHeaderBytes || header.find_first_not_of('\0', 0) >= kLogHeaderBytes) {
+    return absl::FailedPreconditionError(
+        "session delta log's first append was cut short (it holds no record)");
+  }
   if (std::memcmp(header.data(), kLogMagic, 8) != 0) return Damaged("bad magic");
   Reader r(header.substr(8, kLogHeaderBytes - 8), "log header");
   uint32_t version = 0, header_bytes = 0;

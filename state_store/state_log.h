@@ -21,7 +21,9 @@
 // A crash can leave a torn tail (a record cut short or failing its checksum): replay stops there
 // and drops it; the store then writes its next record at the end of the last good one. A log
 // whose header names another snapshot (a crash between a compaction's rename and the log's
-// removal: the snapshot already holds everything) is stale and ignored.
+// removal: the snapshot already holds everything), or whose header is cut short or zeros (a
+// crash during its first append, which writes the header with the first record), is stale and
+// ignored.
 //
 // Thread-safety: pure functions.
 #ifndef SDMSERVE_STATE_STORE_STATE_LOG_H_
@@ -97,7 +99,8 @@ struct LogReplay {
 
 // Applies the log's good records, in order, to `state` (decoded from the snapshot the log
 // extends), and clears its dirty marks (it then equals what the disk holds). Errors:
-// FailedPrecondition for a stale log (another base snapshot, model or version) — ignore it;
+// FailedPrecondition for a stale log (another base snapshot, model or version; a header cut
+// short or zeros) — ignore it;
 // DataLoss for a damaged header or a good record that does not fit the state (then `state` may be
 // partly updated: discard it); Unimplemented for journaled SDM writes the state's layout cannot
 // apply (no SdmWriteSpec::apply), ResourceExhausted when the row pool runs out (both: discard

@@ -332,6 +332,122 @@ TEST_F(DurabilityTest, ATornDeltaLeavesThePreviousTurnAndIsWrittenOver) {
   EXPECT_EQ(position, reference->position());
 }
 
+// A crash during a log's first append (its header and first record, written together) can leave
+// the log shorter than its header, or (a power loss that kept the file's size, not its data) a
+// header of zeros. It held no acknowledged record: the session restarts from its snapshot with
+// no open error (it was quarantined, answering DATA_LOSS, though the snapshot held every
+// acknowledged turn), and its later turns are written and restored.
+TEST_F(DurabilityTest, ACrashDuringALogsFirstAppendLeavesTheSnapshot) {
+  struct Cut {
+    int64_t partial_bytes;
+    bool zero_header;
+  };
+  for (const Cut cut : {Cut{0, false}, Cut{20, false}, Cut{39, false}, Cut{0, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "cut at " << cut.partial_bytes << (cut.zero_header ? ", header of zeros" : ""));
+    const std::filesystem::path dir =
+        dir_.path() / absl::StrCat("cut", cut.partial_bytes, cut.zero_header ? "z" : "");
+    FaultInjectionFiles files;
+    auto store = OpenStore(dir, PersistPolicy::kTurn, &files);
+    auto reference = engine_->NewSession();
+    // Created: a snapshot of the empty session, no log. Its first turn is the log's first
+    // append (a session created empty logs its first turns), killed part-way.
+    ASSERT_TRUE(store->Create("s", "").ok());
+    files.set_crash_at_fault(true);
+    files.FailNext(
+        FaultInjectionFiles::Op::kWriteAt,
+        {absl::InternalError("injected: killed in the first append"), 0, cut.partial_bytes});
+    Turn(*store, "s", testing::RandomTokens(2, 2));
+    ASSERT_TRUE(files.crashed()) << "the turn should have been the log's first append";
+    store.reset();
+
+    const std::filesystem::path crashed = crash_dir_.path() / dir.filename();
+    CopyFiles(dir, crashed);
+    int logs = 0;
+    for (const auto& f : std::filesystem::directory_iterator(crashed)) {
+      if (f.path().extension() != ".sdmlog") continue;
+      ++logs;
+      EXPECT_EQ(std::filesystem::file_size(f.path()), cut.partial_bytes);
+      if (cut.zero_header) std::filesystem::resize_file(f.path(), 64);  // zeros
+    }
+    ASSERT_EQ(logs, 1) << "the torn first append left its log";
+    auto restarted = OpenStore(crashed, PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_TRUE(restarted->open_errors().empty()) << restarted->open_errors()[0];
+    int64_t position = -1;
+    auto empty = engine_->NewSession();
+    EXPECT_TRUE(testing::BitwiseEqual(Probe(*restarted, "s", &position),
+                                      testing::ProbeLogits(*engine_, *empty, kProbe)));
+    EXPECT_EQ(position, 0);
+    // The next turns are written (a new log) and restore after another restart.
+    for (uint32_t seed : {3u, 4u}) {
+      const std::vector<int32_t> next = testing::RandomTokens(3, seed);
+      Turn(*restarted, "s", next);
+      testing::DecodeEach(*engine_, *reference, next);
+    }
+    restarted.reset();
+    auto again = OpenStore(crashed, PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_TRUE(again->open_errors().empty()) << again->open_errors()[0];
+    auto want_state = reference->Clone();
+    EXPECT_TRUE(testing::BitwiseEqual(Probe(*again, "s", &position),
+                                      testing::ProbeLogits(*engine_, *want_state, kProbe)));
+    EXPECT_EQ(position, reference->position());
+  }
+}
+
+// A snapshot write that fails after its rename (the directory's fsync) may have replaced the
+// snapshot the session's log extends: the log's base is then unknown, and a delta appended to it
+// would be dropped as stale at the next read, taking every turn since with it. So the next write
+// after a failed snapshot is a snapshot. Here with full attention (the snapshot grows with every
+// token, so a long turn after the failure fits the log's bound and, before, was appended).
+TEST_F(DurabilityTest, AfterASnapshotWriteFailsTheNextWriteIsASnapshot) {
+  absl::StatusOr<ModelConfig> config = PresetConfig("tiny");
+  ASSERT_TRUE(config.ok());
+  ASSERT_TRUE(ApplyConfigOverrides(*config, {"swa_at=[0,1]", "attn_at=[2]"}).ok());
+  EngineOptions engine_options;
+  engine_options.num_threads = 1;
+  engine_options.prefill_chunk = 8;
+  absl::StatusOr<std::unique_ptr<Engine>> full =
+      Engine::Create(RandomModel(*config, 11), engine_options);
+  ASSERT_TRUE(full.ok()) << full.status();
+  engine_ = *std::move(full);
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kFsync);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  uint32_t seed = 10;
+  const auto turn = [&](int tokens) {
+    const std::vector<int32_t> t = testing::RandomTokens(tokens, ++seed);
+    Turn(*store, "s", t);
+    testing::DecodeEach(*engine_, *reference, t);
+  };
+  turn(16);  // the log's first append (it fsyncs the directory: a new entry)
+  ASSERT_EQ(store->Stats().persist_deltas, 1);
+  // Short turns until one is written as a snapshot (the log outgrew its bound), its directory
+  // fsync failing.
+  files.FailSyncDir();
+  for (int i = 0; i < 64 && store->Stats().snapshot_errors == 0; ++i) turn(4);
+  ASSERT_EQ(store->Stats().snapshot_errors, 1) << "no snapshot write was tried";
+  ASSERT_EQ(files.faults_fired(), 1);
+  const int64_t deltas = store->Stats().persist_deltas;
+  // Long turns: each would fit the log's bound (and was appended to the old log).
+  for (int i = 0; i < 3; ++i) turn(256);
+  EXPECT_EQ(store->Stats().persist_deltas - deltas, 2) << "the first write after the failure "
+                                                          "should have been a snapshot";
+  EXPECT_TRUE(store->PersistHealth().ok());
+  // Out of memory and back, and after a restart: every turn.
+  ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
+  auto want_state = reference->Clone();
+  const std::vector<float> want = testing::ProbeLogits(*engine_, *want_state, kProbe);
+  int64_t position = -1;
+  EXPECT_TRUE(testing::BitwiseEqual(Probe(*store, "s", &position), want));
+  EXPECT_EQ(position, reference->position());
+  store.reset();
+  auto restarted = OpenStore(dir_.path(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_TRUE(restarted->open_errors().empty()) << restarted->open_errors()[0];
+  EXPECT_TRUE(testing::BitwiseEqual(Probe(*restarted, "s", &position), want));
+  EXPECT_EQ(position, reference->position());
+}
+
 // Several writers (persist_writers) write different sessions at once and call each waiter when
 // its own write is done: whatever the order, every acknowledged turn of every session is on disk,
 // so a kill -9 right after the acknowledgements restores each session bit-exactly.
@@ -476,15 +592,18 @@ TEST_F(DurabilityTest, TheCompactionRatioIsAnOptionAndDirectIoRestoresExactly) {
 class GatedSyncFiles : public FaultInjectionFiles {
  public:
   absl::Status Sync(const std::filesystem::path& path) override {
+    if (!entered_.HasBeenNotified()) entered_.Notify();
     gate_.WaitForNotification();
     return FaultInjectionFiles::Sync(path);
   }
   void Open() {
     if (!gate_.HasBeenNotified()) gate_.Notify();
   }
+  // Until a Sync() reached the gate.
+  void WaitEntered() { entered_.WaitForNotification(); }
 
  private:
-  absl::Notification gate_;
+  absl::Notification gate_, entered_;
 };
 
 // Once armed, holds every write of session data (snapshot or log append) until opened, and
@@ -638,6 +757,41 @@ TEST_F(DurabilityTest, WithWriteATurnIsAcknowledgedBeforeItsBackgroundFsync) {
   EXPECT_GE(store.Stats().persist_syncs, 1);
   EXPECT_EQ(store.Stats().unsynced, 0);
   EXPECT_TRUE(store.PersistHealth().ok());
+}
+
+// --persist_sync=write: a park to disk while a background round fsyncs the session (its files
+// taken out of the unsynced set, not yet fsynced) keeps the memory copy's place: it writes and
+// fsyncs a full snapshot, so the round's fsync failing afterwards loses nothing (before, the park
+// dropped the memory copy at once, and the failed round left the session on disk, due again with
+// nothing to write it from: health failing until the session was next used).
+TEST_F(DurabilityTest, AParkDuringABackgroundFsyncRoundKeepsWhatTheRoundMayLose) {
+  GatedSyncFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kWrite);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  const std::vector<int32_t> tokens = testing::RandomTokens(6, 31);
+  Turn(*store, "s", tokens);
+  testing::DecodeEach(*engine_, *reference, tokens);
+  ASSERT_EQ(store->Stats().unsynced, 1);
+  files.FailSync();  // the round's first fsync
+  std::thread round([&] { store->SyncWritten(); });
+  absl::Cleanup join = [&] {
+    files.Open();
+    round.join();
+  };
+  files.WaitEntered();
+  ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
+  std::move(join).Invoke();
+  EXPECT_EQ(files.faults_fired(), 1);
+  EXPECT_TRUE(store->PersistHealth().ok()) << store->PersistHealth();
+  EXPECT_EQ(store->Stats().unpersisted, 0);
+  EXPECT_EQ(store->Stats().unsynced, 0);
+  auto want_state = reference->Clone();
+  const std::vector<float> want = testing::ProbeLogits(*engine_, *want_state, kProbe);
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  int64_t position = -1;
+  EXPECT_TRUE(testing::BitwiseEqual(Probe(*restarted, "s", &position), want));
+  EXPECT_EQ(position, reference->position());
 }
 
 // --persist_sync=write: a background fsync that fails (a disk error) is a failed write: counted

@@ -2,6 +2,7 @@
 // standing for replicas, on one directory, find each other's sessions, continue them bit-exactly
 // wherever they were last written, and see deletions. Writes are inline (background false), so
 // a session's turn is on disk when its lease is returned.
+#include <atomic>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -10,12 +11,14 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
@@ -282,6 +285,56 @@ TEST_F(SharedDirTest, OnlyTheOwnerTakesASessionUpAndParkingReleasesIt) {
   Turn(*b, "o", testing::RandomTokens(4, 9));
   ExpectLikeReference(*b, "o");
   EXPECT_TRUE(absl::IsUnavailable(a->Acquire("o").status()));
+}
+
+// A Park handing a session over releases its claim after the park, outside the store's lock. An
+// Acquire on the same replica whose claim was answered before that release (locally: the
+// session was still this replica's) must not take the session up with it: the release ends the
+// claim, and another replica may take the session up too. Such an Acquire claims again once the
+// release is done. Here the release is held while an Acquire claims; then the Acquire gets the
+// session (claimed anew) and the other replica is refused.
+TEST_F(SharedDirTest, AnAcquireDuringAHandoffClaimsAgainAfterTheRelease) {
+  class GatedView : public FakeOwnershipTable::View {
+   public:
+    using View::View;
+    absl::Status Claim(const SessionKey& key) override {
+      absl::Status s = View::Claim(key);
+      claims.fetch_add(1);
+      return s;
+    }
+    void Release(const SessionKey& key) override {
+      if (!releasing.HasBeenNotified()) releasing.Notify();
+      release_gate.WaitForNotification();
+      View::Release(key);
+    }
+    absl::Notification releasing, release_gate;
+    std::atomic<int> claims{0};
+  };
+  FakeOwnershipTable table;
+  GatedView own_a(&table, "a");
+  FakeOwnershipTable::View own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  auto b = OpenStore(true, &own_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("x", "").ok());
+  Turn(*a, "x", testing::RandomTokens(4, 40));
+  const int claims_before = own_a.claims.load();
+  absl::Status parked;
+  std::thread park([&] { parked = a->Park("x", Tier::kDisk); });
+  own_a.releasing.WaitForNotification();  // parked; its claim not released yet
+  absl::StatusOr<SessionLease> lease = absl::UnknownError("not acquired");
+  std::thread acquire([&] { lease = a->Acquire("x"); });
+  // The Acquire's claim is answered (still a's) before the release goes through.
+  while (own_a.claims.load() == claims_before) std::this_thread::yield();
+  own_a.release_gate.Notify();
+  park.join();
+  acquire.join();
+  ASSERT_TRUE(parked.ok()) << parked;
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_GE(own_a.claims.load(), claims_before + 2) << "claimed again after the release";
+  // a holds it (claimed after the release): b may not take it up.
+  EXPECT_TRUE(absl::IsUnavailable(b->Acquire("x").status()));
+  testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 41));
 }
 
 // A replica that handed a session over keeps its copy's record at the disk tier; once another
