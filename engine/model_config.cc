@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/json_snippet.h"
 #include "engine/tokenizer.h"
 #include "engine/weight_spec.h"
 #include "nlohmann/json.hpp"
@@ -36,6 +37,8 @@ constexpr int64_t kMaxConfigParameters = int64_t{1} << 50;
 std::string TooLarge(int64_t limit) { return absl::StrCat("must be at most ", limit); }
 
 // ---- Typed getters: each rejects a value of the wrong JSON type by field name. ----
+// A rejected value is quoted by JsonSnippet, never dump(): a config may nest a value a million
+// levels deep, which dump() would recurse through until the stack overflows.
 
 absl::Status GetInt(const json& j, absl::string_view field, int64_t& out) {
   if (j.is_number_integer()) {
@@ -49,7 +52,7 @@ absl::Status GetInt(const json& j, absl::string_view field, int64_t& out) {
       return absl::OkStatus();
     }
   }
-  return Invalid(field, absl::StrCat("expected an integer, got ", j.dump()));
+  return Invalid(field, absl::StrCat("expected an integer, got ", JsonSnippet(j)));
 }
 
 absl::Status GetOptInt(const json& j, absl::string_view field, std::optional<int64_t>& out) {
@@ -64,7 +67,9 @@ absl::Status GetOptInt(const json& j, absl::string_view field, std::optional<int
 }
 
 absl::Status GetDouble(const json& j, absl::string_view field, double& out) {
-  if (!j.is_number()) return Invalid(field, absl::StrCat("expected a number, got ", j.dump()));
+  if (!j.is_number()) {
+    return Invalid(field, absl::StrCat("expected a number, got ", JsonSnippet(j)));
+  }
   out = j.get<double>();
   if (!std::isfinite(out)) return Invalid(field, "must be finite");
   return absl::OkStatus();
@@ -82,13 +87,17 @@ absl::Status GetOptDouble(const json& j, absl::string_view field, std::optional<
 }
 
 absl::Status GetBool(const json& j, absl::string_view field, bool& out) {
-  if (!j.is_boolean()) return Invalid(field, absl::StrCat("expected true/false, got ", j.dump()));
+  if (!j.is_boolean()) {
+    return Invalid(field, absl::StrCat("expected true/false, got ", JsonSnippet(j)));
+  }
   out = j.get<bool>();
   return absl::OkStatus();
 }
 
 absl::Status GetString(const json& j, absl::string_view field, std::string& out) {
-  if (!j.is_string()) return Invalid(field, absl::StrCat("expected a string, got ", j.dump()));
+  if (!j.is_string()) {
+    return Invalid(field, absl::StrCat("expected a string, got ", JsonSnippet(j)));
+  }
   out = j.get<std::string>();
   return absl::OkStatus();
 }
@@ -127,8 +136,8 @@ absl::Status GetLayerSpec(const json& j, absl::string_view field, int64_t n_laye
       idx.push_back(v);
     }
   } else {
-    return Invalid(field,
-                   absl::StrCat("expected \"all\" or a list of layer indices, got ", j.dump()));
+    return Invalid(
+        field, absl::StrCat("expected \"all\" or a list of layer indices, got ", JsonSnippet(j)));
   }
   std::set<int64_t> seen;
   for (int64_t i : idx) {

@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/json_snippet.h"
 #include "nlohmann/json.hpp"
 
 namespace sdm {
@@ -24,13 +25,6 @@ absl::Status Bad(absl::string_view label, absl::string_view message) {
 
 absl::Status Truncated(absl::string_view label, absl::string_view message) {
   return absl::DataLossError(absl::StrCat(label, ": ", message));
-}
-
-// Caps a dump of untrusted JSON in an error message.
-std::string Snippet(const json& j) {
-  std::string s = j.dump();
-  if (s.size() > 80) s = s.substr(0, 77) + "...";
-  return s;
 }
 
 // A JSON integer in [0, 2^62] (so sums and products of two never overflow int64 checks below).
@@ -58,7 +52,7 @@ absl::StatusOr<TensorDtype> ParseDtype(absl::string_view label, const std::strin
     if (s == "F32") return TensorDtype::kF32;
     if (s == "BF16") return TensorDtype::kBF16;
   }
-  return Bad(label, absl::StrCat("tensor '", name, "': unsupported dtype ", Snippet(j),
+  return Bad(label, absl::StrCat("tensor '", name, "': unsupported dtype ", JsonSnippet(j),
                                  " (supported: F32, BF16)"));
 }
 
@@ -66,7 +60,7 @@ absl::Status ParseEntry(absl::string_view label, const std::string& name, const 
                         SafetensorsEntry& e) {
   const std::string what = absl::StrCat("tensor '", name, "'");
   if (!j.is_object()) {
-    return Bad(label, absl::StrCat(what, ": entry is not an object: ", Snippet(j)));
+    return Bad(label, absl::StrCat(what, ": entry is not an object: ", JsonSnippet(j)));
   }
   for (const char* field : {"dtype", "shape", "data_offsets"}) {
     if (!j.contains(field)) return Bad(label, absl::StrCat(what, ": missing field '", field, "'"));
@@ -84,18 +78,18 @@ absl::Status ParseEntry(absl::string_view label, const std::string& name, const 
   const json& shape = j["shape"];
   if (!shape.is_array()) {
     return Bad(label, absl::StrCat(what, ": shape must be a list of non-negative integers, got ",
-                                   Snippet(shape)));
+                                   JsonSnippet(shape)));
   }
   int64_t numel = 1;
   for (const json& d : shape) {
     int64_t dim = 0;
     if (!GetCount(d, dim)) {
       return Bad(label, absl::StrCat(what, ": shape must be a list of non-negative integers, got ",
-                                     Snippet(shape)));
+                                     JsonSnippet(shape)));
     }
     e.shape.push_back(dim);
     if (__builtin_mul_overflow(numel, dim, &numel) || numel > (int64_t{1} << 60)) {
-      return Bad(label, absl::StrCat(what, ": shape ", Snippet(shape), " overflows"));
+      return Bad(label, absl::StrCat(what, ": shape ", JsonSnippet(shape), " overflows"));
     }
   }
   e.num_elements = numel;
@@ -104,7 +98,7 @@ absl::Status ParseEntry(absl::string_view label, const std::string& name, const 
   if (!offsets.is_array() || offsets.size() != 2 || !GetCount(offsets[0], e.begin) ||
       !GetCount(offsets[1], e.end)) {
     return Bad(label, absl::StrCat(what, ": data_offsets must be two non-negative integers, got ",
-                                   Snippet(offsets)));
+                                   JsonSnippet(offsets)));
   }
   if (e.begin > e.end) {
     return Bad(label,
@@ -114,7 +108,7 @@ absl::Status ParseEntry(absl::string_view label, const std::string& name, const 
   if (e.end - e.begin != expected) {
     return Bad(label, absl::StrCat(what, ": data_offsets [", e.begin, ", ", e.end, "] hold ",
                                    e.end - e.begin, " bytes but dtype ", TensorDtypeName(e.dtype),
-                                   " with shape ", Snippet(shape), " needs ", expected));
+                                   " with shape ", JsonSnippet(shape), " needs ", expected));
   }
   return absl::OkStatus();
 }
@@ -181,7 +175,7 @@ absl::StatusOr<SafetensorsIndex> ParseSafetensorsHeader(absl::string_view label,
                             /*allow_exceptions=*/false);
   if (header.is_discarded()) return Bad(label, "header is not valid JSON");
   if (!header.is_object()) {
-    return Bad(label, absl::StrCat("header must be a JSON object, got ", Snippet(header)));
+    return Bad(label, absl::StrCat("header must be a JSON object, got ", JsonSnippet(header)));
   }
   if (!duplicates.empty()) {
     return Bad(label, absl::StrCat("duplicate tensor name '", duplicates.front(), "'"));

@@ -13,6 +13,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/json_snippet.h"
 #include "nlohmann/json.hpp"
 #include "server/auth.h"
 
@@ -49,7 +50,7 @@ absl::StatusOr<std::optional<int64_t>> ParseLimit(const json& value, const std::
         value.is_number_unsigned() ? value.get<uint64_t>() > INT64_MAX : value.get<int64_t>() < 0;
     if (negative) {
       return absl::InvalidArgumentError(
-          absl::StrCat(field, ": must be an integer in [0, 2^63), got ", value.dump()));
+          absl::StrCat(field, ": must be an integer in [0, 2^63), got ", JsonSnippet(value)));
     }
     return std::optional<int64_t>(value.get<int64_t>());
   }
@@ -62,14 +63,14 @@ absl::StatusOr<std::optional<int64_t>> ParseLimit(const json& value, const std::
   return absl::InvalidArgumentError(absl::StrCat(
       field, ": expected ",
       byte_size ? "a byte size (e.g. 68719476736 or \"64GiB\")" : "a non-negative integer",
-      " or null, got ", value.dump()));
+      " or null, got ", JsonSnippet(value)));
 }
 
 // Applies the fields present in `object` to `limits`.
 absl::Status ApplyLimits(const json& object, const std::string& path, TenantLimits& limits) {
   if (!object.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        path, ": expected an object like {\"max_sessions\": 10}, got ", object.dump()));
+        path, ": expected an object like {\"max_sessions\": 10}, got ", JsonSnippet(object)));
   }
   for (const auto& [key, value] : object.items()) {
     const std::string field = absl::StrCat(path, ".", key);

@@ -199,6 +199,23 @@ TEST(ModelConfigTest, RejectsUnknownActivationAndTokenizer) {
   ExpectInvalid(Base("dim", "\"64\""), {"'dim'", "expected an integer"});
 }
 
+// nlohmann parses nesting iteratively but dumps it recursively: an error message that quoted a
+// deeply nested value whole overflowed the stack. Each typed getter is reached with one.
+TEST(ModelConfigTest, RejectsDeeplyNestedValuesWithoutRecursion) {
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  for (const std::string field :
+       {"dim", "norm_eps", "weight_tying", "init_std_factor", "swa_window", "attn_at"}) {
+    SCOPED_TRACE(field);
+    const absl::Status s = ParseError(Base(field, deep));
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+    EXPECT_THAT(s.message(), HasSubstr("'" + field + "'"));
+    EXPECT_LT(s.message().size(), 300u) << s;
+  }
+  ExpectInvalid("{\"dim\": " + deep + "}", {"'dim'", "expected an integer"});
+  ExpectInvalid(Base("sdm_args", "{\"num_heads\": " + deep + "}"), {"'sdm_args.num_heads'"});
+  ExpectInvalid(Base("sdm_args", deep), {"'sdm_args'", "expected an object"});
+}
+
 TEST(ModelConfigTest, FfnHiddenDimFollowsTheReference) {
   ModelConfig c;
   c.dim = 1024;

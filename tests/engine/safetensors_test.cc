@@ -433,6 +433,28 @@ TEST(SafetensorsMalformedTest, WellFormedVariantsOfTheCasesAreAccepted) {
   EXPECT_TRUE(SafetensorsFile::Open(path).ok());
 }
 
+// nlohmann parses nesting iteratively but dumps it recursively, once per level: an error message
+// that quoted a deeply nested value whole overflowed the stack (a header of 1,000,000 '[' then as
+// many ']' crashed the loader). Each place that quotes a value is reached with one.
+TEST(SafetensorsMalformedTest, DeeplyNestedValuesAreRejectedWithoutRecursion) {
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  const std::vector<std::string> headers = {
+      deep,
+      R"({"w": )" + deep + "}",
+      R"({"w": {"dtype": )" + deep + R"(, "shape": [1], "data_offsets": [0, 4]}})",
+      R"({"w": {"dtype": "F32", "shape": )" + deep + R"(, "data_offsets": [0, 4]}})",
+      R"({"w": {"dtype": "F32", "shape": [1], "data_offsets": )" + deep + "}}",
+  };
+  for (size_t i = 0; i < headers.size(); ++i) {
+    SCOPED_TRACE(i);
+    const std::string& header = headers[i];
+    auto index = ParseSafetensorsHeader("deep", header, 8 + static_cast<int64_t>(header.size()));
+    ASSERT_FALSE(index.ok());
+    EXPECT_EQ(index.status().code(), absl::StatusCode::kInvalidArgument) << index.status();
+    EXPECT_LT(index.status().message().size(), 300u) << index.status();
+  }
+}
+
 TEST(SafetensorsMalformedTest, MissingFileIsNotFound) {
   ScopedTempDir dir;
   auto file = SafetensorsFile::Open(dir.path() / "absent.safetensors");

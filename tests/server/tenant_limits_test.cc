@@ -117,6 +117,21 @@ TEST(TenantLimitsTest, ErrorsNameTheField) {
   expect_error(R"({"tenants": {"trial": {"max_sessions": -2}}})", "tenants.trial.max_sessions");
 }
 
+// nlohmann parses nesting iteratively but dumps it recursively: an error message that quoted a
+// deeply nested value whole overflowed the stack. Each place that quotes a value gets one.
+TEST(TenantLimitsTest, DeeplyNestedValuesAreRejectedWithoutRecursion) {
+  const std::string deep = std::string(1'000'000, '[') + std::string(1'000'000, ']');
+  for (const std::string& json :
+       {R"({"default": )" + deep + "}", R"({"default": {"max_sessions": )" + deep + "}}",
+        R"({"tenants": {"trial": {"max_state_bytes": )" + deep + "}}}"}) {
+    const absl::StatusOr<TenantLimitsConfig> config = TenantLimitsConfig::Parse(json);
+    ASSERT_FALSE(config.ok());
+    EXPECT_EQ(config.status().code(), absl::StatusCode::kInvalidArgument) << config.status();
+    EXPECT_THAT(config.status().message(), HasSubstr("expected"));
+    EXPECT_LT(config.status().message().size(), 300u) << config.status();
+  }
+}
+
 TEST(TenantLimitsTest, FromFile) {
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("sdm_limits_test_" + std::to_string(::getpid()));
