@@ -289,7 +289,7 @@ class CpuBackend : public EngineBackend {
     const int64_t side = sdm_geom_.side;
     const int64_t hd = sdm_geom_.head_width;
     const int64_t key_size = sdm_geom_.key_size;
-    const int64_t n_w = cpu::AddressCount(args.num_writes, side);
+    const int64_t n_w = sdm_geom_.writes;  // as the state layout journals them
     const int64_t n_r = cpu::AddressCount(args.num_reads, side);
 
     std::vector<float> rq(n * key_size), wk(n * key_size), v(n * dim), a(n * heads), b(n * heads);

@@ -48,10 +48,11 @@ StateLayout BuildStateLayout(const ModelConfig& cfg, const ModelWeights& w,
       }
       state.row_pool = row_pool;
       // Deltas may carry the writes instead of the rows; replaying one runs the CPU engine's
-      // own write (state_store/state_layout.h, SdmWriteSpec).
+      // own write (state_store/state_layout.h, SdmWriteSpec). A write has as many slots as the
+      // backends select (fewer than num_writes when that exceeds the head's slots).
       state.sdm_write.apply = &kernels::cpu::SdmWriteRows;
-      state.sdm_write.writes = cfg.sdm.num_writes;
-      state.sdm_write.alphas = cfg.sdm.key_weighted_decay ? cfg.sdm.num_writes : 1;
+      state.sdm_write.writes = sdm.writes;
+      state.sdm_write.alphas = cfg.sdm.key_weighted_decay ? sdm.writes : 1;
       state.sdm_write.rule = static_cast<uint32_t>(cfg.sdm.update_rule == UpdateRule::kSlotResidual
                                                        ? kernels::cpu::SdmRule::kSlotResidual
                                                        : kernels::cpu::SdmRule::kSharedResidual);

@@ -16,6 +16,7 @@
 #include "common/json_snippet.h"
 #include "engine/tokenizer.h"
 #include "engine/weight_spec.h"
+#include "kernels/common/sdm_addressing_math.h"
 #include "nlohmann/json.hpp"
 
 namespace sdm {
@@ -329,6 +330,7 @@ SdmGeometry SdmGeometryOf(const ModelConfig& c) {
   g.side = static_cast<int64_t>(std::llround(std::sqrt(static_cast<double>(g.slots_per_head))));
   g.head_width = g.heads > 0 ? c.dim / g.heads : 0;
   g.key_size = g.heads * 2 * g.side;
+  g.writes = kernels::AddressCount(c.sdm.num_writes, g.side);
   return g;
 }
 

@@ -106,6 +106,9 @@ struct SdmGeometry {
   int64_t slots_per_head = 0;  // s^2
   int64_t head_width = 0;      // hd = dim / H (row width)
   int64_t key_size = 0;        // H * 2s columns of Wq_read / Wk_write
+  // Slots one token writes per head: min(num_writes, s^2), the addressing's AddressCount
+  // (docs/model-spec.md §5.2). What the backends select and a journaled write records.
+  int64_t writes = 0;
 };
 
 // Resolves layer types and validates `config` in place. Every error names the field.

@@ -478,7 +478,7 @@ class CudaBackend : public EngineBackend {
         q_width = std::max(q_width, g.n_heads * g.head_dim);
       }
       const int64_t heads = sdm_geom_.heads;
-      const int64_t n_w = heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
+      const int64_t n_w = heads > 0 ? sdm_geom_.writes : 0;
       const int64_t n_r = heads > 0 ? AddressCount(cfg_.sdm.num_reads) : 0;
       struct F {
         kc::DeviceBuffer<float>* b;
@@ -634,7 +634,7 @@ class CudaBackend : public EngineBackend {
       max_visible = std::max(max_visible, segs[s].pos0 + segs[s].length);
     }
     // (2) Rows copy-on-write may take.
-    const int64_t n_w = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_writes) : 0;
+    const int64_t n_w = sdm_geom_.heads > 0 ? sdm_geom_.writes : 0;
     const int64_t n_r = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_reads) : 0;
     const int64_t n_sdm = ctx_->num_sdm_layers();
     if (n_sdm > 0) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -268,6 +269,50 @@ TEST(EngineTest, StagingAResumeOnTheCpuAttachesNothing) {
   auto other = MakeEngine(other_config);
   auto foreign = other->NewSession();
   EXPECT_EQ(engine->StageResume(*foreign).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A write selects min(num_writes, slots_per_head) slots (docs/model-spec.md §5.2). The layout
+// journals that many per token and head, not num_writes: a journaled write (a state store that
+// persists deltas) used to fail the table's SDM_CHECK and abort. The journal of a prefill, replayed
+// over a fresh session, rebuilds every row bit for bit.
+TEST(EngineTest, MoreWritesThanSlotsAreJournaledAsTheSlotsWritten) {
+  for (const bool key_weighted_decay : {false, true}) {
+    SCOPED_TRACE(key_weighted_decay ? "key-weighted decay" : "one decay");
+    ModelConfig c = Tiny();
+    c.sdm.slots_per_head = 4;
+    c.sdm.num_writes = 8;
+    c.sdm.key_weighted_decay = key_weighted_decay;
+    ASSERT_TRUE(FinalizeModelConfig(c).ok());
+    auto engine = MakeEngine(c);
+    StateLayout recording = engine->state_layout();
+    int64_t sdm_layers = 0;
+    for (LayerStateLayout& l : recording.layers) {
+      if (l.kind != LayerStateLayout::Kind::kSdm) continue;
+      ++sdm_layers;
+      EXPECT_EQ(l.sdm_write.writes, 4);
+      EXPECT_EQ(l.sdm_write.alphas, key_weighted_decay ? 4 : 1);
+      l.sdm_write.record = true;
+    }
+    ASSERT_GT(sdm_layers, 0);
+    SessionState journaled(recording), replica(recording);
+    // Two tokens: their journal stays smaller than the rows they write, so it is kept whole.
+    ASSERT_TRUE(engine->Prefill(journaled, RandomTokens(2, 7), false, nullptr).ok());
+    for (int64_t l = 0; l < journaled.num_layers(); ++l) {
+      if (!journaled.is_sdm(l)) continue;
+      const SdmTable& live = journaled.sdm(l);
+      ASSERT_TRUE(live.journal_complete());
+      EXPECT_EQ(live.journal_records(), 2 * live.heads());
+      ASSERT_TRUE(replica.sdm(l).ApplyJournal(live.journal(), live.journal_records()).ok());
+      const SdmTable& got = replica.sdm(l);
+      EXPECT_EQ(got.private_rows(), live.private_rows());
+      for (int64_t h = 0; h < live.heads(); ++h) {
+        for (int64_t slot = 0; slot < live.slots_per_head(); ++slot) {
+          EXPECT_EQ(std::memcmp(got.Row(h, slot), live.Row(h, slot), live.row_width() * 4), 0)
+              << "layer " << l << " head " << h << " slot " << slot;
+        }
+      }
+    }
+  }
 }
 
 // The ids of this process's threads named `name` (/proc/self/task/*/comm).
