@@ -89,6 +89,50 @@ uint64_t ComputeFingerprint(const Model& model) {
   return XXH64_digest(h);
 }
 
+// Why `s` does not have the shape `layout` gives a session, or "" when it has: the layer kinds;
+// per KV cache its row width, ring capacity and element type; per SDM table its heads, slots and
+// row width and how its writes are journaled. Its row pool and whether it journals may differ (a
+// state store gives the sessions it makes its own pool, and turns journaling on). Sessions do not
+// keep their layout, so the comparison is field by field: a few per layer, cheap next to a step.
+std::string LayoutMismatch(const SessionState& s, const StateLayout& layout) {
+  if (s.num_layers() != static_cast<int64_t>(layout.layers.size())) {
+    return absl::StrCat("it has ", s.num_layers(), " layers, this engine's model ",
+                        layout.layers.size());
+  }
+  for (int64_t l = 0; l < s.num_layers(); ++l) {
+    const LayerStateLayout& want = layout.layers[l];
+    if (s.is_sdm(l) != (want.kind == LayerStateLayout::Kind::kSdm)) {
+      return absl::StrCat("its layer ", l, " is of another kind");
+    }
+    if (s.is_sdm(l)) {
+      const SdmTable& t = s.sdm(l);
+      if (t.heads() != want.sdm_heads || t.slots_per_head() != want.slots_per_head ||
+          t.row_width() != want.row_width) {
+        return absl::StrCat("its layer ", l, " has ", t.heads(), " SDM heads of ",
+                            t.slots_per_head(), " slots of ", t.row_width(),
+                            " values, this engine's ", want.sdm_heads, " of ", want.slots_per_head,
+                            " of ", want.row_width);
+      }
+      const SdmWriteSpec& w = t.write_spec();
+      if (w.apply != want.sdm_write.apply || w.writes != want.sdm_write.writes ||
+          w.alphas != want.sdm_write.alphas || w.rule != want.sdm_write.rule) {
+        return absl::StrCat("its layer ", l, " journals SDM writes of another form");
+      }
+    } else {
+      const KvCache& kv = s.kv(l);
+      if (kv.row_width() != want.kv_row_width || kv.ring_capacity() != want.ring_capacity ||
+          kv.element() != want.kv_element) {
+        return absl::StrCat("its layer ", l, "'s KV cache holds ", kv.row_width(), " ",
+                            CpuDtypeName(kv.element()), " values per token, ring ",
+                            kv.ring_capacity(), "; this engine's ", want.kv_row_width, " ",
+                            CpuDtypeName(want.kv_element), ", ring ", want.ring_capacity,
+                            " (a ring holds the window plus prefill_chunk; 0: none)");
+      }
+    }
+  }
+  return "";
+}
+
 }  // namespace
 
 kernels::AddressAct ToAddressAct(AddressActivation a) {
@@ -205,6 +249,15 @@ class Engine::Impl {
   const EngineOptions& options() const { return options_; }
   const StateLayout& layout() const { return layout_; }
   uint64_t fingerprint() const { return fingerprint_; }
+
+  // INVALID_ARGUMENT unless `s` has this engine's state layout (LayoutMismatch).
+  absl::Status CheckLayout(const SessionState& s) const {
+    const std::string mismatch = LayoutMismatch(s, layout_);
+    if (mismatch.empty()) return absl::OkStatus();
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session state was made for a different model or engine configuration: ", mismatch));
+  }
+
   EngineBackend& backend() const { return *backend_; }
 
   const EngineProfile& profile() const { return profile_; }
@@ -388,9 +441,7 @@ class Engine::Impl {
   }
 
   absl::Status CheckSession(const SessionState& s) const {
-    if (s.num_layers() != config().n_layers) {
-      return absl::InvalidArgumentError("session state was made for a different model");
-    }
+    if (auto layout = CheckLayout(s); !layout.ok()) return layout;
     if (s.failed()) {
       return absl::FailedPreconditionError(absl::StrCat(
           "session state is refused until the session is deleted: ", s.failure().message()));
@@ -448,9 +499,7 @@ ResumeStagingStats Engine::resume_staging_stats() const {
   return impl_->backend().resume_staging_stats();
 }
 absl::Status Engine::StageResume(SessionState& session) {
-  if (session.num_layers() != config().n_layers) {
-    return absl::InvalidArgumentError("session state was made for a different model");
-  }
+  if (auto s = impl_->CheckLayout(session); !s.ok()) return s;
   if (session.failed() || session.on_device()) return absl::OkStatus();
   return impl_->backend().StageResume(session);
 }

@@ -248,10 +248,12 @@ class Engine {
   // own tokens are cut, never on the other segments.
   //
   // Errors (INVALID_ARGUMENT, nothing consumed): an empty or null segment, a token outside the
-  // vocabulary, a session of another model, a session twice, an unknown StepLogits, sampling
-  // params out of range (ValidateSamplingParams), a logits or sampled buffer of the wrong size. A
-  // backend error (say RESOURCE_EXHAUSTED on a device) is returned as is when no session was
-  // changed. A pass that fails after it began writing state marks its sessions failed
+  // vocabulary, a session of another model (one whose state does not have this engine's
+  // state_layout(): made for other widths, or by an engine with another prefill_chunk, whose
+  // sliding-window rings differ, or another cpu_dtype), a session twice, an unknown StepLogits,
+  // sampling params out of range (ValidateSamplingParams), a logits or sampled buffer of the wrong
+  // size. A backend error (say RESOURCE_EXHAUSTED on a device) is returned as is when no session
+  // was changed. A pass that fails after it began writing state marks its sessions failed
   // (SessionState::MarkFailed; the status says so), and so are the sessions that passes completed
   // before it advanced (they consumed part of their tokens): Step refuses them from then on
   // (FAILED_PRECONDITION) and the state store neither persists nor leases them. Sessions of a
@@ -270,8 +272,8 @@ class Engine {
   // waits for it. Nothing is done (OK) on the CPU, for a session on the device, already staged,
   // failed or holding nothing to convert, and when resume_staging_bytes is in use (counted in
   // ResumeStagingStats::refused; the step then converts as without this call). Errors:
-  // INVALID_ARGUMENT for a session of another model. Thread-safety: for a session no step or
-  // other thread uses meanwhile; may run while Step() runs other sessions, and alongside other
+  // INVALID_ARGUMENT for a session of another model (as Step). Thread-safety: for a session no step
+  // or other thread uses meanwhile; may run while Step() runs other sessions, and alongside other
   // StageResume calls (the scheduler stages a job's session on the thread that submits it).
   absl::Status StageResume(SessionState& session);
 

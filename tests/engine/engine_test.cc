@@ -315,6 +315,51 @@ TEST(EngineTest, MoreWritesThanSlotsAreJournaledAsTheSlotsWritten) {
   }
 }
 
+// A session is stepped only by an engine whose state layout it has: one made by an engine with
+// another prefill_chunk (its sliding-window rings hold window + prefill_chunk positions, so
+// attention would silently lose keys), another CPU storage type or other widths (the step would
+// read and write past its rows) is refused as a session of another model, before anything is
+// consumed; so is staging its resume.
+TEST(EngineTest, RefusesASessionOfAnotherStateLayout) {
+  const ModelConfig c = Tiny();
+  ModelConfig wide = c, fewer_slots = c, fewer_writes = c;
+  wide.dim = 128;
+  fewer_slots.sdm.slots_per_head = 16;  // the SDM tables differ, the KV caches do not
+  fewer_writes.sdm.num_writes = 4;      // only the journaled writes differ
+  for (ModelConfig* other : {&wide, &fewer_slots, &fewer_writes}) {
+    ASSERT_TRUE(FinalizeModelConfig(*other).ok());
+  }
+  auto chunk8 = MakeEngine(c, 8);
+  auto chunk256 = MakeEngine(c, 256);
+  auto bf16 = MakeEngine(c, 8, DType::kBf16);
+  auto wider = MakeEngine(wide, 8);
+  auto slots16 = MakeEngine(fewer_slots, 8);
+  auto writes4 = MakeEngine(fewer_writes, 8);
+  const std::vector<int32_t> tokens = RandomTokens(3, 1);
+  std::vector<float> logits;
+  const std::vector<std::pair<Engine*, Engine*>> foreign = {
+      {chunk8.get(), chunk256.get()}, {chunk256.get(), chunk8.get()},
+      {chunk8.get(), bf16.get()},     {bf16.get(), chunk8.get()},
+      {chunk8.get(), wider.get()},    {wider.get(), chunk8.get()},
+      {chunk8.get(), slots16.get()},  {slots16.get(), chunk8.get()},
+      {chunk8.get(), writes4.get()}};
+  for (size_t i = 0; i < foreign.size(); ++i) {
+    SCOPED_TRACE(i);
+    auto [maker, stepper] = foreign[i];
+    auto session = maker->NewSession();
+    const absl::Status refused = stepper->Prefill(*session, tokens, false, &logits);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+    EXPECT_EQ(session->position(), 0);
+    EXPECT_EQ(stepper->StageResume(*session).code(), absl::StatusCode::kInvalidArgument);
+    // Its own engine steps it, as does another engine of the same layout.
+    EXPECT_TRUE(maker->Prefill(*session, tokens, false, &logits).ok());
+    auto twin =
+        MakeEngine(maker->config(), maker->options().prefill_chunk, maker->options().cpu_dtype);
+    EXPECT_TRUE(twin->Prefill(*session, tokens, false, &logits).ok());
+    EXPECT_EQ(session->position(), 2 * static_cast<int64_t>(tokens.size()));
+  }
+}
+
 // The ids of this process's threads named `name` (/proc/self/task/*/comm).
 std::set<int> ThreadsNamed(const std::string& name) {
   std::set<int> ids;
