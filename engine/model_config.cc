@@ -402,6 +402,14 @@ absl::Status FinalizeModelConfig(ModelConfig& c) {
   if (c.ffn_dim_multiplier.has_value() && *c.ffn_dim_multiplier > 16) {
     return Invalid("ffn_dim_multiplier", TooLarge(16));
   }
+  // A positive multiplier can still truncate the hidden size to 0 (only it can: without one,
+  // int(8 * dim / 3) >= 2), and a projection with no hidden units writes nothing.
+  if (const int64_t hidden = FfnHiddenDim(c); hidden < 1) {
+    return Invalid(
+        "ffn_dim_multiplier",
+        absl::StrCat(c.ffn_dim_multiplier.value_or(1.0), " gives an FFN hidden size of ", hidden,
+                     " (int(multiplier * int(8 * dim / 3)) must be at least 1)"));
+  }
   for (auto [field, v] : {std::pair{"n_heads", c.n_heads},
                           {"n_kv_heads", c.n_kv_heads},
                           {"head_dim", c.head_dim},

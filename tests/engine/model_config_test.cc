@@ -216,6 +216,18 @@ TEST(ModelConfigTest, RejectsDeeplyNestedValuesWithoutRecursion) {
   ExpectInvalid(Base("sdm_args", deep), {"'sdm_args'", "expected an object"});
 }
 
+// A multiplier small enough to round the FFN's hidden size down to 0 was accepted (it is
+// positive), and the FFN's GEMMs with an inner size of 0 never wrote their output: the block
+// added stale memory to the residual.
+TEST(ModelConfigTest, RejectsAnFfnMultiplierThatLeavesNoHiddenUnits) {
+  // dim 64: h = int(8 * 64 / 3) = 170; int(0.005 * 170) = 0.
+  ExpectInvalid(Base("ffn_dim_multiplier", "0.005"), {"'ffn_dim_multiplier'", "hidden size"});
+  // int(0.006 * 170) = 1, rounded up to multiple_of: the smallest multiplier that leaves a unit.
+  auto one = ParseModelConfig(Base("ffn_dim_multiplier", "0.006"));
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(FfnHiddenDim(*one), one->multiple_of);
+}
+
 TEST(ModelConfigTest, FfnHiddenDimFollowsTheReference) {
   ModelConfig c;
   c.dim = 1024;
