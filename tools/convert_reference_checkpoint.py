@@ -17,8 +17,9 @@ reference's `lingua.checkpoint.consolidate_checkpoints(step_dir)`.
 
 OUT_DIR receives
   * config.json: the params.json `model` section (every field the engine understands is kept,
-    training-only fields included, so the config round-trips), with vocab_size taken from
-    tok_embeddings when unset, and "tokenizer" built from params.json `data.tokenizer`;
+    training-only fields included, so the config round-trips; null ones are dropped, below),
+    with vocab_size taken from tok_embeddings when unset, and "tokenizer" built from params.json
+    `data.tokenizer`;
   * model.safetensors: the state dict under the same tensor names, in the order the engine lists
     them; written to a temporary name, fsynced and renamed;
   * tokenizer.model: a copy of the SentencePiece model, for "sp" tokenizers.
@@ -35,10 +36,12 @@ dtype: `keep` writes bf16 tensors as BF16 and every other floating tensor as F32
 exactly; fp64 is rounded to fp32); `fp32` / `bf16` convert everything (bf16: round to nearest
 even). Non-floating tensors other than the dropped counters are an error.
 
-Config keys the engine does not know: a key whose value is null or false (a feature that is off),
-or whose name marks it as training-only (logging, init, probing, checkpointing, kernel chunking,
-dropout), is dropped and reported; any other unknown key is an error, because it may change
-what the model computes.
+Config keys whose value is null (the reference's "unset", so the default), known to the engine or
+not, are dropped and reported: the engine takes null only for the fields documented "or null" (not,
+say, for sdm_args or multiple_of) and an absent key for all, with the same defaults. Config keys
+the engine does not know: a key whose value is false (a feature that is off), or whose name marks
+it as training-only (logging, init, probing, checkpointing, kernel chunking, dropout), is dropped
+and reported; any other unknown key is an error, because it may change what the model computes.
 
 Needs torch (CPU) to read the .pth (Debian's python3-torch is enough); nothing else.
 """
@@ -138,9 +141,13 @@ def load_params(path: str) -> dict:
 def filter_keys(section: dict, accepted: set, where: str, dropped: List[str]) -> dict:
     out = OrderedDict()
     for key, value in section.items():
-        if key in accepted:
+        if value is None:
+            # Unset: the default, which the engine gives an absent key (it takes null for only
+            # some fields).
+            dropped.append(f"{where}{key}={json.dumps(value)}")
+        elif key in accepted:
             out[key] = value
-        elif value is None or value is False or TRAINING_ONLY_KEY.search(key):
+        elif value is False or TRAINING_ONLY_KEY.search(key):
             dropped.append(f"{where}{key}={json.dumps(value)}")
         else:
             raise ConversionError(

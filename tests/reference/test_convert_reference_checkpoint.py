@@ -467,6 +467,40 @@ def run_checks(args, work, results):
         return "copied; a missing file is reported"
     check("convert_sentencepiece_tokenizer", sentencepiece)
 
+    # --- 3b. null config values: the reference's "unset", so the default: dropped and reported. ---
+    def null_values():
+        # The engine takes null only for the fields documented "or null" and rejected a converted
+        # config that kept another ("sdm_args": expected an object).
+        no_sdm = dict(UNTIED_MODEL, attn_at=[1], sdm_at=None, sdm_args=None, max_seqlen=None)
+        _, sd3 = make_model(no_sdm, seed=23)
+        # In an SDM model: null where the default is the value the stand-in was made with.
+        sdm_nulls = dict(HYBRID_MODEL, seed=None, norm_eps=None,
+                         sdm_args=dict(HYBRID_MODEL["sdm_args"], dt_bias_init=None,
+                                       snapshot_quant=None, A_init_range=None))
+        cases = [("null_no_sdm", sd3, no_sdm, ["model.sdm_args", "model.sdm_at",
+                                               "model.max_seqlen"]),
+                 ("null_sdm_fields", sd, sdm_nulls, ["model.seed", "model.norm_eps",
+                                                     "model.sdm_args.dt_bias_init",
+                                                     "model.sdm_args.snapshot_quant",
+                                                     "model.sdm_args.A_init_range"])]
+        for name, state_dict, model_section, nulls in cases:
+            src = write_checkpoint(os.path.join(work, name), state_dict, params_json(model_section))
+            out = os.path.join(work, "out_" + name)
+            text = expect_ok(src, out)
+            engine_accepts(args, out)
+            with open(os.path.join(out, "config.json")) as f:
+                cfg = json.load(f)
+            for key in nulls:
+                section = cfg
+                for part in key.split(".")[1:-1]:
+                    section = section[part]
+                if key.split(".")[-1] in section:
+                    raise CheckFailed(f"{name}: config.json keeps {key}: {cfg}")
+                if f"{key}=null" not in text:
+                    raise CheckFailed(f"{name}: the dropped {key}=null is not reported: {text}")
+        return "null keys dropped and reported; sdm-model info accepts both"
+    check("convert_null_values_as_defaults", null_values)
+
     # --- 4. Negative cases. ---
     def neg(name, mutate_sd=None, params=None, must=(), layout="step", model=HYBRID_MODEL):
         def fn():
