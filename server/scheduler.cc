@@ -65,6 +65,7 @@ struct Scheduler::Job {
   Clock::time_point last_token;
   bool had_pending = false;  // to_feed starts with the session's pending token
   bool done = false;
+  bool running = false;  // counted in running_count_ (moved to the running set, not finished)
 };
 
 Scheduler::Scheduler(Engine& engine, SessionStateStore& store, const Tokenizer& tokenizer,
@@ -97,7 +98,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   {
     absl::MutexLock lock(&mu_);
     if (!accepting_) return absl::UnavailableError("the server is shutting down");
-    if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
+    if (QueueFullLocked()) {
       return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
                                                        " requests waiting); retry later"));
     }
@@ -138,7 +139,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   absl::Status refused;
   if (!accepting_) {
     refused = absl::UnavailableError("the server is shutting down");
-  } else if (static_cast<int>(waiting_.size()) >= options_.max_waiting) {
+  } else if (QueueFullLocked()) {
     refused = absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
                                                         " requests waiting); retry later"));
   }
@@ -202,6 +203,7 @@ void Scheduler::Loop() {
         }
       }
       while (!waiting_.empty() && static_cast<int>(running.size()) < options_.max_running) {
+        waiting_.front()->running = true;
         running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
       }
@@ -335,6 +337,13 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
     job.state->pending_token = job.to_feed[0];  // ended before reading anything: keep it
   }
   job.next_input = -1;
+  if (job.running) {
+    // Its place in the batch is free before the client hears of the end: a next turn sent at
+    // once is admitted as if the step had already dropped this job.
+    absl::MutexLock lock(&mu_);
+    --running_count_;
+    job.running = false;
+  }
   job.state->DropStaged();  // a job that never ran: its staged image goes back now
   // Back to the store (which may park it) before the observer hears of the end, so a client
   // that sends its next turn right away finds the session free.
@@ -345,8 +354,16 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   } else {
     // The turn is acknowledged once it is durable (--persist turn): the store's worker calls
     // back after writing it, off the step thread (at once when there is nothing to wait for).
+    // A turn whose write was refused (replicas: another took the session over meanwhile) is not
+    // in the session's state: the client is told so (ABORTED), not that it ended well.
     store_.WhenPersisted(job.spec.session, [observer = job.observer, reason, usage = job.usage,
-                                            error] { observer->OnFinish(reason, usage, error); });
+                                            error](const absl::Status& saved) {
+      if (error.ok() && !saved.ok()) {
+        observer->OnFinish(FinishReason::kError, usage, saved);
+      } else {
+        observer->OnFinish(reason, usage, error);
+      }
+    });
   }
   if (listener_ != nullptr) {
     listener_->OnJobFinished(reason, job.usage, Seconds(job.submitted, Clock::now()));

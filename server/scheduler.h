@@ -27,7 +27,8 @@
 // session of the store (SessionStateStore::NewSession(), counted in its resident bytes) that is
 // dropped at the end.
 //
-// Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs wait, before
+// Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs would wait
+// ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), before
 // the job has produced anything, so a client may retry. The step thread runs
 // EngineOptions::decode_nice below the thread that made the scheduler (engine/engine.h), as the
 // engine's kernel threads do, so that on busy cores Submit's callers are served first.
@@ -37,6 +38,7 @@
 #ifndef SDMSERVE_SERVER_SCHEDULER_H_
 #define SDMSERVE_SERVER_SCHEDULER_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -86,7 +88,9 @@ bool IsSessionChanged(const absl::Status& status);
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which
 // comes once the turn is written to the state directory (SessionStateStore::WhenPersisted: from
 // the store's worker thread, or at once on the step thread when nothing is to wait for). So an
-// observer must be thread-safe, and a client's final chunk means its turn survives a crash.
+// observer must be thread-safe, and a client's final chunk means its turn survives a crash
+// (replicas: a turn whose write was refused because another replica took the session over while
+// it ran ends with an ABORTED error instead: it is not in the session's state).
 class JobObserver {
  public:
   virtual ~JobObserver() = default;
@@ -115,8 +119,8 @@ class SchedulerListener {
 };
 
 struct SchedulerOptions {
-  int max_running = 32;                // jobs decoded together
-  int max_waiting = 64;                // admitted-but-not-running jobs before RESOURCE_EXHAUSTED
+  int max_running = 32;  // jobs decoded together
+  int max_waiting = 64;  // jobs waiting for a place in the batch before RESOURCE_EXHAUSTED
   int64_t prefill_token_budget = 256;  // prompt tokens per step
 };
 
@@ -146,6 +150,12 @@ class Scheduler {
   // The step thread waits for this (or for running jobs, which it holds itself).
   bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stop_ || !waiting_.empty() || device_work_;
+  }
+  // A job submitted now would wait behind max_waiting others: the waiting jobs beyond the
+  // batch's free places (each takes one at the next step) are max_waiting already.
+  bool QueueFullLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const int free_places = std::max(0, options_.max_running - running_count_);
+    return static_cast<int>(waiting_.size()) >= options_.max_waiting + free_places;
   }
   void Step(std::vector<std::unique_ptr<Job>>& running);
   void Emit(Job& job, int32_t token);

@@ -138,7 +138,7 @@ struct SessionStateStore::SnapshotStamp {
 struct PersistWaiter {
   uint64_t version = 0;
   uint64_t seq = 0;
-  std::function<void()> done;
+  std::function<void(const absl::Status&)> done;
   std::chrono::steady_clock::time_point since;
 };
 constexpr uint64_t kNoWaiter = ~uint64_t{0};
@@ -159,6 +159,11 @@ struct SessionStateStore::Entry {
   // one (it saw another count, or one in progress) claims again (see Acquire).
   bool handing_off = false;
   uint64_t handoffs = 0;
+  // Replicas: the version whose write was refused because this store no longer owns the session
+  // (another replica took it over: that version's turn is not in the state it continues from),
+  // and the error WhenPersisted answers for it.
+  uint64_t fenced_version = 0;
+  absl::Status fenced;
   uint64_t tick = 0;  // LRU order
   absl::Time last_used;
   absl::Duration ttl = absl::InfiniteDuration();
@@ -1857,10 +1862,16 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     });
   }
   if (!owned.ok()) {
-    // Not this store's to write any more: its copy is given up, not retried.
+    // Not this store's to write any more: its copy is given up, not retried, and its waiters
+    // are told that their turns are not saved (their client may send them again).
     e.persisted_version = version;
+    e.fenced_version = version;
+    e.fenced = absl::AbortedError(
+        absl::StrCat("the turn was not saved: another replica took session '", key.id,
+                     "' over while it ran (this one lost its claim: ", owned.message(),
+                     "); the session continues from its state without this turn: send it again"));
     WriteFenced(key, owned);
-    SettleWaiters(e, /*all=*/false);
+    SettleWaiters(e, /*all=*/false, e.fenced);
     return owned;
   }
   if (!status.ok()) {
@@ -1922,13 +1933,13 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   return absl::OkStatus();
 }
 
-void SessionStateStore::SettleWaiters(Entry& e, bool all) {
+void SessionStateStore::SettleWaiters(Entry& e, bool all, const absl::Status& outcome) {
   if (e.waiters.empty()) return;
   auto settled = [&](const PersistWaiter& w) { return all || w.version <= e.attempted_version; };
   const auto now = std::chrono::steady_clock::now();
   for (PersistWaiter& w : e.waiters) {
     if (!settled(w)) continue;
-    ready_.push_back(std::move(w.done));
+    ready_.push_back([done = std::move(w.done), outcome] { done(outcome); });
     ++counters_.persist_waits;
     counters_.persist_wait_us +=
         std::chrono::duration_cast<std::chrono::microseconds>(now - w.since).count();
@@ -1948,11 +1959,17 @@ void SessionStateStore::FlushReady() {
   for (auto& done : ready) done();
 }
 
-void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void()> done) {
+void SessionStateStore::WhenPersisted(const SessionKey& key,
+                                      std::function<void(const absl::Status&)> done) {
+  absl::Status outcome;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
     Entry* e = it == entries_.end() ? nullptr : it->second.get();
+    // Its state as of now was refused already (written before this call).
+    if (e != nullptr && e->fenced_version != 0 && e->fenced_version == e->version) {
+      outcome = e->fenced;
+    }
     const bool wait = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
                       options_.persist == PersistPolicy::kTurn && persist_error_.ok() &&
                       e->broken.ok() && e->version != e->persisted_version &&
@@ -1967,7 +1984,7 @@ void SessionStateStore::WhenPersisted(const SessionKey& key, std::function<void(
       return;
     }
   }
-  done();
+  done(outcome);
 }
 
 void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {

@@ -405,7 +405,9 @@ class SessionStateStore {
   // is done, never with the store's lock held; pending calls run at the latest when the store is
   // destroyed. A call that waited is counted in Stats().persist_waits, with the time from this
   // call to the write's end in persist_wait_us (what durability costs a turn's acknowledgement).
-  void WhenPersisted(const SessionKey& key, std::function<void()> done);
+  // `done` is given OK, or (replicas) ABORTED when the write was refused because another store
+  // took the session over (the turn is not in the state the session continues from there).
+  void WhenPersisted(const SessionKey& key, std::function<void(const absl::Status&)> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
   // step thread; `wake` is called (never with the store's lock held) when device work is queued,
@@ -512,7 +514,8 @@ class SessionStateStore {
   absl::Status RefuseWhenUnpersistable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves e's WhenPersisted callbacks that its last write attempt settles (all of them with
   // `all`) to ready_, for FlushReady() to call.
-  void SettleWaiters(Entry& e, bool all) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void SettleWaiters(Entry& e, bool all, const absl::Status& outcome = absl::OkStatus())
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FlushReady() ABSL_LOCKS_EXCLUDED(mu_);
   // Makes a resident entry's host layers current (copies its device copy back): queued for the
   // step thread and awaited when one is registered and this is not it, else inline. e.busy

@@ -18,6 +18,7 @@
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
 #include "gtest/gtest.h"
+#include "state_store/session_ownership.h"
 #include "tests/server/server_test_util.h"
 
 namespace sdm {
@@ -444,6 +445,71 @@ TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
   after->Wait();
   // Ends normally: its length, or EOS when the random model samples it first.
   EXPECT_TRUE(after->reason == FinishReason::kLength || after->reason == FinishReason::kEos);
+}
+
+// Replicas: a turn whose write is refused because this replica lost the session (another took
+// it over while the turn ran) is not in the session's state: its client gets ABORTED, not a
+// normal end. A turn whose write goes through ends normally.
+TEST_F(SchedulerTest, ATurnWhoseWriteIsFencedEndsWithAborted) {
+  class LosableOwnership : public SessionOwnership {
+   public:
+    absl::Status Claim(const SessionKey&) override { return absl::OkStatus(); }
+    absl::Status CheckWrite(const SessionKey&) override {
+      return lost.load() ? absl::FailedPreconditionError("the lease expired") : absl::OkStatus();
+    }
+    void Release(const SessionKey&) override {}
+    std::atomic<bool> lost{false};
+  };
+  LosableOwnership ownership;
+  store_.reset();
+  SessionStoreOptions so;
+  so.dir = dir_;
+  so.shared_dir = true;
+  so.ownership = &ownership;
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), so);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  store_ = *std::move(opened);
+  StartScheduler();
+  ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  auto saved = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(4, 1), 3), saved).ok());
+  saved->Wait();
+  EXPECT_TRUE(saved->error.ok()) << saved->error;
+  EXPECT_NE(saved->reason, FinishReason::kError);
+  ownership.lost.store(true);
+  auto fenced = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(4, 2), 3), fenced).ok());
+  fenced->Wait();
+  EXPECT_EQ(fenced->reason, FinishReason::kError);
+  EXPECT_EQ(fenced->error.code(), absl::StatusCode::kAborted) << fenced->error;
+  EXPECT_NE(fenced->error.message().find("send it again"), absl::string_view::npos)
+      << fenced->error;
+  EXPECT_EQ(store_->Stats().fenced_writes, 1);
+}
+
+// max_waiting 0: no queue, but every free place in the batch still admits a job (it refused
+// every job, even on an idle server); a job's place is free again before its client hears of
+// its end.
+TEST_F(SchedulerTest, NoQueueStillAdmitsAJobForEachFreePlace) {
+  UseNoEosModel();
+  SchedulerOptions o;
+  o.max_running = 1;
+  o.max_waiting = 0;
+  StartScheduler(o);
+  auto first = std::make_shared<Collector>();  // greedy, no EOS: runs until cancelled
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 1'000'000), first).ok());
+  auto refused = std::make_shared<Collector>();
+  EXPECT_EQ(scheduler_->Submit(Job("", Tokens(4, 2), 2), refused).code(),
+            absl::StatusCode::kResourceExhausted);
+  first->cancelled.store(true);
+  first->Wait();
+  EXPECT_EQ(first->reason, FinishReason::kCancelled);
+  for (int i = 0; i < 3; ++i) {
+    auto next = std::make_shared<Collector>();
+    ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 3 + i), 2), next).ok()) << i;
+    next->Wait();
+    EXPECT_EQ(next->reason, FinishReason::kLength);
+  }
 }
 
 TEST_F(SchedulerTest, TheStepThreadRunsAtTheEnginesDecodeNice) {

@@ -671,7 +671,10 @@ TEST_F(DeviceResidencyTest, TurnsOnTheDeviceAreWrittenWhileTheSessionStaysThere)
     }
     HostDecode(*control, turn);
     absl::Notification acked;
-    store->WhenPersisted("s", [&] { acked.Notify(); });
+    store->WhenPersisted("s", [&](const absl::Status& saved) {
+      EXPECT_TRUE(saved.ok()) << saved;
+      acked.Notify();
+    });
     acked.WaitForNotification();
     EXPECT_TRUE(store->PersistHealth().ok());
     EXPECT_EQ(probe->change_copies, crash + 1);
@@ -705,7 +708,10 @@ TEST_F(DeviceResidencyTest, TurnsOnTheDeviceAreWrittenWhileTheSessionStaysThere)
   }
   HostDecode(*control, steps_);
   absl::Notification acked;
-  store->WhenPersisted("s", [&] { acked.Notify(); });
+  store->WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    acked.Notify();
+  });
   acked.WaitForNotification();
   EXPECT_EQ(store->Stats().persist_deltas, deltas + 1);
   const std::filesystem::path copy = crashes.path() / "parked";
@@ -733,7 +739,10 @@ void DeviceResidencyTest::TurnsAreWrittenWhenTheSessionLeaves(bool switched_off)
   FakeStepThread step(*store);
   ASSERT_TRUE(store->Create("s", "meta").ok());
   absl::Notification created;
-  store->WhenPersisted("s", [&] { created.Notify(); });
+  store->WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    created.Notify();
+  });
   created.WaitForNotification();
   std::shared_ptr<Probe> probe;
   {
@@ -744,7 +753,10 @@ void DeviceResidencyTest::TurnsAreWrittenWhenTheSessionLeaves(bool switched_off)
     DeviceDecode(lease->state(), prompt_);
   }
   absl::Notification acked;
-  store->WhenPersisted("s", [&] { acked.Notify(); });
+  store->WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    acked.Notify();
+  });
   acked.WaitForNotification();  // at once: nothing to wait for
   EXPECT_EQ(probe->change_copies, 0);
   EXPECT_EQ(store->Stats().unpersisted, 1);

@@ -476,7 +476,10 @@ TEST_F(DurabilityTest, AcknowledgedTurnsOfManySessionsAreOnDiskWithSeveralWriter
       Turn(store, ids[s], tokens);
       testing::DecodeEach(*engine_, *reference[s], tokens);
       acked.push_back(std::make_unique<absl::Notification>());
-      store.WhenPersisted(ids[s], [n = acked.back().get()] { n->Notify(); });
+      store.WhenPersisted(ids[s], [n = acked.back().get()](const absl::Status& saved) {
+        EXPECT_TRUE(saved.ok()) << saved;
+        n->Notify();
+      });
     }
     for (auto& n : acked) n->WaitForNotification();
     EXPECT_TRUE(store.PersistHealth().ok());
@@ -656,19 +659,28 @@ TEST_F(DurabilityTest, AcknowledgementWaitsAreCountedWithTheirTime) {
   absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its writers
   ASSERT_TRUE(store.Create("s", "").ok());
   absl::Notification created;
-  store.WhenPersisted("s", [&] { created.Notify(); });
+  store.WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    created.Notify();
+  });
   created.WaitForNotification();
   const StoreStats before = store.Stats();
   // Written already: called at once, not counted.
   bool at_once = false;
-  store.WhenPersisted("s", [&] { at_once = true; });
+  store.WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    at_once = true;
+  });
   EXPECT_TRUE(at_once);
   EXPECT_EQ(store.Stats().persist_waits, before.persist_waits);
 
   files.Arm();
   Turn(store, "s", testing::RandomTokens(5, 31));
   absl::Notification acked;
-  store.WhenPersisted("s", [&] { acked.Notify(); });
+  store.WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    acked.Notify();
+  });
   const auto asked = std::chrono::steady_clock::now();
   while (files.held() == 0) std::this_thread::yield();  // the turn's write is at the gate
   EXPECT_FALSE(acked.HasBeenNotified());
@@ -703,7 +715,8 @@ TEST_F(DurabilityTest, WithFsyncATurnIsAcknowledgedOnlyOnceItsWriteIsSynced) {
     Turn(store, "s", testing::RandomTokens(4, 10 + turn));
     absl::Notification acked;
     int synced_at_ack = -1, unsynced_at_ack = -1;
-    store.WhenPersisted("s", [&] {
+    store.WhenPersisted("s", [&](const absl::Status& saved) {
+      EXPECT_TRUE(saved.ok()) << saved;
       synced_at_ack = files.synced_writes();
       unsynced_at_ack = files.unsynced_writes();
       acked.Notify();
@@ -737,7 +750,10 @@ TEST_F(DurabilityTest, WithWriteATurnIsAcknowledgedBeforeItsBackgroundFsync) {
   Turn(store, "s", tokens);
   testing::DecodeEach(*engine_, *reference, tokens);
   absl::Notification acked;
-  store.WhenPersisted("s", [&] { acked.Notify(); });
+  store.WhenPersisted("s", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    acked.Notify();
+  });
   // The syncer is held in its first fsync; the acknowledgement does not wait for it.
   acked.WaitForNotification();
   EXPECT_EQ(files.synced_writes(), 0);

@@ -371,7 +371,8 @@ TEST_F(SharedDirTest, GetOnAReplicaThatHandedASessionOverAnswersTheCommittedStat
 }
 
 // A replica paused past its lease (its session given to another meanwhile) finishes its turn
-// when it resumes: its write is refused and counted, and the new owner's state stays on disk.
+// when it resumes: its write is refused and counted, the new owner's state stays on disk, and
+// whoever waits for that turn's write is told it was not saved.
 TEST_F(SharedDirTest, AWriteOfAReplicaThatLostTheSessionIsRefused) {
   FakeOwnershipTable table;
   FakeOwnershipTable::View own_a(&table, "a"), own_b(&table, "b");
@@ -389,6 +390,13 @@ TEST_F(SharedDirTest, AWriteOfAReplicaThatLostTheSessionIsRefused) {
   }  // a's turn ends: its write is fenced
   EXPECT_EQ(a->Stats().fenced_writes, 1);
   EXPECT_EQ(b->Stats().fenced_writes, 0);
+  // Asked after the refused write (as the scheduler asks before a turn's final chunk): a's turn
+  // is not saved, b's is.
+  absl::Status on_a = absl::UnknownError("not called"), on_b = on_a;
+  a->WhenPersisted("f", [&](const absl::Status& saved) { on_a = saved; });
+  b->WhenPersisted("f", [&](const absl::Status& saved) { on_b = saved; });
+  EXPECT_EQ(on_a.code(), absl::StatusCode::kAborted) << on_a;
+  EXPECT_TRUE(on_b.ok()) << on_b;
   auto reader = OpenStore(true);  // what the directory holds
   ExpectLikeReference(*reader, "f");
 }
