@@ -1,7 +1,9 @@
 #include "server/cluster/etcd_ownership.h"
 
 #include <initializer_list>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
@@ -104,13 +106,20 @@ void EtcdOwnership::HandoffLoop() {
   std::string end = prefix;
   end.back() = static_cast<char>(end.back() + 1);  // the range of every key under the prefix
   const std::string range = json{{"key", B64(prefix)}, {"range_end", B64(end)}}.dump();
+  std::vector<std::string> unsure;
   while (true) {
     {
       absl::MutexLock lock(&mu_);
       auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
       mu_.AwaitWithTimeout(absl::Condition(&stopping), options_.handoff_poll);
       if (stop_) return;
-      if (owned_.empty()) continue;  // nothing to hand over: no need to look
+      unsure = std::vector<std::string>(unsure_.begin(), unsure_.end());
+      if (owned_.empty() && unsure.empty()) continue;  // nothing to hand over: no need to look
+    }
+    for (const std::string& name : unsure) SettleUnsure(name);
+    {
+      absl::MutexLock lock(&mu_);
+      if (owned_.empty()) continue;
     }
     auto body = Post("/v3/kv/range", range);
     if (!body.ok()) continue;  // the keepalive logs an unreachable etcd
@@ -159,8 +168,34 @@ std::string EtcdOwnership::SnapshotKeyOf(const SessionKey& key) const {
   return options_.snapshot_prefix + SessionRecordId(key);
 }
 
+class EtcdOwnership::BusyKey {
+ public:
+  BusyKey(EtcdOwnership* owner, std::string name) : owner_(owner), name_(std::move(name)) {
+    absl::MutexLock lock(&owner_->mu_);
+    auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(owner_->mu_) {
+      return !owner_->busy_keys_.contains(name_);
+    };
+    owner_->mu_.Await(absl::Condition(&free));
+    owner_->busy_keys_.insert(name_);
+  }
+  ~BusyKey() {
+    absl::MutexLock lock(&owner_->mu_);
+    owner_->busy_keys_.erase(name_);
+  }
+  BusyKey(const BusyKey&) = delete;
+  BusyKey& operator=(const BusyKey&) = delete;
+
+ private:
+  EtcdOwnership* const owner_;
+  const std::string name_;
+};
+
 absl::StatusOr<std::string> EtcdOwnership::Post(const std::string& path,
                                                 const std::string& body) const {
+  using Fault = EtcdOwnershipOptions::RequestFault;
+  const Fault fault =
+      options_.testing_request_fault ? options_.testing_request_fault(path, body) : Fault::kNone;
+  if (fault == Fault::kDropped) return absl::UnavailableError("injected: request dropped");
   httplib::Client client(options_.endpoint);
   const auto timeout = absl::ToChronoMicroseconds(options_.request_timeout);
   client.set_connection_timeout(timeout);
@@ -175,6 +210,7 @@ absl::StatusOr<std::string> EtcdOwnership::Post(const std::string& path,
     return absl::UnavailableError(
         absl::StrCat("etcd ", path, " answered ", r->status, ": ", r->body.substr(0, 200)));
   }
+  if (fault == Fault::kAnswerLost) return absl::UnavailableError("injected: answer lost");
   return r->body;
 }
 
@@ -189,6 +225,7 @@ absl::Status EtcdOwnership::Grant() {
   lease_ = id;
   // Keys of an earlier lease are gone with it (testing_keep_stale_claims: etcd says so instead).
   if (!options_.testing_keep_stale_claims) owned_.clear();
+  unsure_.clear();
   return absl::OkStatus();
 }
 
@@ -255,7 +292,9 @@ absl::Status EtcdOwnership::Claim(const SessionKey& key) {
 }
 
 absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
-  const std::string k = B64(KeyOf(key));
+  const std::string name = KeyOf(key);
+  BusyKey busy(this, name);
+  const std::string k = B64(name);
   const std::string snapshot = B64(SnapshotKeyOf(key));
   const std::string me = B64(options_.replica_id);
   int64_t lease = 0;
@@ -274,12 +313,14 @@ absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
       {"failure",
        json::array({{{"request_range", {{"key", k}}}}, {{"request_range", {{"key", snapshot}}}}})}};
   auto body = Post("/v3/kv/txn", txn.dump());
-  if (!body.ok()) return body.status();
-  const json answer = json::parse(*body, nullptr, false);
-  if (!answer.is_object()) return absl::UnavailableError("etcd: unreadable answer");
+  const json answer = body.ok() ? json::parse(*body, nullptr, false) : json();
   const json& responses = At(answer, {"responses"});
-  if (!responses.is_array() || responses.size() != 2) {
-    return absl::UnavailableError("etcd: no answer to the ranges");
+  if (!body.ok() || !answer.is_object() || !responses.is_array() || responses.size() != 2) {
+    // Applied or not: the key may be this replica's now (settled by the handoff thread).
+    absl::MutexLock lock(&mu_);
+    if (!owned_.contains(name)) unsure_.insert(name);
+    if (!body.ok()) return body.status();
+    return absl::UnavailableError("etcd: unreadable answer to a claim");
   }
   {
     absl::MutexLock lock(&mu_);
@@ -305,7 +346,8 @@ absl::Status EtcdOwnership::TryClaim(const SessionKey& key, bool* elsewhere) {
   }
   absl::MutexLock lock(&mu_);
   if (lease_ != lease) return absl::UnavailableError("the replica's lease changed; retry");
-  owned_[KeyOf(key)] = revision;
+  owned_[name] = revision;
+  unsure_.erase(name);
   return absl::OkStatus();
 }
 
@@ -345,6 +387,7 @@ absl::Status EtcdOwnership::VerifyClaim(const SessionKey& key, int64_t revision)
 
 void EtcdOwnership::Release(const SessionKey& key) {
   const std::string name = KeyOf(key);
+  BusyKey busy(this, name);
   int64_t revision = 0;
   {
     absl::MutexLock lock(&mu_);
@@ -360,8 +403,46 @@ void EtcdOwnership::Release(const SessionKey& key) {
                                               {"result", "EQUAL"}}})},
                     {"success", json::array({{{"request_delete_range", {{"key", k}}}}})}};
   if (auto body = Post("/v3/kv/txn", txn.dump()); !body.ok()) {
-    SDM_LOG(WARNING) << "sdm ownership: release of '" << key.id << "': " << body.status();
+    SDM_LOG(WARNING) << "sdm ownership: release of '" << key.id << "': " << body.status()
+                     << " (retried by the handoff thread)";
+    absl::MutexLock lock(&mu_);
+    unsure_.insert(name);
   }
+}
+
+void EtcdOwnership::SettleUnsure(const std::string& name) {
+  BusyKey busy(this, name);
+  int64_t lease = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    if (!unsure_.contains(name)) return;
+    if (owned_.contains(name)) {  // claimed here since: it is this replica's, knowingly
+      unsure_.erase(name);
+      return;
+    }
+    lease = lease_;
+  }
+  const std::string k = B64(name);
+  auto body = Post("/v3/kv/range", json{{"key", k}}.dump());
+  if (!body.ok()) return;  // the next poll asks again
+  const json answer = json::parse(*body, nullptr, false);
+  if (!answer.is_object()) return;
+  const json& kvs = At(answer, {"kvs"});
+  if (kvs.is_array() && !kvs.empty() && kvs[0].value("value", "") == B64(options_.replica_id) &&
+      Int(kvs[0], "lease") == lease) {
+    // This replica's, unknowingly: released, unless it changed since it was read.
+    const json txn = {
+        {"compare", json::array({{{"key", k},
+                                  {"target", "MOD"},
+                                  {"mod_revision", std::to_string(Int(kvs[0], "mod_revision"))},
+                                  {"result", "EQUAL"}}})},
+        {"success", json::array({{{"request_delete_range", {{"key", k}}}}})}};
+    if (!Post("/v3/kv/txn", txn.dump()).ok()) return;
+    SDM_LOG(INFO) << "sdm ownership: released '" << name
+                  << "', which an unanswered claim or release had left to this replica";
+  }
+  absl::MutexLock lock(&mu_);
+  unsure_.erase(name);
 }
 
 absl::StatusOr<std::string> EtcdOwnership::Observe(const SessionKey& key) {

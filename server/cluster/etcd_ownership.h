@@ -28,6 +28,14 @@
 // session to the shared directory, which commits and releases it) for each session it owns.
 // Stop() (a drain, after every session is written) revokes the lease: everything is released.
 //
+// Unanswered requests: a claim whose answer is lost may have created the key, and a release that
+// fails leaves it, bound to this replica's live lease, while this replica does not count the
+// session as its own (owned_): nobody would hand it over, and every other replica's claim would
+// be refused until this one stops. Such keys are kept as unsure_; the handoff thread looks each
+// up at every poll and deletes it while it is still this replica's and unclaimed here. A claim,
+// a release and that look-up of one key never overlap (busy_keys_): a claim that found the key
+// its own while a release of it was in flight would count a session etcd no longer gives it.
+//
 // Thread-safety: thread-safe.
 #ifndef SDMSERVE_SERVER_CLUSTER_ETCD_OWNERSHIP_H_
 #define SDMSERVE_SERVER_CLUSTER_ETCD_OWNERSHIP_H_
@@ -37,6 +45,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -67,6 +76,12 @@ struct EtcdOwnershipOptions {
   // to etcd, whose transaction refuses it (the ownership key's mod revision is no longer the
   // claim's). Never set in production: it only delays the refusal by one round trip.
   bool testing_keep_stale_claims = false;
+  // Testing only: asked before each request (the gateway path and the JSON body); kDropped
+  // fails it before it is sent, kAnswerLost sends it and then fails as if its answer were lost
+  // (etcd applied it). nullptr: none.
+  enum class RequestFault { kNone, kDropped, kAnswerLost };
+  std::function<RequestFault(const std::string& path, const std::string& body)>
+      testing_request_fault;
 };
 
 class EtcdOwnership : public SessionOwnership {
@@ -117,6 +132,11 @@ class EtcdOwnership : public SessionOwnership {
   void HandoffLoop();
   // One claim transaction. `elsewhere`: set when another replica owns the session.
   absl::Status TryClaim(const SessionKey& key, bool* elsewhere);
+  // The handoff thread's look-up of a key in unsure_ (the class comment): deleted while it is
+  // this replica's (and not claimed here meanwhile); forgotten once etcd answered.
+  void SettleUnsure(const std::string& name);
+  // Holds `name` in busy_keys_ for its lifetime (waiting until no one else holds it).
+  class BusyKey;
   std::string KeyOf(const SessionKey& key) const;
   std::string SnapshotKeyOf(const SessionKey& key) const;
   // A transaction that puts (`put`: the committed name) or deletes (nullopt) the committed
@@ -130,6 +150,10 @@ class EtcdOwnership : public SessionOwnership {
   int64_t lease_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions this replica claimed, by etcd key: the mod revision of its ownership key.
   std::map<std::string, int64_t> owned_ ABSL_GUARDED_BY(mu_);
+  // Keys that may be bound to this replica's lease though not in owned_ (the class comment).
+  std::set<std::string> unsure_ ABSL_GUARDED_BY(mu_);
+  // Keys with a claim, release or settling request in flight.
+  std::set<std::string> busy_keys_ ABSL_GUARDED_BY(mu_);
   // The committed snapshot's name of each session last looked at, by ownership key ("" none).
   std::map<std::string, std::string> committed_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

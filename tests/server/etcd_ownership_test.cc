@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
@@ -210,6 +211,53 @@ TEST_F(EtcdOwnershipTest, AClaimAsksALiveOwnerToHandTheSessionOver) {
   EXPECT_EQ(parked, std::vector<std::string>{"h"});
   EXPECT_EQ(a->handoffs(), 1);
   EXPECT_TRUE(absl::IsUnavailable(a->Claim(h)));  // c owns it now
+}
+
+// A release whose request failed, or a claim whose answer was lost after etcd applied it, leaves
+// the session's key bound to this replica's live lease while the replica does not count it as
+// its own: no one would hand it over, and every other replica's claim would be refused until
+// this one stopped. The replica's handoff thread finds such keys and deletes them, so another
+// replica's claim goes through.
+TEST_F(EtcdOwnershipTest, AKeyLeftByAnUnansweredReleaseOrClaimIsReleased) {
+  using Fault = EtcdOwnershipOptions::RequestFault;
+  struct Case {
+    std::string name;
+    Fault fault;
+    bool in_release;  // else in the claim
+  };
+  for (const Case& c : {Case{"release-dropped", Fault::kDropped, true},
+                        Case{"claim-answer-lost", Fault::kAnswerLost, false}}) {
+    SCOPED_TRACE(c.name);
+    std::atomic<bool> armed{false};
+    EtcdOwnershipOptions oa = Options("a-" + c.name);
+    oa.testing_request_fault = [&](const std::string& path, const std::string& body) {
+      const bool target =
+          path == "/v3/kv/txn" &&
+          body.find(c.in_release ? "request_delete_range" : "request_put") != std::string::npos;
+      return target && armed.exchange(false) ? c.fault : Fault::kNone;
+    };
+    auto a = EtcdOwnership::Start(oa);
+    ASSERT_TRUE(a.ok()) << a.status();
+    EtcdOwnershipOptions ob = Options("b-" + c.name);
+    ob.handoff_wait = absl::Seconds(60);  // a bound: the settled key ends the wait
+    auto b = EtcdOwnership::Start(ob);
+    ASSERT_TRUE(b.ok()) << b.status();
+    const SessionKey x(c.name);
+    if (c.in_release) {
+      ASSERT_TRUE((*a)->Claim(x).ok());
+      armed.store(true);
+      (*a)->Release(x);  // its request never reached etcd: the key is still a's
+    } else {
+      armed.store(true);
+      EXPECT_TRUE(absl::IsUnavailable((*a)->Claim(x)));  // etcd made the key a's
+    }
+    EXPECT_FALSE(armed.load()) << "the fault did not fire";
+    EXPECT_FALSE((*a)->CheckWrite(x).ok());  // a does not count it as its own
+    // a has no handoff handler: only the look-up of the unsure key lets b in.
+    const absl::Status claimed = (*b)->Claim(x);
+    EXPECT_TRUE(claimed.ok()) << claimed;
+    EXPECT_TRUE((*b)->CheckWrite(x).ok());
+  }
 }
 
 // A replica whose keepalive found its lease expired (revoked here) forgets its claims, so its
