@@ -1610,6 +1610,15 @@ int SessionStateStore::ExpireIdle(absl::Time now) {
           options_.files->Remove(PathOf(it->first)).IgnoreError();
           options_.files->Remove(LogPathOf(it->first)).IgnoreError();
         }
+        if (const std::filesystem::path& q = it->second->quarantined_as; !q.empty()) {
+          // As Delete does: kept for the operator, no longer a session at the next Open.
+          std::filesystem::path deleted = q;
+          deleted += std::string(kDeletedSuffix);
+          if (absl::Status s = options_.files->Rename(q, deleted); !s.ok()) {
+            SDM_LOG(WARNING) << "sdm state store: expired session '" << it->first.id
+                             << "' stays quarantined: " << s;
+          }
+        }
         dead.push_back(Erase(it));
         ++expired;
       }

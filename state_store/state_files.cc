@@ -286,7 +286,10 @@ absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t off
   }
   if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
-  if (sync && !existed) {
+  // A new file's entry is in its directory only once that is fsynced too. A write at offset 0
+  // starts a file (a log's first record) even where it existed: an earlier attempt that failed
+  // may have created it, and its entry was never fsynced.
+  if (sync && (!existed || offset == 0)) {
     return SyncDir(path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path());
   }
   return absl::OkStatus();

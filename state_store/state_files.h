@@ -67,7 +67,8 @@ class StateFiles {
 
   // Writes `data` at `offset` of `path` (created if missing), cuts the file there
   // (offset + data.size(): whatever followed, e.g. a torn tail, is gone) and fsyncs it; when it
-  // created the file, fsyncs the directory too. The delta log's append
+  // created the file or wrote at offset 0 (a file's start: an earlier failed attempt may have
+  // created it), fsyncs the directory too. The delta log's append
   // (state_store/state_log.h). A crash may leave any prefix of `data` after `offset`. With sync
   // false neither fsync is made (see WriteAtomically).
   virtual absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,

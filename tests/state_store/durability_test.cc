@@ -394,6 +394,26 @@ TEST_F(DurabilityTest, ACrashDuringALogsFirstAppendLeavesTheSnapshot) {
   }
 }
 
+// --persist_sync=fsync: a log's first append that failed after creating the file is retried;
+// the retry finds the file there, and must still fsync the directory (the file's entry never
+// was), or a power loss could lose the log with its acknowledged turn.
+TEST_F(DurabilityTest, ARetriedFirstLogAppendFsyncsTheDirectory) {
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kFsync);
+  ASSERT_TRUE(store->Create("s", "").ok());
+  files.FailNext(FaultInjectionFiles::Op::kWriteAt,
+                 {absl::InternalError("injected: I/O error"), 0, /*partial_bytes=*/0});
+  Turn(*store, "s", testing::RandomTokens(3, 50));  // the log's first append: fails
+  ASSERT_EQ(files.faults_fired(), 1);
+  ASSERT_EQ(store->Stats().unpersisted, 1);
+  const int dir_syncs = files.calls(FaultInjectionFiles::Op::kSyncDir);
+  const int64_t deltas = store->Stats().persist_deltas;
+  EXPECT_EQ(store->PersistChanged(absl::Now()), 1);
+  ASSERT_EQ(store->Stats().persist_deltas, deltas + 1) << "the retry should append the log";
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kSyncDir), dir_syncs + 1);
+  EXPECT_TRUE(store->PersistHealth().ok());
+}
+
 // A snapshot write that fails after its rename (the directory's fsync) may have replaced the
 // snapshot the session's log extends: the log's base is then unknown, and a delta appended to it
 // would be dropped as stale at the next read, taking every turn since with it. So the next write

@@ -554,6 +554,44 @@ TEST_F(SnapshotStoreCorruptionTest, UndamagedDirectoryRestoresEverySession) {
   ExpectOthersIntact(*store);
 }
 
+// A quarantined session whose TTL passes expires like any other: its quarantined copy is
+// renamed (kept for the operator, as Delete does), so the next Open does not bring it back.
+TEST_F(SnapshotStoreCorruptionTest, AnExpiredQuarantinedSessionStaysGone) {
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    ASSERT_TRUE(store->Create("brief", "", absl::Hours(1)).ok());
+    {
+      auto lease = store->Acquire("brief");
+      ASSERT_TRUE(lease.ok());
+      ASSERT_TRUE(
+          engine_->Prefill(lease->state(), testing::RandomTokens(6, 9), false, nullptr).ok());
+    }
+    ASSERT_TRUE(store->Park("brief", Tier::kDisk).ok());
+  }
+  // Damage past the record (found by Acquire, not at Open: its TTL is read).
+  std::string bytes = testing::ReadFile(dir_.path() / "brief.sdmstate");
+  bytes[bytes.size() - 10] ^= 0x55;
+  testing::WriteFile(dir_.path() / "brief.sdmstate", bytes);
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(store->Acquire("brief").status().code(), absl::StatusCode::kDataLoss);
+    const std::filesystem::path copy = QuarantinedCopy(dir_.path(), "brief");
+    ASSERT_FALSE(copy.empty());
+    EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Hours(2)), 1);
+    EXPECT_EQ(store->Get("brief").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_FALSE(std::filesystem::exists(copy));
+    std::filesystem::path deleted = copy;
+    deleted += ".deleted";
+    EXPECT_EQ(testing::ReadFile(deleted), bytes);
+  }
+  auto reopened = Open();
+  ASSERT_NE(reopened, nullptr);
+  EXPECT_EQ(reopened->Get("brief").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(reopened->Create("brief", "").ok());
+}
+
 TEST_F(SnapshotStoreCorruptionTest, TruncatedSnapshotIsQuarantinedAtOpen) {
   for (size_t n : {size_t{0}, size_t{20}, size_t{47}, size_t{60}, sections_[0].end(),
                    good_.size() / 2, good_.size() - 1}) {
