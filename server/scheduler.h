@@ -159,7 +159,8 @@ class Scheduler {
   }
   void Step(std::vector<std::unique_ptr<Job>>& running);
   void Emit(Job& job, int32_t token);
-  void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus());
+  void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus())
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   Engine& engine_;
   SessionStateStore& store_;

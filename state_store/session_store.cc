@@ -846,6 +846,26 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   return entry;
 }
 
+void SessionStateStore::DropReplacedLocked(EntryMap::iterator it,
+                                           absl::StatusOr<std::unique_ptr<Entry>>& fresh,
+                                           std::vector<std::unique_ptr<Entry>>& dead) {
+  Entry& e = *it->second;
+  // Turns waiting for their write are not in the state the session continues from.
+  if (e.version != e.persisted_version) {
+    SettleWaiters(e, /*all=*/true,
+                  absl::AbortedError(absl::StrCat(
+                      "the turn was not saved: another replica wrote session '", it->first.id,
+                      "' before this one did; the session continues from its state without this "
+                      "turn: send it again")));
+  }
+  const uint64_t handoffs = e.handoffs;
+  dead.push_back(Erase(it));
+  if (fresh.ok()) {
+    (*fresh)->handoffs = handoffs;  // an Acquire compares the count across the replacement
+    Insert(*std::move(fresh));
+  }
+}
+
 void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
   if (!options_.shared_dir) return;
   std::vector<std::unique_ptr<Entry>> dead;
@@ -854,7 +874,9 @@ void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
     auto it = entries_.find(key);
     if (it == entries_.end()) return;  // FindIdle() discovers it
     Entry& e = *it->second;
-    if (e.busy || e.in_use) return;  // this store is using or writing it: its own copy is current
+    // This store is using or writing it (its own copy is current), or handing it over (the
+    // entry's handoff marks guard Acquire's claim: see Acquire).
+    if (e.busy || e.in_use || e.handing_off) return;
     if (fenced()) {
       // The committed name as the claim just saw it: another one means another replica wrote
       // (or deleted) the session since this copy was read or written.
@@ -867,8 +889,7 @@ void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
                          << (fresh.ok() ? "written" : "deleted")
                          << " by another replica; this replica's unwritten turns are dropped";
       }
-      dead.push_back(Erase(it));
-      if (fresh.ok()) Insert(*std::move(fresh));
+      DropReplacedLocked(it, fresh, dead);
     } else {
       const std::optional<SnapshotStamp> stamp = StampOf(PathOf(key));
       if (stamp == e.disk_stamp) return;
@@ -881,8 +902,7 @@ void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
                          << "' was written by another replica; its turns not written here are "
                             "dropped";
       }
-      dead.push_back(Erase(it));
-      if (fresh.ok()) Insert(*std::move(fresh));
+      DropReplacedLocked(it, fresh, dead);
     }
   }
   Bury(std::move(dead));

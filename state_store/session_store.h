@@ -442,6 +442,11 @@ class SessionStateStore {
   // Drops the idle entry of `key` when another store has written or deleted its snapshot since
   // this one last read or wrote it, adopting the file's version; no-op when not shared.
   void RefreshFromSharedDir(const SessionKey& key) ABSL_LOCKS_EXCLUDED(mu_);
+  // RefreshFromSharedDir's replacement of the entry at `it` by `fresh` (none: deleted
+  // elsewhere): its waiting turns are told they were not saved, the old entry goes to `dead`.
+  void DropReplacedLocked(EntryMap::iterator it, absl::StatusOr<std::unique_ptr<Entry>>& fresh,
+                          std::vector<std::unique_ptr<Entry>>& dead)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ownership (see the class comment): CheckWrite of `key` (OK without ownership); a refused
   // write counted and logged. CheckOwnership is called without mu_.
   absl::Status CheckOwnership(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);

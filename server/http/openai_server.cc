@@ -252,11 +252,21 @@ void OpenAiServer::Handlers::Post(
                                                            const httplib::ContentReader& read) {
     std::string body;
     bool too_large = false;
-    const bool complete = read([&](const char* data, size_t size) {
+    const auto receive = [&](const char* data, size_t size) {
       too_large = body.size() + size > limit;
       if (!too_large) body.append(data, size);
       return !too_large;
-    });
+    };
+    if (req.is_multipart_form_data()) {
+      // Read (through httplib's multipart parser: the one-receiver read would throw) and refused.
+      const bool complete = read([](const httplib::MultipartFormData&) { return true; }, receive);
+      if (too_large) res.status = 413;
+      if (!complete || too_large) return;
+      SendError(res, absl::InvalidArgumentError(
+                         "the request body must be JSON, not multipart/form-data"));
+      return;
+    }
+    const bool complete = read(receive);
     if (too_large) res.status = 413;
     if (!complete || too_large) return;  // res.status says why; the error handler writes it
     handler(req, body, res);

@@ -597,6 +597,15 @@ TEST_F(OpenAiHttpTest, BodiesAreReadAsJsonWhateverTheirContentType) {
     EXPECT_EQ(big.status, 413) << big.raw.substr(0, 300);
     EXPECT_THAT(big.body["error"]["message"].get<std::string>(), HasSubstr("larger than"));
   }
+  // multipart/form-data is not JSON: 400 (it was a 500, httplib's multipart parser throwing).
+  {
+    httplib::Client client = TestHttpClient(port);
+    const httplib::MultipartFormDataItems items = {{"prompt", "x", "", ""}};
+    const httplib::Result r = client.Post("/v1/completions", items);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    EXPECT_THAT(r->body, HasSubstr("multipart/form-data"));
+  }
   // A chunked body (no Content-Length) past the limit: 413 too.
   httplib::Client client = TestHttpClient(port);
   size_t sent = 0;

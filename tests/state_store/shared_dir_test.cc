@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -335,6 +336,97 @@ TEST_F(SharedDirTest, AnAcquireDuringAHandoffClaimsAgainAfterTheRelease) {
   // a holds it (claimed after the release): b may not take it up.
   EXPECT_TRUE(absl::IsUnavailable(b->Acquire("x").status()));
   testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 41));
+}
+
+// Files whose writes of one session (a path containing `held`) wait, once armed, until opened.
+class HeldWriteFiles : public StateFiles {
+ public:
+  explicit HeldWriteFiles(std::string held) : held_(std::move(held)) {}
+  using StateFiles::WriteAt;
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
+                       bool sync) override {
+    Hold(path);
+    return StateFiles::WriteAt(path, offset, data, sync);
+  }
+  void Arm() { armed_.store(true); }
+  void Open() {
+    if (!gate_.HasBeenNotified()) gate_.Notify();
+  }
+  void WaitHeld() { held_write_.WaitForNotification(); }
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
+                            bool sync) override {
+    Hold(path);
+    return StateFiles::WriteAndSync(path, data, sync);
+  }
+
+ private:
+  void Hold(const std::filesystem::path& path) {
+    if (!armed_.load() || path.string().find(held_) == std::string::npos) return;
+    if (!held_write_.HasBeenNotified()) held_write_.Notify();
+    gate_.WaitForNotification();
+  }
+  const std::string held_;
+  std::atomic<bool> armed_{false};
+  absl::Notification gate_, held_write_;
+};
+
+// A turn whose write had not begun when another replica wrote the session (this replica's copy
+// is then dropped at its next Acquire) is not in the session: whoever waits for its write (the
+// scheduler, before the turn's final chunk) is told ABORTED, as for a write that was refused.
+TEST_F(SharedDirTest, ATurnDroppedBecauseAnotherReplicaWroteTheSessionIsNotAcknowledged) {
+  HeldWriteFiles files("other");
+  SessionStoreOptions options;
+  options.dir = dir_.path();
+  options.files = &files;
+  options.persist = PersistPolicy::kTurn;
+  options.shared_dir = true;
+  options.persist_writers = 1;  // the worker alone: held in another session's write
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<SessionStateStore> a = *std::move(opened);
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+  auto b = OpenStore(true);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("other", "").ok());
+  ASSERT_TRUE(a->Create("g", "").ok());
+  absl::Notification written;
+  Turn(*a, "g", testing::RandomTokens(4, 60));
+  a->WhenPersisted("g", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    written.Notify();
+  });
+  written.WaitForNotification();
+  files.Arm();
+  {
+    auto lease = a->Acquire("other");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 61));
+  }
+  files.WaitHeld();  // the worker is held writing "other"
+  {
+    auto lease = a->Acquire("g");  // a turn on a that the held worker cannot write yet
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(3, 62));
+  }
+  absl::Notification told;
+  absl::Status outcome;
+  a->WhenPersisted("g", [&](const absl::Status& saved) {
+    outcome = saved;
+    told.Notify();
+  });
+  // b writes "g" (from a's first turn, on disk): a's unwritten turn is dropped at a's next
+  // Acquire, which continues from b's state.
+  Turn(*b, "g", testing::RandomTokens(5, 63));
+  {
+    auto lease = a->Acquire("g");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), reference_->position());
+  }
+  files.Open();
+  told.WaitForNotification();
+  EXPECT_EQ(outcome.code(), absl::StatusCode::kAborted) << outcome;
 }
 
 // A replica that handed a session over keeps its copy's record at the disk tier; once another
