@@ -131,7 +131,12 @@ absl::Status ParseTtl(const std::string& text, google::protobuf::Duration& ttl) 
         absl::StrCat("--ttl: '", text, "' is not a duration (e.g. 3600, 90s, 1h30m)"));
   }
   if (d <= absl::ZeroDuration() || d == absl::InfiniteDuration()) {
-    return absl::InvalidArgumentError(absl::StrCat("--ttl must be positive, got '", text, "'"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ttl must be positive and finite, got '", text, "'"));
+  }
+  if (d > absl::Hours(24 * 36525)) {  // the server's limit (100 years), which nanoseconds fit
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ttl must be at most 100 years, got '", text, "'"));
   }
   const int64_t nanos = absl::ToInt64Nanoseconds(d);
   ttl.set_seconds(nanos / 1000000000);

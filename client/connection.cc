@@ -132,6 +132,12 @@ void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& conte
 
 void AddSessionRouting(absl::string_view session_id, grpc::ClientContext& context) {
   if (session_id.empty()) return;
+  // gRPC carries only printable ASCII in a text header, and aborts the process on anything else
+  // (an API misuse): such an id (never a valid one) goes without the header, and the server
+  // answers INVALID_ARGUMENT naming it.
+  for (const char c : session_id) {
+    if (c < 0x20 || c > 0x7e) return;
+  }
   context.AddMetadata(kSessionRoutingKey, std::string(session_id));
 }
 

@@ -79,7 +79,8 @@ void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& conte
 // (deploy/nginx/sdm-grpc.conf, docs/replicas.md). The server does not need it.
 inline constexpr char kSessionRoutingKey[] = "x-session-id";
 // Adds `x-session-id: session_id` to the call's metadata; nothing for an empty id (a one-shot
-// request, or a session whose id the server picks), which a proxy spreads freely.
+// request, or a session whose id the server picks), which a proxy spreads freely, nor for one
+// with a byte outside printable ASCII (no valid id has one; gRPC cannot carry it).
 void AddSessionRouting(absl::string_view session_id, grpc::ClientContext& context);
 
 // The canonical name of a gRPC status code ("NOT_FOUND"); "UNKNOWN" outside the canonical set.

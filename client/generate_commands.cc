@@ -252,6 +252,9 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
     if (!outcome.status.ok()) {
       *io.err << "sdm-client: " << FormatStatus(outcome.status) << "\n";
       failed = true;
+      // A turn that failed part-way (a deadline, a cancellation) may have left tokens in the
+      // session (its state is not rolled back): its position is read again before it is shown.
+      position = -1;
       if (!TurnErrorIsRecoverable(outcome.status.error_code())) return kExitFailure;
       continue;
     }
@@ -262,7 +265,17 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
         u.prompt_tokens(), u.history_tokens(), u.generated_tokens(),
         FinishReasonName(outcome.finish_reason), outcome.seconds);
   }
-  *io.err << "session " << session.id() << " kept at position " << position
+  if (position < 0) {
+    grpc::ClientContext context;
+    command.Prepare(context);
+    AddSessionRouting(session.id(), context);
+    sdm::v1::GetSessionRequest request;
+    request.set_session_id(session.id());
+    sdm::v1::Session now;
+    if (command.stub().GetSession(&context, request, &now).ok()) position = now.position();
+  }
+  *io.err << "session " << session.id() << " kept"
+          << (position >= 0 ? absl::StrCat(" at position ", position) : std::string())
           << "; resume with: sdm-client chat --session " << session.id() << "\n";
   return failed ? kExitFailure : kExitOk;
 }

@@ -465,6 +465,10 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  // Values out of range are usage errors (exit 2), found before the model is loaded.
+  if (const absl::Status valid = sdm::ValidateServerOptions(options); !valid.ok()) {
+    return UsageError(valid.message());
+  }
   absl::StatusOr<std::unique_ptr<sdm::SdmServer>> server = sdm::SdmServer::Start(options);
   if (!server.ok()) {
     absl::FPrintF(stderr, "sdm-server: %s\n", server.status().ToString());

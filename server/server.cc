@@ -59,7 +59,9 @@ absl::StatusOr<std::string> ReadTextFile(const std::filesystem::path& path,
   return text.str();
 }
 
-absl::Status ValidateOptions(const ServerOptions& o) {
+}  // namespace
+
+absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (o.model_dir.empty()) return absl::InvalidArgumentError("a model directory is required");
   if (o.port < 0 || o.port > 65535) {
     return absl::InvalidArgumentError(absl::StrCat("port must be in [0, 65535], got ", o.port));
@@ -102,6 +104,8 @@ absl::Status ValidateOptions(const ServerOptions& o) {
   }
   return absl::OkStatus();
 }
+
+namespace {
 
 // The service's options with max_session_tokens resolved: a negative value (the default) is
 // DefaultMaxSessionTokens of the model within the resident budget (and the device's capacity).
@@ -181,7 +185,7 @@ class SdmServer::Impl final : public SchedulerListener {
 };
 
 absl::Status SdmServer::Impl::Init() {
-  SDM_RETURN_IF_ERROR(ValidateOptions(options));
+  SDM_RETURN_IF_ERROR(ValidateServerOptions(options));
   if (options.malloc_trim_interval > absl::ZeroDuration()) {
     heap_trimmer = std::make_unique<HeapTrimmer>(options.malloc_trim_interval);
   }
@@ -265,6 +269,10 @@ absl::Status SdmServer::Impl::Init() {
   grpc::ServerBuilder builder;
   const std::string address = HostPort(options.host, options.port);
   builder.AddListeningPort(address, credentials, &port);
+  // gRPC sets SO_REUSEPORT by default: a second server of the same user then binds a port in
+  // use without error and the kernel splits the connections between the two (both writing the
+  // same state directory). Off, a port in use fails the start (below), as the HTTP ports do.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.RegisterService(service.get());
   // Requests gRPC cannot parse: INVALID_ARGUMENT with a message, and counted
   // (server/malformed_requests.h).

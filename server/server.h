@@ -96,6 +96,10 @@ struct ServerOptions {
   absl::Duration malloc_trim_interval = absl::Seconds(10);
 };
 
+// INVALID_ARGUMENT naming the first option out of range (what Start() checks first); the
+// command line reports it as a usage error.
+absl::Status ValidateServerOptions(const ServerOptions& options);
+
 class SdmServer {
  public:
   // Loads the model and starts serving. Errors name what failed: the model (its loader's

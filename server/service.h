@@ -80,6 +80,9 @@ int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes
 // The shortest ttl a session may be given (Create, Fork): a shorter one could expire before its
 // creator's next call reached the server (0 or unset means the server's default instead).
 inline constexpr absl::Duration kMinSessionTtl = absl::Seconds(1);
+// The longest: 100 years (a longer one would not fit the nanoseconds of the times reported with
+// it, expire_time included; 292 years is the int64 limit). Longer ones are refused.
+inline constexpr absl::Duration kMaxSessionTtl = absl::Hours(24 * 36525);
 
 // Limits on what a Generate request may carry besides the prompt.
 inline constexpr int kMaxStopStrings = 16;

@@ -333,6 +333,21 @@ TEST_F(SdmClientTest, ChatGoesOnAfterARecoverableErrorButReportsIt) {
   EXPECT_THAT(r.err, HasSubstr("ABORTED: already generating"));
   EXPECT_EQ(r.out, "t0 \n");
   EXPECT_EQ(server_.service().calls("Generate").size(), 2u);
+  // The last turn succeeded: its position is shown as its usage gave it, without a look-up.
+  EXPECT_THAT(r.err, HasSubstr("kept at position"));
+  EXPECT_TRUE(server_.service().calls("GetSession").empty());
+}
+
+// A last turn that failed may have left tokens in the session (a deadline part-way): the
+// position shown at the end is read from the server again, not the one from before the turn.
+TEST_F(SdmClientTest, ChatReadsThePositionAgainAfterAFailedLastTurn) {
+  server_.service().FailNext("Generate",
+                             grpc::Status(grpc::StatusCode::DEADLINE_EXCEEDED, "too slow"));
+  const RunResult r = Run("chat", {"--session", "c", "--create", "--max_tokens", "1"}, "one\n");
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("DEADLINE_EXCEEDED: too slow"));
+  EXPECT_EQ(server_.service().calls("GetSession").size(), 1u);
+  EXPECT_THAT(r.err, HasSubstr("session c kept at position 0"));
 }
 
 TEST_F(SdmClientTest, ChatStopsAtAnUnrecoverableError) {
@@ -462,6 +477,18 @@ TEST_F(SdmClientTest, CallsNamingASessionCarryItInTheRoutingMetadata) {
   EXPECT_THAT(routed, ElementsAre("CreateSession:route-a", "Generate:route-a", "GetSession:route-a",
                                   "ForkSession:route-a", "DeleteSession:route-b",
                                   "Generate:", "ListSessions:"));
+  // An id that gRPC metadata cannot carry (it aborted the client: an API misuse) goes without
+  // the header; the call itself is made (the server judges the id).
+  const size_t before = server_.service().calls().size();
+  for (const std::string& id : {std::string("caf\xc3\xa9"), std::string("a\tb")}) {
+    const RunResult r = RunClient({"sessions", "get", id, "--host", host});
+    EXPECT_TRUE(r.exit == kExitOk || r.exit == kExitFailure) << r.exit << " " << r.err;
+  }
+  ASSERT_EQ(server_.service().calls().size(), before + 2);
+  for (size_t i = before; i < before + 2; ++i) {
+    EXPECT_EQ(server_.service().calls()[i].method, "GetSession");
+    EXPECT_EQ(server_.service().calls()[i].routing_session, "");
+  }
 }
 
 TEST_F(SdmClientTest, ConnectionFlagsMayComeBeforeTheCommand) {

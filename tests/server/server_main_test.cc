@@ -99,6 +99,11 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(RunServer("").status, 2);  // no --model
   EXPECT_EQ(RunServer("--model x --resident_budget 12parsecs").status, 2);
   EXPECT_EQ(RunServer("--model x --persist_writers 0").status, 2);
+  // Values ServerOptions refuses are usage errors too (they were start failures, exit 1).
+  for (const char* flag : {"--max_running 0", "--max_waiting -1", "--port 70000"}) {
+    const ProcessRun r = RunServer(absl::StrCat("--model x ", flag));
+    EXPECT_EQ(r.status, 2) << flag << ": " << r.err;
+  }
   // Replicas: sessions never expire on a shared directory (another replica may serve them).
   const ProcessRun ttl = RunServer(absl::StrCat("--model x --state_dir '", dir_.path().string(),
                                                 "' --shared_state_dir --session_ttl 30m"));

@@ -132,6 +132,20 @@ TEST_F(ServiceTest, NegativeShutdownGracesAreRefusedAtStart) {
   }
 }
 
+// A second server on a port another one serves fails to start, naming it (gRPC's default
+// SO_REUSEPORT let it bind, and the kernel split the connections between the two).
+TEST_F(ServiceTest, APortInUseFailsTheStart) {
+  Served first = Serve(Options());
+  ASSERT_NE(first.server, nullptr);
+  ServerOptions o = TestOptions(dir_.path() / "second-state");
+  o.port = first.server->port();
+  absl::StatusOr<std::unique_ptr<SdmServer>> second = SdmServer::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()),
+              ::testing::HasSubstr(absl::StrCat(":", first.server->port(), " (in use")));
+}
+
 TEST_F(ServiceTest, ThirtyTwoConcurrentStreamsEachEqualTheirSoloRun) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);
@@ -924,6 +938,28 @@ TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
     request.mutable_ttl()->set_seconds(1);
     v1::Session out;
     EXPECT_TRUE(s.stub->CreateSession(&context, request, &out).ok());
+  }
+  // The longest ttl (kMaxSessionTtl, 100 years) is echoed exactly; a longer one, which the times
+  // reported with it could not hold in int64 nanoseconds (they came back as 292 years), is
+  // refused.
+  for (const int64_t seconds : {int64_t{3'155'760'000}, int64_t{20'000'000'000}}) {
+    SCOPED_TRACE(::testing::Message() << "ttl " << seconds << " s");
+    grpc::ClientContext context;
+    Prepare(context, {});
+    v1::CreateSessionRequest request;
+    request.set_session_id(absl::StrCat("long-ttl-", seconds));
+    request.mutable_ttl()->set_seconds(seconds);
+    v1::Session out;
+    const grpc::Status status = s.stub->CreateSession(&context, request, &out);
+    if (seconds == absl::ToInt64Seconds(kMaxSessionTtl)) {
+      ASSERT_TRUE(status.ok()) << status.error_message();
+      EXPECT_EQ(out.ttl().seconds(), seconds);
+      EXPECT_EQ(out.expire_time().seconds() - out.last_used_time().seconds(), seconds);
+    } else {
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_NE(status.error_message().find("at most 100 years"), std::string::npos)
+          << status.error_message();
+    }
   }
   v1::Session out;
   EXPECT_EQ(GetSession(*s.stub, "ghost", &out).error_code(), grpc::StatusCode::NOT_FOUND);
