@@ -17,9 +17,18 @@ packages=(
 )
 mkdir -p .devdeps
 cd .devdeps
+# Afresh: packages left by an earlier run would count below, and device-check.sh unpacks every
+# .deb here (two versions of one package would mix).
+rm -f ./*.deb
 # apt-get download writes into the current directory; _apt may not be able to, which only warns.
-apt-get download "${packages[@]}" 2>&1 | grep -v "^W: Download is performed unsandboxed" || true
-count=$(ls ./*.deb | wc -l)
+status=0
+apt-get download "${packages[@]}" >download.log 2>&1 || status=$?
+grep -v "^W: Download is performed unsandboxed" download.log || true
+if [[ "$status" -ne 0 ]]; then
+  echo "fetch-device-deps: apt-get download failed (exit $status)" >&2
+  exit 1
+fi
+count=$(find . -maxdepth 1 -name '*.deb' | wc -l)
 if [[ "$count" -lt "${#packages[@]}" ]]; then
   echo "fetch-device-deps: expected ${#packages[@]} packages, have $count" >&2
   exit 1

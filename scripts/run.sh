@@ -51,6 +51,14 @@ start_server() {
     --state_dir "$STATE_DIR" &
   server_pid=$!
   for _ in $(seq 1 120); do
+    # Ours, not another server on the port: a server that exited (its port in use, a bad model)
+    # ends the wait at once with its own message above.
+    if ! kill -0 "$server_pid" 2>/dev/null; then
+      wait "$server_pid" 2>/dev/null || true
+      server_pid=""
+      echo "run: the server exited while starting (see its message above)" >&2
+      return 1
+    fi
     "${CLIENT[@]}" info >/dev/null 2>&1 && return 0
     sleep 0.5
   done

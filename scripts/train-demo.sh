@@ -45,8 +45,11 @@ train "$PRESET" 2> >(tee "$RUNS/$PRESET.log" >&2) &
 sdm_pid=$!
 train "${PRESET}_twin" 2> "$RUNS/${PRESET}_twin.log" &
 twin_pid=$!
+# A trainer that fails ends the script (set -e at its wait): the other one goes with it.
+trap 'kill "$sdm_pid" "$twin_pid" 2>/dev/null || true' EXIT
 wait "$sdm_pid"
 wait "$twin_pid"
+trap - EXIT
 tail -n 2 "$RUNS/${PRESET}_twin.log"
 
 mkdir -p "$OUT"

@@ -504,14 +504,15 @@ def main():
         f"{args.duration:.0f} s, persist {args.persist}, work dir {args.workdir}")
     rng = random.Random(seed)
     server = Server(args, args.workdir)
-    server.start()
     sessions = [Session(f"s{i:03d}") for i in range(args.sessions)]
     stats = Stats()
     lock = threading.Lock()
     samples = []
-    end = time.monotonic() + args.duration
     cycle = 0
     try:
+        # Inside the try: a first start that fails (did not come up) still stops the process.
+        server.start()
+        end = time.monotonic() + args.duration
         while time.monotonic() < end:
             cycle += 1
             stop = threading.Event()

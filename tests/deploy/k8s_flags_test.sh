@@ -6,6 +6,8 @@
 #
 #   tests/deploy/k8s_flags_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
+# Debian installs nginx in /usr/sbin, which a non-root user's PATH lacks: the test would skip.
+export PATH="$PATH:/usr/sbin:/sbin"
 BUILD_DIR=$1
 SOURCE_DIR=$2
 work=$(mktemp -d)
@@ -39,6 +41,32 @@ PY
   echo "ok: deploy/k8s/*.yaml parse"
 else
   echo "skip: python3 yaml module missing, the manifests' syntax is not checked"
+fi
+if python3 -c 'import yaml' 2>/dev/null; then
+  # The router's upstreams name each replica's own Service (stable addresses: nginx resolves its
+  # upstreams once), one per StatefulSet replica, selecting that pod on the gRPC port.
+  python3 - "$SOURCE_DIR/deploy/k8s" <<'PY'
+import re, sys, yaml
+d = sys.argv[1]
+docs = {}
+for name in ("router.yaml", "services.yaml", "statefulset.yaml"):
+    for doc in yaml.safe_load_all(open(f"{d}/{name}")):
+        if doc:
+            docs[(doc["kind"], doc["metadata"]["name"])] = doc
+upstreams = docs[("ConfigMap", "sdm-router")]["data"]["sdm-upstreams.conf"]
+hosts = re.findall(r"(?m)^\s*server\s+([^:\s]+):(\d+)", upstreams)
+sts = docs[("StatefulSet", "sdm-server")]
+replicas = sts["spec"]["replicas"]
+assert len(hosts) == replicas, f"{len(hosts)} upstreams for {replicas} replicas"
+for i, (host, port) in enumerate(sorted(hosts)):
+    svc = docs.get(("Service", host))
+    assert svc is not None, f"upstream {host}: no Service of that name in services.yaml"
+    assert svc["spec"].get("clusterIP") != "None", f"{host}: headless (pod addresses change)"
+    pod = svc["spec"]["selector"].get("statefulset.kubernetes.io/pod-name")
+    assert pod == f"{sts['metadata']['name']}-{i}", f"{host} selects {pod}"
+    assert int(port) in [p["port"] for p in svc["spec"]["ports"]], f"{host}: no port {port}"
+print(f"ok: the router's {len(hosts)} upstreams are one Service per replica")
+PY
 fi
 sed -n 's/^--\([a-z_]*\).*/deploy\/sdm-server.flags \1/p' "$SOURCE_DIR/deploy/sdm-server.flags" \
   >>"$work/flags.txt"
@@ -77,7 +105,7 @@ if command -v nginx >/dev/null; then
   cp "$SOURCE_DIR/deploy/nginx/nginx.conf" "$work/nginx/conf/"
   cp "$SOURCE_DIR/deploy/nginx/sdm-listen.conf.example" "$work/nginx/conf/sdm-listen.conf"
   # The example names Kubernetes hosts; nginx -t resolves them, so check with loopback ones.
-  sed 's/sdm-server-[0-9]\.sdm-server/127.0.0.1/' "$SOURCE_DIR/deploy/nginx/sdm-upstreams.conf.example" \
+  sed 's/sdm-replica-[0-9]/127.0.0.1/' "$SOURCE_DIR/deploy/nginx/sdm-upstreams.conf.example" \
     | awk '{ sub(/:50051/, ":" 50051 + NR); print }' >"$work/nginx/conf/sdm-upstreams.conf"
   nginx -t -q -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" 2>&1 ||
     { echo "FAIL: nginx -t on deploy/nginx/nginx.conf"; exit 1; }

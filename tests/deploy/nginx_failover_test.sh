@@ -16,6 +16,8 @@
 #
 #   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd|-] [SESSIONS]
 set -euo pipefail
+# Debian installs nginx in /usr/sbin, which a non-root user's PATH lacks: the test would skip.
+export PATH="$PATH:/usr/sbin:/sbin"
 BUILD_DIR=$1
 SOURCE_DIR=$2
 mode=${3:-kill}

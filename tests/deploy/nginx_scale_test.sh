@@ -12,6 +12,8 @@
 #
 #   tests/deploy/nginx_scale_test.sh BUILD_DIR SOURCE_DIR [SESSIONS]
 set -euo pipefail
+# Debian installs nginx in /usr/sbin, which a non-root user's PATH lacks: the test would skip.
+export PATH="$PATH:/usr/sbin:/sbin"
 BUILD_DIR=$1
 SOURCE_DIR=$2
 sessions=${3:-9}
