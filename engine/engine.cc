@@ -265,6 +265,10 @@ class Engine::Impl {
 
   absl::Status Step(const StepBatch& batch, std::span<float> logits, std::span<int32_t> sampled) {
     if (auto s = Validate(batch, logits, sampled); !s.ok()) return s;
+    if (options_.testing_refuse_step && options_.testing_refuse_step(batch)) {
+      return absl::ResourceExhaustedError(
+          "injected (EngineOptions::testing_refuse_step): the step's sessions do not fit");
+    }
     const int64_t chunk = options_.prefill_chunk;
     const int64_t vocab = config().vocab_size;
     const std::span<const StepSegment> segs(batch.segments);

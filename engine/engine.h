@@ -71,6 +71,8 @@ absl::StatusOr<DType> ParseCpuDtype(std::string_view name);
 // Testing only (EngineOptions::observe_sdm_readings): an SDM layer's readings before their norm.
 using SdmReadingsObserver = std::function<void(int64_t layer, std::span<const float> readings)>;
 
+struct StepBatch;
+
 struct EngineOptions {
   EngineDevice device = EngineDevice::kCpu;
   int num_threads = 0;  // 0: one per hardware thread (CPU backend; the CUDA backend's host side)
@@ -115,6 +117,10 @@ struct EngineOptions {
   // every pass; on the CUDA backend each launch of a pass once it began writing state.
   // Negative: never.
   int64_t inject_forward_fault = -1;
+  // Testing only: called with every step's batch once it is valid; true makes the step return
+  // RESOURCE_EXHAUSTED having changed nothing, as a device does when the step's sessions do not
+  // fit its memory (server/scheduler.h: the scheduler then runs fewer at once). Null: never.
+  std::function<bool(const StepBatch&)> testing_refuse_step = nullptr;
   // Testing only (CUDA backend): make a park or resume fail part-way: the transfer chunk
   // numbered this (each chunk of every park and resume, counted over the engine's life) fails
   // once, after its copies were enqueued (engine/cuda/device_state.h, TransferStaging). Negative:

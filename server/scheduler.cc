@@ -65,7 +65,8 @@ struct Scheduler::Job {
   Clock::time_point last_token;
   bool had_pending = false;  // to_feed starts with the session's pending token
   bool done = false;
-  bool running = false;  // counted in running_count_ (moved to the running set, not finished)
+  bool running = false;   // counted in running_count_ (moved to the running set, not finished)
+  bool deferred = false;  // its step did not fit: back to the queue (Loop)
 };
 
 Scheduler::Scheduler(Engine& engine, SessionStateStore& store, const Tokenizer& tokenizer,
@@ -87,6 +88,11 @@ int Scheduler::running() const {
 int Scheduler::waiting() const {
   absl::MutexLock lock(&mu_);
   return static_cast<int>(waiting_.size());
+}
+
+int64_t Scheduler::deferred_jobs() const {
+  absl::MutexLock lock(&mu_);
+  return deferred_jobs_;
 }
 
 absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> observer) {
@@ -202,7 +208,7 @@ void Scheduler::Loop() {
           ++it;
         }
       }
-      while (!waiting_.empty() && static_cast<int>(running.size()) < options_.max_running) {
+      while (!waiting_.empty() && static_cast<int>(running.size()) < BatchLimitLocked()) {
         waiting_.front()->running = true;
         running.push_back(std::move(waiting_.front()));
         waiting_.pop_front();
@@ -218,7 +224,26 @@ void Scheduler::Loop() {
     running.erase(std::remove_if(running.begin(), running.end(),
                                  [](const std::unique_ptr<Job>& j) { return j->done; }),
                   running.end());
+    std::vector<std::unique_ptr<Job>> deferred;
+    for (auto it = running.begin(); it != running.end();) {
+      if ((*it)->deferred) {
+        deferred.push_back(std::move(*it));
+        it = running.erase(it);
+      } else {
+        ++it;
+      }
+    }
     absl::MutexLock lock(&mu_);
+    if (!deferred.empty()) {
+      // Back to the front of the queue, in their order; fewer at once from now on.
+      batch_cap_ = std::max(1, static_cast<int>(running.size()));
+      deferred_jobs_ += static_cast<int64_t>(deferred.size());
+      for (auto it = deferred.rbegin(); it != deferred.rend(); ++it) {
+        (*it)->deferred = false;
+        (*it)->running = false;
+        waiting_.push_front(std::move(*it));
+      }
+    }
     running_count_ = static_cast<int>(running.size());
   }
   store_.ClearStepThread();
@@ -285,6 +310,23 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   // The engine draws the tokens (on the device where the backend can): the logits stay there.
   std::vector<int32_t> sampled(batch.Draws());
   const absl::Status status = engine_.Step(batch, {}, sampled);
+  if (absl::IsResourceExhausted(status) &&
+      std::none_of(plan.begin(), plan.end(),
+                   [](const Planned& p) { return p.job->state->failed(); })) {
+    // The step did not fit and changed nothing (Engine::Step's contract): the job admitted last
+    // waits again, and the others step without it (the class comment). One job alone fails.
+    Job* last = nullptr;
+    int live = 0;
+    for (auto& job : running) {
+      if (job->done) continue;
+      last = job.get();
+      ++live;
+    }
+    if (live > 1) {
+      last->deferred = true;
+      return;
+    }
+  }
   for (const Planned& p : plan) {
     Job& job = *p.job;
     if (!status.ok()) {
@@ -339,9 +381,11 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   job.next_input = -1;
   if (job.running) {
     // Its place in the batch is free before the client hears of the end: a next turn sent at
-    // once is admitted as if the step had already dropped this job.
+    // once is admitted as if the step had already dropped this job. (After a step that did not
+    // fit, the batch grows back one place per job that ends.)
     absl::MutexLock lock(&mu_);
     --running_count_;
+    if (batch_cap_ < options_.max_running) ++batch_cap_;
     job.running = false;
   }
   job.state->DropStaged();  // a job that never ran: its staged image goes back now

@@ -27,6 +27,13 @@
 // session of the store (SessionStateStore::NewSession(), counted in its resident bytes) that is
 // dropped at the end.
 //
+// A step that does not fit (the engine answers RESOURCE_EXHAUSTED having changed nothing: a
+// device's memory cannot hold its sessions' state) no longer fails every job in it: the job
+// admitted last goes back to the front of the queue, its session as it was, and fewer jobs run
+// at once (the batch is capped at what still runs, and grows by one place for each job that
+// ends) until the step fits; a step of one job that does not fit fails that job. Its client
+// sees nothing of it but the wait.
+//
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs would wait
 // ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), before
 // the job has produced anything, so a client may retry. The step thread runs
@@ -41,6 +48,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -143,6 +151,8 @@ class Scheduler {
 
   int running() const;
   int waiting() const;
+  // Jobs sent back to the queue because a step of theirs did not fit (see the class comment).
+  int64_t deferred_jobs() const;
 
  private:
   struct Job;
@@ -151,10 +161,13 @@ class Scheduler {
   bool HasWorkLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return stop_ || !waiting_.empty() || device_work_;
   }
+  int BatchLimitLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return std::min(options_.max_running, batch_cap_);
+  }
   // A job submitted now would wait behind max_waiting others: the waiting jobs beyond the
   // batch's free places (each takes one at the next step) are max_waiting already.
   bool QueueFullLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    const int free_places = std::max(0, options_.max_running - running_count_);
+    const int free_places = std::max(0, BatchLimitLocked() - running_count_);
     return static_cast<int>(waiting_.size()) >= options_.max_waiting + free_places;
   }
   void Step(std::vector<std::unique_ptr<Job>>& running);
@@ -171,6 +184,10 @@ class Scheduler {
   mutable absl::Mutex mu_;
   std::deque<std::unique_ptr<Job>> waiting_ ABSL_GUARDED_BY(mu_);
   int running_count_ ABSL_GUARDED_BY(mu_) = 0;
+  // The most jobs run at once now: max_running, lowered to what still ran after a step did not
+  // fit and raised by one for each job that ends since (see the class comment).
+  int batch_cap_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int>::max();
+  int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

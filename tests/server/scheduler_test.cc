@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "base/check.h"
 #include "base/thread_priority.h"
 #include "engine/engine.h"
@@ -485,6 +486,67 @@ TEST_F(SchedulerTest, ATurnWhoseWriteIsFencedEndsWithAborted) {
   EXPECT_NE(fenced->error.message().find("send it again"), absl::string_view::npos)
       << fenced->error;
   EXPECT_EQ(store_->Stats().fenced_writes, 1);
+}
+
+// A step that does not fit (RESOURCE_EXHAUSTED, nothing changed: a device's memory) sends the
+// job admitted last back to the queue and the others step on; every job still ends with exactly
+// its solo tokens (before, every job of that step failed). The step thread is held in the first
+// job's first token while the two others are submitted, so that all three share the next step,
+// which the engine refuses once.
+TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
+  auto refused = std::make_shared<std::atomic<int>>(0);
+  {
+    store_.reset();
+    auto model = LoadModel(sdm::testing::NoEosModelDir());
+    ASSERT_TRUE(model.ok()) << model.status();
+    EngineOptions o;
+    o.testing_refuse_step = [refused](const StepBatch& batch) {
+      return batch.segments.size() >= 3 && refused->fetch_add(1) == 0;
+    };
+    auto e = Engine::Create(*model, o);
+    ASSERT_TRUE(e.ok());
+    engine_ = *std::move(e);
+    std::filesystem::remove_all(dir_);
+    OpenStore();
+  }
+  constexpr int kTokens = 6;
+  std::vector<std::vector<int32_t>> prompts, solo;
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(Tokens(5 + i, 40 + i));
+    auto s = engine_->NewSession();
+    solo.push_back(Direct(*s, prompts[i], kTokens));
+  }
+  class HeldCollector : public Collector {
+   public:
+    void OnToken(int32_t token, absl::string_view text) override {
+      Collector::OnToken(token, text);
+      if (!entered.HasBeenNotified()) {
+        entered.Notify();
+        release.WaitForNotification();  // on the step thread: nothing steps meanwhile
+      }
+    }
+    absl::Notification entered, release;
+  };
+  SchedulerOptions so;
+  so.max_running = 3;
+  StartScheduler(so);
+  auto first = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", prompts[0], kTokens), first).ok());
+  first->entered.WaitForNotification();
+  std::vector<std::shared_ptr<Collector>> jobs = {first};
+  for (int i = 1; i < 3; ++i) {
+    jobs.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(Job("", prompts[i], kTokens), jobs.back()).ok());
+  }
+  first->release.Notify();
+  for (int i = 0; i < 3; ++i) {
+    jobs[i]->Wait();
+    EXPECT_TRUE(jobs[i]->error.ok()) << i << ": " << jobs[i]->error;
+    EXPECT_EQ(jobs[i]->reason, FinishReason::kLength) << i;
+    EXPECT_EQ(jobs[i]->tokens, solo[i]) << i;
+  }
+  EXPECT_EQ(refused->load() >= 1, true);
+  EXPECT_EQ(scheduler_->deferred_jobs(), 1);
 }
 
 // max_waiting 0: no queue, but every free place in the batch still admits a job (it refused
