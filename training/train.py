@@ -308,6 +308,9 @@ def main(argv=None) -> int:
         sys.stderr.write("\n")
 
     if args.no_eval:
+        if args.export:  # --no-eval skips the evaluation, not the model asked for
+            size = export(model, args.export, {"seq": args.seq, "steps": step})
+            print(f"exported {args.export} ({size:,} bytes model.safetensors)", file=sys.stderr)
         return 0
     shipped = bf16_copy(model)
     t0 = time.time()

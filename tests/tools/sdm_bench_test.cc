@@ -181,19 +181,55 @@ TEST_F(SdmBenchToolTest, ReportRendersAnEarlierRunAgain) {
   EXPECT_THAT(ReadFile(dir / "report.md"), HasSubstr("## Results: tiny"));
   EXPECT_EQ(Lines(ReadFile(tmp_.path() / "again.csv")).size(), 3u);  // header + 2 rows
   EXPECT_EQ(nlohmann::json::parse(ReadFile(dir / "results.json"))["results"].size(), 2u);
+  const std::string cpu_report = ReadFile(dir / "report.md");
+  EXPECT_THAT(cpu_report, HasSubstr("The twin's full-attention layers moved their bytes"));
+  // The same run as a CUDA run writes it (no per-layer profile there: its fields are zeros):
+  // the report prints no per-layer figure (it printed the zeros as measured, and "moved their
+  // bytes at 0.0 GB/s").
+  nlohmann::json doc = nlohmann::json::parse(ReadFile(json_path));
+  ASSERT_TRUE(doc["device"].is_object());
+  doc["device"]["resolved"] = "cuda";
+  for (nlohmann::json& row : doc["results"]) {
+    for (const char* f :
+         {"attn_ms_per_step", "swa_ms_per_step", "sdm_ms_per_step", "ffn_ms_per_step",
+          "attn_layers_gbps", "swa_layers_gbps", "sdm_layers_gbps"}) {
+      row[f] = 0.0;
+    }
+  }
+  testing::WriteFile(tmp_.path() / "cuda.json", doc.dump());
+  const auto cuda_dir = tmp_.path() / "cuda";
+  r = RunTool("report --from " + (tmp_.path() / "cuda.json").string() + " --report " +
+              cuda_dir.string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string cuda_report = ReadFile(cuda_dir / "report.md");
+  EXPECT_THAT(cuda_report,
+              ::testing::Not(HasSubstr("The twin's full-attention layers moved their bytes")));
+  EXPECT_THAT(cuda_report, HasSubstr("on CUDA they are not measured"));
+  EXPECT_THAT(cuda_report, HasSubstr("| - | - | - | - | - | - | - |"));
   r = RunTool("report --from " + (tmp_.path() / "missing.json").string());
   EXPECT_EQ(r.code, 1);
   r = RunTool("report");
   EXPECT_EQ(r.code, 2);
 }
 
+// --dir names the disk to measure: the benchmark works in a directory of its own there and
+// leaves what the directory held alone (it used to empty --dir itself, a server's sessions say).
 TEST_F(SdmBenchToolTest, StateSubcommandRuns) {
   const auto json_path = tmp_.path() / "state.json";
-  const Result r = RunTool("state --presets tiny --lengths 16 --dir " +
-                           (tmp_.path() / "snap").string() + " --json " + json_path.string());
+  const std::filesystem::path snap = tmp_.path() / "snap";
+  std::filesystem::create_directories(snap);
+  testing::WriteFile(snap / "keep.txt", "a session's file");
+  const Result r = RunTool("state --presets tiny --lengths 16,24 --dir " + snap.string() +
+                           " --json " + json_path.string());
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("tiny"));
-  EXPECT_FALSE(nlohmann::json::parse(ReadFile(json_path), nullptr, false).is_discarded());
+  const nlohmann::json rows = nlohmann::json::parse(ReadFile(json_path), nullptr, false);
+  ASSERT_TRUE(rows.is_array()) << r.output;
+  for (const nlohmann::json& row : rows) EXPECT_EQ(row["exact"], true);
+  EXPECT_EQ(ReadFile(snap / "keep.txt"), "a session's file");
+  int left = 0;  // its own directory is gone at the end
+  for ([[maybe_unused]] const auto& e : std::filesystem::directory_iterator(snap)) ++left;
+  EXPECT_EQ(left, 1);
 }
 
 TEST_F(SdmBenchToolTest, CpuAttentionComparesTheKernels) {
@@ -251,6 +287,9 @@ TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {
   EXPECT_EQ(r.code, 2);
   r = RunTool("prefill");
   EXPECT_EQ(r.code, 2);
+  r = RunTool("state --presets nope");  // a usage error, as decode's (it exited 1)
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.output, HasSubstr("nope"));
 }
 
 TEST_F(SdmBenchToolTest, SkipsBatchesOverTheStateBudget) {

@@ -102,9 +102,13 @@ def main() -> int:
         out = train(part, corpus, "--stop-after", "20", "--no-eval")
         if "stopped at step 20" not in out:
             raise CheckFailed("--stop-after 20 did not stop the run")
-        out = train(part, corpus, "--no-eval")
+        part_export = os.path.join(tmp, "part-export")
+        out = train(part, corpus, "--no-eval", "--export", part_export)
         if "resumed from" not in out:
             raise CheckFailed("the second run did not resume from the checkpoint")
+        # --no-eval skips the evaluation, not the export (it wrote nothing before).
+        if not os.path.exists(os.path.join(part_export, "model.safetensors")):
+            raise CheckFailed("--no-eval --export wrote no model")
         a = torch.load(os.path.join(full, "checkpoint.pt"))["model"]
         b = torch.load(os.path.join(part, "checkpoint.pt"))["model"]
         differ = [k for k in a if not torch.equal(a[k], b[k])]

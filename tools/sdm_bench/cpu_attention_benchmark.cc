@@ -165,6 +165,13 @@ absl::Status RunCpuAttentionBenchmark(const CpuAttentionBenchOptions& opt) {
     }
     std::printf("\n");
   }
+  // A bit-identity check that fails is a failed run (as cpu-gemm's), the table printed first.
+  for (const Row& r : rows) {
+    if (compare_avx2 && !r.avx2_same) {
+      return absl::InternalError(absl::StrCat("the AVX2 and AVX-512 decode attention differ at ",
+                                              r.context, " positions, batch ", r.batch));
+    }
+  }
   return absl::OkStatus();
 }
 

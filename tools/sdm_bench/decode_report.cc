@@ -144,6 +144,18 @@ bool OnCuda(const json& doc) {
          doc["device"].value("resolved", "") == "cuda";
 }
 
+// Whether the run timed each kind of layer (the engine's per-part profile): not on CUDA, where
+// it would synchronise after every layer (decode_benchmark.cc), and the fields hold zeros.
+bool MixersProfiled(const json& doc) { return !OnCuda(doc); }
+
+// Per-mixer figures as the report prints them: "-" where the run did not measure them.
+std::string MixerMs(const json& doc, const json& v) {
+  return MixersProfiled(doc) ? absl::StrFormat("%.2f", D(v)) : std::string("-");
+}
+std::string MixerGbps(const json& doc, const json& v) {
+  return MixersProfiled(doc) ? absl::StrFormat("%.1f", D(v)) : std::string("-");
+}
+
 // A CSV cell: quoted (RFC 4180) when it holds a comma, a quote or a line break.
 std::string CsvCell(const std::string& v) {
   if (v.find_first_of(",\"\n") == std::string::npos) return v;
@@ -313,7 +325,7 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       attn_gbps = std::max(attn_gbps, D(r["attention_layers_gbps"]));
     }
     const double reference = D(doc["bandwidth"]["reference_gbps"]);
-    if (reference > 0) {
+    if (reference > 0 && MixersProfiled(doc)) {
       absl::StrAppendFormat(
           &md,
           "  - The twin's full-attention layers moved their bytes at %.1f GB/s at most there, "
@@ -325,12 +337,16 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
     for (const json& x : g["growth"]) {
       absl::StrAppendFormat(&md,
                             "  - %s, batch %d: step time %.2f ms at %d tokens, %.2f ms at %d "
-                            "(x%.2f); its global layers (%s) %.2f -> %.2f ms.\n",
+                            "(x%.2f)",
                             S(x["model"]), I(x["batch"]), D(x["ms_shortest"]),
                             I(x["shortest_context"]), D(x["ms_longest"]), I(x["longest_context"]),
-                            D(x["growth"]),
-                            S(x["model"]) == S(g["models"][0]["name"]) ? "SDM" : "attention",
-                            D(x["global_layer_ms_shortest"]), D(x["global_layer_ms_longest"]));
+                            D(x["growth"]));
+      if (MixersProfiled(doc)) {
+        absl::StrAppendFormat(&md, "; its global layers (%s) %.2f -> %.2f ms",
+                              S(x["model"]) == S(g["models"][0]["name"]) ? "SDM" : "attention",
+                              D(x["global_layer_ms_shortest"]), D(x["global_layer_ms_longest"]));
+      }
+      absl::StrAppend(&md, ".\n");
     }
   }
   absl::StrAppend(&md, "\n");
@@ -408,7 +424,8 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
         "another at the same context starts up to (warm-up + steps) tokens later per earlier "
         "round.\n"
         "- Step times are host wall time around `Engine::Decode` (which ends with one device "
-        "synchronisation); the per-mixer ms come from the engine's profile.\n"
+        "synchronisation); the per-mixer ms come from the engine's profile (on CUDA they are "
+        "not measured, the profile synchronising after every layer: `-`).\n"
         "- MB/step: the bytes one step must move, modelled from the config at the CUDA engine's "
         "formats: every matrix once in bf16 and every vector in fp32 (the embedding table only "
         "for the B gathered rows unless tied; M0 only through the rows touched), plus per session "
@@ -513,10 +530,10 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
       for (const json& r : g["ratios"]) {
         absl::StrAppendFormat(
-            &md, "| %d | %d | %.1f | %.1f | **%.2fx** | %.2fx | %.2f | %.2f | %.1f |\n",
-            I(r["context"]), I(r["batch"]), D(r["sdm_tokens_per_s"]),
-            D(r["attention_tokens_per_s"]), D(r["ratio"]), D(r["bandwidth_floor_ratio"]),
-            D(r["sdm_ms_per_step"]), D(r["attention_ms_per_step"]), D(r["attention_layers_gbps"]));
+            &md, "| %d | %d | %.1f | %.1f | **%.2fx** | %.2fx | %s | %s | %s |\n", I(r["context"]),
+            I(r["batch"]), D(r["sdm_tokens_per_s"]), D(r["attention_tokens_per_s"]), D(r["ratio"]),
+            D(r["bandwidth_floor_ratio"]), MixerMs(doc, r["sdm_ms_per_step"]),
+            MixerMs(doc, r["attention_ms_per_step"]), MixerGbps(doc, r["attention_layers_gbps"]));
       }
       absl::StrAppend(&md, "\n");
       if (!g["fit_ratios"].empty()) {
@@ -545,8 +562,8 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
       if (S(r["group"]) != name) continue;
       absl::StrAppendFormat(
           &md,
-          "| %s | %d | %d%s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %s | %.2f | "
-          "%.2f | %.2f | %.2f | %.1f | %.1f | %.1f | %.1f | %d |\n",
+          "| %s | %d | %d%s | %.2f | %.2f | %.1f | %.1f | %.2f | %.1f%% | %.1f | %s | %s | "
+          "%s | %s | %s | %s | %s | %s | %.1f | %d |\n",
           S(r["model"]), I(r["context"]), I(r["batch"]), r["fit_batch"].get<bool>() ? " (fit)" : "",
           D(r["ms_per_step_median"]), D(r["ms_per_step_p90"]), D(r["tokens_per_s"]),
           D(r["bytes_per_step"]) / 1e6, D(r["achieved_gbps"]), 100 * D(r["fraction_of_bandwidth"]),
@@ -554,9 +571,10 @@ std::string MarkdownReport(const json& doc, const std::vector<std::string>& plot
           r.contains("fraction_of_sgemm") && r["fraction_of_sgemm"].is_number()
               ? absl::StrFormat("%.1f%%", 100 * D(r["fraction_of_sgemm"]))
               : std::string("-"),
-          D(r["attn_ms_per_step"]), D(r["swa_ms_per_step"]), D(r["sdm_ms_per_step"]),
-          D(r["ffn_ms_per_step"]), D(r["attn_layers_gbps"]), D(r["swa_layers_gbps"]),
-          D(r["sdm_layers_gbps"]), D(r["state_bytes_per_session"]) / 1e6,
+          MixerMs(doc, r["attn_ms_per_step"]), MixerMs(doc, r["swa_ms_per_step"]),
+          MixerMs(doc, r["sdm_ms_per_step"]), MixerMs(doc, r["ffn_ms_per_step"]),
+          MixerGbps(doc, r["attn_layers_gbps"]), MixerGbps(doc, r["swa_layers_gbps"]),
+          MixerGbps(doc, r["sdm_layers_gbps"]), D(r["state_bytes_per_session"]) / 1e6,
           I(r["max_batch_in_budget"]));
     }
     absl::StrAppend(&md, "\n");

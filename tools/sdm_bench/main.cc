@@ -117,7 +117,9 @@ ABSL_FLAG(std::string, report, "",
 ABSL_FLAG(std::string, python, "/usr/bin/python3", "Python with matplotlib, for the plots");
 ABSL_FLAG(std::vector<std::string>, lengths, std::vector<std::string>({}),
           "state: history lengths (default 128,1024,8192)");
-ABSL_FLAG(std::string, dir, "", "state: snapshot directory (default: a temporary one)");
+ABSL_FLAG(std::string, dir, "",
+          "state: where to write snapshots (the disk to measure): a directory of its own is made "
+          "in it and removed at the end (default: in the temporary directory)");
 ABSL_FLAG(bool, full_table, false,
           "state: also park and resume a session whose SDM tables hold every slot (random rows): "
           "the most a park or resume moves, converted in the step and staged ahead");
@@ -259,11 +261,8 @@ int RunState() {
   so.json_path = absl::GetFlag(FLAGS_json);
   so.full_table = absl::GetFlag(FLAGS_full_table);
   const absl::Status s = sdm::bench::RunStateBenchmark(so);
-  if (!s.ok()) {
-    std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
-    return 1;
-  }
-  return 0;
+  if (!s.ok()) std::fprintf(stderr, "sdm-bench: %s\n", std::string(s.message()).c_str());
+  return s.ok() ? 0 : ExitCode(s);  // an unknown preset is a usage error, as for decode
 }
 
 // The decode options from the flags (`report` uses only its output flags), or a usage error.

@@ -206,11 +206,14 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
   absl::StatusOr<EngineDevice> device = ResolveBenchDevice(opt.device);
   if (!device.ok()) return device.status();
   nlohmann::json results = nlohmann::json::array();
-  absl::Status mismatch;  // the first staged resume that did not continue exactly
+  absl::Status mismatch;  // the first resume that did not continue exactly
+  // A directory of its own, emptied before each length and removed at the end: under --dir
+  // (the disk to measure), never --dir itself, whose contents (a server's sessions, say) it
+  // would delete.
   const std::filesystem::path dir =
-      opt.dir.empty()
-          ? std::filesystem::temp_directory_path() / absl::StrCat("sdm-bench-state-", ::getpid())
-          : std::filesystem::path(opt.dir);
+      (opt.dir.empty() ? std::filesystem::temp_directory_path() : std::filesystem::path(opt.dir)) /
+      absl::StrCat("sdm-bench-state-", ::getpid());
+  std::error_code removed;
   std::printf("# sdm-bench state: snapshot dir %s, engine threads %d, seed %llu\n", dir.c_str(),
               opt.threads, static_cast<unsigned long long>(opt.seed));
   std::printf("%-13s %6s %9s %10s %10s %8s %9s %9s %9s %9s %10s %9s %9s %6s\n", "model", "tokens",
@@ -235,7 +238,11 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
     const double full_table_mb = sdm_layers * g.heads * g.slots_per_head * g.head_width * 4 / 1e6;
     std::mt19937 rng(static_cast<uint32_t>(opt.seed));
     for (int64_t length : opt.lengths) {
-      std::filesystem::remove_all(dir);
+      std::filesystem::remove_all(dir, removed);
+      if (removed) {
+        return absl::InternalError(
+            absl::StrCat("cannot empty ", dir.string(), ": ", removed.message()));
+      }
       SessionStoreOptions so;
       so.dir = dir;
       so.background = false;
@@ -403,6 +410,10 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
                          {"turn_sdm_rows_bytes_16_tokens", rows_16},
                          {"snapshot_bytes_after_16", snapshot_bytes},
                          {"exact", exact}});
+      if (!exact && mismatch.ok()) {
+        mismatch = absl::InternalError(absl::StrCat(
+            preset, " at ", length, " tokens: the resumed session did not continue bit for bit"));
+      }
       if (!staged_exact && mismatch.ok()) {
         mismatch = absl::InternalError(absl::StrCat(preset, " at ", length,
                                                     " tokens: the staged resume did not continue "
@@ -416,13 +427,13 @@ absl::Status RunStateBenchmark(const StateBenchOptions& opt) {
       }
     }
   }
-  if (opt.dir.empty()) std::filesystem::remove_all(dir);
+  std::filesystem::remove_all(dir, removed);
   if (!opt.json_path.empty()) {
     std::ofstream out(opt.json_path);
     out << results.dump(2) << "\n";
     if (!out) return absl::InternalError(absl::StrCat("could not write ", opt.json_path));
   }
-  return mismatch;  // a staged resume that did not continue exactly fails the run, JSON written
+  return mismatch;  // a resume that did not continue exactly fails the run, JSON written
 }
 
 }  // namespace sdm::bench
