@@ -790,7 +790,6 @@ TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
     Engines e = MakeEngines(preset, 16, 0, {}, {}, /*written_list_capacity=*/c.list ? -1 : 1);
     ASSERT_NE(e.cuda, nullptr);
     const int64_t vocab = e.cuda->vocab_size();
-    const StateLayout& layout = e.cuda->state_layout();
     auto kept = e.cuda->NewSession();
     auto twin = e.cuda->NewSession();
     std::map<RowKey, std::vector<float>> before;  // the rows as of the last turn
@@ -853,10 +852,10 @@ TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
       before = whole;
       kept->ClearDirty();  // what a write does
 
-      // KV, bit for bit: every held position where the turn went round a ring (both copies read
-      // each position from the page its ring slot is in), else the positions the device still
-      // holds (a ring's last pages; the kept session's older rows are the true ones, which the
-      // device has since overwritten).
+      // KV, bit for bit, over every position the host holds: the device's ring pages still hold
+      // each of them (a ring of C positions keeps its last ceil(C / 64) pages, 64 positions a
+      // page: position q is overwritten only by q + 64 * pages), so the kept session's older
+      // rows and the twin's whole copy agree; the appended ones came from the device.
       for (int64_t l = 0; l < kept->num_layers(); ++l) {
         if (kept->is_sdm(l)) continue;
         const KvCache& got = kept->kv(l);
@@ -864,15 +863,8 @@ TEST(CudaEngineTest, CopyingATurnsChangesBackMatchesAWholeCopy) {
         ASSERT_EQ(got.length(), kept->position()) << "layer " << l;
         ASSERT_EQ(want.length(), kept->position()) << "layer " << l;
         const int64_t length = got.length();
-        int64_t from = 0;
-        const int64_t ring = layout.layers[l].ring_capacity;
-        if (ring > 0 && (turn == 0 || turns[turn] >= ring)) {
-          from = got.first_position();
-        } else if (ring > 0) {
-          const int64_t pages = kernels::KvRingPages(ring);
-          from = std::max<int64_t>(0, length - ((length - 1) % kernels::kKvPageTokens + 1) -
-                                          (pages - 1) * kernels::kKvPageTokens);
-        }
+        ASSERT_EQ(got.first_position(), want.first_position()) << "layer " << l;
+        const int64_t from = got.first_position();
         for (int64_t p = from; p < length; ++p) {
           const std::vector<float> gk(got.KeyRow(p), got.KeyRow(p) + got.row_width());
           const std::vector<float> wk(want.KeyRow(p), want.KeyRow(p) + want.row_width());
