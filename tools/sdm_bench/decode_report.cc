@@ -216,18 +216,25 @@ std::string TableHeader() {
                          "ffn ms", "MB/sess", "fits");
 }
 
+// A per-layer figure of the terminal's tables: "-" for 0, which a measured time never is (the
+// model has no such layer, or the run did not time them: CUDA).
+std::string TimedOrDash(double v, int decimals) {
+  return v == 0 ? std::string("-") : absl::StrFormat("%.*f", decimals, v);
+}
+
 std::string TableRow(const json& r) {
   const json none;
   const json& sgemm = r.contains("fraction_of_sgemm") ? r["fraction_of_sgemm"] : none;
   return absl::StrFormat(
-      "%-18s %7d %5d %9.2f %9.2f %9.1f %8.1f %7.2f %5.1f%% %8.1f %7s %8.2f %8.2f %8.2f %8.2f "
+      "%-18s %7d %5d %9.2f %9.2f %9.1f %8.1f %7.2f %5.1f%% %8.1f %7s %8s %8s %8s %8s "
       "%9.1f %5d%s",
       S(r["model"]), I(r["context"]), I(r["batch"]), D(r["ms_per_step_median"]),
       D(r["ms_per_step_p90"]), D(r["tokens_per_s"]), D(r["bytes_per_step"]) / 1e6,
       D(r["achieved_gbps"]), 100 * D(r["fraction_of_bandwidth"]), D(r["gflops"]),
       sgemm.is_number() ? absl::StrFormat("%.1f%%", 100 * D(sgemm)) : std::string("-"),
-      D(r["attn_ms_per_step"]), D(r["swa_ms_per_step"]), D(r["sdm_ms_per_step"]),
-      D(r["ffn_ms_per_step"]), D(r["state_bytes_per_session"]) / 1e6, I(r["max_batch_in_budget"]),
+      TimedOrDash(D(r["attn_ms_per_step"]), 2), TimedOrDash(D(r["swa_ms_per_step"]), 2),
+      TimedOrDash(D(r["sdm_ms_per_step"]), 2), TimedOrDash(D(r["ffn_ms_per_step"]), 2),
+      D(r["state_bytes_per_session"]) / 1e6, I(r["max_batch_in_budget"]),
       r["fit_batch"].get<bool>() ? " (fit)" : "");
 }
 
@@ -238,10 +245,10 @@ std::string GroupSummary(const json& g) {
   absl::StrAppendFormat(&out, "# %7s %5s %12s %12s %8s %10s %10s\n", "context", "batch",
                         "SDM tok/s", "attn tok/s", "ratio", "bw floor", "attn GB/s");
   for (const json& r : g["ratios"]) {
-    absl::StrAppendFormat(&out, "# %7d %5d %12.1f %12.1f %7.2fx %9.2fx %10.1f\n", I(r["context"]),
+    absl::StrAppendFormat(&out, "# %7d %5d %12.1f %12.1f %7.2fx %9.2fx %10s\n", I(r["context"]),
                           I(r["batch"]), D(r["sdm_tokens_per_s"]), D(r["attention_tokens_per_s"]),
                           D(r["ratio"]), D(r["bandwidth_floor_ratio"]),
-                          D(r["attention_layers_gbps"]));
+                          TimedOrDash(D(r["attention_layers_gbps"]), 1));
   }
   for (const json& f : g["fit_ratios"]) {
     absl::StrAppendFormat(&out,
