@@ -2130,6 +2130,11 @@ absl::Status SessionStateStore::CopyChangesLocked(Entry& e) {
 
 absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
   if (!e.state->on_device()) return absl::OkStatus();
+  // A residency that copies changes brings the host current with them first (only the rows the
+  // device wrote, through the host table's dirty marks), rather than copying everything back:
+  // rows a fork shares stay shared, and the next write is a delta. Then it is only detached.
+  // (The lock is held from there to the detach: nobody leases the session in between.)
+  if (e.state->device()->CopiesChanges()) SDM_RETURN_IF_ERROR(CopyChangesLocked(e));
   // A session whose turns were copied back since its last step is only detached, and its dirty
   // marks still say what its next delta must carry.
   const bool whole_copy = !e.state->host_current();
