@@ -206,6 +206,18 @@ TEST_F(SdmBenchToolTest, ReportRendersAnEarlierRunAgain) {
               ::testing::Not(HasSubstr("The twin's full-attention layers moved their bytes")));
   EXPECT_THAT(cuda_report, HasSubstr("on CUDA they are not measured"));
   EXPECT_THAT(cuda_report, HasSubstr("| - | - | - | - | - | - | - |"));
+  // A --cpu_dtype bf16 run's protocol says so (it said fp32 weights and state), in full.
+  nlohmann::json bf16 = nlohmann::json::parse(ReadFile(json_path));
+  bf16["parameters"]["cpu_dtype"] = "bf16";
+  testing::WriteFile(tmp_.path() / "bf16.json", bf16.dump());
+  r = RunTool("report --from " + (tmp_.path() / "bf16.json").string() + " --report " +
+              (tmp_.path() / "bf16").string());
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::string bf16_report = ReadFile(tmp_.path() / "bf16" / "report.md");
+  EXPECT_THAT(bf16_report, HasSubstr("bf16 weights and KV caches"));
+  EXPECT_THAT(bf16_report, ::testing::Not(HasSubstr("fp32 weights and state")));
+  EXPECT_THAT(bf16_report, HasSubstr("The models of a pair are measured together"));
+  EXPECT_THAT(cpu_report, HasSubstr("fp32 weights and state"));
   r = RunTool("report --from " + (tmp_.path() / "missing.json").string());
   EXPECT_EQ(r.code, 1);
   r = RunTool("report");
