@@ -324,8 +324,14 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     }
     if (live > 1) {
       last->deferred = true;
+      fitting_steps_ = 0;
       return;
     }
+  }
+  if (status.ok() && ++fitting_steps_ >= kCapProbeSteps) {
+    fitting_steps_ = 0;
+    absl::MutexLock lock(&mu_);
+    if (batch_cap_ < options_.max_running) ++batch_cap_;  // try one more (the class comment)
   }
   for (const Planned& p : plan) {
     Job& job = *p.job;

@@ -31,8 +31,8 @@
 // device's memory cannot hold its sessions' state) no longer fails every job in it: the job
 // admitted last goes back to the front of the queue, its session as it was, and fewer jobs run
 // at once (the batch is capped at what still runs, and grows by one place for each job that
-// ends) until the step fits; a step of one job that does not fit fails that job. Its client
-// sees nothing of it but the wait.
+// ends and every 64 steps that fit) until the step fits; a step of one job that does not fit fails
+// that job. Its client sees nothing of it but the wait.
 //
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs would wait
 // ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), before
@@ -187,6 +187,11 @@ class Scheduler {
   // The most jobs run at once now: max_running, lowered to what still ran after a step did not
   // fit and raised by one for each job that ends since (see the class comment).
   int batch_cap_ ABSL_GUARDED_BY(mu_) = std::numeric_limits<int>::max();
+  // Steps that fit since the last one that did not (step thread only): every kCapProbeSteps of
+  // them the cap grows by one, so that a batch capped by a passing shortage (or behind jobs that
+  // run long) grows back without waiting for a job to end.
+  int64_t fitting_steps_ = 0;
+  static constexpr int64_t kCapProbeSteps = 64;
   int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;

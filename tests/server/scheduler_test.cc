@@ -549,6 +549,79 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
   EXPECT_EQ(scheduler_->deferred_jobs(), 1);
 }
 
+// The capped batch also grows back while its jobs run on: a job deferred behind two long ones
+// runs (and ends) long before they do, once 64 steps have fitted, not only when one of them ends.
+TEST_F(SchedulerTest, ACappedBatchGrowsBackWhileItsJobsRunOn) {
+  auto refused = std::make_shared<std::atomic<int>>(0);
+  {
+    store_.reset();
+    auto model = LoadModel(sdm::testing::NoEosModelDir());
+    ASSERT_TRUE(model.ok()) << model.status();
+    EngineOptions o;
+    o.testing_refuse_step = [refused](const StepBatch& batch) {
+      return batch.segments.size() >= 3 && refused->fetch_add(1) == 0;
+    };
+    auto e = Engine::Create(*model, o);
+    ASSERT_TRUE(e.ok());
+    engine_ = *std::move(e);
+    std::filesystem::remove_all(dir_);
+    OpenStore();
+  }
+  constexpr int kLong = 300, kShort = 6;
+  const std::vector<int32_t> short_prompt = Tokens(7, 52);
+  std::vector<int32_t> solo;
+  {
+    auto s = engine_->NewSession();
+    solo = Direct(*s, short_prompt, kShort);
+  }
+  class HeldCollector : public Collector {
+   public:
+    void OnToken(int32_t token, absl::string_view text) override {
+      Collector::OnToken(token, text);
+      if (!entered.HasBeenNotified()) {
+        entered.Notify();
+        release.WaitForNotification();
+      }
+    }
+    absl::Notification entered, release;
+  };
+  // Records, as it ends (on the step thread, where the other's tokens are counted), how many
+  // tokens a long job had.
+  class Watcher : public Collector {
+   public:
+    explicit Watcher(const Collector* other) : other_(other) {}
+    void OnFinish(FinishReason r, const Usage& u, const absl::Status& e) override {
+      other_tokens_at_end = other_->tokens.size();
+      Collector::OnFinish(r, u, e);
+    }
+    size_t other_tokens_at_end = 0;
+
+   private:
+    const Collector* other_;
+  };
+  SchedulerOptions so;
+  so.max_running = 3;
+  StartScheduler(so);
+  auto first = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(5, 50), kLong), first).ok());
+  first->entered.WaitForNotification();
+  auto second = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(6, 51), kLong), second).ok());
+  auto last = std::make_shared<Watcher>(first.get());
+  ASSERT_TRUE(scheduler_->Submit(Job("", short_prompt, kShort), last).ok());
+  first->release.Notify();
+  last->Wait();
+  EXPECT_TRUE(last->error.ok()) << last->error;
+  EXPECT_EQ(last->tokens, solo);
+  EXPECT_EQ(scheduler_->deferred_jobs(), 1);
+  // It ran while the long ones did: deferred at their second step, back after 64 more.
+  EXPECT_LT(last->other_tokens_at_end, static_cast<size_t>(kLong));
+  first->Wait();
+  second->Wait();
+  EXPECT_EQ(first->reason, FinishReason::kLength);
+  EXPECT_EQ(second->reason, FinishReason::kLength);
+}
+
 // max_waiting 0: no queue, but every free place in the batch still admits a job (it refused
 // every job, even on an idle server); a job's place is free again before its client hears of
 // its end.
