@@ -37,8 +37,9 @@ fi
 
 mkdir -p "$RUNS"
 train() {  # preset
+  # exec: the background job's pid is the trainer's own (the trap below can stop it).
   # shellcheck disable=SC2086  # FLAGS: several flags, split on spaces
-  nice -n 10 "$PY" training/train.py --preset "$1" --run "$RUNS/$1" --steps "$STEPS" \
+  exec nice -n 10 "$PY" training/train.py --preset "$1" --run "$RUNS/$1" --steps "$STEPS" \
     --threads 1 --export "$RUNS/$1/model" $FLAGS
 }
 train "$PRESET" 2> >(tee "$RUNS/$PRESET.log" >&2) &

@@ -394,6 +394,10 @@ int main(int argc, char** argv) {
   if (options.store.default_ttl <= absl::ZeroDuration()) {
     return UsageError("--session_ttl must be positive (inf: never expire)");
   }
+  if (options.store.default_ttl != absl::InfiniteDuration() &&
+      options.store.default_ttl > sdm::kMaxSessionTtl) {
+    return UsageError("--session_ttl must be at most 100 years (inf: never expire)");
+  }
   if (options.store.shared_dir && options.store.default_ttl != absl::InfiniteDuration()) {
     return UsageError(
         "--session_ttl cannot be used with --shared_state_dir: a replica would expire a session "

@@ -234,6 +234,8 @@ void Scheduler::Loop() {
       }
     }
     absl::MutexLock lock(&mu_);
+    // Nothing runs: what kept the batch small is gone (or is tried afresh).
+    if (running.empty() && deferred.empty()) batch_cap_ = std::numeric_limits<int>::max();
     if (!deferred.empty()) {
       // Back to the front of the queue, in their order; fewer at once from now on.
       batch_cap_ = std::max(1, static_cast<int>(running.size()));
@@ -313,16 +315,20 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   if (absl::IsResourceExhausted(status) &&
       std::none_of(plan.begin(), plan.end(),
                    [](const Planned& p) { return p.job->state->failed(); })) {
-    // The step did not fit and changed nothing (Engine::Step's contract): the job admitted last
-    // waits again, and the others step without it (the class comment). One job alone fails.
+    // The step did not fit and changed nothing (Engine::Step's contract): the job of the step
+    // admitted last waits again, and the others step without it (the class comment). One job
+    // alone fails.
     Job* last = nullptr;
     int live = 0;
     for (auto& job : running) {
       if (job->done) continue;
-      last = job.get();
       ++live;
+      if (std::any_of(plan.begin(), plan.end(),
+                      [&](const Planned& p) { return p.job == job.get(); })) {
+        last = job.get();
+      }
     }
-    if (live > 1) {
+    if (live > 1 && last != nullptr) {
       last->deferred = true;
       fitting_steps_ = 0;
       return;
