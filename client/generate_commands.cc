@@ -90,6 +90,16 @@ bool TurnErrorIsRecoverable(grpc::StatusCode code) {
          code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::CANCELLED;
 }
 
+// GetSession of `id` (routed by it).
+grpc::Status ReadSession(Command& command, const std::string& id, sdm::v1::Session* out) {
+  grpc::ClientContext context;
+  command.Prepare(context);
+  AddSessionRouting(id, context);
+  sdm::v1::GetSessionRequest request;
+  request.set_session_id(id);
+  return command.stub().GetSession(&context, request, out);
+}
+
 }  // namespace
 
 int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
@@ -226,13 +236,8 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
       continue;
     }
     if (trimmed == "/session") {
-      grpc::ClientContext context;
-      command.Prepare(context);
-      AddSessionRouting(session.id(), context);
-      sdm::v1::GetSessionRequest request;
-      request.set_session_id(session.id());
       sdm::v1::Session now;
-      if (grpc::Status s = command.stub().GetSession(&context, request, &now); !s.ok()) {
+      if (grpc::Status s = ReadSession(command, session.id(), &now); !s.ok()) {
         *io.err << "sdm-client: " << FormatStatus(s) << "\n";
         failed = true;
         continue;
@@ -265,14 +270,8 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
         u.prompt_tokens(), u.history_tokens(), u.generated_tokens(),
         FinishReasonName(outcome.finish_reason), outcome.seconds);
   }
-  if (position < 0) {
-    grpc::ClientContext context;
-    command.Prepare(context);
-    AddSessionRouting(session.id(), context);
-    sdm::v1::GetSessionRequest request;
-    request.set_session_id(session.id());
-    sdm::v1::Session now;
-    if (command.stub().GetSession(&context, request, &now).ok()) position = now.position();
+  if (sdm::v1::Session now; position < 0 && ReadSession(command, session.id(), &now).ok()) {
+    position = now.position();
   }
   *io.err << "session " << session.id() << " kept"
           << (position >= 0 ? absl::StrCat(" at position ", position) : std::string())

@@ -791,11 +791,11 @@ absl::StatusOr<bool> CudaSessionState::ListWrittenRows(TransferStaging& staging,
     const int64_t private_rows =
         std::max<int64_t>(0, ctx_->row_count(counter_slot_, ctx_->sdm_index(l)));
     const int64_t token_writes = ls.sdm_heads * std::max<int64_t>(1, ls.sdm_write.writes);
-    capacity.push_back(testing_cap >= 0
-                           ? testing_cap
-                           : std::min(private_rows, tokens > private_rows / token_writes
-                                                        ? private_rows
-                                                        : tokens * token_writes));
+    // tokens <= private_rows / token_writes makes tokens * token_writes <= private_rows (and
+    // keeps the product from overflowing).
+    capacity.push_back(testing_cap >= 0                       ? testing_cap
+                       : tokens > private_rows / token_writes ? private_rows
+                                                              : tokens * token_writes);
     offset.push_back(pairs);
     pairs += capacity.back();
   }

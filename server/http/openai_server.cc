@@ -257,18 +257,19 @@ void OpenAiServer::Handlers::Post(
       if (!too_large) body.append(data, size);
       return !too_large;
     };
-    if (req.is_multipart_form_data()) {
-      // Read (through httplib's multipart parser: the one-receiver read would throw) and refused.
-      const bool complete = read([](const httplib::MultipartFormData&) { return true; }, receive);
-      if (too_large) res.status = 413;
-      if (!complete || too_large) return;
+    // multipart/form-data is read through httplib's multipart parser (the one-receiver read
+    // would throw), then refused.
+    const bool multipart = req.is_multipart_form_data();
+    const bool complete =
+        multipart ? read([](const httplib::MultipartFormData&) { return true; }, receive)
+                  : read(receive);
+    if (too_large) res.status = 413;
+    if (!complete || too_large) return;  // res.status says why; the error handler writes it
+    if (multipart) {
       SendError(res, absl::InvalidArgumentError(
                          "the request body must be JSON, not multipart/form-data"));
       return;
     }
-    const bool complete = read(receive);
-    if (too_large) res.status = 413;
-    if (!complete || too_large) return;  // res.status says why; the error handler writes it
     handler(req, body, res);
   });
 }

@@ -95,11 +95,11 @@ class SchedulerTest : public ::testing::Test {
   }
   // For tests whose long jobs must not end early by sampling EOS: the tiny model whose EOS logit
   // is zeroed (tests/server/server_test_util.h), so a greedy job runs until it is stopped.
-  void UseNoEosModel() {
+  void UseNoEosModel(const EngineOptions& options = {}) {
     store_.reset();
     auto model = LoadModel(sdm::testing::NoEosModelDir());
     ASSERT_TRUE(model.ok()) << model.status();
-    auto e = Engine::Create(*model, EngineOptions{});
+    auto e = Engine::Create(*model, options);
     ASSERT_TRUE(e.ok());
     engine_ = *std::move(e);
     std::filesystem::remove_all(dir_);
@@ -488,6 +488,30 @@ TEST_F(SchedulerTest, ATurnWhoseWriteIsFencedEndsWithAborted) {
   EXPECT_EQ(store_->Stats().fenced_writes, 1);
 }
 
+// Engine options whose engine refuses (RESOURCE_EXHAUSTED, nothing changed) the first step of
+// three or more segments, counting such steps in `refused`.
+EngineOptions RefusingTheFirstStepOfThree(std::shared_ptr<std::atomic<int>> refused) {
+  EngineOptions o;
+  o.testing_refuse_step = [refused](const StepBatch& batch) {
+    return batch.segments.size() >= 3 && refused->fetch_add(1) == 0;
+  };
+  return o;
+}
+
+// Holds the step thread in its first token until released (nothing steps meanwhile), so that
+// jobs submitted in between share the next step.
+class HeldCollector : public Collector {
+ public:
+  void OnToken(int32_t token, absl::string_view text) override {
+    Collector::OnToken(token, text);
+    if (!entered.HasBeenNotified()) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+  }
+  absl::Notification entered, release;
+};
+
 // A step that does not fit (RESOURCE_EXHAUSTED, nothing changed: a device's memory) sends the
 // job admitted last back to the queue and the others step on; every job still ends with exactly
 // its solo tokens (before, every job of that step failed). The step thread is held in the first
@@ -495,20 +519,7 @@ TEST_F(SchedulerTest, ATurnWhoseWriteIsFencedEndsWithAborted) {
 // which the engine refuses once.
 TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
   auto refused = std::make_shared<std::atomic<int>>(0);
-  {
-    store_.reset();
-    auto model = LoadModel(sdm::testing::NoEosModelDir());
-    ASSERT_TRUE(model.ok()) << model.status();
-    EngineOptions o;
-    o.testing_refuse_step = [refused](const StepBatch& batch) {
-      return batch.segments.size() >= 3 && refused->fetch_add(1) == 0;
-    };
-    auto e = Engine::Create(*model, o);
-    ASSERT_TRUE(e.ok());
-    engine_ = *std::move(e);
-    std::filesystem::remove_all(dir_);
-    OpenStore();
-  }
+  UseNoEosModel(RefusingTheFirstStepOfThree(refused));
   constexpr int kTokens = 6;
   std::vector<std::vector<int32_t>> prompts, solo;
   for (int i = 0; i < 3; ++i) {
@@ -516,17 +527,6 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
     auto s = engine_->NewSession();
     solo.push_back(Direct(*s, prompts[i], kTokens));
   }
-  class HeldCollector : public Collector {
-   public:
-    void OnToken(int32_t token, absl::string_view text) override {
-      Collector::OnToken(token, text);
-      if (!entered.HasBeenNotified()) {
-        entered.Notify();
-        release.WaitForNotification();  // on the step thread: nothing steps meanwhile
-      }
-    }
-    absl::Notification entered, release;
-  };
   SchedulerOptions so;
   so.max_running = 3;
   StartScheduler(so);
@@ -545,7 +545,7 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
     EXPECT_EQ(jobs[i]->reason, FinishReason::kLength) << i;
     EXPECT_EQ(jobs[i]->tokens, solo[i]) << i;
   }
-  EXPECT_EQ(refused->load() >= 1, true);
+  EXPECT_GE(refused->load(), 1);
   EXPECT_EQ(scheduler_->deferred_jobs(), 1);
 }
 
@@ -553,20 +553,7 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
 // runs (and ends) long before they do, once 64 steps have fitted, not only when one of them ends.
 TEST_F(SchedulerTest, ACappedBatchGrowsBackWhileItsJobsRunOn) {
   auto refused = std::make_shared<std::atomic<int>>(0);
-  {
-    store_.reset();
-    auto model = LoadModel(sdm::testing::NoEosModelDir());
-    ASSERT_TRUE(model.ok()) << model.status();
-    EngineOptions o;
-    o.testing_refuse_step = [refused](const StepBatch& batch) {
-      return batch.segments.size() >= 3 && refused->fetch_add(1) == 0;
-    };
-    auto e = Engine::Create(*model, o);
-    ASSERT_TRUE(e.ok());
-    engine_ = *std::move(e);
-    std::filesystem::remove_all(dir_);
-    OpenStore();
-  }
+  UseNoEosModel(RefusingTheFirstStepOfThree(refused));
   constexpr int kLong = 300, kShort = 6;
   const std::vector<int32_t> short_prompt = Tokens(7, 52);
   std::vector<int32_t> solo;
@@ -574,17 +561,6 @@ TEST_F(SchedulerTest, ACappedBatchGrowsBackWhileItsJobsRunOn) {
     auto s = engine_->NewSession();
     solo = Direct(*s, short_prompt, kShort);
   }
-  class HeldCollector : public Collector {
-   public:
-    void OnToken(int32_t token, absl::string_view text) override {
-      Collector::OnToken(token, text);
-      if (!entered.HasBeenNotified()) {
-        entered.Notify();
-        release.WaitForNotification();
-      }
-    }
-    absl::Notification entered, release;
-  };
   // Records, as it ends (on the step thread, where the other's tokens are counted), how many
   // tokens a long job had.
   class Watcher : public Collector {
