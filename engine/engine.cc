@@ -213,7 +213,11 @@ class Engine::Impl {
     const EngineDevice asked = options_.device;
     EngineDevice device = asked;
     if (device == EngineDevice::kAuto) {
-      device = kernels::cuda::DeviceCount() > 0 ? EngineDevice::kCuda : EngineDevice::kCpu;
+      // A CPU storage type (cpu_dtype other than fp32) asks for the CPU backend: auto honours it
+      // rather than refusing it on a machine that happens to have a GPU.
+      device = kernels::cuda::DeviceCount() > 0 && options_.cpu_dtype == DType::kF32
+                   ? EngineDevice::kCuda
+                   : EngineDevice::kCpu;
     }
     options_.device = device;
     if (device == EngineDevice::kCuda && options_.cpu_dtype != DType::kF32) {

@@ -136,7 +136,7 @@ struct EngineOptions {
   // runs decode steps without graphs while it is set. Empty: never.
   SdmReadingsObserver observe_sdm_readings = nullptr;
   // CPU backend: the storage of matrices and KV rows (see DType above; kBf16 needs the blocked
-  // decode kernel).
+  // decode kernel). Other than kF32 it makes device kAuto choose the CPU; kCuda refuses it.
   DType cpu_dtype = DType::kF32;
   // CUDA backend: run each decode step (every segment one token) as a CUDA graph captured once
   // per step shape (engine/cuda/decode_graph_cache.h), one launch instead of a few hundred. The

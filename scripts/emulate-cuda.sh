@@ -243,7 +243,7 @@ if [[ $BUILD_STEP == 0 ]]; then
 fi
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=0}"  # fiber stacks are kept on purpose
 ENGINE_DEFAULT="CudaEngineTest.ParsesDeviceNames:CudaEngineTest.AskingForCudaWithoutADeviceIsAClearError"
-ENGINE_DEFAULT+=":CudaEngineTest.StepSucceedsAfterExhaustionOnceMemoryIsFreed"
+ENGINE_DEFAULT+=":TwoSessionDeviceTest.*:CudaEngineTest.AutoWithACpuStorageTypeRunsOnTheCpu"
 ENGINE_DEFAULT+=":CudaEngineTest.AFaultPartWayThroughAPassMarksItsSessionsFailed"
 # Every CUDA-vs-CPU test on tiny (logits, SDM rows per layer, write-selection agreement); on
 # debug_hybrid the logits only (its state and selection tests add ~10 min here: --all or -f).

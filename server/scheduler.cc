@@ -260,8 +260,11 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   }
   // The plan: prompt tokens, oldest job first, within the step's token budget, then one decode
   // token for every job past its prompt. A prompt is always cut at multiples of the engine's
-  // prefill chunk (a chunk is never split to fit the budget) and the engine cuts a job's share
-  // into those same chunks, so its numerics are those of Prefill() calls whatever else runs.
+  // prefill chunk (a chunk is never split to fit the budget), so its numerics are those of
+  // Prefill() calls whatever else runs. A job feeds at most one chunk per step: every step is
+  // then one forward pass of the engine, so a step that does not fit changes nothing (a second
+  // pass failing after the first advanced its sessions would leave them half fed and failed,
+  // engine/engine.h), and other jobs' decode tokens come between a long prompt's chunks.
   struct Planned {
     Job* job;
     size_t prefill = 0;  // prompt tokens fed (0: a decode token)
@@ -274,28 +277,21 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   const size_t chunk = static_cast<size_t>(engine_.options().prefill_chunk);
   for (auto& job : running) {
     if (job->done || job->fed >= job->to_feed.size()) continue;
-    size_t take = 0;
-    while (job->fed + take < job->to_feed.size()) {
-      const size_t n = std::min(chunk, job->to_feed.size() - job->fed - take);
-      // Over budget: wait for the next step, unless nothing was prefilled yet (progress).
-      if (static_cast<int64_t>(n) > budget && prefilled > 0) break;
-      take += n;
-      budget -= static_cast<int64_t>(n);
-      prefilled += static_cast<int64_t>(n);
+    const size_t take = std::min(chunk, job->to_feed.size() - job->fed);
+    // Over budget: wait for the next step, unless nothing was prefilled yet (progress).
+    if (static_cast<int64_t>(take) > budget && prefilled > 0) continue;
+    budget -= static_cast<int64_t>(take);
+    prefilled += static_cast<int64_t>(take);
+    const std::span<const int32_t> tokens =
+        std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
+    int64_t draw = -1;
+    if (job->fed + take == job->to_feed.size()) {
+      draw = batch.AddDraw(*job->state, tokens, StepLogits::kNone, job->spec.sampling,
+                           job->state->sampler_draws);
+    } else {
+      batch.Add(*job->state, tokens, StepLogits::kNone);
     }
-    if (take > 0) {
-      const bool last = job->fed + take == job->to_feed.size();
-      const std::span<const int32_t> tokens =
-          std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
-      int64_t draw = -1;
-      if (last) {
-        draw = batch.AddDraw(*job->state, tokens, StepLogits::kNone, job->spec.sampling,
-                             job->state->sampler_draws);
-      } else {
-        batch.Add(*job->state, tokens, StepLogits::kNone);
-      }
-      plan.push_back({job.get(), take, draw});
-    }
+    plan.push_back({job.get(), take, draw});
     if (budget <= 0) break;
   }
   int decodes = 0;
@@ -420,9 +416,6 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
         observer->OnFinish(reason, usage, error);
       }
     });
-  }
-  if (listener_ != nullptr) {
-    listener_->OnJobFinished(reason, job.usage, Seconds(job.submitted, Clock::now()));
   }
 }
 

@@ -18,7 +18,9 @@
 // Failure part-way (engine/engine_backend.h, ForwardCommit). Everything that can fail without a
 // launch failing happens before step (3): residency, pages, row reservation, workspace, and the
 // plan of every cuBLASLt GEMM of the pass (BlasLtGemm::Plan: descriptors and checked algorithms,
-// cached per batch size). From step (3) on, any error still synchronises the stream before the
+// cached per batch size); such a failure (say RESOURCE_EXHAUSTED: no free page) detaches again
+// the sessions the pass uploaded, so the pass leaves every session as it found it, device memory
+// included. From step (3) on, any error still synchronises the stream before the
 // pass returns (the pinned step arrays and logits outlive their copies), and
 // an error after the first write to session state (the first KV append or SDM row preparation)
 // marks the pass's sessions failed: their device state may hold some layers of the pass and not
@@ -601,53 +603,20 @@ class CudaBackend : public EngineBackend {
     const int64_t num_segs = static_cast<int64_t>(segs.size());
     cudaStream_t stream = ctx_->compute();
 
-    // (1) Residency and pages.
-    int64_t max_visible = 1;
-    std::vector<CudaSessionState*> dev(num_segs);
-    for (int64_t s = 0; s < num_segs; ++s) {
-      SessionState& session = *segs[s].session;
-      if (!session.on_device()) {
-        // From the image staged ahead (StageResume) when there is one of ours; another
-        // backend's is of no use here and goes when the session is attached.
-        std::unique_ptr<StagedUpload> staged = session.TakeStaged();
-        const CudaStagedUpload* ours = staged != nullptr && staged->owner() == ctx_.get()
-                                           ? static_cast<const CudaStagedUpload*>(staged.get())
-                                           : nullptr;
-        absl::StatusOr<std::unique_ptr<CudaSessionState>> up =
-            CudaSessionState::Upload(ctx_, session, ours);
-        if (!up.ok()) {
-          // Nothing of the session changed: a retry may still use the staged image.
-          if (staged != nullptr) session.AttachStaged(std::move(staged));
-          return up.status();
-        }
-        if (ours != nullptr) staged_used_.fetch_add(1, std::memory_order_relaxed);
-        session.AttachDevice(*std::move(up));
-      }
-      // Another engine's residency has tables into that engine's arenas (and may be of another
-      // type): only ours, made with our context as owner, is a CudaSessionState we may step.
-      if (session.device()->owner() != ctx_.get()) {
-        return absl::FailedPreconditionError(
-            "session is resident on another backend's device; sync it to the host first");
-      }
-      dev[s] = static_cast<CudaSessionState*>(session.device());
-      SDM_RETURN_IF_ERROR(dev[s]->EnsurePages(segs[s].pos0 + segs[s].length));
-      max_visible = std::max(max_visible, segs[s].pos0 + segs[s].length);
+    // (1) Residency and pages. A failure before the first enqueue changes no session: the
+    // sessions this pass attached go back to the host (their layers are what was uploaded), with
+    // their staged images, so that a step that does not fit (RESOURCE_EXHAUSTED) holds no device
+    // memory for sessions that then wait (server/scheduler.h defers one and retries without it).
+    AttachedThisPass attached;
+    absl::Status prepared = Prepare(segs, attached);
+    if (!prepared.ok()) {
+      attached.Undo();
+      return prepared;
     }
-    // (2) Rows copy-on-write may take.
+    int64_t max_visible = 1;
+    for (const Segment& s : segs) max_visible = std::max(max_visible, s.pos0 + s.length);
     const int64_t n_w = sdm_geom_.heads > 0 ? sdm_geom_.writes : 0;
     const int64_t n_r = sdm_geom_.heads > 0 ? AddressCount(cfg_.sdm.num_reads) : 0;
-    const int64_t n_sdm = ctx_->num_sdm_layers();
-    if (n_sdm > 0) {
-      // A segment takes at most n_w rows per token and head, and never more than a table has
-      // slots: without that cap a long prefill chunk reserves many sessions' worth of rows
-      // (256 tokens x 32 writes = 2x debug_sdm's 4096 slots) and fails on an arena that can
-      // hold the session.
-      int64_t rows = 0;
-      for (const Segment& s : segs) {
-        rows += std::min(s.length * n_w, sdm_geom_.slots_per_head) * sdm_geom_.heads;
-      }
-      SDM_RETURN_IF_ERROR(ctx_->ReserveRows(rows * n_sdm));
-    }
     // A decode step may run as a graph (file comment), its attention grid from a rounded bound.
     bool decode_only = num_segs > 0;
     for (const Segment& s : segs) decode_only = decode_only && s.length == 1;
@@ -661,14 +630,18 @@ class CudaBackend : public EngineBackend {
                              .gathered = !LogitRowsInPlace(out, n),
                              .visible = max_visible};
     }
-    // A row both returned and drawn from is computed twice (m + d <= 2n rows of logits).
-    SDM_RETURN_IF_ERROR(EnsureWorkspace(std::max(n, m + d), max_visible));
-    SDM_RETURN_IF_ERROR(EnsureOutputs(m, d));
     const StepLayout layout = StepLayoutOf(n, num_segs, m, d);
-    SDM_RETURN_IF_ERROR(EnsureStepArrays(layout.bytes));
+    // A row both returned and drawn from is computed twice (m + d <= 2n rows of logits).
     // Every GEMM of the pass planned (descriptors, algorithms) before anything is enqueued: past
     // this point only a launch itself can fail.
-    SDM_RETURN_IF_ERROR(PlanGemms(n, m + d));
+    prepared = EnsureWorkspace(std::max(n, m + d), max_visible);
+    if (prepared.ok()) prepared = EnsureOutputs(m, d);
+    if (prepared.ok()) prepared = EnsureStepArrays(layout.bytes);
+    if (prepared.ok()) prepared = PlanGemms(n, m + d);
+    if (!prepared.ok()) {
+      attached.Undo();
+      return prepared;
+    }
 
     // (3)-(5) enqueued; whatever happens, the stream is synchronised before returning (the
     // pinned step arrays and logits outlive their copies), and a failure
@@ -696,6 +669,78 @@ class CudaBackend : public EngineBackend {
           absl::Status(status.code(), absl::StrCat(status.message(), "; then ", synced.message()));
     }
     return commit.Fail(status);
+  }
+
+  // The sessions a pass attached to the device (uploaded) before its first enqueue, with the
+  // staged images their uploads used. Undo() detaches them again and gives the images back: their
+  // host layers are still the truth (an upload copies them unchanged, and nothing of the pass ran
+  // yet), so the session is as it was before the pass.
+  class AttachedThisPass {
+   public:
+    void Add(SessionState* session, std::unique_ptr<StagedUpload> staged) {
+      sessions_.push_back({session, std::move(staged)});
+    }
+    void Undo() {
+      for (Attached& a : sessions_) {
+        a.session->DetachDevice();  // stream-ordered frees: nothing of it is pending but them
+        if (a.staged != nullptr) a.session->AttachStaged(std::move(a.staged));
+      }
+      sessions_.clear();
+    }
+
+   private:
+    struct Attached {
+      SessionState* session;
+      std::unique_ptr<StagedUpload> staged;  // the image its upload used, if any
+    };
+    std::vector<Attached> sessions_;
+  };
+
+  // Steps (1) and (2) of Forward (file comment): every segment's session on this device (uploaded
+  // when it is not; those are recorded in `attached`), pages for the positions the pass writes,
+  // and room for the rows its copy-on-write may take. Enqueues nothing that changes a session.
+  absl::Status Prepare(std::span<const Segment> segs, AttachedThisPass& attached) {
+    for (const Segment& seg : segs) {
+      SessionState& session = *seg.session;
+      if (!session.on_device()) {
+        // From the image staged ahead (StageResume) when there is one of ours; another
+        // backend's is of no use here and goes when the session is attached.
+        std::unique_ptr<StagedUpload> staged = session.TakeStaged();
+        const CudaStagedUpload* ours = staged != nullptr && staged->owner() == ctx_.get()
+                                           ? static_cast<const CudaStagedUpload*>(staged.get())
+                                           : nullptr;
+        absl::StatusOr<std::unique_ptr<CudaSessionState>> up =
+            CudaSessionState::Upload(ctx_, session, ours);
+        if (!up.ok()) {
+          // Nothing of the session changed: a retry may still use the staged image.
+          if (staged != nullptr) session.AttachStaged(std::move(staged));
+          return up.status();
+        }
+        if (ours != nullptr) staged_used_.fetch_add(1, std::memory_order_relaxed);
+        session.AttachDevice(*std::move(up));
+        attached.Add(&session, ours != nullptr ? std::move(staged) : nullptr);
+      }
+      // Another engine's residency has tables into that engine's arenas (and may be of another
+      // type): only ours, made with our context as owner, is a CudaSessionState we may step.
+      if (session.device()->owner() != ctx_.get()) {
+        return absl::FailedPreconditionError(
+            "session is resident on another backend's device; sync it to the host first");
+      }
+      SDM_RETURN_IF_ERROR(
+          static_cast<CudaSessionState*>(session.device())->EnsurePages(seg.pos0 + seg.length));
+    }
+    const int64_t n_sdm = ctx_->num_sdm_layers();
+    if (n_sdm == 0) return absl::OkStatus();
+    const int64_t n_w = sdm_geom_.heads > 0 ? sdm_geom_.writes : 0;
+    // A segment takes at most `writes` rows per token and head, and never more than a table has
+    // slots: without that cap a long prefill chunk reserves many sessions' worth of rows (256
+    // tokens x 32 writes = 2x debug_sdm's 4096 slots) and fails on an arena that can hold the
+    // session.
+    int64_t rows = 0;
+    for (const Segment& s : segs) {
+      rows += std::min(s.length * n_w, sdm_geom_.slots_per_head) * sdm_geom_.heads;
+    }
+    return ctx_->ReserveRows(rows * n_sdm);
   }
 
   // Whether the pass's logit rows (the returned, then the drawn) are its n rows in order: then

@@ -61,6 +61,29 @@ TEST(CudaEngineTest, AskingForCudaWithoutADeviceIsAClearError) {
   EXPECT_EQ((*e)->device(), EngineDevice::kCpu);
 }
 
+// --cpu_dtype bf16 with --device auto on a machine with a GPU: the CPU storage type asks for the
+// CPU engine, which auto then picks (it was refused, after the model had loaded); asked with
+// --device cuda it is still refused.
+TEST(CudaEngineTest, AutoWithACpuStorageTypeRunsOnTheCpu) {
+  SKIP_WITHOUT_DEVICE();
+  absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
+  ASSERT_TRUE(c.ok());
+  EngineOptions o;
+  o.device = EngineDevice::kAuto;
+  o.cpu_dtype = DType::kBf16;
+  absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(RandomModel(*c, 1), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ((*e)->device(), EngineDevice::kCpu);
+  o.cpu_dtype = DType::kF32;
+  e = Engine::Create(RandomModel(*c, 1), o);
+  ASSERT_TRUE(e.ok()) << e.status();
+  EXPECT_EQ((*e)->device(), EngineDevice::kCuda);
+  o.device = EngineDevice::kCuda;
+  o.cpu_dtype = DType::kBf16;
+  e = Engine::Create(RandomModel(*c, 1), o);
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument) << e.status();
+}
+
 TEST(CudaEngineTest, ParsesDeviceNames) {
   EXPECT_EQ(*ParseEngineDevice("cuda"), EngineDevice::kCuda);
   EXPECT_EQ(*ParseEngineDevice("cpu"), EngineDevice::kCpu);
@@ -1070,42 +1093,96 @@ TEST(CudaEngineTest, FullDeviceStateIsResourceExhausted) {
   EXPECT_EQ(last.code(), absl::StatusCode::kResourceExhausted) << last;
 }
 
+// A CPU engine and a CUDA engine of one model (tiny, its three global layers full attention)
+// whose device holds two sessions of max_context 256 and no more: 4 pages of 64 positions per
+// layer and session, and SDM rows (2 heads x 64 slots x 32 bf16) + 3 layers x 4 pages of 8 KiB.
+class TwoSessionDeviceTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_DEVICE();
+    absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(ApplyConfigOverrides(*c, {"swa_at=[]", "attn_at=[0,1,2]"}).ok());
+    std::shared_ptr<const Model> model = Bf16Model(*c, 7);
+    EngineOptions o;
+    absl::StatusOr<std::unique_ptr<Engine>> e = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    cpu_engine_ = *std::move(e);
+    o.device = EngineDevice::kCuda;
+    o.max_context = 256;
+    o.device_state_bytes = 2 * (8192 + 3 * 4 * 8192);
+    e = Engine::Create(model, o);
+    ASSERT_TRUE(e.ok()) << e.status();
+    gpu_engine_ = *std::move(e);
+    cpu = cpu_engine_.get();
+    gpu = gpu_engine_.get();
+  }
+
+  std::unique_ptr<Engine> cpu_engine_, gpu_engine_;
+  Engine* cpu = nullptr;
+  Engine* gpu = nullptr;
+};
+
 // A step that ran out of KV pages part-way (and of rows) succeeds once other sessions free
 // theirs: no half-recorded pages, no stale free-row bound. Sized for two sessions of
 // max_context; a long single-chunk prefill must fit without reserving more rows than a session
 // can own.
-TEST(CudaEngineTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
-  SKIP_WITHOUT_DEVICE();
-  absl::StatusOr<ModelConfig> c = PresetConfig("tiny");
-  ASSERT_TRUE(c.ok());
-  ASSERT_TRUE(ApplyConfigOverrides(*c, {"swa_at=[]", "attn_at=[0,1,2]"}).ok());
-  std::shared_ptr<const Model> model = Bf16Model(*c, 7);
-  EngineOptions o;
-  auto cpu = Engine::Create(model, o);
-  ASSERT_TRUE(cpu.ok()) << cpu.status();
-  o.device = EngineDevice::kCuda;
-  o.max_context = 256;  // 4 pages of 64 positions per layer and session
-  // Per session: SDM rows (2 heads x 64 slots x 32 bf16) + 3 layers x 4 pages of 8 KiB.
-  o.device_state_bytes = 2 * (8192 + 3 * 4 * 8192);
-  auto gpu = Engine::Create(model, o);
-  ASSERT_TRUE(gpu.ok()) << gpu.status();
-  const int64_t vocab = (*gpu)->vocab_size();
-  auto a = (*gpu)->NewSession();
-  auto b = (*gpu)->NewSession();
-  auto s = (*gpu)->NewSession();
-  absl::Status st = (*gpu)->Prefill(*a, RandomTokens(200, vocab, 1), false, nullptr);
+TEST_F(TwoSessionDeviceTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
+  const int64_t vocab = gpu->vocab_size();
+  auto a = gpu->NewSession();
+  auto b = gpu->NewSession();
+  auto s = gpu->NewSession();
+  absl::Status st = gpu->Prefill(*a, RandomTokens(200, vocab, 1), false, nullptr);
   ASSERT_TRUE(st.ok()) << st;  // 4 pages per layer, every slot
-  st = (*gpu)->Prefill(*b, RandomTokens(100, vocab, 2), false, nullptr);
+  st = gpu->Prefill(*b, RandomTokens(100, vocab, 2), false, nullptr);
   ASSERT_TRUE(st.ok()) << st;  // 2 pages per layer
   const std::vector<int32_t> prompt = RandomTokens(200, vocab, 3);
   std::vector<float> on_gpu, on_cpu;
-  st = (*gpu)->Prefill(*s, prompt, false, &on_gpu);  // needs 4 pages, 2 are left
+  st = gpu->Prefill(*s, prompt, false, &on_gpu);  // needs 4 pages, 2 are left
   EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
   a.reset();  // what the store does when it parks or deletes a session
-  st = (*gpu)->Prefill(*s, prompt, false, &on_gpu);
+  st = gpu->Prefill(*s, prompt, false, &on_gpu);
   ASSERT_TRUE(st.ok()) << st;
-  auto reference = (*cpu)->NewSession();
-  ASSERT_TRUE((*cpu)->Prefill(*reference, prompt, false, &on_cpu).ok());
+  auto reference = cpu->NewSession();
+  ASSERT_TRUE(cpu->Prefill(*reference, prompt, false, &on_cpu).ok());
+  EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
+}
+
+// A step that does not fit leaves the sessions it uploaded as it found them: back on the host
+// (holding no device memory while they wait, as a job the scheduler defers does), with the image
+// staged for their resume, at their position; the same step then succeeds once memory is freed,
+// from that image, with the logits of a CPU engine fed the same tokens.
+TEST_F(TwoSessionDeviceTest, AStepThatDoesNotFitLeavesTheSessionsItUploadedOnTheHost) {
+  const int64_t vocab = gpu->vocab_size();
+  const std::vector<int32_t> first = RandomTokens(60, vocab, 4);
+  const std::vector<int32_t> second = RandomTokens(150, vocab, 5);
+  auto s = gpu->NewSession();
+  ASSERT_TRUE(gpu->Prefill(*s, first, false, nullptr).ok());
+  ASSERT_TRUE(s->SyncToHost().ok());  // parked: off the device
+  ASSERT_TRUE(gpu->StageResume(*s).ok());
+  ASSERT_NE(s->staged(), nullptr);
+  auto a = gpu->NewSession();
+  ASSERT_TRUE(gpu->Prefill(*a, RandomTokens(200, vocab, 1), false, nullptr).ok());
+  // a holds half the rows (every slot of its table): s's upload takes its own private rows from
+  // the other half, then the step's reservation of a table's worth (128 rows) does not fit.
+  std::vector<float> on_gpu, on_cpu;
+  absl::Status st = gpu->Prefill(*s, second, false, &on_gpu);
+  ASSERT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_NE(st.message().find("this step may need"), std::string::npos)
+      << "not the step's reservation (the upload itself failed): " << st;
+  EXPECT_FALSE(s->failed());
+  EXPECT_FALSE(s->on_device()) << "a step that did not fit kept the session it uploaded";
+  EXPECT_EQ(s->DeviceBytes(), 0);
+  EXPECT_EQ(s->position(), static_cast<int64_t>(first.size()));
+  EXPECT_NE(s->staged(), nullptr) << "the staged image was lost with the failed upload";
+  const int64_t used_before = gpu->resume_staging_stats().used;
+  a.reset();
+  st = gpu->Prefill(*s, second, false, &on_gpu);
+  ASSERT_TRUE(st.ok()) << st;
+  EXPECT_EQ(gpu->resume_staging_stats().used, used_before + 1);
+  auto reference = cpu->NewSession();
+  ASSERT_TRUE(cpu->Prefill(*reference, first, false, nullptr).ok());
+  ASSERT_TRUE(cpu->Prefill(*reference, second, false, &on_cpu).ok());
   EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
 }
 

@@ -598,6 +598,59 @@ TEST_F(SchedulerTest, ACappedBatchGrowsBackWhileItsJobsRunOn) {
   EXPECT_EQ(second->reason, FinishReason::kLength);
 }
 
+// A job feeds at most one of the engine's prefill chunks per step, whatever the budget: each
+// step is then one forward pass, so a step that does not fit cannot have fed part of a prompt
+// first (a second pass failing would leave the session half fed and failed). A budget above the
+// chunk still feeds several jobs' prompts in one step. Every segment the engine sees is at most a
+// chunk long, and each job's tokens are its solo run's.
+TEST_F(SchedulerTest, AJobFeedsAtMostOnePrefillChunkPerStep) {
+  constexpr int64_t kChunk = 8;
+  auto longest = std::make_shared<std::atomic<size_t>>(0);
+  auto widest = std::make_shared<std::atomic<int>>(0);  // prompt segments in one step
+  EngineOptions eo;
+  eo.prefill_chunk = kChunk;
+  eo.testing_refuse_step = [longest, widest](const StepBatch& batch) {
+    int prompts = 0;
+    for (const StepSegment& seg : batch.segments) {
+      if (seg.tokens.size() > longest->load()) longest->store(seg.tokens.size());
+      prompts += seg.tokens.size() > 1 ? 1 : 0;
+    }
+    if (prompts > widest->load()) widest->store(prompts);
+    return false;
+  };
+  UseNoEosModel(eo);
+  constexpr int kTokens = 5;
+  const std::vector<std::vector<int32_t>> prompts = {Tokens(5 * kChunk + 3, 70),
+                                                     Tokens(3 * kChunk, 71)};
+  std::vector<std::vector<int32_t>> solo;
+  for (const auto& p : prompts) {
+    auto s = engine_->NewSession();
+    solo.push_back(Direct(*s, p, kTokens));
+  }
+  longest->store(0);  // the solo runs fed whole prompts
+  widest->store(0);
+  SchedulerOptions so;
+  so.prefill_token_budget = 4 * kChunk;
+  StartScheduler(so);
+  auto first = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(3, 72), kTokens), first).ok());
+  first->entered.WaitForNotification();  // both prompts then start in the same step
+  std::vector<std::shared_ptr<Collector>> jobs;
+  for (const auto& p : prompts) {
+    jobs.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(Job("", p, kTokens), jobs.back()).ok());
+  }
+  first->release.Notify();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i]->Wait();
+    EXPECT_TRUE(jobs[i]->error.ok()) << i << ": " << jobs[i]->error;
+    EXPECT_EQ(jobs[i]->tokens, solo[i]) << i;
+  }
+  first->Wait();
+  EXPECT_EQ(longest->load(), static_cast<size_t>(kChunk));
+  EXPECT_EQ(widest->load(), 2);
+}
+
 // max_waiting 0: no queue, but every free place in the batch still admits a job (it refused
 // every job, even on an idle server); a job's place is free again before its client hears of
 // its end.
