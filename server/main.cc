@@ -166,7 +166,8 @@ ABSL_FLAG(int, max_waiting, sdm::SchedulerOptions{}.max_waiting,
           "Generate requests queued for a place in the batch; more are refused with "
           "RESOURCE_EXHAUSTED and a retry hint.");
 ABSL_FLAG(int64_t, prefill_token_budget, sdm::SchedulerOptions{}.prefill_token_budget,
-          "Prompt tokens prefilled per engine step, so that long prompts do not stall running "
+          "Prompt tokens prefilled per engine step, all requests together (one request feeds at "
+          "most --prefill_chunk of them per step), so that long prompts do not stall running "
           "streams.");
 ABSL_FLAG(int64_t, prefill_chunk, sdm::ServerOptions{}.engine.prefill_chunk,
           "Prompt tokens per engine prefill call.");
@@ -192,7 +193,8 @@ ABSL_FLAG(std::string, device, sdm::EngineDeviceName(sdm::ServerOptions{}.engine
           "cuda.");
 ABSL_FLAG(std::string, cpu_dtype, sdm::CpuDtypeName(sdm::ServerOptions{}.engine.cpu_dtype),
           "How the CPU engine stores matrices and key/value caches: fp32 (exact) or bf16 (half "
-          "the bytes per decode step, fp32 accumulation; SDM rows stay fp32). CPU only.");
+          "the bytes per decode step, fp32 accumulation; SDM rows stay fp32). CPU only: bf16 "
+          "makes --device auto choose the CPU.");
 ABSL_FLAG(std::string, api_keys, "",
           "File of API keys, one 'KEY TENANT' pair per line (docs/api.md). With it, every call "
           "needs 'authorization: Bearer KEY'; without it, every caller is the tenant 'default'.");
@@ -267,8 +269,9 @@ constexpr char kUsage[] =
     "\n"
     "Serves a Sparse Delta Memory model over gRPC (sdm.v1.SdmService, grpc.health.v1, server\n"
     "reflection), with Prometheus metrics and /healthz over HTTP. The defaults serve the model on\n"
-    "this machine's CPU at 127.0.0.1:50051 (metrics on 127.0.0.1:9090), with sessions saved\n"
-    "under ./sdm-state. SIGINT or SIGTERM shuts it down gracefully.\n"
+    "this machine's GPU when the build has CUDA and a device is present, else on its CPU, at\n"
+    "127.0.0.1:50051 (metrics on 127.0.0.1:9090), with sessions saved under ./sdm-state.\n"
+    "SIGINT or SIGTERM shuts it down gracefully.\n"
     "\n"
     "Flags may also come from a file: --flagfile=PATH reads one --name=value per line (lines\n"
     "starting with '#' are comments); flags after it on the command line override it.\n";

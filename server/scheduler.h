@@ -5,8 +5,9 @@
 // (2) ends running jobs that were cancelled or passed their deadline, (3) plans one
 // engine step (Engine::Step): prompt tokens within prefill_token_budget, oldest job first, so a
 // long prompt never stalls running streams for more than its budget, plus one decode token for
-// every job past its prompt, and (4) runs that plan as one forward pass (more only when a job's
-// share of the budget spans several engine prefill chunks), in which the engine draws each job's
+// every job past its prompt, and (4) runs that plan as one forward pass (a job feeds at most one
+// of the engine's prefill chunks per step; a budget above a chunk feeds several jobs' prompts at
+// once), in which the engine draws each job's
 // next token (StepBatch::AddDraw; on the device with CUDA, the logits never leave it). Prompts
 // are cut at multiples of the engine's prefill chunk and a step is batch-invariant, so a job's
 // tokens are bit for bit those it would get alone. A job whose prompt ends in a step gets its
@@ -73,6 +74,17 @@ struct Usage {
   int64_t generated_tokens = 0;  // tokens sampled
 };
 
+// The usage the APIs report (and count in the metrics) for a job whose caller sent
+// `request_prompt_tokens`: the scheduler feeds a session's pending token (the previous request's
+// last generated token) ahead of the prompt and counts it as prompt; the caller never sent it,
+// so the APIs count it as history.
+inline Usage CallerUsage(const Usage& fed, int64_t request_prompt_tokens) {
+  const int64_t carried = fed.prompt_tokens - request_prompt_tokens;
+  return Usage{.prompt_tokens = request_prompt_tokens,
+               .history_tokens = fed.history_tokens + (carried > 0 ? carried : 0),
+               .generated_tokens = fed.generated_tokens};
+}
+
 struct GenerateJob {
   SessionKey session;           // empty id: one-shot
   std::vector<int32_t> prompt;  // at least one token (BOS already added by the caller)
@@ -123,7 +135,6 @@ class SchedulerListener {
   virtual void OnStep(int decode_batch, int64_t prefill_tokens, double seconds) {}
   virtual void OnFirstToken(double seconds_since_submit) {}
   virtual void OnInterToken(double seconds) {}
-  virtual void OnJobFinished(FinishReason reason, const Usage& usage, double seconds) {}
 };
 
 struct SchedulerOptions {

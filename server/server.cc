@@ -16,6 +16,7 @@
 #include "base/heap.h"
 #include "base/log.h"
 #include "base/status_macros.h"
+#include "base/thread_priority.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
@@ -82,6 +83,15 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError("state budgets must not be negative");
   }
   if (o.engine.num_threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  // The engine checks these too, but only once the model has loaded.
+  if (absl::Status nice = CheckNiceIncrement(o.engine.decode_nice); !nice.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("decode_nice: ", nice.message()));
+  }
+  if (o.engine.device == EngineDevice::kCuda && o.engine.cpu_dtype != DType::kF32) {
+    return absl::InvalidArgumentError(
+        "cpu_dtype applies to the CPU engine only (the CUDA engine stores bf16 already); "
+        "use --device cpu or auto");
+  }
   if (o.engine.prefill_chunk < 1) {
     return absl::InvalidArgumentError("prefill_chunk must be >= 1");
   }
@@ -92,6 +102,10 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   }
   if (o.service.max_prompt_tokens < 1 || o.service.max_tokens_limit < 1) {
     return absl::InvalidArgumentError("max_prompt_tokens and max_tokens_limit must be >= 1");
+  }
+  if (o.service.max_session_tokens < -1) {
+    return absl::InvalidArgumentError(
+        "max_session_tokens must be >= 0 (0: no limit), or -1 (what the memory budget holds)");
   }
   if (o.shutdown_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");

@@ -161,8 +161,14 @@ absl::Status NotFound(absl::string_view id) {
 
 // A store error as the caller sees it. The store names sessions by their id already; a snapshot
 // of another format version or model (FAILED_PRECONDITION there) failed its checks like a
-// damaged one, which callers see as DATA_LOSS.
+// damaged one, which callers see as DATA_LOSS. The file system refusing the server (EACCES or
+// EPERM on its state directory: PERMISSION_DENIED from state_store/state_files.h) is the
+// server's fault, INTERNAL: PERMISSION_DENIED would tell the caller it lacks a permission.
 absl::Status FromStore(const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kPermissionDenied) {
+    return absl::InternalError(
+        absl::StrCat("the server's state directory refused it: ", status.message()));
+  }
   if (status.code() != absl::StatusCode::kFailedPrecondition) return status;
   absl::Status out(absl::StatusCode::kDataLoss, status.message());
   if (const auto retry = RetryAfter(status)) out = WithRetryAfter(out, *retry);

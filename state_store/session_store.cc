@@ -1270,7 +1270,7 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
   n->metadata = std::string(metadata);
   n->state = std::move(copy);
   n->Refresh();
-  n->ttl = ttl > absl::ZeroDuration() ? ttl : e->ttl;
+  n->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;  // as Create's
   n->tick = ++clock_;
   n->last_used = absl::Now();
   n->version = 1;

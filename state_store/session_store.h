@@ -354,7 +354,8 @@ class SessionStateStore {
   // NOT_FOUND; ABORTED while in use. Removes its snapshot file too.
   absl::Status Delete(const SessionKey& key);
   // A new session `dst` continuing from `src` (which must not be in use); shares SDM rows
-  // copy-on-write when `src` is resident. ttl <= 0: the source's. A source on device is synced
+  // copy-on-write when `src` is resident. ttl <= 0: the default, as for Create (a fork is a new
+  // session: it inherits neither the source's ttl nor its metadata). A source on device is synced
   // to the host first (it then stays resident, host-only); a failed sync is returned.
   absl::Status Fork(const SessionKey& src, const SessionKey& dst, absl::string_view metadata,
                     absl::Duration ttl = absl::ZeroDuration());

@@ -402,17 +402,14 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     }
 
     // The end.
-    const Usage& u = t.usage;
+    const Usage u = CallerUsage(t.usage, prompt_tokens);  // as gRPC reports it
     const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
     service->RecordRequest(method, status.code(), start);
     state->recorded = true;
     metrics->prompt_tokens.Increment(static_cast<double>(u.prompt_tokens));
     metrics->history_tokens.Increment(static_cast<double>(u.history_tokens));
     metrics->generated_tokens.Increment(static_cast<double>(u.generated_tokens));
-    // As gRPC reports it (server/generate_stream.h): the scheduler feeds a session's pending
-    // token (the previous request's last) as prompt; the API counts it as history.
-    const int64_t history =
-        u.history_tokens + std::max<int64_t>(0, u.prompt_tokens - prompt_tokens);
+    const int64_t history = u.history_tokens;
     const Json usage = UsageJson(prompt_tokens, u.generated_tokens, history);
     Json session = nullptr;
     if (!session_id.empty()) {

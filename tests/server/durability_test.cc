@@ -100,12 +100,17 @@ TEST(ServerHeapTest, TrimsAreCountedOnTheMetricsPage) {
   EXPECT_EQ(Metric(off.server->metrics_port(), "sdm_heap_trims_total"), 0);
 }
 
+// A server keeping its state in `state` through `files` (which both must outlive).
+testing::Served ServeThrough(const ScopedTempDir& state, FaultInjectionFiles& files) {
+  ServerOptions options = testing::TestOptions(state.path());
+  options.store.files = &files;
+  return testing::Serve(options);
+}
+
 TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   ScopedTempDir state;
   FaultInjectionFiles files;
-  ServerOptions options = testing::TestOptions(state.path());
-  options.store.files = &files;
-  testing::Served s = testing::Serve(options);
+  testing::Served s = ServeThrough(state, files);
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->metrics_port();
   httplib::Client http = TestHttpClient(port);
@@ -138,6 +143,41 @@ TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
   EXPECT_EQ(Metric(port, "sdm_persistence_healthy"), 1);
   EXPECT_EQ(Metric(port, "sdm_persist_failures_total"), 1);  // one episode
+}
+
+// The server's own file system refusing it (EACCES on its state directory) is the server's
+// fault, not the caller's: a DeleteSession whose snapshot cannot be removed answers INTERNAL
+// saying the state directory refused, never PERMISSION_DENIED (which would tell a client with a
+// valid key that it lacks a permission). The session is still there, and deletable once the
+// directory is.
+TEST(ServerDurabilityTest, AStateDirectoryThatRefusesTheServerIsNotTheCallersPermission) {
+  ScopedTempDir state;
+  FaultInjectionFiles files;
+  testing::Served s = ServeThrough(state, files);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(testing::CreateSession(*s.stub, "a").ok());
+  ASSERT_TRUE(testing::Generate(*s.stub, testing::TextRequest("hi", 2, "a")).status.ok());
+  const int port = s.server->metrics_port();
+  ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
+  files.FailNext(FaultInjectionFiles::Op::kRemove,
+                 {.status = absl::PermissionDeniedError("injected: Permission denied")});
+  const auto remove = [&] {
+    grpc::ClientContext context;
+    v1::DeleteSessionRequest request;
+    request.set_session_id("a");
+    v1::DeleteSessionResponse response;
+    return s.stub->DeleteSession(&context, request, &response);
+  };
+  const grpc::Status refused = remove();
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INTERNAL) << refused.error_message();
+  EXPECT_NE(refused.error_message().find("state directory"), std::string::npos)
+      << refused.error_message();
+  EXPECT_NE(refused.error_message().find("Permission denied"), std::string::npos)
+      << refused.error_message();
+  v1::Session still;
+  EXPECT_TRUE(testing::GetSession(*s.stub, "a", &still).ok());
+  const grpc::Status deleted = remove();
+  EXPECT_TRUE(deleted.ok()) << deleted.error_message();
 }
 
 }  // namespace

@@ -300,6 +300,7 @@ TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
     }
     return Call(port, "POST", "/v1/chat/completions", body.dump(), a, extra);
   };
+  const ParsedPage before = ScrapeMetrics(s.server->metrics_port());
   const Reply first = turn("Hi", "chat", /*header=*/false);
   ASSERT_EQ(first.status, 200) << first.raw;
   const int64_t after_first = first.body["session"]["position"];
@@ -319,6 +320,18 @@ TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
   ASSERT_EQ(second.status, 200) << second.raw;
   EXPECT_EQ(second.session_header, "chat");
   EXPECT_EQ(second.body["usage"]["history_tokens"], after_first);
+  {
+    // The metrics count the tokens as the usage does: the first turn's pending token, fed
+    // ahead of the second's prompt, is history, not prompt (it was counted as prompt).
+    const ParsedPage after = ScrapeMetrics(s.server->metrics_port());
+    const auto delta = [&](const std::string& name) {
+      return MetricValue(after, name) - MetricValue(before, name);
+    };
+    EXPECT_EQ(delta("sdm_prompt_tokens_total"),
+              first.body["usage"]["prompt_tokens"].get<int64_t>() +
+                  second.body["usage"]["prompt_tokens"].get<int64_t>());
+    EXPECT_EQ(delta("sdm_history_tokens_total"), after_first);
+  }
   const Reply second_copy = turn("More", "copy", /*header=*/false);
   ASSERT_EQ(second_copy.status, 200) << second_copy.raw;
   EXPECT_EQ(second_copy.body["choices"][0]["message"]["content"],

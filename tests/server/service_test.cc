@@ -610,6 +610,9 @@ TEST_F(ServiceTest, CreateGetListForkDelete) {
   ASSERT_TRUE(ForkSession(*s.stub, "s0", "s0-fork", &fork).ok());
   EXPECT_EQ(fork.id(), "s0-fork");
   EXPECT_TRUE(fork.labels().empty());  // not inherited
+  // Nor its source's ttl (3600 s): without one, a fork takes the server's default (none here).
+  EXPECT_FALSE(fork.has_ttl()) << fork.ttl().seconds();
+  EXPECT_FALSE(fork.has_expire_time());
   v1::Session source;
   ASSERT_TRUE(GetSession(*s.stub, "s0", &source).ok());
   EXPECT_EQ(fork.position(), source.position());

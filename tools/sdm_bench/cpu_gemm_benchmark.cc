@@ -94,8 +94,16 @@ absl::Status RunCpuGemmBenchmark(const CpuGemmBenchOptions& opt) {
           if (rep >= opt.warmup) times[i].push_back(s);
         }
       }
+      // The timed loop overwrites one output per matrix: every matrix is checked here, once.
       bool same = true;
-      for (size_t i = 1; i < isas.size(); ++i) same = same && y[i] == y[0];
+      for (const cpu::PackedMatrix& m : mats) {
+        if (isas.size() < 2 || !same) break;
+        const size_t out = static_cast<size_t>(batch * m.n());
+        for (size_t i = 0; i < isas.size(); ++i) {
+          cpu::LinearInvariantWith(isas[i], x.data(), batch, m, nullptr, y[i].data(), &pool);
+          same = same && std::equal(y[i].begin(), y[i].begin() + out, y[0].begin());
+        }
+      }
       double avx2 = 0;
       for (size_t i = 0; i < isas.size(); ++i) {
         if (isas[i] == cpu::GemmIsa::kAvx2) avx2 = Median(times[i]);

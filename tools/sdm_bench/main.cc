@@ -109,7 +109,8 @@ ABSL_FLAG(double, state_budget_gb, 4.0,
           "models' batches at once)");
 ABSL_FLAG(uint64_t, seed, 1, "Seed of the random weights and tokens");
 ABSL_FLAG(int64_t, bandwidth_mb, 512,
-          "Size (MiB) of each of the two buffers of the memory-bandwidth measurement");
+          "Size (MiB) of each of the two buffers of the memory-bandwidth measurement (kernels: "
+          "raised to at least 2048, the size its GPU copy figure is quoted at)");
 ABSL_FLAG(std::string, json, "", "Also write the results as JSON to this file");
 ABSL_FLAG(std::string, csv, "", "Also write the results as CSV to this file");
 ABSL_FLAG(std::string, report, "",
