@@ -1283,11 +1283,53 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
 absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_view metadata) {
   ObserveShared(key);
   absl::MutexLock lock(&mu_);
-  absl::StatusOr<Entry*> e = FindIdle(key);
-  if (!e.ok()) return e.status();
-  (*e)->metadata = std::string(metadata);
-  ++(*e)->version;
-  (*e)->needs_full = true;  // deltas never change the record's metadata
+  absl::StatusOr<Entry*> found = FindIdle(key);
+  if (!found.ok()) return found.status();
+  Entry& e = **found;
+  const Tier from = e.tier;
+  if (from != Tier::kResident && e.broken.ok()) {
+    // A parked session's record is inside its serialised form (the host tier's blob, the disk
+    // tier's snapshot, which its delta log extends; deltas never carry the metadata), and that
+    // form is what is written: it is decoded (the log replayed) and encoded again under the new
+    // record, as a host blob. Written from a stale blob, or not at all (a disk session's entry
+    // changed, its file did not), the metadata was lost at the next restart.
+    const SessionRecord record{SessionRecordId(e.key), std::string(metadata), ToMs(e.ttl),
+                               absl::ToUnixMillis(e.last_used)};
+    e.busy = true;
+    mu_.Unlock();
+    absl::StatusOr<std::string> blob = [&]() -> absl::StatusOr<std::string> {
+      ParkedLog unused;  // a full snapshot (below, or by the persist policy) replaces the log
+      SDM_ASSIGN_OR_RETURN(DecodedSession decoded, DecodeParked(e, &unused));
+      return TryEncodeSessionState(*decoded.state, record, fingerprint_);
+    }();  // the decoded rows are back in the pool here
+    mu_.Lock();
+    e.busy = false;
+    changed_.SignalAll();
+    if (!blob.ok()) return blob.status();  // nothing changed (as a Fork of it answers)
+    e.blob = *std::move(blob);
+    e.tier = Tier::kHost;
+    Account(e);
+  }
+  e.metadata = std::string(metadata);
+  ++e.version;
+  e.needs_full = true;  // deltas never change the record's metadata
+  if (from == Tier::kDisk && e.broken.ok()) {
+    // Its file is its only copy (a disk session is never written by the persist policy): written
+    // at once, fsynced as a park to disk is, a full snapshot that replaces the log; it stays on
+    // disk. A failed write leaves it on host, due, retried as any failed write.
+    if (absl::Status s = WriteChanges(e, /*sync=*/true); !s.ok()) {
+      Changed();
+      return absl::UnavailableError(
+          absl::StrCat("could not write the snapshot of session '", key.id, "': ", s.message()));
+    }
+    e.blob.clear();
+    e.blob.shrink_to_fit();
+    e.disk_bytes = e.persisted_bytes + static_cast<int64_t>(e.log_bytes);
+    e.tier = Tier::kDisk;
+    Account(e);
+    changed_.SignalAll();
+    return absl::OkStatus();
+  }
   Changed();
   return absl::OkStatus();
 }

@@ -359,6 +359,15 @@ class SessionStateStore {
   // to the host first (it then stays resident, host-only); a failed sync is returned.
   absl::Status Fork(const SessionKey& src, const SessionKey& dst, absl::string_view metadata,
                     absl::Duration ttl = absl::ZeroDuration());
+  // Replaces the session's metadata (SessionInfo::metadata, kept in its record). It is written as
+  // the session's changes are (see Durability), in a full snapshot (a delta never carries the
+  // record): a resident session's by the persist policy. A parked session's record is inside its
+  // serialised form, which is read (on disk: the snapshot and its delta log) and encoded again
+  // with the new record: a host session is then written by the persist policy; a disk session is
+  // written at once whatever the policy (fsynced, replacing its log) and stays on disk. NOT_FOUND;
+  // the error of reading a parked session (DATA_LOSS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED:
+  // nothing changed); UNAVAILABLE when a disk session's write fails (the new metadata is kept,
+  // the session stays in host memory and is written again as any failed write is).
   absl::Status SetMetadata(const SessionKey& key, absl::string_view metadata);
 
   // Fenced (replicas): a copy this store holds without the session's claim (it handed the

@@ -19,6 +19,7 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
@@ -223,6 +224,58 @@ TEST_F(DurabilityTest, ACurrentSnapshotIsNotWrittenTwice) {
   EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), writes);
   EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAt), 2);
   EXPECT_EQ(store->Stats().persist_deltas, 2);
+}
+
+// New metadata of a parked session reaches its snapshot. Its record (with the metadata) is part
+// of the serialised form: the host tier's blob and the disk tier's snapshot (deltas never carry
+// it). A session on host memory was written from its blob, old metadata and all; one on disk was
+// not written at all (its entry changed, its file did not), so a restart lost the metadata. A
+// parked session's record is now written again: on host by the persist policy (here, at once),
+// on disk at once, whatever the policy, with the turns its delta log held, and it stays on disk.
+TEST_F(DurabilityTest, MetadataSetOnAParkedSessionIsWritten) {
+  for (const PersistPolicy persist : {PersistPolicy::kTurn, PersistPolicy::kShutdown}) {
+    for (const Tier tier : {Tier::kHost, Tier::kDisk}) {
+      if (persist == PersistPolicy::kShutdown && tier == Tier::kHost) continue;  // not written
+      SCOPED_TRACE(::testing::Message() << PersistPolicyName(persist) << ", " << TierName(tier));
+      testing::ScopedTempDir dir;
+      auto store = OpenStore(dir.path(), persist, StateFiles::Default());
+      ASSERT_NE(store, nullptr);
+      ASSERT_TRUE(store->Create("s", "old").ok());
+      // Two turns: with the turn policy the second is a delta in the session's log, which the
+      // rewrite must carry.
+      auto reference = engine_->NewSession();
+      for (const auto& tokens : {testing::RandomTokens(6, 1), testing::RandomTokens(3, 2)}) {
+        Turn(*store, "s", tokens);
+        testing::DecodeEach(*engine_, *reference, tokens);
+      }
+      ASSERT_TRUE(store->Park("s", tier).ok());
+      if (persist == PersistPolicy::kTurn) {
+        ASSERT_TRUE(std::filesystem::exists(dir.path() / "s.sdmlog"));
+      }
+
+      ASSERT_TRUE(store->SetMetadata("s", "new").ok());
+      EXPECT_EQ(store->Get("s")->metadata, "new");
+      EXPECT_EQ(store->Get("s")->tier, tier);
+      EXPECT_EQ(store->Stats().unpersisted, 0);
+      EXPECT_FALSE(std::filesystem::exists(dir.path() / "s.sdmlog"));  // in the snapshot now
+
+      // A kill -9 now: the files hold the new metadata and every turn.
+      const std::filesystem::path copy =
+          crash_dir_.path() / absl::StrCat(PersistPolicyName(persist), "-", TierName(tier));
+      CopyFiles(dir.path(), copy);
+      auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+      ASSERT_NE(restarted, nullptr);
+      ASSERT_TRUE(restarted->open_errors().empty()) << restarted->open_errors()[0];
+      absl::StatusOr<SessionInfo> info = restarted->Get("s");
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->metadata, "new");
+      EXPECT_EQ(info->position, 9);
+      int64_t position = -1;
+      EXPECT_TRUE(testing::BitwiseEqual(Probe(*restarted, "s", &position),
+                                        testing::ProbeLogits(*engine_, *reference, kProbe)));
+      EXPECT_EQ(position, 9);
+    }
+  }
 }
 
 // A read-only or full state directory: every write fails. The failure is counted once per
