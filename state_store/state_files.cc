@@ -280,10 +280,14 @@ absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t off
   const bool existed = ::access(path.c_str(), F_OK) == 0;
   Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
-  if (absl::Status s = WriteSource(fd.get(), path, offset, data); !s.ok()) return s;
-  if (::ftruncate(fd.get(), static_cast<off_t>(offset + data.size())) != 0) {
+  // Cut at `offset` before a byte of `data` is written, so that whatever is found after `offset`
+  // is a prefix of `data`. Cut after the write, a crash (or a failed write) in between left the new
+  // bytes followed by what was there before, a longer torn tail's: bytes the delta log's reader
+  // would have to take for damage or for a torn tail without knowing which.
+  if (::ftruncate(fd.get(), static_cast<off_t>(offset)) != 0) {
     return Errno("cannot truncate", path, errno);
   }
+  if (absl::Status s = WriteSource(fd.get(), path, offset, data); !s.ok()) return s;
   if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
   // A new file's entry is in its directory only once that is fsynced too. A write at offset 0

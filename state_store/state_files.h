@@ -65,12 +65,13 @@ class StateFiles {
   virtual absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to);
   virtual absl::Status CreateDirs(const std::filesystem::path& dir);
 
-  // Writes `data` at `offset` of `path` (created if missing), cuts the file there
-  // (offset + data.size(): whatever followed, e.g. a torn tail, is gone) and fsyncs it; when it
-  // created the file or wrote at offset 0 (a file's start: an earlier failed attempt may have
-  // created it), fsyncs the directory too. The delta log's append
-  // (state_store/state_log.h). A crash may leave any prefix of `data` after `offset`. With sync
-  // false neither fsync is made (see WriteAtomically).
+  // Cuts `path` (created if missing) at `offset` (whatever followed, e.g. a torn tail, is gone),
+  // then writes `data` there and fsyncs the file; when it created the file or wrote at offset 0
+  // (a file's start: an earlier failed attempt may have created it), fsyncs the directory too.
+  // The delta log's append (state_store/state_log.h). A crash, or a failed write, leaves a prefix
+  // of `data` after `offset` and nothing else (the cut comes first), which the log's reader
+  // relies on to tell a torn tail from damage. With sync false neither fsync is made (see
+  // WriteAtomically).
   virtual absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset,
                                const ByteSource& data, bool sync = true);
   absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, absl::string_view data,

@@ -195,6 +195,33 @@ TEST(StateFilesTest, AFailingSourceLeavesTheOldFile) {
   }
 }
 
+// An append that fails part-way (a crash stops it the same way) over a longer torn tail leaves
+// after its offset a prefix of its data and nothing else: the file is cut at the offset before
+// the data is written. Cut only after a complete write, the failure left the old tail's bytes
+// after the new ones, which the delta log's reader cannot tell from damage. Both file systems.
+TEST(StateFilesTest, AFailedAppendLeavesOnlyAPrefixOfItsData) {
+  testing::ScopedTempDir dir;
+  std::mt19937_64 rng(19);
+  const std::string head = RandomBytes(rng, 1000);
+  const std::string tail = RandomBytes(rng, 12u << 20);  // a torn tail longer than the append
+  const std::string data = RandomBytes(rng, 9u << 20);
+  for (StateFiles* files : {StateFiles::Direct(), StateFiles::Default()}) {
+    for (int64_t fail_after : {int64_t{0}, int64_t{5000}, int64_t{6} << 20}) {
+      SCOPED_TRACE(::testing::Message() << "fail after " << fail_after);
+      const std::filesystem::path path = dir.path() / "s.sdmlog";
+      ASSERT_TRUE(StateFiles::Default()->WriteAtomically(path, head + tail).ok());
+      const absl::Status s =
+          files->WriteAt(path, head.size(), PiecewiseSource(data, 5, fail_after), /*sync=*/false);
+      EXPECT_EQ(s.message(), "the producer failed");
+      const std::string got = ReadAll(path);
+      ASSERT_GE(got.size(), head.size());
+      EXPECT_EQ(got.substr(0, head.size()), head);
+      EXPECT_LE(got.size() - head.size(), static_cast<size_t>(fail_after));
+      EXPECT_EQ(got.substr(head.size()), data.substr(0, got.size() - head.size()));
+    }
+  }
+}
+
 // A delta log as the store writes it: appends of records of any size at the end of the last good
 // one (unaligned), and after a torn tail, a record written over it (the file is cut after it).
 TEST(StateFilesTest, DirectLogAppendsMatchTheBufferedFileSystem) {
