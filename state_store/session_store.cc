@@ -717,8 +717,10 @@ absl::Status SessionStateStore::LoadDirectory() {
       entry->log_records = log.records;
       entry->persisted_position = record->position;
       // A snapshot whose record does not name its key (written before keys were typed) is
-      // rewritten whole at its first write, so that its record comes to name it.
-      entry->needs_full = !key.has_value() || record->id != SessionRecordId(*key);
+      // rewritten whole at its first write, so that its record comes to name it; so is one whose
+      // log is of an older format (records are appended only to a log of the current one).
+      entry->needs_full = !key.has_value() || record->id != SessionRecordId(*key) ||
+                          (log.has_record && log.version != kStateLogVersion);
       entry->position = record->position;
       entry->pending = record->pending_token >= 0;
       if (options_.shared_dir) entry->disk_stamp = StampOf(path);
@@ -994,6 +996,7 @@ absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e,
     decoded->record.pending_token = replay->record.pending_token;
     log->bytes = replay->valid_bytes;
     log->records = replay->records;
+    log->version = replay->version;
   }
   log->dropped = replay->dropped_bytes;
   return decoded;
@@ -1124,6 +1127,8 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
       e->log_bytes = log.bytes;
       e->log_records = log.records;
       e->persisted_position = decoded->state->position();
+      // A log of an older format is not appended to: the next write is a full snapshot.
+      if (log.bytes > 0 && log.version != kStateLogVersion) e->needs_full = true;
       if (log.stale) options_.files->Remove(LogPathOf(e->key)).IgnoreError();
       if (log.dropped > 0) {
         SDM_LOG(WARNING) << "sdm state store: session '" << e->key.id

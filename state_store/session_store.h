@@ -584,6 +584,7 @@ class SessionStateStore {
     int64_t records = 0;
     uint64_t dropped = 0;  // a torn tail
     bool stale = false;    // a log of another snapshot was found (to remove)
+    uint32_t version = 0;  // with bytes: the log's format version (state_store/state_log.h)
   };
   absl::StatusOr<DecodedSession> DecodeParked(const Entry& e, ParkedLog* log) const;
   // Writes e's current state (resident) or blob (host): a delta appended to its log when

@@ -18,7 +18,10 @@ using internal_state::PieceWriter;
 using internal_state::Reader;
 using internal_state::Writer;
 
-constexpr char kLogMagic[8] = {'S', 'D', 'M', 'D', 'E', 'L', 'T', 'A'};
+constexpr char kLogMagic[8] = {'S', 'D', 'M', 'D', 'E', 'L', 'T', '2'};
+// Version 1's (state_log.h): another magic, so that a reader of version 1 only finds a version-2
+// log damaged (and quarantines it, files kept) instead of stale (removed, with its turns).
+constexpr char kLogMagicV1[8] = {'S', 'D', 'M', 'D', 'E', 'L', 'T', 'A'};
 enum DeltaKind : uint32_t { kKvDelta = 2, kSdmDelta = 3, kSdmJournalDelta = 4 };
 // The body of a journal section before its records: u64 records | u32 W | u32 alphas | u32 rule
 // | u32 zero.
@@ -30,7 +33,16 @@ absl::Status Damaged(absl::string_view what) {
   return absl::DataLossError(absl::StrCat("session delta log is damaged: ", what));
 }
 
-absl::Status CheckHeader(absl::string_view header, uint64_t fingerprint, uint64_t base_id) {
+// The checksum of a record's size in a version-2 frame: of its 8 bytes as written.
+uint64_t SizeChecksum(uint64_t payload_bytes) {
+  Writer w;
+  w.U64(payload_bytes);
+  return Checksum(w.out());
+}
+
+// The header's checks; `version` receives the log's format version.
+absl::Status CheckHeader(absl::string_view header, uint64_t fingerprint, uint64_t base_id,
+                         uint32_t& version) {
   // A log's first write is its header and first record at once, acknowledged only when whole:
   // a header cut short (a crash or a failed write during that first append) or never written
   // (zeros, where a power loss left the file's size without its data) held no acknowledged
@@ -40,9 +52,16 @@ absl::Status CheckHeader(absl::string_view header, uint64_t fingerprint, uint64_
     return absl::FailedPreconditionError(
         "session delta log's first append was cut short (it holds no record)");
   }
-  if (std::memcmp(header.data(), kLogMagic, 8) != 0) return Damaged("bad magic");
+  uint32_t magic_version = 0;
+  if (std::memcmp(header.data(), kLogMagic, 8) == 0) {
+    magic_version = kStateLogVersion;
+  } else if (std::memcmp(header.data(), kLogMagicV1, 8) == 0) {
+    magic_version = 1;
+  } else {
+    return Damaged("bad magic");
+  }
   Reader r(header.substr(8, kLogHeaderBytes - 8), "log header");
-  uint32_t version = 0, header_bytes = 0;
+  uint32_t header_bytes = 0;
   uint64_t file_fingerprint = 0, file_base = 0, checksum = 0;
   r.U32(version);
   r.U32(header_bytes);
@@ -50,7 +69,7 @@ absl::Status CheckHeader(absl::string_view header, uint64_t fingerprint, uint64_
   r.U64(file_base);
   r.U64(checksum);
   if (checksum != Checksum(header.substr(0, 32))) return Damaged("header checksum mismatch");
-  if (version != kStateLogVersion || header_bytes != kLogHeaderBytes) {
+  if (version != magic_version || header_bytes != kLogHeaderBytes) {
     return absl::FailedPreconditionError(
         absl::StrCat("session delta log format version ", version, " is not supported"));
   }
@@ -203,18 +222,30 @@ absl::Status ApplyDelta(absl::string_view payload, SessionState& state, RecordSe
   return absl::OkStatus();
 }
 
-// Splits the log after its header into frames; `truncated` is set when the last one is cut short.
-std::vector<Frame> Frames(const LogReader& read, uint64_t size, bool& truncated) {
+uint64_t FrameBytes(uint32_t version) {
+  return version == 1 ? kLogRecordHeaderBytesV1 : kLogRecordHeaderBytes;
+}
+
+// Splits the log after its header into complete frames; `truncated` is set when bytes follow the
+// last of them (a frame header cut short, or a record whose size runs past the end: a torn
+// tail). Version 2: a complete frame header whose size fails its checksum is damage, wherever it
+// is (a torn append leaves a prefix of right bytes; the size's own check tells a size damaged in
+// place from a record cut short, which a size taken on trust did not: a flipped bit in a middle
+// record's size read as a torn tail there, and the records after it were dropped).
+absl::StatusOr<std::vector<Frame>> Frames(const LogReader& read, uint64_t size, uint32_t version,
+                                          bool& truncated) {
+  const uint64_t frame_bytes = FrameBytes(version);
   std::vector<Frame> frames;
   truncated = false;
   uint64_t at = kLogHeaderBytes;
   while (at < size) {
-    if (size - at < kLogRecordHeaderBytes) {
+    if (size - at < frame_bytes) {
       truncated = true;
       break;
     }
-    absl::StatusOr<std::string> head = read(at, kLogRecordHeaderBytes);
-    if (!head.ok() || head->size() < kLogRecordHeaderBytes) {
+    absl::StatusOr<std::string> head = read(at, frame_bytes);
+    if (!head.ok()) return head.status();  // an I/O error is no torn tail
+    if (head->size() < frame_bytes) {
       truncated = true;
       break;
     }
@@ -222,21 +253,35 @@ std::vector<Frame> Frames(const LogReader& read, uint64_t size, bool& truncated)
     f.offset = at;
     std::memcpy(&f.bytes, head->data(), 8);
     std::memcpy(&f.checksum, head->data() + 8, 8);
-    if (f.bytes > size - at - kLogRecordHeaderBytes) {
+    if (version != 1) {
+      uint64_t size_checksum = 0;
+      std::memcpy(&size_checksum, head->data() + 16, 8);
+      if (size_checksum != SizeChecksum(f.bytes)) {
+        return Damaged(absl::StrCat("the size of record ", frames.size(), " failed its checksum"));
+      }
+    }
+    if (f.bytes > size - at - frame_bytes) {
       truncated = true;
       break;
     }
     frames.push_back(f);
-    at += kLogRecordHeaderBytes + f.bytes;
+    at += frame_bytes + f.bytes;
   }
   return frames;
+}
+
+// Whether record i of `frames`, failing its checksum, is damage rather than a torn tail: records
+// follow it, or (version 2, whose sizes are checked) any bytes do: a torn append is the log's
+// last record and ends the log. Version 1 took a failing last frame for torn whatever followed.
+bool FailedRecordIsDamage(size_t i, size_t frames, bool truncated, uint32_t version) {
+  return i + 1 < frames || (version != 1 && truncated);
 }
 
 }  // namespace
 
 std::string EncodeLogHeader(uint64_t fingerprint, uint64_t base_id) {
   Writer w;
-  w.Raw(kLogMagic, 8);
+  w.Raw(kLogMagic, 8);  // version 2's
   w.U32(kStateLogVersion);
   w.U32(static_cast<uint32_t>(kLogHeaderBytes));
   w.U64(fingerprint);
@@ -328,6 +373,7 @@ absl::Status SessionDeltaSource::Emit(Sink sink) const {
   Writer frame;
   frame.U64(payload_bytes_);
   frame.U64(payload.checksum);
+  frame.U64(SizeChecksum(payload_bytes_));
   SDM_RETURN_IF_ERROR(sink(frame.out()));
   return EmitPayload(sink);
 }
@@ -337,6 +383,8 @@ absl::Status SessionDeltaSource::EmitOnePass(Sink sink, std::vector<Patch>& patc
   Writer frame;
   frame.U64(payload_bytes_);
   frame.U64(0);  // the checksum: patched once the payload is out
+  // The size's checksum is known now: the frame header goes out whole, with the size it checks.
+  frame.U64(SizeChecksum(payload_bytes_));
   SDM_RETURN_IF_ERROR(sink(frame.out()));
   internal_state::HashedBytes payload;
   SDM_RETURN_IF_ERROR(
@@ -360,20 +408,23 @@ std::string EncodeSessionDelta(const SessionState& state, const SessionRecord& r
 
 absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t fingerprint, uint64_t base_id,
                                     SessionState& state) {
-  SDM_RETURN_IF_ERROR(CheckHeader(log, fingerprint, base_id));
+  uint32_t version = 0;
+  SDM_RETURN_IF_ERROR(CheckHeader(log, fingerprint, base_id, version));
+  const uint64_t frame_bytes = FrameBytes(version);
   bool truncated = false;
-  const std::vector<Frame> frames = Frames(
-      [&](uint64_t offset, uint64_t n) -> absl::StatusOr<std::string> {
-        return std::string(log.substr(offset, n));
-      },
-      log.size(), truncated);
+  SDM_ASSIGN_OR_RETURN(const std::vector<Frame> frames,
+                       Frames(
+                           [&](uint64_t offset, uint64_t n) -> absl::StatusOr<std::string> {
+                             return std::string(log.substr(offset, n));
+                           },
+                           log.size(), version, truncated));
   LogReplay out;
+  out.version = version;
   out.valid_bytes = kLogHeaderBytes;
   for (size_t i = 0; i < frames.size(); ++i) {
-    const absl::string_view payload =
-        log.substr(frames[i].offset + kLogRecordHeaderBytes, frames[i].bytes);
+    const absl::string_view payload = log.substr(frames[i].offset + frame_bytes, frames[i].bytes);
     if (Checksum(payload) != frames[i].checksum) {
-      if (i + 1 < frames.size()) {
+      if (FailedRecordIsDamage(i, frames.size(), truncated, version)) {
         return Damaged(absl::StrCat("record ", i, " of ", frames.size(), " failed its checksum"));
       }
       break;  // the torn tail
@@ -383,7 +434,7 @@ absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t fingerprint,
     out.record = std::move(applied.record);
     out.has_record = true;
     ++out.records;
-    out.valid_bytes = frames[i].offset + kLogRecordHeaderBytes + frames[i].bytes;
+    out.valid_bytes = frames[i].offset + frame_bytes + frames[i].bytes;
   }
   out.dropped_bytes = log.size() - out.valid_bytes;
   state.ClearDirty();  // it now equals what the disk holds
@@ -394,19 +445,22 @@ absl::StatusOr<LogReplay> ScanLog(const LogReader& read, uint64_t size, uint64_t
                                   uint64_t base_id) {
   absl::StatusOr<std::string> header = read(0, kLogHeaderBytes);
   if (!header.ok()) return header.status();
-  SDM_RETURN_IF_ERROR(CheckHeader(*header, fingerprint, base_id));
+  uint32_t version = 0;
+  SDM_RETURN_IF_ERROR(CheckHeader(*header, fingerprint, base_id, version));
+  const uint64_t frame_bytes = FrameBytes(version);
   bool truncated = false;
-  const std::vector<Frame> frames = Frames(read, size, truncated);
+  SDM_ASSIGN_OR_RETURN(const std::vector<Frame> frames, Frames(read, size, version, truncated));
   LogReplay out;
+  out.version = version;
   out.valid_bytes = kLogHeaderBytes;
   // The last frame may be torn; the one before it was complete before the last append began.
   for (int i = static_cast<int>(frames.size()) - 1;
        i >= 0 && i + 2 >= static_cast<int>(frames.size()); --i) {
     const Frame& f = frames[i];
-    absl::StatusOr<std::string> payload = read(f.offset + kLogRecordHeaderBytes, f.bytes);
+    absl::StatusOr<std::string> payload = read(f.offset + frame_bytes, f.bytes);
     if (!payload.ok()) return payload.status();
     if (payload->size() != f.bytes || Checksum(*payload) != f.checksum) {
-      if (i + 1 < static_cast<int>(frames.size())) {
+      if (FailedRecordIsDamage(static_cast<size_t>(i), frames.size(), truncated, version)) {
         return Damaged(absl::StrCat("record ", i, " of ", frames.size(), " failed its checksum"));
       }
       continue;
@@ -416,7 +470,7 @@ absl::StatusOr<LogReplay> ScanLog(const LogReader& read, uint64_t size, uint64_t
     out.record = std::move(record->record);
     out.has_record = true;
     out.records = i + 1;
-    out.valid_bytes = f.offset + kLogRecordHeaderBytes + f.bytes;
+    out.valid_bytes = f.offset + frame_bytes + f.bytes;
     break;
   }
   out.dropped_bytes = size - out.valid_bytes;

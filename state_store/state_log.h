@@ -4,10 +4,10 @@
 // log's records in order; the store compacts (writes a full snapshot, removes the log) once the
 // log grows past a fraction of the snapshot.
 //
-//   header: magic "SDMDELTA" | u32 version | u32 header bytes (40) | u64 model fingerprint |
+//   header: magic "SDMDELT2" | u32 version (2) | u32 header bytes (40) | u64 model fingerprint |
 //           u64 base snapshot id (SnapshotId of the snapshot it extends) | u64 checksum of the
 //           preceding 32 bytes
-//   record: u64 payload bytes | u64 payload checksum | payload
+//   record: u64 payload bytes | u64 payload checksum | u64 checksum of the 8 size bytes | payload
 //   payload: u64 record-section bytes | record section (state_codec.h) | u32 layer count |
 //            per layer: u32 layer | u32 kind (2 KV, 3 SDM) | kind's body
 //     KV:  u64 row width | i64 from | i64 to | i64 first | key rows [first, to) | value rows
@@ -18,12 +18,24 @@
 //          engine's own write (SdmWriteSpec::apply): the same bits as the rows. A layer is
 //          written in this form when its journal is complete (the smaller form then).
 //
-// A crash can leave a torn tail (a record cut short or failing its checksum): replay stops there
-// and drops it; the store then writes its next record at the end of the last good one. A log
-// whose header names another snapshot (a crash between a compaction's rename and the log's
-// removal: the snapshot already holds everything), or whose header is cut short or zeros (a
-// crash during its first append, which writes the header with the first record), is stale and
-// ignored.
+// A crash can leave a torn tail (the last record cut short, or ending the log and failing its
+// checksum): replay stops there and drops it; the store then writes its next record at the end
+// of the last good one (StateFiles::WriteAt cuts the file there first, so a crash leaves only a
+// prefix of the record being appended). Anything else that fails a check is damage (DataLoss):
+// a record failing its checksum with bytes after it, a record's size failing its own checksum
+// wherever it is (an append writes the size and its checksum whole before the payload; without
+// that check a flipped bit in a middle record's size made it, and every record after it, look
+// like a torn tail, dropped silently). A log whose header names another snapshot (a crash
+// between a compaction's rename and the log's removal: the snapshot already holds everything),
+// or whose header is cut short or zeros (a crash during its first append, which writes the
+// header with the first record), is stale and ignored.
+//
+// Version 1 (magic "SDMDELTA", read, never written): records framed by their size and payload
+// checksum only (16 bytes), read as before (a record whose size runs past the end is a torn
+// tail; the last complete one failing its checksum too). The store writes a full snapshot rather
+// than append to one. Version 2 changed the magic too, so that a build that reads only version 1
+// finds a version-2 log damaged (it quarantines the session, files kept) rather than stale
+// (which would remove the log, and its turns).
 //
 // Thread-safety: pure functions.
 #ifndef SDMSERVE_STATE_STORE_STATE_LOG_H_
@@ -42,9 +54,13 @@
 
 namespace sdm {
 
-inline constexpr uint32_t kStateLogVersion = 1;
+// The version written; version 1 is read too.
+inline constexpr uint32_t kStateLogVersion = 2;
 inline constexpr uint64_t kLogHeaderBytes = 40;
-inline constexpr uint64_t kLogRecordHeaderBytes = 16;
+// A record's frame: payload bytes, payload checksum, checksum of the size.
+inline constexpr uint64_t kLogRecordHeaderBytes = 24;
+// Version 1's frame: payload bytes, payload checksum.
+inline constexpr uint64_t kLogRecordHeaderBytesV1 = 16;
 
 std::string EncodeLogHeader(uint64_t model_fingerprint, uint64_t base_snapshot_id);
 
@@ -95,21 +111,27 @@ struct LogReplay {
   uint64_t dropped_bytes = 0;  // a torn tail after them
   bool has_record = false;     // records > 0: `record` is the last one's
   SessionRecord record;        // with position and pending_token
+  // The log's format version: a record appended to it must be of the same (the store appends
+  // only to a log of kStateLogVersion, and writes a full snapshot instead of appending to an
+  // older one).
+  uint32_t version = kStateLogVersion;
 };
 
 // Applies the log's good records, in order, to `state` (decoded from the snapshot the log
 // extends), and clears its dirty marks (it then equals what the disk holds). Errors:
 // FailedPrecondition for a stale log (another base snapshot, model or version; a header cut
 // short or zeros) — ignore it;
-// DataLoss for a damaged header or a good record that does not fit the state (then `state` may be
-// partly updated: discard it); Unimplemented for journaled SDM writes the state's layout cannot
-// apply (no SdmWriteSpec::apply), ResourceExhausted when the row pool runs out (both: discard
-// `state`, keep the log).
+// DataLoss for a damaged header, damage before the torn tail (see the file comment) or a good
+// record that does not fit the state (then `state` may be partly updated: discard it);
+// Unimplemented for journaled SDM writes the state's layout cannot apply (no
+// SdmWriteSpec::apply), ResourceExhausted when the row pool runs out (both: discard `state`, keep
+// the log).
 absl::StatusOr<LogReplay> ReplayLog(absl::string_view log, uint64_t model_fingerprint,
                                     uint64_t base_snapshot_id, SessionState& state);
 
-// The same checks without a state, reading only the header, each record's frame and the last
-// good record (for listing sessions at start-up). `read(offset, n)` returns up to n bytes.
+// The same checks without a state, reading only the header, each record's frame (its size
+// checked) and the last good record (for listing sessions at start-up): a record before the last
+// two that fails its checksum is found by ReplayLog. `read(offset, n)` returns up to n bytes.
 using LogReader = std::function<absl::StatusOr<std::string>(uint64_t offset, uint64_t n)>;
 absl::StatusOr<LogReplay> ScanLog(const LogReader& read, uint64_t size, uint64_t model_fingerprint,
                                   uint64_t base_snapshot_id);

@@ -385,6 +385,70 @@ TEST_F(DurabilityTest, ATornDeltaLeavesThePreviousTurnAndIsWrittenOver) {
   EXPECT_EQ(position, reference->position());
 }
 
+// A flipped bit in the size of a record in the middle of a session's log: the session is
+// quarantined (DATA_LOSS at Open and at Acquire, its files kept), not rolled back silently to the
+// turn before that record, as when the size was taken on trust and read as a torn tail.
+TEST_F(DurabilityTest, ADamagedRecordSizeInTheLogQuarantinesTheSession) {
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_TRUE(store->Create("s", "").ok());
+  for (uint32_t turn = 0; turn < 3; ++turn) Turn(*store, "s", testing::RandomTokens(2, turn));
+  ASSERT_EQ(store->Stats().persist_deltas, 3);
+  const std::filesystem::path copy = CrashCopy();
+  std::string log = testing::ReadFile(copy / "s.sdmlog");
+  const std::vector<size_t> records = testing::LogRecordOffsets(log);
+  ASSERT_EQ(records.size(), 3u);
+  log[records[1] + 7] ^= 0x40;  // the size claims far more than the log holds
+  testing::WriteFile(copy / "s.sdmlog", log);
+
+  auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_EQ(restarted->open_errors().size(), 1u);
+  EXPECT_NE(restarted->open_errors()[0].find("failed its checksum"), std::string::npos)
+      << restarted->open_errors()[0];
+  EXPECT_EQ(restarted->Acquire("s").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_FALSE(std::filesystem::exists(copy / "s.sdmlog"));    // moved to quarantine/, with
+  EXPECT_FALSE(std::filesystem::exists(copy / "s.sdmstate"));  // its snapshot
+}
+
+// A session whose log a previous build wrote (version 1: docs/state-format.md, "Delta log") is
+// read with it, and its next write is a full snapshot that replaces that log: a record of the
+// current version is never appended to a log of another.
+TEST_F(DurabilityTest, AVersionOneLogIsReadAndReplacedByTheNextWrite) {
+  auto reference = engine_->NewSession();
+  {
+    auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_TRUE(store->Create("s", "").ok());
+    for (uint32_t turn = 0; turn < 2; ++turn) {
+      const std::vector<int32_t> tokens = testing::RandomTokens(3, turn);
+      Turn(*store, "s", tokens);
+      testing::DecodeEach(*engine_, *reference, tokens);
+    }
+    ASSERT_EQ(store->Stats().persist_deltas, 2);
+  }
+  const std::filesystem::path log = dir_.path() / "s.sdmlog";
+  testing::WriteFile(log, testing::ToVersion1Log(testing::ReadFile(log)));
+  {
+    FaultInjectionFiles files;
+    auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
+    ASSERT_TRUE(store->open_errors().empty()) << store->open_errors()[0];
+    EXPECT_EQ(store->Get("s")->position, 6);
+    const std::vector<int32_t> tokens = testing::RandomTokens(4, 9);
+    Turn(*store, "s", tokens);
+    testing::DecodeEach(*engine_, *reference, tokens);
+    EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAt), 0);
+    EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), 1);
+    EXPECT_FALSE(std::filesystem::exists(log));
+    // The turn after it is a delta again, in a log of the current version.
+    Turn(*store, "s", {});
+    EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAt), 1);
+  }
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_TRUE(restarted->open_errors().empty()) << restarted->open_errors()[0];
+  int64_t position = -1;
+  EXPECT_TRUE(testing::BitwiseEqual(Probe(*restarted, "s", &position),
+                                    testing::ProbeLogits(*engine_, *reference, kProbe)));
+  EXPECT_EQ(position, 10);
+}
+
 // A crash during a log's first append (its header and first record, written together) can leave
 // the log shorter than its header, or (a power loss that kept the file's size, not its data) a
 // header of zeros. It held no acknowledged record: the session restarts from its snapshot with

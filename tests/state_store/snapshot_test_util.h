@@ -149,6 +149,37 @@ inline std::string SwapSections(const std::string& blob, size_t i, size_t j) {
   return out;
 }
 
+// ---- Byte-level access to a delta log (docs/state-format.md, "Delta log") ----
+
+inline constexpr size_t kLogHeaderSize = 40;
+inline constexpr size_t kLogFrameSize = 24;  // version 2: size, payload checksum, size checksum
+
+// The offsets of the records (their frames) of a well-formed log (version 1's frames: 16 bytes).
+inline std::vector<size_t> LogRecordOffsets(const std::string& log) {
+  std::vector<size_t> out;
+  if (log.size() < kLogHeaderSize) return out;
+  const size_t frame = LoadAt<uint32_t>(log, 8) == 1 ? 16 : kLogFrameSize;
+  for (size_t at = kLogHeaderSize; at + frame <= log.size();) {
+    out.push_back(at);
+    at += frame + LoadAt<uint64_t>(log, at);
+  }
+  return out;
+}
+
+// A version-2 log as version 1 wrote it: magic "SDMDELTA", version 1, each record framed by its
+// size and payload checksum only.
+inline std::string ToVersion1Log(const std::string& log) {
+  std::string out = log.substr(0, kLogHeaderSize);
+  std::memcpy(out.data(), "SDMDELTA", 8);
+  StoreAt<uint32_t>(out, 8, 1);
+  StoreAt<uint64_t>(out, 32, XXH64(out.data(), 32, 0));
+  for (size_t at : LogRecordOffsets(log)) {
+    out += log.substr(at, 16);
+    out += log.substr(at + kLogFrameSize, LoadAt<uint64_t>(log, at));
+  }
+  return out;
+}
+
 }  // namespace sdm::testing
 
 #endif  // SDMSERVE_TESTS_STATE_STORE_SNAPSHOT_TEST_UTIL_H_

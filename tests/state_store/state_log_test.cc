@@ -1,10 +1,12 @@
 // The delta log (state_store/state_log.h): a snapshot plus the deltas of later turns restores the
 // live session bit-exactly (next-token logits), through ring wrap and SDM row writes; a torn tail
-// is dropped at any cut, leaving exactly the previous turn; damage before the tail is DataLoss; a
-// log of another snapshot is refused as stale; a delta costs the rows its turn touched; deltas of
-// journaled writes restore the same bits as deltas of rows.
+// is dropped at any cut, leaving exactly the previous turn; damage before the tail is DataLoss, and
+// so is a damaged record size wherever it is; a version-1 log is still read; a log of another
+// snapshot is refused as stale; a delta costs the rows its turn touched; deltas of journaled
+// writes restore the same bits as deltas of rows.
 #include "state_store/state_log.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -159,6 +161,73 @@ TEST_F(StateLogTest, DamageBeforeTheTailIsDataLoss) {
   EXPECT_EQ(Restore(snapshot_, header).status().code(), absl::StatusCode::kDataLoss);
 }
 
+// A record's size is covered by a checksum of its own: a flipped bit in it is damage (DataLoss,
+// at replay and at the start-up scan alike), wherever the record is. Unchecked, a size that
+// claimed more than the log held made that record look cut short, a torn tail: it and every
+// record after it (acknowledged turns) were dropped silently; one that claimed less failed its
+// checksum with no frame after it that parsed, a torn tail too. The size's checksum is checked
+// the same way (a flip in it is damage). And a record failing its checksum is torn only when it
+// ends the log: bytes after it (of a next record) make it damage.
+TEST_F(StateLogTest, ADamagedRecordSizeIsDamageNotATornTail) {
+  Build(14, 20, 3);
+  const std::vector<size_t> records = testing::LogRecordOffsets(log_);
+  ASSERT_EQ(records.size(), 3u);
+  const auto scan = [&](const std::string& log) {
+    return ScanLog(
+        [&](uint64_t offset, uint64_t n) -> absl::StatusOr<std::string> {
+          return log.substr(std::min<size_t>(offset, log.size()), n);
+        },
+        log.size(), engine_->fingerprint(), IdOf(snapshot_));
+  };
+  for (size_t r = 0; r < records.size(); ++r) {
+    for (size_t field : {size_t{0}, size_t{16}}) {  // the size, its checksum
+      for (int bit = 0; bit < 64; ++bit) {
+        SCOPED_TRACE(::testing::Message()
+                     << "record " << r << ", field " << field << ", bit " << bit);
+        std::string damaged = log_;
+        damaged[records[r] + field + bit / 8] ^= static_cast<char>(1 << (bit % 8));
+        const absl::Status replayed = Restore(snapshot_, damaged).status();
+        EXPECT_EQ(replayed.code(), absl::StatusCode::kDataLoss) << replayed;
+        EXPECT_EQ(scan(damaged).status().code(), absl::StatusCode::kDataLoss);
+      }
+    }
+  }
+  // The last record failing its checksum with bytes after it (a next record's first ones).
+  std::string followed = log_;
+  followed[followed.size() - 3] ^= 0x5a;
+  followed += log_.substr(records[1], 30);
+  EXPECT_EQ(Restore(snapshot_, followed).status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(scan(followed).status().code(), absl::StatusCode::kDataLoss);
+}
+
+// A log of version 1 (frames without the size's checksum; docs/state-format.md, "Delta log") is
+// read as before: its records restore the session bit-exactly, and a torn tail is dropped at any
+// cut. The replay reports its version (the store writes a full snapshot rather than append to it).
+TEST_F(StateLogTest, AVersionOneLogIsReadAsBefore) {
+  Build(15, 20, 3);
+  const std::string v1 = testing::ToVersion1Log(log_);
+  ASSERT_EQ(v1.size(), log_.size() - 3 * (kLogRecordHeaderBytes - kLogRecordHeaderBytesV1));
+  LogReplay replay;
+  auto state = Restore(snapshot_, v1, &replay);
+  ASSERT_TRUE(state.ok()) << state.status();
+  EXPECT_EQ(replay.version, 1u);
+  EXPECT_EQ(replay.records, 3);
+  EXPECT_EQ(replay.valid_bytes, v1.size());
+  EXPECT_TRUE(testing::BitwiseEqual(Probe(**state), after_.back()));
+  const size_t last_start = ends_[2] - 2 * (kLogRecordHeaderBytes - kLogRecordHeaderBytesV1);
+  for (size_t cut = last_start; cut < v1.size(); cut += 7) {
+    SCOPED_TRACE(::testing::Message() << "cut at " << cut << " of " << v1.size());
+    auto torn = Restore(snapshot_, v1.substr(0, cut), &replay);
+    ASSERT_TRUE(torn.ok()) << torn.status();
+    EXPECT_EQ(replay.records, 2);
+    EXPECT_EQ(replay.valid_bytes, last_start);
+    EXPECT_EQ((*torn)->position(), positions_[2]);
+  }
+  // The current version, for comparison.
+  ASSERT_TRUE(Restore(snapshot_, log_, &replay).ok());
+  EXPECT_EQ(replay.version, kStateLogVersion);
+}
+
 TEST_F(StateLogTest, ALogOfAnotherSnapshotIsStale) {
   Build(9, 20, 2);
   auto other = live_->Clone();
@@ -285,7 +354,7 @@ TEST(StateLogHugeClaimTest, AKvDeltaWhoseSizeWrapsIsDamage) {
   // The frame: bytes, checksum, then the payload: the record section's size and bytes (its
   // position 33 bytes in: id "s", empty metadata, TTL, last use), the layer count, then layer 0:
   // index, kind, width, from, to, first, rows.
-  const size_t payload = 16;
+  const size_t payload = kLogRecordHeaderBytes;
   const size_t record = payload + 8;
   const size_t layer = record + static_cast<size_t>(testing::LoadAt<uint64_t>(delta, payload)) + 4;
   ASSERT_EQ(testing::LoadAt<int64_t>(delta, record + 33), from + 1);
