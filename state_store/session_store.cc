@@ -1014,33 +1014,105 @@ void SessionStateStore::Changed() {
   }
 }
 
+void SessionStateStore::BeginReleaseLocked(const SessionKey& key) {
+  ReleaseCount& count = releases_[key];
+  ++count.users;
+  ++count.under_way;
+}
+
+void SessionStateStore::EndReleaseLocked(const SessionKey& key) {
+  auto it = releases_.find(key);
+  SDM_CHECK(it != releases_.end());
+  --it->second.under_way;
+  ++it->second.ended;
+  if (--it->second.users == 0) releases_.erase(it);
+  changed_.SignalAll();  // a ClaimWatch may wait for it
+}
+
+// See ReleaseCount (session_store.h). Inactive without ownership.
+class SessionStateStore::ClaimWatch {
+ public:
+  // Before the claim is asked for.
+  ClaimWatch(SessionStateStore& store, const SessionKey& key) ABSL_LOCKS_EXCLUDED(store.mu_)
+      : store_(store), key_(key), active_(store.options_.ownership != nullptr) {
+    if (!active_) return;
+    absl::MutexLock lock(&store_.mu_);
+    ReleaseCount& count = store_.releases_[key_];
+    ++count.users;
+    seen_ = count.ended;
+  }
+  ~ClaimWatch() ABSL_LOCKS_EXCLUDED(store_.mu_) {
+    if (!active_) return;
+    absl::MutexLock lock(&store_.mu_);
+    auto it = store_.releases_.find(key_);
+    SDM_CHECK(it != store_.releases_.end());
+    if (--it->second.users == 0) store_.releases_.erase(it);
+  }
+  ClaimWatch(const ClaimWatch&) = delete;
+  ClaimWatch& operator=(const ClaimWatch&) = delete;
+
+  // Under mu_, right before the new session's entry is made: whether a release of the key may
+  // have ended the claim asked for after the watch was made (or last awaited releases): one is
+  // under way, or one ended since (begun before or after the watch: a release under way when the
+  // watch was made ends claims answered until its Release call, whenever it returns). A release
+  // that ended before the watch was made ended no later claim.
+  bool ReleasedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_.mu_) {
+    if (!active_) return false;
+    const ReleaseCount& count = store_.releases_.at(key_);  // kept while this watch lives
+    return count.under_way > 0 || count.ended != seen_;
+  }
+  // Waits (mu_ released meanwhile) until no release of the key is under way: a claim asked for
+  // after this outlasts every release seen so far.
+  void AwaitReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_.mu_) {
+    if (!active_) return;
+    const ReleaseCount& count = store_.releases_.at(key_);
+    while (count.under_way > 0) store_.changed_.Wait(&store_.mu_);
+    seen_ = count.ended;
+  }
+
+ private:
+  SessionStateStore& store_;
+  const SessionKey key_;
+  const bool active_;
+  uint64_t seen_ = 0;
+};
+
 absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
                                        absl::Duration ttl) {
   if (absl::Status s = ValidateSessionKey(key); !s.ok()) return s;
   if (options_.shared_dir && ttl > absl::ZeroDuration() && ttl != absl::InfiniteDuration()) {
     return SharedTtlError();
   }
-  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
-  SweepGenerations(key, /*force=*/false);
   auto e = std::make_unique<Entry>();
   e->key = key;
   e->metadata = std::string(metadata);
   e->state = NewState();
   e->Refresh();
   e->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;
-  absl::MutexLock lock(&mu_);
-  if (Find(key) != nullptr) return AlreadyExists(key);
-  if (fenced() ? !options_.ownership->Committed(key).value_or("").empty()
-               : options_.shared_dir && StampOf(PathOf(key)).has_value()) {
-    return AlreadyExists(key);
+  ClaimWatch watch(*this, key);  // before the claim: a release that ends it is seen
+  while (true) {
+    if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(key));
+    SweepGenerations(key, /*force=*/false);
+    absl::MutexLock lock(&mu_);
+    if (Find(key) != nullptr) return AlreadyExists(key);
+    if (fenced() ? !options_.ownership->Committed(key).value_or("").empty()
+                 : options_.shared_dir && StampOf(PathOf(key)).has_value()) {
+      return AlreadyExists(key);
+    }
+    SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
+    if (watch.ReleasedLocked()) {
+      // A Delete (or a hand-off) of the id released its claim meanwhile, perhaps after this
+      // claim was answered: claim again once it is done.
+      watch.AwaitReleasesLocked();
+      continue;
+    }
+    e->tick = ++clock_;
+    e->last_used = absl::Now();
+    e->version = 1;  // not on disk yet
+    Insert(std::move(e));
+    Changed();
+    return absl::OkStatus();
   }
-  SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
-  e->tick = ++clock_;
-  e->last_used = absl::Now();
-  e->version = 1;  // not on disk yet
-  Insert(std::move(e));
-  Changed();
-  return absl::OkStatus();
 }
 
 SessionLease SessionStateStore::NewSession() {
@@ -1218,6 +1290,8 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
       if (auto s = options_.files->Rename(q, deleted); !s.ok()) return s;
     }
     dead = Erase(entries_.find(key));
+    // From here a Create of the id may claim it: it watches the release below (ClaimWatch).
+    if (options_.ownership != nullptr) BeginReleaseLocked(key);
   }
   std::vector<std::unique_ptr<Entry>> buried;
   buried.push_back(std::move(dead));
@@ -1227,7 +1301,11 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
     absl::MutexLock lock(&mu_);
     swept_.erase(key);
   }
-  if (options_.ownership != nullptr) options_.ownership->Release(key);
+  if (options_.ownership != nullptr) {
+    options_.ownership->Release(key);
+    absl::MutexLock lock(&mu_);
+    EndReleaseLocked(key);
+  }
   return absl::OkStatus();
 }
 
@@ -1237,52 +1315,62 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
   if (options_.shared_dir && ttl > absl::ZeroDuration() && ttl != absl::InfiniteDuration()) {
     return SharedTtlError();
   }
-  if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
-  SweepGenerations(dst, /*force=*/false);
-  ObserveShared(src);
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<Entry*> found = FindIdle(src);
-  if (!found.ok()) return found.status();
-  Entry* e = *found;
-  if (Find(dst) != nullptr) return AlreadyExists(dst);
-  if (!e->broken.ok()) return e->BrokenError(src.id);
-  if (e->in_use) {
-    return absl::AbortedError(
-        absl::StrCat("session '", src.id, "' is generating; fork it when the request finishes"));
-  }
-  std::unique_ptr<SessionState> copy;
-  if (e->tier == Tier::kResident) {
-    if (e->state->on_device()) {
-      // Its host layers are stale: copied back first (between steps, on the step thread).
-      SDM_RETURN_IF_ERROR(SyncToHostLocked(*e));
+  ClaimWatch watch(*this, dst);  // before the claim: a release that ends it is seen
+  while (true) {
+    if (options_.ownership != nullptr) SDM_RETURN_IF_ERROR(options_.ownership->Claim(dst));
+    SweepGenerations(dst, /*force=*/false);
+    ObserveShared(src);
+    absl::MutexLock lock(&mu_);
+    absl::StatusOr<Entry*> found = FindIdle(src);
+    if (!found.ok()) return found.status();
+    Entry* e = *found;
+    if (Find(dst) != nullptr) return AlreadyExists(dst);
+    if (!e->broken.ok()) return e->BrokenError(src.id);
+    if (e->in_use) {
+      return absl::AbortedError(
+          absl::StrCat("session '", src.id, "' is generating; fork it when the request finishes"));
+    }
+    std::unique_ptr<SessionState> copy;
+    if (e->tier == Tier::kResident) {
+      if (e->state->on_device()) {
+        // Its host layers are stale: copied back first (between steps, on the step thread).
+        SDM_RETURN_IF_ERROR(SyncToHostLocked(*e));
+        if (Find(dst) != nullptr) return AlreadyExists(dst);
+      }
+      copy = e->state->Fork();
+    } else {
+      e->busy = true;
+      mu_.Unlock();
+      ParkedLog unused;  // the source stays parked as it is
+      absl::StatusOr<DecodedSession> decoded = DecodeParked(*e, &unused);
+      mu_.Lock();
+      e->busy = false;
+      changed_.SignalAll();
+      if (!decoded.ok()) return decoded.status();
+      copy = std::move(decoded->state);
       if (Find(dst) != nullptr) return AlreadyExists(dst);
     }
-    copy = e->state->Fork();
-  } else {
-    e->busy = true;
-    mu_.Unlock();
-    ParkedLog unused;  // the source stays parked as it is
-    absl::StatusOr<DecodedSession> decoded = DecodeParked(*e, &unused);
-    mu_.Lock();
-    e->busy = false;
-    changed_.SignalAll();
-    if (!decoded.ok()) return decoded.status();
-    copy = std::move(decoded->state);
-    if (Find(dst) != nullptr) return AlreadyExists(dst);
+    if (watch.ReleasedLocked()) {
+      // A Delete (or a hand-off) of `dst` released its claim meanwhile, perhaps after this claim
+      // was answered: claim again once it is done (the copy, made again, shares nothing then).
+      copy.reset();
+      watch.AwaitReleasesLocked();
+      continue;
+    }
+    auto n = std::make_unique<Entry>();
+    n->key = dst;
+    n->metadata = std::string(metadata);
+    n->state = std::move(copy);
+    n->Refresh();
+    n->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;  // as Create's
+    n->tick = ++clock_;
+    n->last_used = absl::Now();
+    n->version = 1;
+    e->last_used = n->last_used;  // a fork uses its source
+    Insert(std::move(n));
+    Changed();
+    return absl::OkStatus();
   }
-  auto n = std::make_unique<Entry>();
-  n->key = dst;
-  n->metadata = std::string(metadata);
-  n->state = std::move(copy);
-  n->Refresh();
-  n->ttl = ttl > absl::ZeroDuration() ? ttl : options_.default_ttl;  // as Create's
-  n->tick = ++clock_;
-  n->last_used = absl::Now();
-  n->version = 1;
-  e->last_used = n->last_used;  // a fork uses its source
-  Insert(std::move(n));
-  Changed();
-  return absl::OkStatus();
 }
 
 absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_view metadata) {
@@ -1555,6 +1643,7 @@ absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
       it->second->handing_off = false;
       ++it->second->handoffs;
     }
+    EndReleaseLocked(key);
     changed_.SignalAll();
   }
   return parked;
@@ -1573,8 +1662,12 @@ absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier, bool
   }
   absl::Status parked =
       static_cast<int>(e->tier) >= static_cast<int>(tier) ? absl::OkStatus() : ParkOne(*e, tier);
-  // Marked before the lock is let go: no Acquire takes the claim being released for its own.
-  if (parked.ok() && hand_off) e->handing_off = true;
+  // Marked before the lock is let go: no Acquire takes the claim being released for its own, and
+  // a Create of the id (were it deleted meanwhile) watches the release (ClaimWatch).
+  if (parked.ok() && hand_off) {
+    e->handing_off = true;
+    BeginReleaseLocked(key);
+  }
   return parked;
 }
 

@@ -108,7 +108,10 @@
 // (UNAVAILABLE while another replica owns it). Each snapshot write is preceded by CheckWrite: a
 // refused write is not made, counted (StoreStats::fenced_writes) and logged, and not retried
 // (this copy is stale; the owner holds the newer state); the session is not marked failing.
-// Delete and Park to disk release the session. The store calls it without its lock.
+// Delete and Park to disk release the session. The store calls it without its lock. A claim of a
+// session the store already holds is answered as it stands, so a Create or Fork of a session id
+// that a Delete (or a hand-off) releases meanwhile claims again once that release is done: its
+// session is made under a claim the release did not end.
 // Fenced snapshots (when the ownership's FencesSnapshots() is true, as EtcdOwnership's is):
 // snapshots are never overwritten. Each write goes to a new uniquely named file under
 // dir/generations/ and becomes the session's state only when the ownership commits its name
@@ -474,6 +477,25 @@ class SessionStateStore {
                                            uint64_t size, uint64_t* snapshot_id) const;
   void Release(const SessionKey& key);
   void ReleaseOneShot(int64_t bytes);
+  // Ownership: the releases of a session's claim (SessionOwnership::Release: Delete's, a Park's
+  // hand-off), made without mu_ once the session is gone or parked. A claim of a key the store
+  // already holds is answered as it stands (EtcdOwnership: the same mod revision), so such a
+  // release ends the claim of every call answered before its Release call: a Create or Fork
+  // making a new session of the key meanwhile would hold a session no replica owns (another may
+  // take it up; this one's writes are refused). Per key, while a release of it runs or a
+  // ClaimWatch looks: releases under way, and how many ended. BeginReleaseLocked: under mu_ from
+  // the moment the key's session can be made anew (its entry erased, or parked for a hand-off);
+  // EndReleaseLocked once Release returned.
+  struct ReleaseCount {
+    int users = 0;  // releases under way and ClaimWatches of the key
+    int under_way = 0;
+    uint64_t ended = 0;
+  };
+  void BeginReleaseLocked(const SessionKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void EndReleaseLocked(const SessionKey& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Made by a Create or Fork before it claims its new session's key: whether a release of the key
+  // may have ended that claim before the session is made (see ReleaseCount).
+  class ClaimWatch;
   std::filesystem::path PathOf(const SessionKey& key) const;
   // Fenced snapshots (the ownership's FencesSnapshots() on a shared directory; class comment).
   bool fenced() const;
@@ -647,6 +669,8 @@ class SessionStateStore {
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<SessionState>> doomed_ ABSL_GUARDED_BY(mu_);
   uint64_t waiter_clock_ ABSL_GUARDED_BY(mu_) = 0;  // orders WhenPersisted arrivals
+  // Ownership: see ReleaseCount.
+  std::map<SessionKey, ReleaseCount> releases_ ABSL_GUARDED_BY(mu_);
   // Fenced: the claim (SessionOwnership::ClaimEpoch) under which each session's files were last
   // swept (SweepGenerations).
   std::map<SessionKey, int64_t> swept_ ABSL_GUARDED_BY(mu_);

@@ -338,6 +338,148 @@ TEST_F(SharedDirTest, AnAcquireDuringAHandoffClaimsAgainAfterTheRelease) {
   testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 41));
 }
 
+// A FakeOwnershipTable view with one-shot hooks: AfterNextClaim's runs once the next Claim is
+// answered, BeforeNextRelease's before the next Release goes through, each on the thread that
+// calls, and is then forgotten. Tests hold a store's call there to order it against another
+// thread's calls, without timing.
+class HookedView : public FakeOwnershipTable::View {
+ public:
+  using View::View;
+  absl::Status Claim(const SessionKey& key) override {
+    absl::Status s = View::Claim(key);
+    Take(after_claim_)();
+    return s;
+  }
+  void Release(const SessionKey& key) override {
+    Take(before_release_)();
+    View::Release(key);
+  }
+  void AfterNextClaim(std::function<void()> hook) {
+    absl::MutexLock lock(&mu_);
+    after_claim_ = std::move(hook);
+  }
+  void BeforeNextRelease(std::function<void()> hook) {
+    absl::MutexLock lock(&mu_);
+    before_release_ = std::move(hook);
+  }
+
+ private:
+  std::function<void()> Take(std::function<void()>& hook) {
+    absl::MutexLock lock(&mu_);
+    std::function<void()> taken = std::exchange(hook, nullptr);
+    return taken ? taken : [] {};
+  }
+  absl::Mutex mu_;
+  std::function<void()> after_claim_ ABSL_GUARDED_BY(mu_);
+  std::function<void()> before_release_ ABSL_GUARDED_BY(mu_);
+};
+
+// Delete gives the session's claim up (SessionOwnership::Release) after its entry is gone,
+// outside the store's lock. A Create (or a Fork into the id) on the same replica whose claim is
+// answered while that release is under way (locally: the id is still this replica's) made its
+// session under a claim the release then ended: a session this replica held and wrote that no
+// replica owned (another could take it up; this one's writes were refused as fenced). Such a
+// Create or Fork claims again once the release is done. Here the release is held until the
+// Create's (the Fork's) claim is answered, and the Create is held there until the Delete has
+// returned: it finds no release under way, but one that ended after its claim was answered.
+TEST_F(SharedDirTest, ACreateDuringADeletesReleaseClaimsAgainAfterIt) {
+  FakeOwnershipTable table;
+  HookedView own_a(&table, "a");
+  FakeOwnershipTable::View own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  ASSERT_TRUE(a->Create("src", "").ok());
+  for (const bool fork : {false, true}) {
+    SCOPED_TRACE(fork ? "fork into it" : "create");
+    ASSERT_TRUE(a->Create("x", "old").ok());
+    absl::Notification releasing, release_gate, claimed, claim_gate;
+    own_a.BeforeNextRelease([&] {
+      releasing.Notify();
+      release_gate.WaitForNotification();
+    });
+    std::thread deleter([&] { EXPECT_TRUE(a->Delete("x").ok()); });
+    releasing.WaitForNotification();  // "x" is gone; its claim is not released yet
+    own_a.AfterNextClaim([&] {
+      claimed.Notify();
+      claim_gate.WaitForNotification();
+    });
+    std::thread creator([&] {
+      const absl::Status made = fork ? a->Fork("src", "x", "new") : a->Create("x", "new");
+      EXPECT_TRUE(made.ok()) << made;
+    });
+    claimed.WaitForNotification();  // answered: "x" is still a's
+    release_gate.Notify();
+    deleter.join();
+    claim_gate.Notify();
+    creator.join();
+    // a holds the new "x" under a claim of its own: b may not take it up, and a's write of it
+    // was not refused.
+    EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
+    EXPECT_EQ(a->Stats().fenced_writes, 0);
+    ASSERT_TRUE(a->Get("x").ok());
+    EXPECT_EQ(a->Get("x")->metadata, "new");
+    ASSERT_TRUE(a->Delete("x").ok());
+  }
+}
+
+// The same race the other way round: a Create's claim is answered while "x" still exists, then a
+// whole Delete of "x" (its release included) runs before the Create makes its session. The
+// Create sees that a release of the id began after its claim, and claims again.
+TEST_F(SharedDirTest, ADeleteBetweenACreatesClaimAndItsSessionMakesItClaimAgain) {
+  FakeOwnershipTable table;
+  HookedView own_a(&table, "a");
+  FakeOwnershipTable::View own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  ASSERT_TRUE(a->Create("x", "old").ok());
+  absl::Notification claimed, claim_gate;
+  own_a.AfterNextClaim([&] {
+    claimed.Notify();
+    claim_gate.WaitForNotification();
+  });
+  std::thread creator([&] {
+    const absl::Status made = a->Create("x", "new");
+    EXPECT_TRUE(made.ok()) << made;
+  });
+  claimed.WaitForNotification();
+  ASSERT_TRUE(a->Delete("x").ok());
+  claim_gate.Notify();
+  creator.join();
+  EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
+  EXPECT_EQ(a->Stats().fenced_writes, 0);
+  ASSERT_TRUE(a->Get("x").ok());
+  EXPECT_EQ(a->Get("x")->metadata, "new");
+}
+
+// A Park handing a session over releases its claim late too: deleted meanwhile and created again,
+// the new session's claim must outlast that release as well.
+TEST_F(SharedDirTest, ACreateDuringAHandoffsReleaseClaimsAgainAfterIt) {
+  FakeOwnershipTable table;
+  HookedView own_a(&table, "a");
+  FakeOwnershipTable::View own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  ASSERT_TRUE(a->Create("x", "old").ok());
+  absl::Notification releasing, release_gate, claimed;
+  own_a.BeforeNextRelease([&] {
+    releasing.Notify();
+    release_gate.WaitForNotification();
+  });
+  std::thread parker([&] { EXPECT_TRUE(a->Park("x", Tier::kDisk).ok()); });
+  releasing.WaitForNotification();   // parked; the hand-off's release is held
+  ASSERT_TRUE(a->Delete("x").ok());  // its own release goes through
+  own_a.AfterNextClaim([&] { claimed.Notify(); });
+  std::thread creator([&] {
+    const absl::Status made = a->Create("x", "new");
+    EXPECT_TRUE(made.ok()) << made;
+  });
+  claimed.WaitForNotification();
+  release_gate.Notify();
+  parker.join();
+  creator.join();
+  EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
+  EXPECT_EQ(a->Stats().fenced_writes, 0);
+  ASSERT_TRUE(a->Get("x").ok());
+  EXPECT_EQ(a->Get("x")->metadata, "new");
+}
+
 // Files whose writes of one session (a path containing `held`) wait, once armed, until opened.
 class HeldWriteFiles : public StateFiles {
  public:
