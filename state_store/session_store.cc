@@ -1636,6 +1636,19 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
 absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
   const bool hand_off = tier == Tier::kDisk && options_.ownership != nullptr;
   absl::Status parked = ParkByKey(key, tier, hand_off);
+  if (hand_off && absl::IsNotFound(parked)) {
+    // A claim of no session here (the hand-off thread found it owned): given up too, counted as
+    // a release so that a Create between its claim and its session claims again.
+    {
+      absl::MutexLock lock(&mu_);
+      if (Find(key) != nullptr) return parked;  // made meanwhile: the next hand-off parks it
+      BeginReleaseLocked(key);
+    }
+    options_.ownership->Release(key);
+    absl::MutexLock lock(&mu_);
+    EndReleaseLocked(key);
+    return parked;
+  }
   if (parked.ok() && hand_off) {
     options_.ownership->Release(key);  // on disk: any replica may take it up
     absl::MutexLock lock(&mu_);

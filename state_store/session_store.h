@@ -384,7 +384,10 @@ class SessionStateStore {
 
   // Moves an idle session down to `tier` now (resident -> host -> disk), synchronously. A
   // session on device is synced to the host first; if that fails it stays resident and the
-  // residency's error is returned.
+  // residency's error is returned. With ownership, a park to disk hands the session over: its
+  // claim is released once it is written; a key this store holds no session of (NOT_FOUND: a
+  // claim whose Create failed, or one between its claim and its session) has its claim released
+  // as well, and a Create or Fork of it under way claims again (ClaimWatch).
   absl::Status Park(const SessionKey& key, Tier tier);
   // Writes every session that is not on disk yet to disk and waits (graceful shutdown). Sessions
   // in use are skipped and reported; so are those whose device copy could not be synced (they

@@ -139,15 +139,15 @@ void EtcdOwnership::HandoffLoop() {
       }
       absl::MutexLock lock(&handler_mu_);
       if (!handler_) continue;
+      // NOT_FOUND: claimed but not held (a failed create, or one not done yet); the handler
+      // released it (through the store, which a create under way then claims again after).
       const absl::Status parked = handler_(*key);
-      if (absl::IsNotFound(parked)) {
-        Release(*key);  // claimed but never held (a failed create): nothing to write
-      } else if (parked.ok()) {
+      if (parked.ok()) {
         SDM_LOG(INFO) << "sdm ownership: handed session '" << key->id << "' over (asked by '"
                       << requester << "')";
         absl::MutexLock counted(&mu_);
         ++handoffs_;
-      } else if (!absl::IsAborted(parked)) {  // in use: the next poll tries again
+      } else if (!absl::IsAborted(parked) && !absl::IsNotFound(parked)) {  // in use: next poll
         SDM_LOG(WARNING) << "sdm ownership: could not hand session '" << key->id
                          << "' over: " << parked;
       }

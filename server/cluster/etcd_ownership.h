@@ -108,7 +108,9 @@ class EtcdOwnership : public SessionOwnership {
 
   // Handoff: `park` is called on the handoff thread for each session this replica owns and
   // another replica asked for; it writes the session and gives it up (the store's Park to disk,
-  // which calls Release). An error (the session is in use) is retried at the next poll. nullptr:
+  // which calls Release), and gives up a claim of a session it does not hold (NOT_FOUND; the
+  // store's Park releases it). Another error (the session is in use) is retried at the next
+  // poll. nullptr:
   // none. When this returns, the previous handler is not running and will not run again.
   void SetHandoffHandler(std::function<absl::Status(const SessionKey&)> park)
       ABSL_LOCKS_EXCLUDED(handler_mu_);

@@ -4,8 +4,9 @@
 // (built with ASan and UBSan; see scripts/fuzz.sh).
 //
 // Input: one mode byte, then the log. Mode bit 0 set: the header's base id and checksum and every
-// record's checksum are recomputed, so that mutations reach the checks behind the checksums
-// (sizes, layer order, positions, slot indices, journaled writes, KV continuity).
+// record's checksums (of its payload and of its size) are recomputed, so that mutations reach the
+// checks behind the checksums (sizes, layer order, positions, slot indices, journaled writes, KV
+// continuity).
 //
 // Properties on every input: errors are DATA_LOSS, FAILED_PRECONDITION or RESOURCE_EXHAUSTED;
 // memory allocated stays within a constant plus a small multiple of the input; ScanLog agrees
@@ -63,6 +64,8 @@ void FixUp(std::string& log) {
     if (n > log.size() - at - sdm::kLogRecordHeaderBytes) break;
     const uint64_t sum = XXH64(log.data() + at + sdm::kLogRecordHeaderBytes, n, 0);
     std::memcpy(log.data() + at + 8, &sum, 8);
+    const uint64_t size_sum = XXH64(log.data() + at, 8, 0);  // the size's own checksum
+    std::memcpy(log.data() + at + 16, &size_sum, 8);
     at += sdm::kLogRecordHeaderBytes + n;
   }
 }

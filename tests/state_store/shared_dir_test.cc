@@ -362,8 +362,22 @@ class HookedView : public FakeOwnershipTable::View {
     absl::MutexLock lock(&mu_);
     before_release_ = std::move(hook);
   }
+  // The next Claim, once answered, notifies `reached` and waits for `gate`; likewise the next
+  // Release before it goes through.
+  void HoldNextClaim(absl::Notification& reached, absl::Notification& gate) {
+    AfterNextClaim(Hold(reached, gate));
+  }
+  void HoldNextRelease(absl::Notification& reached, absl::Notification& gate) {
+    BeforeNextRelease(Hold(reached, gate));
+  }
 
  private:
+  static std::function<void()> Hold(absl::Notification& reached, absl::Notification& gate) {
+    return [&reached, &gate] {
+      reached.Notify();
+      gate.WaitForNotification();
+    };
+  }
   std::function<void()> Take(std::function<void()>& hook) {
     absl::MutexLock lock(&mu_);
     std::function<void()> taken = std::exchange(hook, nullptr);
@@ -392,16 +406,10 @@ TEST_F(SharedDirTest, ACreateDuringADeletesReleaseClaimsAgainAfterIt) {
     SCOPED_TRACE(fork ? "fork into it" : "create");
     ASSERT_TRUE(a->Create("x", "old").ok());
     absl::Notification releasing, release_gate, claimed, claim_gate;
-    own_a.BeforeNextRelease([&] {
-      releasing.Notify();
-      release_gate.WaitForNotification();
-    });
+    own_a.HoldNextRelease(releasing, release_gate);
     std::thread deleter([&] { EXPECT_TRUE(a->Delete("x").ok()); });
     releasing.WaitForNotification();  // "x" is gone; its claim is not released yet
-    own_a.AfterNextClaim([&] {
-      claimed.Notify();
-      claim_gate.WaitForNotification();
-    });
+    own_a.HoldNextClaim(claimed, claim_gate);
     std::thread creator([&] {
       const absl::Status made = fork ? a->Fork("src", "x", "new") : a->Create("x", "new");
       EXPECT_TRUE(made.ok()) << made;
@@ -431,10 +439,7 @@ TEST_F(SharedDirTest, ADeleteBetweenACreatesClaimAndItsSessionMakesItClaimAgain)
   auto a = OpenStore(true, &own_a);
   ASSERT_TRUE(a->Create("x", "old").ok());
   absl::Notification claimed, claim_gate;
-  own_a.AfterNextClaim([&] {
-    claimed.Notify();
-    claim_gate.WaitForNotification();
-  });
+  own_a.HoldNextClaim(claimed, claim_gate);
   std::thread creator([&] {
     const absl::Status made = a->Create("x", "new");
     EXPECT_TRUE(made.ok()) << made;
@@ -458,10 +463,7 @@ TEST_F(SharedDirTest, ACreateDuringAHandoffsReleaseClaimsAgainAfterIt) {
   auto a = OpenStore(true, &own_a);
   ASSERT_TRUE(a->Create("x", "old").ok());
   absl::Notification releasing, release_gate, claimed;
-  own_a.BeforeNextRelease([&] {
-    releasing.Notify();
-    release_gate.WaitForNotification();
-  });
+  own_a.HoldNextRelease(releasing, release_gate);
   std::thread parker([&] { EXPECT_TRUE(a->Park("x", Tier::kDisk).ok()); });
   releasing.WaitForNotification();   // parked; the hand-off's release is held
   ASSERT_TRUE(a->Delete("x").ok());  // its own release goes through
@@ -478,6 +480,36 @@ TEST_F(SharedDirTest, ACreateDuringAHandoffsReleaseClaimsAgainAfterIt) {
   EXPECT_EQ(a->Stats().fenced_writes, 0);
   ASSERT_TRUE(a->Get("x").ok());
   EXPECT_EQ(a->Get("x")->metadata, "new");
+}
+
+// The hand-off thread parks every session this replica owns that another asked for; a key it
+// owns without a session (a claim whose Create failed) answers NOT_FOUND, and Park releases that
+// claim itself (else no replica could take the id up until this one stopped). It used to be
+// released by the hand-off thread behind the store's back, which also ended the claim of a
+// Create between its claim and its session; through the store, such a Create claims again.
+TEST_F(SharedDirTest, AParkOfAClaimWithoutASessionReleasesItAndACreateUnderWayClaimsAgain) {
+  FakeOwnershipTable table;
+  HookedView own_a(&table, "a");
+  FakeOwnershipTable::View own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  ASSERT_TRUE(own_a.Claim(SessionKey("orphan")).ok());  // claimed, never made
+  EXPECT_TRUE(absl::IsNotFound(a->Park("orphan", Tier::kDisk)));
+  EXPECT_TRUE(own_b.Claim(SessionKey("orphan")).ok()) << "the claim was kept";
+
+  absl::Notification claimed, claim_gate;
+  own_a.HoldNextClaim(claimed, claim_gate);
+  std::thread creator([&] {
+    const absl::Status made = a->Create("x", "new");
+    EXPECT_TRUE(made.ok()) << made;
+  });
+  claimed.WaitForNotification();  // claimed; no session yet
+  EXPECT_TRUE(absl::IsNotFound(a->Park("x", Tier::kDisk)));
+  claim_gate.Notify();
+  creator.join();
+  EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
+  ASSERT_TRUE(a->Get("x").ok());
+  ASSERT_TRUE(a->Park("x", Tier::kDisk).ok());  // written under its claim
+  EXPECT_EQ(a->Stats().fenced_writes, 0);
 }
 
 // Files whose writes of one session (a path containing `held`) wait, once armed, until opened.
