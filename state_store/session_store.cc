@@ -1051,31 +1051,26 @@ class SessionStateStore::ClaimWatch {
   ClaimWatch(const ClaimWatch&) = delete;
   ClaimWatch& operator=(const ClaimWatch&) = delete;
 
-  // Under mu_, right before the new session's entry is made: whether a release of the key may
-  // have ended the claim asked for after the watch was made (or last awaited releases): one is
-  // under way, or one ended since (begun before or after the watch: a release under way when the
-  // watch was made ends claims answered until its Release call, whenever it returns). A release
-  // that ended before the watch was made ended no later claim.
-  bool ReleasedLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_.mu_) {
-    if (!active_) return false;
-    const ReleaseCount& count = store_.releases_.at(key_);  // kept while this watch lives
-    return count.under_way > 0 || count.ended != seen_;
-  }
-  // Waits (mu_ released meanwhile) until no release of the key is under way: a claim asked for
-  // after this outlasts every release seen so far.
-  void AwaitReleasesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_.mu_) {
-    if (!active_) return;
-    const ReleaseCount& count = store_.releases_.at(key_);
-    while (count.under_way > 0) store_.changed_.Wait(&store_.mu_);
-    seen_ = count.ended;
-  }
-
  private:
+  friend class SessionStateStore;
   SessionStateStore& store_;
   const SessionKey key_;
   const bool active_;
   uint64_t seen_ = 0;
 };
+
+bool SessionStateStore::ReleasedLocked(const ClaimWatch& watch) const {
+  if (!watch.active_) return false;
+  const ReleaseCount& count = releases_.at(watch.key_);  // kept while the watch lives
+  return count.under_way > 0 || count.ended != watch.seen_;
+}
+
+void SessionStateStore::AwaitReleasesLocked(ClaimWatch& watch) {
+  if (!watch.active_) return;
+  const ReleaseCount& count = releases_.at(watch.key_);
+  while (count.under_way > 0) changed_.Wait(&mu_);
+  watch.seen_ = count.ended;
+}
 
 absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view metadata,
                                        absl::Duration ttl) {
@@ -1100,10 +1095,10 @@ absl::Status SessionStateStore::Create(const SessionKey& key, absl::string_view 
       return AlreadyExists(key);
     }
     SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
-    if (watch.ReleasedLocked()) {
+    if (ReleasedLocked(watch)) {
       // A Delete (or a hand-off) of the id released its claim meanwhile, perhaps after this
       // claim was answered: claim again once it is done.
-      watch.AwaitReleasesLocked();
+      AwaitReleasesLocked(watch);
       continue;
     }
     e->tick = ++clock_;
@@ -1350,11 +1345,11 @@ absl::Status SessionStateStore::Fork(const SessionKey& src, const SessionKey& ds
       copy = std::move(decoded->state);
       if (Find(dst) != nullptr) return AlreadyExists(dst);
     }
-    if (watch.ReleasedLocked()) {
+    if (ReleasedLocked(watch)) {
       // A Delete (or a hand-off) of `dst` released its claim meanwhile, perhaps after this claim
       // was answered: claim again once it is done (the copy, made again, shares nothing then).
       copy.reset();
-      watch.AwaitReleasesLocked();
+      AwaitReleasesLocked(watch);
       continue;
     }
     auto n = std::make_unique<Entry>();
@@ -1379,6 +1374,11 @@ absl::Status SessionStateStore::SetMetadata(const SessionKey& key, absl::string_
   absl::StatusOr<Entry*> found = FindIdle(key);
   if (!found.ok()) return found.status();
   Entry& e = **found;
+  if (options_.ownership != nullptr &&
+      (e.handing_off || (fenced() && options_.ownership->ClaimEpoch(key) == 0))) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "session '", key.id, "' is not held by this replica: set its metadata where it is served"));
+  }
   const Tier from = e.tier;
   if (from != Tier::kResident && e.broken.ok()) {
     // A parked session's record is inside its serialised form (the host tier's blob, the disk

@@ -370,7 +370,10 @@ class SessionStateStore {
   // written at once whatever the policy (fsynced, replacing its log) and stays on disk. NOT_FOUND;
   // the error of reading a parked session (DATA_LOSS, FAILED_PRECONDITION, RESOURCE_EXHAUSTED:
   // nothing changed); UNAVAILABLE when a disk session's write fails (the new metadata is kept,
-  // the session stays in host memory and is written again as any failed write is).
+  // the session stays in host memory and is written again as any failed write is). With
+  // fenced ownership, FAILED_PRECONDITION unless this replica holds the session's claim (it does
+  // not claim one: its write would be refused as fenced); with any ownership, while the session
+  // is being handed over.
   absl::Status SetMetadata(const SessionKey& key, absl::string_view metadata);
 
   // Fenced (replicas): a copy this store holds without the session's claim (it handed the
@@ -499,6 +502,15 @@ class SessionStateStore {
   // Made by a Create or Fork before it claims its new session's key: whether a release of the key
   // may have ended that claim before the session is made (see ReleaseCount).
   class ClaimWatch;
+  // Under mu_, right before the new session's entry is made: whether a release of the watched key
+  // may have ended the claim asked for after the watch was made (or last awaited releases): one
+  // is under way, or one ended since (begun before or after the watch: a release under way when
+  // the watch was made ends claims answered until its Release call, whenever it returns). A
+  // release that ended before the watch was made ended no later claim.
+  bool ReleasedLocked(const ClaimWatch& watch) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Waits (mu_ released meanwhile) until no release of the watched key is under way: a claim
+  // asked for after this outlasts every release seen so far.
+  void AwaitReleasesLocked(ClaimWatch& watch) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::filesystem::path PathOf(const SessionKey& key) const;
   // Fenced snapshots (the ownership's FencesSnapshots() on a shared directory; class comment).
   bool fenced() const;

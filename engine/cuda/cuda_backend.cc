@@ -19,12 +19,12 @@
 // launch failing happens before step (3): residency, pages, row reservation, workspace, and the
 // plan of every cuBLASLt GEMM of the pass (BlasLtGemm::Plan: descriptors and checked algorithms,
 // cached per batch size); such a failure (say RESOURCE_EXHAUSTED: no free page) detaches again
-// the sessions the pass uploaded, so the pass leaves every session as it found it, device memory
-// included. From step (3) on, any error still synchronises the stream before the
-// pass returns (the pinned step arrays and logits outlive their copies), and
-// an error after the first write to session state (the first KV append or SDM row preparation)
-// marks the pass's sessions failed: their device state may hold some layers of the pass and not
-// others. They are refused until deleted; nothing retries them into a double write.
+// the sessions the pass uploaded, so that they hold no device memory while they wait (sessions
+// resident before keep the pages the pass added for them). From step (3) on, any error still
+// synchronises the stream before the pass returns (the pinned step arrays and logits outlive their
+// copies), and an error after the first write to session state (the first KV append or SDM row
+// preparation) marks the pass's sessions failed: their device state may hold some layers of the
+// pass and not others. They are refused until deleted; nothing retries them into a double write.
 //
 // Decode steps as graphs (EngineOptions::cuda_graphs). A step whose segments are all single
 // tokens enqueues steps (3) to (5) as one CUDA graph, captured the first time its shape is seen
@@ -470,6 +470,12 @@ class CudaBackend : public EngineBackend {
     if (rows > ws.rows) {
       int64_t r = 64;  // capacity grows in powers of two
       while (r < rows) r *= 2;
+      // Every buffer is replaced (each Allocate frees the old one first): the decode graphs that
+      // point into them go now, and until all are in place the workspace holds no row, so that
+      // a step after an allocation that failed part-way grows it again (it kept the old size
+      // over buffers that were gone or too small).
+      graphs_.Clear();
+      ws.rows = 0;
       const int64_t dim = cfg_.dim;
       int64_t q_width = dim, mixer_in = 0, ffn_in = 0;
       for (int64_t li = 0; li < cfg_.n_layers; ++li) {
@@ -510,7 +516,6 @@ class CudaBackend : public EngineBackend {
         SDM_RETURN_IF_ERROR(CudaStatus(i.b->Allocate(i.n), "allocating activations"));
       }
       ws.rows = r;
-      graphs_.Clear();  // their launches point into the buffers just replaced
     }
     int64_t scratch = 0, counters = 0;
     for (int64_t li = 0; li < cfg_.n_layers; ++li) {
@@ -554,7 +559,11 @@ class CudaBackend : public EngineBackend {
       SDM_RETURN_IF_ERROR(
           CudaStatus(ws.logits_host.Allocate(grown(rows) * vocab), "allocating pinned logits"));
     }
-    if (draws > static_cast<int64_t>(ws.sampled.size())) {
+    // All three: an allocation that failed part-way leaves the others as they were.
+    if (draws > static_cast<int64_t>(ws.sampled.size()) ||
+        draws > static_cast<int64_t>(ws.sampled_host.size()) ||
+        kc::SampleTokensScratchBytes(draws, vocab) >
+            static_cast<int64_t>(ws.sample_scratch.size())) {
       graphs_.Clear();
       const int64_t r = grown(draws);
       SDM_RETURN_IF_ERROR(CudaStatus(ws.sampled.Allocate(r), "allocating sampled tokens"));
@@ -642,6 +651,8 @@ class CudaBackend : public EngineBackend {
       attached.Undo();
       return prepared;
     }
+    // Counted once the pass keeps them (an undone upload's image is used again by its retry).
+    staged_used_.fetch_add(attached.staged_uploads(), std::memory_order_relaxed);
 
     // (3)-(5) enqueued; whatever happens, the stream is synchronised before returning (the
     // pinned step arrays and logits outlive their copies), and a failure
@@ -680,6 +691,11 @@ class CudaBackend : public EngineBackend {
     void Add(SessionState* session, std::unique_ptr<StagedUpload> staged) {
       sessions_.push_back({session, std::move(staged)});
     }
+    // Uploads that came from a staged image of ours.
+    int64_t staged_uploads() const {
+      return std::count_if(sessions_.begin(), sessions_.end(),
+                           [](const Attached& a) { return a.staged != nullptr; });
+    }
     void Undo() {
       for (Attached& a : sessions_) {
         a.session->DetachDevice();  // stream-ordered frees: nothing of it is pending but them
@@ -716,7 +732,6 @@ class CudaBackend : public EngineBackend {
           if (staged != nullptr) session.AttachStaged(std::move(staged));
           return up.status();
         }
-        if (ours != nullptr) staged_used_.fetch_add(1, std::memory_order_relaxed);
         session.AttachDevice(*std::move(up));
         attached.Add(&session, ours != nullptr ? std::move(staged) : nullptr);
       }
@@ -732,15 +747,23 @@ class CudaBackend : public EngineBackend {
     const int64_t n_sdm = ctx_->num_sdm_layers();
     if (n_sdm == 0) return absl::OkStatus();
     const int64_t n_w = sdm_geom_.heads > 0 ? sdm_geom_.writes : 0;
-    // A segment takes at most `writes` rows per token and head, and never more than a table has
-    // slots: without that cap a long prefill chunk reserves many sessions' worth of rows (256
-    // tokens x 32 writes = 2x debug_sdm's 4096 slots) and fails on an arena that can hold the
-    // session.
+    // A segment takes at most `writes` rows per token and head, never more than a table has
+    // slots (without that cap a long prefill chunk reserves many sessions' worth of rows: 256
+    // tokens x 32 writes = 2x debug_sdm's 4096 slots, and fails on an arena that can hold the
+    // session), and never more than its table's slots that are not private yet (a row is taken
+    // only for a slot that has none: copy-on-write), which the row counters say exactly between
+    // steps (CudaDeviceContext::row_count): a session whose table is full reserves nothing.
+    const int64_t table_rows = sdm_geom_.slots_per_head * sdm_geom_.heads;
     int64_t rows = 0;
     for (const Segment& s : segs) {
-      rows += std::min(s.length * n_w, sdm_geom_.slots_per_head) * sdm_geom_.heads;
+      const int64_t per_layer =
+          std::min(s.length * n_w, sdm_geom_.slots_per_head) * sdm_geom_.heads;
+      const int32_t counter = static_cast<CudaSessionState*>(s.session->device())->counter_slot();
+      for (int64_t i = 0; i < n_sdm; ++i) {
+        rows += std::clamp<int64_t>(table_rows - ctx_->row_count(counter, i), 0, per_layer);
+      }
     }
-    return ctx_->ReserveRows(rows * n_sdm);
+    return ctx_->ReserveRows(rows);
   }
 
   // Whether the pass's logit rows (the returned, then the drawn) are its n rows in order: then

@@ -210,6 +210,11 @@ int32_t CudaDeviceContext::row_count(int32_t slot, int64_t sdm_index) const {
   return counters_published_[slot * std::max<int64_t>(1, num_sdm_layers_) + sdm_index];
 }
 
+void CudaDeviceContext::SetRowCount(int32_t slot, int64_t sdm_index, int32_t rows) {
+  absl::MutexLock lock(&mu_);
+  counters_published_[slot * std::max<int64_t>(1, num_sdm_layers_) + sdm_index] = rows;
+}
+
 int64_t CudaDeviceContext::free_rows_lower_bound() const {
   absl::MutexLock lock(&mu_);
   return free_rows_;
@@ -686,6 +691,13 @@ absl::StatusOr<std::unique_ptr<CudaSessionState>> CudaSessionState::Upload(
     // wait for it anyway). On error WithTransferStaging waits for both streams.
     return CudaStatus(cudaStreamSynchronize(c), "uploading a session");
   }));
+  // The counters are on the device now: the host mirror says so before the next refresh (the
+  // step's row reservation reads it).
+  for (size_t r = 0; r < plan.runs.size(); ++r) {
+    const int64_t l = plan.run_layer[r];
+    if (!IsSdm(layout.layers[l]) || plan.runs[r].count == 0) continue;
+    ctx->SetRowCount(s->counter_slot_, ctx->sdm_index(l), static_cast<int32_t>(plan.runs[r].count));
+  }
   return s;
 }
 

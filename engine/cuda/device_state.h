@@ -209,8 +209,11 @@ class CudaDeviceContext {
   void FreeCounterSlot(int32_t slot);
   // Device int32 counting the private rows of (session counter slot, sdm layer index).
   int32_t* row_counter(int32_t slot, int64_t sdm_index) const;
-  // Host mirror of the counters, refreshed by RefreshCounters (after each step).
+  // Host mirror of the counters, refreshed after each step (StartRefresh, FinishRefresh) and set
+  // by an upload for the session it made (SetRowCount): exact for every resident session between
+  // steps (only a step takes rows for a session, only its destruction returns them).
   int32_t row_count(int32_t slot, int64_t sdm_index) const;
+  void SetRowCount(int32_t slot, int64_t sdm_index, int32_t rows);
 
   // Free rows as of the last refresh, minus what was reserved since: a lower bound.
   int64_t free_rows_lower_bound() const;

@@ -1154,7 +1154,7 @@ TEST_F(TwoSessionDeviceTest, StepSucceedsAfterExhaustionOnceMemoryIsFreed) {
 // from that image, with the logits of a CPU engine fed the same tokens.
 TEST_F(TwoSessionDeviceTest, AStepThatDoesNotFitLeavesTheSessionsItUploadedOnTheHost) {
   const int64_t vocab = gpu->vocab_size();
-  const std::vector<int32_t> first = RandomTokens(60, vocab, 4);
+  const std::vector<int32_t> first = RandomTokens(2, vocab, 4);  // at most 32 private rows
   const std::vector<int32_t> second = RandomTokens(150, vocab, 5);
   auto s = gpu->NewSession();
   ASSERT_TRUE(gpu->Prefill(*s, first, false, nullptr).ok());
@@ -1162,9 +1162,12 @@ TEST_F(TwoSessionDeviceTest, AStepThatDoesNotFitLeavesTheSessionsItUploadedOnThe
   ASSERT_TRUE(gpu->StageResume(*s).ok());
   ASSERT_NE(s->staged(), nullptr);
   auto a = gpu->NewSession();
+  auto b = gpu->NewSession();
   ASSERT_TRUE(gpu->Prefill(*a, RandomTokens(200, vocab, 1), false, nullptr).ok());
-  // a holds half the rows (every slot of its table): s's upload takes its own private rows from
-  // the other half, then the step's reservation of a table's worth (128 rows) does not fit.
+  ASSERT_TRUE(gpu->Prefill(*b, RandomTokens(3, vocab, 2), false, nullptr).ok());
+  // a holds half the rows (every slot of its table), b up to 48: s's upload takes its own
+  // private rows (p), then the step reserves the slots s has left (128 - p), more than the
+  // 80 - p rows free. The pages fit (4 + 1 + 3 of 8 per layer).
   std::vector<float> on_gpu, on_cpu;
   absl::Status st = gpu->Prefill(*s, second, false, &on_gpu);
   ASSERT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
@@ -1183,6 +1186,85 @@ TEST_F(TwoSessionDeviceTest, AStepThatDoesNotFitLeavesTheSessionsItUploadedOnThe
   auto reference = cpu->NewSession();
   ASSERT_TRUE(cpu->Prefill(*reference, first, false, nullptr).ok());
   ASSERT_TRUE(cpu->Prefill(*reference, second, false, &on_cpu).ok());
+  EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
+}
+
+// Two sessions whose tables are (nearly) full, every slot or almost private, (nearly) fill the
+// device's rows; decoding them together takes a row only for a slot without one (copy-on-write),
+// so the step fits: the reservation counts the slots each session has left (it reserved writes x
+// heads rows per session, more than were free, and failed with RESOURCE_EXHAUSTED), also for a
+// session the step itself uploads. The logits are the CPU engine's.
+TEST_F(TwoSessionDeviceTest, AStepReservesOnlyTheSlotsItsSessionsHaveLeft) {
+  const int64_t vocab = gpu->vocab_size();
+  std::vector<std::unique_ptr<SessionState>> on_gpu, on_cpu;
+  for (uint32_t seed : {21u, 22u}) {
+    const std::vector<int32_t> prompt = RandomTokens(200, vocab, seed);  // 1600 writes a head
+    on_gpu.push_back(gpu->NewSession());
+    on_cpu.push_back(cpu->NewSession());
+    ASSERT_TRUE(gpu->Prefill(*on_gpu.back(), prompt, false, nullptr).ok());
+    ASSERT_TRUE(cpu->Prefill(*on_cpu.back(), prompt, false, nullptr).ok());
+  }
+  const std::vector<int32_t> tokens = RandomTokens(2, vocab, 23);
+  std::vector<float> gpu_logits(2 * vocab), cpu_logits(2 * vocab);
+  std::vector<SessionState*> g = {on_gpu[0].get(), on_gpu[1].get()};
+  std::vector<SessionState*> c = {on_cpu[0].get(), on_cpu[1].get()};
+  absl::Status st = gpu->Decode(g, tokens, gpu_logits);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_TRUE(cpu->Decode(c, tokens, cpu_logits).ok());
+  EXPECT_LT(RelativeError(gpu_logits, cpu_logits), kTinyLogitTolerance);
+  // Parked and resumed by the next step: its upload takes its rows back (none is left free),
+  // and says how many it took, so the step reserves none for it either.
+  ASSERT_TRUE(on_gpu[1]->SyncToHost().ok());
+  st = gpu->Decode(g, tokens, gpu_logits);
+  ASSERT_TRUE(st.ok()) << st;
+  ASSERT_TRUE(cpu->Decode(c, tokens, cpu_logits).ok());
+  EXPECT_LT(RelativeError(gpu_logits, cpu_logits), kTinyLogitTolerance);
+}
+
+// Under the CPU emulator (tests/cuda_emulator/engine/emu.cc): the n-th device allocation from
+// now fails as on a device out of memory. Absent on a real device.
+extern "C" void sdm_emu_fail_device_allocation(long n) __attribute__((weak));
+
+// A step whose workspace grows and whose allocation fails part-way (RESOURCE_EXHAUSTED: nothing
+// ran) leaves no buffer behind that the next step would take for the old size: the workspace
+// grows again, and the decode graphs that pointed into the replaced buffers are gone. A decode
+// step then a prefill (which fails, then succeeds) give the CPU engine's logits. Before, the
+// workspace kept its old size over buffers that were freed or replaced, and the next step used
+// them (and replayed a graph into freed memory).
+TEST_F(TwoSessionDeviceTest, AWorkspaceThatFailedToGrowIsGrownAgain) {
+  if (sdm_emu_fail_device_allocation == nullptr) GTEST_SKIP() << "needs the CUDA emulator";
+  const int64_t vocab = gpu->vocab_size();
+  auto a = gpu->NewSession(), a_cpu = cpu->NewSession();
+  const std::vector<int32_t> prompt = RandomTokens(5, vocab, 31);
+  ASSERT_TRUE(gpu->Prefill(*a, prompt, false, nullptr).ok());
+  ASSERT_TRUE(cpu->Prefill(*a_cpu, prompt, false, nullptr).ok());
+  const auto decode_a = [&](int32_t token) {
+    std::vector<float> on_gpu(vocab), on_cpu(vocab);
+    SessionState* g = a.get();
+    SessionState* c = a_cpu.get();
+    const absl::Status st = gpu->Decode({&g, 1}, {&token, 1}, on_gpu);
+    EXPECT_TRUE(st.ok()) << st;
+    EXPECT_TRUE(cpu->Decode({&c, 1}, {&token, 1}, on_cpu).ok());
+    EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
+  };
+  decode_a(7);  // a decode graph of one session, into the workspace of 64 rows
+  // b on the device first (its tables allocated), so that the prefill's first allocations are
+  // its workspace's.
+  auto b = gpu->NewSession(), b_cpu = cpu->NewSession();
+  ASSERT_TRUE(gpu->Prefill(*b, std::span<const int32_t>(prompt.data(), 1), false, nullptr).ok());
+  ASSERT_TRUE(
+      cpu->Prefill(*b_cpu, std::span<const int32_t>(prompt.data(), 1), false, nullptr).ok());
+  const std::vector<int32_t> long_prompt = RandomTokens(100, vocab, 32);  // 128 rows
+  sdm_emu_fail_device_allocation(3);  // the third buffer of the new workspace
+  std::vector<float> on_gpu, on_cpu;
+  const absl::Status st = gpu->Prefill(*b, long_prompt, true, &on_gpu);
+  sdm_emu_fail_device_allocation(0);
+  ASSERT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+  EXPECT_FALSE(b->failed());
+  EXPECT_EQ(b->position(), 1);
+  decode_a(8);
+  ASSERT_TRUE(gpu->Prefill(*b, long_prompt, true, &on_gpu).ok());
+  ASSERT_TRUE(cpu->Prefill(*b_cpu, long_prompt, true, &on_cpu).ok());
   EXPECT_LT(RelativeError(on_gpu, on_cpu), kTinyLogitTolerance);
 }
 

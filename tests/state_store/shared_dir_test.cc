@@ -603,6 +603,23 @@ TEST_F(SharedDirTest, ATurnDroppedBecauseAnotherReplicaWroteTheSessionIsNotAckno
   EXPECT_EQ(outcome.code(), absl::StatusCode::kAborted) << outcome;
 }
 
+// SetMetadata does not claim a session: on a replica that handed it over it is refused up front
+// (it was written at once for a disk session, refused as fenced, counted and logged as such, and
+// the session left in host memory).
+TEST_F(SharedDirTest, SetMetadataOfASessionHandedOverIsRefused) {
+  FencedTable table;
+  FencedTable::View own_a(&table, "a");
+  auto a = OpenStore(true, &own_a);
+  ASSERT_TRUE(a->Create("x", "old").ok());
+  ASSERT_TRUE(a->SetMetadata("x", "held").ok());  // its claim is a's
+  ASSERT_TRUE(a->Park("x", Tier::kDisk).ok());    // handed over: released
+  const absl::Status refused = a->SetMetadata("x", "new");
+  EXPECT_TRUE(absl::IsFailedPrecondition(refused)) << refused;
+  EXPECT_EQ(a->Stats().fenced_writes, 0);
+  ASSERT_TRUE(a->Acquire("x").ok());  // claimed again by a turn
+  EXPECT_EQ(a->Get("x")->metadata, "held");
+}
+
 // A replica that handed a session over keeps its copy's record at the disk tier; once another
 // replica has run turns on the session, that record is stale, and Get there must answer the
 // committed snapshot's position and pending token, not the old ones (the service decides from

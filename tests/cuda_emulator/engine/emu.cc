@@ -58,6 +58,9 @@ static std::mutex g_mu;  // host bookkeeping (the store may call from other thre
 static std::map<uintptr_t, size_t> g_device, g_pinned;
 static size_t g_device_bytes = 0;
 constexpr size_t kDeviceCapacity = size_t{8} << 30;
+// Testing seam (sdm_emu_fail_device_allocation): the cudaMalloc this many calls ahead fails (0:
+// none armed).
+static long g_fail_malloc_in = 0;
 static bool g_non_portable_clusters = false;
 
 uint3 CurThreadIdx() { return g_cur->tid; }
@@ -649,7 +652,8 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   if (bytes == 0) return cudaSuccess;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    if (g_device_bytes + bytes > kDeviceCapacity) {
+    if (g_device_bytes + bytes > kDeviceCapacity ||
+        (g_fail_malloc_in > 0 && --g_fail_malloc_in == 0)) {
       g_last_error = cudaErrorMemoryAllocation;
       return cudaErrorMemoryAllocation;
     }
@@ -663,6 +667,14 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   *p = m;
   return cudaSuccess;
 }
+// Tests under the emulator only (a weak symbol there, absent on a real device): the `n`-th
+// cudaMalloc from now (1: the next) fails with cudaErrorMemoryAllocation, as a device out of
+// memory does.
+extern "C" void sdm_emu_fail_device_allocation(long n) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_fail_malloc_in = n;
+}
+
 cudaError_t cudaFree(void* p) {
   if (p == nullptr) return cudaSuccess;
   if (RefusedWhileCapturing("cudaFree")) return cudaErrorStreamCaptureUnsupported;
