@@ -347,20 +347,20 @@ class HookedView : public FakeOwnershipTable::View {
   using View::View;
   absl::Status Claim(const SessionKey& key) override {
     absl::Status s = View::Claim(key);
-    Take(after_claim_)();
+    Take (&Hooks::after_claim)();
     return s;
   }
   void Release(const SessionKey& key) override {
-    Take(before_release_)();
+    Take (&Hooks::before_release)();
     View::Release(key);
   }
   void AfterNextClaim(std::function<void()> hook) {
     absl::MutexLock lock(&mu_);
-    after_claim_ = std::move(hook);
+    hooks_.after_claim = std::move(hook);
   }
   void BeforeNextRelease(std::function<void()> hook) {
     absl::MutexLock lock(&mu_);
-    before_release_ = std::move(hook);
+    hooks_.before_release = std::move(hook);
   }
   // The next Claim, once answered, notifies `reached` and waits for `gate`; likewise the next
   // Release before it goes through.
@@ -378,14 +378,16 @@ class HookedView : public FakeOwnershipTable::View {
       gate.WaitForNotification();
     };
   }
-  std::function<void()> Take(std::function<void()>& hook) {
+  struct Hooks {
+    std::function<void()> after_claim, before_release;
+  };
+  std::function<void()> Take(std::function<void()> Hooks::*hook) {
     absl::MutexLock lock(&mu_);
-    std::function<void()> taken = std::exchange(hook, nullptr);
+    std::function<void()> taken = std::exchange(hooks_.*hook, nullptr);
     return taken ? taken : [] {};
   }
   absl::Mutex mu_;
-  std::function<void()> after_claim_ ABSL_GUARDED_BY(mu_);
-  std::function<void()> before_release_ ABSL_GUARDED_BY(mu_);
+  Hooks hooks_ ABSL_GUARDED_BY(mu_);
 };
 
 // Delete gives the session's claim up (SessionOwnership::Release) after its entry is gone,
