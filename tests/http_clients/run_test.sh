@@ -26,6 +26,10 @@ trap cleanup EXIT
 "$BUILD_DIR/tools/sdm_model/sdm-model" init --preset tiny --seed 3 --out "$WORK/model" >/dev/null
 KEY=sk-http-clients-test-0001
 echo "$KEY node-tests" >"$WORK/keys.txt"
+# The output files exist before the server's (backgrounded) redirections open them: the loop
+# below may read out.txt first, and a missing file ended the script (set -e) on a loaded machine.
+: >"$WORK/out.txt"
+: >"$WORK/err.txt"
 "$BUILD_DIR/server/sdm-server" --model "$WORK/model" --port 0 --metrics_port -1 --http_port 0 \
   --state_dir "" --threads 1 --api_keys "$WORK/keys.txt" >"$WORK/out.txt" 2>"$WORK/err.txt" &
 server_pid=$!
