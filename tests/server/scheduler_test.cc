@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "base/check.h"
 #include "base/thread_priority.h"
@@ -547,6 +548,65 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
   }
   EXPECT_GE(refused->load(), 1);
   EXPECT_EQ(scheduler_->deferred_jobs(), 1);
+}
+
+// The job a step that does not fit defers is the last-admitted job that was in the step, not one
+// the prefill budget left out of it (deferring that one changed nothing: the same step was
+// refused again, and the cap was lowered for nothing). Here A decodes, B (a 3-chunk prompt) takes
+// the whole budget, and C, admitted last, waits for budget: the step {B's chunk, A} is refused
+// once; B is deferred, so the next step is {C's prompt, A}.
+TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobThatWasInIt) {
+  constexpr int64_t kChunk = 8;
+  struct Record {
+    absl::Mutex mu;
+    bool refused ABSL_GUARDED_BY(mu) = false;
+    std::vector<size_t> next ABSL_GUARDED_BY(mu);  // segment lengths of the step after it
+  };
+  auto record = std::make_shared<Record>();
+  EngineOptions eo;
+  eo.prefill_chunk = kChunk;
+  eo.testing_refuse_step = [record](const StepBatch& batch) {
+    std::vector<size_t> lengths;
+    for (const StepSegment& seg : batch.segments) lengths.push_back(seg.tokens.size());
+    std::sort(lengths.begin(), lengths.end());
+    absl::MutexLock lock(&record->mu);
+    if (!record->refused) {
+      record->refused = lengths == std::vector<size_t>{1, kChunk};
+      return record->refused;
+    }
+    if (record->next.empty()) record->next = lengths;
+    return false;
+  };
+  UseNoEosModel(eo);
+  constexpr int kTokens = 4;
+  const std::vector<int32_t> a_prompt = Tokens(3, 80), b_prompt = Tokens(3 * kChunk - 2, 81),
+                             c_prompt = Tokens(5, 82);
+  std::vector<std::vector<int32_t>> solo;
+  for (const auto* p : {&a_prompt, &b_prompt, &c_prompt}) {
+    auto s = engine_->NewSession();
+    solo.push_back(Direct(*s, *p, kTokens));
+  }
+  SchedulerOptions so;
+  so.max_running = 3;
+  so.prefill_token_budget = kChunk;
+  StartScheduler(so);
+  auto a = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", a_prompt, kTokens), a).ok());
+  a->entered.WaitForNotification();
+  auto b = std::make_shared<Collector>(), c = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", b_prompt, kTokens), b).ok());
+  ASSERT_TRUE(scheduler_->Submit(Job("", c_prompt, kTokens), c).ok());
+  a->release.Notify();
+  const std::vector<std::shared_ptr<Collector>> jobs = {a, b, c};
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    jobs[i]->Wait();
+    EXPECT_TRUE(jobs[i]->error.ok()) << i << ": " << jobs[i]->error;
+    EXPECT_EQ(jobs[i]->tokens, solo[i]) << i;
+  }
+  EXPECT_EQ(scheduler_->deferred_jobs(), 1);
+  absl::MutexLock lock(&record->mu);
+  EXPECT_TRUE(record->refused);
+  EXPECT_EQ(record->next, (std::vector<size_t>{1, c_prompt.size()}));
 }
 
 // The capped batch also grows back while its jobs run on: a job deferred behind two long ones
