@@ -609,6 +609,55 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobThatWasInIt) {
   EXPECT_EQ(record->next, (std::vector<size_t>{1, c_prompt.size()}));
 }
 
+// When nothing runs, the batch cap is lifted: a cascade of steps that did not fit (every step of
+// two or more jobs refused, while it lasts) caps the batch at 1 and leaves it at 3 of 4 places
+// once its jobs have ended one by one; a burst that follows, with no queue (max_waiting 0), then
+// got only 3 places (the fourth job refused) though nothing was running. The burst's first job
+// is held in its first token while the others are submitted, so the place count is exact.
+TEST_F(SchedulerTest, TheBatchCapIsLiftedWhenNothingRuns) {
+  auto refusing = std::make_shared<std::atomic<bool>>(true);
+  EngineOptions eo;
+  eo.testing_refuse_step = [refusing](const StepBatch& batch) {
+    return refusing->load() && batch.segments.size() >= 2;
+  };
+  UseNoEosModel(eo);
+  constexpr int kTokens = 3;
+  SchedulerOptions so;
+  so.max_running = 4;
+  so.max_waiting = 0;
+  StartScheduler(so);
+  // The cascade: A alone, then B, C, D submitted while A is held.
+  auto first = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(3, 90), kTokens), first).ok());
+  first->entered.WaitForNotification();
+  std::vector<std::shared_ptr<Collector>> cascade = {first};
+  for (int i = 1; i < 4; ++i) {
+    cascade.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(3, 90 + i), kTokens), cascade.back()).ok());
+  }
+  first->release.Notify();
+  for (auto& c : cascade) {
+    c->Wait();
+    EXPECT_TRUE(c->error.ok()) << c->error;
+  }
+  EXPECT_GE(scheduler_->deferred_jobs(), 3);  // D, C and B at least, one by one
+  refusing->store(false);
+  // The burst: four places free, nothing waits.
+  auto held = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(3, 95), kTokens), held).ok());
+  held->entered.WaitForNotification();  // running; the step thread waits here
+  std::vector<std::shared_ptr<Collector>> burst = {held};
+  for (int i = 1; i < 4; ++i) {
+    burst.push_back(std::make_shared<Collector>());
+    const absl::Status submitted =
+        scheduler_->Submit(Job("", Tokens(3, 95 + i), kTokens), burst.back());
+    EXPECT_TRUE(submitted.ok()) << "job " << i << " of the burst: " << submitted;
+    if (!submitted.ok()) burst.pop_back();
+  }
+  held->release.Notify();
+  for (auto& c : burst) c->Wait();
+}
+
 // The capped batch also grows back while its jobs run on: a job deferred behind two long ones
 // runs (and ends) long before they do, once 64 steps have fitted, not only when one of them ends.
 TEST_F(SchedulerTest, ACappedBatchGrowsBackWhileItsJobsRunOn) {
