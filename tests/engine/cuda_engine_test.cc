@@ -1748,7 +1748,7 @@ TEST(CudaEngineTest, StagedImagesStayWithinTheirBudget) {
     // A session longer than the engine's max_context (1024 here; prefilled on the CPU) is not
     // staged, and not counted as refused: its step reports the error.
     EngineOptions cpu_options;
-    cpu_options.prefill_chunk = 256;
+    cpu_options.prefill_chunk = o.prefill_chunk;  // the same state layout (sliding-window rings)
     auto cpu = Engine::Create(model, cpu_options);
     ASSERT_TRUE(cpu.ok()) << cpu.status();
     auto long_session = (*cpu)->NewSession();
