@@ -409,13 +409,12 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     metrics->prompt_tokens.Increment(static_cast<double>(u.prompt_tokens));
     metrics->history_tokens.Increment(static_cast<double>(u.history_tokens));
     metrics->generated_tokens.Increment(static_cast<double>(u.generated_tokens));
-    const int64_t history = u.history_tokens;
-    const Json usage = UsageJson(prompt_tokens, u.generated_tokens, history);
+    const Json usage = UsageJson(u.prompt_tokens, u.generated_tokens, u.history_tokens);
     Json session = nullptr;
     if (!session_id.empty()) {
       // The session's history after this request (as GET /v1/sessions/{id} reports it).
-      session =
-          Json{{"id", session_id}, {"position", history + prompt_tokens + u.generated_tokens}};
+      session = Json{{"id", session_id},
+                     {"position", u.history_tokens + u.prompt_tokens + u.generated_tokens}};
     }
     if (!status.ok()) {
       const std::string body = ToHttpError(status).body;

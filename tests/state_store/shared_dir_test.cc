@@ -390,6 +390,23 @@ class HookedView : public FakeOwnershipTable::View {
   Hooks hooks_ ABSL_GUARDED_BY(mu_);
 };
 
+// Creates session "x" with metadata "new" on another thread (held where the test holds it).
+std::thread CreateXOnAThread(SessionStateStore& store) {
+  return std::thread([&store] {
+    const absl::Status made = store.Create("x", "new");
+    EXPECT_TRUE(made.ok()) << made;
+  });
+}
+
+// `store` holds "x" ("new") under a claim of its own: `other` may not take it up, and no write of
+// it was refused.
+void ExpectXHeldWithItsClaim(SessionStateStore& store, SessionOwnership& other) {
+  EXPECT_TRUE(absl::IsUnavailable(other.Claim(SessionKey("x"))));
+  EXPECT_EQ(store.Stats().fenced_writes, 0);
+  ASSERT_TRUE(store.Get("x").ok());
+  EXPECT_EQ(store.Get("x")->metadata, "new");
+}
+
 // Delete gives the session's claim up (SessionOwnership::Release) after its entry is gone,
 // outside the store's lock. A Create (or a Fork into the id) on the same replica whose claim is
 // answered while that release is under way (locally: the id is still this replica's) made its
@@ -421,12 +438,7 @@ TEST_F(SharedDirTest, ACreateDuringADeletesReleaseClaimsAgainAfterIt) {
     deleter.join();
     claim_gate.Notify();
     creator.join();
-    // a holds the new "x" under a claim of its own: b may not take it up, and a's write of it
-    // was not refused.
-    EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
-    EXPECT_EQ(a->Stats().fenced_writes, 0);
-    ASSERT_TRUE(a->Get("x").ok());
-    EXPECT_EQ(a->Get("x")->metadata, "new");
+    ExpectXHeldWithItsClaim(*a, own_b);
     ASSERT_TRUE(a->Delete("x").ok());
   }
 }
@@ -442,18 +454,12 @@ TEST_F(SharedDirTest, ADeleteBetweenACreatesClaimAndItsSessionMakesItClaimAgain)
   ASSERT_TRUE(a->Create("x", "old").ok());
   absl::Notification claimed, claim_gate;
   own_a.HoldNextClaim(claimed, claim_gate);
-  std::thread creator([&] {
-    const absl::Status made = a->Create("x", "new");
-    EXPECT_TRUE(made.ok()) << made;
-  });
+  std::thread creator = CreateXOnAThread(*a);
   claimed.WaitForNotification();
   ASSERT_TRUE(a->Delete("x").ok());
   claim_gate.Notify();
   creator.join();
-  EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
-  EXPECT_EQ(a->Stats().fenced_writes, 0);
-  ASSERT_TRUE(a->Get("x").ok());
-  EXPECT_EQ(a->Get("x")->metadata, "new");
+  ExpectXHeldWithItsClaim(*a, own_b);
 }
 
 // A Park handing a session over releases its claim late too: deleted meanwhile and created again,
@@ -470,18 +476,12 @@ TEST_F(SharedDirTest, ACreateDuringAHandoffsReleaseClaimsAgainAfterIt) {
   releasing.WaitForNotification();   // parked; the hand-off's release is held
   ASSERT_TRUE(a->Delete("x").ok());  // its own release goes through
   own_a.AfterNextClaim([&] { claimed.Notify(); });
-  std::thread creator([&] {
-    const absl::Status made = a->Create("x", "new");
-    EXPECT_TRUE(made.ok()) << made;
-  });
+  std::thread creator = CreateXOnAThread(*a);
   claimed.WaitForNotification();
   release_gate.Notify();
   parker.join();
   creator.join();
-  EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
-  EXPECT_EQ(a->Stats().fenced_writes, 0);
-  ASSERT_TRUE(a->Get("x").ok());
-  EXPECT_EQ(a->Get("x")->metadata, "new");
+  ExpectXHeldWithItsClaim(*a, own_b);
 }
 
 // The hand-off thread parks every session this replica owns that another asked for; a key it
@@ -500,16 +500,12 @@ TEST_F(SharedDirTest, AParkOfAClaimWithoutASessionReleasesItAndACreateUnderWayCl
 
   absl::Notification claimed, claim_gate;
   own_a.HoldNextClaim(claimed, claim_gate);
-  std::thread creator([&] {
-    const absl::Status made = a->Create("x", "new");
-    EXPECT_TRUE(made.ok()) << made;
-  });
+  std::thread creator = CreateXOnAThread(*a);
   claimed.WaitForNotification();  // claimed; no session yet
   EXPECT_TRUE(absl::IsNotFound(a->Park("x", Tier::kDisk)));
   claim_gate.Notify();
   creator.join();
-  EXPECT_TRUE(absl::IsUnavailable(own_b.Claim(SessionKey("x"))));
-  ASSERT_TRUE(a->Get("x").ok());
+  ExpectXHeldWithItsClaim(*a, own_b);
   ASSERT_TRUE(a->Park("x", Tier::kDisk).ok());  // written under its claim
   EXPECT_EQ(a->Stats().fenced_writes, 0);
 }
