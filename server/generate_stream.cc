@@ -65,10 +65,9 @@ void GenerateStream::OnEndToken(int32_t token, absl::string_view text) {
 void GenerateStream::OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) {
   {
     absl::MutexLock lock(&mu_);
-    const Usage told = CallerUsage(usage, prompt_tokens_);
-    usage_.set_prompt_tokens(told.prompt_tokens);
-    usage_.set_history_tokens(told.history_tokens);
-    usage_.set_generated_tokens(told.generated_tokens);
+    usage_.set_prompt_tokens(usage.prompt_tokens);
+    usage_.set_history_tokens(usage.history_tokens);
+    usage_.set_generated_tokens(usage.generated_tokens);
     job_done_ = true;
     const bool client_cancelled = cancelled_.load() || broken_;
     switch (reason) {

@@ -63,9 +63,8 @@ class GenerateStream final : public JobObserver {
   // after this stream has called Finish and never touches them again.
   GenerateStream(Writer* writer, grpc::CallbackServerContext* context, FinishCallback on_finish);
 
-  // Before the job is submitted: the request's prompt tokens (with BOS), and the call's deadline
-  // (gRPC cancels a call whose deadline passed; that is reported as DEADLINE_EXCEEDED).
-  void set_prompt_tokens(int64_t n) { prompt_tokens_ = n; }
+  // Before the job is submitted: the call's deadline (gRPC cancels a call whose deadline passed;
+  // that is reported as DEADLINE_EXCEEDED).
   void set_deadline(absl::Time deadline) { deadline_ = deadline; }
 
   // Ends the call with `status` (not OK) without a job: the request was refused.
@@ -88,7 +87,6 @@ class GenerateStream final : public JobObserver {
   Writer* const writer_;
   grpc::CallbackServerContext* const context_;
   const FinishCallback on_finish_;
-  int64_t prompt_tokens_ = 0;
   absl::Time deadline_ = absl::InfiniteFuture();
   std::atomic<bool> cancelled_{false};  // by the client (or its stream broke)
 

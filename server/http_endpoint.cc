@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "base/thread_name.h"
 #include "httplib.h"
+#include "server/http/listen_socket.h"
 #include "server/metrics/exposition.h"
 
 namespace sdm {
@@ -30,12 +31,7 @@ class HttpEndpoint::Impl {
     server_.set_keep_alive_timeout(static_cast<time_t>(
         absl::ToInt64Seconds(absl::Ceil(options.keep_alive_timeout, absl::Seconds(1)))));
     server_.set_keep_alive_max_count(static_cast<size_t>(options.keep_alive_max_requests));
-    // httplib's default is SO_REUSEPORT, which would let a second server share (and silently
-    // split the scrapes of) a port in use. SO_REUSEADDR only allows a quick restart.
-    server_.set_socket_options([](socket_t socket) {
-      const int yes = 1;
-      setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    });
+    server_.set_socket_options(SetExclusiveListenOptions);  // a port in use fails the start
     server_.Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
       response.set_content(metrics_(), kPrometheusContentType);
     });

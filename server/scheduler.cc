@@ -133,7 +133,6 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     job->had_pending = true;
   }
   job->to_feed.insert(job->to_feed.end(), job->spec.prompt.begin(), job->spec.prompt.end());
-  job->usage.prompt_tokens = static_cast<int64_t>(job->to_feed.size());
   st.sampler_seed = job->spec.sampling.seed;
   // A session that is not on the device is converted for it here, on the caller's thread, not
   // inside the step that resumes it, where every other session would wait (Engine::StageResume;
@@ -330,6 +329,21 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
       return;
     }
   }
+  // A job alone whose step does not fit fails. RESOURCE_EXHAUSTED tells a client to retry: right
+  // while its session holds nothing of the request, wrong once the session read part of it (a
+  // retry would feed the whole prompt again after that part, or repeat a turn half generated).
+  absl::Status failed_alone;
+  if (absl::IsResourceExhausted(status) && plan.size() == 1) {
+    const Job& job = *plan[0].job;
+    const size_t carried = job.had_pending ? 1 : 0;
+    if (!job.spec.session.id.empty() && (job.fed > carried || job.usage.generated_tokens > 0)) {
+      failed_alone = absl::AbortedError(absl::StrCat(
+          "the session's next step did not fit (", status.message(), "); the session keeps what ",
+          "this request did before it: ", job.fed - std::min(job.fed, carried), " of its ",
+          job.to_feed.size() - carried, " prompt tokens read, ", job.usage.generated_tokens,
+          " tokens generated. Continue from there rather than sending the request again"));
+    }
+  }
   if (status.ok() && ++fitting_steps_ >= kCapProbeSteps) {
     fitting_steps_ = 0;
     absl::MutexLock lock(&mu_);
@@ -338,7 +352,7 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   for (const Planned& p : plan) {
     Job& job = *p.job;
     if (!status.ok()) {
-      Finish(job, FinishReason::kError, status);
+      Finish(job, FinishReason::kError, failed_alone.ok() ? status : failed_alone);
       continue;
     }
     if (p.prefill > 0) {
@@ -387,6 +401,12 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
     job.state->pending_token = job.to_feed[0];  // ended before reading anything: keep it
   }
   job.next_input = -1;
+  // Usage counts what was read (scheduler.h): a job that ended before its whole prompt was fed
+  // (cancelled while queued or during its prefill, a deadline, an error) reports only the part
+  // read; a pending token read first is history.
+  const int64_t carried = job.had_pending && job.fed > 0 ? 1 : 0;
+  job.usage.history_tokens += carried;
+  job.usage.prompt_tokens = static_cast<int64_t>(job.fed) - carried;
   if (job.running) {
     // Its place in the batch is free before the client hears of the end: a next turn sent at
     // once is admitted as if the step had already dropped this job. (After a step that did not

@@ -68,22 +68,15 @@
 
 namespace sdm {
 
+// What a job read and sampled, as the APIs report it and the metrics count it (OnFinish).
+// The scheduler feeds a session's pending token (the previous request's last generated token)
+// ahead of the prompt; the caller never sent it, so it counts as history once it was read.
 struct Usage {
-  int64_t prompt_tokens = 0;     // tokens of this request's prompt fed to the model
+  int64_t prompt_tokens = 0;     // tokens of this request's prompt read by the model (a job that
+                                 // ended early: only those read before it ended)
   int64_t history_tokens = 0;    // tokens already carried by the session's state (not re-read)
   int64_t generated_tokens = 0;  // tokens sampled
 };
-
-// The usage the APIs report (and count in the metrics) for a job whose caller sent
-// `request_prompt_tokens`: the scheduler feeds a session's pending token (the previous request's
-// last generated token) ahead of the prompt and counts it as prompt; the caller never sent it,
-// so the APIs count it as history.
-inline Usage CallerUsage(const Usage& fed, int64_t request_prompt_tokens) {
-  const int64_t carried = fed.prompt_tokens - request_prompt_tokens;
-  return Usage{.prompt_tokens = request_prompt_tokens,
-               .history_tokens = fed.history_tokens + (carried > 0 ? carried : 0),
-               .generated_tokens = fed.generated_tokens};
-}
 
 struct GenerateJob {
   SessionKey session;           // empty id: one-shot

@@ -475,7 +475,6 @@ grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
           !prepared.ok()) {
         return prepared;
       }
-      stream->set_prompt_tokens(static_cast<int64_t>(job.prompt.size()));
       stream->set_deadline(job.deadline);
       return SubmitGenerate(std::move(job), stream);
     });

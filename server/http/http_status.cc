@@ -68,10 +68,11 @@ absl::string_view TypeOf(int http_status) {
 }  // namespace
 
 std::string ErrorBody(int http_status, absl::string_view message, absl::string_view code) {
-  nlohmann::json error = {{"message", std::string(message)},
-                          {"type", std::string(TypeOf(http_status))},
-                          {"param", nullptr},
-                          {"code", std::string(code)}};
+  nlohmann::json error = {
+      {"message", std::string(message)},
+      {"type", std::string(TypeOf(http_status))},
+      {"param", nullptr},
+      {"code", code.empty() ? nlohmann::json(nullptr) : nlohmann::json(std::string(code))}};
   return nlohmann::json{{"error", std::move(error)}}.dump(-1, ' ', false,
                                                           nlohmann::json::error_handler_t::replace);
 }

@@ -11,8 +11,9 @@
 //   UNAVAILABLE                                          503 service_unavailable (+ Retry-After)
 //   DEADLINE_EXCEEDED                                    504 timeout_error
 //   everything else (DATA_LOSS, INTERNAL, ...)           500 server_error
-// 413 (a body over the size limit) is decided by the HTTP server before any status exists; it
-// uses the same body shape through PayloadTooLargeError().
+// Errors the HTTP server decides before any status exists (413 for a body over the size limit,
+// 404 for no such endpoint, 400 for a request it cannot read) use the same body through
+// ErrorBody().
 //
 // Body: {"error": {"message": ..., "type": ..., "param": null, "code": ...}}, where code is the
 // status code's name in lower case ("not_found", "resource_exhausted", ...) unless given.
@@ -38,7 +39,8 @@ struct HttpError {
 // `status` must not be OK. `code` overrides the body's code (e.g. "model_not_found").
 HttpError ToHttpError(const absl::Status& status, absl::string_view code = "");
 
-// OpenAI's error JSON for one HTTP status and message (for errors raised before a Status).
+// OpenAI's error JSON for one HTTP status and message (for errors raised before a Status); an
+// empty `code` is null, as OpenAI's API sends where it has none.
 std::string ErrorBody(int http_status, absl::string_view message, absl::string_view code);
 
 }  // namespace sdm

@@ -1,6 +1,7 @@
 #include "server/http/openai_json.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 #include <utility>
@@ -155,6 +156,40 @@ absl::Status ParseMessages(const Json& body, OpenAiRequest& r) {
   return absl::OkStatus();
 }
 
+// OpenAI fields this server does not implement are refused when they ask for something: a client
+// that asked for log-probabilities or an echoed prompt must not read a response without them as
+// if it had them. Their "off" values (null, false, 0; best_of 1; response_format "text"; an empty
+// suffix) are accepted, as clients send them by default.
+absl::Status RefuseUnimplemented(const Json& body) {
+  const auto is_false_or_zero = [](const Json& v) {
+    return (v.is_boolean() && !v.get<bool>()) || (v.is_number() && v.get<double>() == 0);
+  };
+  struct Unimplemented {
+    const char* field;
+    const char* what;
+    std::function<bool(const Json&)> off;
+  };
+  const Unimplemented fields[] = {
+      {"logprobs", "it returns no log-probabilities", is_false_or_zero},
+      {"top_logprobs", "it returns no log-probabilities", is_false_or_zero},
+      {"echo", "it does not echo the prompt", is_false_or_zero},
+      {"best_of", "it generates one completion per request",
+       [](const Json& v) { return v.is_number() && v.get<double>() == 1; }},
+      {"suffix", "it does not insert text between a prompt and a suffix",
+       [](const Json& v) { return v.is_string() && v.get<std::string>().empty(); }},
+      {"response_format", "it has no JSON or schema-constrained output",
+       [](const Json& v) { return v.is_object() && v.value("type", Json()) == "text"; }},
+  };
+  for (const Unimplemented& u : fields) {
+    const Json* v = Field(body, u.field);
+    if (v != nullptr && !u.off(*v)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", u.field, "' is not supported by this server (", u.what, "); leave it out"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiEndpoint endpoint) {
@@ -192,6 +227,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
     return absl::InvalidArgumentError(
         absl::StrCat("'n' must be 1 (this server returns one choice per request), got ", *n));
   }
+  if (absl::Status s = RefuseUnimplemented(j); !s.ok()) return s;
   if (absl::Status s = GetBool(j, "stream", r.stream); !s.ok()) return s;
   if (const Json* options = Field(j, "stream_options"); options != nullptr) {
     if (!options->is_object()) return WrongType("stream_options", "an object");

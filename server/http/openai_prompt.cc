@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "base/status_macros.h"
 
@@ -30,6 +31,15 @@ absl::StatusOr<OpenAiPrompt> RenderOpenAiPrompt(SdmServiceImpl& service, absl::s
 absl::Status PrepareOpenAiJob(SdmServiceImpl& service, absl::string_view tenant,
                               const OpenAiRequest& request, const OpenAiPrompt& prompt,
                               GenerateJob& job) {
+  // The chat template's stop strings count towards the limit: say so, rather than letting the
+  // service count more strings than the request sent.
+  if (!prompt.stop.empty() &&
+      request.stop.size() + prompt.stop.size() > static_cast<size_t>(kMaxStopStrings)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("'stop' has ", request.stop.size(), " strings; with the chat template's ",
+                     prompt.stop.size(), " at most ",
+                     kMaxStopStrings - static_cast<int>(prompt.stop.size()), " are allowed"));
+  }
   const v1::GenerateRequest generate = ToGenerateRequest(request, prompt.text, prompt.stop);
   SDM_RETURN_IF_ERROR(service.PrepareGenerate(tenant, absl::InfiniteFuture(), generate, job));
   if (prompt.history >= 0 && prompt.history != job.expected_history) {

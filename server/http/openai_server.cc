@@ -20,6 +20,7 @@
 #include "nlohmann/json.hpp"
 #include "server/http/console_page.h"
 #include "server/http/http_status.h"
+#include "server/http/listen_socket.h"
 #include "server/http/openai_json.h"
 #include "server/http/openai_prompt.h"
 #include "server/scheduler.h"
@@ -85,7 +86,14 @@ class HttpJob final : public JobObserver {
 
   void OnToken(int32_t, absl::string_view text) override { Append(text); }
   void OnEndToken(int32_t, absl::string_view text) override { Append(text); }
+  // `metrics` count the job's tokens when it ends, whether or not its response was written (a
+  // client that went away still had its prompt read and tokens generated, as over gRPC).
+  explicit HttpJob(ServerMetrics& metrics) : metrics_(metrics) {}
+
   void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override {
+    metrics_.prompt_tokens.Increment(static_cast<double>(usage.prompt_tokens));
+    metrics_.history_tokens.Increment(static_cast<double>(usage.history_tokens));
+    metrics_.generated_tokens.Increment(static_cast<double>(usage.generated_tokens));
     absl::MutexLock lock(&mu_);
     done_ = true;
     reason_ = reason;
@@ -122,6 +130,7 @@ class HttpJob final : public JobObserver {
     text_.append(text.data(), text.size());
   }
 
+  ServerMetrics& metrics_;
   std::atomic<bool> cancelled_{false};
   absl::Mutex mu_;
   std::string text_ ABSL_GUARDED_BY(mu_);
@@ -251,6 +260,12 @@ void OpenAiServer::Handlers::Post(
                                                            httplib::Response& res,
                                                            const httplib::ContentReader& read) {
     std::string body;
+    // A request with neither a length nor chunks has no body (RFC 9112 §6.3): httplib would read
+    // one until the connection closes, holding `curl -X POST` for the read timeout, then 400.
+    if (!req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
+      handler(req, body, res);
+      return;
+    }
     bool too_large = false;
     const auto receive = [&](const char* data, size_t size) {
       too_large = body.size() + size > limit;
@@ -310,7 +325,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
 
   // The prompt text, rendered again with the job if the session changed before the job took it
   // (server/http/openai_prompt.h).
-  auto observer = std::make_shared<HttpJob>();
+  auto observer = std::make_shared<HttpJob>(metrics_);
   owner_.active_generations_.fetch_add(1);
   const absl::StatusOr<int64_t> submitted =
       SubmitOpenAiRequest(service_, *tenant, *request, chat_template_, observer);
@@ -318,7 +333,6 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     owner_.active_generations_.fetch_sub(1);
     return refuse(submitted.status());
   }
-  const int64_t prompt_tokens = *submitted;
 
   // Accepted: from here on the status is 200 and the body carries what happens.
   const std::string id = RandomId(endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-");
@@ -343,7 +357,6 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
   auto state = std::make_shared<StreamState>();
   const std::string model = model_name_;
   const absl::Duration heartbeat = options_.heartbeat;
-  ServerMetrics* const metrics = &metrics_;
   SdmServiceImpl* const service = &service_;
   OpenAiServer* const owner = &owner_;
 
@@ -402,13 +415,10 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     }
 
     // The end.
-    const Usage u = CallerUsage(t.usage, prompt_tokens);  // as gRPC reports it
+    const Usage& u = t.usage;  // counted in the metrics by the job (HttpJob)
     const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
     service->RecordRequest(method, status.code(), start);
     state->recorded = true;
-    metrics->prompt_tokens.Increment(static_cast<double>(u.prompt_tokens));
-    metrics->history_tokens.Increment(static_cast<double>(u.history_tokens));
-    metrics->generated_tokens.Increment(static_cast<double>(u.generated_tokens));
     const Json usage = UsageJson(u.prompt_tokens, u.generated_tokens, u.history_tokens);
     Json session = nullptr;
     if (!session_id.empty()) {
@@ -577,24 +587,30 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
 
   // Errors decided by the HTTP server itself (unknown path, body too large) in OpenAI's shape;
   // responses that already carry a body are left alone.
-  http.set_error_handler(httplib::Server::HandlerWithResponse([](const httplib::Request& req,
-                                                                 httplib::Response& res) {
-    if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
-    std::string message;
-    switch (res.status) {
-      case 404:
-        message = absl::StrCat("no endpoint ", req.method, " ", req.path);
-        break;
-      case 413:
-        message = "the request body is larger than this server accepts";
-        break;
-      default:
-        message = absl::StrCat("HTTP ", res.status);
-    }
-    res.set_content(ErrorBody(res.status, message, res.status == 413 ? "payload_too_large" : ""),
-                    kJsonContentType);
-    return httplib::Server::HandlerResponse::Handled;
-  }));
+  http.set_error_handler(
+      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+        if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
+        std::string message;
+        std::string code;  // as ToHttpError names its codes (server/http/http_status.h)
+        switch (res.status) {
+          case 400:
+            message = "the request could not be read as HTTP/1.1";
+            code = "invalid_argument";
+            break;
+          case 404:
+            message = absl::StrCat("no endpoint ", req.method, " ", req.path);
+            code = "not_found";
+            break;
+          case 413:
+            message = "the request body is larger than this server accepts";
+            code = "payload_too_large";
+            break;
+          default:
+            message = absl::StrCat("HTTP ", res.status);
+        }
+        res.set_content(ErrorBody(res.status, message, code), kJsonContentType);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
   http.set_exception_handler(
       [](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
         res.status = 500;
@@ -620,6 +636,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   http.set_keep_alive_timeout(std::max<int64_t>(1, seconds(options.keep_alive_timeout)));
   http.set_keep_alive_max_count(1000);
   http.set_payload_max_length(options.max_body_bytes);
+  http.set_socket_options(SetExclusiveListenOptions);  // a port in use fails the start
   server->handlers_ = std::make_unique<Handlers>(*server, options, service, auth, metrics,
                                                  *std::move(chat_template));
   server->handlers_->Install(http);
@@ -634,10 +651,21 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
                                                " for the HTTP API (in use, or not an address of "
                                                "this host)"));
   }
-  server->thread_ = std::thread([&http] {
+  OpenAiServer& started = *server;
+  server->thread_ = std::thread([&http, &started] {
     SetCurrentThreadName("sdm-http");  // its workers, started by it, inherit the name
     http.listen_after_bind();
+    started.listener_exited_ = true;
   });
+  // httplib's stop() does nothing until the accept loop runs: a server stopped right after its
+  // start (a later part of the start failing) would wait for ever in Stop(). Wait for it.
+  while (!http.is_running()) {
+    if (server->listener_exited_) {
+      return absl::UnavailableError(absl::StrCat("listening on ", options.host, ":", server->port_,
+                                                 " for the HTTP API ended at once"));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return server;
 }
 

@@ -1,7 +1,5 @@
 #include "server/http_endpoint.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -26,8 +24,10 @@
 namespace sdm {
 namespace {
 
+using ::sdm::testing::ConnectRaw;
 using ::sdm::testing::ParsedPage;
 using ::sdm::testing::ParsePrometheusText;
+using ::sdm::testing::SendAll;
 using ::sdm::testing::TestHttpClient;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -181,25 +181,6 @@ TEST(HttpEndpointTest, StartAndStopRepeatedly) {
     auto endpoint = HttpEndpoint::Start(Loopback(), PageOf(registry));
     ASSERT_TRUE(endpoint.ok()) << endpoint.status();
   }
-}
-
-// A raw TCP connection to 127.0.0.1:port (-1 on failure), for clients httplib would not be.
-int ConnectRaw(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  if (fd < 0) return -1;
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (connect(fd, reinterpret_cast<const sockaddr*>(&address), sizeof(address)) != 0) {
-    close(fd);
-    return -1;
-  }
-  return fd;
-}
-
-bool SendAll(int fd, const std::string& bytes) {
-  return send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(bytes.size());
 }
 
 TEST(HttpEndpointTest, ClientsDrippingHeaderBytesDoNotStarveHealthChecks) {

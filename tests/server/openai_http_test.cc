@@ -1,6 +1,10 @@
 // The OpenAI-compatible HTTP API end to end: SdmServer in-process on 127.0.0.1 with its HTTP API
 // on a free port, the tiny random model, cpp-httplib as the client; gRPC alongside on the same
 // server for the shared-batch and tenancy checks.
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -20,6 +24,7 @@
 #include "server/http/chat_template.h"
 #include "server/http/http_status.h"
 #include "tests/base/eventually.h"
+#include "tests/server/http_test_client.h"
 #include "tests/server/server_test_util.h"
 
 namespace sdm::testing {
@@ -419,6 +424,18 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/chat/completions", with(chat, "stream_options", 1), 400, "stream_options"},
       {"/v1/chat/completions", with(chat, "n", 3), 400, "'n' must be 1"},
       {"/v1/chat/completions", with(chat, "session_id", "nope"), 404, "'nope' not found"},
+      // What this server does not implement is refused when asked for, not silently left out.
+      {"/v1/completions", with(good, "logprobs", 3), 400, "'logprobs' is not supported"},
+      {"/v1/completions", with(good, "echo", true), 400, "'echo' is not supported"},
+      {"/v1/completions", with(good, "best_of", 2), 400, "'best_of' is not supported"},
+      {"/v1/completions", with(good, "suffix", "end"), 400, "'suffix' is not supported"},
+      {"/v1/chat/completions", with(chat, "logprobs", true), 400, "'logprobs' is not supported"},
+      {"/v1/chat/completions", with(chat, "top_logprobs", 2), 400, "'top_logprobs'"},
+      {"/v1/chat/completions", with(chat, "response_format", {{"type", "json_object"}}), 400,
+       "'response_format' is not supported"},
+      // The chat template's stop string counts towards the 16.
+      {"/v1/chat/completions", with(chat, "stop", Json(std::vector<std::string>(16, "z"))), 400,
+       "with the chat template's 1 at most 15"},
       {"/v1/completions", std::string(100 << 10, ' '), 413, "larger than"},
       {"/v1/sessions", "{\"session_id\": 7}", 400, "'session_id'"},
       {"/v1/sessions", "{\"ttl_seconds\": -1}", 400, "ttl_seconds"},
@@ -433,9 +450,27 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
     EXPECT_TRUE(r.body["error"]["message"].is_string());
     EXPECT_TRUE(r.body["error"]["type"].is_string());
     EXPECT_THAT(r.body["error"]["message"].get<std::string>(), HasSubstr(c.message_part));
+    EXPECT_TRUE(r.body["error"]["code"].is_string()) << r.raw;  // never empty: a name or null
+    EXPECT_NE(r.body["error"]["code"], "") << r.raw;
     // Still serving.
     ASSERT_EQ(Post(port, "/v1/completions", good).status, 200);
   }
+  // Their "off" values, which clients send by default, are accepted.
+  for (const auto& [field, value] :
+       std::vector<std::pair<std::string, Json>>{{"logprobs", nullptr},
+                                                 {"logprobs", 0},
+                                                 {"echo", false},
+                                                 {"best_of", 1},
+                                                 {"suffix", ""},
+                                                 {"response_format", {{"type", "text"}}}}) {
+    SCOPED_TRACE(field + ": " + value.dump());
+    EXPECT_EQ(Call(port, "POST", "/v1/completions", with(good, field, value)).status, 200);
+  }
+  EXPECT_EQ(Call(port, "POST", "/v1/chat/completions", with(chat, "logprobs", false)).status, 200);
+  EXPECT_EQ(Call(port, "POST", "/v1/chat/completions",
+                 with(chat, "stop", Json(std::vector<std::string>(15, "z"))))
+                .status,
+            200);
   EXPECT_EQ(Call(port, "GET", "/v1/sessions/nope", "").status, 404);
   EXPECT_EQ(Call(port, "DELETE", "/v1/sessions/nope", "").status, 404);
 }
@@ -539,6 +574,11 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
     SCOPED_TRACE("Accept-Encoding: " + encodings);
     const std::string id = encodings.empty() ? "whole" : "whole-compressible";
     ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", id}}).status, 200);
+    const auto counted = [&](const std::string& name) {
+      return MetricValue(ScrapeMetrics(s.server->metrics_port()), name);
+    };
+    const double generated_before = counted("sdm_generated_tokens_total");
+    const double prompt_before = counted("sdm_prompt_tokens_total");
     httplib::Headers headers;
     if (!encodings.empty()) headers.emplace("Accept-Encoding", encodings);
     httplib::Client client = TestHttpClient(port);
@@ -566,6 +606,10 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
     EXPECT_TRUE(Eventually([&] {
       return GetSession(*s.stub, id, &session).ok() && !session.generating();
     })) << "the job kept running after its client left";
+    // What it read and generated is counted, as for a gRPC call that was cancelled.
+    EXPECT_TRUE(
+        Eventually([&] { return counted("sdm_generated_tokens_total") > generated_before; }));
+    EXPECT_GT(counted("sdm_prompt_tokens_total"), prompt_before);
     // Its place in the batch (max_running 1) is free again.
     EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "next"}, {"max_tokens", 2}}).status, 200);
   }
@@ -578,6 +622,32 @@ TEST_F(OpenAiHttpTest, ANonStreamingClientThatHangsUpCancelsItsRequest) {
   EXPECT_EQ(r->status, 200);
   EXPECT_EQ(r->get_header_value("Content-Encoding"), "");
   EXPECT_EQ(r->get_header_value("Content-Type"), "application/json; charset=utf-8");
+}
+
+// A POST with neither Content-Length nor Transfer-Encoding has an empty body (`curl -X POST`
+// sends such a request): answered at once, as with `Content-Length: 0`. httplib read it as a
+// body that ends when the connection closes: the client waited for the read timeout, then 400.
+TEST_F(OpenAiHttpTest, APostWithoutABodyIsAnsweredAsAnEmptyOne) {
+  ServerOptions o = Options();
+  o.http.read_timeout = absl::Hours(1);  // the old wait, long enough to fail the test's bound
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int fd = ConnectRaw(s.server->http_port());
+  ASSERT_GE(fd, 0);
+  ASSERT_TRUE(SendAll(fd, "POST /v1/sessions HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
+  // Read the answer's head; a server waiting for the body sends nothing (bounded by a timeout on
+  // the socket, so a wrong server fails the test rather than hanging it).
+  timeval bound{.tv_sec = 60, .tv_usec = 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &bound, sizeof(bound));
+  std::string answer;
+  char buffer[4096];
+  ssize_t n;
+  while (answer.find("\r\n\r\n") == std::string::npos &&
+         (n = recv(fd, buffer, sizeof(buffer), 0)) > 0) {
+    answer.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  EXPECT_TRUE(absl::StartsWith(answer, "HTTP/1.1 200")) << answer;
 }
 
 // A body is read as JSON up to --http_max_body_bytes whatever its Content-Type says: `curl -d`
@@ -727,6 +797,38 @@ TEST_F(OpenAiHttpTest, HttpAndGrpcInOneBatchEachGetTheirSoloTokens) {
     EXPECT_EQ(http_text(over_http[i], i), solo.text);
     const Reply solo_http = Post(port, "/v1/completions", http_body(i));
     EXPECT_EQ(http_text(solo_http, i), solo.text);
+  }
+}
+
+// A second server on the HTTP port another one serves fails to start, naming it: with httplib's
+// default SO_REUSEPORT both listened and the kernel split the connections between the two (the
+// one without API keys answering half of the unauthenticated requests).
+TEST_F(OpenAiHttpTest, AnHttpPortInUseFailsTheStart) {
+  Served first = Serve(Options());
+  ASSERT_NE(first.server, nullptr);
+  ServerOptions o = Options();
+  o.store.dir = dir_.path() / "second-state";
+  o.http.port = first.server->http_port();
+  absl::StatusOr<std::unique_ptr<SdmServer>> second = SdmServer::Start(o);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(second.status().message()),
+              HasSubstr(absl::StrCat(":", first.server->http_port(), " for the HTTP API")));
+}
+
+// A start that fails after the HTTP API listens (here: the metrics port is in use) returns its
+// error: the HTTP listener it had started is stopped and joined. httplib's stop() does nothing
+// before its accept loop runs, so a stop right after the start could wait for ever.
+TEST_F(OpenAiHttpTest, AStartFailingAfterTheHttpApiListensReturns) {
+  Served first = Serve(Options());
+  ASSERT_NE(first.server, nullptr);
+  for (int i = 0; i < 20; ++i) {
+    ServerOptions o = Options();
+    o.store.dir = dir_.path() / absl::StrCat("state-", i);
+    o.metrics_port = first.server->metrics_port();
+    absl::StatusOr<std::unique_ptr<SdmServer>> second = SdmServer::Start(o);
+    ASSERT_FALSE(second.ok());
+    EXPECT_THAT(std::string(second.status().message()), HasSubstr("metrics endpoint"));
   }
 }
 

@@ -223,8 +223,10 @@ TEST_F(SchedulerTest, SessionTurnsContinueTheConversationAndSurviveARestart) {
   };
   auto t1 = run(p1);
   auto t2 = run(p2);
-  // p1 and the fed generated tokens of t1; its last sampled token pends.
-  EXPECT_EQ(t2->usage.history_tokens, 6 + t1->usage.generated_tokens - 1);
+  // p1 and every generated token of t1 (its last sampled token pended, and t2 read it first:
+  // history, not prompt).
+  EXPECT_EQ(t2->usage.history_tokens, 6 + t1->usage.generated_tokens);
+  EXPECT_EQ(t2->usage.prompt_tokens, 4);
   // Restart: park everything to disk, new store and scheduler.
   scheduler_.reset();
   ASSERT_TRUE(store_->PersistAll().ok());
@@ -342,7 +344,9 @@ TEST_F(SchedulerTest, AJobPreparedFromAStaleReadIsRefusedAndChangesNothing) {
   turn2.expected_history = history;
   ASSERT_TRUE(scheduler_->Submit(std::move(turn2), second).ok());
   second->Wait();
-  EXPECT_EQ(second->usage.history_tokens, history - 1);  // the pending token is fed first
+  // The pending token, fed first, counts as history (the caller never sent it).
+  EXPECT_EQ(second->usage.history_tokens, history);
+  EXPECT_EQ(second->usage.prompt_tokens, static_cast<int64_t>(p2.size()));
   scheduler_.reset();
 
   auto s = engine_->NewSession();
@@ -416,8 +420,10 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   EXPECT_TRUE(*staged_dropped);
   EXPECT_TRUE(queued->tokens.empty());
   EXPECT_EQ(queued->usage.generated_tokens, 0);
+  EXPECT_EQ(queued->usage.prompt_tokens, 0);  // usage counts what was read
   EXPECT_EQ(expired->reason, FinishReason::kDeadline);
   EXPECT_TRUE(expired->tokens.empty());
+  EXPECT_EQ(expired->usage.prompt_tokens, 0);
   running->cancelled = true;
   running->Wait();
   EXPECT_EQ(running->reason, FinishReason::kCancelled);
@@ -548,6 +554,44 @@ TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobInsteadOfFailingAll) {
   }
   EXPECT_GE(refused->load(), 1);
   EXPECT_EQ(scheduler_->deferred_jobs(), 1);
+}
+
+// A job alone whose step does not fit fails. While its session holds nothing of the request
+// that is RESOURCE_EXHAUSTED (retry); once the session read part of the prompt it is ABORTED
+// saying what the session kept, since a client retrying RESOURCE_EXHAUSTED would feed the whole
+// prompt again after that part.
+TEST_F(SchedulerTest, AJobAloneWhoseStepDoesNotFitSaysWhatItsSessionKept) {
+  constexpr int64_t kChunk = 4;
+  auto refuse_step = std::make_shared<std::atomic<int>>(1);  // the n-th step from now (1-based)
+  EngineOptions eo;
+  eo.prefill_chunk = kChunk;
+  eo.testing_refuse_step = [refuse_step](const StepBatch&) {
+    return refuse_step->fetch_sub(1) == 1;
+  };
+  UseNoEosModel(eo);
+  StartScheduler(SchedulerOptions{});
+  ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  // Its first step refused: nothing read, retrying is right.
+  auto first = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(3 * kChunk, 11), 5), first).ok());
+  first->Wait();
+  EXPECT_EQ(first->error.code(), absl::StatusCode::kResourceExhausted) << first->error;
+  EXPECT_EQ(first->usage.prompt_tokens, 0);
+  // Its second step refused: the session read the first chunk.
+  refuse_step->store(2);
+  auto second = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(3 * kChunk, 12), 5), second).ok());
+  second->Wait();
+  EXPECT_EQ(second->error.code(), absl::StatusCode::kAborted) << second->error;
+  EXPECT_NE(second->error.message().find(absl::StrCat(kChunk, " of its ", 3 * kChunk,
+                                                      " prompt tokens read, 0 tokens generated")),
+            absl::string_view::npos)
+      << second->error;
+  EXPECT_EQ(second->usage.prompt_tokens, kChunk);
+  scheduler_.reset();
+  absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), kChunk);
 }
 
 // The job a step that does not fit defers is the last-admitted job that was in the step, not one
@@ -758,6 +802,32 @@ TEST_F(SchedulerTest, AJobFeedsAtMostOnePrefillChunkPerStep) {
   first->Wait();
   EXPECT_EQ(longest->load(), static_cast<size_t>(kChunk));
   EXPECT_EQ(widest->load(), 2);
+}
+
+// Usage counts what was read: a prompt of three engine chunks cancelled during its first step
+// reports the one chunk the session read (its position says the same), not the whole prompt.
+TEST_F(SchedulerTest, AJobEndedDuringItsPrefillReportsThePromptItRead) {
+  constexpr int64_t kChunk = 8;
+  auto job = std::make_shared<Collector>();
+  EngineOptions eo;
+  eo.prefill_chunk = kChunk;
+  eo.testing_refuse_step = [job](const StepBatch&) {
+    job->cancelled = true;  // seen before the next step: the job ends after this one
+    return false;
+  };
+  UseNoEosModel(eo);
+  StartScheduler(SchedulerOptions{});
+  ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(3 * kChunk, 9), 5), job).ok());
+  job->Wait();
+  EXPECT_EQ(job->reason, FinishReason::kCancelled);
+  EXPECT_EQ(job->usage.prompt_tokens, kChunk);
+  EXPECT_EQ(job->usage.history_tokens, 0);
+  EXPECT_EQ(job->usage.generated_tokens, 0);
+  scheduler_.reset();
+  absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(), kChunk);
 }
 
 // max_waiting 0: no queue, but every free place in the batch still admits a job (it refused

@@ -135,7 +135,9 @@ TEST_F(StaleSessionReadTest, AJobPreparedBeforeAnotherTurnIsRefusedAndPreparedAg
   turn2->Wait();
   EXPECT_EQ(attempts, 1);
   EXPECT_EQ(prepared.prompt, (std::vector<int32_t>{'a', 'g', 'a', 'i', 'n'}));  // no BOS
-  EXPECT_EQ(turn2->usage.history_tokens, 6 + turn1->usage.generated_tokens - 1);
+  // Turn 1's prompt and every token it generated (its last one pended and was read first by
+  // turn 2, as history).
+  EXPECT_EQ(turn2->usage.history_tokens, 6 + turn1->usage.generated_tokens);
 }
 
 // The retry gives up after kGenerateAttempts tries, returning the last refusal; any other result
