@@ -60,6 +60,11 @@ ABSL_FLAG(std::string, http_host, sdm::OpenAiServerOptions{}.host,
 ABSL_FLAG(int, http_port, sdm::OpenAiServerOptions{}.port,
           "Port of the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
           "/v1/models, /v1/sessions); 0 picks a free port, -1 disables it.");
+ABSL_FLAG(int, http_max_connections, sdm::OpenAiServerOptions{}.max_connections,
+          "HTTP API connections served at once, idle keep-alive ones included (each holds a "
+          "thread while open; threads are started as connections arrive and kept); past it a "
+          "new connection waits until one closes. Requests are limited by --max_running and "
+          "--max_waiting (429 when full), not by this.");
 ABSL_FLAG(std::string, chat_template, "",
           "JSON chat template file for /v1/chat/completions (docs/api.md); empty: the model "
           "directory's chat_template.json, else the plain-text default.");
@@ -323,6 +328,7 @@ int main(int argc, char** argv) {
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http.host = absl::GetFlag(FLAGS_http_host);
   options.http.port = absl::GetFlag(FLAGS_http_port);
+  options.http.max_connections = absl::GetFlag(FLAGS_http_max_connections);
   options.http.chat_template_file = absl::GetFlag(FLAGS_chat_template);
   options.store.dir = absl::GetFlag(FLAGS_state_dir);
   options.store.shared_dir = absl::GetFlag(FLAGS_shared_state_dir);

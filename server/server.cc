@@ -75,6 +75,10 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         absl::StrCat("http_port must be in [0, 65535], or -1 for no HTTP API, got ", o.http.port));
   }
+  if (o.http.max_connections < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("http_max_connections must be >= 1, got ", o.http.max_connections));
+  }
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
     return absl::InvalidArgumentError("TLS needs both a certificate and its key (or neither)");
   }

@@ -18,6 +18,7 @@
 #include "base/thread_name.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "server/http/connection_pool.h"
 #include "server/http/console_page.h"
 #include "server/http/http_status.h"
 #include "server/http/listen_socket.h"
@@ -627,8 +628,12 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   std::unique_ptr<OpenAiServer> server(new OpenAiServer());
   server->http_ = std::make_unique<httplib::Server>();
   httplib::Server& http = *server->http_;
-  const int threads = options.threads > 0 ? options.threads : scheduler_slots + 16;
-  http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  const int max_connections = std::max(1, options.max_connections);
+  const int threads =
+      std::min(options.threads > 0 ? options.threads : scheduler_slots + 16, max_connections);
+  http.new_task_queue = [threads, max_connections] {
+    return new ConnectionPool(threads, max_connections, "sdm-http");
+  };
   const auto seconds = [](absl::Duration d) { return absl::ToInt64Seconds(d); };
   const auto micros = [](absl::Duration d) { return absl::ToInt64Microseconds(d) % 1'000'000; };
   http.set_read_timeout(seconds(options.read_timeout), micros(options.read_timeout));
@@ -653,7 +658,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   }
   OpenAiServer& started = *server;
   server->thread_ = std::thread([&http, &started] {
-    SetCurrentThreadName("sdm-http");  // its workers, started by it, inherit the name
+    SetCurrentThreadName("sdm-http");  // its connection threads are named so too
     http.listen_after_bind();
     started.listener_exited_ = true;
   });

@@ -27,8 +27,12 @@
 // Shutdown (SdmServer): the service stops admitting (503 from then on), streams in flight finish
 // or are cancelled by the scheduler (finish_reason "cancelled"), then Stop() closes the port.
 //
-// Thread-safety: requests run on the HTTP server's thread pool; active_generations() and Stop()
-// may be called from any thread.
+// Connections: each holds a thread of the server's ConnectionPool while it is open; the pool
+// grows with the connections (up to max_connections), so idle keep-alive connections do not
+// keep a new client waiting.
+//
+// Thread-safety: requests run on the HTTP server's connection threads; active_generations() and
+// Stop() may be called from any thread.
 #ifndef SDMSERVE_SERVER_HTTP_OPENAI_SERVER_H_
 #define SDMSERVE_SERVER_HTTP_OPENAI_SERVER_H_
 
@@ -65,8 +69,15 @@ struct OpenAiServerOptions {
   absl::Duration read_timeout = absl::Seconds(30);
   absl::Duration write_timeout = absl::Seconds(30);
   absl::Duration keep_alive_timeout = absl::Seconds(5);
-  // Connections served at once (each stream holds one); 0: max_running + max_waiting + 16.
+  // Threads kept to serve connections: each open connection holds one, from its accept to its
+  // close (idle keep-alive connections included); 0: max_running + max_waiting + 16. Another is
+  // started whenever a connection arrives while none is idle, up to max_connections, and stays
+  // (server/http/connection_pool.h).
   int threads = 0;
+  // Connections served at once (>= 1; threads above it are not started); past it a new
+  // connection waits, unanswered, until one closes. Requests are limited by the scheduler
+  // (max_running, max_waiting: 429 when full), not by this.
+  int max_connections = 1024;
   // How often an idle response is written to, to notice a client that went away.
   absl::Duration heartbeat = absl::Milliseconds(250);
 };
@@ -74,7 +85,7 @@ struct OpenAiServerOptions {
 class OpenAiServer {
  public:
   // Binds the port and starts serving. `scheduler_slots`: max_running + max_waiting (sizes the
-  // thread pool when options.threads is 0). Errors: the chat template file, or an address that
+  // threads kept when options.threads is 0). Errors: the chat template file, or an address that
   // cannot be bound (Unavailable).
   static absl::StatusOr<std::unique_ptr<OpenAiServer>> Start(
       const OpenAiServerOptions& options, SdmServiceImpl& service, const ApiKeyAuthenticator& auth,

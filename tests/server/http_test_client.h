@@ -1,5 +1,5 @@
-// HTTP clients for tests: httplib's, for calls that are expected to succeed, and raw sockets for
-// requests httplib would not send.
+// An HTTP client for tests, for calls that are expected to succeed; and raw TCP connections, for
+// clients httplib would not be (one that drips bytes, one that keeps a connection open idle).
 #ifndef SDMSERVE_TESTS_SERVER_HTTP_TEST_CLIENT_H_
 #define SDMSERVE_TESTS_SERVER_HTTP_TEST_CLIENT_H_
 
@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cstdint>
 #include <string>
 
 #include "httplib.h"
@@ -25,7 +26,7 @@ inline httplib::Client TestHttpClient(int port, const std::string& host = "127.0
   return client;
 }
 
-// A raw TCP connection to 127.0.0.1:port (-1 on failure), for clients httplib would not be.
+// A raw TCP connection to 127.0.0.1:port (-1 on failure).
 inline int ConnectRaw(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   if (fd < 0) return -1;

@@ -13,7 +13,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "gmock/gmock.h"
@@ -559,6 +562,71 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
   EXPECT_EQ(MetricValue(page, "sdm_requests_total",
                         {{"method", "OpenAI.ChatCompletions"}, {"code", "CANCELLED"}}),
             1);
+}
+
+// Sends `GET path` on the raw connection `fd` (kept alive: HTTP/1.1) and reads the whole response,
+// headers and Content-Length bytes of body; its status, or 0 when the connection failed, closed,
+// or gave no answer within a minute.
+int KeepAliveGet(int fd, const std::string& path) {
+  const timeval timeout{60, 0};
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0) return 0;
+  if (!SendAll(fd, absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))) return 0;
+  std::string response;
+  size_t header_end = std::string::npos;
+  size_t body_bytes = 0;
+  while (header_end == std::string::npos || response.size() < header_end + body_bytes) {
+    char buffer[4096];
+    const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
+    if (n <= 0) return 0;
+    response.append(buffer, n);
+    if (header_end != std::string::npos) continue;
+    const size_t blank = response.find("\r\n\r\n");
+    if (blank == std::string::npos) continue;
+    header_end = blank + 4;
+    const std::string headers = absl::AsciiStrToLower(response.substr(0, blank));
+    const size_t length = headers.find("\r\ncontent-length: ");
+    if (length == std::string::npos) return 0;
+    if (!absl::SimpleAtoi(
+            headers.substr(length + 18, headers.find("\r\n", length + 2) - (length + 18)),
+            &body_bytes)) {
+      return 0;
+    }
+  }
+  int status = 0;
+  if (!absl::StartsWith(response, "HTTP/1.1 ") ||
+      !absl::SimpleAtoi(response.substr(9, 3), &status)) {
+    return 0;
+  }
+  return status;
+}
+
+// Idle keep-alive connections (an SDK keeps a pool of them) do not keep a new client waiting:
+// with 2 threads kept, 2 connections that have had their answer stay open, and a new client is
+// answered (a thread is started for it). With a fixed pool of 2 threads it waited, unanswered,
+// until one of them closed: here after the keep-alive timeout, longer than the client's minute.
+TEST_F(OpenAiHttpTest, IdleKeepAliveConnectionsDoNotKeepANewClientWaiting) {
+  ServerOptions o = Options();
+  o.http.threads = 2;
+  o.http.keep_alive_timeout = absl::Minutes(10);
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  std::vector<int> idle;
+  // Closed before the server stops (which waits for its connections).
+  absl::Cleanup close_idle = [&idle] {
+    for (int fd : idle) close(fd);
+  };
+  for (int i = 0; i < o.http.threads; ++i) {
+    const int fd = ConnectRaw(port);
+    ASSERT_GE(fd, 0);
+    idle.push_back(fd);
+    ASSERT_EQ(KeepAliveGet(fd, "/v1/models"), 200);
+  }
+  const Reply models = Call(port, "GET", "/v1/models", "");
+  ASSERT_EQ(models.status, 200) << models.raw;
+  EXPECT_EQ(models.body["object"], "list");
+  // The idle connections were kept open, and are served again.
+  for (int fd : idle) EXPECT_EQ(KeepAliveGet(fd, "/v1/models"), 200);
 }
 
 // Also for a client that accepts compressed responses, as the official SDKs do (httpx, undici:

@@ -100,9 +100,9 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(RunServer("--model x --resident_budget 12parsecs").status, 2);
   EXPECT_EQ(RunServer("--model x --persist_writers 0").status, 2);
   // Values ServerOptions refuses are usage errors too (they were start failures, exit 1).
-  for (const char* flag :
-       {"--max_running 0", "--max_waiting -1", "--port 70000", "--session_ttl 1000000h",
-        "--decode_nice 25", "--max_session_tokens -2", "--device cuda --cpu_dtype bf16"}) {
+  for (const char* flag : {"--max_running 0", "--max_waiting -1", "--port 70000",
+                           "--session_ttl 1000000h", "--decode_nice 25", "--max_session_tokens -2",
+                           "--device cuda --cpu_dtype bf16", "--http_max_connections 0"}) {
     const ProcessRun r = RunServer(absl::StrCat("--model x ", flag));
     EXPECT_EQ(r.status, 2) << flag << ": " << r.err;
   }
