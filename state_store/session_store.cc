@@ -68,6 +68,22 @@ absl::Status SyncError(absl::string_view id, const absl::Status& why) {
       absl::StrCat("session '", id, "' could not be copied back from the device: ", why.message()));
 }
 
+// What a turn waiting for its write (WhenPersisted) is told when the session is deleted (or
+// expires) before the write: its state was never written, and never will be.
+absl::Status DeletedBeforeWrittenError(absl::string_view id) {
+  return absl::AbortedError(absl::StrCat("session '", id,
+                                         "': this turn was not saved: the session was deleted "
+                                         "before the turn was written"));
+}
+
+// ... when the store closes before the write (its worker and writers have stopped).
+absl::Status ClosedBeforeWrittenError(absl::string_view id) {
+  return absl::UnavailableError(
+      absl::StrCat("session '", id,
+                   "': this turn was not saved: the server stopped before the turn was written; "
+                   "the session restarts from its last saved state, without this turn"));
+}
+
 }  // namespace
 
 absl::string_view PersistPolicyName(PersistPolicy policy) {
@@ -249,6 +265,13 @@ struct SessionStateStore::Entry {
         absl::StrCat("session '", name, "': its snapshot failed its checks: ", broken.message()));
   }
 
+  // What a turn waiting for its write is told once the session is broken before the write: it
+  // will never be written (a broken session is not).
+  absl::Status NotSavedError(absl::string_view name) const {
+    return absl::DataLossError(absl::StrCat("this turn was not saved: before it was written, ",
+                                            BrokenError(name).message()));
+  }
+
   // Precondition: resident and not being stepped.
   void Refresh() {
     resident_bytes = state->ResidentBytes();
@@ -377,7 +400,9 @@ SessionStateStore::~SessionStateStore() {
   SyncWritten();  // what was handed to the kernel reaches the disk before the store goes
   {
     absl::MutexLock lock(&mu_);
-    for (auto& [key, e] : entries_) SettleWaiters(*e, /*all=*/true);
+    for (auto& [key, e] : entries_) {
+      SettleWaiters(*e, /*all=*/true, ClosedBeforeWrittenError(key.id));
+    }
   }
   FlushReady();
 }
@@ -539,7 +564,8 @@ void SessionStateStore::Insert(std::unique_ptr<Entry> e) {
 
 std::unique_ptr<SessionStateStore::Entry> SessionStateStore::Erase(EntryMap::iterator it) {
   std::unique_ptr<Entry> e = std::move(it->second);
-  SettleWaiters(*e, /*all=*/true);  // nothing left to write
+  // Every waiter left waits for a state that was not written (a write settles the ones it covers).
+  SettleWaiters(*e, /*all=*/true, DeletedBeforeWrittenError(e->key.id));
   entries_.erase(it);
   auto usage = usage_.find(e->key.tenant);
   SDM_CHECK(usage != usage_.end());
@@ -1217,27 +1243,36 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
 }
 
 void SessionStateStore::Release(const SessionKey& key) {
-  absl::MutexLock lock(&mu_);
-  auto it = entries_.find(key);
-  SDM_CHECK(it != entries_.end());  // a leased session cannot be deleted
-  Entry& e = *it->second;
-  Refresh(e);
-  e.in_use = false;
-  e.tick = ++clock_;
-  e.last_used = absl::Now();
-  if (e.state != nullptr && e.state->failed()) {
-    // Half-updated by a failed step: never written (the snapshot on disk, if any, stays the
-    // last good copy), never parked, never leased again; Delete resets it.
-    if (e.broken.ok()) {
-      e.broken = absl::FailedPreconditionError(e.state->failure().message());
-      e.broken_in_step = true;
-      SDM_LOG(ERROR) << "sdm state store: session '" << key.id
-                     << "' is refused from now on: " << e.state->failure();
+  bool settled = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = entries_.find(key);
+    SDM_CHECK(it != entries_.end());  // a leased session cannot be deleted
+    Entry& e = *it->second;
+    Refresh(e);
+    e.in_use = false;
+    e.tick = ++clock_;
+    e.last_used = absl::Now();
+    if (e.state != nullptr && e.state->failed()) {
+      // Half-updated by a failed step: never written (the snapshot on disk, if any, stays the
+      // last good copy), never parked, never leased again; Delete resets it.
+      if (e.broken.ok()) {
+        e.broken = absl::FailedPreconditionError(e.state->failure().message());
+        e.broken_in_step = true;
+        SDM_LOG(ERROR) << "sdm state store: session '" << key.id
+                       << "' is refused from now on: " << e.state->failure();
+      }
+      // Turns still waiting for their write (earlier turns, whose state this step changed
+      // before it could be written) never will be: told so now, not left waiting for good.
+      settled = !e.waiters.empty();
+      SettleWaiters(e, /*all=*/true, e.NotSavedError(key.id));
+    } else {
+      ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
     }
-  } else {
-    ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
+    Changed();
   }
-  Changed();
+  // Their answers go out here, not from the worker (which may be in another session's write).
+  if (settled) FlushReady();
 }
 
 absl::Status SessionStateStore::Delete(const SessionKey& key) {
@@ -2151,6 +2186,9 @@ void SessionStateStore::WhenPersisted(const SessionKey& key,
     // Its state as of now was refused already (written before this call).
     if (e != nullptr && e->fenced_version != 0 && e->fenced_version == e->version) {
       outcome = e->fenced;
+    } else if (e != nullptr && !e->broken.ok() && e->version != e->persisted_version) {
+      // Broken (a later turn failed part-way) before its state was written: it never will be.
+      outcome = e->NotSavedError(key.id);
     }
     const bool wait = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
                       options_.persist == PersistPolicy::kTurn && persist_error_.ok() &&

@@ -424,8 +424,13 @@ class SessionStateStore {
   // is done, never with the store's lock held; pending calls run at the latest when the store is
   // destroyed. A call that waited is counted in Stats().persist_waits, with the time from this
   // call to the write's end in persist_wait_us (what durability costs a turn's acknowledgement).
-  // `done` is given OK, or (replicas) ABORTED when the write was refused because another store
-  // took the session over (the turn is not in the state the session continues from there).
+  // `done` is given OK (never for a state that was to be written and was not), or an error saying
+  // the turn was not saved: (replicas) ABORTED when the write was refused because another store
+  // took the session over (the turn is not in the state the session continues from there);
+  // DATA_LOSS when the session broke before its state was written (a later turn's step failed
+  // part-way: the lease's release, on its thread, answers the calls still waiting, and later
+  // calls are answered at once); ABORTED when the session was deleted (or expired) first;
+  // UNAVAILABLE for calls still waiting when the store is destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void(const absl::Status&)> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the

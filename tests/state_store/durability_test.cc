@@ -35,8 +35,33 @@ namespace sdm {
 namespace {
 
 using testing::FaultInjectionFiles;
+using testing::HoldingFiles;
 
 constexpr int32_t kProbe = 42;
+
+// The answer to a WhenPersisted call, shared with its callback (which a failing test may leave to
+// run after the test's own scope is gone).
+struct Ack {
+  absl::Notification done;
+  absl::Status saved = absl::InternalError("not answered");
+};
+
+std::shared_ptr<Ack> AskWhenPersisted(SessionStateStore& store, const std::string& id) {
+  auto ack = std::make_shared<Ack>();
+  store.WhenPersisted(id, [ack](const absl::Status& saved) {
+    ack->saved = saved;
+    ack->done.Notify();
+  });
+  return ack;
+}
+
+// The answer, waiting for it (a minute at most: never in a passing run).
+absl::Status Answer(const Ack& ack) {
+  if (!ack.done.WaitForNotificationWithTimeout(absl::Minutes(1))) {
+    return absl::DeadlineExceededError("no answer within a minute");
+  }
+  return ack.saved;
+}
 
 // What a kill -9 leaves of `from`: a copy of its files in `to` (created).
 void CopyFiles(const std::filesystem::path& from, const std::filesystem::path& to) {
@@ -66,6 +91,28 @@ class DurabilityTest : public ::testing::Test {
     auto store = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // A store with its worker and writers (background), `writers` threads writing in all.
+  std::unique_ptr<SessionStateStore> OpenWithWriters(const std::filesystem::path& dir,
+                                                     StateFiles* files, int writers) {
+    SessionStoreOptions options;
+    options.dir = dir;
+    options.files = files;
+    options.persist_writers = writers;
+    auto store = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+    EXPECT_TRUE(store.ok()) << store.status();
+    return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // Holds the store's only writer (persist_writers 1) in a write of session "blocker", created
+  // and written first: while it is held, the writers write nothing else.
+  void HoldTheWriter(SessionStateStore& store, HoldingFiles& files) {
+    ASSERT_TRUE(store.Create("blocker", "").ok());
+    ASSERT_TRUE(Answer(*AskWhenPersisted(store, "blocker")).ok());
+    files.Hold(SessionFileStem(SessionKey("blocker")));
+    Turn(store, "blocker", testing::RandomTokens(2, 99));
+    ASSERT_TRUE(files.WaitHeld(absl::Minutes(1)));
   }
 
   // One turn: feeds `tokens` to the session through a lease (returned at the end of the turn).
@@ -780,6 +827,41 @@ class GatedWriteFiles : public FaultInjectionFiles {
   std::atomic<int> held_{0};
   absl::Notification gate_;
 };
+
+// A turn waiting for its write when the next turn on its session takes the session and fails
+// part-way (the engine marks the state failed: the store refuses the session from then on and
+// never writes it) is answered at once, and not with OK: its state was never written, and the
+// session's last saved state is from before it. Before, nothing answered it (the writers skip a
+// broken session): its client waited until the session was deleted, which then answered OK, and
+// a server's shutdown waited for its stream. The writer is held in another session's write
+// throughout, so the next turn takes the session before anything wrote the first.
+TEST_F(DurabilityTest, ATurnWaitingWhenTheNextTurnBreaksItsSessionIsAnswered) {
+  HoldingFiles files;
+  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+  ASSERT_TRUE(store->Create("s", "").ok());
+  ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
+  Turn(*store, "s", testing::RandomTokens(5, 51));
+  const std::shared_ptr<Ack> first = AskWhenPersisted(*store, "s");
+  {
+    auto next = store->Acquire("s");
+    ASSERT_TRUE(next.ok()) << next.status();
+    testing::DecodeEach(*engine_, next->state(), testing::RandomTokens(2, 52));
+    next->state().MarkFailed(absl::InternalError("injected: a step failed part-way"));
+  }
+  const absl::Status saved = Answer(*first);
+  EXPECT_EQ(saved.code(), absl::StatusCode::kDataLoss) << saved;
+  EXPECT_NE(saved.message().find("not saved"), std::string::npos) << saved;
+  EXPECT_NE(saved.message().find("'s'"), std::string::npos) << saved;
+  // Asked again now, the same answer, at once.
+  const std::shared_ptr<Ack> again = AskWhenPersisted(*store, "s");
+  ASSERT_TRUE(again->done.HasBeenNotified());
+  EXPECT_EQ(again->saved.code(), absl::StatusCode::kDataLoss) << again->saved;
+  EXPECT_EQ(store->Acquire("s").status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(store->Delete("s").ok());
+}
 
 // What durability costs a turn's acknowledgement is counted (StoreStats::persist_waits,
 // persist_wait_us): a WhenPersisted call that waits, with at least the time its write was held;

@@ -24,8 +24,11 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
 #include "state_store/byte_source.h"
 #include "state_store/state_files.h"
 
@@ -231,6 +234,52 @@ class FaultInjectionFiles : public StateFiles {
   int fired_ ABSL_GUARDED_BY(mu_) = 0;
   int synced_writes_ ABSL_GUARDED_BY(mu_) = 0;
   int unsynced_writes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// A store's writer stuck in one session's write (a slow disk, a long fsync), for tests of what
+// the other sessions and turns do meanwhile: once Hold(stem) is called, every write of session
+// data (a snapshot or a log append) to a file whose name starts with `stem` (SessionFileStem of
+// the session's key) waits at a gate until Open(). Everything else is FaultInjectionFiles.
+class HoldingFiles : public FaultInjectionFiles {
+ public:
+  void Hold(std::string stem) {
+    absl::MutexLock lock(&mu_);
+    stem_ = std::move(stem);
+  }
+  // Whether a held write reached the gate within `timeout`.
+  bool WaitHeld(absl::Duration timeout) { return held_.WaitForNotificationWithTimeout(timeout); }
+  void Open() {
+    absl::MutexLock lock(&mu_);
+    if (!open_.HasBeenNotified()) open_.Notify();
+  }
+
+  using StateFiles::WriteAt;
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
+                       bool sync) override {
+    Gate(path);
+    return FaultInjectionFiles::WriteAt(path, offset, data, sync);
+  }
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
+                            bool sync) override {
+    Gate(path);
+    return FaultInjectionFiles::WriteAndSync(path, data, sync);
+  }
+
+ private:
+  void Gate(const std::filesystem::path& path) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (stem_.empty() || !absl::StartsWith(path.filename().string(), stem_)) return;
+      if (!held_.HasBeenNotified()) held_.Notify();
+    }
+    open_.WaitForNotification();
+  }
+
+  absl::Mutex mu_;
+  std::string stem_ ABSL_GUARDED_BY(mu_);
+  absl::Notification held_, open_;
 };
 
 }  // namespace sdm::testing
