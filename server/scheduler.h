@@ -100,7 +100,9 @@ bool IsSessionChanged(const absl::Status& status);
 
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which
 // comes once the turn is written to the state directory (SessionStateStore::WhenPersisted: from
-// the store's worker thread, or at once on the step thread when nothing is to wait for). So an
+// the store's worker or writer threads, from the Submit of the session's next turn when that
+// writes it first, or at once on the step thread when nothing is to wait for), never later than
+// its own write: not held up by the session's next turn. So an
 // observer must be thread-safe, and a client's final chunk means its turn survives a crash
 // (replicas: a turn whose write was refused because another replica took the session over while
 // it ran ends with an ABORTED error instead: it is not in the session's state).

@@ -1169,7 +1169,7 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
     }
     RefreshFromSharedDir(key);
     SweepGenerations(key, /*force=*/false);
-    absl::MutexLock lock(&mu_);
+    absl::ReleasableMutexLock lock(&mu_);
     absl::StatusOr<Entry*> found = FindIdle(key);
     if (!found.ok()) return found.status();
     if ((*found)->handing_off || (*found)->handoffs != handoffs) {
@@ -1180,7 +1180,12 @@ absl::StatusOr<SessionLease> SessionStateStore::Acquire(const SessionKey& key) {
       }
       continue;
     }
-    return AcquireIdleLocked(key, **found);
+    absl::StatusOr<SessionLease> lease = AcquireIdleLocked(key, **found);
+    lock.Release();
+    // The answers of the turns whose write AcquireIdleLocked made go out here, not from the worker
+    // (which may be in another session's write).
+    FlushReady();
+    return lease;
   }
 }
 
@@ -1193,6 +1198,15 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
         "session '", key.id, "' is in use by another request; retry when it finishes"));
   }
   SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
+  if (options_.background && options_.persist == PersistPolicy::kTurn &&
+      DueLocked(*e, absl::Now())) {
+    // A turn not written yet (no writer got to it: they may all be busy): written now, on this
+    // thread, before the lease lets the next turn change it. Its acknowledgement (WhenPersisted,
+    // asked for before or after this) then does not wait for the next turn to end, as it would if
+    // the writers found the session in use, and is of its own state. A failure is the write's as
+    // anywhere (counted, its waiters told); the next turn goes ahead on the memory copy.
+    WriteChanges(*e, SyncOnWrite()).IgnoreError();
+  }
   e->in_use = true;
   if (e->tier != Tier::kResident) {
     const Tier from = e->tier;

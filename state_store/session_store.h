@@ -30,8 +30,10 @@
 // written when it is created or forked and after every turn (its lease returned), by the
 // background worker, behind the decode path: turns that end before the worker gets to a session
 // are coalesced into one write, and the write never blocks a step (an Acquire of that session
-// waits for it; a write of a session on the device first waits for the end of the current step,
-// whose thread copies the session's changes back). WhenPersisted() lets the caller acknowledge a
+// waits for a write under way, and makes the write itself, on its own thread, when no writer has
+// begun it, so that the turn's acknowledgement never waits for the next turn; a write of a
+// session on the device first waits for the end of the current step, whose thread copies the
+// session's changes back). WhenPersisted() lets the caller acknowledge a
 // turn only once it is written (the scheduler does), so a kill -9 loses at most the turn in flight.
 // The first write is a full snapshot; later ones are deltas appended to the session's log
 // (state_store/state_log.h: the KV rows the turns appended and, per SDM layer, the writes they made
@@ -420,17 +422,20 @@ class SessionStateStore {
   // scheduler calls this before a job's OnFinish). Calls it at once when nothing is to wait for: no
   // directory, a policy other than kTurn, no worker, writes currently failing (health says so), an
   // on-device session (written when it leaves the device), or a state already written. Otherwise
-  // `done` runs on the worker or a writer thread (persist_writers), as soon as that session's write
-  // is done, never with the store's lock held; pending calls run at the latest when the store is
-  // destroyed. A call that waited is counted in Stats().persist_waits, with the time from this
-  // call to the write's end in persist_wait_us (what durability costs a turn's acknowledgement).
-  // `done` is given OK (never for a state that was to be written and was not), or an error saying
-  // the turn was not saved: (replicas) ABORTED when the write was refused because another store
-  // took the session over (the turn is not in the state the session continues from there);
-  // DATA_LOSS when the session broke before its state was written (a later turn's step failed
-  // part-way: the lease's release, on its thread, answers the calls still waiting, and later
-  // calls are answered at once); ABORTED when the session was deleted (or expired) first;
-  // UNAVAILABLE for calls still waiting when the store is destroyed.
+  // `done` runs on the worker or a writer thread (persist_writers), or on the thread of an Acquire
+  // of the session that found it not written yet and wrote it first (before the lease lets the
+  // next turn change it: what is acknowledged is the state as of this call, or a later one,
+  // never a next turn's partial changes), as soon as that session's write is done, never with
+  // the store's lock held; pending calls run at the latest when the store is destroyed. A call that
+  // waited is counted in Stats().persist_waits, with the time from this call to the write's end in
+  // persist_wait_us (what durability costs a turn's acknowledgement). `done` is given OK (never for
+  // a state that was to be written and was not), or an error saying the turn was not saved:
+  // (replicas) ABORTED when the write was refused because another store took the session over (the
+  // turn is not in the state the session continues from there); DATA_LOSS when the session broke
+  // before its state was written (a later turn's step failed part-way: the lease's release, on its
+  // thread, answers the calls still waiting, and later calls are answered at once); ABORTED when
+  // the session was deleted (or expired) first; UNAVAILABLE for calls still waiting when the store
+  // is destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void(const absl::Status&)> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <filesystem>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -22,6 +24,7 @@
 #include "gtest/gtest.h"
 #include "state_store/session_ownership.h"
 #include "tests/server/server_test_util.h"
+#include "tests/state_store/fault_injection_files.h"
 
 namespace sdm {
 namespace {
@@ -48,6 +51,11 @@ class Collector : public JobObserver {
   void Wait() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return finished; });
+  }
+  // Whether it finished within `timeout`.
+  bool WaitFor(std::chrono::seconds timeout) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, timeout, [&] { return finished; });
   }
 
   std::vector<int32_t> tokens;
@@ -518,6 +526,61 @@ class HeldCollector : public Collector {
   }
   absl::Notification entered, release;
 };
+
+// A turn ends (its final chunk, OnFinish) once its own write is done, while the next turn on its
+// session runs: the next turn's Submit takes the session before any writer got to the first (the
+// store's only writer is held in another session's write throughout) and writes it first. Before,
+// the writers skipped the session while the next turn held it, so the first turn ended only after
+// the whole next turn (observed: 20k tokens later). The next turn is held in its first token until
+// the first turn has ended.
+TEST_F(SchedulerTest, ATurnEndsWhileTheNextTurnOnItsSessionRuns) {
+  sdm::testing::HoldingFiles files;
+  store_.reset();
+  SessionStoreOptions so;
+  so.dir = dir_;
+  so.files = &files;
+  so.persist_writers = 1;  // the worker alone
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), so);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  store_ = *std::move(opened);
+  absl::Cleanup close = [&] {  // before `files` goes: the gate, then the store's threads
+    files.Open();
+    scheduler_.reset();
+    store_.reset();
+  };
+  StartScheduler();
+  for (const char* id : {"blocker", "chat"}) {
+    ASSERT_TRUE(store_->Create(id, "").ok());
+    absl::Notification written;
+    store_->WhenPersisted(id, [&](const absl::Status& saved) {
+      EXPECT_TRUE(saved.ok()) << saved;
+      written.Notify();
+    });
+    ASSERT_TRUE(written.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  }
+  files.Hold(SessionFileStem(SessionKey("blocker")));
+  ASSERT_TRUE(store_->Acquire("blocker").ok());  // a turn of nothing: its write holds the writer
+  ASSERT_TRUE(files.WaitHeld(absl::Minutes(1)));
+
+  auto first = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(6, 2), 3), first).ok());
+  // The next turn, as soon as the first has returned the session (refused as busy until then).
+  auto next = std::make_shared<HeldCollector>();
+  absl::Status submitted;
+  do {
+    submitted = scheduler_->Submit(Job("chat", Tokens(4, 3), 3), next);
+  } while (absl::IsAborted(submitted));
+  ASSERT_TRUE(submitted.ok()) << submitted;
+  ASSERT_TRUE(next->entered.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  const bool ended = first->WaitFor(std::chrono::minutes(1));
+  next->release.Notify();
+  ASSERT_TRUE(ended) << "the first turn did not end while the next one ran";
+  EXPECT_TRUE(first->error.ok()) << first->error;
+  EXPECT_NE(first->reason, FinishReason::kError);
+  files.Open();  // the next turn's own write, and its end
+  ASSERT_TRUE(next->WaitFor(std::chrono::minutes(1)));
+  EXPECT_TRUE(next->error.ok()) << next->error;
+}
 
 // A step that does not fit (RESOURCE_EXHAUSTED, nothing changed: a device's memory) sends the
 // job admitted last back to the queue and the others step on; every job still ends with exactly

@@ -828,39 +828,114 @@ class GatedWriteFiles : public FaultInjectionFiles {
   absl::Notification gate_;
 };
 
-// A turn waiting for its write when the next turn on its session takes the session and fails
-// part-way (the engine marks the state failed: the store refuses the session from then on and
-// never writes it) is answered at once, and not with OK: its state was never written, and the
-// session's last saved state is from before it. Before, nothing answered it (the writers skip a
-// broken session): its client waited until the session was deleted, which then answered OK, and
-// a server's shutdown waited for its stream. The writer is held in another session's write
-// throughout, so the next turn takes the session before anything wrote the first.
-TEST_F(DurabilityTest, ATurnWaitingWhenTheNextTurnBreaksItsSessionIsAnswered) {
-  HoldingFiles files;
-  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
-  ASSERT_NE(store, nullptr);
-  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
-  ASSERT_TRUE(store->Create("s", "").ok());
-  ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
-  ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
-  Turn(*store, "s", testing::RandomTokens(5, 51));
-  const std::shared_ptr<Ack> first = AskWhenPersisted(*store, "s");
-  {
+// A turn is acknowledged once its own state is written, whatever the next turn on its session
+// does: a next turn that takes the session before any writer got to it (here the only writer is
+// held in another session's write throughout) writes it first, so the acknowledgement does not
+// wait for the next turn to end (before, the writers skipped the session while the next turn held
+// it: the first turn's final chunk waited for the whole next turn). What is acknowledged is the
+// first turn's state: a crash copy taken while the next turn holds the session with tokens fed
+// restores it bit-exactly. Both orders: the acknowledgement asked for before the next turn takes
+// the session, and once it holds it.
+TEST_F(DurabilityTest, ATurnIsAcknowledgedWithoutWaitingForTheNextTurnOnItsSession) {
+  for (const bool asked_first : {true, false}) {
+    SCOPED_TRACE(asked_first ? "asked before the next turn" : "asked once the next turn runs");
+    testing::ScopedTempDir dir;
+    HoldingFiles files;
+    auto store = OpenWithWriters(dir.path(), &files, /*writers=*/1);
+    ASSERT_NE(store, nullptr);
+    absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+    ASSERT_TRUE(store->Create("s", "").ok());
+    ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+    ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
+    auto reference = engine_->NewSession();
+    const std::vector<int32_t> tokens = testing::RandomTokens(5, 61);
+    Turn(*store, "s", tokens);
+    testing::DecodeEach(*engine_, *reference, tokens);
+    std::shared_ptr<Ack> first;
+    if (asked_first) first = AskWhenPersisted(*store, "s");
     auto next = store->Acquire("s");
     ASSERT_TRUE(next.ok()) << next.status();
-    testing::DecodeEach(*engine_, next->state(), testing::RandomTokens(2, 52));
-    next->state().MarkFailed(absl::InternalError("injected: a step failed part-way"));
+    testing::DecodeEach(*engine_, next->state(), testing::RandomTokens(3, 62));
+    if (!asked_first) first = AskWhenPersisted(*store, "s");
+    if (const absl::Status saved = Answer(*first); !saved.ok()) {
+      ADD_FAILURE() << saved;
+      continue;
+    }
+    // A kill -9 now (the next turn under way, the writer still held): the first turn survives.
+    const std::filesystem::path copy = crash_dir_.path() / (asked_first ? "first" : "then");
+    CopyFiles(dir.path(), copy);
+    auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_NE(restarted, nullptr);
+    int64_t position = -1;
+    const std::vector<float> got = Probe(*restarted, "s", &position);
+    auto want_state = reference->Clone();
+    EXPECT_EQ(position, reference->position());
+    EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
   }
-  const absl::Status saved = Answer(*first);
-  EXPECT_EQ(saved.code(), absl::StatusCode::kDataLoss) << saved;
-  EXPECT_NE(saved.message().find("not saved"), std::string::npos) << saved;
-  EXPECT_NE(saved.message().find("'s'"), std::string::npos) << saved;
-  // Asked again now, the same answer, at once.
-  const std::shared_ptr<Ack> again = AskWhenPersisted(*store, "s");
-  ASSERT_TRUE(again->done.HasBeenNotified());
-  EXPECT_EQ(again->saved.code(), absl::StatusCode::kDataLoss) << again->saved;
-  EXPECT_EQ(store->Acquire("s").status().code(), absl::StatusCode::kFailedPrecondition);
-  EXPECT_TRUE(store->Delete("s").ok());
+}
+
+// A turn whose session breaks after it (the next turn on the session takes it and fails part-way:
+// the engine marks the state failed, and the store refuses the session from then on and never
+// writes it) is answered at once, and truthfully. Before, nothing answered a turn still waiting
+// for its write then (the writers skip a broken session): its client waited until the session
+// was deleted, which answered OK for a state never written, and a server's shutdown waited for
+// its stream. The writer is held in another session's write throughout, so the next turn takes
+// the session before any writer got to the first. Since the next turn writes the first before
+// it takes the session (ATurnIsAcknowledgedWithoutWaitingForTheNextTurnOnItsSession), the first
+// is saved and answered OK, before the failure or after it; when that write fails, the first turn
+// is not saved, and asked after the failure it is answered DATA_LOSS (never OK). (A release that
+// breaks a session also answers the turns still waiting then with DATA_LOSS; with the next turn's
+// write first, none is left waiting: the first version of this test, on code without that write,
+// waited for it.)
+TEST_F(DurabilityTest, ATurnWaitingWhenTheNextTurnBreaksItsSessionIsAnswered) {
+  for (const bool writes_fail : {false, true}) {
+    SCOPED_TRACE(writes_fail ? "the first turn's write fails" : "writes succeed");
+    testing::ScopedTempDir dir;
+    HoldingFiles files;
+    auto store = OpenWithWriters(dir.path(), &files, /*writers=*/1);
+    ASSERT_NE(store, nullptr);
+    absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+    ASSERT_TRUE(store->Create("s", "").ok());
+    ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+    ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
+    const std::vector<int32_t> tokens = testing::RandomTokens(5, 51);
+    Turn(*store, "s", tokens);
+    std::shared_ptr<Ack> first;
+    if (writes_fail) {
+      files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));
+    } else {
+      first = AskWhenPersisted(*store, "s");
+    }
+    {
+      auto next = store->Acquire("s");
+      ASSERT_TRUE(next.ok()) << next.status();
+      testing::DecodeEach(*engine_, next->state(), testing::RandomTokens(2, 52));
+      next->state().MarkFailed(absl::InternalError("injected: a step failed part-way"));
+    }
+    if (!writes_fail) {
+      EXPECT_TRUE(Answer(*first).ok()) << first->saved;
+      // Asked again now, the same answer, at once; and the crash copy has the first turn.
+      const std::shared_ptr<Ack> again = AskWhenPersisted(*store, "s");
+      ASSERT_TRUE(again->done.HasBeenNotified());
+      EXPECT_TRUE(again->saved.ok()) << again->saved;
+      const std::filesystem::path copy = crash_dir_.path() / "broken";
+      CopyFiles(dir.path(), copy);
+      auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+      ASSERT_NE(restarted, nullptr);
+      auto lease = restarted->Acquire("s");
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      EXPECT_EQ(lease->state().position(), static_cast<int64_t>(tokens.size()));
+    } else {
+      const std::shared_ptr<Ack> late = AskWhenPersisted(*store, "s");
+      ASSERT_TRUE(late->done.HasBeenNotified());
+      const absl::Status saved = late->saved;
+      EXPECT_EQ(saved.code(), absl::StatusCode::kDataLoss) << saved;
+      EXPECT_NE(saved.message().find("not saved"), std::string::npos) << saved;
+      EXPECT_NE(saved.message().find("'s'"), std::string::npos) << saved;
+    }
+    EXPECT_EQ(store->Acquire("s").status().code(), absl::StatusCode::kFailedPrecondition);
+    EXPECT_TRUE(store->Delete("s").ok());
+  }
 }
 
 // What durability costs a turn's acknowledgement is counted (StoreStats::persist_waits,
