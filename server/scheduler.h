@@ -102,10 +102,13 @@ bool IsSessionChanged(const absl::Status& status);
 // comes once the turn is written to the state directory (SessionStateStore::WhenPersisted: from
 // the store's worker or writer threads, from the Submit of the session's next turn when that
 // writes it first, or at once on the step thread when nothing is to wait for), never later than
-// its own write: not held up by the session's next turn. So an
-// observer must be thread-safe, and a client's final chunk means its turn survives a crash
-// (replicas: a turn whose write was refused because another replica took the session over while
-// it ran ends with an ABORTED error instead: it is not in the session's state).
+// its own write: not held up by the session's next turn. So an observer must be thread-safe, and
+// a client's final chunk means its turn survives a crash (under --persist turn). A turn that was
+// not saved ends, after its tokens, with the store's error instead (OnFinish kError): UNAVAILABLE
+// when its write failed or writes fail (the session continues with it in memory; it is written
+// once writes succeed again, and a crash before then loses it), DATA_LOSS when the session broke
+// before the write, ABORTED when it was deleted first or (replicas) another replica took the
+// session over while it ran (it is not in the session's state).
 class JobObserver {
  public:
   virtual ~JobObserver() = default;

@@ -68,6 +68,27 @@ absl::Status SyncError(absl::string_view id, const absl::Status& why) {
       absl::StrCat("session '", id, "' could not be copied back from the device: ", why.message()));
 }
 
+// A failed write's cause for messages: its code and the system's error (the text after the last
+// ": "), without the paths before it (which name the session's tenant).
+std::string CauseOf(const absl::Status& why) {
+  const absl::string_view message = why.message();
+  const size_t colon = message.rfind(": ");
+  return absl::StrCat(absl::StatusCodeToString(why.code()), ": ",
+                      colon == absl::string_view::npos ? message : message.substr(colon + 2));
+}
+
+// What a turn waiting for its write (WhenPersisted) is told when the write failed, or when it
+// ends while writes fail: it is not on disk, but the session goes on with it.
+absl::Status NotWrittenError(absl::string_view id, absl::string_view cause) {
+  return absl::UnavailableError(absl::StrCat(
+      "session '", id,
+      "': this turn was generated and the session continues with it, held in memory, but it is "
+      "not saved: writes to the state directory fail (",
+      cause,
+      "); the server writes it once writes succeed again, and a crash of the server before then "
+      "loses it"));
+}
+
 // What a turn waiting for its write (WhenPersisted) is told when the session is deleted (or
 // expires) before the write: its state was never written, and never will be.
 absl::Status DeletedBeforeWrittenError(absl::string_view id) {
@@ -1887,7 +1908,7 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
     // Its host layers are stale on a device that cannot copy back changes: written when it
     // leaves it (nobody waits).
     if (StaleOnDevice(*e)) {
-      SettleWaiters(*e, /*all=*/true);
+      SettleWaiters(*e, /*all=*/true, absl::OkStatus());  // as WhenPersisted answers for it
       continue;
     }
     if (DueLocked(*e, now)) due.push_back(e.get());
@@ -1970,7 +1991,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     if (absl::Status s = CopyChangesLocked(e); !s.ok()) {
       e.attempted_version = e.version;
       PersistFailed(e, s);
-      SettleWaiters(e, /*all=*/false);
+      SettleWaiters(e, /*all=*/false, NotWrittenError(e.key.id, CauseOf(s)));
       return s;
     }
   }
@@ -2111,7 +2132,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     // could be dropped as stale at the next read, with every turn since. Only a snapshot knows.
     if (!delta) e.needs_full = true;
     PersistFailed(e, status);
-    SettleWaiters(e, /*all=*/false);
+    SettleWaiters(e, /*all=*/false, NotWrittenError(key.id, CauseOf(status)));
     return status;
   }
   ++e.write_seq;
@@ -2127,7 +2148,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     // A background fsync of its log failed while this delta was written: the log is suspect, the
     // session is written again in full (still due). Handed to the kernel all the same.
     if (resident) state->ClearDirty();
-    SettleWaiters(e, /*all=*/false);
+    SettleWaiters(e, /*all=*/false, absl::OkStatus());
     return absl::OkStatus();
   }
   e.persisted_version = version;
@@ -2160,7 +2181,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   // by the syncer: SyncWritten) ends the failure.
   if (e.sync_failed_seq != 0 && !delta && sync) e.sync_failed_seq = 0;
   if (e.sync_failed_seq == 0) PersistSucceeded(e);
-  SettleWaiters(e, /*all=*/false);
+  SettleWaiters(e, /*all=*/false, absl::OkStatus());
   return absl::OkStatus();
 }
 
@@ -2204,12 +2225,15 @@ void SessionStateStore::WhenPersisted(const SessionKey& key,
       // Broken (a later turn failed part-way) before its state was written: it never will be.
       outcome = e->NotSavedError(key.id);
     }
-    const bool wait = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
-                      options_.persist == PersistPolicy::kTurn && persist_error_.ok() &&
-                      e->broken.ok() && e->version != e->persisted_version &&
-                      // (a resident entry being parked to host has no state meanwhile: busy)
-                      !StaleOnDevice(*e);
-    if (wait) {
+    const bool unwritten = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
+                           options_.persist == PersistPolicy::kTurn && e->broken.ok() &&
+                           e->version != e->persisted_version &&
+                           // (a resident entry being parked to host has no state meanwhile: busy)
+                           !StaleOnDevice(*e);
+    if (unwritten && !persist_error_.ok()) {
+      // Writes fail (health says so): not waited for, and not saved (logged_cause_: the cause).
+      outcome = NotWrittenError(key.id, logged_cause_);
+    } else if (unwritten) {
       const uint64_t seq = ++waiter_clock_;
       if (e->waiters.empty()) e->first_waiter = seq;
       e->waiters.push_back({e->version, seq, std::move(done), std::chrono::steady_clock::now()});
@@ -2228,11 +2252,7 @@ void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {
     ++counters_.persist_failures;
   }
   // One log line per distinct cause (code and system error), not per session or retry.
-  const absl::string_view message = why.message();
-  const size_t colon = message.rfind(": ");
-  std::string cause =
-      absl::StrCat(absl::StatusCodeToString(why.code()), ": ",
-                   colon == absl::string_view::npos ? message : message.substr(colon + 2));
+  std::string cause = CauseOf(why);
   if (cause != logged_cause_) {
     SDM_LOG(ERROR) << "sdm state store: cannot persist session '" << e.key.id << "' ("
                    << PathOf(e.key).string() << "): " << why
@@ -2573,8 +2593,11 @@ void SessionStateStore::WorkerLoop() {
     const bool tell = options_.on_persist_health != nullptr && health.ok() != reported_healthy_;
     reported_healthy_ = health.ok();
     if (!health.ok()) {
-      // Writes fail: nobody waits for them (health says sessions are not durable).
-      for (auto& [key, e] : entries_) SettleWaiters(*e, /*all=*/true);
+      // Writes fail: nobody waits for them (health says sessions are not durable), and nobody is
+      // told that a turn not written is saved.
+      for (auto& [key, e] : entries_) {
+        SettleWaiters(*e, /*all=*/true, NotWrittenError(key.id, logged_cause_));
+      }
     }
     mu_.Unlock();
     if (tell) options_.on_persist_health(health);

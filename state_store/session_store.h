@@ -61,7 +61,9 @@
 //
 // Failures are loud: a failed write is counted once per session and episode
 // (StoreStats::persist_failures), logged once per distinct cause, and turns PersistHealth() to
-// UNAVAILABLE naming the cause until a write succeeds. While writes fail and host memory is
+// UNAVAILABLE naming the cause until a write succeeds; a turn whose write failed, or that ends
+// while writes fail, is not acknowledged as saved (WhenPersisted answers UNAVAILABLE: kept in
+// memory, written once writes succeed again). While writes fail and host memory is
 // over its budget, Create() and Acquire() answer UNAVAILABLE (retryable) rather than accept work
 // the store could neither write nor hold, and resident sessions are not moved to host.
 //
@@ -420,22 +422,25 @@ class SessionStateStore {
   // directory (as persist_sync says: handed to the kernel, or fsynced) — or its write was tried and
   // failed, or the session is gone — so that a turn is acknowledged only once it is durable (the
   // scheduler calls this before a job's OnFinish). Calls it at once when nothing is to wait for: no
-  // directory, a policy other than kTurn, no worker, writes currently failing (health says so), an
-  // on-device session (written when it leaves the device), or a state already written. Otherwise
-  // `done` runs on the worker or a writer thread (persist_writers), or on the thread of an Acquire
-  // of the session that found it not written yet and wrote it first (before the lease lets the
-  // next turn change it: what is acknowledged is the state as of this call, or a later one,
-  // never a next turn's partial changes), as soon as that session's write is done, never with
-  // the store's lock held; pending calls run at the latest when the store is destroyed. A call that
-  // waited is counted in Stats().persist_waits, with the time from this call to the write's end in
-  // persist_wait_us (what durability costs a turn's acknowledgement). `done` is given OK (never for
-  // a state that was to be written and was not), or an error saying the turn was not saved:
-  // (replicas) ABORTED when the write was refused because another store took the session over (the
-  // turn is not in the state the session continues from there); DATA_LOSS when the session broke
-  // before its state was written (a later turn's step failed part-way: the lease's release, on its
-  // thread, answers the calls still waiting, and later calls are answered at once); ABORTED when
-  // the session was deleted (or expired) first; UNAVAILABLE for calls still waiting when the store
-  // is destroyed.
+  // directory, a policy other than kTurn, no worker, an on-device session (written when it leaves
+  // the device), or a state already written; and at once with UNAVAILABLE (below) while writes
+  // fail (health says so) and this state is not written. Otherwise `done` runs on the worker or a
+  // writer thread (persist_writers), or on the thread of an Acquire of the session that found it
+  // not written yet and wrote it first (before the lease lets the next turn change it: what is
+  // acknowledged is the state as of this call, or a later one, never a next turn's partial
+  // changes), as soon as that session's write is done, never with the store's lock held; pending
+  // calls run at the latest when the store is destroyed. A call that waited is counted in
+  // Stats().persist_waits, with the time from this call to the write's end in persist_wait_us
+  // (what durability costs a turn's acknowledgement). `done` is given OK (never for a state that
+  // was to be written and was not), or an error saying the turn was not saved: UNAVAILABLE when
+  // its write failed (or, above, writes fail), naming the cause (code and system error): the
+  // session continues with the turn in memory, it is written once writes succeed again, and a
+  // crash before then loses it; (replicas) ABORTED when the write was refused because another
+  // store took the session over (the turn is not in the state the session continues from there);
+  // DATA_LOSS when the session broke before its state was written (a later turn's step failed
+  // part-way: the lease's release, on its thread, answers the calls still waiting, and later calls
+  // are answered at once); ABORTED when the session was deleted (or expired) first; UNAVAILABLE for
+  // calls still waiting when the store is destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void(const absl::Status&)> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
@@ -576,7 +581,8 @@ class SessionStateStore {
   absl::Status RefuseWhenUnpersistable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Moves e's WhenPersisted callbacks that its last write attempt settles (all of them with
   // `all`) to ready_, for FlushReady() to call.
-  void SettleWaiters(Entry& e, bool all, const absl::Status& outcome = absl::OkStatus())
+  // `outcome`: what they are told (OK only when their state was written).
+  void SettleWaiters(Entry& e, bool all, const absl::Status& outcome)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FlushReady() ABSL_LOCKS_EXCLUDED(mu_);
   // Makes a resident entry's host layers current (copies its device copy back): queued for the

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
 #include "tests/server/server_test_util.h"
 #include "tests/state_store/fault_injection_files.h"
@@ -100,13 +101,28 @@ TEST(ServerHeapTest, TrimsAreCountedOnTheMetricsPage) {
   EXPECT_EQ(Metric(off.server->metrics_port(), "sdm_heap_trims_total"), 0);
 }
 
-// A server keeping its state in `state` through `files` (which both must outlive).
+// A server keeping its state in `state` through `files` (which both must outlive), with the
+// OpenAI-compatible HTTP API on a port of its own (SdmServer::http_port).
 testing::Served ServeThrough(const ScopedTempDir& state, FaultInjectionFiles& files) {
   ServerOptions options = testing::TestOptions(state.path());
   options.store.files = &files;
+  options.http.port = 0;
+  options.http.host = "127.0.0.1";
   return testing::Serve(options);
 }
 
+// What a turn that could not be written ends with, after its tokens: not a final chunk, but
+// UNAVAILABLE saying the turn is kept in memory and not saved (and why).
+void ExpectNotSaved(absl::string_view message) {
+  for (const char* says : {"session 'a'", "continues with it", "in memory", "not saved",
+                           "No space left on device", "once writes succeed again", "crash"}) {
+    EXPECT_NE(message.find(says), absl::string_view::npos) << says << ": " << message;
+  }
+}
+
+// A full disk: health degrades and says why, turns are served but not acknowledged as saved
+// (before, a turn whose write failed ended with a normal final chunk, status OK), and everything
+// comes back with the disk.
 TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   ScopedTempDir state;
   FaultInjectionFiles files;
@@ -131,8 +147,29 @@ TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   EXPECT_EQ(testing::MetricValue(page, "sdm_persistence_healthy"), 0);
   EXPECT_EQ(testing::MetricValue(page, "sdm_persist_failures_total"), 1);
   EXPECT_EQ(testing::MetricValue(page, "sdm_sessions_unpersisted"), 1);
-  // The session still serves (memory has room).
-  EXPECT_TRUE(testing::Generate(*s.stub, testing::TextRequest("hi", 2, "a")).status.ok());
+  // The session still serves (memory has room), but its turns are not acknowledged as saved:
+  // the tokens stream, then UNAVAILABLE says the turn is kept in memory and not on disk; the
+  // session continues with it.
+  const testing::Completion turn = testing::Generate(*s.stub, testing::TextRequest("hi", 2, "a"));
+  EXPECT_EQ(turn.status.error_code(), grpc::StatusCode::UNAVAILABLE) << turn.status.error_message();
+  EXPECT_FALSE(turn.tokens.empty());
+  EXPECT_EQ(turn.finish, v1::FINISH_REASON_UNSPECIFIED);  // no final chunk
+  ExpectNotSaved(turn.status.error_message());
+  const int64_t after_turn = Position(*s.stub, "a");
+  EXPECT_GT(after_turn, 0);
+  // The same over HTTP: the text streams, then an error event says so.
+  httplib::Client api = TestHttpClient(s.server->http_port());
+  const httplib::Result streamed = api.Post(
+      "/v1/completions", R"({"prompt": "hi", "max_tokens": 2, "session_id": "a", "stream": true})",
+      "application/json");
+  ASSERT_TRUE(streamed);
+  EXPECT_EQ(streamed->status, 200);  // sent before the turn ended
+  const size_t error_event = streamed->body.find("data: {\"error\"");
+  ASSERT_NE(error_event, std::string::npos) << streamed->body;
+  EXPECT_NE(streamed->body.find("\"text\""), std::string::npos) << streamed->body;
+  EXPECT_EQ(streamed->body.find("[DONE]"), std::string::npos) << streamed->body;
+  ExpectNotSaved(absl::string_view(streamed->body).substr(error_event));
+  EXPECT_GT(Position(*s.stub, "a"), after_turn);
 
   files.ClearFaults();
   ASSERT_TRUE(Eventually([&] {
@@ -140,6 +177,10 @@ TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
     return h && h->status == 200;
   }));
   EXPECT_EQ(testing::HealthCheck(*s.channel, "sdm.v1.SdmService"), testing::kServing);
+  // Written again: a turn ends with its final chunk.
+  const testing::Completion saved = testing::Generate(*s.stub, testing::TextRequest("hi", 2, "a"));
+  EXPECT_TRUE(saved.status.ok()) << saved.status.error_message();
+  EXPECT_NE(saved.finish, v1::FINISH_REASON_UNSPECIFIED);
   ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
   EXPECT_EQ(Metric(port, "sdm_persistence_healthy"), 1);
   EXPECT_EQ(Metric(port, "sdm_persist_failures_total"), 1);  // one episode

@@ -874,6 +874,65 @@ TEST_F(DurabilityTest, ATurnIsAcknowledgedWithoutWaitingForTheNextTurnOnItsSessi
   }
 }
 
+// A turn whose write fails is not acknowledged as saved: it is answered UNAVAILABLE, saying that
+// the turn was generated and the session continues with it in memory, that it is not on disk
+// (and why), that it is written once writes succeed again, and that a crash before then loses it.
+// So is a turn that ends while writes fail (answered at once, health being UNAVAILABLE), and a
+// turn still waiting when the worker finds writes failing. Before, each of these was answered
+// OK: its client got a normal final chunk for a turn not on disk. Once the disk is back, the
+// turns kept in memory are written and a new turn is answered OK.
+TEST_F(DurabilityTest, ATurnWhoseWriteFailsIsAnsweredAsNotSaved) {
+  HoldingFiles files;
+  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+  ASSERT_TRUE(store->Create("s", "").ok());
+  ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  auto reference = engine_->NewSession();
+  const std::vector<int32_t> tokens = testing::RandomTokens(5, 71);
+  testing::DecodeEach(*engine_, *reference, tokens);
+  // The turn's write is held until it was asked for, then fails.
+  files.Hold(SessionFileStem(SessionKey("s")));
+  Turn(*store, "s", tokens);
+  ASSERT_TRUE(files.WaitHeld(absl::Minutes(1)));
+  const std::shared_ptr<Ack> waiting = AskWhenPersisted(*store, "s");
+  files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));
+  files.Open();
+  const auto expect_not_saved = [](const absl::Status& saved) {
+    EXPECT_EQ(saved.code(), absl::StatusCode::kUnavailable) << saved;
+    for (const char* says : {"session 's'", "continues with it", "in memory", "not saved",
+                             "No space left on device", "once writes succeed again", "crash"}) {
+      EXPECT_NE(saved.message().find(says), std::string::npos) << says << ": " << saved;
+    }
+    EXPECT_EQ(saved.message().find("again:"), std::string::npos) << saved;  // no "send it again"
+  };
+  expect_not_saved(Answer(*waiting));
+  EXPECT_EQ(store->PersistHealth().code(), absl::StatusCode::kUnavailable);
+
+  // While writes fail, a turn that ends is answered so at once.
+  const std::vector<int32_t> more = testing::RandomTokens(3, 72);
+  testing::DecodeEach(*engine_, *reference, more);
+  Turn(*store, "s", more);
+  const std::shared_ptr<Ack> failing = AskWhenPersisted(*store, "s");
+  ASSERT_TRUE(failing->done.HasBeenNotified());
+  expect_not_saved(failing->saved);
+
+  // The disk comes back: the turns kept in memory are written, and a new turn is saved.
+  files.ClearFaults();
+  const std::vector<int32_t> last = testing::RandomTokens(2, 73);
+  testing::DecodeEach(*engine_, *reference, last);
+  Turn(*store, "s", last);
+  EXPECT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  EXPECT_TRUE(store->PersistHealth().ok());
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_NE(restarted, nullptr);
+  int64_t position = -1;
+  const std::vector<float> got = Probe(*restarted, "s", &position);
+  auto want_state = reference->Clone();
+  EXPECT_EQ(position, reference->position());
+  EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+}
+
 // A turn whose session breaks after it (the next turn on the session takes it and fails part-way:
 // the engine marks the state failed, and the store refuses the session from then on and never
 // writes it) is answered at once, and truthfully. Before, nothing answered a turn still waiting
