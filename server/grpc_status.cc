@@ -87,10 +87,16 @@ grpc::Status ToGrpcStatus(const absl::Status& status, grpc::ServerContextBase& c
   return ToGrpcStatus(status);
 }
 
+std::optional<absl::Duration> RetryHint(const absl::Status& status) {
+  if (std::optional<absl::Duration> attached = RetryAfter(status)) return attached;
+  if (absl::IsUnavailable(status)) return kUnavailableRetryAfter;
+  return std::nullopt;
+}
+
 std::vector<std::pair<std::string, std::string>> TrailingMetadataFor(const absl::Status& status) {
   std::vector<std::pair<std::string, std::string>> metadata;
   if (status.ok()) return metadata;
-  const std::optional<absl::Duration> delay = RetryAfter(status);
+  const std::optional<absl::Duration> delay = RetryHint(status);
   if (delay.has_value()) {
     metadata.emplace_back(kRetryPushbackKey, absl::StrCat(absl::ToInt64Milliseconds(*delay)));
   }

@@ -8,7 +8,8 @@
 // reaches a call, ToGrpcStatus(status, context) sends it to the client as the trailing metadata
 // "grpc-retry-pushback-ms" (milliseconds, decimal), which gRPC clients with a retry policy honour
 // and other clients can read. The service attaches it to RESOURCE_EXHAUSTED (queue full, tenant
-// limit), rejected before any response is sent so that the request is safe to retry.
+// limit), rejected before any response is sent so that the request is safe to retry; every
+// UNAVAILABLE without a hint of its own carries kUnavailableRetryAfter (RetryHint).
 //
 // Thread-safety: all functions are pure, except that ToGrpcStatus(status, context) writes the
 // context's trailing metadata (which the call's owner does from one thread).
@@ -36,6 +37,12 @@ absl::Status WithRetryAfter(absl::Status status, absl::Duration delay);
 
 // The hint WithRetryAfter attached, if any (whole milliseconds).
 std::optional<absl::Duration> RetryAfter(const absl::Status& status);
+
+// The hint a client is sent, over gRPC (grpc-retry-pushback-ms) and HTTP (Retry-After) alike: the
+// attached one, else kUnavailableRetryAfter for UNAVAILABLE (the server is draining, or cannot
+// take the request now: try again soon, or another replica), else none.
+inline constexpr absl::Duration kUnavailableRetryAfter = absl::Seconds(1);
+std::optional<absl::Duration> RetryHint(const absl::Status& status);
 
 // The status a call ends with: the same code and message. Codes outside the canonical set
 // become UNKNOWN.

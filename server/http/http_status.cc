@@ -84,10 +84,8 @@ HttpError ToHttpError(const absl::Status& status, absl::string_view code) {
                               ? absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))
                               : std::string(code);
   out.body = ErrorBody(out.status, status.message(), code_name);
-  if (const std::optional<absl::Duration> retry = RetryAfter(status)) {
+  if (const std::optional<absl::Duration> retry = RetryHint(status)) {  // as gRPC sends it
     out.retry_after_seconds = static_cast<int64_t>(std::ceil(absl::ToDoubleSeconds(*retry)));
-  } else if (out.status == 503) {
-    out.retry_after_seconds = 1;
   }
   return out;
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "gmock/gmock.h"
 #include "grpcpp/client_context.h"
@@ -131,6 +132,20 @@ TEST(GrpcStatusTest, ClientSeesCodeMessageAndRetryPushback) {
   EXPECT_EQ(result.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(result.status.error_message(), "tenant 'trial' holds 2 of 2 sessions");
   EXPECT_THAT(result.trailers, ElementsAre(Pair("grpc-retry-pushback-ms", "2000")));
+}
+
+// UNAVAILABLE carries a hint even without one of its own (a CreateSession refused while writes
+// fail, a draining server), over gRPC as over HTTP (server/http/http_status.cc: Retry-After).
+TEST(GrpcStatusTest, UnavailableCarriesAPushbackOfItsOwn) {
+  const absl::Status draining = absl::UnavailableError("the server is shutting down");
+  EXPECT_EQ(RetryHint(draining), kUnavailableRetryAfter);
+  EXPECT_EQ(RetryHint(WithRetryAfter(draining, absl::Seconds(5))), absl::Seconds(5));
+  EXPECT_EQ(RetryHint(absl::NotFoundError("x")), std::nullopt);
+  const CallResult result = CallGetSession(draining);
+  EXPECT_EQ(result.status.error_code(), grpc::StatusCode::UNAVAILABLE);
+  EXPECT_THAT(result.trailers,
+              ElementsAre(Pair("grpc-retry-pushback-ms",
+                               absl::StrCat(absl::ToInt64Milliseconds(kUnavailableRetryAfter)))));
 }
 
 TEST(GrpcStatusTest, ClientSeesNoPushbackWithoutAHint) {
