@@ -403,10 +403,11 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   job.next_input = -1;
   // Usage counts what was read (scheduler.h): a job that ended before its whole prompt was fed
   // (cancelled while queued or during its prefill, a deadline, an error) reports only the part
-  // read; a pending token read first is history.
-  const int64_t carried = job.had_pending && job.fed > 0 ? 1 : 0;
+  // read. The pending token is history, read or kept (above): history then matches the session's
+  // (GetSession counts a pending token).
+  const int64_t carried = job.had_pending ? 1 : 0;
   job.usage.history_tokens += carried;
-  job.usage.prompt_tokens = static_cast<int64_t>(job.fed) - carried;
+  job.usage.prompt_tokens = std::max<int64_t>(0, static_cast<int64_t>(job.fed) - carried);
   if (job.running) {
     // Its place in the batch is free before the client hears of the end: a next turn sent at
     // once is admitted as if the step had already dropped this job. (After a step that did not

@@ -70,7 +70,8 @@ namespace sdm {
 
 // What a job read and sampled, as the APIs report it and the metrics count it (OnFinish).
 // The scheduler feeds a session's pending token (the previous request's last generated token)
-// ahead of the prompt; the caller never sent it, so it counts as history once it was read.
+// ahead of the prompt; the caller never sent it, so it counts as history (read or, for a job
+// that ended first, kept pending).
 struct Usage {
   int64_t prompt_tokens = 0;     // tokens of this request's prompt read by the model (a job that
                                  // ended early: only those read before it ended)

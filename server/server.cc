@@ -169,11 +169,13 @@ class SdmServer::Impl final : public SchedulerListener {
   std::shared_ptr<const Model> model;
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<Engine> engine;
+  // Before the store: a job's observer counts its tokens here when the job ends, which may be
+  // when the store's destructor answers the turns still waiting for their write.
+  std::unique_ptr<prometheus::Registry> registry;
+  std::unique_ptr<ServerMetrics> metrics;
   // Before the store, which writes through it until it is destroyed (null without --etcd).
   std::unique_ptr<EtcdOwnership> ownership;
   std::unique_ptr<SessionStateStore> store;
-  std::unique_ptr<prometheus::Registry> registry;
-  std::unique_ptr<ServerMetrics> metrics;
   std::unique_ptr<Scheduler> scheduler;
   std::unique_ptr<SdmServiceImpl> service;
   std::unique_ptr<grpc::Server> grpc_server;

@@ -1219,8 +1219,9 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
         "session '", key.id, "' is in use by another request; retry when it finishes"));
   }
   SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
-  if (options_.background && options_.persist == PersistPolicy::kTurn &&
-      DueLocked(*e, absl::Now())) {
+  // (Not a session whose writes fail: the worker retries those every second, answered already.)
+  if (options_.background && !options_.dir.empty() && options_.persist == PersistPolicy::kTurn &&
+      !e->persist_failing && DueLocked(*e, absl::Now())) {
     // A turn not written yet (no writer got to it: they may all be busy): written now, on this
     // thread, before the lease lets the next turn change it. Its acknowledgement (WhenPersisted,
     // asked for before or after this) then does not wait for the next turn to end, as it would if
@@ -2230,8 +2231,9 @@ void SessionStateStore::WhenPersisted(const SessionKey& key,
                            e->version != e->persisted_version &&
                            // (a resident entry being parked to host has no state meanwhile: busy)
                            !StaleOnDevice(*e);
-    if (unwritten && !persist_error_.ok()) {
-      // Writes fail (health says so): not waited for, and not saved (logged_cause_: the cause).
+    if (unwritten && e->persist_failing) {
+      // Its writes fail: not waited for, and not saved (logged_cause_: the cause). Other
+      // sessions' turns are waited for while health is bad: their writes may succeed.
       outcome = NotWrittenError(key.id, logged_cause_);
     } else if (unwritten) {
       const uint64_t seq = ++waiter_clock_;
@@ -2593,10 +2595,13 @@ void SessionStateStore::WorkerLoop() {
     const bool tell = options_.on_persist_health != nullptr && health.ok() != reported_healthy_;
     reported_healthy_ = health.ok();
     if (!health.ok()) {
-      // Writes fail: nobody waits for them (health says sessions are not durable), and nobody is
-      // told that a turn not written is saved.
+      // A session whose writes fail: nobody waits for them, and nobody is told that a turn not
+      // written is saved. (The others' writes are tried: one session's failure, say a device
+      // copy-back, says nothing of theirs.)
       for (auto& [key, e] : entries_) {
-        SettleWaiters(*e, /*all=*/true, NotWrittenError(key.id, logged_cause_));
+        if (e->persist_failing) {
+          SettleWaiters(*e, /*all=*/true, NotWrittenError(key.id, logged_cause_));
+        }
       }
     }
     mu_.Unlock();

@@ -62,10 +62,10 @@
 // Failures are loud: a failed write is counted once per session and episode
 // (StoreStats::persist_failures), logged once per distinct cause, and turns PersistHealth() to
 // UNAVAILABLE naming the cause until a write succeeds; a turn whose write failed, or that ends
-// while writes fail, is not acknowledged as saved (WhenPersisted answers UNAVAILABLE: kept in
-// memory, written once writes succeed again). While writes fail and host memory is
-// over its budget, Create() and Acquire() answer UNAVAILABLE (retryable) rather than accept work
-// the store could neither write nor hold, and resident sessions are not moved to host.
+// while its session's writes fail, is not acknowledged as saved (WhenPersisted answers UNAVAILABLE:
+// kept in memory, written once writes succeed again). While writes fail and host memory is over its
+// budget, Create() and Acquire() answer UNAVAILABLE (retryable) rather than accept work the store
+// could neither write nor hold, and resident sessions are not moved to host.
 //
 // On Open() the store lists the snapshots in `dir`. A snapshot that is truncated, corrupted, of
 // another format version or of another model is moved to `dir/quarantine/` under a unique name
@@ -423,8 +423,9 @@ class SessionStateStore {
   // failed, or the session is gone — so that a turn is acknowledged only once it is durable (the
   // scheduler calls this before a job's OnFinish). Calls it at once when nothing is to wait for: no
   // directory, a policy other than kTurn, no worker, an on-device session (written when it leaves
-  // the device), or a state already written; and at once with UNAVAILABLE (below) while writes
-  // fail (health says so) and this state is not written. Otherwise `done` runs on the worker or a
+  // the device), or a state already written; and at once with UNAVAILABLE (below) while this
+  // session's writes fail and this state is not written (another session's failure, which turns
+  // health, does not: its write is tried). Otherwise `done` runs on the worker or a
   // writer thread (persist_writers), or on the thread of an Acquire of the session that found it
   // not written yet and wrote it first (before the lease lets the next turn change it: what is
   // acknowledged is the state as of this call, or a later one, never a next turn's partial

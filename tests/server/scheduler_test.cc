@@ -402,6 +402,12 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   o.max_running = 1;
   StartScheduler(o);
   ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  // A first turn leaves the session a pending token (its last sampled one, not yet read).
+  auto first = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", Tokens(3, 4), 2), first).ok());
+  first->Wait();
+  ASSERT_EQ(first->reason, FinishReason::kLength);
+  const int64_t history = 3 + 2;  // its prompt and output, the last one pending
   // The session holds a staged upload (as a CUDA engine's StageResume leaves it): a job that
   // never runs must give it back when it ends, not leave it to the session's next turn.
   auto staged_dropped = std::make_shared<std::atomic<bool>>(false);
@@ -429,6 +435,8 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   EXPECT_TRUE(queued->tokens.empty());
   EXPECT_EQ(queued->usage.generated_tokens, 0);
   EXPECT_EQ(queued->usage.prompt_tokens, 0);  // usage counts what was read
+  // The pending token it did not read stays the session's: history, as GetSession counts it.
+  EXPECT_EQ(queued->usage.history_tokens, history);
   EXPECT_EQ(expired->reason, FinishReason::kDeadline);
   EXPECT_TRUE(expired->tokens.empty());
   EXPECT_EQ(expired->usage.prompt_tokens, 0);
@@ -438,7 +446,7 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   // The session read nothing of the cancelled turn.
   absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
   ASSERT_TRUE(lease.ok()) << lease.status();
-  EXPECT_EQ(lease->state().position(), 0);
+  EXPECT_EQ(lease->state().position() + (lease->state().pending_token >= 0 ? 1 : 0), history);
 }
 
 TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {

@@ -36,6 +36,7 @@ namespace {
 
 using testing::FaultInjectionFiles;
 using testing::HoldingFiles;
+using testing::StemFailingFiles;
 
 constexpr int32_t kProbe = 42;
 
@@ -931,6 +932,56 @@ TEST_F(DurabilityTest, ATurnWhoseWriteFailsIsAnsweredAsNotSaved) {
   auto want_state = reference->Clone();
   EXPECT_EQ(position, reference->position());
   EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+}
+
+// One session's writes failing turns health, but says nothing of the other sessions' writes:
+// their turns are written and answered OK; the failing session's turns are answered UNAVAILABLE
+// at once. Before, every turn that ended while health was bad was answered "not saved" at once,
+// though its write would have succeeded (and was, moments later).
+TEST_F(DurabilityTest, OneSessionsFailingWritesDoNotAnswerOtherTurnsAsUnsaved) {
+  StemFailingFiles files;
+  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  for (const char* id : {"a", "b"}) {
+    ASSERT_TRUE(store->Create(id, "").ok());
+    ASSERT_TRUE(Answer(*AskWhenPersisted(*store, id)).ok()) << id;
+  }
+  files.Fail(SessionFileStem(SessionKey("a")));
+  Turn(*store, "a", testing::RandomTokens(3, 81));
+  EXPECT_EQ(Answer(*AskWhenPersisted(*store, "a")).code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(store->PersistHealth().code(), absl::StatusCode::kUnavailable);
+  // Health is bad; b's turn is written all the same.
+  Turn(*store, "b", testing::RandomTokens(3, 82));
+  EXPECT_TRUE(Answer(*AskWhenPersisted(*store, "b")).ok());
+  // a's next turn is answered at once (its writes fail; the worker retries them), and not by
+  // writing first in the Acquire (which would try the failing write on the request's thread).
+  const int writes_before = files.calls(FaultInjectionFiles::Op::kWriteAndSync) +
+                            files.calls(FaultInjectionFiles::Op::kWriteAt);
+  Turn(*store, "a", testing::RandomTokens(2, 83));
+  const std::shared_ptr<Ack> failing = AskWhenPersisted(*store, "a");
+  ASSERT_TRUE(failing->done.HasBeenNotified());
+  EXPECT_EQ(failing->saved.code(), absl::StatusCode::kUnavailable) << failing->saved;
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync) +
+                files.calls(FaultInjectionFiles::Op::kWriteAt) - writes_before,
+            0);
+  files.Clear();
+}
+
+// A store without a directory writes nothing, whatever its turns: the Acquire of a session with
+// a turn "not written yet" (always, without a directory) wrote it first, into the process's
+// working directory (a relative path under an empty directory).
+TEST_F(DurabilityTest, AStoreWithoutADirectoryWritesNothing) {
+  FaultInjectionFiles files;
+  auto store = OpenWithWriters("", &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->Create("s", "").ok());
+  for (int turn = 0; turn < 3; ++turn) {
+    Turn(*store, "s", testing::RandomTokens(2, 90 + turn));
+    EXPECT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  }
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAndSync), 0);
+  EXPECT_EQ(files.calls(FaultInjectionFiles::Op::kWriteAt), 0);
+  EXPECT_EQ(store->Stats().persist_writes, 0);
 }
 
 // A turn whose session breaks after it (the next turn on the session takes it and fails part-way:

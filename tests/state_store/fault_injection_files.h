@@ -282,6 +282,48 @@ class HoldingFiles : public FaultInjectionFiles {
   absl::Notification held_, open_;
 };
 
+// One session's writes failing while the others' succeed (a fault of that session only: say its
+// device copy-back): once Fail(stem) is called, every write of session data to a file whose name
+// starts with `stem` fails with ResourceExhausted until Clear(). Everything else is
+// FaultInjectionFiles.
+class StemFailingFiles : public FaultInjectionFiles {
+ public:
+  void Fail(std::string stem) {
+    absl::MutexLock lock(&mu_);
+    stem_ = std::move(stem);
+  }
+  void Clear() {
+    absl::MutexLock lock(&mu_);
+    stem_.clear();
+  }
+
+  using StateFiles::WriteAt;
+  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
+                       bool sync) override {
+    if (Failing(path)) return Injected();
+    return FaultInjectionFiles::WriteAt(path, offset, data, sync);
+  }
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
+                            bool sync) override {
+    if (Failing(path)) return Injected();
+    return FaultInjectionFiles::WriteAndSync(path, data, sync);
+  }
+
+ private:
+  static absl::Status Injected() {
+    return absl::ResourceExhaustedError("injected: this session's writes fail");
+  }
+  bool Failing(const std::filesystem::path& path) {
+    absl::MutexLock lock(&mu_);
+    return !stem_.empty() && absl::StartsWith(path.filename().string(), stem_);
+  }
+
+  absl::Mutex mu_;
+  std::string stem_ ABSL_GUARDED_BY(mu_);
+};
+
 }  // namespace sdm::testing
 
 #endif  // SDMSERVE_TESTS_STATE_STORE_FAULT_INJECTION_FILES_H_
