@@ -6,6 +6,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/available_cpus.h"
 #include "base/check.h"
 #include "engine/safetensors.h"
 #include "engine/weight_file_check.h"
@@ -38,8 +39,8 @@ void ToFloat(TensorDtype dtype, std::span<const uint8_t> bytes, std::span<float>
     }
   };
   constexpr size_t kMinPerThread = size_t{1} << 20;
-  const size_t parts = std::clamp<size_t>(out.size() / kMinPerThread, 1,
-                                          std::max(1u, std::thread::hardware_concurrency()));
+  const size_t parts =
+      std::clamp<size_t>(out.size() / kMinPerThread, 1, static_cast<size_t>(AvailableCpus()));
   const size_t per = (out.size() + parts - 1) / parts;
   std::vector<std::thread> workers;
   for (size_t p = 1; p < parts; ++p) {

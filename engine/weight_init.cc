@@ -5,6 +5,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/available_cpus.h"
 #include "base/check.h"
 
 namespace sdm {
@@ -144,7 +145,7 @@ void FillTensor(const ModelConfig& config, const TensorSpec& spec, uint64_t seed
 void FillTensorParallel(const ModelConfig& config, const TensorSpec& spec, uint64_t seed,
                         int64_t first_element, std::span<float> out, int threads) {
   constexpr size_t kMinPerThread = size_t{1} << 16;
-  if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 0) threads = AvailableCpus();
   const size_t parts = std::min<size_t>(static_cast<size_t>(threads),
                                         (out.size() + kMinPerThread - 1) / kMinPerThread);
   if (parts <= 1) {

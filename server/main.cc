@@ -188,7 +188,8 @@ ABSL_FLAG(bool, cuda_graphs, sdm::ServerOptions{}.engine.cuda_graphs,
           "CUDA: run decode steps as CUDA graphs, one launch per step (false: every kernel "
           "launched; the results are the same bit for bit).");
 ABSL_FLAG(int, threads, sdm::ServerOptions{}.engine.num_threads,
-          "Engine threads; 0: one per hardware thread.");
+          "Engine threads; 0: one per CPU this process may use (its affinity mask, capped by its "
+          "cgroup's CPU quota).");
 ABSL_FLAG(int, decode_nice, sdm::ServerOptions{}.engine.decode_nice,
           "How much nicer (Linux nice increment, 0 to 19) the decode threads (sdm-step, "
           "sdm-kernel) run than the front end, so that refusals, cancellations and health checks "

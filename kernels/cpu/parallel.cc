@@ -1,5 +1,6 @@
 #include "kernels/cpu/parallel.h"
 
+#include "base/available_cpus.h"
 #include "base/log.h"
 #include "base/thread_name.h"
 #include "base/thread_priority.h"
@@ -26,7 +27,7 @@ void SpinWhile(F waiting) {
 }  // namespace
 
 ThreadPool::ThreadPool(int num_threads, int worker_nice_increment) {
-  if (num_threads <= 0) num_threads = static_cast<int>(std::thread::hardware_concurrency());
+  if (num_threads <= 0) num_threads = AvailableCpus();  // base/available_cpus.h
   // The wait's condition reads workers_.size(), and a worker's unlock may evaluate it; it is
   // registered only once the loop below has finished growing workers_.
   for (int i = 1; i < num_threads; ++i) {

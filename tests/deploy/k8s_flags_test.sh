@@ -97,6 +97,12 @@ PY
   [ "$status" -ne 0 ] || { echo "FAIL: sdm-server started without a model"; exit 1; }
   [ "$status" -eq 1 ] ||
     { cat "$work/configmap.out"; echo "FAIL: sdm-server exited $status (hung or crashed?), not 1"; exit 1; }
+  # absl's flag parser also exits 1 (a value that does not parse, an unknown flag): the exit must
+  # come from the model (or etcd), after every flag was read.
+  if grep -Eq "Illegal value|Unknown command line flag|ERROR:" "$work/configmap.out" ||
+     ! grep -Eq "cannot load the model|etcd" "$work/configmap.out"; then
+    cat "$work/configmap.out"; echo "FAIL: the ConfigMap's flags did not all parse"; exit 1
+  fi
   echo "ok: the ConfigMap's flags pass sdm-server's usage checks (exit $status: no model here)"
 fi
 

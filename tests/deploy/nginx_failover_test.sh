@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # kill -9 of one of 3 replicas behind nginx (deploy/nginx/nginx.conf), sharing one --state_dir
 # with --persist turn (the default): every session is served again, by another replica, from
-# what the dead one persisted. Sessions whose last turn was not on disk yet count as "turns
-# lost" (the stated policy allows one per session: the turn in flight); the others continue
+# what the dead one persisted. Every turn before the kill was acknowledged, so on disk (a turn's
+# final chunk waits for its write): a session whose position then differs from the control's
+# (behind: a turn lost; ahead: one applied twice) fails the test, and every session continues
 # token for token like a control server that never failed. Prints the failover figures.
 # With `drain`, the replica gets SIGTERM instead (a scale-down or a rolling upgrade): it writes
 # every session before it exits, so no turn may be lost; prints how long the drain took.
@@ -130,7 +131,8 @@ for id in "${on_victim[@]}"; do
   got_position=$(retry position "$via" "$id") || { failed=$((failed + 1)); continue; }
   want_position=$(position "$control" "$id")
   if [ "$got_position" != "$want_position" ]; then
-    lost=$((lost + 1))  # its last turn was not on disk at the kill
+    lost=$((lost + 1))  # an acknowledged turn was not on disk at the kill, or applied twice
+    echo "$id: position $got_position after the failover, control $want_position" >&2
     continue
   fi
   a=$(retry turn "$via" "$id" 3) || { failed=$((failed + 1)); continue; }
@@ -142,8 +144,7 @@ for id in "${on_victim[@]}"; do
   [ -n "$first_ok_ms" ] || first_ok_ms=$(((end_ns - killed_ns) / 1000000))
 done
 [ $failed -eq 0 ] || fail "$failed sessions of the dead replica were not served again"
-[ $lost -le ${#on_victim[@]} ] || fail "more turns lost than sessions"
-[ "$mode" != drain ] || [ $lost -eq 0 ] || fail "a drain lost $lost turns"
+[ $lost -eq 0 ] || fail "$lost sessions are not at the control's position after the $mode"
 # Every other session is untouched.
 for s in $(seq -w 1 $sessions); do
   id="s$s"
