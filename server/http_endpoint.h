@@ -4,7 +4,7 @@
 //                  registry, server/metrics/exposition.h), as Content-Type
 //                  text/plain; version=0.0.4
 //   GET /healthz   200 "ok", or 503 "not serving: <reason>" when the health callback returns an
-//                  error (e.g. the model is still loading, or the server is draining)
+//                  error (e.g. the server is draining)
 //   anything else  404
 //
 // An HttpEndpoint listens from Start() until it is destroyed, on its own threads (cpp-httplib:

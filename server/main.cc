@@ -36,6 +36,7 @@
 #include "absl/time/time.h"
 #include "base/heap.h"
 #include "common/command_line.h"
+#include "server/cluster/etcd_ownership.h"
 #include "server/server.h"
 #include "server/tenant_limits.h"
 #include "state_store/state_files.h"
@@ -90,6 +91,9 @@ ABSL_FLAG(std::string, etcd, "",
           "docs/replicas.md.");
 ABSL_FLAG(std::string, replica_id, "",
           "With --etcd: this replica's unique name (empty: the host name).");
+ABSL_FLAG(std::string, etcd_prefix, sdm::EtcdOwnershipOptions{}.key_prefix,
+          "With --etcd: the prefix of every key this deployment keeps in etcd (sessions/, "
+          "snapshots/, handoff/ under it); deployments sharing one etcd need their own.");
 ABSL_FLAG(absl::Duration, etcd_lease_ttl, sdm::EtcdOwnershipOptions{}.lease_ttl,
           "With --etcd: the TTL of this replica's lease (whole seconds, at least 2 s). A replica "
           "stopped or cut off this long loses its sessions to the others.");
@@ -339,10 +343,14 @@ int main(int argc, char** argv) {
   options.etcd.endpoint = absl::GetFlag(FLAGS_etcd);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
   options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
+  options.etcd.key_prefix = absl::GetFlag(FLAGS_etcd_prefix);
   options.etcd.testing_keep_stale_claims = absl::GetFlag(FLAGS_testing_etcd_keep_stale_claims);
   if (options.etcd.lease_ttl < absl::Seconds(2)) return UsageError("--etcd_lease_ttl: at least 2s");
   if (!options.etcd.endpoint.empty()) {
     if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");
+    if (absl::Status s = sdm::ValidateEtcdKeyPrefix(options.etcd.key_prefix); !s.ok()) {
+      return UsageError(absl::StrCat("--etcd_prefix: ", s.message()));
+    }
     if (options.etcd.replica_id.empty()) {
       char host[256] = {};
       if (gethostname(host, sizeof(host) - 1) != 0 || host[0] == '\0') {

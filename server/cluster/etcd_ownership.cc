@@ -59,9 +59,18 @@ std::string RangeValue(const json& response) {
 
 EtcdOwnership::EtcdOwnership(PassKey, const EtcdOwnershipOptions& options) : options_(options) {}
 
+absl::Status ValidateEtcdKeyPrefix(const std::string& prefix) {
+  if (prefix.size() < 2 || prefix.front() != '/' || prefix.back() != '/') {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the etcd key prefix must start and end with '/' (e.g. /sdmserve/), got '", prefix, "'"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<EtcdOwnership>> EtcdOwnership::Start(
     const EtcdOwnershipOptions& options) {
   if (options.replica_id.empty()) return absl::InvalidArgumentError("the replica id is empty");
+  if (absl::Status s = ValidateEtcdKeyPrefix(options.key_prefix); !s.ok()) return s;
   auto self = std::make_unique<EtcdOwnership>(PassKey{}, options);
   if (absl::Status s = self->Grant(); !s.ok()) return s;
   self->keepalive_ = std::thread([p = self.get()] { p->KeepAliveLoop(); });
@@ -102,7 +111,7 @@ int64_t EtcdOwnership::handoffs() const {
 
 void EtcdOwnership::HandoffLoop() {
   SetCurrentThreadName("sdm-handoff");
-  const std::string prefix = options_.handoff_prefix;
+  const std::string prefix = HandoffPrefix();
   std::string end = prefix;
   end.back() = static_cast<char>(end.back() + 1);  // the range of every key under the prefix
   const std::string range = json{{"key", B64(prefix)}, {"range_end", B64(end)}}.dump();
@@ -161,11 +170,13 @@ int64_t EtcdOwnership::lease_id() const {
 }
 
 std::string EtcdOwnership::KeyOf(const SessionKey& key) const {
-  return options_.prefix + SessionRecordId(key);
+  return options_.key_prefix + "sessions/" + SessionRecordId(key);
 }
 
+std::string EtcdOwnership::HandoffPrefix() const { return options_.key_prefix + "handoff/"; }
+
 std::string EtcdOwnership::SnapshotKeyOf(const SessionKey& key) const {
-  return options_.snapshot_prefix + SessionRecordId(key);
+  return options_.key_prefix + "snapshots/" + SessionRecordId(key);
 }
 
 class EtcdOwnership::BusyKey {
@@ -267,7 +278,7 @@ absl::Status EtcdOwnership::Claim(const SessionKey& key) {
     return absl::IsUnavailable(claimed) ? WithRetryAfter(claimed, absl::Seconds(1)) : claimed;
   }
   // Ask the owner to hand it over (a request bound to this replica's lease), and wait for it.
-  const std::string request = B64(options_.handoff_prefix + SessionRecordId(key));
+  const std::string request = B64(HandoffPrefix() + SessionRecordId(key));
   int64_t lease = 0;
   {
     absl::MutexLock lock(&mu_);

@@ -61,11 +61,13 @@ namespace sdm {
 struct EtcdOwnershipOptions {
   std::string endpoint;    // http://host:port of etcd's client URL
   std::string replica_id;  // this replica's name (the keys' value); must be unique
-  std::string prefix = "/sdmserve/sessions/";
-  std::string snapshot_prefix = "/sdmserve/snapshots/";
+  // Every key of this deployment is under it: <key_prefix>sessions/<id> (the owner),
+  // <key_prefix>snapshots/<id> (the committed snapshot), <key_prefix>handoff/<id> (requests).
+  // Deployments sharing one etcd need prefixes of their own (else they share session ids and
+  // take each other's sessions). Starts and ends with '/'.
+  std::string key_prefix = "/sdmserve/";
   absl::Duration lease_ttl = absl::Seconds(10);
   absl::Duration request_timeout = absl::Seconds(2);
-  std::string handoff_prefix = "/sdmserve/handoff/";
   // How long a Claim waits for another replica to hand a session over; zero: it does not ask.
   absl::Duration handoff_wait = absl::Seconds(3);
   // How often this replica looks for requests to hand its sessions over.
@@ -83,6 +85,9 @@ struct EtcdOwnershipOptions {
   std::function<RequestFault(const std::string& path, const std::string& body)>
       testing_request_fault;
 };
+
+// OK, or INVALID_ARGUMENT saying why `prefix` cannot be EtcdOwnershipOptions::key_prefix.
+absl::Status ValidateEtcdKeyPrefix(const std::string& prefix);
 
 class EtcdOwnership : public SessionOwnership {
  public:
@@ -141,6 +146,7 @@ class EtcdOwnership : public SessionOwnership {
   class BusyKey;
   std::string KeyOf(const SessionKey& key) const;
   std::string SnapshotKeyOf(const SessionKey& key) const;
+  std::string HandoffPrefix() const;  // of the keys requesting handoffs
   // A transaction that puts (`put`: the committed name) or deletes (nullopt) the committed
   // snapshot key if `claim` (0: this replica's claim now) and the committed name `base` are
   // current.

@@ -124,6 +124,35 @@ TEST_F(EtcdOwnershipTest, OneOwnerAtATimeAndReleaseHandsOver) {
   EXPECT_FALSE(a->CheckWrite(x).ok());
 }
 
+// Deployments sharing one etcd keep their keys under prefixes of their own: the same session id
+// is owned in each, without handoffs between them; within one prefix the owner is exclusive.
+TEST_F(EtcdOwnershipTest, DeploymentsWithTheirOwnPrefixesDoNotShareSessions) {
+  EtcdOwnershipOptions blue = Options("blue-0");
+  blue.key_prefix = "/blue/";
+  EtcdOwnershipOptions green = Options("green-0");
+  green.key_prefix = "/green/";
+  auto b = EtcdOwnership::Start(blue);
+  auto g = EtcdOwnership::Start(green);
+  ASSERT_TRUE(b.ok() && g.ok());
+  const SessionKey x("x");
+  ASSERT_TRUE((*b)->Claim(x).ok());
+  EXPECT_TRUE((*g)->Claim(x).ok());  // another deployment's session of the same id
+  EXPECT_TRUE((*b)->CheckWrite(x).ok());
+  EXPECT_TRUE((*g)->CheckWrite(x).ok());
+  EtcdOwnershipOptions blue1 = Options("blue-1");
+  blue1.key_prefix = "/blue/";
+  auto b1 = EtcdOwnership::Start(blue1);
+  ASSERT_TRUE(b1.ok());
+  const absl::Status refused = (*b1)->Claim(x);
+  EXPECT_TRUE(absl::IsUnavailable(refused)) << refused;
+  EXPECT_NE(refused.message().find("'blue-0'"), std::string::npos) << refused;
+  for (const char* bad : {"", "/", "sdm/", "/sdm"}) {
+    EtcdOwnershipOptions o = Options("bad");
+    o.key_prefix = bad;
+    EXPECT_EQ(EtcdOwnership::Start(o).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+}
+
 // A replica paused past its lease: its key is gone, another replica claims the session, and the
 // paused one's write is refused when it resumes.
 TEST_F(EtcdOwnershipTest, AnExpiredLeaseFencesWrites) {

@@ -112,6 +112,12 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(ttl.status, 2);
   EXPECT_THAT(ttl.err,
               ::testing::HasSubstr("--session_ttl cannot be used with --shared_state_dir"));
+  // An etcd key prefix must be a path ("/name/"): checked before etcd is reached.
+  const ProcessRun prefix =
+      RunServer(absl::StrCat("--model x --state_dir '", dir_.path().string(),
+                             "' --shared_state_dir --etcd http://127.0.0.1:1 --etcd_prefix blue"));
+  EXPECT_EQ(prefix.status, 2);
+  EXPECT_THAT(prefix.err, ::testing::HasSubstr("--etcd_prefix: the etcd key prefix must start"));
   EXPECT_EQ(RunServer("--model x --persist_sync sometimes").status, 2);
   const ProcessRun io = RunServer("--model x --persist_io mmap");
   EXPECT_EQ(io.status, 2);
