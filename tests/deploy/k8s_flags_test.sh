@@ -44,7 +44,8 @@ else
 fi
 if python3 -c 'import yaml' 2>/dev/null; then
   # The router's upstreams name each replica's own Service (stable addresses: nginx resolves its
-  # upstreams once), one per StatefulSet replica, selecting that pod on the gRPC port.
+  # upstreams once), one per StatefulSet replica, selecting that pod on the gRPC port (and, for
+  # the HTTP front, on the port the StatefulSet names http, which the ConfigMap's --http_port is).
   python3 - "$SOURCE_DIR/deploy/k8s" <<'PY'
 import re, sys, yaml
 d = sys.argv[1]
@@ -53,19 +54,30 @@ for name in ("router.yaml", "services.yaml", "statefulset.yaml"):
     for doc in yaml.safe_load_all(open(f"{d}/{name}")):
         if doc:
             docs[(doc["kind"], doc["metadata"]["name"])] = doc
-upstreams = docs[("ConfigMap", "sdm-router")]["data"]["sdm-upstreams.conf"]
-hosts = re.findall(r"(?m)^\s*server\s+([^:\s]+):(\d+)", upstreams)
 sts = docs[("StatefulSet", "sdm-server")]
 replicas = sts["spec"]["replicas"]
-assert len(hosts) == replicas, f"{len(hosts)} upstreams for {replicas} replicas"
-for i, (host, port) in enumerate(sorted(hosts)):
-    svc = docs.get(("Service", host))
-    assert svc is not None, f"upstream {host}: no Service of that name in services.yaml"
-    assert svc["spec"].get("clusterIP") != "None", f"{host}: headless (pod addresses change)"
-    pod = svc["spec"]["selector"].get("statefulset.kubernetes.io/pod-name")
-    assert pod == f"{sts['metadata']['name']}-{i}", f"{host} selects {pod}"
-    assert int(port) in [p["port"] for p in svc["spec"]["ports"]], f"{host}: no port {port}"
-print(f"ok: the router's {len(hosts)} upstreams are one Service per replica")
+container_ports = {p["name"]: p["containerPort"]
+                   for p in sts["spec"]["template"]["spec"]["containers"][0]["ports"]}
+flags = yaml.safe_load(open(f"{d}/configmap.yaml"))["data"]["sdm-server.flags"]
+http_flag = re.search(r"(?m)^--http_port=(\d+)", flags)
+assert http_flag and int(http_flag.group(1)) == container_ports["http"], \
+    f"--http_port in the ConfigMap is not the StatefulSet's http port {container_ports['http']}"
+for conf, port_name in (("sdm-upstreams.conf", "grpc"), ("sdm-http-upstreams.conf", "http")):
+    upstreams = docs[("ConfigMap", "sdm-router")]["data"][conf]
+    hosts = re.findall(r"(?m)^\s*server\s+([^:\s]+):(\d+)", upstreams)
+    assert len(hosts) == replicas, f"{conf}: {len(hosts)} upstreams for {replicas} replicas"
+    for i, (host, port) in enumerate(sorted(hosts)):
+        svc = docs.get(("Service", host))
+        assert svc is not None, f"upstream {host}: no Service of that name in services.yaml"
+        assert svc["spec"].get("clusterIP") != "None", f"{host}: headless (pod addresses change)"
+        pod = svc["spec"]["selector"].get("statefulset.kubernetes.io/pod-name")
+        assert pod == f"{sts['metadata']['name']}-{i}", f"{host} selects {pod}"
+        svc_ports = {p["port"]: p for p in svc["spec"]["ports"]}
+        assert int(port) in svc_ports, f"{conf}: {host} has no port {port}"
+        target = svc_ports[int(port)].get("targetPort", int(port))
+        assert target in (container_ports[port_name], port_name), \
+            f"{conf}: {host}:{port} does not reach the replica's {port_name} port"
+    print(f"ok: the router's {len(hosts)} {port_name} upstreams are one Service per replica")
 PY
 fi
 sed -n 's/^--\([a-z_]*\).*/deploy\/sdm-server.flags \1/p' "$SOURCE_DIR/deploy/sdm-server.flags" \
@@ -91,7 +103,7 @@ for doc in yaml.safe_load_all(open(sys.argv[1])):
 PY
   status=0
   timeout 60 "$BUILD_DIR/server/sdm-server" --flagfile="$work/configmap.flags" \
-    --model="$work/no-model" --state_dir="$work/state" --port=0 --metrics_port=-1 \
+    --model="$work/no-model" --state_dir="$work/state" --port=0 --metrics_port=-1 --http_port=0 \
     >"$work/configmap.out" 2>&1 || status=$?
   [ "$status" -ne 2 ] || { cat "$work/configmap.out"; echo "FAIL: the ConfigMap's flags are refused"; exit 1; }
   [ "$status" -ne 0 ] || { echo "FAIL: sdm-server started without a model"; exit 1; }
@@ -110,9 +122,12 @@ if command -v nginx >/dev/null; then
   mkdir -p "$work/nginx/conf" "$work/nginx/logs" "$work/nginx/tmp"
   cp "$SOURCE_DIR/deploy/nginx/nginx.conf" "$work/nginx/conf/"
   cp "$SOURCE_DIR/deploy/nginx/sdm-listen.conf.example" "$work/nginx/conf/sdm-listen.conf"
-  # The example names Kubernetes hosts; nginx -t resolves them, so check with loopback ones.
+  cp "$SOURCE_DIR/deploy/nginx/sdm-http-listen.conf.example" "$work/nginx/conf/sdm-http-listen.conf"
+  # The examples name Kubernetes hosts; nginx -t resolves them, so check with loopback ones.
   sed 's/sdm-replica-[0-9]/127.0.0.1/' "$SOURCE_DIR/deploy/nginx/sdm-upstreams.conf.example" \
     | awk '{ sub(/:50051/, ":" 50051 + NR); print }' >"$work/nginx/conf/sdm-upstreams.conf"
+  sed 's/sdm-replica-[0-9]/127.0.0.1/' "$SOURCE_DIR/deploy/nginx/sdm-http-upstreams.conf.example" \
+    | awk '{ sub(/:8080/, ":" 8080 + NR); print }' >"$work/nginx/conf/sdm-http-upstreams.conf"
   nginx -t -q -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" 2>&1 ||
     { echo "FAIL: nginx -t on deploy/nginx/nginx.conf"; exit 1; }
   echo "ok: deploy/nginx/nginx.conf passes nginx -t"

@@ -26,17 +26,27 @@ make_model() {
     { cat "$work/sdm-model.log"; fail "sdm-model init"; }
 }
 
-# start_replica NAME [extra flags...]: starts sdm-server on a free port; sets REPLICA_PORT.
+# http_port_of FILE: the port of the "OpenAI-compatible HTTP API on http://HOST:PORT/v1" line
+# sdm-server prints with --http_port (empty until it did).
+http_port_of() {
+  sed -n 's|^OpenAI-compatible HTTP API on http://[^ ]*:\([0-9]*\)/v1 .*|\1|p' "$1" | head -1
+}
+
+# start_replica NAME [extra flags...]: starts sdm-server on a free port; sets REPLICA_PORT, and
+# with --http_port among the flags REPLICA_HTTP_PORT (the HTTP API's port).
 start_replica() {
   local name=$1; shift
+  local want_http=""
+  [[ " $* " == *" --http_port"[\ =]* ]] && want_http=1
   "$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
     --state_dir "$work/state" --shared_state_dir "$@" >"$work/$name.out" 2>"$work/$name.err" &
   echo $! >>"$work/pids"; disown
   echo $! >"$work/$name.pid"
   for _ in $(seq 1 600); do
-    if grep -q "^listening on" "$work/$name.out"; then
+    if grep -q "^listening on" "$work/$name.out" && { [ -z "$want_http" ] || [ -n "$(http_port_of "$work/$name.out")" ]; }; then
       REPLICA_PORT=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/$name.out" | head -1)
       echo "$REPLICA_PORT" >"$work/$name.port"
+      REPLICA_HTTP_PORT=$(http_port_of "$work/$name.out")
       return 0
     fi
     kill -0 "$(cat "$work/$name.pid")" 2>/dev/null || { cat "$work/$name.err"; fail "$name exited"; }
@@ -46,6 +56,9 @@ start_replica() {
 }
 
 # start_nginx PORT REPLICA_PORT...: nginx on 127.0.0.1:PORT with the deployed configuration.
+# Its HTTP front: set NGINX_HTTP_PORT and REPLICA_HTTP_PORTS (the replicas' HTTP ports, space
+# separated) first; without them it listens on a free port in front of no replica (one server
+# marked down: nginx refuses an empty upstream).
 start_nginx() {
   local port=$1; shift
   mkdir -p "$work/nginx/conf" "$work/nginx/logs" "$work/nginx/tmp"
@@ -55,6 +68,15 @@ start_nginx() {
   for p in "$@"; do
     echo "server 127.0.0.1:$p max_fails=1 fail_timeout=5s;" >>"$work/nginx/conf/sdm-upstreams.conf"
   done
+  echo "listen 127.0.0.1:${NGINX_HTTP_PORT:-$(free_port)};" >"$work/nginx/conf/sdm-http-listen.conf"
+  if [ -n "${REPLICA_HTTP_PORTS:-}" ]; then
+    : >"$work/nginx/conf/sdm-http-upstreams.conf"
+    for p in $REPLICA_HTTP_PORTS; do
+      echo "server 127.0.0.1:$p max_fails=1 fail_timeout=5s;" >>"$work/nginx/conf/sdm-http-upstreams.conf"
+    done
+  else
+    echo "server 127.0.0.1:9 down;" >"$work/nginx/conf/sdm-http-upstreams.conf"
+  fi
   nginx -p "$work/nginx" -c conf/nginx.conf -e "$work/nginx/logs/error.log" ||
     { cat "$work/nginx/logs/error.log"; fail "nginx did not start"; }
   for _ in $(seq 1 600); do
@@ -81,15 +103,23 @@ start_etcd() {
   cat "$work/etcd.log"; fail "etcd did not start"
 }
 
-# start_control: a server alone (its own --state_dir, no etcd): the reference the replicas'
-# turns must equal. Sets CONTROL_PORT.
+# start_control [extra flags...]: a server alone (its own --state_dir, no etcd): the reference
+# the replicas' turns must equal. Sets CONTROL_PORT, and with --http_port CONTROL_HTTP_PORT.
 start_control() {
+  local want_http=""
+  [[ " $* " == *" --http_port"[\ =]* ]] && want_http=1
   "$server_bin" --model "$work/model" --host 127.0.0.1 --port 0 --metrics_port -1 --threads 1 \
-    --state_dir "$work/control_state" >"$work/control.out" 2>"$work/control.err" &
+    --state_dir "$work/control_state" "$@" >"$work/control.out" 2>"$work/control.err" &
   echo $! >>"$work/pids"; disown
-  for _ in $(seq 1 600); do grep -q "^listening on" "$work/control.out" && break; sleep 0.1; done
+  for _ in $(seq 1 600); do
+    grep -q "^listening on" "$work/control.out" &&
+      { [ -z "$want_http" ] || [ -n "$(http_port_of "$work/control.out")" ]; } && break
+    sleep 0.1
+  done
   CONTROL_PORT=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/control.out" | head -1)
   [ -n "$CONTROL_PORT" ] || fail "control server did not start"
+  CONTROL_HTTP_PORT=$(http_port_of "$work/control.out")
+  [ -z "$want_http" ] || [ -n "$CONTROL_HTTP_PORT" ] || fail "control server's HTTP API did not start"
 }
 
 # stop_replica NAME SIGNAL: sends SIGNAL and waits (up to 120 s) until the process is gone.
