@@ -1,5 +1,6 @@
 #include "server/cluster/etcd_ownership.h"
 
+#include <algorithm>
 #include <initializer_list>
 #include <string>
 #include <utility>
@@ -243,20 +244,23 @@ absl::Status EtcdOwnership::Grant() {
 void EtcdOwnership::KeepAliveLoop() {
   SetCurrentThreadName("sdm-etcd-lease");
   const absl::Duration period = options_.lease_ttl / 3;
+  absl::Duration wait = period;
   while (true) {
     int64_t lease = 0;
     {
       absl::MutexLock lock(&mu_);
       auto stopping = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return stop_; };
-      mu_.AwaitWithTimeout(absl::Condition(&stopping), period);
+      mu_.AwaitWithTimeout(absl::Condition(&stopping), wait);
       if (stop_) return;
       lease = lease_;
     }
     auto body = Post("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}.dump());
     if (!body.ok()) {
       SDM_LOG(WARNING) << "sdm ownership: lease keepalive failed: " << body.status();
+      wait = std::min(period, options_.keepalive_retry);
       continue;
     }
+    wait = period;
     const json answer = json::parse(*body, nullptr, false);
     const bool alive =
         answer.is_object() && answer.contains("result") && Int(answer["result"], "TTL") > 0;

@@ -68,6 +68,10 @@ struct EtcdOwnershipOptions {
   std::string key_prefix = "/sdmserve/";
   absl::Duration lease_ttl = absl::Seconds(10);
   absl::Duration request_timeout = absl::Seconds(2);
+  // After a keepalive that failed (etcd unreachable a moment, a leader election), the next is
+  // tried this soon rather than a third of the TTL later: two failures in a row would otherwise
+  // let the lease expire, and every session of the replica with it.
+  absl::Duration keepalive_retry = absl::Milliseconds(500);
   // How long a Claim waits for another replica to hand a session over; zero: it does not ask.
   absl::Duration handoff_wait = absl::Seconds(3);
   // How often this replica looks for requests to hand its sessions over.

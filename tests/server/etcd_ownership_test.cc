@@ -19,9 +19,11 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
+#include "nlohmann/json.hpp"
 #include "server/grpc_status.h"
 #include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
@@ -122,6 +124,39 @@ TEST_F(EtcdOwnershipTest, OneOwnerAtATimeAndReleaseHandsOver) {
   ASSERT_TRUE(b->Claim(x).ok());
   EXPECT_TRUE(b->CheckWrite(x).ok());
   EXPECT_FALSE(a->CheckWrite(x).ok());
+}
+
+// Keepalives that fail (etcd unreachable a moment) are retried soon, not a third of the TTL
+// later: five failed in a row and the lease is still alive. Before, each failure waited TTL/3
+// (3.3 s here), and the third in a row let the 10 s lease expire with every session of the
+// replica.
+TEST_F(EtcdOwnershipTest, FailedKeepalivesAreRetriedBeforeTheLeaseExpires) {
+  using Fault = EtcdOwnershipOptions::RequestFault;
+  std::atomic<int> to_drop{0};
+  absl::Notification dropped_all;
+  EtcdOwnershipOptions o = Options("a");
+  o.lease_ttl = absl::Seconds(10);
+  o.keepalive_retry = absl::Milliseconds(10);
+  o.testing_request_fault = [&](const std::string& path, const std::string&) {
+    if (path != "/v3/lease/keepalive" || to_drop.load() <= 0) return Fault::kNone;
+    if (to_drop.fetch_sub(1) == 1) dropped_all.Notify();
+    return Fault::kDropped;
+  };
+  auto a = EtcdOwnership::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  const int64_t lease = (*a)->lease_id();
+  to_drop.store(5);
+  ASSERT_TRUE(dropped_all.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  // Alive in etcd's own view (its remaining TTL), and the same lease.
+  httplib::Client client(endpoint_);
+  client.set_read_timeout(60, 0);
+  auto r = client.Post("/v3/lease/timetolive", absl::StrCat("{\"ID\":\"", lease, "\"}"),
+                       "application/json");
+  ASSERT_TRUE(r && r->status == 200);
+  const nlohmann::json ttl = nlohmann::json::parse(r->body, nullptr, false);
+  ASSERT_TRUE(ttl.is_object()) << r->body;
+  EXPECT_GT(std::stoll(ttl.value("TTL", std::string("-1"))), 0) << r->body;
+  EXPECT_EQ((*a)->lease_id(), lease);
 }
 
 // Deployments sharing one etcd keep their keys under prefixes of their own: the same session id
