@@ -1219,9 +1219,11 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
         "session '", key.id, "' is in use by another request; retry when it finishes"));
   }
   SDM_RETURN_IF_ERROR(RefuseWhenUnpersistable());
-  // (Not a session whose writes fail: the worker retries those every second, answered already.)
+  // A session whose writes fail is tried here too (a failed write fails fast on a full or
+  // read-only disk): once the disk is back, its next turn is written and acknowledged without
+  // waiting for the worker's retry.
   if (options_.background && !options_.dir.empty() && options_.persist == PersistPolicy::kTurn &&
-      !e->persist_failing && DueLocked(*e, absl::Now())) {
+      DueLocked(*e, absl::Now())) {
     // A turn not written yet (no writer got to it: they may all be busy): written now, on this
     // thread, before the lease lets the next turn change it. Its acknowledgement (WhenPersisted,
     // asked for before or after this) then does not wait for the next turn to end, as it would if
