@@ -1,10 +1,6 @@
 #include "server/http_endpoint.h"
 
-#include <sys/socket.h>
-
-#include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -12,7 +8,6 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
-#include "base/thread_name.h"
 #include "httplib.h"
 #include "server/http/listen_socket.h"
 #include "server/metrics/exposition.h"
@@ -66,19 +61,12 @@ class HttpEndpoint::Impl {
       return absl::UnavailableError(
           absl::StrCat("metrics endpoint: cannot listen on ", host, ":", port, " (", reason, ")"));
     }
-    thread_ = std::thread([this] {
-      SetCurrentThreadName("sdm-metrics");  // its workers, started by it, inherit the name
-      server_.listen_after_bind();
-      listener_exited_ = true;
-    });
-    // stop() is a no-op until the accept loop runs: wait for it, so the destructor can stop it.
-    while (!server_.is_running()) {
-      if (listener_exited_) {
-        return absl::UnavailableError(
-            absl::StrCat("metrics endpoint: listening on ", host, ":", port_, " ended at once"));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    absl::StatusOr<std::thread> loop = StartAcceptLoop(server_, "sdm-metrics");
+    if (!loop.ok()) {
+      return absl::UnavailableError(absl::StrCat("metrics endpoint: listening on ", host, ":",
+                                                 port_, ": ", loop.status().message()));
     }
+    thread_ = *std::move(loop);
     return absl::OkStatus();
   }
 
@@ -89,7 +77,6 @@ class HttpEndpoint::Impl {
   const HealthCallback health_;
   httplib::Server server_;
   int port_ = -1;
-  std::atomic<bool> listener_exited_ = false;
   std::thread thread_;
 };
 

@@ -15,7 +15,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
-#include "base/thread_name.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "server/http/connection_pool.h"
@@ -656,21 +655,12 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
                                                " for the HTTP API (in use, or not an address of "
                                                "this host)"));
   }
-  OpenAiServer& started = *server;
-  server->thread_ = std::thread([&http, &started] {
-    SetCurrentThreadName("sdm-http");  // its connection threads are named so too
-    http.listen_after_bind();
-    started.listener_exited_ = true;
-  });
-  // httplib's stop() does nothing until the accept loop runs: a server stopped right after its
-  // start (a later part of the start failing) would wait for ever in Stop(). Wait for it.
-  while (!http.is_running()) {
-    if (server->listener_exited_) {
-      return absl::UnavailableError(absl::StrCat("listening on ", options.host, ":", server->port_,
-                                                 " for the HTTP API ended at once"));
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  absl::StatusOr<std::thread> loop = StartAcceptLoop(http, "sdm-http");
+  if (!loop.ok()) {
+    return absl::UnavailableError(absl::StrCat("listening on ", options.host, ":", server->port_,
+                                               " for the HTTP API: ", loop.status().message()));
   }
+  server->thread_ = *std::move(loop);
   return server;
 }
 

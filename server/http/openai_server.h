@@ -109,7 +109,6 @@ class OpenAiServer {
   std::unique_ptr<httplib::Server> http_;
   std::unique_ptr<Handlers> handlers_;
   std::thread thread_;
-  std::atomic<bool> listener_exited_{false};  // set by thread_ when httplib's accept loop ends
   int port_ = 0;
   std::atomic<int> active_generations_{0};
 };

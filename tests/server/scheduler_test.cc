@@ -542,7 +542,7 @@ class HeldCollector : public Collector {
 // the whole next turn (observed: 20k tokens later). The next turn is held in its first token until
 // the first turn has ended.
 TEST_F(SchedulerTest, ATurnEndsWhileTheNextTurnOnItsSessionRuns) {
-  sdm::testing::HoldingFiles files;
+  sdm::testing::SessionWriteFiles files;
   store_.reset();
   SessionStoreOptions so;
   so.dir = dir_;

@@ -35,8 +35,7 @@ namespace sdm {
 namespace {
 
 using testing::FaultInjectionFiles;
-using testing::HoldingFiles;
-using testing::StemFailingFiles;
+using testing::SessionWriteFiles;
 
 constexpr int32_t kProbe = 42;
 
@@ -108,7 +107,7 @@ class DurabilityTest : public ::testing::Test {
 
   // Holds the store's only writer (persist_writers 1) in a write of session "blocker", created
   // and written first: while it is held, the writers write nothing else.
-  void HoldTheWriter(SessionStateStore& store, HoldingFiles& files) {
+  void HoldTheWriter(SessionStateStore& store, SessionWriteFiles& files) {
     ASSERT_TRUE(store.Create("blocker", "").ok());
     ASSERT_TRUE(Answer(*AskWhenPersisted(store, "blocker")).ok());
     files.Hold(SessionFileStem(SessionKey("blocker")));
@@ -138,6 +137,15 @@ class DurabilityTest : public ::testing::Test {
     *position = lease->state().position();
     auto copy = lease->state().Clone();
     return testing::ProbeLogits(*engine_, *copy, kProbe);
+  }
+
+  // The session `id` of `store` is `reference`: its position, and bit for bit its logits.
+  void ExpectHolds(SessionStateStore& store, const std::string& id, const SessionState& reference) {
+    int64_t position = -1;
+    const std::vector<float> got = Probe(store, id, &position);
+    auto want_state = reference.Clone();
+    EXPECT_EQ(position, reference.position());
+    EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
   }
 
   // The compaction rule's bound on a log (SessionStoreOptions::log_compact_ratio): the ratio
@@ -723,11 +731,7 @@ TEST_F(DurabilityTest, TheLogIsCompactedOnceItWouldPassTheRatioOfTheSnapshot) {
   // The log grew past the snapshot itself (the rule is not the old "half the snapshot").
   EXPECT_GT(largest_log, snapshot_then);
   auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
-  int64_t position = -1;
-  const std::vector<float> got = Probe(*restarted, "s", &position);
-  auto want_state = reference->Clone();
-  EXPECT_EQ(position, reference->position());
-  EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+  ExpectHolds(*restarted, "s", *reference);
 }
 
 // log_compact_ratio is an option: with 5 the log grows past twice the snapshot (the default's
@@ -767,11 +771,7 @@ TEST_F(DurabilityTest, TheCompactionRatioIsAnOptionAndDirectIoRestoresExactly) {
     const std::filesystem::path copy = crash_dir_.path() / absl::StrCat("ratio", ratio);
     CopyFiles(dir.path(), copy);
     auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
-    int64_t position = -1;
-    const std::vector<float> got = Probe(*restarted, "s", &position);
-    auto want_state = reference->Clone();
-    EXPECT_EQ(position, reference->position());
-    EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+    ExpectHolds(*restarted, "s", *reference);
   }
 }
 
@@ -841,7 +841,7 @@ TEST_F(DurabilityTest, ATurnIsAcknowledgedWithoutWaitingForTheNextTurnOnItsSessi
   for (const bool asked_first : {true, false}) {
     SCOPED_TRACE(asked_first ? "asked before the next turn" : "asked once the next turn runs");
     testing::ScopedTempDir dir;
-    HoldingFiles files;
+    SessionWriteFiles files;
     auto store = OpenWithWriters(dir.path(), &files, /*writers=*/1);
     ASSERT_NE(store, nullptr);
     absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
@@ -867,11 +867,7 @@ TEST_F(DurabilityTest, ATurnIsAcknowledgedWithoutWaitingForTheNextTurnOnItsSessi
     CopyFiles(dir.path(), copy);
     auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
     ASSERT_NE(restarted, nullptr);
-    int64_t position = -1;
-    const std::vector<float> got = Probe(*restarted, "s", &position);
-    auto want_state = reference->Clone();
-    EXPECT_EQ(position, reference->position());
-    EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+    ExpectHolds(*restarted, "s", *reference);
   }
 }
 
@@ -883,7 +879,7 @@ TEST_F(DurabilityTest, ATurnIsAcknowledgedWithoutWaitingForTheNextTurnOnItsSessi
 // OK: its client got a normal final chunk for a turn not on disk. Once the disk is back, the
 // turns kept in memory are written and a new turn is answered OK.
 TEST_F(DurabilityTest, ATurnWhoseWriteFailsIsAnsweredAsNotSaved) {
-  HoldingFiles files;
+  SessionWriteFiles files;
   auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
   ASSERT_NE(store, nullptr);
   absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
@@ -927,11 +923,7 @@ TEST_F(DurabilityTest, ATurnWhoseWriteFailsIsAnsweredAsNotSaved) {
   EXPECT_TRUE(store->PersistHealth().ok());
   auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
   ASSERT_NE(restarted, nullptr);
-  int64_t position = -1;
-  const std::vector<float> got = Probe(*restarted, "s", &position);
-  auto want_state = reference->Clone();
-  EXPECT_EQ(position, reference->position());
-  EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+  ExpectHolds(*restarted, "s", *reference);
 }
 
 // One session's writes failing turns health, but says nothing of the other sessions' writes:
@@ -939,7 +931,7 @@ TEST_F(DurabilityTest, ATurnWhoseWriteFailsIsAnsweredAsNotSaved) {
 // at once. Before, every turn that ended while health was bad was answered "not saved" at once,
 // though its write would have succeeded (and was, moments later).
 TEST_F(DurabilityTest, OneSessionsFailingWritesDoNotAnswerOtherTurnsAsUnsaved) {
-  StemFailingFiles files;
+  SessionWriteFiles files;
   auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
   ASSERT_NE(store, nullptr);
   for (const char* id : {"a", "b"}) {
@@ -958,7 +950,7 @@ TEST_F(DurabilityTest, OneSessionsFailingWritesDoNotAnswerOtherTurnsAsUnsaved) {
   const std::shared_ptr<Ack> failing = AskWhenPersisted(*store, "a");
   ASSERT_TRUE(failing->done.HasBeenNotified());
   EXPECT_EQ(failing->saved.code(), absl::StatusCode::kUnavailable) << failing->saved;
-  files.Clear();
+  files.ClearFailing();
 }
 
 // A store without a directory writes nothing, whatever its turns: the Acquire of a session with
@@ -995,7 +987,7 @@ TEST_F(DurabilityTest, ATurnWaitingWhenTheNextTurnBreaksItsSessionIsAnswered) {
   for (const bool writes_fail : {false, true}) {
     SCOPED_TRACE(writes_fail ? "the first turn's write fails" : "writes succeed");
     testing::ScopedTempDir dir;
-    HoldingFiles files;
+    SessionWriteFiles files;
     auto store = OpenWithWriters(dir.path(), &files, /*writers=*/1);
     ASSERT_NE(store, nullptr);
     absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
@@ -1159,11 +1151,7 @@ TEST_F(DurabilityTest, WithWriteATurnIsAcknowledgedBeforeItsBackgroundFsync) {
   EXPECT_GE(store.Stats().unsynced, 1);
   {
     auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
-    int64_t position = -1;
-    const std::vector<float> got = Probe(*restarted, "s", &position);
-    auto want_state = reference->Clone();
-    EXPECT_EQ(position, reference->position());
-    EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+    ExpectHolds(*restarted, "s", *reference);
   }
   files.Open();
   store.SyncWritten();  // waits for the syncer's round, then runs its own
@@ -1257,11 +1245,7 @@ TEST_F(DurabilityTest, WithWriteAFailedBackgroundFsyncIsLoudAndTheSessionIsRewri
   EXPECT_EQ(store->Stats().unsynced, 0);
 
   auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
-  int64_t position = -1;
-  const std::vector<float> got = Probe(*restarted, "s", &position);
-  auto want_state = reference->Clone();
-  EXPECT_EQ(position, reference->position());
-  EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
+  ExpectHolds(*restarted, "s", *reference);
 }
 
 TEST(PersistSyncTest, NamesRoundTrip) {

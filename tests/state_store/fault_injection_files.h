@@ -29,6 +29,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "base/status_macros.h"
 #include "state_store/byte_source.h"
 #include "state_store/state_files.h"
 
@@ -236,15 +237,19 @@ class FaultInjectionFiles : public StateFiles {
   int unsynced_writes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// A store's writer stuck in one session's write (a slow disk, a long fsync), for tests of what
-// the other sessions and turns do meanwhile: once Hold(stem) is called, every write of session
-// data (a snapshot or a log append) to a file whose name starts with `stem` (SessionFileStem of
-// the session's key) waits at a gate until Open(). Everything else is FaultInjectionFiles.
-class HoldingFiles : public FaultInjectionFiles {
+// Faults of one session's writes, for tests of what the other sessions and turns do meanwhile.
+// Every write of session data (a snapshot or a log append) to a file whose name starts with a
+// stem (SessionFileStem of the session's key) is
+//  - held at a gate once Hold(stem) is called, until Open(): a store's writer stuck in that
+//    session's write (a slow disk, a long fsync);
+//  - failed with ResourceExhausted once Fail(stem) is called, until ClearFailing(): a fault of
+//    that session only (say its device copy-back) while the others' writes succeed.
+// Everything else is FaultInjectionFiles.
+class SessionWriteFiles : public FaultInjectionFiles {
  public:
   void Hold(std::string stem) {
     absl::MutexLock lock(&mu_);
-    stem_ = std::move(stem);
+    held_stem_ = std::move(stem);
   }
   // Whether a held write reached the gate within `timeout`.
   bool WaitHeld(absl::Duration timeout) { return held_.WaitForNotificationWithTimeout(timeout); }
@@ -252,76 +257,50 @@ class HoldingFiles : public FaultInjectionFiles {
     absl::MutexLock lock(&mu_);
     if (!open_.HasBeenNotified()) open_.Notify();
   }
+  void Fail(std::string stem) {
+    absl::MutexLock lock(&mu_);
+    failing_stem_ = std::move(stem);
+  }
+  void ClearFailing() {
+    absl::MutexLock lock(&mu_);
+    failing_stem_.clear();
+  }
 
   using StateFiles::WriteAt;
   absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
                        bool sync) override {
-    Gate(path);
+    SDM_RETURN_IF_ERROR(Intercept(path));
     return FaultInjectionFiles::WriteAt(path, offset, data, sync);
   }
 
  protected:
   absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
                             bool sync) override {
-    Gate(path);
+    SDM_RETURN_IF_ERROR(Intercept(path));
     return FaultInjectionFiles::WriteAndSync(path, data, sync);
   }
 
  private:
-  void Gate(const std::filesystem::path& path) {
+  absl::Status Intercept(const std::filesystem::path& path) {
+    const std::string name = path.filename().string();
+    const auto of = [&](const std::string& stem) {
+      return !stem.empty() && absl::StartsWith(name, stem);
+    };
     {
       absl::MutexLock lock(&mu_);
-      if (stem_.empty() || !absl::StartsWith(path.filename().string(), stem_)) return;
+      if (of(failing_stem_))
+        return absl::ResourceExhaustedError("injected: this session's writes fail");
+      if (!of(held_stem_)) return absl::OkStatus();
       if (!held_.HasBeenNotified()) held_.Notify();
     }
     open_.WaitForNotification();
+    return absl::OkStatus();
   }
 
   absl::Mutex mu_;
-  std::string stem_ ABSL_GUARDED_BY(mu_);
+  std::string held_stem_ ABSL_GUARDED_BY(mu_);
+  std::string failing_stem_ ABSL_GUARDED_BY(mu_);
   absl::Notification held_, open_;
-};
-
-// One session's writes failing while the others' succeed (a fault of that session only: say its
-// device copy-back): once Fail(stem) is called, every write of session data to a file whose name
-// starts with `stem` fails with ResourceExhausted until Clear(). Everything else is
-// FaultInjectionFiles.
-class StemFailingFiles : public FaultInjectionFiles {
- public:
-  void Fail(std::string stem) {
-    absl::MutexLock lock(&mu_);
-    stem_ = std::move(stem);
-  }
-  void Clear() {
-    absl::MutexLock lock(&mu_);
-    stem_.clear();
-  }
-
-  using StateFiles::WriteAt;
-  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
-                       bool sync) override {
-    if (Failing(path)) return Injected();
-    return FaultInjectionFiles::WriteAt(path, offset, data, sync);
-  }
-
- protected:
-  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
-                            bool sync) override {
-    if (Failing(path)) return Injected();
-    return FaultInjectionFiles::WriteAndSync(path, data, sync);
-  }
-
- private:
-  static absl::Status Injected() {
-    return absl::ResourceExhaustedError("injected: this session's writes fail");
-  }
-  bool Failing(const std::filesystem::path& path) {
-    absl::MutexLock lock(&mu_);
-    return !stem_.empty() && absl::StartsWith(path.filename().string(), stem_);
-  }
-
-  absl::Mutex mu_;
-  std::string stem_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace sdm::testing

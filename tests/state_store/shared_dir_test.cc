@@ -29,6 +29,7 @@
 #include "state_store/session_store.h"
 #include "state_store/state_files.h"
 #include "tests/engine/test_model_util.h"
+#include "tests/state_store/fault_injection_files.h"
 #include "tests/state_store/snapshot_test_util.h"
 
 namespace sdm {
@@ -510,45 +511,11 @@ TEST_F(SharedDirTest, AParkOfAClaimWithoutASessionReleasesItAndACreateUnderWayCl
   EXPECT_EQ(a->Stats().fenced_writes, 0);
 }
 
-// Files whose writes of one session (a path containing `held`) wait, once armed, until opened.
-class HeldWriteFiles : public StateFiles {
- public:
-  explicit HeldWriteFiles(std::string held) : held_(std::move(held)) {}
-  using StateFiles::WriteAt;
-  absl::Status WriteAt(const std::filesystem::path& path, uint64_t offset, const ByteSource& data,
-                       bool sync) override {
-    Hold(path);
-    return StateFiles::WriteAt(path, offset, data, sync);
-  }
-  void Arm() { armed_.store(true); }
-  void Open() {
-    if (!gate_.HasBeenNotified()) gate_.Notify();
-  }
-  void WaitHeld() { held_write_.WaitForNotification(); }
-
- protected:
-  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
-                            bool sync) override {
-    Hold(path);
-    return StateFiles::WriteAndSync(path, data, sync);
-  }
-
- private:
-  void Hold(const std::filesystem::path& path) {
-    if (!armed_.load() || path.string().find(held_) == std::string::npos) return;
-    if (!held_write_.HasBeenNotified()) held_write_.Notify();
-    gate_.WaitForNotification();
-  }
-  const std::string held_;
-  std::atomic<bool> armed_{false};
-  absl::Notification gate_, held_write_;
-};
-
 // A turn whose write had not begun when another replica wrote the session (this replica's copy
 // is then dropped at its next Acquire) is not in the session: whoever waits for its write (the
 // scheduler, before the turn's final chunk) is told ABORTED, as for a write that was refused.
 TEST_F(SharedDirTest, ATurnDroppedBecauseAnotherReplicaWroteTheSessionIsNotAcknowledged) {
-  HeldWriteFiles files("other");
+  testing::SessionWriteFiles files;
   SessionStoreOptions options;
   options.dir = dir_.path();
   options.files = &files;
@@ -570,13 +537,13 @@ TEST_F(SharedDirTest, ATurnDroppedBecauseAnotherReplicaWroteTheSessionIsNotAckno
     written.Notify();
   });
   written.WaitForNotification();
-  files.Arm();
+  files.Hold(SessionFileStem(SessionKey("other")));
   {
     auto lease = a->Acquire("other");
     ASSERT_TRUE(lease.ok()) << lease.status();
     testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 61));
   }
-  files.WaitHeld();  // the worker is held writing "other"
+  ASSERT_TRUE(files.WaitHeld(absl::Minutes(1)));  // the worker is held writing "other"
   {
     auto lease = a->Acquire("g");  // a turn on a that the held worker cannot write yet
     ASSERT_TRUE(lease.ok()) << lease.status();
