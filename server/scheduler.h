@@ -100,7 +100,7 @@ absl::Status SessionChangedError(absl::string_view session_id, int64_t expected_
 bool IsSessionChanged(const absl::Status& status);
 
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which
-// comes once the turn is written to the state directory (SessionStateStore::WhenPersisted: from
+// comes once the turn is written to the state directory (SessionLease::ReleaseWhenPersisted: from
 // the store's worker or writer threads, from the Submit of the session's next turn when that
 // writes it first, or at once on the step thread when nothing is to wait for), never later than
 // its own write: not held up by the session's next turn. So an observer must be thread-safe, and

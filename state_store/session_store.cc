@@ -338,6 +338,18 @@ SessionLease& SessionLease::operator=(SessionLease&& o) noexcept {
 
 SessionLease::~SessionLease() { Reset(); }
 
+void SessionLease::ReleaseWhenPersisted(std::function<void(const absl::Status&)> done) {
+  if (store_ == nullptr || owned_ != nullptr) {
+    Reset();
+    done(absl::OkStatus());
+    return;
+  }
+  SessionStateStore* store = store_;
+  store_ = nullptr;
+  state_ = nullptr;
+  store->Release(key_, std::move(done));
+}
+
 void SessionLease::Reset() {
   if (store_ != nullptr) {
     if (owned_ != nullptr) {
@@ -955,6 +967,7 @@ void SessionStateStore::RefreshFromSharedDir(const SessionKey& key) {
     }
   }
   Bury(std::move(dead));
+  FlushReady();  // the dropped turns' waiters (DropReplacedLocked), now, not after a next write
 }
 
 absl::Status SessionStateStore::CheckOwnership(const SessionKey& key) const {
@@ -1280,8 +1293,10 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
   return SessionLease(this, e->key, e->state.get());
 }
 
-void SessionStateStore::Release(const SessionKey& key) {
+void SessionStateStore::Release(const SessionKey& key,
+                                std::function<void(const absl::Status&)> done) {
   bool settled = false;
+  absl::Status outcome;
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
@@ -1307,10 +1322,13 @@ void SessionStateStore::Release(const SessionKey& key) {
     } else {
       ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
     }
+    // Asked with the release, not after it: a Delete (or the next turn) cannot come between.
+    if (done != nullptr && QueuePersistWaiterLocked(key, &e, done, &outcome)) done = nullptr;
     Changed();
   }
   // Their answers go out here, not from the worker (which may be in another session's write).
   if (settled) FlushReady();
+  if (done != nullptr) done(outcome);
 }
 
 absl::Status SessionStateStore::Delete(const SessionKey& key) {
@@ -1364,6 +1382,9 @@ absl::Status SessionStateStore::Delete(const SessionKey& key) {
   std::vector<std::unique_ptr<Entry>> buried;
   buried.push_back(std::move(dead));
   Bury(std::move(buried));
+  // Its turns still waiting for their write are answered now (Erase settled them), not once the
+  // worker is next done with a write: a long write of another session would hold them.
+  FlushReady();
   SweepGenerations(key, /*force=*/true);  // under the claim still: files a crash left behind
   {
     absl::MutexLock lock(&mu_);
@@ -1885,6 +1906,7 @@ int SessionStateStore::ExpireIdle(absl::Time now) {
     counters_.expired += expired;
   }
   Bury(std::move(dead));
+  FlushReady();  // as Delete does
   return expired;
 }
 
@@ -2220,33 +2242,42 @@ void SessionStateStore::WhenPersisted(const SessionKey& key,
   {
     absl::MutexLock lock(&mu_);
     auto it = entries_.find(key);
-    Entry* e = it == entries_.end() ? nullptr : it->second.get();
-    // Its state as of now was refused already (written before this call).
-    if (e != nullptr && e->fenced_version != 0 && e->fenced_version == e->version) {
-      outcome = e->fenced;
-    } else if (e != nullptr && !e->broken.ok() && e->version != e->persisted_version) {
-      // Broken (a later turn failed part-way) before its state was written: it never will be.
-      outcome = e->NotSavedError(key.id);
-    }
-    const bool unwritten = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
-                           options_.persist == PersistPolicy::kTurn && e->broken.ok() &&
-                           e->version != e->persisted_version &&
-                           // (a resident entry being parked to host has no state meanwhile: busy)
-                           !StaleOnDevice(*e);
-    if (unwritten && e->persist_failing) {
-      // Its writes fail: not waited for, and not saved (logged_cause_: the cause). Other
-      // sessions' turns are waited for while health is bad: their writes may succeed.
-      outcome = NotWrittenError(key.id, logged_cause_);
-    } else if (unwritten) {
-      const uint64_t seq = ++waiter_clock_;
-      if (e->waiters.empty()) e->first_waiter = seq;
-      e->waiters.push_back({e->version, seq, std::move(done), std::chrono::steady_clock::now()});
-      worker_pending_ = true;
-      changed_.SignalAll();
+    if (QueuePersistWaiterLocked(key, it == entries_.end() ? nullptr : it->second.get(), done,
+                                 &outcome)) {
       return;
     }
   }
   done(outcome);
+}
+
+bool SessionStateStore::QueuePersistWaiterLocked(const SessionKey& key, Entry* e,
+                                                 std::function<void(const absl::Status&)>& done,
+                                                 absl::Status* outcome) {
+  // Its state as of now was refused already (written before this call).
+  if (e != nullptr && e->fenced_version != 0 && e->fenced_version == e->version) {
+    *outcome = e->fenced;
+  } else if (e != nullptr && !e->broken.ok() && e->version != e->persisted_version) {
+    // Broken (a later turn failed part-way) before its state was written: it never will be.
+    *outcome = e->NotSavedError(key.id);
+  }
+  const bool unwritten = e != nullptr && !stop_ && options_.background && !options_.dir.empty() &&
+                         options_.persist == PersistPolicy::kTurn && e->broken.ok() &&
+                         e->version != e->persisted_version &&
+                         // (a resident entry being parked to host has no state meanwhile: busy)
+                         !StaleOnDevice(*e);
+  if (unwritten && e->persist_failing) {
+    // Its writes fail: not waited for, and not saved (logged_cause_: the cause). Other
+    // sessions' turns are waited for while health is bad: their writes may succeed.
+    *outcome = NotWrittenError(key.id, logged_cause_);
+  } else if (unwritten) {
+    const uint64_t seq = ++waiter_clock_;
+    if (e->waiters.empty()) e->first_waiter = seq;
+    e->waiters.push_back({e->version, seq, std::move(done), std::chrono::steady_clock::now()});
+    worker_pending_ = true;
+    changed_.SignalAll();
+    return true;
+  }
+  return false;
 }
 
 void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {

@@ -313,6 +313,13 @@ class SessionLease {
   bool one_shot() const { return owned_ != nullptr; }
   explicit operator bool() const { return state_ != nullptr; }
 
+  // Releases the session (as destruction does) and asks, in the same step under the store's
+  // lock, to be told when the state it leaves is written: `done` is answered as by
+  // SessionStateStore::WhenPersisted called at that instant, so nothing done to the session in
+  // between (a deletion, another turn) can be mistaken for this turn's outcome. A one-shot
+  // session (nothing to write) or an empty lease: `done(OK)` at once. Leaves the lease empty.
+  void ReleaseWhenPersisted(std::function<void(const absl::Status&)> done);
+
  private:
   friend class SessionStateStore;
   SessionLease(SessionStateStore* store, SessionKey key, SessionState* state)
@@ -497,8 +504,14 @@ class SessionStateStore {
   // The record of the snapshot at `path` (`size` bytes) and its SnapshotId.
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
                                            uint64_t size, uint64_t* snapshot_id) const;
-  void Release(const SessionKey& key);
+  // `done`: SessionLease::ReleaseWhenPersisted's (nullptr: none).
+  void Release(const SessionKey& key, std::function<void(const absl::Status&)> done = nullptr);
   void ReleaseOneShot(int64_t bytes);
+  // WhenPersisted's decision for `e` (nullptr: no entry), under the lock: true when `done` was
+  // queued as a waiter; otherwise false with `*outcome` the answer to give it at once.
+  bool QueuePersistWaiterLocked(const SessionKey& key, Entry* e,
+                                std::function<void(const absl::Status&)>& done,
+                                absl::Status* outcome) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Ownership: the releases of a session's claim (SessionOwnership::Release: Delete's, a Park's
   // hand-off), made without mu_ once the session is gone or parked. A claim of a key the store
   // already holds is answered as it stands (EtcdOwnership: the same mod revision), so such a

@@ -1034,6 +1034,62 @@ TEST_F(DurabilityTest, ATurnWaitingWhenTheNextTurnBreaksItsSessionIsAnswered) {
   }
 }
 
+// A turn asked for with its release (SessionLease::ReleaseWhenPersisted) is answered for that
+// turn: OK once it is written (a crash copy then has it), and ABORTED when the session is deleted
+// before its write, even though the Delete came right after the release. Before, the scheduler
+// released the lease and then called WhenPersisted: a Delete between the two left no entry to
+// wait on, and the turn, never written, was answered OK.
+TEST_F(DurabilityTest, ATurnAskedWithItsReleaseIsAnsweredForThatTurn) {
+  SessionWriteFiles files;
+  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+  const auto release_asking = [](SessionLease& lease) {
+    auto ack = std::make_shared<Ack>();
+    lease.ReleaseWhenPersisted([ack](const absl::Status& saved) {
+      ack->saved = saved;
+      ack->done.Notify();
+    });
+    EXPECT_FALSE(lease);
+    return ack;
+  };
+  ASSERT_TRUE(store->Create("s", "").ok());
+  ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  auto reference = engine_->NewSession();
+  const std::vector<int32_t> tokens = testing::RandomTokens(4, 91);
+  testing::DecodeEach(*engine_, *reference, tokens);
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), tokens);
+    const std::shared_ptr<Ack> saved = release_asking(*lease);
+    ASSERT_TRUE(Answer(*saved).ok()) << saved->saved;
+  }
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_NE(restarted, nullptr);
+  ExpectHolds(*restarted, "s", *reference);
+
+  // The writer held: the next turn's write cannot happen before the Delete.
+  ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
+  auto lease = store->Acquire("s");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 92));
+  const std::shared_ptr<Ack> deleted = release_asking(*lease);
+  EXPECT_FALSE(deleted->done.HasBeenNotified());
+  ASSERT_TRUE(store->Delete("s").ok());
+  const absl::Status answer = Answer(*deleted);
+  EXPECT_EQ(answer.code(), absl::StatusCode::kAborted) << answer;
+  EXPECT_NE(answer.message().find("deleted before the turn was written"), std::string::npos)
+      << answer;
+
+  // A one-shot session has nothing to write: answered OK at once.
+  SessionLease one_shot = store->NewSession();
+  ASSERT_TRUE(one_shot);
+  const std::shared_ptr<Ack> nothing = release_asking(one_shot);
+  ASSERT_TRUE(nothing->done.HasBeenNotified());
+  EXPECT_TRUE(nothing->saved.ok()) << nothing->saved;
+}
+
 // What durability costs a turn's acknowledgement is counted (StoreStats::persist_waits,
 // persist_wait_us): a WhenPersisted call that waits, with at least the time its write was held;
 // one with nothing to wait for, not at all. No timing races: the test waits for the write to
