@@ -107,7 +107,7 @@ bool IsSessionChanged(const absl::Status& status);
 // a client's final chunk means its turn survives a crash (under --persist turn). A turn that was
 // not saved ends, after its tokens, with the store's error instead (OnFinish kError): UNAVAILABLE
 // when its write failed or writes fail (the session continues with it in memory; it is written
-// once writes succeed again, and a crash before then loses it), DATA_LOSS when the session broke
+// once writes succeed again, and a crash before then may lose it), DATA_LOSS when the session broke
 // before the write, ABORTED when it was deleted first or (replicas) another replica took the
 // session over while it ran (it is not in the session's state).
 class JobObserver {

@@ -86,7 +86,7 @@ absl::Status NotWrittenError(absl::string_view id, absl::string_view cause) {
       "not saved: writes to the state directory fail (",
       cause,
       "); the server writes it once writes succeed again, and a crash of the server before then "
-      "loses it"));
+      "may lose it"));
 }
 
 // What a turn waiting for its write (WhenPersisted) is told when the session is deleted (or
@@ -1730,6 +1730,9 @@ absl::Status SessionStateStore::ParkOne(Entry& e, Tier target) {
 absl::Status SessionStateStore::Park(const SessionKey& key, Tier tier) {
   const bool hand_off = tier == Tier::kDisk && options_.ownership != nullptr;
   absl::Status parked = ParkByKey(key, tier, hand_off);
+  // The park's write settled the turns waiting for it: answered now, not once the worker or a
+  // writer is next done with another session's write (before the hand-off's release, too).
+  FlushReady();
   if (hand_off && absl::IsNotFound(parked)) {
     // A claim of no session here (the hand-off thread found it owned): given up too, counted as
     // a release so that a Create between its claim and its session claims again.
@@ -1806,6 +1809,7 @@ absl::Status SessionStateStore::PersistAll() {
     absl::MutexLock lock(&mu_);
     PersistAllLocked(skipped, failed);
   }
+  FlushReady();  // as Park does
   // Sessions not parked (in use) may hold files written without an fsync (PersistSync::kWrite).
   SyncRound(&failed);
   if (!failed.empty()) {
@@ -2631,8 +2635,11 @@ void SessionStateStore::WorkerLoop() {
       // A session whose writes fail: nobody waits for them, and nobody is told that a turn not
       // written is saved. (The others' writes are tried: one session's failure, say a device
       // copy-back, says nothing of theirs.)
+      // Not one being written (busy): that write settles its waiters itself, and may succeed
+      // (a background fsync that failed while it ran marks it failing; the write is handed to
+      // the kernel all the same and answered OK).
       for (auto& [key, e] : entries_) {
-        if (e->persist_failing) {
+        if (e->persist_failing && !e->busy) {
           SettleWaiters(*e, /*all=*/true, NotWrittenError(key.id, logged_cause_));
         }
       }

@@ -443,12 +443,13 @@ class SessionStateStore {
   // was to be written and was not), or an error saying the turn was not saved: UNAVAILABLE when
   // its write failed (or, above, writes fail), naming the cause (code and system error): the
   // session continues with the turn in memory, it is written once writes succeed again, and a
-  // crash before then loses it; (replicas) ABORTED when the write was refused because another
-  // store took the session over (the turn is not in the state the session continues from there);
-  // DATA_LOSS when the session broke before its state was written (a later turn's step failed
-  // part-way: the lease's release, on its thread, answers the calls still waiting, and later calls
-  // are answered at once); ABORTED when the session was deleted (or expired) first; UNAVAILABLE for
-  // calls still waiting when the store is destroyed.
+  // crash before then may lose it (a write that failed late, say its fsync, may have kept it);
+  // (replicas) ABORTED when the write was refused because another store took the session over (the
+  // turn is not in the state the session continues from there); DATA_LOSS when the session broke
+  // before its state was written (a later turn's step failed part-way: the lease's release, on its
+  // thread, answers the calls still waiting, and later calls are answered at once); ABORTED when
+  // the session was deleted (or expired) first; UNAVAILABLE for calls still waiting when the store
+  // is destroyed.
   void WhenPersisted(const SessionKey& key, std::function<void(const absl::Status&)> done);
 
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the

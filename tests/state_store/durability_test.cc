@@ -55,6 +55,16 @@ std::shared_ptr<Ack> AskWhenPersisted(SessionStateStore& store, const std::strin
   return ack;
 }
 
+// Releases `lease` asking for the answer for its turn (SessionLease::ReleaseWhenPersisted).
+std::shared_ptr<Ack> ReleaseAsking(SessionLease& lease) {
+  auto ack = std::make_shared<Ack>();
+  lease.ReleaseWhenPersisted([ack](const absl::Status& saved) {
+    ack->saved = saved;
+    ack->done.Notify();
+  });
+  return ack;
+}
+
 // The answer, waiting for it (a minute at most: never in a passing run).
 absl::Status Answer(const Ack& ack) {
   if (!ack.done.WaitForNotificationWithTimeout(absl::Minutes(1))) {
@@ -1044,15 +1054,6 @@ TEST_F(DurabilityTest, ATurnAskedWithItsReleaseIsAnsweredForThatTurn) {
   auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
   ASSERT_NE(store, nullptr);
   absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
-  const auto release_asking = [](SessionLease& lease) {
-    auto ack = std::make_shared<Ack>();
-    lease.ReleaseWhenPersisted([ack](const absl::Status& saved) {
-      ack->saved = saved;
-      ack->done.Notify();
-    });
-    EXPECT_FALSE(lease);
-    return ack;
-  };
   ASSERT_TRUE(store->Create("s", "").ok());
   ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
   auto reference = engine_->NewSession();
@@ -1062,7 +1063,7 @@ TEST_F(DurabilityTest, ATurnAskedWithItsReleaseIsAnsweredForThatTurn) {
     auto lease = store->Acquire("s");
     ASSERT_TRUE(lease.ok()) << lease.status();
     testing::DecodeEach(*engine_, lease->state(), tokens);
-    const std::shared_ptr<Ack> saved = release_asking(*lease);
+    const std::shared_ptr<Ack> saved = ReleaseAsking(*lease);
     ASSERT_TRUE(Answer(*saved).ok()) << saved->saved;
   }
   auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
@@ -1074,7 +1075,8 @@ TEST_F(DurabilityTest, ATurnAskedWithItsReleaseIsAnsweredForThatTurn) {
   auto lease = store->Acquire("s");
   ASSERT_TRUE(lease.ok()) << lease.status();
   testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 92));
-  const std::shared_ptr<Ack> deleted = release_asking(*lease);
+  const std::shared_ptr<Ack> deleted = ReleaseAsking(*lease);
+  EXPECT_FALSE(*lease);  // released
   EXPECT_FALSE(deleted->done.HasBeenNotified());
   ASSERT_TRUE(store->Delete("s").ok());
   const absl::Status answer = Answer(*deleted);
@@ -1085,9 +1087,118 @@ TEST_F(DurabilityTest, ATurnAskedWithItsReleaseIsAnsweredForThatTurn) {
   // A one-shot session has nothing to write: answered OK at once.
   SessionLease one_shot = store->NewSession();
   ASSERT_TRUE(one_shot);
-  const std::shared_ptr<Ack> nothing = release_asking(one_shot);
+  const std::shared_ptr<Ack> nothing = ReleaseAsking(one_shot);
   ASSERT_TRUE(nothing->done.HasBeenNotified());
   EXPECT_TRUE(nothing->saved.ok()) << nothing->saved;
+}
+
+// A turn whose write is under way when a background fsync of its session's earlier writes fails
+// (PersistSync::kWrite) is answered by that write: OK, its delta handed to the kernel (the
+// session is written in full again later). Before, the worker, finding the session failing,
+// answered the turn UNAVAILABLE ("not saved") while its write was still under way (here on the
+// thread of the next turn's Acquire, which writes it first), and the write then succeeded: a
+// client told to send a saved turn again.
+TEST_F(DurabilityTest, ATurnBeingWrittenWhenAnFsyncFailsIsAnsweredByItsWrite) {
+  SessionWriteFiles files;
+  absl::Notification unhealthy;
+  SessionStoreOptions options;
+  options.dir = dir_.path();
+  options.files = &files;
+  options.persist_writers = 1;  // the worker
+  options.persist_sync = PersistSync::kWrite;
+  options.persist_sync_interval = absl::Hours(1);  // a round at the first write, then ours only
+  options.on_persist_health = [&](const absl::Status& health) {
+    if (!health.ok() && !unhealthy.HasBeenNotified()) unhealthy.Notify();
+  };
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<SessionStateStore> store = *std::move(opened);
+  absl::Cleanup open_gates = [&] { files.Open(); };  // before the store joins its worker
+  const std::string blocker = SessionFileStem(SessionKey("blocker"));
+  const std::string stem = SessionFileStem(SessionKey("s"));
+
+  auto reference = engine_->NewSession();
+  for (const char* id : {"blocker", "s"}) {
+    ASSERT_TRUE(store->Create(id, "").ok());
+    ASSERT_TRUE(Answer(*AskWhenPersisted(*store, id)).ok());
+  }
+  // The syncer's first round began at the first creation (its next is an hour away); ours
+  // (after it: one round at a time) takes what is left.
+  const absl::Time deadline = absl::Now() + absl::Minutes(1);
+  while (files.calls(FaultInjectionFiles::Op::kSync) == 0 && absl::Now() < deadline) {
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  store->SyncWritten();
+  ASSERT_EQ(store->Stats().unsynced, 0);
+  const std::vector<int32_t> first = testing::RandomTokens(4, 95);
+  testing::DecodeEach(*engine_, *reference, first);
+  Turn(*store, "s", first);
+  ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  ASSERT_EQ(store->Stats().unsynced, 1);  // its delta, not fsynced
+
+  // The worker held in a write of another session.
+  files.Hold(blocker);
+  Turn(*store, "blocker", testing::RandomTokens(2, 97));
+  ASSERT_TRUE(files.WaitHeld(blocker, absl::Minutes(1)));
+  // The next turn of "s" ends, asked with its release; the Acquire of the turn after it writes
+  // it first, on its own thread: held too.
+  const std::vector<int32_t> second = testing::RandomTokens(3, 96);
+  testing::DecodeEach(*engine_, *reference, second);
+  std::shared_ptr<Ack> ack;
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), second);
+    ack = ReleaseAsking(*lease);
+  }
+  files.Hold(stem);
+  absl::Status next_turn = absl::InternalError("not run");
+  std::thread next([&] { next_turn = store->Acquire("s").status(); });
+  absl::Cleanup join = [&] {
+    files.Open();
+    next.join();
+  };
+  ASSERT_TRUE(files.WaitHeld(stem, absl::Minutes(1)));
+  // The fsync of the first turn's delta fails meanwhile; the worker, let go, sees it (it tells
+  // health after answering the turns of failing sessions).
+  files.FailSync();
+  store->SyncWritten();
+  files.Open(blocker);
+  ASSERT_TRUE(unhealthy.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  files.Open(stem);
+  const absl::Status saved = Answer(*ack);
+  EXPECT_TRUE(saved.ok()) << saved;
+  std::move(join).Invoke();
+  EXPECT_TRUE(next_turn.ok()) << next_turn;
+  // Parked (written in full and fsynced, the worker's rewrite done): the copy is stable.
+  ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
+  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_NE(restarted, nullptr);
+  ExpectHolds(*restarted, "s", *reference);
+}
+
+// A park that writes a session answers its turns waiting for that write when it returns.
+// Before, their callbacks waited in the store's ready list until the worker or a writer was next
+// done with a write: behind another session's long write (held here: for as long as it is held).
+// (PersistAll flushes them the same way.)
+TEST_F(DurabilityTest, AParkAnswersTheTurnsItWrites) {
+  SessionWriteFiles files;
+  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+  ASSERT_TRUE(store->Create("s", "").ok());
+  ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
+  ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
+  std::shared_ptr<Ack> ack;
+  {
+    auto lease = store->Acquire("s");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(3, 98));
+    ack = ReleaseAsking(*lease);
+  }
+  ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
+  ASSERT_TRUE(ack->done.HasBeenNotified());
+  EXPECT_TRUE(ack->saved.ok()) << ack->saved;
 }
 
 // What durability costs a turn's acknowledgement is counted (StoreStats::persist_waits,

@@ -17,6 +17,8 @@
 #include <array>
 #include <cstdint>
 #include <filesystem>
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -240,8 +242,9 @@ class FaultInjectionFiles : public StateFiles {
 // Faults of one session's writes, for tests of what the other sessions and turns do meanwhile.
 // Every write of session data (a snapshot or a log append) to a file whose name starts with a
 // stem (SessionFileStem of the session's key) is
-//  - held at a gate once Hold(stem) is called, until Open(): a store's writer stuck in that
-//    session's write (a slow disk, a long fsync);
+//  - held at that stem's gate once Hold(stem) is called, until Open(stem) or Open(): a store's
+//    writer stuck in that session's write (a slow disk, a long fsync). Several stems may be held,
+//    each at its own gate; Open() opens every gate, and later ones too;
 //  - failed with ResourceExhausted once Fail(stem) is called, until ClearFailing(): a fault of
 //    that session only (say its device copy-back) while the others' writes succeed.
 // Everything else is FaultInjectionFiles.
@@ -249,13 +252,22 @@ class SessionWriteFiles : public FaultInjectionFiles {
  public:
   void Hold(std::string stem) {
     absl::MutexLock lock(&mu_);
-    held_stem_ = std::move(stem);
+    if (first_held_.empty()) first_held_ = stem;
+    gates_.try_emplace(std::move(stem), std::make_unique<Gate>());
   }
-  // Whether a held write reached the gate within `timeout`.
-  bool WaitHeld(absl::Duration timeout) { return held_.WaitForNotificationWithTimeout(timeout); }
+  // Whether a held write reached the gate (of the first stem held) within `timeout`.
+  bool WaitHeld(absl::Duration timeout) { return WaitHeld(FirstHeld(), timeout); }
+  bool WaitHeld(const std::string& stem, absl::Duration timeout) {
+    Gate* gate = GateOf(stem);
+    return gate != nullptr && gate->held.WaitForNotificationWithTimeout(timeout);
+  }
   void Open() {
     absl::MutexLock lock(&mu_);
-    if (!open_.HasBeenNotified()) open_.Notify();
+    all_open_ = true;
+    for (auto& [stem, gate] : gates_) gate->OpenOnce();
+  }
+  void Open(const std::string& stem) {
+    if (Gate* gate = GateOf(stem); gate != nullptr) gate->OpenOnce();
   }
   void Fail(std::string stem) {
     absl::MutexLock lock(&mu_);
@@ -281,26 +293,49 @@ class SessionWriteFiles : public FaultInjectionFiles {
   }
 
  private:
+  struct Gate {
+    absl::Notification held, open;
+    void OpenOnce() {
+      if (!open.HasBeenNotified()) open.Notify();
+    }
+  };
+
+  std::string FirstHeld() {
+    absl::MutexLock lock(&mu_);
+    return first_held_;
+  }
+  Gate* GateOf(const std::string& stem) {
+    absl::MutexLock lock(&mu_);
+    auto it = gates_.find(stem);
+    return it == gates_.end() ? nullptr : it->second.get();  // gates are never removed
+  }
+
   absl::Status Intercept(const std::filesystem::path& path) {
     const std::string name = path.filename().string();
     const auto of = [&](const std::string& stem) {
       return !stem.empty() && absl::StartsWith(name, stem);
     };
+    Gate* gate = nullptr;
     {
       absl::MutexLock lock(&mu_);
       if (of(failing_stem_))
         return absl::ResourceExhaustedError("injected: this session's writes fail");
-      if (!of(held_stem_)) return absl::OkStatus();
-      if (!held_.HasBeenNotified()) held_.Notify();
+      for (auto& [stem, g] : gates_) {
+        if (of(stem)) gate = g.get();
+      }
+      if (gate == nullptr) return absl::OkStatus();
+      if (!gate->held.HasBeenNotified()) gate->held.Notify();
+      if (all_open_) return absl::OkStatus();
     }
-    open_.WaitForNotification();
+    gate->open.WaitForNotification();
     return absl::OkStatus();
   }
 
   absl::Mutex mu_;
-  std::string held_stem_ ABSL_GUARDED_BY(mu_);
+  std::map<std::string, std::unique_ptr<Gate>> gates_ ABSL_GUARDED_BY(mu_);
+  std::string first_held_ ABSL_GUARDED_BY(mu_);
+  bool all_open_ ABSL_GUARDED_BY(mu_) = false;
   std::string failing_stem_ ABSL_GUARDED_BY(mu_);
-  absl::Notification held_, open_;
 };
 
 }  // namespace sdm::testing
