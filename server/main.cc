@@ -63,8 +63,9 @@ ABSL_FLAG(int, http_port, sdm::OpenAiServerOptions{}.port,
           "/v1/models, /v1/sessions); 0 picks a free port, -1 disables it.");
 ABSL_FLAG(int, http_max_connections, sdm::OpenAiServerOptions{}.max_connections,
           "HTTP API connections served at once, idle keep-alive ones included (each holds a "
-          "thread while open; threads are started as connections arrive and kept); past it a "
-          "new connection waits until one closes. Requests are limited by --max_running and "
+          "thread while open; threads are started as connections arrive, and those above "
+          "max_running + max_waiting + 16 exit after 60 s idle); past it a new connection waits "
+          "until one closes. Requests are limited by --max_running and "
           "--max_waiting (429 when full), not by this.");
 ABSL_FLAG(std::string, chat_template, "",
           "JSON chat template file for /v1/chat/completions (docs/api.md); empty: the model "

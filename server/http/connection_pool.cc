@@ -1,5 +1,6 @@
 #include "server/http/connection_pool.h"
 
+#include <algorithm>
 #include <system_error>
 #include <utility>
 
@@ -9,8 +10,14 @@
 
 namespace sdm {
 
-ConnectionPool::ConnectionPool(int base_threads, int max_threads, std::string thread_name)
-    : max_threads_(max_threads), thread_name_(std::move(thread_name)) {
+ConnectionPool::ConnectionPool(int base_threads, int max_threads, std::string thread_name,
+                               ConnectionPoolOptions options)
+    : base_threads_(base_threads),
+      max_threads_(max_threads),
+      thread_name_(std::move(thread_name)),
+      idle_timeout_(std::max(options.idle_timeout, absl::ZeroDuration())),
+      test_clock_(options.clock != nullptr),
+      clock_(test_clock_ ? std::move(options.clock) : [] { return absl::Now(); }) {
   SDM_CHECK(max_threads >= 1 && base_threads >= 0 && base_threads <= max_threads)
       << base_threads << " " << max_threads;
   absl::MutexLock lock(&mu_);
@@ -22,43 +29,60 @@ ConnectionPool::ConnectionPool(int base_threads, int max_threads, std::string th
 ConnectionPool::~ConnectionPool() { shutdown(); }
 
 bool ConnectionPool::StartWorkerLocked() {
+  Worker& worker = workers_.emplace_back();
+  worker.idle_since = clock_();
   try {
-    workers_.emplace_back([this] { Work(); });
-    ++idle_;  // it takes a queued job as soon as it runs
+    worker.thread = std::thread([this, &worker] { Work(&worker); });
   } catch (const std::system_error& e) {
+    workers_.pop_back();
     SDM_LOG(WARNING) << thread_name_ << ": cannot start a thread (" << e.what() << "); "
-                     << workers_.size() << " serve the connections";
+                     << workers_.size() - exiting_ << " serve the connections";
     return false;
   }
+  ++idle_;  // it takes a queued job as soon as it runs
   return true;
 }
 
 void ConnectionPool::enqueue(std::function<void()> job) {
-  absl::MutexLock lock(&mu_);
-  SDM_CHECK(!shutdown_) << "enqueue() after shutdown()";
-  jobs_.push_back(std::move(job));
-  // Each idle worker takes one queued job (it counts as idle until it has taken it).
-  if (static_cast<int>(jobs_.size()) > idle_ && static_cast<int>(workers_.size()) < max_threads_ &&
-      StartWorkerLocked()) {
-    return;  // the new worker takes it
+  std::vector<std::thread> exited;
+  {
+    absl::MutexLock lock(&mu_);
+    SDM_CHECK(!shutdown_) << "enqueue() after shutdown()";
+    exited.swap(exited_);
+    jobs_.push_back(std::move(job));
+    // Each idle worker takes one queued job (it counts as idle until it has taken it).
+    if (!(static_cast<int>(jobs_.size()) > idle_ &&
+          static_cast<int>(workers_.size()) - exiting_ < max_threads_ && StartWorkerLocked())) {
+      work_.Signal();  // else the new worker takes it
+    }
   }
-  work_.Signal();
+  // Threads that have returned from Work(): the joins do not wait.
+  for (std::thread& thread : exited) thread.join();
 }
 
 void ConnectionPool::shutdown() {
-  std::vector<std::thread> workers;
+  std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
+    if (shutdown_) return;
     shutdown_ = true;
-    workers.swap(workers_);
+    // A worker that sees shutdown_ returns without touching workers_ (even one told to exit), so
+    // the entries stay until every thread is joined.
+    for (Worker& worker : workers_) threads.push_back(std::move(worker.thread));
+    for (std::thread& thread : exited_) threads.push_back(std::move(thread));
+    exited_.clear();
   }
   work_.SignalAll();
-  for (std::thread& worker : workers) worker.join();
+  for (std::thread& thread : threads) thread.join();
+  absl::MutexLock lock(&mu_);
+  workers_.clear();
+  exiting_ = 0;
+  idle_ = 0;
 }
 
 int ConnectionPool::threads() const {
   absl::MutexLock lock(&mu_);
-  return static_cast<int>(workers_.size());
+  return static_cast<int>(workers_.size()) - exiting_;
 }
 
 int ConnectionPool::queued() const {
@@ -66,24 +90,89 @@ int ConnectionPool::queued() const {
   return static_cast<int>(jobs_.size());
 }
 
-void ConnectionPool::Work() {
-  SetCurrentThreadName(thread_name_);
-  // Counted idle from its start (StartWorkerLocked), and again after each job.
-  for (;;) {
-    std::function<void()> job;
-    {
-      absl::MutexLock lock(&mu_);
-      while (jobs_.empty() && !shutdown_) work_.Wait(&mu_);
+void ConnectionPool::ClockAdvancedForTesting() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&mu_);
+    RetireIdleLocked(clock_());
+    auto exited = [this]()
+                      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return exiting_ == 0 || shutdown_; };
+    mu_.Await(absl::Condition(&exited));
+    if (!shutdown_) threads.swap(exited_);
+  }
+  for (std::thread& thread : threads) thread.join();
+}
+
+bool ConnectionPool::AwaitIdleForTesting(int n, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  const auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return idle_ >= n; };
+  return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+}
+
+void ConnectionPool::RetireIdleLocked(absl::Time now) {
+  // Queued jobs are for the idle workers: none exits while one waits.
+  if (!jobs_.empty() || shutdown_) return;
+  bool told = false;
+  for (Worker& worker : workers_) {
+    if (static_cast<int>(workers_.size()) - exiting_ <= base_threads_) break;
+    if (worker.idle && !worker.exit && now - worker.idle_since >= idle_timeout_) {
+      worker.exit = true;
+      ++exiting_;
       --idle_;
-      if (jobs_.empty()) return;  // shut down, and nothing is left to run
-      job = std::move(jobs_.front());
-      jobs_.pop_front();
+      told = true;
     }
+  }
+  if (told) work_.SignalAll();
+}
+
+void ConnectionPool::Work(Worker* self) {
+  SetCurrentThreadName(thread_name_);
+  std::function<void()> job;
+  while (NextJob(self, job)) {
     job();
     job = nullptr;  // the connection's state goes before the worker is counted idle
-    absl::MutexLock lock(&mu_);
-    ++idle_;
   }
+}
+
+bool ConnectionPool::NextJob(Worker* self, std::function<void()>& job) {
+  absl::MutexLock lock(&mu_);
+  // Counted idle from its start (StartWorkerLocked), and again after each job.
+  if (!self->idle) {
+    ++idle_;
+    self->idle = true;
+    self->idle_since = clock_();
+  }
+  while (jobs_.empty() && !shutdown_ && !self->exit) {
+    if (test_clock_) {
+      work_.Wait(&mu_);  // the test's clock moves only in ClockAdvancedForTesting()
+      continue;
+    }
+    const absl::Time now = clock_();
+    RetireIdleLocked(now);
+    if (self->exit) break;
+    const absl::Time deadline = self->idle_since + idle_timeout_;
+    if (now<deadline&& static_cast<int>(workers_.size()) - exiting_> base_threads_) {
+      work_.WaitWithTimeout(&mu_, deadline - now);
+    } else {
+      // At the base (it stays, even past its timeout): woken by the next job or by shutdown().
+      work_.Wait(&mu_);
+    }
+  }
+  if (self->exit) {
+    if (shutdown_) return false;  // shutdown() holds its thread and joins it
+    --exiting_;
+    exited_.push_back(std::move(self->thread));
+    workers_.remove_if([self](const Worker& worker) { return &worker == self; });
+    // It may have been woken for a job (Signal wakes one waiter): pass that on.
+    if (!jobs_.empty()) work_.Signal();
+    return false;
+  }
+  if (jobs_.empty()) return false;  // shut down, and nothing is left to run
+  job = std::move(jobs_.front());
+  jobs_.pop_front();
+  --idle_;
+  self->idle = false;
+  return true;
 }
 
 }  // namespace sdm

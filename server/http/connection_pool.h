@@ -12,38 +12,45 @@
 //   - enqueue() starts another worker when no worker is idle to take the job, unless
 //     `max_threads` are running; then (or when the system refuses a new thread) the job waits in
 //     a FIFO queue, without bound as in httplib's ThreadPool, until a worker finishes its job.
-//   - A worker started above the base stays until shutdown(), idle between jobs, so the thread
-//     count only grows: to about the most connections open at once (a worker counts as busy
-//     until its job has returned, so a job arriving just then may start one more), at most
-//     `max_threads`. No timer retires threads: the simpler design, and an idle worker only waits
-//     on a condition variable.
+//   - A worker above `base_threads` that has waited `options.idle_timeout` (60 s) for a job
+//     exits, so a burst of connections does not leave its threads behind; the thread count
+//     follows the connections open (a worker counts as busy until its job has returned, so a job
+//     arriving just then may start one more), at most `max_threads`, and falls back to
+//     `base_threads` idle_timeout after they close. A worker that exits is joined by the next
+//     enqueue() or shutdown() (a thread that has returned, so the join does not wait), never by
+//     itself.
 //   - shutdown() lets every queued job run (as httplib's ThreadPool does), then ends and joins
 //     every worker the pool started. httplib calls it once its accept loop has ended and enqueues
 //     nothing after; enqueue() after shutdown() is a programming error (SDM_CHECK). The
 //     destructor calls shutdown() when it has not been called.
 //   - Workers are named `thread_name` (base/thread_name.h).
 //
-// Thread-safety: enqueue(), threads() and queued() may be called from any thread, concurrently;
-// shutdown() from one thread, not a worker (it joins them), once (later calls do nothing).
+// Thread-safety: enqueue(), threads(), queued() and the testing methods may be called from any
+// thread but a worker's, concurrently; shutdown() from one thread, not a worker (it joins them),
+// once (later calls do nothing).
 #ifndef SDMSERVE_SERVER_HTTP_CONNECTION_POOL_H_
 #define SDMSERVE_SERVER_HTTP_CONNECTION_POOL_H_
 
 #include <deque>
 #include <functional>
+#include <list>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "httplib.h"
+#include "server/http/connection_pool_options.h"
 
 namespace sdm {
 
 class ConnectionPool : public httplib::TaskQueue {
  public:
   // 0 <= base_threads <= max_threads, max_threads >= 1 (checked).
-  ConnectionPool(int base_threads, int max_threads, std::string thread_name);
+  ConnectionPool(int base_threads, int max_threads, std::string thread_name,
+                 ConnectionPoolOptions options = {});
   ~ConnectionPool() override;
   ConnectionPool(const ConnectionPool&) = delete;
   ConnectionPool& operator=(const ConnectionPool&) = delete;
@@ -51,24 +58,52 @@ class ConnectionPool : public httplib::TaskQueue {
   void enqueue(std::function<void()> job) override;
   void shutdown() override;
 
-  // Workers started and not yet joined.
+  // Workers that serve jobs, busy or idle, not counting those that are exiting (idle too long)
+  // or have exited.
   int threads() const;
   // Jobs enqueued that no worker has taken yet.
   int queued() const;
 
+  // Testing, with options.clock: does what the time it now reads calls for (idle workers above
+  // the base exit, and are joined) and returns once that is done.
+  void ClockAdvancedForTesting();
+  // Testing: waits until at least `n` workers are idle (waiting for a job, or started and not
+  // waiting yet), at most `timeout`; false if they were not.
+  bool AwaitIdleForTesting(int n, absl::Duration timeout);
+
  private:
+  struct Worker {  // guarded by mu_
+    std::thread thread;
+    bool idle = true;  // not running a job, since idle_since
+    absl::Time idle_since;
+    bool exit = false;  // told to exit, idle too long (idle_ no longer counts it)
+  };
+
   // Starts one worker; false when the system refuses a thread.
   bool StartWorkerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Work();
+  // Tells idle workers above the base that have been idle for idle_timeout_ at `now` to exit.
+  void RetireIdleLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Work(Worker* self);
+  // Waits for a job for `self` (after its last one, if any): false when it is to exit.
+  bool NextJob(Worker* self, std::function<void()>& job);
 
+  const int base_threads_;
   const int max_threads_;
   const std::string thread_name_;
+  const absl::Duration idle_timeout_;
+  const bool test_clock_;  // options.clock was given: time is acted on in ClockAdvanced only
+  const std::function<absl::Time()> clock_;
   mutable absl::Mutex mu_;
-  absl::CondVar work_;  // a job was queued, or shutdown_ was set
+  absl::CondVar work_;  // a job was queued, a worker was told to exit, or shutdown_ was set
   std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> workers_ ABSL_GUARDED_BY(mu_);
-  // Workers that will take a queued job without another being started: those waiting, and
-  // those started but not yet waiting.
+  // Every worker started and not yet exited (a list: a worker keeps a pointer to its own entry).
+  std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
+  // Workers in workers_ told to exit that have not yet left it.
+  int exiting_ ABSL_GUARDED_BY(mu_) = 0;
+  // Threads of workers that have exited, to be joined by the next enqueue() or shutdown().
+  std::vector<std::thread> exited_ ABSL_GUARDED_BY(mu_);
+  // Workers that will take a queued job without another being started: those waiting (and not
+  // told to exit), and those started but not yet waiting.
   int idle_ ABSL_GUARDED_BY(mu_) = 0;
   bool shutdown_ ABSL_GUARDED_BY(mu_) = false;
 };

@@ -630,8 +630,8 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   const int max_connections = std::max(1, options.max_connections);
   const int threads =
       std::min(options.threads > 0 ? options.threads : scheduler_slots + 16, max_connections);
-  http.new_task_queue = [threads, max_connections] {
-    return new ConnectionPool(threads, max_connections, "sdm-http");
+  http.new_task_queue = [threads, max_connections, pool = options.pool] {
+    return new ConnectionPool(threads, max_connections, "sdm-http", pool);
   };
   const auto seconds = [](absl::Duration d) { return absl::ToInt64Seconds(d); };
   const auto micros = [](absl::Duration d) { return absl::ToInt64Microseconds(d) % 1'000'000; };

@@ -29,7 +29,8 @@
 //
 // Connections: each holds a thread of the server's ConnectionPool while it is open; the pool
 // grows with the connections (up to max_connections), so idle keep-alive connections do not
-// keep a new client waiting.
+// keep a new client waiting, and shrinks back to `threads` once the threads above it have been
+// idle for pool.idle_timeout.
 //
 // Thread-safety: requests run on the HTTP server's connection threads; active_generations() and
 // Stop() may be called from any thread.
@@ -47,6 +48,7 @@
 #include "absl/time/time.h"
 #include "server/auth.h"
 #include "server/http/chat_template.h"
+#include "server/http/connection_pool_options.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service.h"
 
@@ -71,13 +73,15 @@ struct OpenAiServerOptions {
   absl::Duration keep_alive_timeout = absl::Seconds(5);
   // Threads kept to serve connections: each open connection holds one, from its accept to its
   // close (idle keep-alive connections included); 0: max_running + max_waiting + 16. Another is
-  // started whenever a connection arrives while none is idle, up to max_connections, and stays
-  // (server/http/connection_pool.h).
+  // started whenever a connection arrives while none is idle, up to max_connections, and exits
+  // once idle for pool.idle_timeout (server/http/connection_pool.h).
   int threads = 0;
   // Connections served at once (>= 1; threads above it are not started); past it a new
   // connection waits, unanswered, until one closes. Requests are limited by the scheduler
   // (max_running, max_waiting: 429 when full), not by this.
   int max_connections = 1024;
+  // The connection threads' timeouts (server/http/connection_pool_options.h).
+  ConnectionPoolOptions pool;
   // How often an idle response is written to, to notice a client that went away.
   absl::Duration heartbeat = absl::Milliseconds(250);
 };

@@ -1,19 +1,25 @@
 // ConnectionPool (server/http/connection_pool.h): a job arriving while every worker is busy gets a
-// new worker up to the cap, waits past it, and shutdown() runs what is queued and joins every
-// worker. Jobs stand for httplib's connections: each blocks on a gate until the test opens it.
-// Waits are bounded (a minute), so that a pool that never runs a job fails instead of hanging, and
-// a test that fails early opens its gates before its pool joins its workers.
+// new worker up to the cap, waits past it, workers above the base exit once idle too long, and
+// shutdown() runs what is queued and joins every worker. Jobs stand for httplib's connections:
+// each blocks on a gate until the test opens it. Waits are bounded (a minute), so that a pool that
+// never runs a job fails instead of hanging, and a test that fails early opens its gates before
+// its pool joins its workers. Timeouts are decided on a fake clock that only the test moves
+// (ConnectionPoolOptions::clock), never on the machine's.
 #include "server/http/connection_pool.h"
 
 #include <atomic>
+#include <filesystem>
+#include <iterator>
 #include <memory>
 #include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "tests/base/eventually.h"
 
 namespace sdm::testing {
 namespace {
@@ -45,6 +51,38 @@ std::function<void()> Quick(Job& job) {
     job.started.Notify();
     job.finished.Notify();
   };
+}
+
+// The time the pool reads (ConnectionPoolOptions::clock): it moves only when the test says so.
+class FakeClock {
+ public:
+  std::function<absl::Time()> Function() {
+    return [this] {
+      absl::MutexLock lock(&mu_);
+      return now_;
+    };
+  }
+  void Advance(absl::Duration d) {
+    absl::MutexLock lock(&mu_);
+    now_ += d;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Time now_ ABSL_GUARDED_BY(mu_) = absl::FromUnixSeconds(1'000'000'000);
+};
+
+ConnectionPoolOptions WithClock(FakeClock& clock, absl::Duration idle_timeout) {
+  ConnectionPoolOptions options;
+  options.clock = clock.Function();
+  options.idle_timeout = idle_timeout;
+  return options;
+}
+
+// Threads of this process, as the kernel counts them: a worker that has exited is gone from it.
+int ProcessThreads() {
+  const std::filesystem::directory_iterator tasks("/proc/self/task");
+  return static_cast<int>(std::distance(begin(tasks), end(tasks)));
 }
 
 TEST(ConnectionPoolTest, AJobArrivingWhileEveryWorkerIsBusyRunsOnANewOne) {
@@ -141,6 +179,120 @@ TEST(ConnectionPoolTest, TheDestructorJoinsWithoutShutdown) {
     for (int i = 0; i < 6; ++i) pool.enqueue([&finished] { finished.fetch_add(1); });
   }
   EXPECT_EQ(finished.load(), 6);
+}
+
+// A burst of connections left its threads until shutdown: a pool that had served 4 at once kept 4
+// threads, idle, with 1 connection open or none.
+TEST(ConnectionPoolTest, WorkersAboveTheBaseExitOnceIdleForTheTimeout) {
+  constexpr absl::Duration kIdle = absl::Seconds(60);
+  FakeClock clock;
+  absl::Notification gate;
+  std::vector<Job> burst(4);
+  const int threads_before = ProcessThreads();
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/8, "sdm-test-pool",
+                      WithClock(clock, kIdle));
+  absl::Cleanup open_gate = [&gate] { Open(gate); };
+  for (Job& job : burst) pool.enqueue(Blocking(job, gate));
+  for (Job& job : burst) ASSERT_TRUE(job.started.WaitForNotificationWithTimeout(kBound));
+  EXPECT_EQ(pool.threads(), 4);
+  Open(gate);
+  ASSERT_TRUE(pool.AwaitIdleForTesting(4, kBound));
+  EXPECT_EQ(ProcessThreads(), threads_before + 4);
+  // Idle for less than the timeout: every worker stays.
+  clock.Advance(kIdle - absl::Nanoseconds(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.threads(), 4);
+  // Idle for the timeout: the three above the base exit, and are joined.
+  clock.Advance(absl::Nanoseconds(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.threads(), 1);
+  EXPECT_EQ(ProcessThreads(), threads_before + 1);
+  // The base worker stays however long it is idle.
+  clock.Advance(absl::Hours(24));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.threads(), 1);
+  // The pool grows again with the next burst.
+  absl::Notification second_gate;
+  absl::Cleanup open_second_gate = [&second_gate] { Open(second_gate); };
+  std::vector<Job> again(3);
+  for (Job& job : again) pool.enqueue(Blocking(job, second_gate));
+  for (Job& job : again) ASSERT_TRUE(job.started.WaitForNotificationWithTimeout(kBound));
+  EXPECT_EQ(pool.threads(), 3);
+  Open(second_gate);
+  pool.shutdown();
+  EXPECT_EQ(pool.threads(), 0);
+  EXPECT_EQ(ProcessThreads(), threads_before);
+}
+
+// The idle time starts again after each job: a worker that served a connection 30 s ago, after
+// 30 s idle, stays. With no base, the last worker exits too, and a later job starts a new one.
+TEST(ConnectionPoolTest, TheIdleTimeCountsFromTheLastJob) {
+  constexpr absl::Duration kIdle = absl::Seconds(60);
+  FakeClock clock;
+  Job first, second, third;
+  ConnectionPool pool(/*base_threads=*/0, /*max_threads=*/2, "sdm-test-pool",
+                      WithClock(clock, kIdle));
+  EXPECT_EQ(pool.threads(), 0);
+  pool.enqueue(Quick(first));
+  ASSERT_TRUE(first.finished.WaitForNotificationWithTimeout(kBound));
+  ASSERT_TRUE(pool.AwaitIdleForTesting(1, kBound));
+  EXPECT_EQ(pool.threads(), 1);
+  clock.Advance(absl::Seconds(30));
+  pool.enqueue(Quick(second));  // taken by the idle worker
+  ASSERT_TRUE(second.finished.WaitForNotificationWithTimeout(kBound));
+  ASSERT_TRUE(pool.AwaitIdleForTesting(1, kBound));
+  EXPECT_EQ(pool.threads(), 1);
+  clock.Advance(absl::Seconds(30));  // 60 s since the worker started, 30 s since its last job
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.threads(), 1);
+  clock.Advance(absl::Seconds(30));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.threads(), 0);
+  pool.enqueue(Quick(third));
+  EXPECT_TRUE(third.finished.WaitForNotificationWithTimeout(kBound));
+  EXPECT_EQ(pool.threads(), 1);
+}
+
+// On the machine's clock, the workers decide for themselves (no test hook): with a zero timeout
+// the workers above the base exit as soon as they are idle, and the next enqueue() joins them.
+TEST(ConnectionPoolTest, OnTheRealClockIdleWorkersExitOnTheirOwn) {
+  absl::Notification gate;
+  std::vector<Job> burst(3);
+  ConnectionPoolOptions options;
+  options.idle_timeout = absl::ZeroDuration();
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/4, "sdm-test-pool", options);
+  absl::Cleanup open_gate = [&gate] { Open(gate); };
+  for (Job& job : burst) pool.enqueue(Blocking(job, gate));
+  for (Job& job : burst) ASSERT_TRUE(job.started.WaitForNotificationWithTimeout(kBound));
+  EXPECT_EQ(pool.threads(), 3);
+  Open(gate);
+  EXPECT_TRUE(Eventually([&pool] { return pool.threads() == 1; }));
+  Job after;
+  pool.enqueue(Quick(after));
+  EXPECT_TRUE(after.finished.WaitForNotificationWithTimeout(kBound));
+}
+
+// shutdown() racing workers that are exiting: every thread is joined once (a thread joined twice,
+// or destroyed unjoined, aborts the test).
+TEST(ConnectionPoolTest, ShutdownWhileWorkersExitJoinsEachOnce) {
+  for (int round = 0; round < 50; ++round) {
+    absl::Notification gate;
+    std::vector<Job> burst(4);
+    ConnectionPoolOptions options;
+    options.idle_timeout = absl::ZeroDuration();
+    ConnectionPool pool(/*base_threads=*/0, /*max_threads=*/4, "sdm-test-pool", options);
+    absl::Cleanup open_gate = [&gate] { Open(gate); };
+    for (Job& job : burst) pool.enqueue(Blocking(job, gate));
+    for (Job& job : burst) ASSERT_TRUE(job.started.WaitForNotificationWithTimeout(kBound));
+    Open(gate);
+    if (round % 2 == 1) {
+      Job next;
+      pool.enqueue(Quick(next));  // joins those that have exited
+      ASSERT_TRUE(next.finished.WaitForNotificationWithTimeout(kBound));
+    }
+    pool.shutdown();
+    EXPECT_EQ(pool.threads(), 0);
+  }
 }
 
 }  // namespace
