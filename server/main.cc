@@ -65,8 +65,8 @@ ABSL_FLAG(int, http_max_connections, sdm::OpenAiServerOptions{}.max_connections,
           "HTTP API connections served at once, idle keep-alive ones included (each holds a "
           "thread while open; threads are started as connections arrive, and those above "
           "max_running + max_waiting + 16 exit after 60 s idle); past it a new connection waits "
-          "until one closes. Requests are limited by --max_running and "
-          "--max_waiting (429 when full), not by this.");
+          "at most 1 s for one to close, then is answered 503 with Retry-After: 1. Requests are "
+          "limited by --max_running and --max_waiting (429 when full), not by this.");
 ABSL_FLAG(std::string, chat_template, "",
           "JSON chat template file for /v1/chat/completions (docs/api.md); empty: the model "
           "directory's chat_template.json, else the plain-text default.");

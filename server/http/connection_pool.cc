@@ -9,6 +9,11 @@
 #include "base/thread_name.h"
 
 namespace sdm {
+namespace {
+
+thread_local bool refusing = false;
+
+}  // namespace
 
 ConnectionPool::ConnectionPool(int base_threads, int max_threads, std::string thread_name,
                                ConnectionPoolOptions options)
@@ -16,11 +21,21 @@ ConnectionPool::ConnectionPool(int base_threads, int max_threads, std::string th
       max_threads_(max_threads),
       thread_name_(std::move(thread_name)),
       idle_timeout_(std::max(options.idle_timeout, absl::ZeroDuration())),
+      max_wait_(std::max(options.max_wait, absl::ZeroDuration())),
       test_clock_(options.clock != nullptr),
       clock_(test_clock_ ? std::move(options.clock) : [] { return absl::Now(); }) {
   SDM_CHECK(max_threads >= 1 && base_threads >= 0 && base_threads <= max_threads)
       << base_threads << " " << max_threads;
   absl::MutexLock lock(&mu_);
+  for (int i = 0; i < options.refusal_threads; ++i) {
+    try {
+      refusers_.emplace_back([this] { Refuse(); });
+    } catch (const std::system_error& e) {
+      SDM_LOG(WARNING) << thread_name_ << ": cannot start a thread (" << e.what() << "); "
+                       << refusers_.size() << " answer the connections refused";
+      break;
+    }
+  }
   for (int i = 0; i < base_threads; ++i) {
     if (!StartWorkerLocked()) break;  // the others start as connections arrive
   }
@@ -49,11 +64,15 @@ void ConnectionPool::enqueue(std::function<void()> job) {
     absl::MutexLock lock(&mu_);
     SDM_CHECK(!shutdown_) << "enqueue() after shutdown()";
     exited.swap(exited_);
-    jobs_.push_back(std::move(job));
+    jobs_.push_back({std::move(job), clock_()});
     // Each idle worker takes one queued job (it counts as idle until it has taken it).
-    if (!(static_cast<int>(jobs_.size()) > idle_ &&
-          static_cast<int>(workers_.size()) - exiting_ < max_threads_ && StartWorkerLocked())) {
-      work_.Signal();  // else the new worker takes it
+    if (static_cast<int>(jobs_.size()) > idle_ &&
+        static_cast<int>(workers_.size()) - exiting_ < max_threads_ && StartWorkerLocked()) {
+      // The new worker takes it.
+    } else {
+      work_.Signal();
+      // None may take it before max_wait_: its refusal is due then.
+      if (static_cast<int>(jobs_.size()) > idle_) refuse_.Signal();
     }
   }
   // Threads that have returned from Work(): the joins do not wait.
@@ -71,8 +90,12 @@ void ConnectionPool::shutdown() {
     for (Worker& worker : workers_) threads.push_back(std::move(worker.thread));
     for (std::thread& thread : exited_) threads.push_back(std::move(thread));
     exited_.clear();
+    // They answer the jobs already refused, then end.
+    for (std::thread& thread : refusers_) threads.push_back(std::move(thread));
+    refusers_.clear();
   }
   work_.SignalAll();
+  refuse_.SignalAll();
   for (std::thread& thread : threads) thread.join();
   absl::MutexLock lock(&mu_);
   workers_.clear();
@@ -90,11 +113,20 @@ int ConnectionPool::queued() const {
   return static_cast<int>(jobs_.size());
 }
 
+int64_t ConnectionPool::refused() const {
+  absl::MutexLock lock(&mu_);
+  return refused_;
+}
+
+bool ConnectionPool::Refusing() { return refusing; }
+
 void ConnectionPool::ClockAdvancedForTesting() {
   std::vector<std::thread> threads;
   {
     absl::MutexLock lock(&mu_);
-    RetireIdleLocked(clock_());
+    const absl::Time now = clock_();
+    RefuseQueuedLocked(now);
+    RetireIdleLocked(now);
     auto exited = [this]()
                       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return exiting_ == 0 || shutdown_; };
     mu_.Await(absl::Condition(&exited));
@@ -107,6 +139,25 @@ bool ConnectionPool::AwaitIdleForTesting(int n, absl::Duration timeout) {
   absl::MutexLock lock(&mu_);
   const auto enough = [this, n]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return idle_ >= n; };
   return mu_.AwaitWithTimeout(absl::Condition(&enough), timeout);
+}
+
+void ConnectionPool::RefuseQueuedLocked(absl::Time now) {
+  // Without a refusal thread a refused job would never run (nor its socket close); after
+  // shutdown() the refusal threads may have ended, and the workers run what is queued.
+  if (refusers_.empty() || shutdown_) return;
+  const int64_t before = refused_;
+  // The first idle_ queued jobs are the idle workers': the oldest others are refused.
+  while (static_cast<int>(jobs_.size()) > idle_ && now - jobs_.front().since >= max_wait_) {
+    refusals_.push_back(std::move(jobs_.front().job));
+    jobs_.pop_front();
+    ++refused_;
+    if ((refused_ & (refused_ - 1)) == 0) {  // 1, 2, 4, ...: a few lines however many
+      SDM_LOG(WARNING) << thread_name_ << ": a connection waited " << max_wait_ << " for a thread ("
+                       << workers_.size() - exiting_ << " busy, at most " << max_threads_
+                       << "), refused; " << refused_ << " so far";
+    }
+  }
+  if (refused_ > before) refuse_.SignalAll();
 }
 
 void ConnectionPool::RetireIdleLocked(absl::Time now) {
@@ -168,11 +219,44 @@ bool ConnectionPool::NextJob(Worker* self, std::function<void()>& job) {
     return false;
   }
   if (jobs_.empty()) return false;  // shut down, and nothing is left to run
-  job = std::move(jobs_.front());
+  job = std::move(jobs_.front().job);
   jobs_.pop_front();
   --idle_;
   self->idle = false;
   return true;
+}
+
+void ConnectionPool::Refuse() {
+  SetCurrentThreadName(thread_name_ + "-refuse");
+  std::function<void()> job;
+  while (NextRefusal(job)) {
+    refusing = true;
+    job();
+    job = nullptr;
+    refusing = false;
+  }
+}
+
+bool ConnectionPool::NextRefusal(std::function<void()>& job) {
+  absl::MutexLock lock(&mu_);
+  for (;;) {
+    const absl::Time now = clock_();
+    if (!test_clock_) RefuseQueuedLocked(now);
+    if (!refusals_.empty()) {
+      job = std::move(refusals_.front());
+      refusals_.pop_front();
+      return true;
+    }
+    if (shutdown_) return false;
+    if (!test_clock_ && static_cast<int>(jobs_.size()) > idle_) {
+      // Not refused yet: the oldest job's refusal is due at its since + max_wait_.
+      refuse_.WaitWithTimeout(&mu_, jobs_.front().since + max_wait_ - now);
+    } else {
+      // No job waits, but those the idle workers take; or the test's clock, which moves only in
+      // ClockAdvancedForTesting().
+      refuse_.Wait(&mu_);
+    }
+  }
 }
 
 }  // namespace sdm

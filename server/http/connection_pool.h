@@ -11,26 +11,41 @@
 //   - The constructor starts `base_threads` workers.
 //   - enqueue() starts another worker when no worker is idle to take the job, unless
 //     `max_threads` are running; then (or when the system refuses a new thread) the job waits in
-//     a FIFO queue, without bound as in httplib's ThreadPool, until a worker finishes its job.
+//     a FIFO queue until a worker finishes its job, at most `options.max_wait` (1 s). A job that
+//     has waited longer, and that no idle worker is about to take, is refused: it runs on one of
+//     `options.refusal_threads` threads that serve nothing else, with Refusing() true on that
+//     thread, and is expected to answer as briefly as it can and end (OpenAiServer answers each
+//     request of the connection 503 with Retry-After and `Connection: close`). httplib 0.11's
+//     enqueue() cannot decline a job (it returns void and the job owns the accepted socket, which
+//     only the job can answer or close), so a refusal still needs a thread: these are started
+//     with the pool, so that refusals go on when the system refuses new threads. A slow client
+//     holds a refusal thread as long as it would hold a worker (its read timeout), and so does
+//     one that ignores `Connection: close` (until its keep-alive timeout: httplib 0.11 closes a
+//     connection after a response only when the request asked); refused jobs wait for a free
+//     refusal thread, in order. With `refusal_threads` 0 (or none could start) no job is
+//     refused.
 //   - A worker above `base_threads` that has waited `options.idle_timeout` (60 s) for a job
-//     exits, so a burst of connections does not leave its threads behind; the thread count
-//     follows the connections open (a worker counts as busy until its job has returned, so a job
-//     arriving just then may start one more), at most `max_threads`, and falls back to
-//     `base_threads` idle_timeout after they close. A worker that exits is joined by the next
-//     enqueue() or shutdown() (a thread that has returned, so the join does not wait), never by
-//     itself.
-//   - shutdown() lets every queued job run (as httplib's ThreadPool does), then ends and joins
-//     every worker the pool started. httplib calls it once its accept loop has ended and enqueues
-//     nothing after; enqueue() after shutdown() is a programming error (SDM_CHECK). The
-//     destructor calls shutdown() when it has not been called.
-//   - Workers are named `thread_name` (base/thread_name.h).
+//     exits (none does while a job is queued), so a burst of connections does not leave its threads
+//     behind; the thread count follows the connections open (a worker counts as busy until its job
+//     has returned, so a job arriving just then may start one more), at most `max_threads`, and
+//     falls back to `base_threads` idle_timeout after they close. A worker that exits is joined by
+//     the next enqueue() or shutdown() (a thread that has returned, so the join does not wait),
+//     never by itself.
+//   - shutdown() lets every queued job run (as httplib's ThreadPool does; none is refused from
+//     then on) and every refused one, then ends and joins every thread the pool started. httplib
+//     calls it once its accept loop has ended and enqueues nothing after; enqueue() after
+//     shutdown() is a programming error (SDM_CHECK). The destructor calls shutdown() when it has
+//     not been called.
+//   - Workers are named `thread_name`, refusal threads `thread_name` + "-refuse", cut to 15
+//     bytes (base/thread_name.h).
 //
-// Thread-safety: enqueue(), threads(), queued() and the testing methods may be called from any
-// thread but a worker's, concurrently; shutdown() from one thread, not a worker (it joins them),
-// once (later calls do nothing).
+// Thread-safety: enqueue(), threads(), queued(), refused() and the testing methods may be called
+// from any thread but the pool's own, concurrently; Refusing() from any thread; shutdown() from one
+// thread, not a worker (it joins them), once (later calls do nothing).
 #ifndef SDMSERVE_SERVER_HTTP_CONNECTION_POOL_H_
 #define SDMSERVE_SERVER_HTTP_CONNECTION_POOL_H_
 
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <list>
@@ -61,11 +76,17 @@ class ConnectionPool : public httplib::TaskQueue {
   // Workers that serve jobs, busy or idle, not counting those that are exiting (idle too long)
   // or have exited.
   int threads() const;
-  // Jobs enqueued that no worker has taken yet.
+  // Jobs enqueued that no worker has taken yet, and that are not refused.
   int queued() const;
+  // Jobs refused since the pool started.
+  int64_t refused() const;
 
-  // Testing, with options.clock: does what the time it now reads calls for (idle workers above
-  // the base exit, and are joined) and returns once that is done.
+  // True on a thread while it runs a job that the pool refuses (options.max_wait).
+  static bool Refusing();
+
+  // Testing, with options.clock: does what the time it now reads calls for (jobs queued too long
+  // are refused, idle workers above the base exit and are joined) and returns once that is done,
+  // but for the refused jobs' running.
   void ClockAdvancedForTesting();
   // Testing: waits until at least `n` workers are idle (waiting for a job, or started and not
   // waiting yet), at most `timeout`; false if they were not.
@@ -81,21 +102,37 @@ class ConnectionPool : public httplib::TaskQueue {
 
   // Starts one worker; false when the system refuses a thread.
   bool StartWorkerLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Refuses (moves to refusals_) queued jobs that have waited max_wait_ at `now`, but those that
+  // idle workers are about to take.
+  void RefuseQueuedLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Tells idle workers above the base that have been idle for idle_timeout_ at `now` to exit.
   void RetireIdleLocked(absl::Time now) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Work(Worker* self);
   // Waits for a job for `self` (after its last one, if any): false when it is to exit.
   bool NextJob(Worker* self, std::function<void()>& job);
+  // A refusal thread's loop, and its wait for a refused job: false when it is to exit.
+  void Refuse();
+  bool NextRefusal(std::function<void()>& job);
 
   const int base_threads_;
   const int max_threads_;
   const std::string thread_name_;
   const absl::Duration idle_timeout_;
+  const absl::Duration max_wait_;
   const bool test_clock_;  // options.clock was given: time is acted on in ClockAdvanced only
   const std::function<absl::Time()> clock_;
   mutable absl::Mutex mu_;
   absl::CondVar work_;  // a job was queued, a worker was told to exit, or shutdown_ was set
-  std::deque<std::function<void()>> jobs_ ABSL_GUARDED_BY(mu_);
+  // A job that no idle worker will take was queued, a job was refused, or shutdown_ was set.
+  absl::CondVar refuse_;
+  struct Queued {
+    std::function<void()> job;
+    absl::Time since;  // enqueued
+  };
+  std::deque<Queued> jobs_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::function<void()>> refusals_ ABSL_GUARDED_BY(mu_);  // refused, not yet run
+  int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<std::thread> refusers_ ABSL_GUARDED_BY(mu_);
   // Every worker started and not yet exited (a list: a worker keeps a pointer to its own entry).
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);
   // Workers in workers_ told to exit that have not yet left it.

@@ -466,6 +466,15 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
 }
 
 void OpenAiServer::Handlers::Install(httplib::Server& http) {
+  // A connection that waited too long for a thread (server/http/connection_pool.h): every request
+  // on it is answered 503 before its body is read, and the client is asked to close it.
+  http.set_pre_routing_handler([](const httplib::Request&, httplib::Response& res) {
+    if (!ConnectionPool::Refusing()) return httplib::Server::HandlerResponse::Unhandled;
+    SendError(res, absl::UnavailableError("no thread is free to serve this connection (the "
+                                          "server has its most connections open); retry"));
+    res.set_header("Connection", "close");
+    return httplib::Server::HandlerResponse::Handled;
+  });
   // The web console (server/http/console_page.h): a static page, no key needed to load it; its
   // calls to /v1 carry the key the user enters.
   http.Get("/", [](const httplib::Request&, httplib::Response& res) {

@@ -30,7 +30,9 @@
 // Connections: each holds a thread of the server's ConnectionPool while it is open; the pool
 // grows with the connections (up to max_connections), so idle keep-alive connections do not
 // keep a new client waiting, and shrinks back to `threads` once the threads above it have been
-// idle for pool.idle_timeout.
+// idle for pool.idle_timeout. A connection that no thread has taken within pool.max_wait
+// (max_connections open, or the system refuses a thread) is answered 503 with Retry-After and
+// `Connection: close` on every request.
 //
 // Thread-safety: requests run on the HTTP server's connection threads; active_generations() and
 // Stop() may be called from any thread.
@@ -77,8 +79,8 @@ struct OpenAiServerOptions {
   // once idle for pool.idle_timeout (server/http/connection_pool.h).
   int threads = 0;
   // Connections served at once (>= 1; threads above it are not started); past it a new
-  // connection waits, unanswered, until one closes. Requests are limited by the scheduler
-  // (max_running, max_waiting: 429 when full), not by this.
+  // connection waits until one closes, at most pool.max_wait, then is answered 503. Requests are
+  // limited by the scheduler (max_running, max_waiting: 429 when full), not by this.
   int max_connections = 1024;
   // The connection threads' timeouts (server/http/connection_pool_options.h).
   ConnectionPoolOptions pool;

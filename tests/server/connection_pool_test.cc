@@ -1,5 +1,6 @@
 // ConnectionPool (server/http/connection_pool.h): a job arriving while every worker is busy gets a
-// new worker up to the cap, waits past it, workers above the base exit once idle too long, and
+// new worker up to the cap, waits past it (and is refused once it has waited max_wait), workers
+// above the base exit once idle too long, and
 // shutdown() runs what is queued and joins every worker. Jobs stand for httplib's connections:
 // each blocks on a gate until the test opens it. Waits are bounded (a minute), so that a pool that
 // never runs a job fails instead of hanging, and a test that fails early opens its gates before
@@ -53,6 +54,14 @@ std::function<void()> Quick(Job& job) {
   };
 }
 
+// For tests on the machine's clock that look at queued jobs: none is refused however long the
+// machine stalls.
+ConnectionPoolOptions NeverRefused() {
+  ConnectionPoolOptions options;
+  options.max_wait = absl::InfiniteDuration();
+  return options;
+}
+
 // The time the pool reads (ConnectionPoolOptions::clock): it moves only when the test says so.
 class FakeClock {
  public:
@@ -72,11 +81,22 @@ class FakeClock {
   absl::Time now_ ABSL_GUARDED_BY(mu_) = absl::FromUnixSeconds(1'000'000'000);
 };
 
-ConnectionPoolOptions WithClock(FakeClock& clock, absl::Duration idle_timeout) {
+ConnectionPoolOptions WithClock(FakeClock& clock, absl::Duration idle_timeout,
+                                absl::Duration max_wait = absl::Seconds(1)) {
   ConnectionPoolOptions options;
   options.clock = clock.Function();
   options.idle_timeout = idle_timeout;
+  options.max_wait = max_wait;
   return options;
+}
+
+// A job that records whether the pool ran it as refused (ConnectionPool::Refusing()).
+std::function<void()> Recording(Job& job, std::atomic<bool>& refused) {
+  return [&job, &refused] {
+    refused = ConnectionPool::Refusing();
+    job.started.Notify();
+    job.finished.Notify();
+  };
 }
 
 // Threads of this process, as the kernel counts them: a worker that has exited is gone from it.
@@ -110,7 +130,7 @@ TEST(ConnectionPoolTest, AJobArrivingWhileEveryWorkerIsBusyRunsOnANewOne) {
 TEST(ConnectionPoolTest, AtTheCapAJobWaitsForAWorkerToFinish) {
   absl::Notification first_gate, second_gate;
   Job first, second, waiting;
-  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/2, "sdm-test-pool");
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/2, "sdm-test-pool", NeverRefused());
   absl::Cleanup open_gates = [&] {
     Open(first_gate);
     Open(second_gate);
@@ -149,7 +169,7 @@ TEST(ConnectionPoolTest, ShutdownRunsQueuedJobsAndJoinsEveryWorker) {
   absl::Notification gate;
   std::vector<Job> jobs(5);
   std::atomic<int> finished = 0;
-  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/3, "sdm-test-pool");
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/3, "sdm-test-pool", NeverRefused());
   absl::Cleanup open_gate = [&gate] { Open(gate); };
   for (Job& job : jobs) {
     pool.enqueue([&job, &gate, &finished] {
@@ -188,9 +208,10 @@ TEST(ConnectionPoolTest, WorkersAboveTheBaseExitOnceIdleForTheTimeout) {
   FakeClock clock;
   absl::Notification gate;
   std::vector<Job> burst(4);
+  ConnectionPoolOptions options = WithClock(clock, kIdle);
+  options.refusal_threads = 0;  // the process's threads are the workers' and the test's
   const int threads_before = ProcessThreads();
-  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/8, "sdm-test-pool",
-                      WithClock(clock, kIdle));
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/8, "sdm-test-pool", options);
   absl::Cleanup open_gate = [&gate] { Open(gate); };
   for (Job& job : burst) pool.enqueue(Blocking(job, gate));
   for (Job& job : burst) ASSERT_TRUE(job.started.WaitForNotificationWithTimeout(kBound));
@@ -293,6 +314,127 @@ TEST(ConnectionPoolTest, ShutdownWhileWorkersExitJoinsEachOnce) {
     pool.shutdown();
     EXPECT_EQ(pool.threads(), 0);
   }
+}
+
+// At the cap (or when the system refuses a thread) a job waited without bound: a connection got
+// no answer until another closed. Once it has waited max_wait it is run as refused (the server
+// answers 503), on a refusal thread, while the only worker is still busy.
+TEST(ConnectionPoolTest, AJobThatWaitedMaxWaitIsRefused) {
+  constexpr absl::Duration kMaxWait = absl::Seconds(1);
+  FakeClock clock;
+  absl::Notification gate;
+  Job holder, waiting, later;
+  std::atomic<bool> waiting_refused = false, later_refused = true;
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/1, "sdm-test-pool",
+                      WithClock(clock, absl::Seconds(60), kMaxWait));
+  absl::Cleanup open_gate = [&gate] { Open(gate); };
+  pool.enqueue(Blocking(holder, gate));
+  ASSERT_TRUE(holder.started.WaitForNotificationWithTimeout(kBound));
+  pool.enqueue(Recording(waiting, waiting_refused));
+  EXPECT_EQ(pool.queued(), 1);
+  clock.Advance(kMaxWait - absl::Nanoseconds(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.queued(), 1);
+  EXPECT_EQ(pool.refused(), 0);
+  EXPECT_FALSE(waiting.started.HasBeenNotified());
+  clock.Advance(absl::Nanoseconds(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.queued(), 0);
+  EXPECT_EQ(pool.refused(), 1);
+  ASSERT_TRUE(waiting.finished.WaitForNotificationWithTimeout(kBound));
+  EXPECT_TRUE(waiting_refused.load());
+  EXPECT_FALSE(holder.finished.HasBeenNotified()) << "it ran on the only worker";
+  EXPECT_EQ(pool.threads(), 1);
+  // Once the worker is free, a job runs on it as usual.
+  Open(gate);
+  pool.enqueue(Recording(later, later_refused));
+  ASSERT_TRUE(later.finished.WaitForNotificationWithTimeout(kBound));
+  EXPECT_FALSE(later_refused.load());
+  EXPECT_EQ(pool.refused(), 1);
+}
+
+// Refused jobs are run in order, each on a refusal thread, never on the workers' (here one
+// refusal thread for three); shutdown() runs those left, then joins the refusal thread.
+TEST(ConnectionPoolTest, RefusedJobsRunInOrderAndShutdownRunsThoseLeft) {
+  FakeClock clock;
+  absl::Notification holder_gate, refused_gate;
+  Job holder;
+  std::vector<Job> refused(3);
+  std::vector<int> order;
+  absl::Mutex order_mu;
+  ConnectionPoolOptions options = WithClock(clock, absl::Seconds(60), absl::Seconds(1));
+  options.refusal_threads = 1;
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/1, "sdm-test-pool", options);
+  absl::Cleanup open_gates = [&] {
+    Open(holder_gate);
+    Open(refused_gate);
+  };
+  pool.enqueue(Blocking(holder, holder_gate));
+  ASSERT_TRUE(holder.started.WaitForNotificationWithTimeout(kBound));
+  for (int i = 0; i < 3; ++i) {
+    pool.enqueue([&, i] {
+      EXPECT_TRUE(ConnectionPool::Refusing());
+      {
+        absl::MutexLock lock(&order_mu);
+        order.push_back(i);
+      }
+      refused[i].started.Notify();
+      refused_gate.WaitForNotificationWithTimeout(kBound);
+      refused[i].finished.Notify();
+    });
+  }
+  clock.Advance(absl::Seconds(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.refused(), 3);
+  ASSERT_TRUE(refused[0].started.WaitForNotificationWithTimeout(kBound));
+  EXPECT_FALSE(refused[1].started.HasBeenNotified()) << "one refusal thread";
+  std::thread stopper([&pool] { pool.shutdown(); });
+  Open(refused_gate);
+  for (Job& job : refused) EXPECT_TRUE(job.finished.WaitForNotificationWithTimeout(kBound));
+  Open(holder_gate);
+  stopper.join();
+  absl::MutexLock lock(&order_mu);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+}
+
+// refusal_threads 0: a job waits for a worker however long, as in httplib's ThreadPool.
+TEST(ConnectionPoolTest, WithoutRefusalThreadsAJobWaitsForAWorker) {
+  FakeClock clock;
+  absl::Notification gate;
+  Job holder, waiting;
+  std::atomic<bool> waiting_refused = true;
+  ConnectionPoolOptions options = WithClock(clock, absl::Seconds(60), absl::Seconds(1));
+  options.refusal_threads = 0;
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/1, "sdm-test-pool", options);
+  absl::Cleanup open_gate = [&gate] { Open(gate); };
+  pool.enqueue(Blocking(holder, gate));
+  ASSERT_TRUE(holder.started.WaitForNotificationWithTimeout(kBound));
+  pool.enqueue(Recording(waiting, waiting_refused));
+  clock.Advance(absl::Hours(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.queued(), 1);
+  EXPECT_EQ(pool.refused(), 0);
+  Open(gate);
+  ASSERT_TRUE(waiting.finished.WaitForNotificationWithTimeout(kBound));
+  EXPECT_FALSE(waiting_refused.load());
+}
+
+// On the machine's clock the refusal threads act on their own: with max_wait 0 a job that no
+// worker can take is refused at once.
+TEST(ConnectionPoolTest, OnTheRealClockAJobIsRefusedWithoutAHook) {
+  absl::Notification gate;
+  Job holder, waiting;
+  std::atomic<bool> waiting_refused = false;
+  ConnectionPoolOptions options;
+  options.max_wait = absl::ZeroDuration();
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/1, "sdm-test-pool", options);
+  absl::Cleanup open_gate = [&gate] { Open(gate); };
+  pool.enqueue(Blocking(holder, gate));
+  ASSERT_TRUE(holder.started.WaitForNotificationWithTimeout(kBound));
+  pool.enqueue(Recording(waiting, waiting_refused));
+  ASSERT_TRUE(waiting.finished.WaitForNotificationWithTimeout(kBound));
+  EXPECT_TRUE(waiting_refused.load());
+  EXPECT_FALSE(holder.finished.HasBeenNotified());
 }
 
 }  // namespace

@@ -565,19 +565,19 @@ TEST_F(OpenAiHttpTest, DisconnectCancelsBusyIs409FullQueueIs429) {
 }
 
 // Sends `GET path` on the raw connection `fd` (kept alive: HTTP/1.1) and reads the whole response,
-// headers and Content-Length bytes of body; its status, or 0 when the connection failed, closed,
-// or gave no answer within a minute.
-int KeepAliveGet(int fd, const std::string& path) {
+// headers and Content-Length bytes of body; empty when the connection failed, closed, or gave no
+// answer within a minute.
+std::string KeepAliveExchange(int fd, const std::string& path) {
   const timeval timeout{60, 0};
-  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0) return 0;
-  if (!SendAll(fd, absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))) return 0;
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0) return "";
+  if (!SendAll(fd, absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"))) return "";
   std::string response;
   size_t header_end = std::string::npos;
   size_t body_bytes = 0;
   while (header_end == std::string::npos || response.size() < header_end + body_bytes) {
     char buffer[4096];
     const ssize_t n = recv(fd, buffer, sizeof(buffer), 0);
-    if (n <= 0) return 0;
+    if (n <= 0) return "";
     response.append(buffer, n);
     if (header_end != std::string::npos) continue;
     const size_t blank = response.find("\r\n\r\n");
@@ -585,13 +585,19 @@ int KeepAliveGet(int fd, const std::string& path) {
     header_end = blank + 4;
     const std::string headers = absl::AsciiStrToLower(response.substr(0, blank));
     const size_t length = headers.find("\r\ncontent-length: ");
-    if (length == std::string::npos) return 0;
+    if (length == std::string::npos) return "";
     if (!absl::SimpleAtoi(
             headers.substr(length + 18, headers.find("\r\n", length + 2) - (length + 18)),
             &body_bytes)) {
-      return 0;
+      return "";
     }
   }
+  return response;
+}
+
+// The status of KeepAliveExchange's response, or 0 when there was none.
+int KeepAliveGet(int fd, const std::string& path) {
+  const std::string response = KeepAliveExchange(fd, path);
   int status = 0;
   if (!absl::StartsWith(response, "HTTP/1.1 ") ||
       !absl::SimpleAtoi(response.substr(9, 3), &status)) {
@@ -627,6 +633,49 @@ TEST_F(OpenAiHttpTest, IdleKeepAliveConnectionsDoNotKeepANewClientWaiting) {
   EXPECT_EQ(models.body["object"], "list");
   // The idle connections were kept open, and are served again.
   for (int fd : idle) EXPECT_EQ(KeepAliveGet(fd, "/v1/models"), 200);
+}
+
+// A connection that no thread can take (here the only one, --http_max_connections 1, is held by an
+// idle keep-alive connection) is answered 503 with Retry-After and Connection: close once it has
+// waited pool.max_wait (here 0: at once), instead of waiting unanswered until the other closes
+// (never, for a keep-alive connection kept in use). Once the thread is free, a new client is
+// served again.
+TEST_F(OpenAiHttpTest, AConnectionNoThreadTakesIsAnswered503) {
+  ServerOptions o = Options();
+  o.http.threads = 1;
+  o.http.max_connections = 1;
+  o.http.keep_alive_timeout = absl::Minutes(10);
+  o.http.pool.max_wait = absl::ZeroDuration();
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  int holder = ConnectRaw(port);
+  ASSERT_GE(holder, 0);
+  absl::Cleanup close_holder = [&holder] {
+    if (holder >= 0) close(holder);
+  };
+  ASSERT_EQ(KeepAliveGet(holder, "/v1/models"), 200);  // it holds the thread from now on
+  const int refused_fd = ConnectRaw(port);
+  ASSERT_GE(refused_fd, 0);
+  absl::Cleanup close_refused = [refused_fd] { close(refused_fd); };
+  const std::string refused = KeepAliveExchange(refused_fd, "/v1/models");
+  ASSERT_TRUE(absl::StartsWith(refused, "HTTP/1.1 503 ")) << refused;
+  const std::string head =
+      absl::AsciiStrToLower(refused.substr(0, refused.find("\r\n\r\n") + 2));  // with a CRLF
+  EXPECT_THAT(head, HasSubstr("\r\nretry-after: 1\r\n"));
+  EXPECT_THAT(head, HasSubstr("\r\nconnection: close\r\n"));
+  const Json body = Json::parse(refused.substr(refused.find("\r\n\r\n") + 4), nullptr, false);
+  EXPECT_EQ(body["error"]["type"], "service_unavailable") << refused;
+  // The holder is still served on its thread.
+  EXPECT_EQ(KeepAliveGet(holder, "/v1/models"), 200);
+  close(holder);
+  holder = -1;
+  // Its thread notices the close on its own time: until then a new client may be refused too.
+  EXPECT_TRUE(Eventually([port] {
+    httplib::Client client = TestHttpClient(port);
+    httplib::Result r = client.Get("/v1/models");
+    return r && r->status == 200;
+  }));
 }
 
 // Also for a client that accepts compressed responses, as the official SDKs do (httpx, undici:
