@@ -210,10 +210,11 @@ class OpenAiServer::Handlers {
     return Json{
         {"id", model_name_}, {"object", "model"}, {"created", created_}, {"owned_by", "sdmserve"}};
   }
-  // Runs a non-generating endpoint: authenticates, runs `body` and records its metrics.
+  // Runs a non-generating endpoint: authenticates, runs `body` and records its metrics. An error
+  // body's code is `*error_code` where `body` set it (e.g. "model_not_found"), else the status's.
   template <typename Body>
   void Unary(const httplib::Request& req, httplib::Response& res, absl::string_view method,
-             Body&& body);
+             Body&& body, const std::string* error_code = nullptr);
   void Generate(const httplib::Request& req, const std::string& body, httplib::Response& res,
                 OpenAiEndpoint endpoint);
   // Routes POSTs to `pattern` to `handler(req, body, res)`, the body read here (see Install).
@@ -233,13 +234,14 @@ class OpenAiServer::Handlers {
 
 template <typename Body>
 void OpenAiServer::Handlers::Unary(const httplib::Request& req, httplib::Response& res,
-                                   absl::string_view method, Body&& body) {
+                                   absl::string_view method, Body&& body,
+                                   const std::string* error_code) {
   const Clock::time_point start = Clock::now();
   absl::StatusOr<std::string> tenant = Tenant(req);
   absl::StatusOr<Json> out = tenant.ok() ? body(*tenant) : absl::StatusOr<Json>(tenant.status());
   service_.RecordRequest(method, out.status().code(), start);
   if (!out.ok()) {
-    SendError(res, out.status());
+    SendError(res, out.status(), error_code != nullptr ? *error_code : "");
     return;
   }
   SendJson(res, *out);
@@ -488,13 +490,18 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
     });
   });
   http.Get(R"(/v1/models/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
-    Unary(req, res, "OpenAI.GetModel", [&](absl::string_view) -> absl::StatusOr<Json> {
-      if (req.matches[1] != model_name_) {
-        return absl::NotFoundError(
-            absl::StrCat("the model '", req.matches[1].str(), "' does not exist"));
-      }
-      return ModelJson();
-    });
+    std::string error_code;
+    Unary(
+        req, res, "OpenAI.GetModel",
+        [&](absl::string_view) -> absl::StatusOr<Json> {
+          if (req.matches[1] != model_name_) {
+            error_code = "model_not_found";  // OpenAI's code, as the completions answer it
+            return absl::NotFoundError(
+                absl::StrCat("the model '", req.matches[1].str(), "' does not exist"));
+          }
+          return ModelJson();
+        },
+        &error_code);
   });
   Post(http, "/v1/completions",
        [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {

@@ -184,7 +184,11 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   const std::string model = models.body["data"][0]["id"];
   EXPECT_EQ(model, "tiny-model-no-eos");
   EXPECT_EQ(Call(port, "GET", "/v1/models/" + model, "").status, 200);
-  EXPECT_EQ(Call(port, "GET", "/v1/models/other", "").status, 404);
+  const Reply unknown = Call(port, "GET", "/v1/models/other", "");
+  EXPECT_EQ(unknown.status, 404);
+  // OpenAI's code for it, as the completions answer a request naming another model.
+  EXPECT_EQ(unknown.body["error"]["type"], "not_found_error");
+  EXPECT_EQ(unknown.body["error"]["code"], "model_not_found") << unknown.raw;
   // The web console is one static page (driven in chromium by tests/http_clients/).
   const Reply console = Call(port, "GET", "/", "");
   EXPECT_EQ(console.status, 200);
