@@ -185,6 +185,20 @@ absl::Status GetStringField(const Json& j, const char* name, std::string& out) {
   return absl::OkStatus();
 }
 
+// The session a request names: the body's field `body_id` (its "session_id"; empty: none) or the
+// X-Session-Id header, which the multi-replica router hashes on (deploy/nginx/nginx.conf), so
+// that a client behind it may name the session by the header alone. Both given must agree.
+absl::StatusOr<std::string> SessionIdOf(const httplib::Request& req, absl::string_view body_id) {
+  const std::string header = req.get_header_value("X-Session-Id");
+  if (header.empty()) return std::string(body_id);
+  if (!body_id.empty() && body_id != header) {
+    return absl::InvalidArgumentError(absl::StrCat("'session_id' ('", body_id,
+                                                   "') and the X-Session-Id header ('", header,
+                                                   "') name different sessions"));
+  }
+  return header;
+}
+
 }  // namespace
 
 class OpenAiServer::Handlers {
@@ -316,14 +330,9 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
                                                    model_name_, "' (GET /v1/models)")),
                   "model_not_found");
   }
-  const std::string header_session = req.get_header_value("X-Session-Id");
-  if (!header_session.empty()) {
-    if (!request->session_id.empty() && request->session_id != header_session) {
-      return refuse(absl::InvalidArgumentError(
-          "'session_id' and the X-Session-Id header name different sessions"));
-    }
-    request->session_id = header_session;
-  }
+  absl::StatusOr<std::string> named = SessionIdOf(req, request->session_id);
+  if (!named.ok()) return refuse(named.status());
+  request->session_id = *std::move(named);
 
   // The prompt text, rendered again with the job if the session changed before the job took it
   // (server/http/openai_prompt.h).
@@ -519,9 +528,11 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
            absl::StatusOr<Json> body = ParseObjectBody(text);
            if (!body.ok()) return body.status();
            v1::CreateSessionRequest create;
-           std::string id;
-           if (absl::Status s = GetStringField(*body, "session_id", id); !s.ok()) return s;
-           create.set_session_id(id);
+           std::string body_id;
+           if (absl::Status s = GetStringField(*body, "session_id", body_id); !s.ok()) return s;
+           absl::StatusOr<std::string> id = SessionIdOf(req, body_id);
+           if (!id.ok()) return id.status();
+           create.set_session_id(*std::move(id));
            if (absl::Status s = ParseLabels(*body, *create.mutable_labels()); !s.ok()) return s;
            bool has_ttl = false;
            google::protobuf::Duration ttl;

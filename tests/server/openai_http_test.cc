@@ -383,6 +383,50 @@ TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
   EXPECT_EQ(over_grpc.position(), second.body["session"]["position"].get<int64_t>());
 }
 
+// Behind the multi-replica router a client names its session by the X-Session-Id header (nginx
+// hashes it, never the body): the creation too, with the header alone or with the same id in the
+// body; the two naming different sessions are refused, as the completions refuse it.
+TEST_F(OpenAiHttpTest, TheSessionHeaderNamesTheSessionItCreates) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+
+  const Reply by_header = Call(port, "POST", "/v1/sessions", "", "", {{"X-Session-Id", "by-hdr"}});
+  ASSERT_EQ(by_header.status, 200) << by_header.raw;
+  EXPECT_EQ(by_header.body["id"], "by-hdr");
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/by-hdr", "").status, 200);
+  const Reply with_body = Call(port, "POST", "/v1/sessions", Json{{"labels", {{"a", "b"}}}}.dump(),
+                               "", {{"X-Session-Id", "hdr-body"}});
+  ASSERT_EQ(with_body.status, 200) << with_body.raw;
+  EXPECT_EQ(with_body.body["id"], "hdr-body");
+  EXPECT_EQ(with_body.body["labels"]["a"], "b");
+  const Reply same = Call(port, "POST", "/v1/sessions", Json{{"session_id", "both"}}.dump(), "",
+                          {{"X-Session-Id", "both"}});
+  ASSERT_EQ(same.status, 200) << same.raw;
+  EXPECT_EQ(same.body["id"], "both");
+  // The header names an existing session: its creation is a conflict, as with the body's id.
+  EXPECT_EQ(Call(port, "POST", "/v1/sessions", "", "", {{"X-Session-Id", "by-hdr"}}).status, 409);
+
+  for (const std::string path : {"/v1/sessions", "/v1/chat/completions"}) {
+    Json body = {{"session_id", "body-id"}};
+    if (path != "/v1/sessions") body["messages"] = {{{"role", "user"}, {"content", "x"}}};
+    const Reply mismatch =
+        Call(port, "POST", path, body.dump(), "", {{"X-Session-Id", "header-id"}});
+    EXPECT_EQ(mismatch.status, 400) << path << ": " << mismatch.raw;
+    EXPECT_EQ(mismatch.body["error"]["type"], "invalid_request_error") << path;
+    EXPECT_EQ(mismatch.body["error"]["message"],
+              "'session_id' ('body-id') and the X-Session-Id header ('header-id') name different "
+              "sessions")
+        << path;
+  }
+  // Neither was created.
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/body-id", "").status, 404);
+  EXPECT_EQ(Call(port, "GET", "/v1/sessions/header-id", "").status, 404);
+  const Reply listed = Call(port, "GET", "/v1/sessions", "");
+  ASSERT_EQ(listed.status, 200);
+  EXPECT_EQ(listed.body["data"].size(), 3u) << listed.raw;
+}
+
 TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   ServerOptions o = Options();
   o.http.max_body_bytes = 64 << 10;
