@@ -502,7 +502,8 @@ int main(int argc, char** argv) {
     metrics =
         absl::StrCat("http://", options.metrics_host, ":", (*server)->metrics_port(), "/metrics");
   }
-  absl::PrintF("listening on %s (metrics: %s)\n", (*server)->address(), metrics);
+  // The address as bound (0.0.0.0 for every interface), not the loopback one clients would use.
+  absl::PrintF("listening on %s (metrics: %s)\n", (*server)->listen_address(), metrics);
   if ((*server)->http_port() > 0) {
     absl::PrintF("OpenAI-compatible HTTP API on http://%s:%d/v1 (web console: http://%s:%d/)\n",
                  options.http.host, (*server)->http_port(), options.http.host,

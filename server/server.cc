@@ -495,6 +495,8 @@ std::string SdmServer::address() const {
   return HostPort(host, impl_->port);
 }
 
+std::string SdmServer::listen_address() const { return HostPort(impl_->options.host, impl_->port); }
+
 absl::Status SdmServer::Shutdown() { return impl_->Shutdown(); }
 
 }  // namespace sdm

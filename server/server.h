@@ -116,8 +116,12 @@ class SdmServer {
   int metrics_port() const;
   // The port of the OpenAI-compatible HTTP API (0 when there is none).
   int http_port() const;
-  // "host:port" of the gRPC port, for clients ("[::1]:port" for IPv6 hosts).
+  // "host:port" of the gRPC port, for clients to connect to ("[::1]:port" for IPv6 hosts): a
+  // wildcard --host (0.0.0.0, ::) is named by its loopback address (127.0.0.1, ::1).
   std::string address() const;
+  // "host:port" the gRPC port is bound to, --host as given ("0.0.0.0:port", "[::]:port"), for
+  // operators (sdm-server's "listening on" line).
+  std::string listen_address() const;
 
   // Graceful shutdown (see above). Returns the outcome of persisting the sessions (OK without a
   // state directory).

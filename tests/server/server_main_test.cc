@@ -211,6 +211,56 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
   EXPECT_TRUE(saved);
 }
 
+// The start-up lines name the address the ports are bound to (docs/api.md, "Running the server"):
+// every interface is 0.0.0.0, not the loopback address a client on the machine connects to.
+TEST_F(ServerMainTest, TheStartUpLinesNameTheBoundAddress) {
+  int out[2];
+  ASSERT_EQ(::pipe(out), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  std::vector<std::string> args = {kServer,
+                                   absl::StrCat("--model=", TinyModelDir().string()),
+                                   "--host=0.0.0.0",
+                                   "--port=0",
+                                   "--metrics_port=-1",
+                                   "--http_host=0.0.0.0",
+                                   "--http_port=0",
+                                   "--threads=1",
+                                   "--state_dir=",
+                                   "--shutdown_grace=1s"};
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+
+  const std::string line = ReadLine(out[0], std::chrono::seconds(30));
+  const std::string http_line = ReadLine(out[0], std::chrono::seconds(5));
+  EXPECT_TRUE(line.starts_with("listening on 0.0.0.0:")) << line;
+  EXPECT_TRUE(http_line.starts_with("OpenAI-compatible HTTP API on http://0.0.0.0:")) << http_line;
+  // The port is the one to connect to (here on loopback).
+  const size_t colon = line.find(':');
+  const std::string port =
+      colon == std::string::npos ? "" : line.substr(colon + 1, line.find(' ', colon) - colon - 1);
+  auto stub = v1::SdmService::NewStub(
+      grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  v1::ModelInfo info;
+  EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok()) << "port " << port;
+
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  int raw = 0;
+  ASSERT_EQ(::waitpid(pid, &raw, 0), pid);
+  ::close(out[0]);
+  ASSERT_TRUE(WIFEXITED(raw));
+  EXPECT_EQ(WEXITSTATUS(raw), 0);
+}
+
 TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   const std::filesystem::path err = dir_.path() / "stderr.txt";
   int out[2];
