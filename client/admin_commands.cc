@@ -170,7 +170,7 @@ int SessionsList(absl::Span<const std::string> args, const ClientIo& io) {
     command.Prepare(context);
     sdm::v1::ListSessionsResponse page;
     if (grpc::Status s = command.stub().ListSessions(&context, request, &page); !s.ok()) {
-      return command.Failure(s);
+      return command.Failure(s, context);
     }
     for (sdm::v1::Session& session : *page.mutable_sessions()) {
       *all.add_sessions() = std::move(session);
@@ -200,7 +200,7 @@ int SessionsGet(absl::Span<const std::string> args, const ClientIo& io) {
   request.set_session_id(command.positional()[0]);
   sdm::v1::Session session;
   if (grpc::Status s = command.stub().GetSession(&context, request, &session); !s.ok()) {
-    return command.Failure(s);
+    return command.Failure(s, context);
   }
   if (json) {
     *io.out << ToJson(session);
@@ -260,7 +260,7 @@ int SessionsCreateOrFork(absl::Span<const std::string> args, const ClientIo& io,
     *request.mutable_labels() = label_map;
     status = command.stub().CreateSession(&context, request, &session);
   }
-  if (!status.ok()) return command.Failure(status);
+  if (!status.ok()) return command.Failure(status, context);
   if (json) {
     *io.out << ToJson(session);
   } else {
@@ -283,7 +283,7 @@ int SessionsDelete(absl::Span<const std::string> args, const ClientIo& io) {
     request.set_session_id(id);
     sdm::v1::DeleteSessionResponse response;
     if (grpc::Status s = command.stub().DeleteSession(&context, request, &response); !s.ok()) {
-      return command.Failure(s);
+      return command.Failure(s, context);
     }
     *io.out << "deleted " << id << "\n";
   }
@@ -336,7 +336,7 @@ int RunTokenize(absl::Span<const std::string> args, const ClientIo& io) {
   request.set_add_bos(add_bos);
   sdm::v1::TokenizeResponse response;
   if (grpc::Status s = command.stub().Tokenize(&context, request, &response); !s.ok()) {
-    return command.Failure(s);
+    return command.Failure(s, context);
   }
   if (json) {
     *io.out << ToJson(response);
@@ -361,7 +361,7 @@ int RunDetokenize(absl::Span<const std::string> args, const ClientIo& io) {
   request.mutable_token_ids()->Add(ids->begin(), ids->end());
   sdm::v1::DetokenizeResponse response;
   if (grpc::Status s = command.stub().Detokenize(&context, request, &response); !s.ok()) {
-    return command.Failure(s);
+    return command.Failure(s, context);
   }
   *io.out << response.text();
   if (io.out_is_terminal) *io.out << "\n";
@@ -384,7 +384,7 @@ int RunInfo(absl::Span<const std::string> args, const ClientIo& io) {
   sdm::v1::ModelInfo info;
   if (grpc::Status s = command.stub().GetModelInfo(&context, sdm::v1::GetModelInfoRequest(), &info);
       !s.ok()) {
-    return command.Failure(s);
+    return command.Failure(s, context);
   }
   if (json) {
     *io.out << ToJson(info);

@@ -45,9 +45,25 @@ int Command::UsageError(absl::string_view message) const {
   return kExitUsage;
 }
 
-int Command::Failure(const grpc::Status& status) const {
+void Command::ReportFailure(const grpc::Status& status, absl::string_view retry_after_ms) const {
   *io_.err << "sdm-client: " << FormatStatus(status) << "\n";
+  if (!retry_after_ms.empty()) *io_.err << "sdm-client: retry after " << retry_after_ms << " ms\n";
+}
+
+int Command::Failure(const grpc::Status& status, absl::string_view retry_after_ms) const {
+  ReportFailure(status, retry_after_ms);
   return kExitFailure;
+}
+
+int Command::Failure(const grpc::Status& status, const grpc::ClientContext& context) const {
+  return Failure(status, RetryAfterMs(context));
+}
+
+std::string RetryAfterMs(const grpc::ClientContext& context) {
+  const auto& trailers = context.GetServerTrailingMetadata();
+  const auto hint = trailers.find("grpc-retry-pushback-ms");
+  if (hint == trailers.end()) return "";
+  return std::string(hint->second.data(), hint->second.size());
 }
 
 void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {

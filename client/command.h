@@ -49,8 +49,14 @@ class Command {
 
   // Prints "sdm-client NAME: MESSAGE (sdm-client NAME --help)" to stderr; returns 2.
   int UsageError(absl::string_view message) const;
-  // Prints "sdm-client: CODE: message" to stderr; returns 1.
-  int Failure(const grpc::Status& status) const;
+  // Prints a failed call to stderr: "sdm-client: CODE: message", then "sdm-client: retry after N
+  // ms" when the server's answer carried a retry hint (`retry_after_ms`, RetryAfterMs(); empty:
+  // none). Every command reports its failed calls through here or Failure().
+  void ReportFailure(const grpc::Status& status, absl::string_view retry_after_ms) const;
+  // ReportFailure(); returns 1.
+  int Failure(const grpc::Status& status, absl::string_view retry_after_ms) const;
+  // The same for a unary call, its hint read from its finished `context`.
+  int Failure(const grpc::Status& status, const grpc::ClientContext& context) const;
 
  private:
   const ClientIo& io_;
@@ -63,6 +69,10 @@ class Command {
   std::vector<std::string> positional_;
   std::unique_ptr<sdm::v1::SdmService::Stub> stub_;
 };
+
+// The server's retry hint in a finished call's trailing metadata (grpc-retry-pushback-ms, in
+// milliseconds: server/grpc_status.h); empty: none.
+std::string RetryAfterMs(const grpc::ClientContext& context);
 
 // The sampling flags shared by generate and chat: --max_tokens, --temperature, --top_k, --top_p,
 // --seed, --stop (repeatable), --stop_ids (comma-separated), --add_bos / --noadd_bos.

@@ -61,10 +61,7 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
   }
   outcome.status = reader->Finish();
   outcome.seconds = SecondsBetween(start, Clock::now());
-  const auto& trailers = context.GetServerTrailingMetadata();
-  if (auto hint = trailers.find("grpc-retry-pushback-ms"); hint != trailers.end()) {
-    outcome.retry_after_ms = std::string(hint->second.data(), hint->second.size());
-  }
+  outcome.retry_after_ms = RetryAfterMs(context);
   return outcome;
 }
 
@@ -90,14 +87,17 @@ bool TurnErrorIsRecoverable(grpc::StatusCode code) {
          code == grpc::StatusCode::DEADLINE_EXCEEDED || code == grpc::StatusCode::CANCELLED;
 }
 
-// GetSession of `id` (routed by it).
-grpc::Status ReadSession(Command& command, const std::string& id, sdm::v1::Session* out) {
+// GetSession of `id` (routed by it); a failure's retry hint in `*retry_after_ms` when not null.
+grpc::Status ReadSession(Command& command, const std::string& id, sdm::v1::Session* out,
+                         std::string* retry_after_ms = nullptr) {
   grpc::ClientContext context;
   command.Prepare(context);
   AddSessionRouting(id, context);
   sdm::v1::GetSessionRequest request;
   request.set_session_id(id);
-  return command.stub().GetSession(&context, request, out);
+  const grpc::Status status = command.stub().GetSession(&context, request, out);
+  if (retry_after_ms != nullptr) *retry_after_ms = RetryAfterMs(context);
+  return status;
 }
 
 }  // namespace
@@ -145,12 +145,7 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   if (!json && io.out_is_terminal && !outcome.text.empty() && outcome.text.back() != '\n') {
     *io.out << "\n" << std::flush;
   }
-  if (!outcome.status.ok()) {
-    if (!outcome.retry_after_ms.empty()) {
-      *io.err << "sdm-client: retry after " << outcome.retry_after_ms << " ms\n";
-    }
-    return command.Failure(outcome.status);
-  }
+  if (!outcome.status.ok()) return command.Failure(outcome.status, outcome.retry_after_ms);
   if (json) {
     nlohmann::json j;
     j["session_id"] = session;
@@ -210,7 +205,7 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
       status = command.stub().GetSession(&context, request, &session);
     }
     if (!status.ok()) {
-      const int exit = command.Failure(status);
+      const int exit = command.Failure(status, context);
       if (status.error_code() == grpc::StatusCode::NOT_FOUND && !create) {
         *io.err << "(start a new conversation with --create)\n";
       }
@@ -237,8 +232,9 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
     }
     if (trimmed == "/session") {
       sdm::v1::Session now;
-      if (grpc::Status s = ReadSession(command, session.id(), &now); !s.ok()) {
-        *io.err << "sdm-client: " << FormatStatus(s) << "\n";
+      std::string retry_after_ms;
+      if (grpc::Status s = ReadSession(command, session.id(), &now, &retry_after_ms); !s.ok()) {
+        command.ReportFailure(s, retry_after_ms);
         failed = true;
         continue;
       }
@@ -255,7 +251,7 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
     if (!outcome.text.empty() && outcome.text.back() != '\n') *io.out << "\n";
     *io.out << std::flush;
     if (!outcome.status.ok()) {
-      *io.err << "sdm-client: " << FormatStatus(outcome.status) << "\n";
+      command.ReportFailure(outcome.status, outcome.retry_after_ms);
       failed = true;
       // A turn that failed part-way (a deadline, a cancellation) may have left tokens in the
       // session (its state is not rolled back): its position is read again before it is shown.

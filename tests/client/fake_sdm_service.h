@@ -46,10 +46,13 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     absl::MutexLock lock(&mu_);
     chunk_delay_ = d;
   }
-  // The next `times` calls of `method` ("Generate", "GetSession", ...) fail with `status`.
-  void FailNext(const std::string& method, grpc::Status status, int times = 1) {
+  // The next `times` calls of `method` ("Generate", "GetSession", ...) fail with `status`, with
+  // the retry hint `retry_after_ms` in their trailing metadata (grpc-retry-pushback-ms) unless
+  // empty, as the server sends it (server/grpc_status.h).
+  void FailNext(const std::string& method, grpc::Status status, int times = 1,
+                std::string retry_after_ms = "") {
     absl::MutexLock lock(&mu_);
-    failures_[method] = {status, times};
+    failures_[method] = {status, times, std::move(retry_after_ms)};
   }
 
   std::vector<Call> calls() const {
@@ -277,9 +280,12 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     }
     calls_.push_back({method, session, authorization, routing_session});
     auto it = failures_.find(method);
-    if (it == failures_.end() || it->second.second <= 0) return std::nullopt;
-    --it->second.second;
-    return it->second.first;
+    if (it == failures_.end() || it->second.times <= 0) return std::nullopt;
+    --it->second.times;
+    if (!it->second.retry_after_ms.empty()) {
+      context->AddTrailingMetadata("grpc-retry-pushback-ms", it->second.retry_after_ms);
+    }
+    return it->second.status;
   }
 
   static grpc::Status NotFound(const std::string& id) {
@@ -290,7 +296,12 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
   std::vector<Call> calls_ ABSL_GUARDED_BY(mu_);
   std::vector<sdm::v1::GenerateRequest> generate_requests_ ABSL_GUARDED_BY(mu_);
   std::map<std::string, sdm::v1::Session> sessions_ ABSL_GUARDED_BY(mu_);
-  std::map<std::string, std::pair<grpc::Status, int>> failures_ ABSL_GUARDED_BY(mu_);
+  struct Failure {
+    grpc::Status status;
+    int times = 0;
+    std::string retry_after_ms;
+  };
+  std::map<std::string, Failure> failures_ ABSL_GUARDED_BY(mu_);
   int tokens_per_chunk_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Duration chunk_delay_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;

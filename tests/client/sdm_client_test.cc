@@ -211,6 +211,46 @@ TEST_F(SdmClientTest, FailedCallsPrintTheCodeAndExitWithOne) {
   EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
 }
 
+// The server's retry hint (grpc-retry-pushback-ms: an overloaded or draining server, a session
+// being handed over by another replica) is printed for every command's failed call, not only
+// generate's (docs/replicas.md, "Handoff").
+TEST_F(SdmClientTest, EveryCommandPrintsTheServersRetryHint) {
+  const grpc::Status unavailable(grpc::StatusCode::UNAVAILABLE, "handing over");
+  ASSERT_EQ(Run("sessions create", {"s"}).exit, kExitOk);
+  const struct {
+    std::string method;
+    std::string command;
+    std::vector<std::string> args;
+    std::string in;
+  } cases[] = {
+      {"Generate", "generate", {"--prompt", "a", "--session", "s"}, ""},
+      {"Generate", "chat", {"--session", "s"}, "hi\n"},
+      {"GetSession", "chat", {"--session", "s"}, ""},
+      {"CreateSession", "chat", {"--session", "t", "--create"}, ""},
+      {"GetSession", "sessions get", {"s"}, ""},
+      {"ListSessions", "sessions list", {}, ""},
+      {"CreateSession", "sessions create", {"u"}, ""},
+      {"ForkSession", "sessions fork", {"s", "v"}, ""},
+      {"DeleteSession", "sessions delete", {"s"}, ""},
+      {"Tokenize", "tokenize", {"a"}, ""},
+      {"Detokenize", "detokenize", {"1"}, ""},
+      {"GetModelInfo", "info", {}, ""},
+  };
+  for (const auto& c : cases) {
+    server_.service().FailNext(c.method, unavailable, 1, "1500");
+    const RunResult r = Run(c.command, c.args, c.in);
+    EXPECT_EQ(r.exit, kExitFailure) << c.command;
+    EXPECT_THAT(r.err, HasSubstr("sdm-client: UNAVAILABLE: handing over\n"
+                                 "sdm-client: retry after 1500 ms\n"))
+        << c.command << " (" << c.method << "): " << r.err;
+  }
+  // Without a hint, none is printed.
+  server_.service().FailNext("GetSession", unavailable);
+  const RunResult r = Run("sessions get", {"s"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, Not(HasSubstr("retry after"))) << r.err;
+}
+
 TEST(SdmClientErrorsTest, AnUnreachableServerIsUnavailable) {
   std::string address;
   {
