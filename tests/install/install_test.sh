@@ -12,7 +12,10 @@ trap 'rm -rf "$prefix"' EXIT
 
 cmake --install "$BUILD_DIR" --prefix "$prefix" >/dev/null
 bin="$prefix/bin"
-for f in sdm-server sdm-cli sdm-model sdm-bench libsdm_sentencepiece_shim.so; do
+installed=(sdm-server sdm-cli sdm-model libsdm_sentencepiece_shim.so)
+# sdm-bench only where it is built (-DSDM_BENCH=ON, the default).
+grep -q '^SDM_BENCH:BOOL=OFF' "$BUILD_DIR/CMakeCache.txt" || installed+=(sdm-bench)
+for f in "${installed[@]}"; do
   [ -e "$bin/$f" ] || { echo "FAIL: $bin/$f not installed"; exit 1; }
 done
 "$bin/sdm-server" --help >"$prefix/help.txt" 2>&1 || true  # absl's --help exits 1
