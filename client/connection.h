@@ -76,7 +76,7 @@ void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& conte
 
 // The gRPC metadata key naming the session a call is about, so that a proxy in front of several
 // replicas can route every call of one session to the same replica by consistent hash
-// (deploy/nginx/sdm-grpc.conf, docs/replicas.md). The server does not need it.
+// (deploy/nginx/nginx.conf, docs/replicas.md). The server does not need it.
 inline constexpr char kSessionRoutingKey[] = "x-session-id";
 // Adds `x-session-id: session_id` to the call's metadata; nothing for an empty id (a one-shot
 // request, or a session whose id the server picks), which a proxy spreads freely, nor for one

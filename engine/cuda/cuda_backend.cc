@@ -1,6 +1,7 @@
-// The CUDA backend (design brief §7): the forward pass of engine/cpu_backend.cc with bf16 weights
-// and state on the device, fp32 activations and accumulation, cuBLASLt for every dense layer and
-// kernels/cuda/ for the rest. Sessions become device-resident on their first step
+// The CUDA backend (docs/architecture.md, "CUDA backend"; docs/model-spec.md, "6. Numerics and
+// backends"): the forward pass of engine/cpu_backend.cc with bf16 weights and state on the
+// device, fp32 activations and accumulation, cuBLASLt for every dense layer and kernels/cuda/ for
+// the rest. Sessions become device-resident on their first step
 // (engine/cuda/device_state.h) and stay so until the state store parks them.
 //
 // A step: (1) upload sessions that are not resident (from the image StageResume converted ahead
