@@ -213,7 +213,9 @@ ABSL_FLAG(std::string, tenant_limits, "",
           "JSON file of per-tenant limits on sessions and state bytes (docs/api.md); empty: the "
           "default limits (docs/api.md: a cap on each tenant's state bytes, not on sessions).");
 ABSL_FLAG(std::string, tls_cert, "",
-          "PEM certificate chain for TLS on the gRPC port (with --tls_key); empty: plaintext.");
+          "PEM certificate chain for TLS on the gRPC port (with --tls_key); empty: plaintext. "
+          "The HTTP API (--http_port) and metrics ports are always plaintext: with API keys, "
+          "keep them on a trusted network or behind a TLS-terminating proxy (docs/api.md).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(absl::Duration, shutdown_grace, sdm::ServerOptions{}.shutdown_grace,
           "On SIGINT/SIGTERM, how long requests in flight may finish before they are cancelled "
