@@ -20,6 +20,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -86,10 +88,27 @@ ABSL_FLAG(bool, shared_state_dir, sdm::ServerOptions{}.store.shared_dir,
           "session this one does not hold is looked up there, and one another replica wrote "
           "since is re-read from there. docs/replicas.md.");
 ABSL_FLAG(std::string, etcd, "",
-          "Replicas: etcd's client URL (http://host:port). Each session is owned by one replica "
-          "at a time (a key bound to this replica's lease) and snapshot writes are fenced by it. "
-          "Needs --shared_state_dir. Empty: no ownership, the server runs alone. "
-          "docs/replicas.md.");
+          "Replicas: etcd's client URLs, comma-separated like etcdctl's --endpoints "
+          "(http://host:port or https://host:port, e.g. "
+          "https://etcd-0:2379,https://etcd-1:2379,https://etcd-2:2379): a request one member "
+          "cannot answer goes to the next. Each session is owned by one replica at a time (a key "
+          "bound to this replica's lease) and snapshot writes are fenced by it. Needs "
+          "--shared_state_dir. Empty: no ownership, the server runs alone. docs/replicas.md.");
+ABSL_FLAG(std::string, etcd_user, "",
+          "With --etcd: the etcd user to authenticate as (empty: no authentication). The "
+          "password comes from --etcd_password_file or the environment variable "
+          "SDM_ETCD_PASSWORD, never from the command line.");
+ABSL_FLAG(std::string, etcd_password_file, "",
+          "With --etcd_user: a file holding the etcd password (one trailing newline is dropped); "
+          "else the environment variable SDM_ETCD_PASSWORD.");
+ABSL_FLAG(std::string, etcd_ca_file, "",
+          "With https:// etcd endpoints: the PEM CA bundle that signs etcd's certificate "
+          "(empty: the system's CAs).");
+ABSL_FLAG(std::string, etcd_cert_file, "",
+          "With https:// etcd endpoints: a PEM client certificate (etcd's --client-cert-auth); "
+          "needs --etcd_key_file.");
+ABSL_FLAG(std::string, etcd_key_file, "",
+          "With --etcd_cert_file: the client certificate's PEM private key.");
 ABSL_FLAG(std::string, replica_id, "",
           "With --etcd: this replica's unique name (empty: the host name).");
 ABSL_FLAG(std::string, etcd_prefix, sdm::EtcdOwnershipOptions{}.key_prefix,
@@ -343,14 +362,59 @@ int main(int argc, char** argv) {
   if (options.store.shared_dir && options.store.dir.empty()) {
     return UsageError("--shared_state_dir needs --state_dir");
   }
-  options.etcd.endpoint = absl::GetFlag(FLAGS_etcd);
+  if (const std::string etcd = absl::GetFlag(FLAGS_etcd); !etcd.empty()) {
+    absl::StatusOr<std::vector<std::string>> endpoints = sdm::ParseEtcdEndpoints(etcd);
+    if (!endpoints.ok()) return UsageError(absl::StrCat("--etcd: ", endpoints.status().message()));
+    options.etcd.endpoints = *std::move(endpoints);
+  }
+  options.etcd.username = absl::GetFlag(FLAGS_etcd_user);
+  if (const std::string file = absl::GetFlag(FLAGS_etcd_password_file); !file.empty()) {
+    if (options.etcd.username.empty()) return UsageError("--etcd_password_file needs --etcd_user");
+    std::ifstream in(file, std::ios::binary);
+    std::string password((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in.good() && !in.eof()) {
+      return UsageError(absl::StrCat("--etcd_password_file: cannot read '", file, "'"));
+    }
+    if (absl::EndsWith(password, "\r\n"))
+      password.resize(password.size() - 2);
+    else if (absl::EndsWith(password, "\n"))
+      password.pop_back();
+    if (password.empty()) {
+      return UsageError(absl::StrCat("--etcd_password_file: '", file, "' is empty or unreadable"));
+    }
+    options.etcd.password = std::move(password);
+  } else if (const char* env = std::getenv("SDM_ETCD_PASSWORD");
+             env != nullptr && !options.etcd.username.empty()) {
+    options.etcd.password = env;
+  }
+  if (!options.etcd.username.empty() && options.etcd.password.empty()) {
+    return UsageError("--etcd_user needs --etcd_password_file or SDM_ETCD_PASSWORD");
+  }
+  options.etcd.ca_file = absl::GetFlag(FLAGS_etcd_ca_file);
+  options.etcd.cert_file = absl::GetFlag(FLAGS_etcd_cert_file);
+  options.etcd.key_file = absl::GetFlag(FLAGS_etcd_key_file);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
   options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
   options.etcd.key_prefix = absl::GetFlag(FLAGS_etcd_prefix);
   options.etcd.testing_keep_stale_claims = absl::GetFlag(FLAGS_testing_etcd_keep_stale_claims);
   if (options.etcd.lease_ttl < absl::Seconds(2)) return UsageError("--etcd_lease_ttl: at least 2s");
-  if (!options.etcd.endpoint.empty()) {
+  if (options.etcd.endpoints.empty() &&
+      (!options.etcd.username.empty() || !options.etcd.ca_file.empty() ||
+       !options.etcd.cert_file.empty() || !options.etcd.key_file.empty())) {
+    return UsageError("--etcd_user and --etcd_*_file need --etcd");
+  }
+  if (!options.etcd.endpoints.empty()) {
     if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");
+    sdm::EtcdClientOptions client;
+    client.endpoints = options.etcd.endpoints;
+    client.username = options.etcd.username;
+    client.password = options.etcd.password;
+    client.ca_file = options.etcd.ca_file;
+    client.cert_file = options.etcd.cert_file;
+    client.key_file = options.etcd.key_file;
+    if (absl::Status s = sdm::ValidateEtcdClientOptions(client); !s.ok()) {
+      return UsageError(absl::StrCat("--etcd: ", s.message()));
+    }
     if (absl::Status s = sdm::ValidateEtcdKeyPrefix(options.etcd.key_prefix); !s.ok()) {
       return UsageError(absl::StrCat("--etcd_prefix: ", s.message()));
     }

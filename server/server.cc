@@ -240,11 +240,14 @@ absl::Status SdmServer::Impl::Init() {
   // Snapshots written before keys were typed name their key only in the service's metadata.
   store_options.legacy_key = SessionKeyOfMetadata;
   store_options.on_persist_health = [this](const absl::Status& health) { OnPersistHealth(health); };
-  if (!options.etcd.endpoint.empty()) {
+  if (!options.etcd.endpoints.empty()) {
     SDM_ASSIGN_OR_RETURN(ownership, EtcdOwnership::Start(options.etcd));
     store_options.ownership = ownership.get();
     SDM_LOG(INFO) << "sdm-server: replica '" << options.etcd.replica_id << "', etcd "
-                  << options.etcd.endpoint << ", lease " << ownership->lease_id();
+                  << ownership->endpoints()
+                  << (options.etcd.username.empty() ? ""
+                                                    : " as user '" + options.etcd.username + "'")
+                  << ", lease " << ownership->lease_id();
   }
   // On a device, sessions live in its fixed state arenas: a larger device budget would let steps
   // fail for want of device memory instead of copying idle sessions back to the host.

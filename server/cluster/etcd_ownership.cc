@@ -11,7 +11,6 @@
 #include "absl/strings/str_cat.h"
 #include "base/log.h"
 #include "base/thread_name.h"
-#include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "server/grpc_status.h"
 #include "state_store/session_key.h"
@@ -72,7 +71,19 @@ absl::StatusOr<std::unique_ptr<EtcdOwnership>> EtcdOwnership::Start(
     const EtcdOwnershipOptions& options) {
   if (options.replica_id.empty()) return absl::InvalidArgumentError("the replica id is empty");
   if (absl::Status s = ValidateEtcdKeyPrefix(options.key_prefix); !s.ok()) return s;
+  EtcdClientOptions client;
+  client.endpoints = options.endpoints;
+  client.request_timeout = options.request_timeout;
+  client.username = options.username;
+  client.password = options.password;
+  client.ca_file = options.ca_file;
+  client.cert_file = options.cert_file;
+  client.key_file = options.key_file;
+  client.testing_request_fault = options.testing_request_fault;
+  auto etcd = EtcdClient::Create(std::move(client));
+  if (!etcd.ok()) return etcd.status();
   auto self = std::make_unique<EtcdOwnership>(PassKey{}, options);
+  self->etcd_ = *std::move(etcd);
   if (absl::Status s = self->Grant(); !s.ok()) return s;
   self->keepalive_ = std::thread([p = self.get()] { p->KeepAliveLoop(); });
   self->handoff_ = std::thread([p = self.get()] { p->HandoffLoop(); });
@@ -202,29 +213,14 @@ class EtcdOwnership::BusyKey {
   const std::string name_;
 };
 
-absl::StatusOr<std::string> EtcdOwnership::Post(const std::string& path,
-                                                const std::string& body) const {
-  using Fault = EtcdOwnershipOptions::RequestFault;
-  const Fault fault =
-      options_.testing_request_fault ? options_.testing_request_fault(path, body) : Fault::kNone;
-  if (fault == Fault::kDropped) return absl::UnavailableError("injected: request dropped");
-  httplib::Client client(options_.endpoint);
-  const auto timeout = absl::ToChronoMicroseconds(options_.request_timeout);
-  client.set_connection_timeout(timeout);
-  client.set_read_timeout(timeout);
-  client.set_write_timeout(timeout);
-  httplib::Result r = client.Post(path, body, "application/json");
-  if (!r) {
-    return absl::UnavailableError(absl::StrCat("etcd at ", options_.endpoint, " unreachable (",
-                                               httplib::to_string(r.error()), ")"));
-  }
-  if (r->status != 200) {
-    return absl::UnavailableError(
-        absl::StrCat("etcd ", path, " answered ", r->status, ": ", r->body.substr(0, 200)));
-  }
-  if (fault == Fault::kAnswerLost) return absl::UnavailableError("injected: answer lost");
-  return r->body;
+absl::StatusOr<std::string> EtcdOwnership::Post(const std::string& path, const std::string& body,
+                                                bool* unanswered) const {
+  return etcd_->Post(path, body, unanswered);
 }
+
+std::string EtcdOwnership::endpoints() const { return etcd_->Describe(); }
+
+int64_t EtcdOwnership::authentications() const { return etcd_->authentications(); }
 
 absl::Status EtcdOwnership::Grant() {
   auto body =
@@ -529,7 +525,8 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, int64_t claim,
                     {"failure", json::array({{{"request_range", {{"key", k}}}},
                                              {{"request_range", {{"key", snapshot}}}}})}};
   const std::string wanted = put.value_or("");
-  auto body = Post("/v3/kv/txn", txn.dump());
+  bool unanswered = false;  // an attempt on an endpoint that did not answer may have applied it
+  auto body = Post("/v3/kv/txn", txn.dump(), &unanswered);
   if (!body.ok()) {
     // Unknown whether etcd applied it: look (the same answer twice is settled).
     absl::StatusOr<std::string> now = Observe(key);
@@ -555,6 +552,13 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, int64_t claim,
       still_ours = Int(kvs[0], "mod_revision") == revision;
     }
     committed = RangeValue(responses[1]);
+  }
+  if (unanswered && still_ours && committed == wanted && wanted != base) {
+    // Refused because an earlier copy of this request, sent to an endpoint that did not answer,
+    // was applied: the name is this request's (names are never reused), under this claim.
+    absl::MutexLock lock(&mu_);
+    committed_[name] = wanted;
+    return absl::OkStatus();
   }
   {
     absl::MutexLock lock(&mu_);

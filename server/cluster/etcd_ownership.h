@@ -1,6 +1,7 @@
 // EtcdOwnership: SessionOwnership (state_store/session_ownership.h) kept in etcd, spoken through
 // etcd v3's JSON gateway (/v3/lease/grant, /v3/lease/keepalive, /v3/lease/revoke, /v3/kv/txn)
-// with cpp-httplib; no etcd client library. docs/replicas.md.
+// by EtcdClient (etcd_client.h: several endpoints, reused connections, authentication, TLS);
+// no etcd client library. docs/replicas.md.
 //
 // The replica holds one lease (granted at Start(), TTL `lease_ttl`, renewed by a keepalive
 // thread every TTL/3, revoked at destruction: a drained replica releases everything at once; a
@@ -36,6 +37,30 @@
 // a release and that look-up of one key never overlap (busy_keys_): a claim that found the key
 // its own while a release of it was in flight would count a session etcd no longer gives it.
 //
+// Several endpoints (EtcdClient): a request that an endpoint does not answer (refused connection,
+// timeout) goes to the next one, and may then reach etcd twice: its first copy may have been
+// applied with its answer lost. Every request this class sends is safe to send twice:
+// - lease grant: a lease granted to the lost copy is renewed by no one and binds no key; it
+//   expires after the TTL. Keepalive, revoke (the second finds no lease: an error, ignored),
+//   every range, and VerifyClaim's transaction (a compare without writes) change nothing twice.
+// - the claim's transaction (create the key if absent, else read it): after the first copy
+//   created the key, the second's compare fails and its failure branch reads the key as this
+//   replica's under this lease, which TryClaim takes as the claim, with the revision the first
+//   copy created (what it does for a key it already owns).
+// - release and the unsure-key delete (SettleUnsure): delete only if the key's mod revision is
+//   still the claim's; the second copy finds the key gone (or a new claim's) and does nothing.
+// - commit and delete of the committed snapshot name (FencedUpdate): the second copy compares
+//   the base name, which the first replaced by a new, never reused name; its refusal shows that
+//   new name committed under this replica's still current claim, which FencedUpdate takes as
+//   success when an attempt went unanswered (as it already took its look-up after a lost
+//   answer). A second copy of a delete whose first applied is refused the same way.
+// - the handoff request's put (the same value and lease) and delete: the same result twice.
+// - authentication (etcd_client.h): a second token; the last one is used.
+// A copy that etcd applies only after its retry was answered (held past the request timeout
+// inside a partitioned member) is the hazard a lost answer already had with one endpoint: a claim
+// that creates the key after this replica released it leaves a key it does not count as its own
+// until the lease ends (or the unsure-key look-up finds it, if that runs later).
+//
 // Thread-safety: thread-safe.
 #ifndef SDMSERVE_SERVER_CLUSTER_ETCD_OWNERSHIP_H_
 #define SDMSERVE_SERVER_CLUSTER_ETCD_OWNERSHIP_H_
@@ -48,25 +73,39 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "server/cluster/etcd_client.h"
 #include "state_store/session_ownership.h"
 
 namespace sdm {
 
 struct EtcdOwnershipOptions {
-  std::string endpoint;    // http://host:port of etcd's client URL
+  // Client URLs of the etcd cluster's members, http://host:port or https://host:port: a request
+  // that one cannot answer goes to the next (etcd_client.h; the class comment says why that is
+  // safe). ParseEtcdEndpoints splits a comma-separated list.
+  std::vector<std::string> endpoints;
   std::string replica_id;  // this replica's name (the keys' value); must be unique
+  // etcd authentication: none when `username` is empty. The password is never logged.
+  std::string username;
+  std::string password;
+  // TLS for https:// endpoints: the CA bundle verifying etcd's certificate (empty: the system's),
+  // and an optional client certificate and key (both or neither).
+  std::string ca_file;
+  std::string cert_file;
+  std::string key_file;
   // Every key of this deployment is under it: <key_prefix>sessions/<id> (the owner),
   // <key_prefix>snapshots/<id> (the committed snapshot), <key_prefix>handoff/<id> (requests).
   // Deployments sharing one etcd need prefixes of their own (else they share session ids and
   // take each other's sessions). Starts and ends with '/'.
   std::string key_prefix = "/sdmserve/";
   absl::Duration lease_ttl = absl::Seconds(10);
+  // Per endpoint tried: a request that gets no answer in this time goes to the next endpoint.
   absl::Duration request_timeout = absl::Seconds(2);
   // After a keepalive that failed (etcd unreachable a moment, a leader election), the next is
   // tried this soon rather than a third of the TTL later: two failures in a row would otherwise
@@ -82,10 +121,11 @@ struct EtcdOwnershipOptions {
   // to etcd, whose transaction refuses it (the ownership key's mod revision is no longer the
   // claim's). Never set in production: it only delays the refusal by one round trip.
   bool testing_keep_stale_claims = false;
-  // Testing only: asked before each request (the gateway path and the JSON body); kDropped
-  // fails it before it is sent, kAnswerLost sends it and then fails as if its answer were lost
-  // (etcd applied it). nullptr: none.
-  enum class RequestFault { kNone, kDropped, kAnswerLost };
+  // Testing only: asked before each attempt of a request on one endpoint (the gateway path and
+  // the JSON body); kDropped fails it before it is sent, kAnswerLost sends it and then fails as if
+  // its answer were lost (etcd applied it); either way the request goes to the next endpoint, if
+  // any. nullptr: none.
+  using RequestFault = EtcdRequestFault;
   std::function<RequestFault(const std::string& path, const std::string& body)>
       testing_request_fault;
 };
@@ -95,7 +135,9 @@ absl::Status ValidateEtcdKeyPrefix(const std::string& prefix);
 
 class EtcdOwnership : public SessionOwnership {
  public:
-  // Grants the lease and starts the keepalive thread; UNAVAILABLE when etcd cannot be reached.
+  // Grants the lease and starts the keepalive thread. INVALID_ARGUMENT for bad options (the
+  // endpoints: ValidateEtcdClientOptions), UNAUTHENTICATED when etcd refuses the user or password,
+  // UNAVAILABLE when no endpoint answers (a TLS certificate not accepted included).
   static absl::StatusOr<std::unique_ptr<EtcdOwnership>> Start(const EtcdOwnershipOptions& options);
   ~EtcdOwnership() override;  // Stop()
   EtcdOwnership(const EtcdOwnership&) = delete;
@@ -114,6 +156,10 @@ class EtcdOwnership : public SessionOwnership {
   absl::Status DeleteCommitted(const SessionKey& key, const std::string& base) override;
 
   int64_t lease_id() const;
+  // The endpoints, comma-separated (for logs).
+  std::string endpoints() const;
+  // Successful authentications to etcd (Start's included; 0 without a user).
+  int64_t authentications() const;
 
   // Handoff: `park` is called on the handoff thread for each session this replica owns and
   // another replica asked for; it writes the session and gives it up (the store's Park to disk,
@@ -136,8 +182,10 @@ class EtcdOwnership : public SessionOwnership {
   EtcdOwnership(PassKey, const EtcdOwnershipOptions& options);
 
  private:
-  // POSTs `body` to the gateway path; the parsed JSON answer as text, or UNAVAILABLE.
-  absl::StatusOr<std::string> Post(const std::string& path, const std::string& body) const;
+  // POSTs `body` to the gateway path; the JSON answer as text, or UNAVAILABLE. `unanswered`:
+  // EtcdClient::Post's (whether an attempt may have been applied without an answer).
+  absl::StatusOr<std::string> Post(const std::string& path, const std::string& body,
+                                   bool* unanswered = nullptr) const;
   absl::Status Grant() ABSL_LOCKS_EXCLUDED(mu_);
   void KeepAliveLoop();
   void HandoffLoop();
@@ -158,6 +206,7 @@ class EtcdOwnership : public SessionOwnership {
                             const std::optional<std::string>& put);
 
   const EtcdOwnershipOptions options_;
+  std::unique_ptr<EtcdClient> etcd_;  // set by Start(); thread-safe
   mutable absl::Mutex mu_;
   int64_t lease_ ABSL_GUARDED_BY(mu_) = 0;
   // Sessions this replica claimed, by etcd key: the mod revision of its ownership key.
