@@ -1,5 +1,9 @@
 #include "server/cluster/etcd_client.h"
 
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
+
 #include <fstream>
 #include <utility>
 
@@ -96,6 +100,39 @@ bool TokenRefused(int status, const std::string& body) {
          (status == 400 && absl::StrContains(body, "user name is empty"));
 }
 
+// Blocks SIGPIPE in this thread while it lives, and discards one raised meanwhile. OpenSSL writes
+// to its socket with write(), without MSG_NOSIGNAL: a TLS connection that etcd closed (a
+// handshake it refused, a restart while the connection was idle in the pool) would otherwise
+// kill the process with SIGPIPE. SIGPIPE from a write is sent to the writing thread, so blocking
+// it here leaves it pending for this thread alone. (cpp-httplib's plain sockets use MSG_NOSIGNAL.)
+class ScopedSigpipeBlock {
+ public:
+  ScopedSigpipeBlock() {
+    sigemptyset(&pipe_);
+    sigaddset(&pipe_, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_, &old_);
+    sigset_t pending;
+    sigpending(&pending);
+    was_pending_ = sigismember(&pending, SIGPIPE) == 1;
+  }
+  ~ScopedSigpipeBlock() {
+    sigset_t pending;
+    sigpending(&pending);
+    if (!was_pending_ && sigismember(&pending, SIGPIPE) == 1) {
+      const timespec zero = {0, 0};
+      sigtimedwait(&pipe_, nullptr, &zero);
+    }
+    pthread_sigmask(SIG_SETMASK, &old_, nullptr);
+  }
+  ScopedSigpipeBlock(const ScopedSigpipeBlock&) = delete;
+  ScopedSigpipeBlock& operator=(const ScopedSigpipeBlock&) = delete;
+
+ private:
+  sigset_t pipe_;
+  sigset_t old_;
+  bool was_pending_ = false;
+};
+
 }  // namespace
 
 struct EtcdClient::Endpoint {
@@ -167,7 +204,10 @@ EtcdClient::EtcdClient(EtcdClientOptions options) : options_(std::move(options))
   }
 }
 
-EtcdClient::~EtcdClient() = default;
+EtcdClient::~EtcdClient() {
+  ScopedSigpipeBlock no_sigpipe;  // the pooled TLS connections' shutdown writes
+  endpoints_.clear();
+}
 
 absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions options) {
   if (absl::Status s = ValidateEtcdClientOptions(options); !s.ok()) return s;
@@ -308,6 +348,8 @@ EtcdClient::Attempt EtcdClient::Exchange(size_t e, const std::string& path, cons
   if (fault == Fault::kDropped) {
     return {Attempt::Kind::kNotSent, 0, "injected: request dropped"};
   }
+  // Before `client`: covers its TLS shutdown when it is closed on the way out.
+  ScopedSigpipeBlock no_sigpipe;
   Endpoint& endpoint = *endpoints_[e];
   std::unique_ptr<httplib::Client> client;
   {

@@ -30,7 +30,8 @@
 //
 // TLS: https:// endpoints verify etcd's certificate (and host name) against `ca_file`, or the
 // system's CAs when it is empty; `cert_file` and `key_file` are a client certificate for etcd's
-// --client-cert-auth.
+// --client-cert-auth. A request blocks SIGPIPE in its thread while it runs (OpenSSL writes
+// without MSG_NOSIGNAL: a TLS connection etcd closed would otherwise kill the process).
 //
 // Thread-safety: thread-safe.
 #ifndef SDMSERVE_SERVER_CLUSTER_ETCD_CLIENT_H_

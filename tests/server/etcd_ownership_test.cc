@@ -765,7 +765,10 @@ TEST_F(EtcdOwnershipTest, AKeepaliveIsNotHeldUpByASlowRequest) {
   absl::Notification two_more;
   EtcdOwnershipOptions o = Options("a");
   o.endpoints = {proxy.endpoint()};
-  o.lease_ttl = absl::Seconds(3);  // a keepalive every second
+  o.lease_ttl = absl::Seconds(6);  // a keepalive every 2 s
+  // The held claim does not time out before the keepalives are waited for (a minute): a
+  // keepalive queued behind it would then run only after the wait.
+  o.request_timeout = absl::Minutes(3);
   o.testing_request_fault = [&](const std::string& path, const std::string&) {
     if (path == "/v3/lease/keepalive" && keepalives.fetch_add(1) + 1 == wanted.load()) {
       two_more.Notify();
