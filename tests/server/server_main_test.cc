@@ -13,6 +13,7 @@
 #include <iterator>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -118,6 +119,23 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
                              "' --shared_state_dir --etcd http://127.0.0.1:1 --etcd_prefix blue"));
   EXPECT_EQ(prefix.status, 2);
   EXPECT_THAT(prefix.err, ::testing::HasSubstr("--etcd_prefix: the etcd key prefix must start"));
+  // --etcd is a comma-separated list of client URLs; etcd's password never comes from a flag.
+  const std::string shared =
+      absl::StrCat("--model x --state_dir '", dir_.path().string(), "' --shared_state_dir ");
+  for (const auto& [flags, says] :
+       {std::pair{"--etcd 'http://127.0.0.1:1,,http://127.0.0.1:2'", "--etcd: an empty entry"},
+        std::pair{"--etcd 'http://127.0.0.1:1,127.0.0.1:2'", "'127.0.0.1:2': no scheme"},
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_user root",
+                  "--etcd_user needs --etcd_password_file or SDM_ETCD_PASSWORD"},
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_ca_file /etc/hostname",
+                  "no etcd endpoint is https://"},
+        std::pair{"--etcd_user root --etcd_password_file /etc/hostname", "need --etcd"}}) {
+    const ProcessRun r = RunServer(shared + flags);
+    EXPECT_EQ(r.status, 2) << flags << ": " << r.err;
+    EXPECT_THAT(r.err, ::testing::HasSubstr(says)) << flags;
+  }
+  EXPECT_EQ(RunServer(shared + "--etcd http://127.0.0.1:1 --etcd_password secret").status, 1)
+      << "an unknown flag (absl exits 1)";
   EXPECT_EQ(RunServer("--model x --persist_sync sometimes").status, 2);
   const ProcessRun io = RunServer("--model x --persist_io mmap");
   EXPECT_EQ(io.status, 2);
