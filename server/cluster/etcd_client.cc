@@ -282,10 +282,7 @@ EtcdClient::Attempt EtcdClient::Send(size_t e, const std::string& path, const st
   // and send it once more to the same endpoint.
   {
     absl::MutexLock lock(&token_mu_);
-    if (token_ != token)
-      token = token_;
-    else
-      token.clear();
+    token = token_ != token ? token_ : std::string();  // empty: authenticate
   }
   if (token.empty()) {
     Attempt auth = Authenticate(e);

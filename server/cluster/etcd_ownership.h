@@ -54,7 +54,10 @@
 //   new name committed under this replica's still current claim, which FencedUpdate takes as
 //   success when an attempt went unanswered (as it already took its look-up after a lost
 //   answer). A second copy of a delete whose first applied is refused the same way.
-// - the handoff request's put (the same value and lease) and delete: the same result twice.
+// - the handoff request's put (the same value and lease): the same key twice. Its delete: a
+//   second copy may delete a request another replica put meanwhile, which then goes unanswered
+//   for its handoff_wait and is retried by its client (a delete arriving late does the same with
+//   one endpoint).
 // - authentication (etcd_client.h): a second token; the last one is used.
 // A copy that etcd applies only after its retry was answered (held past the request timeout
 // inside a partitioned member) is the hazard a lost answer already had with one endpoint: a claim
