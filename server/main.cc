@@ -365,11 +365,12 @@ int main(int argc, char** argv) {
   if (const std::string etcd = absl::GetFlag(FLAGS_etcd); !etcd.empty()) {
     absl::StatusOr<std::vector<std::string>> endpoints = sdm::ParseEtcdEndpoints(etcd);
     if (!endpoints.ok()) return UsageError(absl::StrCat("--etcd: ", endpoints.status().message()));
-    options.etcd.endpoints = *std::move(endpoints);
+    options.etcd.client.endpoints = *std::move(endpoints);
   }
-  options.etcd.username = absl::GetFlag(FLAGS_etcd_user);
+  options.etcd.client.username = absl::GetFlag(FLAGS_etcd_user);
   if (const std::string file = absl::GetFlag(FLAGS_etcd_password_file); !file.empty()) {
-    if (options.etcd.username.empty()) return UsageError("--etcd_password_file needs --etcd_user");
+    if (options.etcd.client.username.empty())
+      return UsageError("--etcd_password_file needs --etcd_user");
     std::ifstream in(file, std::ios::binary);
     std::string password((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     if (!in.good() && !in.eof()) {
@@ -382,41 +383,36 @@ int main(int argc, char** argv) {
     if (password.empty()) {
       return UsageError(absl::StrCat("--etcd_password_file: '", file, "' is empty or unreadable"));
     }
-    options.etcd.password = std::move(password);
+    options.etcd.client.password = std::move(password);
   } else if (const char* env = std::getenv("SDM_ETCD_PASSWORD");
-             env != nullptr && !options.etcd.username.empty()) {
-    options.etcd.password = env;
+             env != nullptr && !options.etcd.client.username.empty()) {
+    options.etcd.client.password = env;
   }
-  if (!options.etcd.username.empty() && options.etcd.password.empty()) {
+  if (!options.etcd.client.username.empty() && options.etcd.client.password.empty()) {
     return UsageError("--etcd_user needs --etcd_password_file or SDM_ETCD_PASSWORD");
   }
-  options.etcd.ca_file = absl::GetFlag(FLAGS_etcd_ca_file);
-  options.etcd.cert_file = absl::GetFlag(FLAGS_etcd_cert_file);
-  options.etcd.key_file = absl::GetFlag(FLAGS_etcd_key_file);
+  options.etcd.client.ca_file = absl::GetFlag(FLAGS_etcd_ca_file);
+  options.etcd.client.cert_file = absl::GetFlag(FLAGS_etcd_cert_file);
+  options.etcd.client.key_file = absl::GetFlag(FLAGS_etcd_key_file);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
   options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
   options.etcd.key_prefix = absl::GetFlag(FLAGS_etcd_prefix);
   options.etcd.testing_keep_stale_claims = absl::GetFlag(FLAGS_testing_etcd_keep_stale_claims);
-  if (options.etcd.lease_ttl < absl::Seconds(2)) return UsageError("--etcd_lease_ttl: at least 2s");
-  if (options.etcd.endpoints.empty() &&
-      (!options.etcd.username.empty() || !options.etcd.ca_file.empty() ||
-       !options.etcd.cert_file.empty() || !options.etcd.key_file.empty())) {
+  if (options.etcd.client.endpoints.empty() &&
+      (!options.etcd.client.username.empty() || !options.etcd.client.ca_file.empty() ||
+       !options.etcd.client.cert_file.empty() || !options.etcd.client.key_file.empty())) {
     return UsageError("--etcd_user and --etcd_*_file need --etcd");
   }
-  if (!options.etcd.endpoints.empty()) {
+  if (!options.etcd.client.endpoints.empty()) {
     if (!options.store.shared_dir) return UsageError("--etcd needs --shared_state_dir");
-    sdm::EtcdClientOptions client;
-    client.endpoints = options.etcd.endpoints;
-    client.username = options.etcd.username;
-    client.password = options.etcd.password;
-    client.ca_file = options.etcd.ca_file;
-    client.cert_file = options.etcd.cert_file;
-    client.key_file = options.etcd.key_file;
-    if (absl::Status s = sdm::ValidateEtcdClientOptions(client); !s.ok()) {
+    if (absl::Status s = sdm::ValidateEtcdClientOptions(options.etcd.client); !s.ok()) {
       return UsageError(absl::StrCat("--etcd: ", s.message()));
     }
     if (absl::Status s = sdm::ValidateEtcdKeyPrefix(options.etcd.key_prefix); !s.ok()) {
       return UsageError(absl::StrCat("--etcd_prefix: ", s.message()));
+    }
+    if (absl::Status s = sdm::ValidateEtcdLeaseTtl(options.etcd.lease_ttl); !s.ok()) {
+      return UsageError(absl::StrCat("--etcd_lease_ttl: ", s.message()));
     }
     if (options.etcd.replica_id.empty()) {
       char host[256] = {};

@@ -240,13 +240,14 @@ absl::Status SdmServer::Impl::Init() {
   // Snapshots written before keys were typed name their key only in the service's metadata.
   store_options.legacy_key = SessionKeyOfMetadata;
   store_options.on_persist_health = [this](const absl::Status& health) { OnPersistHealth(health); };
-  if (!options.etcd.endpoints.empty()) {
+  if (!options.etcd.client.endpoints.empty()) {
     SDM_ASSIGN_OR_RETURN(ownership, EtcdOwnership::Start(options.etcd));
     store_options.ownership = ownership.get();
     SDM_LOG(INFO) << "sdm-server: replica '" << options.etcd.replica_id << "', etcd "
                   << ownership->endpoints()
-                  << (options.etcd.username.empty() ? ""
-                                                    : " as user '" + options.etcd.username + "'")
+                  << (options.etcd.client.username.empty()
+                          ? ""
+                          : " as user '" + options.etcd.client.username + "'")
                   << ", lease " << ownership->lease_id();
   }
   // On a device, sessions live in its fixed state arenas: a larger device budget would let steps

@@ -67,20 +67,20 @@ absl::Status ValidateEtcdKeyPrefix(const std::string& prefix) {
   return absl::OkStatus();
 }
 
+absl::Status ValidateEtcdLeaseTtl(absl::Duration ttl) {
+  if (ttl < absl::Seconds(2) || ttl % absl::Seconds(1) != absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the etcd lease TTL must be whole seconds, at least 2s, got ", absl::FormatDuration(ttl)));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<EtcdOwnership>> EtcdOwnership::Start(
     const EtcdOwnershipOptions& options) {
   if (options.replica_id.empty()) return absl::InvalidArgumentError("the replica id is empty");
   if (absl::Status s = ValidateEtcdKeyPrefix(options.key_prefix); !s.ok()) return s;
-  EtcdClientOptions client;
-  client.endpoints = options.endpoints;
-  client.request_timeout = options.request_timeout;
-  client.username = options.username;
-  client.password = options.password;
-  client.ca_file = options.ca_file;
-  client.cert_file = options.cert_file;
-  client.key_file = options.key_file;
-  client.testing_request_fault = options.testing_request_fault;
-  auto etcd = EtcdClient::Create(std::move(client));
+  if (absl::Status s = ValidateEtcdLeaseTtl(options.lease_ttl); !s.ok()) return s;
+  auto etcd = EtcdClient::Create(options.client);
   if (!etcd.ok()) return etcd.status();
   auto self = std::make_unique<EtcdOwnership>(PassKey{}, options);
   self->etcd_ = *std::move(etcd);

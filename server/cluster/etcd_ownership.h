@@ -89,27 +89,17 @@
 namespace sdm {
 
 struct EtcdOwnershipOptions {
-  // Client URLs of the etcd cluster's members, http://host:port or https://host:port: a request
-  // that one cannot answer goes to the next (etcd_client.h; the class comment says why that is
-  // safe). ParseEtcdEndpoints splits a comma-separated list.
-  std::vector<std::string> endpoints;
+  // The etcd cluster and how to reach it: its members' client URLs (a request that one cannot
+  // answer goes to the next: etcd_client.h; the class comment says why that is safe), the
+  // per-endpoint request timeout, authentication and TLS.
+  EtcdClientOptions client;
   std::string replica_id;  // this replica's name (the keys' value); must be unique
-  // etcd authentication: none when `username` is empty. The password is never logged.
-  std::string username;
-  std::string password;
-  // TLS for https:// endpoints: the CA bundle verifying etcd's certificate (empty: the system's),
-  // and an optional client certificate and key (both or neither).
-  std::string ca_file;
-  std::string cert_file;
-  std::string key_file;
   // Every key of this deployment is under it: <key_prefix>sessions/<id> (the owner),
   // <key_prefix>snapshots/<id> (the committed snapshot), <key_prefix>handoff/<id> (requests).
   // Deployments sharing one etcd need prefixes of their own (else they share session ids and
   // take each other's sessions). Starts and ends with '/'.
   std::string key_prefix = "/sdmserve/";
-  absl::Duration lease_ttl = absl::Seconds(10);
-  // Per endpoint tried: a request that gets no answer in this time goes to the next endpoint.
-  absl::Duration request_timeout = absl::Seconds(2);
+  absl::Duration lease_ttl = absl::Seconds(10);  // ValidateEtcdLeaseTtl
   // After a keepalive that failed (etcd unreachable a moment, a leader election), the next is
   // tried this soon rather than a third of the TTL later: two failures in a row would otherwise
   // let the lease expire, and every session of the replica with it.
@@ -124,17 +114,13 @@ struct EtcdOwnershipOptions {
   // to etcd, whose transaction refuses it (the ownership key's mod revision is no longer the
   // claim's). Never set in production: it only delays the refusal by one round trip.
   bool testing_keep_stale_claims = false;
-  // Testing only: asked before each attempt of a request on one endpoint (the gateway path and
-  // the JSON body); kDropped fails it before it is sent, kAnswerLost sends it and then fails as if
-  // its answer were lost (etcd applied it); either way the request goes to the next endpoint, if
-  // any. nullptr: none.
-  using RequestFault = EtcdRequestFault;
-  std::function<RequestFault(const std::string& path, const std::string& body)>
-      testing_request_fault;
 };
 
 // OK, or INVALID_ARGUMENT saying why `prefix` cannot be EtcdOwnershipOptions::key_prefix.
 absl::Status ValidateEtcdKeyPrefix(const std::string& prefix);
+// OK, or INVALID_ARGUMENT saying why `ttl` cannot be EtcdOwnershipOptions::lease_ttl: etcd
+// grants whole seconds, and a lease of under 2 s leaves no time to renew it.
+absl::Status ValidateEtcdLeaseTtl(absl::Duration ttl);
 
 class EtcdOwnership : public SessionOwnership {
  public:

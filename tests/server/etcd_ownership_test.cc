@@ -283,11 +283,11 @@ class EtcdOwnershipTest : public ::testing::Test {
 
   EtcdOwnershipOptions Options(const std::string& replica) const {
     EtcdOwnershipOptions o;
-    o.endpoints = {endpoint_};
+    o.client.endpoints = {endpoint_};
     o.replica_id = replica;
-    o.lease_ttl = absl::Seconds(30);           // never expires during a test: expiry is a revoke
-    o.request_timeout = absl::Seconds(30);     // etcd answers slowly on a loaded machine
-    o.handoff_wait = absl::Milliseconds(200);  // refusals come quickly (no handler answers)
+    o.lease_ttl = absl::Seconds(30);  // never expires during a test: expiry is a revoke
+    o.client.request_timeout = absl::Seconds(30);  // etcd answers slowly on a loaded machine
+    o.handoff_wait = absl::Milliseconds(200);      // refusals come quickly (no handler answers)
     return o;
   }
 
@@ -332,13 +332,13 @@ TEST_F(EtcdOwnershipTest, OneOwnerAtATimeAndReleaseHandsOver) {
 // (3.3 s here), and the third in a row let the 10 s lease expire with every session of the
 // replica.
 TEST_F(EtcdOwnershipTest, FailedKeepalivesAreRetriedBeforeTheLeaseExpires) {
-  using Fault = EtcdOwnershipOptions::RequestFault;
+  using Fault = EtcdRequestFault;
   std::atomic<int> to_drop{0};
   absl::Notification dropped_all;
   EtcdOwnershipOptions o = Options("a");
   o.lease_ttl = absl::Seconds(10);
   o.keepalive_retry = absl::Milliseconds(10);
-  o.testing_request_fault = [&](const std::string& path, const std::string&) {
+  o.client.testing_request_fault = [&](const std::string& path, const std::string&) {
     if (path != "/v3/lease/keepalive" || to_drop.load() <= 0) return Fault::kNone;
     if (to_drop.fetch_sub(1) == 1) dropped_all.Notify();
     return Fault::kDropped;
@@ -484,7 +484,7 @@ TEST_F(EtcdOwnershipTest, AClaimAsksALiveOwnerToHandTheSessionOver) {
 // this one stopped. The replica's handoff thread finds such keys and deletes them, so another
 // replica's claim goes through.
 TEST_F(EtcdOwnershipTest, AKeyLeftByAnUnansweredReleaseOrClaimIsReleased) {
-  using Fault = EtcdOwnershipOptions::RequestFault;
+  using Fault = EtcdRequestFault;
   struct Case {
     std::string name;
     Fault fault;
@@ -495,7 +495,7 @@ TEST_F(EtcdOwnershipTest, AKeyLeftByAnUnansweredReleaseOrClaimIsReleased) {
     SCOPED_TRACE(c.name);
     std::atomic<bool> armed{false};
     EtcdOwnershipOptions oa = Options("a-" + c.name);
-    oa.testing_request_fault = [&](const std::string& path, const std::string& body) {
+    oa.client.testing_request_fault = [&](const std::string& path, const std::string& body) {
       const bool target =
           path == "/v3/kv/txn" &&
           body.find(c.in_release ? "request_delete_range" : "request_put") != std::string::npos;
@@ -605,7 +605,7 @@ TEST(EtcdOwnershipOptionsTest, BadEndpointsAndCredentialsFailTheStart) {
   auto start = [](const std::function<void(EtcdOwnershipOptions&)>& edit) {
     EtcdOwnershipOptions o;
     o.replica_id = "a";
-    o.endpoints = {"http://127.0.0.1:1"};
+    o.client.endpoints = {"http://127.0.0.1:1"};
     edit(o);
     return EtcdOwnership::Start(o).status();
   };
@@ -624,7 +624,8 @@ TEST(EtcdOwnershipOptionsTest, BadEndpointsAndCredentialsFailTheStart) {
            Case{{"http://etcd:99999"}, "a bad port"},
            Case{{"http://etcd:"}, "no port"},
        }) {
-    const absl::Status s = start([&](EtcdOwnershipOptions& o) { o.endpoints = c.endpoints; });
+    const absl::Status s =
+        start([&](EtcdOwnershipOptions& o) { o.client.endpoints = c.endpoints; });
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(c.says));
   }
@@ -633,20 +634,21 @@ TEST(EtcdOwnershipOptionsTest, BadEndpointsAndCredentialsFailTheStart) {
     std::string says;
   };
   for (const Edit& e : {
-           Edit{[](EtcdOwnershipOptions& o) { o.ca_file = "/etc/hostname"; },
+           Edit{[](EtcdOwnershipOptions& o) { o.client.ca_file = "/etc/hostname"; },
                 "no etcd endpoint is https://"},
            Edit{[](EtcdOwnershipOptions& o) {
-                  o.endpoints = {"https://127.0.0.1:1"};
-                  o.ca_file = "/nonexistent/ca.pem";
+                  o.client.endpoints = {"https://127.0.0.1:1"};
+                  o.client.ca_file = "/nonexistent/ca.pem";
                 },
                 "'/nonexistent/ca.pem' cannot be read"},
            Edit{[](EtcdOwnershipOptions& o) {
-                  o.endpoints = {"https://127.0.0.1:1"};
-                  o.cert_file = "/etc/hostname";
+                  o.client.endpoints = {"https://127.0.0.1:1"};
+                  o.client.cert_file = "/etc/hostname";
                 },
                 "needs its key"},
-           Edit{[](EtcdOwnershipOptions& o) { o.username = "root"; }, "needs a password"},
-           Edit{[](EtcdOwnershipOptions& o) { o.password = "secret"; }, "without a user name"},
+           Edit{[](EtcdOwnershipOptions& o) { o.client.username = "root"; }, "needs a password"},
+           Edit{[](EtcdOwnershipOptions& o) { o.client.password = "secret"; },
+                "without a user name"},
        }) {
     const absl::Status s = start(e.edit);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << e.says << ": " << s;
@@ -668,9 +670,9 @@ TEST_F(EtcdOwnershipTest, ADeadFirstEndpointFailsOverAndTheLeaseSurvives) {
   std::atomic<int> keepalives{0};
   absl::Notification enough;
   EtcdOwnershipOptions o = Options("a");
-  o.endpoints = {absl::StrCat("http://127.0.0.1:", FreePort()), endpoint_};
+  o.client.endpoints = {absl::StrCat("http://127.0.0.1:", FreePort()), endpoint_};
   o.lease_ttl = absl::Seconds(6);  // a keepalive every 2 s
-  o.testing_request_fault = [&](const std::string& path, const std::string&) {
+  o.client.testing_request_fault = [&](const std::string& path, const std::string&) {
     if (path == "/v3/lease/keepalive" && keepalives.fetch_add(1) + 1 == 5) enough.Notify();
     return EtcdRequestFault::kNone;
   };
@@ -700,9 +702,9 @@ TEST_F(EtcdOwnershipTest, ConnectionsAreReusedAndAStoppedEndpointFailsOver) {
   std::atomic<int> wanted{1 << 30};
   absl::Notification enough;
   EtcdOwnershipOptions o = Options("a");
-  o.endpoints = {proxy.endpoint(), endpoint_};
+  o.client.endpoints = {proxy.endpoint(), endpoint_};
   o.lease_ttl = absl::Seconds(6);
-  o.testing_request_fault = [&](const std::string& path, const std::string&) {
+  o.client.testing_request_fault = [&](const std::string& path, const std::string&) {
     if (path == "/v3/lease/keepalive" && keepalives.fetch_add(1) + 1 == wanted.load()) {
       enough.Notify();
     }
@@ -739,8 +741,8 @@ TEST_F(EtcdOwnershipTest, ConnectionsAreReusedAndAStoppedEndpointFailsOver) {
 TEST_F(EtcdOwnershipTest, ATimedOutEndpointFailsOverAndIsNotTriedFirstAgain) {
   TcpProxy hole(0);
   EtcdOwnershipOptions o = Options("a");
-  o.endpoints = {hole.endpoint(), endpoint_};
-  o.request_timeout = absl::Seconds(3);
+  o.client.endpoints = {hole.endpoint(), endpoint_};
+  o.client.request_timeout = absl::Seconds(3);
   absl::StatusOr<std::unique_ptr<EtcdOwnership>> a;
   // Bounded retries: on a loaded machine etcd itself may once take longer than the timeout.
   ASSERT_TRUE(Eventually([&] {
@@ -764,12 +766,12 @@ TEST_F(EtcdOwnershipTest, AKeepaliveIsNotHeldUpByASlowRequest) {
   std::atomic<int> wanted{1 << 30};
   absl::Notification two_more;
   EtcdOwnershipOptions o = Options("a");
-  o.endpoints = {proxy.endpoint()};
+  o.client.endpoints = {proxy.endpoint()};
   o.lease_ttl = absl::Seconds(6);  // a keepalive every 2 s
   // The held claim does not time out before the keepalives are waited for (a minute): a
   // keepalive queued behind it would then run only after the wait.
-  o.request_timeout = absl::Minutes(3);
-  o.testing_request_fault = [&](const std::string& path, const std::string&) {
+  o.client.request_timeout = absl::Minutes(3);
+  o.client.testing_request_fault = [&](const std::string& path, const std::string&) {
     if (path == "/v3/lease/keepalive" && keepalives.fetch_add(1) + 1 == wanted.load()) {
       two_more.Notify();
     }
@@ -796,8 +798,8 @@ TEST_F(EtcdOwnershipTest, AKeepaliveIsNotHeldUpByASlowRequest) {
 TEST_F(EtcdOwnershipTest, ARequestAppliedWithoutAnAnswerAndSentAgainCountsOnce) {
   std::atomic<bool> armed{false};
   EtcdOwnershipOptions o = Options("a");
-  o.endpoints = {endpoint_, endpoint_};
-  o.testing_request_fault = [&](const std::string& path, const std::string&) {
+  o.client.endpoints = {endpoint_, endpoint_};
+  o.client.testing_request_fault = [&](const std::string& path, const std::string&) {
     return path == "/v3/kv/txn" && armed.exchange(false) ? EtcdRequestFault::kAnswerLost
                                                          : EtcdRequestFault::kNone;
   };
@@ -839,8 +841,8 @@ TEST_F(EtcdOwnershipTest, AuthenticatesAndAuthenticatesAgainWhenTheTokenIsDroppe
   ASSERT_NE(Gateway(endpoint_, "/v3/auth/user/grant", R"({"user":"root","role":"root"})"), "");
   ASSERT_NE(Gateway(endpoint_, "/v3/auth/enable", "{}"), "");
   EtcdOwnershipOptions wrong = Options("wrong");
-  wrong.username = "root";
-  wrong.password = "not-it";
+  wrong.client.username = "root";
+  wrong.client.password = "not-it";
   const absl::Status refused = EtcdOwnership::Start(wrong).status();
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnauthenticated) << refused;
   EXPECT_THAT(std::string(refused.message()), HasSubstr("refused to authenticate user 'root'"));
@@ -848,8 +850,8 @@ TEST_F(EtcdOwnershipTest, AuthenticatesAndAuthenticatesAgainWhenTheTokenIsDroppe
   EXPECT_THAT(refused.message(), ::testing::Not(HasSubstr("not-it")));
 
   EtcdOwnershipOptions o = Options("a");
-  o.username = "root";
-  o.password = "s3cret";
+  o.client.username = "root";
+  o.client.password = "s3cret";
   auto a = EtcdOwnership::Start(o);
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ((*a)->authentications(), 1);
@@ -899,10 +901,10 @@ TEST_F(EtcdOwnershipTest, HttpsWithACaFileAndAClientCertificate) {
                     (tls / "server.key").string(), "--client-cert-auth", "--trusted-ca-file", ca});
   ASSERT_TRUE(etcd.started());
   EtcdOwnershipOptions o = Options("tls");
-  o.endpoints = {etcd.endpoint()};
-  o.ca_file = ca;
-  o.cert_file = (tls / "client.pem").string();
-  o.key_file = (tls / "client.key").string();
+  o.client.endpoints = {etcd.endpoint()};
+  o.client.ca_file = ca;
+  o.client.cert_file = (tls / "client.pem").string();
+  o.client.key_file = (tls / "client.key").string();
   absl::StatusOr<std::unique_ptr<EtcdOwnership>> a;
   ASSERT_TRUE(Eventually([&] {
     a = EtcdOwnership::Start(o);
@@ -914,15 +916,15 @@ TEST_F(EtcdOwnershipTest, HttpsWithACaFileAndAClientCertificate) {
   ASSERT_TRUE((*a)->CommitSnapshot(x, (*a)->ClaimEpoch(x), "", "one").ok());
 
   EtcdOwnershipOptions no_ca = o;
-  no_ca.ca_file.clear();
+  no_ca.client.ca_file.clear();
   const absl::Status untrusted = EtcdOwnership::Start(no_ca).status();
   EXPECT_TRUE(absl::IsUnavailable(untrusted)) << untrusted;
   EXPECT_THAT(untrusted.message(), HasSubstr("etcd's TLS certificate was not accepted"));
   EXPECT_THAT(untrusted.message(), HasSubstr("no etcd CA file given"));
 
   EtcdOwnershipOptions no_cert = o;
-  no_cert.cert_file.clear();
-  no_cert.key_file.clear();
+  no_cert.client.cert_file.clear();
+  no_cert.client.key_file.clear();
   const absl::Status anonymous = EtcdOwnership::Start(no_cert).status();
   EXPECT_FALSE(anonymous.ok());
 }

@@ -129,13 +129,20 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
                   "--etcd_user needs --etcd_password_file or SDM_ETCD_PASSWORD"},
         std::pair{"--etcd http://127.0.0.1:1 --etcd_ca_file /etc/hostname",
                   "no etcd endpoint is https://"},
-        std::pair{"--etcd_user root --etcd_password_file /etc/hostname", "need --etcd"}}) {
+        std::pair{"--etcd_user root --etcd_password_file /etc/hostname", "need --etcd"},
+        // etcd grants whole seconds: 2500ms was granted as 2 s.
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_lease_ttl 2500ms",
+                  "--etcd_lease_ttl: the etcd lease TTL must be whole seconds, at least 2s"},
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_lease_ttl 1s", "at least 2s, got 1s"}}) {
     const ProcessRun r = RunServer(shared + flags);
     EXPECT_EQ(r.status, 2) << flags << ": " << r.err;
     EXPECT_THAT(r.err, ::testing::HasSubstr(says)) << flags;
   }
   EXPECT_EQ(RunServer(shared + "--etcd http://127.0.0.1:1 --etcd_password secret").status, 1)
       << "an unknown flag (absl exits 1)";
+  // Without --etcd the lease TTL is not used, and not checked.
+  EXPECT_THAT(RunServer("--model x --etcd_lease_ttl 1s").err,
+              ::testing::Not(::testing::HasSubstr("--etcd_lease_ttl")));
   EXPECT_EQ(RunServer("--model x --persist_sync sometimes").status, 2);
   const ProcessRun io = RunServer("--model x --persist_io mmap");
   EXPECT_EQ(io.status, 2);
