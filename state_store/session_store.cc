@@ -97,6 +97,15 @@ absl::Status DeletedBeforeWrittenError(absl::string_view id) {
                                          "before the turn was written"));
 }
 
+// Why a session of the shared directory whose snapshot failed its checks is refused, its file
+// left in place (Discover, LoadDirectory).
+absl::Status SharedSnapshotRefused(const absl::Status& check) {
+  return absl::Status(check.code(),
+                      absl::StrCat(check.message(),
+                                   " (its copy in the shared directory, left in place); delete "
+                                   "the session to free its id"));
+}
+
 // ... when the store closes before the write (its worker and writers have stopped).
 absl::Status ClosedBeforeWrittenError(absl::string_view id) {
   return absl::UnavailableError(
@@ -760,8 +769,19 @@ absl::Status SessionStateStore::LoadDirectory() {
             absl::StrCat("it holds session '", absl::CHexEscape(record->id.substr(0, 300)), "'"));
       }
     }
-    if (!record.ok()) {
+    if (!record.ok() && options_.shared_dir &&
+        record.status().code() == absl::StatusCode::kFailedPrecondition) {
+      // Of another model or format on a shared directory: sound for the replicas that wrote it
+      // (a rolling upgrade), so left in place; broken here, as Discover makes it.
+      entry->position = -1;
+      entry->broken = SharedSnapshotRefused(record.status());
+      open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
+    } else if (!record.ok()) {
       Quarantine(*entry, path, record.status());
+      // Its log goes with it (unless its scan moved it already): left here, the next Open would
+      // find a log without its snapshot and remove it, with every turn since the snapshot (a
+      // server started once with the wrong model would lose them).
+      if (all_names.count(log_path.filename().string()) > 0) QuarantineLog(log_path);
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else {
       entry->metadata = record->metadata;
@@ -881,25 +901,29 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   if (record.ok() && record->id != SessionRecordId(key)) {
     record = absl::DataLossError("it holds another session");
   }
-  if (!record.ok()) {
-    return absl::Status(
-        record.status().code(),
-        absl::StrCat("the snapshot of session '", key.id,
-                     "' in the shared directory failed its checks: ", record.status().message()));
-  }
   auto entry = std::make_unique<Entry>();
   entry->key = key;
   entry->tier = Tier::kDisk;
+  entry->disk_stamp = stamp;
+  entry->snapshot_file = committed;
+  entry->disk_bytes = static_cast<int64_t>(stamp->size);
+  entry->persisted_bytes = entry->disk_bytes;
+  if (!record.ok()) {
+    // A broken session (as a quarantined one is: listed with its error, refused, deletable),
+    // its file left where it is: another replica may read it (one of the model it was written
+    // by, during a rolling upgrade). Before, the error was the answer to every call on the id,
+    // its Delete included: the id could not be freed.
+    entry->last_used = absl::Now();
+    entry->position = -1;
+    entry->broken = SharedSnapshotRefused(record.status());
+    return entry;
+  }
   entry->metadata = record->metadata;
   entry->ttl = TtlOfRecord(record->ttl_ms);
   entry->last_used =
       record->last_used_unix_ms > 0 ? absl::FromUnixMillis(record->last_used_unix_ms) : absl::Now();
-  entry->disk_bytes = static_cast<int64_t>(stamp->size);
-  entry->persisted_bytes = entry->disk_bytes;
   entry->position = record->position;
   entry->pending = record->pending_token >= 0;
-  entry->disk_stamp = stamp;
-  entry->snapshot_file = committed;
   // Its snapshot is all there is (a shared directory holds no delta logs: WriteChanges).
   entry->base_id = snapshot_id;
   entry->persisted_position = record->position;

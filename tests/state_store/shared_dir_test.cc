@@ -770,6 +770,60 @@ TEST_F(SharedDirTest, UncommittedFilesAreSweptUnderTheNextClaim) {
   EXPECT_TRUE(exists("notes.txt"));
 }
 
+// A store of another model (a rolling upgrade that changed the weights) finds a session in the
+// shared directory whose snapshot fails its checks: the session is broken there as a quarantined
+// one is (listed with its error, refused, deletable), its file left in place for the replicas of
+// the model that wrote it. Before, the check's error answered every call on the id, Get and Delete
+// included: its id could never be freed.
+TEST_F(SharedDirTest, ASnapshotOfAnotherModelIsRefusedButCanBeDeleted) {
+  for (const bool fenced : {false, true}) {
+    SCOPED_TRACE(fenced ? "fenced" : "not fenced");
+    testing::ScopedTempDir dir;
+    FencedTable table;
+    FencedTable::View own_old(&table, "old"), own_new(&table, "new");
+    auto open = [&](const Engine& engine, SessionOwnership* ownership) {
+      SessionStoreOptions options;
+      options.ownership = fenced ? ownership : nullptr;
+      options.dir = dir.path();
+      options.background = false;
+      options.shared_dir = true;
+      auto store = SessionStateStore::Open(engine.state_layout(), engine.fingerprint(), options);
+      EXPECT_TRUE(store.ok()) << store.status();
+      return store.ok() ? *std::move(store) : nullptr;
+    };
+    auto old_model = open(*engine_, &own_old);
+    ASSERT_NE(old_model, nullptr);
+    reference_ = engine_->NewSession();
+    ASSERT_TRUE(old_model->Create("u", "").ok());
+    Turn(*old_model, "u", testing::RandomTokens(4, 30));
+    ASSERT_TRUE(old_model->Park("u", Tier::kDisk).ok());  // releases it
+
+    auto other = testing::TinyEngine(/*weight_seed=*/12);
+    auto new_model = open(*other, &own_new);
+    ASSERT_NE(new_model, nullptr);
+    const absl::Status refused = new_model->Acquire("u").status();
+    EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition) << refused;
+    EXPECT_NE(refused.message().find("different model"), std::string::npos) << refused;
+    EXPECT_NE(refused.message().find("delete the session"), std::string::npos) << refused;
+    auto info = new_model->Get("u");
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_NE(info->error.find("different model"), std::string::npos) << info->error;
+    // Left in place: the old model's replicas still serve it.
+    EXPECT_FALSE(std::filesystem::exists(dir.path() / "quarantine") &&
+                 !std::filesystem::is_empty(dir.path() / "quarantine"));
+    EXPECT_TRUE(std::filesystem::exists(fenced ? dir.path() / "generations" / table.committed("u")
+                                               : dir.path() / "u.sdmstate"));
+    EXPECT_TRUE(old_model->Get("u").ok());
+    // Deleted through the new model's replica: gone, its id free.
+    ASSERT_TRUE(new_model->Delete("u").ok());
+    EXPECT_TRUE(absl::IsNotFound(new_model->Get("u").status()));
+    if (fenced) {
+      EXPECT_TRUE(table.committed("u").empty());
+    }
+    EXPECT_TRUE(new_model->Create("u", "").ok());  // the id is free
+  }
+}
+
 // Sessions never expire on a shared directory (a replica would expire a session by its own view
 // of its last use while another replica serves it): a finite default ttl and a Create's or
 // Fork's finite ttl are refused, a ttl in a snapshot written by a store running alone is ignored,

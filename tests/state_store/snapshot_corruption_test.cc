@@ -685,5 +685,47 @@ TEST_F(SnapshotStoreCorruptionTest, StoreOfAnotherModelRefusesEverySnapshot) {
   }
 }
 
+// A snapshot quarantined at Open takes its delta log with it. Before, the log stayed in the
+// directory, and the next Open, finding a log without its snapshot, removed it: a server started
+// once with another model lost every turn written since the sessions' snapshots, even once the
+// operator moved the snapshots back. Moved back together, the session restores with its turn.
+TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
+  const std::vector<int32_t> more = testing::RandomTokens(4, 8);
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    auto lease = store->Acquire("alpha");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), more);
+  }
+  const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
+  ASSERT_TRUE(std::filesystem::exists(log));  // the turn, a delta
+  {
+    auto other = testing::TinyEngine(/*weight_seed=*/12);
+    auto store = Open(other->fingerprint());
+    ASSERT_NE(store, nullptr);
+  }
+  EXPECT_FALSE(std::filesystem::exists(log));
+  // Reopened with the right model: the session is quarantined (its snapshot is); the log is kept.
+  { ASSERT_NE(Open(), nullptr); }
+  std::filesystem::path kept_log, kept_snapshot;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
+    const std::string name = entry.path().filename().string();
+    if (absl::StartsWith(name, "alpha.sdmlog.")) kept_log = entry.path();
+    if (absl::StartsWith(name, "alpha.sdmstate.")) kept_snapshot = entry.path();
+  }
+  ASSERT_FALSE(kept_log.empty());
+  ASSERT_FALSE(kept_snapshot.empty());
+  // The operator moves both back: the session is as it was, its last turn included.
+  std::filesystem::rename(kept_snapshot, dir_.path() / "alpha.sdmstate");
+  std::filesystem::rename(kept_log, log);
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  auto lease = store->Acquire("alpha");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(),
+            static_cast<int64_t>(refs_["alpha"].prompt.size() + more.size()));
+}
+
 }  // namespace
 }  // namespace sdm
