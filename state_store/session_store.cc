@@ -1606,6 +1606,21 @@ absl::StatusOr<SessionInfo> SessionStateStore::Get(const SessionKey& key) const 
     return InfoOf(**found, key);
   }
   if (e == nullptr) return NotFound(key);
+  if (options_.shared_dir && !fenced() && !e->in_use && !e->busy && !e->handing_off) {
+    // Another store may have written or deleted the session since this one read or wrote it
+    // (as Acquire's RefreshFromSharedDir finds): its file says, and the answer is the file's
+    // (fenced: the committed name says, above).
+    // Before, a copy cached here answered its old position and history (a client comparing
+    // them with its own, or one resuming from them, was misled).
+    const std::optional<SnapshotStamp> stamp = StampOf(PathOf(key));
+    if (stamp != e->disk_stamp && (stamp.has_value() || e->version == e->persisted_version)) {
+      if (!stamp.has_value()) return NotFound(key);
+      absl::StatusOr<std::unique_ptr<Entry>> found = Discover(key);
+      if (found.ok()) return InfoOf(**found, key);
+      if (!absl::IsNotFound(found.status())) return found.status();
+      return NotFound(key);
+    }
+  }
   return InfoOf(*e, key);
 }
 

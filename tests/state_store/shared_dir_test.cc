@@ -272,6 +272,24 @@ TEST_F(SharedDirTest, ADeletionByOneStoreIsSeenByTheOther) {
   EXPECT_TRUE(absl::IsNotFound(a->Get("d").status()));
 }
 
+// Get answers what the shared directory holds, not a copy this store read or wrote before
+// another store's turn or deletion. Before, b answered its own older position (and after the
+// deletion, the session) until its next Acquire re-read the file.
+TEST_F(SharedDirTest, GetSeesAnotherStoresTurnAndDeletion) {
+  auto a = OpenStore(true);
+  auto b = OpenStore(true);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("g", "").ok());
+  Turn(*a, "g", testing::RandomTokens(3, 40));
+  Turn(*b, "g", testing::RandomTokens(2, 41));  // b holds a copy
+  Turn(*a, "g", testing::RandomTokens(4, 42));
+  auto info = b->Get("g");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->position, reference_->position());
+  ASSERT_TRUE(a->Delete("g").ok());
+  EXPECT_TRUE(absl::IsNotFound(b->Get("g").status())) << b->Get("g").status();
+}
+
 TEST_F(SharedDirTest, OnlyTheOwnerTakesASessionUpAndParkingReleasesIt) {
   FakeOwnershipTable table;
   FakeOwnershipTable::View own_a(&table, "a"), own_b(&table, "b");
