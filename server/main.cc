@@ -561,15 +561,15 @@ int main(int argc, char** argv) {
   }
   std::string metrics = "off";
   if ((*server)->metrics_port() > 0) {
-    metrics =
-        absl::StrCat("http://", options.metrics_host, ":", (*server)->metrics_port(), "/metrics");
+    metrics = absl::StrCat(
+        "http://", sdm::HostPort(options.metrics_host, (*server)->metrics_port()), "/metrics");
   }
   // The address as bound (0.0.0.0 for every interface), not the loopback one clients would use.
   absl::PrintF("listening on %s (metrics: %s)\n", (*server)->listen_address(), metrics);
   if ((*server)->http_port() > 0) {
-    absl::PrintF("OpenAI-compatible HTTP API on http://%s:%d/v1 (web console: http://%s:%d/)\n",
-                 options.http.host, (*server)->http_port(), options.http.host,
-                 (*server)->http_port());
+    const std::string http = sdm::HostPort(options.http.host, (*server)->http_port());
+    absl::PrintF("OpenAI-compatible HTTP API on http://%s/v1 (web console: http://%s/)\n", http,
+                 http);
   }
   std::fflush(stdout);
 

@@ -36,11 +36,6 @@
 #include "state_store/session_store.h"
 
 namespace sdm {
-namespace {
-
-constexpr char kServiceName[] = "sdm.v1.SdmService";
-// After the streams' final chunks (ServerOptions::final_write_grace), how long other calls get.
-constexpr auto kUnaryGrace = std::chrono::milliseconds(200);
 
 std::string HostPort(const std::string& host, int port) {
   if (absl::StrContains(host, ':') && !absl::StartsWith(host, "[")) {
@@ -48,6 +43,12 @@ std::string HostPort(const std::string& host, int port) {
   }
   return absl::StrCat(host, ":", port);
 }
+
+namespace {
+
+constexpr char kServiceName[] = "sdm.v1.SdmService";
+// After the streams' final chunks (ServerOptions::final_write_grace), how long other calls get.
+constexpr auto kUnaryGrace = std::chrono::milliseconds(200);
 
 absl::StatusOr<std::string> ReadTextFile(const std::filesystem::path& path,
                                          absl::string_view what) {

@@ -100,6 +100,9 @@ struct ServerOptions {
 // command line reports it as a usage error.
 absl::Status ValidateServerOptions(const ServerOptions& options);
 
+// "host:port", an IPv6 host in brackets ("[::1]:port").
+std::string HostPort(const std::string& host, int port);
+
 class SdmServer {
  public:
   // Loads the model and starts serving. Errors name what failed: the model (its loader's

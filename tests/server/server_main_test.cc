@@ -21,6 +21,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "sdm/v1/sdm.grpc.pb.h"
+#include "server/server.h"
 #include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 
@@ -94,6 +95,16 @@ TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
     EXPECT_THAT(r.out, ::testing::HasSubstr(absl::StrCat("--", flag, " (default: "))) << flag;
   }
   EXPECT_THAT(r.out, ::testing::HasSubstr("--flagfile"));
+}
+
+// The start-up lines name addresses with HostPort: an IPv6 host in brackets (the HTTP API's line
+// printed "http://:::8080/v1" for --http_host=::).
+TEST(HostPortTest, BracketsAnIpv6Host) {
+  EXPECT_EQ(HostPort("0.0.0.0", 80), "0.0.0.0:80");
+  EXPECT_EQ(HostPort("localhost", 2), "localhost:2");
+  EXPECT_EQ(HostPort("::", 8080), "[::]:8080");
+  EXPECT_EQ(HostPort("::1", 1), "[::1]:1");
+  EXPECT_EQ(HostPort("[::1]", 1), "[::1]:1");
 }
 
 TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
