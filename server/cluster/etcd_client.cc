@@ -62,6 +62,14 @@ absl::Status ValidateEndpoint(absl::string_view url) {
   if (rest.front() == '[') {  // [IPv6]:port
     const size_t close = rest.find(']');
     if (close == absl::string_view::npos || close == 1) return bad("a bad [IPv6] host");
+    // cpp-httplib 0.11 parses only digits and ':' in brackets: [2001:db8::1] would never connect.
+    for (char c : rest.substr(1, close - 1)) {
+      if (!absl::ascii_isdigit(static_cast<unsigned char>(c)) && c != ':') {
+        return bad(
+            "an IPv6 address with hex letters (cpp-httplib cannot connect to it): use a "
+            "host name");
+      }
+    }
     absl::string_view after = rest.substr(close + 1);
     if (!after.empty() && !absl::ConsumePrefix(&after, ":")) return bad("a bad [IPv6] host");
     port = after;
@@ -97,7 +105,11 @@ absl::Status Readable(const char* what, const std::string& path) {
 // no token was sent, 400 "user name is empty".
 bool TokenRefused(int status, const std::string& body) {
   return (status == 401 && absl::StrContains(body, "invalid auth token")) ||
-         (status == 400 && absl::StrContains(body, "user name is empty"));
+         (status == 400 && absl::StrContains(body, "user name is empty")) ||
+         // A JWT made before any change of users or roles (etcd refuses it until it expires, by
+         // default 5 minutes; a simple token in a race): authenticate again, as etcd's own client
+         // does.
+         (status == 400 && absl::StrContains(body, "revision of auth store is old"));
 }
 
 // Blocks SIGPIPE in this thread while it lives, and discards one raised meanwhile. OpenSSL writes
@@ -194,6 +206,16 @@ absl::Status ValidateEtcdClientOptions(const EtcdClientOptions& options) {
                                           ? "an etcd password is given without a user name"
                                           : "the etcd user needs a password");
   }
+  // They go in a JSON body, which must be UTF-8 (the encoder would throw, and print a byte of the
+  // password in its message). The values are never named here.
+  for (const auto& [what, value] :
+       {std::pair{"user name", &options.username}, std::pair{"password", &options.password}}) {
+    try {
+      (void)nlohmann::json(*value).dump();
+    } catch (const nlohmann::json::exception&) {
+      return absl::InvalidArgumentError(absl::StrCat("the etcd ", what, " is not valid UTF-8"));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -221,19 +243,27 @@ absl::StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Create(EtcdClientOptions
       failures.push_back(absl::StrCat(url, ": ", a.body));
       continue;
     }
-    client->preferred_.store(e);
-    if (a.status == 200) return client;
+    if (a.status == 200) {
+      client->preferred_.store(e);
+      return client;
+    }
     if (absl::StrContains(a.body, "authentication is not enabled")) {
+      client->preferred_.store(e);
       SDM_LOG(WARNING) << "sdm etcd: user '" << client->options_.username
                        << "' given but etcd has authentication disabled; requests go without";
       return client;
     }
-    return absl::UnauthenticatedError(
-        absl::StrCat("etcd at ", url, " refused to authenticate user '", client->options_.username,
-                     "': ", a.body.substr(0, 200)));
+    if (absl::StrContains(a.body, "authentication failed")) {
+      return absl::UnauthenticatedError(
+          absl::StrCat("etcd at ", url, " refused to authenticate user '",
+                       client->options_.username, "': ", a.body.substr(0, 200)));
+    }
+    // Another answer is this member's state, not the credentials' (a leader election, a
+    // learner, too many requests): the next member may authenticate.
+    failures.push_back(absl::StrCat(url, ": answered ", a.status, " ", a.body.substr(0, 200)));
   }
   return absl::UnavailableError(
-      absl::StrCat("etcd unreachable to authenticate (", absl::StrJoin(failures, "; "), ")"));
+      absl::StrCat("no etcd member authenticated (", absl::StrJoin(failures, "; "), ")"));
 }
 
 std::string EtcdClient::Describe() const { return absl::StrJoin(options_.endpoints, ","); }

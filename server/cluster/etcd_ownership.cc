@@ -553,11 +553,16 @@ absl::Status EtcdOwnership::FencedUpdate(const SessionKey& key, int64_t claim,
     }
     committed = RangeValue(responses[1]);
   }
-  if (unanswered && still_ours && committed == wanted && wanted != base) {
+  if (unanswered && committed == wanted && wanted != base) {
     // Refused because an earlier copy of this request, sent to an endpoint that did not answer,
-    // was applied: the name is this request's (names are never reused), under this claim.
+    // was applied: the name is this request's (names are never reused). It is committed even if
+    // the claim has ended since (the lease expired between the two copies): answered
+    // FAILED_PRECONDITION ("never becomes the state"), the store would remove the committed file.
     absl::MutexLock lock(&mu_);
     committed_[name] = wanted;
+    if (auto it = owned_.find(name); !still_ours && it != owned_.end() && it->second == revision) {
+      owned_.erase(it);
+    }
     return absl::OkStatus();
   }
   {

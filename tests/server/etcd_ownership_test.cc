@@ -649,6 +649,11 @@ TEST(EtcdOwnershipOptionsTest, BadEndpointsAndCredentialsFailTheStart) {
            Edit{[](EtcdOwnershipOptions& o) { o.client.username = "root"; }, "needs a password"},
            Edit{[](EtcdOwnershipOptions& o) { o.client.password = "secret"; },
                 "without a user name"},
+           Edit{[](EtcdOwnershipOptions& o) {
+                  o.client.username = "root";
+                  o.client.password = std::string("s") + char(0xff) + "cret";  // the encoder threw
+                },
+                "the etcd password is not valid UTF-8"},
        }) {
     const absl::Status s = start(e.edit);
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << e.says << ": " << s;
@@ -831,6 +836,43 @@ TEST_F(EtcdOwnershipTest, ARequestAppliedWithoutAnAnswerAndSentAgainCountsOnce) 
   EXPECT_EQ(*seen, "");
 }
 
+// A commit whose first copy etcd applied without its answer reaching the replica, and whose
+// second copy (to the next endpoint) is refused because the claim ended in between (the lease
+// revoked here; a replica paused past its TTL), is the committed state: OK. Before, it answered
+// FAILED_PRECONDITION ("never becomes the state"), and the store removed the file etcd names.
+TEST_F(EtcdOwnershipTest, ACommitAppliedBeforeTheClaimEndedIsCommitted) {
+  enum Stage { kOff, kLoseTheAnswer, kEndTheClaim };
+  std::atomic<int> stage{kOff};
+  std::atomic<int64_t> lease{0};
+  EtcdOwnershipOptions o = Options("a");
+  o.client.endpoints = {endpoint_, endpoint_};
+  o.client.testing_request_fault = [&](const std::string& path, const std::string&) {
+    if (path != "/v3/kv/txn") return EtcdRequestFault::kNone;
+    int lose = kLoseTheAnswer;
+    if (stage.compare_exchange_strong(lose, kEndTheClaim)) return EtcdRequestFault::kAnswerLost;
+    int end = kEndTheClaim;
+    if (stage.compare_exchange_strong(end, kOff)) {
+      Gateway(endpoint_, "/v3/lease/revoke", absl::StrCat("{\"ID\":\"", lease.load(), "\"}"));
+    }
+    return EtcdRequestFault::kNone;
+  };
+  auto a = EtcdOwnership::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  lease.store((*a)->lease_id());
+  auto b = StartReplica("b");
+  ASSERT_TRUE(b);
+  const SessionKey x("x");
+  ASSERT_TRUE((*a)->Claim(x).ok());
+  stage.store(kLoseTheAnswer);
+  const absl::Status committed = (*a)->CommitSnapshot(x, (*a)->ClaimEpoch(x), "", "one");
+  EXPECT_EQ(stage.load(), kOff) << "the faults did not fire";
+  EXPECT_TRUE(committed.ok()) << committed;
+  auto seen = b->Observe(x);
+  ASSERT_TRUE(seen.ok()) << seen.status();
+  EXPECT_EQ(*seen, "one");
+  EXPECT_EQ((*a)->ClaimEpoch(x), 0);  // the claim is gone
+}
+
 // Authentication (enabled here through the gateway: the root user with the root role): a wrong
 // password fails the start with etcd's refusal; with the right one claims and commits work, and
 // when etcd drops the token (a simple token expires, etcd restarts; here: the user's password is
@@ -849,10 +891,22 @@ TEST_F(EtcdOwnershipTest, AuthenticatesAndAuthenticatesAgainWhenTheTokenIsDroppe
   EXPECT_THAT(refused.message(), HasSubstr("authentication failed"));
   EXPECT_THAT(refused.message(), ::testing::Not(HasSubstr("not-it")));
 
+  // A member that answers something else than a refusal of the credentials (a leader election,
+  // a learner: 503) is passed over, not taken for a wrong password.
+  httplib::Server electing;
+  electing.Post("/v3/auth/authenticate", [](const httplib::Request&, httplib::Response& r) {
+    r.status = 503;
+    r.set_content(R"({"error":"etcdserver: leader changed","code":14})", "application/json");
+  });
+  const int electing_port = electing.bind_to_any_port("127.0.0.1");
+  std::thread serving([&] { electing.listen_after_bind(); });
   EtcdOwnershipOptions o = Options("a");
+  o.client.endpoints = {absl::StrCat("http://127.0.0.1:", electing_port), endpoint_};
   o.client.username = "root";
   o.client.password = "s3cret";
   auto a = EtcdOwnership::Start(o);
+  electing.stop();
+  serving.join();
   ASSERT_TRUE(a.ok()) << a.status();
   EXPECT_EQ((*a)->authentications(), 1);
   const SessionKey x("x");
@@ -927,6 +981,53 @@ TEST_F(EtcdOwnershipTest, HttpsWithACaFileAndAClientCertificate) {
   no_cert.client.key_file.clear();
   const absl::Status anonymous = EtcdOwnership::Start(no_cert).status();
   EXPECT_FALSE(anonymous.ok());
+}
+
+// JWT tokens (etcd --auth-token jwt): any change of users or roles makes etcd refuse the tokens
+// made before it ("revision of auth store is old") until they expire, by default 5 minutes. The
+// replica authenticates again. Before, every claim and commit failed until the token expired.
+TEST_F(EtcdOwnershipTest, AJwtMadeOldByAnAuthChangeIsRenewed) {
+  const std::filesystem::path jwt = dir_.path() / "jwt";
+  std::filesystem::create_directories(jwt);
+  ASSERT_EQ(std::system(absl::StrCat("cd '", jwt.string(),
+                                     "' && openssl genrsa -out jwt.key 2048 >openssl.log 2>&1 && "
+                                     "openssl rsa -in jwt.key -pubout -out jwt.pub >>openssl.log "
+                                     "2>&1")
+                            .c_str()),
+            0)
+      << "see " << (jwt / "openssl.log");
+  EtcdProcess etcd(jwt, "http",
+                   {"--auth-token", absl::StrCat("jwt,pub-key=", (jwt / "jwt.pub").string(),
+                                                 ",priv-key=", (jwt / "jwt.key").string(),
+                                                 ",sign-method=RS256,ttl=5m")});
+  ASSERT_TRUE(etcd.started());
+  ASSERT_TRUE(Eventually([&] {
+    return Gateway(etcd.endpoint(), "/v3/auth/user/add",
+                   R"({"name":"root","password":"s3cret"})") != "";
+  })) << "see "
+      << etcd.log();
+  ASSERT_NE(Gateway(etcd.endpoint(), "/v3/auth/user/grant", R"({"user":"root","role":"root"})"),
+            "");
+  ASSERT_NE(Gateway(etcd.endpoint(), "/v3/auth/enable", "{}"), "");
+  EtcdOwnershipOptions o = Options("a");
+  o.client.endpoints = {etcd.endpoint()};
+  o.client.username = "root";
+  o.client.password = "s3cret";
+  auto a = EtcdOwnership::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE((*a)->Claim(SessionKey("x")).ok());
+  EXPECT_EQ((*a)->authentications(), 1);
+  // An unrelated change of the auth store, by an operator with a token of their own.
+  const nlohmann::json auth = nlohmann::json::parse(
+      Gateway(etcd.endpoint(), "/v3/auth/authenticate", R"({"name":"root","password":"s3cret"})"),
+      nullptr, false);
+  ASSERT_TRUE(auth.is_object() && auth.contains("token"));
+  ASSERT_NE(Gateway(etcd.endpoint(), "/v3/auth/user/add", R"({"name":"ops","password":"other"})",
+                    auth["token"].get<std::string>()),
+            "");
+  const absl::Status claimed = (*a)->Claim(SessionKey("y"));
+  EXPECT_TRUE(claimed.ok()) << claimed;
+  EXPECT_GE((*a)->authentications(), 2);  // (the handoff poll may have been refused too)
 }
 
 }  // namespace
