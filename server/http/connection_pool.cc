@@ -193,6 +193,15 @@ bool ConnectionPool::NextJob(Worker* self, std::function<void()>& job) {
     self->idle = true;
     self->idle_since = clock_();
   }
+  if (jobs_.empty() && !refusals_.empty() && !shutdown_ && !self->exit) {
+    // A refused job no refusal thread has taken yet (they are held by slow clients): served
+    // after all, by this worker that came free, rather than left unanswered behind them.
+    job = std::move(refusals_.front());
+    refusals_.pop_front();
+    --idle_;
+    self->idle = false;
+    return true;
+  }
   while (jobs_.empty() && !shutdown_ && !self->exit) {
     if (test_clock_) {
       work_.Wait(&mu_);  // the test's clock moves only in ClockAdvancedForTesting()

@@ -22,8 +22,9 @@
 //     holds a refusal thread as long as it would hold a worker (its read timeout), and so does
 //     one that ignores `Connection: close` (until its keep-alive timeout: httplib 0.11 closes a
 //     connection after a response only when the request asked); refused jobs wait for a free
-//     refusal thread, in order. With `refusal_threads` 0 (or none could start) no job is
-//     refused.
+//     refusal thread, in order, or for a worker that comes free first, which serves the oldest
+//     normally (it still counts in refused()). With `refusal_threads` 0 (or none could start) no
+//     job is refused.
 //   - A worker above `base_threads` that has waited `options.idle_timeout` (60 s) for a job
 //     exits (none does while a job is queued), so a burst of connections does not leave its threads
 //     behind; the thread count follows the connections open (a worker counts as busy until its job

@@ -218,7 +218,8 @@ TEST(ConnectionPoolTest, WorkersAboveTheBaseExitOnceIdleForTheTimeout) {
   EXPECT_EQ(pool.threads(), 4);
   Open(gate);
   ASSERT_TRUE(pool.AwaitIdleForTesting(4, kBound));
-  EXPECT_EQ(ProcessThreads(), threads_before + 4);
+  // (/proc lists a thread a moment after its join returns: waited for, not raced.)
+  EXPECT_TRUE(Eventually([&] { return ProcessThreads() == threads_before + 4; }));
   // Idle for less than the timeout: every worker stays.
   clock.Advance(kIdle - absl::Nanoseconds(1));
   pool.ClockAdvancedForTesting();
@@ -227,7 +228,7 @@ TEST(ConnectionPoolTest, WorkersAboveTheBaseExitOnceIdleForTheTimeout) {
   clock.Advance(absl::Nanoseconds(1));
   pool.ClockAdvancedForTesting();
   EXPECT_EQ(pool.threads(), 1);
-  EXPECT_EQ(ProcessThreads(), threads_before + 1);
+  EXPECT_TRUE(Eventually([&] { return ProcessThreads() == threads_before + 1; }));
   // The base worker stays however long it is idle.
   clock.Advance(absl::Hours(24));
   pool.ClockAdvancedForTesting();
@@ -242,7 +243,7 @@ TEST(ConnectionPoolTest, WorkersAboveTheBaseExitOnceIdleForTheTimeout) {
   Open(second_gate);
   pool.shutdown();
   EXPECT_EQ(pool.threads(), 0);
-  EXPECT_EQ(ProcessThreads(), threads_before);
+  EXPECT_TRUE(Eventually([&] { return ProcessThreads() == threads_before; }));
 }
 
 // The idle time starts again after each job: a worker that served a connection 30 s ago, after
@@ -395,6 +396,44 @@ TEST(ConnectionPoolTest, RefusedJobsRunInOrderAndShutdownRunsThoseLeft) {
   stopper.join();
   absl::MutexLock lock(&order_mu);
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+}
+
+// A worker that comes free while refused jobs wait for the refusal threads (held by slow
+// clients) serves the oldest of them normally. Before, they waited behind the refusal threads,
+// unanswered, while the worker sat idle.
+TEST(ConnectionPoolTest, AWorkerThatComesFreeServesARefusedJobStillWaiting) {
+  FakeClock clock;
+  absl::Notification holder_gate, refusal_gate;
+  Job holder, stuck, waiting;
+  std::atomic<bool> stuck_refused = false, waiting_refused = true;
+  ConnectionPoolOptions options = WithClock(clock, absl::Seconds(60), absl::Seconds(1));
+  options.refusal_threads = 1;
+  ConnectionPool pool(/*base_threads=*/1, /*max_threads=*/1, "sdm-test-pool", options);
+  absl::Cleanup open_gates = [&] {
+    Open(holder_gate);
+    Open(refusal_gate);
+  };
+  pool.enqueue(Blocking(holder, holder_gate));
+  ASSERT_TRUE(holder.started.WaitForNotificationWithTimeout(kBound));
+  pool.enqueue([&] {
+    stuck_refused = ConnectionPool::Refusing();
+    stuck.started.Notify();
+    refusal_gate.WaitForNotificationWithTimeout(kBound);  // a slow client
+    stuck.finished.Notify();
+  });
+  pool.enqueue(Recording(waiting, waiting_refused));
+  clock.Advance(absl::Seconds(1));
+  pool.ClockAdvancedForTesting();
+  EXPECT_EQ(pool.refused(), 2);
+  ASSERT_TRUE(stuck.started.WaitForNotificationWithTimeout(kBound));
+  EXPECT_TRUE(stuck_refused.load());
+  EXPECT_FALSE(waiting.started.HasBeenNotified());
+  Open(holder_gate);  // the worker comes free; the refusal thread is still held
+  ASSERT_TRUE(waiting.finished.WaitForNotificationWithTimeout(kBound));
+  EXPECT_FALSE(waiting_refused.load()) << "served on the worker";
+  EXPECT_FALSE(stuck.finished.HasBeenNotified());
+  Open(refusal_gate);
+  pool.shutdown();
 }
 
 // refusal_threads 0: a job waits for a worker however long, as in httplib's ThreadPool.
