@@ -102,7 +102,8 @@ bool IsSessionChanged(const absl::Status& status);
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which
 // comes once the turn is written to the state directory (SessionLease::ReleaseWhenPersisted: from
 // the store's worker or writer threads, from the Submit of the session's next turn when that
-// writes it first, or at once on the step thread when nothing is to wait for), never later than
+// writes it first, from a thread that deletes, parks (an etcd handoff's too) or persists the
+// session, or at once on the step thread when nothing is to wait for), never later than
 // its own write: not held up by the session's next turn. So an observer must be thread-safe, and
 // a client's final chunk means its turn survives a crash (under --persist turn). A turn that was
 // not saved ends, after its tokens, with the store's error instead (OnFinish kError): UNAVAILABLE

@@ -778,10 +778,12 @@ absl::Status SessionStateStore::LoadDirectory() {
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else if (!record.ok()) {
       Quarantine(*entry, path, record.status());
-      // Its log goes with it (unless its scan moved it already): left here, the next Open would
+      // Its log goes with it (when the snapshot could be moved): left here, the next Open would
       // find a log without its snapshot and remove it, with every turn since the snapshot (a
       // server started once with the wrong model would lose them).
-      if (all_names.count(log_path.filename().string()) > 0) QuarantineLog(log_path);
+      if (!entry->quarantined_as.empty() && all_names.count(log_path.filename().string()) > 0) {
+        QuarantineLog(log_path);  // (a log its scan moved already: ENOENT, ignored)
+      }
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else {
       entry->metadata = record->metadata;
@@ -908,8 +910,17 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   entry->snapshot_file = committed;
   entry->disk_bytes = static_cast<int64_t>(stamp->size);
   entry->persisted_bytes = entry->disk_bytes;
+  if (!record.ok() && record.status().code() != absl::StatusCode::kFailedPrecondition) {
+    // Damaged, or not readable now (an I/O error, too many open files): this call's answer, and
+    // the next call reads the file again.
+    return absl::Status(
+        record.status().code(),
+        absl::StrCat("the snapshot of session '", key.id,
+                     "' in the shared directory failed its checks: ", record.status().message()));
+  }
   if (!record.ok()) {
-    // A broken session (as a quarantined one is: listed with its error, refused, deletable),
+    // Of another model or format version: a broken session (as a quarantined one is: listed
+    // with its error, refused, deletable),
     // its file left where it is: another replica may read it (one of the model it was written
     // by, during a rolling upgrade). Before, the error was the answer to every call on the id,
     // its Delete included: the id could not be freed.
@@ -1282,6 +1293,14 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
     if (!decoded.ok()) {
       e->in_use = false;
       const absl::StatusCode code = decoded.status().code();
+      if (from == Tier::kDisk && options_.shared_dir &&
+          code == absl::StatusCode::kFailedPrecondition) {
+        // Of another model or format on a shared directory (replaced meanwhile by a replica of
+        // another model): left in place for the replicas that read it (as Discover does).
+        e->position = -1;
+        e->broken = SharedSnapshotRefused(decoded.status());
+        return e->BrokenError(key.id);
+      }
       if (from == Tier::kDisk &&
           (code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition)) {
         Quarantine(*e, path, decoded.status());

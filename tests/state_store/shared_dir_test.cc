@@ -290,6 +290,37 @@ TEST_F(SharedDirTest, GetSeesAnotherStoresTurnAndDeletion) {
   EXPECT_TRUE(absl::IsNotFound(b->Get("g").status())) << b->Get("g").status();
 }
 
+// A read of a session's snapshot in the shared directory that fails for a moment (too many open
+// files, an I/O error) fails that call; the next call reads the file again. (A snapshot of
+// another model is a broken session kept until deleted: a transient failure must not become one,
+// whose message says to delete a sound session.)
+TEST_F(SharedDirTest, AReadThatFailsForAMomentFailsOnlyThatCall) {
+  FencedTable table;
+  FencedTable::View own_a(&table, "a"), own_b(&table, "b");
+  auto a = OpenStore(true, &own_a);
+  testing::FaultInjectionFiles files;
+  SessionStoreOptions options;
+  options.ownership = &own_b;
+  options.dir = dir_.path();
+  options.files = &files;
+  options.background = false;
+  options.shared_dir = true;
+  auto opened = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  std::unique_ptr<SessionStateStore> b = *std::move(opened);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("r", "").ok());
+  Turn(*a, "r", testing::RandomTokens(5, 50));
+  ASSERT_TRUE(a->Park("r", Tier::kDisk).ok());  // releases it
+  files.FailNext(testing::FaultInjectionFiles::Op::kReadRange,
+                 {absl::ResourceExhaustedError("injected: Too many open files"), 0, -1,
+                  /*sticky=*/true});
+  const absl::Status failed = b->Acquire("r").status();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kResourceExhausted) << failed;
+  files.ClearFaults();
+  ExpectLikeReference(*b, "r");
+}
+
 TEST_F(SharedDirTest, OnlyTheOwnerTakesASessionUpAndParkingReleasesIt) {
   FakeOwnershipTable table;
   FakeOwnershipTable::View own_a(&table, "a"), own_b(&table, "b");
