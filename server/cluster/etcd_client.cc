@@ -112,6 +112,19 @@ bool TokenRefused(int status, const std::string& body) {
          (status == 400 && absl::StrContains(body, "revision of auth store is old"));
 }
 
+// Whether an etcd answer says that this member cannot serve requests now, whatever they are: no
+// leader (it is cut off from the cluster), a leader change or a dropped proposal, a learner,
+// too many requests. Another member may serve the request.
+bool MemberCannotServe(int status, const std::string& body) {
+  if (status == 200) return false;
+  for (const char* says :
+       {"etcdserver: no leader", "etcdserver: leader changed", "raft proposal dropped",
+        "not supported for learner", "etcdserver: too many requests"}) {
+    if (absl::StrContains(body, says)) return true;
+  }
+  return false;
+}
+
 // Blocks SIGPIPE in this thread while it lives, and discards one raised meanwhile. OpenSSL writes
 // to its socket with write(), without MSG_NOSIGNAL: a TLS connection that etcd closed (a
 // handshake it refused, a restart while the connection was idle in the pool) would otherwise
@@ -282,6 +295,14 @@ absl::StatusOr<std::string> EtcdClient::Post(const std::string& path, const std:
   for (size_t i = 0; i < n; ++i) {
     const size_t e = (first + i) % n;
     Attempt a = Send(e, path, body);
+    if (a.kind == Attempt::Kind::kAnswered && MemberCannotServe(a.status, a.body)) {
+      // This member's state, not the request's: the next member may serve it. (Counted as
+      // unanswered: a proposal dropped in a leader change may have been applied.)
+      if (unanswered != nullptr) *unanswered = true;
+      failures.push_back(
+          absl::StrCat(endpoints_[e]->url, ": answered ", a.status, " ", a.body.substr(0, 200)));
+      continue;
+    }
     if (a.kind == Attempt::Kind::kAnswered) {
       preferred_.store(e);
       if (a.status != 200) {
@@ -399,6 +420,9 @@ EtcdClient::Attempt EtcdClient::Exchange(size_t e, const std::string& path, cons
   request.path = path;
   request.body = body;
   request.headers.emplace("Content-Type", "application/json");
+  // gRPC metadata "hasleader": a member cut off from the cluster's leader answers "no leader" at
+  // once (Post then tries the next member) instead of holding the request until it times out.
+  request.headers.emplace("Grpc-Metadata-Hasleader", "true");
   if (!token.empty()) request.headers.emplace("Authorization", token);
   int status = 0;
   std::string answer;

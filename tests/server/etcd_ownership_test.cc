@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -871,6 +872,32 @@ TEST_F(EtcdOwnershipTest, ACommitAppliedBeforeTheClaimEndedIsCommitted) {
   ASSERT_TRUE(seen.ok()) << seen.status();
   EXPECT_EQ(*seen, "one");
   EXPECT_EQ((*a)->ClaimEpoch(x), 0);  // the claim is gone
+}
+
+// A member that answers that it cannot serve now (cut off from the leader: "no leader", which it
+// answers at once because every request asks for a leader, Grpc-Metadata-Hasleader) is passed
+// over: the request goes to the next member. Before, the answer was taken as etcd's, and the
+// replica could not start while such a member came first.
+TEST_F(EtcdOwnershipTest, AMemberWithoutALeaderIsPassedOver) {
+  httplib::Server leaderless;
+  std::atomic<int> asked_for_a_leader{0};
+  leaderless.Post(R"(/v3/.*)", [&](const httplib::Request& req, httplib::Response& r) {
+    if (req.get_header_value("Grpc-Metadata-Hasleader") == "true") ++asked_for_a_leader;
+    r.status = 503;
+    r.set_content(R"({"error":"etcdserver: no leader","code":14})", "application/json");
+  });
+  const int port = leaderless.bind_to_any_port("127.0.0.1");
+  std::thread serving([&] { leaderless.listen_after_bind(); });
+  absl::Cleanup stop = [&] {
+    leaderless.stop();
+    serving.join();
+  };
+  EtcdOwnershipOptions o = Options("a");
+  o.client.endpoints = {absl::StrCat("http://127.0.0.1:", port), endpoint_};
+  auto a = EtcdOwnership::Start(o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_GE(asked_for_a_leader.load(), 1);
+  EXPECT_TRUE((*a)->Claim(SessionKey("x")).ok());
 }
 
 // Authentication (enabled here through the gateway: the root user with the root role): a wrong
