@@ -32,6 +32,7 @@
 #include "state_store/state_codec.h"
 #include "state_store/state_files.h"
 #include "tests/engine/test_model_util.h"
+#include "tests/state_store/fault_injection_files.h"
 #include "tests/state_store/snapshot_test_util.h"
 
 namespace sdm {
@@ -719,6 +720,39 @@ TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
   // The operator moves both back: the session is as it was, its last turn included.
   std::filesystem::rename(kept_snapshot, dir_.path() / "alpha.sdmstate");
   std::filesystem::rename(kept_log, log);
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  auto lease = store->Acquire("alpha");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().position(),
+            static_cast<int64_t>(refs_["alpha"].prompt.size() + more.size()));
+}
+
+// When the snapshot cannot be moved to quarantine (the rename fails), its log stays with it:
+// moved alone, the next Open would load the snapshot without the turns the log holds.
+TEST_F(SnapshotStoreCorruptionTest, ALogStaysWhenItsSnapshotCannotBeQuarantined) {
+  const std::vector<int32_t> more = testing::RandomTokens(3, 9);
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    auto lease = store->Acquire("alpha");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), more);
+  }
+  ASSERT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
+  {
+    auto other = testing::TinyEngine(/*weight_seed=*/12);
+    testing::FaultInjectionFiles files;
+    files.FailRename();  // the first: alpha's snapshot (sorted first; its log is skipped)
+    SessionStoreOptions options;
+    options.dir = dir_.path();
+    options.files = &files;
+    options.background = false;
+    auto store = SessionStateStore::Open(other->state_layout(), other->fingerprint(), options);
+    ASSERT_TRUE(store.ok()) << store.status();
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmstate"));
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
   auto store = Open();
   ASSERT_NE(store, nullptr);
   auto lease = store->Acquire("alpha");
