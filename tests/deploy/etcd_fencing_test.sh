@@ -24,12 +24,10 @@
 set -euo pipefail
 BUILD_DIR=$1
 SOURCE_DIR=$2
-command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
-work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
-# A frozen process is killed by cluster_cleanup too (kill -9 ends a stopped process).
-trap 'cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
+# (A frozen process is killed by cluster_cleanup too: kill -9 ends a stopped process.)
+cluster_test_begin etcd
 
 make_model
 start_etcd

@@ -17,22 +17,15 @@
 #
 #   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd|-] [SESSIONS]
 set -euo pipefail
-# Debian installs nginx in /usr/sbin, which a non-root user's PATH lacks: the test would skip.
-export PATH="$PATH:/usr/sbin:/sbin"
 BUILD_DIR=$1
 SOURCE_DIR=$2
 mode=${3:-kill}
 with_etcd=${4:-}
 [ "$with_etcd" != - ] || with_etcd=
 sessions=${5:-20}
-command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
-if [ -n "$with_etcd" ]; then
-  command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
-fi
-work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
-trap 'cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
+cluster_test_begin nginx ${with_etcd:+etcd}
 
 make_model
 extra=()

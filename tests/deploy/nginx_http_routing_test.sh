@@ -15,15 +15,11 @@
 #
 #   tests/deploy/nginx_http_routing_test.sh BUILD_DIR SOURCE_DIR
 set -euo pipefail
-# Debian installs nginx in /usr/sbin, which a non-root user's PATH lacks: the test would skip.
-export PATH="$PATH:/usr/sbin:/sbin"
 BUILD_DIR=$1
 SOURCE_DIR=$2
-command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
-work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
-trap 'cluster_cleanup; [ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
+cluster_test_begin nginx
 
 make_model
 ports=()

@@ -12,16 +12,12 @@
 #
 #   tests/deploy/nginx_scale_test.sh BUILD_DIR SOURCE_DIR [SESSIONS]
 set -euo pipefail
-# Debian installs nginx in /usr/sbin, which a non-root user's PATH lacks: the test would skip.
-export PATH="$PATH:/usr/sbin:/sbin"
 BUILD_DIR=$1
 SOURCE_DIR=$2
 sessions=${3:-9}
-command -v nginx >/dev/null || { echo "skip: nginx is not installed"; exit 77; }
-command -v etcd >/dev/null || { echo "skip: etcd is not installed"; exit 77; }
-work=$(mktemp -d)
 # shellcheck source=tests/deploy/replica_cluster.sh
 source "$SOURCE_DIR/tests/deploy/replica_cluster.sh"
+cluster_test_begin nginx etcd
 # On failure, what the CI log needs to tell a retried call that had already run (a GOAWAY from
 # nginx's reload) from a handoff that lost or repeated a turn: the calls that failed and were
 # retried, and what each replica logged about sessions and handoffs.
@@ -36,8 +32,10 @@ report_failure() {
     grep -iE "session|handoff|hand|park|claim" "$err" | tail -15 || true
   done
 }
-trap 'rc=$?; touch "$work/stop"; [ $rc -ne 0 ] && report_failure; cluster_cleanup
-[ -n "${SDM_KEEP_WORK:-}" ] && echo "kept $work" || rm -rf "$work"' EXIT
+cluster_test_on_exit() {
+  touch "$work/stop"
+  if [ "$1" -ne 0 ]; then report_failure; fi
+}
 
 make_model
 start_etcd

@@ -1,6 +1,6 @@
 # Helpers shared by the replica tests (tests/deploy/*_test.sh): a model, sdm-server replicas
 # on loopback sharing one --state_dir, and nginx in front of them with deploy/nginx/nginx.conf
-# unchanged. Source it after setting BUILD_DIR, SOURCE_DIR and work (a temporary directory).
+# unchanged. Source it after setting BUILD_DIR and SOURCE_DIR, then call cluster_test_begin.
 # Every process started here is recorded in $work/pids and killed by cluster_cleanup.
 
 server_bin="$BUILD_DIR/server/sdm-server"
@@ -8,6 +8,27 @@ client_bin="$BUILD_DIR/client/sdm-client"
 model_bin="$BUILD_DIR/tools/sdm_model/sdm-model"
 
 fail() { echo "FAIL: $*"; exit 1; }
+
+# cluster_test_begin [COMMAND...]: the start of every replica test. /usr/sbin and /sbin on PATH
+# (Debian installs nginx there, which a non-root user's PATH lacks: the test would skip); exit
+# 77 (skipped, saying so) when a COMMAND is not installed; $work a new temporary directory; and at
+# exit, whatever the outcome: cluster_test_on_exit STATUS if the test defines it, then
+# cluster_cleanup, then $work removed (kept, and named, with SDM_KEEP_WORK set).
+cluster_test_begin() {
+  export PATH="$PATH:/usr/sbin:/sbin"
+  local command
+  for command in "$@"; do
+    command -v "$command" >/dev/null || { echo "skip: $command is not installed"; exit 77; }
+  done
+  work=$(mktemp -d)
+  trap 'cluster_test_end $?' EXIT
+}
+
+cluster_test_end() {
+  if declare -F cluster_test_on_exit >/dev/null; then cluster_test_on_exit "$1" || true; fi
+  cluster_cleanup
+  if [ -n "${SDM_KEEP_WORK:-}" ]; then echo "kept $work"; else rm -rf "$work"; fi
+}
 
 cluster_cleanup() {
   if [ -f "$work/pids" ]; then
