@@ -275,6 +275,9 @@ int SessionsDelete(absl::Span<const std::string> args, const ClientIo& io) {
   if (std::optional<int> exit = command.Parse(args)) return *exit;
   if (command.positional().empty()) return command.UsageError("expected a session id");
   if (std::optional<int> exit = command.Connect()) return *exit;
+  // Every id is tried (a cleanup script's list is not cut short by one that is gone); the exit
+  // code is the first failure's.
+  int exit = kExitOk;
   for (const std::string& id : command.positional()) {
     grpc::ClientContext context;
     command.Prepare(context);
@@ -283,11 +286,13 @@ int SessionsDelete(absl::Span<const std::string> args, const ClientIo& io) {
     request.set_session_id(id);
     sdm::v1::DeleteSessionResponse response;
     if (grpc::Status s = command.stub().DeleteSession(&context, request, &response); !s.ok()) {
-      return command.Failure(s, context);
+      const int failed = command.Failure(s, context);
+      if (exit == kExitOk) exit = failed;
+      continue;
     }
     *io.out << "deleted " << id << "\n";
   }
-  return kExitOk;
+  return exit;
 }
 
 }  // namespace

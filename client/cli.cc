@@ -65,9 +65,26 @@ bool HoistLeadingFlags(std::vector<std::string>& args, std::string& error) {
   return true;
 }
 
+int RunCommand(const std::vector<std::string>& original_args, const ClientIo& io);
+
 }  // namespace
 
+// The command's exit code, unless its output could not be written (a full disk, a closed pipe
+// that does not raise SIGPIPE): then a failure, said on stderr. Before, `sdm-client generate >
+// out.txt` on a full disk left a truncated file and exited 0.
 int RunSdmClient(const std::vector<std::string>& original_args, const ClientIo& io) {
+  const int exit = RunCommand(original_args, io);
+  io.out->flush();
+  if (io.out->fail()) {
+    *io.err << "sdm-client: cannot write to standard output\n";
+    return exit == kExitOk ? kExitFailure : exit;
+  }
+  return exit;
+}
+
+namespace {
+
+int RunCommand(const std::vector<std::string>& original_args, const ClientIo& io) {
   std::vector<std::string> args = original_args;
   if (std::string error; !HoistLeadingFlags(args, error)) {
     *io.err << "sdm-client: " << error << "\n" << kUsage;
@@ -93,4 +110,5 @@ int RunSdmClient(const std::vector<std::string>& original_args, const ClientIo& 
   return kExitUsage;
 }
 
+}  // namespace
 }  // namespace sdm::client

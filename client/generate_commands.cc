@@ -62,6 +62,11 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
   outcome.status = reader->Finish();
   outcome.seconds = SecondsBetween(start, Clock::now());
   outcome.retry_after_ms = RetryAfterMs(context);
+  // A turn that ran and ended UNAVAILABLE was not saved but is in the session: not to be sent
+  // again (docs/api.md, Errors), though the server hints a retry on every UNAVAILABLE.
+  if (outcome.status.error_code() == grpc::StatusCode::UNAVAILABLE && !outcome.token_ids.empty()) {
+    outcome.retry_after_ms.clear();
+  }
   return outcome;
 }
 

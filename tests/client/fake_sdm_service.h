@@ -55,6 +55,13 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     failures_[method] = {status, times, std::move(retry_after_ms)};
   }
 
+  // The next Generate streams its tokens, then ends with `status` (and the retry hint
+  // `retry_after_ms` unless empty) instead of its final chunk: a turn that ran but was not saved.
+  void FailNextAfterTokens(grpc::Status status, std::string retry_after_ms = "") {
+    absl::MutexLock lock(&mu_);
+    fail_after_tokens_ = Failure{status, 1, std::move(retry_after_ms)};
+  }
+
   std::vector<Call> calls() const {
     absl::MutexLock lock(&mu_);
     return calls_;
@@ -122,6 +129,22 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
         if (delay > absl::ZeroDuration()) absl::SleepFor(delay);
         writer->Write(chunk);
         chunk.Clear();
+      }
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      if (fail_after_tokens_.has_value()) {
+        const Failure failure = *std::exchange(fail_after_tokens_, std::nullopt);
+        --running_;
+        if (!request->session_id().empty()) {
+          sdm::v1::Session& s = sessions_[request->session_id()];
+          s.set_generating(false);
+          s.set_position(history + prompt + n);
+        }
+        if (!failure.retry_after_ms.empty()) {
+          context->AddTrailingMetadata("grpc-retry-pushback-ms", failure.retry_after_ms);
+        }
+        return failure.status;
       }
     }
     chunk.set_finish_reason(sdm::v1::FINISH_REASON_LENGTH);
@@ -302,6 +325,7 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     std::string retry_after_ms;
   };
   std::map<std::string, Failure> failures_ ABSL_GUARDED_BY(mu_);
+  std::optional<Failure> fail_after_tokens_ ABSL_GUARDED_BY(mu_);
   int tokens_per_chunk_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Duration chunk_delay_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;

@@ -211,6 +211,46 @@ TEST_F(SdmClientTest, FailedCallsPrintTheCodeAndExitWithOne) {
   EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
 }
 
+// A turn that ran (its tokens streamed) and ended UNAVAILABLE was not saved but is in the
+// session (docs/api.md, Errors: not to be sent again): the server's retry hint, which it attaches
+// to every UNAVAILABLE, is not printed for it. Before, "retry after 1000 ms" followed the text.
+TEST_F(SdmClientTest, ATurnThatRanIsNotOfferedForRetry) {
+  server_.service().FailNextAfterTokens(
+      grpc::Status(grpc::StatusCode::UNAVAILABLE, "this turn was generated ... not saved"), "1000");
+  const RunResult r = Run("generate", {"--prompt", "a", "--max_tokens", "3"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_EQ(r.out, "t0 t1 t2 ");
+  EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE: this turn was generated"));
+  EXPECT_THAT(r.err, Not(HasSubstr("retry after")));
+}
+
+// Output that cannot be written (stdout on a full disk) makes the command fail, saying so.
+// Before, `sdm-client generate > out.txt` on a full disk exited 0 with a truncated file.
+TEST_F(SdmClientTest, AnUnwritableStdoutFailsTheCommand) {
+  std::istringstream in;
+  std::ostream out(nullptr);  // every write fails (badbit)
+  std::ostringstream err;
+  ClientIo io;
+  io.in = &in;
+  io.out = &out;
+  io.err = &err;
+  io.env = MapEnv({});
+  EXPECT_EQ(RunSdmClient({"generate", "--host", server_.address(), "--prompt", "a"}, io),
+            kExitFailure);
+  EXPECT_THAT(err.str(), HasSubstr("sdm-client: cannot write to standard output"));
+}
+
+// sessions delete tries every id, and fails if any failed: a cleanup list is not cut short by
+// one id that is gone. Before, it stopped at the first failure.
+TEST_F(SdmClientTest, SessionsDeleteTriesEveryId) {
+  ASSERT_EQ(Run("sessions create", {"a1"}).exit, kExitOk);
+  ASSERT_EQ(Run("sessions create", {"a2"}).exit, kExitOk);
+  const RunResult r = Run("sessions delete", {"a1", "nope", "a2"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_EQ(r.out, "deleted a1\ndeleted a2\n");
+  EXPECT_THAT(r.err, HasSubstr("nope"));
+}
+
 // The server's retry hint (grpc-retry-pushback-ms: an overloaded or draining server, a session
 // being handed over by another replica) is printed for every command's failed call, not only
 // generate's (docs/replicas.md, "Handoff").
