@@ -419,31 +419,22 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   }
   job.state->DropStaged();  // a job that never ran: its staged image goes back now
   job.state = nullptr;
-  if (job.spec.session.id.empty()) {
-    job.lease = SessionLease();
-    job.observer->OnFinish(reason, job.usage, error);
-    return;
-  }
   // Back to the store (which may park it) before the observer hears of the end, so a client
-  // that sends its next turn right away finds the session free. The turn is acknowledged once
-  // it is durable (--persist turn): the store's worker calls back after writing it, off the step
-  // thread (at once when there is nothing to wait for). Asked with the release, so that a
-  // deletion right after it is not taken for this turn's write. A turn whose write was refused
-  // (replicas: another took the session over meanwhile) is not in the session's state: the client
-  // is told so (ABORTED), not that it ended well.
-  auto acknowledge = [observer = job.observer, reason, usage = job.usage,
-                      error](const absl::Status& saved) {
-    if (error.ok() && !saved.ok()) {
-      observer->OnFinish(FinishReason::kError, usage, saved);
-    } else {
-      observer->OnFinish(reason, usage, error);
-    }
-  };
-  if (job.lease) {
-    job.lease.ReleaseWhenPersisted(std::move(acknowledge));
-  } else {
-    store_.WhenPersisted(job.spec.session, std::move(acknowledge));
-  }
+  // that sends its next turn right away finds the session free. A turn on a session is
+  // acknowledged once it is durable (--persist turn): the store's worker calls back after writing
+  // it, off the step thread (at once when there is nothing to wait for, and for a one-shot
+  // session). Asked with the release, so that a deletion right after it is not taken for this
+  // turn's write. A turn whose write was refused (replicas: another took the session over
+  // meanwhile) is not in the session's state: the client is told so (ABORTED), not that it ended
+  // well. (Every job holds its lease from Submit on.)
+  job.lease.ReleaseWhenPersisted(
+      [observer = job.observer, reason, usage = job.usage, error](const absl::Status& saved) {
+        if (error.ok() && !saved.ok()) {
+          observer->OnFinish(FinishReason::kError, usage, saved);
+        } else {
+          observer->OnFinish(reason, usage, error);
+        }
+      });
 }
 
 }  // namespace sdm

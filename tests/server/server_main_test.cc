@@ -187,27 +187,51 @@ std::string ReadLine(int fd, std::chrono::milliseconds timeout) {
   return "";
 }
 
+// A started sdm-server: its pid and the read end of its standard output (pid -1: the spawn
+// failed).
+struct SpawnedServer {
+  pid_t pid = -1;
+  int out = -1;
+};
+
+// Starts kServer with `args` (after the program name), its standard output a pipe and its
+// standard error written to `err` (empty: inherited).
+SpawnedServer SpawnServer(std::vector<std::string> args, const std::filesystem::path& err = {}) {
+  int out[2];
+  if (::pipe(out) != 0) return {};
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
+  posix_spawn_file_actions_addclose(&actions, out[0]);
+  if (!err.empty()) {
+    posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(),
+                                     O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  }
+  args.insert(args.begin(), kServer);
+  std::vector<char*> argv;
+  for (std::string& arg : args) argv.push_back(arg.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  const int spawned = ::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(out[1]);
+  if (spawned != 0) {
+    ::close(out[0]);
+    return {};
+  }
+  return {pid, out[0]};
+}
+
 TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
   const std::filesystem::path state = dir_.path() / "state";
   const std::filesystem::path flags = dir_.path() / "server.flags";
   WriteFile(flags, absl::StrCat("# test configuration\n--model=", TinyModelDir().string(),
                                 "\n--port=0\n--metrics_port=-1\n--threads=1\n--state_dir=",
                                 state.string(), "\n--shutdown_grace=1s\n"));
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addclose(&actions, out[0]);
-  const std::string flagfile = absl::StrCat("--flagfile=", flags.string());
-  std::vector<char*> argv = {const_cast<char*>(kServer.c_str()),
-                             const_cast<char*>(flagfile.c_str()), nullptr};
-  pid_t pid = 0;
-  ASSERT_EQ(::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(out[1]);
+  const SpawnedServer server = SpawnServer({absl::StrCat("--flagfile=", flags.string())});
+  ASSERT_GT(server.pid, 0);
 
-  const std::string line = ReadLine(out[0], std::chrono::seconds(30));
+  const std::string line = ReadLine(server.out, std::chrono::seconds(30));
   ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
   const std::string address = line.substr(13, line.find(' ', 13) - 13);
   auto stub =
@@ -220,7 +244,7 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
   // The server executed itself again with malloc's per-thread cache off (the default
   // --malloc_tcache_count=0): same pid, flags re-read from the flag file, serving.
   if (std::getenv("GLIBC_TUNABLES") == nullptr) {
-    std::ifstream environ_file(absl::StrCat("/proc/", pid, "/environ"), std::ios::binary);
+    std::ifstream environ_file(absl::StrCat("/proc/", server.pid, "/environ"), std::ios::binary);
     const std::string server_env((std::istreambuf_iterator<char>(environ_file)),
                                  std::istreambuf_iterator<char>());
     EXPECT_THAT(server_env, ::testing::HasSubstr("GLIBC_TUNABLES=glibc.malloc.tcache_count=0"));
@@ -233,10 +257,10 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
     EXPECT_TRUE(stub->CreateSession(&create_context, request, &session).ok());
   }
 
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
   int raw = 0;
-  ASSERT_EQ(::waitpid(pid, &raw, 0), pid);
-  ::close(out[0]);
+  ASSERT_EQ(::waitpid(server.pid, &raw, 0), server.pid);
+  ::close(server.out);
   ASSERT_TRUE(WIFEXITED(raw));
   EXPECT_EQ(WEXITSTATUS(raw), 0);
   // The session was persisted at shutdown.
@@ -250,32 +274,14 @@ TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
 // The start-up lines name the address the ports are bound to (docs/api.md, "Running the server"):
 // every interface is 0.0.0.0, not the loopback address a client on the machine connects to.
 TEST_F(ServerMainTest, TheStartUpLinesNameTheBoundAddress) {
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addclose(&actions, out[0]);
-  std::vector<std::string> args = {kServer,
-                                   absl::StrCat("--model=", TinyModelDir().string()),
-                                   "--host=0.0.0.0",
-                                   "--port=0",
-                                   "--metrics_port=-1",
-                                   "--http_host=0.0.0.0",
-                                   "--http_port=0",
-                                   "--threads=1",
-                                   "--state_dir=",
-                                   "--shutdown_grace=1s"};
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  ASSERT_EQ(::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(out[1]);
+  const SpawnedServer server =
+      SpawnServer({absl::StrCat("--model=", TinyModelDir().string()), "--host=0.0.0.0", "--port=0",
+                   "--metrics_port=-1", "--http_host=0.0.0.0", "--http_port=0", "--threads=1",
+                   "--state_dir=", "--shutdown_grace=1s"});
+  ASSERT_GT(server.pid, 0);
 
-  const std::string line = ReadLine(out[0], std::chrono::seconds(30));
-  const std::string http_line = ReadLine(out[0], std::chrono::seconds(5));
+  const std::string line = ReadLine(server.out, std::chrono::seconds(30));
+  const std::string http_line = ReadLine(server.out, std::chrono::seconds(5));
   EXPECT_TRUE(line.starts_with("listening on 0.0.0.0:")) << line;
   EXPECT_TRUE(http_line.starts_with("OpenAI-compatible HTTP API on http://0.0.0.0:")) << http_line;
   // The port is the one to connect to (here on loopback).
@@ -289,42 +295,23 @@ TEST_F(ServerMainTest, TheStartUpLinesNameTheBoundAddress) {
   v1::ModelInfo info;
   EXPECT_TRUE(stub->GetModelInfo(&context, {}, &info).ok()) << "port " << port;
 
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
   int raw = 0;
-  ASSERT_EQ(::waitpid(pid, &raw, 0), pid);
-  ::close(out[0]);
+  ASSERT_EQ(::waitpid(server.pid, &raw, 0), server.pid);
+  ::close(server.out);
   ASSERT_TRUE(WIFEXITED(raw));
   EXPECT_EQ(WEXITSTATUS(raw), 0);
 }
 
 TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   const std::filesystem::path err = dir_.path() / "stderr.txt";
-  int out[2];
-  ASSERT_EQ(::pipe(out), 0);
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
-  posix_spawn_file_actions_addclose(&actions, out[0]);
-  posix_spawn_file_actions_addopen(&actions, STDERR_FILENO, err.c_str(),
-                                   O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  const std::string model = absl::StrCat("--model=", NoEosModelDir().string());
-  const std::string state = absl::StrCat("--state_dir=", (dir_.path() / "state").string());
-  std::vector<std::string> args = {kServer,
-                                   model,
-                                   "--port=0",
-                                   "--metrics_port=-1",
-                                   "--threads=1",
-                                   state,
-                                   "--shutdown_grace=60s",
-                                   "--max_tokens_limit=1000000"};
-  std::vector<char*> argv;
-  for (std::string& arg : args) argv.push_back(arg.data());
-  argv.push_back(nullptr);
-  pid_t pid = 0;
-  ASSERT_EQ(::posix_spawn(&pid, kServer.c_str(), &actions, nullptr, argv.data(), environ), 0);
-  posix_spawn_file_actions_destroy(&actions);
-  ::close(out[1]);
-  const std::string line = ReadLine(out[0], std::chrono::seconds(30));
+  const SpawnedServer server = SpawnServer(
+      {absl::StrCat("--model=", NoEosModelDir().string()), "--port=0", "--metrics_port=-1",
+       "--threads=1", absl::StrCat("--state_dir=", (dir_.path() / "state").string()),
+       "--shutdown_grace=60s", "--max_tokens_limit=1000000"},
+      err);
+  ASSERT_GT(server.pid, 0);
+  const std::string line = ReadLine(server.out, std::chrono::seconds(30));
   ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
   const std::string address = line.substr(13, line.find(' ', 13) - 13);
   auto stub =
@@ -334,14 +321,14 @@ TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   auto stream = stub->Generate(&context, TextRequest("endless", 1'000'000));
   v1::GenerateResponse chunk;
   ASSERT_TRUE(stream->Read(&chunk));
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
   // Wait (setup) until the server has started its graceful shutdown.
   Eventually([&] { return ReadFile(err.string()).find("shutting down") != std::string::npos; });
   ASSERT_THAT(ReadFile(err.string()), ::testing::HasSubstr("shutting down"));
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
   int raw = 0;
-  ASSERT_EQ(::waitpid(pid, &raw, 0), pid);
-  ::close(out[0]);
+  ASSERT_EQ(::waitpid(server.pid, &raw, 0), server.pid);
+  ::close(server.out);
   ASSERT_TRUE(WIFEXITED(raw)) << "signal " << WTERMSIG(raw) << "; stderr:\n"
                               << ReadFile(err.string());
   EXPECT_EQ(WEXITSTATUS(raw), 1);

@@ -158,6 +158,26 @@ class DurabilityTest : public ::testing::Test {
     EXPECT_TRUE(testing::BitwiseEqual(got, testing::ProbeLogits(*engine_, *want_state, kProbe)));
   }
 
+  // What a kill -9 at this instant leaves of the store's directory restores `id` to `reference`.
+  void ExpectCrashCopyHolds(const std::string& id, const SessionState& reference) {
+    auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_NE(restarted, nullptr);
+    ExpectHolds(*restarted, id, reference);
+  }
+
+  // One turn (as Turn) whose lease is released asking for its answer (ReleaseAsking); nullptr
+  // (a failure added) when the session cannot be leased.
+  std::shared_ptr<Ack> TurnAsking(SessionStateStore& store, const std::string& id,
+                                  const std::vector<int32_t>& tokens) {
+    auto lease = store.Acquire(id);
+    EXPECT_TRUE(lease.ok()) << lease.status();
+    if (!lease.ok()) return nullptr;
+    testing::DecodeEach(*engine_, lease->state(), tokens);
+    std::shared_ptr<Ack> ack = ReleaseAsking(*lease);
+    EXPECT_FALSE(*lease);  // released
+    return ack;
+  }
+
   // The compaction rule's bound on a log (SessionStoreOptions::log_compact_ratio): the ratio
   // times the larger of the snapshot on disk and the snapshot the session would write now (that
   // of `reference`, the same state; a little slack for the record, which names the session).
@@ -931,9 +951,7 @@ TEST_F(DurabilityTest, ATurnWhoseWriteFailsIsAnsweredAsNotSaved) {
   Turn(*store, "s", last);
   EXPECT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
   EXPECT_TRUE(store->PersistHealth().ok());
-  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
-  ASSERT_NE(restarted, nullptr);
-  ExpectHolds(*restarted, "s", *reference);
+  ExpectCrashCopyHolds("s", *reference);
 }
 
 // One session's writes failing turns health, but says nothing of the other sessions' writes:
@@ -1059,24 +1077,15 @@ TEST_F(DurabilityTest, ATurnAskedWithItsReleaseIsAnsweredForThatTurn) {
   auto reference = engine_->NewSession();
   const std::vector<int32_t> tokens = testing::RandomTokens(4, 91);
   testing::DecodeEach(*engine_, *reference, tokens);
-  {
-    auto lease = store->Acquire("s");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    testing::DecodeEach(*engine_, lease->state(), tokens);
-    const std::shared_ptr<Ack> saved = ReleaseAsking(*lease);
-    ASSERT_TRUE(Answer(*saved).ok()) << saved->saved;
-  }
-  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
-  ASSERT_NE(restarted, nullptr);
-  ExpectHolds(*restarted, "s", *reference);
+  const std::shared_ptr<Ack> saved = TurnAsking(*store, "s", tokens);
+  ASSERT_NE(saved, nullptr);
+  ASSERT_TRUE(Answer(*saved).ok()) << saved->saved;
+  ExpectCrashCopyHolds("s", *reference);
 
   // The writer held: the next turn's write cannot happen before the Delete.
   ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
-  auto lease = store->Acquire("s");
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 92));
-  const std::shared_ptr<Ack> deleted = ReleaseAsking(*lease);
-  EXPECT_FALSE(*lease);  // released
+  const std::shared_ptr<Ack> deleted = TurnAsking(*store, "s", testing::RandomTokens(2, 92));
+  ASSERT_NE(deleted, nullptr);
   EXPECT_FALSE(deleted->done.HasBeenNotified());
   ASSERT_TRUE(store->Delete("s").ok());
   const absl::Status answer = Answer(*deleted);
@@ -1144,13 +1153,8 @@ TEST_F(DurabilityTest, ATurnBeingWrittenWhenAnFsyncFailsIsAnsweredByItsWrite) {
   // it first, on its own thread: held too.
   const std::vector<int32_t> second = testing::RandomTokens(3, 96);
   testing::DecodeEach(*engine_, *reference, second);
-  std::shared_ptr<Ack> ack;
-  {
-    auto lease = store->Acquire("s");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    testing::DecodeEach(*engine_, lease->state(), second);
-    ack = ReleaseAsking(*lease);
-  }
+  const std::shared_ptr<Ack> ack = TurnAsking(*store, "s", second);
+  ASSERT_NE(ack, nullptr);
   files.Hold(stem);
   absl::Status next_turn = absl::InternalError("not run");
   std::thread next([&] { next_turn = store->Acquire("s").status(); });
@@ -1172,9 +1176,7 @@ TEST_F(DurabilityTest, ATurnBeingWrittenWhenAnFsyncFailsIsAnsweredByItsWrite) {
   EXPECT_TRUE(next_turn.ok()) << next_turn;
   // Parked (written in full and fsynced, the worker's rewrite done): the copy is stable.
   ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
-  auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
-  ASSERT_NE(restarted, nullptr);
-  ExpectHolds(*restarted, "s", *reference);
+  ExpectCrashCopyHolds("s", *reference);
 }
 
 // A park that writes a session answers its turns waiting for that write when it returns.
@@ -1189,13 +1191,8 @@ TEST_F(DurabilityTest, AParkAnswersTheTurnsItWrites) {
   ASSERT_TRUE(store->Create("s", "").ok());
   ASSERT_TRUE(Answer(*AskWhenPersisted(*store, "s")).ok());
   ASSERT_NO_FATAL_FAILURE(HoldTheWriter(*store, files));
-  std::shared_ptr<Ack> ack;
-  {
-    auto lease = store->Acquire("s");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(3, 98));
-    ack = ReleaseAsking(*lease);
-  }
+  const std::shared_ptr<Ack> ack = TurnAsking(*store, "s", testing::RandomTokens(3, 98));
+  ASSERT_NE(ack, nullptr);
   ASSERT_TRUE(store->Park("s", Tier::kDisk).ok());
   ASSERT_TRUE(ack->done.HasBeenNotified());
   EXPECT_TRUE(ack->saved.ok()) << ack->saved;

@@ -434,14 +434,35 @@ class SnapshotStoreCorruptionTest : public ::testing::Test {
   // The quarantined copy: quarantine/victim.sdmstate.<unix ms>[.n] (never overwritten).
   std::filesystem::path Quarantined() const { return QuarantinedCopy(dir_.path(), "victim"); }
 
-  std::unique_ptr<SessionStateStore> Open(uint64_t fingerprint = 0) {
+  std::unique_ptr<SessionStateStore> Open(uint64_t fingerprint = 0,
+                                          StateFiles* files = StateFiles::Default()) {
     SessionStoreOptions options;
     options.dir = dir_.path();
+    options.files = files;
     options.background = false;
     auto store = SessionStateStore::Open(
         engine_->state_layout(), fingerprint != 0 ? fingerprint : engine_->fingerprint(), options);
     EXPECT_TRUE(store.ok()) << store.status();
     return store.ok() ? *std::move(store) : nullptr;
+  }
+
+  // A turn of `tokens` on alpha, written (a delta, to its log) by a store closed after it.
+  void TurnOnAlpha(const std::vector<int32_t>& tokens) {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    auto lease = store->Acquire("alpha");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), tokens);
+  }
+
+  // Alpha restores with its prompt and then `more` (TurnOnAlpha's tokens).
+  void ExpectAlphaHas(const std::vector<int32_t>& more) {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    auto lease = store->Acquire("alpha");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(),
+              static_cast<int64_t>(refs_["alpha"].prompt.size() + more.size()));
   }
 
   // The other sessions restore exactly: same probe logits, bit for bit, as never-parked ones.
@@ -692,13 +713,7 @@ TEST_F(SnapshotStoreCorruptionTest, StoreOfAnotherModelRefusesEverySnapshot) {
 // operator moved the snapshots back. Moved back together, the session restores with its turn.
 TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
   const std::vector<int32_t> more = testing::RandomTokens(4, 8);
-  {
-    auto store = Open();
-    ASSERT_NE(store, nullptr);
-    auto lease = store->Acquire("alpha");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    testing::DecodeEach(*engine_, lease->state(), more);
-  }
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(more));
   const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
   ASSERT_TRUE(std::filesystem::exists(log));  // the turn, a delta
   {
@@ -720,45 +735,24 @@ TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
   // The operator moves both back: the session is as it was, its last turn included.
   std::filesystem::rename(kept_snapshot, dir_.path() / "alpha.sdmstate");
   std::filesystem::rename(kept_log, log);
-  auto store = Open();
-  ASSERT_NE(store, nullptr);
-  auto lease = store->Acquire("alpha");
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  EXPECT_EQ(lease->state().position(),
-            static_cast<int64_t>(refs_["alpha"].prompt.size() + more.size()));
+  ExpectAlphaHas(more);
 }
 
 // When the snapshot cannot be moved to quarantine (the rename fails), its log stays with it:
 // moved alone, the next Open would load the snapshot without the turns the log holds.
 TEST_F(SnapshotStoreCorruptionTest, ALogStaysWhenItsSnapshotCannotBeQuarantined) {
   const std::vector<int32_t> more = testing::RandomTokens(3, 9);
-  {
-    auto store = Open();
-    ASSERT_NE(store, nullptr);
-    auto lease = store->Acquire("alpha");
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    testing::DecodeEach(*engine_, lease->state(), more);
-  }
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(more));
   ASSERT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
   {
     auto other = testing::TinyEngine(/*weight_seed=*/12);
     testing::FaultInjectionFiles files;
     files.FailRename();  // the first: alpha's snapshot (sorted first; its log is skipped)
-    SessionStoreOptions options;
-    options.dir = dir_.path();
-    options.files = &files;
-    options.background = false;
-    auto store = SessionStateStore::Open(other->state_layout(), other->fingerprint(), options);
-    ASSERT_TRUE(store.ok()) << store.status();
+    ASSERT_NE(Open(other->fingerprint(), &files), nullptr);
   }
   EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmstate"));
   EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
-  auto store = Open();
-  ASSERT_NE(store, nullptr);
-  auto lease = store->Acquire("alpha");
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  EXPECT_EQ(lease->state().position(),
-            static_cast<int64_t>(refs_["alpha"].prompt.size() + more.size()));
+  ExpectAlphaHas(more);
 }
 
 }  // namespace
