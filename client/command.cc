@@ -77,6 +77,8 @@ void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {
   flags.AddStringList("stop", &values->stop, "stop when the text contains this string");
   flags.AddString("stop_ids", &values->stop_ids,
                   "comma-separated token ids that stop generation (besides EOS)");
+  flags.AddBool("ignore_eos", &values->ignore_eos,
+                "generate past EOS: stop at max_tokens, a stop id or a stop string only");
   flags.AddBool("add_bos", &values->add_bos, "put the tokenizer's BOS before the prompt");
   flags.SetDefaultText("add_bos", "unset: exactly when the sequence starts here");
 }
@@ -101,6 +103,7 @@ absl::Status ApplySamplingFlags(const FlagSet& flags, const SamplingFlags& value
   absl::StatusOr<std::vector<int32_t>> ids = ParseTokenIds(values.stop_ids, "--stop_ids");
   if (!ids.ok()) return ids.status();
   for (const int32_t id : *ids) s.add_stop_token_ids(id);
+  s.set_ignore_eos(values.ignore_eos);
   if (flags.IsSet("add_bos")) request.set_add_bos(values.add_bos);
   return absl::OkStatus();
 }

@@ -84,6 +84,7 @@ struct SamplingFlags {
   std::string seed = "0";
   std::vector<std::string> stop;
   std::string stop_ids;
+  bool ignore_eos = false;
   bool add_bos = false;
 };
 void AddSamplingFlags(FlagSet& flags, SamplingFlags* values);

@@ -38,10 +38,11 @@ absl::string_view FinishReasonName(FinishReason reason) {
 
 GenerationPolicy::GenerationPolicy(const Tokenizer& tokenizer,
                                    std::span<const std::string> stop_strings,
-                                   std::span<const int32_t> stop_token_ids, int64_t max_tokens)
+                                   const SamplingParams& sampling)
     : tokenizer_(tokenizer),
-      stop_token_ids_(stop_token_ids.begin(), stop_token_ids.end()),
-      max_tokens_(max_tokens),
+      stop_token_ids_(sampling.stop_token_ids.begin(), sampling.stop_token_ids.end()),
+      eos_id_(sampling.ignore_eos ? -1 : tokenizer.eos_id()),
+      max_tokens_(sampling.max_tokens),
       detokenizer_(tokenizer) {
   for (const std::string& s : stop_strings) {
     if (s.empty()) continue;
@@ -57,9 +58,24 @@ size_t GenerationPolicy::FirstStop(absl::string_view text) const {
 }
 
 GenerationPolicy::TokenOutput GenerationPolicy::Accept(int32_t token) {
+  TokenOutput out = AcceptToken(token);
+  if (out.finish.has_value()) finished_ = true;
+  return out;
+}
+
+std::string GenerationPolicy::Flush() {
+  if (finished_) return "";
+  finished_ = true;
+  std::string text = std::move(held_) + detokenizer_.Flush();
+  held_.clear();
+  text.resize(std::min(text.size(), FirstStop(text)));
+  return text;
+}
+
+GenerationPolicy::TokenOutput GenerationPolicy::AcceptToken(int32_t token) {
   ++accepted_;
   TokenOutput out;
-  const bool eos = token == tokenizer_.eos_id();
+  const bool eos = eos_id_ >= 0 && token == eos_id_;
   if (eos ||
       std::find(stop_token_ids_.begin(), stop_token_ids_.end(), token) != stop_token_ids_.end()) {
     // The text held back is final now; a stop string still cuts it.

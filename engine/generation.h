@@ -3,9 +3,10 @@
 // so a completion ends and reads the same whichever runs it.
 //
 // For each sampled token, in order:
-//   1. The tokenizer's EOS or one of the stop token ids ends the completion (kEos / kStop). It is
-//      an end token: it has no text of its own. The text held back so far is final now and goes
-//      with it (an incomplete character as U+FFFD), cut before the first stop string it holds.
+//   1. The tokenizer's EOS (unless SamplingParams::ignore_eos) or one of the stop token ids ends
+//      the completion (kEos / kStop). It is an end token: it has no text of its own. The text held
+//      back so far is final now and goes with it (an incomplete character as U+FFFD), cut before
+//      the first stop string it holds.
 //   2. Otherwise the token's text is added (IncrementalDetokenizer: whole UTF-8 characters only).
 //      When this token is the max_tokens-th, the detokenizer is flushed too.
 //   3. A stop string in the text not yet emitted ends the completion (kStop): the text right
@@ -34,6 +35,7 @@
 #include <vector>
 
 #include "absl/strings/string_view.h"
+#include "engine/sampler.h"
 #include "engine/tokenizer.h"
 
 namespace sdm {
@@ -59,24 +61,36 @@ class GenerationPolicy {
     std::optional<FinishReason> finish;
   };
 
-  // `max_tokens` >= 1: the completion ends after that many tokens at the latest.
+  // From `sampling`: stop_token_ids, ignore_eos and max_tokens (>= 1: the completion ends after
+  // that many tokens at the latest).
   GenerationPolicy(const Tokenizer& tokenizer, std::span<const std::string> stop_strings,
-                   std::span<const int32_t> stop_token_ids, int64_t max_tokens);
+                   const SamplingParams& sampling);
 
   // Accepts the next sampled token. Must not be called once a TokenOutput had `finish` set. A
   // caller that ends the completion for another reason (cancelled, deadline) drops the policy
   // and with it the text held back: that text was never final.
   TokenOutput Accept(int32_t token);
 
+  // The completion ends for a reason of the caller's (cancelled, a deadline, an error) after the
+  // tokens accepted so far: the text held back is final then (its tokens are in the sequence),
+  // cut before a stop string as an end token's, an incomplete character as U+FFFD. Empty once a
+  // TokenOutput had `finish` set (the policy ended the completion and emitted everything), and
+  // after a first Flush.
+  std::string Flush();
+
  private:
+  // Accept() but for finished_.
+  TokenOutput AcceptToken(int32_t token);
   // Offset of the earliest stop string occurrence in `text`, or npos.
   size_t FirstStop(absl::string_view text) const;
 
   const Tokenizer& tokenizer_;
   std::vector<std::string> stop_strings_;  // non-empty ones only
   std::vector<int32_t> stop_token_ids_;
+  int32_t eos_id_;  // -1: none, or ignored
   int64_t max_tokens_;
   size_t hold_bytes_ = 0;  // longest stop string - 1: a stop string's start may be this long
+  bool finished_ = false;  // a TokenOutput had `finish`, or Flush() was called
   IncrementalDetokenizer detokenizer_;
   std::string held_;  // decoded text not emitted yet
   int64_t accepted_ = 0;

@@ -36,6 +36,8 @@ struct SamplingParams {
   int64_t max_tokens = 256;
   // Stop when one of these is generated (in addition to the tokenizer's EOS).
   std::vector<int32_t> stop_token_ids;
+  // Do not stop at the tokenizer's EOS (GenerationPolicy): for a fixed output length.
+  bool ignore_eos = false;
 };
 
 // InvalidArgument naming the field and the accepted range if any field is out of range:

@@ -62,6 +62,16 @@ void GenerateStream::OnEndToken(int32_t token, absl::string_view text) {
   OnToken(token, text);
 }
 
+void GenerateStream::OnHeldText(absl::string_view text) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (broken_) return;
+    pending_.mutable_text()->append(text.data(), text.size());  // no token: its ids were sent
+    has_pending_ = true;
+  }
+  Pump();
+}
+
 void GenerateStream::OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) {
   {
     absl::MutexLock lock(&mu_);

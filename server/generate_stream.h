@@ -74,6 +74,7 @@ class GenerateStream final : public JobObserver {
   // JobObserver, on the scheduler's step thread.
   void OnToken(int32_t token, absl::string_view text) override;
   void OnEndToken(int32_t token, absl::string_view text) override;
+  void OnHeldText(absl::string_view text) override;
   void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override;
   bool IsCancelled() const override { return cancelled_.load(std::memory_order_relaxed); }
 

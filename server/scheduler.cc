@@ -49,8 +49,7 @@ struct Scheduler::Job {
   Job(GenerateJob s, std::shared_ptr<JobObserver> o, const Tokenizer& tokenizer)
       : spec(std::move(s)),
         observer(std::move(o)),
-        policy(tokenizer, spec.stop_strings, spec.sampling.stop_token_ids,
-               spec.sampling.max_tokens) {}
+        policy(tokenizer, spec.stop_strings, spec.sampling) {}
 
   GenerateJob spec;
   std::shared_ptr<JobObserver> observer;
@@ -394,6 +393,10 @@ void Scheduler::Emit(Job& job, int32_t token) {
 void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error) {
   if (job.done) return;
   job.done = true;
+  // Ended here rather than by the policy: the text its tokens have but the client has not seen.
+  if (const std::string held = job.policy.Flush(); !held.empty()) {
+    job.observer->OnHeldText(held);
+  }
   // The last sampled token has not been fed: the session keeps it for its next request.
   if (job.next_input >= 0) {
     job.state->pending_token = job.next_input;

@@ -121,6 +121,11 @@ class JobObserver {
   // report), and the text held back until then (an incomplete character as U+FFFD, or the start
   // of a stop string that can no longer complete). Called just before OnFinish; default: ignored.
   virtual void OnEndToken(int32_t token, absl::string_view text) {}
+  // A job that ends for a reason of the scheduler's (cancelled, a deadline, an error) after its
+  // tokens' text was held back (a possible stop string's start, an incomplete character): that
+  // text, final now (GenerationPolicy::Flush), as the session holds its tokens. Called just
+  // before OnFinish, when non-empty.
+  virtual void OnHeldText(absl::string_view text) = 0;
   // Exactly once. `error` is OK unless reason is kError.
   virtual void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) = 0;
   // Polled every step, also while the job waits for a running place: true ends the job as

@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "base/heap.h"
 #include "base/log.h"
 #include "base/status_macros.h"
@@ -21,6 +22,7 @@
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -148,6 +150,8 @@ class SdmServer::Impl final : public SchedulerListener {
 
   absl::Status Init();
   absl::Status Shutdown();
+  // Shutdown()'s step 1b: the gRPC server's Shutdown() starts on grpc_stopper.
+  void StopListeningEarly();
 
   // SchedulerListener, on the step thread.
   void OnStep(int decode_batch, int64_t prefill_tokens, double seconds) override {
@@ -185,6 +189,10 @@ class SdmServer::Impl final : public SchedulerListener {
   int port = 0;
   int metrics_port = 0;
   std::atomic<bool> draining{false};
+  // On a shared state directory, the gRPC server's Shutdown() runs on this thread from the start
+  // of the drain (see StopListeningEarly); `grpc_stopped` is notified when it has returned.
+  std::thread grpc_stopper;
+  absl::Notification grpc_stopped;
 
   absl::Mutex shutdown_mu;
   bool shut_down ABSL_GUARDED_BY(shutdown_mu) = false;
@@ -422,6 +430,19 @@ void SdmServer::Impl::UpdateGauges() {
   last_stats = s;
 }
 
+void SdmServer::Impl::StopListeningEarly() {
+  // grpc::Server::Shutdown closes the listening port and sends GOAWAY at once, then blocks until
+  // the calls in flight end (or its deadline, which Shutdown() below cuts short by cancelling
+  // them): on a thread of its own, so that the drain goes on meanwhile.
+  const std::chrono::system_clock::time_point deadline =
+      absl::ToChronoTime(absl::Now() + options.shutdown_grace + options.final_write_grace +
+                         absl::FromChrono(kUnaryGrace));
+  grpc_stopper = std::thread([this, deadline] {
+    grpc_server->Shutdown(deadline);
+    grpc_stopped.Notify();
+  });
+}
+
 absl::Status SdmServer::Impl::Shutdown() {
   absl::MutexLock lock(&shutdown_mu);
   if (shut_down) return shutdown_result;
@@ -433,6 +454,13 @@ absl::Status SdmServer::Impl::Shutdown() {
     absl::MutexLock lock(&health_mu);
     ApplyGrpcHealth();
   }
+  // 1b. Replicas: other replicas can serve this one's sessions, so its gRPC port closes now and
+  // its connections are told to go away (GOAWAY): a router (nginx) finds it refusing and sends
+  // the sessions' calls to the next replica in its ring at once, instead of to a replica that
+  // answers UNAVAILABLE for as long as its drain lasts. The calls in flight go on. A server
+  // running alone keeps its port, answering with a retry hint (nobody else could serve them).
+  const bool stop_listening_early = options.store.shared_dir && grpc_server != nullptr;
+  if (stop_listening_early) StopListeningEarly();
   // 2. Let the requests in flight finish, up to the grace period.
   const absl::Time give_up = absl::Now() + options.shutdown_grace;
   while (scheduler != nullptr && service != nullptr && absl::Now() < give_up &&
@@ -450,7 +478,19 @@ absl::Status SdmServer::Impl::Shutdown() {
     while (service != nullptr && service->active_generates() > 0 && absl::Now() < streams_done) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    grpc_server->Shutdown(std::chrono::system_clock::now() + kUnaryGrace);
+    if (stop_listening_early) {
+      // Its Shutdown() is under way: what is still open after the unary grace is cancelled, as
+      // Shutdown(deadline) would (again until it returns: a connection accepted just before the
+      // shutdown took effect would escape a single cancellation).
+      if (!grpc_stopped.WaitForNotificationWithTimeout(absl::FromChrono(kUnaryGrace))) {
+        do {
+          grpc_server_cancel_all_calls(grpc_server->c_server());
+        } while (!grpc_stopped.WaitForNotificationWithTimeout(absl::Milliseconds(50)));
+      }
+      grpc_stopper.join();
+    } else {
+      grpc_server->Shutdown(std::chrono::system_clock::now() + kUnaryGrace);
+    }
     absl::MutexLock lock(&health_mu);
     grpc_health_live = false;  // the store's worker may still report until it stops
   }

@@ -10,7 +10,10 @@
 // Lifecycle: Start() returns once both ports accept calls (port 0 picks a free one; port() and
 // metrics_port() say which). Shutdown() drains gracefully:
 //   1. stop admitting: new Generate calls (and HTTP completions: 503) fail with UNAVAILABLE,
-//      health reports NOT_SERVING and /healthz 503; other RPCs keep working;
+//      health reports NOT_SERVING and /healthz 503; other RPCs keep working. On a shared state
+//      directory (replicas: others can serve the sessions) the gRPC port closes instead and its
+//      connections get GOAWAY, so that a router sends every new call elsewhere at once; the
+//      calls in flight go on;
 //   2. wait for the requests in flight (running or queued) up to shutdown_grace;
 //   3. cancel what is left: those streams end with a final chunk whose finish_reason is
 //      FINISH_REASON_CANCELLED (status OK), their sessions keeping what was generated;

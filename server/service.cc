@@ -344,6 +344,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
                                                    kMaxStopTokenIds, " are allowed"));
   }
   p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
+  p.ignore_eos = s.ignore_eos();
   if (absl::Status v = ValidateSamplingParams(p, vocab); !v.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.", v.message()));
   }

@@ -221,6 +221,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
   if (absl::Status s = GetInteger(j, "seed", seed); !s.ok()) return s;
   if (seed.has_value()) r.seed = static_cast<uint64_t>(*seed);
   if (absl::Status s = ParseStop(j, r.stop); !s.ok()) return s;
+  if (absl::Status s = GetBool(j, "ignore_eos", r.ignore_eos); !s.ok()) return s;
   std::optional<int64_t> n;
   if (absl::Status s = GetInteger(j, "n", n); !s.ok()) return s;
   if (n.has_value() && *n != 1) {
@@ -255,6 +256,7 @@ v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::s
   s.set_temperature(request.temperature.value_or(kOpenAiDefaultTemperature));
   if (request.top_p.has_value()) s.set_top_p(*request.top_p);
   if (request.seed.has_value()) s.set_seed(*request.seed);
+  s.set_ignore_eos(request.ignore_eos);
   for (const std::string& stop : request.stop) s.add_stop(stop);
   for (const std::string& stop : extra_stop) s.add_stop(stop);
   return g;

@@ -39,6 +39,7 @@ struct OpenAiRequest {
   std::optional<double> top_p;
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
+  bool ignore_eos = false;  // our extension (vLLM's name): SamplingParams.ignore_eos
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   std::string user;

@@ -86,6 +86,7 @@ class HttpJob final : public JobObserver {
 
   void OnToken(int32_t, absl::string_view text) override { Append(text); }
   void OnEndToken(int32_t, absl::string_view text) override { Append(text); }
+  void OnHeldText(absl::string_view text) override { Append(text); }
   // `metrics` count the job's tokens when it ends, whether or not its response was written (a
   // client that went away still had its prompt read and tokens generated, as over gRPC).
   explicit HttpJob(ServerMetrics& metrics) : metrics_(metrics) {}

@@ -6,7 +6,11 @@
 # (behind: a turn lost; ahead: one applied twice) fails the test, and every session continues
 # token for token like a control server that never failed. Prints the failover figures.
 # With `drain`, the replica gets SIGTERM instead (a scale-down or a rolling upgrade): it writes
-# every session before it exits, so no turn may be lost; prints how long the drain took.
+# every session before it exits, so no turn may be lost; prints how long the drain took. With
+# `drain-busy`, one of its sessions is in an endless generation when the SIGTERM comes (the
+# replicas run with --shutdown_grace 1h and no practical max_tokens limit): its other sessions must be served by the other replicas
+# while it still drains (its port closed: nginx re-hashes them), and the generation goes on until
+# its client leaves, which ends the drain.
 # With `etcd` as 4th argument, the replicas own their sessions in etcd (--etcd, started by the
 # test): after a kill -9 the dead replica's sessions are refused (UNAVAILABLE) until its lease
 # expires (10 s), and calls are retried until then; after a drain its lease is revoked at once.
@@ -15,7 +19,7 @@
 # SESSIONS (default 20) sessions run two turns each before the failure, all compared with the
 # control.
 #
-#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain] [etcd|-] [SESSIONS]
+#   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain|drain-busy] [etcd|-] [SESSIONS]
 set -euo pipefail
 BUILD_DIR=$1
 SOURCE_DIR=$2
@@ -29,16 +33,17 @@ cluster_test_begin nginx ${with_etcd:+etcd}
 
 make_model
 extra=()
+[ "$mode" != drain-busy ] || extra+=(--shutdown_grace 1h --max_tokens_limit 100000000)
 if [ -n "$with_etcd" ]; then
   start_etcd
-  extra=(--etcd "$ETCD_URL")
+  extra+=(--etcd "$ETCD_URL")
 fi
 ports=()
 for i in 0 1 2; do
   if [ -n "$with_etcd" ]; then
     start_replica "r$i" "${extra[@]}" --replica_id "r$i"
   else
-    start_replica "r$i"
+    start_replica "r$i" "${extra[@]}"
   fi
   ports+=("$REPLICA_PORT")
 done
@@ -104,8 +109,25 @@ for s in $(seq -w 1 $sessions); do
   break
 done
 victim_pid=$(cat "$work/r1.pid")
+if [ "$mode" = drain-busy ]; then
+  # One of the victim's sessions generates until its client leaves; it is not compared with the
+  # control (where that stream ends is not the control's), only checked to go on after the drain.
+  busy=${on_victim[0]}
+  on_victim=("${on_victim[@]:1}")
+  [ ${#on_victim[@]} -gt 0 ] || fail "one session only on the replica to drain (hash spread)"
+  busy_position=$(position "$via" "$busy")
+  "$client_bin" generate --host "$via" --session "$busy" --prompt "endless" --max_tokens 100000000 --ignore_eos \
+    >"$work/busy.out" 2>"$work/busy.err" &
+  busy_pid=$!
+  echo $busy_pid >>"$work/pids"
+  for _ in $(seq 1 600); do [ -s "$work/busy.out" ] && break; sleep 0.1; done
+  [ -s "$work/busy.out" ] || { cat "$work/busy.err"; fail "the endless generation printed nothing"; }
+fi
 drain_ms=n/a
-if [ "$mode" = drain ]; then
+if [ "$mode" = drain-busy ]; then
+  term_ns=$(date +%s%N)
+  kill -TERM "$victim_pid"
+elif [ "$mode" = drain ]; then
   term_ns=$(date +%s%N)
   kill -TERM "$victim_pid"
   for _ in $(seq 1 2400); do kill -0 "$victim_pid" 2>/dev/null || break; sleep 0.05; done
@@ -138,11 +160,25 @@ for id in "${on_victim[@]}"; do
 done
 [ $failed -eq 0 ] || fail "$failed sessions of the dead replica were not served again"
 [ $lost -eq 0 ] || fail "$lost sessions are not at the control's position after the $mode"
+if [ "$mode" = drain-busy ]; then
+  # Served elsewhere while it drained: it is still running, its stream too.
+  kill -0 "$victim_pid" 2>/dev/null || fail "the drained replica exited before the end of its stream"
+  kill -0 "$busy_pid" 2>/dev/null || { cat "$work/busy.err"; fail "the endless generation ended during the drain"; }
+  kill -TERM "$busy_pid"  # the client leaves: the stream is cancelled, so the drain ends
+  for _ in $(seq 1 2400); do kill -0 "$victim_pid" 2>/dev/null || break; sleep 0.05; done
+  kill -0 "$victim_pid" 2>/dev/null && fail "the drained replica did not exit after its stream ended"
+  drain_ms=$((($(date +%s%N) - term_ns) / 1000000))
+  # The busy session was written at the drain with what it generated, and goes on elsewhere.
+  after=$(retry position "$via" "$busy") || fail "$busy was not served after the drain"
+  [ "$after" -gt "$busy_position" ] || fail "$busy: position $after after the drain, $busy_position before"
+  retry turn "$via" "$busy" 3 >/dev/null || fail "a turn of $busy after the drain"
+fi
 # Every other session is untouched.
 for s in $(seq -w 1 $sessions); do
   id="s$s"
   [[ " ${on_victim[*]} " == *" $id "* ]] && continue
   [ "$id" = "$baseline_session" ] && continue  # its turn 3 ran before
+  [ "$id" = "${busy:-}" ] && continue
   a=$(turn "$via" "$id" 3) || fail "turn 3 of $id (not on the dead replica)"
   b=$(turn "$control" "$id" 3) || fail "control turn 3 of $id"
   [ "$a" = "$b" ] || fail "$id: $a vs control $b"

@@ -48,8 +48,12 @@ class GenerationPolicyTest : public ::testing::Test {
  protected:
   // Feeds `tokens` until the policy finishes.
   Outcome Feed(const std::vector<int32_t>& tokens, const std::vector<std::string>& stop_strings,
-               const std::vector<int32_t>& stop_ids, int64_t max_tokens) {
-    GenerationPolicy policy(*tokenizer_, stop_strings, stop_ids, max_tokens);
+               const std::vector<int32_t>& stop_ids, int64_t max_tokens, bool ignore_eos = false) {
+    SamplingParams sampling;
+    sampling.stop_token_ids = stop_ids;
+    sampling.max_tokens = max_tokens;
+    sampling.ignore_eos = ignore_eos;
+    GenerationPolicy policy(*tokenizer_, stop_strings, sampling);
     Outcome run;
     for (const int32_t token : tokens) {
       GenerationPolicy::TokenOutput out = policy.Accept(token);
@@ -83,6 +87,38 @@ TEST_F(GenerationPolicyTest, EosEndsAsAnEndTokenWithTheHeldTextFlushed) {
   EXPECT_THAT(run.end_tokens, ElementsAre(false, false, false, false, true));
   EXPECT_EQ(run.finish, FinishReason::kEos);
   EXPECT_EQ(run.accepted, 5u);
+}
+
+TEST_F(GenerationPolicyTest, IgnoreEosGeneratesPastEosToMaxTokens) {
+  // EOS is a token like any other then: no text, no end; a stop id still ends.
+  const Outcome run = Feed({'a', kEos, 'b', kEos}, {}, {}, /*max_tokens=*/4, /*ignore_eos=*/true);
+  EXPECT_THAT(run.deltas, ElementsAre("a", "", "b", ""));
+  EXPECT_THAT(run.end_tokens, ElementsAre(false, false, false, false));
+  EXPECT_EQ(run.finish, FinishReason::kLength);
+  const Outcome stop_id = Feed({'a', kEos, 'b'}, {}, {kEos}, 100, /*ignore_eos=*/true);
+  EXPECT_EQ(stop_id.finish, FinishReason::kStop);
+  EXPECT_EQ(stop_id.accepted, 2u);
+}
+
+TEST_F(GenerationPolicyTest, FlushReleasesTheHeldTextOnceAndNothingAfterAnEnd) {
+  SamplingParams sampling;
+  sampling.max_tokens = 100;
+  const std::vector<std::string> stops = {"xyz"};
+  GenerationPolicy policy(*tokenizer_, stops, sampling);
+  std::string emitted;
+  for (const int32_t token :
+       {int32_t{'a'}, int32_t{'b'}, int32_t{'c'}, int32_t{'x'}, int32_t{0xC3}}) {
+    emitted += policy.Accept(token).text;
+  }
+  EXPECT_EQ(emitted, "ab");  // the last 2 bytes may start "xyz", and half a character
+  EXPECT_EQ(policy.Flush(), std::string("cx") + kFffd);
+  EXPECT_EQ(policy.Flush(), "");
+  // After the policy ended the completion, everything was emitted already.
+  GenerationPolicy stopped(*tokenizer_, stops, sampling);
+  stopped.Accept('x');
+  stopped.Accept('y');
+  ASSERT_EQ(stopped.Accept('z').finish, FinishReason::kStop);
+  EXPECT_EQ(stopped.Flush(), "");
 }
 
 TEST_F(GenerationPolicyTest, StopIdEndsAsAnEndTokenWithoutItsText) {
@@ -242,11 +278,20 @@ void CheckRandomCompletion(uint64_t seed, const Tokenizer& tokenizer) {
     }
   }
   const int64_t max_tokens = 1 + static_cast<int64_t>(uniform(50));
+  const bool ignore_eos = uniform(4) == 0;  // last: the draws above are those of earlier versions
   SCOPED_TRACE(absl::StrCat("tokens ", absl::StrJoin(tokens, ","), " stops \"",
                             absl::StrJoin(stops, "\", \""), "\" stop ids ",
-                            absl::StrJoin(stop_ids, ","), " max_tokens ", max_tokens));
+                            absl::StrJoin(stop_ids, ","), " max_tokens ", max_tokens,
+                            " ignore_eos ", ignore_eos));
 
-  GenerationPolicy policy(tokenizer, stops, stop_ids, max_tokens);
+  SamplingParams sampling;
+  sampling.stop_token_ids = stop_ids;
+  sampling.max_tokens = max_tokens;
+  sampling.ignore_eos = ignore_eos;
+  GenerationPolicy policy(tokenizer, stops, sampling);
+  const auto ends = [&](int32_t token) {
+    return (token == kEos && !ignore_eos) || (!stop_ids.empty() && token == stop_ids[0]);
+  };
   std::string text;
   std::optional<FinishReason> finish;
   size_t accepted = 0;
@@ -255,13 +300,13 @@ void CheckRandomCompletion(uint64_t seed, const Tokenizer& tokenizer) {
     const int32_t token = tokens[accepted++];
     const GenerationPolicy::TokenOutput out = policy.Accept(token);
     EXPECT_TRUE(IsValidUtf8(out.text)) << "delta " << accepted;
-    EXPECT_EQ(out.end_token, token == kEos || (token == 'c' && !stop_ids.empty()));
+    EXPECT_EQ(out.end_token, ends(token));
     text += out.text;
     finish = out.finish;
   }
   const std::vector<int32_t> seen(tokens.begin(), tokens.begin() + accepted);
   const int32_t last = seen.back();
-  const bool end_token = last == kEos || (!stop_ids.empty() && last == stop_ids[0]);
+  const bool end_token = ends(last);
   const std::vector<int32_t> before(seen.begin(), seen.end() - 1);
   // The text is the decoding of every accepted token but an end token, cut before the first
   // stop string.
@@ -270,7 +315,7 @@ void CheckRandomCompletion(uint64_t seed, const Tokenizer& tokenizer) {
   EXPECT_EQ(text, decoded.substr(0, stop_at));
   // And it ended at the first token that called for it.
   EXPECT_EQ(FirstStop(tokenizer.Decode(before), stops), std::string::npos);
-  if (last == kEos) {
+  if (last == kEos && !ignore_eos) {
     EXPECT_EQ(*finish, FinishReason::kEos);
   } else if (end_token) {
     EXPECT_EQ(*finish, FinishReason::kStop);

@@ -39,6 +39,10 @@ class Collector : public JobObserver {
     this->text += std::string(text);
     if (cancel_after > 0 && static_cast<int>(tokens.size()) >= cancel_after) cancelled = true;
   }
+  void OnHeldText(absl::string_view text) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    this->text += std::string(text);
+  }
   void OnFinish(FinishReason r, const Usage& u, const absl::Status& e) override {
     std::lock_guard<std::mutex> lock(mu_);
     reason = r;
@@ -377,6 +381,22 @@ TEST_F(SchedulerTest, CancellationFreesTheSequenceWithinAStep) {
   EXPECT_LE(first->tokens.size(), 3u);  // ended within one step of the request
   second->Wait();
   EXPECT_TRUE(second->reason == FinishReason::kLength || second->reason == FinishReason::kEos);
+}
+
+// Text held back for a possible stop string is final when the job is cancelled: its tokens are in
+// the session, so the client gets their text too (the stream's text is the decoding of its ids).
+TEST_F(SchedulerTest, ACancelledJobSendsTheTextItHeldBack) {
+  UseNoEosModel();  // runs until the test cancels it
+  StartScheduler();
+  auto c = std::make_shared<Collector>();
+  c->cancel_after = 10;
+  GenerateJob j = Job("", Tokens(4, 1), 100000);
+  j.stop_strings = {std::string(40, '\x7f')};  // never generated: 39 bytes are always held back
+  ASSERT_TRUE(scheduler_->Submit(std::move(j), c).ok());
+  c->Wait();
+  EXPECT_EQ(c->reason, FinishReason::kCancelled);
+  ASSERT_GE(c->tokens.size(), 10u);
+  EXPECT_EQ(c->text, tokenizer_->Decode(c->tokens));
 }
 
 TEST_F(SchedulerTest, DeadlineEndsTheJobAndFreesItsPlace) {

@@ -119,6 +119,34 @@ TEST_F(ServiceTest, GreedyGenerateEqualsSdmCli) {
   EXPECT_GT(eos_endings, 0) << "no prompt exercised EOS: pick another for this model";
 }
 
+// ignore_eos: EOS is a token like others (no text) and the stream runs to max_tokens, the same
+// tokens as without it up to and including the EOS.
+TEST_F(ServiceTest, IgnoreEosGeneratesPastEos) {
+  ServerOptions o = Options();
+  o.model_dir = TinyModelDir();  // the unmodified model: EOS ends some greedy completions
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  bool saw_eos = false;
+  for (const std::string prompt : {"Hello, SDM", "xyz", "Once upon a time"}) {
+    SCOPED_TRACE(prompt);
+    const Completion stopped = Generate(*s.stub, TextRequest(prompt, 200));
+    ASSERT_TRUE(stopped.status.ok()) << stopped.status.error_message();
+    if (stopped.finish != v1::FINISH_REASON_EOS) continue;
+    saw_eos = true;
+    v1::GenerateRequest request = TextRequest(prompt, 200);
+    request.mutable_sampling()->set_ignore_eos(true);
+    const Completion past = Generate(*s.stub, request);
+    ASSERT_TRUE(past.status.ok()) << past.status.error_message();
+    EXPECT_EQ(past.finish, v1::FINISH_REASON_LENGTH);
+    EXPECT_EQ(past.usage.generated_tokens(), 200);
+    ASSERT_EQ(past.tokens.size(), 200u);
+    EXPECT_EQ(
+        std::vector<int32_t>(past.tokens.begin(), past.tokens.begin() + stopped.tokens.size()),
+        stopped.tokens);
+  }
+  EXPECT_TRUE(saw_eos) << "no prompt exercised EOS: pick another for this model";
+}
+
 TEST_F(ServiceTest, NegativeShutdownGracesAreRefusedAtStart) {
   for (const char* field : {"shutdown_grace", "final_write_grace"}) {
     ServerOptions o = Options();
@@ -452,6 +480,41 @@ TEST_F(ServiceTest, GracefulShutdownCancelsWhatOutlastsTheGraceAndPersistsSessio
   const Completion next = Generate(*again.stub, TextRequest("!", 2, "kept"));
   ASSERT_TRUE(next.status.ok()) << next.status.error_message();
   EXPECT_EQ(next.usage.history_tokens(), 1 + 7 + generated);  // BOS, "endless", the output
+}
+
+// On a shared state directory (replicas: another can serve the sessions) the drain closes the
+// gRPC port at once, so that a router sends the sessions' calls elsewhere instead of to a replica
+// that refuses them for as long as it drains; the stream in flight goes on to its end.
+TEST_F(ServiceTest, OnASharedDirectoryTheDrainClosesThePortWhileStreamsGoOn) {
+  ServerOptions o = Options();
+  o.store.shared_dir = true;
+  o.shutdown_grace = absl::Hours(1);  // never reached: the test ends the drain itself
+  ShutdownMidStream run(o);
+  ASSERT_TRUE(run.streaming);
+  Served& s = run.served;
+  // A new connection finds the port closed (a server running alone answers, the test above).
+  const std::shared_ptr<grpc::Channel> fresh =
+      grpc::CreateChannel(s.server->address(), grpc::InsecureChannelCredentials());
+  const std::unique_ptr<v1::SdmService::Stub> fresh_stub = v1::SdmService::NewStub(fresh);
+  v1::Session session;
+  EXPECT_TRUE(Eventually([&] {
+    return GetSession(*fresh_stub, "kept", &session).error_code() == grpc::StatusCode::UNAVAILABLE;
+  }));
+  // The stream in flight goes on.
+  v1::GenerateResponse chunk;
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(run.stream->Read(&chunk)) << "chunk " << i;
+  run.context.TryCancel();
+  while (run.stream->Read(&chunk)) {
+  }
+  EXPECT_EQ(run.stream->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  run.stopper.join();
+  s = Served();
+  // Written at shutdown, with what it generated.
+  Served again = Serve(o);
+  ASSERT_NE(again.server, nullptr);
+  ASSERT_TRUE(GetSession(*again.stub, "kept", &session).ok());
+  EXPECT_FALSE(session.generating());
+  EXPECT_GE(session.position(), 1 + 7 + 4);  // BOS, "endless", at least the 4 chunks read
 }
 
 // ---- Sessions -------------------------------------------------------------------------------

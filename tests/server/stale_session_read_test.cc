@@ -32,6 +32,7 @@ namespace {
 class Turn : public JobObserver {
  public:
   void OnToken(int32_t, absl::string_view) override {}
+  void OnHeldText(absl::string_view) override {}
   void OnFinish(FinishReason, const Usage& u, const absl::Status& e) override {
     usage = u;
     error = e;

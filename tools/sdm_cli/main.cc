@@ -72,6 +72,8 @@ ABSL_FLAG(sdm::cli::RepeatedFlag, stop, {},
           "A string that ends the completion when its text contains it; the text stops right "
           "before it. Repeatable (--stop A --stop B); each value is taken verbatim, commas "
           "included. Must not be empty.");
+ABSL_FLAG(bool, ignore_eos, false,
+          "Generate past EOS: stop at --max_tokens, a stop id or a stop string only.");
 ABSL_FLAG(bool, json, false,
           "Instead of streaming text, print one JSON object at the end: prompt_tokens, tokens "
           "(generated ids), text, finish_reason.");
@@ -153,6 +155,7 @@ int RunGenerate() {
       ParseIds(absl::GetFlag(FLAGS_stop_ids), "stop_ids");
   if (!stop_ids.ok()) return UsageError(kSub, stop_ids.status().message());
   params.stop_token_ids = *std::move(stop_ids);
+  params.ignore_eos = absl::GetFlag(FLAGS_ignore_eos);
   const std::vector<std::string> stop_strings = absl::GetFlag(FLAGS_stop).values;
   if (std::find(stop_strings.begin(), stop_strings.end(), "") != stop_strings.end()) {
     return UsageError(kSub, "--stop: a stop string must not be empty");
@@ -187,7 +190,7 @@ int RunGenerate() {
   }
   const double prefill_seconds = SecondsSince(prefill_start);
 
-  GenerationPolicy policy(**tokenizer, stop_strings, params.stop_token_ids, params.max_tokens);
+  GenerationPolicy policy(**tokenizer, stop_strings, params);
   std::string text;  // what was printed (or, with --json, would have been)
   std::vector<int32_t> generated;
   FinishReason finish_reason = FinishReason::kLength;  // set by the policy when the loop ends
