@@ -31,6 +31,9 @@ struct StreamOutcome {
   double ttft_seconds = -1;    // until the first chunk with tokens; -1: none came
   double seconds = 0;          // the whole call
   std::string retry_after_ms;  // the server's retry hint (grpc-retry-pushback-ms); empty: none
+  // Whether the status came with a retry hint, even one not passed on in retry_after_ms: the
+  // server sends one with every UNAVAILABLE, so an UNAVAILABLE without one is the connection's.
+  bool server_hinted = false;
 };
 
 // Runs one Generate call, writing each chunk's text to `echo` (when not null) as it arrives.
@@ -62,6 +65,7 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
   outcome.status = reader->Finish();
   outcome.seconds = SecondsBetween(start, Clock::now());
   outcome.retry_after_ms = RetryAfterMs(context);
+  outcome.server_hinted = !outcome.retry_after_ms.empty();
   // A turn that ran and ended UNAVAILABLE was not saved but is in the session: not to be sent
   // again (docs/api.md, Errors), though the server hints a retry on every UNAVAILABLE.
   if (outcome.status.error_code() == grpc::StatusCode::UNAVAILABLE && !outcome.token_ids.empty()) {
@@ -83,6 +87,53 @@ std::string SummaryLine(const StreamOutcome& o) {
     absl::StrAppendFormat(&line, " tokens_per_s=%.1f", o.usage.generated_tokens() / o.seconds);
   }
   return line;
+}
+
+// Whether a Generate that failed left its turn in the session, as docs/api.md (Generate, Errors)
+// says of each ending: "yes" (it ran: an UNAVAILABLE from the server after the tokens, a turn
+// not yet written), "partly" (cancelled or past its deadline: what it read and generated until
+// then, maybe nothing), "no" (a one-shot request; a rejection, which comes before any token; a
+// turn not saved, DATA_LOSS), or "unknown" (ABORTED, which is both a rejection and a turn cut
+// short or not saved; INTERNAL; a connection lost after the tokens; any other code after them).
+absl::string_view TurnInSession(const StreamOutcome& o, bool on_session) {
+  if (!on_session) return "no";
+  const bool streamed = !o.token_ids.empty();
+  switch (o.status.error_code()) {
+    case grpc::StatusCode::UNAVAILABLE:
+      if (!streamed) return "no";
+      return o.server_hinted ? "yes" : "unknown";
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case grpc::StatusCode::CANCELLED:
+      return "partly";
+    case grpc::StatusCode::DATA_LOSS:
+      return "no";
+    case grpc::StatusCode::ABORTED:
+    case grpc::StatusCode::INTERNAL:
+    case grpc::StatusCode::UNKNOWN:
+      return "unknown";
+    default:
+      return streamed ? "unknown" : "no";
+  }
+}
+
+// generate --json's one object: what streamed, then how the call ended (finish_reason and usage,
+// or the error).
+nlohmann::json GenerateJson(const std::string& session, const StreamOutcome& o) {
+  nlohmann::json j;
+  j["session_id"] = session;
+  j["text"] = o.text;
+  j["token_ids"] = o.token_ids;
+  if (!o.status.ok()) {
+    j["error"] = {{"code", StatusCodeName(o.status.error_code())},
+                  {"message", o.status.error_message()},
+                  {"turn_in_session", TurnInSession(o, !session.empty())}};
+    return j;
+  }
+  j["finish_reason"] = FinishReasonName(o.finish_reason);
+  j["usage"] = {{"prompt_tokens", o.usage.prompt_tokens()},
+                {"history_tokens", o.usage.history_tokens()},
+                {"generated_tokens", o.usage.generated_tokens()}};
+  return j;
 }
 
 // The codes after which a chat turn can simply be retried: the session is still there.
@@ -125,7 +176,8 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
                             "the session to continue (empty: a one-shot request)");
   command.flags().AddBool("json", &json,
                           "print one JSON object at the end instead of streaming: session_id, "
-                          "text, token_ids, finish_reason, usage");
+                          "text, token_ids, finish_reason, usage; for a failed call, what "
+                          "streamed and error: code, message, turn_in_session");
   AddSamplingFlags(command.flags(), &sampling);
   if (std::optional<int> exit = command.Parse(args)) return *exit;
 
@@ -150,19 +202,16 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   if (!json && io.out_is_terminal && !outcome.text.empty() && outcome.text.back() != '\n') {
     *io.out << "\n" << std::flush;
   }
-  if (!outcome.status.ok()) return command.Failure(outcome.status, outcome.retry_after_ms);
+  // With --json a failed call prints its object too: a script must learn what streamed before
+  // the failure and whether the turn is in the session (not to be sent again), which the text
+  // on stderr alone does not say.
   if (json) {
-    nlohmann::json j;
-    j["session_id"] = session;
-    j["text"] = outcome.text;
-    j["token_ids"] = outcome.token_ids;
-    j["finish_reason"] = FinishReasonName(outcome.finish_reason);
-    j["usage"] = {{"prompt_tokens", outcome.usage.prompt_tokens()},
-                  {"history_tokens", outcome.usage.history_tokens()},
-                  {"generated_tokens", outcome.usage.generated_tokens()}};
-    *io.out << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n"
+    *io.out << GenerateJson(session, outcome)
+                   .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+            << "\n"
             << std::flush;
   }
+  if (!outcome.status.ok()) return command.Failure(outcome.status, outcome.retry_after_ms);
   *io.err << SummaryLine(outcome) << "\n";
   return kExitOk;
 }

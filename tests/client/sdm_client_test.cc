@@ -139,6 +139,70 @@ TEST_F(SdmClientTest, GenerateJsonPrintsOneObject) {
   EXPECT_EQ(j["usage"]["prompt_tokens"], 3);
 }
 
+// A call that fails prints its JSON object too (exit 1, the error on stderr as well): what
+// streamed before the failure and whether the turn is in the session. Before, a turn that
+// streamed its tokens and ended UNAVAILABLE printed nothing on stdout: the tokens were lost to a
+// script, which could not tell either that the turn was not to be sent again.
+TEST_F(SdmClientTest, GenerateJsonReportsAFailedCallWithWhatStreamed) {
+  ASSERT_EQ(Run("sessions create", {"s"}).exit, kExitOk);
+  server_.service().FailNextAfterTokens(
+      grpc::Status(grpc::StatusCode::UNAVAILABLE, "the turn was generated but not saved"), "1000");
+  RunResult r = Run("generate", {"--prompt", "a", "--session", "s", "--max_tokens", "3", "--json"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE: the turn was generated but not saved"));
+  nlohmann::json j = nlohmann::json::parse(r.out);  // one object, nothing else
+  EXPECT_EQ(j["session_id"], "s");
+  EXPECT_EQ(j["text"], "t0 t1 t2 ");
+  EXPECT_EQ(j["token_ids"], nlohmann::json({100, 101, 102}));
+  EXPECT_EQ(j["error"], nlohmann::json({{"code", "UNAVAILABLE"},
+                                        {"message", "the turn was generated but not saved"},
+                                        {"turn_in_session", "yes"}}));
+  EXPECT_FALSE(j.contains("finish_reason"));  // no final chunk came
+  EXPECT_FALSE(j.contains("usage"));
+
+  // How each ending leaves the turn (docs/api.md, Errors).
+  const struct {
+    grpc::StatusCode code;
+    bool after_tokens;
+    std::string retry_after_ms;
+    std::string session;
+    std::string turn_in_session;
+  } cases[] = {
+      // Rejected before any token: safe to send again.
+      {grpc::StatusCode::RESOURCE_EXHAUSTED, false, "1000", "s", "no"},
+      {grpc::StatusCode::UNAVAILABLE, false, "1000", "s", "no"},
+      // Cut short: the session keeps what it read and generated until then.
+      {grpc::StatusCode::DEADLINE_EXCEEDED, false, "", "s", "partly"},
+      {grpc::StatusCode::DEADLINE_EXCEEDED, true, "", "s", "partly"},
+      // A one-shot request keeps nothing anywhere.
+      {grpc::StatusCode::UNAVAILABLE, true, "1000", "", "no"},
+      // No hint: not the server's UNAVAILABLE but a lost connection, which says nothing.
+      {grpc::StatusCode::UNAVAILABLE, true, "", "s", "unknown"},
+      // Not saved (the session broke first).
+      {grpc::StatusCode::DATA_LOSS, true, "", "s", "no"},
+      // Already generating, or a turn cut short or not saved: the message says which.
+      {grpc::StatusCode::ABORTED, false, "", "s", "unknown"},
+  };
+  for (const auto& c : cases) {
+    const grpc::Status status(c.code, "m");
+    if (c.after_tokens) {
+      server_.service().FailNextAfterTokens(status, c.retry_after_ms);
+    } else {
+      server_.service().FailNext("Generate", status, 1, c.retry_after_ms);
+    }
+    r = Run("generate", {"--prompt", "a", "--session", c.session, "--max_tokens", "2", "--json"});
+    const std::string what = ::testing::PrintToString(c.code) + (c.after_tokens ? " after" : "") +
+                             " on '" + c.session + "'";
+    EXPECT_EQ(r.exit, kExitFailure) << what;
+    j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j["text"], c.after_tokens ? "t0 t1 " : "") << what;
+    EXPECT_EQ(j["token_ids"].size(), c.after_tokens ? 2u : 0u) << what;
+    EXPECT_EQ(j["error"]["code"], std::string(StatusCodeName(c.code))) << what;
+    EXPECT_EQ(j["error"]["message"], "m") << what;
+    EXPECT_EQ(j["error"]["turn_in_session"], c.turn_in_session) << what;
+  }
+}
+
 TEST_F(SdmClientTest, GenerateOnASessionCarriesItsHistory) {
   ASSERT_EQ(Run("sessions create", {"s"}).exit, kExitOk);
   ASSERT_EQ(Run("generate", {"--prompt", "abc", "--session", "s", "--max_tokens", "2"}).exit,

@@ -47,8 +47,10 @@ id=fenced
 owner_key=/sdmserve/sessions/7-default-$id
 snapshot_key=/sdmserve/snapshots/7-default-$id
 turn() {  # turn PORT PROMPT: one greedy turn of the session; prints its token ids
-  "$client_bin" generate --host "$1" --session "$id" --prompt "$2" --max_tokens 4 --json \
-    2>>"$work/client.err" | jq -c '.token_ids'
+  local out  # (a failed call prints its JSON too, which a retry must not collect)
+  out=$("$client_bin" generate --host "$1" --session "$id" --prompt "$2" --max_tokens 4 --json \
+    2>>"$work/client.err") || return
+  jq -c '.token_ids' <<<"$out"
 }
 both() {  # both PORT PROMPT: the turn on a replica and on the control; they must agree
   local got want

@@ -59,8 +59,10 @@ via="127.0.0.1:$nginx_port"
 control="127.0.0.1:$control_port"
 
 turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
-  "$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" --max_tokens 4 \
-    --json 2>>"$work/client.err" | jq -c '.token_ids'
+  local out  # (a failed call prints its JSON too, which a retry must not collect)
+  out=$("$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" \
+    --max_tokens 4 --json 2>>"$work/client.err") || return
+  jq -c '.token_ids' <<<"$out"
 }
 # retry CMD...: runs CMD until it succeeds, for up to 120 s (a lease TTL of 10 s, and margin for
 # a loaded machine).
