@@ -611,7 +611,9 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
   flags.AddString("seed", &seed, "seed of the request plan (lengths, ids, reuse)");
   flags.AddInt("warmup", &options.warmup, "unmeasured calls before measuring");
   flags.AddDouble("temperature", &options.temperature, "sampling temperature (0: greedy)");
-  flags.AddString("json", &json_file, "also write the results as JSON to FILE ('-': stdout)");
+  flags.AddString("json", &json_file,
+                  "also write the results as JSON to FILE ('-': stdout, which then holds the JSON "
+                  "alone: the report goes to stderr)");
   flags.AddString("session_prefix", &options.session_prefix,
                   "ids of the reused sessions are PREFIX-k (default: bench-<random>)");
   flags.AddBool("keep_sessions", &options.keep_sessions, "do not delete the sessions at the end");
@@ -673,10 +675,13 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
             << result.status().message() << "\n";
     return kExitFailure;
   }
-  *io.out << FormatReport(*result) << std::flush;
+  // With --json -, stdout carries the JSON document alone, for a parser to read: the report
+  // goes to stderr with the progress lines.
+  const bool json_to_stdout = json_file == "-";
+  *(json_to_stdout ? io.err : io.out) << FormatReport(*result) << std::flush;
   if (!json_file.empty()) {
     const std::string text = ToJson(*result).dump(2) + "\n";
-    if (json_file == "-") {
+    if (json_to_stdout) {
       *io.out << text << std::flush;
     } else {
       std::ofstream file(json_file);

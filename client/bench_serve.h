@@ -132,8 +132,9 @@ std::string FormatReport(const BenchServeResult& result);
 nlohmann::json ToJson(const BenchServeResult& result);
 
 // `sdm-bench serve [flags]` / `sdm-bench-serve [flags]`: parses the flags (--help lists them),
-// runs, prints the report to stdout and writes --json FILE. Exit status 0, 1 (a setup call
-// failed, or every measured call failed), 2 (usage).
+// runs, prints the report to stdout and writes --json FILE. Progress lines and errors go to
+// stderr; with --json - the report does too, so that stdout holds the JSON document alone. Exit
+// status 0, 1 (a setup call failed, or every measured call failed), 2 (usage).
 int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& io);
 
 }  // namespace sdm::client

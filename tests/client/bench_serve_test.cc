@@ -431,6 +431,22 @@ TEST_F(BenchServeRunTest, CommandPrintsTheTableAndWritesJson) {
   }
 }
 
+// With --json -, stdout is the JSON document and nothing else (a pipe to jq parses it): the
+// report and the progress lines go to stderr. Before, the report came first on stdout.
+TEST_F(BenchServeRunTest, JsonToStdoutIsTheOnlyThingOnStdout) {
+  const CommandResult r =
+      RunCommand({"--host", server_.address(), "--requests", "3", "--max_tokens", "2",
+                  "--session_reuse", "1", "--sessions", "1", "--warmup", "1", "--json", "-"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);  // throws on anything around it
+  EXPECT_EQ(j["requests"]["ok"], 3);
+  EXPECT_THAT(r.err, HasSubstr("created 1 sessions"));
+  EXPECT_THAT(r.err, HasSubstr("warmup: 1 requests"));
+  EXPECT_THAT(r.err, HasSubstr("measuring: concurrency 1, 3 requests"));
+  EXPECT_THAT(r.err, HasSubstr("TTFT"));
+  EXPECT_THAT(r.err, HasSubstr("ok 3, errors: none"));
+}
+
 TEST_F(BenchServeRunTest, CommandUsageErrorsAndFailures) {
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {"--prompt_tokens", "uniform:9:3"},
