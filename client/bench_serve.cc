@@ -315,6 +315,22 @@ double RunPhaseAsync(sdm::v1::SdmService::StubInterface::async_interface& async,
   return SecondsBetween(start, Clock::now());
 }
 
+// Deletes `ids` (best effort: every id is tried), logging each deletion that fails.
+void DeleteSessions(sdm::v1::SdmService::StubInterface& stub, const ConnectionOptions& connection,
+                    absl::Span<const std::string> ids, std::ostream& log) {
+  for (const std::string& id : ids) {
+    sdm::v1::DeleteSessionRequest request;
+    request.set_session_id(id);
+    grpc::ClientContext context;
+    PrepareContext(connection, context);
+    AddSessionRouting(request.session_id(), context);
+    sdm::v1::DeleteSessionResponse response;
+    if (grpc::Status s = stub.DeleteSession(&context, request, &response); !s.ok()) {
+      log << "could not delete session " << id << ": " << FormatStatus(s) << "\n";
+    }
+  }
+}
+
 std::string RandomPrefix() {
   std::random_device rd;
   return absl::StrFormat("bench-%08x", rd());
@@ -458,6 +474,14 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
       AddSessionRouting(request.session_id(), context);
       sdm::v1::Session session;
       if (grpc::Status s = stub.CreateSession(&context, request, &session); !s.ok()) {
+        // The run ends here: the sessions it made would stay on the server, counting against
+        // the tenant's limits, and a run again with the same --session_prefix would meet them
+        // (ALREADY_EXISTS). Deleted whatever --keep_sessions says: it keeps a run's sessions.
+        if (!session_ids.empty()) {
+          log << "deleting the " << session_ids.size()
+              << " sessions created before CreateSession failed\n";
+          DeleteSessions(stub, connection, session_ids, log);
+        }
         return FromGrpc(s, absl::StrCat("CreateSession ", request.session_id()));
       }
       session_ids.push_back(session.id());
@@ -488,19 +512,7 @@ absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterfac
   WorkerOutput measured;
   const double wall = run_phase(/*phase=*/0, options.requests, options.duration, measured);
 
-  if (reuse && !options.keep_sessions) {
-    for (const std::string& id : session_ids) {
-      sdm::v1::DeleteSessionRequest request;
-      request.set_session_id(id);
-      grpc::ClientContext context;
-      PrepareContext(connection, context);
-      AddSessionRouting(request.session_id(), context);
-      sdm::v1::DeleteSessionResponse response;
-      if (grpc::Status s = stub.DeleteSession(&context, request, &response); !s.ok()) {
-        log << "could not delete session " << id << ": " << FormatStatus(s) << "\n";
-      }
-    }
-  }
+  if (reuse && !options.keep_sessions) DeleteSessions(stub, connection, session_ids, log);
 
   BenchServeResult result = Aggregate(measured.records, std::move(measured.itl), wall);
   result.host = connection.host;

@@ -116,8 +116,10 @@ BenchServeResult Aggregate(absl::Span<const RequestRecord> records, std::vector<
 absl::Status ValidateOptions(const BenchServeOptions& options);
 
 // Runs the benchmark against `stub` (thread-safe, shared by the workers). Setup failures
-// (GetModelInfo, CreateSession) are returned with their gRPC code and message; failures of the
-// measured calls are counted in the result. Progress lines go to `log`.
+// (GetModelInfo, CreateSession) are returned with their gRPC code and message, once the sessions
+// created before a failed CreateSession are deleted (every one tried, even with keep_sessions;
+// each deletion that fails is logged); failures of the measured calls are counted in the result.
+// Progress lines go to `log`.
 absl::StatusOr<BenchServeResult> RunBenchServe(sdm::v1::SdmService::StubInterface& stub,
                                                const ConnectionOptions& connection,
                                                const BenchServeOptions& options, std::ostream& log);

@@ -384,6 +384,48 @@ TEST_F(BenchServeRunTest, SetupFailuresAreReturned) {
   EXPECT_THAT(r.status().message(), HasSubstr("no key"));
 }
 
+// A setup that fails part-way (the sixth CreateSession: its id is taken) deletes the five
+// sessions it created before returning the error, trying every one and logging a deletion that
+// fails; --keep_sessions, which keeps a run's sessions, does not keep these. Before, they stayed
+// on the server.
+TEST_F(BenchServeRunTest, ASetupThatFailsPartWayDeletesTheSessionsItCreated) {
+  {
+    grpc::ClientContext context;
+    sdm::v1::CreateSessionRequest request;
+    request.set_session_id("b-5");  // not the benchmark's
+    sdm::v1::Session session;
+    ASSERT_TRUE(stub_->CreateSession(&context, request, &session).ok());
+  }
+  server_.service().FailNext("DeleteSession",
+                             grpc::Status(grpc::StatusCode::UNAVAILABLE, "draining"));
+  BenchServeOptions o;
+  o.session_reuse = 1;
+  o.sessions = 8;
+  o.session_prefix = "b";
+  o.keep_sessions = true;
+  std::ostringstream log;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kAlreadyExists);
+  EXPECT_THAT(r.status().message(), HasSubstr("CreateSession b-5"));
+
+  std::vector<std::string> created, deleted;
+  for (const auto& call : server_.service().calls("CreateSession")) {
+    created.push_back(call.session_id);
+  }
+  for (const auto& call : server_.service().calls("DeleteSession")) {
+    deleted.push_back(call.session_id);
+  }
+  EXPECT_THAT(created, ElementsAre("b-5", "b-0", "b-1", "b-2", "b-3", "b-4", "b-5"));
+  EXPECT_THAT(deleted, ElementsAre("b-0", "b-1", "b-2", "b-3", "b-4"));
+  EXPECT_THAT(log.str(), HasSubstr("could not delete session b-0: UNAVAILABLE: draining"));
+  EXPECT_TRUE(server_.service().HasSession("b-0"));  // its deletion failed
+  for (const char* id : {"b-1", "b-2", "b-3", "b-4"}) {
+    EXPECT_FALSE(server_.service().HasSession(id)) << id;
+  }
+  EXPECT_TRUE(server_.service().HasSession("b-5"));  // not the benchmark's to delete
+  EXPECT_TRUE(server_.service().generate_requests().empty());
+}
+
 // ---- the command line -----------------------------------------------------------------------
 
 struct CommandResult {
