@@ -22,8 +22,9 @@ commands:
   info                     the served model and the server's limits
 
 connection (every command): --host HOST:PORT (env SDM_HOST, default 127.0.0.1:50051),
-  --api_key KEY (env SDM_API_KEY), --tls (env SDM_TLS), --tls_ca FILE (env SDM_TLS_CA),
-  --timeout SECONDS, before or after the command. Flags win over the environment.
+  --api_key KEY (env SDM_API_KEY) or --api_key_file FILE, --tls (env SDM_TLS),
+  --tls_ca FILE (env SDM_TLS_CA), --timeout SECONDS, before or after the command.
+  Flags win over the environment.
 'sdm-client COMMAND --help' documents a command's flags. Exit status: 0 ok, 1 a call failed
 (the gRPC status code and message are printed), 2 usage error.
 )";
@@ -40,7 +41,8 @@ bool HoistLeadingFlags(std::vector<std::string>& args, std::string& error) {
     std::string name = arg.substr(arg[1] == '-' ? 2 : 1);
     const bool has_value = name.find('=') != std::string::npos;
     name = name.substr(0, name.find('='));
-    if (name == "host" || name == "api_key" || name == "tls_ca" || name == "timeout") {
+    if (name == "host" || name == "api_key" || name == "api_key_file" || name == "tls_ca" ||
+        name == "timeout") {
       leading.push_back(arg);
       if (!has_value) {
         if (i + 1 >= args.size()) {

@@ -7,13 +7,14 @@
 //   sdm-client detokenize ID,ID,...
 //   sdm-client info [--json]
 //
-// Every subcommand takes the connection flags of client/connection.h (--host, --api_key, --tls,
-// --tls_ca, --timeout; environment SDM_HOST, SDM_API_KEY, SDM_TLS, SDM_TLS_CA), after the
-// command or before it (`sdm-client --host H:P info`), and documents its own flags with --help.
+// Every subcommand takes the connection flags of client/connection.h (--host, --api_key,
+// --api_key_file, --tls, --tls_ca, --timeout; environment SDM_HOST, SDM_API_KEY, SDM_TLS,
+// SDM_TLS_CA), after the command or before it (`sdm-client --host H:P info`), and documents its
+// own flags with --help.
 //
 // Exit status: 0 on success; 1 when a call fails (the gRPC status code's name and message go to
 // stderr: "sdm-client: NOT_FOUND: ..."); 2 on usage errors (unknown subcommand or flag, a
-// missing or malformed argument, an unreadable CA file).
+// missing or malformed argument, an unreadable CA or API key file).
 //
 // Thread-compatible: RunSdmClient runs one command on the calling thread.
 #ifndef SDMSERVE_CLIENT_CLI_H_

@@ -1,6 +1,11 @@
 #include "client/connection.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -22,6 +27,48 @@ std::optional<std::string> NonEmpty(const EnvLookup& env, absl::string_view name
   return v;
 }
 
+// An API key file larger than this is not one (a path to a device or a log by mistake): it is
+// refused rather than read to its end and sent.
+constexpr size_t kMaxApiKeyFileBytes = 8192;
+
+// The API key in `path`: its content less trailing line ends (the newline an editor or `echo`
+// leaves). INVALID_ARGUMENT names the path, never the content.
+absl::StatusOr<std::string> ReadApiKeyFile(const std::string& path) {
+  if (path.empty()) return absl::InvalidArgumentError("--api_key_file must name a file");
+  const auto unreadable = [&path](int error) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot read the API key file '", path,
+                                                   "' (--api_key_file): ", std::strerror(error)));
+  };
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return unreadable(errno);
+  std::string key;
+  char buffer[1024];
+  while (true) {
+    const ssize_t n = ::read(fd, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int error = errno;
+      ::close(fd);
+      return unreadable(error);
+    }
+    if (n == 0) break;
+    key.append(buffer, static_cast<size_t>(n));
+    if (key.size() > kMaxApiKeyFileBytes) {
+      ::close(fd);
+      return absl::InvalidArgumentError(
+          absl::StrCat("the API key file '", path, "' (--api_key_file) holds more than ",
+                       kMaxApiKeyFileBytes, " bytes: not an API key"));
+    }
+  }
+  ::close(fd);
+  while (!key.empty() && (key.back() == '\n' || key.back() == '\r')) key.pop_back();
+  if (key.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the API key file '", path, "' (--api_key_file) is empty"));
+  }
+  return key;
+}
+
 }  // namespace
 
 EnvLookup ProcessEnv() {
@@ -38,6 +85,9 @@ void AddConnectionFlags(FlagSet& flags, ConnectionFlags* values) {
       absl::StrCat("server address host:port (env SDM_HOST; default ", kDefaultHost, ")"));
   flags.AddString("api_key", &values->api_key,
                   "API key, sent as 'authorization: Bearer KEY' (env SDM_API_KEY)");
+  flags.AddString("api_key_file", &values->api_key_file,
+                  "read the API key from FILE (trailing newline dropped; an empty file is "
+                  "refused); not with --api_key; wins over SDM_API_KEY");
   flags.AddBool("tls", &values->tls, "connect with TLS (env SDM_TLS=1; implied by --tls_ca)");
   flags.AddString("tls_ca", &values->tls_ca,
                   "PEM file of the CA certificates to trust; implies --tls (env SDM_TLS_CA; "
@@ -56,15 +106,27 @@ absl::StatusOr<ConnectionOptions> ResolveConnectionOptions(const FlagSet& flags,
   }
   if (options.host.empty()) return absl::InvalidArgumentError("--host must not be empty");
 
-  if (flags.IsSet("api_key")) {
+  // Where the key came from, for the check below (which must not quote the key).
+  absl::string_view key_source;
+  if (flags.IsSet("api_key") && flags.IsSet("api_key_file")) {
+    return absl::InvalidArgumentError("give the API key once: --api_key or --api_key_file");
+  }
+  if (flags.IsSet("api_key_file")) {
+    absl::StatusOr<std::string> key = ReadApiKeyFile(values.api_key_file);
+    if (!key.ok()) return key.status();
+    options.api_key = *std::move(key);
+    key_source = "the file of --api_key_file";
+  } else if (flags.IsSet("api_key")) {
     options.api_key = values.api_key;
+    key_source = "--api_key";
   } else if (auto v = NonEmpty(env, "SDM_API_KEY")) {
     options.api_key = *v;
+    key_source = "SDM_API_KEY";
   }
   for (const char c : options.api_key) {
     if (!absl::ascii_isprint(static_cast<unsigned char>(c)) || c == ' ') {
-      return absl::InvalidArgumentError(
-          "the API key must be printable ASCII without spaces (check --api_key / SDM_API_KEY)");
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the API key must be printable ASCII without spaces (check ", key_source, ")"));
     }
   }
 

@@ -3,15 +3,19 @@
 //   flag           environment    default            meaning
 //   --host         SDM_HOST       127.0.0.1:50051    the server's gRPC address (host:port)
 //   --api_key      SDM_API_KEY    (none)             sent as `authorization: Bearer KEY`
+//   --api_key_file                (none)             the API key read from this file
 //   --tls          SDM_TLS        false              connect with TLS (SDM_TLS: 1/true, 0/false)
 //   --tls_ca       SDM_TLS_CA     (system roots)     PEM file of the CA that signs the server's
 //                                                    certificate; setting it turns TLS on
 //
 // A flag given on the command line wins over the environment, even when its value is empty
 // (`--api_key=` sends no key whatever SDM_API_KEY says; `--tls=false` connects in plaintext
-// whatever SDM_TLS_CA says). Empty environment variables count as unset. TLS is on when --tls
-// says so; else when --tls_ca names a file; else as SDM_TLS says; else when SDM_TLS_CA is set.
-// --timeout SECONDS (flag only; default none) sets the deadline of each call.
+// whatever SDM_TLS_CA says). Empty environment variables count as unset. --api_key_file is such
+// a flag too (it wins over SDM_API_KEY), and is refused together with --api_key; the file's
+// content less its trailing line ends is the key (an empty one is refused, so that a key file
+// left empty by mistake does not silently send none). TLS is on when --tls says so; else when
+// --tls_ca names a file; else as SDM_TLS says; else when SDM_TLS_CA is set. --timeout SECONDS
+// (flag only; default none) sets the deadline of each call. No error message quotes a key.
 //
 // Thread-safety: the functions are thread-compatible; a channel is thread-safe.
 #ifndef SDMSERVE_CLIENT_CONNECTION_H_
@@ -53,16 +57,19 @@ struct ConnectionOptions {
 struct ConnectionFlags {
   std::string host;
   std::string api_key;
+  std::string api_key_file;
   bool tls = false;
   std::string tls_ca;
   double timeout = 0;  // seconds; 0: none
 };
 
-// Registers --host, --api_key, --tls, --tls_ca and --timeout.
+// Registers --host, --api_key, --api_key_file, --tls, --tls_ca and --timeout.
 void AddConnectionFlags(FlagSet& flags, ConnectionFlags* values);
 
-// Applies the precedence above. INVALID_ARGUMENT for an empty host, an API key that cannot
-// travel in gRPC metadata (not printable ASCII), or a negative timeout.
+// Applies the precedence above, reading --api_key_file. INVALID_ARGUMENT for an empty host,
+// --api_key with --api_key_file, a key file that cannot be read (or is not a small file) or is
+// empty, an API key that cannot travel in gRPC metadata (not printable ASCII), or a negative
+// timeout.
 absl::StatusOr<ConnectionOptions> ResolveConnectionOptions(const FlagSet& flags,
                                                            const ConnectionFlags& values,
                                                            const EnvLookup& env);

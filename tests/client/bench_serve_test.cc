@@ -489,6 +489,28 @@ TEST_F(BenchServeRunTest, JsonToStdoutIsTheOnlyThingOnStdout) {
   EXPECT_THAT(r.err, HasSubstr("ok 3, errors: none"));
 }
 
+// sdm-bench serve takes --api_key_file as sdm-client does (client/connection.h): every call
+// carries the file's key; an empty file is refused before any call, its message quoting no key.
+TEST_F(BenchServeRunTest, CommandReadsTheApiKeyFile) {
+  const std::string key_file = ::testing::TempDir() + "/bench_serve_test_key";
+  std::ofstream(key_file, std::ios::trunc) << "sk-bench-file\n";
+  CommandResult r = RunCommand({"--host", server_.address(), "--requests", "2", "--max_tokens", "1",
+                                "--api_key_file", key_file});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  ASSERT_EQ(server_.service().calls().size(), 3u);  // GetModelInfo, 2 Generate
+  for (const auto& call : server_.service().calls()) {
+    EXPECT_EQ(call.authorization, "Bearer sk-bench-file") << call.method;
+  }
+  std::ofstream(key_file, std::ios::trunc) << "";
+  r = RunCommand({"--host", server_.address(), "--api_key_file", key_file});
+  EXPECT_EQ(r.exit, kExitUsage);
+  EXPECT_THAT(r.err, HasSubstr("(--api_key_file) is empty"));
+  r = RunCommand({"--host", server_.address(), "--api_key_file", key_file, "--api_key", "sk-x"});
+  EXPECT_EQ(r.exit, kExitUsage);
+  EXPECT_THAT(r.err, Not(HasSubstr("sk-x")));
+  EXPECT_EQ(server_.service().calls().size(), 3u);
+}
+
 TEST_F(BenchServeRunTest, CommandUsageErrorsAndFailures) {
   for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
            {"--prompt_tokens", "uniform:9:3"},

@@ -706,6 +706,100 @@ TEST(ConnectionOptionsTest, DefaultsFlagsAndEnvironment) {
   EXPECT_FALSE(resolve({"--timeout=-2"}, {}).ok());
 }
 
+// Writes `content` to a file under the test's temporary directory; returns its path.
+std::string WriteTempFile(const std::string& name, const std::string& content) {
+  const std::string path = ::testing::TempDir() + "/sdm_client_test_" + name;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << content;
+  return path;
+}
+
+// --api_key_file: the file's content less its trailing line ends is the key. It is a flag, so it
+// wins over SDM_API_KEY; it is refused with --api_key, and for an empty or unreadable file, with a
+// message naming the path and never the content.
+TEST(ConnectionOptionsTest, ApiKeyFile) {
+  const auto resolve = [](std::vector<std::string> args, std::map<std::string, std::string> env) {
+    FlagSet flags;
+    ConnectionFlags values;
+    AddConnectionFlags(flags, &values);
+    EXPECT_TRUE(flags.Parse(args).ok());
+    return ResolveConnectionOptions(flags, values, MapEnv(std::move(env)));
+  };
+  const std::string lf = WriteTempFile("key_lf", "sk-from-file\n");
+  absl::StatusOr<ConnectionOptions> o = resolve({"--api_key_file", lf}, {});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->api_key, "sk-from-file");
+  o = resolve({"--api_key_file=" + lf}, {{"SDM_API_KEY", "sk-from-env"}});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->api_key, "sk-from-file");
+  o = resolve({"--api_key_file", WriteTempFile("key_crlf", "sk-crlf\r\n")}, {});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->api_key, "sk-crlf");
+  o = resolve({"--api_key_file", WriteTempFile("key_bare", "sk-bare")}, {});
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->api_key, "sk-bare");
+
+  // Refused, each saying why and naming what to check.
+  o = resolve({"--api_key", "sk-flag", "--api_key_file", lf}, {});
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("--api_key or --api_key_file"));
+  for (const std::string& empty : {WriteTempFile("key_empty", ""), WriteTempFile("key_nl", "\n")}) {
+    o = resolve({"--api_key_file", empty}, {{"SDM_API_KEY", "sk-from-env"}});
+    EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument) << empty;
+    EXPECT_THAT(o.status().message(), HasSubstr("'" + empty + "' (--api_key_file) is empty"));
+  }
+  o = resolve({"--api_key_file", "/nonexistent/key"}, {});
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(
+      o.status().message(),
+      HasSubstr("cannot read the API key file '/nonexistent/key' (--api_key_file): No such"));
+  o = resolve({"--api_key_file", ::testing::TempDir()}, {});  // a directory
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("cannot read the API key file"));
+  o = resolve({"--api_key_file="}, {});
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  o = resolve({"--api_key_file", WriteTempFile("key_big", std::string(10000, 'k'))}, {});
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("not an API key"));
+  EXPECT_THAT(o.status().message(), Not(HasSubstr("kkkk")));
+  // A key that cannot travel is refused without being quoted.
+  o = resolve({"--api_key_file", WriteTempFile("key_space", "sk-two words\n")}, {});
+  EXPECT_EQ(o.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(o.status().message(), HasSubstr("check the file of --api_key_file"));
+  EXPECT_THAT(o.status().message(), Not(HasSubstr("words")));
+}
+
+// Through the command line: the key from the file reaches the server, with the flag before the
+// command or after it; a bad file is a usage error that quotes no key, and no call is made.
+TEST_F(SdmClientTest, ApiKeyFileSendsTheFilesKey) {
+  const std::string key_file = WriteTempFile("cli_key", "sk-cli-file\n");
+  RunResult r = RunClient({"info", "--host", server_.address(), "--api_key_file", key_file}, "",
+                          {{"SDM_API_KEY", "sk-from-env"}});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  r = RunClient({"--api_key_file", key_file, "--host", server_.address(), "sessions", "list"});
+  ASSERT_EQ(r.exit, kExitOk) << r.err;
+  std::vector<std::string> keys;
+  for (const auto& call : server_.service().calls()) keys.push_back(call.authorization);
+  EXPECT_THAT(keys, ElementsAre("Bearer sk-cli-file", "Bearer sk-cli-file"));
+
+  const std::string secret_file = WriteTempFile("cli_secret", "sk secret-part\n");
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"info", "--api_key_file", WriteTempFile("cli_empty", "")},
+           {"info", "--api_key_file", "/nonexistent/key"},
+           {"info", "--api_key", "sk-secret-flag", "--api_key_file", key_file},
+           {"info", "--api_key_file", secret_file},
+       }) {
+    std::vector<std::string> full = args;
+    full.push_back("--host");
+    full.push_back(server_.address());
+    r = RunClient(full);
+    EXPECT_EQ(r.exit, kExitUsage) << ::testing::PrintToString(args);
+    EXPECT_THAT(r.err, HasSubstr("sdm-client info: ")) << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("secret"))) << r.err;
+    EXPECT_THAT(r.err, Not(HasSubstr("sk-cli-file"))) << r.err;
+  }
+  EXPECT_EQ(server_.service().calls().size(), 2u);
+}
+
 TEST(ConnectionOptionsTest, StatusCodeNames) {
   EXPECT_EQ(StatusCodeName(grpc::StatusCode::OK), "OK");
   EXPECT_EQ(StatusCodeName(grpc::StatusCode::RESOURCE_EXHAUSTED), "RESOURCE_EXHAUSTED");
