@@ -43,6 +43,10 @@ struct ClientIo {
   bool out_is_terminal = false;
   // chat prints a "> " prompt before reading each line.
   bool in_is_terminal = false;
+  // chat takes SIGINT (Ctrl-C) while it runs (client/interrupt.h): the first one while a turn
+  // streams cancels that turn and the chat goes on; otherwise the process ends as without the
+  // handler. sdm-client's main sets it; left false, chat leaves SIGINT's action alone.
+  bool route_sigint = false;
 };
 
 // Runs `sdm-client ARGS...` (args excludes the program name) and returns the exit status.

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "client/command.h"
+#include "client/interrupt.h"
 #include "nlohmann/json.hpp"
 
 namespace sdm::client {
@@ -34,15 +35,18 @@ struct StreamOutcome {
   // Whether the status came with a retry hint, even one not passed on in retry_after_ms: the
   // server sends one with every UNAVAILABLE, so an UNAVAILABLE without one is the connection's.
   bool server_hinted = false;
+  bool interrupted = false;  // `interrupter` cancelled the call (Ctrl-C)
 };
 
 // Runs one Generate call, writing each chunk's text to `echo` (when not null) as it arrives.
+// While it runs, `interrupter` (when not null) may cancel it.
 StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& request,
-                             std::ostream* echo) {
+                             std::ostream* echo, TurnInterrupter* interrupter = nullptr) {
   StreamOutcome outcome;
   grpc::ClientContext context;
   command.Prepare(context);
   AddSessionRouting(request.session_id(), context);
+  if (interrupter != nullptr) interrupter->BeginTurn(&context);
   const Clock::time_point start = Clock::now();
   std::unique_ptr<grpc::ClientReader<sdm::v1::GenerateResponse>> reader =
       command.stub().Generate(&context, request);
@@ -63,6 +67,7 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
     if (chunk.has_usage()) outcome.usage = chunk.usage();
   }
   outcome.status = reader->Finish();
+  if (interrupter != nullptr) outcome.interrupted = interrupter->EndTurn();
   outcome.seconds = SecondsBetween(start, Clock::now());
   outcome.retry_after_ms = RetryAfterMs(context);
   outcome.server_hinted = !outcome.retry_after_ms.empty();
@@ -225,7 +230,9 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
       "'sdm-client chat --session ID' later resumes the conversation where it stopped.\n"
       "--create starts a new session (without --session, the server picks its id).\n"
       "After each turn, stderr shows the tokens fed, the history carried and those generated.\n"
-      "Commands: /quit (or /exit) leaves, /session shows the session, /help lists them.");
+      "Commands: /quit (or /exit) leaves, /session shows the session, /help lists them.\n"
+      "Ctrl-C while a turn streams cancels that turn (the session keeps what it did until then)\n"
+      "and the chat goes on; Ctrl-C at the prompt, or twice in one turn, leaves.");
   std::string session_id;
   bool create = false;
   SamplingFlags sampling;
@@ -271,6 +278,19 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
   *io.err << "session " << session.id() << (create ? " created" : " resumed") << ": " << position
           << " tokens of history. One line per turn; /quit leaves.\n";
 
+  // Ctrl-C while a turn streams cancels the turn, not the chat (client/interrupt.h).
+  TurnInterrupter interrupter;
+  std::unique_ptr<SigintRouter> sigint;
+  if (io.route_sigint) {
+    absl::StatusOr<std::unique_ptr<SigintRouter>> router = SigintRouter::Install(&interrupter);
+    if (router.ok()) {
+      sigint = *std::move(router);
+    } else {
+      *io.err << "sdm-client: Ctrl-C will end the chat, not a turn: " << router.status().message()
+              << "\n";
+    }
+  }
+
   bool failed = false;
   std::string line;
   while (true) {
@@ -301,9 +321,18 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
       continue;
     }
     turn.set_text(absl::StrCat(line, "\n"));
-    const StreamOutcome outcome = StreamGenerate(command, turn, io.out);
+    const StreamOutcome outcome = StreamGenerate(command, turn, io.out, &interrupter);
     if (!outcome.text.empty() && outcome.text.back() != '\n') *io.out << "\n";
     *io.out << std::flush;
+    if (outcome.interrupted && outcome.status.error_code() == grpc::StatusCode::CANCELLED) {
+      // Asked for, so not a failure. The server stops the turn within a step, and what it did
+      // until then stays in the session (docs/api.md, Generate: a state is not rolled back).
+      *io.err << "[turn cancelled (Ctrl-C) after " << outcome.token_ids.size()
+              << " tokens received: the session keeps what the turn read of its prompt and "
+                 "generated until the server stopped it; Ctrl-C at the prompt leaves]\n";
+      position = -1;  // read again at the end
+      continue;
+    }
     if (!outcome.status.ok()) {
       command.ReportFailure(outcome.status, outcome.retry_after_ms);
       failed = true;

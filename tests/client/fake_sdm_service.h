@@ -7,14 +7,17 @@
 // server would (add_bos unset and position 0); history_tokens is the session's position before
 // the call, which grows by prompt + generated tokens. A Generate on a session that is already
 // generating fails with ABORTED, as the real server does. Every call is recorded with its
-// session id and authorization metadata; FailNext() makes the next calls of a method fail.
+// session id and authorization metadata; FailNext() makes the next calls of a method fail;
+// StreamNextUntilCancelled() makes the next Generate stream until the client cancels it.
 #ifndef SDMSERVE_TESTS_CLIENT_FAKE_SDM_SERVICE_H_
 #define SDMSERVE_TESTS_CLIENT_FAKE_SDM_SERVICE_H_
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -62,6 +65,26 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     fail_after_tokens_ = Failure{status, 1, std::move(retry_after_ms)};
   }
 
+  // The next Generate ignores max_tokens and streams until the client cancels it (at most
+  // kMaxStreamedUntilCancelled tokens, then it ends as if max_tokens were reached), then ends
+  // CANCELLED, its session keeping the prompt and the tokens generated (docs/api.md, Generate).
+  static constexpr int64_t kMaxStreamedUntilCancelled = 10000;
+  void StreamNextUntilCancelled() {
+    absl::MutexLock lock(&mu_);
+    stream_until_cancelled_ = true;
+  }
+  // Blocks until no Generate is running (a cancelled one has finished on the server's side).
+  void AwaitNoGenerateRunning() const {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](const int* running) { return *running == 0; }, &running_));
+  }
+  // Generate calls that ended because the client cancelled them.
+  int cancelled_generates() const {
+    absl::MutexLock lock(&mu_);
+    return cancelled_generates_;
+  }
+
   std::vector<Call> calls() const {
     absl::MutexLock lock(&mu_);
     return calls_;
@@ -97,6 +120,7 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     int64_t history = 0;
     int per_chunk = 1;
     absl::Duration delay;
+    bool until_cancelled = false;
     {
       absl::MutexLock lock(&mu_);
       if (auto failure = Record("Generate", request->session_id(), context)) return *failure;
@@ -115,14 +139,27 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
       max_running_ = std::max(max_running_, ++running_);
       per_chunk = tokens_per_chunk_;
       delay = chunk_delay_;
+      until_cancelled = std::exchange(stream_until_cancelled_, false);
     }
     const int64_t prompt =
         (request->has_token_ids() ? request->token_ids().ids_size()
                                   : static_cast<int64_t>(request->text().size())) +
         ((!request->has_add_bos() && history == 0) || request->add_bos() ? 1 : 0);
-    const int64_t n = request->sampling().has_max_tokens() ? request->sampling().max_tokens() : 8;
+    int64_t n = request->sampling().has_max_tokens() ? request->sampling().max_tokens() : 8;
+    if (until_cancelled) n = kMaxStreamedUntilCancelled;
     sdm::v1::GenerateResponse chunk;
     for (int64_t i = 0; i < n; ++i) {
+      if (until_cancelled && context->IsCancelled()) {
+        absl::MutexLock lock(&mu_);
+        --running_;
+        ++cancelled_generates_;
+        if (!request->session_id().empty()) {
+          sdm::v1::Session& s = sessions_[request->session_id()];
+          s.set_generating(false);
+          s.set_position(history + prompt + i);
+        }
+        return grpc::Status::CANCELLED;
+      }
       chunk.add_token_ids(static_cast<int32_t>(100 + i));
       chunk.mutable_text()->append(absl::StrCat("t", i, " "));
       if (chunk.token_ids_size() == per_chunk || i + 1 == n) {
@@ -326,6 +363,8 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
   };
   std::map<std::string, Failure> failures_ ABSL_GUARDED_BY(mu_);
   std::optional<Failure> fail_after_tokens_ ABSL_GUARDED_BY(mu_);
+  bool stream_until_cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  int cancelled_generates_ ABSL_GUARDED_BY(mu_) = 0;
   int tokens_per_chunk_ ABSL_GUARDED_BY(mu_) = 1;
   absl::Duration chunk_delay_ ABSL_GUARDED_BY(mu_);
   int running_ ABSL_GUARDED_BY(mu_) = 0;

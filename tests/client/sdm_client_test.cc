@@ -1,7 +1,12 @@
 // sdm-client against a fake SdmService on loopback: streaming, chat resumption, sessions,
 // error mapping to exit codes, and where the connection options come from.
+#include <signal.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <optional>
@@ -12,6 +17,7 @@
 #include "client/cli.h"
 #include "client/connection.h"
 #include "client/flags.h"
+#include "client/interrupt.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -21,10 +27,12 @@ namespace sdm::client {
 namespace {
 
 using ::testing::ElementsAre;
+using ::testing::EndsWith;
 using testing::FakeServer;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
 using ::testing::Not;
+using ::testing::StartsWith;
 
 struct RunResult {
   int exit = -1;
@@ -500,6 +508,185 @@ TEST_F(SdmClientTest, ChatStopsAtAnUnrecoverableError) {
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("DATA_LOSS: corrupt"));
   EXPECT_EQ(server_.service().calls("Generate").size(), 1u);
+}
+
+// An output stream keeping what is written, which runs `hook` at its first write (chat's first
+// write to stdout is its first turn's first token).
+class HookedOutput : public std::stringbuf {
+ public:
+  explicit HookedOutput(std::function<void()> hook) : hook_(std::move(hook)) {}
+
+ protected:
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    RunHook();
+    return std::stringbuf::xsputn(s, n);
+  }
+  int_type overflow(int_type c) override {
+    RunHook();
+    return std::stringbuf::overflow(c);
+  }
+
+ private:
+  void RunHook() {
+    if (hook_) std::exchange(hook_, nullptr)();
+  }
+  std::function<void()> hook_;
+};
+
+// An input stream of `first`, then, once `before_rest` has returned, of `rest`: lines typed
+// only after something has happened.
+class TwoPartInput : public std::streambuf {
+ public:
+  TwoPartInput(std::string first, std::function<void()> before_rest, std::string rest)
+      : first_(std::move(first)), before_rest_(std::move(before_rest)), rest_(std::move(rest)) {
+    setg(first_.data(), first_.data(), first_.data() + first_.size());
+  }
+
+ protected:
+  int_type underflow() override {
+    if (gptr() < egptr()) return traits_type::to_int_type(*gptr());
+    if (!before_rest_) return traits_type::eof();
+    std::exchange(before_rest_, nullptr)();
+    setg(rest_.data(), rest_.data(), rest_.data() + rest_.size());
+    return rest_.empty() ? traits_type::eof() : traits_type::to_int_type(*gptr());
+  }
+
+ private:
+  std::string first_;
+  std::function<void()> before_rest_;
+  std::string rest_;
+};
+
+// Exits with status 5 unless a SIGINT handler is installed: a death test's Ctrl-C must meet the
+// chat's router, not SIGINT's default action, which would pass it too.
+void ExpectSigintHandled() {
+  struct sigaction now = {};
+  if (sigaction(SIGINT, nullptr, &now) != 0 || now.sa_handler == SIG_DFL) std::_Exit(5);
+}
+
+// `sdm-client chat ARGS` with SIGINT routed as sdm-client's main routes it, reading `in` and
+// writing stdout to `out`.
+int RunChatWithCtrlC(const std::vector<std::string>& args, std::streambuf* in, std::streambuf* out,
+                     std::ostringstream& err) {
+  std::istream in_stream(in);
+  std::ostream out_stream(out);
+  ClientIo io;
+  io.in = &in_stream;
+  io.out = &out_stream;
+  io.err = &err;
+  io.env = MapEnv({});
+  io.route_sigint = true;
+  std::vector<std::string> full = {"chat"};
+  full.insert(full.end(), args.begin(), args.end());
+  return RunSdmClient(full, io);
+}
+
+// The first Ctrl-C while a turn streams cancels that turn's call (the fake streams until then)
+// and the chat goes on: the next line is a turn of its own, on the history the cancelled turn
+// left in the session. Not a failure: exit 0. Before, the Ctrl-C killed the process.
+TEST_F(SdmClientTest, CtrlCCancelsTheTurnAndTheChatGoesOn) {
+  ASSERT_EQ(Run("sessions create", {"c"}).exit, kExitOk);
+  server_.service().set_chunk_delay(absl::Milliseconds(1));  // paces the stream, asserts nothing
+  server_.service().StreamNextUntilCancelled();
+  // The second line is read once the server has ended the cancelled call, as a person typing
+  // it would be later: the session is free again.
+  TwoPartInput in(
+      "first\n", [this] { server_.service().AwaitNoGenerateRunning(); }, "second\n");
+  HookedOutput out([] { std::raise(SIGINT); });  // Ctrl-C as the first token shows
+  std::ostringstream err;
+  const int exit = RunChatWithCtrlC(
+      {"--host", server_.address(), "--session", "c", "--max_tokens", "2"}, &in, &out, err);
+  EXPECT_EQ(exit, kExitOk) << err.str();
+  EXPECT_EQ(server_.service().cancelled_generates(), 1);
+  EXPECT_THAT(err.str(), HasSubstr("[turn cancelled (Ctrl-C) after "));
+  EXPECT_THAT(err.str(), HasSubstr("the session keeps what the turn read of its prompt"));
+  EXPECT_THAT(err.str(), Not(HasSubstr("sdm-client: CANCELLED")));
+  EXPECT_THAT(out.str(), StartsWith("t0 "));
+  EXPECT_THAT(out.str(), EndsWith("\nt0 t1 \n"));  // the second turn, whole
+
+  std::vector<std::string> texts;
+  for (const auto& q : server_.service().generate_requests()) texts.push_back(q.text());
+  EXPECT_THAT(texts, ElementsAre("first\n", "second\n"));
+  // The second turn carried what the first left: its prompt (BOS + 6 bytes) and some tokens.
+  const int64_t position = server_.service().Position("c");
+  const int64_t carried = position - 7 - 2;  // less the second turn's prompt and tokens
+  EXPECT_GT(carried, 7);
+  EXPECT_THAT(err.str(), HasSubstr(absl::StrCat("[7 prompt tokens + ", carried,
+                                                " history tokens carried, 2 generated")));
+  EXPECT_THAT(err.str(), HasSubstr(absl::StrCat("session c kept at position ", position)));
+
+  // The chat put SIGINT's action back as it found it.
+  struct sigaction now = {};
+  ASSERT_EQ(sigaction(SIGINT, nullptr, &now), 0);
+  EXPECT_EQ(now.sa_handler, SIG_DFL);
+}
+
+// Ctrl-C at the prompt ends the chat as it did before the router: killed by SIGINT.
+TEST(SdmClientChatDeathTest, CtrlCAtThePromptEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        FakeServer server;
+        // Waits at the prompt as a terminal does, Ctrl-C pressed.
+        TwoPartInput in(
+            "",
+            [] {
+              ExpectSigintHandled();
+              std::raise(SIGINT);
+              for (;;) ::pause();
+            },
+            "");
+        std::stringbuf out;
+        std::ostringstream err;
+        RunChatWithCtrlC({"--host", server.address(), "--session", "c", "--create"}, &in, &out,
+                         err);
+        std::_Exit(0);  // not reached
+      },
+      ::testing::KilledBySignal(SIGINT), "");
+}
+
+// A second Ctrl-C in one turn (a server slow to stop it) ends the chat: killed by SIGINT.
+TEST(SdmClientChatDeathTest, ASecondCtrlCInOneTurnEndsTheProcess) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        FakeServer server;
+        server.service().StreamNextUntilCancelled();
+        std::string line = "hi\n";
+        TwoPartInput in(
+            line, [] {}, "");
+        HookedOutput out([] {
+          ExpectSigintHandled();
+          std::raise(SIGINT);
+          std::raise(SIGINT);
+          for (;;) ::pause();
+        });
+        std::ostringstream err;
+        RunChatWithCtrlC({"--host", server.address(), "--session", "c", "--create"}, &in, &out,
+                         err);
+        std::_Exit(0);  // not reached
+      },
+      ::testing::KilledBySignal(SIGINT), "");
+}
+
+// The decision itself: an interrupt cancels a turn in flight once; at the prompt, or again in
+// the same turn, it asks for the end of the process.
+TEST(TurnInterrupterTest, OneCancellationPerTurn) {
+  TurnInterrupter interrupter;
+  EXPECT_FALSE(interrupter.Interrupt());  // no turn: at the prompt
+  grpc::ClientContext first;
+  interrupter.BeginTurn(&first);
+  EXPECT_TRUE(interrupter.Interrupt());
+  EXPECT_FALSE(interrupter.Interrupt());  // the second in the same turn
+  EXPECT_TRUE(interrupter.EndTurn());
+  EXPECT_FALSE(interrupter.Interrupt());  // after it
+  grpc::ClientContext second;
+  interrupter.BeginTurn(&second);
+  EXPECT_FALSE(interrupter.EndTurn());  // a turn no interrupt cancelled
+  grpc::ClientContext third;
+  interrupter.BeginTurn(&third);
+  EXPECT_TRUE(interrupter.Interrupt());  // a new turn's first
+  EXPECT_TRUE(interrupter.EndTurn());
 }
 
 // ---- sessions, tokenize, info ---------------------------------------------------------------
