@@ -124,6 +124,7 @@ sdm::v1::GenerateRequest RequestOf(const BenchServeOptions& options, Plan& plan)
   request.mutable_token_ids()->mutable_ids()->Add(plan.prompt.begin(), plan.prompt.end());
   request.mutable_sampling()->set_max_tokens(plan.max_tokens);
   request.mutable_sampling()->set_temperature(options.temperature);
+  request.mutable_sampling()->set_ignore_eos(options.ignore_eos);
   request.mutable_sampling()->set_seed(plan.rng());
   return request;
 }
@@ -528,9 +529,10 @@ std::string FormatReport(const BenchServeResult& r) {
   if (!r.model_summary.empty()) absl::StrAppend(&out, "  ", r.model_summary, "\n");
   absl::StrAppendFormat(&out,
                         "  concurrency %d, %d requests in %.2f s (warmup %d), prompt_tokens %s, "
-                        "max_tokens %s, temperature %g, seed %d\n",
+                        "max_tokens %s%s, temperature %g, seed %d\n",
                         o.concurrency, r.requests, r.wall_seconds, o.warmup,
-                        o.prompt_tokens.ToString(), o.max_tokens.ToString(), o.temperature, o.seed);
+                        o.prompt_tokens.ToString(), o.max_tokens.ToString(),
+                        o.ignore_eos ? "" : " (EOS may end a call sooner)", o.temperature, o.seed);
   if (o.session_reuse > 0) {
     absl::StrAppendFormat(&out,
                           "  session_reuse %.2f over %d sessions: %d requests continued a session "
@@ -577,7 +579,8 @@ nlohmann::json ToJson(const BenchServeResult& r) {
                  {"sessions", o.sessions},
                  {"seed", o.seed},
                  {"warmup", o.warmup},
-                 {"temperature", o.temperature}};
+                 {"temperature", o.temperature},
+                 {"ignore_eos", o.ignore_eos}};
   j["wall_seconds"] = r.wall_seconds;
   j["requests"] = {{"total", r.requests},
                    {"ok", r.ok},
@@ -623,6 +626,8 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
   flags.AddString("seed", &seed, "seed of the request plan (lengths, ids, reuse)");
   flags.AddInt("warmup", &options.warmup, "unmeasured calls before measuring");
   flags.AddDouble("temperature", &options.temperature, "sampling temperature (0: greedy)");
+  flags.AddBool("ignore_eos", &options.ignore_eos,
+                "every call generates its planned max_tokens (--noignore_eos: EOS may end it)");
   flags.AddString("json", &json_file,
                   "also write the results as JSON to FILE ('-': stdout, which then holds the JSON "
                   "alone: the report goes to stderr)");

@@ -57,6 +57,9 @@ struct BenchServeOptions {
   uint64_t seed = 1;
   int64_t warmup = 0;
   double temperature = 0;  // sampling of every request (0: greedy)
+  // Every request generates its planned max_tokens (SamplingParams.ignore_eos): the planned
+  // lengths are the workload, which EOS would otherwise cut short by the model's chance.
+  bool ignore_eos = true;
   // One thread keeps the calls in flight on gRPC's callback API instead of `concurrency`
   // threads each making one call at a time (for bursts of many calls: client threads then do not
   // compete with the server for the CPU). One-shot calls only (session_reuse must be 0).

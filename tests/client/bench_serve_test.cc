@@ -259,6 +259,7 @@ TEST_F(BenchServeRunTest, RunsEveryRequestAndReusesSessionsOneCallAtATime) {
       EXPECT_LT(id, 256);
     }
     EXPECT_EQ(q.sampling().max_tokens(), 5);
+    EXPECT_TRUE(q.sampling().ignore_eos());  // the planned lengths are the workload
     if (!q.session_id().empty()) {
       ++with_session;
       EXPECT_TRUE(q.session_id() == "b-0" || q.session_id() == "b-1") << q.session_id();
@@ -272,6 +273,20 @@ TEST_F(BenchServeRunTest, RunsEveryRequestAndReusesSessionsOneCallAtATime) {
   EXPECT_EQ(server_.service().calls("CreateSession").size(), 2u);
   EXPECT_EQ(server_.service().calls("DeleteSession").size(), 2u);
   EXPECT_FALSE(server_.service().HasSession("b-0"));
+}
+
+TEST_F(BenchServeRunTest, WithoutIgnoreEosTheServerMayEndCallsAtEos) {
+  BenchServeOptions o;
+  o.requests = 2;
+  o.ignore_eos = false;
+  std::ostringstream log;
+  absl::StatusOr<BenchServeResult> r = RunBenchServe(*stub_, connection_, o, log);
+  ASSERT_TRUE(r.ok()) << r.status();
+  const auto q = server_.service().generate_requests();
+  ASSERT_EQ(q.size(), 2u);
+  for (const auto& request : q) EXPECT_FALSE(request.sampling().ignore_eos());
+  EXPECT_THAT(FormatReport(*r), HasSubstr("(EOS may end a call sooner)"));
+  EXPECT_EQ(ToJson(*r)["config"]["ignore_eos"], false);
 }
 
 TEST_F(BenchServeRunTest, TheSamePlanForTheSameSeed) {
