@@ -522,6 +522,16 @@ int64_t Engine::host_kv_value_bytes() const {
   return static_cast<int64_t>(sizeof(float));
 }
 
+int64_t Engine::max_session_positions() const {
+  if (device() != EngineDevice::kCuda) return 0;
+  for (const LayerStateLayout& l : impl_->layout().layers) {
+    if (l.kind == LayerStateLayout::Kind::kKv && l.ring_capacity == 0) {
+      return impl_->options().max_context;
+    }
+  }
+  return 0;
+}
+
 std::unique_ptr<SessionState> Engine::NewSession() const {
   return std::make_unique<SessionState>(impl_->layout());
 }

@@ -232,6 +232,10 @@ class Engine {
   // Bytes per value of a session's host-side key/value rows: 2 with cpu_dtype kBf16 on the CPU,
   // else 4 (what a token's cache costs in a state store's budget).
   int64_t host_kv_value_bytes() const;
+  // The longest sequence (positions) a session may reach: on CUDA, options().max_context when
+  // the model has a full-attention layer (its page tables end there: a step past it fails);
+  // 0, no limit, otherwise.
+  int64_t max_session_positions() const;
   const Model& model() const;
   int64_t vocab_size() const;
 

@@ -132,7 +132,6 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     job->had_pending = true;
   }
   job->to_feed.insert(job->to_feed.end(), job->spec.prompt.begin(), job->spec.prompt.end());
-  st.sampler_seed = job->spec.sampling.seed;
   // A session that is not on the device is converted for it here, on the caller's thread, not
   // inside the step that resumes it, where every other session would wait (Engine::StageResume;
   // nothing to do on the CPU). Step reports any error of the session's.
@@ -152,6 +151,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
     return refused;
   }
+  st.sampler_seed = job->spec.sampling.seed;
   waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
   return absl::OkStatus();
 }
@@ -163,6 +163,7 @@ void Scheduler::Shutdown(bool cancel) {
     if (cancel) cancel_all_ = true;
     stop_ = true;
   }
+  absl::MutexLock lock(&join_mu_);  // one joins, the others wait for that
   if (thread_.joinable() && std::this_thread::get_id() != thread_.get_id()) thread_.join();
 }
 

@@ -29,11 +29,14 @@
 // dropped at the end.
 //
 // A step that does not fit (the engine answers RESOURCE_EXHAUSTED having changed nothing: a
-// device's memory cannot hold its sessions' state) no longer fails every job in it: the job
-// admitted last goes back to the front of the queue, its session as it was, and fewer jobs run
+// device's memory cannot hold its sessions' state) no longer fails every job in it: of the jobs
+// the step planned (not one whose prefill waited for the step's token budget), the one admitted
+// last goes back to the front of the queue, its session as it was, and fewer jobs run
 // at once (the batch is capped at what still runs, and grows by one place for each job that
 // ends and every 64 steps that fit) until the step fits; a step of one job that does not fit fails
-// that job. Its client sees nothing of it but the wait.
+// that job (RESOURCE_EXHAUSTED, or ABORTED for a session that read part of the request: it keeps
+// that part; a one-shot job keeps nothing, so it is RESOURCE_EXHAUSTED even after tokens were
+// streamed). A deferred job's client sees nothing of it but the wait.
 //
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs would wait
 // ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), before
@@ -162,7 +165,8 @@ class Scheduler {
   absl::Status Submit(GenerateJob job, std::shared_ptr<JobObserver> observer);
 
   // Stops admitting; then lets running and waiting jobs finish (cancel=false) or cancels them
-  // (cancel=true); returns when the step thread has exited. Idempotent.
+  // (cancel=true); returns when the step thread has exited. Idempotent; concurrent calls each
+  // return once it has exited.
   void Shutdown(bool cancel);
 
   int running() const;
@@ -215,7 +219,8 @@ class Scheduler {
   // The store queued device moves (SessionStateStore::SetStepThread): run them before the next
   // step even when no job runs.
   bool device_work_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread thread_;
+  absl::Mutex join_mu_;  // held by Shutdown() while it joins thread_
+  std::thread thread_ ABSL_GUARDED_BY(join_mu_);
 };
 
 }  // namespace sdm

@@ -128,17 +128,25 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
 
 namespace {
 
-// The service's options with max_session_tokens resolved: a negative value (the default) is
-// DefaultMaxSessionTokens of the model within the resident budget (and the device's capacity).
+// The service's options with max_session_tokens resolved (ResolveMaxSessionTokens): a negative
+// value (the default) is DefaultMaxSessionTokens of the model within the resident budget (and
+// the device's capacity); none is past what the engine can hold.
 ServiceOptions WithSessionLimit(const ServerOptions& options, const Engine& engine) {
   ServiceOptions service = options.service;
-  if (service.max_session_tokens >= 0) return service;
   int64_t budget = options.store.resident_budget_bytes;
   if (engine.device_state_capacity_bytes() > 0) {
     budget = std::min(budget, engine.device_state_capacity_bytes());
   }
-  service.max_session_tokens = DefaultMaxSessionTokens(
+  const int64_t derived = DefaultMaxSessionTokens(
       FullAttentionKvElementsPerToken(engine.config()) * engine.host_kv_value_bytes(), budget);
+  const int64_t engine_limit = engine.max_session_positions();
+  service.max_session_tokens =
+      ResolveMaxSessionTokens(service.max_session_tokens, derived, engine_limit);
+  if (options.service.max_session_tokens >= 0 &&
+      service.max_session_tokens != options.service.max_session_tokens) {
+    SDM_LOG(WARNING) << "sdm-server: max_session_tokens lowered to " << engine_limit
+                     << " (the engine's max_context)";
+  }
   return service;
 }
 

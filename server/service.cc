@@ -452,6 +452,12 @@ int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes
   return std::max<int64_t>(1, budget_bytes / kv_bytes_per_token);
 }
 
+int64_t ResolveMaxSessionTokens(int64_t configured, int64_t derived, int64_t engine_limit) {
+  const int64_t limit = configured < 0 ? derived : configured;
+  if (engine_limit <= 0) return limit;
+  return limit == 0 ? engine_limit : std::min(limit, engine_limit);
+}
+
 grpc::ServerWriteReactor<v1::GenerateResponse>* SdmServiceImpl::Generate(
     grpc::CallbackServerContext* context, const v1::GenerateRequest* request) {
   const Clock::time_point start = Clock::now();

@@ -77,6 +77,11 @@ struct ServiceOptions {
 // full-attention layer: SDM and sliding-window state has a fixed size.
 int64_t DefaultMaxSessionTokens(int64_t kv_bytes_per_token, int64_t budget_bytes);
 
+// ServiceOptions::max_session_tokens as the server applies it: `configured` (0: none; negative:
+// `derived`, DefaultMaxSessionTokens), never past `engine_limit` (Engine::max_session_positions:
+// 0 none), where a longer session would fail its step, and every other request of that step.
+int64_t ResolveMaxSessionTokens(int64_t configured, int64_t derived, int64_t engine_limit);
+
 // The shortest ttl a session may be given (Create, Fork): a shorter one could expire before its
 // creator's next call reached the server (0 or unset means the server's default instead).
 inline constexpr absl::Duration kMinSessionTtl = absl::Seconds(1);

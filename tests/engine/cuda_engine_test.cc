@@ -220,6 +220,11 @@ TEST_P(CudaVsCpuTest, PrefillThenBatchedDecodeMatchCpu) {
   Engines e = MakeEngines(GetParam(), /*prefill_chunk=*/16);
   ASSERT_NE(e.cuda, nullptr);
   EXPECT_EQ(e.cuda->device(), EngineDevice::kCuda);
+  // A session ends where the full-attention page tables do (the server's max_session_tokens is
+  // capped there); sliding-window and SDM state has no such end, nor has the CPU's.
+  const bool full_attention = FullAttentionKvElementsPerToken(e.cpu->config()) > 0;
+  EXPECT_EQ(e.cuda->max_session_positions(), full_attention ? 4096 : 0);
+  EXPECT_EQ(e.cpu->max_session_positions(), 0);
   const double tolerance = GetParam() == "tiny" ? kTinyLogitTolerance : kLogitTolerance;
   const int64_t vocab = e.cpu->vocab_size();
   constexpr int kSessions = 3;

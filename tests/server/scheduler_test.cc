@@ -491,6 +491,45 @@ TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
   EXPECT_TRUE(after->reason == FinishReason::kLength || after->reason == FinishReason::kEos);
 }
 
+// A turn refused at Submit leaves its session as it was: pending token and sampler seed.
+TEST_F(SchedulerTest, ARefusedTurnLeavesItsSessionUnchanged) {
+  UseNoEosModel();  // the jobs filling the queue run until the test cancels them
+  SchedulerOptions o;
+  o.max_running = 1;
+  o.max_waiting = 1;
+  StartScheduler(o);
+  ASSERT_TRUE(store_->Create(SessionKey("chat"), "").ok());
+  auto first = std::make_shared<Collector>();
+  GenerateJob turn = Job("chat", Tokens(3, 4), 2);
+  turn.sampling.seed = 5;
+  ASSERT_TRUE(scheduler_->Submit(std::move(turn), first).ok());
+  first->Wait();
+  int32_t pending = -1;
+  {
+    absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    ASSERT_EQ(lease->state().sampler_seed, 5u);
+    pending = lease->state().pending_token;
+    ASSERT_GE(pending, 0);
+  }
+  // One job runs and one waits, until cancelled: the queue stays full.
+  std::vector<std::shared_ptr<Collector>> fillers;
+  for (int i = 0; i < 2; ++i) {
+    fillers.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, i), 1000000), fillers.back()).ok());
+  }
+  GenerateJob refused_turn = Job("chat", Tokens(3, 5), 2);
+  refused_turn.sampling.seed = 9;
+  EXPECT_EQ(scheduler_->Submit(std::move(refused_turn), std::make_shared<Collector>()).code(),
+            absl::StatusCode::kResourceExhausted);
+  for (auto& f : fillers) f->cancelled = true;
+  for (auto& f : fillers) f->Wait();
+  absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->state().sampler_seed, 5u);
+  EXPECT_EQ(lease->state().pending_token, pending);
+}
+
 // Replicas: a turn whose write is refused because this replica lost the session (another took
 // it over while the turn ran) is not in the session's state: its client gets ABORTED, not a
 // normal end. A turn whose write goes through ends normally.

@@ -1156,6 +1156,17 @@ TEST_F(ServiceTest, TokenizeDetokenizeAndModelInfo) {
   EXPECT_FALSE(info.config_json().empty());
 }
 
+TEST(ResolveMaxSessionTokensTest, NeverPastWhatTheEngineHolds) {
+  EXPECT_EQ(ResolveMaxSessionTokens(-1, 262144, 0), 262144);       // derived, no engine limit
+  EXPECT_EQ(ResolveMaxSessionTokens(-1, 262144, 131072), 131072);  // CUDA's max_context
+  EXPECT_EQ(ResolveMaxSessionTokens(-1, 1000, 131072), 1000);
+  EXPECT_EQ(ResolveMaxSessionTokens(-1, 0, 131072), 131072);      // no attention budget limit
+  EXPECT_EQ(ResolveMaxSessionTokens(0, 262144, 131072), 131072);  // "none" is the engine's
+  EXPECT_EQ(ResolveMaxSessionTokens(0, 262144, 0), 0);
+  EXPECT_EQ(ResolveMaxSessionTokens(500000, 1, 131072), 131072);
+  EXPECT_EQ(ResolveMaxSessionTokens(5000, 1, 131072), 5000);
+}
+
 TEST(DefaultMaxSessionTokensTest, TheFullAttentionCacheThatFillsTheBudget) {
   EXPECT_EQ(DefaultMaxSessionTokens(0, int64_t{4} << 30), 0);  // no full attention: no limit
   EXPECT_EQ(DefaultMaxSessionTokens(4096, int64_t{4} << 30), 1 << 20);
