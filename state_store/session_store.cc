@@ -1885,10 +1885,7 @@ void SessionStateStore::Rebalance() {
   if (options_.device_budget_bytes > 0 && DeviceBytesLocked() > options_.device_budget_bytes) {
     if (DeferDeviceWork()) {
       // Copies back run between steps: the step thread is asked, nobody waits for it here.
-      std::function<void()> wake = wake_step_thread_;
-      mu_.Unlock();
-      wake();
-      mu_.Lock();
+      WakeStepThreadLocked();
     } else {
       EnforceDeviceBudget();
     }
@@ -2418,10 +2415,7 @@ absl::Status SessionStateStore::CopyBackHere(Entry& e, bool changes_only) {
 absl::Status SessionStateStore::RunDeviceJobLocked(SyncJob& job) {
   if (!DeferDeviceWork()) return CopyBackHere(*job.entry, job.changes_only);
   sync_jobs_.push_back(&job);
-  std::function<void()> wake = wake_step_thread_;
-  mu_.Unlock();
-  wake();
-  mu_.Lock();
+  WakeStepThreadLocked();
   while (!job.done && DeferDeviceWork()) changed_.Wait(&mu_);
   if (job.done) return job.status;
   // The step thread went away before it got to this job (ClearStepThread ran the queue it saw;
@@ -2468,21 +2462,30 @@ absl::Status SessionStateStore::SyncToHostLocked(Entry& e) {
 }
 
 void SessionStateStore::Bury(std::vector<std::unique_ptr<Entry>> dead) {
-  std::function<void()> wake;
   {
     absl::MutexLock lock(&mu_);
     if (DeferDeviceWork()) {
+      bool queued = false;
       for (std::unique_ptr<Entry>& e : dead) {
         if (e != nullptr && e->state != nullptr && e->state->on_device()) {
           doomed_.push_back(std::move(e->state));
-          wake = wake_step_thread_;
+          queued = true;
         }
       }
+      if (queued) WakeStepThreadLocked();
     }
   }
-  if (wake) wake();
   // The rest is destroyed here, outside the lock (host memory only, or no step thread).
   dead.clear();
+}
+
+void SessionStateStore::WakeStepThreadLocked() {
+  std::function<void()> wake = wake_step_thread_;
+  ++wakes_under_way_;
+  mu_.Unlock();
+  wake();
+  mu_.Lock();
+  if (--wakes_under_way_ == 0) changed_.SignalAll();
 }
 
 void SessionStateStore::SetStepThread(std::function<void()> wake) {
@@ -2500,6 +2503,9 @@ void SessionStateStore::ClearStepThread() {
   wake_step_thread_ = nullptr;
   step_thread_ = std::thread::id();
   changed_.SignalAll();  // waiters whose job was queued after the run above do it themselves
+  // A wake copied before the line above may still be running: its owner (the scheduler) must
+  // outlive it.
+  while (wakes_under_way_ > 0) changed_.Wait(&mu_);
 }
 
 void SessionStateStore::RunDeviceMoves() {

@@ -455,7 +455,8 @@ class SessionStateStore {
   // Device moves (see the class comment). SetStepThread() registers the calling thread as the
   // step thread; `wake` is called (never with the store's lock held) when device work is queued,
   // so that an idle step loop runs RunDeviceMoves(). ClearStepThread(), on that thread, runs
-  // what is queued and returns the store to inline moves. RunDeviceMoves() must be called on the
+  // what is queued, returns the store to inline moves and waits for the calls of `wake` under
+  // way (so its owner may be destroyed once it returns). RunDeviceMoves() must be called on the
   // step thread, between steps (no session of the store in an engine step); it is cheap when
   // there is nothing to do.
   void SetStepThread(std::function<void()> wake);
@@ -711,6 +712,10 @@ class SessionStateStore {
   // a failure counted and returned naming the session.
   absl::Status CopyFromDeviceLocked(Entry& e, bool changes_only) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::function<void()> wake_step_thread_ ABSL_GUARDED_BY(mu_);
+  // Calls wake_step_thread_ (a copy) with mu_ released, counted so that ClearStepThread waits
+  // for them. Requires one registered.
+  void WakeStepThreadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  int wakes_under_way_ ABSL_GUARDED_BY(mu_) = 0;
   std::thread::id step_thread_ ABSL_GUARDED_BY(mu_);  // default id: none registered
   std::vector<SyncJob*> sync_jobs_ ABSL_GUARDED_BY(mu_);
   std::vector<std::unique_ptr<SessionState>> doomed_ ABSL_GUARDED_BY(mu_);

@@ -986,6 +986,44 @@ TEST_F(DeviceResidencyTest, DeviceMovesRunOnTheStepThreadOnly) {
   }
 }
 
+// The step thread's wake belongs to its owner (the scheduler), which is destroyed once
+// ClearStepThread returns: a wake another thread copied before the clear must have returned by
+// then (it would otherwise run on a freed owner).
+TEST_F(DeviceResidencyTest, ClearingTheStepThreadWaitsForAWakeUnderWay) {
+  auto store = OpenStore({});
+  auto deleted = CreateOnDevice(*store, "deleted", prompt_, steps_);
+  absl::Notification registered, waking, release, clear, cleared;
+  std::atomic<bool> wake_returned{false};
+  std::atomic<bool> returned_before_the_wake{false};
+  std::thread step([&] {
+    store->SetStepThread([&] {
+      waking.Notify();
+      release.WaitForNotification();
+      wake_returned = true;
+    });
+    registered.Notify();
+    clear.WaitForNotification();
+    store->ClearStepThread();
+    returned_before_the_wake = !wake_returned.load();
+    cleared.Notify();
+  });
+  registered.WaitForNotification();
+  // Delete (another thread than the step thread) queues the device memory's release and wakes
+  // the step thread: the wake blocks until released.
+  std::thread deleter([&] { EXPECT_TRUE(store->Delete("deleted").ok()); });
+  waking.WaitForNotification();
+  clear.Notify();
+  // The wake is released once the clear has returned, or after a second if it has not (it must
+  // not: it waits for the wake). The outcome does not depend on the timing; only how surely a
+  // clear that does not wait is caught does.
+  cleared.WaitForNotificationWithTimeout(absl::Seconds(1));
+  release.Notify();
+  step.join();
+  deleter.join();
+  EXPECT_FALSE(returned_before_the_wake);
+  EXPECT_TRUE(deleted->destroyed);  // by the clear's pass or, after it, by the deleter
+}
+
 TEST_F(DeviceResidencyTest, BudgetsAreEnforcedByTheStepThread) {
   auto control = Control(prompt_, steps_);
   // The device tier holds one session of two; the background worker notices, the step thread
