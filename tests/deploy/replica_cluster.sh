@@ -124,6 +124,48 @@ start_etcd() {
   cat "$work/etcd.log"; fail "etcd did not start"
 }
 
+# start_etcd_cluster N: an etcd cluster of N members (m0 .. m(N-1)) on free loopback ports, data
+# under $work; sets ETCD_URLS (every member's client URL, comma-separated, as --etcd takes them)
+# and ETCD_MEMBER_URLS (an array); member i's pid is in $work/etcd-mi.pid. Returns once every
+# member answers a linearizable read (the cluster has a leader).
+start_etcd_cluster() {
+  local n=$1 i cluster="" url
+  local -a peers=() clients=()
+  for i in $(seq 0 $((n - 1))); do
+    peers+=("http://127.0.0.1:$(free_port)")
+    clients+=("http://127.0.0.1:$(free_port)")
+    cluster+="${cluster:+,}m$i=${peers[$i]}"
+  done
+  for i in $(seq 0 $((n - 1))); do
+    etcd --name "m$i" --data-dir "$work/etcd-m$i" \
+      --listen-client-urls "${clients[$i]}" --advertise-client-urls "${clients[$i]}" \
+      --listen-peer-urls "${peers[$i]}" --initial-advertise-peer-urls "${peers[$i]}" \
+      --initial-cluster "$cluster" --initial-cluster-state new \
+      --initial-cluster-token "sdm-test-$$" >"$work/etcd-m$i.log" 2>&1 &
+    echo $! >>"$work/pids"
+    echo $! >"$work/etcd-m$i.pid"
+    disown
+  done
+  ETCD_MEMBER_URLS=("${clients[@]}")
+  ETCD_URLS=$(IFS=,; echo "${clients[*]}")
+  for url in "${clients[@]}"; do
+    wait_for "etcd member $url" 120 curl -sf -X POST "$url/v3/kv/range" -d '{"key":"AA=="}' -o /dev/null
+  done
+}
+
+# etcd_leader_index: the index in ETCD_MEMBER_URLS of the member that is the leader now (by
+# its own status: its member id equals the leader it names); empty if none answers so.
+etcd_leader_index() {
+  local i status
+  for i in "${!ETCD_MEMBER_URLS[@]}"; do
+    status=$(curl -sf -X POST "${ETCD_MEMBER_URLS[$i]}/v3/maintenance/status" -d '{}' 2>/dev/null) || continue
+    if [ -n "$status" ] && [ "$(jq -r '.header.member_id' <<<"$status")" = "$(jq -r '.leader' <<<"$status")" ]; then
+      echo "$i"
+      return 0
+    fi
+  done
+}
+
 # start_control [extra flags...]: a server alone (its own --state_dir, no etcd): the reference
 # the replicas' turns must equal. Sets CONTROL_PORT, and with --http_port CONTROL_HTTP_PORT.
 start_control() {
