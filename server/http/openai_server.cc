@@ -168,6 +168,41 @@ absl::Status ParseLabels(const Json& body, google::protobuf::Map<std::string, st
   return absl::OkStatus();
 }
 
+// Whether `req` carries a body: a Content-Length other than 0, or chunks (RFC 9112 §6.3).
+bool HasBody(const httplib::Request& req) {
+  if (req.has_header("Transfer-Encoding")) return true;
+  const std::string length = req.get_header_value("Content-Length");
+  return !length.empty() && length != "0";
+}
+
+// Whether httplib 0.11 reads a request's body before its route runs (POST routes read their own,
+// Handlers::Post): for POST, PUT and PATCH, and DELETE only with a Content-Length. Any other
+// body is left on the connection.
+bool BodyIsRead(const httplib::Request& req) {
+  return req.method == "POST" || req.method == "PUT" || req.method == "PATCH" ||
+         (req.method == "DELETE" && req.has_header("Content-Length"));
+}
+
+// Ends the connection once `res` is written. httplib 0.11 keeps every connection open that the
+// client did not ask to close, and reads whatever follows a response as the next request: after
+// a request whose body was left unread (or could not be read), the rest of that body, a run of
+// 400s and 414s with the client's next real request lost among them. It ends a connection only
+// when a response fails to be written, so the body goes out through a provider that writes all
+// of it, then reports a failure. For the post-routing handler: the body is written as it is
+// (httplib has cut and compressed it, and set its length). A response without a body (HEAD) is
+// not ended.
+void EndConnectionAfter(httplib::Response& res) {
+  if (res.body.empty()) return;
+  auto body = std::make_shared<const std::string>(std::move(res.body));
+  res.body.clear();
+  const std::string type = res.get_header_value("Content-Type");
+  res.headers.erase("Content-Type");  // set again by set_content_provider
+  res.set_content_provider(body->size(), type, [body](size_t, size_t, httplib::DataSink& sink) {
+    sink.write(body->data(), body->size());
+    return false;
+  });
+}
+
 // A session endpoint's optional JSON object body.
 absl::StatusOr<Json> ParseObjectBody(const std::string& body) {
   if (body.empty()) return Json::object();
@@ -271,7 +306,7 @@ void OpenAiServer::Handlers::Post(
   // LENGTH, compiled into the library) whatever the server's limit; read here, every content
   // type has the one limit, max_body_bytes (past it: 413). httplib applies it to a body with a
   // Content-Length (and skips the body, so the connection stays usable); the check below covers
-  // a chunked one.
+  // a chunked one, which is not read past the limit: its connection is closed after the 413.
   const size_t limit = options_.max_body_bytes;
   http.Post(pattern, [handler = std::move(handler), limit](const httplib::Request& req,
                                                            httplib::Response& res,
@@ -296,7 +331,13 @@ void OpenAiServer::Handlers::Post(
         multipart ? read([](const httplib::MultipartFormData&) { return true; }, receive)
                   : read(receive);
     if (too_large) res.status = 413;
-    if (!complete || too_large) return;  // res.status says why; the error handler writes it
+    if (!complete || too_large) {
+      // The rest of the body is still on the connection (past the limit, or not readable), and
+      // would be read as the next requests: the connection ends with the answer. Only httplib's
+      // own 413, for a Content-Length past the limit, read (and dropped) the whole body.
+      if (too_large || res.status != 413) res.set_header("Connection", "close");
+      return;  // res.status says why; the error handler writes it
+    }
     if (multipart) {
       SendError(res, absl::InvalidArgumentError(
                          "the request body must be JSON, not multipart/form-data"));
@@ -478,14 +519,25 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
 }
 
 void OpenAiServer::Handlers::Install(httplib::Server& http) {
-  // A connection that waited too long for a thread (server/http/connection_pool.h): every request
-  // on it is answered 503 before its body is read, and the client is asked to close it.
-  http.set_pre_routing_handler([](const httplib::Request&, httplib::Response& res) {
-    if (!ConnectionPool::Refusing()) return httplib::Server::HandlerResponse::Unhandled;
-    SendError(res, absl::UnavailableError("no thread is free to serve this connection (the "
-                                          "server has its most connections open); retry"));
-    res.set_header("Connection", "close");
-    return httplib::Server::HandlerResponse::Handled;
+  // A connection that waited too long for a thread (server/http/connection_pool.h): its request is
+  // answered 503 before its body is read, and the connection is closed.
+  http.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+    if (ConnectionPool::Refusing()) {
+      SendError(res, absl::UnavailableError("no thread is free to serve this connection (the "
+                                            "server has its most connections open); retry"));
+      res.set_header("Connection", "close");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    // A body that nothing reads (a GET's) ends its connection after the answer.
+    if (HasBody(req) && !BodyIsRead(req)) res.set_header("Connection", "close");
+    return httplib::Server::HandlerResponse::Unhandled;
+  });
+  // Every response that says `Connection: close` ends its connection (EndConnectionAfter), as
+  // httplib would not; without the Keep-Alive parameters httplib adds to it.
+  http.set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
+    if (res.get_header_value("Connection") != "close") return;
+    res.headers.erase("Keep-Alive");
+    EndConnectionAfter(res);
   });
   // The web console (server/http/console_page.h): a static page, no key needed to load it; its
   // calls to /v1 carry the key the user enters.
@@ -624,6 +676,8 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
           case 400:
             message = "the request could not be read as HTTP/1.1";
             code = "invalid_argument";
+            // Where the request ends is not known: what follows is not read as a request.
+            res.set_header("Connection", "close");
             break;
           case 404:
             message = absl::StrCat("no endpoint ", req.method, " ", req.path);

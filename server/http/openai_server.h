@@ -22,7 +22,9 @@
 // reported in the body (an `error` event, or the error JSON) since the status line is out.
 //
 // Request bodies: at most `max_body_bytes` whatever their Content-Type (413 past it), read as
-// JSON whatever it says (`curl -d` sends application/x-www-form-urlencoded).
+// JSON whatever it says (`curl -d` sends application/x-www-form-urlencoded). A response to a
+// request whose body was left unread (a chunked one past the limit, a GET's, a refused one's)
+// or could not be read ends its connection, so that the rest is not read as further requests.
 //
 // Shutdown (SdmServer): the service stops admitting (503 from then on), streams in flight finish
 // or are cancelled by the scheduler (finish_reason "cancelled"), then Stop() closes the port.
@@ -32,7 +34,7 @@
 // keep a new client waiting, and shrinks back to `threads` once the threads above it have been
 // idle for pool.idle_timeout. A connection that no thread has taken within pool.max_wait
 // (max_connections open, or the system refuses a thread) is answered 503 with Retry-After and
-// `Connection: close` on every request.
+// `Connection: close`, and closed.
 //
 // Thread-safety: requests run on the HTTP server's connection threads; active_generations() and
 // Stop() may be called from any thread.

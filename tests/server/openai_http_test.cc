@@ -35,6 +35,7 @@ namespace {
 
 using Json = nlohmann::json;
 using ::testing::HasSubstr;
+using ::testing::Not;
 
 class OpenAiHttpTest : public ::testing::Test {
  protected:
@@ -621,12 +622,20 @@ std::string KeepAliveExchange(int fd, const std::string& path) {
   return RawExchange(fd, absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"));
 }
 
+// Reads one response with a Content-Length from `fd`, within a minute; empty on failure. What was
+// received past its end goes to `*after` when given.
+std::string ReadResponse(int fd, std::string* after = nullptr);
+
 // Sends `request` (raw HTTP/1.1) on `fd` and reads one response with a Content-Length, within a
 // minute; empty on failure.
 std::string RawExchange(int fd, const std::string& request) {
+  if (!SendAll(fd, request)) return "";
+  return ReadResponse(fd);
+}
+
+std::string ReadResponse(int fd, std::string* after) {
   const timeval timeout{60, 0};
   if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0) return "";
-  if (!SendAll(fd, request)) return "";
   std::string response;
   size_t header_end = std::string::npos;
   size_t body_bytes = 0;
@@ -648,7 +657,20 @@ std::string RawExchange(int fd, const std::string& request) {
       return "";
     }
   }
+  if (after != nullptr) *after = response.substr(header_end + body_bytes);
+  response.resize(header_end + body_bytes);
   return response;
+}
+
+// Everything `fd` receives until the server closes the connection (or a minute passes).
+std::string ReadUntilClosed(int fd) {
+  const timeval timeout{60, 0};
+  if (setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout)) != 0) return "";
+  std::string received;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0) received.append(buffer, n);
+  return received;
 }
 
 // The status of KeepAliveExchange's response, or 0 when there was none.
@@ -693,9 +715,9 @@ TEST_F(OpenAiHttpTest, IdleKeepAliveConnectionsDoNotKeepANewClientWaiting) {
 
 // A connection that no thread can take (here the only one, --http_max_connections 1, is held by an
 // idle keep-alive connection) is answered 503 with Retry-After and Connection: close once it has
-// waited pool.max_wait (here 0: at once), instead of waiting unanswered until the other closes
-// (never, for a keep-alive connection kept in use). Once the thread is free, a new client is
-// served again.
+// waited pool.max_wait (here 0: at once), and closed, instead of waiting unanswered until the
+// other closes (never, for a keep-alive connection kept in use). Once the thread is free, a new
+// client is served again.
 TEST_F(OpenAiHttpTest, AConnectionNoThreadTakesIsAnswered503) {
   ServerOptions o = Options();
   o.http.threads = 1;
@@ -722,17 +744,27 @@ TEST_F(OpenAiHttpTest, AConnectionNoThreadTakesIsAnswered503) {
   EXPECT_THAT(head, HasSubstr("\r\nconnection: close\r\n"));
   const Json body = Json::parse(refused.substr(refused.find("\r\n\r\n") + 4), nullptr, false);
   EXPECT_EQ(body["error"]["type"], "service_unavailable") << refused;
-  // A request with a body on the refused connection (a client that keeps it) is refused too, and
-  // the next request on it is read as a request (httplib skips the unread body).
-  // (Spaces in it: left unread, it would not parse as a request line.)
-  const std::string prompt = R"({"model": "x", "prompt": "hello there", "max_tokens": 1})";
-  const std::string post =
-      RawExchange(refused_fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                                           "Content-Type: application/json\r\nContent-Length: ",
-                                           prompt.size(), "\r\n\r\n", prompt));
+  // As it says, the connection is closed after it (a client that would keep it is not served).
+  SendAll(refused_fd, "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+  EXPECT_EQ(ReadUntilClosed(refused_fd), "");
+  // A request with a body on another refused connection is refused too, before its body is read
+  // (here past the 4 KiB httplib reads at once: the rest, left on a connection kept open, would
+  // be read as a request line too long to read, 414).
+  const int post_fd = ConnectRaw(port);
+  ASSERT_GE(post_fd, 0);
+  absl::Cleanup close_post = [post_fd] { close(post_fd); };
+  const std::string prompt =
+      Json{{"prompt", "hello there"}, {"max_tokens", 1}}.dump() + std::string(20'000, ' ');
+  std::thread sender([post_fd, &prompt] {
+    SendAll(post_fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                                  "Content-Type: application/json\r\nContent-Length: ",
+                                  prompt.size(), "\r\n\r\n", prompt));
+  });
+  const std::string post = ReadResponse(post_fd);
+  sender.join();
   EXPECT_TRUE(absl::StartsWith(post, "HTTP/1.1 503 ")) << post;
-  const std::string next = KeepAliveExchange(refused_fd, "/v1/models");
-  EXPECT_TRUE(absl::StartsWith(next, "HTTP/1.1 503 ")) << next;
+  SendAll(post_fd, "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
+  EXPECT_EQ(ReadUntilClosed(post_fd), "");
   // The holder is still served on its thread.
   EXPECT_EQ(KeepAliveGet(holder, "/v1/models"), 200);
   close(holder);
@@ -893,6 +925,59 @@ TEST_F(OpenAiHttpTest, BodiesAreReadAsJsonWhateverTheirContentType) {
     EXPECT_EQ(chunked->status, 413);
   }
   EXPECT_EQ(Post(port, "/v1/completions", {{"prompt", "x"}, {"max_tokens", 2}}).status, 200);
+}
+
+// A request whose body the server leaves unread (a chunked body past the limit, not read past it;
+// a GET's) is answered, then its connection is closed: httplib kept it open and read the rest of
+// the body as the next requests (lines of spaces longer than a request line: 414 after 414),
+// and the client's next real request on it went unanswered. A client sees its answer, then the
+// close (it reconnects), never what the rest of its body would have been parsed as.
+TEST_F(OpenAiHttpTest, ABodyLeftUnreadEndsItsConnection) {
+  ServerOptions o = Options();
+  o.http.max_body_bytes = 64 << 10;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const std::string spaces(20 << 10, ' ');  // JSON whitespace; no request line is this long
+  std::string chunked =
+      "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      "Transfer-Encoding: chunked\r\n\r\n";
+  for (int i = 0; i < 5; ++i) {  // 100 KiB: past the limit in the fourth chunk
+    absl::StrAppend(&chunked, absl::Hex(spaces.size()), "\r\n", spaces, "\r\n");
+  }
+  chunked += "0\r\n\r\n";
+  const std::string get_with_body =
+      absl::StrCat("GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: ", spaces.size(),
+                   "\r\n\r\n", spaces);
+  const std::string next = "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n";
+  for (const auto& [request, status] :
+       std::vector<std::pair<std::string, int>>{{chunked, 413}, {get_with_body, 200}}) {
+    SCOPED_TRACE(request.substr(0, request.find('\r')));
+    const int fd = ConnectRaw(port);
+    ASSERT_GE(fd, 0);
+    absl::Cleanup close_fd = [fd] { close(fd); };
+    // Sent alongside the reading: a server that stops reading may close before all is sent.
+    std::thread sender([fd, &request] { SendAll(fd, request); });
+    std::string after;  // what follows the answer
+    const std::string answer = ReadResponse(fd, &after);
+    sender.join();
+    ASSERT_TRUE(absl::StartsWith(answer, absl::StrCat("HTTP/1.1 ", status, " "))) << answer;
+    const std::string head = absl::AsciiStrToLower(answer.substr(0, answer.find("\r\n\r\n") + 2));
+    EXPECT_THAT(head, HasSubstr("\r\nconnection: close\r\n"));
+    EXPECT_THAT(head, Not(HasSubstr("keep-alive:")));
+    if (status == 413) {
+      const Json body = Json::parse(answer.substr(answer.find("\r\n\r\n") + 4), nullptr, false);
+      EXPECT_EQ(body["error"]["type"], "invalid_request_error") << answer;
+      EXPECT_EQ(body["error"]["code"], "payload_too_large") << answer;
+    }
+    // The connection's next request: the server has closed it (the send may fail), so nothing
+    // but the close follows; never an answer to the rest of the body.
+    SendAll(fd, next);
+    after += ReadUntilClosed(fd);
+    EXPECT_EQ(after, "");
+    // The client reconnects and is served.
+    EXPECT_EQ(Call(port, "GET", "/v1/models", "").status, 200);
+  }
 }
 
 // Sampling as OpenAI's API: without a seed each request samples afresh; with one it is
