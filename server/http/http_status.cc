@@ -42,7 +42,6 @@ int HttpStatusOf(absl::StatusCode code) {
 absl::string_view TypeOf(int http_status) {
   switch (http_status) {
     case 400:
-    case 413:
       return "invalid_request_error";
     case 401:
       return "authentication_error";
@@ -61,7 +60,8 @@ absl::string_view TypeOf(int http_status) {
     case 504:
       return "timeout_error";
     default:
-      return "server_error";
+      // Another 4xx (405, 414, ...: the HTTP server's own) is the request's fault all the same.
+      return http_status >= 400 && http_status < 500 ? "invalid_request_error" : "server_error";
   }
 }
 

@@ -12,8 +12,9 @@
 //   DEADLINE_EXCEEDED                                    504 timeout_error
 //   everything else (DATA_LOSS, INTERNAL, ...)           500 server_error
 // Errors the HTTP server decides before any status exists (413 for a body over the size limit,
-// 404 for no such endpoint, 400 for a request it cannot read) use the same body through
-// ErrorBody().
+// 404 for no such endpoint, 405 for a method its path does not take, 414 for a URI too long, 400
+// for a request it cannot read) use the same body through ErrorBody(); their type is
+// invalid_request_error for any 4xx without one of its own above, server_error for a 5xx.
 //
 // Body: {"error": {"message": ..., "type": ..., "param": null, "code": ...}}, where code is the
 // status code's name in lower case ("not_found", "resource_exhausted", ...) unless given.

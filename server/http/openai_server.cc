@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <regex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +14,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
 #include "httplib.h"
@@ -268,9 +270,18 @@ class OpenAiServer::Handlers {
   void Generate(const httplib::Request& req, const std::string& body, httplib::Response& res,
                 OpenAiEndpoint endpoint);
   // Routes POSTs to `pattern` to `handler(req, body, res)`, the body read here (see Install).
-  void Post(httplib::Server& http, const std::string& pattern,
-            std::function<void(const httplib::Request&, const std::string&, httplib::Response&)>
-                handler) const;
+  void Post(
+      httplib::Server& http, const std::string& pattern,
+      std::function<void(const httplib::Request&, const std::string&, httplib::Response&)> handler);
+  // Routes GETs (and HEADs) or DELETEs to `pattern`.
+  void Get(httplib::Server& http, const std::string& pattern, httplib::Server::Handler handler);
+  void Delete(httplib::Server& http, const std::string& pattern, httplib::Server::Handler handler);
+  // The methods routed for `path` (a GET route takes HEAD too, as httplib serves it), in the
+  // order of their routes.
+  std::vector<std::string> MethodsFor(const std::string& path) const;
+  // Answers a request that no route takes: 405 with an Allow header when its path takes other
+  // methods, else 404. Its body is not read.
+  void RefuseUnrouted(const httplib::Request& req, httplib::Response& res) const;
 
   OpenAiServer& owner_;
   const OpenAiServerOptions options_;
@@ -280,6 +291,13 @@ class OpenAiServer::Handlers {
   const ChatTemplate chat_template_;
   const std::string model_name_;
   const int64_t created_;
+  // Every route, as httplib matches it (the whole path against the pattern); set by Install,
+  // read-only while serving.
+  struct Route {
+    std::string method;
+    std::regex pattern;
+  };
+  std::vector<Route> routes_;
 };
 
 template <typename Body>
@@ -297,10 +315,49 @@ void OpenAiServer::Handlers::Unary(const httplib::Request& req, httplib::Respons
   SendJson(res, *out);
 }
 
+void OpenAiServer::Handlers::Get(httplib::Server& http, const std::string& pattern,
+                                 httplib::Server::Handler handler) {
+  routes_.push_back({"GET", std::regex(pattern)});
+  http.Get(pattern, std::move(handler));
+}
+
+void OpenAiServer::Handlers::Delete(httplib::Server& http, const std::string& pattern,
+                                    httplib::Server::Handler handler) {
+  routes_.push_back({"DELETE", std::regex(pattern)});
+  http.Delete(pattern, std::move(handler));
+}
+
+std::vector<std::string> OpenAiServer::Handlers::MethodsFor(const std::string& path) const {
+  std::vector<std::string> methods;
+  for (const Route& route : routes_) {
+    if (!std::regex_match(path, route.pattern)) continue;
+    if (std::find(methods.begin(), methods.end(), route.method) != methods.end()) continue;
+    methods.push_back(route.method);
+    if (route.method == "GET") methods.push_back("HEAD");
+  }
+  return methods;
+}
+
+void OpenAiServer::Handlers::RefuseUnrouted(const httplib::Request& req,
+                                            httplib::Response& res) const {
+  const std::string endpoint = absl::StrCat("no endpoint ", req.method, " ", req.path);
+  const std::vector<std::string> methods = MethodsFor(req.path);
+  if (methods.empty()) {
+    SendError(res, absl::NotFoundError(endpoint));
+    return;
+  }
+  const std::string allow = absl::StrJoin(methods, ", ");
+  res.status = 405;
+  res.set_header("Allow", allow);
+  res.set_content(ErrorBody(405, absl::StrCat(endpoint, "; ", req.path, " takes ", allow),
+                            "method_not_allowed"),
+                  kJsonContentType);
+}
+
 void OpenAiServer::Handlers::Post(
     httplib::Server& http, const std::string& pattern,
-    std::function<void(const httplib::Request&, const std::string&, httplib::Response&)> handler)
-    const {
+    std::function<void(const httplib::Request&, const std::string&, httplib::Response&)> handler) {
+  routes_.push_back({"POST", std::regex(pattern)});
   // httplib's own read of a body refuses one sent as application/x-www-form-urlencoded (what
   // `curl -d` sends without a Content-Type) past 8 KiB (CPPHTTPLIB_FORM_URL_ENCODED_PAYLOAD_MAX_
   // LENGTH, compiled into the library) whatever the server's limit; read here, every content
@@ -521,11 +578,20 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
 void OpenAiServer::Handlers::Install(httplib::Server& http) {
   // A connection that waited too long for a thread (server/http/connection_pool.h): its request is
   // answered 503 before its body is read, and the connection is closed.
-  http.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
+  http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (ConnectionPool::Refusing()) {
       SendError(res, absl::UnavailableError("no thread is free to serve this connection (the "
                                             "server has its most connections open); retry"));
       res.set_header("Connection", "close");
+      return httplib::Server::HandlerResponse::Handled;
+    }
+    // A request that no route takes is answered here, before httplib reads its body: httplib
+    // answers 400 ("could not be read") to a method it has no table for, and reads the body of a
+    // PUT or PATCH without a length until the client closes. Its body, if any, is left unread.
+    const std::vector<std::string> methods = MethodsFor(req.path);
+    if (std::find(methods.begin(), methods.end(), req.method) == methods.end()) {
+      RefuseUnrouted(req, res);
+      if (HasBody(req)) res.set_header("Connection", "close");
       return httplib::Server::HandlerResponse::Handled;
     }
     // A body that nothing reads (a GET's) ends its connection after the answer.
@@ -541,17 +607,17 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
   });
   // The web console (server/http/console_page.h): a static page, no key needed to load it; its
   // calls to /v1 carry the key the user enters.
-  http.Get("/", [](const httplib::Request&, httplib::Response& res) {
+  Get(http, "/", [](const httplib::Request&, httplib::Response& res) {
     const absl::string_view page = ConsolePageHtml();
     res.set_header("Cache-Control", "no-cache");
     res.set_content(page.data(), page.size(), "text/html; charset=utf-8");
   });
-  http.Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+  Get(http, "/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
     Unary(req, res, "OpenAI.ListModels", [&](absl::string_view) -> absl::StatusOr<Json> {
       return Json{{"object", "list"}, {"data", Json::array({ModelJson()})}};
     });
   });
-  http.Get(R"(/v1/models/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+  Get(http, R"(/v1/models/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
     std::string error_code;
     Unary(
         req, res, "OpenAI.GetModel",
@@ -597,7 +663,7 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
            return SessionToJson(session);
          });
        });
-  http.Get("/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
+  Get(http, "/v1/sessions", [this](const httplib::Request& req, httplib::Response& res) {
     Unary(req, res, "ListSessions", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
       v1::ListSessionsRequest list;
       if (req.has_param("limit")) {
@@ -620,7 +686,7 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
       return j;
     });
   });
-  http.Get(R"(/v1/sessions/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+  Get(http, R"(/v1/sessions/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
     Unary(req, res, "GetSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
       v1::GetSessionRequest get;
       get.set_session_id(req.matches[1].str());
@@ -629,8 +695,8 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
       return SessionToJson(session);
     });
   });
-  http.Delete(
-      R"(/v1/sessions/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+  Delete(
+      http, R"(/v1/sessions/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
         Unary(req, res, "DeleteSession", [&](absl::string_view tenant) -> absl::StatusOr<Json> {
           v1::DeleteSessionRequest del;
           del.set_session_id(req.matches[1].str());
@@ -665,8 +731,8 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
          });
        });
 
-  // Errors decided by the HTTP server itself (unknown path, body too large) in OpenAI's shape;
-  // responses that already carry a body are left alone.
+  // Errors decided by the HTTP server itself (a request it cannot read, a body too large, a URI
+  // too long) in OpenAI's shape; responses that already carry a body are left alone.
   http.set_error_handler(
       httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
         if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
@@ -676,10 +742,8 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
           case 400:
             message = "the request could not be read as HTTP/1.1";
             code = "invalid_argument";
-            // Where the request ends is not known: what follows is not read as a request.
-            res.set_header("Connection", "close");
             break;
-          case 404:
+          case 404:  // requests no route takes are answered before routing (RefuseUnrouted)
             message = absl::StrCat("no endpoint ", req.method, " ", req.path);
             code = "not_found";
             break;
@@ -687,9 +751,25 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
             message = "the request body is larger than this server accepts";
             code = "payload_too_large";
             break;
-          default:
-            message = absl::StrCat("HTTP ", res.status);
+          case 414:
+            message = absl::StrCat("the request line is longer than the ",
+                                   CPPHTTPLIB_REQUEST_URI_MAX_LENGTH,
+                                   " bytes this server reads: the URI is too long");
+            code = "uri_too_long";
+            break;
+          case 416:
+            message = "the Range header could not be read";
+            code = "invalid_argument";
+            break;
+          default:  // none that httplib 0.11 writes
+            message = absl::StrCat(res.status < 500 ? "the request was refused" : "internal error",
+                                   " (HTTP ", res.status, ")");
+            code = res.status < 500 ? "invalid_argument" : "internal";
         }
+        // These are decided before the request's body is read, or where its end is not known:
+        // what follows is not read as a request. (A body past the limit was read and dropped
+        // by httplib, or its route closes the connection: Post.)
+        if (res.status != 413) res.set_header("Connection", "close");
         res.set_content(ErrorBody(res.status, message, code), kJsonContentType);
         return httplib::Server::HandlerResponse::Handled;
       }));

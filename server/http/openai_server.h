@@ -9,7 +9,8 @@
 // Endpoints: GET /v1/models, GET /v1/models/{id}, POST /v1/completions,
 // POST /v1/chat/completions, and the session extension POST/GET /v1/sessions,
 // GET/DELETE /v1/sessions/{id}, POST /v1/sessions/{id}/fork; and the web console at GET /
-// (server/http/console_page.h).
+// (server/http/console_page.h). Another method on one of these paths is 405 with Allow; any
+// other path 404.
 //
 // Generation: the response is sent with chunked transfer encoding once the job has been
 // accepted by the scheduler (refusals before that get their own status). Tokens reach the

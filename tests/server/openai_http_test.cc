@@ -157,6 +157,12 @@ TEST(HttpStatusTest, EveryCodeHasItsHttpStatusAndOpenAiBody) {
   EXPECT_EQ(limited.retry_after_seconds, 2);
   EXPECT_EQ(ToHttpError(absl::UnavailableError("x")).status, 503);
   EXPECT_EQ(ToHttpError(absl::DataLossError("x")).status, 500);
+  // Statuses of the HTTP server's own: a 4xx is the request's fault, a 5xx the server's.
+  for (const int status : {405, 413, 414, 416}) {
+    EXPECT_EQ(Json::parse(ErrorBody(status, "x", "c"))["error"]["type"], "invalid_request_error")
+        << status;
+  }
+  EXPECT_EQ(Json::parse(ErrorBody(502, "x", "c"))["error"]["type"], "server_error");
 }
 
 TEST(ChatTemplateTest, DefaultRendersPlainTextAndFilesOverrideIt) {
@@ -977,6 +983,84 @@ TEST_F(OpenAiHttpTest, ABodyLeftUnreadEndsItsConnection) {
     EXPECT_EQ(after, "");
     // The client reconnects and is served.
     EXPECT_EQ(Call(port, "GET", "/v1/models", "").status, 200);
+  }
+}
+
+// What no route takes is answered in OpenAI's shape, as a request error: a method its path does not
+// take 405 with Allow (it was 404; a PUT or PATCH without a length was read until the client
+// closed, then 400 "could not be read as HTTP/1.1"), a path without routes 404, a URI too long
+// 414 (it was "server_error", "HTTP 414"). A request httplib cannot parse stays 400. Those
+// answered before their end was read close their connection; the others keep it.
+TEST_F(OpenAiHttpTest, WhatNoRouteTakesIsARequestErrorInOpenAisShape) {
+  ServerOptions o = Options();
+  o.http.read_timeout = absl::Hours(1);  // the old wait for a PUT's body, past the test's bound
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const auto request = [](const std::string& line, const std::string& headers = "") {
+    return absl::StrCat(line, " HTTP/1.1\r\nHost: 127.0.0.1\r\n", headers, "\r\n");
+  };
+  struct Case {
+    std::string request;
+    int status;
+    std::string type;
+    std::string code;
+    std::string message_part;
+    std::string allow;  // the Allow header; empty: none
+    bool kept;          // the connection serves a next request
+  };
+  const std::vector<Case> cases = {
+      {request("PUT /v1/sessions/x"), 405, "invalid_request_error", "method_not_allowed",
+       "no endpoint PUT /v1/sessions/x; /v1/sessions/x takes GET, HEAD, DELETE",
+       "GET, HEAD, DELETE", true},
+      {request("PATCH /v1/models", "Content-Length: 0\r\n"), 405, "invalid_request_error",
+       "method_not_allowed", "PATCH /v1/models", "GET, HEAD", true},
+      {request("POST /v1/models", "Content-Length: 2\r\n") + "{}", 405, "invalid_request_error",
+       "method_not_allowed", "POST /v1/models", "GET, HEAD", false},  // its body left unread
+      {request("GET /v1/chat/completions"), 405, "invalid_request_error", "method_not_allowed",
+       "takes POST", "POST", true},
+      {request("DELETE /v1/sessions/x/fork"), 405, "invalid_request_error", "method_not_allowed",
+       "takes POST", "POST", true},
+      {request("PUT /v1/nothing"), 404, "not_found_error", "not_found",
+       "no endpoint PUT /v1/nothing", "", true},
+      {request("GET /v1/" + std::string(9000, 'a')), 414, "invalid_request_error", "uri_too_long",
+       "the URI is too long", "", false},
+      {"GARBAGE\r\n\r\n", 400, "invalid_request_error", "invalid_argument",
+       "could not be read as HTTP/1.1", "", false},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.request.substr(0, 60));
+    const int fd = ConnectRaw(port);
+    ASSERT_GE(fd, 0);
+    absl::Cleanup close_fd = [fd] { close(fd); };
+    const std::string answer = RawExchange(fd, c.request);
+    if (!absl::StartsWith(answer, absl::StrCat("HTTP/1.1 ", c.status, " "))) {
+      ADD_FAILURE() << "answered: " << answer;
+      continue;
+    }
+    const size_t blank = answer.find("\r\n\r\n");
+    const std::string head = absl::AsciiStrToLower(answer.substr(0, blank + 2));
+    if (c.allow.empty()) {
+      EXPECT_THAT(head, Not(HasSubstr("\r\nallow:")));
+    } else {
+      EXPECT_THAT(head,
+                  HasSubstr(absl::StrCat("\r\nallow: ", absl::AsciiStrToLower(c.allow), "\r\n")));
+    }
+    const Json body = Json::parse(answer.substr(blank + 4), nullptr, false);
+    if (!body.is_object()) {
+      ADD_FAILURE() << "not JSON: " << answer;
+      continue;
+    }
+    EXPECT_EQ(body["error"]["type"], c.type) << answer;
+    EXPECT_EQ(body["error"]["code"], c.code) << answer;
+    EXPECT_THAT(body["error"]["message"].get<std::string>(), HasSubstr(c.message_part));
+    if (c.kept) {
+      EXPECT_EQ(KeepAliveGet(fd, "/v1/models"), 200);
+    } else {
+      EXPECT_THAT(head, HasSubstr("\r\nconnection: close\r\n"));
+      SendAll(fd, request("GET /v1/models"));
+      EXPECT_EQ(ReadUntilClosed(fd), "");
+    }
   }
 }
 
