@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_replace.h"
 #include "nlohmann/json.hpp"
+#include "server/service.h"
 
 namespace sdm {
 
@@ -29,17 +30,31 @@ absl::StatusOr<ChatTemplate> ChatTemplate::FromJson(absl::string_view json,
     *out = j[key].get<std::string>();
   }
   if (j.contains("stop")) {
-    if (!j["stop"].is_array()) {
+    const nlohmann::json& stop = j["stop"];
+    if (!stop.is_array()) {
       return absl::InvalidArgumentError(
           absl::StrCat(source, ": 'stop' must be an array of strings"));
     }
+    // Every chat request carries these, within the limits of the request's own (the service's):
+    // past them, every chat completion would be refused, so the template is refused instead.
+    if (stop.size() > static_cast<size_t>(kMaxStopStrings)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(source, ": 'stop' has ", stop.size(), " strings; at most ", kMaxStopStrings,
+                       " are allowed (a chat request's and the template's together)"));
+    }
     t.stop.clear();
-    for (const auto& s : j["stop"]) {
-      if (!s.is_string() || s.get<std::string>().empty()) {
+    for (size_t i = 0; i < stop.size(); ++i) {
+      if (!stop[i].is_string() || stop[i].get<std::string>().empty()) {
         return absl::InvalidArgumentError(
             absl::StrCat(source, ": 'stop' must be an array of non-empty strings"));
       }
-      t.stop.push_back(s.get<std::string>());
+      const std::string& s = stop[i].get_ref<const std::string&>();
+      if (s.size() > kMaxStopStringBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(source, ": 'stop'[", i, "] has ", s.size(),
+                                                       " bytes; at most ", kMaxStopStringBytes,
+                                                       " are allowed"));
+      }
+      t.stop.push_back(s);
     }
   }
   if (t.message.find("{content}") == std::string::npos) {

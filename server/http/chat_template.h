@@ -42,7 +42,8 @@ struct ChatTemplate {
   std::string continuation_prefix = "\n";
   std::vector<std::string> stop = {"\nUser:"};
 
-  // The template in `path` (JSON as above). Errors name the file and the key.
+  // The template in `path` (JSON as above). Errors name the file and the key; stop strings past
+  // a request's limits (kMaxStopStrings, kMaxStopStringBytes in server/service.h) are refused.
   static absl::StatusOr<ChatTemplate> FromFile(const std::filesystem::path& path);
   static absl::StatusOr<ChatTemplate> FromJson(absl::string_view json, absl::string_view source);
 

@@ -8,6 +8,7 @@
 #include <atomic>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <thread>
@@ -26,6 +27,7 @@
 #include "server/grpc_status.h"
 #include "server/http/chat_template.h"
 #include "server/http/http_status.h"
+#include "server/service.h"
 #include "tests/base/eventually.h"
 #include "tests/server/http_test_client.h"
 #include "tests/server/server_test_util.h"
@@ -177,6 +179,34 @@ TEST(ChatTemplateTest, DefaultRendersPlainTextAndFilesOverrideIt) {
   EXPECT_EQ(custom->stop, std::vector<std::string>{"<"});
   EXPECT_FALSE(ChatTemplate::FromJson(R"({"message": "no content"})", "t").ok());
   EXPECT_FALSE(ChatTemplate::FromJson(R"({"stop": "x"})", "t").ok());
+}
+
+// A template's stop strings go with every chat request, counted in its limits: a template past
+// them was accepted, and then every chat completion was refused ("with the chat template's 17 at
+// most -1 are allowed"). It is refused when loaded, naming the file and the limit.
+TEST(ChatTemplateTest, StopStringsPastARequestsLimitsAreRefusedWhenLoaded) {
+  ScopedTempDir dir;
+  const auto load = [&](const std::vector<std::string>& stop) {
+    const std::filesystem::path path = dir.path() / "chat_template.json";
+    std::ofstream(path) << Json{{"stop", stop}}.dump();
+    return ChatTemplate::FromFile(path);
+  };
+  const std::string file = (dir.path() / "chat_template.json").string();
+  EXPECT_TRUE(load(std::vector<std::string>(kMaxStopStrings, "z")).ok());
+  const absl::StatusOr<ChatTemplate> too_many =
+      load(std::vector<std::string>(kMaxStopStrings + 1, "z"));
+  ASSERT_FALSE(too_many.ok());
+  EXPECT_THAT(too_many.status().message(), HasSubstr(file));
+  EXPECT_THAT(too_many.status().message(),
+              HasSubstr(absl::StrCat("at most ", kMaxStopStrings, " are allowed")));
+  EXPECT_TRUE(load({"z", std::string(kMaxStopStringBytes, 'x')}).ok());
+  const absl::StatusOr<ChatTemplate> too_long =
+      load({"z", std::string(kMaxStopStringBytes + 1, 'x')});
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_THAT(too_long.status().message(), HasSubstr(file));
+  EXPECT_THAT(too_long.status().message(),
+              HasSubstr(absl::StrCat("'stop'[1] has ", kMaxStopStringBytes + 1, " bytes; at most ",
+                                     kMaxStopStringBytes)));
 }
 
 TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
