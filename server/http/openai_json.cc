@@ -159,18 +159,23 @@ absl::Status ParseMessages(const Json& body, OpenAiRequest& r) {
 // OpenAI fields this server does not implement are refused when they ask for something: a client
 // that asked for log-probabilities or an echoed prompt must not read a response without them as
 // if it had them. Their "off" values (null, false, 0; best_of 1; response_format "text"; an empty
-// suffix) are accepted, as clients send them by default.
-absl::Status RefuseUnimplemented(const Json& body) {
+// suffix) are accepted, as clients send them by default; but /v1/completions' `logprobs` is an
+// integer whose 0 asks for the sampled tokens' log-probabilities (OpenAI's legacy API): there
+// only null is off.
+absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
   const auto is_false_or_zero = [](const Json& v) {
     return (v.is_boolean() && !v.get<bool>()) || (v.is_number() && v.get<double>() == 0);
   };
+  const auto never = [](const Json&) { return false; };  // null is off: the field is absent
   struct Unimplemented {
     const char* field;
     const char* what;
     std::function<bool(const Json&)> off;
   };
   const Unimplemented fields[] = {
-      {"logprobs", "it returns no log-probabilities", is_false_or_zero},
+      {"logprobs", "it returns no log-probabilities",
+       endpoint == OpenAiEndpoint::kCompletions ? std::function<bool(const Json&)>(never)
+                                                : is_false_or_zero},
       {"top_logprobs", "it returns no log-probabilities", is_false_or_zero},
       {"echo", "it does not echo the prompt", is_false_or_zero},
       {"best_of", "it generates one completion per request",
@@ -228,7 +233,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
     return absl::InvalidArgumentError(
         absl::StrCat("'n' must be 1 (this server returns one choice per request), got ", *n));
   }
-  if (absl::Status s = RefuseUnimplemented(j); !s.ok()) return s;
+  if (absl::Status s = RefuseUnimplemented(j, endpoint); !s.ok()) return s;
   if (absl::Status s = GetBool(j, "stream", r.stream); !s.ok()) return s;
   if (const Json* options = Field(j, "stream_options"); options != nullptr) {
     if (!options->is_object()) return WrongType("stream_options", "an object");

@@ -514,6 +514,8 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/chat/completions", with(chat, "session_id", "nope"), 404, "'nope' not found"},
       // What this server does not implement is refused when asked for, not silently left out.
       {"/v1/completions", with(good, "logprobs", 3), 400, "'logprobs' is not supported"},
+      // 0 asks for the sampled tokens' log-probabilities in OpenAI's legacy completions.
+      {"/v1/completions", with(good, "logprobs", 0), 400, "'logprobs' is not supported"},
       {"/v1/completions", with(good, "echo", true), 400, "'echo' is not supported"},
       {"/v1/completions", with(good, "best_of", 2), 400, "'best_of' is not supported"},
       {"/v1/completions", with(good, "suffix", "end"), 400, "'suffix' is not supported"},
@@ -546,7 +548,6 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   // Their "off" values, which clients send by default, are accepted.
   for (const auto& [field, value] :
        std::vector<std::pair<std::string, Json>>{{"logprobs", nullptr},
-                                                 {"logprobs", 0},
                                                  {"echo", false},
                                                  {"best_of", 1},
                                                  {"suffix", ""},
