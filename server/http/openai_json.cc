@@ -156,6 +156,48 @@ absl::Status ParseMessages(const Json& body, OpenAiRequest& r) {
   return absl::OkStatus();
 }
 
+// The code unit of the \u escape at body[at] ("\uXXXX"), or -1 when there is none there.
+int EscapedCodeUnit(absl::string_view body, size_t at) {
+  if (at + 6 > body.size() || body[at] != '\\' || body[at + 1] != 'u') return -1;
+  int unit = 0;
+  for (size_t i = at + 2; i < at + 6; ++i) {
+    const char c = body[i];
+    const int digit = c >= '0' && c <= '9'   ? c - '0'
+                      : c >= 'a' && c <= 'f' ? c - 'a' + 10
+                      : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                             : -1;
+    if (digit < 0) return -1;
+    unit = unit * 16 + digit;
+  }
+  return unit;
+}
+
+// Where in `body` a \u escape of a lone surrogate starts, in JSON strings. Outside strings no
+// other token holds a quote or a backslash, so tracking the strings' quotes and escapes is
+// enough; what is not JSON is left to the parser.
+std::vector<size_t> LoneSurrogateEscapes(absl::string_view body) {
+  const auto is_high = [](int unit) { return unit >= 0xD800 && unit <= 0xDBFF; };
+  const auto is_low = [](int unit) { return unit >= 0xDC00 && unit <= 0xDFFF; };
+  std::vector<size_t> out;
+  bool in_string = false;
+  for (size_t i = 0; i < body.size(); ++i) {
+    if (body[i] == '"') {
+      in_string = !in_string;
+    } else if (in_string && body[i] == '\\') {
+      const int unit = EscapedCodeUnit(body, i);
+      if (is_high(unit) && is_low(EscapedCodeUnit(body, i + 6))) {
+        i += 11;  // a pair: its second escape too
+      } else if (is_high(unit) || is_low(unit)) {
+        out.push_back(i);
+        i += 5;
+      } else {
+        ++i;  // the escaped character (a quote or a backslash among them)
+      }
+    }
+  }
+  return out;
+}
+
 // OpenAI fields this server does not implement are refused when they ask for something: a client
 // that asked for log-probabilities or an echoed prompt must not read a response without them as
 // if it had them. Their "off" values (null, false, 0; best_of 1; response_format "text"; an empty
@@ -197,8 +239,16 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
 
 }  // namespace
 
+nlohmann::json ParseJsonBody(absl::string_view body) {
+  const std::vector<size_t> lone = LoneSurrogateEscapes(body);
+  if (lone.empty()) return Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  std::string replaced(body);
+  for (const size_t at : lone) replaced.replace(at, 6, "\\ufffd");  // as long as what it replaces
+  return Json::parse(replaced, nullptr, /*allow_exceptions=*/false);
+}
+
 absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiEndpoint endpoint) {
-  const Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  const Json j = ParseJsonBody(body);
   if (j.is_discarded()) {
     return absl::InvalidArgumentError("the request body is not valid JSON");
   }

@@ -46,6 +46,12 @@ struct OpenAiRequest {
   std::string session_id;  // our extension; also the X-Session-Id header
 };
 
+// A request body parsed as JSON (discarded when it is not JSON). A \u escape of a lone surrogate
+// (U+D800..U+DFFF not in a high-low pair), which RFC 8259's grammar allows and JavaScript writes
+// for a string cut in the middle of an emoji, is read as U+FFFD: nlohmann::json refuses it, and
+// has no option to replace it.
+nlohmann::json ParseJsonBody(absl::string_view body);
+
 // Parses a request body. Errors are INVALID_ARGUMENT with a message naming the field.
 absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiEndpoint endpoint);
 

@@ -208,7 +208,7 @@ void EndConnectionAfter(httplib::Response& res) {
 // A session endpoint's optional JSON object body.
 absl::StatusOr<Json> ParseObjectBody(const std::string& body) {
   if (body.empty()) return Json::object();
-  Json j = Json::parse(body, nullptr, /*allow_exceptions=*/false);
+  Json j = ParseJsonBody(body);
   if (j.is_discarded()) return absl::InvalidArgumentError("the request body is not valid JSON");
   if (!j.is_object()) return absl::InvalidArgumentError("the request body must be a JSON object");
   return j;

@@ -27,6 +27,7 @@
 #include "server/grpc_status.h"
 #include "server/http/chat_template.h"
 #include "server/http/http_status.h"
+#include "server/http/openai_json.h"
 #include "server/service.h"
 #include "tests/base/eventually.h"
 #include "tests/server/http_test_client.h"
@@ -207,6 +208,29 @@ TEST(ChatTemplateTest, StopStringsPastARequestsLimitsAreRefusedWhenLoaded) {
   EXPECT_THAT(too_long.status().message(),
               HasSubstr(absl::StrCat("'stop'[1] has ", kMaxStopStringBytes + 1, " bytes; at most ",
                                      kMaxStopStringBytes)));
+}
+
+// A \u escape of a lone surrogate is valid JSON syntax (RFC 8259), and JavaScript writes one for a
+// string cut in the middle of an emoji: it is read as U+FFFD (the request was refused as "not
+// valid JSON"). Pairs, other escapes and an escaped backslash before a "u" are read as before.
+TEST(OpenAiJsonTest, ALoneSurrogateEscapeIsReadAsTheReplacementCharacter) {
+  const std::string replacement = "\xEF\xBF\xBD";  // U+FFFD in UTF-8
+  for (const auto& [json, text] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"prompt": "\ud800"})", replacement},
+           {R"({"prompt": "a\uDFFFb"})", "a" + replacement + "b"},
+           {R"({"prompt": "\ud83d\ud83d\ude00\ud83d"})",  // lone, pair, lone at the end
+            replacement + "\xF0\x9F\x98\x80" + replacement},
+           {R"({"prompt": "\ud83d\u0041\"\\ud800"})", replacement + "A\"\\ud800"},
+           {R"({"model": "\udc00", "prompt": "x"})", "x"}}) {
+    SCOPED_TRACE(json);
+    const absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(json, OpenAiEndpoint::kCompletions);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->prompt_text, text);
+  }
+  EXPECT_EQ(ParseJsonBody(R"({"model": "\udc00"})")["model"], replacement);
+  // Still not JSON: a lone surrogate does not mend anything else.
+  EXPECT_TRUE(ParseJsonBody(R"({"prompt": "\ud800)").is_discarded());
+  EXPECT_TRUE(ParseJsonBody(R"({"prompt": "\ud80"})").is_discarded());
 }
 
 TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
@@ -562,6 +586,15 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
             200);
   EXPECT_EQ(Call(port, "GET", "/v1/sessions/nope", "").status, 404);
   EXPECT_EQ(Call(port, "DELETE", "/v1/sessions/nope", "").status, 404);
+  // A lone surrogate escape (JavaScript's, for a string cut mid-emoji) reads as U+FFFD, in the
+  // session endpoints' bodies too.
+  EXPECT_EQ(
+      Call(port, "POST", "/v1/completions", R"({"prompt": "ok\ud83d", "max_tokens": 2})").status,
+      200);
+  const Reply labelled =
+      Call(port, "POST", "/v1/sessions", R"({"session_id": "cut", "labels": {"emoji": "\ud83d"}})");
+  ASSERT_EQ(labelled.status, 200) << labelled.raw;
+  EXPECT_EQ(labelled.body["labels"]["emoji"], "\xEF\xBF\xBD") << labelled.raw;
 }
 
 // Streams a chat completion with a raw client, stopping (closing the connection) after
