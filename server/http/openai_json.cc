@@ -98,14 +98,23 @@ absl::Status ParsePrompt(const Json& body, OpenAiRequest& r) {
   }
   if (one != v && !one->is_array()) return WrongType("prompt", "a string or token ids");
   r.prompt_is_tokens = true;
-  for (const Json& t : *one) {
+  for (size_t i = 0; i < one->size(); ++i) {
+    const Json& t = (*one)[i];
     if (t.is_string() || t.is_array()) {
       return absl::InvalidArgumentError(
           "'prompt' holds several prompts: this server takes one prompt per request");
     }
-    if (!t.is_number_integer() || t.get<int64_t>() < std::numeric_limits<int32_t>::min() ||
-        t.get<int64_t>() > std::numeric_limits<int32_t>::max()) {
+    if (!t.is_number_integer()) {
       return WrongType("prompt", "a string or an array of integer token ids");
+    }
+    // Checked as sent: past int64, get<int64_t>() would wrap (18446744073709551615 to -1).
+    const bool in_range = t.is_number_unsigned()
+                              ? t.get<uint64_t>() <= std::numeric_limits<int32_t>::max()
+                              : t.get<int64_t>() >= std::numeric_limits<int32_t>::min() &&
+                                    t.get<int64_t>() <= std::numeric_limits<int32_t>::max();
+    if (!in_range) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'prompt'[", i, "] = ", t.dump(), " is out of range for a token id"));
     }
     r.prompt_tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
   }

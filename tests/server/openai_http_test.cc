@@ -514,6 +514,13 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "prompt", 5), 400, "'prompt'"},
       {"/v1/completions", with(good, "prompt", ""), 400, "empty"},
       {"/v1/completions", with(good, "prompt", {1, 99999}), 400, "outside the vocabulary"},
+      // Past int64 (it was read as -1: "token_ids.ids[1] = -1"), and past the 32 bits of an id.
+      {"/v1/completions", R"({"prompt": [1, 18446744073709551615]})", 400,
+       "'prompt'[1] = 18446744073709551615 is out of range for a token id"},
+      {"/v1/completions", R"({"prompt": [[5000000000]]})", 400,
+       "'prompt'[0] = 5000000000 is out of range for a token id"},
+      {"/v1/completions", R"({"prompt": [-9223372036854775808]})", 400,
+       "'prompt'[0] = -9223372036854775808 is out of range"},
       {"/v1/completions", with(good, "prompt", {"a", "b"}), 400, "'prompt'"},
       {"/v1/completions", with(good, "temperature", "hot"), 400, "'temperature'"},
       {"/v1/completions", with(good, "temperature", -1), 400, "temperature"},
