@@ -229,6 +229,7 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
                                                 : is_false_or_zero},
       {"top_logprobs", "it returns no log-probabilities", is_false_or_zero},
       {"echo", "it does not echo the prompt", is_false_or_zero},
+      // OpenAI's best_of is at least n (1 here): 0 is no off value.
       {"best_of", "it generates one completion per request",
        [](const Json& v) { return v.is_number() && v.get<double>() == 1; }},
       {"suffix", "it does not insert text between a prompt and a suffix",

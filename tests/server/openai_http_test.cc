@@ -549,6 +549,8 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "logprobs", 0), 400, "'logprobs' is not supported"},
       {"/v1/completions", with(good, "echo", true), 400, "'echo' is not supported"},
       {"/v1/completions", with(good, "best_of", 2), 400, "'best_of' is not supported"},
+      // OpenAI's best_of must be at least n (1): 0 is no off value.
+      {"/v1/completions", with(good, "best_of", 0), 400, "'best_of' is not supported"},
       {"/v1/completions", with(good, "suffix", "end"), 400, "'suffix' is not supported"},
       {"/v1/chat/completions", with(chat, "logprobs", true), 400, "'logprobs' is not supported"},
       {"/v1/chat/completions", with(chat, "top_logprobs", 2), 400, "'top_logprobs'"},
