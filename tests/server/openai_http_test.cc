@@ -213,6 +213,20 @@ TEST(ChatTemplateTest, StopStringsPastARequestsLimitsAreRefusedWhenLoaded) {
 // A \u escape of a lone surrogate is valid JSON syntax (RFC 8259), and JavaScript writes one for a
 // string cut in the middle of an emoji: it is read as U+FFFD (the request was refused as "not
 // valid JSON"). Pairs, other escapes and an escaped backslash before a "u" are read as before.
+// ignore_eos (our extension, vLLM's name) reaches the Generate request; absent is false.
+TEST(OpenAiJsonTest, IgnoreEosReachesTheGenerateRequest) {
+  for (const bool ignore : {true, false}) {
+    absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+        Json{{"prompt", "x"}, {"ignore_eos", ignore}}.dump(), OpenAiEndpoint::kCompletions);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(ToGenerateRequest(*r, "x", {}).sampling().ignore_eos(), ignore);
+  }
+  absl::StatusOr<OpenAiRequest> absent =
+      ParseOpenAiRequest(Json{{"prompt", "x"}}.dump(), OpenAiEndpoint::kCompletions);
+  ASSERT_TRUE(absent.ok()) << absent.status();
+  EXPECT_FALSE(ToGenerateRequest(*absent, "x", {}).sampling().ignore_eos());
+}
+
 TEST(OpenAiJsonTest, ALoneSurrogateEscapeIsReadAsTheReplacementCharacter) {
   const std::string replacement = "\xEF\xBF\xBD";  // U+FFFD in UTF-8
   for (const auto& [json, text] : std::vector<std::pair<std::string, std::string>>{
@@ -528,6 +542,7 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "max_tokens", 1.5), 400, "'max_tokens'"},
       {"/v1/completions", with(good, "max_tokens", 0), 400, "max_tokens"},
       {"/v1/completions", with(good, "stream", "yes"), 400, "'stream'"},
+      {"/v1/completions", with(good, "ignore_eos", "yes"), 400, "'ignore_eos'"},
       {"/v1/completions", with(good, "stop", {1}), 400, "'stop'"},
       {"/v1/completions", with(good, "n", 2), 400, "'n' must be 1"},
       {"/v1/completions", with(good, "seed", "s"), 400, "'seed'"},
