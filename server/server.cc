@@ -282,9 +282,14 @@ absl::Status SdmServer::Impl::Init() {
   absl::StatusOr<std::unique_ptr<SessionStateStore>> st =
       SessionStateStore::Open(engine->state_layout(), engine->fingerprint(), store_options);
   if (!st.ok()) {
+    // In use by another server: the flags that decide it.
+    const absl::string_view flags =
+        absl::IsFailedPrecondition(st.status())
+            ? " (--state_dir; replicas share one directory with --shared_state_dir)"
+            : "";
     return absl::Status(st.status().code(),
                         absl::StrCat("cannot open the state directory ", options.store.dir.string(),
-                                     ": ", st.status().message()));
+                                     ": ", st.status().message(), flags));
   }
   store = *std::move(st);
   if (ownership != nullptr) {

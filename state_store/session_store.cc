@@ -40,6 +40,22 @@ constexpr absl::string_view kLogSuffix = ".sdmlog";
 // start-up).
 constexpr int64_t kMaxLogRecords = 256;
 constexpr absl::string_view kTmpSuffix = ".tmp";
+// A store holds this file of its directory locked while it is open (exclusively; shared on a
+// shared directory), so that two stores never write one directory unawares (their snapshots and
+// logs interleave, and a session's next read finds it damaged).
+constexpr char kDirLockName[] = "LOCK";
+
+absl::Status DirectoryInUseError(const std::filesystem::path& dir, bool shared) {
+  const int64_t holder = HolderOfLock(dir / kDirLockName);
+  const std::string by =
+      holder > 0 ? absl::StrCat("process ", holder, ", which opened it for itself alone")
+                 : std::string("processes that share it");
+  return absl::FailedPreconditionError(absl::StrCat(
+      "it is in use by ", by,
+      " (two servers writing one directory unawares corrupt its sessions): stop that one or use "
+      "another directory; servers meant to share one must all be started as sharing it",
+      shared ? "" : " (this one was not)"));
+}
 // Fenced snapshots (SessionOwnership::FencesSnapshots): every snapshot under a unique name here.
 constexpr char kGenerationsDir[] = "generations";
 // A quarantined snapshot whose session was deleted: renamed with this suffix (never removed), so
@@ -410,7 +426,22 @@ absl::StatusOr<std::unique_ptr<SessionStateStore>> SessionStateStore::Open(
     return absl::InvalidArgumentError("host budget must not be negative");
   }
   if (!options.dir.empty()) {
+    // Locked before anything in it is read or moved (a store refused here changes nothing).
+    SDM_RETURN_IF_ERROR(options.files->CreateDirs(options.dir));
+    absl::StatusOr<std::unique_ptr<FileLock>> dir_lock =
+        options.files->Lock(options.dir / kDirLockName, /*exclusive=*/!options.shared_dir);
     absl::MutexLock lock(&store->mu_);
+    if (dir_lock.ok()) {
+      store->dir_lock_ = *std::move(dir_lock);
+    } else if (absl::IsFailedPrecondition(dir_lock.status())) {
+      return DirectoryInUseError(options.dir, options.shared_dir);
+    } else if (absl::IsUnimplemented(dir_lock.status())) {
+      store->open_errors_.push_back(absl::StrCat(dir_lock.status().message(),
+                                                 ": nothing stops another server from writing ",
+                                                 options.dir.string(), " too"));
+    } else {
+      return dir_lock.status();
+    }
     if (auto s = store->LoadDirectory(); !s.ok()) return s;
   }
   if (store->fenced()) {

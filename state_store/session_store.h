@@ -736,6 +736,9 @@ class SessionStateStore {
   std::set<SessionKey> syncing_ ABSL_GUARDED_BY(mu_);  // in the round under way
   // Held for a whole SyncWritten() round (outside mu_): rounds run one at a time, in order.
   absl::Mutex sync_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  // The directory's lock (kDirLockName): exclusive, or shared on a shared directory. Null
+  // without a directory, or where the file system has no locks (an open error says so).
+  std::unique_ptr<FileLock> dir_lock_;
   std::thread worker_;
   std::vector<std::thread> writers_;  // persist_writers - 1 (see WriterLoop)
   std::thread syncer_;                // PersistSync::kWrite (see SyncerLoop)

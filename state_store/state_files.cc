@@ -1,6 +1,7 @@
 #include "state_store/state_files.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <system_error>
 #include <vector>
@@ -371,6 +373,40 @@ absl::Status StateFiles::Rename(const std::filesystem::path& from,
                                 const std::filesystem::path& to) {
   if (::rename(from.c_str(), to.c_str()) != 0) return Errno("cannot rename", from, errno);
   return absl::OkStatus();
+}
+
+FileLock::~FileLock() { ::close(fd_); }
+
+absl::StatusOr<std::unique_ptr<FileLock>> StateFiles::Lock(const std::filesystem::path& path,
+                                                           bool exclusive) {
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("cannot open", path, errno);
+  auto lock = std::make_unique<FileLock>(fd);  // closes fd on every return below
+  if (::flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(path.string(), " is locked"));
+    }
+    if (error == ENOLCK || error == EOPNOTSUPP || error == EINVAL) {
+      return absl::UnimplementedError(
+          absl::StrCat("cannot lock ", path.string(), ": ", std::strerror(error)));
+    }
+    return Errno("cannot lock", path, error);
+  }
+  if (exclusive) {
+    const std::string pid = absl::StrCat(::getpid(), "\n");
+    if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
+      return Errno("cannot write to", path, errno);
+    }
+  }
+  return lock;
+}
+
+int64_t HolderOfLock(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  int64_t pid = 0;
+  if (!(in >> pid) || pid < 0) return 0;
+  return pid;
 }
 
 absl::Status StateFiles::CreateDirs(const std::filesystem::path& dir) {

@@ -29,6 +29,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,19 @@
 #include "state_store/byte_source.h"
 
 namespace sdm {
+
+// An advisory lock (flock(2)) on an open file, held until destroyed or the process ends (a
+// crashed holder leaves nothing to clean up).
+class FileLock {
+ public:
+  explicit FileLock(int fd) : fd_(fd) {}
+  ~FileLock();
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+
+ private:
+  int fd_;
+};
 
 class StateFiles {
  public:
@@ -64,6 +78,12 @@ class StateFiles {
   virtual absl::Status Remove(const std::filesystem::path& path);
   virtual absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to);
   virtual absl::Status CreateDirs(const std::filesystem::path& dir);
+  // Locks the file at `path` (created if missing), exclusive or shared, without waiting: another
+  // open of it (in this process too) that holds a conflicting lock makes it FAILED_PRECONDITION;
+  // a file system without such locks (ENOLCK, EOPNOTSUPP) UNIMPLEMENTED. With `exclusive`, the
+  // file then holds this process's id (what a refused locker reads: HolderOfLock).
+  virtual absl::StatusOr<std::unique_ptr<FileLock>> Lock(const std::filesystem::path& path,
+                                                         bool exclusive);
 
   // Cuts `path` (created if missing) at `offset` (whatever followed, e.g. a torn tail, is gone),
   // then writes `data` there and fsyncs the file; when it created the file or wrote at offset 0
@@ -103,6 +123,9 @@ class StateFiles {
   absl::Status WriteSource(int fd, const std::filesystem::path& path, uint64_t offset,
                            const ByteSource& data);
 };
+
+// The process id an exclusive holder wrote into the lock file at `path` (Lock), 0 if none.
+int64_t HolderOfLock(const std::filesystem::path& path);
 
 // Selects Default() or Direct() by name ("buffered", "direct"; the server's --persist_io).
 absl::StatusOr<StateFiles*> StateFilesForIo(absl::string_view name);

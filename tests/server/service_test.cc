@@ -147,6 +147,22 @@ TEST_F(ServiceTest, IgnoreEosGeneratesPastEos) {
   EXPECT_TRUE(saw_eos) << "no prompt exercised EOS: pick another for this model";
 }
 
+// A second server on the state directory of a running one is refused at start, changing
+// nothing there, and says which flags decide it.
+TEST_F(ServiceTest, ASecondServerOnOneStateDirectoryIsRefused) {
+  Served first = Serve(Options());
+  ASSERT_NE(first.server, nullptr);
+  ASSERT_TRUE(CreateSession(*first.stub, "kept").ok());
+  absl::StatusOr<std::unique_ptr<SdmServer>> second = SdmServer::Start(Options());
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(second.status().message()),
+              ::testing::HasSubstr(absl::StrCat("in use by process ", ::getpid())));
+  EXPECT_THAT(std::string(second.status().message()), ::testing::HasSubstr("--shared_state_dir"));
+  v1::Session session;
+  EXPECT_TRUE(GetSession(*first.stub, "kept", &session).ok());
+}
+
 TEST_F(ServiceTest, NegativeShutdownGracesAreRefusedAtStart) {
   for (const char* field : {"shutdown_grace", "final_write_grace"}) {
     ServerOptions o = Options();

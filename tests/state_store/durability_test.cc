@@ -24,6 +24,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "engine/engine.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"
@@ -34,7 +35,9 @@
 namespace sdm {
 namespace {
 
+using ::testing::Contains;
 using testing::FaultInjectionFiles;
+using ::testing::HasSubstr;
 using testing::SessionWriteFiles;
 
 constexpr int32_t kProbe = 42;
@@ -196,6 +199,47 @@ class DurabilityTest : public ::testing::Test {
 // session bit-exactly to a reference that never left the engine.
 // Both sync policies: a kill -9 loses nothing the kernel was handed (the copy reads what the
 // page cache holds, as a restarted process would).
+// Two stores never write one directory unawares: another store is refused before it reads or
+// moves anything (here one of another model, which would have quarantined every session),
+// naming the process that holds it; once that store is closed, the directory opens.
+TEST_F(DurabilityTest, ADirectoryIsHeldByOneStoreAlone) {
+  auto first = OpenStore(dir_.path(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_NE(first, nullptr);
+  ASSERT_TRUE(first->Create("s", "").ok());
+  Turn(*first, "s", testing::RandomTokens(5, 1));
+  for (const bool shared : {false, true}) {
+    SCOPED_TRACE(shared ? "shared" : "alone");
+    SessionStoreOptions options;
+    options.dir = dir_.path();
+    options.background = false;
+    options.shared_dir = shared;
+    auto second =
+        SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint() ^ 1, options);
+    ASSERT_FALSE(second.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(second.status())) << second.status();
+    EXPECT_THAT(std::string(second.status().message()),
+                HasSubstr(absl::StrCat("in use by process ", ::getpid())));
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() / "s.sdmstate"));
+  EXPECT_TRUE(std::filesystem::is_empty(dir_.path() / "quarantine"));
+  first.reset();
+  auto again = OpenStore(dir_.path(), PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_NE(again, nullptr);
+  EXPECT_TRUE(again->Get("s").ok());
+}
+
+// A file system without locks (some network file systems): the store opens, and says that
+// nothing keeps another server out.
+TEST_F(DurabilityTest, AFileSystemWithoutLocksOpensAndSaysSo) {
+  FaultInjectionFiles files;
+  files.FailNext(FaultInjectionFiles::Op::kLock,
+                 {absl::UnimplementedError("cannot lock LOCK: No locks available")});
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
+  ASSERT_NE(store, nullptr);
+  EXPECT_THAT(store->open_errors(), Contains(HasSubstr("nothing stops another server")));
+  ASSERT_TRUE(store->Create("s", "").ok());
+}
+
 TEST_F(DurabilityTest, EveryTurnSurvivesAKill) {
   const uint32_t fresh = std::random_device{}();
   for (auto [seed, sync] : {std::pair{1u, PersistSync::kWrite}, std::pair{2u, PersistSync::kFsync},

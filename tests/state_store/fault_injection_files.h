@@ -50,8 +50,9 @@ class FaultInjectionFiles : public StateFiles {
     kList,
     kWriteAt,
     kSync,  // the background fsync of a file written without one (--persist_sync=write)
+    kLock,  // the directory's lock when a store opens it
   };
-  static constexpr int kNumOps = 10;
+  static constexpr int kNumOps = 11;
 
   struct Fault {
     // The error the failing call returns.
@@ -174,6 +175,11 @@ class FaultInjectionFiles : public StateFiles {
   absl::Status SyncDir(const std::filesystem::path& dir) override {
     if (auto s = Enter(Op::kSyncDir, nullptr); !s.ok()) return s;
     return StateFiles::SyncDir(dir);
+  }
+  absl::StatusOr<std::unique_ptr<FileLock>> Lock(const std::filesystem::path& path,
+                                                 bool exclusive) override {
+    if (auto s = Enter(Op::kLock, nullptr); !s.ok()) return s;
+    return StateFiles::Lock(path, exclusive);
   }
   absl::Status CreateDirs(const std::filesystem::path& dir) override {
     if (auto s = Enter(Op::kCreateDirs, nullptr); !s.ok()) return s;

@@ -222,12 +222,10 @@ class SharedDirTest : public ::testing::Test {
 TEST_F(SharedDirTest, ASessionCreatedByOneStoreIsFoundByAnother) {
   auto a = OpenStore(true);
   auto b = OpenStore(true);
-  auto alone = OpenStore(false);  // opened before the session existed, not shared
   reference_ = engine_->NewSession();
   ASSERT_TRUE(a->Create("x", "meta").ok());
   Turn(*a, "x", testing::RandomTokens(7, 1));
 
-  EXPECT_TRUE(absl::IsNotFound(alone->Get("x").status()));
   auto info = b->Get("x");
   ASSERT_TRUE(info.ok()) << info.status();
   EXPECT_EQ(info->position, reference_->position());
@@ -877,6 +875,29 @@ TEST_F(SharedDirTest, ASnapshotOfAnotherModelIsRefusedButCanBeDeleted) {
 // of its last use while another replica serves it): a finite default ttl and a Create's or
 // Fork's finite ttl are refused, a ttl in a snapshot written by a store running alone is ignored,
 // and ExpireIdle removes nothing; the store running alone does expire that session.
+// Stores that share a directory exclude one that would hold it alone, and the other way round.
+TEST_F(SharedDirTest, StoresSharingADirectoryAndOneAloneExcludeEachOther) {
+  SessionStoreOptions options;
+  options.dir = dir_.path();
+  options.background = false;
+  {
+    auto a = OpenStore(true);
+    auto b = OpenStore(true);
+    ASSERT_NE(b, nullptr);
+    auto alone = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+    ASSERT_FALSE(alone.ok());
+    EXPECT_TRUE(absl::IsFailedPrecondition(alone.status())) << alone.status();
+    EXPECT_NE(alone.status().message().find("in use by processes that share it"), std::string::npos)
+        << alone.status();
+  }
+  auto alone = OpenStore(false);
+  ASSERT_NE(alone, nullptr);
+  options.shared_dir = true;
+  auto shared = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
+  ASSERT_FALSE(shared.ok());
+  EXPECT_TRUE(absl::IsFailedPrecondition(shared.status())) << shared.status();
+}
+
 TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
   SessionStoreOptions options;
   options.dir = dir_.path();
@@ -892,6 +913,7 @@ TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
 
   auto alone = OpenStore(false);
   ASSERT_TRUE(alone->Create("t", "", absl::Seconds(1)).ok());  // written with its ttl
+  alone.reset();  // (a store alone holds its directory for itself)
   auto a = OpenStore(true);
   EXPECT_TRUE(absl::IsInvalidArgument(a->Create("u", "", absl::Minutes(5))));
   ASSERT_TRUE(a->Create("u", "").ok());
@@ -903,7 +925,6 @@ TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
   EXPECT_EQ(a->ExpireIdle(absl::Now() + absl::Hours(24)), 0);
   EXPECT_TRUE(a->Get("t").ok());
   EXPECT_TRUE(a->Get("u").ok());
-  EXPECT_EQ(alone->ExpireIdle(absl::Now() + absl::Hours(24)), 1);  // alone, it expires
 }
 
 }  // namespace
