@@ -22,6 +22,7 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -35,6 +36,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "base/heap.h"
 #include "common/command_line.h"
@@ -328,6 +330,50 @@ int UsageError(absl::string_view message) {
   return kExitUsage;
 }
 
+// What absl::ParseCommandLine would refuse among the flags on the command line (an unknown flag,
+// a value its type cannot read, a missing value), as a usage error: absl exits with status 1 on
+// its own, where every other usage error exits 2 (docs/api.md). Flags read from a --flagfile are
+// left to absl. A flag's value is parsed into the flag here (ParseCommandLine sets it again).
+std::optional<std::string> CommandLineFlagError(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    absl::string_view arg = argv[i];
+    if (arg == "--") break;  // the rest is positional
+    if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) continue;
+    if (arg.empty()) continue;
+    absl::string_view name = arg;
+    absl::string_view value;
+    bool has_value = false;
+    if (const size_t eq = arg.find('='); eq != absl::string_view::npos) {
+      name = arg.substr(0, eq);
+      value = arg.substr(eq + 1);
+      has_value = true;
+    }
+    if (name == "flagfile" || name == "fromenv" || name == "tryfromenv" || name == "undefok") {
+      if (!has_value) ++i;  // absl's own: its value is the next argument
+      continue;
+    }
+    absl::CommandLineFlag* flag = absl::FindCommandLineFlag(name);
+    if (flag == nullptr && absl::StartsWith(name, "no")) {
+      absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
+      if (negated != nullptr && negated->IsOfType<bool>()) {
+        if (has_value) return absl::StrCat("--", name, " takes no value");
+        continue;
+      }
+    }
+    if (flag == nullptr || flag->IsRetired()) return absl::StrCat("unknown flag --", name);
+    if (flag->IsOfType<bool>() && !has_value) continue;
+    if (!has_value) {
+      if (i + 1 >= argc) return absl::StrCat("--", name, " needs a value");
+      value = argv[++i];
+    }
+    std::string error;
+    if (!flag->ParseFrom(value, &error)) {  // absl's message names the flag and the value
+      return error.empty() ? absl::StrCat("--", name, ": cannot read '", value, "'") : error;
+    }
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -340,6 +386,9 @@ int main(int argc, char** argv) {
     }
   }
   absl::SetProgramUsageMessage(kUsage);
+  if (const std::optional<std::string> error = CommandLineFlagError(argc, argv)) {
+    return UsageError(*error);
+  }
   const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
   if (positional.size() > 1) {
     return UsageError(absl::StrCat("unexpected argument '", positional[1], "'"));
