@@ -765,6 +765,15 @@ absl::Status SessionStateStore::LoadDirectory() {
                        log_size, fingerprint_, snapshot_id);
       if (scanned.ok()) {
         log = *std::move(scanned);
+        if (log.dropped_bytes > 0) {
+          // Normal after a crash mid-append (a turn not yet fsynced when it happened), but an
+          // operator who finds a session behind what a client saw must be able to tell why.
+          open_errors_.push_back(absl::StrCat(log_path.string(), ": its last ", log.dropped_bytes,
+                                              " bytes are not a whole record (a write cut short: a "
+                                              "torn tail), dropped: the session "
+                                              "comes back as of the last whole record (",
+                                              log.records, " in the log)"));
+        }
         if (log.has_record) {
           // The record's id and metadata are the snapshot's (a delta never changes them).
           record->last_used_unix_ms = log.record.last_used_unix_ms;
