@@ -817,7 +817,17 @@ absl::Status SessionStateStore::LoadDirectory() {
       entry->broken = SharedSnapshotRefused(record.status());
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else if (!record.ok()) {
-      Quarantine(*entry, path, record.status());
+      absl::Status why = record.status();
+      if (why.code() == absl::StatusCode::kFailedPrecondition) {
+        // Another model or format: sound files, only not this server's (started with the wrong
+        // model?). Said, so that nobody deletes what a move back would restore.
+        why = absl::FailedPreconditionError(
+            absl::StrCat(why.message(),
+                         "; the files are intact: if this server was started with the wrong "
+                         "model, stop it, move them back from quarantine/ (docs/state-format.md, "
+                         "Quarantine) and start it with that model"));
+      }
+      Quarantine(*entry, path, why);
       // Its log goes with it (when the snapshot could be moved): left here, the next Open would
       // find a log without its snapshot and remove it, with every turn since the snapshot (a
       // server started once with the wrong model would lose them).
@@ -897,9 +907,11 @@ void SessionStateStore::RestoreQuarantined() {
     entry->tier = Tier::kDisk;
     entry->last_used = absl::Now();
     entry->quarantined_as = options_.dir / "quarantine" / copy.name;
-    entry->broken =
-        absl::DataLossError(absl::StrCat("it was quarantined before the server restarted (kept as ",
-                                         entry->quarantined_as.string(), "); delete the session"));
+    entry->broken = absl::DataLossError(absl::StrCat(
+        "it was quarantined before the server restarted (kept as ", entry->quarantined_as.string(),
+        "; the start-up log of then says why: if only of another model, the file is intact "
+        "and can be moved back, docs/state-format.md, Quarantine); deleting the session "
+        "discards it"));
     Insert(std::move(entry));
   }
 }

@@ -10,6 +10,7 @@
 // with the reason, and every other session in the directory restores exactly.
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -26,6 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "engine/engine.h"
 #include "gtest/gtest.h"
 #include "state_store/session_store.h"
@@ -720,10 +722,23 @@ TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
     auto other = testing::TinyEngine(/*weight_seed=*/12);
     auto store = Open(other->fingerprint());
     ASSERT_NE(store, nullptr);
+    // What to do, said where the operator looks (and not "delete it": that would discard it).
+    const std::vector<std::string> errors = store->open_errors();
+    EXPECT_TRUE(std::any_of(errors.begin(), errors.end(), [](const std::string& e) {
+      return absl::StrContains(e, "alpha.sdmstate") && absl::StrContains(e, "the files are intact");
+    })) << absl::StrJoin(errors, "\n");
   }
   EXPECT_FALSE(std::filesystem::exists(log));
   // Reopened with the right model: the session is quarantined (its snapshot is); the log is kept.
-  { ASSERT_NE(Open(), nullptr); }
+  {
+    auto store = Open();
+    ASSERT_NE(store, nullptr);
+    absl::StatusOr<SessionInfo> info = store->Get("alpha");
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_NE(info->error.find("can be moved back"), std::string::npos) << info->error;
+    EXPECT_NE(info->error.find("deleting the session discards it"), std::string::npos)
+        << info->error;
+  }
   std::filesystem::path kept_log, kept_snapshot;
   for (const auto& entry : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
     const std::string name = entry.path().filename().string();
