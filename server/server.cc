@@ -27,6 +27,9 @@
 #include "grpcpp/grpcpp.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
+#include "openssl/bio.h"
+#include "openssl/pem.h"
+#include "openssl/x509.h"
 #include "prometheus/registry.h"
 #include "server/auth.h"
 #include "server/http_endpoint.h"
@@ -51,6 +54,35 @@ namespace {
 constexpr char kServiceName[] = "sdm.v1.SdmService";
 // After the streams' final chunks (ServerOptions::final_write_grace), how long other calls get.
 constexpr auto kUnaryGrace = std::chrono::milliseconds(200);
+
+// INVALID_ARGUMENT unless `cert_pem` starts with a PEM certificate and `key_pem` is a PEM private
+// key that goes with it: gRPC's builder only fails to start then, which read as a port that
+// cannot be bound.
+absl::Status CheckTlsKeyPair(const std::string& cert_pem, const std::filesystem::path& cert_file,
+                             const std::string& key_pem, const std::filesystem::path& key_file) {
+  BIO* cert_bio = BIO_new_mem_buf(cert_pem.data(), static_cast<int>(cert_pem.size()));
+  X509* cert = PEM_read_bio_X509(cert_bio, nullptr, nullptr, nullptr);
+  BIO_free(cert_bio);
+  if (cert == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the TLS certificate ", cert_file.string(), " holds no PEM certificate"));
+  }
+  BIO* key_bio = BIO_new_mem_buf(key_pem.data(), static_cast<int>(key_pem.size()));
+  EVP_PKEY* key = PEM_read_bio_PrivateKey(key_bio, nullptr, nullptr, nullptr);
+  BIO_free(key_bio);
+  absl::Status status;
+  if (key == nullptr) {
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "the TLS key ", key_file.string(), " holds no PEM private key (or one with a passphrase)"));
+  } else if (X509_check_private_key(cert, key) != 1) {
+    status = absl::InvalidArgumentError(absl::StrCat("the TLS key ", key_file.string(),
+                                                     " does not go with the certificate ",
+                                                     cert_file.string()));
+  }
+  EVP_PKEY_free(key);
+  X509_free(cert);
+  return status;
+}
 
 absl::StatusOr<std::string> ReadTextFile(const std::filesystem::path& path,
                                          absl::string_view what) {
@@ -237,6 +269,7 @@ absl::Status SdmServer::Impl::Init() {
   if (!options.tls_cert_file.empty()) {
     SDM_ASSIGN_OR_RETURN(std::string cert, ReadTextFile(options.tls_cert_file, "TLS certificate"));
     SDM_ASSIGN_OR_RETURN(std::string key, ReadTextFile(options.tls_key_file, "TLS key"));
+    SDM_RETURN_IF_ERROR(CheckTlsKeyPair(cert, options.tls_cert_file, key, options.tls_key_file));
     grpc::SslServerCredentialsOptions ssl;
     ssl.pem_key_cert_pairs.push_back({key, cert});
     credentials = grpc::SslServerCredentials(ssl);

@@ -1360,6 +1360,27 @@ TEST_F(ServiceTest, TlsWhenACertificateIsConfigured) {
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
   v1::ModelInfo info;
   EXPECT_FALSE(s.stub->GetModelInfo(&context, {}, &info).ok());
+
+  // A file that is not what it should be is named at start (it read as a port in use).
+  const std::filesystem::path other_key = dir_.path() / "other.pem";
+  ASSERT_EQ(std::system(absl::StrCat("openssl genpkey -algorithm ec -pkeyopt "
+                                     "ec_paramgen_curve:prime256v1 -out '",
+                                     other_key.string(), "' >/dev/null 2>&1")
+                            .c_str()),
+            0);
+  for (const auto& [cert_file, key_file, says] :
+       {std::tuple{key, key, "holds no PEM certificate"},
+        std::tuple{cert, cert, "holds no PEM private key"},
+        std::tuple{cert, other_key, "does not go with the certificate"}}) {
+    ServerOptions bad = Options();
+    bad.store.dir = dir_.path() / "state-bad-tls";
+    bad.tls_cert_file = cert_file;
+    bad.tls_key_file = key_file;
+    absl::StatusOr<std::unique_ptr<SdmServer>> refused = SdmServer::Start(bad);
+    ASSERT_FALSE(refused.ok()) << says;
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr(says));
+  }
 }
 
 // ---- Metrics, health, reflection ------------------------------------------------------------
