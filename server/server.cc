@@ -315,14 +315,21 @@ absl::Status SdmServer::Impl::Init() {
   absl::StatusOr<std::unique_ptr<SessionStateStore>> st =
       SessionStateStore::Open(engine->state_layout(), engine->fingerprint(), store_options);
   if (!st.ok()) {
-    // In use by another server: the flags that decide it.
+    // In use by another server: the flags that decide it. Another failure (not writable, not a
+    // directory): where else sessions may go, or none.
     const absl::string_view flags =
         absl::IsFailedPrecondition(st.status())
             ? " (--state_dir; replicas share one directory with --shared_state_dir)"
-            : "";
-    return absl::Status(st.status().code(),
-                        absl::StrCat("cannot open the state directory ", options.store.dir.string(),
-                                     ": ", st.status().message(), flags));
+            : " (--state_dir=DIR for another directory; --state_dir= keeps no state)";
+    // A relative directory (the default) is named from where the server runs too.
+    std::string dir = options.store.dir.string();
+    if (options.store.dir.is_relative()) {
+      std::error_code ec;
+      const std::filesystem::path absolute = std::filesystem::absolute(options.store.dir, ec);
+      if (!ec) absl::StrAppend(&dir, " (", absolute.string(), ")");
+    }
+    return absl::Status(st.status().code(), absl::StrCat("cannot open the state directory ", dir,
+                                                         ": ", st.status().message(), flags));
   }
   store = *std::move(st);
   if (ownership != nullptr) {

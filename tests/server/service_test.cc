@@ -163,6 +163,17 @@ TEST_F(ServiceTest, ASecondServerOnOneStateDirectoryIsRefused) {
   EXPECT_TRUE(GetSession(*first.stub, "kept", &session).ok());
 }
 
+// A state directory that cannot be made says where else sessions may go.
+TEST_F(ServiceTest, AStateDirectoryThatCannotBeMadeSaysWhatToDo) {
+  std::ofstream(dir_.path() / "afile") << "not a directory";
+  ServerOptions o = Options();
+  o.store.dir = dir_.path() / "afile" / "sub";
+  absl::StatusOr<std::unique_ptr<SdmServer>> refused = SdmServer::Start(o);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(std::string(refused.status().message()),
+              ::testing::HasSubstr("--state_dir= keeps no state"));
+}
+
 TEST_F(ServiceTest, NegativeShutdownGracesAreRefusedAtStart) {
   for (const char* field : {"shutdown_grace", "final_write_grace"}) {
     ServerOptions o = Options();
