@@ -282,6 +282,18 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
   }
   if (absl::Status s = GetNumber(j, "temperature", r.temperature); !s.ok()) return s;
   if (absl::Status s = GetNumber(j, "top_p", r.top_p); !s.ok()) return s;
+  std::optional<int64_t> top_k;
+  if (absl::Status s = GetInteger(j, "top_k", top_k); !s.ok()) return s;
+  if (top_k.has_value()) {
+    // SamplingParams.top_k is an int32: a value past it cannot reach the service's range check
+    // (which refuses a negative one with gRPC's message) without being cut.
+    if (*top_k < std::numeric_limits<int32_t>::min() ||
+        *top_k > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'top_k' = ", *top_k, " is out of range for a 32-bit integer"));
+    }
+    r.top_k = static_cast<int32_t>(*top_k);
+  }
   std::optional<int64_t> seed;
   if (absl::Status s = GetInteger(j, "seed", seed); !s.ok()) return s;
   if (seed.has_value()) r.seed = static_cast<uint64_t>(*seed);
@@ -320,6 +332,7 @@ v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::s
   if (request.max_tokens.has_value()) s.set_max_tokens(*request.max_tokens);
   s.set_temperature(request.temperature.value_or(kOpenAiDefaultTemperature));
   if (request.top_p.has_value()) s.set_top_p(*request.top_p);
+  if (request.top_k.has_value()) s.set_top_k(*request.top_k);
   if (request.seed.has_value()) s.set_seed(*request.seed);
   s.set_ignore_eos(request.ignore_eos);
   for (const std::string& stop : request.stop) s.add_stop(stop);

@@ -3,7 +3,7 @@
 // rendered. Nothing here knows HTTP or the engine.
 //
 // Parsing follows OpenAI: unknown fields are ignored; a field of the wrong type is an
-// INVALID_ARGUMENT naming it; null is the same as absent. Ranges (temperature, top_p,
+// INVALID_ARGUMENT naming it; null is the same as absent. Ranges (temperature, top_p, top_k,
 // max_tokens, the prompt's tokens) are checked later, by the same code as gRPC's Generate
 // (SdmServiceImpl::PrepareGenerate), so both APIs accept exactly the same values.
 #ifndef SDMSERVE_SERVER_HTTP_OPENAI_JSON_H_
@@ -37,6 +37,7 @@ struct OpenAiRequest {
   std::optional<int64_t> max_tokens;  // max_tokens, or max_completion_tokens (chat)
   std::optional<double> temperature;
   std::optional<double> top_p;
+  std::optional<int32_t> top_k;  // our extension (vLLM's name): SamplingParams.top_k
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   bool ignore_eos = false;  // our extension (vLLM's name): SamplingParams.ignore_eos

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -225,6 +226,38 @@ TEST(OpenAiJsonTest, IgnoreEosReachesTheGenerateRequest) {
       ParseOpenAiRequest(Json{{"prompt", "x"}}.dump(), OpenAiEndpoint::kCompletions);
   ASSERT_TRUE(absent.ok()) << absent.status();
   EXPECT_FALSE(ToGenerateRequest(*absent, "x", {}).sampling().ignore_eos());
+}
+
+// top_k (vLLM's extension) reaches SamplingParams.top_k as sent; its range is the service's to
+// check (EveryBadInputGetsItsStatusAndTheServerKeepsServing), what int32 cannot hold is refused.
+TEST(OpenAiJsonTest, TopKReachesTheGenerateRequest) {
+  for (const int top_k : {0, 1, 40, -1, std::numeric_limits<int32_t>::max()}) {
+    SCOPED_TRACE(top_k);
+    absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(
+        Json{{"prompt", "x"}, {"top_k", top_k}}.dump(), OpenAiEndpoint::kCompletions);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(ToGenerateRequest(*r, "x", {}).sampling().top_k(), top_k);
+  }
+  for (const std::string body : {R"({"prompt": "x"})", R"({"prompt": "x", "top_k": null})"}) {
+    absl::StatusOr<OpenAiRequest> absent = ParseOpenAiRequest(body, OpenAiEndpoint::kCompletions);
+    ASSERT_TRUE(absent.ok()) << absent.status();
+    EXPECT_EQ(ToGenerateRequest(*absent, "x", {}).sampling().top_k(), 0);  // no limit
+  }
+  for (const auto& [value, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"("5")", "'top_k' must be an integer"},
+           {"1.5", "'top_k' must be an integer"},
+           {"true", "'top_k' must be an integer"},
+           {"2147483648", "'top_k' = 2147483648 is out of range for a 32-bit integer"},
+           {"-2147483649", "'top_k' = -2147483649 is out of range for a 32-bit integer"}}) {
+    SCOPED_TRACE(value);
+    absl::StatusOr<OpenAiRequest> r =
+        ParseOpenAiRequest(absl::StrCat(R"({"messages": [{"role": "user", "content": "x"}], )",
+                                        R"("top_k": )", value, "}"),
+                           OpenAiEndpoint::kChatCompletions);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), message);
+  }
 }
 
 TEST(OpenAiJsonTest, ALoneSurrogateEscapeIsReadAsTheReplacementCharacter) {
@@ -539,6 +572,9 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "temperature", "hot"), 400, "'temperature'"},
       {"/v1/completions", with(good, "temperature", -1), 400, "temperature"},
       {"/v1/completions", with(good, "top_p", 2), 400, "top_p"},
+      {"/v1/completions", with(good, "top_k", "5"), 400, "'top_k' must be an integer"},
+      // The service's range check, gRPC's message.
+      {"/v1/completions", with(good, "top_k", -1), 400, "sampling.top_k must be >= 0"},
       {"/v1/completions", with(good, "max_tokens", 1.5), 400, "'max_tokens'"},
       {"/v1/completions", with(good, "max_tokens", 0), 400, "max_tokens"},
       {"/v1/completions", with(good, "stream", "yes"), 400, "'stream'"},
@@ -610,6 +646,17 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
             200);
   EXPECT_EQ(Call(port, "GET", "/v1/sessions/nope", "").status, 404);
   EXPECT_EQ(Call(port, "DELETE", "/v1/sessions/nope", "").status, 404);
+  // top_k reaches the sampler: 1 keeps only the most probable token, whatever the temperature,
+  // so the completion is the greedy one (ignored, temperature 1 samples the random model's
+  // nearly flat distribution).
+  const Json greedy = {{"prompt", "ok"}, {"max_tokens", 16}, {"temperature", 0}};
+  const Reply expected = Post(port, "/v1/completions", greedy);
+  const Reply top_1 = Post(
+      port, "/v1/completions",
+      Json{{"prompt", "ok"}, {"max_tokens", 16}, {"temperature", 1}, {"seed", 7}, {"top_k", 1}});
+  ASSERT_EQ(expected.status, 200) << expected.raw;
+  ASSERT_EQ(top_1.status, 200) << top_1.raw;
+  EXPECT_EQ(top_1.body["choices"][0]["text"], expected.body["choices"][0]["text"]);
   // A lone surrogate escape (JavaScript's, for a string cut mid-emoji) reads as U+FFFD, in the
   // session endpoints' bodies too.
   EXPECT_EQ(
