@@ -54,11 +54,7 @@ absl::StatusOr<absl::Duration> TtlOf(bool has_ttl, const google::protobuf::Durat
         n, "ns"));
   }
   const absl::Duration d = absl::Seconds(s) + absl::Nanoseconds(n);
-  if (d > kMaxSessionTtl) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(field, " must be at most 100 years (", absl::ToInt64Seconds(kMaxSessionTtl),
-                     " s; unset: the server's default), got ", s, "s"));
-  }
+  if (d > kMaxSessionTtl) return TtlTooLongError(field, absl::StrCat(s, "s"));
   if (d > absl::ZeroDuration() && d < kMinSessionTtl) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, " must be 0 or unset (the server's default) or at least ",
@@ -186,6 +182,12 @@ absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
 }
 
 }  // namespace
+
+absl::Status TtlTooLongError(absl::string_view field, absl::string_view got) {
+  return absl::InvalidArgumentError(absl::StrCat(field, " must be at most 100 years (",
+                                                 absl::ToInt64Seconds(kMaxSessionTtl),
+                                                 " s; unset: the server's default), got ", got));
+}
 
 SdmServiceImpl::SdmServiceImpl(const ServiceDeps& deps, const ServiceOptions& options)
     : deps_(deps),

@@ -88,6 +88,10 @@ inline constexpr absl::Duration kMinSessionTtl = absl::Seconds(1);
 // The longest: 100 years (a longer one would not fit the nanoseconds of the times reported with
 // it, expire_time included; 292 years is the int64 limit). Longer ones are refused.
 inline constexpr absl::Duration kMaxSessionTtl = absl::Hours(24 * 36525);
+// The error for a ttl longer than kMaxSessionTtl: "`field` must be at most 100 years (...), got
+// `got`". Both APIs refuse one with it (HTTP's ttl_seconds may be past what a
+// google.protobuf.Duration holds, so it is refused before it reaches the service).
+absl::Status TtlTooLongError(absl::string_view field, absl::string_view got);
 
 // Limits on what a Generate request may carry besides the prompt.
 inline constexpr int kMaxStopStrings = 16;

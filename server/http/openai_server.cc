@@ -149,9 +149,14 @@ absl::Status ParseTtl(const Json& body, google::protobuf::Duration& out, bool& h
   if (it == body.end() || it->is_null()) return absl::OkStatus();
   if (!it->is_number()) return absl::InvalidArgumentError("'ttl_seconds' must be a number");
   const double s = it->get<double>();
-  if (!(s >= 0) || s > 315'576'000'000.0) {
+  if (!(s >= 0)) {
     return absl::InvalidArgumentError(
         "'ttl_seconds' must be a non-negative number of seconds (0: the server's default)");
+  }
+  // Past kMaxSessionTtl: the service's message, naming the value as sent (one past what a
+  // Duration holds, 1e20 say, could not reach the service's check).
+  if (s > absl::ToDoubleSeconds(kMaxSessionTtl)) {
+    return TtlTooLongError("'ttl_seconds'", it->dump());
   }
   out.set_seconds(static_cast<int64_t>(s));
   out.set_nanos(static_cast<int32_t>((s - static_cast<double>(out.seconds())) * 1e9));

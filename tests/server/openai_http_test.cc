@@ -613,6 +613,16 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", std::string(100 << 10, ' '), 413, "larger than"},
       {"/v1/sessions", "{\"session_id\": 7}", 400, "'session_id'"},
       {"/v1/sessions", "{\"ttl_seconds\": -1}", 400, "ttl_seconds"},
+      // Past the longest ttl (kMaxSessionTtl), one message however far past: 1e20 was "must be
+      // a non-negative number of seconds".
+      {"/v1/sessions", "{\"ttl_seconds\": 1e20}", 400,
+       "'ttl_seconds' must be at most 100 years (3155760000 s; unset: the server's default), "
+       "got 1e+20"},
+      {"/v1/sessions", "{\"ttl_seconds\": 10000000000}", 400,
+       "'ttl_seconds' must be at most 100 years (3155760000 s; unset: the server's default), "
+       "got 10000000000"},
+      {"/v1/sessions/nope/fork", "{\"ttl_seconds\": 1e20}", 400,
+       "'ttl_seconds' must be at most 100 years"},
       {"/v1/sessions/nope/fork", "{}", 404, "'nope' not found"},
       {"/v1/nothing", "{}", 404, "no endpoint"},
   };
@@ -646,6 +656,10 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
             200);
   EXPECT_EQ(Call(port, "GET", "/v1/sessions/nope", "").status, 404);
   EXPECT_EQ(Call(port, "DELETE", "/v1/sessions/nope", "").status, 404);
+  const Reply longest =
+      Call(port, "POST", "/v1/sessions", R"({"session_id": "longest", "ttl_seconds": 3155760000})");
+  ASSERT_EQ(longest.status, 200) << longest.raw;
+  EXPECT_EQ(longest.body["ttl_seconds"], 3155760000) << longest.raw;
   // top_k reaches the sampler: 1 keeps only the most probable token, whatever the temperature,
   // so the completion is the greedy one (ignored, temperature 1 samples the random model's
   // nearly flat distribution).
