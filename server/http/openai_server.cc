@@ -26,6 +26,7 @@
 #include "server/http/openai_json.h"
 #include "server/http/openai_prompt.h"
 #include "server/scheduler.h"
+#include "server/tenant_limits.h"
 
 namespace sdm {
 namespace {
@@ -208,6 +209,16 @@ void EndConnectionAfter(httplib::Response& res) {
     sink.write(body->data(), body->size());
     return false;
   });
+}
+
+// A size as a message states it: FormatByteSize's "4MiB" as "4 MiB"; "100000 bytes" where no
+// binary unit divides it.
+std::string SizeText(size_t bytes) {
+  std::string text = FormatByteSize(static_cast<int64_t>(bytes));
+  const size_t unit = text.find_first_not_of("0123456789");
+  if (unit == std::string::npos) return absl::StrCat(text, " bytes");
+  text.insert(unit, " ");
+  return text;
 }
 
 // A session endpoint's optional JSON object body.
@@ -738,8 +749,9 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
 
   // Errors decided by the HTTP server itself (a request it cannot read, a body too large, a URI
   // too long) in OpenAI's shape; responses that already carry a body are left alone.
-  http.set_error_handler(
-      httplib::Server::HandlerWithResponse([](const httplib::Request& req, httplib::Response& res) {
+  http.set_error_handler(httplib::Server::HandlerWithResponse(
+      [max_body = SizeText(options_.max_body_bytes)](const httplib::Request& req,
+                                                     httplib::Response& res) {
         if (!res.body.empty()) return httplib::Server::HandlerResponse::Unhandled;
         std::string message;
         std::string code;  // as ToHttpError names its codes (server/http/http_status.h)
@@ -753,7 +765,8 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
             code = "not_found";
             break;
           case 413:
-            message = "the request body is larger than this server accepts";
+            message = absl::StrCat("the request body is larger than the ", max_body,
+                                   " this server accepts");
             code = "payload_too_large";
             break;
           case 414:
