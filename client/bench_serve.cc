@@ -687,9 +687,12 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
 
   absl::StatusOr<BenchServeResult> result = RunBenchServe(*stub, *connection, options, *io.err);
   if (!result.ok()) {
-    *io.err << "sdm-bench serve: "
-            << StatusCodeName(static_cast<grpc::StatusCode>(result.status().code())) << ": "
-            << result.status().message() << "\n";
+    const auto code = static_cast<grpc::StatusCode>(result.status().code());
+    *io.err << "sdm-bench serve: " << StatusCodeName(code) << ": " << result.status().message();
+    if (const std::string hint = FailureHint(code); !hint.empty()) {
+      *io.err << " " << hint;
+    }
+    *io.err << "\n";
     return kExitFailure;
   }
   // With --json -, stdout carries the JSON document alone, for a parser to read: the report

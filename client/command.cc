@@ -46,7 +46,11 @@ int Command::UsageError(absl::string_view message) const {
 }
 
 void Command::ReportFailure(const grpc::Status& status, absl::string_view retry_after_ms) const {
-  *io_.err << "sdm-client: " << FormatStatus(status) << "\n";
+  *io_.err << "sdm-client: " << FormatStatus(status);
+  if (const std::string hint = FailureHint(status.error_code()); !hint.empty()) {
+    *io_.err << " " << hint;
+  }
+  *io_.err << "\n";
   if (!retry_after_ms.empty()) *io_.err << "sdm-client: retry after " << retry_after_ms << " ms\n";
 }
 

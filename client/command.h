@@ -49,9 +49,10 @@ class Command {
 
   // Prints "sdm-client NAME: MESSAGE (sdm-client NAME --help)" to stderr; returns 2.
   int UsageError(absl::string_view message) const;
-  // Prints a failed call to stderr: "sdm-client: CODE: message", then "sdm-client: retry after N
-  // ms" when the server's answer carried a retry hint (`retry_after_ms`, RetryAfterMs(); empty:
-  // none). Every command reports its failed calls through here or Failure().
+  // Prints a failed call to stderr: "sdm-client: CODE: message" and FailureHint's hint, if any,
+  // then "sdm-client: retry after N ms" when the server's answer carried a retry hint
+  // (`retry_after_ms`, RetryAfterMs(); empty: none). Every command reports its failed calls
+  // through here or Failure().
   void ReportFailure(const grpc::Status& status, absl::string_view retry_after_ms) const;
   // ReportFailure(); returns 1.
   int Failure(const grpc::Status& status, absl::string_view retry_after_ms) const;

@@ -249,4 +249,11 @@ std::string FormatStatus(const grpc::Status& status) {
   return absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
 }
 
+std::string FailureHint(grpc::StatusCode code) {
+  if (code == grpc::StatusCode::UNAUTHENTICATED) {
+    return "(give the API key with --api_key, --api_key_file or SDM_API_KEY)";
+  }
+  return "";
+}
+
 }  // namespace sdm::client

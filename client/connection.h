@@ -96,6 +96,11 @@ absl::string_view StatusCodeName(grpc::StatusCode code);
 // "NOT_FOUND: session 'x' not found" (the name alone when the message is empty).
 std::string FormatStatus(const grpc::Status& status);
 
+// What the user of a client tool can do about a call that failed with `code`, to print after its
+// status; empty when there is nothing to add. UNAUTHENTICATED: where the tools take the API key
+// from (the server's message names the metadata, not these flags).
+std::string FailureHint(grpc::StatusCode code);
+
 }  // namespace sdm::client
 
 #endif  // SDMSERVE_CLIENT_CONNECTION_H_

@@ -130,12 +130,17 @@ absl::StatusOr<ApiKeyAuthenticator> ApiKeyAuthenticator::FromFile(
   return FromText(text.str(), path.string());
 }
 
-absl::StatusOr<std::string> ApiKeyAuthenticator::TenantFor(absl::string_view authorization) const {
+absl::StatusOr<std::string> ApiKeyAuthenticator::TenantFor(absl::string_view authorization,
+                                                           KeyCarrier carrier) const {
   if (entries_.empty()) return std::string(kDefaultTenant);
+  // What carries the key, in the caller's terms (gRPC's metadata keys are lower case).
+  const bool grpc = carrier == KeyCarrier::kGrpcMetadata;
+  const absl::string_view carrier_noun = grpc ? "metadata" : "header";
+  const absl::string_view carrier_name = grpc ? "authorization" : "Authorization";
   authorization = absl::StripAsciiWhitespace(authorization);
   if (authorization.empty()) {
-    return absl::UnauthenticatedError(
-        "missing API key: send the metadata 'authorization: Bearer <key>'");
+    return absl::UnauthenticatedError(absl::StrCat("missing API key: send the ", carrier_noun, " '",
+                                                   carrier_name, ": Bearer <key>'"));
   }
   constexpr absl::string_view kScheme = "bearer";
   const absl::string_view scheme = authorization.substr(0, kScheme.size());
@@ -146,7 +151,8 @@ absl::StatusOr<std::string> ApiKeyAuthenticator::TenantFor(absl::string_view aut
       (authorization[kScheme.size()] == ' ' || authorization[kScheme.size()] == '\t');
   if (!absl::EqualsIgnoreCase(scheme, kScheme) || !separated || key.empty() ||
       absl::StrContains(key, ' ') || absl::StrContains(key, '\t')) {
-    return absl::UnauthenticatedError("malformed authorization metadata: expected 'Bearer <key>'");
+    return absl::UnauthenticatedError(
+        absl::StrCat("malformed ", carrier_name, " ", carrier_noun, ": expected 'Bearer <key>'"));
   }
   // Compare with every key, without stopping at a match.
   const Entry* match = nullptr;

@@ -12,8 +12,9 @@
 //   sk-0b7e3d9a5c1f8e2b6d4a0c9f7e3b1d5a  research
 //   sk-9a1c5e3b7d0f2a4c6e8b1d3f5a7c9e0b  support
 //
-// Clients send `authorization: Bearer KEY` as gRPC metadata. Without a key file every caller is
-// the tenant "default", whatever it sends.
+// Clients send `authorization: Bearer KEY` as gRPC metadata, or as the HTTP header of that name
+// (the OpenAI-compatible API). Without a key file every caller is the tenant "default", whatever
+// it sends.
 //
 // The key check takes the same time whichever key is presented and however much of it matches
 // (every configured key is compared, each in constant time), and no error message repeats a key:
@@ -39,6 +40,12 @@ inline constexpr char kDefaultTenant[] = "default";
 // 1 to 64 characters of [A-Za-z0-9._-].
 bool IsValidTenantName(absl::string_view name);
 
+// How a call carries its key: the refusals say what to send in the caller's terms.
+enum class KeyCarrier {
+  kGrpcMetadata,  // the metadata `authorization`
+  kHttpHeader,    // the header `Authorization`
+};
+
 class ApiKeyAuthenticator {
  public:
   // No keys: everyone is the tenant "default".
@@ -56,11 +63,12 @@ class ApiKeyAuthenticator {
   // Whether keys are required (a key file was loaded).
   bool enabled() const { return !entries_.empty(); }
 
-  // The tenant of a call whose `authorization` metadata has this value (empty when the call has
-  // none). With keys: "Bearer KEY" (the scheme in any case, surrounding spaces ignored) whose KEY
-  // is in the file; otherwise Unauthenticated, saying whether the key was missing, malformed or
-  // unknown, without repeating it. Without keys: "default".
-  absl::StatusOr<std::string> TenantFor(absl::string_view authorization) const;
+  // The tenant of a call whose `authorization` metadata or header (`carrier`) has this value
+  // (empty when the call has none). With keys: "Bearer KEY" (the scheme in any case, surrounding
+  // spaces ignored) whose KEY is in the file; otherwise Unauthenticated, saying whether the key
+  // was missing, malformed or unknown, without repeating it, and what to send through `carrier`.
+  // Without keys: "default".
+  absl::StatusOr<std::string> TenantFor(absl::string_view authorization, KeyCarrier carrier) const;
 
   // Number of keys, and the distinct tenants they map to (sorted).
   size_t num_keys() const { return entries_.size(); }

@@ -204,7 +204,7 @@ absl::StatusOr<std::string> SdmServiceImpl::TenantOf(
   const auto it = metadata.find("authorization");
   absl::string_view authorization;
   if (it != metadata.end()) authorization = absl::string_view(it->second.data(), it->second.size());
-  return deps_.auth.TenantFor(authorization);
+  return deps_.auth.TenantFor(authorization, KeyCarrier::kGrpcMetadata);
 }
 
 void SdmServiceImpl::RecordRequest(absl::string_view method, absl::StatusCode code,

@@ -272,7 +272,7 @@ class OpenAiServer::Handlers {
 
  private:
   absl::StatusOr<std::string> Tenant(const httplib::Request& req) const {
-    return auth_.TenantFor(req.get_header_value("Authorization"));
+    return auth_.TenantFor(req.get_header_value("Authorization"), KeyCarrier::kHttpHeader);
   }
   Json ModelJson() const {
     return Json{

@@ -555,7 +555,9 @@ TEST_F(BenchServeRunTest, CommandUsageErrorsAndFailures) {
                              grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "no key"));
   r = RunCommand({"--host", server_.address()});
   EXPECT_EQ(r.exit, kExitFailure);
-  EXPECT_THAT(r.err, HasSubstr("UNAUTHENTICATED"));
+  // With where the key comes from: sdm-bench serve's own flags and variable.
+  EXPECT_THAT(r.err, HasSubstr("sdm-bench serve: UNAUTHENTICATED: GetModelInfo: no key (give the "
+                               "API key with --api_key, --api_key_file or SDM_API_KEY)\n"));
 
   EXPECT_EQ(RunCommand({"--help"}).exit, kExitOk);
 }

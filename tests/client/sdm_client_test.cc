@@ -272,15 +272,32 @@ TEST_F(SdmClientTest, FailedCallsPrintTheCodeAndExitWithOne) {
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("NOT_FOUND: session 'missing' not found"));
 
-  server_.service().FailNext("GetModelInfo",
-                             grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown API key"));
-  r = Run("info", {});
-  EXPECT_EQ(r.exit, kExitFailure);
-  EXPECT_THAT(r.err, HasSubstr("UNAUTHENTICATED: unknown API key"));
-
   r = Run("sessions delete", {"nope"});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("NOT_FOUND"));
+}
+
+// UNAUTHENTICATED names where sdm-client takes the key from: the server's message names the
+// gRPC metadata, which a user of the tool does not set.
+TEST_F(SdmClientTest, AnUnauthenticatedCallNamesTheKeyFlags) {
+  const std::string hint = "(give the API key with --api_key, --api_key_file or SDM_API_KEY)";
+  server_.service().FailNext("GetModelInfo",
+                             grpc::Status(grpc::StatusCode::UNAUTHENTICATED, "unknown API key"));
+  RunResult r = Run("info", {});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_EQ(r.err, "sdm-client: UNAUTHENTICATED: unknown API key " + hint + "\n");
+  // A streamed call's failure too.
+  server_.service().FailNext(
+      "Generate", grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                               "missing API key: send the metadata 'authorization: Bearer <key>'"));
+  r = Run("generate", {"--prompt", "a"});
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("sdm-client: UNAUTHENTICATED: missing API key: send the metadata "
+                               "'authorization: Bearer <key>' " +
+                               hint + "\n"));
+  // Other codes get no such hint.
+  r = Run("sessions get", {"nope"});
+  EXPECT_EQ(r.err, "sdm-client: NOT_FOUND: session 'nope' not found\n");
 }
 
 // A turn that ran (its tokens streamed) and ended UNAVAILABLE was not saved but is in the

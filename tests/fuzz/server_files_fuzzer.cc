@@ -58,12 +58,14 @@ void CheckKeyFile(const std::string& text) {
   if (tenant_of.size() != auth->num_keys()) Fail("keys counted differently");
   for (const auto& [key, want] : tenant_of) {
     for (const char* scheme : {"Bearer ", "bearer\t", "  BEARER   "}) {
-      absl::StatusOr<std::string> tenant = auth->TenantFor(scheme + key);
+      absl::StatusOr<std::string> tenant =
+          auth->TenantFor(scheme + key, sdm::KeyCarrier::kGrpcMetadata);
       if (!tenant.ok() || *tenant != want) Fail("a key of the file is not its tenant's");
     }
     const std::string other = "x" + key;  // another key, unless the file has it too
     if (tenant_of.count(other) == 0 &&
-        auth->TenantFor("Bearer " + other).status().code() != absl::StatusCode::kUnauthenticated) {
+        auth->TenantFor("Bearer " + other, sdm::KeyCarrier::kGrpcMetadata).status().code() !=
+            absl::StatusCode::kUnauthenticated) {
       Fail("a key not in the file is accepted");
     }
   }
@@ -71,7 +73,7 @@ void CheckKeyFile(const std::string& text) {
 
 void CheckAuthorization(const std::string& value) {
   static const sdm::ApiKeyAuthenticator auth = *sdm::ApiKeyAuthenticator::FromText(kFixedKeys);
-  absl::StatusOr<std::string> tenant = auth.TenantFor(value);
+  absl::StatusOr<std::string> tenant = auth.TenantFor(value, sdm::KeyCarrier::kGrpcMetadata);
   if (!tenant.ok()) {
     if (tenant.status().code() != absl::StatusCode::kUnauthenticated) Fail("not UNAUTHENTICATED");
     if (tenant.status().message().find("sk-") != std::string::npos) Fail("an error names a key");

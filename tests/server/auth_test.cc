@@ -36,7 +36,7 @@ ApiKeyAuthenticator Load(const std::string& text) {
 
 // The tenant, or the error's text (so that tests compare plain strings).
 std::string Tenant(const ApiKeyAuthenticator& auth, const std::string& authorization) {
-  absl::StatusOr<std::string> tenant = auth.TenantFor(authorization);
+  absl::StatusOr<std::string> tenant = auth.TenantFor(authorization, KeyCarrier::kGrpcMetadata);
   return tenant.ok() ? *tenant : "error: " + tenant.status().ToString();
 }
 
@@ -68,11 +68,13 @@ TEST(ApiKeyAuthenticatorTest, KeysMapToTheirTenants) {
 TEST(ApiKeyAuthenticatorTest, RejectionsSayWhyWithoutRepeatingTheKey) {
   const ApiKeyAuthenticator auth = Load(KeyFile());
   auto expect_unauthenticated = [&](const std::string& header, const std::string& why) {
-    const absl::StatusOr<std::string> tenant = auth.TenantFor(header);
-    ASSERT_FALSE(tenant.ok()) << header;
-    EXPECT_EQ(tenant.status().code(), absl::StatusCode::kUnauthenticated) << header;
-    EXPECT_THAT(tenant.status().message(), HasSubstr(why)) << header;
-    EXPECT_THAT(tenant.status().message(), Not(HasSubstr("sk-"))) << header;
+    for (const KeyCarrier carrier : {KeyCarrier::kGrpcMetadata, KeyCarrier::kHttpHeader}) {
+      const absl::StatusOr<std::string> tenant = auth.TenantFor(header, carrier);
+      ASSERT_FALSE(tenant.ok()) << header;
+      EXPECT_EQ(tenant.status().code(), absl::StatusCode::kUnauthenticated) << header;
+      EXPECT_THAT(tenant.status().message(), HasSubstr(why)) << header;
+      EXPECT_THAT(tenant.status().message(), Not(HasSubstr("sk-"))) << header;
+    }
   };
   expect_unauthenticated("", "missing API key");
   expect_unauthenticated("   ", "missing API key");
@@ -88,6 +90,24 @@ TEST(ApiKeyAuthenticatorTest, RejectionsSayWhyWithoutRepeatingTheKey) {
   expect_unauthenticated("Bearer " + key.substr(0, key.size() - 1), "unknown API key");
   expect_unauthenticated("Bearer " + key + "0", "unknown API key");
   expect_unauthenticated("Bearer SK-4F9C2E7A1B8D6F3E0A5C9B2D7E1F4A8C", "unknown API key");
+}
+
+// A refusal says what to send as the caller sends it: gRPC metadata (lower-case key) or the
+// HTTP header. Before, an HTTP client was told to send "the metadata 'authorization: ...'".
+TEST(ApiKeyAuthenticatorTest, RefusalsNameTheMetadataOrTheHeader) {
+  const ApiKeyAuthenticator auth = Load(KeyFile());
+  const auto message = [&](absl::string_view authorization, KeyCarrier carrier) {
+    return std::string(auth.TenantFor(authorization, carrier).status().message());
+  };
+  EXPECT_EQ(message("", KeyCarrier::kGrpcMetadata),
+            "missing API key: send the metadata 'authorization: Bearer <key>'");
+  EXPECT_EQ(message("", KeyCarrier::kHttpHeader),
+            "missing API key: send the header 'Authorization: Bearer <key>'");
+  EXPECT_EQ(message("Basic abc", KeyCarrier::kGrpcMetadata),
+            "malformed authorization metadata: expected 'Bearer <key>'");
+  EXPECT_EQ(message("Basic abc", KeyCarrier::kHttpHeader),
+            "malformed Authorization header: expected 'Bearer <key>'");
+  EXPECT_EQ(message("Bearer sk-0000000000000000", KeyCarrier::kHttpHeader), "unknown API key");
 }
 
 TEST(ApiKeyAuthenticatorTest, FileErrorsNameTheLine) {

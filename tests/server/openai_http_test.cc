@@ -396,7 +396,12 @@ TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
   const int port = s.server->http_port();
   const std::string a = "sk-aaaaaaaaaaaaaaaaaaaa", b = "sk-bbbbbbbbbbbbbbbbbbbb";
 
-  EXPECT_EQ(Call(port, "GET", "/v1/models", "").status, 401);
+  const Reply anonymous = Call(port, "GET", "/v1/models", "");
+  EXPECT_EQ(anonymous.status, 401);
+  // In HTTP's terms (it named gRPC's metadata).
+  EXPECT_EQ(anonymous.body["error"]["message"],
+            "missing API key: send the header 'Authorization: Bearer <key>'")
+      << anonymous.raw;
   EXPECT_EQ(Call(port, "GET", "/v1/models", "", "sk-unknown-key-000000000").status, 401);
 
   const Reply created =
