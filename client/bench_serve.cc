@@ -689,7 +689,8 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
   if (!result.ok()) {
     const auto code = static_cast<grpc::StatusCode>(result.status().code());
     *io.err << "sdm-bench serve: " << StatusCodeName(code) << ": " << result.status().message();
-    if (const std::string hint = FailureHint(code); !hint.empty()) {
+    if (const std::string hint = FailureHint(code, result.status().message(), *connection);
+        !hint.empty()) {
       *io.err << " " << hint;
     }
     *io.err << "\n";

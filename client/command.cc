@@ -47,7 +47,9 @@ int Command::UsageError(absl::string_view message) const {
 
 void Command::ReportFailure(const grpc::Status& status, absl::string_view retry_after_ms) const {
   *io_.err << "sdm-client: " << FormatStatus(status);
-  if (const std::string hint = FailureHint(status.error_code()); !hint.empty()) {
+  if (const std::string hint =
+          FailureHint(status.error_code(), status.error_message(), connection_);
+      !hint.empty()) {
     *io_.err << " " << hint;
   }
   *io_.err << "\n";

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -249,9 +250,19 @@ std::string FormatStatus(const grpc::Status& status) {
   return absl::StrCat(StatusCodeName(status.error_code()), ": ", status.error_message());
 }
 
-std::string FailureHint(grpc::StatusCode code) {
+std::string FailureHint(grpc::StatusCode code, absl::string_view message,
+                        const ConnectionOptions& options) {
   if (code == grpc::StatusCode::UNAUTHENTICATED) {
     return "(give the API key with --api_key, --api_key_file or SDM_API_KEY)";
+  }
+  // gRPC's load balancing policies fail a call with this when no connection to the address could
+  // be made: the server answered nothing. (sdmserve's own UNAVAILABLE, sent once connected, says
+  // something else and carries a retry hint.) A TLS port closes a plaintext connection after its
+  // first bytes ("Socket closed"); a refused one means nothing listens there, TLS or not.
+  if (code == grpc::StatusCode::UNAVAILABLE && !options.tls &&
+      absl::StrContains(message, "failed to connect to all addresses") &&
+      !absl::StrContains(message, "Connection refused")) {
+    return "(is the server using TLS? try --tls / --tls_ca)";
   }
   return "";
 }

@@ -96,10 +96,14 @@ absl::string_view StatusCodeName(grpc::StatusCode code);
 // "NOT_FOUND: session 'x' not found" (the name alone when the message is empty).
 std::string FormatStatus(const grpc::Status& status);
 
-// What the user of a client tool can do about a call that failed with `code`, to print after its
-// status; empty when there is nothing to add. UNAUTHENTICATED: where the tools take the API key
-// from (the server's message names the metadata, not these flags).
-std::string FailureHint(grpc::StatusCode code);
+// What the user of a client tool can do about a call that failed with `code` and `message`, to
+// print after them; empty when there is nothing to add. UNAUTHENTICATED: where the tools take the
+// API key from (the server's message names the metadata, not these flags). Without TLS
+// (`options.tls` false), a connection that was not established though something listens (gRPC's
+// own UNAVAILABLE "failed to connect to all addresses", before any response, but not "Connection
+// refused"; what a plaintext client gets from a TLS port): whether the server uses TLS.
+std::string FailureHint(grpc::StatusCode code, absl::string_view message,
+                        const ConnectionOptions& options);
 
 }  // namespace sdm::client
 

@@ -378,6 +378,8 @@ TEST_F(SdmClientTest, EveryCommandPrintsTheServersRetryHint) {
   const RunResult r = Run("sessions get", {"s"});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, Not(HasSubstr("retry after"))) << r.err;
+  // The server answered: no question about TLS either.
+  EXPECT_EQ(r.err, "sdm-client: UNAVAILABLE: handing over\n");
 }
 
 TEST(SdmClientErrorsTest, AnUnreachableServerIsUnavailable) {
@@ -389,6 +391,8 @@ TEST(SdmClientErrorsTest, AnUnreachableServerIsUnavailable) {
   const RunResult r = RunClient({"info", "--host", address, "--timeout", "60"});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+  // Nothing listens there: TLS is not why.
+  EXPECT_THAT(r.err, Not(HasSubstr("TLS")));
 }
 
 TEST(SdmClientErrorsTest, AnUnreadableCaFileIsAUsageError) {
@@ -441,10 +445,23 @@ TEST(SdmClientTlsTest, TlsWithTheServersCaFromAFlagOrTheEnvironment) {
                 {{"SDM_TLS_CA", ca}});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+  // Its connection was closed before any response: the user is asked about TLS (it said only
+  // "... Socket closed").
+  EXPECT_THAT(r.err, HasSubstr("(is the server using TLS? try --tls / --tls_ca)\n"));
   // TLS with the system's roots does not trust a self-signed certificate.
   r = RunClient({"info", "--host", server.address(), "--tls", "--timeout", "60"});
   EXPECT_EQ(r.exit, kExitFailure);
   EXPECT_THAT(r.err, HasSubstr("UNAVAILABLE"));
+  EXPECT_THAT(r.err, Not(HasSubstr("try --tls")));  // it is using TLS
+  // Through sdm-client's other calls too: a streamed Generate and chat's first call.
+  for (const std::vector<std::string>& args : std::vector<std::vector<std::string>>{
+           {"generate", "--prompt", "x"}, {"chat", "--session", "s"}}) {
+    std::vector<std::string> full = args;
+    full.insert(full.end(), {"--host", server.address(), "--timeout", "60"});
+    r = RunClient(full, "hi\n");
+    EXPECT_EQ(r.exit, kExitFailure);
+    EXPECT_THAT(r.err, HasSubstr("(is the server using TLS? try --tls / --tls_ca)\n")) << args[0];
+  }
   EXPECT_EQ(server.service().calls("GetModelInfo").size(), 2u);
 }
 
