@@ -187,13 +187,12 @@ int RunProgram(const Program& program, int argc, char** argv) {
   const auto sub = std::find_if(program.subcommands.begin(), program.subcommands.end(),
                                 [&](const Subcommand& s) { return args[0] == s.name; });
   if (sub == program.subcommands.end()) {
+    std::vector<std::string> names;
+    for (const Subcommand& s : program.subcommands) names.push_back(s.name);
+    names.insert(names.end(), program.other_subcommands.begin(), program.other_subcommands.end());
     return UsageError(program.name, "",
                       absl::StrCat("unknown subcommand '", args[0], "' (expected ",
-                                   absl::StrJoin(program.subcommands, ", ",
-                                                 [](std::string* out, const Subcommand& s) {
-                                                   out->append(s.name);
-                                                 }),
-                                   ")"));
+                                   absl::StrJoin(names, ", "), ")"));
   }
   args.erase(args.begin());
   if (std::any_of(args.begin(), args.end(), is_help)) {

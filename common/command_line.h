@@ -64,6 +64,9 @@ struct Program {
   std::string name;    // the binary, prefixes every message: "sdm-model"
   std::string footer;  // printed after the list of subcommands in the main help
   std::vector<Subcommand> subcommands;
+  // Subcommands the binary runs itself before RunProgram (sdm-bench's serve), named after the
+  // others when an unknown one is refused; the footer describes them.
+  std::vector<std::string> other_subcommands;
 };
 
 // Sets `sub`'s flags from `args` (the arguments after the subcommand). A non-empty error message

@@ -304,6 +304,15 @@ TEST_F(SdmBenchToolTest, RejectsUnknownPairsAndBadFlags) {
   EXPECT_THAT(r.output, HasSubstr("nope"));
 }
 
+// An unknown subcommand is refused with the list of them, serve included (sdm-bench runs it
+// before its own parser, which did not list it).
+TEST_F(SdmBenchToolTest, AnUnknownSubcommandListsEveryOneServeIncluded) {
+  const Result r = RunTool("nosuch");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_THAT(r.output, HasSubstr("sdm-bench: unknown subcommand 'nosuch' (expected decode, "
+                                  "report, state, cpu-attention, cpu-gemm, kernels, serve)\n"));
+}
+
 TEST_F(SdmBenchToolTest, SkipsBatchesOverTheStateBudget) {
   const auto json_path = tmp_.path() / "out.json";
   const Result r = RunTool(

@@ -362,7 +362,8 @@ int RunReport(const std::string& command_line) {
 int main(int argc, char** argv) {
   // `serve` is the gRPC load generator, a sibling binary (sdm-bench-serve, built with the server):
   // sdm-bench itself stays free of gRPC.
-  if (argc > 1 && std::strcmp(argv[1], "serve") == 0) {
+  constexpr char kServe[] = "serve";
+  if (argc > 1 && std::strcmp(argv[1], kServe) == 0) {
     const std::string serve =
         (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "sdm-bench-serve")
             .string();
@@ -391,6 +392,7 @@ int main(int argc, char** argv) {
       "sdm-bench serve [flags]: the load generator against a running sdm-server (the binary "
       "sdm-bench-serve, built with the server; 'sdm-bench serve --help' lists its flags).\n"
       "docs/benchmarks.md says how to reproduce each benchmark.";
+  program.other_subcommands = {kServe};
   program.subcommands = {
       {"decode",
        "sdm-bench decode [--device auto|cpu|cuda] [--pair debug,cpu_hybrid] [--presets P,...] "
