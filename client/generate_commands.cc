@@ -270,6 +270,12 @@ int RunChat(absl::Span<const std::string> args, const ClientIo& io) {
       if (status.error_code() == grpc::StatusCode::NOT_FOUND && !create) {
         *io.err << "(start a new conversation with --create)\n";
       }
+      // The server suggests another id; the user more likely meant to go on with this one.
+      if (status.error_code() == grpc::StatusCode::ALREADY_EXISTS && create &&
+          !session_id.empty()) {
+        *io.err << "(to resume it, drop --create: sdm-client chat --session " << session_id
+                << ")\n";
+      }
       return exit;
     }
   }

@@ -503,6 +503,21 @@ TEST_F(SdmClientTest, ChatOnAMissingSessionSuggestsCreate) {
   EXPECT_TRUE(server_.service().calls("Generate").empty());
 }
 
+// --create on a session that exists: the server's message suggests another id; the client adds
+// how to resume this one, what the user more likely meant.
+TEST_F(SdmClientTest, ChatCreateOnAnExistingSessionSuggestsResumingIt) {
+  ASSERT_EQ(Run("sessions create", {"c"}).exit, kExitOk);
+  const RunResult r = Run("chat", {"--session", "c", "--create"}, "hi\n");
+  EXPECT_EQ(r.exit, kExitFailure);
+  EXPECT_THAT(r.err, HasSubstr("ALREADY_EXISTS: session 'c' already exists\n"
+                               "(to resume it, drop --create: sdm-client chat --session c)\n"));
+  EXPECT_TRUE(server_.service().calls("Generate").empty());
+  // Another refusal of --create gets no such line.
+  server_.service().FailNext("CreateSession",
+                             grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED, "max_sessions"));
+  EXPECT_THAT(Run("chat", {"--session", "d", "--create"}, "hi\n").err, Not(HasSubstr("resume")));
+}
+
 TEST_F(SdmClientTest, ChatCreateWithoutAnIdUsesTheServersId) {
   const RunResult r = Run("chat", {"--create", "--max_tokens", "1"}, "x\n");
   ASSERT_EQ(r.exit, kExitOk) << r.err;
