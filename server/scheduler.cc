@@ -102,11 +102,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   }
   {
     absl::MutexLock lock(&mu_);
-    if (!accepting_) return absl::UnavailableError("the server is shutting down");
-    if (QueueFullLocked()) {
-      return absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
-                                                       " requests waiting); retry later"));
-    }
+    if (absl::Status admitted = AdmissionLocked(); !admitted.ok()) return admitted;
   }
   auto job = std::make_unique<Job>(std::move(spec), std::move(observer), tokenizer_);
   // Taking the lease here refuses a busy or unknown session before anything is streamed, and
@@ -139,14 +135,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     SDM_LOG(WARNING) << "sdm scheduler: staging a resume: " << staged;
   }
   absl::MutexLock lock(&mu_);
-  absl::Status refused;
-  if (!accepting_) {
-    refused = absl::UnavailableError("the server is shutting down");
-  } else if (QueueFullLocked()) {
-    refused = absl::ResourceExhaustedError(absl::StrCat("the queue is full (", options_.max_waiting,
-                                                        " requests waiting); retry later"));
-  }
-  if (!refused.ok()) {
+  if (absl::Status refused = AdmissionLocked(); !refused.ok()) {
     if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
     st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
     return refused;
@@ -154,6 +143,19 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   st.sampler_seed = job->spec.sampling.seed;
   waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
   return absl::OkStatus();
+}
+
+absl::Status Scheduler::AdmissionLocked() const {
+  if (!accepting_) return absl::UnavailableError("the server is shutting down");
+  if (!QueueFullLocked()) return absl::OkStatus();
+  if (options_.max_waiting == 0) {
+    // No queue to be full ("the queue is full (0 requests waiting)" said): the batch is.
+    return absl::ResourceExhaustedError(
+        "every place in the batch is taken and this server keeps no queue (max_waiting 0); retry "
+        "later");
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("the queue is full (", options_.max_waiting, " requests waiting); retry later"));
 }
 
 void Scheduler::Shutdown(bool cancel) {

@@ -190,6 +190,9 @@ class Scheduler {
     const int free_places = std::max(0, BatchLimitLocked() - running_count_);
     return static_cast<int>(waiting_.size()) >= options_.max_waiting + free_places;
   }
+  // Whether a job submitted now may join the queue: UNAVAILABLE while shutting down,
+  // RESOURCE_EXHAUSTED when the queue is full (QueueFullLocked), saying which limit was met.
+  absl::Status AdmissionLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Step(std::vector<std::unique_ptr<Job>>& running);
   void Emit(Job& job, int32_t token);
   void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus())

@@ -481,6 +481,7 @@ TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
     refused = scheduler_->Submit(Job("", Tokens(4, i), 200), jobs.back());
   }
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(std::string(refused.message()), "the queue is full (2 requests waiting); retry later");
   EXPECT_FALSE(jobs.back()->finished);  // the refused job never started
   jobs.pop_back();
   for (auto& j : jobs) j->Wait();
@@ -972,8 +973,13 @@ TEST_F(SchedulerTest, NoQueueStillAdmitsAJobForEachFreePlace) {
   auto first = std::make_shared<Collector>();  // greedy, no EOS: runs until cancelled
   ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 1'000'000), first).ok());
   auto refused = std::make_shared<Collector>();
-  EXPECT_EQ(scheduler_->Submit(Job("", Tokens(4, 2), 2), refused).code(),
-            absl::StatusCode::kResourceExhausted);
+  const absl::Status no_place = scheduler_->Submit(Job("", Tokens(4, 2), 2), refused);
+  EXPECT_EQ(no_place.code(), absl::StatusCode::kResourceExhausted);
+  // What is true: there is no queue to be full (it said "the queue is full (0 requests
+  // waiting)").
+  EXPECT_EQ(std::string(no_place.message()),
+            "every place in the batch is taken and this server keeps no queue (max_waiting 0); "
+            "retry later");
   first->cancelled.store(true);
   first->Wait();
   EXPECT_EQ(first->reason, FinishReason::kCancelled);
