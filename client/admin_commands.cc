@@ -3,6 +3,7 @@
 #include <iterator>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/numbers.h"
@@ -401,9 +402,15 @@ int RunInfo(absl::Span<const std::string> args, const ClientIo& io) {
       << "model: " << info.name() << "\n"
       << "summary: " << info.summary() << "\n"
       << "dim: " << info.dim() << ", layers: " << info.n_layers() << "\n";
-  std::map<std::string, int> layer_counts;
+  // In the order the model's layers first use each type ("swa x3, sdm x1" for a 3:1 hybrid),
+  // which says what the model is built of first; a name order put sdm first.
+  std::vector<std::pair<std::string, int>> layer_counts;
   for (const int t : info.layer_types()) {
-    ++layer_counts[LayerTypeName(static_cast<sdm::v1::LayerType>(t))];
+    const std::string name = LayerTypeName(static_cast<sdm::v1::LayerType>(t));
+    auto it = std::find_if(layer_counts.begin(), layer_counts.end(),
+                           [&name](const auto& count) { return count.first == name; });
+    if (it == layer_counts.end()) it = layer_counts.insert(layer_counts.end(), {name, 0});
+    ++it->second;
   }
   out << "layer types: " << absl::StrJoin(layer_counts, ", ", absl::PairFormatter(" x")) << "\n";
   if (info.swa_window() > 0) out << "sliding window: " << info.swa_window() << "\n";

@@ -308,10 +308,10 @@ class FakeSdmService final : public sdm::v1::SdmService::Service {
     absl::MutexLock lock(&mu_);
     if (auto failure = Record("GetModelInfo", "", context)) return *failure;
     response->set_name("fake");
-    response->set_summary("dim 8, 2 layers (1 swa window 4, 1 sdm 1x16x8), vocab 258");
+    response->set_summary("dim 8, 4 layers (3 swa window 4, 1 sdm 1x16x8), vocab 258");
     response->set_dim(8);
-    response->set_n_layers(2);
-    response->add_layer_types(sdm::v1::LAYER_TYPE_SLIDING_WINDOW);
+    response->set_n_layers(4);
+    for (int i = 0; i < 3; ++i) response->add_layer_types(sdm::v1::LAYER_TYPE_SLIDING_WINDOW);
     response->add_layer_types(sdm::v1::LAYER_TYPE_SPARSE_DELTA_MEMORY);
     response->set_swa_window(4);
     response->set_vocab_size(258);

@@ -808,7 +808,8 @@ TEST_F(SdmClientTest, TokenizeDetokenizeAndInfo) {
   EXPECT_THAT(r.out, HasSubstr("model: fake"));
   EXPECT_THAT(r.out, HasSubstr("max_prompt_tokens: 1024"));
   EXPECT_THAT(r.out, HasSubstr("max_session_tokens: no limit"));  // the fake leaves it 0
-  EXPECT_THAT(r.out, HasSubstr("layer types: sdm x1, swa x1"));
+  // In the model's order of first use (a 3:1 hybrid); it was by name, "sdm x1, swa x3".
+  EXPECT_THAT(r.out, HasSubstr("layers: 4\nlayer types: swa x3, sdm x1\n"));
   r = Run("info", {"--json"});
   ASSERT_EQ(r.exit, kExitOk) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out)["max_tokens_limit"], "512");  // int64 as a string
