@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
 #include "gtest/gtest.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/tools/run_tool.h"
@@ -180,6 +181,66 @@ TEST(DocumentedCommandsTest, UseOnlyFlagsTheirCommandAccepts) {
   // The README's and the docs' commands number in the dozens: if none were seen the patterns no
   // longer match how commands are written.
   EXPECT_GT(checked, 40);
+}
+
+// docs/api.md's table of sdm-server's flags ("Running the server") lists every flag that
+// `sdm-server --help` lists, each with the default --help shows (a row may name several flags,
+// their defaults in the same order). It had left eight flags out and written --device_budget's 0
+// as 0B.
+TEST(DocumentedCommandsTest, TheServerFlagTableMatchesTheServersHelp) {
+  const std::string binary = std::string(SDM_BINARY_DIR) + "/server/sdm-server";
+  if (!std::filesystem::exists(binary)) GTEST_SKIP() << "sdm-server is not built here";
+  const testing::ToolResult help = RunTool(binary, "--help");
+  ASSERT_EQ(help.code, 0) << help.output;
+  std::map<std::string, std::string> help_defaults;
+  static const std::regex kHelpLine(R"(^  --([a-z0-9_]+) \(default: (.*)\)$)");
+  std::istringstream help_lines(help.output);
+  for (std::string line; std::getline(help_lines, line);) {
+    std::smatch m;
+    if (std::regex_match(line, m, kHelpLine)) help_defaults[m[1]] = m[2];
+  }
+  ASSERT_GT(help_defaults.size(), 40u) << help.output;
+
+  const std::string api = ReadFile(std::filesystem::path(SDM_SOURCE_DIR) / "docs" / "api.md");
+  const size_t start = api.find("\n## Running the server\n");
+  ASSERT_NE(start, std::string::npos);
+  const std::string section = api.substr(start, api.find("\n## ", start + 1) - start);
+  std::map<std::string, std::string> table_defaults;
+  static const std::regex kName(R"(`--([a-z0-9_]+)`)");
+  static const std::regex kDefault(R"(^`([^`]*)`$)");
+  std::istringstream table_lines(section);
+  for (std::string line; std::getline(table_lines, line);) {
+    if (!line.starts_with("| `--")) continue;
+    const std::vector<std::string> cells = absl::StrSplit(line.substr(2), " | ");
+    ASSERT_GE(cells.size(), 3u) << line;
+    std::vector<std::string> names;
+    for (std::sregex_iterator n(cells[0].begin(), cells[0].end(), kName), end; n != end; ++n) {
+      names.push_back((*n)[1]);
+    }
+    const std::vector<std::string> values = absl::StrSplit(cells[1], ", ");
+    if (names.size() != values.size()) {
+      ADD_FAILURE() << "not one default per flag: " << line.substr(0, 200);
+      continue;
+    }
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::smatch m;
+      EXPECT_TRUE(std::regex_match(values[i], m, kDefault))
+          << "--" << names[i] << "'s default is not one code span: " << values[i];
+      EXPECT_TRUE(table_defaults.emplace(names[i], m.empty() ? values[i] : m[1].str()).second)
+          << "--" << names[i] << " is in the table twice";
+    }
+  }
+  for (const auto& [name, value] : help_defaults) {
+    const auto it = table_defaults.find(name);
+    if (it == table_defaults.end()) {
+      ADD_FAILURE() << "docs/api.md's flag table has no --" << name << " (default " << value << ")";
+    } else {
+      EXPECT_EQ(it->second, value) << "--" << name << "'s default";
+    }
+  }
+  for (const auto& [name, value] : table_defaults) {
+    EXPECT_TRUE(help_defaults.contains(name)) << "sdm-server --help has no --" << name;
+  }
 }
 
 }  // namespace
