@@ -40,7 +40,8 @@
 // would exceed the state budget; the largest batch that fits is reported for every context, and
 // fit_batch measures it too (at most max_batch).
 //
-// On the CUDA engine (device kCuda; docs/benchmarks.md, "CUDA (H200)") three things differ:
+// On the CUDA engine (device kCuda; docs/benchmarks.md, "CUDA (no figures yet)") three things
+// differ:
 //  - the bandwidth reference is the device's own device-to-device copy rate (cudaMemcpy between
 //    two device buffers of at least 2 GiB, cudaEvent timing, median of 10 copies, read + write
 //    bytes), and bytes are modelled at the CUDA engine's formats (bf16 matrices, KV and SDM rows;

@@ -1,5 +1,5 @@
 // `sdm-bench kernels`: CUDA microbenchmarks of the kernels a decode step is made of, against the
-// device's own copy bandwidth (docs/benchmarks.md, "CUDA (H200)"). Built only with CUDA
+// device's own copy bandwidth (docs/benchmarks.md, "CUDA (no figures yet)"). Built only with CUDA
 // (SDM_HAVE_CUDA); main.cc answers "built without CUDA" otherwise.
 //
 // Every figure is timed with cudaEvents on one stream: `warmup` untimed repetitions, then the
