@@ -1121,7 +1121,7 @@ TEST_F(OpenAiHttpTest, ABodyLeftUnreadEndsItsConnection) {
     ASSERT_GE(fd, 0);
     absl::Cleanup close_fd = [fd] { close(fd); };
     // Sent alongside the reading: a server that stops reading may close before all is sent.
-    std::thread sender([fd, &request] { SendAll(fd, request); });
+    std::thread sender([fd, &data = request] { SendAll(fd, data); });
     std::string after;  // what follows the answer
     const std::string answer = ReadResponse(fd, &after);
     sender.join();
