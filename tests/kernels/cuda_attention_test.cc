@@ -682,6 +682,7 @@ TEST(CudaAttentionTest, PrefillCountsEveryVisibleKeyOnce) {
 #endif
 }
 
+#if defined(SDM_HAVE_CUDA)
 // RopeKvAppend against ApplyRope (q's heads, then k's) and KvAppend on the same rows, each on its
 // own copy of one cache: the rotated queries and the whole arena bit for bit, k and v left as
 // they were. Rows: q, k, v and a gap inside a stacked projection's rows (NaN gaps); one row per
@@ -774,6 +775,7 @@ void CheckRopeKvAppend(const Config& c, float theta, uint32_t seed) {
       Download(before, reinterpret_cast<const uint16_t*>(untouched.arena()), arena_elems));
   EXPECT_NE(before, got_arena);
 }
+#endif  // SDM_HAVE_CUDA
 
 TEST(CudaAttentionTest, RopeKvAppendIsTheRopeThenTheAppendBitForBit) {
   SDM_SKIP_WITHOUT_DEVICE();
@@ -787,6 +789,7 @@ TEST(CudaAttentionTest, RopeKvAppendIsTheRopeThenTheAppendBitForBit) {
 #endif
 }
 
+#if defined(SDM_HAVE_CUDA)
 // Attention writing wo's bf16 input itself (AttentionOutput) against the fp32 output then
 // FloatToBf16, or MulSigmoidToBf16 with a gate inside wider rows: decode of every sequence's
 // last position (several split-K chunks merged for the longer ones, one chunk written by the
@@ -859,6 +862,7 @@ void CheckBf16Output(PagedCache& cache, uint32_t seed) {
                                   out, nullptr);
   }));
 }
+#endif  // SDM_HAVE_CUDA
 
 TEST(CudaAttentionTest, Bf16OutputIsTheConversionOfTheFp32OutputBitForBit) {
   SDM_SKIP_WITHOUT_DEVICE();
