@@ -39,8 +39,7 @@ absl::string_view FinishReasonName(FinishReason reason) {
 GenerationPolicy::GenerationPolicy(const Tokenizer& tokenizer,
                                    std::span<const std::string> stop_strings,
                                    const SamplingParams& sampling)
-    : tokenizer_(tokenizer),
-      stop_token_ids_(sampling.stop_token_ids.begin(), sampling.stop_token_ids.end()),
+    : stop_token_ids_(sampling.stop_token_ids.begin(), sampling.stop_token_ids.end()),
       eos_id_(sampling.ignore_eos ? -1 : tokenizer.eos_id()),
       max_tokens_(sampling.max_tokens),
       detokenizer_(tokenizer) {

@@ -84,7 +84,6 @@ class GenerationPolicy {
   // Offset of the earliest stop string occurrence in `text`, or npos.
   size_t FirstStop(absl::string_view text) const;
 
-  const Tokenizer& tokenizer_;
   std::vector<std::string> stop_strings_;  // non-empty ones only
   std::vector<int32_t> stop_token_ids_;
   int32_t eos_id_;  // -1: none, or ignored
