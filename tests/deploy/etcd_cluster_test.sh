@@ -46,19 +46,6 @@ turn() {
   fi
   return 1
 }
-# retry CMD...: runs CMD until it succeeds, for up to 120 s (an election, and margin for a loaded
-# machine).
-retry() {
-  local deadline=$(($(date +%s) + 120))
-  until "$@"; do
-    [ "$(date +%s)" -lt $deadline ] || return 1
-    echo >>"$work/retries"
-    sleep 0.2
-  done
-}
-position() {  # position HOST SESSION
-  "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
-}
 
 for s in $(seq -w 1 "$sessions"); do
   "$client_bin" sessions create "s$s" --host "$via" >/dev/null || fail "create s$s"

@@ -64,19 +64,6 @@ turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
     --max_tokens 4 --json 2>>"$work/client.err") || return
   jq -c '.token_ids' <<<"$out"
 }
-# retry CMD...: runs CMD until it succeeds, for up to 120 s (a lease TTL of 10 s, and margin for
-# a loaded machine).
-retry() {
-  local deadline=$(($(date +%s) + 120))
-  until "$@"; do
-    [ "$(date +%s)" -lt $deadline ] || return 1
-    echo >>"$work/retries"  # (a subshell: counted in a file)
-    sleep 0.2
-  done
-}
-position() {  # position HOST SESSION
-  "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
-}
 
 for s in $(seq -w 1 $sessions); do
   id="s$s"

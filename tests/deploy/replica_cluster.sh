@@ -207,6 +207,23 @@ wait_for() {
   done
 }
 
+# retry CMD...: runs CMD until it succeeds, for up to 120 s (a lease TTL or an etcd election, and
+# margin for a loaded machine); each retry is counted as a line of $work/retries (CMD may run in
+# a subshell).
+retry() {
+  local deadline=$(($(date +%s) + 120))
+  until "$@"; do
+    [ "$(date +%s)" -lt $deadline ] || return 1
+    echo >>"$work/retries"
+    sleep 0.2
+  done
+}
+
+# position HOST SESSION: the session's position as sdm-client reads it (0 when it has none).
+position() {
+  "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
+}
+
 # etcd_get KEY: the value of KEY in etcd (empty when absent), through its JSON gateway.
 etcd_get() {
   local b64
