@@ -46,7 +46,8 @@
 // crash (kill -9, OOM kill) cannot lose it — and a background syncer fsyncs the files written
 // since its last round, one fsync per file and one of the directory per round, a round at most
 // every persist_sync_interval (group commit); a power loss or kernel crash loses at most the
-// writes since the last completed round (recovery: snapshot plus the log's good records). With
+// writes since the last completed round (recovery: snapshot plus the log's good records; a
+// snapshot's data is written back before its rename, StateFiles::WriteAtomically). With
 // PersistSync::kFsync a write is done once it is fsynced (and its directory, when it created or
 // renamed a file): a power loss loses at most the turn in flight too. A background fsync that
 // fails is a failed write (counted, logged, health UNAVAILABLE); the session is then written

@@ -255,9 +255,12 @@ absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, cons
                                          bool sync) {
   std::filesystem::path tmp = path;
   tmp += ".tmp";
-  if (auto s = WriteAndSync(tmp, data, sync); !s.ok()) {
+  absl::Status written = WriteAndSync(tmp, data, sync);
+  // Unsynced, the data reaches the device before the name does (the header's file comment).
+  if (written.ok() && !sync) written = WriteBack(tmp);
+  if (!written.ok()) {
     Remove(tmp).IgnoreError();
-    return s;
+    return written;
   }
   if (auto s = Rename(tmp, path); !s.ok()) {
     Remove(tmp).IgnoreError();
@@ -305,6 +308,22 @@ absl::Status StateFiles::Sync(const std::filesystem::path& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
   if (::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
+  return absl::OkStatus();
+}
+
+absl::Status StateFiles::WriteBack(const std::filesystem::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Errno("cannot open", path, errno);
+#if defined(__linux__)
+  // Waits for writes under way, starts the rest, waits for those: the whole file (nbytes 0).
+  if (::sync_file_range(
+          fd.get(), 0, 0,
+          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
+    return Errno("cannot write back", path, errno);
+  }
+#else
+  if (::fdatasync(fd.get()) != 0) return Errno("cannot write back", path, errno);
+#endif
   return absl::OkStatus();
 }
 

@@ -7,7 +7,12 @@
 // stray `.tmp` that the store removes when it opens. With sync false (the store's
 // --persist_sync=write) the two fsyncs are left out: a process crash (kill -9) after it returns
 // still finds the new file (the kernel holds the data), a power loss or kernel crash before a
-// later Sync() of the file and SyncDir() of its directory may not.
+// later Sync() of the file and SyncDir() of its directory may find the previous file or the new
+// one, and the new one whole: its data is written back (WriteBack(): on the device, waited for)
+// before the rename, so a file system that journals the rename after the data's allocation (ext4,
+// XFS, btrfs) cannot commit the new name with the data missing. Without that step, XFS could leave
+// `path` empty after a power loss (it does not flush a file renamed over another, as ext4's
+// auto_da_alloc does): the previous file gone, the new one lost.
 //
 // Direct I/O (StateFiles::Direct(), the server's --persist_io=direct): the same operations, but the
 // data of WriteAtomically() and WriteAt() goes to the disk with O_DIRECT, in block-aligned chunks
@@ -104,6 +109,13 @@ class StateFiles {
   virtual absl::Status Sync(const std::filesystem::path& path);
   // fsyncs the directory (its entries: files created, renamed, removed).
   virtual absl::Status SyncDir(const std::filesystem::path& dir);
+  // Writes the file's data at `path` that is still in the page cache to the device and waits for
+  // it (sync_file_range(2)), without an fsync: no metadata is committed and the device's volatile
+  // cache is not flushed, so it costs the writing out only (nothing at all for what direct I/O
+  // already wrote), not a journal commit. WriteAtomically's step before its rename when not
+  // syncing (the file comment); a later journal commit, which flushes the device's cache first,
+  // then carries the data with it.
+  virtual absl::Status WriteBack(const std::filesystem::path& path);
 
  protected:
   // The write step of WriteAtomically (fsynced when `sync`), a fault-injection point.

@@ -30,6 +30,7 @@
 #include "state_store/state_codec.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/state_store/fault_injection_files.h"
+#include "tests/state_store/power_loss_files.h"
 #include "tests/state_store/snapshot_test_util.h"
 
 namespace sdm {
@@ -1371,6 +1372,93 @@ TEST_F(DurabilityTest, WithWriteATurnIsAcknowledgedBeforeItsBackgroundFsync) {
   EXPECT_GE(store.Stats().persist_syncs, 1);
   EXPECT_EQ(store.Stats().unsynced, 0);
   EXPECT_TRUE(store.PersistHealth().ok());
+}
+
+// --persist_sync=write and a power loss (or kernel crash) on a file system that may commit a
+// rename before the renamed file's data (XFS; PowerLossFiles): a snapshot renamed over the synced
+// one comes back whole. Before, nothing wrote its data out before the rename, and the power loss
+// left the session's file empty: the session quarantined, every turn lost, where the contract
+// loses only the writes since the last sync round.
+TEST_F(DurabilityTest, APowerLossFindsASnapshotRenamedOverAnotherWhole) {
+  testing::PowerLossFiles files;
+  // Ratio 0: every write is a full snapshot, renamed over the session's file.
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kWrite,
+                         /*compact_ratio=*/0);
+  ASSERT_NE(store, nullptr);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  store->SyncWritten();
+  const std::vector<int32_t> tokens = testing::RandomTokens(5, 31);
+  testing::DecodeEach(*engine_, *reference, tokens);
+  Turn(*store, "s", tokens);  // written at once (background false), not fsynced
+  ASSERT_EQ(store->Stats().unsynced, 1);
+  ASSERT_EQ(store->Stats().persist_deltas, 0);
+  EXPECT_GE(files.calls(FaultInjectionFiles::Op::kWriteBack), 1);
+
+  const std::filesystem::path copy = crash_dir_.path() / "power-loss";
+  files.CopyDurable(dir_.path(), copy);
+  auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+  ASSERT_NE(restarted, nullptr);
+  EXPECT_EQ(restarted->Stats().quarantined, 0);
+  ExpectHolds(*restarted, "s", *reference);
+}
+
+// --persist_sync=write and a power loss: each session comes back as of its last sync round or
+// later, whole (a log's unsynced records are a torn tail, dropped): deltas appended since the
+// round are lost, as documented (docs/state-format.md, Durability), and nothing else.
+TEST_F(DurabilityTest, APowerLossLosesOnlyTheWritesSinceTheLastSyncRound) {
+  testing::PowerLossFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kWrite);
+  ASSERT_NE(store, nullptr);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  store->SyncWritten();
+  int losses = 0;
+  auto expect_after_power_loss = [&](const SessionState& want) {
+    const std::filesystem::path copy = crash_dir_.path() / absl::StrCat("power-loss-", ++losses);
+    files.CopyDurable(dir_.path(), copy);
+    auto restarted = OpenStore(copy, PersistPolicy::kTurn, StateFiles::Default());
+    ASSERT_NE(restarted, nullptr);
+    EXPECT_EQ(restarted->Stats().quarantined, 0);
+    ExpectHolds(*restarted, "s", want);
+  };
+  for (int turn = 0; turn < 3; ++turn) {
+    SCOPED_TRACE(absl::StrCat("turn ", turn));
+    const std::unique_ptr<SessionState> synced = reference->Clone();
+    const std::vector<int32_t> tokens = testing::RandomTokens(3, 40 + turn);
+    testing::DecodeEach(*engine_, *reference, tokens);
+    Turn(*store, "s", tokens);
+    ASSERT_EQ(store->Stats().persist_deltas, turn + 1);  // appended to the log, not fsynced
+    expect_after_power_loss(*synced);
+    store->SyncWritten();
+    expect_after_power_loss(*reference);
+  }
+}
+
+// A snapshot whose data could not be written out before its rename (WriteBack failed: an I/O
+// error) is a failed write: the previous snapshot stays the session's, no `.tmp` is left, and
+// the next write succeeds.
+TEST_F(DurabilityTest, AFailedWriteBackLeavesThePreviousSnapshot) {
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kWrite,
+                         /*compact_ratio=*/0);
+  ASSERT_NE(store, nullptr);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  files.FailNext(FaultInjectionFiles::Op::kWriteBack,
+                 {absl::InternalError("injected: Input/output error")});
+  const std::vector<int32_t> tokens = testing::RandomTokens(4, 51);
+  Turn(*store, "s", tokens);
+  EXPECT_EQ(files.faults_fired(), 1);
+  EXPECT_EQ(store->Stats().snapshot_errors, 1);
+  for (const auto& entry : std::filesystem::directory_iterator(dir_.path())) {
+    EXPECT_NE(entry.path().extension(), ".tmp") << entry.path();
+  }
+  ExpectCrashCopyHolds("s", *reference);  // as created
+  testing::DecodeEach(*engine_, *reference, tokens);
+  ASSERT_TRUE(store->PersistAll().ok());
+  EXPECT_TRUE(store->PersistHealth().ok());
+  ExpectCrashCopyHolds("s", *reference);
 }
 
 // --persist_sync=write: a park to disk while a background round fsyncs the session (its files

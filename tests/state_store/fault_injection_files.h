@@ -49,10 +49,11 @@ class FaultInjectionFiles : public StateFiles {
     kReadRange,
     kList,
     kWriteAt,
-    kSync,  // the background fsync of a file written without one (--persist_sync=write)
-    kLock,  // the directory's lock when a store opens it
+    kSync,       // the background fsync of a file written without one (--persist_sync=write)
+    kLock,       // the directory's lock when a store opens it
+    kWriteBack,  // an unsynced snapshot's data written out before its rename
   };
-  static constexpr int kNumOps = 11;
+  static constexpr int kNumOps = 12;
 
   struct Fault {
     // The error the failing call returns.
@@ -176,6 +177,10 @@ class FaultInjectionFiles : public StateFiles {
     if (auto s = Enter(Op::kSyncDir, nullptr); !s.ok()) return s;
     return StateFiles::SyncDir(dir);
   }
+  absl::Status WriteBack(const std::filesystem::path& path) override {
+    if (auto s = Enter(Op::kWriteBack, nullptr); !s.ok()) return s;
+    return StateFiles::WriteBack(path);
+  }
   absl::StatusOr<std::unique_ptr<FileLock>> Lock(const std::filesystem::path& path,
                                                  bool exclusive) override {
     if (auto s = Enter(Op::kLock, nullptr); !s.ok()) return s;
@@ -207,7 +212,8 @@ class FaultInjectionFiles : public StateFiles {
   static int Index(Op op) { return static_cast<int>(op); }
   static bool Mutates(Op op) {
     return op == Op::kWriteAndSync || op == Op::kRename || op == Op::kSyncDir ||
-           op == Op::kRemove || op == Op::kCreateDirs || op == Op::kWriteAt || op == Op::kSync;
+           op == Op::kRemove || op == Op::kCreateDirs || op == Op::kWriteAt || op == Op::kSync ||
+           op == Op::kWriteBack;
   }
   void CountWrite(bool sync) {
     absl::MutexLock lock(&mu_);
