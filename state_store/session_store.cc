@@ -115,11 +115,23 @@ absl::Status DeletedBeforeWrittenError(absl::string_view id) {
 
 // Why a session of the shared directory whose snapshot failed its checks is refused, its file
 // left in place (Discover, LoadDirectory).
-absl::Status SharedSnapshotRefused(const absl::Status& check) {
-  return absl::Status(check.code(),
-                      absl::StrCat(check.message(),
-                                   " (its copy in the shared directory, left in place); delete "
-                                   "the session to free its id"));
+// A snapshot of another model or format version (its check FAILED_PRECONDITION): sound files,
+// only not this server's, so never moved or removed but by a Delete. On a shared directory other
+// replicas may serve them (a rolling upgrade); on a server's own directory, a start with the wrong
+// model (the right one, restarted, serves them) or an upgrade (the session is to be deleted).
+absl::Status RefusedInPlace(const absl::Status& check, bool shared_dir) {
+  if (shared_dir) {
+    return absl::Status(check.code(),
+                        absl::StrCat(check.message(),
+                                     " (its copy in the shared directory, left in place); delete "
+                                     "the session to free its id"));
+  }
+  return absl::Status(
+      check.code(),
+      absl::StrCat(check.message(),
+                   "; its files are intact and left in place: a server started with the model "
+                   "(and build) that wrote them serves the session; deleting the session "
+                   "discards them"));
 }
 
 // ... when the store closes before the write (its worker and writers have stopped).
@@ -809,28 +821,19 @@ absl::Status SessionStateStore::LoadDirectory() {
             absl::StrCat("it holds session '", absl::CHexEscape(record->id.substr(0, 300)), "'"));
       }
     }
-    if (!record.ok() && options_.shared_dir &&
-        record.status().code() == absl::StatusCode::kFailedPrecondition) {
-      // Of another model or format on a shared directory: sound for the replicas that wrote it
-      // (a rolling upgrade), so left in place; broken here, as Discover makes it.
+    if (!record.ok() && record.status().code() == absl::StatusCode::kFailedPrecondition) {
+      // Of another model or format: broken here (as Discover makes it on a shared directory),
+      // its snapshot and log left as they are (RefusedInPlace). Before, they were quarantined:
+      // one start with the wrong model left every session refused until an operator moved each
+      // file back by hand.
       entry->position = -1;
-      entry->broken = SharedSnapshotRefused(record.status());
+      entry->broken = RefusedInPlace(record.status(), options_.shared_dir);
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else if (!record.ok()) {
-      absl::Status why = record.status();
-      if (why.code() == absl::StatusCode::kFailedPrecondition) {
-        // Another model or format: sound files, only not this server's (started with the wrong
-        // model?). Said, so that nobody deletes what a move back would restore.
-        why = absl::FailedPreconditionError(
-            absl::StrCat(why.message(),
-                         "; the files are intact: if this server was started with the wrong "
-                         "model, stop it, move them back from quarantine/ (docs/state-format.md, "
-                         "Quarantine) and start it with that model"));
-      }
-      Quarantine(*entry, path, why);
+      Quarantine(*entry, path, record.status());
       // Its log goes with it (when the snapshot could be moved): left here, the next Open would
-      // find a log without its snapshot and remove it, with every turn since the snapshot (a
-      // server started once with the wrong model would lose them).
+      // find a log without its snapshot and remove it, with every turn since the snapshot (an
+      // operator who repairs the snapshot and moves it back would lose them).
       if (!entry->quarantined_as.empty() && all_names.count(log_path.filename().string()) > 0) {
         QuarantineLog(log_path);  // (a log its scan moved already: ENOENT, ignored)
       }
@@ -978,7 +981,7 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
     // its Delete included: the id could not be freed.
     entry->last_used = absl::Now();
     entry->position = -1;
-    entry->broken = SharedSnapshotRefused(record.status());
+    entry->broken = RefusedInPlace(record.status(), /*shared_dir=*/true);
     return entry;
   }
   entry->metadata = record->metadata;
@@ -1345,16 +1348,14 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
     if (!decoded.ok()) {
       e->in_use = false;
       const absl::StatusCode code = decoded.status().code();
-      if (from == Tier::kDisk && options_.shared_dir &&
-          code == absl::StatusCode::kFailedPrecondition) {
-        // Of another model or format on a shared directory (replaced meanwhile by a replica of
-        // another model): left in place for the replicas that read it (as Discover does).
+      if (from == Tier::kDisk && code == absl::StatusCode::kFailedPrecondition) {
+        // Of another model or format (on a shared directory, replaced meanwhile by a replica of
+        // another model): left in place, as at Open (RefusedInPlace).
         e->position = -1;
-        e->broken = SharedSnapshotRefused(decoded.status());
+        e->broken = RefusedInPlace(decoded.status(), options_.shared_dir);
         return e->BrokenError(key.id);
       }
-      if (from == Tier::kDisk &&
-          (code == absl::StatusCode::kDataLoss || code == absl::StatusCode::kFailedPrecondition)) {
+      if (from == Tier::kDisk && code == absl::StatusCode::kDataLoss) {
         Quarantine(*e, path, decoded.status());
         QuarantineLog(LogPathOf(e->key));
         return e->BrokenError(key.id);

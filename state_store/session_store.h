@@ -68,15 +68,17 @@
 // budget, Create() and Acquire() answer UNAVAILABLE (retryable) rather than accept work the store
 // could neither write nor hold, and resident sessions are not moved to host.
 //
-// On Open() the store lists the snapshots in `dir`. A snapshot that is truncated, corrupted, of
-// another format version or of another model is moved to `dir/quarantine/` under a unique name
-// (never deleted) and that session's Acquire() answers DATA_LOSS (damage) or FAILED_PRECONDITION
-// (version or model) with the reason; every other session is unaffected. A quarantined session
-// stays a session (listed, with SessionInfo::error) until it is deleted, also across restarts:
-// Open() makes one, answering DATA_LOSS, for each key whose latest copy under dir/quarantine/ is
-// not marked deleted and that has no snapshot in `dir` (not on a shared directory, nor for
-// hashed file names, which do not name their key). Delete() of a quarantined session renames its
-// copy to <name>.deleted (kept for the operator, no longer a session).
+// On Open() the store lists the snapshots in `dir`. A snapshot that is truncated or corrupted is
+// moved to `dir/quarantine/` under a unique name (never deleted) and that session's Acquire()
+// answers DATA_LOSS with the reason; every other session is unaffected. One of another format
+// version or of another model is sound, only not this store's: it is left in place with its log,
+// and the session answers FAILED_PRECONDITION (listed, never expired) until it is deleted (which
+// removes its files) or a store of its model opens the directory and serves it. A quarantined
+// session stays a session (listed, with SessionInfo::error) until it is deleted, also across
+// restarts: Open() makes one, answering DATA_LOSS, for each key whose latest copy under
+// dir/quarantine/ is not marked deleted and that has no snapshot in `dir` (not on a shared
+// directory, nor for hashed file names, which do not name their key). Delete() of a quarantined
+// session renames its copy to <name>.deleted (kept for the operator, no longer a session).
 //
 // The device tier (state_store/device_residency.h): on an accelerator backend a resident
 // session's layers may live in device memory. The store budgets the device bytes separately

@@ -560,6 +560,59 @@ class SnapshotStoreCorruptionTest : public ::testing::Test {
     ExpectOthersIntact(*after_delete);
   }
 
+  // Writes `other` (sound, of another format version or model) as the victim's snapshot: Open()
+  // reports it and leaves it where it is (never quarantined, never expired); the session is
+  // refused (FAILED_PRECONDITION) across restarts until it is deleted, which removes the file.
+  void CheckRefusedInPlace(const std::string& other, absl::string_view reason) {
+    testing::WriteFile(Victim(), other);
+    for (int open = 0; open < 2; ++open) {  // and again after a restart
+      SCOPED_TRACE(absl::StrCat("open ", open));
+      auto store = Open();
+      ASSERT_NE(store, nullptr);
+      const std::vector<std::string> errors = store->open_errors();
+      ASSERT_EQ(errors.size(), 1u);
+      EXPECT_TRUE(absl::StrContains(errors[0], "victim")) << errors[0];
+      EXPECT_TRUE(absl::StrContains(errors[0], reason)) << errors[0];
+      EXPECT_TRUE(absl::StrContains(errors[0], "left in place")) << errors[0];
+      const absl::Status s = store->Acquire("victim").status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "victim")) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), reason)) << s;
+      EXPECT_TRUE(absl::StrContains(s.message(), "serves the session")) << s;
+      EXPECT_EQ(store->Acquire("victim").status(), s);  // the same answer every time
+      EXPECT_EQ(store->Fork("victim", "copy", "").code(), absl::StatusCode::kFailedPrecondition);
+      auto info = store->Get("victim");
+      ASSERT_TRUE(info.ok()) << info.status();
+      EXPECT_EQ(info->error, s.message());
+      EXPECT_EQ(info->position, -1);
+      EXPECT_EQ(store->Stats().quarantined, 0);
+      EXPECT_EQ(store->ExpireIdle(absl::Now() + absl::Hours(24 * 365 * 100)), 0);
+      ExpectOthersIntact(*store);
+      EXPECT_EQ(testing::ReadFile(Victim()), other);
+      EXPECT_FALSE(std::filesystem::exists(Quarantined()));
+    }
+    {
+      auto store = Open();
+      ASSERT_NE(store, nullptr);
+      ASSERT_TRUE(store->Delete("victim").ok());
+      EXPECT_EQ(store->Get("victim").status().code(), absl::StatusCode::kNotFound);
+    }
+    EXPECT_FALSE(std::filesystem::exists(Victim()));
+    auto after_delete = Open();
+    ASSERT_NE(after_delete, nullptr);
+    EXPECT_TRUE(after_delete->open_errors().empty());
+    EXPECT_EQ(after_delete->Acquire("victim").status().code(), absl::StatusCode::kNotFound);
+    ExpectOthersIntact(*after_delete);
+  }
+
+  // Alpha's snapshot with one byte of its record flipped: found damaged at Open.
+  void DamageAlphasRecord() {
+    const std::filesystem::path path = dir_.path() / "alpha.sdmstate";
+    std::string damaged = testing::ReadFile(path);
+    damaged[sections_[0].payload() + 3] ^= 0x01;
+    testing::WriteFile(path, damaged);
+  }
+
   testing::ScopedTempDir dir_;
   std::unique_ptr<Engine> engine_;
   std::map<std::string, Ref> refs_;
@@ -640,18 +693,18 @@ TEST_F(SnapshotStoreCorruptionTest, DamagedRecordIsQuarantinedAtOpen) {
   CheckCorruption(bad, /*at_open=*/true, "checksum");
 }
 
-TEST_F(SnapshotStoreCorruptionTest, OtherVersionIsQuarantinedAtOpen) {
-  std::string bad = good_;
-  StoreAt<uint32_t>(bad, testing::kVersionOffset, kStateFormatVersion + 1);
-  FixChecksums(bad);
-  CheckCorruption(bad, /*at_open=*/true, "version");
+TEST_F(SnapshotStoreCorruptionTest, OtherVersionIsRefusedInPlace) {
+  std::string other = good_;
+  StoreAt<uint32_t>(other, testing::kVersionOffset, kStateFormatVersion + 1);
+  FixChecksums(other);
+  CheckRefusedInPlace(other, "version");
 }
 
-TEST_F(SnapshotStoreCorruptionTest, OtherModelsSnapshotIsQuarantinedAtOpen) {
-  std::string bad = good_;
-  StoreAt<uint64_t>(bad, testing::kFingerprintOffset, engine_->fingerprint() ^ 0xFF);
-  FixChecksums(bad);
-  CheckCorruption(bad, /*at_open=*/true, "different model");
+TEST_F(SnapshotStoreCorruptionTest, OtherModelsSnapshotIsRefusedInPlace) {
+  std::string other = good_;
+  StoreAt<uint64_t>(other, testing::kFingerprintOffset, engine_->fingerprint() ^ 0xFF);
+  FixChecksums(other);
+  CheckRefusedInPlace(other, "different model");
 }
 
 TEST_F(SnapshotStoreCorruptionTest, AnotherSessionsSnapshotUnderTheNameIsQuarantined) {
@@ -695,7 +748,8 @@ TEST_F(SnapshotStoreCorruptionTest, RandomByteFlipsAreRefusedAndIsolated) {
   }
 }
 
-// Opening the directory with another model: every snapshot is refused as another model's.
+// Opening the directory with another model: every snapshot is refused as another model's, and
+// left where it is.
 TEST_F(SnapshotStoreCorruptionTest, StoreOfAnotherModelRefusesEverySnapshot) {
   auto other = testing::TinyEngine(/*weight_seed=*/12);
   auto store = Open(other->fingerprint());
@@ -705,40 +759,62 @@ TEST_F(SnapshotStoreCorruptionTest, StoreOfAnotherModelRefusesEverySnapshot) {
     const absl::Status s = store->Acquire(id).status();
     EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
     EXPECT_TRUE(absl::StrContains(s.message(), "different model")) << s;
-    EXPECT_FALSE(QuarantinedCopy(dir_.path(), id).empty()) << id;
+    EXPECT_TRUE(QuarantinedCopy(dir_.path(), id).empty()) << id;
+    EXPECT_TRUE(std::filesystem::exists(dir_.path() / absl::StrCat(id, ".sdmstate"))) << id;
   }
 }
 
-// A snapshot quarantined at Open takes its delta log with it. Before, the log stayed in the
-// directory, and the next Open, finding a log without its snapshot, removed it: a server started
-// once with another model lost every turn written since the sessions' snapshots, even once the
-// operator moved the snapshots back. Moved back together, the session restores with its turn.
+// A server started once with the wrong model, then with the right one, serves every session as it
+// was, the turns in its delta log included, with nothing for an operator to do. Before, the first
+// start quarantined every snapshot with its log: each session was refused until someone moved
+// both files of each back by hand.
+TEST_F(SnapshotStoreCorruptionTest, AStartWithAnotherModelLeavesEverySessionToItsOwn) {
+  const std::vector<int32_t> more = testing::RandomTokens(4, 8);
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(more));
+  const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
+  ASSERT_TRUE(std::filesystem::exists(log));  // the turn, a delta
+  const std::string snapshot_bytes = testing::ReadFile(dir_.path() / "alpha.sdmstate");
+  const std::string log_bytes = testing::ReadFile(log);
+  {
+    auto other = testing::TinyEngine(/*weight_seed=*/12);
+    auto store = Open(other->fingerprint());
+    ASSERT_NE(store, nullptr);
+    // What to do, said where the operator looks.
+    const std::vector<std::string> errors = store->open_errors();
+    EXPECT_TRUE(std::any_of(errors.begin(), errors.end(), [](const std::string& e) {
+      return absl::StrContains(e, "alpha.sdmstate") && absl::StrContains(e, "intact");
+    })) << absl::StrJoin(errors, "\n");
+  }
+  EXPECT_EQ(testing::ReadFile(dir_.path() / "alpha.sdmstate"), snapshot_bytes);
+  EXPECT_EQ(testing::ReadFile(log), log_bytes);
+  ExpectAlphaHas(more);
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_TRUE(store->open_errors().empty());
+  for (const char* id : {"omega", "victim"}) {
+    auto lease = store->Acquire(id);
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), static_cast<int64_t>(refs_[id].prompt.size()));
+  }
+}
+
+// A damaged snapshot quarantined at Open takes its delta log with it. Left in the directory, the
+// next Open, finding a log without its snapshot, would remove it: an operator who repairs the
+// snapshot (from a backup, say) and moves it back would have lost every turn written since.
+// Moved back together, the session restores with its turn.
 TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
   const std::vector<int32_t> more = testing::RandomTokens(4, 8);
   ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(more));
   const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
   ASSERT_TRUE(std::filesystem::exists(log));  // the turn, a delta
-  {
-    auto other = testing::TinyEngine(/*weight_seed=*/12);
-    auto store = Open(other->fingerprint());
-    ASSERT_NE(store, nullptr);
-    // What to do, said where the operator looks (and not "delete it": that would discard it).
-    const std::vector<std::string> errors = store->open_errors();
-    EXPECT_TRUE(std::any_of(errors.begin(), errors.end(), [](const std::string& e) {
-      return absl::StrContains(e, "alpha.sdmstate") && absl::StrContains(e, "the files are intact");
-    })) << absl::StrJoin(errors, "\n");
-  }
-  EXPECT_FALSE(std::filesystem::exists(log));
-  // Reopened with the right model: the session is quarantined (its snapshot is); the log is kept.
+  const std::string intact = testing::ReadFile(dir_.path() / "alpha.sdmstate");
+  DamageAlphasRecord();
   {
     auto store = Open();
     ASSERT_NE(store, nullptr);
-    absl::StatusOr<SessionInfo> info = store->Get("alpha");
-    ASSERT_TRUE(info.ok()) << info.status();
-    EXPECT_NE(info->error.find("can be moved back"), std::string::npos) << info->error;
-    EXPECT_NE(info->error.find("deleting the session discards it"), std::string::npos)
-        << info->error;
+    EXPECT_EQ(store->Acquire("alpha").status().code(), absl::StatusCode::kDataLoss);
   }
+  EXPECT_FALSE(std::filesystem::exists(log));
   std::filesystem::path kept_log, kept_snapshot;
   for (const auto& entry : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
     const std::string name = entry.path().filename().string();
@@ -747,8 +823,9 @@ TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
   }
   ASSERT_FALSE(kept_log.empty());
   ASSERT_FALSE(kept_snapshot.empty());
-  // The operator moves both back: the session is as it was, its last turn included.
-  std::filesystem::rename(kept_snapshot, dir_.path() / "alpha.sdmstate");
+  // The operator puts back a sound snapshot and the log: the session is as it was, its last turn
+  // included.
+  testing::WriteFile(dir_.path() / "alpha.sdmstate", intact);
   std::filesystem::rename(kept_log, log);
   ExpectAlphaHas(more);
 }
@@ -759,14 +836,17 @@ TEST_F(SnapshotStoreCorruptionTest, ALogStaysWhenItsSnapshotCannotBeQuarantined)
   const std::vector<int32_t> more = testing::RandomTokens(3, 9);
   ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(more));
   ASSERT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
+  const std::string intact = testing::ReadFile(dir_.path() / "alpha.sdmstate");
+  DamageAlphasRecord();
   {
-    auto other = testing::TinyEngine(/*weight_seed=*/12);
     testing::FaultInjectionFiles files;
     files.FailRename();  // the first: alpha's snapshot (sorted first; its log is skipped)
-    ASSERT_NE(Open(other->fingerprint(), &files), nullptr);
+    ASSERT_NE(Open(0, &files), nullptr);
+    EXPECT_EQ(files.faults_fired(), 1);
   }
   EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmstate"));
   EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
+  testing::WriteFile(dir_.path() / "alpha.sdmstate", intact);  // repaired where it is
   ExpectAlphaHas(more);
 }
 
