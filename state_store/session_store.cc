@@ -262,6 +262,9 @@ struct SessionStateStore::Entry {
   uint64_t persisted_version = 0;
   int64_t persisted_bytes = 0;   // the size of its snapshot file; 0: none written or found
   bool persist_failing = false;  // its last write failed (counted once per episode)
+  // Its latest write attempt failed: a sync round that then fsyncs an earlier write (the full
+  // snapshot that ends a failed fsync) does not end the failure.
+  bool write_failed = false;
   // The delta log (state_store/state_log.h) extending the snapshot: the snapshot's id, the
   // log's good bytes (0: none) and records, and the position the disk holds (snapshot + log).
   // needs_full: the next write must be a full snapshot (the dirty-row marks do not cover
@@ -2127,6 +2130,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     // steps, and it stays on the device (mu_ released meanwhile; busy keeps leases off it).
     if (absl::Status s = CopyChangesLocked(e); !s.ok()) {
       e.attempted_version = e.version;
+      e.write_failed = true;
       PersistFailed(e, s);
       SettleWaiters(e, /*all=*/false, NotWrittenError(e.key.id, CauseOf(s)));
       return s;
@@ -2268,11 +2272,13 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     // the rename: the directory's fsync): the log's base is unknown, so a delta appended to it
     // could be dropped as stale at the next read, with every turn since. Only a snapshot knows.
     if (!delta) e.needs_full = true;
+    e.write_failed = true;
     PersistFailed(e, status);
     SettleWaiters(e, /*all=*/false, NotWrittenError(key.id, CauseOf(status)));
     return status;
   }
   ++e.write_seq;
+  e.write_failed = false;
   if (!sync) {
     // The syncer fsyncs it (and the directory, whose entries a new log, a rename or the removal
     // of a log changed) in its next round.
@@ -2712,7 +2718,8 @@ int SessionStateStore::SyncRound(std::vector<std::string>* failed) {
       Changed();
     } else if (e.sync_failed_seq != 0 && job.full_seq > e.sync_failed_seq) {
       e.sync_failed_seq = 0;
-      PersistSucceeded(e);
+      // Unless a later write failed: the session is still behind its latest turn, and due.
+      if (!e.write_failed) PersistSucceeded(e);
     }
   }
   return synced;

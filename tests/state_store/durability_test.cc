@@ -1496,6 +1496,38 @@ TEST_F(DurabilityTest, AParkDuringABackgroundFsyncRoundKeepsWhatTheRoundMayLose)
   EXPECT_EQ(position, reference->position());
 }
 
+// --persist_sync=write: the sync round that fsyncs the full snapshot which ends a failed fsync
+// does not end a failure of a later write (that session's latest turn is not on disk). Before,
+// the round declared the store healthy: health flapped, and the failing session was handed
+// straight back to the writers as if healthy.
+TEST_F(DurabilityTest, ASyncRoundDoesNotEndALaterWritesFailure) {
+  FaultInjectionFiles files;
+  auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files, PersistSync::kWrite);
+  auto reference = engine_->NewSession();
+  ASSERT_TRUE(store->Create("s", "").ok());
+  std::vector<int32_t> tokens = testing::RandomTokens(5, 60);
+  Turn(*store, "s", tokens);
+  testing::DecodeEach(*engine_, *reference, tokens);
+  files.FailSync();
+  store->SyncWritten();  // fails; the session is written again in full at once (inline)
+  ASSERT_FALSE(store->PersistHealth().ok());
+  ASSERT_EQ(store->Stats().unsynced, 1);  // that snapshot, not fsynced yet
+
+  files.FailWritesAlways(absl::ResourceExhaustedError("injected: No space left on device"));
+  tokens = testing::RandomTokens(3, 61);
+  Turn(*store, "s", tokens);  // its write fails
+  testing::DecodeEach(*engine_, *reference, tokens);
+  store->SyncWritten();  // fsyncs the full snapshot of before the turn
+  const absl::Status health = store->PersistHealth();
+  EXPECT_EQ(health.code(), absl::StatusCode::kUnavailable) << health;
+  EXPECT_NE(health.message().find("No space left"), std::string::npos) << health;
+
+  files.ClearFaults();
+  ASSERT_TRUE(store->PersistAll().ok());  // writes the turn (and fsyncs it: a park to disk)
+  EXPECT_TRUE(store->PersistHealth().ok());
+  ExpectCrashCopyHolds("s", *reference);
+}
+
 // --persist_sync=write: a background fsync that fails (a disk error) is a failed write: counted
 // once, health UNAVAILABLE naming the cause; the session is written again in full, and health
 // recovers only once that snapshot has been fsynced. A park to disk fsyncs what is unsynced.
