@@ -13,6 +13,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/grpc_keepalive.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
 #include "grpcpp/support/channel_arguments.h"
@@ -161,6 +162,13 @@ absl::StatusOr<ConnectionOptions> ResolveConnectionOptions(const FlagSet& flags,
   return options;
 }
 
+grpc::ChannelArguments ClientChannelArguments() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(64 << 20);
+  for (const GrpcIntArg& arg : kClientKeepaliveArgs) args.SetInt(arg.name, arg.value);
+  return args;
+}
+
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ConnectionOptions& options) {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (options.tls) {
@@ -179,9 +187,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ConnectionOptio
   } else {
     credentials = grpc::InsecureChannelCredentials();
   }
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(64 << 20);
-  return grpc::CreateCustomChannel(options.host, credentials, args);
+  return grpc::CreateCustomChannel(options.host, credentials, ClientChannelArguments());
 }
 
 void PrepareContext(const ConnectionOptions& options, grpc::ClientContext& context) {

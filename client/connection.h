@@ -33,6 +33,7 @@
 #include "client/flags.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/support/channel_arguments.h"
 #include "grpcpp/support/status.h"
 
 namespace sdm::client {
@@ -74,8 +75,14 @@ absl::StatusOr<ConnectionOptions> ResolveConnectionOptions(const FlagSet& flags,
                                                            const ConnectionFlags& values,
                                                            const EnvLookup& env);
 
-// A channel to options.host: plaintext, or TLS with options.tls_ca_file's roots.
-// INVALID_ARGUMENT if the CA file cannot be read. Does not connect yet (the first call does).
+// The arguments of MakeChannel's channels: responses up to 64 MiB, and keepalive pings
+// (common/grpc_keepalive.h) so that a connection that died silently fails its calls within
+// about 40 s rather than TCP's minutes.
+grpc::ChannelArguments ClientChannelArguments();
+
+// A channel to options.host: plaintext, or TLS with options.tls_ca_file's roots, with
+// ClientChannelArguments(). INVALID_ARGUMENT if the CA file cannot be read. Does not connect yet
+// (the first call does).
 absl::StatusOr<std::shared_ptr<grpc::Channel>> MakeChannel(const ConnectionOptions& options);
 
 // Prepares a call's context: the authorization metadata and the deadline.

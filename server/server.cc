@@ -18,6 +18,7 @@
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "base/thread_priority.h"
+#include "common/grpc_keepalive.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
@@ -359,6 +360,11 @@ absl::Status SdmServer::Impl::Init() {
   // use without error and the kernel splits the connections between the two (both writing the
   // same state directory). Off, a port in use fails the start (below), as the HTTP ports do.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Clients ping quiet connections every 30 s (common/grpc_keepalive.h): with gRPC's defaults
+  // the fourth such ping in a row would drop the connection with GOAWAY "too_many_pings".
+  for (const GrpcIntArg& arg : kServerKeepaliveArgs) {
+    builder.AddChannelArgument(arg.name, arg.value);
+  }
   builder.RegisterService(service.get());
   // Requests gRPC cannot parse: INVALID_ARGUMENT with a message, and counted
   // (server/malformed_requests.h).
