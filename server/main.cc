@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 #include <optional>
@@ -33,9 +34,11 @@
 #include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/status/status.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "base/heap.h"
@@ -330,14 +333,56 @@ int UsageError(absl::string_view message) {
   return kExitUsage;
 }
 
-// What absl::ParseCommandLine would refuse among the flags on the command line (an unknown flag,
-// a value its type cannot read, a missing value), as a usage error: absl exits with status 1 on
-// its own, where every other usage error exits 2 (docs/api.md). Flags read from a --flagfile are
-// left to absl. A flag's value is parsed into the flag here (ParseCommandLine sets it again).
-std::optional<std::string> CommandLineFlagError(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view arg = argv[i];
-    if (arg == "--") break;  // the rest is positional
+// A flag argument and where it came from, for messages: empty for the command line, else
+// " (line N of --flagfile=PATH)".
+struct FlagArg {
+  std::string text;
+  std::string where;
+};
+
+// How deep flag files may name flag files: absl follows one that names itself forever (the server
+// hung).
+constexpr int kMaxFlagfileDepth = 16;
+
+// The flag file `path` as absl reads it (leading blanks stripped, blank and '#' lines skipped,
+// every other line one argument) into `args`, or what absl would refuse in it: a file it cannot
+// read, a line that is not a flag (absl also refuses "--" and aborts on a lone "-").
+std::optional<std::string> ReadFlagfile(const std::string& path, std::vector<FlagArg>* args) {
+  const auto unreadable = [&path](int error) {
+    return absl::StrCat("cannot read the flag file '", path,
+                        "' (--flagfile): ", error != 0 ? std::strerror(error) : "unreadable");
+  };
+  // std::ifstream opens a directory and reads nothing from it (absl would take it as empty).
+  if (std::error_code ec; std::filesystem::is_directory(path, ec)) return unreadable(EISDIR);
+  errno = 0;
+  std::ifstream in(path);
+  if (!in) return unreadable(errno);
+  int number = 0;
+  for (std::string line; std::getline(in, line);) {
+    ++number;
+    const absl::string_view arg = absl::StripLeadingAsciiWhitespace(line);
+    if (arg.empty() || arg[0] == '#') continue;
+    std::string where = absl::StrCat(" (line ", number, " of --flagfile=", path, ")");
+    if (arg[0] != '-' || arg == "-" || arg == "--") {
+      return absl::StrCat("not a flag: '", arg, "'", where,
+                          "; a flag file holds one --name=value per line");
+    }
+    args->push_back({std::string(arg), std::move(where)});
+  }
+  if (in.bad()) return unreadable(errno);
+  return std::nullopt;
+}
+
+// What absl::ParseCommandLine would refuse among `args` (an unknown flag, a value its type cannot
+// read, a missing value), as a usage error naming the flag and, for one read from a flag file,
+// the file and line: absl exits with status 1 on its own, where every other usage error exits 2
+// (docs/api.md). Flag files are read where --flagfile names them, in absl's order. A flag's value
+// is parsed into the flag here (ParseCommandLine sets it again, in the same order).
+std::optional<std::string> FlagArgsError(const std::vector<FlagArg>& args, int depth) {
+  for (size_t i = 0; i < args.size(); ++i) {
+    absl::string_view arg = args[i].text;
+    const std::string& where = args[i].where;
+    if (arg == "--") break;  // the rest is positional (only on the command line)
     if (!absl::ConsumePrefix(&arg, "--") && !absl::ConsumePrefix(&arg, "-")) continue;
     if (arg.empty()) continue;
     absl::string_view name = arg;
@@ -348,7 +393,32 @@ std::optional<std::string> CommandLineFlagError(int argc, char** argv) {
       value = arg.substr(eq + 1);
       has_value = true;
     }
-    if (name == "flagfile" || name == "fromenv" || name == "tryfromenv" || name == "undefok") {
+    // A value without '=' is the next argument of the same list (the next line of a flag file).
+    const auto next_value = [&]() -> std::optional<std::string> {
+      if (i + 1 >= args.size()) return absl::StrCat("--", name, " needs a value", where);
+      value = args[++i].text;
+      return std::nullopt;
+    };
+    if (name == "flagfile") {
+      if (!has_value) {
+        if (std::optional<std::string> error = next_value()) return error;
+      }
+      if (value.empty()) continue;  // absl reads no file
+      if (depth >= kMaxFlagfileDepth) {
+        return absl::StrCat("flag files nested more than ", kMaxFlagfileDepth,
+                            " deep (does one name itself?)", where);
+      }
+      // A comma-separated list, as absl reads it.
+      for (const absl::string_view path : absl::StrSplit(value, ',')) {
+        std::vector<FlagArg> file_args;
+        if (std::optional<std::string> error = ReadFlagfile(std::string(path), &file_args)) {
+          return error;
+        }
+        if (std::optional<std::string> error = FlagArgsError(file_args, depth + 1)) return error;
+      }
+      continue;
+    }
+    if (name == "fromenv" || name == "tryfromenv" || name == "undefok") {
       if (!has_value) ++i;  // absl's own: its value is the next argument
       continue;
     }
@@ -356,22 +426,31 @@ std::optional<std::string> CommandLineFlagError(int argc, char** argv) {
     if (flag == nullptr && absl::StartsWith(name, "no")) {
       absl::CommandLineFlag* negated = absl::FindCommandLineFlag(name.substr(2));
       if (negated != nullptr && negated->IsOfType<bool>()) {
-        if (has_value) return absl::StrCat("--", name, " takes no value");
+        if (has_value) return absl::StrCat("--", name, " takes no value", where);
         continue;
       }
     }
-    if (flag == nullptr || flag->IsRetired()) return absl::StrCat("unknown flag --", name);
+    if (flag == nullptr || flag->IsRetired()) {
+      return absl::StrCat("unknown flag --", name, where);
+    }
     if (flag->IsOfType<bool>() && !has_value) continue;
     if (!has_value) {
-      if (i + 1 >= argc) return absl::StrCat("--", name, " needs a value");
-      value = argv[++i];
+      if (std::optional<std::string> error = next_value()) return error;
     }
     std::string error;
     if (!flag->ParseFrom(value, &error)) {  // absl's message names the flag and the value
-      return error.empty() ? absl::StrCat("--", name, ": cannot read '", value, "'") : error;
+      return absl::StrCat(
+          error.empty() ? absl::StrCat("--", name, ": cannot read '", value, "'") : error, where);
     }
   }
   return std::nullopt;
+}
+
+// FlagArgsError of the command line.
+std::optional<std::string> CommandLineFlagError(int argc, char** argv) {
+  std::vector<FlagArg> args;
+  for (int i = 1; i < argc; ++i) args.push_back({argv[i], ""});
+  return FlagArgsError(args, 0);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
@@ -162,6 +163,40 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
     EXPECT_EQ(r.status, 2) << flags << ": " << r.err;
     EXPECT_THAT(r.err, ::testing::HasSubstr(says)) << flags;
   }
+  // The same in a --flagfile (absl exits 1 there too, naming no file), and what absl refuses in
+  // the file itself: the message names the file and the line.
+  const std::string file = (dir_.path() / "bad.flags").string();
+  const std::string inner = (dir_.path() / "inner.flags").string();
+  const std::string absent = (dir_.path() / "absent.flags").string();
+  WriteFile(inner, "# included\n--threads=1\n--nosuchflag=2\n");
+  for (const auto& [content, says] :
+       {std::pair<std::string, std::string>{"--threads=1\n--nosuchflag=1\n",
+                                            "unknown flag --nosuchflag (line 2 of --flagfile="},
+        {"# comment\n\n  --session_ttl=abc\n",
+         "'abc' specified for flag 'session_ttl' (line 3 of --flagfile="},
+        {"--max_running\n--port=0\n",
+         "'--port=0' specified for flag 'max_running' (line 1 of --flagfile="},
+        {"--port\n", "--port needs a value (line 1 of --flagfile="},
+        {"--noshared_state_dir=1\n", "--noshared_state_dir takes no value (line 1 of"},
+        {"--threads=1\nport=0\n", "not a flag: 'port=0' (line 2 of --flagfile="},
+        {"--\n", "not a flag: '--' (line 1 of --flagfile="},
+        {absl::StrCat("--flagfile=", inner, "\n"),
+         absl::StrCat("unknown flag --nosuchflag (line 3 of --flagfile=", inner, ")")},
+        {absl::StrCat("--flagfile=", absent, "\n"),
+         absl::StrCat("cannot read the flag file '", absent, "'")}}) {
+    WriteFile(file, content);
+    const ProcessRun r = RunServer(absl::StrCat("--model x --flagfile='", file, "'"));
+    EXPECT_EQ(r.status, 2) << content << ": " << r.err;
+    EXPECT_THAT(r.err, ::testing::HasSubstr(says)) << content;
+    if (!absl::StrContains(content, "--flagfile=")) {
+      EXPECT_THAT(r.err, ::testing::HasSubstr(absl::StrCat("--flagfile=", file, ")"))) << content;
+    }
+  }
+  const ProcessRun no_file = RunServer(absl::StrCat("--model x --flagfile '", absent, "'"));
+  EXPECT_EQ(no_file.status, 2) << no_file.err;
+  EXPECT_THAT(no_file.err,
+              ::testing::HasSubstr(absl::StrCat("cannot read the flag file '", absent,
+                                                "' (--flagfile): No such file or directory")));
   // Without --etcd the lease TTL is not used, and not checked.
   EXPECT_THAT(RunServer("--model x --etcd_lease_ttl 1s").err,
               ::testing::Not(::testing::HasSubstr("--etcd_lease_ttl")));
