@@ -731,14 +731,22 @@ absl::Status SessionStateStore::LoadDirectory() {
   if (!names.ok()) return names.status();
   std::sort(names->begin(), names->end());
   const std::set<std::string> all_names(names->begin(), names->end());
+  const std::map<std::string, QuarantinedCopy> quarantined =
+      options_.shared_dir ? std::map<std::string, QuarantinedCopy>() : LatestQuarantinedCopies();
   for (const std::string& name : *names) {
     const std::filesystem::path path = options_.dir / name;
     if (absl::EndsWith(name, kLogSuffix)) {
-      // A log whose snapshot is gone (deleted; the log's removal did not happen): nothing to
-      // extend.
-      const std::string snapshot =
-          absl::StrCat(name.substr(0, name.size() - kLogSuffix.size()), kSnapshotSuffix);
-      if (all_names.count(snapshot) == 0) files.Remove(path).IgnoreError();
+      const std::string stem = name.substr(0, name.size() - kLogSuffix.size());
+      if (all_names.count(absl::StrCat(stem, kSnapshotSuffix)) > 0) continue;
+      const auto copy = quarantined.find(stem);
+      if (copy != quarantined.end() && !copy->second.deleted) {
+        // Its snapshot was quarantined and a crash came before the log could follow it (the
+        // two are moved one after the other): the log goes beside it, turns kept.
+        QuarantineLog(path);
+      } else {
+        // Its snapshot is gone (deleted; the log's removal did not happen): nothing to extend.
+        files.Remove(path).IgnoreError();
+      }
       continue;
     }
     if (absl::EndsWith(name, kTmpSuffix)) {
@@ -799,9 +807,9 @@ absl::Status SessionStateStore::LoadDirectory() {
         files.Remove(log_path).IgnoreError();  // stale: the snapshot holds its records
         log = LogReplay();
       } else {
+        // Quarantined with its snapshot, below (and only if the snapshot could be moved).
         record = absl::Status(scanned.status().code(),
                               absl::StrCat("its delta log: ", scanned.status().message()));
-        QuarantineLog(log_path);
       }
     }
     if (record.ok() && !hashed && record->id != stem) {
@@ -838,7 +846,7 @@ absl::Status SessionStateStore::LoadDirectory() {
       // find a log without its snapshot and remove it, with every turn since the snapshot (an
       // operator who repairs the snapshot and moves it back would lose them).
       if (!entry->quarantined_as.empty() && all_names.count(log_path.filename().string()) > 0) {
-        QuarantineLog(log_path);  // (a log its scan moved already: ENOENT, ignored)
+        QuarantineLog(log_path);
       }
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
     } else {
@@ -870,28 +878,22 @@ absl::Status SessionStateStore::LoadDirectory() {
       orphans_.emplace(stem, std::move(entry));
     }
   }
-  if (!options_.shared_dir) RestoreQuarantined();
+  if (!options_.shared_dir) RestoreQuarantined(quarantined);
   return absl::OkStatus();
 }
 
-void SessionStateStore::RestoreQuarantined() {
+std::map<std::string, SessionStateStore::QuarantinedCopy>
+SessionStateStore::LatestQuarantinedCopies() const {
+  std::map<std::string, QuarantinedCopy> latest;
   absl::StatusOr<std::vector<std::string>> names =
       options_.files->List(options_.dir / "quarantine");
-  if (!names.ok()) return;
-  // The latest quarantined copy of each key: <stem>.sdmstate.<unix ms>[.<n>][.deleted].
-  struct Copy {
-    int64_t ms = -1;
-    int64_t n = 0;
-    std::string name;
-    bool deleted = false;
-  };
-  std::map<std::string, Copy> latest;
+  if (!names.ok()) return latest;
   for (const std::string& name : *names) {
     const size_t at = name.rfind(absl::StrCat(kSnapshotSuffix, "."));
     if (at == std::string::npos || at == 0) continue;
     const std::string stem = name.substr(0, at);
     absl::string_view rest = absl::string_view(name).substr(at + kSnapshotSuffix.size() + 1);
-    Copy copy;
+    QuarantinedCopy copy;
     copy.name = name;
     copy.deleted = absl::ConsumeSuffix(&rest, kDeletedSuffix);
     const std::vector<absl::string_view> parts = absl::StrSplit(rest, '.');
@@ -899,11 +901,15 @@ void SessionStateStore::RestoreQuarantined() {
         (parts.size() == 2 && !absl::SimpleAtoi(parts[1], &copy.n))) {
       continue;
     }
-    Copy& best = latest[stem];
+    QuarantinedCopy& best = latest[stem];
     if (std::tie(copy.ms, copy.n, copy.deleted) > std::tie(best.ms, best.n, best.deleted)) {
       best = std::move(copy);
     }
   }
+  return latest;
+}
+
+void SessionStateStore::RestoreQuarantined(const std::map<std::string, QuarantinedCopy>& latest) {
   for (auto& [stem, copy] : latest) {
     if (copy.deleted || IsHashedFileStem(stem)) continue;  // a hashed stem does not name its key
     absl::StatusOr<SessionKey> key = ParseSessionRecordId(stem);
@@ -915,9 +921,10 @@ void SessionStateStore::RestoreQuarantined() {
     entry->quarantined_as = options_.dir / "quarantine" / copy.name;
     entry->broken = absl::DataLossError(absl::StrCat(
         "it was quarantined before the server restarted (kept as ", entry->quarantined_as.string(),
-        "; the start-up log of then says why: if only of another model, the file is intact "
-        "and can be moved back, docs/state-format.md, Quarantine); deleting the session "
-        "discards it"));
+        "; the server's log of then says why, at its start or at the session's first use; a "
+        "copy quarantined only for being of another model, before such files were left in "
+        "place, is intact and can be moved back, docs/state-format.md, Quarantine); deleting "
+        "the session discards it"));
     Insert(std::move(entry));
   }
 }
@@ -1360,7 +1367,12 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
       }
       if (from == Tier::kDisk && code == absl::StatusCode::kDataLoss) {
         Quarantine(*e, path, decoded.status());
-        QuarantineLog(LogPathOf(e->key));
+        // Not at Open: the operator learns of it from the log too (a restart's message points
+        // there).
+        SDM_LOG(WARNING) << "sdm state store: " << e->BrokenError(key.id);
+        // Its log with it, only if it went: a log moved alone leaves the snapshot without its
+        // turns at the next Open.
+        if (!e->quarantined_as.empty()) QuarantineLog(LogPathOf(e->key));
         return e->BrokenError(key.id);
       }
       return decoded.status();

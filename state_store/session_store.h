@@ -475,9 +475,19 @@ class SessionStateStore {
   using EntryMap = std::map<SessionKey, std::unique_ptr<Entry>>;
 
   absl::Status LoadDirectory() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Makes a quarantined session of each key whose latest copy under dir/quarantine/ was not
-  // deleted and that has no snapshot (see "Quarantine" in the class comment).
-  void RestoreQuarantined() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The latest quarantined snapshot of each file stem under dir/quarantine/ (named
+  // <stem>.sdmstate.<unix ms>[.<n>][.deleted]); empty if the folder cannot be listed.
+  struct QuarantinedCopy {
+    int64_t ms = -1;
+    int64_t n = 0;
+    std::string name;
+    bool deleted = false;
+  };
+  std::map<std::string, QuarantinedCopy> LatestQuarantinedCopies() const;
+  // Makes a quarantined session of each key whose latest copy (`latest`) was not deleted and
+  // that has no snapshot (see "Quarantine" in the class comment).
+  void RestoreQuarantined(const std::map<std::string, QuarantinedCopy>& latest)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Shared snapshot directory (see the class comment): one version of a snapshot file, and that
   // of the file at `path` (nullopt: there is none).
   struct SnapshotStamp;

@@ -33,6 +33,7 @@
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"
 #include "state_store/state_files.h"
+#include "state_store/state_log.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/state_store/fault_injection_files.h"
 #include "tests/state_store/snapshot_test_util.h"
@@ -848,6 +849,81 @@ TEST_F(SnapshotStoreCorruptionTest, ALogStaysWhenItsSnapshotCannotBeQuarantined)
   EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmlog"));
   testing::WriteFile(dir_.path() / "alpha.sdmstate", intact);  // repaired where it is
   ExpectAlphaHas(more);
+}
+
+// A damaged log quarantines its session; when the snapshot cannot be moved, the log stays with
+// it. Before, the log was moved first, on its own: with the snapshot's move failing, the next
+// Open loaded the snapshot without the turns the log held, and said nothing.
+TEST_F(SnapshotStoreCorruptionTest, ADamagedLogStaysWhenItsSnapshotCannotBeQuarantined) {
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(testing::RandomTokens(3, 11)));
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(testing::RandomTokens(3, 12)));  // a second record
+  const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
+  std::string damaged = testing::ReadFile(log);
+  damaged[kLogHeaderBytes] ^= 0x20;  // the first record's size: damage, found at Open
+  testing::WriteFile(log, damaged);
+  {
+    testing::FaultInjectionFiles files;
+    files.FailRename();  // the first
+    auto store = Open(0, &files);
+    ASSERT_NE(store, nullptr);
+    EXPECT_EQ(files.faults_fired(), 1);  // at Open
+    EXPECT_EQ(store->Acquire("alpha").status().code(), absl::StatusCode::kDataLoss);
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir_.path() / "alpha.sdmstate"));
+  EXPECT_EQ(testing::ReadFile(log), damaged);
+}
+
+// A crash between the two moves of a quarantine (the snapshot's, then its log's) leaves the log
+// without its snapshot: the next Open moves it beside the quarantined snapshot. Before, it was
+// taken for the log of a deleted session and removed, with every turn it held.
+TEST_F(SnapshotStoreCorruptionTest, ACrashBetweenTheTwoMovesOfAQuarantineKeepsTheLog) {
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(testing::RandomTokens(4, 13)));
+  const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
+  const std::string log_bytes = testing::ReadFile(log);
+  DamageAlphasRecord();
+  {
+    testing::FaultInjectionFiles files;
+    files.set_crash_at_fault(true);
+    files.FailNext(testing::FaultInjectionFiles::Op::kRename,
+                   {absl::InternalError("injected: killed"), /*skip=*/1});
+    ASSERT_NE(Open(0, &files), nullptr);
+    ASSERT_TRUE(files.crashed());
+  }
+  ASSERT_TRUE(std::filesystem::exists(log));  // what the crash left
+  auto store = Open();
+  ASSERT_NE(store, nullptr);
+  EXPECT_EQ(store->Acquire("alpha").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_FALSE(std::filesystem::exists(log));
+  int kept = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
+    if (absl::StartsWith(entry.path().filename().string(), "alpha.sdmlog.")) {
+      ++kept;
+      EXPECT_EQ(testing::ReadFile(entry.path()), log_bytes);
+    }
+  }
+  EXPECT_EQ(kept, 1);
+}
+
+// Damage found at Acquire (a layer's payload): the snapshot goes to quarantine with its log, or,
+// when it cannot be moved, neither does. Before, the log was moved whatever became of the
+// snapshot.
+TEST_F(SnapshotStoreCorruptionTest, ALogStaysWhenItsSnapshotCannotBeQuarantinedAtAcquire) {
+  ASSERT_NO_FATAL_FAILURE(TurnOnAlpha(testing::RandomTokens(3, 14)));
+  const std::filesystem::path snapshot = dir_.path() / "alpha.sdmstate";
+  const std::filesystem::path log = dir_.path() / "alpha.sdmlog";
+  std::string damaged = testing::ReadFile(snapshot);
+  const std::vector<BlobSection> sections = ParseSections(damaged);
+  damaged[sections[1].payload() + 5] ^= 0x40;  // the first layer's payload: found at Acquire
+  testing::WriteFile(snapshot, damaged);
+  testing::FaultInjectionFiles files;
+  auto store = Open(0, &files);
+  ASSERT_NE(store, nullptr);
+  ASSERT_TRUE(store->open_errors().empty());
+  files.FailRename();
+  EXPECT_EQ(store->Acquire("alpha").status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_EQ(files.faults_fired(), 1);
+  EXPECT_TRUE(std::filesystem::exists(snapshot));
+  EXPECT_TRUE(std::filesystem::exists(log));
 }
 
 }  // namespace
