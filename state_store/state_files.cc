@@ -90,7 +90,13 @@ class DirectStateFiles : public StateFiles {
     const uint64_t first = offset - offset % kDirectBlock;  // the direct region [first, last)
     const uint64_t last = end - end % kDirectBlock;
     char* buffer = DirectBuffer();
-    if (last <= first || buffer == nullptr) return StateFiles::WriteFd(fd, path, offset, data);
+    if (buffer == nullptr) return StateFiles::WriteFd(fd, path, offset, data);
+    if (last <= first) {
+      // No whole block of its own: a write's tail, or a patch over data already written (a
+      // deferred checksum over an earlier chunk: WriteSource).
+      if (IsOverwriteOfWholeBlocks(fd, end)) return RewriteBlocks(fd, path, offset, data, buffer);
+      return StateFiles::WriteFd(fd, path, offset, data);
+    }
     Fd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     // A file system without O_DIRECT (tmpfs: EINVAL): buffered, the same bytes.
     if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
@@ -141,6 +147,52 @@ class DirectStateFiles : public StateFiles {
   }
 
  private:
+  static uint64_t RoundUpToBlock(uint64_t n) {
+    return (n + kDirectBlock - 1) / kDirectBlock * kDirectBlock;
+  }
+
+  // Whether the blocks under [.., end) lie wholly within the file: written before, and (but for
+  // the file's last partial block, which this excludes) written directly.
+  static bool IsOverwriteOfWholeBlocks(int fd, uint64_t end) {
+    struct stat st {};
+    return ::fstat(fd, &st) == 0 && RoundUpToBlock(end) <= static_cast<uint64_t>(st.st_size);
+  }
+
+  // A small write over data already on the disk goes there the same way: its blocks are read,
+  // patched and written back with O_DIRECT. Through the page cache alone it could miss a power
+  // loss that the data around it, written directly, survives: a record whose checksum is lost
+  // reads as damage (the session quarantined) where the record itself is whole.
+  absl::Status RewriteBlocks(int fd, const std::filesystem::path& path, uint64_t offset,
+                             absl::string_view data, char* buffer) {
+    const uint64_t first = offset - offset % kDirectBlock;
+    const uint64_t n = RoundUpToBlock(offset + data.size()) - first;  // two blocks at most
+    if (n > kDirectChunk) return StateFiles::WriteFd(fd, path, offset, data);
+    uint64_t got = 0;
+    while (got < n) {
+      const ssize_t r = ::pread(fd, buffer + got, n - got, static_cast<off_t>(first + got));
+      if (r < 0 && errno == EINTR) continue;
+      if (r < 0) return Errno("cannot read", path, errno);
+      if (r == 0) return StateFiles::WriteFd(fd, path, offset, data);  // cut meanwhile
+      got += static_cast<uint64_t>(r);
+    }
+    std::memcpy(buffer + (offset - first), data.data(), data.size());
+    Fd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
+    if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
+    uint64_t done = 0;
+    while (done < n) {
+      const ssize_t w =
+          ::pwrite(direct.get(), buffer + done, n - done, static_cast<off_t>(first + done));
+      if (w < 0 && errno == EINTR) continue;
+      if (w <= 0 || (done + static_cast<uint64_t>(w)) % kDirectBlock != 0) {
+        if (w < 0 && errno != EINVAL) return Errno("cannot write", path, errno);
+        // Refused or cut short: the patch through the page cache (the same bytes).
+        return StateFiles::WriteFd(fd, path, offset, data);
+      }
+      done += static_cast<uint64_t>(w);
+    }
+    return absl::OkStatus();
+  }
+
   // `data` starts at an aligned `offset` from aligned memory: its whole blocks, up to `last`,
   // go out with O_DIRECT (`direct`) as they are, the rest through the page cache (`fd`).
   absl::Status WriteAligned(int direct, int fd, const std::filesystem::path& path, uint64_t offset,

@@ -25,7 +25,9 @@
 // cache: only Sync() covers a power loss, in both modes (and a kill -9 loses neither: the kernel
 // holds a buffered write). Only whole aligned blocks go direct: the
 // partial block before an unaligned offset is rewritten with the bytes the file already holds
-// there (read first), and the partial block at the end is written through the page cache. A file
+// there (read first), the partial block at the end is written through the page cache, and a
+// small write over blocks the file already holds whole (a deferred checksum: WriteSource) rewrites
+// them directly, read first, so that it is on the device with the data around it. A file
 // system that refuses O_DIRECT (tmpfs) gets buffered writes, silently: same bytes, same guarantees.
 //
 // Thread-safety: the POSIX implementations are thread-safe for different paths.
