@@ -262,6 +262,7 @@ struct SessionStateStore::Entry {
   uint64_t persisted_version = 0;
   int64_t persisted_bytes = 0;   // the size of its snapshot file; 0: none written or found
   bool persist_failing = false;  // its last write failed (counted once per episode)
+  std::string persist_cause;     // why (CauseOf), while persist_failing
   // Its latest write attempt failed: a sync round that then fsyncs an earlier write (the full
   // snapshot that ends a failed fsync) does not end the failure.
   bool write_failed = false;
@@ -2396,9 +2397,9 @@ bool SessionStateStore::QueuePersistWaiterLocked(const SessionKey& key, Entry* e
                          // (a resident entry being parked to host has no state meanwhile: busy)
                          !StaleOnDevice(*e);
   if (unwritten && e->persist_failing) {
-    // Its writes fail: not waited for, and not saved (logged_cause_: the cause). Other
-    // sessions' turns are waited for while health is bad: their writes may succeed.
-    *outcome = NotWrittenError(key.id, logged_cause_);
+    // Its writes fail: not waited for, and not saved. Other sessions' turns are waited for
+    // while health is bad: their writes may succeed.
+    *outcome = NotWrittenError(key.id, e->persist_cause);
   } else if (unwritten) {
     const uint64_t seq = ++waiter_clock_;
     if (e->waiters.empty()) e->first_waiter = seq;
@@ -2412,6 +2413,7 @@ bool SessionStateStore::QueuePersistWaiterLocked(const SessionKey& key, Entry* e
 
 void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {
   ++counters_.snapshot_errors;
+  e.persist_cause = CauseOf(why);
   if (!e.persist_failing) {
     e.persist_failing = true;
     ++counters_.persist_failures;
@@ -2776,7 +2778,7 @@ void SessionStateStore::WorkerLoop() {
       // the kernel all the same and answered OK).
       for (auto& [key, e] : entries_) {
         if (e->persist_failing && !e->busy) {
-          SettleWaiters(*e, /*all=*/true, NotWrittenError(key.id, logged_cause_));
+          SettleWaiters(*e, /*all=*/true, NotWrittenError(key.id, e->persist_cause));
         }
       }
     }

@@ -1228,6 +1228,44 @@ TEST_F(DurabilityTest, ATurnBeingWrittenWhenAnFsyncFailsIsAnsweredByItsWrite) {
   ExpectCrashCopyHolds("s", *reference);
 }
 
+// A turn of a session whose writes fail is told that session's cause, not the last one the store
+// logged (another session's, here an I/O error where this one's disk is full).
+TEST_F(DurabilityTest, ATurnNotWrittenIsToldItsOwnSessionsCause) {
+  SessionWriteFiles files;
+  auto store = OpenWithWriters(dir_.path(), &files, /*writers=*/1);
+  ASSERT_NE(store, nullptr);
+  absl::Cleanup open_gate = [&] { files.Open(); };  // before the store joins its worker
+  for (const char* id : {"a", "b"}) {
+    ASSERT_TRUE(store->Create(id, "").ok());
+    ASSERT_TRUE(Answer(*AskWhenPersisted(*store, id)).ok());
+  }
+  files.Fail(SessionFileStem(SessionKey("a")));
+  std::shared_ptr<Ack> ack = TurnAsking(*store, "a", testing::RandomTokens(2, 70));
+  ASSERT_NE(ack, nullptr);
+  absl::Status saved = Answer(*ack);
+  ASSERT_EQ(saved.code(), absl::StatusCode::kUnavailable) << saved;
+  ASSERT_THAT(std::string(saved.message()), HasSubstr("this session's writes fail"));
+  // The next turn of "a" runs (its lease held: the store does not retry its write meanwhile)
+  // while "b" fails with another cause, logged last.
+  auto lease = store->Acquire("a");
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(2, 72));
+  files.FailNext(FaultInjectionFiles::Op::kWriteAt,
+                 {absl::InternalError("injected: Input/output error")});
+  ack = TurnAsking(*store, "b", testing::RandomTokens(2, 71));
+  ASSERT_NE(ack, nullptr);
+  saved = Answer(*ack);
+  ASSERT_EQ(saved.code(), absl::StatusCode::kUnavailable) << saved;
+  ASSERT_THAT(std::string(saved.message()), HasSubstr("Input/output error"));
+  // "a" fails still: its turn is answered at once, with its own cause.
+  ack = ReleaseAsking(*lease);
+  saved = Answer(*ack);
+  EXPECT_EQ(saved.code(), absl::StatusCode::kUnavailable) << saved;
+  EXPECT_THAT(std::string(saved.message()), HasSubstr("this session's writes fail"));
+  EXPECT_THAT(std::string(saved.message()), ::testing::Not(HasSubstr("Input/output")));
+  files.ClearFailing();
+}
+
 // A park that writes a session answers its turns waiting for that write when it returns.
 // Before, their callbacks waited in the store's ready list until the worker or a writer was next
 // done with a write: behind another session's long write (held here: for as long as it is held).
