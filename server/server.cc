@@ -520,6 +520,12 @@ absl::Status SdmServer::Impl::Shutdown() {
   // running alone keeps its port, answering with a retry hint (nobody else could serve them).
   const bool stop_listening_early = options.store.shared_dir && grpc_server != nullptr;
   if (stop_listening_early) StopListeningEarly();
+  // The HTTP API's port likewise; its streams in flight go on (OpenAiServer::CloseListener).
+  if (options.store.shared_dir && openai != nullptr) {
+    if (absl::Status closed = openai->CloseListener(); !closed.ok()) {
+      SDM_LOG(WARNING) << "sdm-server: the drain keeps the HTTP API's port open: " << closed;
+    }
+  }
   // 2. Let the requests in flight finish, up to the grace period.
   const absl::Time give_up = absl::Now() + options.shutdown_grace;
   while (scheduler != nullptr && service != nullptr && absl::Now() < give_up &&

@@ -1,13 +1,20 @@
 #include "server/http/listen_socket.h"
 
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <memory>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "base/thread_name.h"
 
 namespace sdm {
@@ -32,6 +39,61 @@ absl::StatusOr<std::thread> StartAcceptLoop(httplib::Server& server, std::string
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   return loop;
+}
+
+namespace {
+
+absl::Status SystemError(const char* what) {
+  return absl::InternalError(
+      absl::StrCat("cannot close the HTTP port: ", what, ": ", std::strerror(errno)));
+}
+
+// Closes `fd` when it goes out of scope.
+struct ClosingFd {
+  int fd;
+  ~ClosingFd() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+}  // namespace
+
+absl::Status CloseListeningPort(int fd) {
+  // A second reference to the port's socket: its address, and the wake-up below.
+  const ClosingFd port{::fcntl(fd, F_DUPFD_CLOEXEC, 0)};
+  if (port.fd < 0) return SystemError("dup");
+  sockaddr_storage address{};
+  socklen_t length = sizeof(address);
+  if (::getsockname(port.fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+    return SystemError("getsockname");
+  }
+  {
+    const ClosingFd unreachable{::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+    if (unreachable.fd < 0) return SystemError("socket");
+    // Bound to an address of the family alone: the kernel picks an abstract name.
+    const sa_family_t family = AF_UNIX;
+    if (::bind(unreachable.fd, reinterpret_cast<const sockaddr*>(&family), sizeof(family)) != 0) {
+      return SystemError("bind");
+    }
+    if (::listen(unreachable.fd, 1) != 0) return SystemError("listen");
+    if (::dup3(unreachable.fd, fd, O_CLOEXEC) < 0) return SystemError("dup3");
+  }
+  // An accept() blocked on the port's socket holds it until it returns: woken by a connection to
+  // the port (its wildcard address through loopback).
+  if (address.ss_family == AF_INET) {
+    auto& in = reinterpret_cast<sockaddr_in&>(address);
+    if (in.sin_addr.s_addr == htonl(INADDR_ANY)) in.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  } else if (address.ss_family == AF_INET6) {
+    auto& in6 = reinterpret_cast<sockaddr_in6&>(address);
+    if (IN6_IS_ADDR_UNSPECIFIED(&in6.sin6_addr)) in6.sin6_addr = in6addr_loopback;
+  }
+  const ClosingFd waker{::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0)};
+  if (waker.fd >= 0) {
+    // A listening socket completes the connection from its backlog: no wait. Should it fail,
+    // the blocked accept() takes the next client's connection instead, and the port closes then.
+    ::connect(waker.fd, reinterpret_cast<const sockaddr*>(&address), length);
+  }
+  return absl::OkStatus();  // `port` closes here: the port's socket with it, once unblocked
 }
 
 }  // namespace sdm

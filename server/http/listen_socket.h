@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "httplib.h"
 
@@ -23,6 +24,17 @@ void SetExclusiveListenOptions(int socket);
 // stop() does nothing before, so a server stopped right after its start (a later part of the
 // start failing) would wait for ever when joined. UNAVAILABLE when the loop ended at once.
 absl::StatusOr<std::thread> StartAcceptLoop(httplib::Server& server, std::string thread_name);
+
+// Closes the port that the listening socket `fd` (an httplib server's, accept loop running)
+// listens on, while the server goes on: the descriptor number is made to refer to a listening
+// socket nobody can reach (AF_UNIX, autobound), so httplib's loop keeps waiting on it rather
+// than ending, and its connections in flight and their streams go on (httplib ends streams as
+// soon as its listening descriptor is invalid: stop()). New connections to the port are refused
+// once an accept() already blocked on it has returned: a connection of this function's own
+// wakes it (closed at once; its worker reads nothing), and until then a client's connection
+// may still be taken and answered as any other. httplib's stop() later closes the stand-in.
+// Errors: a system call failed (the port then stays open).
+absl::Status CloseListeningPort(int fd);
 
 }  // namespace sdm
 

@@ -616,7 +616,12 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
   });
   // Every response that says `Connection: close` ends its connection (EndConnectionAfter), as
   // httplib would not; without the Keep-Alive parameters httplib adds to it.
-  http.set_post_routing_handler([](const httplib::Request&, httplib::Response& res) {
+  http.set_post_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+    // Closing (a replica's drain): a kept-alive connection ends with this answer, so that a
+    // router's next request opens a new one, refused, and goes to another replica.
+    if (owner_.closing() && res.get_header_value("Connection") != "close") {
+      res.set_header("Connection", "close");
+    }
     if (res.get_header_value("Connection") != "close") return;
     res.headers.erase("Keep-Alive");
     EndConnectionAfter(res);
@@ -820,7 +825,10 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
   http.set_keep_alive_timeout(std::max<int64_t>(1, seconds(options.keep_alive_timeout)));
   http.set_keep_alive_max_count(1000);
   http.set_payload_max_length(options.max_body_bytes);
-  http.set_socket_options(SetExclusiveListenOptions);  // a port in use fails the start
+  http.set_socket_options([s = server.get()](socket_t socket) {
+    SetExclusiveListenOptions(socket);  // a port in use fails the start
+    s->listen_fd_.store(socket);        // the last one made is the one bound (CloseListener)
+  });
   server->handlers_ = std::make_unique<Handlers>(*server, options, service, auth, metrics,
                                                  *std::move(chat_template));
   server->handlers_->Install(http);
@@ -849,6 +857,13 @@ OpenAiServer::~OpenAiServer() { Stop(); }
 void OpenAiServer::Stop() {
   if (http_ != nullptr) http_->stop();
   if (thread_.joinable()) thread_.join();
+}
+
+absl::Status OpenAiServer::CloseListener() {
+  closing_.store(true);
+  const int fd = listen_fd_.exchange(-1);
+  if (fd < 0 || !thread_.joinable()) return absl::OkStatus();
+  return CloseListeningPort(fd);
 }
 
 }  // namespace sdm

@@ -49,6 +49,7 @@
 #include <string>
 #include <thread>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "server/auth.h"
@@ -110,6 +111,15 @@ class OpenAiServer {
   // Stops listening, ends open connections and joins the server's threads. Idempotent.
   void Stop();
 
+  // The drain of a replica (server/server.cc): the port closes, so that a router's new
+  // connections are refused and go to another replica, while the requests and streams in flight
+  // go on; every response from then on ends its connection (Connection: close), so that a
+  // router's kept-alive connections close too. Stop() ends the rest. Errors: the port could not
+  // be closed (it stays open; the drain goes on as it would without). Idempotent.
+  absl::Status CloseListener();
+  // CloseListener() was called.
+  bool closing() const { return closing_.load(); }
+
   class Handlers;
 
  private:
@@ -120,6 +130,9 @@ class OpenAiServer {
   std::thread thread_;
   int port_ = 0;
   std::atomic<int> active_generations_{0};
+  // The listening socket httplib holds (recorded as it is made; -1: none, or closed already).
+  std::atomic<int> listen_fd_{-1};
+  std::atomic<bool> closing_{false};
 };
 
 }  // namespace sdm

@@ -1374,6 +1374,67 @@ TEST_F(OpenAiHttpTest, WhileTheServerDrainsNewRequestsGet503WithRetryAfter) {
   shutdown.join();
 }
 
+// On a shared state directory (replicas) the drain closes the HTTP API's port as it does the gRPC
+// port: a router's new connections are refused and go to another replica, while the stream in
+// flight goes on, and an answer on a connection kept alive from before ends that connection.
+// Before, the port stayed open until the end of the drain, answering completions 503.
+TEST_F(OpenAiHttpTest, OnASharedDirectoryTheDrainClosesTheHttpPortWhileStreamsGoOn) {
+  ServerOptions o = Options();
+  o.store.shared_dir = true;
+  o.shutdown_grace = absl::Hours(1);  // never reached: the client below ends its stream
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  httplib::Client kept = TestHttpClient(port);
+  kept.set_keep_alive(true);
+  const httplib::Result before = kept.Get("/v1/models");
+  ASSERT_TRUE(before);
+  ASSERT_EQ(before->status, 200);
+  EXPECT_NE(before->get_header_value("Connection"), "close");
+  std::atomic<int> pieces{0};
+  std::atomic<bool> hang_up{false};
+  std::string last_piece;
+  std::thread client([&] {
+    httplib::Client c = TestHttpClient(port);
+    httplib::Request req;
+    req.method = "POST";
+    req.path = "/v1/completions";
+    req.body =
+        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"ignore_eos", true}, {"stream", true}}
+            .dump();
+    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+      ++pieces;
+      last_piece = std::string(data, n);
+      return !hang_up.load();
+    };
+    httplib::Response res;
+    httplib::Error error = httplib::Error::Success;
+    c.send(req, res, error);
+  });
+  absl::Cleanup end_stream = [&] {
+    hang_up.store(true);
+    client.join();
+  };
+  ASSERT_TRUE(Eventually([&] { return pieces.load() > 0; })) << "the stream sent nothing";
+  std::thread shutdown([&] { EXPECT_TRUE(s.server->Shutdown().ok()); });
+  absl::Cleanup join_shutdown = [&] {
+    hang_up.store(true);  // the drain waits for the stream
+    shutdown.join();
+  };
+  EXPECT_TRUE(Eventually([&] {
+    const int fd = ConnectRaw(port);
+    if (fd >= 0) close(fd);
+    return fd < 0;
+  })) << "the port stays open";
+  const int seen = pieces.load();
+  EXPECT_TRUE(Eventually([&] { return pieces.load() >= seen + 3; }))
+      << "the stream stopped: " << last_piece;
+  const httplib::Result during = kept.Get("/v1/models");
+  ASSERT_TRUE(during) << "the kept-alive connection was not answered";
+  EXPECT_EQ(during->status, 200);
+  EXPECT_EQ(during->get_header_value("Connection"), "close");
+}
+
 TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
   ServerOptions o = Options();
   o.shutdown_grace = absl::ZeroDuration();
