@@ -1,5 +1,7 @@
 #include "server/server.h"
 
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -12,6 +14,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "base/heap.h"
@@ -254,6 +258,41 @@ class SdmServer::Impl final : public SchedulerListener {
   std::unique_ptr<HeapTrimmer> heap_trimmer;
 };
 
+namespace {
+
+bool IsLoopbackHost(absl::string_view host) {
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
+// Said at start-up, where an operator looks: without keys every caller is the tenant "default",
+// so anyone who can reach a port off this host reads, continues and deletes every session; and a
+// key file others can read hands out every key.
+void WarnOfOpenAccess(const ServerOptions& options) {
+  if (options.api_keys_file.empty()) {
+    std::vector<std::string> open;
+    if (!IsLoopbackHost(options.host)) open.push_back(HostPort(options.host, options.port));
+    if (options.http.port >= 0 && !IsLoopbackHost(options.http.host)) {
+      open.push_back(HostPort(options.http.host, options.http.port));
+    }
+    if (!open.empty()) {
+      SDM_LOG(WARNING) << "sdm-server: no --api_keys: every caller on " << absl::StrJoin(open, ", ")
+                       << " is the tenant 'default' and can read, continue and delete every "
+                          "session; give the server a key file (docs/api.md, Authentication and "
+                          "tenancy) or listen on loopback only";
+    }
+    return;
+  }
+  struct stat st {};
+  if (::stat(options.api_keys_file.c_str(), &st) == 0 && (st.st_mode & S_IROTH) != 0) {
+    SDM_LOG(WARNING) << "sdm-server: the API key file " << options.api_keys_file.string()
+                     << " can be read by every user of this host (mode "
+                     << absl::StrFormat("%04o", st.st_mode & 07777)
+                     << "): chmod o-rwx it (deploy/README.md)";
+  }
+}
+
+}  // namespace
+
 absl::Status SdmServer::Impl::Init() {
   SDM_RETURN_IF_ERROR(ValidateServerOptions(options));
   if (options.malloc_trim_interval > absl::ZeroDuration()) {
@@ -263,6 +302,7 @@ absl::Status SdmServer::Impl::Init() {
   if (!options.api_keys_file.empty()) {
     SDM_ASSIGN_OR_RETURN(auth, ApiKeyAuthenticator::FromFile(options.api_keys_file));
   }
+  WarnOfOpenAccess(options);
   if (!options.tenant_limits_file.empty()) {
     SDM_ASSIGN_OR_RETURN(tenant_limits, TenantLimitsConfig::FromFile(options.tenant_limits_file));
   }

@@ -101,10 +101,12 @@ for doc in yaml.safe_load_all(open(sys.argv[1])):
     if doc and doc.get("kind") == "ConfigMap" and doc["metadata"]["name"] == "sdm-server-flags":
         print(doc["data"]["sdm-server.flags"])
 PY
+  printf 'sk-0123456789abcdef tenant-a\n' >"$work/api_keys"
+  chmod 0400 "$work/api_keys"
   status=0
   timeout 60 "$BUILD_DIR/server/sdm-server" --flagfile="$work/configmap.flags" \
     --model="$work/no-model" --state_dir="$work/state" --port=0 --metrics_port=-1 --http_port=0 \
-    >"$work/configmap.out" 2>&1 || status=$?
+    --api_keys="$work/api_keys" >"$work/configmap.out" 2>&1 || status=$?
   [ "$status" -ne 2 ] || { cat "$work/configmap.out"; echo "FAIL: the ConfigMap's flags are refused"; exit 1; }
   [ "$status" -ne 0 ] || { echo "FAIL: sdm-server started without a model"; exit 1; }
   [ "$status" -eq 1 ] ||
@@ -116,6 +118,27 @@ PY
     cat "$work/configmap.out"; echo "FAIL: the ConfigMap's flags did not all parse"; exit 1
   fi
   echo "ok: the ConfigMap's flags pass sdm-server's usage checks (exit $status: no model here)"
+  # Tenancy is on: the ConfigMap names a key file, which a Secret the pods cannot start without
+  # provides, readable by owner and group only.
+  python3 - "$SOURCE_DIR/deploy/k8s" <<'PY'
+import re, sys, yaml
+d = sys.argv[1]
+flags = yaml.safe_load(open(f"{d}/configmap.yaml"))["data"]["sdm-server.flags"]
+keys = re.search(r"(?m)^--api_keys=(\S+)", flags)
+assert keys, "the ConfigMap passes no --api_keys: every caller would be the tenant 'default'"
+path = keys.group(1)
+sts = [doc for doc in yaml.safe_load_all(open(f"{d}/statefulset.yaml")) if doc][0]
+pod = sts["spec"]["template"]["spec"]
+volumes = {v["name"]: v for v in pod["volumes"]}
+mounts = [m for m in pod["containers"][0]["volumeMounts"]
+          if path.startswith(m["mountPath"].rstrip("/") + "/")]
+assert mounts, f"--api_keys={path}: no volume is mounted there"
+secret = volumes[mounts[0]["name"]].get("secret")
+assert secret, f"--api_keys={path}: the volume there is not a Secret"
+assert not secret.get("optional", False), "the API key Secret is optional: pods would start without keys"
+assert secret.get("defaultMode", 0o644) & 0o007 == 0, "the API key Secret is readable by others"
+print(f"ok: --api_keys={path} comes from the Secret {secret['secretName']}")
+PY
 fi
 
 if command -v nginx >/dev/null; then

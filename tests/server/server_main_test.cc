@@ -41,15 +41,19 @@ struct ProcessRun {
 // Runs the server with `args` to completion (for runs that end by themselves).
 ProcessRun RunServer(const std::string& args) {
   ProcessRun r;
-  const std::string command =
-      absl::StrCat("'", kServer, "' ", args, " 2>'", ::testing::TempDir(), "/stderr.txt'");
+  // Its own file: ctest runs this binary's tests in parallel processes, sharing TempDir().
+  static int runs = 0;
+  const std::string err_file =
+      absl::StrCat(::testing::TempDir(), "/stderr-", ::getpid(), "-", ++runs, ".txt");
+  const std::string command = absl::StrCat("'", kServer, "' ", args, " 2>'", err_file, "'");
   FILE* pipe = ::popen(command.c_str(), "r");
   if (pipe == nullptr) return r;
   char buffer[4096];
   for (size_t n; (n = std::fread(buffer, 1, sizeof(buffer), pipe)) > 0;) r.out.append(buffer, n);
   const int raw = ::pclose(pipe);
   r.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
-  r.err = ReadFile(::testing::TempDir() + "/stderr.txt");
+  r.err = ReadFile(err_file);
+  std::filesystem::remove(err_file);
   return r;
 }
 
@@ -266,6 +270,39 @@ SpawnedServer SpawnServer(std::vector<std::string> args, const std::filesystem::
     return {};
   }
   return {pid, out[0]};
+}
+
+// Without --api_keys every caller is the tenant "default": listening off loopback, the server
+// says so at start-up (before the model loads: "x" here does not), as it does of a key file every
+// user can read. On loopback, or with a private key file, it says nothing of either.
+TEST_F(ServerMainTest, OpenAccessIsSaidAtStartUp) {
+  const std::string no_state = "--model x --state_dir= --metrics_port -1 ";
+  const ProcessRun open = RunServer(no_state + "--host 0.0.0.0 --port 0 --http_port -1");
+  EXPECT_EQ(open.status, 1) << open.err;  // the model
+  EXPECT_THAT(open.err, ::testing::HasSubstr("no --api_keys: every caller on 0.0.0.0:0 is the "
+                                             "tenant 'default'"));
+  const ProcessRun http = RunServer(no_state + "--http_host 0.0.0.0 --http_port 0");
+  EXPECT_THAT(http.err, ::testing::HasSubstr("no --api_keys: every caller on 0.0.0.0:0"));
+  const ProcessRun loopback = RunServer(no_state + "--host 127.0.0.1 --http_host 127.0.0.1");
+  EXPECT_EQ(loopback.status, 1) << loopback.err;
+  EXPECT_THAT(loopback.err, ::testing::Not(::testing::HasSubstr("--api_keys")));
+
+  const std::filesystem::path keys = dir_.path() / "api_keys";
+  { std::ofstream(keys) << "sk-0123456789abcdef alice\n"; }
+  std::filesystem::permissions(
+      keys, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  const std::string with_keys =
+      absl::StrCat(no_state, "--host 0.0.0.0 --port 0 --api_keys '", keys.string(), "'");
+  const ProcessRun private_keys = RunServer(with_keys);
+  EXPECT_EQ(private_keys.status, 1) << private_keys.err;
+  EXPECT_THAT(private_keys.err, ::testing::HasSubstr("model"));  // the keys were read
+  EXPECT_THAT(private_keys.err, ::testing::Not(::testing::HasSubstr("every caller")));
+  EXPECT_THAT(private_keys.err, ::testing::Not(::testing::HasSubstr("can be read by every user")));
+  std::filesystem::permissions(keys, std::filesystem::perms::others_read,
+                               std::filesystem::perm_options::add);
+  const ProcessRun readable = RunServer(with_keys);
+  EXPECT_THAT(readable.err, ::testing::HasSubstr("can be read by every user of this host (mode "
+                                                 "0604): chmod o-rwx it"));
 }
 
 TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
