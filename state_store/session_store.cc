@@ -772,11 +772,18 @@ absl::Status SessionStateStore::LoadDirectory() {
     entry->tier = Tier::kDisk;
     entry->last_used = absl::Now();
     std::error_code ec;
-    const uint64_t size = std::filesystem::file_size(path, ec);
+    uint64_t size = 0;
     uint64_t snapshot_id = 0;
-    absl::StatusOr<SessionRecord> record =
-        ec ? absl::StatusOr<SessionRecord>(absl::InternalError(ec.message()))
-           : ReadRecord(files, path, size, &snapshot_id);
+    std::optional<SnapshotStamp> stamp;  // shared directory: of the file the record is from
+    absl::StatusOr<SessionRecord> record = absl::UnknownError("not read");
+    if (options_.shared_dir) {
+      record = ReadSharedRecord(path, &stamp, &snapshot_id);
+      if (stamp.has_value()) size = stamp->size;
+    } else {
+      size = std::filesystem::file_size(path, ec);
+      record = ec ? absl::StatusOr<SessionRecord>(absl::InternalError(ec.message()))
+                  : ReadRecord(files, path, size, &snapshot_id);
+    }
     // Its delta log: the latest record is the log's last good one.
     const std::filesystem::path log_path = options_.dir / absl::StrCat(stem, kLogSuffix);
     LogReplay log;
@@ -841,6 +848,14 @@ absl::Status SessionStateStore::LoadDirectory() {
       entry->position = -1;
       entry->broken = RefusedInPlace(record.status(), options_.shared_dir);
       open_errors_.push_back(absl::StrCat(path.string(), ": ", entry->broken.message()));
+    } else if (!record.ok() && options_.shared_dir) {
+      // Not this store's file to move: another store may be writing it (a read that failed
+      // again and again while it was replaced) or serving it. Left in place and found on demand,
+      // as Discover finds it: each lookup reads it again and answers its error while it fails.
+      // Before, it was quarantined, which took the session from every replica, a sound one too.
+      open_errors_.push_back(absl::StrCat(path.string(), ": ", record.status().message(),
+                                          " (in the shared directory: left in place)"));
+      continue;
     } else if (!record.ok()) {
       Quarantine(*entry, path, record.status());
       // Its log goes with it (when the snapshot could be moved): left here, the next Open would
@@ -869,7 +884,7 @@ absl::Status SessionStateStore::LoadDirectory() {
                           (log.has_record && log.version != kStateLogVersion);
       entry->position = record->position;
       entry->pending = record->pending_token >= 0;
-      if (options_.shared_dir) entry->disk_stamp = StampOf(path);
+      if (options_.shared_dir) entry->disk_stamp = stamp;
     }
     if (key.has_value()) {
       entry->key = *std::move(key);
@@ -932,23 +947,62 @@ void SessionStateStore::RestoreQuarantined(const std::map<std::string, Quarantin
 
 // ---- Shared snapshot directory (SessionStoreOptions::shared_dir) ----
 
-std::optional<SessionStateStore::SnapshotStamp> SessionStateStore::StampOf(
-    const std::filesystem::path& path) const {
+std::optional<SessionStateStore::SnapshotStamp> SessionStateStore::FileStampOf(
+    const std::filesystem::path& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) return std::nullopt;
   SnapshotStamp stamp;
   stamp.inode = st.st_ino;
   stamp.size = static_cast<uintmax_t>(st.st_size);
   stamp.mtime_ns = int64_t{st.st_mtim.tv_sec} * 1000000000 + st.st_mtim.tv_nsec;
+  return stamp;
+}
+
+std::optional<SessionStateStore::SnapshotStamp> SessionStateStore::StampOf(
+    const std::filesystem::path& path) const {
+  std::optional<SnapshotStamp> stamp = FileStampOf(path);
+  if (!stamp.has_value()) return std::nullopt;
   uint64_t snapshot_id = 0;
   absl::StatusOr<SessionRecord> record =
-      ReadRecord(*options_.files, path, stamp.size, &snapshot_id);
+      ReadRecord(*options_.files, path, stamp->size, &snapshot_id);
   if (record.ok()) {
-    stamp.position = record->position;
-    stamp.pending_token = record->pending_token;
-    stamp.last_used_unix_ms = record->last_used_unix_ms;
+    stamp->position = record->position;
+    stamp->pending_token = record->pending_token;
+    stamp->last_used_unix_ms = record->last_used_unix_ms;
   }
   return stamp;
+}
+
+absl::StatusOr<SessionRecord> SessionStateStore::ReadSharedRecord(
+    const std::filesystem::path& path, std::optional<SnapshotStamp>* stamp,
+    uint64_t* snapshot_id) const {
+  // Another store may rename a new snapshot over this one at any moment. Between the size and
+  // the reads, the record fails against the old size (or its two reads are of two files): a
+  // sound session would be taken for a damaged one. After them, a stamp taken then is of a file
+  // the record was not read from: the copy would pass for current. So a read counts only if the
+  // file stayed the same across it (a snapshot is never changed in place, only replaced).
+  constexpr int kAttempts = 3;
+  for (int attempt = 1;; ++attempt) {
+    *stamp = FileStampOf(path);
+    if (!stamp->has_value()) {
+      return absl::NotFoundError(absl::StrCat("cannot read ", path.string(), ": it is gone"));
+    }
+    absl::StatusOr<SessionRecord> record =
+        ReadRecord(*options_.files, path, (*stamp)->size, snapshot_id);
+    if (FileStampOf(path) == *stamp) {
+      if (record.ok()) {
+        (*stamp)->position = record->position;
+        (*stamp)->pending_token = record->pending_token;
+        (*stamp)->last_used_unix_ms = record->last_used_unix_ms;
+      }
+      return record;
+    }
+    if (attempt == kAttempts) {
+      stamp->reset();
+      return absl::UnavailableError(absl::StrCat(
+          "cannot read ", path.string(), ": replaced during each of ", kAttempts, " reads"));
+    }
+  }
 }
 
 absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Discover(

@@ -107,8 +107,9 @@
 // when another store has deleted it, the session is gone here too. What this does not do: stop
 // two stores that both hold a session from both writing it (the last write wins). Ownership
 // (one store per session at a time, fenced writes) is the router's and etcd's job (issue 14).
-// A snapshot found this way that fails its checks is reported (DATA_LOSS, FAILED_PRECONDITION)
-// but not quarantined: it is not this store's file to move.
+// A snapshot found this way, or at Open (read again while another store replaces it), that fails
+// its checks is reported (DATA_LOSS, FAILED_PRECONDITION) but not quarantined: it is not this
+// store's file to move.
 //
 // Ownership (SessionStoreOptions::ownership, replicas; state_store/session_ownership.h): Create,
 // Fork (its new session), Acquire and Delete first claim the session, and answer the claim's error
@@ -492,6 +493,14 @@ class SessionStateStore {
   // of the file at `path` (nullopt: there is none).
   struct SnapshotStamp;
   std::optional<SnapshotStamp> StampOf(const std::filesystem::path& path) const;
+  // The same from stat(2) alone (the record's fields left as a failed read leaves them).
+  static std::optional<SnapshotStamp> FileStampOf(const std::filesystem::path& path);
+  // Shared snapshot directory: the record of the snapshot at `path` (ReadRecord), and in *stamp
+  // the stamp of the file it was read from; read again while another store replaces the file
+  // under the reads (a few times: then UNAVAILABLE). Without a file: NOT_FOUND (*stamp nullopt).
+  absl::StatusOr<SessionRecord> ReadSharedRecord(const std::filesystem::path& path,
+                                                 std::optional<SnapshotStamp>* stamp,
+                                                 uint64_t* snapshot_id) const;
   // Shared snapshot directory (see the class comment): the entry of `key`'s snapshot in `dir`,
   // as a disk session; NOT_FOUND when there is none. Reads the record's prefix under the lock.
   absl::StatusOr<std::unique_ptr<Entry>> Discover(const SessionKey& key) const

@@ -183,8 +183,10 @@ class SharedDirTest : public ::testing::Test {
  protected:
   void SetUp() override { engine_ = testing::TinyEngine(); }
 
-  std::unique_ptr<SessionStateStore> OpenStore(bool shared, SessionOwnership* ownership = nullptr) {
+  std::unique_ptr<SessionStateStore> OpenStore(bool shared, SessionOwnership* ownership = nullptr,
+                                               StateFiles* files = nullptr) {
     SessionStoreOptions options;
+    if (files != nullptr) options.files = files;
     options.ownership = ownership;
     options.dir = dir_.path();
     options.persist = PersistPolicy::kTurn;
@@ -896,6 +898,101 @@ TEST_F(SharedDirTest, StoresSharingADirectoryAndOneAloneExcludeEachOther) {
   auto shared = SessionStateStore::Open(engine_->state_layout(), engine_->fingerprint(), options);
   ASSERT_FALSE(shared.ok());
   EXPECT_TRUE(absl::IsFailedPrecondition(shared.status())) << shared.status();
+}
+
+// A StateFiles whose reads of the file named `name` run `hook` once, when `after_reads` reads of
+// it are done: before the first (0), or after the record's two (2, ReadRecord). Open reads on
+// the caller's thread; the hook is another store's turn, on its own files.
+class RacingReadFiles : public testing::FaultInjectionFiles {
+ public:
+  RacingReadFiles(std::string name, int after_reads, std::function<void()> hook)
+      : name_(std::move(name)), after_reads_(after_reads), hook_(std::move(hook)) {}
+  absl::StatusOr<std::string> ReadRange(const std::filesystem::path& path, uint64_t offset,
+                                        uint64_t n) override {
+    const bool of_file = path.filename() == name_;
+    if (of_file) MaybeRunHook();
+    absl::StatusOr<std::string> got = FaultInjectionFiles::ReadRange(path, offset, n);
+    if (of_file) {
+      reads_.fetch_add(1);
+      MaybeRunHook();
+    }
+    return got;
+  }
+  bool ran() const { return ran_.load(); }
+
+ private:
+  void MaybeRunHook() {
+    if (reads_.load() == after_reads_ && !ran_.exchange(true)) hook_();
+  }
+
+  const std::string name_;
+  const int after_reads_;
+  const std::function<void()> hook_;
+  std::atomic<int> reads_{0};
+  std::atomic<bool> ran_{false};
+};
+
+// A snapshot that another store replaces (a turn, written) while a store opening the directory
+// reads it is read again: between the size and the reads (0), the record failed against the old
+// size; right after them (2), the copy took the new file's stamp for the one it read. Before, the
+// first quarantined the sound, live snapshot (the session was gone on every replica), the second
+// left a copy that answered its old position as current.
+TEST_F(SharedDirTest, ASnapshotReplacedWhileAStoreOpensIsReadAgain) {
+  for (const int after_reads : {0, 2}) {
+    SCOPED_TRACE(::testing::Message() << "replaced after " << after_reads << " reads");
+    const std::string id = "x" + std::to_string(after_reads);
+    auto a = OpenStore(true);
+    reference_ = engine_->NewSession();
+    ASSERT_TRUE(a->Create(id, "").ok());
+    Turn(*a, id, testing::RandomTokens(5, 70));
+    const std::filesystem::path file = dir_.path() / (id + ".sdmstate");
+    const uintmax_t size_before = std::filesystem::file_size(file);
+    uintmax_t size_after = size_before;
+    RacingReadFiles files(file.filename().string(), after_reads, [&] {
+      Turn(*a, id, testing::RandomTokens(3, 71));
+      size_after = std::filesystem::file_size(file);
+    });
+    auto b = OpenStore(true, nullptr, &files);
+    ASSERT_NE(b, nullptr);
+    ASSERT_TRUE(files.ran());
+    ASSERT_NE(size_after, size_before);  // the old size fails the new file
+    EXPECT_TRUE(std::filesystem::exists(file));
+    EXPECT_TRUE(b->open_errors().empty()) << b->open_errors()[0];
+    EXPECT_EQ(b->Stats().quarantined, 0);
+    for (const auto& f : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
+      EXPECT_FALSE(f.path().filename().string().starts_with(id + ".")) << f.path();
+    }
+    auto info = b->Get(id);
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->position, reference_->position());
+    ExpectLikeReference(*b, id);
+    ExpectLikeReference(*a, id);
+  }
+}
+
+// A snapshot in the shared directory that fails its checks at Open is not quarantined (another
+// replica may be serving it, or about to replace it): it is left in place and reported, and each
+// lookup reads it again, as for a snapshot found on demand. Once sound (replaced), it is served.
+TEST_F(SharedDirTest, ADamagedSnapshotAtOpenIsLeftInPlace) {
+  auto a = OpenStore(true);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("d", "").ok());
+  Turn(*a, "d", testing::RandomTokens(4, 80));
+  a.reset();
+  const std::filesystem::path file = dir_.path() / "d.sdmstate";
+  const std::string sound = testing::ReadFile(file);
+  ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, sound.substr(0, sound.size() - 1)).ok());
+
+  auto b = OpenStore(true);
+  ASSERT_NE(b, nullptr);
+  ASSERT_EQ(b->open_errors().size(), 1u);
+  EXPECT_NE(b->open_errors()[0].find("left in place"), std::string::npos) << b->open_errors()[0];
+  EXPECT_EQ(b->Stats().quarantined, 0);
+  EXPECT_TRUE(std::filesystem::is_empty(dir_.path() / "quarantine"));
+  EXPECT_TRUE(std::filesystem::exists(file));
+  EXPECT_EQ(b->Acquire("d").status().code(), absl::StatusCode::kDataLoss);
+  ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, sound).ok());
+  ExpectLikeReference(*b, "d");
 }
 
 TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
