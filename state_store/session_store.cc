@@ -545,10 +545,15 @@ namespace {
 
 // Whether `name` under dir/generations/ is a snapshot of the session whose file stem is
 // `stem` (StrCat(stem, ".", 32 hex digits, kSnapshotSuffix), NewSnapshotName) or the temporary
-// file of one (kTmpSuffix); `base` receives the snapshot's name.
+// file of one (`<snapshot>.<unique>.tmp`, StateFiles::WriteAtomically; `<snapshot>.tmp` from
+// earlier builds); `base` receives the snapshot's name.
 bool IsGenerationOf(absl::string_view name, absl::string_view stem, std::string* base) {
   if (!absl::ConsumePrefix(&name, stem) || !absl::ConsumePrefix(&name, ".")) return false;
-  absl::ConsumeSuffix(&name, kTmpSuffix);
+  if (absl::ConsumeSuffix(&name, kTmpSuffix)) {
+    const size_t snapshot_end = name.rfind(kSnapshotSuffix);
+    if (snapshot_end == absl::string_view::npos) return false;
+    name = name.substr(0, snapshot_end + kSnapshotSuffix.size());
+  }
   if (!absl::ConsumeSuffix(&name, kSnapshotSuffix) || name.size() != 32) return false;
   for (char c : name) {
     if (!absl::ascii_isxdigit(c)) return false;

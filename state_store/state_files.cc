@@ -6,12 +6,14 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <system_error>
 #include <vector>
 
@@ -303,10 +305,28 @@ absl::Status StateFiles::WriteSource(int fd, const std::filesystem::path& path, 
   return absl::OkStatus();
 }
 
+namespace {
+
+// The temporary file of one WriteAtomically() call (the header's comment): the process id, a
+// random value drawn once per process (process ids repeat across hosts and containers sharing a
+// directory) and a count of calls. The ".tmp" suffix is what a store at Open takes for a leftover.
+std::filesystem::path TempPathOf(const std::filesystem::path& path) {
+  static const uint64_t process_random = [] {
+    std::random_device random;
+    return (uint64_t{random()} << 32) | random();
+  }();
+  static std::atomic<uint64_t> calls{0};
+  std::filesystem::path tmp = path;
+  tmp += absl::StrCat(".", ::getpid(), "-", absl::Hex(process_random, absl::kZeroPad16), "-",
+                      calls.fetch_add(1, std::memory_order_relaxed), ".tmp");
+  return tmp;
+}
+
+}  // namespace
+
 absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, const ByteSource& data,
                                          bool sync) {
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
+  const std::filesystem::path tmp = TempPathOf(path);
   absl::Status written = WriteAndSync(tmp, data, sync);
   // Unsynced, the data reaches the device before the name does (the header's file comment).
   if (written.ok() && !sync) written = WriteBack(tmp);

@@ -1,10 +1,13 @@
 // The file operations of the disk tier, behind an interface so tests can inject faults (a full
 // disk, a write cut short, a crash between steps) the way LevelDB's Env does.
 //
-// WriteAtomically() is the only way a snapshot reaches its final name: the data goes to
-// `<path>.tmp`, is fsynced, renamed over `path`, and the directory is fsynced. A crash at any
-// point leaves either the previous file or the new one complete under `path`, plus possibly a
-// stray `.tmp` that the store removes when it opens. With sync false (the store's
+// WriteAtomically() is the only way a snapshot reaches its final name: the data goes to a
+// temporary file of that call's own (`<path>.<pid>-<process random>-<call>.tmp`), is fsynced,
+// renamed over `path`, and the directory is fsynced. A crash at any point leaves either the
+// previous file or the new one complete under `path`, plus possibly a stray `.tmp` that the store
+// removes when it opens. The name is unique so that two writers of one path (replicas sharing a
+// directory) never write one temporary file: both would cut and write the same inode, and the
+// file renamed could be a mixture of the two. With sync false (the store's
 // --persist_sync=write) the two fsyncs are left out: a process crash (kill -9) after it returns
 // still finds the new file (the kernel holds the data), a power loss or kernel crash before a
 // later Sync() of the file and SyncDir() of its directory may find the previous file or the new

@@ -18,12 +18,16 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "base/status_macros.h"
 #include "engine/engine.h"
 #include "gtest/gtest.h"
+#include "state_store/byte_source.h"
 #include "state_store/session_key.h"
 #include "state_store/session_ownership.h"
 #include "state_store/session_store.h"
@@ -785,23 +789,26 @@ TEST_F(SharedDirTest, UncommittedFilesAreSweptUnderTheNextClaim) {
   const std::string stem = SessionFileStem(SessionKey("g"));
   const std::string stem2 = SessionFileStem(SessionKey("g2"));
   const std::vector<std::string> orphans = {
-      stem + "." + std::string(32, 'a') + ".sdmstate",       // written, never committed
-      stem + "." + std::string(32, 'b') + ".sdmstate.tmp"};  // cut short by a crash
+      stem + "." + std::string(32, 'a') + ".sdmstate",      // written, never committed
+      stem + "." + std::string(32, 'b') + ".sdmstate.tmp",  // cut short by a crash (old name)
+      stem + "." + std::string(32, 'd') + ".sdmstate.7-00000000000000ab-3.tmp"};  // the same
   const std::string others = stem2 + "." + std::string(32, 'c') + ".sdmstate";
-  for (const std::string& name : {orphans[0], orphans[1], others, std::string("notes.txt")}) {
+  for (const std::string& name :
+       {orphans[0], orphans[1], orphans[2], others, std::string("notes.txt")}) {
     ASSERT_TRUE(StateFiles::Default()->WriteAt(gen / name, 0, "not a snapshot").ok());
   }
   auto exists = [&](const std::string& name) { return std::filesystem::exists(gen / name); };
 
   Turn(*a, "g", testing::RandomTokens(4, 41));  // the same claim: a swept when it took it up
-  EXPECT_TRUE(exists(orphans[0]) && exists(orphans[1]));
+  EXPECT_TRUE(exists(orphans[0]) && exists(orphans[1]) && exists(orphans[2]));
   EXPECT_EQ(a->Stats().orphans_removed, 0);
   ASSERT_TRUE(a->Park("g", Tier::kDisk).ok());  // releases it
 
   Turn(*b, "g", testing::RandomTokens(4, 42));  // b's new claim: it sweeps
   EXPECT_FALSE(exists(orphans[0]));
   EXPECT_FALSE(exists(orphans[1]));
-  EXPECT_EQ(b->Stats().orphans_removed, 2);
+  EXPECT_FALSE(exists(orphans[2]));
+  EXPECT_EQ(b->Stats().orphans_removed, 3);
   EXPECT_TRUE(exists(table.committed("g")));
   EXPECT_TRUE(exists(table.committed("g2")));
   EXPECT_TRUE(exists(others));
@@ -993,6 +1000,100 @@ TEST_F(SharedDirTest, ADamagedSnapshotAtOpenIsLeftInPlace) {
   EXPECT_EQ(b->Acquire("d").status().code(), absl::StatusCode::kDataLoss);
   ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, sound).ok());
   ExpectLikeReference(*b, "d");
+}
+
+// Holds the first data write to a temporary file of a snapshot whose name starts with `stem`
+// half-way, once HoldNext(stem) is called: half of it is in the file, the rest waits for
+// Release(). Keeps the bytes of each snapshot write (the data given to WriteAndSync).
+class HalfWayWriteFiles : public testing::FaultInjectionFiles {
+ public:
+  void HoldNext(std::string stem) {
+    absl::MutexLock lock(&mu_);
+    held_stem_ = std::move(stem);
+  }
+  void WaitHeld() { held_.WaitForNotification(); }
+  void Release() {
+    if (!release_.HasBeenNotified()) release_.Notify();
+  }
+  std::string last_written() const {
+    absl::MutexLock lock(&mu_);
+    return last_written_;
+  }
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
+                            bool sync) override {
+    {
+      absl::MutexLock lock(&mu_);
+      last_written_ = SourceBytes(data);
+    }
+    return FaultInjectionFiles::WriteAndSync(path, data, sync);
+  }
+  absl::Status WriteFd(int fd, const std::filesystem::path& path, uint64_t offset,
+                       absl::string_view data) override {
+    bool hold = false;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!held_stem_.empty() && absl::StartsWith(path.filename().string(), held_stem_) &&
+          absl::EndsWith(path.filename().string(), ".tmp") && data.size() >= 2) {
+        hold = true;
+        held_stem_.clear();
+      }
+    }
+    if (!hold) return StateFiles::WriteFd(fd, path, offset, data);
+    const size_t half = data.size() / 2;
+    SDM_RETURN_IF_ERROR(StateFiles::WriteFd(fd, path, offset, data.substr(0, half)));
+    held_.Notify();
+    release_.WaitForNotification();
+    return StateFiles::WriteFd(fd, path, offset + half, data.substr(half));
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  std::string held_stem_ ABSL_GUARDED_BY(mu_);
+  std::string last_written_ ABSL_GUARDED_BY(mu_);
+  absl::Notification held_, release_;
+};
+
+// Two stores writing one session at the same time (possible without etcd: docs/replicas.md, "Not
+// done") leave one whole write of the two: the last renamed. Before, both wrote `<path>.tmp`: the
+// second cut and rewrote the file the first was writing, renamed it, and the rest of the first
+// write went into the renamed file, which then held a mixture of the two (DATA_LOSS at its next
+// read), while the first write's rename failed.
+TEST_F(SharedDirTest, ConcurrentWritesOfOneSessionLeaveOneOfThem) {
+  HalfWayWriteFiles files_a, files_b;
+  auto a = OpenStore(true, nullptr, &files_a);
+  auto b = OpenStore(true, nullptr, &files_b);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("w", "").ok());
+  Turn(*a, "w", testing::RandomTokens(6, 90));
+  Turn(*b, "w", testing::RandomTokens(2, 91));  // both hold it now, as written
+  absl::Cleanup release = [&] { files_a.Release(); };
+  files_a.HoldNext(SessionFileStem(SessionKey("w")));
+  std::thread writer([&] {
+    auto lease = a->Acquire("w");
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(5, 92));
+  });  // its release writes the turn: held half-way
+  files_a.WaitHeld();
+  {
+    auto lease = b->Acquire("w");  // a's write is not renamed yet: b's copy is current
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    testing::DecodeEach(*engine_, lease->state(), testing::RandomTokens(3, 93));
+  }
+  files_a.Release();
+  writer.join();
+  const std::string found = testing::ReadFile(dir_.path() / "w.sdmstate");
+  const std::string by_a = files_a.last_written(), by_b = files_b.last_written();
+  ASSERT_NE(by_a, by_b);
+  EXPECT_TRUE(found == by_a || found == by_b)
+      << "a mixture of " << found.size() << " bytes (a wrote " << by_a.size() << ", b "
+      << by_b.size() << ")";
+  EXPECT_EQ(a->Stats().snapshot_errors, 0);
+  EXPECT_EQ(b->Stats().snapshot_errors, 0);
+  auto c = OpenStore(true);
+  EXPECT_TRUE(c->open_errors().empty()) << c->open_errors()[0];
+  EXPECT_TRUE(c->Acquire("w").ok());
 }
 
 TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
