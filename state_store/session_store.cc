@@ -756,8 +756,14 @@ absl::Status SessionStateStore::LoadDirectory() {
       continue;
     }
     if (absl::EndsWith(name, kTmpSuffix)) {
-      // A snapshot write cut short by a crash: the previous snapshot (if any) is intact.
-      files.Remove(path).IgnoreError();
+      // A snapshot write cut short by a crash: the previous snapshot (if any) is intact. On a
+      // shared directory it may be another store's write under way, whose rename would then
+      // fail: removed only if no writer holds it (StateFiles::WriteAtomically).
+      if (options_.shared_dir) {
+        files.RemoveStrayTemp(path).IgnoreError();
+      } else {
+        files.Remove(path).IgnoreError();
+      }
       continue;
     }
     if (!absl::EndsWith(name, kSnapshotSuffix)) continue;

@@ -322,11 +322,58 @@ std::filesystem::path TempPathOf(const std::filesystem::path& path) {
   return tmp;
 }
 
+bool NoLocksHere(int error) { return error == ENOLCK || error == EOPNOTSUPP || error == EINVAL; }
+
+// Whether `fd` is the file named `path` (not one removed, or replaced, since it was opened).
+bool IsNamed(int fd, const std::filesystem::path& path) {
+  struct stat held {};
+  struct stat named {};
+  return ::fstat(fd, &held) == 0 && ::stat(path.c_str(), &named) == 0 &&
+         held.st_dev == named.st_dev && held.st_ino == named.st_ino;
+}
+
+// Creates a new temporary file for a write to `path` (its name in *tmp) and locks it until the
+// lock is destroyed. The lock is flock(2)'s, which belongs to this open file description:
+// WriteAndSync()'s own descriptor and Direct()'s O_DIRECT one, closed before the rename, leave it
+// held (an fcntl lock would end with the first close of any descriptor of the file). A file
+// system without flock: the file unlocked (RemoveStrayTemp() cannot lock it either, and leaves
+// it).
+absl::StatusOr<std::unique_ptr<FileLock>> CreateLockedTemp(const std::filesystem::path& path,
+                                                           std::filesystem::path* tmp) {
+  constexpr int kAttempts = 4;
+  for (int attempt = 1;; ++attempt) {
+    *tmp = TempPathOf(path);
+    const int fd = ::open(tmp->c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      if (errno == EEXIST && attempt < kAttempts) continue;  // another process's name: the next
+      return Errno("cannot create", *tmp, errno);
+    }
+    auto lock = std::make_unique<FileLock>(fd);  // closes fd on every return below
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int error = errno;
+      if (NoLocksHere(error)) return lock;
+      // A store opening the directory locked the new file first, took it for a leftover and
+      // removes it: written under another name.
+      if (error == EWOULDBLOCK && attempt < kAttempts) continue;
+      return Errno("cannot lock", *tmp, error);
+    }
+    // Locked, but perhaps only after such a store removed it (and let it go).
+    if (IsNamed(fd, *tmp)) return lock;
+    if (attempt == kAttempts) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot write ", path.string(), ": its temporary files were removed"));
+    }
+  }
+}
+
 }  // namespace
 
 absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, const ByteSource& data,
                                          bool sync) {
-  const std::filesystem::path tmp = TempPathOf(path);
+  std::filesystem::path tmp;
+  // Held until the rename is done: until then the file is not a leftover (RemoveStrayTemp).
+  absl::StatusOr<std::unique_ptr<FileLock>> lock = CreateLockedTemp(path, &tmp);
+  if (!lock.ok()) return lock.status();
   absl::Status written = WriteAndSync(tmp, data, sync);
   // Unsynced, the data reaches the device before the name does (the header's file comment).
   if (written.ok() && !sync) written = WriteBack(tmp);
@@ -350,6 +397,28 @@ absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, const B
   if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   if (::close(fd.Release()) != 0) return Errno("cannot close", path, errno);
   return absl::OkStatus();
+}
+
+absl::Status StateFiles::RemoveStrayTemp(const std::filesystem::path& path) {
+  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) {
+    if (errno == ENOENT) return absl::OkStatus();
+    return Errno("cannot open", path, errno);
+  }
+  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    if (error == EWOULDBLOCK) {
+      return absl::FailedPreconditionError(absl::StrCat(path.string(), " is being written"));
+    }
+    if (NoLocksHere(error)) {
+      return absl::UnimplementedError(
+          absl::StrCat("cannot lock ", path.string(), ": ", std::strerror(error)));
+    }
+    return Errno("cannot lock", path, error);
+  }
+  // Its writer renamed it (to its final name) after the open, before letting the lock go.
+  if (!IsNamed(fd.get(), path)) return absl::OkStatus();
+  return Remove(path);
 }
 
 absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t offset,

@@ -7,7 +7,10 @@
 // previous file or the new one complete under `path`, plus possibly a stray `.tmp` that the store
 // removes when it opens. The name is unique so that two writers of one path (replicas sharing a
 // directory) never write one temporary file: both would cut and write the same inode, and the
-// file renamed could be a mixture of the two. With sync false (the store's
+// file renamed could be a mixture of the two. The writer holds its temporary file locked
+// (flock(2), exclusive) from its creation until after the rename, so that a store opening a
+// shared directory tells another replica's write under way from a crash's leftover
+// (RemoveStrayTemp). With sync false (the store's
 // --persist_sync=write) the two fsyncs are left out: a process crash (kill -9) after it returns
 // still finds the new file (the kernel holds the data), a power loss or kernel crash before a
 // later Sync() of the file and SyncDir() of its directory may find the previous file or the new
@@ -86,6 +89,11 @@ class StateFiles {
   // Names (not paths) of the regular files in `dir`.
   virtual absl::StatusOr<std::vector<std::string>> List(const std::filesystem::path& dir);
   virtual absl::Status Remove(const std::filesystem::path& path);
+  // Removes `path`, a temporary file of WriteAtomically(), unless its writer still holds it
+  // locked (a write under way, in any process sharing the directory): FAILED_PRECONDITION then,
+  // the file left. A file system without flock: UNIMPLEMENTED, the file left too (a write under
+  // way cannot be told from a leftover). OK when it is gone already.
+  virtual absl::Status RemoveStrayTemp(const std::filesystem::path& path);
   virtual absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to);
   virtual absl::Status CreateDirs(const std::filesystem::path& dir);
   // Locks the file at `path` (created if missing), exclusive or shared, without waiting: another

@@ -1096,6 +1096,52 @@ TEST_F(SharedDirTest, ConcurrentWritesOfOneSessionLeaveOneOfThem) {
   EXPECT_TRUE(c->Acquire("w").ok());
 }
 
+// A store opening the shared directory removes a `.tmp` left by a crash, but not one that a
+// writer holds (another replica's write under way, whose rename would fail): the writer's lock
+// tells them apart. Here the writers are another store held half-way through its write, and a
+// process simulated by a lock on a file.
+TEST_F(SharedDirTest, AStoreOpeningTheDirectoryLeavesWritesUnderWay) {
+  HalfWayWriteFiles files_a;
+  auto a = OpenStore(true, nullptr, &files_a);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("t", "").ok());
+  Turn(*a, "t", testing::RandomTokens(4, 100));
+  const std::filesystem::path leftover = dir_.path() / "t.sdmstate.1-00000000000000ab-7.tmp";
+  const std::filesystem::path held = dir_.path() / "t.sdmstate.2-00000000000000cd-9.tmp";
+  ASSERT_TRUE(StateFiles::Default()->WriteAt(leftover, 0, "cut short").ok());
+  ASSERT_TRUE(StateFiles::Default()->WriteAt(held, 0, "being written").ok());
+  // The simulated writer's open and flock (as StateFiles::Lock makes them), held to the end.
+  absl::StatusOr<std::unique_ptr<FileLock>> held_lock = StateFiles::Default()->Lock(held, true);
+  ASSERT_TRUE(held_lock.ok()) << held_lock.status();
+  const auto temps = [&] {
+    int n = 0;
+    for (const auto& f : std::filesystem::directory_iterator(dir_.path())) {
+      if (absl::EndsWith(f.path().filename().string(), ".tmp")) ++n;
+    }
+    return n;
+  };
+
+  absl::Cleanup release = [&] { files_a.Release(); };
+  files_a.HoldNext(SessionFileStem(SessionKey("t")));
+  std::thread writer([&] { Turn(*a, "t", testing::RandomTokens(3, 101)); });
+  files_a.WaitHeld();
+  ASSERT_EQ(temps(), 3);  // a's, the leftover, the simulated writer's
+  auto b = OpenStore(true);
+  ASSERT_NE(b, nullptr);
+  EXPECT_FALSE(std::filesystem::exists(leftover));
+  EXPECT_TRUE(std::filesystem::exists(held));
+  EXPECT_EQ(temps(), 2);  // a's and the simulated writer's
+  files_a.Release();
+  writer.join();
+  EXPECT_EQ(a->Stats().snapshot_errors, 0);
+  // Not EXPECT_EQ: a failure would print kilobytes.
+  EXPECT_TRUE(testing::ReadFile(dir_.path() / "t.sdmstate") == files_a.last_written());
+  auto info = b->Get("t");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->position, reference_->position());
+  ExpectLikeReference(*b, "t");
+}
+
 TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
   SessionStoreOptions options;
   options.dir = dir_.path();

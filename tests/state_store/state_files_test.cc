@@ -16,13 +16,17 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "base/status_macros.h"
 #include "gtest/gtest.h"
 #include "state_store/byte_source.h"
@@ -351,6 +355,63 @@ TEST(StateFilesTest, AFieldOutsideTheSourceIsRefused) {
     EXPECT_NE(s.message().find("past the data's end"), std::string::npos) << s;
     EXPECT_EQ(ReadAll(path).substr(0, head.size()), head);
   }
+}
+
+// Runs `during` inside each write of a temporary file, after its data is written.
+class WatchedWriteFiles : public StateFiles {
+ public:
+  explicit WatchedWriteFiles(std::function<void(const std::filesystem::path&)> during)
+      : during_(std::move(during)) {}
+
+ protected:
+  absl::Status WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
+                            bool sync) override {
+    SDM_RETURN_IF_ERROR(StateFiles::WriteAndSync(path, data, sync));
+    during_(path);
+    return absl::OkStatus();
+  }
+
+ private:
+  std::function<void(const std::filesystem::path&)> during_;
+};
+
+// Each write has a temporary file of its own (two writers of one path never write one file), and
+// holds it locked until it is renamed: RemoveStrayTemp (a store opening a shared directory)
+// leaves it then, and removes it once no writer holds it (a crash's leftover).
+TEST(StateFilesTest, EachWriteHasItsOwnTemporaryFileLockedUntilRenamed) {
+  testing::ScopedTempDir dir;
+  const std::filesystem::path path = dir.path() / "s.sdmstate";
+  std::vector<std::string> names;
+  WatchedWriteFiles files([&](const std::filesystem::path& tmp) {
+    names.push_back(tmp.filename().string());
+    const absl::Status removed = files.RemoveStrayTemp(tmp);
+    EXPECT_TRUE(absl::IsFailedPrecondition(removed)) << removed;
+    EXPECT_TRUE(std::filesystem::exists(tmp));
+  });
+  for (const char* data : {"first", "second"}) {
+    ASSERT_TRUE(files.WriteAtomically(path, data).ok());
+    EXPECT_EQ(ReadAll(path), data);
+  }
+  ASSERT_EQ(names.size(), 2u);
+  EXPECT_NE(names[0], names[1]);
+  for (const std::string& name : names) {
+    EXPECT_TRUE(absl::StartsWith(name, "s.sdmstate.") && absl::EndsWith(name, ".tmp")) << name;
+  }
+  EXPECT_EQ(TempFiles(dir.path()), 0);
+
+  // A file held by a writer (another process: its own open and flock, as Lock makes them) stays;
+  // a leftover goes.
+  const std::filesystem::path tmp = dir.path() / "s.sdmstate.1-00000000000000ab-3.tmp";
+  ASSERT_TRUE(StateFiles::Default()->WriteAt(tmp, 0, "partial").ok());
+  {
+    absl::StatusOr<std::unique_ptr<FileLock>> writer = StateFiles::Default()->Lock(tmp, true);
+    ASSERT_TRUE(writer.ok()) << writer.status();
+    EXPECT_TRUE(absl::IsFailedPrecondition(StateFiles::Default()->RemoveStrayTemp(tmp)));
+    EXPECT_TRUE(std::filesystem::exists(tmp));
+  }
+  EXPECT_TRUE(StateFiles::Default()->RemoveStrayTemp(tmp).ok());
+  EXPECT_FALSE(std::filesystem::exists(tmp));
+  EXPECT_TRUE(StateFiles::Default()->RemoveStrayTemp(tmp).ok());  // gone already
 }
 
 // An append past the file's end (never made by the store, which appends at its good length)
