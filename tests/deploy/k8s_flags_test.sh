@@ -78,6 +78,21 @@ for conf, port_name in (("sdm-upstreams.conf", "grpc"), ("sdm-http-upstreams.con
         assert target in (container_ports[port_name], port_name), \
             f"{conf}: {host}:{port} does not reach the replica's {port_name} port"
     print(f"ok: the router's {len(hosts)} {port_name} upstreams are one Service per replica")
+# Only the router reaches the API ports (httplib bounds no request head: docs/api.md).
+policy = [doc for doc in yaml.safe_load_all(open(f"{d}/networkpolicy.yaml")) if doc][0]
+assert policy["spec"]["podSelector"]["matchLabels"] == sts["spec"]["selector"]["matchLabels"], \
+    "the NetworkPolicy does not select the replicas"
+router_labels = docs[("Deployment", "sdm-router")]["spec"]["template"]["metadata"]["labels"]
+for name in ("grpc", "http"):
+    allowed = [rule for rule in policy["spec"]["ingress"]
+               if any(p["port"] == container_ports[name] for p in rule["ports"])]
+    assert allowed, f"the NetworkPolicy lets nobody reach the {name} port"
+    for rule in allowed:
+        for peer in rule["from"]:
+            labels = peer.get("podSelector", {}).get("matchLabels")
+            assert labels and labels.items() <= router_labels.items(), \
+                f"the {name} port is open to more than the router: {peer}"
+print("ok: only the router reaches the replicas' gRPC and HTTP ports")
 PY
 fi
 sed -n 's/^--\([a-z_]*\).*/deploy\/sdm-server.flags \1/p' "$SOURCE_DIR/deploy/sdm-server.flags" \
