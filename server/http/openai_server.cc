@@ -610,6 +610,16 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
       if (HasBody(req)) res.set_header("Connection", "close");
       return httplib::Server::HandlerResponse::Handled;
     }
+    // A body from a caller without a valid key is refused before it is read: otherwise anyone
+    // who can connect makes the server hold up to max_body_bytes per connection first. The
+    // route would refuse it the same way (Tenant); the body is left unread: the connection ends.
+    if (HasBody(req) && auth_.enabled()) {
+      if (absl::StatusOr<std::string> tenant = Tenant(req); !tenant.ok()) {
+        SendError(res, tenant.status());
+        res.set_header("Connection", "close");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     // A body that nothing reads (a GET's) ends its connection after the answer.
     if (HasBody(req) && !BodyIsRead(req)) res.set_header("Connection", "close");
     return httplib::Server::HandlerResponse::Unhandled;

@@ -835,6 +835,34 @@ std::string ReadUntilClosed(int fd) {
   return received;
 }
 
+// With API keys, a request body from a caller without a valid key is refused before it is read
+// (401, the connection closed): before, the server read up to 4 MiB of it first, for anyone who
+// could connect. Here not one byte of the body is sent, and the answer comes all the same.
+TEST_F(OpenAiHttpTest, AnUnauthenticatedBodyIsRefusedBeforeItIsRead) {
+  ServerOptions o = Options();
+  o.api_keys_file = dir_.path() / "keys.txt";
+  WriteFile(o.api_keys_file, "sk-aaaaaaaaaaaaaaaaaaaa tenant-a\n");
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  for (const std::string key : {"", "Authorization: Bearer sk-unknown-key-000000000\r\n"}) {
+    SCOPED_TRACE(key.empty() ? "no key" : "a wrong key");
+    const int fd = ConnectRaw(s.server->http_port());
+    ASSERT_GE(fd, 0);
+    ASSERT_TRUE(SendAll(fd, absl::StrCat("POST /v1/completions HTTP/1.1\r\nHost: x\r\n", key,
+                                         "Content-Type: application/json\r\n"
+                                         "Content-Length: 4000000\r\n\r\n")));
+    const std::string reply = ReadUntilClosed(fd);
+    close(fd);
+    EXPECT_TRUE(absl::StartsWith(reply, "HTTP/1.1 401 ")) << reply;
+    EXPECT_THAT(reply, HasSubstr("Connection: close"));
+    EXPECT_THAT(reply, HasSubstr("authentication_error"));
+  }
+  // With a key, the same request is read (and its body awaited).
+  const Reply ok = Post(s.server->http_port(), "/v1/completions",
+                        {{"prompt", "x"}, {"max_tokens", 1}}, "sk-aaaaaaaaaaaaaaaaaaaa");
+  EXPECT_EQ(ok.status, 200) << ok.raw;
+}
+
 // The status of KeepAliveExchange's response, or 0 when there was none.
 int KeepAliveGet(int fd, const std::string& path) {
   const std::string response = KeepAliveExchange(fd, path);
