@@ -1194,6 +1194,26 @@ absl::StatusOr<SessionStateStore::Entry*> SessionStateStore::FindIdle(const Sess
 absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e,
                                                                ParkedLog* log) const {
   if (e.tier == Tier::kHost) return DecodeSessionState(e.blob, layout_, fingerprint_);
+  if (!options_.shared_dir) return DecodeSnapshot(e, log);
+  // Another store may rename a new snapshot over this one right after the read: a failure is
+  // then the old file's, and the sound new one would be refused. A failure counts only if the
+  // file stayed the same across the read (as in ReadSharedRecord).
+  const std::filesystem::path path = SnapshotPathOf(e);
+  constexpr int kAttempts = 3;
+  for (int attempt = 1;; ++attempt) {
+    const std::optional<SnapshotStamp> stamp = FileStampOf(path);
+    *log = ParkedLog();
+    absl::StatusOr<DecodedSession> decoded = DecodeSnapshot(e, log);
+    if (decoded.ok() || FileStampOf(path) == stamp) return decoded;
+    if (attempt == kAttempts) {
+      return absl::UnavailableError(absl::StrCat(
+          "cannot read ", path.string(), ": replaced during each of ", kAttempts, " reads"));
+    }
+  }
+}
+
+absl::StatusOr<DecodedSession> SessionStateStore::DecodeSnapshot(const Entry& e,
+                                                                 ParkedLog* log) const {
   auto blob = options_.files->Read(SnapshotPathOf(e));
   if (!blob.ok()) return blob.status();
   absl::StatusOr<DecodedSession> decoded = DecodeSessionState(*blob, layout_, fingerprint_);
@@ -1430,6 +1450,15 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
         e->position = -1;
         e->broken = RefusedInPlace(decoded.status(), options_.shared_dir);
         return e->BrokenError(key.id);
+      }
+      if (from == Tier::kDisk && code == absl::StatusCode::kDataLoss && options_.shared_dir) {
+        // Not this store's file to move (another store may serve it, or replace it now: a
+        // rename by path would move the new file): this call's answer, the file left in place,
+        // and the next call reads it again, as Discover does. Before, it was quarantined, which
+        // took the session from every replica, and a sound replacement with it.
+        return absl::DataLossError(absl::StrCat(
+            "the snapshot of session '", key.id,
+            "' in the shared directory failed its checks: ", decoded.status().message()));
       }
       if (from == Tier::kDisk && code == absl::StatusCode::kDataLoss) {
         Quarantine(*e, path, decoded.status());

@@ -107,9 +107,11 @@
 // when another store has deleted it, the session is gone here too. What this does not do: stop
 // two stores that both hold a session from both writing it (the last write wins). Ownership
 // (one store per session at a time, fenced writes) is the router's and etcd's job (issue 14).
-// A snapshot found this way, or at Open (read again while another store replaces it), that fails
-// its checks is reported (DATA_LOSS, FAILED_PRECONDITION) but not quarantined: it is not this
-// store's file to move.
+// A snapshot found this way, or at Open, or whose full read at Acquire fails (each read again
+// while another store replaces it), that fails its checks is reported (DATA_LOSS,
+// FAILED_PRECONDITION) but not quarantined: it is not this store's file to move (a rename by path
+// could move another store's sound replacement), fenced or not. A damaged one answers DATA_LOSS
+// to that call only; the next call reads it again.
 //
 // Ownership (SessionStoreOptions::ownership, replicas; state_store/session_ownership.h): Create,
 // Fork (its new session), Acquire and Delete first claim the session, and answer the claim's error
@@ -677,7 +679,12 @@ class SessionStateStore {
     bool stale = false;    // a log of another snapshot was found (to remove)
     uint32_t version = 0;  // with bytes: the log's format version (state_store/state_log.h)
   };
+  // On a shared directory a disk entry's snapshot is read again while another store replaces
+  // it (a failure of the file replaced says nothing of the one there now; a few times: then
+  // UNAVAILABLE).
   absl::StatusOr<DecodedSession> DecodeParked(const Entry& e, ParkedLog* log) const;
+  // DecodeParked's read of a disk entry's files, once.
+  absl::StatusOr<DecodedSession> DecodeSnapshot(const Entry& e, ParkedLog* log) const;
   // Writes e's current state (resident) or blob (host): a delta appended to its log when
   // one can carry the change, else a full snapshot (which drops the log). mu_ is released
   // while encoding and writing; e.busy meanwhile. Updates the durability fields on success.

@@ -1002,6 +1002,96 @@ TEST_F(SharedDirTest, ADamagedSnapshotAtOpenIsLeftInPlace) {
   ExpectLikeReference(*b, "d");
 }
 
+// A StateFiles whose first full read (Read: a restore's) of the file named `name` runs `hook`
+// right after it, before the caller decodes what it read. The hook is another replica's write of
+// the file (a new file renamed over it).
+class ReplacedAfterFullReadFiles : public testing::FaultInjectionFiles {
+ public:
+  ReplacedAfterFullReadFiles(std::string name, std::function<void()> hook)
+      : name_(std::move(name)), hook_(std::move(hook)) {}
+  absl::StatusOr<std::string> Read(const std::filesystem::path& path) override {
+    absl::StatusOr<std::string> got = FaultInjectionFiles::Read(path);
+    if (path.filename() == name_ && !ran_.exchange(true)) hook_();
+    return got;
+  }
+  bool ran() const { return ran_.load(); }
+
+ private:
+  const std::string name_;
+  const std::function<void()> hook_;
+  std::atomic<bool> ran_{false};
+};
+
+// A snapshot whose full read (an Acquire's restore) finds it damaged, replaced by another replica
+// with a sound one right after that read, is read again: the failure was the old file's. Before,
+// the store quarantined by path: it moved the new, sound file away, and the session was gone from
+// every replica (its writer's next Acquire answered NOT_FOUND).
+TEST_F(SharedDirTest, ASnapshotReplacedAfterAnAcquireReadItIsReadAgain) {
+  auto a = OpenStore(true);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(a->Create("q", "").ok());
+  Turn(*a, "q", testing::RandomTokens(5, 110));
+  const std::filesystem::path file = dir_.path() / "q.sdmstate";
+  const std::string sound = testing::ReadFile(file);
+  std::string damaged = sound;
+  damaged[damaged.size() - 10] ^= 0x55;  // past the record: only the full read finds it
+  ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, damaged).ok());
+  ReplacedAfterFullReadFiles files(file.filename().string(), [&] {
+    ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, sound).ok());
+  });
+  auto b = OpenStore(true, nullptr, &files);
+  ASSERT_NE(b, nullptr);
+  ASSERT_TRUE(b->open_errors().empty()) << b->open_errors()[0];
+  {
+    auto lease = b->Acquire("q");
+    ASSERT_TRUE(files.ran());
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    EXPECT_EQ(lease->state().position(), reference_->position());
+  }
+  EXPECT_TRUE(std::filesystem::exists(file));
+  EXPECT_EQ(b->Stats().quarantined, 0);
+  EXPECT_TRUE(std::filesystem::is_empty(dir_.path() / "quarantine"));
+  ExpectLikeReference(*b, "q");
+  ExpectLikeReference(*a, "q");
+}
+
+// A snapshot in the shared directory whose full read (an Acquire's restore) finds it damaged is
+// not quarantined, fenced or not: another replica may be serving it or about to replace it. The
+// call answers DATA_LOSS, the file stays, and the next call reads it again; once sound (replaced),
+// it is served. Before, it was moved to quarantine/, which took the session from every replica.
+TEST_F(SharedDirTest, ADamagedSnapshotAtAcquireIsLeftInPlace) {
+  for (const bool fenced : {false, true}) {
+    SCOPED_TRACE(fenced ? "fenced" : "not fenced");
+    const std::string id = fenced ? "df" : "d";
+    FencedTable table;
+    FencedTable::View own_a(&table, "a"), own_b(&table, "b");
+    auto a = OpenStore(true, fenced ? &own_a : nullptr);
+    reference_ = engine_->NewSession();
+    ASSERT_TRUE(a->Create(id, "").ok());
+    Turn(*a, id, testing::RandomTokens(4, 120));
+    ASSERT_TRUE(a->Park(id, Tier::kDisk).ok());  // releases it (fenced)
+    const std::filesystem::path file = fenced ? dir_.path() / "generations" / table.committed(id)
+                                              : dir_.path() / (id + ".sdmstate");
+    const std::string sound = testing::ReadFile(file);
+    std::string damaged = sound;
+    damaged[damaged.size() - 10] ^= 0x55;  // past the record: only the full read finds it
+    ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, damaged).ok());
+
+    auto b = OpenStore(true, fenced ? &own_b : nullptr);
+    ASSERT_NE(b, nullptr);
+    for (int call = 0; call < 2; ++call) {
+      const absl::Status refused = b->Acquire(id).status();
+      EXPECT_EQ(refused.code(), absl::StatusCode::kDataLoss) << refused;
+      EXPECT_NE(refused.message().find("in the shared directory"), std::string::npos) << refused;
+      EXPECT_TRUE(std::filesystem::exists(file));
+    }
+    EXPECT_EQ(b->Stats().quarantined, 0);
+    EXPECT_TRUE(std::filesystem::is_empty(dir_.path() / "quarantine"));
+    ASSERT_TRUE(StateFiles::Default()->WriteAtomically(file, sound).ok());
+    ExpectLikeReference(*b, id);
+  }
+}
+
 // Holds the first data write to a temporary file of a snapshot whose name starts with `stem`
 // half-way, once HoldNext(stem) is called: half of it is in the file, the rest waits for
 // Release(). Keeps the bytes of each snapshot write (the data given to WriteAndSync).
