@@ -1026,13 +1026,23 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
     if (committed.empty()) return NotFound(key);
     path = options_.dir / kGenerationsDir / committed;
   }
-  std::optional<SnapshotStamp> stamp = StampOf(path);
-  if (!stamp.has_value()) return NotFound(key);
+  // One stamped read (another store may replace the file at any moment): before, the stamp
+  // (StampOf) and the record were two reads, and a replacement between them failed the record
+  // against the old size (DATA_LOSS for a sound file) or kept it under another file's stamp.
+  std::optional<SnapshotStamp> stamp;
   uint64_t snapshot_id = 0;
-  absl::StatusOr<SessionRecord> record =
-      ReadRecord(*options_.files, path, stamp->size, &snapshot_id);
+  absl::StatusOr<SessionRecord> record = ReadSharedRecord(path, &stamp, &snapshot_id);
+  if (!stamp.has_value() && absl::IsNotFound(record.status())) return NotFound(key);
   if (record.ok() && record->id != SessionRecordId(key)) {
     record = absl::DataLossError("it holds another session");
+  }
+  if (!record.ok() && record.status().code() != absl::StatusCode::kFailedPrecondition) {
+    // Damaged, or not readable now (an I/O error, too many open files, replaced at every read):
+    // this call's answer, and the next call reads the file again.
+    return absl::Status(
+        record.status().code(),
+        absl::StrCat("the snapshot of session '", key.id,
+                     "' in the shared directory failed its checks: ", record.status().message()));
   }
   auto entry = std::make_unique<Entry>();
   entry->key = key;
@@ -1041,14 +1051,6 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
   entry->snapshot_file = committed;
   entry->disk_bytes = static_cast<int64_t>(stamp->size);
   entry->persisted_bytes = entry->disk_bytes;
-  if (!record.ok() && record.status().code() != absl::StatusCode::kFailedPrecondition) {
-    // Damaged, or not readable now (an I/O error, too many open files): this call's answer, and
-    // the next call reads the file again.
-    return absl::Status(
-        record.status().code(),
-        absl::StrCat("the snapshot of session '", key.id,
-                     "' in the shared directory failed its checks: ", record.status().message()));
-  }
   if (!record.ok()) {
     // Of another model or format version: a broken session (as a quarantined one is: listed
     // with its error, refused, deletable),

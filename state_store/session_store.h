@@ -504,7 +504,8 @@ class SessionStateStore {
                                                  std::optional<SnapshotStamp>* stamp,
                                                  uint64_t* snapshot_id) const;
   // Shared snapshot directory (see the class comment): the entry of `key`'s snapshot in `dir`,
-  // as a disk session; NOT_FOUND when there is none. Reads the record's prefix under the lock.
+  // as a disk session; NOT_FOUND when there is none. Reads the record's prefix under the lock
+  // (ReadSharedRecord: the entry's stamp is of the file its record came from).
   absl::StatusOr<std::unique_ptr<Entry>> Discover(const SessionKey& key) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops the idle entry of `key` when another store has written or deleted its snapshot since
