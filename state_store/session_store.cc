@@ -1024,6 +1024,17 @@ absl::StatusOr<std::unique_ptr<SessionStateStore::Entry>> SessionStateStore::Dis
     // Only the committed snapshot is the session (etcd's answer to the last Claim or Observe).
     committed = options_.ownership->Committed(key).value_or("");
     if (committed.empty()) return NotFound(key);
+    // A name only this store's kind writes (NewSnapshotName): anything else in etcd (a path with
+    // '/' or '..', another session's file) was put there by something else, and is not made a
+    // path to read, or to remove once the next snapshot replaces it.
+    std::string base;
+    if (!IsGenerationOf(committed, SessionFileStem(key), &base) || base != committed) {
+      return absl::DataLossError(absl::StrCat(
+          "etcd names '", absl::CHexEscape(committed.substr(0, 300)),
+          "' as the snapshot of session '", key.id,
+          "', which is not a snapshot name of that session: refused (was the key changed "
+          "by something other than sdm-server?)"));
+    }
     path = options_.dir / kGenerationsDir / committed;
   }
   // One stamped read (another store may replace the file at any moment): before, the stamp

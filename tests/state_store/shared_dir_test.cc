@@ -171,6 +171,11 @@ class FencedTable {
     absl::MutexLock lock(&mu_);
     return committed_[id];
   }
+  // Something other than a store writes the committed name (etcd's key edited by hand).
+  void SetCommitted(const std::string& id, const std::string& name) {
+    absl::MutexLock lock(&mu_);
+    committed_[id] = name;
+  }
 
  private:
   struct Owner {
@@ -1294,6 +1299,31 @@ TEST_F(SharedDirTest, SessionsNeverExpireOnASharedDirectory) {
   EXPECT_EQ(a->ExpireIdle(absl::Now() + absl::Hours(24)), 0);
   EXPECT_TRUE(a->Get("t").ok());
   EXPECT_TRUE(a->Get("u").ok());
+}
+
+// A committed name in etcd that is not one of the session's snapshot names (put there by
+// something else) is refused, never made a path: '../x' would otherwise be read as the session,
+// and removed once its next snapshot replaced it.
+TEST_F(SharedDirTest, ACommittedNameThatIsNotTheSessionsIsRefused) {
+  FencedTable table;
+  FencedTable::View view(&table, "a");
+  auto store = OpenStore(/*shared=*/true, &view);
+  ASSERT_NE(store, nullptr);
+  const std::filesystem::path outside = dir_.path() / "outside.sdmstate";
+  testing::WriteFile(outside, "precious");
+  const std::string others =
+      absl::StrCat(SessionFileStem(SessionKey("other")), ".", std::string(32, 'a'), ".sdmstate");
+  for (const std::string& name :
+       {std::string("../outside.sdmstate"), std::string("x/../../outside.sdmstate"), others,
+        absl::StrCat(SessionFileStem(SessionKey("s")), ".", std::string(32, 'a'),
+                     ".sdmstate.1-2-3.tmp")}) {
+    SCOPED_TRACE(name);
+    table.SetCommitted("s", name);
+    const absl::Status got = store->Acquire("s").status();
+    EXPECT_EQ(got.code(), absl::StatusCode::kDataLoss) << got;
+    EXPECT_TRUE(absl::StrContains(got.message(), "not a snapshot name of that session")) << got;
+  }
+  EXPECT_EQ(testing::ReadFile(outside), "precious");
 }
 
 }  // namespace
