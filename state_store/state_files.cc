@@ -84,6 +84,24 @@ absl::Status SourceChunkError(const std::filesystem::path& path) {
       absl::StrCat("cannot write ", path.string(), ": no memory for a write buffer"));
 }
 
+// Writes `n` bytes (whole blocks) from `data` at file offset `at` with O_DIRECT (`direct`).
+// Returns the bytes written: fewer than `n` where the file system refused the rest (EINVAL: an
+// alignment it does not take) or cut a write off a block boundary, for the caller to write the
+// rest through the page cache; an error otherwise.
+absl::StatusOr<uint64_t> WriteDirectBlocks(int direct, const std::filesystem::path& path,
+                                           const char* data, uint64_t n, uint64_t at) {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t w = ::pwrite(direct, data + done, n - done, static_cast<off_t>(at + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0 && errno != EINVAL) return Errno("cannot write", path, errno);
+    if (w <= 0) return done;
+    done += static_cast<uint64_t>(w);
+    if (done % kDirectBlock != 0) return done;
+  }
+  return done;
+}
+
 class DirectStateFiles : public StateFiles {
  protected:
   absl::Status WriteFd(int fd, const std::filesystem::path& path, uint64_t offset,
@@ -127,20 +145,12 @@ class DirectStateFiles : public StateFiles {
         std::memset(buffer + got, 0, fill - got);
       }
       std::memcpy(buffer + fill, data.data() + (at + fill - offset), n - fill);
-      uint64_t done = 0;
-      while (done < n) {
-        const ssize_t w =
-            ::pwrite(direct.get(), buffer + done, n - done, static_cast<off_t>(at + done));
-        if (w < 0 && errno == EINTR) continue;
-        if (w <= 0 || (done + static_cast<uint64_t>(w)) % kDirectBlock != 0) {
-          if (w < 0 && errno != EINVAL) return Errno("cannot write", path, errno);
-          // Refused (EINVAL: alignment this file system does not take) or cut short off a block
-          // boundary: the rest goes through the page cache.
-          const uint64_t from =
-              std::max(at + done + (w > 0 ? static_cast<uint64_t>(w) : 0), offset);
-          return StateFiles::WriteFd(fd, path, from, data.substr(from - offset));
-        }
-        done += static_cast<uint64_t>(w);
+      SDM_ASSIGN_OR_RETURN(const uint64_t done,
+                           WriteDirectBlocks(direct.get(), path, buffer, n, at));
+      if (done < n) {
+        // Refused or cut short: the rest goes through the page cache.
+        const uint64_t from = std::max(at + done, offset);
+        return StateFiles::WriteFd(fd, path, from, data.substr(from - offset));
       }
       at += n;
     }
@@ -180,18 +190,10 @@ class DirectStateFiles : public StateFiles {
     std::memcpy(buffer + (offset - first), data.data(), data.size());
     Fd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
-    uint64_t done = 0;
-    while (done < n) {
-      const ssize_t w =
-          ::pwrite(direct.get(), buffer + done, n - done, static_cast<off_t>(first + done));
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0 || (done + static_cast<uint64_t>(w)) % kDirectBlock != 0) {
-        if (w < 0 && errno != EINVAL) return Errno("cannot write", path, errno);
-        // Refused or cut short: the patch through the page cache (the same bytes).
-        return StateFiles::WriteFd(fd, path, offset, data);
-      }
-      done += static_cast<uint64_t>(w);
-    }
+    SDM_ASSIGN_OR_RETURN(const uint64_t done,
+                         WriteDirectBlocks(direct.get(), path, buffer, n, first));
+    // Refused or cut short: the patch through the page cache (the same bytes).
+    if (done < n) return StateFiles::WriteFd(fd, path, offset, data);
     return absl::OkStatus();
   }
 
@@ -200,19 +202,10 @@ class DirectStateFiles : public StateFiles {
   absl::Status WriteAligned(int direct, int fd, const std::filesystem::path& path, uint64_t offset,
                             absl::string_view data, uint64_t last) {
     const uint64_t n = last - offset;
-    uint64_t done = 0;
-    while (done < n) {
-      const ssize_t w =
-          ::pwrite(direct, data.data() + done, n - done, static_cast<off_t>(offset + done));
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0 || (done + static_cast<uint64_t>(w)) % kDirectBlock != 0) {
-        if (w < 0 && errno != EINVAL) return Errno("cannot write", path, errno);
-        // Refused or cut short off a block boundary: the rest through the page cache.
-        const uint64_t from = done + (w > 0 ? static_cast<uint64_t>(w) : 0);
-        return StateFiles::WriteFd(fd, path, offset + from, data.substr(from));
-      }
-      done += static_cast<uint64_t>(w);
-    }
+    SDM_ASSIGN_OR_RETURN(const uint64_t done,
+                         WriteDirectBlocks(direct, path, data.data(), n, offset));
+    // Refused or cut short off a block boundary: the rest through the page cache.
+    if (done < n) return StateFiles::WriteFd(fd, path, offset + done, data.substr(done));
     if (n < data.size()) return StateFiles::WriteFd(fd, path, last, data.substr(n));
     return absl::OkStatus();
   }

@@ -1402,6 +1402,23 @@ TEST_F(OpenAiHttpTest, WhileTheServerDrainsNewRequestsGet503WithRetryAfter) {
   shutdown.join();
 }
 
+// Streams a completion of up to a million tokens ("prompt": "go", with `fields` added) from the
+// HTTP API at `port`, its pieces to `receiver` (false ends the stream), until it ends.
+void PostEndlessStream(int port, const Json& fields,
+                       httplib::ContentReceiverWithProgress receiver) {
+  Json body = {{"prompt", "go"}, {"max_tokens", 1'000'000}, {"stream", true}};
+  body.update(fields);
+  httplib::Client client = TestHttpClient(port);
+  httplib::Request req;
+  req.method = "POST";
+  req.path = "/v1/completions";
+  req.body = body.dump();
+  req.content_receiver = std::move(receiver);
+  httplib::Response res;
+  httplib::Error error = httplib::Error::Success;
+  client.send(req, res, error);
+}
+
 // On a shared state directory (replicas) the drain closes the HTTP API's port as it does the gRPC
 // port: a router's new connections are refused and go to another replica, while the stream in
 // flight goes on, and an answer on a connection kept alive from before ends that connection.
@@ -1421,23 +1438,11 @@ TEST_F(OpenAiHttpTest, OnASharedDirectoryTheDrainClosesTheHttpPortWhileStreamsGo
   EXPECT_NE(before->get_header_value("Connection"), "close");
   std::atomic<int> pieces{0};
   std::atomic<bool> hang_up{false};
-  std::string last_piece;
   std::thread client([&] {
-    httplib::Client c = TestHttpClient(port);
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v1/completions";
-    req.body =
-        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"ignore_eos", true}, {"stream", true}}
-            .dump();
-    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
+    PostEndlessStream(port, {{"ignore_eos", true}}, [&](const char*, size_t, uint64_t, uint64_t) {
       ++pieces;
-      last_piece = std::string(data, n);
       return !hang_up.load();
-    };
-    httplib::Response res;
-    httplib::Error error = httplib::Error::Success;
-    c.send(req, res, error);
+    });
   });
   absl::Cleanup end_stream = [&] {
     hang_up.store(true);
@@ -1455,8 +1460,7 @@ TEST_F(OpenAiHttpTest, OnASharedDirectoryTheDrainClosesTheHttpPortWhileStreamsGo
     return fd < 0;
   })) << "the port stays open";
   const int seen = pieces.load();
-  EXPECT_TRUE(Eventually([&] { return pieces.load() >= seen + 3; }))
-      << "the stream stopped: " << last_piece;
+  EXPECT_TRUE(Eventually([&] { return pieces.load() >= seen + 3; })) << "the stream stopped";
   const httplib::Result during = kept.Get("/v1/models");
   ASSERT_TRUE(during) << "the kept-alive connection was not answered";
   EXPECT_EQ(during->status, 200);
@@ -1472,21 +1476,12 @@ TEST_F(OpenAiHttpTest, ShutdownEndsHttpStreamsCleanly) {
   std::atomic<bool> got_chunk{false};
   std::string body;
   std::thread client([&] {
-    httplib::Client c = TestHttpClient(port);
-    httplib::Request req;
-    req.method = "POST";
-    req.path = "/v1/completions";
-    req.body =
-        Json{{"prompt", "go"}, {"max_tokens", 1'000'000}, {"temperature", 0}, {"stream", true}}
-            .dump();
-    req.content_receiver = [&](const char* data, size_t n, uint64_t, uint64_t) {
-      body.append(data, n);
-      if (absl::StrContains(body, "data: {")) got_chunk.store(true);
-      return true;
-    };
-    httplib::Response res;
-    httplib::Error error = httplib::Error::Success;
-    c.send(req, res, error);
+    PostEndlessStream(port, {{"temperature", 0}},
+                      [&](const char* data, size_t n, uint64_t, uint64_t) {
+                        body.append(data, n);
+                        if (absl::StrContains(body, "data: {")) got_chunk.store(true);
+                        return true;
+                      });
   });
   EXPECT_TRUE(Eventually([&] { return got_chunk.load(); })) << "the stream sent no chunk";
   EXPECT_TRUE(s.server->Shutdown().ok());
