@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/json_parse.h"
 #include "common/json_snippet.h"
 #include "engine/tokenizer.h"
 #include "engine/weight_spec.h"
@@ -569,9 +570,18 @@ absl::Status FinalizeModelConfig(ModelConfig& c) {
 }
 
 absl::StatusOr<ModelConfig> ParseModelConfig(absl::string_view text) {
-  json j = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  JsonParse parsed = ParseJsonNoticingDuplicateKeys(std::string_view(text.data(), text.size()));
+  json& j = parsed.value;
   if (j.is_discarded()) return absl::InvalidArgumentError("config.json is not valid JSON");
   if (!j.is_object()) return absl::InvalidArgumentError("config.json must hold a JSON object");
+  // nlohmann keeps the last of the two silently: a hand-edited duplicate of a field that changes
+  // no shape (rope_theta, norm_eps) would change the model's output with no message.
+  if (!parsed.duplicate_key.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config.json: the key '", absl::CHexEscape(parsed.duplicate_key.substr(0, 100)),
+        "' appears twice in one object", parsed.duplicate_depth > 1 ? " (a nested one)" : "",
+        "; keep one"));
+  }
   ModelConfig c;
   // n_layers first: the layer specs are checked against it.
   if (j.contains("n_layers")) {

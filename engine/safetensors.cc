@@ -11,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "common/json_parse.h"
 #include "common/json_snippet.h"
 #include "nlohmann/json.hpp"
 
@@ -97,7 +98,7 @@ absl::Status ParseEntry(absl::string_view label, const std::string& name, const 
   const json& offsets = j["data_offsets"];
   if (!offsets.is_array() || offsets.size() != 2 || !GetCount(offsets[0], e.begin) ||
       !GetCount(offsets[1], e.end)) {
-    return Bad(label, absl::StrCat(what, ": data_offsets must be two non-negative integers, got ",
+    return Bad(label, absl::StrCat(what, ": data_offsets must be two integers in [0, 2^62], got ",
                                    JsonSnippet(offsets)));
   }
   if (e.begin > e.end) {
@@ -161,24 +162,18 @@ absl::StatusOr<SafetensorsIndex> ParseSafetensorsHeader(absl::string_view label,
   index.data_offset = 8 + static_cast<int64_t>(header_json.size());
   const int64_t data_size = file_size - index.data_offset;
 
-  // nlohmann keeps the last of duplicate keys silently; the callback sees every top-level key.
-  std::vector<std::string> duplicates;
-  std::set<std::string> seen;
-  auto on_event = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1) {
-      std::string key = parsed.get<std::string>();
-      if (!seen.insert(key).second) duplicates.push_back(std::move(key));
-    }
-    return true;
-  };
-  json header = json::parse(header_json.begin(), header_json.end(), on_event,
-                            /*allow_exceptions=*/false);
+  // nlohmann keeps the last of duplicate keys silently: a repeated name is refused.
+  JsonParse parsed =
+      ParseJsonNoticingDuplicateKeys(std::string_view(header_json.data(), header_json.size()));
+  json& header = parsed.value;
   if (header.is_discarded()) return Bad(label, "header is not valid JSON");
   if (!header.is_object()) {
     return Bad(label, absl::StrCat("header must be a JSON object, got ", JsonSnippet(header)));
   }
-  if (!duplicates.empty()) {
-    return Bad(label, absl::StrCat("duplicate tensor name '", duplicates.front(), "'"));
+  if (!parsed.duplicate_key.empty()) {
+    return Bad(label, absl::StrCat(parsed.duplicate_depth == 1 ? "duplicate tensor name '"
+                                                               : "duplicate key '",
+                                   parsed.duplicate_key, "'"));
   }
 
   for (const auto& [name, value] : header.items()) {

@@ -125,6 +125,17 @@ TEST(ModelConfigTest, RejectsBadJson) {
   ExpectInvalid("[1, 2]", {"JSON object"});
 }
 
+// A key given twice in one object: nlohmann keeps the last silently, so a hand-edited duplicate
+// of a field that changes no shape (rope_theta here) changed the model's output with no message.
+TEST(ModelConfigTest, RejectsAKeyGivenTwice) {
+  std::string text = kBase;
+  text.insert(text.find('{') + 1, "\"rope_theta\": 500000.0, \"rope_theta\": 10000.0, ");
+  ExpectInvalid(text, {"'rope_theta'", "appears twice"});
+  text = kBase;
+  text.replace(text.find("\"num_heads\": 2"), 14, "\"num_heads\": 2, \"num_heads\": 2");
+  ExpectInvalid(text, {"'num_heads'", "appears twice", "nested"});
+}
+
 TEST(ModelConfigTest, RejectsUnknownFieldsByName) {
   ExpectInvalid(Base("dimm", "64"), {"'dimm'", "unknown field"});
   std::string text = kBase;

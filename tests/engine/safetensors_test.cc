@@ -337,7 +337,7 @@ std::vector<Malformed> MalformedCases() {
       {"offsets_one_int",
        Header(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0]}})", d8),
        kInvalid,
-       {"tensor 'w'", "data_offsets must be two non-negative integers"}},
+       {"tensor 'w'", "data_offsets must be two integers in [0, 2^62]"}},
       {"offsets_float",
        Header(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.5]}})", d8),
        kInvalid,
