@@ -2425,7 +2425,13 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     if (fenced()) {
       e.snapshot_file = new_file;
     } else if (options_.shared_dir) {
-      e.disk_stamp = StampOf(PathOf(key));
+      // The stamp of the file this store wrote. Another store may have renamed its own over it
+      // since (both serve the session: the last write wins); taken for this one's, the later
+      // write would never be read here. Then none: the next use reads the file again.
+      std::optional<SnapshotStamp> stamp;
+      uint64_t found_id = 0;
+      const absl::StatusOr<SessionRecord> found = ReadSharedRecord(PathOf(key), &stamp, &found_id);
+      e.disk_stamp = found.ok() && found_id == new_base ? stamp : std::nullopt;
     }
     e.log_bytes = 0;
     e.log_records = 0;

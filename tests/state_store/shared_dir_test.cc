@@ -1326,5 +1326,42 @@ TEST_F(SharedDirTest, ACommittedNameThatIsNotTheSessionsIsRefused) {
   EXPECT_EQ(testing::ReadFile(outside), "precious");
 }
 
+// Runs `hook` once, right after a rename onto a file named `name` (another store's write landing
+// between this store's rename and what it does next).
+class AfterRenameFiles : public testing::FaultInjectionFiles {
+ public:
+  AfterRenameFiles(std::string name, std::function<void()> hook)
+      : name_(std::move(name)), hook_(std::move(hook)) {}
+  absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to) override {
+    absl::Status renamed = FaultInjectionFiles::Rename(from, to);
+    if (renamed.ok() && to.filename() == name_ && !ran_.exchange(true)) hook_();
+    return renamed;
+  }
+  bool ran() const { return ran_.load(); }
+
+ private:
+  const std::string name_;
+  const std::function<void()> hook_;
+  std::atomic<bool> ran_{false};
+};
+
+// Without fencing two stores may serve one session, and the last write wins. A store's own write
+// is stamped as its own: when the other store's write lands between its rename and its stamp, its
+// next use reads that later write. Before, it took the other's file for its own and went on from
+// its older copy, that turn lost to it.
+TEST_F(SharedDirTest, AWriteReplacedBeforeItsStampIsNotTakenForTheStoresOwn) {
+  auto b = OpenStore(true);
+  reference_ = engine_->NewSession();
+  ASSERT_TRUE(b->Create("w", "").ok());
+  Turn(*b, "w", testing::RandomTokens(4, 90));
+  AfterRenameFiles files("w.sdmstate", [&] { Turn(*b, "w", testing::RandomTokens(3, 92)); });
+  auto a = OpenStore(true, nullptr, &files);
+  ASSERT_NE(a, nullptr);
+  Turn(*a, "w", testing::RandomTokens(2, 91));  // its write: b's turn lands after the rename
+  ASSERT_TRUE(files.ran());
+  ExpectLikeReference(*a, "w");  // all three turns
+  ExpectLikeReference(*b, "w");
+}
+
 }  // namespace
 }  // namespace sdm
