@@ -587,6 +587,14 @@ TEST_F(SharedDirTest, ATurnDroppedBecauseAnotherReplicaWroteTheSessionIsNotAckno
   auto b = OpenStore(true);
   reference_ = engine_->NewSession();
   ASSERT_TRUE(a->Create("other", "").ok());
+  // Its creation written before its writes are held below: held during that write instead
+  // (the worker may write it after g's turn), the turn on it below would wait for ever.
+  absl::Notification other_written;
+  a->WhenPersisted("other", [&](const absl::Status& saved) {
+    EXPECT_TRUE(saved.ok()) << saved;
+    other_written.Notify();
+  });
+  other_written.WaitForNotification();
   ASSERT_TRUE(a->Create("g", "").ok());
   absl::Notification written;
   Turn(*a, "g", testing::RandomTokens(4, 60));
