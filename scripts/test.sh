@@ -8,4 +8,7 @@ BUILD_DIR=${SDM_BUILD_DIR:-build}
 cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$BUILD_DIR" -j"$(nproc)"
 cd "$BUILD_DIR"
-ctest --output-on-failure -j"$(nproc)" "$@"
+# A test without a TIMEOUT of its own (every unit test) that runs 5 minutes has hung (the slowest
+# takes about 11 s on CI's 2 cores): it fails naming itself rather than stalling the run until the
+# CI job's own limit. A --timeout among the extra arguments comes later and wins.
+ctest --output-on-failure -j"$(nproc)" --timeout 300 "$@"
