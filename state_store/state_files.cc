@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "base/scoped_fd.h"
 #include "base/status_macros.h"
 
 namespace sdm {
@@ -30,26 +31,6 @@ absl::Status Errno(absl::string_view what, const std::filesystem::path& path, in
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
   return absl::InternalError(msg);
 }
-
-// Closes a file descriptor on scope exit.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  int get() const { return fd_; }
-  int Release() {
-    const int fd = fd_;
-    fd_ = -1;
-    return fd;
-  }
-
- private:
-  int fd_;
-};
 
 // Direct I/O (see the header): whole blocks of this size, at offsets that are multiples of it,
 // from a buffer aligned to it (4 KiB covers the logical block size of every disk we target).
@@ -117,7 +98,7 @@ class DirectStateFiles : public StateFiles {
       if (IsOverwriteOfWholeBlocks(fd, end)) return RewriteBlocks(fd, path, offset, data, buffer);
       return StateFiles::WriteFd(fd, path, offset, data);
     }
-    Fd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
+    ScopedFd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     // A file system without O_DIRECT (tmpfs: EINVAL): buffered, the same bytes.
     if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
     if (first == offset && IsAligned(data.data())) {
@@ -188,7 +169,7 @@ class DirectStateFiles : public StateFiles {
       got += static_cast<uint64_t>(r);
     }
     std::memcpy(buffer + (offset - first), data.data(), data.size());
-    Fd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
+    ScopedFd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
     SDM_ASSIGN_OR_RETURN(const uint64_t done,
                          WriteDirectBlocks(direct.get(), path, buffer, n, first));
@@ -384,7 +365,7 @@ absl::Status StateFiles::WriteAtomically(const std::filesystem::path& path, cons
 
 absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, const ByteSource& data,
                                       bool sync) {
-  Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  ScopedFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot create", path, errno);
   if (absl::Status s = WriteSource(fd.get(), path, 0, data); !s.ok()) return s;
   if (sync && ::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
@@ -393,7 +374,7 @@ absl::Status StateFiles::WriteAndSync(const std::filesystem::path& path, const B
 }
 
 absl::Status StateFiles::RemoveStrayTemp(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) {
     if (errno == ENOENT) return absl::OkStatus();
     return Errno("cannot open", path, errno);
@@ -417,7 +398,7 @@ absl::Status StateFiles::RemoveStrayTemp(const std::filesystem::path& path) {
 absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t offset,
                                  const ByteSource& data, bool sync) {
   const bool existed = ::access(path.c_str(), F_OK) == 0;
-  Fd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  ScopedFd fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
   // Cut at `offset` before a byte of `data` is written, so that whatever is found after `offset`
   // is a prefix of `data`. Cut after the write, a crash (or a failed write) in between left the new
@@ -439,14 +420,14 @@ absl::Status StateFiles::WriteAt(const std::filesystem::path& path, uint64_t off
 }
 
 absl::Status StateFiles::Sync(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
   if (::fsync(fd.get()) != 0) return Errno("cannot fsync", path, errno);
   return absl::OkStatus();
 }
 
 absl::Status StateFiles::WriteBack(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
 #if defined(__linux__)
   // Waits for writes under way, starts the rest, waits for those: the whole file (nbytes 0).
@@ -462,14 +443,14 @@ absl::Status StateFiles::WriteBack(const std::filesystem::path& path) {
 }
 
 absl::Status StateFiles::SyncDir(const std::filesystem::path& dir) {
-  Fd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  ScopedFd fd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open directory", dir, errno);
   if (::fsync(fd.get()) != 0) return Errno("cannot fsync directory", dir, errno);
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::string> StateFiles::Read(const std::filesystem::path& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) return Errno("cannot stat", path, errno);
@@ -490,7 +471,7 @@ absl::StatusOr<std::string> StateFiles::Read(const std::filesystem::path& path) 
 
 absl::StatusOr<std::string> StateFiles::ReadRange(const std::filesystem::path& path,
                                                   uint64_t offset, uint64_t n) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
   std::string out(n, '\0');
   size_t done = 0;

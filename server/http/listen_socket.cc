@@ -15,6 +15,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "base/scoped_fd.h"
 #include "base/thread_name.h"
 
 namespace sdm {
@@ -48,35 +49,28 @@ absl::Status SystemError(const char* what) {
       absl::StrCat("cannot close the HTTP port: ", what, ": ", std::strerror(errno)));
 }
 
-// Closes `fd` when it goes out of scope.
-struct ClosingFd {
-  int fd;
-  ~ClosingFd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
 }  // namespace
 
 absl::Status CloseListeningPort(int fd) {
   // A second reference to the port's socket: its address, and the wake-up below.
-  const ClosingFd port{::fcntl(fd, F_DUPFD_CLOEXEC, 0)};
-  if (port.fd < 0) return SystemError("dup");
+  const ScopedFd port(::fcntl(fd, F_DUPFD_CLOEXEC, 0));
+  if (port.get() < 0) return SystemError("dup");
   sockaddr_storage address{};
   socklen_t length = sizeof(address);
-  if (::getsockname(port.fd, reinterpret_cast<sockaddr*>(&address), &length) != 0) {
+  if (::getsockname(port.get(), reinterpret_cast<sockaddr*>(&address), &length) != 0) {
     return SystemError("getsockname");
   }
   {
-    const ClosingFd unreachable{::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)};
-    if (unreachable.fd < 0) return SystemError("socket");
+    const ScopedFd unreachable(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    if (unreachable.get() < 0) return SystemError("socket");
     // Bound to an address of the family alone: the kernel picks an abstract name.
     const sa_family_t family = AF_UNIX;
-    if (::bind(unreachable.fd, reinterpret_cast<const sockaddr*>(&family), sizeof(family)) != 0) {
+    if (::bind(unreachable.get(), reinterpret_cast<const sockaddr*>(&family), sizeof(family)) !=
+        0) {
       return SystemError("bind");
     }
-    if (::listen(unreachable.fd, 1) != 0) return SystemError("listen");
-    if (::dup3(unreachable.fd, fd, O_CLOEXEC) < 0) return SystemError("dup3");
+    if (::listen(unreachable.get(), 1) != 0) return SystemError("listen");
+    if (::dup3(unreachable.get(), fd, O_CLOEXEC) < 0) return SystemError("dup3");
   }
   // An accept() blocked on the port's socket holds it until it returns: woken by a connection to
   // the port (its wildcard address through loopback).
@@ -87,11 +81,11 @@ absl::Status CloseListeningPort(int fd) {
     auto& in6 = reinterpret_cast<sockaddr_in6&>(address);
     if (IN6_IS_ADDR_UNSPECIFIED(&in6.sin6_addr)) in6.sin6_addr = in6addr_loopback;
   }
-  const ClosingFd waker{::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0)};
-  if (waker.fd >= 0) {
+  const ScopedFd waker(::socket(address.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (waker.get() >= 0) {
     // A listening socket completes the connection from its backlog: no wait. Should it fail,
     // the blocked accept() takes the next client's connection instead, and the port closes then.
-    ::connect(waker.fd, reinterpret_cast<const sockaddr*>(&address), length);
+    ::connect(waker.get(), reinterpret_cast<const sockaddr*>(&address), length);
   }
   return absl::OkStatus();  // `port` closes here: the port's socket with it, once unblocked
 }
