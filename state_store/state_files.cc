@@ -32,6 +32,39 @@ absl::Status Errno(absl::string_view what, const std::filesystem::path& path, in
   return absl::InternalError(msg);
 }
 
+// Reads up to `n` bytes at `offset` of `fd` into `out` (fewer at the end of the file): the bytes
+// read.
+absl::StatusOr<uint64_t> ReadUpTo(int fd, const std::filesystem::path& path, char* out, uint64_t n,
+                                  uint64_t offset) {
+  uint64_t done = 0;
+  while (done < n) {
+    const ssize_t got = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return Errno("cannot read", path, errno);
+    }
+    if (got == 0) break;  // end of file
+    done += static_cast<uint64_t>(got);
+  }
+  return done;
+}
+
+// flock(2) of `fd` (the file at `path`) with `operation` (LOCK_EX, LOCK_SH), without waiting:
+// FAILED_PRECONDITION when another open of the file holds a conflicting lock, UNIMPLEMENTED on a
+// file system without such locks (ENOLCK, EOPNOTSUPP, EINVAL).
+absl::Status TryFlock(int fd, int operation, const std::filesystem::path& path) {
+  if (::flock(fd, operation | LOCK_NB) == 0) return absl::OkStatus();
+  const int error = errno;
+  if (error == EWOULDBLOCK) {
+    return absl::FailedPreconditionError(absl::StrCat(path.string(), " is locked"));
+  }
+  if (error == ENOLCK || error == EOPNOTSUPP || error == EINVAL) {
+    return absl::UnimplementedError(
+        absl::StrCat("cannot lock ", path.string(), ": ", std::strerror(error)));
+  }
+  return Errno("cannot lock", path, error);
+}
+
 // Direct I/O (see the header): whole blocks of this size, at offsets that are multiples of it,
 // from a buffer aligned to it (4 KiB covers the logical block size of every disk we target).
 constexpr uint64_t kDirectBlock = 4096;
@@ -113,16 +146,7 @@ class DirectStateFiles : public StateFiles {
         // The block's bytes before `offset` are the file's own (a log's last good record):
         // rewritten as they are. Past the file's end (a hole): zeros, as a read would give.
         fill = offset - at;
-        uint64_t got = 0;
-        while (got < fill) {
-          const ssize_t r = ::pread(fd, buffer + got, fill - got, static_cast<off_t>(at + got));
-          if (r < 0) {
-            if (errno == EINTR) continue;
-            return Errno("cannot read", path, errno);
-          }
-          if (r == 0) break;
-          got += static_cast<uint64_t>(r);
-        }
+        SDM_ASSIGN_OR_RETURN(const uint64_t got, ReadUpTo(fd, path, buffer, fill, at));
         std::memset(buffer + got, 0, fill - got);
       }
       std::memcpy(buffer + fill, data.data() + (at + fill - offset), n - fill);
@@ -160,14 +184,8 @@ class DirectStateFiles : public StateFiles {
     const uint64_t first = offset - offset % kDirectBlock;
     const uint64_t n = RoundUpToBlock(offset + data.size()) - first;  // two blocks at most
     if (n > kDirectChunk) return StateFiles::WriteFd(fd, path, offset, data);
-    uint64_t got = 0;
-    while (got < n) {
-      const ssize_t r = ::pread(fd, buffer + got, n - got, static_cast<off_t>(first + got));
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) return Errno("cannot read", path, errno);
-      if (r == 0) return StateFiles::WriteFd(fd, path, offset, data);  // cut meanwhile
-      got += static_cast<uint64_t>(r);
-    }
+    SDM_ASSIGN_OR_RETURN(const uint64_t got, ReadUpTo(fd, path, buffer, n, first));
+    if (got < n) return StateFiles::WriteFd(fd, path, offset, data);  // cut meanwhile
     std::memcpy(buffer + (offset - first), data.data(), data.size());
     ScopedFd direct(::open(path.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC));
     if (direct.get() < 0) return StateFiles::WriteFd(fd, path, offset, data);
@@ -296,8 +314,6 @@ std::filesystem::path TempPathOf(const std::filesystem::path& path) {
   return tmp;
 }
 
-bool NoLocksHere(int error) { return error == ENOLCK || error == EOPNOTSUPP || error == EINVAL; }
-
 // Whether `fd` is the file named `path` (not one removed, or replaced, since it was opened).
 bool IsNamed(int fd, const std::filesystem::path& path) {
   struct stat held {};
@@ -323,14 +339,15 @@ absl::StatusOr<std::unique_ptr<FileLock>> CreateLockedTemp(const std::filesystem
       return Errno("cannot create", *tmp, errno);
     }
     auto lock = std::make_unique<FileLock>(fd);  // closes fd on every return below
-    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      const int error = errno;
-      if (NoLocksHere(error)) return lock;
+    const absl::Status locked = TryFlock(fd, LOCK_EX, *tmp);
+    if (absl::IsUnimplemented(locked)) return lock;
+    if (absl::IsFailedPrecondition(locked)) {
       // A store opening the directory locked the new file first, took it for a leftover and
       // removes it: written under another name.
-      if (error == EWOULDBLOCK && attempt < kAttempts) continue;
-      return Errno("cannot lock", *tmp, error);
+      if (attempt < kAttempts) continue;
+      return Errno("cannot lock", *tmp, EWOULDBLOCK);
     }
+    if (!locked.ok()) return locked;
     // Locked, but perhaps only after such a store removed it (and let it go).
     if (IsNamed(fd, *tmp)) return lock;
     if (attempt == kAttempts) {
@@ -379,17 +396,7 @@ absl::Status StateFiles::RemoveStrayTemp(const std::filesystem::path& path) {
     if (errno == ENOENT) return absl::OkStatus();
     return Errno("cannot open", path, errno);
   }
-  if (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-    const int error = errno;
-    if (error == EWOULDBLOCK) {
-      return absl::FailedPreconditionError(absl::StrCat(path.string(), " is being written"));
-    }
-    if (NoLocksHere(error)) {
-      return absl::UnimplementedError(
-          absl::StrCat("cannot lock ", path.string(), ": ", std::strerror(error)));
-    }
-    return Errno("cannot lock", path, error);
-  }
+  SDM_RETURN_IF_ERROR(TryFlock(fd.get(), LOCK_EX, path));  // held: a write under way
   // Its writer renamed it (to its final name) after the open, before letting the lock go.
   if (!IsNamed(fd.get(), path)) return absl::OkStatus();
   return Remove(path);
@@ -474,16 +481,7 @@ absl::StatusOr<std::string> StateFiles::ReadRange(const std::filesystem::path& p
   ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Errno("cannot open", path, errno);
   std::string out(n, '\0');
-  size_t done = 0;
-  while (done < n) {
-    const ssize_t got = ::pread(fd.get(), out.data() + done, n - done, offset + done);
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return Errno("cannot read", path, errno);
-    }
-    if (got == 0) break;  // end of file
-    done += static_cast<size_t>(got);
-  }
+  SDM_ASSIGN_OR_RETURN(const uint64_t done, ReadUpTo(fd.get(), path, out.data(), n, offset));
   out.resize(done);
   return out;
 }
@@ -516,17 +514,7 @@ absl::StatusOr<std::unique_ptr<FileLock>> StateFiles::Lock(const std::filesystem
   const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd < 0) return Errno("cannot open", path, errno);
   auto lock = std::make_unique<FileLock>(fd);  // closes fd on every return below
-  if (::flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0) {
-    const int error = errno;
-    if (error == EWOULDBLOCK) {
-      return absl::FailedPreconditionError(absl::StrCat(path.string(), " is locked"));
-    }
-    if (error == ENOLCK || error == EOPNOTSUPP || error == EINVAL) {
-      return absl::UnimplementedError(
-          absl::StrCat("cannot lock ", path.string(), ": ", std::strerror(error)));
-    }
-    return Errno("cannot lock", path, error);
-  }
+  SDM_RETURN_IF_ERROR(TryFlock(fd, exclusive ? LOCK_EX : LOCK_SH, path));
   if (exclusive) {
     const std::string pid = absl::StrCat(::getpid(), "\n");
     if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, pid.data(), pid.size(), 0) < 0) {
