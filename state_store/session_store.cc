@@ -134,6 +134,15 @@ absl::Status RefusedInPlace(const absl::Status& check, bool shared_dir) {
                    "discards them"));
 }
 
+// A shared directory's snapshot may be replaced (another store's rename) during a read of it: the
+// read is made again, at most this many times in all (ReadSharedRecord, DecodeParked) ...
+constexpr int kSharedReadAttempts = 3;
+// ... and then this is the answer.
+absl::Status ReplacedAtEveryRead(const std::filesystem::path& path) {
+  return absl::UnavailableError(absl::StrCat(
+      "cannot read ", path.string(), ": replaced during each of ", kSharedReadAttempts, " reads"));
+}
+
 // ... when the store closes before the write (its worker and writers have stopped).
 absl::Status ClosedBeforeWrittenError(absl::string_view id) {
   return absl::UnavailableError(
@@ -992,7 +1001,6 @@ absl::StatusOr<SessionRecord> SessionStateStore::ReadSharedRecord(
   // sound session would be taken for a damaged one. After them, a stamp taken then is of a file
   // the record was not read from: the copy would pass for current. So a read counts only if the
   // file stayed the same across it (a snapshot is never changed in place, only replaced).
-  constexpr int kAttempts = 3;
   for (int attempt = 1;; ++attempt) {
     *stamp = FileStampOf(path);
     if (!stamp->has_value()) {
@@ -1008,10 +1016,9 @@ absl::StatusOr<SessionRecord> SessionStateStore::ReadSharedRecord(
       }
       return record;
     }
-    if (attempt == kAttempts) {
+    if (attempt == kSharedReadAttempts) {
       stamp->reset();
-      return absl::UnavailableError(absl::StrCat(
-          "cannot read ", path.string(), ": replaced during each of ", kAttempts, " reads"));
+      return ReplacedAtEveryRead(path);
     }
   }
 }
@@ -1212,16 +1219,12 @@ absl::StatusOr<DecodedSession> SessionStateStore::DecodeParked(const Entry& e,
   // then the old file's, and the sound new one would be refused. A failure counts only if the
   // file stayed the same across the read (as in ReadSharedRecord).
   const std::filesystem::path path = SnapshotPathOf(e);
-  constexpr int kAttempts = 3;
   for (int attempt = 1;; ++attempt) {
     const std::optional<SnapshotStamp> stamp = FileStampOf(path);
     *log = ParkedLog();
     absl::StatusOr<DecodedSession> decoded = DecodeSnapshot(e, log);
     if (decoded.ok() || FileStampOf(path) == stamp) return decoded;
-    if (attempt == kAttempts) {
-      return absl::UnavailableError(absl::StrCat(
-          "cannot read ", path.string(), ": replaced during each of ", kAttempts, " reads"));
-    }
+    if (attempt == kSharedReadAttempts) return ReplacedAtEveryRead(path);
   }
 }
 
