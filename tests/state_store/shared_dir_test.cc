@@ -920,6 +920,23 @@ TEST_F(SharedDirTest, StoresSharingADirectoryAndOneAloneExcludeEachOther) {
   EXPECT_TRUE(absl::IsFailedPrecondition(shared.status())) << shared.status();
 }
 
+// Another store's action at one point of this store's file operations: `hook` runs once, the
+// first time RunOnceFor() is given a path named `name`.
+class OneShotHook {
+ public:
+  OneShotHook(std::string name, std::function<void()> hook)
+      : name_(std::move(name)), hook_(std::move(hook)) {}
+  void RunOnceFor(const std::filesystem::path& path) {
+    if (path.filename() == name_ && !ran_.exchange(true)) hook_();
+  }
+  bool ran() const { return ran_.load(); }
+
+ private:
+  const std::string name_;
+  const std::function<void()> hook_;
+  std::atomic<bool> ran_{false};
+};
+
 // A StateFiles whose reads of the file named `name` run `hook` once, when `after_reads` reads of
 // it are done: before the first (0), or after the record's two (2, ReadRecord). Open reads on
 // the caller's thread; the hook is another store's turn, on its own files.
@@ -1056,18 +1073,16 @@ TEST_F(SharedDirTest, ASnapshotReplacedWhileAStoreLooksItUpIsReadAgain) {
 class ReplacedAfterFullReadFiles : public testing::FaultInjectionFiles {
  public:
   ReplacedAfterFullReadFiles(std::string name, std::function<void()> hook)
-      : name_(std::move(name)), hook_(std::move(hook)) {}
+      : hook_(std::move(name), std::move(hook)) {}
   absl::StatusOr<std::string> Read(const std::filesystem::path& path) override {
     absl::StatusOr<std::string> got = FaultInjectionFiles::Read(path);
-    if (path.filename() == name_ && !ran_.exchange(true)) hook_();
+    hook_.RunOnceFor(path);
     return got;
   }
-  bool ran() const { return ran_.load(); }
+  bool ran() const { return hook_.ran(); }
 
  private:
-  const std::string name_;
-  const std::function<void()> hook_;
-  std::atomic<bool> ran_{false};
+  OneShotHook hook_;
 };
 
 // A snapshot whose full read (an Acquire's restore) finds it damaged, replaced by another replica
@@ -1339,18 +1354,16 @@ TEST_F(SharedDirTest, ACommittedNameThatIsNotTheSessionsIsRefused) {
 class AfterRenameFiles : public testing::FaultInjectionFiles {
  public:
   AfterRenameFiles(std::string name, std::function<void()> hook)
-      : name_(std::move(name)), hook_(std::move(hook)) {}
+      : hook_(std::move(name), std::move(hook)) {}
   absl::Status Rename(const std::filesystem::path& from, const std::filesystem::path& to) override {
     absl::Status renamed = FaultInjectionFiles::Rename(from, to);
-    if (renamed.ok() && to.filename() == name_ && !ran_.exchange(true)) hook_();
+    if (renamed.ok()) hook_.RunOnceFor(to);
     return renamed;
   }
-  bool ran() const { return ran_.load(); }
+  bool ran() const { return hook_.ran(); }
 
  private:
-  const std::string name_;
-  const std::function<void()> hook_;
-  std::atomic<bool> ran_{false};
+  OneShotHook hook_;
 };
 
 // Without fencing two stores may serve one session, and the last write wins. A store's own write

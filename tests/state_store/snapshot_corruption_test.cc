@@ -41,16 +41,25 @@
 namespace sdm {
 namespace {
 
-// The one file quarantine/<id>.sdmstate.* in `dir`, or an empty path.
-std::filesystem::path QuarantinedCopy(const std::filesystem::path& dir, absl::string_view id) {
-  std::filesystem::path found;
-  const std::string prefix = absl::StrCat(id, ".sdmstate.");
+// The files quarantine/<id><suffix>.* in `dir` (suffix ".sdmstate": snapshots, ".sdmlog": logs).
+std::vector<std::filesystem::path> QuarantinedCopies(const std::filesystem::path& dir,
+                                                     absl::string_view id,
+                                                     absl::string_view suffix = ".sdmstate") {
+  std::vector<std::filesystem::path> found;
+  const std::string prefix = absl::StrCat(id, suffix, ".");
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(dir / "quarantine", ec)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind(prefix, 0) == 0) found = e.path();
+    if (name.rfind(prefix, 0) == 0) found.push_back(e.path());
   }
   return found;
+}
+
+// The one such file (the last listed if several), or an empty path.
+std::filesystem::path QuarantinedCopy(const std::filesystem::path& dir, absl::string_view id,
+                                      absl::string_view suffix = ".sdmstate") {
+  std::vector<std::filesystem::path> found = QuarantinedCopies(dir, id, suffix);
+  return found.empty() ? std::filesystem::path() : found.back();
 }
 
 using testing::BlobSection;
@@ -816,12 +825,8 @@ TEST_F(SnapshotStoreCorruptionTest, ALogGoesToQuarantineWithItsSnapshot) {
     EXPECT_EQ(store->Acquire("alpha").status().code(), absl::StatusCode::kDataLoss);
   }
   EXPECT_FALSE(std::filesystem::exists(log));
-  std::filesystem::path kept_log, kept_snapshot;
-  for (const auto& entry : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
-    const std::string name = entry.path().filename().string();
-    if (absl::StartsWith(name, "alpha.sdmlog.")) kept_log = entry.path();
-    if (absl::StartsWith(name, "alpha.sdmstate.")) kept_snapshot = entry.path();
-  }
+  const std::filesystem::path kept_log = QuarantinedCopy(dir_.path(), "alpha", ".sdmlog");
+  const std::filesystem::path kept_snapshot = QuarantinedCopy(dir_.path(), "alpha");
   ASSERT_FALSE(kept_log.empty());
   ASSERT_FALSE(kept_snapshot.empty());
   // The operator puts back a sound snapshot and the log: the session is as it was, its last turn
@@ -894,14 +899,10 @@ TEST_F(SnapshotStoreCorruptionTest, ACrashBetweenTheTwoMovesOfAQuarantineKeepsTh
   ASSERT_NE(store, nullptr);
   EXPECT_EQ(store->Acquire("alpha").status().code(), absl::StatusCode::kDataLoss);
   EXPECT_FALSE(std::filesystem::exists(log));
-  int kept = 0;
-  for (const auto& entry : std::filesystem::directory_iterator(dir_.path() / "quarantine")) {
-    if (absl::StartsWith(entry.path().filename().string(), "alpha.sdmlog.")) {
-      ++kept;
-      EXPECT_EQ(testing::ReadFile(entry.path()), log_bytes);
-    }
-  }
-  EXPECT_EQ(kept, 1);
+  const std::vector<std::filesystem::path> kept =
+      QuarantinedCopies(dir_.path(), "alpha", ".sdmlog");
+  ASSERT_EQ(kept.size(), 1u);
+  EXPECT_EQ(testing::ReadFile(kept[0]), log_bytes);
 }
 
 // Damage found at Acquire (a layer's payload): the snapshot goes to quarantine with its log, or,
