@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
 #include <optional>
+#include <utility>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -50,6 +52,8 @@ struct Scheduler::Job {
       : spec(std::move(s)),
         observer(std::move(o)),
         policy(tokenizer, spec.stop_strings, spec.sampling) {}
+
+  const std::string& tenant() const { return spec.session.tenant; }
 
   GenerateJob spec;
   std::shared_ptr<JobObserver> observer;
@@ -102,7 +106,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   }
   {
     absl::MutexLock lock(&mu_);
-    if (absl::Status admitted = AdmissionLocked(); !admitted.ok()) return admitted;
+    if (absl::Status admitted = AdmissionLocked(spec); !admitted.ok()) return admitted;
   }
   auto job = std::make_unique<Job>(std::move(spec), std::move(observer), tokenizer_);
   // Taking the lease here refuses a busy or unknown session before anything is streamed, and
@@ -135,18 +139,29 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
     SDM_LOG(WARNING) << "sdm scheduler: staging a resume: " << staged;
   }
   absl::MutexLock lock(&mu_);
-  if (absl::Status refused = AdmissionLocked(); !refused.ok()) {
+  if (absl::Status refused = AdmissionLocked(job->spec); !refused.ok()) {
     if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
     st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
     return refused;
   }
   st.sampler_seed = job->spec.sampling.seed;
+  ++tenants_[job->tenant()].in_flight;
   waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
   return absl::OkStatus();
 }
 
-absl::Status Scheduler::AdmissionLocked() const {
+absl::Status Scheduler::AdmissionLocked(const GenerateJob& job) const {
   if (!accepting_) return absl::UnavailableError("the server is shutting down");
+  if (job.tenant_max_requests.has_value()) {
+    const auto tenant = tenants_.find(job.session.tenant);
+    const int64_t in_flight = tenant == tenants_.end() ? 0 : tenant->second.in_flight;
+    if (in_flight >= *job.tenant_max_requests) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("tenant '", job.session.tenant, "' has ", in_flight,
+                       " requests waiting or running, its limit (max_requests ",
+                       *job.tenant_max_requests, "); retry when one has finished"));
+    }
+  }
   if (!QueueFullLocked()) return absl::OkStatus();
   if (options_.max_waiting == 0) {
     // No queue to be full ("the queue is full (0 requests waiting)" said): the batch is.
@@ -209,11 +224,7 @@ void Scheduler::Loop() {
           ++it;
         }
       }
-      while (!waiting_.empty() && static_cast<int>(running.size()) < BatchLimitLocked()) {
-        waiting_.front()->running = true;
-        running.push_back(std::move(waiting_.front()));
-        waiting_.pop_front();
-      }
+      AdmitLocked(running);
       running_count_ = static_cast<int>(running.size());
     }
     for (auto& [job, reason] : ended) Finish(*job, reason);
@@ -250,6 +261,35 @@ void Scheduler::Loop() {
     running_count_ = static_cast<int>(running.size());
   }
   store_.ClearStepThread();
+}
+
+void Scheduler::AdmitLocked(std::vector<std::unique_ptr<Job>>& running) {
+  if (waiting_.empty() || static_cast<int>(running.size()) >= BatchLimitLocked()) return;
+  // Places each tenant holds now (the keys view the jobs' own strings, which outlive this).
+  std::map<absl::string_view, int> running_by_tenant;
+  for (const auto& job : running) ++running_by_tenant[job->tenant()];
+  while (!waiting_.empty() && static_cast<int>(running.size()) < BatchLimitLocked()) {
+    // The first waiting job of the tenant with the fewest places, then the least recent place;
+    // a tenant's jobs share its key, so the scan keeps the queue's order within a tenant.
+    auto next = waiting_.end();
+    std::pair<int, int64_t> best;
+    for (auto it = waiting_.begin(); it != waiting_.end(); ++it) {
+      const absl::string_view tenant = (*it)->tenant();
+      const auto places = running_by_tenant.find(tenant);
+      const std::pair<int, int64_t> key(places == running_by_tenant.end() ? 0 : places->second,
+                                        tenants_.find(tenant)->second.last_admission);
+      if (next == waiting_.end() || key < best) {
+        next = it;
+        best = key;
+      }
+    }
+    std::unique_ptr<Job> job = std::move(*next);
+    waiting_.erase(next);
+    ++running_by_tenant[job->tenant()];
+    tenants_.find(job->tenant())->second.last_admission = ++admissions_;
+    job->running = true;
+    running.push_back(std::move(job));
+  }
 }
 
 void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
@@ -414,14 +454,18 @@ void Scheduler::Finish(Job& job, FinishReason reason, const absl::Status& error)
   const int64_t carried = job.had_pending ? 1 : 0;
   job.usage.history_tokens += carried;
   job.usage.prompt_tokens = std::max<int64_t>(0, static_cast<int64_t>(job.fed) - carried);
-  if (job.running) {
-    // Its place in the batch is free before the client hears of the end: a next turn sent at
-    // once is admitted as if the step had already dropped this job. (After a step that did not
-    // fit, the batch grows back one place per job that ends.)
+  {
+    // Its place in the batch, and among its tenant's requests, is free before the client hears
+    // of the end: a next turn sent at once is admitted as if the step had already dropped this
+    // job. (After a step that did not fit, the batch grows back one place per job that ends.)
     absl::MutexLock lock(&mu_);
-    --running_count_;
-    if (batch_cap_ < options_.max_running) ++batch_cap_;
-    job.running = false;
+    if (job.running) {
+      --running_count_;
+      if (batch_cap_ < options_.max_running) ++batch_cap_;
+      job.running = false;
+    }
+    const auto tenant = tenants_.find(job.tenant());
+    if (--tenant->second.in_flight == 0) tenants_.erase(tenant);
   }
   job.state->DropStaged();  // a job that never ran: its staged image goes back now
   job.state = nullptr;

@@ -39,8 +39,17 @@
 // streamed). A deferred job's client sees nothing of it but the wait.
 //
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs would wait
-// ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), before
-// the job has produced anything, so a client may retry. The step thread runs
+// ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), or when
+// its tenant (the session key's, set for one-shot jobs too) already has
+// GenerateJob::tenant_max_requests jobs waiting or running, before the job has produced
+// anything, so a client may retry.
+//
+// Fairness between tenants: a free place in the batch goes to the waiting job, oldest first, of
+// the tenant with the fewest jobs running, and among those the tenant given a place least
+// recently (a tenant with nothing waiting or running starts afresh). So one tenant's burst of
+// requests cannot hold every place while another tenant waits: each tenant with work waiting
+// gets a place in turn as places free, and with one tenant the queue is first come, first
+// served. The step thread runs
 // EngineOptions::decode_nice below the thread that made the scheduler (engine/engine.h), as the
 // engine's kernel threads do, so that on busy cores Submit's callers are served first.
 //
@@ -53,7 +62,9 @@
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -83,11 +94,14 @@ struct Usage {
 };
 
 struct GenerateJob {
-  SessionKey session;           // empty id: one-shot
+  SessionKey session;           // empty id: one-shot (the tenant is still the caller's)
   std::vector<int32_t> prompt;  // at least one token (BOS already added by the caller)
   SamplingParams sampling;      // validated by the caller
   std::vector<std::string> stop_strings;
   absl::Time deadline = absl::InfiniteFuture();
+  // The most jobs of the session's tenant (session.tenant) waiting or running at once, this one
+  // included; nullopt: no limit (TenantLimits::max_requests).
+  std::optional<int64_t> tenant_max_requests;
   // The session's history (position, plus one for a pending token) that the caller read when it
   // decided on BOS and on the limits; -1: not checked. Submit refuses the job when the leased
   // session holds another history (IsSessionChanged), so a decision made from a stale read (a
@@ -190,9 +204,13 @@ class Scheduler {
     const int free_places = std::max(0, BatchLimitLocked() - running_count_);
     return static_cast<int>(waiting_.size()) >= options_.max_waiting + free_places;
   }
-  // Whether a job submitted now may join the queue: UNAVAILABLE while shutting down,
-  // RESOURCE_EXHAUSTED when the queue is full (QueueFullLocked), saying which limit was met.
-  absl::Status AdmissionLocked() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `job` submitted now may join the queue: UNAVAILABLE while shutting down,
+  // RESOURCE_EXHAUSTED when the queue is full (QueueFullLocked) or its tenant has
+  // job.tenant_max_requests in flight, saying which limit was met.
+  absl::Status AdmissionLocked(const GenerateJob& job) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Moves waiting jobs into `running` while the batch has places, in the order of the class
+  // comment (fairness between tenants).
+  void AdmitLocked(std::vector<std::unique_ptr<Job>>& running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Step(std::vector<std::unique_ptr<Job>>& running);
   void Emit(Job& job, int32_t token);
   void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus())
@@ -216,6 +234,15 @@ class Scheduler {
   int64_t fitting_steps_ = 0;
   static constexpr int64_t kCapProbeSteps = 64;
   int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
+  // Each tenant with jobs waiting or running: how many, and the admission (a count of places
+  // given) that last gave it a place in the batch, 0 for none yet. An entry goes with its
+  // tenant's last job (Finish).
+  struct TenantJobs {
+    int64_t in_flight = 0;
+    int64_t last_admission = 0;
+  };
+  std::map<std::string, TenantJobs, std::less<>> tenants_ ABSL_GUARDED_BY(mu_);
+  int64_t admissions_ ABSL_GUARDED_BY(mu_) = 0;
   bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool cancel_all_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;

@@ -295,6 +295,10 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
         options_.queue_full_retry_after);
   }
   const int64_t vocab = deps_.engine.vocab_size();
+  // The caller's tenant, a one-shot job's too: the scheduler counts a tenant's requests
+  // (max_requests) and shares the batch's places between tenants by it.
+  job.session.tenant = std::string(tenant);
+  job.tenant_max_requests = deps_.tenant_limits.For(tenant).max_requests;
 
   // The prompt, before anything that costs more than a check.
   switch (request.prompt_case()) {

@@ -82,9 +82,13 @@ absl::Status ApplyLimits(const json& object, const std::string& path, TenantLimi
       absl::StatusOr<std::optional<int64_t>> limit = ParseLimit(value, field, true);
       if (!limit.ok()) return limit.status();
       limits.max_state_bytes = *limit;
+    } else if (key == "max_requests") {
+      absl::StatusOr<std::optional<int64_t>> limit = ParseLimit(value, field, false);
+      if (!limit.ok()) return limit.status();
+      limits.max_requests = *limit;
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": unknown field (known: max_sessions, max_state_bytes)"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": unknown field (known: max_sessions, max_state_bytes, max_requests)"));
     }
   }
   return absl::OkStatus();

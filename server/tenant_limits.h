@@ -1,10 +1,10 @@
 // Per-tenant limits on sessions and session state, read from a JSON file:
 //
 //   {
-//     "default": {"max_sessions": 100, "max_state_bytes": "64GiB"},
+//     "default": {"max_sessions": 100, "max_state_bytes": "64GiB", "max_requests": 16},
 //     "tenants": {
-//       "research": {"max_sessions": 1000, "max_state_bytes": null},
-//       "trial":    {"max_sessions": 2}
+//       "research": {"max_sessions": 1000, "max_state_bytes": null, "max_requests": 64},
+//       "trial":    {"max_sessions": 2, "max_requests": 1}
 //     }
 //   }
 //
@@ -12,14 +12,15 @@
 // field left out keeps the default's value; null means unlimited). Every field and both sections
 // are optional: without a file, or with "{}", a tenant's sessions are unlimited in number and
 // hold at most kDefaultTenantMaxStateBytes of state ("max_state_bytes": null in "default" lifts
-// it). Counts are integers >= 0; byte
+// it), and its requests in flight are unlimited. Counts are integers >= 0; byte
 // sizes are integers >= 0 or strings of an integer and a unit (B, KB, MB, GB, TB powers of 1000;
 // KiB, MiB, GiB, TiB powers of 1024). Unknown fields are rejected by name, so that a typo does not
 // silently leave a tenant unlimited. Tenant names follow IsValidTenantName (server/auth.h).
 //
 // Enforcement is the service's: it checks what a tenant holds (the store's per-tenant counters,
-// SessionStateStore::Usage()) with TenantLimits::Admit, and a tenant at its limit gets
-// RESOURCE_EXHAUSTED.
+// SessionStateStore::Usage()) with TenantLimits::Admit, and passes max_requests with each
+// Generate to the scheduler, which counts the tenant's requests (GenerateJob::tenant_max_requests,
+// server/scheduler.h); a tenant at a limit gets RESOURCE_EXHAUSTED.
 //
 // Thread-safety: immutable after creation; For() may run concurrently.
 #ifndef SDMSERVE_SERVER_TENANT_LIMITS_H_
@@ -43,6 +44,10 @@ struct TenantLimits {
   std::optional<int64_t> max_sessions;
   // Bytes of session state (Session.state_bytes summed over its sessions); nullopt: unlimited.
   std::optional<int64_t> max_state_bytes;
+  // Generate requests (gRPC and HTTP, on sessions and one-shot) waiting for a place in the batch
+  // or running at once; nullopt: unlimited. Bounds what one tenant's burst takes of the queue
+  // (SchedulerOptions::max_waiting is shared by every tenant).
+  std::optional<int64_t> max_requests;
 
   // OK, or RESOURCE_EXHAUSTED naming `tenant`, what it holds and the limit, when one more
   // session (new_session) or any more state would pass these limits; `sessions` and
@@ -59,9 +64,11 @@ inline constexpr int64_t kDefaultTenantMaxStateBytes = int64_t{64} << 30;
 
 class TenantLimitsConfig {
  public:
-  // Every tenant: any number of sessions, kDefaultTenantMaxStateBytes of state.
+  // Every tenant: any number of sessions and requests, kDefaultTenantMaxStateBytes of state.
   TenantLimitsConfig()
-      : default_{.max_sessions = std::nullopt, .max_state_bytes = kDefaultTenantMaxStateBytes} {}
+      : default_{.max_sessions = std::nullopt,
+                 .max_state_bytes = kDefaultTenantMaxStateBytes,
+                 .max_requests = std::nullopt} {}
 
   // Errors (InvalidArgument, naming the field as in "tenants.trial.max_sessions"): malformed
   // JSON, unknown fields, negative or non-integer values, bad units, bad tenant names.

@@ -991,6 +991,156 @@ TEST_F(SchedulerTest, NoQueueStillAdmitsAJobForEachFreePlace) {
   }
 }
 
+// Records, for the jobs given a name, the order in which their first tokens came.
+class StartOrder {
+ public:
+  void Started(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mu_);
+    names_.push_back(name);
+    cv_.notify_all();
+  }
+  void AwaitStarted(const std::string& name) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return std::find(names_.begin(), names_.end(), name) != names_.end(); });
+  }
+  std::vector<std::string> names() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return names_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<std::string> names_;
+};
+
+class NamedCollector : public Collector {
+ public:
+  NamedCollector(std::string name, std::shared_ptr<StartOrder> order)
+      : name_(std::move(name)), order_(std::move(order)) {}
+  void OnToken(int32_t token, absl::string_view text) override {
+    if (!started_.exchange(true)) order_->Started(name_);
+    Collector::OnToken(token, text);
+  }
+
+ private:
+  const std::string name_;
+  const std::shared_ptr<StartOrder> order_;
+  std::atomic<bool> started_{false};
+};
+
+GenerateJob TenantJob(const std::string& tenant, std::vector<int32_t> prompt, int max_tokens) {
+  GenerateJob j;
+  j.session.tenant = tenant;  // a one-shot job of that tenant
+  j.prompt = std::move(prompt);
+  j.sampling.max_tokens = max_tokens;
+  j.sampling.stop_token_ids = {};
+  return j;
+}
+
+// A place that frees goes to the tenant given a place least recently, not to the oldest job: a
+// tenant that queued first cannot keep another waiting behind its whole burst.
+TEST_F(SchedulerTest, AFreePlaceGoesToTheTenantGivenOneLeastRecently) {
+  UseNoEosModel();  // greedy jobs run to max_tokens, or until cancelled
+  SchedulerOptions o;
+  o.max_running = 1;
+  StartScheduler(o);
+  auto order = std::make_shared<StartOrder>();
+  // Holds the only place until cancelled.
+  auto holder = std::make_shared<NamedCollector>("holder", order);
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("a", Tokens(4, 1), 1'000'000), holder).ok());
+  order->AwaitStarted("holder");
+  std::vector<std::shared_ptr<Collector>> queued;
+  for (const std::string name : {"a1", "a2", "b1"}) {
+    queued.push_back(std::make_shared<NamedCollector>(name, order));
+    ASSERT_TRUE(
+        scheduler_
+            ->Submit(TenantJob(name.substr(0, 1), Tokens(4, 2 + queued.size()), 2), queued.back())
+            .ok());
+  }
+  holder->cancelled.store(true);
+  for (auto& job : queued) {
+    job->Wait();
+    EXPECT_EQ(job->reason, FinishReason::kLength);
+  }
+  // Tenant b had no place yet; a had one (the holder's). Within a tenant, first come first.
+  EXPECT_EQ(order->names(), (std::vector<std::string>{"holder", "b1", "a1", "a2"}));
+  holder->Wait();
+}
+
+// Among tenants waiting, the one holding the fewest places gets the next, even when another
+// tenant's job waited longer.
+TEST_F(SchedulerTest, AFreePlaceGoesToTheTenantHoldingFewestPlaces) {
+  UseNoEosModel();
+  SchedulerOptions o;
+  o.max_running = 2;
+  StartScheduler(o);
+  auto order = std::make_shared<StartOrder>();
+  // b's holder is given a place first, then a's.
+  auto b_holder = std::make_shared<NamedCollector>("b holder", order);
+  auto a_holder = std::make_shared<NamedCollector>("a holder", order);
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("b", Tokens(4, 1), 1'000'000), b_holder).ok());
+  order->AwaitStarted("b holder");
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("a", Tokens(4, 2), 1'000'000), a_holder).ok());
+  order->AwaitStarted("a holder");
+  auto b1 = std::make_shared<NamedCollector>("b1", order);
+  auto a1 = std::make_shared<NamedCollector>("a1", order);
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("b", Tokens(4, 3), 2), b1).ok());
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("a", Tokens(4, 4), 2), a1).ok());
+  // a's place frees: a holds none now and b one, so a1 goes first though b1 waited longer (and
+  // b was given a place less recently). b1 starts only once a1 has ended.
+  a_holder->cancelled.store(true);
+  a1->Wait();
+  b1->Wait();
+  EXPECT_EQ(order->names(), (std::vector<std::string>{"b holder", "a holder", "a1", "b1"}));
+  b_holder->cancelled.store(true);
+  b_holder->Wait();
+  a_holder->Wait();
+}
+
+// GenerateJob::tenant_max_requests counts the tenant's jobs waiting or running, and only its own.
+TEST_F(SchedulerTest, ATenantsRequestsInFlightAreLimited) {
+  UseNoEosModel();
+  SchedulerOptions o;
+  o.max_running = 1;
+  StartScheduler(o);
+  auto limited = [](const std::string& tenant, uint32_t seed, int max_tokens) {
+    GenerateJob job = TenantJob(tenant, Tokens(4, seed), max_tokens);
+    job.tenant_max_requests = 2;
+    return job;
+  };
+  auto running = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(limited("a", 1, 1'000'000), running).ok());
+  auto waiting = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(limited("a", 2, 2), waiting).ok());
+  auto third = std::make_shared<Collector>();
+  const absl::Status refused = scheduler_->Submit(limited("a", 3, 2), third);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(std::string(refused.message()),
+            "tenant 'a' has 2 requests waiting or running, its limit (max_requests 2); retry when "
+            "one has finished");
+  // Another tenant's count is its own; a job without the limit is not held to it.
+  auto other = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(limited("b", 4, 2), other).ok());
+  auto unlimited = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("a", Tokens(4, 5), 2), unlimited).ok());
+  // A waiting job that ends frees its tenant's count before its client hears of it.
+  waiting->cancelled.store(true);
+  waiting->Wait();
+  EXPECT_EQ(waiting->reason, FinishReason::kCancelled);
+  auto again = std::make_shared<Collector>();
+  EXPECT_EQ(scheduler_->Submit(limited("a", 6, 2), again).code(),
+            absl::StatusCode::kResourceExhausted)
+      << "the unlimited job still counts among a's requests";
+  unlimited->cancelled.store(true);
+  unlimited->Wait();
+  ASSERT_TRUE(scheduler_->Submit(limited("a", 6, 2), again).ok());
+  running->cancelled.store(true);
+  for (auto& job : {running, other, again}) job->Wait();
+  EXPECT_EQ(other->reason, FinishReason::kLength);
+  EXPECT_EQ(again->reason, FinishReason::kLength);
+}
+
 TEST_F(SchedulerTest, TheStepThreadRunsAtTheEnginesDecodeNice) {
   const int before = CurrentThreadNice();
   for (int decode_nice : {0, 6}) {

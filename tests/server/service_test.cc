@@ -1347,6 +1347,46 @@ TEST_F(ServiceTest, TenantsAreIsolatedAndLimited) {
   EXPECT_TRUE(Generate(*s.stub, TextRequest("one-shot", 2), {.api_key = c}).status.ok());
 }
 
+// max_requests bounds a tenant's Generate calls waiting or running, one-shot ones included; the
+// refusal comes before any response, with the queue's retry hint; other tenants are not held to
+// it.
+TEST_F(ServiceTest, ATenantsRequestsInFlightAreLimited) {
+  ServerOptions o = Options();
+  o.api_keys_file = dir_.path() / "keys.txt";
+  WriteFile(o.api_keys_file,
+            "sk-aaaaaaaaaaaaaaaaaaaa tenant-a\n"
+            "sk-bbbbbbbbbbbbbbbbbbbb tenant-b\n");
+  o.tenant_limits_file = dir_.path() / "limits.json";
+  WriteFile(o.tenant_limits_file, R"({"default": {"max_requests": 1}})");
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const std::string a = "sk-aaaaaaaaaaaaaaaaaaaa", b = "sk-bbbbbbbbbbbbbbbbbbbb";
+  grpc::ClientContext running_context;
+  Prepare(running_context, {.api_key = a});
+  auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000));
+  v1::GenerateResponse chunk;
+  ASSERT_TRUE(running->Read(&chunk));
+  const Completion refused = Generate(*s.stub, TextRequest("refused", 4), {.api_key = a});
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(refused.status.error_message(),
+              ::testing::HasSubstr("tenant 'tenant-a' has 1 requests waiting or running, its "
+                                   "limit (max_requests 1)"));
+  EXPECT_EQ(refused.chunks, 0);
+  ASSERT_EQ(refused.trailers.count(kRetryPushbackKey), 1u);
+  EXPECT_EQ(refused.trailers.find(kRetryPushbackKey)->second, "1000");
+  const Completion other = Generate(*s.stub, TextRequest("other", 4), {.api_key = b});
+  EXPECT_TRUE(other.status.ok()) << other.status.error_message();
+  running_context.TryCancel();
+  while (running->Read(&chunk)) {
+  }
+  EXPECT_EQ(running->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  ASSERT_TRUE(Eventually([&] {
+    return MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_running") == 0;
+  }));
+  const Completion after = Generate(*s.stub, TextRequest("after", 4), {.api_key = a});
+  EXPECT_TRUE(after.status.ok()) << after.status.error_message();
+}
+
 TEST_F(ServiceTest, TlsWhenACertificateIsConfigured) {
   const std::filesystem::path cert = dir_.path() / "cert.pem", key = dir_.path() / "key.pem";
   const std::string command = absl::StrCat(

@@ -24,7 +24,8 @@ TenantLimitsConfig Parse(const std::string& json) {
 }
 
 TEST(TenantLimitsTest, StateBytesAreLimitedByDefault) {
-  const TenantLimits built_in = {.max_sessions = std::nullopt, .max_state_bytes = 64 * kGiB};
+  const TenantLimits built_in = {
+      .max_sessions = std::nullopt, .max_state_bytes = 64 * kGiB, .max_requests = std::nullopt};
   EXPECT_EQ(kDefaultTenantMaxStateBytes, 64 * kGiB);
   EXPECT_EQ(TenantLimitsConfig().For("anyone"), built_in);
   EXPECT_EQ(Parse("{}").For("anyone"), built_in);
@@ -43,13 +44,18 @@ TEST(TenantLimitsTest, StateBytesAreLimitedByDefault) {
 
 TEST(TenantLimitsTest, TenantEntriesOverrideTheDefaultFieldByField) {
   const TenantLimitsConfig config = Parse(R"({
-    "default": {"max_sessions": 100, "max_state_bytes": "64GiB"},
+    "default": {"max_sessions": 100, "max_state_bytes": "64GiB", "max_requests": 8},
     "tenants": {
-      "research": {"max_sessions": 1000, "max_state_bytes": null},
-      "trial": {"max_sessions": 2},
+      "research": {"max_sessions": 1000, "max_state_bytes": null, "max_requests": null},
+      "trial": {"max_sessions": 2, "max_requests": 1},
       "frozen": {"max_sessions": 0}
     }
   })");
+  EXPECT_EQ(config.For("someone").max_requests, 8);
+  EXPECT_EQ(config.For("research").max_requests, std::nullopt);  // null: unlimited
+  EXPECT_EQ(config.For("trial").max_requests, 1);
+  EXPECT_EQ(config.For("frozen").max_requests, 8);                  // left out: the default's
+  EXPECT_EQ(Parse("{}").For("anyone").max_requests, std::nullopt);  // unlimited without a file
   EXPECT_EQ(config.For("someone").max_sessions, 100);
   EXPECT_EQ(config.For("someone").max_state_bytes, 64 * kGiB);
   EXPECT_EQ(config.For("research").max_sessions, 1000);
@@ -111,6 +117,10 @@ TEST(TenantLimitsTest, ErrorsNameTheField) {
                "default.max_sessions: must be an integer");
   expect_error(R"({"default": {"max_state_bytes": "lots"}})", "default.max_state_bytes:");
   expect_error(R"({"default": {"max_state_bytes": true}})", "default.max_state_bytes: expected");
+  expect_error(R"({"default": {"max_requests": -1}})", "default.max_requests: must be an integer");
+  expect_error(R"({"default": {"max_requests": "5GiB"}})", "default.max_requests: expected");
+  expect_error(R"({"default": {"max_request": 3}})",
+               "unknown field (known: max_sessions, max_state_bytes, max_requests)");
   expect_error(R"({"default": 5})", "default: expected an object");
   expect_error(R"({"tenants": []})", "tenants: expected an object");
   expect_error(R"({"tenants": {"bad name": {}}})", "'bad name' is not a tenant name");
