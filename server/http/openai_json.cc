@@ -207,6 +207,12 @@ std::vector<size_t> LoneSurrogateEscapes(absl::string_view body) {
   return out;
 }
 
+// Whether `body`'s `field` is the string `choice`.
+bool ChoiceIs(const Json& body, const char* field, const char* choice) {
+  const Json* v = Field(body, field);
+  return v != nullptr && *v == choice;
+}
+
 // OpenAI fields this server does not implement are refused when they ask for something: a client
 // that asked for log-probabilities or an echoed prompt must not read a response without them as
 // if it had them. Their "off" values (null, false, 0; best_of 1; response_format "text"; an empty
@@ -218,6 +224,7 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
     return (v.is_boolean() && !v.get<bool>()) || (v.is_number() && v.get<double>() == 0);
   };
   const auto never = [](const Json&) { return false; };  // null is off: the field is absent
+  const auto is_empty_array = [](const Json& v) { return v.is_array() && v.empty(); };
   struct Unimplemented {
     const char* field;
     const char* what;
@@ -236,6 +243,28 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
        [](const Json& v) { return v.is_string() && v.get<std::string>().empty(); }},
       {"response_format", "it has no JSON or schema-constrained output",
        [](const Json& v) { return v.is_object() && v.value("type", Json()) == "text"; }},
+      // Tools (and the deprecated functions) are off when none are given or the choice is
+      // "none"; "auto" without tools asks for nothing.
+      {"tools", "it does not call tools",
+       [&body, is_empty_array](const Json& v) {
+         return is_empty_array(v) || ChoiceIs(body, "tool_choice", "none");
+       }},
+      {"tool_choice", "it does not call tools",
+       [](const Json& v) { return v == "none" || v == "auto"; }},
+      {"functions", "it does not call functions",
+       [&body, is_empty_array](const Json& v) {
+         return is_empty_array(v) || ChoiceIs(body, "function_call", "none");
+       }},
+      {"function_call", "it does not call functions",
+       [](const Json& v) { return v == "none" || v == "auto"; }},
+      {"presence_penalty", "it applies no repetition penalties", is_false_or_zero},
+      {"frequency_penalty", "it applies no repetition penalties", is_false_or_zero},
+      {"logit_bias", "it does not bias tokens",
+       [](const Json& v) { return v.is_object() && v.empty(); }},
+      {"modalities", "it generates text only",
+       [](const Json& v) { return v == Json::array({"text"}); }},
+      {"audio", "it generates text only", never},
+      {"prediction", "it does not take predicted outputs", never},
   };
   for (const Unimplemented& u : fields) {
     const Json* v = Field(body, u.field);

@@ -41,6 +41,10 @@ using Json = nlohmann::json;
 using ::testing::HasSubstr;
 using ::testing::Not;
 
+// A tool as OpenAI's chat API takes it (its "function" part is a deprecated `functions` entry).
+const Json kWeatherTool = Json::parse(R"({"type": "function", "function": {"name": "weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}})");
+
 class OpenAiHttpTest : public ::testing::Test {
  protected:
   ServerOptions Options() const {
@@ -558,6 +562,12 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
     j[key] = value;
     return j.dump();
   };
+  // A body with two fields set.
+  const auto with2 = [&with](Json j, const std::string& key, const Json& value,
+                             const std::string& key2, const Json& value2) {
+    j[key] = value;
+    return with(j, key2, value2);
+  };
   const std::vector<Case> cases = {
       {"/v1/completions", "{\"prompt\": \"x\",", 400, "not valid JSON"},
       {"/v1/completions", "[1, 2]", 400, "JSON object"},
@@ -612,6 +622,30 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/chat/completions", with(chat, "top_logprobs", 2), 400, "'top_logprobs'"},
       {"/v1/chat/completions", with(chat, "response_format", {{"type", "json_object"}}), 400,
        "'response_format' is not supported"},
+      // An agent given tools must not take text for a reply that chose no tool.
+      {"/v1/chat/completions", with(chat, "tools", Json::array({kWeatherTool})), 400,
+       "'tools' is not supported by this server (it does not call tools)"},
+      {"/v1/chat/completions",
+       with2(chat, "tools", Json::array({kWeatherTool}), "tool_choice", "auto"), 400,
+       "'tools' is not supported"},
+      {"/v1/chat/completions", with(chat, "tool_choice", "required"), 400,
+       "'tool_choice' is not supported"},
+      {"/v1/chat/completions", with(chat, "functions", Json::array({kWeatherTool["function"]})),
+       400, "'functions' is not supported"},
+      {"/v1/chat/completions", with(chat, "function_call", {{"name", "weather"}}), 400,
+       "'function_call' is not supported"},
+      {"/v1/completions", with(good, "presence_penalty", 0.5), 400,
+       "'presence_penalty' is not supported by this server (it applies no repetition penalties)"},
+      {"/v1/chat/completions", with(chat, "frequency_penalty", -1), 400,
+       "'frequency_penalty' is not supported"},
+      {"/v1/completions", with(good, "logit_bias", {{"50", -100}}), 400,
+       "'logit_bias' is not supported"},
+      {"/v1/chat/completions", with(chat, "modalities", {"text", "audio"}), 400,
+       "'modalities' is not supported"},
+      {"/v1/chat/completions", with(chat, "audio", {{"voice", "alloy"}, {"format", "wav"}}), 400,
+       "'audio' is not supported"},
+      {"/v1/chat/completions", with(chat, "prediction", {{"type", "content"}, {"content", "x"}}),
+       400, "'prediction' is not supported"},
       // The chat template's stop string counts towards the 16.
       {"/v1/chat/completions", with(chat, "stop", Json(std::vector<std::string>(16, "z"))), 400,
        "with the chat template's 1 at most 15"},
@@ -657,6 +691,17 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
     EXPECT_EQ(Call(port, "POST", "/v1/completions", with(good, field, value)).status, 200);
   }
   EXPECT_EQ(Call(port, "POST", "/v1/chat/completions", with(chat, "logprobs", false)).status, 200);
+  for (const std::string& off :
+       {with(chat, "tools", Json::array()),
+        with2(chat, "tools", Json::array({kWeatherTool}), "tool_choice", "none"),
+        with(chat, "tool_choice", "auto"),
+        with2(chat, "functions", Json::array({kWeatherTool["function"]}), "function_call", "none"),
+        with(chat, "presence_penalty", 0), with(chat, "frequency_penalty", 0.0),
+        with(chat, "logit_bias", Json::object()), with(chat, "modalities", {"text"}),
+        with(chat, "audio", nullptr)}) {
+    SCOPED_TRACE(off);
+    EXPECT_EQ(Call(port, "POST", "/v1/chat/completions", off).status, 200);
+  }
   EXPECT_EQ(Call(port, "POST", "/v1/chat/completions",
                  with(chat, "stop", Json(std::vector<std::string>(15, "z"))))
                 .status,
