@@ -117,6 +117,17 @@ class HttpJob final : public JobObserver {
                              },
                              this),
                          timeout);
+    return TakeLocked();
+  }
+  // Waits up to `timeout` for the end, and takes what is there.
+  Taken TakeEnd(absl::Duration timeout) {
+    absl::MutexLock lock(&mu_);
+    mu_.AwaitWithTimeout(absl::Condition(&done_), timeout);
+    return TakeLocked();
+  }
+
+ private:
+  Taken TakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Taken out;
     out.text = std::move(text_);
     text_.clear();
@@ -127,7 +138,6 @@ class HttpJob final : public JobObserver {
     return out;
   }
 
- private:
   void Append(absl::string_view text) {
     if (text.empty()) return;
     absl::MutexLock lock(&mu_);
@@ -460,12 +470,57 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     return refuse(submitted.status());
   }
 
-  // Accepted: from here on the status is 200 and the body carries what happens.
   const std::string id = RandomId(endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-");
   const int64_t created = absl::ToUnixSeconds(absl::Now());
   const bool stream = request->stream;
   const bool include_usage = request->include_usage;
   const std::string session_id = request->session_id;
+  const std::string model = model_name_;
+  // A session's history after the request (as GET /v1/sessions/{id} reports it), or null.
+  const auto session_json = [session_id](const Usage& u) {
+    if (session_id.empty()) return Json(nullptr);
+    return Json{{"id", session_id},
+                {"position", u.history_tokens + u.prompt_tokens + u.generated_tokens}};
+  };
+  // A non-streaming response, whole.
+  const auto whole_body = [=](const HttpJob::Taken& t, const std::string& text) {
+    Json body = CompletionHead(endpoint, /*chunk=*/false, id, created, model);
+    Json c =
+        endpoint == OpenAiEndpoint::kCompletions
+            ? Json{{"index", 0},
+                   {"text", text},
+                   {"logprobs", nullptr},
+                   {"finish_reason", FinishReasonOf(t.reason)}}
+            : Json{{"index", 0},
+                   {"message", {{"role", "assistant"}, {"content", text}, {"refusal", nullptr}}},
+                   {"logprobs", nullptr},
+                   {"finish_reason", FinishReasonOf(t.reason)}};
+    body["choices"] = Json::array({std::move(c)});
+    body["usage"] =
+        UsageJson(t.usage.prompt_tokens, t.usage.generated_tokens, t.usage.history_tokens);
+    if (const Json session = session_json(t.usage); !session.is_null()) body["session"] = session;
+    return Dump(body);
+  };
+  // A non-streaming request that ends within status_wait is answered whole, with its own status:
+  // an error after admission (a step that did not fit, a turn whose write failed) is then an
+  // HTTP error the SDKs raise, not a 200 whose body they take for a completion.
+  std::string text_so_far;
+  if (!stream) {
+    HttpJob::Taken t = observer->TakeEnd(options_.status_wait);
+    if (t.done) {
+      const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
+      service_.RecordRequest(method, status.code(), start);
+      owner_.active_generations_.fetch_sub(1);
+      if (!status.ok()) return SendError(res, status);
+      if (!session_id.empty()) res.set_header("X-Session-Id", session_id);
+      res.status = 200;
+      res.set_content(whole_body(t, t.text), kJsonContentType);
+      return;
+    }
+    text_so_far = std::move(t.text);
+  }
+
+  // From here on the status is 200 and the body carries what happens.
   res.status = 200;
   if (!session_id.empty()) res.set_header("X-Session-Id", session_id);
   if (stream) {
@@ -481,7 +536,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     std::string text;  // non-streaming: everything generated
   };
   auto state = std::make_shared<StreamState>();
-  const std::string model = model_name_;
+  state->text = std::move(text_so_far);
   const absl::Duration heartbeat = options_.heartbeat;
   SdmServiceImpl* const service = &service_;
   OpenAiServer* const owner = &owner_;
@@ -546,12 +601,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     service->RecordRequest(method, status.code(), start);
     state->recorded = true;
     const Json usage = UsageJson(u.prompt_tokens, u.generated_tokens, u.history_tokens);
-    Json session = nullptr;
-    if (!session_id.empty()) {
-      // The session's history after this request (as GET /v1/sessions/{id} reports it).
-      session = Json{{"id", session_id},
-                     {"position", u.history_tokens + u.prompt_tokens + u.generated_tokens}};
-    }
+    const Json session = session_json(u);
     if (!status.ok()) {
       const std::string body = ToHttpError(status).body;
       write(stream ? absl::StrCat("data: ", body, "\n\n") : body);
@@ -562,20 +612,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
       if (include_usage && !event(chunk(nullptr, &usage))) return false;
       if (!write("data: [DONE]\n\n")) return false;
     } else {
-      Json body = CompletionHead(endpoint, /*chunk=*/false, id, created, model);
-      Json c = endpoint == OpenAiEndpoint::kCompletions
-                   ? Json{{"index", 0},
-                          {"text", state->text},
-                          {"logprobs", nullptr},
-                          {"finish_reason", FinishReasonOf(t.reason)}}
-                   : Json{{"index", 0},
-                          {"message", {{"role", "assistant"}, {"content", state->text}}},
-                          {"logprobs", nullptr},
-                          {"finish_reason", FinishReasonOf(t.reason)}};
-      body["choices"] = Json::array({std::move(c)});
-      body["usage"] = usage;
-      if (!session.is_null()) body["session"] = session;
-      if (!write(Dump(body))) return false;
+      if (!write(whole_body(t, state->text))) return false;
     }
     state->finished = true;
     sink.done();

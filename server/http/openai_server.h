@@ -13,7 +13,9 @@
 // other path 404.
 //
 // Generation: the response is sent with chunked transfer encoding once the job has been
-// accepted by the scheduler (refusals before that get their own status). Tokens reach the
+// accepted by the scheduler (refusals before that get their own status), or for a non-streaming
+// request once it has run `status_wait` (one that ends sooner is answered whole, with its
+// status: an error's too). Tokens reach the
 // connection's thread through a queue the step thread never waits on: text not yet written is
 // merged, so a slow reader gets fewer, larger chunks. While there is nothing to send, a stream
 // writes an SSE comment (": keep-alive") and a non-streaming response a space (JSON allows
@@ -90,6 +92,10 @@ struct OpenAiServerOptions {
   ConnectionPoolOptions pool;
   // How often an idle response is written to, to notice a client that went away.
   absl::Duration heartbeat = absl::Milliseconds(250);
+  // How long a non-streaming response waits for its job to end before it starts (status line
+  // and heartbeats): one that ends within it is answered whole, with its own status, an error's
+  // included. A client that leaves meanwhile is noticed once it is over.
+  absl::Duration status_wait = absl::Seconds(2);
 };
 
 class OpenAiServer {

@@ -108,6 +108,8 @@ testing::Served ServeThrough(const ScopedTempDir& state, FaultInjectionFiles& fi
   options.store.files = &files;
   options.http.port = 0;
   options.http.host = "127.0.0.1";
+  // A non-streaming HTTP turn is answered whole, with its own status, however slow the machine.
+  options.http.status_wait = absl::Minutes(5);
   return testing::Serve(options);
 }
 
@@ -169,7 +171,17 @@ TEST(ServerDurabilityTest, FailedWritesDegradeHealthUntilTheDiskComesBack) {
   EXPECT_NE(streamed->body.find("\"text\""), std::string::npos) << streamed->body;
   EXPECT_EQ(streamed->body.find("[DONE]"), std::string::npos) << streamed->body;
   ExpectNotSaved(absl::string_view(streamed->body).substr(error_event));
-  EXPECT_GT(Position(*s.stub, "a"), after_turn);
+  const int64_t after_streamed = Position(*s.stub, "a");
+  EXPECT_GT(after_streamed, after_turn);
+  // Not streamed, a turn that ends within the response's status wait is answered with its error's
+  // status (it was a 200 whose body was the error, which OpenAI's SDKs take for a completion).
+  const httplib::Result whole =
+      api.Post("/v1/completions", R"({"prompt": "hi", "max_tokens": 2, "session_id": "a"})",
+               "application/json");
+  ASSERT_TRUE(whole);
+  EXPECT_EQ(whole->status, 503) << whole->body;
+  ExpectNotSaved(whole->body);
+  EXPECT_GT(Position(*s.stub, "a"), after_streamed);
 
   files.ClearFaults();
   ASSERT_TRUE(Eventually([&] {

@@ -372,6 +372,9 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   ASSERT_EQ(whole.status, 200) << whole.raw;
   EXPECT_EQ(whole.body["object"], "chat.completion");
   EXPECT_EQ(whole.body["choices"][0]["message"]["role"], "assistant");
+  // OpenAI's message has a refusal, required and null when the model did not refuse.
+  ASSERT_TRUE(whole.body["choices"][0]["message"].contains("refusal")) << whole.raw;
+  EXPECT_TRUE(whole.body["choices"][0]["message"]["refusal"].is_null());
   v1::GenerateRequest rendered = TextRequest("System: Be brief.\nUser: Hello\nAssistant:", 10);
   rendered.mutable_sampling()->set_temperature(0.9);
   rendered.mutable_sampling()->set_top_p(0.95);
