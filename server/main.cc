@@ -209,6 +209,9 @@ ABSL_FLAG(int64_t, max_prompt_tokens, sdm::ServiceOptions{}.max_prompt_tokens,
           "Longest prompt accepted, in tokens including an added BOS (INVALID_ARGUMENT above).");
 ABSL_FLAG(int64_t, max_tokens_limit, sdm::ServiceOptions{}.max_tokens_limit,
           "Largest max_tokens a Generate request may ask for.");
+ABSL_FLAG(int64_t, default_max_tokens, sdm::ServiceOptions{}.default_max_tokens,
+          "max_tokens of a Generate or /v1/completions request that leaves it unset (cut to "
+          "--max_tokens_limit); a chat completion without it runs up to --max_tokens_limit.");
 ABSL_FLAG(int64_t, max_session_tokens, sdm::ServiceOptions{}.max_session_tokens,
           "Longest history a session may reach, in tokens (OUT_OF_RANGE past it; max_tokens is "
           "cut to the room left); 0: no limit; -1: the tokens whose full-attention key/value "
@@ -619,6 +622,7 @@ int main(int argc, char** argv) {
   options.engine.prefill_chunk = absl::GetFlag(FLAGS_prefill_chunk);
   options.service.max_prompt_tokens = absl::GetFlag(FLAGS_max_prompt_tokens);
   options.service.max_tokens_limit = absl::GetFlag(FLAGS_max_tokens_limit);
+  options.service.default_max_tokens = absl::GetFlag(FLAGS_default_max_tokens);
   options.service.max_session_tokens = absl::GetFlag(FLAGS_max_session_tokens);
   options.engine.num_threads = absl::GetFlag(FLAGS_threads);
   options.engine.decode_nice = absl::GetFlag(FLAGS_decode_nice);

@@ -144,8 +144,10 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
     return absl::InvalidArgumentError(
         "max_running and prefill_token_budget must be >= 1, max_waiting >= 0");
   }
-  if (o.service.max_prompt_tokens < 1 || o.service.max_tokens_limit < 1) {
-    return absl::InvalidArgumentError("max_prompt_tokens and max_tokens_limit must be >= 1");
+  if (o.service.max_prompt_tokens < 1 || o.service.max_tokens_limit < 1 ||
+      o.service.default_max_tokens < 1) {
+    return absl::InvalidArgumentError(
+        "max_prompt_tokens, max_tokens_limit and default_max_tokens must be >= 1");
   }
   if (o.service.max_session_tokens < -1) {
     return absl::InvalidArgumentError(

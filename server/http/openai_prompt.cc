@@ -40,7 +40,12 @@ absl::Status PrepareOpenAiJob(SdmServiceImpl& service, absl::string_view tenant,
                      prompt.stop.size(), " at most ",
                      kMaxStopStrings - static_cast<int>(prompt.stop.size()), " are allowed"));
   }
-  const v1::GenerateRequest generate = ToGenerateRequest(request, prompt.text, prompt.stop);
+  v1::GenerateRequest generate = ToGenerateRequest(request, prompt.text, prompt.stop);
+  if (request.endpoint == OpenAiEndpoint::kChatCompletions && !request.max_tokens.has_value()) {
+    // OpenAI's chat API has no default: a reply runs until it ends by itself, up to this
+    // server's limit (cut to the session's room, as every max_tokens is).
+    generate.mutable_sampling()->set_max_tokens(service.model_info().max_tokens_limit());
+  }
   SDM_RETURN_IF_ERROR(service.PrepareGenerate(tenant, absl::InfiniteFuture(), generate, job));
   if (prompt.history >= 0 && prompt.history != job.expected_history) {
     return SessionChangedError(request.session_id, prompt.history, job.expected_history);

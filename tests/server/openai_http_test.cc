@@ -1298,6 +1298,36 @@ TEST_F(OpenAiHttpTest, WhatNoRouteTakesIsARequestErrorInOpenAisShape) {
   }
 }
 
+// A chat completion without max_tokens runs until it ends by itself, up to the server's limit
+// (OpenAI's chat API has no default); a completion's default is the server's, as gRPC's.
+TEST_F(OpenAiHttpTest, AChatCompletionWithoutMaxTokensRunsUpToTheLimit) {
+  ServerOptions o = Options();
+  o.service.max_tokens_limit = 300;  // past the default of 256
+  o.service.default_max_tokens = 5;
+  o.service.max_session_tokens = 0;  // no room to cut it to
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  // The no-EOS model: only max_tokens ends them.
+  const Reply chat = Post(port, "/v1/chat/completions",
+                          {{"messages", {{{"role", "user"}, {"content", "go"}}}},
+                           {"temperature", 0},
+                           {"stop", Json::array()}});
+  ASSERT_EQ(chat.status, 200) << chat.raw;
+  EXPECT_EQ(chat.body["usage"]["completion_tokens"], 300) << chat.raw;
+  EXPECT_EQ(chat.body["choices"][0]["finish_reason"], "length");
+  const Reply completion = Post(port, "/v1/completions", {{"prompt", "go"}, {"temperature", 0}});
+  ASSERT_EQ(completion.status, 200) << completion.raw;
+  EXPECT_EQ(completion.body["usage"]["completion_tokens"], 5) << completion.raw;
+  // Asked for, max_tokens is what it says.
+  const Reply asked = Post(port, "/v1/chat/completions",
+                           {{"messages", {{{"role", "user"}, {"content", "go"}}}},
+                            {"temperature", 0},
+                            {"max_tokens", 7}});
+  ASSERT_EQ(asked.status, 200) << asked.raw;
+  EXPECT_EQ(asked.body["usage"]["completion_tokens"], 7) << asked.raw;
+}
+
 // Sampling as OpenAI's API: without a seed each request samples afresh; with one it is
 // reproducible; top_p 0 keeps only the most probable token (so it samples greedily).
 TEST_F(OpenAiHttpTest, WithoutASeedEachRequestSamplesAfresh) {
