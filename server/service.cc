@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -21,6 +22,9 @@
 
 namespace sdm {
 namespace {
+
+// Marks ContextTooLong's statuses.
+constexpr absl::string_view kContextTooLongPayload = "sdmserve/context-too-long";
 
 void SetTimestamp(absl::Time t, google::protobuf::Timestamp& out) {
   const int64_t ns = absl::ToUnixNanos(t);
@@ -319,10 +323,12 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
         }
       }
       if (static_cast<int64_t>(ids.size()) > options_.max_prompt_tokens) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "the prompt has ", ids.size(), " tokens; this server accepts at most ",
+        return ContextTooLong(absl::InvalidArgumentError(absl::StrCat(
+            "the prompt has ", ids.size(),
+            " tokens, more than this server's maximum context length for a prompt (",
             options_.max_prompt_tokens,
-            " (ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in parts"));
+            " tokens, ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
+            "parts")));
       }
       break;
     }
@@ -396,11 +402,11 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
     return absl::InvalidArgumentError("the prompt's text encodes to no tokens");
   }
   if (static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the prompt has ", prompt.size(), " tokens", add_bos ? " with BOS" : "",
-                     "; this server accepts at most ", options_.max_prompt_tokens,
-                     " (ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
-                     "parts"));
+    return ContextTooLong(absl::InvalidArgumentError(absl::StrCat(
+        "the prompt has ", prompt.size(), " tokens", add_bos ? " with BOS" : "",
+        ", more than this server's maximum context length for a prompt (",
+        options_.max_prompt_tokens,
+        " tokens, ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in parts")));
   }
   if (absl::Status s = FitInSession(request.session_id(), history, prompt.size(), job.sampling);
       !s.ok()) {
@@ -435,13 +441,22 @@ absl::Status SdmServiceImpl::FitInSession(absl::string_view session_id, int64_t 
     const std::string whose =
         session_id.empty() ? std::string("a one-shot request")
                            : absl::StrCat("session '", session_id, "' (", history, " tokens)");
-    return absl::OutOfRangeError(absl::StrCat(
+    return ContextTooLong(absl::OutOfRangeError(absl::StrCat(
         "the prompt's ", prompt_tokens, " tokens leave no room in ", whose,
-        " under this server's limit of ", limit,
-        " tokens of history per session (ModelInfo.max_session_tokens): start a new session"));
+        " under this server's maximum context length of ", limit,
+        " tokens of history per session (ModelInfo.max_session_tokens): start a new session")));
   }
   sampling.max_tokens = std::min(sampling.max_tokens, room);  // ends with FINISH_REASON_LENGTH
   return absl::OkStatus();
+}
+
+absl::Status ContextTooLong(absl::Status status) {
+  status.SetPayload(kContextTooLongPayload, absl::Cord("1"));
+  return status;
+}
+
+bool IsContextTooLong(const absl::Status& status) {
+  return status.GetPayload(kContextTooLongPayload).has_value();
 }
 
 absl::Status RetryWhileSessionChanged(absl::FunctionRef<absl::Status()> attempt) {

@@ -108,6 +108,13 @@ inline constexpr int kGenerateAttempts = 3;
 // IsSessionChanged, at most kGenerateAttempts times in all; returns its last status.
 absl::Status RetryWhileSessionChanged(absl::FunctionRef<absl::Status()> attempt);
 
+// A Generate refused because its prompt does not fit this server's context limits: a prompt over
+// max_prompt_tokens (INVALID_ARGUMENT), or one that leaves no room in its session under
+// max_session_tokens (OUT_OF_RANGE). Marked so that IsContextTooLong recognises it (the HTTP API
+// answers it as OpenAI's context_length_exceeded, which clients trim their history on).
+absl::Status ContextTooLong(absl::Status status);
+bool IsContextTooLong(const absl::Status& status);
+
 struct ServiceDeps {
   const Model& model;
   const Engine& engine;

@@ -67,23 +67,24 @@ absl::string_view TypeOf(int http_status) {
 
 }  // namespace
 
-std::string ErrorBody(int http_status, absl::string_view message, absl::string_view code) {
+std::string ErrorBody(int http_status, absl::string_view message, absl::string_view code,
+                      absl::string_view param) {
   nlohmann::json error = {
       {"message", std::string(message)},
       {"type", std::string(TypeOf(http_status))},
-      {"param", nullptr},
+      {"param", param.empty() ? nlohmann::json(nullptr) : nlohmann::json(std::string(param))},
       {"code", code.empty() ? nlohmann::json(nullptr) : nlohmann::json(std::string(code))}};
   return nlohmann::json{{"error", std::move(error)}}.dump(-1, ' ', false,
                                                           nlohmann::json::error_handler_t::replace);
 }
 
-HttpError ToHttpError(const absl::Status& status, absl::string_view code) {
+HttpError ToHttpError(const absl::Status& status, absl::string_view code, absl::string_view param) {
   HttpError out;
   out.status = HttpStatusOf(status.code());
   std::string code_name = code.empty()
                               ? absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))
                               : std::string(code);
-  out.body = ErrorBody(out.status, status.message(), code_name);
+  out.body = ErrorBody(out.status, status.message(), code_name, param);
   if (const std::optional<absl::Duration> retry = RetryHint(status)) {  // as gRPC sends it
     out.retry_after_seconds = static_cast<int64_t>(std::ceil(absl::ToDoubleSeconds(*retry)));
   }

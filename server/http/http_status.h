@@ -16,8 +16,9 @@
 // for a request it cannot read) use the same body through ErrorBody(); their type is
 // invalid_request_error for any 4xx without one of its own above, server_error for a 5xx.
 //
-// Body: {"error": {"message": ..., "type": ..., "param": null, "code": ...}}, where code is the
-// status code's name in lower case ("not_found", "resource_exhausted", ...) unless given.
+// Body: {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}, where code is the
+// status code's name in lower case ("not_found", "resource_exhausted", ...) unless given, and
+// param null unless given.
 #ifndef SDMSERVE_SERVER_HTTP_HTTP_STATUS_H_
 #define SDMSERVE_SERVER_HTTP_HTTP_STATUS_H_
 
@@ -37,12 +38,15 @@ struct HttpError {
   std::optional<int64_t> retry_after_seconds;
 };
 
-// `status` must not be OK. `code` overrides the body's code (e.g. "model_not_found").
-HttpError ToHttpError(const absl::Status& status, absl::string_view code = "");
+// `status` must not be OK. `code` overrides the body's code (e.g. "model_not_found"); `param`
+// names the request field at fault (empty: null).
+HttpError ToHttpError(const absl::Status& status, absl::string_view code = "",
+                      absl::string_view param = "");
 
 // OpenAI's error JSON for one HTTP status and message (for errors raised before a Status); an
-// empty `code` is null, as OpenAI's API sends where it has none.
-std::string ErrorBody(int http_status, absl::string_view message, absl::string_view code);
+// empty `code` or `param` is null, as OpenAI's API sends where it has none.
+std::string ErrorBody(int http_status, absl::string_view message, absl::string_view code,
+                      absl::string_view param = "");
 
 }  // namespace sdm
 

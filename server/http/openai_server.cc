@@ -43,8 +43,9 @@ constexpr char kJsonContentType[] = "application/json; charset=utf-8";
 
 std::string Dump(const Json& j) { return j.dump(-1, ' ', false, Json::error_handler_t::replace); }
 
-void SendError(httplib::Response& res, const absl::Status& status, absl::string_view code = "") {
-  const HttpError e = ToHttpError(status, code);
+void SendError(httplib::Response& res, const absl::Status& status, absl::string_view code = "",
+               absl::string_view param = "") {
+  const HttpError e = ToHttpError(status, code, param);
   res.status = e.status;
   if (e.retry_after_seconds.has_value()) {
     res.set_header("Retry-After", absl::StrCat(*e.retry_after_seconds));
@@ -437,6 +438,11 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
       endpoint == OpenAiEndpoint::kCompletions ? "OpenAI.Completions" : "OpenAI.ChatCompletions";
   const auto refuse = [&](const absl::Status& status, absl::string_view code = "") {
     service_.RecordRequest(method, status.code(), start);
+    if (code.empty() && IsContextTooLong(status)) {
+      // OpenAI's code and field for it, which clients trim their history on.
+      return SendError(res, status, "context_length_exceeded",
+                       endpoint == OpenAiEndpoint::kCompletions ? "prompt" : "messages");
+    }
     SendError(res, status, code);
   };
   absl::StatusOr<std::string> tenant = Tenant(req);

@@ -1328,6 +1328,43 @@ TEST_F(OpenAiHttpTest, AChatCompletionWithoutMaxTokensRunsUpToTheLimit) {
   EXPECT_EQ(asked.body["usage"]["completion_tokens"], 7) << asked.raw;
 }
 
+// A prompt past the server's context limits is OpenAI's context_length_exceeded, naming the field
+// (clients trim their history on that code), over max_prompt_tokens or past a session's room.
+TEST_F(OpenAiHttpTest, APromptPastTheContextLimitsIsContextLengthExceeded) {
+  ServerOptions o = Options();  // max_prompt_tokens 256 (TestOptions)
+  o.service.max_session_tokens = 300;
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const auto chat = [](const std::string& content) {
+    return Json{{"messages", {{{"role", "user"}, {"content", content}}}}, {"max_tokens", 2}};
+  };
+  const auto expect_too_long = [](const Reply& r, const std::string& param) {
+    EXPECT_EQ(r.status, 400) << r.raw;
+    EXPECT_EQ(r.body["error"]["code"], "context_length_exceeded") << r.raw;
+    EXPECT_EQ(r.body["error"]["param"], param) << r.raw;
+    EXPECT_EQ(r.body["error"]["type"], "invalid_request_error") << r.raw;
+    EXPECT_THAT(r.body["error"]["message"].get<std::string>(), HasSubstr("maximum context length"));
+  };
+  expect_too_long(Post(port, "/v1/chat/completions", chat(std::string(300, 'a'))), "messages");
+  expect_too_long(
+      Post(port, "/v1/completions", {{"prompt", std::string(300, 'a')}, {"max_tokens", 2}}),
+      "prompt");
+  // A session with 200 tokens of history has no room for 150 more under 300.
+  ASSERT_EQ(Post(port, "/v1/sessions", {{"session_id", "full"}}).status, 200);
+  Json first = chat(std::string(200, 'b'));
+  first["session_id"] = "full";
+  ASSERT_EQ(Post(port, "/v1/chat/completions", first).status, 200);
+  Json next = chat(std::string(150, 'c'));
+  next["session_id"] = "full";
+  expect_too_long(Post(port, "/v1/chat/completions", next), "messages");
+  // Other refusals keep their own code and no param.
+  const Reply other = Post(port, "/v1/chat/completions", {{"messages", "x"}});
+  EXPECT_EQ(other.status, 400);
+  EXPECT_EQ(other.body["error"]["code"], "invalid_argument") << other.raw;
+  EXPECT_TRUE(other.body["error"]["param"].is_null()) << other.raw;
+}
+
 // Sampling as OpenAI's API: without a seed each request samples afresh; with one it is
 // reproducible; top_p 0 keeps only the most probable token (so it samples greedily).
 TEST_F(OpenAiHttpTest, WithoutASeedEachRequestSamplesAfresh) {

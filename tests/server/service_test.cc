@@ -1225,7 +1225,8 @@ TEST_F(ServiceTest, ASessionStopsAtMaxSessionTokens) {
   // The session is full: the next turn is refused, naming the limit, and changes nothing.
   const Completion full = Generate(*s.stub, TextRequest("x", 4, "capped"));
   EXPECT_EQ(full.status.error_code(), grpc::StatusCode::OUT_OF_RANGE);
-  EXPECT_THAT(full.status.error_message(), ::testing::HasSubstr("limit of 20 tokens"));
+  EXPECT_THAT(full.status.error_message(),
+              ::testing::HasSubstr("maximum context length of 20 tokens"));
   EXPECT_THAT(full.status.error_message(), ::testing::HasSubstr("'capped'"));
   EXPECT_EQ(full.chunks, 0);
   v1::Session after;
