@@ -74,6 +74,9 @@ ABSL_FLAG(int, http_max_connections, sdm::OpenAiServerOptions{}.max_connections,
           "max_running + max_waiting + 16 exit after 60 s idle); past it a new connection waits "
           "at most 1 s for one to close, then is answered 503 with Retry-After: 1. Requests are "
           "limited by --max_running and --max_waiting (429 when full), not by this.");
+ABSL_FLAG(std::vector<std::string>, http_cors_origins, sdm::OpenAiServerOptions{}.cors_origins,
+          "Browser origins allowed to call the HTTP API from their pages (CORS), comma-separated, "
+          "each scheme://host[:port] (e.g. https://app.example.com), or * for any; empty: none.");
 ABSL_FLAG(std::string, chat_template, "",
           "JSON chat template file for /v1/chat/completions (docs/api.md); empty: the model "
           "directory's chat_template.json, else the plain-text default.");
@@ -487,6 +490,7 @@ int main(int argc, char** argv) {
   options.http.host = absl::GetFlag(FLAGS_http_host);
   options.http.port = absl::GetFlag(FLAGS_http_port);
   options.http.max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  options.http.cors_origins = absl::GetFlag(FLAGS_http_cors_origins);
   options.http.chat_template_file = absl::GetFlag(FLAGS_chat_template);
   options.store.dir = absl::GetFlag(FLAGS_state_dir);
   options.store.shared_dir = absl::GetFlag(FLAGS_shared_state_dir);

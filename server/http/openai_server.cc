@@ -58,6 +58,26 @@ void SendJson(httplib::Response& res, const Json& body) {
   res.set_content(Dump(body), kJsonContentType);
 }
 
+// Whether `origin` is one CORS origin: "*", or "scheme://host[:port]" with nothing after.
+bool IsCorsOrigin(absl::string_view origin) {
+  if (origin == "*") return true;
+  const size_t scheme_end = origin.find("://");
+  if (scheme_end == absl::string_view::npos || scheme_end == 0) return false;
+  const absl::string_view host = origin.substr(scheme_end + 3);
+  return !host.empty() && host.find_first_of("/?#*, ") == absl::string_view::npos;
+}
+
+// What Access-Control-Allow-Origin says to a request from `origin` (its Origin header): that
+// origin, or "*" where any is allowed; empty when it is not allowed (or there is none).
+std::string AllowedOrigin(const std::vector<std::string>& allowed, const std::string& origin) {
+  if (origin.empty()) return "";
+  for (const std::string& a : allowed) {
+    if (a == "*") return a;
+    if (a == origin) return origin;
+  }
+  return "";
+}
+
 std::string RandomId(absl::string_view prefix) {
   thread_local absl::BitGen gen;
   return absl::StrFormat("%s%016x%08x", prefix, absl::Uniform<uint64_t>(gen),
@@ -644,6 +664,18 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
       res.set_header("Connection", "close");
       return httplib::Server::HandlerResponse::Handled;
     }
+    // A CORS preflight from an allowed origin, for a path the API has (the origin's headers are
+    // added below, as to every response to it).
+    if (req.method == "OPTIONS" && req.has_header("Access-Control-Request-Method") &&
+        !AllowedOrigin(options_.cors_origins, req.get_header_value("Origin")).empty()) {
+      if (const std::vector<std::string> methods = MethodsFor(req.path); !methods.empty()) {
+        res.status = 204;
+        res.set_header("Access-Control-Allow-Methods", absl::StrJoin(methods, ", "));
+        res.set_header("Access-Control-Allow-Headers", "Authorization, Content-Type, X-Session-Id");
+        res.set_header("Access-Control-Max-Age", "600");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+    }
     // A request that no route takes is answered here, before httplib reads its body: httplib
     // answers 400 ("could not be read") to a method it has no table for, and reads the body of a
     // PUT or PATCH without a length until the client closes. Its body, if any, is left unread.
@@ -669,7 +701,14 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
   });
   // Every response that says `Connection: close` ends its connection (EndConnectionAfter), as
   // httplib would not; without the Keep-Alive parameters httplib adds to it.
-  http.set_post_routing_handler([this](const httplib::Request&, httplib::Response& res) {
+  http.set_post_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (const std::string origin =
+            AllowedOrigin(options_.cors_origins, req.get_header_value("Origin"));
+        !origin.empty()) {
+      res.set_header("Access-Control-Allow-Origin", origin);
+      res.set_header("Access-Control-Expose-Headers", "X-Session-Id, Retry-After");
+      if (origin != "*") res.set_header("Vary", "Origin");  // caches keep one answer per origin
+    }
     // Closing (a replica's drain): a kept-alive connection ends with this answer, so that a
     // router's next request opens a new one, refused, and goes to another replica.
     if (owner_.closing() && res.get_header_value("Connection") != "close") {
@@ -859,6 +898,13 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
 absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
     const OpenAiServerOptions& options, SdmServiceImpl& service, const ApiKeyAuthenticator& auth,
     ServerMetrics& metrics, const std::filesystem::path& model_dir, int scheduler_slots) {
+  for (const std::string& origin : options.cors_origins) {
+    if (!IsCorsOrigin(origin)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "CORS origin '", origin,
+          "' is not an origin: expected scheme://host[:port] (e.g. https://app.example.com) or *"));
+    }
+  }
   absl::StatusOr<ChatTemplate> chat_template =
       ChatTemplate::Resolve(options.chat_template_file, model_dir);
   if (!chat_template.ok()) return chat_template.status();

@@ -50,6 +50,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -90,6 +91,14 @@ struct OpenAiServerOptions {
   int max_connections = 1024;
   // The connection threads' timeouts (server/http/connection_pool_options.h).
   ConnectionPoolOptions pool;
+  // Browser origins allowed to call the API from their pages (CORS), each as
+  // "scheme://host[:port]" (what a browser sends in Origin), or "*" for any. A preflight
+  // (OPTIONS) from one is answered 204 naming the path's methods and the headers a client sends
+  // (Authorization, Content-Type, X-Session-Id), and every response to one carries
+  // Access-Control-Allow-Origin (exposing X-Session-Id and Retry-After). Empty: none, and
+  // browsers refuse cross-origin calls (the web console at / is same-origin). Start refuses
+  // anything else (INVALID_ARGUMENT).
+  std::vector<std::string> cors_origins;
   // How often an idle response is written to, to notice a client that went away.
   absl::Duration heartbeat = absl::Milliseconds(250);
   // How long a non-streaming response waits for its job to end before it starts (status line

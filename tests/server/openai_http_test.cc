@@ -1365,6 +1365,75 @@ TEST_F(OpenAiHttpTest, APromptPastTheContextLimitsIsContextLengthExceeded) {
   EXPECT_TRUE(other.body["error"]["param"].is_null()) << other.raw;
 }
 
+// CORS, for browser apps on other origins: off by default; an allowed origin's preflight is 204
+// and its responses carry Access-Control-Allow-Origin; other origins get nothing of it.
+TEST_F(OpenAiHttpTest, BrowserOriginsAreAllowedOnlyWhenConfigured) {
+  const std::string app = "https://app.example.com";
+  const httplib::Headers preflight = {{"Origin", app},
+                                      {"Access-Control-Request-Method", "POST"},
+                                      {"Access-Control-Request-Headers", "authorization"}};
+  const Json body = {{"prompt", "hi"}, {"max_tokens", 2}};
+  {
+    Served s = Serve(Options());  // no origins
+    ASSERT_NE(s.server, nullptr);
+    httplib::Client client = TestHttpClient(s.server->http_port());
+    const httplib::Result options = client.Options("/v1/completions", preflight);
+    ASSERT_TRUE(options);
+    EXPECT_EQ(options->status, 405);
+    EXPECT_FALSE(options->has_header("Access-Control-Allow-Origin"));
+    const httplib::Result post =
+        client.Post("/v1/completions", {{"Origin", app}}, body.dump(), "application/json");
+    ASSERT_TRUE(post);
+    EXPECT_EQ(post->status, 200);
+    EXPECT_FALSE(post->has_header("Access-Control-Allow-Origin"));
+  }
+  for (const std::string& allowed : {app, std::string("*")}) {
+    SCOPED_TRACE(allowed);
+    ServerOptions o = Options();
+    o.http.cors_origins = {"http://localhost:3000", allowed};
+    Served s = Serve(o);
+    ASSERT_NE(s.server, nullptr);
+    httplib::Client client = TestHttpClient(s.server->http_port());
+    const httplib::Result options = client.Options("/v1/completions", preflight);
+    ASSERT_TRUE(options);
+    EXPECT_EQ(options->status, 204);
+    EXPECT_EQ(options->get_header_value("Access-Control-Allow-Origin"), allowed);
+    EXPECT_EQ(options->get_header_value("Access-Control-Allow-Methods"), "POST");
+    EXPECT_THAT(options->get_header_value("Access-Control-Allow-Headers"),
+                HasSubstr("Authorization"));
+    const httplib::Result post =
+        client.Post("/v1/completions", {{"Origin", app}}, body.dump(), "application/json");
+    ASSERT_TRUE(post);
+    EXPECT_EQ(post->status, 200) << post->body;
+    EXPECT_EQ(post->get_header_value("Access-Control-Allow-Origin"), allowed);
+    EXPECT_THAT(post->get_header_value("Access-Control-Expose-Headers"), HasSubstr("X-Session-Id"));
+    // Errors too: a browser app reads why it was refused.
+    const httplib::Result refused =
+        client.Post("/v1/completions", {{"Origin", app}}, R"({"prompt": 5})", "application/json");
+    ASSERT_TRUE(refused);
+    EXPECT_EQ(refused->status, 400);
+    EXPECT_EQ(refused->get_header_value("Access-Control-Allow-Origin"), allowed);
+    if (allowed != "*") {
+      // Another origin: no preflight answer, no header.
+      const httplib::Result other = client.Options(
+          "/v1/completions",
+          {{"Origin", "https://evil.example"}, {"Access-Control-Request-Method", "POST"}});
+      ASSERT_TRUE(other);
+      EXPECT_EQ(other->status, 405);
+      EXPECT_FALSE(other->has_header("Access-Control-Allow-Origin"));
+    }
+  }
+  // What is not an origin is refused at start.
+  for (const std::string bad : {"app.example.com", "https://app.example.com/", "https://*.x.com"}) {
+    ServerOptions o = Options();
+    o.http.cors_origins = {bad};
+    const absl::StatusOr<std::unique_ptr<SdmServer>> server = SdmServer::Start(o);
+    ASSERT_FALSE(server.ok()) << bad;
+    EXPECT_EQ(server.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(server.status().message(), HasSubstr("is not an origin")) << bad;
+  }
+}
+
 // Sampling as OpenAI's API: without a seed each request samples afresh; with one it is
 // reproducible; top_p 0 keeps only the most probable token (so it samples greedily).
 TEST_F(OpenAiHttpTest, WithoutASeedEachRequestSamplesAfresh) {
