@@ -16,7 +16,9 @@ A checkpoint still in the distributed (DCP) format must first be consolidated wi
 reference's `lingua.checkpoint.consolidate_checkpoints(step_dir)`.
 
 OUT_DIR receives
-  * config.json: the params.json `model` section (every field the engine understands is kept,
+  * config.json (written last, after the old one is removed: a conversion interrupted part-way
+    leaves no config, never one that does not belong to the weights): the params.json `model`
+    section (every field the engine understands is kept,
     training-only fields included, so the config round-trips; null ones are dropped, below),
     with vocab_size taken from tok_embeddings when unset, and "tokenizer" built from params.json
     `data.tokenizer`;
@@ -39,9 +41,10 @@ even). Non-floating tensors other than the dropped counters are an error.
 Config keys whose value is null (the reference's "unset", so the default), known to the engine or
 not, are dropped and reported: the engine takes null only for the fields documented "or null" (not,
 say, for sdm_args or multiple_of) and an absent key for all, with the same defaults. Config keys
-the engine does not know: a key whose value is false (a feature that is off), or whose name marks
-it as training-only (logging, init, probing, checkpointing, kernel chunking, dropout), is dropped
-and reported; any other unknown key is an error, because it may change what the model computes.
+the engine does not know: a key whose value is false (a feature that is off; but not a negated
+name such as no_bias or disable_norm, whose false turns a feature on), or whose name marks it as
+training-only (logging, init, probing, checkpointing, kernel chunking, dropout), is dropped and
+reported; any other unknown key is an error, because it may change what the model computes.
 
 Needs torch (CPU) to read the .pth (Debian's python3-torch is enough); nothing else.
 """
@@ -91,6 +94,8 @@ ACCEPTED_SDM_KEYS = {
 TRAINING_ONLY_KEY = re.compile(
     r"^(log_|init_|probe|compile|checkpoint|activation_checkpoint|snapshot_|use_(triton|cuda|"
     r"fused|kernel))|(_init|_init_range|block_size|chunk_size|dropout)$")
+# A negated name ("no_bias", "disable_norm"): false then turns a feature on, so it is not dropped.
+NEGATED_KEY = re.compile(r"^(no|not|disable|disabled|skip|without)_")
 ACTIVATIONS = {"Softmax", "l2_normalize", "Identity", "Sigmoid", "ReLU"}
 
 WRAPPER_COMPONENTS = {"_orig_mod", "module", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"}
@@ -147,7 +152,7 @@ def filter_keys(section: dict, accepted: set, where: str, dropped: List[str]) ->
             dropped.append(f"{where}{key}={json.dumps(value)}")
         elif key in accepted:
             out[key] = value
-        elif value is False or TRAINING_ONLY_KEY.search(key):
+        elif (value is False and not NEGATED_KEY.search(key)) or TRAINING_ONLY_KEY.search(key):
             dropped.append(f"{where}{key}={json.dumps(value)}")
         else:
             raise ConversionError(
@@ -432,12 +437,23 @@ def convert(args) -> dict:
             plan[name] = "BF16" if t.dtype == torch.bfloat16 else "F32"
 
     os.makedirs(out, exist_ok=True)
+    # config.json is written last: it is what makes the directory a model. A re-conversion
+    # (--force) removes the old one first, so that one interrupted part-way leaves files without
+    # a config (refused at load, naming config.json) rather than new weights or a new tokenizer
+    # under the old config.
+    config_path = os.path.join(out, "config.json")
+    if os.path.exists(config_path):
+        os.unlink(config_path)
+        fsync_dir(out)
     nbytes = write_safetensors(os.path.join(out, "model.safetensors"), sd, plan)
-    write_text_atomic(os.path.join(out, "config.json"), json.dumps(cfg, indent=2) + "\n")
     if sp_file:
         tmp = os.path.join(out, "tokenizer.model.tmp")
         shutil.copyfile(sp_file, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, os.path.join(out, "tokenizer.model"))
+    write_text_atomic(config_path, json.dumps(cfg, indent=2) + "\n")
+    fsync_dir(out)  # the renames, durable before the summary says the model is there
 
     n_params = sum(int(sd[n].numel()) for n in expected)
     m0 = sum(int(sd[n].numel()) for n in expected if n.endswith(".attention.memory"))
@@ -450,6 +466,14 @@ def convert(args) -> dict:
         "dropped_tensors": dropped_tensors, "dropped_config_keys": dropped_keys,
     }
     return summary
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_text_atomic(path: str, text: str) -> None:

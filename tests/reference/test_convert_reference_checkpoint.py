@@ -445,6 +445,34 @@ def run_checks(args, work, results):
     check("convert_untied_prefixed_file_path", convert_untied)
     check("convert_untied_engine_vs_reference", lambda: logits_check(args, out_untied, seed=6))
 
+    def interrupted_reconversion():
+        # A --force re-conversion of another model into a directory, interrupted after its
+        # weights: the old config must not be left to describe the new weights.
+        out = os.path.join(work, "out_reconverted")
+        expect_ok(step_dir, out)  # the hybrid model
+
+        def crash(path, text):
+            raise OSError("simulated crash before config.json")
+        real = converter.write_text_atomic
+        converter.write_text_atomic = crash
+        try:
+            rc, text = convert(pth, out, "--force")  # the untied model
+        finally:
+            converter.write_text_atomic = real
+        if rc == 0:
+            raise CheckFailed(f"the interrupted conversion succeeded: {text}")
+        if os.path.exists(os.path.join(out, "config.json")):
+            raise CheckFailed("the old config.json was left beside the new weights")
+        p = subprocess.run([args.sdm_model, "info", out], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, timeout=60)
+        if p.returncode == 0 or "config.json" not in p.stdout + p.stderr:
+            raise CheckFailed(f"loading it did not fail naming config.json: {p.stderr.strip()}")
+        expect_ok(pth, out, "--force")
+        n, _ = check_tensors(out, sd2, "keep", weight_tying=False)
+        engine_accepts(args, out)
+        return "no config left by the interruption; the rerun completes"
+    check("convert_interrupted_reconversion_leaves_no_config", interrupted_reconversion)
+
     # --- 3. SentencePiece tokenizer: the model file is copied. ---
     def sentencepiece():
         spm = os.path.join(work, "spm.model")
@@ -501,6 +529,20 @@ def run_checks(args, work, results):
         return "null keys dropped and reported; sdm-model info accepts both"
     check("convert_null_values_as_defaults", null_values)
 
+    def unknown_off_flag():
+        # An unknown feature flag that is off computes nothing: dropped, and reported.
+        src = write_checkpoint(os.path.join(work, "off_flag"), sd,
+                               params_json(dict(HYBRID_MODEL, use_fancy_feature=False)))
+        out = os.path.join(work, "out_off_flag")
+        text = expect_ok(src, out)
+        with open(os.path.join(out, "config.json")) as f:
+            if "use_fancy_feature" in json.load(f):
+                raise CheckFailed("config.json keeps the unknown flag")
+        if "model.use_fancy_feature=false" not in text:
+            raise CheckFailed(f"the dropped flag is not reported: {text}")
+        return "dropped and reported"
+    check("convert_unknown_false_flag_dropped", unknown_off_flag)
+
     # --- 4. Negative cases. ---
     def neg(name, mutate_sd=None, params=None, must=(), layout="step", model=HYBRID_MODEL):
         def fn():
@@ -530,6 +572,9 @@ def run_checks(args, work, results):
         must=["output.tied_module.weight", "tok_embeddings.weight"])
     bad_model = dict(HYBRID_MODEL, mixer_kind="mamba")
     neg("unknown_config_field", params=params_json(bad_model), must=["mixer_kind"])
+    # false turns a negated feature on: not the "off" that an unknown false key is dropped as.
+    neg("unknown_negated_false_field", params=params_json(dict(HYBRID_MODEL, no_qk_norm=False)),
+        must=["no_qk_norm"])
     bad_sdm = dict(HYBRID_MODEL, sdm_args=dict(HYBRID_MODEL["sdm_args"], read_act="GELU"))
     neg("unknown_activation", params=params_json(bad_sdm), must=["read_act", "GELU"])
     neg("vocab_mismatch", params=params_json(dict(HYBRID_MODEL, vocab_size=300)),
