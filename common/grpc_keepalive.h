@@ -42,6 +42,14 @@ inline constexpr int kKeepaliveTimeoutMs = 10'000;
 inline constexpr int kServerMinPingIntervalMs = 10'000;
 // Strikes before GOAWAY (gRPC's default, stated so that abuse protection stays visible).
 inline constexpr int kServerMaxPingStrikes = 2;
+// The server pings a connection after this long without reading anything, and closes it when
+// the answer takes longer than kServerKeepaliveTimeoutMs (gRPC's defaults: 2 hours, 20 s). So a
+// client that vanished (its host or network gone: no FIN, no RST) has its calls cancelled within
+// about 40 s: its job leaves the batch and its session's lease is free for the client's retry
+// (otherwise "already generating" until the job ran to max_tokens). Clients answer pings
+// without policing them (gRPC polices only the pings a server receives).
+inline constexpr int kServerKeepaliveTimeMs = 30'000;
+inline constexpr int kServerKeepaliveTimeoutMs = 10'000;
 
 // What the client tools set on their channels.
 inline constexpr GrpcIntArg kClientKeepaliveArgs[] = {
@@ -62,6 +70,10 @@ inline constexpr GrpcIntArg kServerKeepaliveArgs[] = {
     // interval, not to 2 hours.
     {GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1},
     {GRPC_ARG_HTTP2_MAX_PING_STRIKES, kServerMaxPingStrikes},
+    // Its own pings (ServerOptions::grpc_keepalive_time and _timeout set the interval) go on
+    // while a stream waits for its first token or a connection is idle: without this, gRPC
+    // sends at most 2 pings until the server writes data again.
+    {GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0},
 };
 
 }  // namespace sdm

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <sstream>
 #include <thread>
@@ -152,6 +153,13 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
   if (o.service.max_session_tokens < -1) {
     return absl::InvalidArgumentError(
         "max_session_tokens must be >= 0 (0: no limit), or -1 (what the memory budget holds)");
+  }
+  for (const absl::Duration keepalive : {o.grpc_keepalive_time, o.grpc_keepalive_timeout}) {
+    if (keepalive < absl::Milliseconds(1) ||
+        keepalive > absl::Milliseconds(std::numeric_limits<int>::max())) {
+      return absl::InvalidArgumentError(
+          "grpc_keepalive_time and grpc_keepalive_timeout must be in [1 ms, 2^31 ms)");
+    }
   }
   if (o.shutdown_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");
@@ -407,6 +415,13 @@ absl::Status SdmServer::Impl::Init() {
   for (const GrpcIntArg& arg : kServerKeepaliveArgs) {
     builder.AddChannelArgument(arg.name, arg.value);
   }
+  // Its own pings find clients that vanished (common/grpc_keepalive.h).
+  builder.AddChannelArgument(
+      GRPC_ARG_KEEPALIVE_TIME_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.grpc_keepalive_time)));
+  builder.AddChannelArgument(
+      GRPC_ARG_KEEPALIVE_TIMEOUT_MS,
+      static_cast<int>(absl::ToInt64Milliseconds(options.grpc_keepalive_timeout)));
   builder.RegisterService(service.get());
   // Requests gRPC cannot parse: INVALID_ARGUMENT with a message, and counted
   // (server/malformed_requests.h).

@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/grpc_keepalive.h"
 #include "engine/engine.h"
 #include "server/cluster/etcd_ownership.h"
 #include "server/http/openai_server.h"
@@ -92,6 +93,11 @@ struct ServerOptions {
   // their calls are cancelled. A stream writes it within a step, so this only bounds a client that
   // does not read; tests on loaded machines raise it.
   absl::Duration final_write_grace = absl::Seconds(5);
+  // The server's keepalive pings on its gRPC connections: after this long without reading
+  // anything, and how long their answer may take before the connection is closed and its calls
+  // cancelled (common/grpc_keepalive.h says why). Tests shorten them.
+  absl::Duration grpc_keepalive_time = absl::Milliseconds(kServerKeepaliveTimeMs);
+  absl::Duration grpc_keepalive_timeout = absl::Milliseconds(kServerKeepaliveTimeoutMs);
 
   // How often at most the heap's free pages go back to the system, and the span whose highest
   // bytes in use the current ones must be near for a trim (base/heap.h, HeapTrimmer,

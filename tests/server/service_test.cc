@@ -1,6 +1,9 @@
 // The gRPC service end to end: SdmServer in-process on 127.0.0.1, a tiny random model written to
 // a temporary directory, the generated stub over a real channel.
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -13,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
@@ -262,6 +266,53 @@ TEST_F(ServiceTest, CancellationMidStreamFreesTheSequence) {
   EXPECT_GE(again.usage.history_tokens(), 3);  // what the cancelled call read and generated
   EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_total",
                             {{"method", "Generate"}, {"code", "CANCELLED"}}, 1));
+}
+
+// A client that stops answering (its host or network gone: here a stopped process, whose
+// kernel still acknowledges TCP but whose gRPC answers no ping) while its call waits for a place
+// in the batch (the server writes nothing to it, so TCP never times out) has the call cancelled
+// by the server's keepalive pings: it leaves the queue and its session is free again. Without
+// the pings it waited for as long as the job ahead of it ran (a million tokens here), and then
+// ran itself, its session "generating" all along.
+TEST_F(ServiceTest, AQueuedCallOfAClientThatStopsAnsweringIsCancelledByTheServersPings) {
+  const std::string client = SDM_BINARY_DIR "/client/sdm-client";
+  if (!std::filesystem::exists(client)) GTEST_SKIP() << client << " is not built";
+  ServerOptions o = Options();
+  o.scheduler.max_running = 1;
+  o.grpc_keepalive_time = absl::Seconds(1);
+  o.grpc_keepalive_timeout = absl::Seconds(1);
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "queued").ok());
+  HeldStream holder(*s.stub);  // the only place in the batch
+  ASSERT_TRUE(holder.running());
+  const std::string host = absl::StrCat("127.0.0.1:", s.server->port());
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int null = ::open("/dev/null", O_WRONLY);
+    ::dup2(null, STDOUT_FILENO);
+    ::dup2(null, STDERR_FILENO);
+    ::execl(client.c_str(), client.c_str(), "--host", host.c_str(), "generate", "--prompt", "go",
+            "--session", "queued", "--max_tokens", "4", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  absl::Cleanup reap = [pid] {
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+  };
+  ASSERT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_waiting", {}, 1))
+      << "the client's call never reached the queue";
+  v1::Session session;
+  ASSERT_TRUE(GetSession(*s.stub, "queued", &session).ok());
+  EXPECT_TRUE(session.generating());  // its turn holds the session while it waits
+  ASSERT_EQ(::kill(pid, SIGSTOP), 0);
+  EXPECT_TRUE(WaitUntilIdle(*s.stub, "queued"))
+      << "the queued call of a client that stopped answering waited on";
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_requests_waiting", {}, 0));
+  ASSERT_TRUE(GetSession(*s.stub, "queued", &session).ok());
+  EXPECT_EQ(session.position(), 0);  // it never ran
 }
 
 TEST_F(ServiceTest, DeadlineExceededFreesTheSequence) {
