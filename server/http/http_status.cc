@@ -81,9 +81,20 @@ std::string ErrorBody(int http_status, absl::string_view message, absl::string_v
 HttpError ToHttpError(const absl::Status& status, absl::string_view code, absl::string_view param) {
   HttpError out;
   out.status = HttpStatusOf(status.code());
-  std::string code_name = code.empty()
-                              ? absl::AsciiStrToLower(absl::StatusCodeToString(status.code()))
-                              : std::string(code);
+  std::string code_name(code);
+  if (code_name.empty()) {
+    // OpenAI's codes where clients look for them; elsewhere the gRPC code's name.
+    switch (status.code()) {
+      case absl::StatusCode::kUnauthenticated:
+        code_name = "invalid_api_key";
+        break;
+      case absl::StatusCode::kResourceExhausted:
+        code_name = "rate_limit_exceeded";
+        break;
+      default:
+        code_name = absl::AsciiStrToLower(absl::StatusCodeToString(status.code()));
+    }
+  }
   out.body = ErrorBody(out.status, status.message(), code_name, param);
   if (const std::optional<absl::Duration> retry = RetryHint(status)) {  // as gRPC sends it
     out.retry_after_seconds = static_cast<int64_t>(std::ceil(absl::ToDoubleSeconds(*retry)));

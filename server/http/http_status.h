@@ -17,8 +17,9 @@
 // invalid_request_error for any 4xx without one of its own above, server_error for a 5xx.
 //
 // Body: {"error": {"message": ..., "type": ..., "param": ..., "code": ...}}, where code is the
-// status code's name in lower case ("not_found", "resource_exhausted", ...) unless given, and
-// param null unless given.
+// status code's name in lower case ("not_found", "invalid_argument", ...) unless given, but
+// OpenAI's where clients look for it (UNAUTHENTICATED: "invalid_api_key"; RESOURCE_EXHAUSTED:
+// "rate_limit_exceeded"), and param null unless given.
 #ifndef SDMSERVE_SERVER_HTTP_HTTP_STATUS_H_
 #define SDMSERVE_SERVER_HTTP_HTTP_STATUS_H_
 

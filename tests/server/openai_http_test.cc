@@ -157,6 +157,14 @@ TEST(HttpStatusTest, EveryCodeHasItsHttpStatusAndOpenAiBody) {
   EXPECT_TRUE(body["error"]["param"].is_null());
   EXPECT_EQ(ToHttpError(absl::InvalidArgumentError("x")).status, 400);
   EXPECT_EQ(ToHttpError(absl::UnauthenticatedError("x")).status, 401);
+  // OpenAI's codes where clients look for them.
+  EXPECT_EQ(Json::parse(ToHttpError(absl::UnauthenticatedError("x")).body)["error"]["code"],
+            "invalid_api_key");
+  EXPECT_EQ(Json::parse(ToHttpError(absl::ResourceExhaustedError("x")).body)["error"]["code"],
+            "rate_limit_exceeded");
+  EXPECT_EQ(
+      Json::parse(ToHttpError(absl::ResourceExhaustedError("x"), "mine").body)["error"]["code"],
+      "mine");
   EXPECT_EQ(ToHttpError(absl::AbortedError("x")).status, 409);
   EXPECT_EQ(ToHttpError(absl::AlreadyExistsError("x")).status, 409);
   const HttpError limited =
