@@ -6,7 +6,8 @@
 # ASYNC=1 makes each burst's calls from one client thread (sdm-bench serve --async) rather than
 # 224 threads, which otherwise compete with the server for the same cores. DECODE_NICE=N passes
 # --decode_nice N to the server (its decode threads N nicer than its front end); SERVER_FLAGS
-# adds any other flags.
+# adds any other flags. --noignore_eos: EOS may end a call, as in the figures recorded before
+# 2026-12-07 (docs/benchmarks.md, top).
 #   docs/benchmarks/overload/bursts.sh
 #   ASYNC=1 docs/benchmarks/overload/bursts.sh
 #   ASYNC=1 DECODE_NICE=5 docs/benchmarks/overload/bursts.sh
@@ -25,7 +26,7 @@ PORT=$(sed -E 's/.*listening on [^ ]*:([0-9]+).*/\1/' <<< "$line")
 for n in $(seq 1 10); do
   echo "== burst $n $(date +%T.%N) load $(cut -d' ' -f1 /proc/loadavg)"
   build/tools/sdm_bench/sdm-bench serve --host 127.0.0.1:$PORT --concurrency 224 --requests 224 \
-    --prompt_tokens 32 --max_tokens 32 --seed $n --json $OUT/burst-$n.json \
+    --prompt_tokens 32 --max_tokens 32 --seed $n --noignore_eos --json $OUT/burst-$n.json \
     $([ "${ASYNC:-0}" = 1 ] && echo --async) > $OUT/burst-$n.txt 2>&1
   grep -E "failed E2E|throughput" $OUT/burst-$n.txt
   sleep 2

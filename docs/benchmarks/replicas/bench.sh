@@ -19,6 +19,8 @@
 #   docs/benchmarks/replicas/bench.sh BUILD_DIR throughput PRESET CONCURRENCY REQUESTS
 #       the same sdm-bench-serve load (every call a turn of one of 12 sessions) through nginx in
 #       front of 1 replica and in front of 3 (with etcd), alternately twice; output tokens/s.
+#       With --noignore_eos (EOS may end a call), as in the figures recorded before 2026-12-07
+#       (docs/benchmarks.md, top).
 set -euo pipefail
 BUILD_DIR=$(cd "$1" && pwd)
 SOURCE_DIR=$(cd "$(dirname "$0")/../../.." && pwd)
@@ -133,7 +135,7 @@ throughput)
   run() {  # run PORT PREFIX: output tokens/s of one sdm-bench-serve run
     "$bench_bin" --host "127.0.0.1:$1" --concurrency "$concurrency" --requests "$requests" \
       --warmup "$concurrency" --prompt_tokens 16 --max_tokens 16 --session_reuse 1 --sessions 12 \
-      --session_prefix "$2" --json "$work/$2.json" >"$work/$2.log" 2>&1 ||
+      --session_prefix "$2" --noignore_eos --json "$work/$2.json" >"$work/$2.log" 2>&1 ||
       { cat "$work/$2.log" >&2; return 1; }
     jq -c '.requests.errors' "$work/$2.json" >>"$work/errors"
     jq -r '.throughput.output_tokens_per_s | . * 10 | round / 10' "$work/$2.json"

@@ -2,7 +2,9 @@
 # Before/after serve benchmark of the mixed step (issue 10; docs/benchmarks.md "Mixed step").
 # Both servers stay up on their own ports; runs alternate before, after at each concurrency.
 #   BEFORE=/path/to/old/sdm-server docs/benchmarks/serve-mixed-step/bench.sh
-# (the old binary: build commit 5e583c7 in another tree). Results go to $OUT.
+# (the old binary: build commit 5e583c7 in another tree). Results go to $OUT. --noignore_eos: EOS
+# may end a call in both servers, as in the recorded figures (5e583c7 predates
+# SamplingParams.ignore_eos; docs/benchmarks.md, top).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 B=${OUT:-/tmp/serve-mixed-step}
@@ -26,7 +28,8 @@ for round in 1 2 3 4; do
       port=$([ $which = before ] && echo 50171 || echo 50172)
       echo "== round $round c$c $which $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
       timeout 400 "$BENCH" serve --host 127.0.0.1:$port --concurrency $c --requests $n --warmup 2 \
-        --prompt_tokens uniform:16:64 --max_tokens 32 --json $B/serve-c$c-$which-$round.json \
+        --prompt_tokens uniform:16:64 --max_tokens 32 --noignore_eos \
+        --json $B/serve-c$c-$which-$round.json \
         > $B/serve-c$c-$which-$round.txt 2>&1 || echo "bench failed: $?"
       grep -E "throughput|TTFT|inter" $B/serve-c$c-$which-$round.txt
     done

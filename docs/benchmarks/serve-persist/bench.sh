@@ -11,6 +11,8 @@
 # "w1:turn:$SERVER:--persist_writers=1". ORDER=rotate starts round r with the r-th server (the
 # first run of a sitting is often the fastest; rotating spreads that over the servers); the
 # default, fixed, runs them in the order listed.
+# --noignore_eos: EOS may end a call, as in the figures recorded before 2026-12-07 and in servers
+# built before SamplingParams.ignore_eos (docs/benchmarks.md, top).
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 B=${OUT:-/tmp/serve-persist}
@@ -54,7 +56,7 @@ for round in $(seq 1 $ROUNDS); do
     echo "== round $round $name $(date +%T) load $(cut -d' ' -f1 /proc/loadavg)"
     timeout 900 "$BENCH" serve --host 127.0.0.1:${port[$name]} --concurrency 8 \
       --requests $REQUESTS --warmup 2 --prompt_tokens uniform:16:64 --max_tokens 32 \
-      --session_reuse 1 --sessions 8 --session_prefix $name-$round --keep_sessions \
+      --session_reuse 1 --sessions 8 --session_prefix $name-$round --keep_sessions --noignore_eos \
       --json $B/serve-$name-$round.json > $B/serve-$name-$round.txt 2>&1 || echo "bench failed: $?"
     grep -E "throughput|inter" $B/serve-$name-$round.txt
   done
