@@ -305,6 +305,41 @@ TEST_F(SdmCliTest, StopStringEndsTheTextRightBeforeIt) {
   EXPECT_THAT(RunCommand(kCli, {"generate", "--help"}).out, HasSubstr("--stop "));
 }
 
+TEST_F(SdmCliTest, IgnoreEosGeneratesPastEosUpToMaxTokens) {
+  // Accepted by generate (it was defined but not in generate's flags: exit 2, unknown flag).
+  const nlohmann::json long_run =
+      Generate({"--prompt", "Hi", "--max_tokens", "12", "--ignore_eos"});
+  EXPECT_EQ(long_run["tokens"].size(), 12u);
+  EXPECT_EQ(long_run["finish_reason"], "length");
+
+  // A seed whose sampled completion ends at EOS goes on past it with --ignore_eos: the same
+  // tokens up to and including the EOS (the sampler's draws do not depend on the flag), then
+  // more, up to --max_tokens. At temperature 2 the random tiny model samples EOS about once in
+  // vocab_size tokens: 10 of these 40 seeds end at EOS within 64 tokens (the first is seed 3).
+  const std::vector<std::string> sampling = {"--prompt",      "Hi", "--max_tokens", "64",
+                                             "--temperature", "2"};
+  for (int seed = 0; seed < 40; ++seed) {
+    std::vector<std::string> flags = sampling;
+    flags.insert(flags.end(), {"--seed", absl::StrCat(seed)});
+    const nlohmann::json ended = Generate(flags);
+    if (ended["finish_reason"] != "eos") continue;
+    const auto ended_tokens = ended["tokens"].get<std::vector<int32_t>>();
+    ASSERT_FALSE(ended_tokens.empty());
+    ASSERT_EQ(ended_tokens.back(), kEos);
+    ASSERT_LT(ended_tokens.size(), 64u) << "an EOS as the last token proves nothing here";
+    flags.push_back("--ignore_eos");
+    const nlohmann::json past = Generate(flags);
+    const auto past_tokens = past["tokens"].get<std::vector<int32_t>>();
+    EXPECT_EQ(past["finish_reason"], "length") << "seed " << seed;
+    ASSERT_EQ(past_tokens.size(), 64u) << "seed " << seed;
+    EXPECT_EQ(std::vector<int32_t>(past_tokens.begin(), past_tokens.begin() + ended_tokens.size()),
+              ended_tokens)
+        << "seed " << seed;
+    return;
+  }
+  FAIL() << "no seed in [0, 40) ended at EOS";
+}
+
 TEST_F(SdmCliTest, BadInputsExitNonZeroWithAMessage) {
   struct Case {
     std::vector<std::string> args;
@@ -339,8 +374,9 @@ TEST_F(SdmCliTest, BadInputsExitNonZeroWithAMessage) {
 TEST_F(SdmCliTest, HelpDocumentsEveryFlag) {
   const Result generate = RunCommand(kCli, {"generate", "--help"});
   EXPECT_EQ(generate.exit_code, 0);
-  for (const char* flag : {"--model", "--prompt", "--max_tokens", "--temperature", "--top_k",
-                           "--top_p", "--seed", "--stop_ids", "--no_bos", "--json", "--threads"}) {
+  for (const char* flag :
+       {"--model", "--prompt", "--max_tokens", "--temperature", "--top_k", "--top_p", "--seed",
+        "--stop_ids", "--ignore_eos", "--no_bos", "--json", "--threads"}) {
     EXPECT_THAT(generate.out, HasSubstr(flag));
   }
   const Result logits = RunCommand(kCli, {"logits", "--help"});

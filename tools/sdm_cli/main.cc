@@ -306,7 +306,7 @@ int Main(int argc, char** argv) {
        "summary line (prompt_tokens, generated_tokens, prefill_s, decode_tokens_per_s, "
        "finish_reason = eos|stop|length) goes to stderr.",
        {"model", "prompt", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop",
-        "stop_ids", "no_bos", "json", "threads", "device"},
+        "stop_ids", "ignore_eos", "no_bos", "json", "threads", "device"},
        /*max_positional=*/0,
        [](const cli::ParsedArgs&) { return RunGenerate(); }},
       {"logits",
