@@ -138,16 +138,22 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   if (absl::Status staged = engine_.StageResume(st); !staged.ok()) {
     SDM_LOG(WARNING) << "sdm scheduler: staging a resume: " << staged;
   }
-  absl::MutexLock lock(&mu_);
-  if (absl::Status refused = AdmissionLocked(job->spec); !refused.ok()) {
-    if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
-    st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
-    return refused;
+  absl::Status refused;
+  {
+    absl::MutexLock lock(&mu_);
+    refused = AdmissionLocked(job->spec);
+    if (refused.ok()) {
+      st.sampler_seed = job->spec.sampling.seed;
+      ++tenants_[job->tenant()].in_flight;
+      waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
+      return absl::OkStatus();
+    }
   }
-  st.sampler_seed = job->spec.sampling.seed;
-  ++tenants_[job->tenant()].in_flight;
-  waiting_.push_back(std::move(job));  // wakes the step thread (HasWorkLocked) on unlock
-  return absl::OkStatus();
+  // Refused: the lease goes back with the job. Outside the lock: dropping a staged image frees
+  // page-locked memory, which may wait for the device.
+  if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
+  st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
+  return refused;
 }
 
 absl::Status Scheduler::AdmissionLocked(const GenerateJob& job) const {
@@ -155,6 +161,10 @@ absl::Status Scheduler::AdmissionLocked(const GenerateJob& job) const {
   if (job.tenant_max_requests.has_value()) {
     const auto tenant = tenants_.find(job.session.tenant);
     const int64_t in_flight = tenant == tenants_.end() ? 0 : tenant->second.in_flight;
+    if (*job.tenant_max_requests == 0) {  // forbidden: no retry would succeed
+      return absl::PermissionDeniedError(absl::StrCat(
+          "tenant '", job.session.tenant, "' may not run requests (its max_requests is 0)"));
+    }
     if (in_flight >= *job.tenant_max_requests) {
       return absl::ResourceExhaustedError(
           absl::StrCat("tenant '", job.session.tenant, "' has ", in_flight,
@@ -299,8 +309,9 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     if (job->done) continue;
     if (const std::optional<FinishReason> reason = job->EndReason(now)) Finish(*job, *reason);
   }
-  // The plan: prompt tokens, oldest job first, within the step's token budget, then one decode
-  // token for every job past its prompt. A prompt is always cut at multiples of the engine's
+  // The plan: prompt tokens within the step's token budget, a chunk at a time to the tenant fed
+  // least recently (its oldest job first), then one decode token for every job past its
+  // prompt. A prompt is always cut at multiples of the engine's
   // prefill chunk (a chunk is never split to fit the budget), so its numerics are those of
   // Prefill() calls whatever else runs. A job feeds at most one chunk per step: every step is
   // then one forward pass of the engine, so a step that does not fit changes nothing (a second
@@ -316,13 +327,41 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   int64_t budget = options_.prefill_token_budget;
   int64_t prefilled = 0;
   const size_t chunk = static_cast<size_t>(engine_.options().prefill_chunk);
+  // Jobs with prompt left, oldest first. Tenants take chunks in turn (the class comment), so one
+  // tenant's long prompts do not hold back another tenant's first token.
+  std::vector<Job*> prompted;
   for (auto& job : running) {
-    if (job->done || job->fed >= job->to_feed.size()) continue;
+    if (!job->done && job->fed < job->to_feed.size()) prompted.push_back(job.get());
+  }
+  if (last_fed_.size() > 2 * running.size()) {
+    // Forget the tenants that hold no place now (a tenant not in the map was never fed: first).
+    std::map<absl::string_view, int64_t, std::less<>> kept;
+    for (auto& job : running) {
+      if (const auto it = last_fed_.find(job->tenant()); it != last_fed_.end()) {
+        kept.emplace(it->first, it->second);
+      }
+    }
+    std::map<std::string, int64_t, std::less<>> pruned;
+    for (const auto& [tenant, fed] : kept) pruned.emplace(std::string(tenant), fed);
+    last_fed_ = std::move(pruned);
+  }
+  const auto last_fed = [this](const Job& job) {
+    const auto it = last_fed_.find(job.tenant());
+    return it == last_fed_.end() ? int64_t{0} : it->second;
+  };
+  while (!prompted.empty() && budget > 0) {
+    auto next = prompted.begin();
+    for (auto it = prompted.begin(); it != prompted.end(); ++it) {
+      if (last_fed(**it) < last_fed(**next)) next = it;  // the first such: its oldest job
+    }
+    Job* const job = *next;
+    prompted.erase(next);
     const size_t take = std::min(chunk, job->to_feed.size() - job->fed);
     // Over budget: wait for the next step, unless nothing was prefilled yet (progress).
     if (static_cast<int64_t>(take) > budget && prefilled > 0) continue;
     budget -= static_cast<int64_t>(take);
     prefilled += static_cast<int64_t>(take);
+    last_fed_.insert_or_assign(job->tenant(), ++feeds_);
     const std::span<const int32_t> tokens =
         std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
     int64_t draw = -1;
@@ -332,8 +371,7 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     } else {
       batch.Add(*job->state, tokens, StepLogits::kNone);
     }
-    plan.push_back({job.get(), take, draw});
-    if (budget <= 0) break;
+    plan.push_back({job, take, draw});
   }
   int decodes = 0;
   for (auto& job : running) {
@@ -352,18 +390,23 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   if (absl::IsResourceExhausted(status) &&
       std::none_of(plan.begin(), plan.end(),
                    [](const Planned& p) { return p.job->state->failed(); })) {
-    // The step did not fit and changed nothing (Engine::Step's contract): the job of the step
-    // admitted last waits again, and the others step without it (the class comment). One job
-    // alone fails.
-    Job* last = nullptr;
+    // The step did not fit and changed nothing (Engine::Step's contract): of the step's jobs,
+    // the one admitted last of the tenant holding the most places waits again, and the others
+    // step without it (the class comment). One job alone fails.
+    std::map<absl::string_view, int> places;
     int live = 0;
     for (auto& job : running) {
       if (job->done) continue;
       ++live;
-      if (std::any_of(plan.begin(), plan.end(),
-                      [&](const Planned& p) { return p.job == job.get(); })) {
-        last = job.get();
+      ++places[job->tenant()];
+    }
+    Job* last = nullptr;
+    for (auto& job : running) {
+      if (job->done || std::none_of(plan.begin(), plan.end(),
+                                    [&](const Planned& p) { return p.job == job.get(); })) {
+        continue;
       }
+      if (last == nullptr || places[job->tenant()] >= places[last->tenant()]) last = job.get();
     }
     if (live > 1 && last != nullptr) {
       last->deferred = true;

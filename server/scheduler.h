@@ -3,19 +3,19 @@
 // One thread runs engine steps. Each step (1) ends waiting jobs that were cancelled or passed their
 // deadline (they never run) and admits waiting jobs while fewer than max_running are running,
 // (2) ends running jobs that were cancelled or passed their deadline, (3) plans one
-// engine step (Engine::Step): prompt tokens within prefill_token_budget, oldest job first, so a
-// long prompt never stalls running streams for more than its budget, plus one decode token for
-// every job past its prompt, and (4) runs that plan as one forward pass (a job feeds at most one
-// of the engine's prefill chunks per step; a budget above a chunk feeds several jobs' prompts at
-// once), in which the engine draws each job's
-// next token (StepBatch::AddDraw; on the device with CUDA, the logits never leave it). Prompts
-// are cut at multiples of the engine's prefill chunk and a step is batch-invariant, so a job's
-// tokens are bit for bit those it would get alone. A job whose prompt ends in a step gets its
-// first token from that step and decodes from the next one. Tokens are
-// sampled per job (engine/sampler.h) from the session's stream (the scheduler passes the
-// session's draw count and advances it) and handed to the job's observer
-// with their UTF-8 text delta; stop ids, the tokenizer's EOS, stop strings and max_tokens end a
-// job, by the rules of engine/generation.h.
+// engine step (Engine::Step): prompt tokens within prefill_token_budget, a chunk at a time to
+// the tenant fed least recently and within a tenant oldest job first, so a long prompt never
+// stalls running streams for more than its budget nor one tenant's prompts another tenant's first
+// token, plus one decode token for every job past its prompt, and (4) runs that plan as one forward
+// pass (a job feeds at most one of the engine's prefill chunks per step; a budget above a chunk
+// feeds several jobs' prompts at once), in which the engine draws each job's next token
+// (StepBatch::AddDraw; on the device with CUDA, the logits never leave it). Prompts are cut at
+// multiples of the engine's prefill chunk and a step is batch-invariant, so a job's tokens are bit
+// for bit those it would get alone. A job whose prompt ends in a step gets its first token from
+// that step and decodes from the next one. Tokens are sampled per job (engine/sampler.h) from the
+// session's stream (the scheduler passes the session's draw count and advances it) and handed to
+// the job's observer with their UTF-8 text delta; stop ids, the tokenizer's EOS, stop strings and
+// max_tokens end a job, by the rules of engine/generation.h.
 //
 // Sessions: a job with a session id takes the session's lease from the SessionStateStore when it
 // is submitted — so a busy session (ABORTED), an unknown one (NOT_FOUND) or a broken snapshot
@@ -31,12 +31,12 @@
 // A step that does not fit (the engine answers RESOURCE_EXHAUSTED having changed nothing: a
 // device's memory cannot hold its sessions' state) no longer fails every job in it: of the jobs
 // the step planned (not one whose prefill waited for the step's token budget), the one admitted
-// last goes back to the front of the queue, its session as it was, and fewer jobs run
-// at once (the batch is capped at what still runs, and grows by one place for each job that
-// ends and every 64 steps that fit) until the step fits; a step of one job that does not fit fails
-// that job (RESOURCE_EXHAUSTED, or ABORTED for a session that read part of the request: it keeps
-// that part; a one-shot job keeps nothing, so it is RESOURCE_EXHAUSTED even after tokens were
-// streamed). A deferred job's client sees nothing of it but the wait.
+// last of the tenant holding the most places goes back to the front of the queue, its session as it
+// was, and fewer jobs run at once (the batch is capped at what still runs, and grows by one place
+// for each job that ends and every 64 steps that fit) until the step fits; a step of one job that
+// does not fit fails that job (RESOURCE_EXHAUSTED, or ABORTED for a session that read part of the
+// request: it keeps that part; a one-shot job keeps nothing, so it is RESOURCE_EXHAUSTED even after
+// tokens were streamed). A deferred job's client sees nothing of it but the wait.
 //
 // Admission control: Submit() refuses with RESOURCE_EXHAUSTED when max_waiting jobs would wait
 // ahead of it for a place in the batch (so max_waiting 0: no queue, only free places), or when
@@ -100,7 +100,7 @@ struct GenerateJob {
   std::vector<std::string> stop_strings;
   absl::Time deadline = absl::InfiniteFuture();
   // The most jobs of the session's tenant (session.tenant) waiting or running at once, this one
-  // included; nullopt: no limit (TenantLimits::max_requests).
+  // included; nullopt: no limit; 0: none, PERMISSION_DENIED (TenantLimits::max_requests).
   std::optional<int64_t> tenant_max_requests;
   // The session's history (position, plus one for a pending token) that the caller read when it
   // decided on BOS and on the limits; -1: not checked. Submit refuses the job when the leased
@@ -233,6 +233,10 @@ class Scheduler {
   // run long) grows back without waiting for a job to end.
   int64_t fitting_steps_ = 0;
   static constexpr int64_t kCapProbeSteps = 64;
+  // Prompt chunks planned so far, and for each tenant the count when it was last given one
+  // (step thread only): tenants take prompt chunks in turn (the class comment).
+  int64_t feeds_ = 0;
+  std::map<std::string, int64_t, std::less<>> last_fed_;
   int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
   // Each tenant with jobs waiting or running: how many, and the admission (a count of places
   // given) that last gave it a place in the batch, 0 for none yet. An entry goes with its

@@ -264,7 +264,7 @@ absl::Status SdmServiceImpl::CheckTenantLimits(absl::string_view tenant, bool ne
   }
   const TenantUsage usage = deps_.store.Usage(tenant);
   absl::Status admitted = limits.Admit(tenant, usage.sessions, usage.state_bytes, new_session);
-  if (admitted.ok()) return admitted;
+  if (!absl::IsResourceExhausted(admitted)) return admitted;  // OK, or a limit of 0: no retry
   return WithRetryAfter(admitted, options_.tenant_limit_retry_after);
 }
 

@@ -200,6 +200,15 @@ absl::StatusOr<TenantLimitsConfig> TenantLimitsConfig::FromFile(const std::files
 
 absl::Status TenantLimits::Admit(absl::string_view tenant, int64_t sessions, int64_t state_bytes,
                                  bool new_session) const {
+  // A limit of 0 forbids: no retry would succeed, so it is not the retryable RESOURCE_EXHAUSTED.
+  if (new_session && max_sessions == 0) {
+    return absl::PermissionDeniedError(
+        absl::StrCat("tenant '", tenant, "' may not create sessions (its max_sessions is 0)"));
+  }
+  if (max_state_bytes == 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "tenant '", tenant, "' may not hold session state (its max_state_bytes is 0)"));
+  }
   if (new_session && max_sessions.has_value() && sessions >= *max_sessions) {
     return absl::ResourceExhaustedError(
         absl::StrCat("tenant '", tenant, "' has ", sessions, " sessions, its limit (max_sessions ",

@@ -45,13 +45,14 @@ struct TenantLimits {
   // Bytes of session state (Session.state_bytes summed over its sessions); nullopt: unlimited.
   std::optional<int64_t> max_state_bytes;
   // Generate requests (gRPC and HTTP, on sessions and one-shot) waiting for a place in the batch
-  // or running at once; nullopt: unlimited. Bounds what one tenant's burst takes of the queue
-  // (SchedulerOptions::max_waiting is shared by every tenant).
+  // or running at once; nullopt: unlimited; 0: none (PERMISSION_DENIED). Bounds what one tenant's
+  // burst takes of the queue (SchedulerOptions::max_waiting is shared by every tenant).
   std::optional<int64_t> max_requests;
 
   // OK, or RESOURCE_EXHAUSTED naming `tenant`, what it holds and the limit, when one more
-  // session (new_session) or any more state would pass these limits; `sessions` and
-  // `state_bytes` are what the tenant holds now.
+  // session (new_session) or any more state would pass these limits; PERMISSION_DENIED where
+  // the limit is 0 (no retry can succeed). `sessions` and `state_bytes` are what the tenant
+  // holds now.
   absl::Status Admit(absl::string_view tenant, int64_t sessions, int64_t state_bytes,
                      bool new_session) const;
 

@@ -1098,6 +1098,90 @@ TEST_F(SchedulerTest, AFreePlaceGoesToTheTenantHoldingFewestPlaces) {
   a_holder->Wait();
 }
 
+// Prompt chunks go to tenants in turn: a tenant's short prompt admitted beside another tenant's
+// long ones gets its first token after one of their chunks, not after all of them (oldest job
+// first, it waited for a prompt of 20 steps). One chunk per step; the step thread is held in a
+// third tenant's first token while the others are submitted, so that they start together.
+TEST_F(SchedulerTest, TenantsTakePromptChunksInTurn) {
+  constexpr int64_t kChunk = 8;
+  EngineOptions eo;
+  eo.prefill_chunk = kChunk;
+  UseNoEosModel(eo);
+  SchedulerOptions so;
+  so.max_running = 5;
+  so.prefill_token_budget = kChunk;
+  StartScheduler(so);
+  auto gate = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("c", Tokens(3, 1), 1'000'000), gate).ok());
+  gate->entered.WaitForNotification();
+  auto order = std::make_shared<StartOrder>();
+  std::vector<std::shared_ptr<Collector>> jobs;
+  for (const std::string name : {"a1", "b1", "a2", "a3"}) {
+    jobs.push_back(std::make_shared<NamedCollector>(name, order));
+    const int prompt = name[0] == 'a' ? 20 * kChunk : 5;
+    ASSERT_TRUE(
+        scheduler_
+            ->Submit(TenantJob(name.substr(0, 1), Tokens(prompt, jobs.size()), 2), jobs.back())
+            .ok());
+  }
+  gate->release.Notify();
+  for (auto& job : jobs) {
+    job->Wait();
+    EXPECT_EQ(job->reason, FinishReason::kLength);
+  }
+  EXPECT_EQ(order->names(), (std::vector<std::string>{"b1", "a1", "a2", "a3"}));
+  gate->cancelled.store(true);
+  gate->Wait();
+}
+
+// A step that does not fit defers the job admitted last of the tenant holding the most places,
+// not the last one admitted (here the only job of the other tenant, which the fair admission had
+// just let in). a1 and a2 decode; b1's prompt joins them; that step is refused once.
+TEST_F(SchedulerTest, AStepThatDoesNotFitDefersAJobOfTheTenantHoldingTheMostPlaces) {
+  constexpr size_t kBPrompt = 7;
+  struct Record {
+    absl::Mutex mu;
+    bool refused ABSL_GUARDED_BY(mu) = false;
+    std::vector<size_t> next ABSL_GUARDED_BY(mu);  // segment lengths of the step after it
+  };
+  auto record = std::make_shared<Record>();
+  EngineOptions eo;
+  eo.testing_refuse_step = [record](const StepBatch& batch) {
+    std::vector<size_t> lengths;
+    for (const StepSegment& seg : batch.segments) lengths.push_back(seg.tokens.size());
+    std::sort(lengths.begin(), lengths.end());
+    absl::MutexLock lock(&record->mu);
+    if (!record->refused) {
+      record->refused = lengths == std::vector<size_t>{1, 1, kBPrompt};
+      return record->refused;
+    }
+    if (record->next.empty()) record->next = lengths;
+    return false;
+  };
+  UseNoEosModel(eo);
+  SchedulerOptions so;
+  so.max_running = 3;
+  StartScheduler(so);
+  auto a1 = std::make_shared<HeldCollector>(), a2 = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("a", Tokens(3, 1), 6), a1).ok());
+  a1->entered.WaitForNotification();
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("a", Tokens(4, 2), 6), a2).ok());
+  a1->release.Notify();
+  a2->entered.WaitForNotification();  // a2 runs; b1 is admitted after it
+  auto b1 = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(TenantJob("b", Tokens(kBPrompt, 3), 6), b1).ok());
+  a2->release.Notify();
+  for (auto& job : std::vector<std::shared_ptr<Collector>>{a1, a2, b1}) {
+    job->Wait();
+    EXPECT_TRUE(job->error.ok()) << job->error;
+    EXPECT_EQ(job->reason, FinishReason::kLength);
+  }
+  EXPECT_EQ(scheduler_->deferred_jobs(), 1);
+  absl::MutexLock lock(&record->mu);
+  EXPECT_TRUE(record->refused);
+  EXPECT_EQ(record->next, (std::vector<size_t>{1, kBPrompt}));  // a1's decode and b1's prompt
+}
+
 // GenerateJob::tenant_max_requests counts the tenant's jobs waiting or running, and only its own.
 TEST_F(SchedulerTest, ATenantsRequestsInFlightAreLimited) {
   UseNoEosModel();
@@ -1135,6 +1219,14 @@ TEST_F(SchedulerTest, ATenantsRequestsInFlightAreLimited) {
   unlimited->cancelled.store(true);
   unlimited->Wait();
   ASSERT_TRUE(scheduler_->Submit(limited("a", 6, 2), again).ok());
+  // A limit of 0 forbids: no retry would succeed.
+  GenerateJob forbidden = TenantJob("c", Tokens(4, 7), 2);
+  forbidden.tenant_max_requests = 0;
+  const absl::Status denied =
+      scheduler_->Submit(std::move(forbidden), std::make_shared<Collector>());
+  EXPECT_EQ(denied.code(), absl::StatusCode::kPermissionDenied) << denied;
+  EXPECT_EQ(std::string(denied.message()),
+            "tenant 'c' may not run requests (its max_requests is 0)");
   running->cancelled.store(true);
   for (auto& job : {running, other, again}) job->Wait();
   EXPECT_EQ(other->reason, FinishReason::kLength);

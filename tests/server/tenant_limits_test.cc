@@ -63,6 +63,14 @@ TEST(TenantLimitsTest, TenantEntriesOverrideTheDefaultFieldByField) {
   EXPECT_EQ(config.For("trial").max_sessions, 2);
   EXPECT_EQ(config.For("trial").max_state_bytes, 64 * kGiB);  // left out: the default's
   EXPECT_EQ(config.For("frozen").max_sessions, 0);
+  // A limit of 0 forbids (no retry can succeed); one above 0 is a retryable RESOURCE_EXHAUSTED.
+  EXPECT_EQ(config.For("frozen").Admit("frozen", 0, 0, /*new_session=*/true).code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE(config.For("frozen").Admit("frozen", 0, 0, /*new_session=*/false).ok());
+  EXPECT_EQ(config.For("trial").Admit("trial", 2, 0, /*new_session=*/true).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(Parse(R"({"default": {"max_state_bytes": 0}})").For("x").Admit("x", 0, 0, false).code(),
+            absl::StatusCode::kPermissionDenied);
   EXPECT_EQ(config.default_limits().max_sessions, 100);
 }
 
