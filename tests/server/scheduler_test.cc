@@ -5,6 +5,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
@@ -725,6 +726,31 @@ TEST_F(SchedulerTest, AJobAloneWhoseStepDoesNotFitSaysWhatItsSessionKept) {
   EXPECT_EQ(lease->state().position(), kChunk);
 }
 
+// What RefuseOnce saw: whether it refused, and the sorted segment lengths of the step after.
+struct StepAfterRefusal {
+  absl::Mutex mu;
+  bool refused ABSL_GUARDED_BY(mu) = false;
+  std::vector<size_t> next ABSL_GUARDED_BY(mu);
+};
+
+// An EngineOptions::testing_refuse_step that refuses, once, the first step whose segments have
+// the sorted lengths `refused_lengths`, and records the step after it in `record`.
+std::function<bool(const StepBatch&)> RefuseOnce(std::shared_ptr<StepAfterRefusal> record,
+                                                 std::vector<size_t> refused_lengths) {
+  return [record, refused_lengths](const StepBatch& batch) {
+    std::vector<size_t> lengths;
+    for (const StepSegment& seg : batch.segments) lengths.push_back(seg.tokens.size());
+    std::sort(lengths.begin(), lengths.end());
+    absl::MutexLock lock(&record->mu);
+    if (!record->refused) {
+      record->refused = lengths == refused_lengths;
+      return record->refused;
+    }
+    if (record->next.empty()) record->next = lengths;
+    return false;
+  };
+}
+
 // The job a step that does not fit defers is the last-admitted job that was in the step, not one
 // the prefill budget left out of it (deferring that one changed nothing: the same step was
 // refused again, and the cap was lowered for nothing). Here A decodes, B (a 3-chunk prompt) takes
@@ -732,26 +758,10 @@ TEST_F(SchedulerTest, AJobAloneWhoseStepDoesNotFitSaysWhatItsSessionKept) {
 // once; B is deferred, so the next step is {C's prompt, A}.
 TEST_F(SchedulerTest, AStepThatDoesNotFitDefersTheLastJobThatWasInIt) {
   constexpr int64_t kChunk = 8;
-  struct Record {
-    absl::Mutex mu;
-    bool refused ABSL_GUARDED_BY(mu) = false;
-    std::vector<size_t> next ABSL_GUARDED_BY(mu);  // segment lengths of the step after it
-  };
-  auto record = std::make_shared<Record>();
+  auto record = std::make_shared<StepAfterRefusal>();
   EngineOptions eo;
   eo.prefill_chunk = kChunk;
-  eo.testing_refuse_step = [record](const StepBatch& batch) {
-    std::vector<size_t> lengths;
-    for (const StepSegment& seg : batch.segments) lengths.push_back(seg.tokens.size());
-    std::sort(lengths.begin(), lengths.end());
-    absl::MutexLock lock(&record->mu);
-    if (!record->refused) {
-      record->refused = lengths == std::vector<size_t>{1, kChunk};
-      return record->refused;
-    }
-    if (record->next.empty()) record->next = lengths;
-    return false;
-  };
+  eo.testing_refuse_step = RefuseOnce(record, {1, kChunk});
   UseNoEosModel(eo);
   constexpr int kTokens = 4;
   const std::vector<int32_t> a_prompt = Tokens(3, 80), b_prompt = Tokens(3 * kChunk - 2, 81),
@@ -1139,25 +1149,9 @@ TEST_F(SchedulerTest, TenantsTakePromptChunksInTurn) {
 // just let in). a1 and a2 decode; b1's prompt joins them; that step is refused once.
 TEST_F(SchedulerTest, AStepThatDoesNotFitDefersAJobOfTheTenantHoldingTheMostPlaces) {
   constexpr size_t kBPrompt = 7;
-  struct Record {
-    absl::Mutex mu;
-    bool refused ABSL_GUARDED_BY(mu) = false;
-    std::vector<size_t> next ABSL_GUARDED_BY(mu);  // segment lengths of the step after it
-  };
-  auto record = std::make_shared<Record>();
+  auto record = std::make_shared<StepAfterRefusal>();
   EngineOptions eo;
-  eo.testing_refuse_step = [record](const StepBatch& batch) {
-    std::vector<size_t> lengths;
-    for (const StepSegment& seg : batch.segments) lengths.push_back(seg.tokens.size());
-    std::sort(lengths.begin(), lengths.end());
-    absl::MutexLock lock(&record->mu);
-    if (!record->refused) {
-      record->refused = lengths == std::vector<size_t>{1, 1, kBPrompt};
-      return record->refused;
-    }
-    if (record->next.empty()) record->next = lengths;
-    return false;
-  };
+  eo.testing_refuse_step = RefuseOnce(record, {1, 1, kBPrompt});
   UseNoEosModel(eo);
   SchedulerOptions so;
   so.max_running = 3;
