@@ -301,6 +301,24 @@ void WarnOfOpenAccess(const ServerOptions& options) {
   }
 }
 
+// A tenant limits entry that names no caller's tenant (a typo, or a tenant whose key is gone)
+// limits nobody, and the tenant it was meant for keeps the default's limits: say so.
+void WarnOfLimitsForUnknownTenants(const TenantLimitsConfig& limits,
+                                   const ApiKeyAuthenticator& auth) {
+  // Without keys every caller is the tenant "default".
+  const std::vector<std::string> callers =
+      auth.enabled() ? auth.tenants() : std::vector<std::string>{kDefaultTenant};
+  std::vector<std::string> unknown;
+  for (const std::string& name : limits.tenant_names()) {
+    if (!std::binary_search(callers.begin(), callers.end(), name)) unknown.push_back(name);
+  }
+  if (unknown.empty()) return;
+  SDM_LOG(WARNING) << "sdm-server: the tenant limits name tenants no API key maps to ("
+                   << absl::StrJoin(unknown, ", ")
+                   << "; the keys' tenants: " << absl::StrJoin(callers, ", ")
+                   << "): their limits apply to nobody; check the names";
+}
+
 }  // namespace
 
 absl::Status SdmServer::Impl::Init() {
@@ -315,6 +333,7 @@ absl::Status SdmServer::Impl::Init() {
   WarnOfOpenAccess(options);
   if (!options.tenant_limits_file.empty()) {
     SDM_ASSIGN_OR_RETURN(tenant_limits, TenantLimitsConfig::FromFile(options.tenant_limits_file));
+    WarnOfLimitsForUnknownTenants(tenant_limits, auth);
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!options.tls_cert_file.empty()) {

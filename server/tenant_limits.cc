@@ -8,6 +8,7 @@
 #include <string>
 #include <system_error>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
@@ -221,6 +222,12 @@ absl::Status TenantLimits::Admit(absl::string_view tenant, int64_t sessions, int
                      *max_state_bytes, "): delete sessions it no longer needs, then retry"));
   }
   return absl::OkStatus();
+}
+
+std::vector<std::string> TenantLimitsConfig::tenant_names() const {
+  std::vector<std::string> names;
+  for (const auto& [name, limits] : tenants_) names.push_back(name);
+  return names;
 }
 
 TenantLimits TenantLimitsConfig::For(absl::string_view tenant) const {

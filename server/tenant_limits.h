@@ -32,6 +32,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -82,6 +83,8 @@ class TenantLimitsConfig {
   TenantLimits For(absl::string_view tenant) const;
 
   const TenantLimits& default_limits() const { return default_; }
+  // The tenants with an entry of their own, sorted.
+  std::vector<std::string> tenant_names() const;
 
  private:
   TenantLimits default_;

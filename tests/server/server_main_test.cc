@@ -305,6 +305,32 @@ TEST_F(ServerMainTest, OpenAccessIsSaidAtStartUp) {
                                                  "0604): chmod o-rwx it"));
 }
 
+// A tenant limits entry that names no key's tenant limits nobody (a typo leaves the tenant meant
+// with the default's limits): said at start-up, before the model loads. Without keys the one
+// tenant is "default".
+TEST_F(ServerMainTest, LimitsForTenantsNoKeyMapsToAreSaidAtStartUp) {
+  const std::filesystem::path keys = dir_.path() / "api_keys", limits = dir_.path() / "limits";
+  { std::ofstream(keys) << "sk-0123456789abcdef alice\nsk-abcdef0123456789 bob\n"; }
+  std::filesystem::permissions(
+      keys, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  { std::ofstream(limits) << R"({"tenants": {"alice": {}, "bobb": {}, "default": {}}})"; }
+  const std::string no_model = absl::StrCat("--model x --state_dir= --metrics_port -1 --port 0 ",
+                                            "--tenant_limits '", limits.string(), "'");
+  const ProcessRun with_keys =
+      RunServer(absl::StrCat(no_model, " --api_keys '", keys.string(), "'"));
+  EXPECT_EQ(with_keys.status, 1) << with_keys.err;  // the model
+  EXPECT_THAT(with_keys.err,
+              ::testing::HasSubstr("the tenant limits name tenants no API key maps to (bobb, "
+                                   "default; the keys' tenants: alice, bob)"));
+  const ProcessRun without_keys = RunServer(no_model);
+  EXPECT_THAT(without_keys.err, ::testing::HasSubstr("no API key maps to (alice, bobb; the keys' "
+                                                     "tenants: default)"));
+  { std::ofstream(limits) << R"({"tenants": {"alice": {}, "bob": {"max_requests": 2}}})"; }
+  const ProcessRun known = RunServer(absl::StrCat(no_model, " --api_keys '", keys.string(), "'"));
+  EXPECT_THAT(known.err, ::testing::HasSubstr("model"));  // the files were read
+  EXPECT_THAT(known.err, ::testing::Not(::testing::HasSubstr("no API key maps to")));
+}
+
 TEST_F(ServerMainTest, ServesFromAFlagFileAndShutsDownOnSigterm) {
   const std::filesystem::path state = dir_.path() / "state";
   const std::filesystem::path flags = dir_.path() / "server.flags";
