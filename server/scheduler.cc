@@ -122,7 +122,8 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   SessionState& st = *job->state;
   if (const int64_t history = st.position() + (st.pending_token >= 0 ? 1 : 0);
       job->spec.expected_history >= 0 && history != job->spec.expected_history) {
-    // The lease goes back with the job, the session untouched.
+    // The lease goes back, the session untouched: not a turn (no write, its last use kept).
+    job->lease.ReleaseUnchanged();
     return SessionChangedError(job->spec.session.id, job->spec.expected_history, history);
   }
   job->usage.history_tokens = st.position();
@@ -153,6 +154,7 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   // page-locked memory, which may wait for the device.
   if (job->had_pending) st.pending_token = job->to_feed[0];  // the session is unchanged
   st.DropStaged();  // its page-locked memory goes back now, not when the session is parked
+  job->lease.ReleaseUnchanged();  // not a turn: no write, its last use kept
   return refused;
 }
 

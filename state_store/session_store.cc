@@ -249,6 +249,9 @@ struct SessionStateStore::Entry {
   absl::Status fenced;
   uint64_t tick = 0;  // LRU order
   absl::Time last_used;
+  // last_used before the session's lease touched it: what a lease that changed nothing leaves
+  // (SessionLease::ReleaseUnchanged).
+  absl::Time last_used_before_lease;
   absl::Duration ttl = absl::InfiniteDuration();
   // Its snapshot failed its checks (quarantined), or (broken_in_step) an engine step failed
   // part-way and left its state half-updated (SessionState::failed): the code and the reason,
@@ -398,6 +401,15 @@ void SessionLease::ReleaseWhenPersisted(std::function<void(const absl::Status&)>
   store_ = nullptr;
   state_ = nullptr;
   store->Release(key_, std::move(done));
+}
+
+void SessionLease::ReleaseUnchanged() {
+  if (store_ != nullptr && owned_ == nullptr) {
+    store_->Release(key_, nullptr, /*changed=*/false);
+    store_ = nullptr;
+    state_ = nullptr;
+  }
+  Reset();  // an empty lease, or a one-shot session's
 }
 
 void SessionLease::Reset() {
@@ -1510,13 +1522,14 @@ absl::StatusOr<SessionLease> SessionStateStore::AcquireIdleLocked(const SessionK
     ++counters_.restores[static_cast<int>(from)];
   }
   e->tick = ++clock_;
+  e->last_used_before_lease = e->last_used;
   e->last_used = absl::Now();
   if (options_.background) changed_.SignalAll();
   return SessionLease(this, e->key, e->state.get());
 }
 
 void SessionStateStore::Release(const SessionKey& key,
-                                std::function<void(const absl::Status&)> done) {
+                                std::function<void(const absl::Status&)> done, bool changed) {
   bool settled = false;
   absl::Status outcome;
   {
@@ -1527,7 +1540,7 @@ void SessionStateStore::Release(const SessionKey& key,
     Refresh(e);
     e.in_use = false;
     e.tick = ++clock_;
-    e.last_used = absl::Now();
+    e.last_used = changed ? absl::Now() : e.last_used_before_lease;
     if (e.state != nullptr && e.state->failed()) {
       // Half-updated by a failed step: never written (the snapshot on disk, if any, stays the
       // last good copy), never parked, never leased again; Delete resets it.
@@ -1541,7 +1554,7 @@ void SessionStateStore::Release(const SessionKey& key,
       // before it could be written) never will be: told so now, not left waiting for good.
       settled = !e.waiters.empty();
       SettleWaiters(e, /*all=*/true, e.NotSavedError(key.id));
-    } else {
+    } else if (changed) {
       ++e.version;  // a turn (or an attempt at one) ran: its result is not on disk yet
     }
     // Asked with the release, not after it: a Delete (or the next turn) cannot come between.

@@ -325,6 +325,10 @@ class SessionLease {
   // between (a deletion, another turn) can be mistaken for this turn's outcome. A one-shot
   // session (nothing to write) or an empty lease: `done(OK)` at once. Leaves the lease empty.
   void ReleaseWhenPersisted(std::function<void(const absl::Status&)> done);
+  // Releases the session as destruction does, for a holder that changed nothing in it (a turn
+  // refused before it ran, its state as it found it): no turn is counted, so no write is queued
+  // and its last use (and ttl) stay as they were. Leaves the lease empty.
+  void ReleaseUnchanged();
 
  private:
   friend class SessionStateStore;
@@ -531,8 +535,10 @@ class SessionStateStore {
   // The record of the snapshot at `path` (`size` bytes) and its SnapshotId.
   absl::StatusOr<SessionRecord> ReadRecord(StateFiles& files, const std::filesystem::path& path,
                                            uint64_t size, uint64_t* snapshot_id) const;
-  // `done`: SessionLease::ReleaseWhenPersisted's (nullptr: none).
-  void Release(const SessionKey& key, std::function<void(const absl::Status&)> done = nullptr);
+  // `done`: SessionLease::ReleaseWhenPersisted's (nullptr: none). `changed`: false for
+  // SessionLease::ReleaseUnchanged.
+  void Release(const SessionKey& key, std::function<void(const absl::Status&)> done = nullptr,
+               bool changed = true);
   void ReleaseOneShot(int64_t bytes);
   // WhenPersisted's decision for `e` (nullptr: no entry), under the lock: true when `done` was
   // queued as a waiter; otherwise false with `*outcome` the answer to give it at once.

@@ -332,6 +332,9 @@ TEST_F(SchedulerTest, AJobPreparedFromAStaleReadIsRefusedAndChangesNothing) {
   ASSERT_TRUE(scheduler_->Submit(std::move(turn1), first).ok());
   first->Wait();
   const int64_t history = 6 + first->usage.generated_tokens;  // fed tokens and the pending one
+  // The refusals below are not turns: the session's last use (and ttl) stays as the first's.
+  const absl::StatusOr<SessionInfo> before = store_->Get(SessionKey("chat"));
+  ASSERT_TRUE(before.ok()) << before.status();
 
   for (const int64_t stale : {int64_t{0}, history - 1, history + 1}) {
     auto refused = std::make_shared<Collector>();
@@ -342,6 +345,9 @@ TEST_F(SchedulerTest, AJobPreparedFromAStaleReadIsRefusedAndChangesNothing) {
     EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
     EXPECT_FALSE(refused->finished);
   }
+  const absl::StatusOr<SessionInfo> after = store_->Get(SessionKey("chat"));
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->last_used, before->last_used);
   // Not a session change: another job holding the session is ABORTED without the mark.
   {
     auto lease = store_->Acquire("chat");
