@@ -257,6 +257,15 @@ absl::StatusOr<SdmServiceImpl::OwnedSession> SdmServiceImpl::FindSession(
   return found;
 }
 
+absl::Mutex& SdmServiceImpl::CreateMutexFor(absl::string_view tenant) {
+  absl::MutexLock lock(&create_mus_mu_);
+  auto it = create_mus_.find(tenant);
+  if (it == create_mus_.end()) {
+    it = create_mus_.emplace(std::string(tenant), std::make_unique<absl::Mutex>()).first;
+  }
+  return *it->second;
+}
+
 absl::Status SdmServiceImpl::CheckTenantLimits(absl::string_view tenant, bool new_session) const {
   const TenantLimits limits = deps_.tenant_limits.For(tenant);
   if (!limits.max_sessions.has_value() && !limits.max_state_bytes.has_value()) {
@@ -529,7 +538,7 @@ absl::Status SdmServiceImpl::DoCreateSession(absl::string_view tenant,
   metadata.labels = labels;
   SessionKey key;
   {
-    absl::MutexLock lock(&create_mu_);
+    absl::MutexLock lock(&CreateMutexFor(tenant));
     if (absl::Status s = CheckTenantLimits(tenant, /*new_session=*/true); !s.ok()) return s;
     // A server-chosen id is random (96 bits): a clash is retried, not reported.
     for (int attempt = 0;; ++attempt) {
@@ -642,7 +651,7 @@ absl::Status SdmServiceImpl::DoForkSession(absl::string_view tenant,
   metadata.labels = labels;
   SessionKey key;
   {
-    absl::MutexLock lock(&create_mu_);
+    absl::MutexLock lock(&CreateMutexFor(tenant));
     if (absl::Status s = CheckTenantLimits(tenant, /*new_session=*/true); !s.ok()) return s;
     for (int attempt = 0;; ++attempt) {
       metadata.id = request.new_session_id().empty() ? NewSessionId() : request.new_session_id();

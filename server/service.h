@@ -29,6 +29,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -225,9 +226,14 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   v1::ModelInfo model_info_;
   std::atomic<bool> admitting_{true};
   std::atomic<int> active_generates_{0};
-  // Serialises session creation (Create, Fork) so that a tenant's limits are checked and the
-  // session added as one step.
-  absl::Mutex create_mu_;
+  // Serialises a tenant's session creation (Create, Fork), so that its limits are checked and the
+  // session added as one step. One mutex per tenant: a fork may decode a parked session or wait
+  // for etcd, and other tenants do not wait for it. Tenants are the key file's (or "default"):
+  // the map stays small, and entries stay.
+  absl::Mutex& CreateMutexFor(absl::string_view tenant) ABSL_LOCKS_EXCLUDED(create_mus_mu_);
+  absl::Mutex create_mus_mu_;
+  std::map<std::string, std::unique_ptr<absl::Mutex>, std::less<>> create_mus_
+      ABSL_GUARDED_BY(create_mus_mu_);
 };
 
 }  // namespace sdm

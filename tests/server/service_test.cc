@@ -42,6 +42,16 @@ using ::testing::Not;
 class ServiceTest : public ::testing::Test {
  protected:
   ServerOptions Options() const { return TestOptions(dir_.path() / "state"); }
+  // Options() with a key file of two tenants, tenant-a (kTenantAKey) and tenant-b (kTenantBKey).
+  static constexpr char kTenantAKey[] = "sk-aaaaaaaaaaaaaaaaaaaa";
+  static constexpr char kTenantBKey[] = "sk-bbbbbbbbbbbbbbbbbbbb";
+  ServerOptions TwoTenantOptions() const {
+    ServerOptions o = Options();
+    o.api_keys_file = dir_.path() / "two_tenants_keys.txt";
+    WriteFile(o.api_keys_file,
+              absl::StrCat(kTenantAKey, " tenant-a\n", kTenantBKey, " tenant-b\n"));
+    return o;
+  }
   ScopedTempDir dir_;
 };
 
@@ -880,18 +890,28 @@ TEST_F(ServiceTest, AQuarantinedSessionIsListedWithItsErrorAndKeptUntilDeleted) 
 // for a Generate (issue 11: a Get once waited 4.6 s for the restore of a 1 GB session). The
 // restore's read is held until Get has answered: a Get that waited for it would not answer
 // until the held read gave up (60 s), which fails the test.
-TEST_F(ServiceTest, GetAnswersWhileTheSessionIsBeingRestored) {
-  ServerOptions o = Options();
+// Writes a session "parked" of `api_key`'s tenant, with some history, with a first server on
+// `o`'s state directory, stopped; then serves `o` again, its snapshot reads held by `files`: the
+// session is on disk, and restoring it waits for the test.
+Served ServeWithASessionOnDisk(ServerOptions o, testing::HeldReadFiles& files,
+                               const std::string& api_key = "") {
   {
-    Served a = Serve(o);
-    ASSERT_NE(a.server, nullptr);
-    ASSERT_TRUE(CreateSession(*a.stub, "parked").ok());
-    ASSERT_TRUE(Generate(*a.stub, TextRequest("some history", 4, "parked")).status.ok());
-    ASSERT_TRUE(a.server->Shutdown().ok());
+    Served first = Serve(o);
+    EXPECT_NE(first.server, nullptr);
+    if (first.server == nullptr) return {};
+    EXPECT_TRUE(CreateSession(*first.stub, "parked", nullptr, api_key).ok());
+    EXPECT_TRUE(
+        Generate(*first.stub, TextRequest("some history", 4, "parked"), {.api_key = api_key})
+            .status.ok());
+    EXPECT_TRUE(first.server->Shutdown().ok());
   }
-  testing::HeldReadFiles files;
   o.store.files = &files;
-  Served b = Serve(o);
+  return Serve(o);
+}
+
+TEST_F(ServiceTest, GetAnswersWhileTheSessionIsBeingRestored) {
+  testing::HeldReadFiles files;
+  Served b = ServeWithASessionOnDisk(Options(), files);
   ASSERT_NE(b.server, nullptr);
   v1::Session before;
   ASSERT_TRUE(GetSession(*b.stub, "parked", &before).ok());
@@ -908,6 +928,26 @@ TEST_F(ServiceTest, GetAnswersWhileTheSessionIsBeingRestored) {
   EXPECT_EQ(during.position(), before.position());
   EXPECT_TRUE(during.generating());
   EXPECT_TRUE(resumed.status.ok()) << resumed.status.error_message();
+}
+
+// Tenants create sessions without waiting for each other: while one tenant's fork reads its
+// parked source from disk (held here), another tenant's CreateSession completes. (One mutex for
+// all tenants made it wait for the fork.)
+TEST_F(ServiceTest, ATenantsForkDoesNotHoldUpAnotherTenantsCreate) {
+  ServerOptions o = TwoTenantOptions();
+  const std::string a = kTenantAKey, b = kTenantBKey;
+  testing::HeldReadFiles files;
+  Served s = ServeWithASessionOnDisk(o, files, a);
+  ASSERT_NE(s.server, nullptr);
+  grpc::Status forked;
+  std::thread fork([&] { forked = ForkSession(*s.stub, "parked", "copy", nullptr, a); });
+  files.WaitUntilHeld();  // tenant A's fork is reading its source now
+  const grpc::Status created = CreateSession(*s.stub, "mine", nullptr, b);
+  files.Release();
+  fork.join();
+  EXPECT_FALSE(files.timed_out()) << "tenant B's create waited for tenant A's fork";
+  EXPECT_TRUE(created.ok()) << created.error_message();
+  EXPECT_TRUE(forked.ok()) << forked.error_message();
 }
 
 TEST_F(ServiceTest, ASessionPastItsTtlIsGoneAtOnceAfterARestart) {
@@ -1404,16 +1444,12 @@ TEST_F(ServiceTest, TenantsAreIsolatedAndLimited) {
 // refusal comes before any response, with the queue's retry hint; other tenants are not held to
 // it.
 TEST_F(ServiceTest, ATenantsRequestsInFlightAreLimited) {
-  ServerOptions o = Options();
-  o.api_keys_file = dir_.path() / "keys.txt";
-  WriteFile(o.api_keys_file,
-            "sk-aaaaaaaaaaaaaaaaaaaa tenant-a\n"
-            "sk-bbbbbbbbbbbbbbbbbbbb tenant-b\n");
+  ServerOptions o = TwoTenantOptions();
   o.tenant_limits_file = dir_.path() / "limits.json";
   WriteFile(o.tenant_limits_file, R"({"default": {"max_requests": 1}})");
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
-  const std::string a = "sk-aaaaaaaaaaaaaaaaaaaa", b = "sk-bbbbbbbbbbbbbbbbbbbb";
+  const std::string a = kTenantAKey, b = kTenantBKey;
   grpc::ClientContext running_context;
   Prepare(running_context, {.api_key = a});
   auto running = s.stub->Generate(&running_context, TextRequest("running", 1'000'000));
