@@ -11,6 +11,7 @@
 #include "base/log.h"
 #include "base/thread_name.h"
 #include "base/thread_priority.h"
+#include "server/tenant_limits.h"
 
 namespace sdm {
 namespace {
@@ -164,14 +165,17 @@ absl::Status Scheduler::AdmissionLocked(const GenerateJob& job) const {
     const auto tenant = tenants_.find(job.session.tenant);
     const int64_t in_flight = tenant == tenants_.end() ? 0 : tenant->second.in_flight;
     if (*job.tenant_max_requests == 0) {  // forbidden: no retry would succeed
-      return absl::PermissionDeniedError(absl::StrCat(
-          "tenant '", job.session.tenant, "' may not run requests (its max_requests is 0)"));
+      return RefusedByTenantLimit(
+          absl::PermissionDeniedError(absl::StrCat(
+              "tenant '", job.session.tenant, "' may not run requests (its max_requests is 0)")),
+          "max_requests");
     }
     if (in_flight >= *job.tenant_max_requests) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("tenant '", job.session.tenant, "' has ", in_flight,
-                       " requests waiting or running, its limit (max_requests ",
-                       *job.tenant_max_requests, "); retry when one has finished"));
+      return RefusedByTenantLimit(absl::ResourceExhaustedError(absl::StrCat(
+                                      "tenant '", job.session.tenant, "' has ", in_flight,
+                                      " requests waiting or running, its limit (max_requests ",
+                                      *job.tenant_max_requests, "); retry when one has finished")),
+                                  "max_requests");
     }
   }
   if (!QueueFullLocked()) return absl::OkStatus();

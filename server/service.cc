@@ -273,7 +273,9 @@ absl::Status SdmServiceImpl::CheckTenantLimits(absl::string_view tenant, bool ne
   }
   const TenantUsage usage = deps_.store.Usage(tenant);
   absl::Status admitted = limits.Admit(tenant, usage.sessions, usage.state_bytes, new_session);
-  if (!absl::IsResourceExhausted(admitted)) return admitted;  // OK, or a limit of 0: no retry
+  if (admitted.ok()) return admitted;
+  deps_.metrics.TenantLimitRefusals(tenant, RefusingTenantLimit(admitted)).Increment();
+  if (!absl::IsResourceExhausted(admitted)) return admitted;  // a limit of 0: no retry
   return WithRetryAfter(admitted, options_.tenant_limit_retry_after);
 }
 
@@ -428,7 +430,11 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
 absl::Status SdmServiceImpl::SubmitGenerate(GenerateJob job,
                                             std::shared_ptr<JobObserver> observer) {
   const std::string user_id = job.session.id;
+  const std::string tenant = job.session.tenant;
   absl::Status s = deps_.scheduler.Submit(std::move(job), std::move(observer));
+  if (const std::string limit = RefusingTenantLimit(s); !limit.empty()) {
+    deps_.metrics.TenantLimitRefusals(tenant, limit).Increment();
+  }
   if (s.code() == absl::StatusCode::kResourceExhausted ||
       (s.code() == absl::StatusCode::kUnavailable && !RetryAfter(s).has_value())) {
     // Queue full; shutting down (a router sends the retry to another replica).

@@ -4,6 +4,7 @@
 #include <fstream>
 #include <iterator>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <system_error>
@@ -12,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/json_snippet.h"
@@ -124,6 +126,20 @@ absl::StatusOr<int64_t> ParseByteSize(absl::string_view text) {
                    "' (known: B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; case matters)"));
 }
 
+namespace {
+constexpr absl::string_view kTenantLimitPayload = "sdmserve/tenant-limit";
+}  // namespace
+
+absl::Status RefusedByTenantLimit(absl::Status refusal, absl::string_view limit) {
+  refusal.SetPayload(kTenantLimitPayload, absl::Cord(limit));
+  return refusal;
+}
+
+std::string RefusingTenantLimit(const absl::Status& status) {
+  const auto limit = status.GetPayload(kTenantLimitPayload);  // absl::optional
+  return limit.has_value() ? std::string(*limit) : std::string();
+}
+
 std::string FormatByteSize(int64_t bytes) {
   // The binary units, largest first: the last four of kUnits.
   for (auto unit = std::rbegin(kUnits); unit != std::rbegin(kUnits) + 4; ++unit) {
@@ -203,23 +219,31 @@ absl::Status TenantLimits::Admit(absl::string_view tenant, int64_t sessions, int
                                  bool new_session) const {
   // A limit of 0 forbids: no retry would succeed, so it is not the retryable RESOURCE_EXHAUSTED.
   if (new_session && max_sessions == 0) {
-    return absl::PermissionDeniedError(
-        absl::StrCat("tenant '", tenant, "' may not create sessions (its max_sessions is 0)"));
+    return RefusedByTenantLimit(
+        absl::PermissionDeniedError(
+            absl::StrCat("tenant '", tenant, "' may not create sessions (its max_sessions is 0)")),
+        "max_sessions");
   }
   if (max_state_bytes == 0) {
-    return absl::PermissionDeniedError(absl::StrCat(
-        "tenant '", tenant, "' may not hold session state (its max_state_bytes is 0)"));
+    return RefusedByTenantLimit(
+        absl::PermissionDeniedError(absl::StrCat(
+            "tenant '", tenant, "' may not hold session state (its max_state_bytes is 0)")),
+        "max_state_bytes");
   }
   if (new_session && max_sessions.has_value() && sessions >= *max_sessions) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant '", tenant, "' has ", sessions, " sessions, its limit (max_sessions ",
-                     *max_sessions, "): delete sessions it no longer needs, then retry"));
+    return RefusedByTenantLimit(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "tenant '", tenant, "' has ", sessions, " sessions, its limit (max_sessions ",
+            *max_sessions, "): delete sessions it no longer needs, then retry")),
+        "max_sessions");
   }
   if (max_state_bytes.has_value() && state_bytes >= *max_state_bytes) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("tenant '", tenant, "' holds ", state_bytes,
-                     " bytes of session state, at or over its limit (max_state_bytes ",
-                     *max_state_bytes, "): delete sessions it no longer needs, then retry"));
+    return RefusedByTenantLimit(
+        absl::ResourceExhaustedError(
+            absl::StrCat("tenant '", tenant, "' holds ", state_bytes,
+                         " bytes of session state, at or over its limit (max_state_bytes ",
+                         *max_state_bytes, "): delete sessions it no longer needs, then retry")),
+        "max_state_bytes");
   }
   return absl::OkStatus();
 }

@@ -60,6 +60,13 @@ struct TenantLimits {
   bool operator==(const TenantLimits&) const = default;
 };
 
+// Which limit refused a call (a refusal of TenantLimits::Admit, or the scheduler's of
+// max_requests, carries it): "max_sessions", "max_state_bytes", "max_requests"; empty for any
+// other status. The metrics count refusals by it.
+std::string RefusingTenantLimit(const absl::Status& status);
+// `refusal` marked as refused by the tenant limit named `limit` (for RefusingTenantLimit).
+absl::Status RefusedByTenantLimit(absl::Status refusal, absl::string_view limit);
+
 // The default's max_state_bytes when no file or no "default" entry sets it: 64 GiB of session
 // state per tenant (a session's own history is bounded by ServiceOptions::max_session_tokens).
 inline constexpr int64_t kDefaultTenantMaxStateBytes = int64_t{64} << 30;

@@ -211,6 +211,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                     .Name("sdm_requests_total")
                     .Help("RPCs finished, by method and gRPC status code.")
                     .Register(registry)),
+      tenant_limit_refusals_(BuildCounter()
+                                 .Name("sdm_tenant_limit_refusals_total")
+                                 .Help("Calls refused by a tenant limit, by tenant and limit.")
+                                 .Register(registry)),
       request_duration_(BuildHistogram()
                             .Name("sdm_request_duration_seconds")
                             .Help("End-to-end duration of RPCs, by method.")
@@ -246,6 +250,12 @@ prometheus::Counter& ServerMetrics::Request(absl::string_view method, absl::Stat
   std::string code_name = absl::StatusCodeToString(code);
   if (code_name.empty()) code_name = "UNKNOWN";
   return requests_.Add({{"method", std::string(method)}, {"code", std::move(code_name)}});
+}
+
+prometheus::Counter& ServerMetrics::TenantLimitRefusals(absl::string_view tenant,
+                                                        absl::string_view limit) {
+  return tenant_limit_refusals_.Add(
+      {{"tenant", std::string(tenant)}, {"limit", std::string(limit)}});
 }
 
 prometheus::Histogram& ServerMetrics::RequestDuration(absl::string_view method) {

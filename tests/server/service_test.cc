@@ -1436,6 +1436,11 @@ TEST_F(ServiceTest, TenantsAreIsolatedAndLimited) {
             grpc::StatusCode::RESOURCE_EXHAUSTED);
   EXPECT_EQ(Generate(*s.stub, TextRequest("grow", 2, "one"), {.api_key = c}).status.error_code(),
             grpc::StatusCode::RESOURCE_EXHAUSTED);
+  // Refusals are counted by tenant and limit.
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_tenant_limit_refusals_total",
+                            {{"tenant", "tenant-b"}, {"limit", "max_sessions"}}, 2));
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_tenant_limit_refusals_total",
+                            {{"tenant", "tenant-c"}, {"limit", "max_state_bytes"}}, 2));
   // One-shot requests hold no state: not limited.
   EXPECT_TRUE(Generate(*s.stub, TextRequest("one-shot", 2), {.api_key = c}).status.ok());
 }
@@ -1463,6 +1468,8 @@ TEST_F(ServiceTest, ATenantsRequestsInFlightAreLimited) {
   EXPECT_EQ(refused.chunks, 0);
   ASSERT_EQ(refused.trailers.count(kRetryPushbackKey), 1u);
   EXPECT_EQ(refused.trailers.find(kRetryPushbackKey)->second, "1000");
+  EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_tenant_limit_refusals_total",
+                            {{"tenant", "tenant-a"}, {"limit", "max_requests"}}, 1));
   const Completion other = Generate(*s.stub, TextRequest("other", 4), {.api_key = b});
   EXPECT_TRUE(other.status.ok()) << other.status.error_message();
   running_context.TryCancel();
