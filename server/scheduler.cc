@@ -94,6 +94,13 @@ int Scheduler::waiting() const {
   return static_cast<int>(waiting_.size());
 }
 
+std::map<std::string, int64_t> Scheduler::TenantRequests() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, int64_t> requests;
+  for (const auto& [tenant, jobs] : tenants_) requests.emplace(tenant, jobs.in_flight);
+  return requests;
+}
+
 int64_t Scheduler::deferred_jobs() const {
   absl::MutexLock lock(&mu_);
   return deferred_jobs_;

@@ -185,6 +185,8 @@ class Scheduler {
 
   int running() const;
   int waiting() const;
+  // Each tenant's jobs waiting or running now (tenants with none are absent).
+  std::map<std::string, int64_t> TenantRequests() const;
   // Jobs sent back to the queue because a step of theirs did not fit (see the class comment).
   int64_t deferred_jobs() const;
 

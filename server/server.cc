@@ -7,7 +7,9 @@
 #include <chrono>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <utility>
@@ -263,6 +265,8 @@ class SdmServer::Impl final : public SchedulerListener {
   StoreStats last_stats ABSL_GUARDED_BY(gauges_mu);
   int64_t heap_trims_counted ABSL_GUARDED_BY(gauges_mu) = 0;   // in metrics->heap_trims
   ResumeStagingStats last_staging ABSL_GUARDED_BY(gauges_mu);  // in the resume_* metrics
+  // Tenants whose sdm_tenant_requests series exists (set to 0 when they have none).
+  std::set<std::string> tenants_with_requests ABSL_GUARDED_BY(gauges_mu);
 
   // Last, so that it stops first (null when malloc_trim_interval is zero).
   std::unique_ptr<HeapTrimmer> heap_trimmer;
@@ -513,6 +517,15 @@ void SdmServer::Impl::UpdateGauges() {
   if (scheduler != nullptr) {
     metrics->requests_running.Set(scheduler->running());
     metrics->requests_waiting.Set(scheduler->waiting());
+    // Per tenant: a tenant seen before and idle now reads 0 (its series stays).
+    const std::map<std::string, int64_t> requests = scheduler->TenantRequests();
+    for (const std::string& tenant : tenants_with_requests) {
+      if (!requests.contains(tenant)) metrics->TenantRequests(tenant).Set(0);
+    }
+    for (const auto& [tenant, count] : requests) {
+      metrics->TenantRequests(tenant).Set(static_cast<double>(count));
+      tenants_with_requests.insert(tenant);
+    }
   }
   const HeapUsage heap = GetHeapUsage();
   metrics->heap_in_use_bytes.Set(static_cast<double>(heap.in_use_bytes));

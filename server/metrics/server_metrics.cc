@@ -215,6 +215,10 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                  .Name("sdm_tenant_limit_refusals_total")
                                  .Help("Calls refused by a tenant limit, by tenant and limit.")
                                  .Register(registry)),
+      tenant_requests_(BuildGauge()
+                           .Name("sdm_tenant_requests")
+                           .Help("Generate calls of a tenant waiting or running.")
+                           .Register(registry)),
       request_duration_(BuildHistogram()
                             .Name("sdm_request_duration_seconds")
                             .Help("End-to-end duration of RPCs, by method.")
@@ -256,6 +260,10 @@ prometheus::Counter& ServerMetrics::TenantLimitRefusals(absl::string_view tenant
                                                         absl::string_view limit) {
   return tenant_limit_refusals_.Add(
       {{"tenant", std::string(tenant)}, {"limit", std::string(limit)}});
+}
+
+prometheus::Gauge& ServerMetrics::TenantRequests(absl::string_view tenant) {
+  return tenant_requests_.Add({{"tenant", std::string(tenant)}});
 }
 
 prometheus::Histogram& ServerMetrics::RequestDuration(absl::string_view method) {

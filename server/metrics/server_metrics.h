@@ -7,6 +7,8 @@
 //   sdm_requests_total{method,code}        counter    RPCs finished, by method and gRPC code
 //   sdm_tenant_limit_refusals_total{tenant,limit}
 //                                          counter    calls refused by a tenant limit
+//   sdm_tenant_requests{tenant}            gauge      a tenant's Generate calls waiting or
+//                                                     running
 //   sdm_prompt_tokens_total                counter    prompt tokens fed to the model
 //   sdm_history_tokens_total               counter    history tokens reused from session state
 //   sdm_generated_tokens_total             counter    tokens generated
@@ -90,6 +92,8 @@ class ServerMetrics {
   // Calls of `tenant` refused by its `limit` (server/tenant_limits.h: "max_requests",
   // "max_sessions", "max_state_bytes"). Tenants are the key file's, so the series are few.
   prometheus::Counter& TenantLimitRefusals(absl::string_view tenant, absl::string_view limit);
+  // A tenant's Generate calls waiting or running (set at scrapes from the scheduler's counts).
+  prometheus::Gauge& TenantRequests(absl::string_view tenant);
   // Per tier (kTierResident, kTierHost, kTierDisk, and kTierDevice for the first two): sessions
   // and state bytes held there, and
   // session states moved down to it or brought back from it.
@@ -139,6 +143,7 @@ class ServerMetrics {
  private:
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Counter>& tenant_limit_refusals_;
+  prometheus::Family<prometheus::Gauge>& tenant_requests_;
   prometheus::Family<prometheus::Histogram>& request_duration_;
   prometheus::Family<prometheus::Gauge>& sessions_;
   prometheus::Family<prometheus::Gauge>& state_bytes_;

@@ -1470,6 +1470,8 @@ TEST_F(ServiceTest, ATenantsRequestsInFlightAreLimited) {
   EXPECT_EQ(refused.trailers.find(kRetryPushbackKey)->second, "1000");
   EXPECT_TRUE(WaitForMetric(s.server->metrics_port(), "sdm_tenant_limit_refusals_total",
                             {{"tenant", "tenant-a"}, {"limit", "max_requests"}}, 1));
+  EXPECT_TRUE(
+      WaitForMetric(s.server->metrics_port(), "sdm_tenant_requests", {{"tenant", "tenant-a"}}, 1));
   const Completion other = Generate(*s.stub, TextRequest("other", 4), {.api_key = b});
   EXPECT_TRUE(other.status.ok()) << other.status.error_message();
   running_context.TryCancel();
@@ -1479,6 +1481,9 @@ TEST_F(ServiceTest, ATenantsRequestsInFlightAreLimited) {
   ASSERT_TRUE(Eventually([&] {
     return MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_requests_running") == 0;
   }));
+  // Idle now: its series reads 0.
+  EXPECT_TRUE(
+      WaitForMetric(s.server->metrics_port(), "sdm_tenant_requests", {{"tenant", "tenant-a"}}, 0));
   const Completion after = Generate(*s.stub, TextRequest("after", 4), {.api_key = a});
   EXPECT_TRUE(after.status.ok()) << after.status.error_message();
 }
