@@ -348,15 +348,11 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   }
   if (last_fed_.size() > 2 * running.size()) {
     // Forget the tenants that hold no place now (a tenant not in the map was never fed: first).
-    std::map<absl::string_view, int64_t, std::less<>> kept;
-    for (auto& job : running) {
-      if (const auto it = last_fed_.find(job->tenant()); it != last_fed_.end()) {
-        kept.emplace(it->first, it->second);
-      }
-    }
-    std::map<std::string, int64_t, std::less<>> pruned;
-    for (const auto& [tenant, fed] : kept) pruned.emplace(std::string(tenant), fed);
-    last_fed_ = std::move(pruned);
+    std::erase_if(last_fed_, [&running](const auto& entry) {
+      return std::none_of(running.begin(), running.end(), [&](const std::unique_ptr<Job>& job) {
+        return job->tenant() == entry.first;
+      });
+    });
   }
   const auto last_fed = [this](const Job& job) {
     const auto it = last_fed_.find(job.tenant());

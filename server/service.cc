@@ -26,6 +26,15 @@ namespace {
 // Marks ContextTooLong's statuses.
 constexpr absl::string_view kContextTooLongPayload = "sdmserve/context-too-long";
 
+// A prompt of `tokens` (`with_bos`: " with BOS" or "") over max_prompt_tokens.
+absl::Status PromptTooLongError(size_t tokens, absl::string_view with_bos,
+                                int64_t max_prompt_tokens) {
+  return ContextTooLong(absl::InvalidArgumentError(absl::StrCat(
+      "the prompt has ", tokens, " tokens", with_bos,
+      ", more than this server's maximum context length for a prompt (", max_prompt_tokens,
+      " tokens, ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in parts")));
+}
+
 void SetTimestamp(absl::Time t, google::protobuf::Timestamp& out) {
   const int64_t ns = absl::ToUnixNanos(t);
   int64_t seconds = ns / 1'000'000'000;
@@ -334,12 +343,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
         }
       }
       if (static_cast<int64_t>(ids.size()) > options_.max_prompt_tokens) {
-        return ContextTooLong(absl::InvalidArgumentError(absl::StrCat(
-            "the prompt has ", ids.size(),
-            " tokens, more than this server's maximum context length for a prompt (",
-            options_.max_prompt_tokens,
-            " tokens, ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in "
-            "parts")));
+        return PromptTooLongError(ids.size(), "", options_.max_prompt_tokens);
       }
       break;
     }
@@ -413,11 +417,8 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
     return absl::InvalidArgumentError("the prompt's text encodes to no tokens");
   }
   if (static_cast<int64_t>(prompt.size()) > options_.max_prompt_tokens) {
-    return ContextTooLong(absl::InvalidArgumentError(absl::StrCat(
-        "the prompt has ", prompt.size(), " tokens", add_bos ? " with BOS" : "",
-        ", more than this server's maximum context length for a prompt (",
-        options_.max_prompt_tokens,
-        " tokens, ModelInfo.max_prompt_tokens): shorten it, or feed it to a session in parts")));
+    return PromptTooLongError(prompt.size(), add_bos ? " with BOS" : "",
+                              options_.max_prompt_tokens);
   }
   if (absl::Status s = FitInSession(request.session_id(), history, prompt.size(), job.sampling);
       !s.ok()) {
