@@ -1,5 +1,7 @@
 // sdm-client generate and sdm-client chat.
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <iterator>
 #include <sstream>
 #include <string>
@@ -27,6 +29,7 @@ struct StreamOutcome {
   grpc::Status status;
   std::string text;
   std::vector<int32_t> token_ids;
+  std::vector<sdm::v1::TokenLogprobs> logprobs;  // when asked for: one per token id
   sdm::v1::FinishReason finish_reason = sdm::v1::FINISH_REASON_UNSPECIFIED;
   sdm::v1::Usage usage;
   double ttft_seconds = -1;    // until the first chunk with tokens; -1: none came
@@ -57,6 +60,8 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
     }
     outcome.token_ids.insert(outcome.token_ids.end(), chunk.token_ids().begin(),
                              chunk.token_ids().end());
+    outcome.logprobs.insert(outcome.logprobs.end(), chunk.logprobs().begin(),
+                            chunk.logprobs().end());
     outcome.text += chunk.text();
     if (echo != nullptr && !chunk.text().empty()) {
       *echo << chunk.text() << std::flush;
@@ -128,6 +133,20 @@ nlohmann::json GenerateJson(const std::string& session, const StreamOutcome& o) 
   j["session_id"] = session;
   j["text"] = o.text;
   j["token_ids"] = o.token_ids;
+  if (!o.logprobs.empty()) {
+    // As the proto's JSON mapping writes them, but for -inf: null (JSON has no infinity).
+    const auto number = [](double logprob) {
+      return std::isinf(logprob) ? nlohmann::json(nullptr) : nlohmann::json(logprob);
+    };
+    nlohmann::json& logprobs = j["logprobs"] = nlohmann::json::array();
+    for (const sdm::v1::TokenLogprobs& entry : o.logprobs) {
+      nlohmann::json top = nlohmann::json::array();
+      for (const sdm::v1::TokenLogprob& t : entry.top()) {
+        top.push_back({{"token_id", t.token_id()}, {"logprob", number(t.logprob())}});
+      }
+      logprobs.push_back({{"logprob", number(entry.logprob())}, {"top", std::move(top)}});
+    }
+  }
   if (!o.status.ok()) {
     j["error"] = {{"code", StatusCodeName(o.status.error_code())},
                   {"message", o.status.error_message()},
@@ -167,7 +186,7 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   Command command(io, "generate",
                   "sdm-client generate --prompt TEXT [--session ID] [--max_tokens N] "
                   "[--temperature T] [--top_k K] [--top_p P] [--seed S] [--stop STR]... "
-                  "[--stop_ids ID,...] [--json]",
+                  "[--stop_ids ID,...] [--json [--logprobs N]]",
                   "Feeds the prompt to a session (or, without --session, to a one-shot sequence)\n"
                   "and streams the completion to stdout as it is generated. The finish reason and\n"
                   "token usage go to stderr. The prompt may also be the one positional argument;\n"
@@ -183,8 +202,17 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
                           "print one JSON object at the end instead of streaming: session_id, "
                           "text, token_ids, finish_reason, usage; for a failed call, what "
                           "streamed and error: code, message, turn_in_session");
+  int64_t logprobs = 0;
+  command.flags().AddInt("logprobs", &logprobs,
+                         "with --json: each token's log-probability and the N most probable "
+                         "tokens at its position (0 to 20), as \"logprobs\": [{logprob, top: "
+                         "[{token_id, logprob}]}]");
+  command.flags().SetDefaultText("logprobs", "unset: none");
   AddSamplingFlags(command.flags(), &sampling);
   if (std::optional<int> exit = command.Parse(args)) return *exit;
+  if (command.flags().IsSet("logprobs") && !json) {
+    return command.UsageError("--logprobs needs --json (the text alone has no place for them)");
+  }
 
   const size_t prompts = command.positional().size() + (command.flags().IsSet("prompt") ? 1 : 0);
   if (prompts == 0) return command.UsageError("--prompt is required");
@@ -200,6 +228,10 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   request.set_text(prompt);
   if (absl::Status s = ApplySamplingFlags(command.flags(), sampling, request); !s.ok()) {
     return command.UsageError(s.message());
+  }
+  if (command.flags().IsSet("logprobs")) {
+    // Out of int32: the server's range message says what is allowed.
+    request.set_logprobs(static_cast<int32_t>(std::clamp<int64_t>(logprobs, -1, 1 << 20)));
   }
   if (std::optional<int> exit = command.Connect()) return *exit;
 

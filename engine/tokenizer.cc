@@ -209,6 +209,15 @@ std::unique_ptr<Tokenizer> Tokenizer::CreateByteTokenizer() {
   return std::make_unique<ByteTokenizer>();
 }
 
+std::string Tokenizer::TokenBytes(int32_t id) const {
+  if (id < 0 || id >= vocab_size()) return "";
+  const int32_t ids[] = {id};
+  if (!byte_level()) return DecodeGroup(ids, /*at_start=*/false);
+  std::string bytes;
+  AppendTokenBytes(id, bytes);
+  return bytes;
+}
+
 std::string IncrementalDetokenizer::Add(int32_t id) {
   if (tokenizer_.byte_level()) {
     tokenizer_.AppendTokenBytes(id, pending_bytes_);

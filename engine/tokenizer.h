@@ -58,6 +58,12 @@ class Tokenizer {
   // [0, vocab_size()) contribute nothing, as the reference's byte tokenizer skips ids >= 256.
   virtual std::string Decode(std::span<const int32_t> ids) const = 0;
 
+  // The bytes one id stands for where it follows other text (a piece's leading space kept):
+  // byte-level, its byte, which may be part of a character; otherwise its text. Empty for ids
+  // that stand for no text (as Decode). For a token's own entry in log-probabilities; a text's
+  // ids decode with Decode or IncrementalDetokenizer.
+  std::string TokenBytes(int32_t id) const;
+
   // -1 when the tokenizer has no such id (a SentencePiece model trained without it).
   virtual int32_t bos_id() const = 0;
   virtual int32_t eos_id() const = 0;

@@ -46,20 +46,30 @@ void GenerateStream::Reject(const absl::Status& status) {
   Pump();
 }
 
-void GenerateStream::OnToken(int32_t token, absl::string_view text) {
+void GenerateStream::OnToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) {
   {
     absl::MutexLock lock(&mu_);
     if (broken_) return;
     pending_.add_token_ids(token);
+    if (logprobs != nullptr) {
+      v1::TokenLogprobs& entry = *pending_.add_logprobs();
+      entry.set_logprob(logprobs->chosen.logprob);
+      for (const TokenLogprob& alternative : logprobs->top) {
+        v1::TokenLogprob& top = *entry.add_top();
+        top.set_token_id(alternative.token);
+        top.set_logprob(alternative.logprob);
+      }
+    }
     pending_.mutable_text()->append(text.data(), text.size());
     has_pending_ = true;
   }
   Pump();
 }
 
-void GenerateStream::OnEndToken(int32_t token, absl::string_view text) {
+void GenerateStream::OnEndToken(int32_t token, absl::string_view text,
+                                const TokenLogprobs* logprobs) {
   // The EOS or stop id is part of the output's token ids; the text is what was held back.
-  OnToken(token, text);
+  OnToken(token, text, logprobs);
 }
 
 void GenerateStream::OnHeldText(absl::string_view text) {

@@ -72,8 +72,8 @@ class GenerateStream final : public JobObserver {
   void Reject(const absl::Status& status);
 
   // JobObserver, on the scheduler's step thread.
-  void OnToken(int32_t token, absl::string_view text) override;
-  void OnEndToken(int32_t token, absl::string_view text) override;
+  void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) override;
+  void OnEndToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) override;
   void OnHeldText(absl::string_view text) override;
   void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override;
   bool IsCancelled() const override { return cancelled_.load(std::memory_order_relaxed); }

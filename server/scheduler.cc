@@ -112,6 +112,10 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   if (absl::Status s = ValidateSamplingParams(spec.sampling, engine_.vocab_size()); !s.ok()) {
     return s;
   }
+  if (spec.logprobs.has_value() && (*spec.logprobs < 0 || *spec.logprobs > kMaxTopLogprobs)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("logprobs must be in [0, ", kMaxTopLogprobs, "], got ", *spec.logprobs));
+  }
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status admitted = AdmissionLocked(spec); !admitted.ok()) return admitted;
@@ -332,8 +336,17 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   // engine/engine.h), and other jobs' decode tokens come between a long prompt's chunks.
   struct Planned {
     Job* job;
-    size_t prefill = 0;  // prompt tokens fed (0: a decode token)
-    int64_t draw = -1;   // index of the token the step draws for it (-1: none)
+    size_t prefill = 0;      // prompt tokens fed (0: a decode token)
+    int64_t draw = -1;       // index of the token the step draws for it (-1: none)
+    int64_t logit_row = -1;  // row of the step's logits for the draw's log-probabilities
+  };
+  // A draw's segment: with its logits when the job asked for log-probabilities.
+  const auto add_draw = [](StepBatch& batch, Planned& planned, std::span<const int32_t> tokens) {
+    Job& job = *planned.job;
+    const bool logits = job.spec.logprobs.has_value();
+    if (logits) planned.logit_row = batch.LogitRows();
+    planned.draw = batch.AddDraw(*job.state, tokens, logits ? StepLogits::kLast : StepLogits::kNone,
+                                 job.spec.sampling, job.state->sampler_draws);
   };
   std::vector<Planned> plan;
   StepBatch batch;
@@ -373,29 +386,27 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     last_fed_.insert_or_assign(job->tenant(), ++feeds_);
     const std::span<const int32_t> tokens =
         std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
-    int64_t draw = -1;
+    Planned& planned = plan.emplace_back(Planned{.job = job, .prefill = take});
     if (job->fed + take == job->to_feed.size()) {
-      draw = batch.AddDraw(*job->state, tokens, StepLogits::kNone, job->spec.sampling,
-                           job->state->sampler_draws);
+      add_draw(batch, planned, tokens);
     } else {
       batch.Add(*job->state, tokens, StepLogits::kNone);
     }
-    plan.push_back({job, take, draw});
   }
   int decodes = 0;
   for (auto& job : running) {
     if (job->done || job->next_input < 0) continue;
-    const int64_t draw =
-        batch.AddDraw(*job->state, std::span<const int32_t>(&job->next_input, 1), StepLogits::kNone,
-                      job->spec.sampling, job->state->sampler_draws);
-    plan.push_back({job.get(), 0, draw});
+    add_draw(batch, plan.emplace_back(Planned{.job = job.get()}),
+             std::span<const int32_t>(&job->next_input, 1));
     ++decodes;
   }
   if (plan.empty()) return;
 
-  // The engine draws the tokens (on the device where the backend can): the logits stay there.
+  // The engine draws the tokens (on the device where the backend can): the logits stay there,
+  // but for the rows of jobs that asked for log-probabilities.
   std::vector<int32_t> sampled(batch.Draws());
-  const absl::Status status = engine_.Step(batch, {}, sampled);
+  std::vector<float> logits(static_cast<size_t>(batch.LogitRows() * engine_.vocab_size()));
+  const absl::Status status = engine_.Step(batch, logits, sampled);
   if (absl::IsResourceExhausted(status) &&
       std::none_of(plan.begin(), plan.end(),
                    [](const Planned& p) { return p.job->state->failed(); })) {
@@ -466,21 +477,30 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
       }
     }
     job.last_token = t;
-    Emit(job, token);
+    if (p.logit_row < 0) {
+      Emit(job, token, nullptr);
+      continue;
+    }
+    const int64_t vocab = engine_.vocab_size();
+    const TokenLogprobs logprobs =
+        ComputeLogprobs(std::span<const float>(logits).subspan(
+                            static_cast<size_t>(p.logit_row * vocab), static_cast<size_t>(vocab)),
+                        token, *job.spec.logprobs);
+    Emit(job, token, &logprobs);
   }
   if (listener_ != nullptr) {
     listener_->OnStep(decodes, prefilled, Seconds(step_start, Clock::now()));
   }
 }
 
-void Scheduler::Emit(Job& job, int32_t token) {
+void Scheduler::Emit(Job& job, int32_t token, const TokenLogprobs* logprobs) {
   ++job.usage.generated_tokens;
   job.next_input = token;  // fed by the next decode, or left pending when the job ends here
   const GenerationPolicy::TokenOutput out = job.policy.Accept(token);
   if (out.end_token) {
-    job.observer->OnEndToken(token, out.text);
+    job.observer->OnEndToken(token, out.text, logprobs);
   } else {
-    job.observer->OnToken(token, out.text);
+    job.observer->OnToken(token, out.text, logprobs);
   }
   if (out.finish.has_value()) Finish(job, *out.finish);
 }

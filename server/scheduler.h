@@ -76,6 +76,7 @@
 #include "absl/time/time.h"
 #include "engine/engine.h"
 #include "engine/generation.h"
+#include "engine/logprobs.h"
 #include "engine/sampler.h"
 #include "engine/tokenizer.h"
 #include "state_store/session_store.h"
@@ -98,6 +99,9 @@ struct GenerateJob {
   std::vector<int32_t> prompt;  // at least one token (BOS already added by the caller)
   SamplingParams sampling;      // validated by the caller
   std::vector<std::string> stop_strings;
+  // nullopt: none. N in [0, kMaxTopLogprobs]: each token's log-probability and its position's N
+  // most probable tokens (engine/logprobs.h), handed to the observer with the token.
+  std::optional<int> logprobs;
   absl::Time deadline = absl::InfiniteFuture();
   // The most jobs of the session's tenant (session.tenant) waiting or running at once, this one
   // included; nullopt: no limit; 0: none, PERMISSION_DENIED (TenantLimits::max_requests).
@@ -132,12 +136,15 @@ class JobObserver {
  public:
   virtual ~JobObserver() = default;
   // One generated token and the text it completes (may be empty while a character or a possible
-  // stop string is incomplete). Not called for EOS, stop ids or text past a stop string.
-  virtual void OnToken(int32_t token, absl::string_view text) = 0;
+  // stop string is incomplete; never text past a stop string). Not called for EOS or stop ids.
+  // `logprobs`: the token's
+  // (GenerateJob::logprobs), null when the job did not ask for them; valid during the call.
+  virtual void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) = 0;
   // The token that ended the job, the tokenizer's EOS or a stop id (which OnToken does not
   // report), and the text held back until then (an incomplete character as U+FFFD, or the start
-  // of a stop string that can no longer complete). Called just before OnFinish; default: ignored.
-  virtual void OnEndToken(int32_t token, absl::string_view text) {}
+  // of a stop string that can no longer complete); `logprobs` as OnToken's. Called just before
+  // OnFinish; default: ignored.
+  virtual void OnEndToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) {}
   // A job that ends for a reason of the scheduler's (cancelled, a deadline, an error) after its
   // tokens' text was held back (a possible stop string's start, an incomplete character): that
   // text, final now (GenerationPolicy::Flush), as the session holds its tokens. Called just
@@ -214,7 +221,7 @@ class Scheduler {
   // comment (fairness between tenants).
   void AdmitLocked(std::vector<std::unique_ptr<Job>>& running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Step(std::vector<std::unique_ptr<Job>>& running);
-  void Emit(Job& job, int32_t token);
+  void Emit(Job& job, int32_t token, const TokenLogprobs* logprobs);
   void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus())
       ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "engine/logprobs.h"
 #include "engine/model_config.h"
 #include "engine/sampler.h"
 #include "engine/weight_spec.h"
@@ -387,6 +388,14 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
                                                      s.stop(i).size()));
     }
     job.stop_strings.push_back(s.stop(i));
+  }
+  if (request.has_logprobs()) {
+    if (request.logprobs() < 0 || request.logprobs() > kMaxTopLogprobs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logprobs must be in [0, ", kMaxTopLogprobs, "] (the most probable tokens reported at ",
+          "each position besides the generated one), got ", request.logprobs()));
+    }
+    job.logprobs = request.logprobs();
   }
 
   // The session, and whether the sequence starts here.

@@ -140,6 +140,7 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   int active_generates() const { return active_generates_.load(); }
 
   const v1::ModelInfo& model_info() const { return model_info_; }
+  const Tokenizer& tokenizer() const { return deps_.tokenizer; }
 
   // ---- Transport-independent API, shared with the OpenAI-compatible HTTP front
   // (server/http/openai_server.h). The caller has authenticated `tenant`; every method validates

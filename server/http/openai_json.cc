@@ -1,12 +1,17 @@
 #include "server/http/openai_json.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <functional>
 #include <limits>
 #include <string>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "engine/logprobs.h"
+#include "engine/tokenizer.h"
 
 namespace sdm {
 namespace {
@@ -214,11 +219,9 @@ bool ChoiceIs(const Json& body, const char* field, const char* choice) {
 }
 
 // OpenAI fields this server does not implement are refused when they ask for something: a client
-// that asked for log-probabilities or an echoed prompt must not read a response without them as
-// if it had them. Their "off" values (null, false, 0; best_of 1; response_format "text"; an empty
-// suffix) are accepted, as clients send them by default; but /v1/completions' `logprobs` is an
-// integer whose 0 asks for the sampled tokens' log-probabilities (OpenAI's legacy API): there
-// only null is off.
+// that asked for an echoed prompt must not read a response without it as if it had it. Their
+// "off" values (null, false, 0; best_of 1; response_format "text"; an empty suffix) are accepted,
+// as clients send them by default.
 absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
   const auto is_false_or_zero = [](const Json& v) {
     return (v.is_boolean() && !v.get<bool>()) || (v.is_number() && v.get<double>() == 0);
@@ -231,10 +234,6 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
     std::function<bool(const Json&)> off;
   };
   const Unimplemented fields[] = {
-      {"logprobs", "it returns no log-probabilities",
-       endpoint == OpenAiEndpoint::kCompletions ? std::function<bool(const Json&)>(never)
-                                                : is_false_or_zero},
-      {"top_logprobs", "it returns no log-probabilities", is_false_or_zero},
       {"echo", "it does not echo the prompt", is_false_or_zero},
       // OpenAI's best_of is at least n (1 here): 0 is no off value.
       {"best_of", "it generates one completion per request",
@@ -274,6 +273,37 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
     }
   }
   return absl::OkStatus();
+}
+
+// /v1/completions' `logprobs` (an integer: the alternatives per token; 0 asks for the generated
+// tokens' own), or chat's `logprobs` (a boolean) and `top_logprobs` (the alternatives, which
+// need `logprobs`: true), in [0, kMaxTopLogprobs] (the service checks the range again, naming
+// gRPC's field).
+absl::Status ParseLogprobs(const Json& body, OpenAiEndpoint endpoint, std::optional<int32_t>& out) {
+  const auto in_range = [](const char* field, int64_t v, std::optional<int32_t>& to) {
+    if (v < 0 || v > kMaxTopLogprobs) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", field, "' must be in [0, ", kMaxTopLogprobs, "] (the most probable tokens ",
+          "reported at each position besides the generated one), got ", v));
+    }
+    to = static_cast<int32_t>(v);
+    return absl::OkStatus();
+  };
+  std::optional<int64_t> n;
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    if (absl::Status s = GetInteger(body, "logprobs", n); !s.ok()) return s;
+    return n.has_value() ? in_range("logprobs", *n, out) : absl::OkStatus();
+  }
+  bool on = false;
+  if (absl::Status s = GetBool(body, "logprobs", on); !s.ok()) return s;
+  if (absl::Status s = GetInteger(body, "top_logprobs", n); !s.ok()) return s;
+  if (!on) {
+    if (n.has_value() && *n != 0) {
+      return absl::InvalidArgumentError("'top_logprobs' needs 'logprobs': true");
+    }
+    return absl::OkStatus();
+  }
+  return in_range("top_logprobs", n.value_or(0), out);
 }
 
 }  // namespace
@@ -335,6 +365,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
         absl::StrCat("'n' must be 1 (this server returns one choice per request), got ", *n));
   }
   if (absl::Status s = RefuseUnimplemented(j, endpoint); !s.ok()) return s;
+  if (absl::Status s = ParseLogprobs(j, endpoint, r.logprobs); !s.ok()) return s;
   if (absl::Status s = GetBool(j, "stream", r.stream); !s.ok()) return s;
   if (const Json* options = Field(j, "stream_options"); options != nullptr) {
     if (!options->is_object()) return WrongType("stream_options", "an object");
@@ -364,6 +395,7 @@ v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::s
   if (request.top_k.has_value()) s.set_top_k(*request.top_k);
   if (request.seed.has_value()) s.set_seed(*request.seed);
   s.set_ignore_eos(request.ignore_eos);
+  if (request.logprobs.has_value()) g.set_logprobs(*request.logprobs);
   for (const std::string& stop : request.stop) s.add_stop(stop);
   for (const std::string& stop : extra_stop) s.add_stop(stop);
   return g;
@@ -414,6 +446,71 @@ nlohmann::json CompletionHead(OpenAiEndpoint endpoint, bool chunk, absl::string_
               {"created", created},
               {"model", std::string(model)},
               {"system_fingerprint", nullptr}};
+}
+
+std::string LogprobTokenText(absl::string_view bytes) {
+  if (SanitizeUtf8(bytes, /*final=*/true, nullptr) == bytes) return std::string(bytes);
+  std::string text = "bytes:";
+  for (const char c : bytes) absl::StrAppendFormat(&text, "\\x%02x", static_cast<uint8_t>(c));
+  return text;
+}
+
+namespace {
+
+// -inf (a token of probability 0) as OpenAI's floor: JSON has no infinity.
+double LogprobNumber(double logprob) { return std::max(logprob, -9999.0); }
+
+Json BytesJson(const std::string& bytes) {
+  Json out = Json::array();
+  for (const char c : bytes) out.push_back(static_cast<uint8_t>(c));
+  return out;
+}
+
+// Characters (code points) of UTF-8 text, as Python and JavaScript clients index it by.
+int64_t CharacterCount(absl::string_view text) {
+  int64_t count = 0;
+  for (const char c : text) count += (static_cast<uint8_t>(c) & 0xC0) != 0x80 ? 1 : 0;
+  return count;
+}
+
+}  // namespace
+
+nlohmann::json ChatLogprobsJson(const std::vector<LogprobEntry>& entries) {
+  Json content = Json::array();
+  for (const LogprobEntry& e : entries) {
+    Json top = Json::array();
+    for (const LogprobToken& t : e.top) {
+      top.push_back({{"token", t.text},
+                     {"logprob", LogprobNumber(t.logprob)},
+                     {"bytes", BytesJson(t.bytes)}});
+    }
+    content.push_back({{"token", e.chosen.text},
+                       {"logprob", LogprobNumber(e.chosen.logprob)},
+                       {"bytes", BytesJson(e.chosen.bytes)},
+                       {"top_logprobs", std::move(top)}});
+  }
+  return Json{{"content", std::move(content)}, {"refusal", nullptr}};
+}
+
+nlohmann::json CompletionLogprobsJson(const std::vector<LogprobEntry>& entries,
+                                      int64_t& text_offset) {
+  Json tokens = Json::array(), logprobs = Json::array(), top = Json::array(),
+       offsets = Json::array();
+  for (const LogprobEntry& e : entries) {
+    tokens.push_back(e.chosen.text);
+    logprobs.push_back(LogprobNumber(e.chosen.logprob));
+    Json alternatives = Json::object();
+    // Two tokens of one string (not possible with distinct valid UTF-8 tokens) keep the first,
+    // the more probable.
+    for (const LogprobToken& t : e.top) alternatives.emplace(t.text, LogprobNumber(t.logprob));
+    top.push_back(std::move(alternatives));
+    offsets.push_back(text_offset);
+    text_offset += CharacterCount(e.chosen.text);
+  }
+  return Json{{"tokens", std::move(tokens)},
+              {"token_logprobs", std::move(logprobs)},
+              {"top_logprobs", std::move(top)},
+              {"text_offset", std::move(offsets)}};
 }
 
 nlohmann::json UsageJson(int64_t prompt_tokens, int64_t completion_tokens, int64_t history_tokens) {

@@ -1,6 +1,6 @@
 // The OpenAI-compatible API's JSON (docs/api.md, "HTTP API"): requests of /v1/completions and
 // /v1/chat/completions parsed and checked into native form, and the responses and stream chunks
-// rendered. Nothing here knows HTTP or the engine.
+// rendered. Nothing here knows HTTP or runs the engine.
 //
 // Parsing follows OpenAI: unknown fields are ignored; a field of the wrong type is an
 // INVALID_ARGUMENT naming it; null is the same as absent. Ranges (temperature, top_p, top_k,
@@ -41,6 +41,9 @@ struct OpenAiRequest {
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   bool ignore_eos = false;  // our extension (vLLM's name): SamplingParams.ignore_eos
+  // Log-probabilities asked for: the alternatives per token (GenerateRequest.logprobs).
+  // /v1/completions' `logprobs` (an integer), or chat's `top_logprobs` once `logprobs` is true.
+  std::optional<int32_t> logprobs;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   std::string user;
@@ -70,6 +73,35 @@ nlohmann::json SessionToJson(const v1::Session& session);
 // The common head of every completion object and chunk.
 nlohmann::json CompletionHead(OpenAiEndpoint endpoint, bool chunk, absl::string_view id,
                               int64_t created, absl::string_view model);
+
+// A token in a response's log-probabilities: its string (OpenAI's: the token's bytes when they
+// are valid UTF-8, otherwise "bytes:" and a \xNN escape per byte, as a byte of a character split
+// between tokens), its bytes, and its log-probability (-inf as -9999, OpenAI's floor: JSON has
+// no infinity).
+struct LogprobToken {
+  std::string text;
+  std::string bytes;
+  double logprob = 0;
+};
+// A generated token's, and its position's most probable tokens (most probable first).
+struct LogprobEntry {
+  LogprobToken chosen;
+  std::vector<LogprobToken> top;
+};
+
+// The string OpenAI's logprobs show for a token of these bytes (LogprobToken::text).
+std::string LogprobTokenText(absl::string_view bytes);
+
+// A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal":
+// null}.
+nlohmann::json ChatLogprobsJson(const std::vector<LogprobEntry>& entries);
+
+// A completion choice's `logprobs` (OpenAI's legacy form): tokens, token_logprobs, top_logprobs
+// (an object per token, string to log-probability) and text_offset, each token's offset in the
+// text, in characters; offsets start at `text_offset`, which is advanced past the entries (a
+// stream's chunks continue where the previous one ended).
+nlohmann::json CompletionLogprobsJson(const std::vector<LogprobEntry>& entries,
+                                      int64_t& text_offset);
 
 nlohmann::json UsageJson(int64_t prompt_tokens, int64_t completion_tokens, int64_t history_tokens);
 

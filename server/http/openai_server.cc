@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <iterator>
 #include <memory>
+#include <optional>
 #include <regex>
 #include <string>
 #include <utility>
@@ -17,6 +19,8 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "base/status_macros.h"
+#include "engine/logprobs.h"
+#include "engine/tokenizer.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "server/http/connection_pool.h"
@@ -106,14 +110,23 @@ class HttpJob final : public JobObserver {
     FinishReason reason = FinishReason::kStop;
     Usage usage;
     absl::Status error;
+    std::vector<LogprobEntry> logprobs;  // of the tokens whose text is in `text` or before it
   };
 
-  void OnToken(int32_t, absl::string_view text) override { Append(text); }
-  void OnEndToken(int32_t, absl::string_view text) override { Append(text); }
-  void OnHeldText(absl::string_view text) override { Append(text); }
+  void OnToken(int32_t, absl::string_view text, const TokenLogprobs* logprobs) override {
+    Append(text, logprobs);
+  }
+  // An end token (EOS, a stop id) is a generated token too (usage counts it): its entry has an
+  // empty string, so the entries' strings still concatenate to the text.
+  void OnEndToken(int32_t, absl::string_view text, const TokenLogprobs* logprobs) override {
+    Append(text, logprobs);
+  }
+  void OnHeldText(absl::string_view text) override { Append(text, nullptr); }
   // `metrics` count the job's tokens when it ends, whether or not its response was written (a
   // client that went away still had its prompt read and tokens generated, as over gRPC).
-  explicit HttpJob(ServerMetrics& metrics) : metrics_(metrics) {}
+  // `tokenizer` gives the tokens' strings in log-probabilities.
+  HttpJob(ServerMetrics& metrics, const Tokenizer& tokenizer)
+      : metrics_(metrics), tokenizer_(tokenizer) {}
 
   void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override {
     metrics_.prompt_tokens.Increment(static_cast<double>(usage.prompt_tokens));
@@ -134,7 +147,7 @@ class HttpJob final : public JobObserver {
     absl::MutexLock lock(&mu_);
     mu_.AwaitWithTimeout(absl::Condition(
                              +[](HttpJob* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job->mu_) {
-                               return job->done_ || !job->text_.empty();
+                               return job->done_ || !job->text_.empty() || !job->logprobs_.empty();
                              },
                              this),
                          timeout);
@@ -152,6 +165,8 @@ class HttpJob final : public JobObserver {
     Taken out;
     out.text = std::move(text_);
     text_.clear();
+    out.logprobs = std::move(logprobs_);
+    logprobs_.clear();
     out.done = done_;
     out.reason = reason_;
     out.usage = usage_;
@@ -159,16 +174,32 @@ class HttpJob final : public JobObserver {
     return out;
   }
 
-  void Append(absl::string_view text) {
-    if (text.empty()) return;
+  void Append(absl::string_view text, const TokenLogprobs* logprobs) {
+    std::optional<LogprobEntry> entry;
+    if (logprobs != nullptr) {
+      entry.emplace();
+      entry->chosen = Token(logprobs->chosen);
+      for (const TokenLogprob& t : logprobs->top) entry->top.push_back(Token(t));
+    }
+    if (text.empty() && !entry.has_value()) return;
     absl::MutexLock lock(&mu_);
     text_.append(text.data(), text.size());
+    if (entry.has_value()) logprobs_.push_back(*std::move(entry));
+  }
+  LogprobToken Token(const TokenLogprob& t) const {
+    LogprobToken out;
+    out.bytes = tokenizer_.TokenBytes(t.token);
+    out.text = LogprobTokenText(out.bytes);
+    out.logprob = t.logprob;
+    return out;
   }
 
   ServerMetrics& metrics_;
+  const Tokenizer& tokenizer_;
   std::atomic<bool> cancelled_{false};
   absl::Mutex mu_;
   std::string text_ ABSL_GUARDED_BY(mu_);
+  std::vector<LogprobEntry> logprobs_ ABSL_GUARDED_BY(mu_);
   bool done_ ABSL_GUARDED_BY(mu_) = false;
   FinishReason reason_ ABSL_GUARDED_BY(mu_) = FinishReason::kStop;
   Usage usage_ ABSL_GUARDED_BY(mu_);
@@ -487,7 +518,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
 
   // The prompt text, rendered again with the job if the session changed before the job took it
   // (server/http/openai_prompt.h).
-  auto observer = std::make_shared<HttpJob>(metrics_);
+  auto observer = std::make_shared<HttpJob>(metrics_, service_.tokenizer());
   owner_.active_generations_.fetch_add(1);
   const absl::StatusOr<int64_t> submitted =
       SubmitOpenAiRequest(service_, *tenant, *request, chat_template_, observer);
@@ -499,6 +530,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
   const std::string id = RandomId(endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-");
   const int64_t created = absl::ToUnixSeconds(absl::Now());
   const bool stream = request->stream;
+  const bool with_logprobs = request->logprobs.has_value();
   const bool include_usage = request->include_usage;
   const std::string session_id = request->session_id;
   const std::string model = model_name_;
@@ -508,18 +540,27 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     return Json{{"id", session_id},
                 {"position", u.history_tokens + u.prompt_tokens + u.generated_tokens}};
   };
+  // A choice's `logprobs`: null unless asked for. `text_offset`: /v1/completions' (see
+  // CompletionLogprobsJson), the characters of the tokens before these.
+  const auto logprobs_json = [=](const std::vector<LogprobEntry>& entries, int64_t& text_offset) {
+    if (!with_logprobs) return Json(nullptr);
+    return endpoint == OpenAiEndpoint::kCompletions ? CompletionLogprobsJson(entries, text_offset)
+                                                    : ChatLogprobsJson(entries);
+  };
   // A non-streaming response, whole.
-  const auto whole_body = [=](const HttpJob::Taken& t, const std::string& text) {
+  const auto whole_body = [=](const HttpJob::Taken& t, const std::string& text,
+                              const std::vector<LogprobEntry>& logprobs) {
     Json body = CompletionHead(endpoint, /*chunk=*/false, id, created, model);
+    int64_t text_offset = 0;
     Json c =
         endpoint == OpenAiEndpoint::kCompletions
             ? Json{{"index", 0},
                    {"text", text},
-                   {"logprobs", nullptr},
+                   {"logprobs", logprobs_json(logprobs, text_offset)},
                    {"finish_reason", FinishReasonOf(t.reason)}}
             : Json{{"index", 0},
                    {"message", {{"role", "assistant"}, {"content", text}, {"refusal", nullptr}}},
-                   {"logprobs", nullptr},
+                   {"logprobs", logprobs_json(logprobs, text_offset)},
                    {"finish_reason", FinishReasonOf(t.reason)}};
     body["choices"] = Json::array({std::move(c)});
     body["usage"] =
@@ -531,6 +572,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
   // an error after admission (a step that did not fit, a turn whose write failed) is then an
   // HTTP error the SDKs raise, not a 200 whose body they take for a completion.
   std::string text_so_far;
+  std::vector<LogprobEntry> logprobs_so_far;
   if (!stream) {
     HttpJob::Taken t = observer->TakeEnd(options_.status_wait);
     if (t.done) {
@@ -540,10 +582,11 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
       if (!status.ok()) return SendError(res, status);
       if (!session_id.empty()) res.set_header("X-Session-Id", session_id);
       res.status = 200;
-      res.set_content(whole_body(t, t.text), kJsonContentType);
+      res.set_content(whole_body(t, t.text, t.logprobs), kJsonContentType);
       return;
     }
     text_so_far = std::move(t.text);
+    logprobs_so_far = std::move(t.logprobs);
   }
 
   // From here on the status is 200 and the body carries what happens.
@@ -559,10 +602,13 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     bool finished = false;  // everything was written
     bool recorded = false;  // the request's outcome is in the metrics
     absl::Time last_write = absl::InfinitePast();
-    std::string text;  // non-streaming: everything generated
+    std::string text;                    // non-streaming: everything generated
+    std::vector<LogprobEntry> logprobs;  // non-streaming: every token's
+    int64_t text_offset = 0;             // streaming completions: characters of tokens sent
   };
   auto state = std::make_shared<StreamState>();
   state->text = std::move(text_so_far);
+  state->logprobs = std::move(logprobs_so_far);
   const absl::Duration heartbeat = options_.heartbeat;
   SdmServiceImpl* const service = &service_;
   OpenAiServer* const owner = &owner_;
@@ -577,16 +623,19 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     }
     return c;
   };
-  const auto choice = [=](const std::string& text, const Json& finish_reason, bool first) {
+  // A stream chunk's choice: `text` and the log-probabilities of its tokens (`logprobs`, or
+  // none: nullptr).
+  const auto choice = [=](const std::string& text, const std::vector<LogprobEntry>* logprobs,
+                          const Json& finish_reason, bool first) {
+    const Json lp =
+        logprobs == nullptr ? Json(nullptr) : logprobs_json(*logprobs, state->text_offset);
     if (endpoint == OpenAiEndpoint::kCompletions) {
-      return Json{
-          {"index", 0}, {"text", text}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+      return Json{{"index", 0}, {"text", text}, {"logprobs", lp}, {"finish_reason", finish_reason}};
     }
     Json delta = Json::object();
     if (first) delta["role"] = "assistant";
     if (!text.empty() || first) delta["content"] = text;
-    return Json{
-        {"index", 0}, {"delta", delta}, {"logprobs", nullptr}, {"finish_reason", finish_reason}};
+    return Json{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish_reason}};
   };
 
   const auto provider = [=](size_t, httplib::DataSink& sink) -> bool {
@@ -604,15 +653,19 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
       if (endpoint == OpenAiEndpoint::kChatCompletions && !state->started) {
         state->started = true;
         state->last_write = now;
-        if (!event(chunk(choice(t.text, nullptr, /*first=*/true), nullptr))) return false;
+        if (!event(chunk(choice(t.text, &t.logprobs, nullptr, /*first=*/true), nullptr))) {
+          return false;
+        }
         t.text.clear();
+        t.logprobs.clear();
       }
-      if (!t.text.empty()) {
+      if (!t.text.empty() || !t.logprobs.empty()) {
         state->last_write = now;
-        if (!event(chunk(choice(t.text, nullptr, false), nullptr))) return false;
+        if (!event(chunk(choice(t.text, &t.logprobs, nullptr, false), nullptr))) return false;
       }
     } else {
       state->text += t.text;
+      std::move(t.logprobs.begin(), t.logprobs.end(), std::back_inserter(state->logprobs));
     }
     if (!t.done) {
       // Nothing written for a while: probe the connection (see the header).
@@ -632,13 +685,13 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
       const std::string body = ToHttpError(status).body;
       write(stream ? absl::StrCat("data: ", body, "\n\n") : body);
     } else if (stream) {
-      Json last = chunk(choice("", FinishReasonOf(t.reason), false), nullptr);
+      Json last = chunk(choice("", nullptr, FinishReasonOf(t.reason), false), nullptr);
       if (!session.is_null()) last["session"] = session;
       if (!event(last)) return false;
       if (include_usage && !event(chunk(nullptr, &usage))) return false;
       if (!write("data: [DONE]\n\n")) return false;
     } else {
-      if (!write(whole_body(t, state->text))) return false;
+      if (!write(whole_body(t, state->text, state->logprobs))) return false;
     }
     state->finished = true;
     sink.done();

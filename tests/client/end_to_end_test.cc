@@ -126,6 +126,22 @@ TEST_F(EndToEndTest, ClientAndLoadGeneratorAgainstTheRealServer) {
   EXPECT_LE(j["usage"]["generated_tokens"].get<int>(), 5);
   EXPECT_GE(j["usage"]["generated_tokens"].get<int>(), 1);
 
+  // Log-probabilities: one entry per token id, the greedy token the most probable.
+  r = Client("generate --prompt 'Hello' --max_tokens 5 --json --logprobs 2");
+  ASSERT_EQ(r.exit, 0) << r.output;
+  const nlohmann::json lp = nlohmann::json::parse(r.output.substr(0, r.output.find('\n')));
+  ASSERT_EQ(lp["logprobs"].size(), lp["token_ids"].size()) << r.output;
+  for (size_t i = 0; i < lp["token_ids"].size(); ++i) {
+    ASSERT_EQ(lp["logprobs"][i]["top"].size(), 2u) << r.output;
+    EXPECT_EQ(lp["logprobs"][i]["top"][0]["token_id"], lp["token_ids"][i]);
+    EXPECT_EQ(lp["logprobs"][i]["top"][0]["logprob"], lp["logprobs"][i]["logprob"]);
+    EXPECT_LE(lp["logprobs"][i]["logprob"].get<double>(), 0.0);
+  }
+  EXPECT_EQ(lp["token_ids"], j["token_ids"]);  // asking for them changes nothing
+  r = Client("generate --prompt 'Hello' --logprobs 2");
+  EXPECT_EQ(r.exit, 2) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("--logprobs needs --json"));
+
   r = Client("tokenize hi");
   ASSERT_EQ(r.exit, 0) << r.output;
   EXPECT_THAT(r.output, HasSubstr("104,105"));

@@ -90,6 +90,16 @@ TEST(ByteTokenizerTest, DecodeSkipsSpecialAndOutOfRangeIds) {
   EXPECT_EQ(tok->Decode(std::vector<int32_t>{256, 'h', 257, 'i', 258, 100000, -1, '!'}), "hi!");
 }
 
+TEST(ByteTokenizerTest, TokenBytesAreTheIdsByteEvenMidCharacter) {
+  auto tok = Tokenizer::CreateByteTokenizer();
+  EXPECT_EQ(tok->TokenBytes('h'), "h");
+  EXPECT_EQ(tok->TokenBytes(0xC3), "\xC3");  // the first byte of a two-byte character, as is
+  EXPECT_EQ(tok->TokenBytes(0), std::string(1, '\0'));
+  for (const int32_t none : {tok->bos_id(), tok->eos_id(), -1, 258}) {
+    EXPECT_EQ(tok->TokenBytes(none), "") << none;
+  }
+}
+
 TEST(ByteTokenizerTest, DecodeReplacesEachMaximalIllFormedSubsequence) {
   auto tok = Tokenizer::CreateByteTokenizer();
   const auto decode = [&](const std::string& bytes) { return tok->Decode(BytesOf(bytes)); };
@@ -299,6 +309,18 @@ TEST_F(SentencePieceTest, RoundTripsTextIncludingUnseenCharacters) {
   }
   // Learned merges: a training word takes fewer ids than its bytes.
   EXPECT_LT(tok_->Encode("hello", false).size(), 5u);
+}
+
+TEST_F(SentencePieceTest, TokenBytesKeepAPiecesLeadingSpace) {
+  // Each piece as it reads after other text: concatenated, the text with SentencePiece's dummy
+  // leading space, which Decode drops at the start.
+  std::string joined;
+  for (const int32_t id : tok_->Encode("hello world", /*add_bos=*/false)) {
+    joined += tok_->TokenBytes(id);
+  }
+  EXPECT_EQ(joined, " hello world");
+  EXPECT_EQ(tok_->TokenBytes(tok_->bos_id()), "");
+  EXPECT_EQ(tok_->TokenBytes(static_cast<int32_t>(tok_->vocab_size())), "");
 }
 
 TEST_F(SentencePieceTest, DecodeSkipsOutOfRangeIds) {

@@ -1,6 +1,6 @@
 // Drives sdm-server's OpenAI-compatible HTTP API (docs/api.md, "HTTP API") with the official
 // `openai` npm SDK: streamed chat completions and completions, with and without a session,
-// usage, and an error the SDK maps to its NotFoundError. Run by run_test.sh.
+// usage, log-probabilities, and errors the SDK maps to its typed errors. Run by run_test.sh.
 //
 //   node sdk_test.mjs BASE_URL API_KEY      (BASE_URL like http://127.0.0.1:PORT/v1)
 import assert from 'node:assert/strict';
@@ -49,6 +49,35 @@ const whole = await client.chat.completions.create({ model, messages, max_tokens
 assert.equal(whole.choices[0].message.content, streamed.text);
 assert.equal(whole.usage.completion_tokens, streamed.usage.completion_tokens);
 console.log(`chat stream: ${streamed.chunks} chunks, usage ${JSON.stringify(streamed.usage)}`);
+
+// Log-probabilities as the SDK types them: one content entry per generated token, the
+// alternatives most probable first; streamed, the same entries.
+const withLogprobs = await client.chat.completions.create({
+  model, messages, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 3,
+});
+const content = withLogprobs.choices[0].logprobs.content;
+assert.equal(content.length, withLogprobs.usage.completion_tokens);
+// The tokens' bytes spell the reply (past it only a stop string's; an EOS has none).
+assert.ok(Buffer.from(content.flatMap((e) => e.bytes)).toString()
+  .startsWith(withLogprobs.choices[0].message.content));
+for (const entry of content) {
+  assert.ok(entry.logprob <= 0);
+  assert.equal(entry.top_logprobs.length, 3);
+  assert.equal(entry.top_logprobs[0].logprob, entry.logprob);  // greedy: the most probable
+}
+const streamedContent = [];
+for await (const chunk of await client.chat.completions.create({
+  model, messages, max_tokens: 8, temperature: 0, logprobs: true, top_logprobs: 3, stream: true,
+})) {
+  streamedContent.push(...(chunk.choices[0]?.logprobs?.content ?? []));
+}
+assert.deepEqual(streamedContent, content);
+const legacy = await client.completions.create({
+  model, prompt: 'Once upon a time', max_tokens: 6, temperature: 0, logprobs: 2,
+});
+assert.equal(legacy.choices[0].logprobs.token_logprobs.length, 6);
+assert.equal(legacy.choices[0].logprobs.top_logprobs[0] !== null, true);
+console.log(`logprobs: ${content.map((e) => e.logprob.toFixed(3)).join(' ')}`);
 
 // A completion, streamed.
 const completion = await collect(

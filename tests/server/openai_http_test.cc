@@ -5,6 +5,7 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "engine/tokenizer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
@@ -110,6 +112,9 @@ struct Streamed {
   Json usage;
   Json session;
   int chunks = 0;
+  // The choices' log-probabilities, concatenated: chat's `content` entries, or the completion's
+  // fields (tokens, token_logprobs, top_logprobs, text_offset) each as one array.
+  Json logprobs;
 };
 
 Streamed ParseStream(const std::string& body, bool chat) {
@@ -137,6 +142,15 @@ Streamed ParseStream(const std::string& body, bool chat) {
       if (choice["delta"].contains("content")) s.text += choice["delta"]["content"];
     } else {
       s.text += choice["text"];
+    }
+    if (!choice["logprobs"].is_null()) {
+      if (chat) {
+        for (const Json& e : choice["logprobs"]["content"]) s.logprobs.push_back(e);
+      } else {
+        for (const auto& [field, values] : choice["logprobs"].items()) {
+          for (const Json& v : values) s.logprobs[field].push_back(v);
+        }
+      }
     }
     if (!choice["finish_reason"].is_null()) {
       EXPECT_TRUE(s.finish_reason.empty()) << "two finish reasons";
@@ -401,6 +415,138 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   EXPECT_TRUE(sch.usage.is_null());  // not asked for
 }
 
+TEST_F(OpenAiHttpTest, LogprobsAreGrpcsInBothApisStreamedOrNot) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const std::unique_ptr<Tokenizer> bytes = Tokenizer::CreateByteTokenizer();  // the model's
+
+  // gRPC: one entry per token; greedy, so the token is the most probable.
+  v1::GenerateRequest request = TextRequest("Once upon", 12);
+  request.set_logprobs(3);
+  std::vector<v1::TokenLogprobs> grpc_logprobs;
+  {
+    grpc::ClientContext context;
+    auto reader = s.stub->Generate(&context, request);
+    v1::GenerateResponse chunk;
+    std::vector<int32_t> tokens;
+    while (reader->Read(&chunk)) {
+      tokens.insert(tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      grpc_logprobs.insert(grpc_logprobs.end(), chunk.logprobs().begin(), chunk.logprobs().end());
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+    EXPECT_EQ(tokens, Generate(*s.stub, TextRequest("Once upon", 12)).tokens);  // unchanged
+    ASSERT_EQ(grpc_logprobs.size(), 12u);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      ASSERT_EQ(grpc_logprobs[i].top_size(), 3);
+      EXPECT_EQ(grpc_logprobs[i].top(0).token_id(), tokens[i]);
+      EXPECT_EQ(grpc_logprobs[i].top(0).logprob(), grpc_logprobs[i].logprob());
+      EXPECT_LT(grpc_logprobs[i].logprob(), 0);
+      EXPECT_GE(grpc_logprobs[i].top(1).logprob(), grpc_logprobs[i].top(2).logprob());
+    }
+    // The token strings HTTP shows: a byte of a character split between tokens as "bytes:\xNN".
+    const auto text_of = [&](int32_t id) { return LogprobTokenText(bytes->TokenBytes(id)); };
+
+    // /v1/completions, whole and streamed: the same numbers as gRPC's (doubles survive JSON).
+    const Json body = {
+        {"prompt", "Once upon"}, {"max_tokens", 12}, {"temperature", 0}, {"logprobs", 3}};
+    const Reply whole = Post(port, "/v1/completions", body);
+    ASSERT_EQ(whole.status, 200) << whole.raw;
+    const Json& lp = whole.body["choices"][0]["logprobs"];
+    ASSERT_EQ(lp["tokens"].size(), 12u) << whole.raw;
+    int64_t offset = 0;
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      SCOPED_TRACE(i);
+      EXPECT_EQ(lp["tokens"][i], text_of(tokens[i]));
+      EXPECT_EQ(lp["token_logprobs"][i].get<double>(), grpc_logprobs[i].logprob());
+      ASSERT_EQ(lp["top_logprobs"][i].size(), 3u);
+      EXPECT_EQ(lp["top_logprobs"][i][text_of(grpc_logprobs[i].top(1).token_id())].get<double>(),
+                grpc_logprobs[i].top(1).logprob());
+      EXPECT_EQ(lp["text_offset"][i], offset);
+      const std::string token = lp["tokens"][i];
+      offset += std::count_if(token.begin(), token.end(),
+                              [](char c) { return (static_cast<uint8_t>(c) & 0xC0) != 0x80; });
+    }
+    Json streamed_body = body;
+    streamed_body["stream"] = true;
+    const Reply streamed = Post(port, "/v1/completions", streamed_body);
+    ASSERT_EQ(streamed.status, 200) << streamed.raw;
+    const Streamed sc = ParseStream(streamed.raw, /*chat=*/false);
+    EXPECT_EQ(sc.logprobs, lp);  // text_offset continues across chunks
+    // Not asked for: null.
+    const Reply without = Post(port, "/v1/completions",
+                               {{"prompt", "Once upon"}, {"max_tokens", 2}, {"temperature", 0}});
+    EXPECT_TRUE(without.body["choices"][0]["logprobs"].is_null()) << without.raw;
+  }
+
+  // Chat: OpenAI's content entries, with bytes; the same numbers as gRPC's on the template's
+  // rendering.
+  v1::GenerateRequest rendered = TextRequest("User: Hello\nAssistant:", 10);
+  rendered.mutable_sampling()->add_stop("\nUser:");
+  rendered.set_logprobs(2);
+  std::vector<v1::TokenLogprobs> chat_grpc;
+  std::vector<int32_t> chat_tokens;
+  {
+    grpc::ClientContext context;
+    auto reader = s.stub->Generate(&context, rendered);
+    v1::GenerateResponse chunk;
+    while (reader->Read(&chunk)) {
+      chat_tokens.insert(chat_tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      chat_grpc.insert(chat_grpc.end(), chunk.logprobs().begin(), chunk.logprobs().end());
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  const Json chat = {{"messages", {{{"role", "user"}, {"content", "Hello"}}}},
+                     {"max_tokens", 10},
+                     {"temperature", 0},
+                     {"logprobs", true},
+                     {"top_logprobs", 2}};
+  const Reply whole = Post(port, "/v1/chat/completions", chat);
+  ASSERT_EQ(whole.status, 200) << whole.raw;
+  const Json& content = whole.body["choices"][0]["logprobs"]["content"];
+  ASSERT_EQ(content.size(), chat_tokens.size()) << whole.raw;
+  for (size_t i = 0; i < chat_tokens.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(content[i]["bytes"], Json::array({chat_tokens[i]}));  // byte tokenizer: the id
+    EXPECT_EQ(content[i]["token"], LogprobTokenText(bytes->TokenBytes(chat_tokens[i])));
+    EXPECT_EQ(content[i]["logprob"].get<double>(), chat_grpc[i].logprob());
+    ASSERT_EQ(content[i]["top_logprobs"].size(), 2u);
+    EXPECT_EQ(content[i]["top_logprobs"][1]["bytes"],
+              Json::array({chat_grpc[i].top(1).token_id()}));
+    EXPECT_EQ(content[i]["top_logprobs"][1]["logprob"].get<double>(),
+              chat_grpc[i].top(1).logprob());
+  }
+  Json chat_stream = chat;
+  chat_stream["stream"] = true;
+  const Reply chunks = Post(port, "/v1/chat/completions", chat_stream);
+  ASSERT_EQ(chunks.status, 200) << chunks.raw;
+  EXPECT_EQ(ParseStream(chunks.raw, /*chat=*/true).logprobs, content);
+  // `logprobs` true alone: each token's, no alternatives.
+  Json alone = chat;
+  alone.erase("top_logprobs");
+  const Reply only = Post(port, "/v1/chat/completions", alone);
+  ASSERT_EQ(only.status, 200) << only.raw;
+  EXPECT_EQ(only.body["choices"][0]["logprobs"]["content"][0]["top_logprobs"], Json::array());
+  EXPECT_EQ(only.body["choices"][0]["logprobs"]["content"][0]["logprob"], content[0]["logprob"]);
+
+  // gRPC's range.
+  for (const int n : {-1, 21}) {
+    v1::GenerateRequest bad = TextRequest("Once upon", 2);
+    bad.set_logprobs(n);
+    const Completion refused = Generate(*s.stub, bad);
+    EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_THAT(refused.status.error_message(), HasSubstr("logprobs must be in [0, 20]"));
+  }
+}
+
+TEST(OpenAiJsonTest, ATokenThatIsNotWholeCharactersIsShownAsItsBytes) {
+  EXPECT_EQ(LogprobTokenText("abc"), "abc");
+  EXPECT_EQ(LogprobTokenText("\xc3\xa9"), "\xc3\xa9");  // é, whole
+  EXPECT_EQ(LogprobTokenText("\xc3"), "bytes:\\xc3");
+  EXPECT_EQ(LogprobTokenText("a\xe2\x82"), "bytes:\\x61\\xe2\\x82");
+  EXPECT_EQ(LogprobTokenText(""), "");
+}
+
 TEST_F(OpenAiHttpTest, SessionsCarryTheConversationWithTheSameTenancyAsGrpc) {
   ServerOptions o = Options();
   o.api_keys_file = dir_.path() / "keys.txt";
@@ -621,16 +767,19 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/chat/completions", with(chat, "n", 3), 400, "'n' must be 1"},
       {"/v1/chat/completions", with(chat, "session_id", "nope"), 404, "'nope' not found"},
       // What this server does not implement is refused when asked for, not silently left out.
-      {"/v1/completions", with(good, "logprobs", 3), 400, "'logprobs' is not supported"},
-      // 0 asks for the sampled tokens' log-probabilities in OpenAI's legacy completions.
-      {"/v1/completions", with(good, "logprobs", 0), 400, "'logprobs' is not supported"},
       {"/v1/completions", with(good, "echo", true), 400, "'echo' is not supported"},
       {"/v1/completions", with(good, "best_of", 2), 400, "'best_of' is not supported"},
       // OpenAI's best_of must be at least n (1): 0 is no off value.
       {"/v1/completions", with(good, "best_of", 0), 400, "'best_of' is not supported"},
       {"/v1/completions", with(good, "suffix", "end"), 400, "'suffix' is not supported"},
-      {"/v1/chat/completions", with(chat, "logprobs", true), 400, "'logprobs' is not supported"},
-      {"/v1/chat/completions", with(chat, "top_logprobs", 2), 400, "'top_logprobs'"},
+      {"/v1/completions", with(good, "logprobs", 21), 400, "'logprobs' must be in [0, 20]"},
+      {"/v1/completions", with(good, "logprobs", -1), 400, "'logprobs' must be in [0, 20]"},
+      {"/v1/completions", with(good, "logprobs", true), 400, "'logprobs' must be an integer"},
+      {"/v1/chat/completions", with(chat, "logprobs", 3), 400, "'logprobs' must be a boolean"},
+      {"/v1/chat/completions", with(chat, "top_logprobs", 2), 400,
+       "'top_logprobs' needs 'logprobs': true"},
+      {"/v1/chat/completions", with2(chat, "logprobs", true, "top_logprobs", 21), 400,
+       "'top_logprobs' must be in [0, 20]"},
       {"/v1/chat/completions", with(chat, "response_format", {{"type", "json_object"}}), 400,
        "'response_format' is not supported"},
       // An agent given tools must not take text for a reply that chose no tool.

@@ -8,6 +8,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "base/check.h"
 #include "base/thread_priority.h"
 #include "engine/engine.h"
+#include "engine/logprobs.h"
 #include "engine/model.h"
 #include "engine/model_config.h"
 #include "engine/tokenizer.h"
@@ -33,10 +35,11 @@ namespace {
 // Collects a job's output; Wait() blocks until it finished.
 class Collector : public JobObserver {
  public:
-  void OnToken(int32_t token, absl::string_view text) override {
+  void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* lp) override {
     std::lock_guard<std::mutex> lock(mu_);
     step_thread_nice = CurrentThreadNice();  // observers run on the step thread
     tokens.push_back(token);
+    if (lp != nullptr) logprobs.push_back(*lp);
     this->text += std::string(text);
     if (cancel_after > 0 && static_cast<int>(tokens.size()) >= cancel_after) cancelled = true;
   }
@@ -64,6 +67,7 @@ class Collector : public JobObserver {
   }
 
   std::vector<int32_t> tokens;
+  std::vector<TokenLogprobs> logprobs;  // of `tokens`, when the job asked for them
   std::string text;
   FinishReason reason = FinishReason::kError;
   Usage usage;
@@ -221,6 +225,71 @@ TEST_F(SchedulerTest, ConcurrentSessionsEqualTheirSoloRuns) {
   for (int i = 0; i < kJobs; ++i) {
     auto s = engine_->NewSession();
     EXPECT_EQ(out[i]->tokens, Direct(*s, Tokens(5 + i % 7, 10 + i), kTokens)) << "job " << i;
+  }
+}
+
+TEST_F(SchedulerTest, LogprobsAreTheModelsAtEachTokenAndChangeNothingElse) {
+  SchedulerOptions o;
+  o.prefill_token_budget = 16;  // prompts over several steps, beside other jobs' decodes
+  StartScheduler(o);
+  // Sampled jobs in one batch, half asking for log-probabilities: theirs must be the solo
+  // engine's logits' (batch-invariant, so equal to the bit), and asking must not change tokens.
+  const int kJobs = 6, kTokens = 9;
+  const auto job = [&](int i, std::optional<int> logprobs) {
+    GenerateJob j = Job("", Tokens(7 + 3 * i, 40 + i), kTokens);
+    j.sampling.temperature = 0.9;
+    j.sampling.seed = 100 + i;
+    j.logprobs = logprobs;
+    return j;
+  };
+  std::vector<std::shared_ptr<Collector>> with, without;
+  for (int i = 0; i < kJobs; ++i) {
+    with.push_back(std::make_shared<Collector>());
+    without.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(job(i, i % 3), with.back()).ok());
+    ASSERT_TRUE(scheduler_->Submit(job(i, std::nullopt), without.back()).ok());
+  }
+  for (int i = 0; i < kJobs; ++i) {
+    with[i]->Wait();
+    without[i]->Wait();
+  }
+  scheduler_.reset();
+  for (int i = 0; i < kJobs; ++i) {
+    SCOPED_TRACE(i);
+    const Collector& c = *with[i];
+    EXPECT_EQ(c.tokens, without[i]->tokens);
+    EXPECT_TRUE(without[i]->logprobs.empty());
+    ASSERT_EQ(c.logprobs.size(), c.tokens.size());
+    // The reference: the same job, alone, through the engine.
+    const GenerateJob spec = job(i, std::nullopt);
+    auto s = engine_->NewSession();
+    std::vector<float> logits;
+    ASSERT_TRUE(engine_->Prefill(*s, spec.prompt, false, &logits).ok());
+    for (size_t t = 0; t < c.tokens.size(); ++t) {
+      ASSERT_EQ(c.tokens[t], SampleToken(logits, spec.sampling, t));
+      const TokenLogprobs want = ComputeLogprobs(logits, c.tokens[t], i % 3);
+      EXPECT_EQ(c.logprobs[t].chosen.token, c.tokens[t]);
+      EXPECT_EQ(c.logprobs[t].chosen.logprob, want.chosen.logprob) << "token " << t;
+      ASSERT_EQ(c.logprobs[t].top.size(), static_cast<size_t>(i % 3));
+      for (size_t k = 0; k < want.top.size(); ++k) {
+        EXPECT_EQ(c.logprobs[t].top[k].token, want.top[k].token);
+        EXPECT_EQ(c.logprobs[t].top[k].logprob, want.top[k].logprob);
+      }
+      SessionState* p = s.get();
+      const int32_t next = c.tokens[t];
+      ASSERT_TRUE(engine_->Decode({&p, 1}, {&next, 1}, logits).ok());
+    }
+  }
+}
+
+TEST_F(SchedulerTest, LogprobsOutOfRangeAreRefused) {
+  StartScheduler();
+  for (const int n : {-1, kMaxTopLogprobs + 1}) {
+    GenerateJob j = Job("", Tokens(4, 1), 2);
+    j.logprobs = n;
+    const absl::Status s = scheduler_->Submit(std::move(j), std::make_shared<Collector>());
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << n;
+    EXPECT_NE(s.message().find("logprobs must be in [0, 20]"), absl::string_view::npos) << s;
   }
 }
 
@@ -592,8 +661,8 @@ EngineOptions RefusingTheFirstStepOfThree(std::shared_ptr<std::atomic<int>> refu
 // jobs submitted in between share the next step.
 class HeldCollector : public Collector {
  public:
-  void OnToken(int32_t token, absl::string_view text) override {
-    Collector::OnToken(token, text);
+  void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* lp) override {
+    Collector::OnToken(token, text, lp);
     if (!entered.HasBeenNotified()) {
       entered.Notify();
       release.WaitForNotification();
@@ -1034,9 +1103,9 @@ class NamedCollector : public Collector {
  public:
   NamedCollector(std::string name, std::shared_ptr<StartOrder> order)
       : name_(std::move(name)), order_(std::move(order)) {}
-  void OnToken(int32_t token, absl::string_view text) override {
+  void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* lp) override {
     if (!started_.exchange(true)) order_->Started(name_);
-    Collector::OnToken(token, text);
+    Collector::OnToken(token, text, lp);
   }
 
  private:

@@ -31,7 +31,7 @@ namespace {
 // One job's usage and error; Wait() returns once it has finished.
 class Turn : public JobObserver {
  public:
-  void OnToken(int32_t, absl::string_view) override {}
+  void OnToken(int32_t, absl::string_view, const TokenLogprobs*) override {}
   void OnHeldText(absl::string_view) override {}
   void OnFinish(FinishReason, const Usage& u, const absl::Status& e) override {
     usage = u;

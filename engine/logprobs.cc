@@ -1,0 +1,63 @@
+#include "engine/logprobs.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+
+#include "base/check.h"
+
+namespace sdm {
+
+TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int top_n) {
+  SDM_CHECK(!logits.empty());
+  SDM_CHECK(token >= 0 && static_cast<size_t>(token) < logits.size());
+  SDM_CHECK(top_n >= 0);
+  constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
+  double max = kMinusInf;
+  for (const float l : logits) {
+    if (!std::isnan(l)) max = std::max(max, static_cast<double>(l));
+  }
+  // log(sum over non-NaN logits of exp(l)), shifted by the largest. With a +inf logit the +inf
+  // ones share the probability: each is log(1 / count), every other -inf.
+  double log_sum = kMinusInf;
+  const bool infinite = std::isinf(max) && max > 0;
+  if (infinite) {
+    const auto count =
+        std::count(logits.begin(), logits.end(), std::numeric_limits<float>::infinity());
+    log_sum = std::log(static_cast<double>(count));
+  } else if (max != kMinusInf) {
+    double sum = 0;
+    for (const float l : logits) {
+      if (!std::isnan(l)) sum += std::exp(static_cast<double>(l) - max);
+    }
+    log_sum = max + std::log(sum);
+  }
+  const auto logprob = [&](int32_t id) {
+    const double l = logits[static_cast<size_t>(id)];
+    if (std::isnan(l) || log_sum == kMinusInf) return kMinusInf;  // also: every logit NaN or -inf
+    if (infinite) return std::isinf(l) && l > 0 ? -log_sum : kMinusInf;
+    return l - log_sum;
+  };
+  TokenLogprobs out;
+  out.chosen = {token, logprob(token)};
+  const size_t n = std::min(static_cast<size_t>(top_n), logits.size());
+  if (n == 0) return out;
+  std::vector<int32_t> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  // Descending logit (the order of the log-probabilities), ties and NaN as the header says.
+  const auto before = [&logits](int32_t a, int32_t b) {
+    const float la = logits[static_cast<size_t>(a)];
+    const float lb = logits[static_cast<size_t>(b)];
+    if (std::isnan(la) || std::isnan(lb)) {
+      return std::isnan(la) == std::isnan(lb) ? a < b : std::isnan(lb);
+    }
+    return la != lb ? la > lb : a < b;
+  };
+  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n), ids.end(), before);
+  out.top.reserve(n);
+  for (size_t i = 0; i < n; ++i) out.top.push_back({ids[i], logprob(ids[i])});
+  return out;
+}
+
+}  // namespace sdm
