@@ -12,11 +12,13 @@
 // loaded, a file is invalid, a port cannot be bound: the reason is printed) or when sessions
 // could not be persisted at shutdown; 2 on usage errors.
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -286,24 +288,46 @@ constexpr int kExitUsage = 2;
 // SIGINT and SIGTERM run OnShutdownSignal on whichever thread the kernel picks (threads started
 // before main, such as a BLAS library's, do not have them blocked; with sigwait, a second signal
 // could land on one of those and kill the process by the default action, silently). The first
-// is passed to main through a pipe; the second exits at once, saying so.
+// is passed to main through a pipe; a later one exits at once, saying so. One arriving within
+// kRepeatedSignalWindow of the first is the same request delivered twice, not a second request:
+// GNU timeout signals its child and then the child's process group, and a script's EXIT trap
+// forwards a SIGTERM after the terminal's Ctrl-C reached the whole group; taking those for a
+// second request threw away every unsaved session. It is ignored, saying so.
+constexpr int64_t kRepeatedSignalWindowNs = 1'000'000'000;  // 1 s; docs/api.md, Shutdown
 int shutdown_pipe[2] = {-1, -1};
-std::atomic<int> shutdown_signals{0};
+std::atomic<int64_t> first_shutdown_signal_ns{0};  // CLOCK_MONOTONIC; 0: none yet
+static_assert(std::atomic<int64_t>::is_always_lock_free, "used in a signal handler");
+
+void WriteToStderr(const char* message) {
+  [[maybe_unused]] const ssize_t n = write(STDERR_FILENO, message, std::strlen(message));
+}
 
 void OnShutdownSignal(int signal_number) {
-  if (shutdown_signals.fetch_add(1) == 0) {
+  // Async-signal-safe: clock_gettime, atomics, write(2) and _exit only.
+  timespec now{};
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  const int64_t now_ns = std::max<int64_t>(1, int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec);
+  int64_t first_ns = 0;
+  if (first_shutdown_signal_ns.compare_exchange_strong(first_ns, now_ns)) {
     const char c = static_cast<char>(signal_number);
     [[maybe_unused]] const ssize_t n = write(shutdown_pipe[1], &c, 1);
     return;
   }
-  // Async-signal-safe: write(2) and _exit only.
+  if (now_ns - first_ns < kRepeatedSignalWindowNs) {
+    WriteToStderr(signal_number == SIGINT
+                      ? "sdm-server: SIGINT within 1 s of the first signal: taken as the same "
+                        "request (still shutting down gracefully; signal again to exit at once)\n"
+                      : "sdm-server: SIGTERM within 1 s of the first signal: taken as the same "
+                        "request (still shutting down gracefully; signal again to exit at once)\n");
+    return;
+  }
   const char* message =
       signal_number == SIGINT
           ? "sdm-server: second SIGINT: exiting now with status 1, without waiting for requests "
             "or saving sessions; changes since a session's last save are lost\n"
           : "sdm-server: second SIGTERM: exiting now with status 1, without waiting for requests "
             "or saving sessions; changes since a session's last save are lost\n";
-  [[maybe_unused]] const ssize_t n = write(STDERR_FILENO, message, std::strlen(message));
+  WriteToStderr(message);
   _exit(kExitFailure);
 }
 
@@ -714,9 +738,9 @@ int main(int argc, char** argv) {
   while (::read(shutdown_pipe[0], &received, 1) < 0 && errno == EINTR) {
   }
   const int signal_number = received;
-  absl::FPrintF(stderr, "sdm-server: %s: shutting down (grace %s; a second signal exits now)\n",
-                signal_number == SIGINT ? "SIGINT" : "SIGTERM",
-                absl::FormatDuration(options.shutdown_grace));
+  absl::FPrintF(
+      stderr, "sdm-server: %s: shutting down (grace %s; another signal, 1 s on, exits at once)\n",
+      signal_number == SIGINT ? "SIGINT" : "SIGTERM", absl::FormatDuration(options.shutdown_grace));
   const absl::Status persisted = (*server)->Shutdown();
   if (!persisted.ok()) {
     absl::FPrintF(stderr, "sdm-server: %s\n", persisted.ToString());

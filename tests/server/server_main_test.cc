@@ -431,9 +431,12 @@ TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   v1::GenerateResponse chunk;
   ASSERT_TRUE(stream->Read(&chunk));
   ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
-  // Wait (setup) until the server has started its graceful shutdown.
+  // Wait (setup) until the server has started its graceful shutdown: the first signal was taken.
   Eventually([&] { return ReadFile(err.string()).find("shutting down") != std::string::npos; });
   ASSERT_THAT(ReadFile(err.string()), ::testing::HasSubstr("shutting down"));
+  // A signal within 1 s of the first is the same request (the next test); this one comes later,
+  // whatever the load: a lower bound, not a race.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1100));
   ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
   int raw = 0;
   ASSERT_EQ(::waitpid(server.pid, &raw, 0), server.pid);
@@ -448,6 +451,67 @@ TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   while (stream->Read(&chunk)) {
   }
   stream->Finish();
+}
+
+// GNU timeout signals its child and then the child's process group; a script's EXIT trap forwards
+// a SIGTERM after Ctrl-C's SIGINT reached the group: one request, two signals. Taken for a second
+// request, they made the server exit at once, its unsaved sessions lost (--persist shutdown: all).
+TEST_F(ServerMainTest, ASignalRepeatedAtOnceIsTheSameRequestAndTheShutdownSaves) {
+  const std::filesystem::path err = dir_.path() / "stderr.txt";
+  const std::string state = absl::StrCat("--state_dir=", (dir_.path() / "state").string());
+  const std::vector<std::string> args = {absl::StrCat("--model=", NoEosModelDir().string()),
+                                         "--port=0",
+                                         "--metrics_port=-1",
+                                         "--threads=1",
+                                         state,
+                                         "--persist=shutdown",
+                                         "--shutdown_grace=0s"};
+  const SpawnedServer server = SpawnServer(args, err);
+  ASSERT_GT(server.pid, 0);
+  const std::string line = ReadLine(server.out, std::chrono::seconds(30));
+  ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
+  const std::string address = line.substr(13, line.find(' ', 13) - 13);
+  auto stub =
+      v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  {
+    grpc::ClientContext context;
+    v1::CreateSessionRequest create;
+    create.set_session_id("kept");
+    v1::Session session;
+    ASSERT_TRUE(stub->CreateSession(&context, create, &session).ok());
+  }
+  const Completion turn = Generate(*stub, TextRequest("remember this", 3, "kept"));
+  ASSERT_TRUE(turn.status.ok()) << turn.status.error_message();
+  // SIGINT then SIGTERM, at once: one request to stop.
+  ASSERT_EQ(::kill(server.pid, SIGINT), 0);
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
+  int raw = 0;
+  ASSERT_EQ(::waitpid(server.pid, &raw, 0), server.pid);
+  ::close(server.out);
+  const std::string stderr_text = ReadFile(err.string());
+  ASSERT_TRUE(WIFEXITED(raw)) << stderr_text;
+  EXPECT_EQ(WEXITSTATUS(raw), 0) << stderr_text;
+  // Which of the two the kernel delivers first is its choice.
+  EXPECT_THAT(stderr_text,
+              ::testing::HasSubstr("within 1 s of the first signal: taken as the same request"));
+  EXPECT_THAT(stderr_text, ::testing::Not(::testing::HasSubstr("exiting now")));
+
+  // The session was saved by the shutdown: a new server has it, with the turn.
+  const SpawnedServer again = SpawnServer(args, dir_.path() / "stderr2.txt");
+  ASSERT_GT(again.pid, 0);
+  const std::string line2 = ReadLine(again.out, std::chrono::seconds(30));
+  ASSERT_TRUE(line2.starts_with("listening on 127.0.0.1:")) << line2;
+  auto stub2 = v1::SdmService::NewStub(grpc::CreateChannel(
+      line2.substr(13, line2.find(' ', 13) - 13), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::GetSessionRequest get;
+  get.set_session_id("kept");
+  v1::Session kept;
+  EXPECT_TRUE(stub2->GetSession(&context, get, &kept).ok());
+  EXPECT_EQ(kept.position(), turn.usage.prompt_tokens() + turn.usage.generated_tokens());
+  ASSERT_EQ(::kill(again.pid, SIGTERM), 0);
+  ASSERT_EQ(::waitpid(again.pid, &raw, 0), again.pid);
+  ::close(again.out);
 }
 
 }  // namespace
