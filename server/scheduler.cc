@@ -225,7 +225,12 @@ void Scheduler::Loop() {
   });
   std::vector<std::unique_ptr<Job>> running;
   while (true) {
-    std::vector<std::pair<std::unique_ptr<Job>, FinishReason>> ended;  // waiting jobs that end
+    struct Ended {
+      std::unique_ptr<Job> job;
+      FinishReason reason;
+      absl::Status error;
+    };
+    std::vector<Ended> ended;  // waiting jobs that end
     bool cancel_all = false;
     {
       absl::MutexLock lock(&mu_);
@@ -234,9 +239,22 @@ void Scheduler::Loop() {
       device_work_ = false;  // RunDeviceMoves() below serves what was queued until now
       cancel_all = cancel_all_;
       if (cancel_all) {
+        // A job that never ran (still queued, or deferred before its first step fitted) is
+        // refused rather than cancelled: nothing of it happened, so the client retries it
+        // (elsewhere, with replicas) instead of reading an empty completion as the answer.
         while (!waiting_.empty()) {
-          ended.emplace_back(std::move(waiting_.front()), FinishReason::kCancelled);
+          std::unique_ptr<Job> job = std::move(waiting_.front());
           waiting_.pop_front();
+          const bool ran = job->fed > 0 || job->usage.generated_tokens > 0;
+          absl::Status error;
+          if (!ran) {
+            error = absl::UnavailableError(
+                "the server shut down before this request started (it waited for a place in the "
+                "batch until the shutdown's grace ran out); nothing of it ran: retry it, on "
+                "another replica if there is one");
+          }
+          ended.push_back({std::move(job), ran ? FinishReason::kCancelled : FinishReason::kError,
+                           std::move(error)});
         }
       }
       // A waiting job that was cancelled or passed its deadline ends now, without running: it
@@ -245,7 +263,7 @@ void Scheduler::Loop() {
       const absl::Time now = absl::Now();
       for (auto it = waiting_.begin(); it != waiting_.end();) {
         if (const std::optional<FinishReason> reason = (*it)->EndReason(now)) {
-          ended.emplace_back(std::move(*it), *reason);
+          ended.push_back({std::move(*it), *reason, absl::OkStatus()});
           it = waiting_.erase(it);
         } else {
           ++it;
@@ -254,7 +272,7 @@ void Scheduler::Loop() {
       AdmitLocked(running);
       running_count_ = static_cast<int>(running.size());
     }
-    for (auto& [job, reason] : ended) Finish(*job, reason);
+    for (Ended& e : ended) Finish(*e.job, e.reason, e.error);
     if (cancel_all) {
       for (auto& job : running) Finish(*job, FinishReason::kCancelled);
     }

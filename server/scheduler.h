@@ -186,8 +186,9 @@ class Scheduler {
   absl::Status Submit(GenerateJob job, std::shared_ptr<JobObserver> observer);
 
   // Stops admitting; then lets running and waiting jobs finish (cancel=false) or cancels them
-  // (cancel=true); returns when the step thread has exited. Idempotent; concurrent calls each
-  // return once it has exited.
+  // (cancel=true): a job that ran ends kCancelled, one that never ran (queued) kError with
+  // UNAVAILABLE, so its client retries it; returns when the step thread has exited. Idempotent;
+  // concurrent calls each return once it has exited.
   void Shutdown(bool cancel);
 
   int running() const;

@@ -11,6 +11,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -26,6 +27,7 @@
 #include "engine/tokenizer.h"
 #include "gtest/gtest.h"
 #include "state_store/session_ownership.h"
+#include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 #include "tests/state_store/fault_injection_files.h"
 
@@ -670,6 +672,38 @@ class HeldCollector : public Collector {
   }
   absl::Notification entered, release;
 };
+
+// A shutdown that cancels: the running job ends cancelled (its session keeps what it did); the
+// queued one, which never ran, is refused with UNAVAILABLE so that its client retries it, not
+// answered with an empty "cancelled" completion (from the operability audit).
+TEST_F(SchedulerTest, ACancellingShutdownRefusesTheJobsThatNeverRan) {
+  UseNoEosModel();
+  SchedulerOptions o;
+  o.max_running = 1;
+  StartScheduler(o);
+  auto running = std::make_shared<HeldCollector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 1), 1'000'000), running).ok());
+  running->entered.WaitForNotification();  // the step thread is held in its first token
+  auto queued = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 2), 5), queued).ok());
+  std::thread shutdown([this] { scheduler_->Shutdown(/*cancel=*/true); });
+  // The shutdown has begun once submissions are refused (the same lock sets both).
+  ASSERT_TRUE(sdm::testing::Eventually([&] {
+    return absl::IsUnavailable(
+        scheduler_->Submit(Job("", Tokens(2, 3), 1), std::make_shared<Collector>()));
+  }));
+  running->release.Notify();
+  shutdown.join();
+  running->Wait();
+  queued->Wait();
+  EXPECT_EQ(running->reason, FinishReason::kCancelled);
+  EXPECT_EQ(queued->reason, FinishReason::kError);
+  EXPECT_TRUE(absl::IsUnavailable(queued->error)) << queued->error;
+  EXPECT_NE(queued->error.message().find("nothing of it ran: retry it"), std::string::npos)
+      << queued->error;
+  EXPECT_TRUE(queued->tokens.empty());
+  EXPECT_EQ(queued->usage.prompt_tokens, 0);
+}
 
 // A turn ends (its final chunk, OnFinish) once its own write is done, while the next turn on its
 // session runs: the next turn's Submit takes the session before any writer got to the first (the
