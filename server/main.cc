@@ -516,6 +516,14 @@ int main(int argc, char** argv) {
   options.http.max_connections = absl::GetFlag(FLAGS_http_max_connections);
   options.http.cors_origins = absl::GetFlag(FLAGS_http_cors_origins);
   options.http.chat_template_file = absl::GetFlag(FLAGS_chat_template);
+  // As --etcd's options without --etcd: a configuration whose HTTP options are wrong would only
+  // fail the day the HTTP API is turned on.
+  if (options.http.port < 0 &&
+      (!options.http.cors_origins.empty() || !options.http.chat_template_file.empty())) {
+    return UsageError(
+        "--chat_template and --http_cors_origins need --http_port (the HTTP API is "
+        "off)");
+  }
   options.store.dir = absl::GetFlag(FLAGS_state_dir);
   options.store.shared_dir = absl::GetFlag(FLAGS_shared_state_dir);
   if (options.store.shared_dir && options.store.dir.empty()) {

@@ -467,6 +467,21 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
           " tokens generated. Continue from there rather than sending the request again"));
     }
   }
+  if (!status.ok()) {
+    if (listener_ != nullptr) listener_->OnStepFailed(status);
+    // An operator learns why a batch failed (a device error, an internal one) from the log, not
+    // only from the requests' codes; a failure that repeats every step is logged once.
+    if (std::string cause = status.ToString(); cause != logged_step_error_) {
+      SDM_LOG(ERROR) << "sdm scheduler: an engine step of " << plan.size() << " requests ("
+                     << decodes << " decoding, " << prefilled << " prompt tokens) failed: " << cause
+                     << "; its requests end with this error (logged once until a step "
+                     << "succeeds)";
+      logged_step_error_ = std::move(cause);
+    }
+  } else if (!logged_step_error_.empty()) {
+    SDM_LOG(INFO) << "sdm scheduler: engine steps succeed again";
+    logged_step_error_.clear();
+  }
   if (status.ok() && ++fitting_steps_ >= kCapProbeSteps) {
     fitting_steps_ = 0;
     absl::MutexLock lock(&mu_);

@@ -164,6 +164,8 @@ class SchedulerListener {
   virtual void OnStep(int decode_batch, int64_t prefill_tokens, double seconds) {}
   virtual void OnFirstToken(double seconds_since_submit) {}
   virtual void OnInterToken(double seconds) {}
+  // An engine step failed (its jobs ended with `error`, or a lone job did not fit).
+  virtual void OnStepFailed(const absl::Status& error) {}
 };
 
 struct SchedulerOptions {
@@ -247,6 +249,9 @@ class Scheduler {
   // (step thread only): tenants take prompt chunks in turn (the class comment).
   int64_t feeds_ = 0;
   std::map<std::string, int64_t, std::less<>> last_fed_;
+  // The step failure logged last, until a step succeeds (step thread only): a failure is
+  // logged once per cause and episode, not once per step, and the recovery once.
+  std::string logged_step_error_;
   int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
   // Each tenant with jobs waiting or running: how many, and the admission (a count of places
   // given) that last gave it a place in the batch, 0 for none yet. An entry goes with its

@@ -216,6 +216,7 @@ class SdmServer::Impl final : public SchedulerListener {
   }
   void OnFirstToken(double seconds) override { metrics->time_to_first_token.Observe(seconds); }
   void OnInterToken(double seconds) override { metrics->inter_token_latency.Observe(seconds); }
+  void OnStepFailed(const absl::Status&) override { metrics->engine_step_failures.Increment(); }
 
   // At every scrape: gauges from the scheduler and the store, counters from the store's totals.
   void UpdateGauges();

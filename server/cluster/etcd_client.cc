@@ -4,7 +4,9 @@
 #include <signal.h>
 #include <time.h>
 
+#include <algorithm>
 #include <fstream>
+#include <string>
 #include <utility>
 
 #include "absl/strings/ascii.h"
@@ -38,10 +40,22 @@ constexpr bool kHaveTls = false;
 
 bool IsHttps(absl::string_view url) { return absl::StartsWith(url, "https://"); }
 
+// `url` as a message may show it: user information (user:password@) replaced by "***@", so that
+// a password written into the URL by mistake does not reach the logs.
+std::string RedactedUrl(absl::string_view url) {
+  const size_t scheme = url.find("://");
+  const size_t start = scheme == absl::string_view::npos ? 0 : scheme + 3;
+  const size_t end = std::min(url.size(), url.find_first_of("/?#", start));
+  const size_t at = url.substr(start, end - start).rfind('@');
+  if (at == absl::string_view::npos) return std::string(url);
+  return absl::StrCat(url.substr(0, start), "***@", url.substr(start + at + 1));
+}
+
 // OK when `url` is http(s)://host[:port] (no path, no user); else why not.
 absl::Status ValidateEndpoint(absl::string_view url) {
   auto bad = [&](absl::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("etcd endpoint '", url, "': ", why));
+    return absl::InvalidArgumentError(
+        absl::StrCat("etcd endpoint '", RedactedUrl(url), "': ", why));
   };
   if (url.empty()) return absl::InvalidArgumentError("an etcd endpoint is empty");
   absl::string_view rest = url;

@@ -87,6 +87,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                      .Help("Sequences in each engine step.")
                      .Register(registry)
                      .Add({}, BatchSizeBuckets())),
+      engine_step_failures(BuildCounter()
+                               .Name("sdm_engine_step_failures_total")
+                               .Help("Engine steps that failed: their requests ended with the "
+                                     "step's error (the log says why, once per cause).")
+                               .Register(registry)
+                               .Add({})),
       snapshot_errors(BuildCounter()
                           .Name("sdm_snapshot_errors_total")
                           .Help("Snapshots that failed to write, or failed their checks when read "

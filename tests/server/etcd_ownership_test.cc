@@ -624,11 +624,15 @@ TEST(EtcdOwnershipOptionsTest, BadEndpointsAndCredentialsFailTheStart) {
            Case{{"http://:2379"}, "no host"},
            Case{{"http://etcd:99999"}, "a bad port"},
            Case{{"http://etcd:"}, "no port"},
+           // A password written into the URL is not repeated in the message (it is logged).
+           Case{{"http://user:secretpw@etcd:2379"},
+                "etcd endpoint 'http://***@etcd:2379': user information in the URL"},
        }) {
     const absl::Status s =
         start([&](EtcdOwnershipOptions& o) { o.client.endpoints = c.endpoints; });
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << c.says << ": " << s;
     EXPECT_THAT(s.message(), HasSubstr(c.says));
+    EXPECT_THAT(s.message(), ::testing::Not(HasSubstr("secretpw")));
   }
   struct Edit {
     std::function<void(EtcdOwnershipOptions&)> edit;

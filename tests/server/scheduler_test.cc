@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "base/check.h"
+#include "base/log.h"
 #include "base/thread_priority.h"
 #include "engine/engine.h"
 #include "engine/logprobs.h"
@@ -833,6 +835,69 @@ TEST_F(SchedulerTest, AJobAloneWhoseStepDoesNotFitSaysWhatItsSessionKept) {
   absl::StatusOr<SessionLease> lease = store_->Acquire(SessionKey("chat"));
   ASSERT_TRUE(lease.ok()) << lease.status();
   EXPECT_EQ(lease->state().position(), kChunk);
+}
+
+// Log lines sent while it is installed.
+class CapturedLog : public LogSink {
+ public:
+  CapturedLog() : previous_(SetLogSink(this)) {}
+  ~CapturedLog() override { SetLogSink(previous_); }
+  void Send(LogSeverity severity, absl::string_view message, absl::string_view) override {
+    absl::MutexLock lock(&mu_);
+    lines_.push_back(absl::StrCat(std::string(1, LogSeverityLetter(severity)), " ", message));
+  }
+  // The lines that contain `part`.
+  std::vector<std::string> With(absl::string_view part) {
+    absl::MutexLock lock(&mu_);
+    std::vector<std::string> out;
+    for (const std::string& line : lines_) {
+      if (absl::StrContains(line, part)) out.push_back(line);
+    }
+    return out;
+  }
+
+ private:
+  LogSink* previous_;
+  absl::Mutex mu_;
+  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
+};
+
+class StepFailureCount : public SchedulerListener {
+ public:
+  void OnStepFailed(const absl::Status&) override { ++failures; }
+  std::atomic<int> failures{0};
+};
+
+// A failed engine step is logged with its cause (the requests' codes alone did not say why a
+// batch failed), once per cause while steps keep failing, and the recovery once; each failed step
+// is counted (sdm_engine_step_failures_total).
+TEST_F(SchedulerTest, FailedStepsAreLoggedOncePerCauseAndCounted) {
+  auto refuse = std::make_shared<std::atomic<bool>>(true);
+  EngineOptions eo;
+  eo.testing_refuse_step = [refuse](const StepBatch&) { return refuse->load(); };
+  UseNoEosModel(eo);
+  StepFailureCount count;
+  scheduler_ =
+      std::make_unique<Scheduler>(*engine_, *store_, *tokenizer_, SchedulerOptions{}, &count);
+  CapturedLog log;
+  for (int i = 0; i < 3; ++i) {  // each alone, its step refused: it fails
+    auto c = std::make_shared<Collector>();
+    ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 20 + i), 2), c).ok());
+    c->Wait();
+    ASSERT_EQ(c->error.code(), absl::StatusCode::kResourceExhausted) << c->error;
+  }
+  refuse->store(false);
+  auto served = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 30), 2), served).ok());
+  served->Wait();
+  ASSERT_TRUE(served->error.ok()) << served->error;
+  scheduler_.reset();
+  const std::vector<std::string> failed = log.With("failed: RESOURCE_EXHAUSTED");
+  ASSERT_EQ(failed.size(), 1u);
+  EXPECT_TRUE(absl::StartsWith(failed[0], "E sdm scheduler: an engine step of 1 requests"))
+      << failed[0];
+  EXPECT_EQ(log.With("engine steps succeed again").size(), 1u);
+  EXPECT_EQ(count.failures.load(), 3);
 }
 
 // What RefuseOnce saw: whether it refused, and the sorted segment lengths of the step after.

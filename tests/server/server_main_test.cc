@@ -123,6 +123,12 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
     const ProcessRun r = RunServer(absl::StrCat("--model x ", flag));
     EXPECT_EQ(r.status, 2) << flag << ": " << r.err;
   }
+  // The HTTP API's options without the HTTP API would fail only the day it is turned on.
+  for (const char* flag : {"--chat_template /nonexistent.json", "--http_cors_origins notaurl"}) {
+    const ProcessRun r = RunServer(absl::StrCat("--model x ", flag));
+    EXPECT_EQ(r.status, 2) << flag << ": " << r.err;
+    EXPECT_THAT(r.err, ::testing::HasSubstr("need --http_port (the HTTP API is off)")) << flag;
+  }
   // Replicas: sessions never expire on a shared directory (another replica may serve them).
   const ProcessRun ttl = RunServer(absl::StrCat("--model x --state_dir '", dir_.path().string(),
                                                 "' --shared_state_dir --session_ttl 30m"));

@@ -82,6 +82,11 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
       {"sdm_requests_waiting",
        {"gauge", {}, "Generate requests queued, not yet admitted to the batch."}},
       {"sdm_batch_size", {"histogram", {}, "Sequences in each engine step."}},
+      {"sdm_engine_step_failures_total",
+       {"counter",
+        {},
+        "Engine steps that failed: their requests ended with the step's error (the log says why, "
+        "once per cause)."}},
       {"sdm_sessions", {"gauge", {"tier"}, "Sessions, by the tier holding their state."}},
       {"sdm_state_bytes", {"gauge", {"tier"}, "Bytes of session state, by tier."}},
       {"sdm_state_offloads_total",
