@@ -249,6 +249,10 @@ ABSL_FLAG(std::string, tls_cert, "",
           "The HTTP API (--http_port) and metrics ports are always plaintext: with API keys, "
           "keep them on a trusted network or behind a TLS-terminating proxy (docs/api.md).");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(absl::Duration, persist_stall_timeout, sdm::ServerOptions{}.persist_stall_timeout,
+          "Health is degraded (/healthz 503) while a write to --state_dir, or a turn waiting for "
+          "its write, has gone on this long: a stalled volume blocks writes rather than failing "
+          "them. 0: not checked.");
 ABSL_FLAG(absl::Duration, shutdown_grace, sdm::ServerOptions{}.shutdown_grace,
           "On SIGINT/SIGTERM, how long requests in flight may finish before they are cancelled "
           "(their sessions are kept and persisted).");
@@ -675,6 +679,7 @@ int main(int argc, char** argv) {
   options.tenant_limits_file = absl::GetFlag(FLAGS_tenant_limits);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.persist_stall_timeout = absl::GetFlag(FLAGS_persist_stall_timeout);
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   options.malloc_trim_interval = absl::GetFlag(FLAGS_malloc_trim_interval);
   const int32_t tcache_count = absl::GetFlag(FLAGS_malloc_tcache_count);

@@ -163,6 +163,9 @@ absl::Status ValidateServerOptions(const ServerOptions& o) {
           "grpc_keepalive_time and grpc_keepalive_timeout must be in [1 ms, 2^31 ms)");
     }
   }
+  if (o.persist_stall_timeout < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("persist_stall_timeout must not be negative (0: off)");
+  }
   if (o.shutdown_grace < absl::ZeroDuration()) {
     return absl::InvalidArgumentError("shutdown_grace must not be negative");
   }
@@ -490,9 +493,22 @@ absl::Status SdmServer::Impl::Init() {
 
 absl::Status SdmServer::Impl::Health() {
   if (draining.load()) return absl::UnavailableError("draining before shutdown");
-  absl::MutexLock lock(&health_mu);
-  if (!persist_health.ok()) {
-    return absl::UnavailableError(absl::StrCat("degraded: ", persist_health.message()));
+  {
+    absl::MutexLock lock(&health_mu);
+    if (!persist_health.ok()) {
+      return absl::UnavailableError(absl::StrCat("degraded: ", persist_health.message()));
+    }
+  }
+  // A stalled volume blocks writes instead of failing them: the store's errors never come.
+  if (store != nullptr && options.persist_stall_timeout > absl::ZeroDuration()) {
+    if (const absl::Duration pending = store->OldestPendingPersist();
+        pending >= options.persist_stall_timeout) {
+      return absl::UnavailableError(
+          absl::StrCat("degraded: a write to the state directory has not finished for ",
+                       absl::FormatDuration(absl::Trunc(pending, absl::Seconds(1))),
+                       " (a stalled volume?); turns are not acknowledged as saved until it does "
+                       "(--persist_stall_timeout)"));
+    }
   }
   return absl::OkStatus();
 }
@@ -576,6 +592,7 @@ void SdmServer::Impl::UpdateGauges() {
   }
   metrics->sessions_unsynced.Set(static_cast<double>(s.unsynced));
   metrics->persistence_healthy.Set(store->PersistHealth().ok() ? 1.0 : 0.0);
+  metrics->persist_oldest_pending_seconds.Set(absl::ToDoubleSeconds(store->OldestPendingPersist()));
   last_stats = s;
 }
 

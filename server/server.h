@@ -87,6 +87,10 @@ struct ServerOptions {
   // Model name, limits on prompts and max_tokens, retry hints.
   ServiceOptions service;
 
+  // Health is degraded (/healthz 503) while a write to the state directory, or a turn waiting
+  // for its write, has gone on this long (SessionStateStore::OldestPendingPersist): a stalled
+  // volume blocks writes rather than failing them. Zero: not checked.
+  absl::Duration persist_stall_timeout = absl::Seconds(60);
   // How long Shutdown() lets requests in flight finish before cancelling them.
   absl::Duration shutdown_grace = absl::Seconds(30);
   // After that, how long the cancelled streams get to send their final chunk (each API's) before

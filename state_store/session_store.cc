@@ -315,6 +315,8 @@ struct SessionStateStore::Entry {
   // commit succeeds). The sweep of orphan files (SweepGenerations) leaves them alone.
   std::string writing_file;
   std::vector<std::string> uncommitted;
+  // When the write in progress (WriteChanges, outside the lock) began; nullopt: none.
+  std::optional<std::chrono::steady_clock::time_point> write_since;
 
   int64_t TierBytes() const {
     switch (tier) {
@@ -2302,6 +2304,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
     uncertain = e.uncommitted;
   }
   e.busy = true;
+  e.write_since = std::chrono::steady_clock::now();
   mu_.Unlock();
   absl::Status status;
   uint64_t written_bytes = 0;
@@ -2381,6 +2384,7 @@ absl::Status SessionStateStore::WriteChanges(Entry& e, bool sync) {
   }
   mu_.Lock();
   e.busy = false;
+  e.write_since.reset();
   changed_.SignalAll();
   e.attempted_version = version;
   e.writing_file.clear();
@@ -2575,6 +2579,18 @@ void SessionStateStore::PersistSucceeded(Entry& e) {
 absl::Status SessionStateStore::PersistHealth() const {
   absl::MutexLock lock(&mu_);
   return persist_error_;
+}
+
+absl::Duration SessionStateStore::OldestPendingPersist() const {
+  const auto now = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::duration oldest{0};
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, e] : entries_) {
+    if (e->write_since.has_value()) oldest = std::max(oldest, now - *e->write_since);
+    // Waiters are queued in order: the first waited longest.
+    if (!e->waiters.empty()) oldest = std::max(oldest, now - e->waiters.front().since);
+  }
+  return absl::FromChrono(oldest);
 }
 
 absl::Status SessionStateStore::RefuseWhenUnpersistable() const {

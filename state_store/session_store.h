@@ -429,6 +429,12 @@ class SessionStateStore {
   // writes fail, until one succeeds.
   absl::Status PersistHealth() const;
 
+  // How long the oldest unfinished persistence work has been going: a write in progress, or a
+  // turn waiting for its write (PersistPolicy::kTurn, WhenPersisted); zero when there is none.
+  // A volume that stalls (a write or fsync that blocks rather than fails: a hung NFS server, a
+  // disk that stopped answering) shows here, where PersistHealth() sees only failed writes.
+  absl::Duration OldestPendingPersist() const;
+
   // PersistSync::kWrite: fsyncs the files written without an fsync since the last round (and the
   // directory once), as the background syncer does every persist_sync_interval; a failure is a
   // failed write of that session (see the class comment). Returns how many files it fsynced.

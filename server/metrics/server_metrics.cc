@@ -156,6 +156,13 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                     "directory, 0 while writes fail.")
                               .Register(registry)
                               .Add({})),
+      persist_oldest_pending_seconds(
+          BuildGauge()
+              .Name("sdm_persist_oldest_pending_seconds")
+              .Help("Age of the oldest unfinished write to the state directory, or of the oldest "
+                    "turn waiting for its write; 0: none. A stalled volume makes it grow.")
+              .Register(registry)
+              .Add({})),
       heap_in_use_bytes(BuildGauge()
                             .Name("sdm_heap_in_use_bytes")
                             .Help("Bytes the process heap has allocated and not freed "

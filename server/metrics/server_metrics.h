@@ -33,6 +33,8 @@
 //   sdm_persist_syncs_total                counter    background fsyncs (--persist_sync=write)
 //   sdm_sessions_unsynced                  gauge      sessions written but not fsynced yet
 //   sdm_persistence_healthy                gauge      1 while sessions can be written, else 0
+//   sdm_persist_oldest_pending_seconds     gauge      age of the oldest write in progress or
+//                                                     turn waiting for its write
 //   sdm_resumes_staged_total               counter    GPU: sessions converted for their upload
 //                                                     when their request was submitted
 //   sdm_resumes_from_staged_total          counter    of those, uploaded from that image
@@ -124,6 +126,7 @@ class ServerMetrics {
   prometheus::Counter& persist_wait_seconds;
   prometheus::Gauge& sessions_unsynced;
   prometheus::Gauge& persistence_healthy;
+  prometheus::Gauge& persist_oldest_pending_seconds;
   // The process heap at the last scrape (base/heap.h, GetHeapUsage).
   prometheus::Gauge& heap_in_use_bytes;
   prometheus::Gauge& heap_system_bytes;

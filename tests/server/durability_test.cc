@@ -12,6 +12,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "gtest/gtest.h"
+#include "server/auth.h"
+#include "state_store/session_key.h"
 #include "tests/server/server_test_util.h"
 #include "tests/state_store/fault_injection_files.h"
 
@@ -120,6 +122,48 @@ void ExpectNotSaved(absl::string_view message) {
                            "No space left on device", "once writes succeed again", "crash"}) {
     EXPECT_NE(message.find(says), absl::string_view::npos) << says << ": " << message;
   }
+}
+
+// A stalled volume blocks a write instead of failing it, so the store never reports an error:
+// health used to stay 200 while turns waited for ever. Past --persist_stall_timeout it is
+// degraded and says why; it comes back when the write finishes.
+TEST(ServerDurabilityTest, AWriteThatHangsDegradesHealthUntilItFinishes) {
+  ScopedTempDir state;
+  testing::SessionWriteFiles files;
+  ServerOptions options = testing::TestOptions(state.path());
+  options.store.files = &files;
+  options.persist_stall_timeout = absl::Milliseconds(200);
+  testing::Served s = testing::Serve(options);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->metrics_port();
+  httplib::Client http = TestHttpClient(port);
+  ASSERT_TRUE(testing::CreateSession(*s.stub, "a").ok());
+  ASSERT_TRUE(Eventually([&] { return Metric(port, "sdm_sessions_unpersisted") == 0; }));
+  EXPECT_EQ(http.Get("/healthz")->status, 200);
+
+  files.Hold(SessionFileStem({kDefaultTenant, "a"}));
+  testing::Completion turn;
+  std::thread client(
+      [&] { turn = testing::Generate(*s.stub, testing::TextRequest("hi", 2, "a")); });
+  ASSERT_TRUE(files.WaitHeld(absl::Minutes(1)));  // its write is stuck in the volume
+  ASSERT_TRUE(Eventually([&] {
+    const httplib::Result health = http.Get("/healthz");
+    return health && health->status == 503;
+  }));
+  const httplib::Result health = http.Get("/healthz");
+  EXPECT_NE(health->body.find("a write to the state directory has not finished for"),
+            std::string::npos)
+      << health->body;
+  EXPECT_GE(Metric(port, "sdm_persist_oldest_pending_seconds"), 0.2);
+
+  files.Open();
+  client.join();
+  EXPECT_TRUE(turn.status.ok()) << turn.status.error_message();  // acknowledged once written
+  ASSERT_TRUE(Eventually([&] {
+    const httplib::Result h = http.Get("/healthz");
+    return h && h->status == 200;
+  }));
+  EXPECT_EQ(Metric(port, "sdm_persist_oldest_pending_seconds"), 0);
 }
 
 // A full disk: health degrades and says why, turns are served but not acknowledged as saved

@@ -91,6 +91,7 @@ TEST_F(ServerMainTest, HelpDocumentsEveryFlag) {
                            "tls_cert",
                            "tls_key",
                            "shutdown_grace",
+                           "persist_stall_timeout",
                            "persist",
                            "persist_writers",
                            "persist_sync",

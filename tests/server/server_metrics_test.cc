@@ -131,6 +131,11 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
        {"gauge",
         {},
         "1 while session state can be written to the state directory, 0 while writes fail."}},
+      {"sdm_persist_oldest_pending_seconds",
+       {"gauge",
+        {},
+        "Age of the oldest unfinished write to the state directory, or of the oldest turn "
+        "waiting for its write; 0: none. A stalled volume makes it grow."}},
       {"sdm_heap_in_use_bytes",
        {"gauge",
         {},
