@@ -558,9 +558,25 @@ std::string SessionStateStore::NewSnapshotName(const SessionKey& key) const {
 
 void SessionStateStore::ObserveShared(const SessionKey& key) const {
   if (!fenced()) return;
-  if (auto name = options_.ownership->Observe(key); !name.ok()) {
+  const auto name = options_.ownership->Observe(key);
+  absl::MutexLock lock(&observe_log_mu_);
+  if (name.ok()) {
+    if (!logged_observe_cause_.empty()) {
+      SDM_LOG(INFO) << "sdm state store: etcd lookups succeed again (" << unlogged_observe_failures_
+                    << " more failed meanwhile, not logged)";
+      logged_observe_cause_.clear();
+      unlogged_observe_failures_ = 0;
+    }
+    return;
+  }
+  if (std::string cause = name.status().ToString(); cause != logged_observe_cause_) {
     SDM_LOG(WARNING) << "sdm state store: could not look up session '" << key.id
-                     << "' in etcd: " << name.status();
+                     << "' in etcd: " << cause
+                     << " (further failures of this cause are not logged until a lookup "
+                        "succeeds)";
+    logged_observe_cause_ = std::move(cause);
+  } else {
+    ++unlogged_observe_failures_;
   }
 }
 

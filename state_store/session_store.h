@@ -599,8 +599,10 @@ class SessionStateStore {
   // once per claim (a new claim: others may have written since), unless `force`. Without mu_.
   void SweepGenerations(const SessionKey& key, bool force) ABSL_LOCKS_EXCLUDED(mu_);
   // Fenced: asks etcd (the ownership's Observe) which snapshot is committed for `key`, for a
-  // lookup without a claim (Get, Park, SetMetadata, Fork's source). Called without mu_.
-  void ObserveShared(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_);
+  // lookup without a claim (Get, Park, SetMetadata, Fork's source). Called without mu_. A
+  // failure is logged once per cause and episode (any client can make lookups: one line each
+  // flooded the log while etcd was down), the recovery once with the count not logged.
+  void ObserveShared(const SessionKey& key) const ABSL_LOCKS_EXCLUDED(mu_, observe_log_mu_);
   // Its delta log, beside the snapshot (state_store/state_log.h).
   std::filesystem::path LogPathOf(const SessionKey& key) const;
   void Quarantine(Entry& e, const std::filesystem::path& file, const absl::Status& why)
@@ -737,7 +739,12 @@ class SessionStateStore {
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU order
   // The cause of the last failed write while writes fail; OK otherwise.
   absl::Status persist_error_ ABSL_GUARDED_BY(mu_);
-  std::string logged_cause_ ABSL_GUARDED_BY(mu_);                  // the last cause logged
+  std::string logged_cause_ ABSL_GUARDED_BY(mu_);  // the last cause logged
+  // ObserveShared's failures: the cause logged last (empty: lookups succeed) and how many
+  // failures were not logged since.
+  mutable absl::Mutex observe_log_mu_;
+  mutable std::string logged_observe_cause_ ABSL_GUARDED_BY(observe_log_mu_);
+  mutable int64_t unlogged_observe_failures_ ABSL_GUARDED_BY(observe_log_mu_) = 0;
   bool reported_healthy_ ABSL_GUARDED_BY(mu_) = true;              // as last told on_persist_health
   std::vector<std::function<void()>> ready_ ABSL_GUARDED_BY(mu_);  // settled WhenPersisted calls
   // Work arrived for the worker (Changed(), a waiter): it does not wait for the next signal.

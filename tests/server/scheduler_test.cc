@@ -20,7 +20,6 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "base/check.h"
-#include "base/log.h"
 #include "base/thread_priority.h"
 #include "engine/engine.h"
 #include "engine/logprobs.h"
@@ -29,6 +28,7 @@
 #include "engine/tokenizer.h"
 #include "gtest/gtest.h"
 #include "state_store/session_ownership.h"
+#include "tests/base/captured_log.h"
 #include "tests/base/eventually.h"
 #include "tests/server/server_test_util.h"
 #include "tests/state_store/fault_injection_files.h"
@@ -837,31 +837,6 @@ TEST_F(SchedulerTest, AJobAloneWhoseStepDoesNotFitSaysWhatItsSessionKept) {
   EXPECT_EQ(lease->state().position(), kChunk);
 }
 
-// Log lines sent while it is installed.
-class CapturedLog : public LogSink {
- public:
-  CapturedLog() : previous_(SetLogSink(this)) {}
-  ~CapturedLog() override { SetLogSink(previous_); }
-  void Send(LogSeverity severity, absl::string_view message, absl::string_view) override {
-    absl::MutexLock lock(&mu_);
-    lines_.push_back(absl::StrCat(std::string(1, LogSeverityLetter(severity)), " ", message));
-  }
-  // The lines that contain `part`.
-  std::vector<std::string> With(absl::string_view part) {
-    absl::MutexLock lock(&mu_);
-    std::vector<std::string> out;
-    for (const std::string& line : lines_) {
-      if (absl::StrContains(line, part)) out.push_back(line);
-    }
-    return out;
-  }
-
- private:
-  LogSink* previous_;
-  absl::Mutex mu_;
-  std::vector<std::string> lines_ ABSL_GUARDED_BY(mu_);
-};
-
 class StepFailureCount : public SchedulerListener {
  public:
   void OnStepFailed(const absl::Status&) override { ++failures; }
@@ -879,7 +854,7 @@ TEST_F(SchedulerTest, FailedStepsAreLoggedOncePerCauseAndCounted) {
   StepFailureCount count;
   scheduler_ =
       std::make_unique<Scheduler>(*engine_, *store_, *tokenizer_, SchedulerOptions{}, &count);
-  CapturedLog log;
+  sdm::testing::CapturedLog log;
   for (int i = 0; i < 3; ++i) {  // each alone, its step refused: it fails
     auto c = std::make_shared<Collector>();
     ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 20 + i), 2), c).ok());

@@ -419,6 +419,15 @@ TEST_F(ServerMainTest, TheStartUpLinesNameTheBoundAddress) {
   EXPECT_EQ(WEXITSTATUS(raw), 0);
 }
 
+// A stub of the server that printed `line`, its "listening on ADDRESS ..." start-up line (null
+// when the line is not that, with a test failure saying so).
+std::unique_ptr<v1::SdmService::Stub> StubFromStartUpLine(const std::string& line) {
+  EXPECT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
+  if (!line.starts_with("listening on ")) return nullptr;
+  const std::string address = line.substr(13, line.find(' ', 13) - 13);
+  return v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+}
+
 TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   const std::filesystem::path err = dir_.path() / "stderr.txt";
   const SpawnedServer server = SpawnServer(
@@ -427,11 +436,8 @@ TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
        "--shutdown_grace=60s", "--max_tokens_limit=1000000"},
       err);
   ASSERT_GT(server.pid, 0);
-  const std::string line = ReadLine(server.out, std::chrono::seconds(30));
-  ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
-  const std::string address = line.substr(13, line.find(' ', 13) - 13);
-  auto stub =
-      v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = StubFromStartUpLine(ReadLine(server.out, std::chrono::seconds(30)));
+  ASSERT_NE(stub, nullptr);
   // A stream that runs until cancelled keeps the graceful shutdown waiting (grace 60 s).
   grpc::ClientContext context;
   auto stream = stub->Generate(&context, TextRequest("endless", 1'000'000));
@@ -475,11 +481,8 @@ TEST_F(ServerMainTest, ASignalRepeatedAtOnceIsTheSameRequestAndTheShutdownSaves)
                                          "--shutdown_grace=0s"};
   const SpawnedServer server = SpawnServer(args, err);
   ASSERT_GT(server.pid, 0);
-  const std::string line = ReadLine(server.out, std::chrono::seconds(30));
-  ASSERT_TRUE(line.starts_with("listening on 127.0.0.1:")) << line;
-  const std::string address = line.substr(13, line.find(' ', 13) - 13);
-  auto stub =
-      v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  auto stub = StubFromStartUpLine(ReadLine(server.out, std::chrono::seconds(30)));
+  ASSERT_NE(stub, nullptr);
   {
     grpc::ClientContext context;
     v1::CreateSessionRequest create;
@@ -506,10 +509,8 @@ TEST_F(ServerMainTest, ASignalRepeatedAtOnceIsTheSameRequestAndTheShutdownSaves)
   // The session was saved by the shutdown: a new server has it, with the turn.
   const SpawnedServer again = SpawnServer(args, dir_.path() / "stderr2.txt");
   ASSERT_GT(again.pid, 0);
-  const std::string line2 = ReadLine(again.out, std::chrono::seconds(30));
-  ASSERT_TRUE(line2.starts_with("listening on 127.0.0.1:")) << line2;
-  auto stub2 = v1::SdmService::NewStub(grpc::CreateChannel(
-      line2.substr(13, line2.find(' ', 13) - 13), grpc::InsecureChannelCredentials()));
+  auto stub2 = StubFromStartUpLine(ReadLine(again.out, std::chrono::seconds(30)));
+  ASSERT_NE(stub2, nullptr);
   grpc::ClientContext context;
   v1::GetSessionRequest get;
   get.set_session_id("kept");

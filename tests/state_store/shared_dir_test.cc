@@ -19,6 +19,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
@@ -32,6 +33,7 @@
 #include "state_store/session_ownership.h"
 #include "state_store/session_store.h"
 #include "state_store/state_files.h"
+#include "tests/base/captured_log.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/state_store/fault_injection_files.h"
 #include "tests/state_store/snapshot_test_util.h"
@@ -756,6 +758,39 @@ TEST_F(SharedDirTest, AFencedCommitOfAFrozenReplicaCannotReplaceTheNewerState) {
   ASSERT_TRUE(b->Park("f", Tier::kDisk).ok());  // releases it
   auto c = OpenStore(true, &own_c);
   ExpectLikeReference(*c, "f");
+}
+
+// etcd down: every lookup of a session fails, and any client can make lookups (a GET of ids it
+// makes up). One warning per cause, then one line when lookups succeed again, saying how many
+// failures were not logged; a line per lookup flooded the log.
+TEST_F(SharedDirTest, FailedEtcdLookupsAreLoggedOncePerCause) {
+  class FlakyView : public FencedTable::View {
+   public:
+    using View::View;
+    absl::StatusOr<std::string> Observe(const SessionKey& key) override {
+      if (failing) return absl::UnavailableError("etcd unreachable (injected)");
+      return View::Observe(key);
+    }
+    std::atomic<bool> failing{false};
+  };
+  FencedTable table;
+  FlakyView own_a(&table, "a");
+  auto a = OpenStore(true, &own_a);
+  testing::CapturedLog log;
+  own_a.failing = true;
+  for (int i = 0; i < 20; ++i) a->Get(absl::StrCat("nope", i)).IgnoreError();
+  EXPECT_EQ(log.With("could not look up session").size(), 1u);
+  EXPECT_EQ(log.With("etcd unreachable (injected)").size(), 1u);
+  own_a.failing = false;
+  a->Get("nope").IgnoreError();
+  a->Get("nope").IgnoreError();
+  const std::vector<std::string> recovered = log.With("etcd lookups succeed again");
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_TRUE(absl::StrContains(recovered[0], "more failed meanwhile")) << recovered[0];
+  // A new episode is logged again.
+  own_a.failing = true;
+  a->Get("nope").IgnoreError();
+  EXPECT_EQ(log.With("could not look up session").size(), 2u);
 }
 
 // A replica whose copy is older than the committed snapshot cannot commit it even while it owns
