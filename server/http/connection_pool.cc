@@ -151,10 +151,15 @@ void ConnectionPool::RefuseQueuedLocked(absl::Time now) {
     refusals_.push_back(std::move(jobs_.front().job));
     jobs_.pop_front();
     ++refused_;
-    if ((refused_ & (refused_ - 1)) == 0) {  // 1, 2, 4, ...: a few lines however many
+    ++refused_since_logged_;
+    if (now - refusal_logged_ >= absl::Minutes(1)) {
       SDM_LOG(WARNING) << thread_name_ << ": a connection waited " << max_wait_ << " for a thread ("
                        << workers_.size() - exiting_ << " busy, at most " << max_threads_
-                       << "), refused; " << refused_ << " so far";
+                       << "), refused; " << refused_since_logged_
+                       << " refused since the last such line (at most one a minute), " << refused_
+                       << " in all";
+      refusal_logged_ = now;
+      refused_since_logged_ = 0;
     }
   }
   if (refused_ > before) refuse_.SignalAll();

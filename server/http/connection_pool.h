@@ -133,6 +133,10 @@ class ConnectionPool : public httplib::TaskQueue {
   std::deque<Queued> jobs_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> refusals_ ABSL_GUARDED_BY(mu_);  // refused, not yet run
   int64_t refused_ ABSL_GUARDED_BY(mu_) = 0;
+  // Refusals are logged at most once a minute, each line saying how many since the last: an
+  // overload days after an earlier one is logged too (a 1, 2, 4, ... schedule was not).
+  absl::Time refusal_logged_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  int64_t refused_since_logged_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<std::thread> refusers_ ABSL_GUARDED_BY(mu_);
   // Every worker started and not yet exited (a list: a worker keeps a pointer to its own entry).
   std::list<Worker> workers_ ABSL_GUARDED_BY(mu_);

@@ -712,6 +712,7 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
   // answered 503 before its body is read, and the connection is closed.
   http.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
     if (ConnectionPool::Refusing()) {
+      metrics_.http_connections_refused.Increment();
       SendError(res, absl::UnavailableError("no thread is free to serve this connection (the "
                                             "server has its most connections open); retry"));
       res.set_header("Connection", "close");

@@ -93,6 +93,12 @@ ServerMetrics::ServerMetrics(prometheus::Registry& registry)
                                      "step's error (the log says why, once per cause).")
                                .Register(registry)
                                .Add({})),
+      http_connections_refused(BuildCounter()
+                                   .Name("sdm_http_connections_refused_total")
+                                   .Help("HTTP API connections answered 503 because no thread "
+                                         "took them in time (--http_max_connections).")
+                                   .Register(registry)
+                                   .Add({})),
       snapshot_errors(BuildCounter()
                           .Name("sdm_snapshot_errors_total")
                           .Help("Snapshots that failed to write, or failed their checks when read "

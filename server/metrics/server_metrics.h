@@ -18,6 +18,8 @@
 //   sdm_requests_running                   gauge      sequences in the running batch
 //   sdm_requests_waiting                   gauge      requests queued for admission
 //   sdm_batch_size                         histogram  sequences per engine step
+//   sdm_http_connections_refused_total     counter    HTTP API connections answered 503: no
+//                                                     thread took them (--http_max_connections)
 //   sdm_engine_step_failures_total         counter    engine steps that failed
 //   sdm_sessions{tier}                     gauge      sessions by tier (resident, host, disk)
 //   sdm_state_bytes{tier}                  gauge      bytes of session state by tier
@@ -115,6 +117,7 @@ class ServerMetrics {
   prometheus::Gauge& requests_waiting;
   prometheus::Histogram& batch_size;
   prometheus::Counter& engine_step_failures;
+  prometheus::Counter& http_connections_refused;
   prometheus::Counter& snapshot_errors;
   prometheus::Counter& persist_failures;
   prometheus::Counter& persist_writes;

@@ -1160,6 +1160,10 @@ TEST_F(OpenAiHttpTest, AConnectionNoThreadTakesIsAnswered503) {
   EXPECT_TRUE(absl::StartsWith(post, "HTTP/1.1 503 ")) << post;
   SendAll(post_fd, "GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n");
   EXPECT_EQ(ReadUntilClosed(post_fd), "");
+  // Counted (their requests never reached a route: not in sdm_requests_total).
+  EXPECT_EQ(
+      MetricValue(ScrapeMetrics(s.server->metrics_port()), "sdm_http_connections_refused_total"),
+      2);
   // The holder is still served on its thread.
   EXPECT_EQ(KeepAliveGet(holder, "/v1/models"), 200);
   close(holder);

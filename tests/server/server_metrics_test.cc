@@ -82,6 +82,11 @@ TEST(ServerMetricsTest, DeclaresEveryDocumentedMetric) {
       {"sdm_requests_waiting",
        {"gauge", {}, "Generate requests queued, not yet admitted to the batch."}},
       {"sdm_batch_size", {"histogram", {}, "Sequences in each engine step."}},
+      {"sdm_http_connections_refused_total",
+       {"counter",
+        {},
+        "HTTP API connections answered 503 because no thread took them in time "
+        "(--http_max_connections)."}},
       {"sdm_engine_step_failures_total",
        {"counter",
         {},
