@@ -45,6 +45,7 @@
 #include "absl/time/time.h"
 #include "base/heap.h"
 #include "common/command_line.h"
+#include "server/cluster/etcd_client.h"
 #include "server/cluster/etcd_ownership.h"
 #include "server/server.h"
 #include "server/tenant_limits.h"
@@ -127,6 +128,10 @@ ABSL_FLAG(std::string, etcd_prefix, sdm::EtcdOwnershipOptions{}.key_prefix,
 ABSL_FLAG(absl::Duration, etcd_lease_ttl, sdm::EtcdOwnershipOptions{}.lease_ttl,
           "With --etcd: the TTL of this replica's lease (whole seconds, at least 2 s). A replica "
           "stopped or cut off this long loses its sessions to the others.");
+ABSL_FLAG(absl::Duration, etcd_request_timeout, sdm::EtcdClientOptions{}.request_timeout,
+          "With --etcd: how long one attempt of a request to an etcd member (the connect, each "
+          "write, each read) may take before the next member is tried; when none answers in "
+          "time the request fails (UNAVAILABLE). Positive and finite.");
 ABSL_FLAG(bool, testing_etcd_keep_stale_claims, false,
           "Testing only (deploy.etcd_fencing): with --etcd, a replica that finds its lease "
           "expired keeps its claims, so that its stale writes are refused by etcd's transaction "
@@ -565,6 +570,7 @@ int main(int argc, char** argv) {
   options.etcd.client.ca_file = absl::GetFlag(FLAGS_etcd_ca_file);
   options.etcd.client.cert_file = absl::GetFlag(FLAGS_etcd_cert_file);
   options.etcd.client.key_file = absl::GetFlag(FLAGS_etcd_key_file);
+  options.etcd.client.request_timeout = absl::GetFlag(FLAGS_etcd_request_timeout);
   options.etcd.replica_id = absl::GetFlag(FLAGS_replica_id);
   options.etcd.lease_ttl = absl::GetFlag(FLAGS_etcd_lease_ttl);
   options.etcd.key_prefix = absl::GetFlag(FLAGS_etcd_prefix);
@@ -584,6 +590,11 @@ int main(int argc, char** argv) {
     }
     if (absl::Status s = sdm::ValidateEtcdLeaseTtl(options.etcd.lease_ttl); !s.ok()) {
       return UsageError(absl::StrCat("--etcd_lease_ttl: ", s.message()));
+    }
+    if (const absl::Duration t = options.etcd.client.request_timeout;
+        t <= absl::ZeroDuration() || t == absl::InfiniteDuration()) {
+      return UsageError(absl::StrCat("--etcd_request_timeout: must be positive and finite, got ",
+                                     absl::FormatDuration(t)));
     }
     if (options.etcd.replica_id.empty()) {
       char host[256] = {};

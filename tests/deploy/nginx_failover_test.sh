@@ -14,6 +14,8 @@
 # With `etcd` as 4th argument, the replicas own their sessions in etcd (--etcd, started by the
 # test): after a kill -9 the dead replica's sessions are refused (UNAVAILABLE) until its lease
 # expires (10 s), and calls are retried until then; after a drain its lease is revoked at once.
+# Their etcd requests may take 30 s (--etcd_request_timeout; 2 s by default) so that an etcd
+# stalled by a loaded disk does not fail them.
 # Exit 77 (skipped) without nginx (or etcd, when asked for).
 #
 # SESSIONS (default 20) sessions run two turns each before the failure, all compared with the
@@ -36,7 +38,7 @@ extra=()
 [ "$mode" != drain-busy ] || extra+=(--shutdown_grace 1h --max_tokens_limit 100000000)
 if [ -n "$with_etcd" ]; then
   start_etcd
-  extra+=(--etcd "$ETCD_URL")
+  extra+=(--etcd "$ETCD_URL" --etcd_request_timeout 30s)
 fi
 ports=()
 for i in 0 1 2; do

@@ -156,7 +156,10 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
         // etcd grants whole seconds: 2500ms was granted as 2 s.
         std::pair{"--etcd http://127.0.0.1:1 --etcd_lease_ttl 2500ms",
                   "--etcd_lease_ttl: the etcd lease TTL must be whole seconds, at least 2s"},
-        std::pair{"--etcd http://127.0.0.1:1 --etcd_lease_ttl 1s", "at least 2s, got 1s"}}) {
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_lease_ttl 1s", "at least 2s, got 1s"},
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_request_timeout 0s",
+                  "--etcd_request_timeout: must be positive and finite, got 0"},
+        std::pair{"--etcd http://127.0.0.1:1 --etcd_request_timeout inf", "finite, got inf"}}) {
     const ProcessRun r = RunServer(shared + flags);
     EXPECT_EQ(r.status, 2) << flags << ": " << r.err;
     EXPECT_THAT(r.err, ::testing::HasSubstr(says)) << flags;
