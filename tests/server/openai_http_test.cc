@@ -1772,6 +1772,8 @@ TEST_F(OpenAiHttpTest, OnASharedDirectoryTheDrainClosesTheHttpPortWhileStreamsGo
   ServerOptions o = Options();
   o.store.shared_dir = true;
   o.shutdown_grace = absl::Hours(1);  // never reached: the client below ends its stream
+  // The kept-alive connection idles between its two requests: never long enough to be closed.
+  o.http.keep_alive_timeout = absl::Minutes(10);
   Served s = Serve(o);
   ASSERT_NE(s.server, nullptr);
   const int port = s.server->http_port();
