@@ -549,22 +549,43 @@ TEST_F(SchedulerTest, AJobCancelledOrExpiredWhileWaitingEndsWithoutRunning) {
   EXPECT_EQ(lease->state().position() + (lease->state().pending_token >= 0 ? 1 : 0), history);
 }
 
+// Holds the step thread in its first token until released (nothing steps meanwhile), so that
+// jobs submitted in between share the next step.
+class HeldCollector : public Collector {
+ public:
+  void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* lp) override {
+    Collector::OnToken(token, text, lp);
+    if (!entered.HasBeenNotified()) {
+      entered.Notify();
+      release.WaitForNotification();
+    }
+  }
+  absl::Notification entered, release;
+};
+
 TEST_F(SchedulerTest, FullQueueIsRefusedAndTheSchedulerKeepsServing) {
   SchedulerOptions o;
   o.max_running = 1;
   o.max_waiting = 2;
   StartScheduler(o);
-  std::vector<std::shared_ptr<Collector>> jobs;
-  absl::Status refused;
-  for (int i = 0; i < 10 && refused.ok(); ++i) {
+  // The running job holds the step thread in its first token until the queue has been filled
+  // and refused a job: nothing ends or is admitted meanwhile, however slow the machine.
+  auto running = std::make_shared<HeldCollector>();
+  absl::Cleanup release = [&] { running->release.Notify(); };
+  ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 0), 200), running).ok());
+  ASSERT_TRUE(running->entered.WaitForNotificationWithTimeout(absl::Minutes(1)));
+  std::vector<std::shared_ptr<Collector>> jobs = {running};
+  for (int i = 1; i <= 2; ++i) {
     jobs.push_back(std::make_shared<Collector>());
-    refused = scheduler_->Submit(Job("", Tokens(4, i), 200), jobs.back());
+    ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, i), 200), jobs.back()).ok()) << i;
   }
+  auto refused_job = std::make_shared<Collector>();
+  const absl::Status refused = scheduler_->Submit(Job("", Tokens(4, 3), 200), refused_job);
   EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(std::string(refused.message()), "the queue is full (2 requests waiting); retry later");
-  EXPECT_FALSE(jobs.back()->finished);  // the refused job never started
-  jobs.pop_back();
+  std::move(release).Invoke();
   for (auto& j : jobs) j->Wait();
+  EXPECT_FALSE(refused_job->finished);  // the refused job never started
   auto after = std::make_shared<Collector>();
   ASSERT_TRUE(scheduler_->Submit(Job("", Tokens(4, 99), 2), after).ok());
   after->Wait();
@@ -660,20 +681,6 @@ EngineOptions RefusingTheFirstStepOfThree(std::shared_ptr<std::atomic<int>> refu
   };
   return o;
 }
-
-// Holds the step thread in its first token until released (nothing steps meanwhile), so that
-// jobs submitted in between share the next step.
-class HeldCollector : public Collector {
- public:
-  void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* lp) override {
-    Collector::OnToken(token, text, lp);
-    if (!entered.HasBeenNotified()) {
-      entered.Notify();
-      release.WaitForNotification();
-    }
-  }
-  absl::Notification entered, release;
-};
 
 // A shutdown that cancels: the running job ends cancelled (its session keeps what it did); the
 // queued one, which never ran, is refused with UNAVAILABLE so that its client retries it, not
