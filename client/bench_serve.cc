@@ -238,10 +238,11 @@ double RunPhase(sdm::v1::SdmService::StubInterface& stub, const ConnectionOption
     workers.reserve(options.concurrency);
     for (int64_t w = 0; w < options.concurrency; ++w) {
       workers.emplace_back([&, w] {
-        while (true) {
-          if (duration > absl::ZeroDuration()) {
-            if (Clock::now() >= end) break;
-          }
+        // With a duration, a worker's first call is made whatever the time: the run starts
+        // with options.concurrency calls even when a worker thread starts late (a loaded
+        // machine), so it always measures at least that many.
+        for (bool first = true;; first = false) {
+          if (duration > absl::ZeroDuration() && !first && Clock::now() >= end) break;
           const int64_t i = next.fetch_add(1);
           if (duration <= absl::ZeroDuration() && i >= count) break;
           RunRequest(stub, connection, options, pool, MakePlan(options, facts, phase, i),
@@ -280,8 +281,11 @@ double RunPhaseAsync(sdm::v1::SdmService::StubInterface::async_interface& async,
           ? start + std::chrono::duration_cast<Clock::duration>(absl::ToChronoNanoseconds(duration))
           : Clock::time_point::max();
   int64_t started = 0;
+  // With a duration, the first options.concurrency calls are started whatever the time (as
+  // RunPhase's workers each make a first call).
   const auto more = [&] {
-    return duration > absl::ZeroDuration() ? Clock::now() < end : started < count;
+    return duration > absl::ZeroDuration() ? started < options.concurrency || Clock::now() < end
+                                           : started < count;
   };
   // All of a burst is started before any finished call is recorded.
   while (true) {
@@ -617,7 +621,8 @@ int RunBenchServeCommand(const std::vector<std::string>& args, const ClientIo& i
   flags.AddInt("concurrency", &options.concurrency, "Generate calls kept in flight");
   flags.AddInt("requests", &options.requests, "measured calls (unless --duration)");
   flags.AddString("duration", &duration,
-                  "measure for this long instead of --requests (seconds, or 30s, 2m)");
+                  "measure for this long instead of --requests (seconds, or 30s, 2m; at least "
+                  "--concurrency calls, started at once)");
   flags.AddString("prompt_tokens", &prompt_tokens, "prompt length distribution (token ids)");
   flags.AddString("max_tokens", &max_tokens, "max_tokens distribution");
   flags.AddDouble("session_reuse", &options.session_reuse,

@@ -1,7 +1,8 @@
 // sdm-bench serve: a load generator for a running sdmserve server.
 //
 // `concurrency` workers each keep one Generate call in flight until `requests` calls have been
-// made (or, with `duration`, until that much time has passed; calls in flight then finish).
+// made (or, with `duration`, until that much time has passed; calls in flight then finish, and
+// each worker makes its first call whatever the time, so a run makes at least `concurrency`).
 // Request i draws, from a generator seeded by (seed, i), its prompt length and max_tokens from
 // their distributions, random prompt token ids (the tokenizer's ids other than BOS and EOS), and
 // whether it reuses a session: with probability `session_reuse` it continues one of `sessions`
