@@ -15,11 +15,14 @@
 # test): after a kill -9 the dead replica's sessions are refused (UNAVAILABLE) until its lease
 # expires (10 s), and calls are retried until then; after a drain its lease is revoked at once.
 # Their etcd requests may take 30 s (--etcd_request_timeout; 2 s by default) so that an etcd
-# stalled by a loaded disk does not fail them.
+# stalled by a loaded disk does not fail them. A call that failed all the same is retried, unless
+# its turn ran (sdm-client --json says error.turn_in_session "yes": docs/api.md), which counts as
+# done and is never sent again; a create retried after a failure that created the session
+# (ALREADY_EXISTS) counts as done too.
 # Exit 77 (skipped) without nginx (or etcd, when asked for).
 #
-# SESSIONS (default 20) sessions run two turns each before the failure, all compared with the
-# control.
+# SESSIONS (default 20) sessions run two turns each before the failure (more while the last one
+# ran unsaved), all compared with the control.
 #
 #   tests/deploy/nginx_failover_test.sh BUILD_DIR SOURCE_DIR [kill|drain|drain-busy] [etcd|-] [SESSIONS]
 set -euo pipefail
@@ -60,21 +63,55 @@ control_port=$(sed -n 's/^listening on [^ ]*:\([0-9]*\) .*/\1/p' "$work/control.
 via="127.0.0.1:$nginx_port"
 control="127.0.0.1:$control_port"
 
-turn() {  # turn HOST SESSION K: one greedy turn; prints its token ids
-  local out  # (a failed call prints its JSON too, which a retry must not collect)
+# turn HOST SESSION K: one greedy turn; prints its token ids. Returns 1 on a failure to retry (a
+# failed call prints its JSON too, which a retry must not collect); a turn that ran but was not
+# saved (turn_in_session "yes") is done, counted as a line of $work/ran_unsaved.
+turn() {
+  local out rc=0
   out=$("$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" \
-    --max_tokens 4 --json 2>>"$work/client.err") || return
-  jq -c '.token_ids' <<<"$out"
+    --max_tokens 4 --json 2>>"$work/client.err") || rc=$?
+  if [ $rc -eq 0 ]; then
+    jq -c '.token_ids' <<<"$out"
+    return 0
+  fi
+  if [ "$(jq -r '.error.turn_in_session // empty' <<<"$out" 2>/dev/null)" = yes ]; then
+    echo >>"$work/ran_unsaved"  # (a subshell: counted in a file)
+    jq -c '.token_ids' <<<"$out"
+    return 0
+  fi
+  return 1
+}
+ran_unsaved() { { wc -l <"$work/ran_unsaved"; } 2>/dev/null || echo 0; }
+
+# create HOST SESSION: creates the session, retrying a failure (retry); ALREADY_EXISTS on a retry
+# is success (the call that failed created it: its answer was lost or came too late).
+create() {
+  : >"$work/create_tried"
+  retry create_once "$@"
+}
+create_once() {
+  local err
+  err=$("$client_bin" sessions create "$2" --host "$1" 2>&1 >/dev/null) && return 0
+  echo "$err" >>"$work/client.err"
+  [ -s "$work/create_tried" ] && [[ "$err" == *ALREADY_EXISTS* ]] && return 0
+  echo >>"$work/create_tried"
+  return 1
 }
 
 for s in $(seq -w 1 $sessions); do
   id="s$s"
-  "$client_bin" sessions create "$id" --host "$via" >/dev/null || fail "create $id"
+  create "$via" "$id" || fail "create $id"
   "$client_bin" sessions create "$id" --host "$control" >/dev/null || fail "create control $id"
-  for k in 1 2; do
-    a=$(turn "$via" "$id" $k) || fail "turn $k of $id"
+  # Two turns, the last one acknowledged (saved): after a turn that ran unsaved, one more (the
+  # session's next turn writes the unsaved one before it is acknowledged).
+  k=1
+  while :; do
+    unsaved_before=$(ran_unsaved)
+    a=$(retry turn "$via" "$id" $k) || fail "turn $k of $id"
     b=$(turn "$control" "$id" $k) || fail "control turn $k of $id"
     [ "$a" = "$b" ] || fail "$id turn $k: $a vs control $b"
+    [ $k -ge 2 ] && [ "$(ran_unsaved)" = "$unsaved_before" ] && break
+    k=$((k + 1))
   done
 done
 victim_port=${ports[1]}
@@ -180,4 +217,5 @@ echo "ok: $mode ${with_etcd:+(etcd ownership) }of 1 of 3 replicas (drain took $d
   "sessions were on it; requests failed: $failed; turns lost: $lost; first session served again" \
   "${first_ok_ms:-n/a} ms after it was gone; slowest get+get+turn of a moved session: $max_turn_ms ms" \
   "(the same on a live replica before: $baseline_ms ms); calls retried: $(cat "$work/retries" 2>/dev/null | wc -l);" \
+  "turns that ran but were reported unsaved: $(ran_unsaved);" \
   "last upstreams of the moved sessions: $moved_upstreams"
