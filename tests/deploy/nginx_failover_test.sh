@@ -98,6 +98,10 @@ create_once() {
   return 1
 }
 
+# last_upstream: for each nginx access log line on stdin, the replica that answered: the last
+# address of $upstream_addr ("A, B" when nginx retried the request on another replica).
+last_upstream() { sed -n 's/.* upstream=\(.*\) status=.*/\1/p' | sed 's/.*[,:] //'; }
+
 for s in $(seq -w 1 $sessions); do
   id="s$s"
   create "$via" "$id" || fail "create $id"
@@ -118,7 +122,7 @@ victim_port=${ports[1]}
 log="$work/nginx/logs/access.log"
 on_victim=()
 for s in $(seq -w 1 $sessions); do
-  grep "session=\"s$s\"" "$log" | tail -1 | grep -q "upstream=127.0.0.1:$victim_port " &&
+  [ "$(grep "session=\"s$s\"" "$log" | tail -1 | last_upstream)" = "127.0.0.1:$victim_port" ] &&
     on_victim+=("s$s")
 done
 [ ${#on_victim[@]} -gt 0 ] || fail "no session was on the replica to kill (hash spread)"
@@ -212,7 +216,7 @@ for s in $(seq -w 1 $sessions); do
   [ "$a" = "$b" ] || fail "$id: $a vs control $b"
 done
 moved_upstreams=$(for id in "${on_victim[@]}"; do grep "session=\"$id\"" "$log" | tail -1; done |
-  sed 's/.* upstream=\([^ ]*\) .*/\1/' | sort -u | tr '\n' ' ')
+  last_upstream | sort -u | tr '\n' ' ')
 echo "ok: $mode ${with_etcd:+(etcd ownership) }of 1 of 3 replicas (drain took $drain_ms ms): ${#on_victim[@]} of $sessions" \
   "sessions were on it; requests failed: $failed; turns lost: $lost; first session served again" \
   "${first_ok_ms:-n/a} ms after it was gone; slowest get+get+turn of a moved session: $max_turn_ms ms" \
