@@ -2052,7 +2052,25 @@ absl::Status SessionStateStore::ParkByKey(const SessionKey& key, Tier tier, bool
 void SessionStateStore::PersistAllLocked(std::vector<std::string>& skipped,
                                          std::vector<std::string>& failed) {
   std::vector<SessionKey> keys;
-  for (const auto& [key, e] : entries_) keys.push_back(key);
+  int64_t to_write = 0;
+  int64_t bytes = 0;
+  for (const auto& [key, e] : entries_) {
+    keys.push_back(key);
+    if (e->tier != Tier::kDisk && e->broken.ok()) {
+      ++to_write;
+      bytes += e->TierBytes();
+    }
+  }
+  // Progress, for an operator waiting on a shutdown (gigabytes of sessions take a while, and a
+  // stalled volume takes for ever): what is to be written, every few seconds how far it got, and
+  // the end. A store with nothing in memory says nothing.
+  const absl::Time start = absl::Now();
+  absl::Time said = start;
+  if (to_write > 0) {
+    SDM_LOG(INFO) << "sdm state store: writing " << to_write << " sessions in memory (" << bytes
+                  << " bytes) to " << options_.dir.string();
+  }
+  int64_t written = 0;
   for (const SessionKey& key : keys) {
     Entry* const idle = WaitIdle(key);
     if (idle == nullptr) continue;
@@ -2064,7 +2082,21 @@ void SessionStateStore::PersistAllLocked(std::vector<std::string>& skipped,
     }
     if (absl::Status s = ParkOne(e, Tier::kDisk); !s.ok()) {
       failed.push_back(absl::StrCat(DebugString(key), " (", s.message(), ")"));
+    } else {
+      ++written;
     }
+    if (const absl::Time now = absl::Now(); now - said >= kPersistAllProgressEvery) {
+      SDM_LOG(INFO) << "sdm state store: " << written << " of " << to_write << " sessions written ("
+                    << failed.size() << " failed) in "
+                    << absl::FormatDuration(absl::Trunc(now - start, absl::Seconds(1)));
+      said = now;
+    }
+  }
+  if (to_write > 0) {
+    SDM_LOG(INFO) << "sdm state store: wrote " << written << " sessions in "
+                  << absl::FormatDuration(absl::Trunc(absl::Now() - start, absl::Milliseconds(1)))
+                  << (failed.empty() ? "" : absl::StrCat("; ", failed.size(), " failed"))
+                  << (skipped.empty() ? "" : absl::StrCat("; ", skipped.size(), " in use"));
   }
 }
 

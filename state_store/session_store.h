@@ -415,8 +415,10 @@ class SessionStateStore {
   absl::Status Park(const SessionKey& key, Tier tier);
   // Writes every session that is not on disk yet to disk and waits (graceful shutdown). Sessions
   // in use are skipped and reported; so are those whose device copy could not be synced (they
-  // stay resident).
+  // stay resident). Logs what it is to write, its progress every kPersistAllProgressEvery, and
+  // the end.
   absl::Status PersistAll();
+  static constexpr absl::Duration kPersistAllProgressEvery = absl::Seconds(5);
   // Deletes idle sessions whose TTL has passed at `now` (also run by the worker every second).
   int ExpireIdle(absl::Time now);
   // Writes the sessions changed since their last write that `persist` says are due at `now`

@@ -14,6 +14,7 @@
 #include "engine/model_config.h"
 #include "gtest/gtest.h"
 #include "state_store/state_codec.h"
+#include "tests/base/captured_log.h"
 #include "tests/base/eventually.h"
 #include "tests/state_store/held_read_files.h"
 
@@ -187,6 +188,24 @@ TEST_P(StoreTest, ForkContinuesLikeAReplayAndSharesUntouchedRows) {
     const int64_t mapped = store->Get("orig")->private_rows + store->Get("copy")->private_rows;
     EXPECT_EQ(st.rows_live, mapped - st.rows_shared);
   }
+}
+
+// A shutdown's PersistAll says what it is about to write and when it is done, so an operator
+// waiting on a long shutdown sees it working; a store with nothing in memory says nothing.
+TEST_P(StoreTest, PersistAllSaysWhatItWritesAndWhenItIsDone) {
+  TempDir dir;
+  auto store = OpenStore(dir.path());
+  ASSERT_TRUE(store->Create("s1", "").ok());
+  ASSERT_TRUE(store->Create("s2", "").ok());
+  {
+    testing::CapturedLog log;
+    ASSERT_TRUE(store->PersistAll().ok());
+    EXPECT_EQ(log.With("sdm state store: writing 2 sessions in memory (").size(), 1u);
+    EXPECT_EQ(log.With("sdm state store: wrote 2 sessions in ").size(), 1u);
+  }
+  testing::CapturedLog log;
+  ASSERT_TRUE(store->PersistAll().ok());  // everything is on disk now
+  EXPECT_TRUE(log.With("sdm state store: w").empty());
 }
 
 TEST_P(StoreTest, EvictionUnderPressureKeepsEverySessionExact) {
