@@ -40,6 +40,7 @@
 #include "openssl/x509.h"
 #include "prometheus/registry.h"
 #include "server/auth.h"
+#include "server/http/listen_socket.h"
 #include "server/http_endpoint.h"
 #include "server/malformed_requests.h"
 #include "server/metrics/exposition.h"
@@ -352,6 +353,13 @@ absl::Status SdmServer::Impl::Init() {
     ssl.pem_key_cert_pairs.push_back({key, cert});
     credentials = grpc::SslServerCredentials(ssl);
   }
+
+  // The ports, before the model loads and the state directory opens: one in use (a server
+  // already running, a typo) fails the start at once rather than after minutes of loading, with
+  // the directory as it was. A port taken after this check fails the bind below, as before.
+  SDM_RETURN_IF_ERROR(CheckPortFree("gRPC", options.host, options.port));
+  SDM_RETURN_IF_ERROR(CheckPortFree("metrics", options.metrics_host, options.metrics_port));
+  SDM_RETURN_IF_ERROR(CheckPortFree("the HTTP API", options.http.host, options.http.port));
 
   absl::StatusOr<std::shared_ptr<const Model>> m = LoadModel(options.model_dir);
   if (!m.ok()) {

@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -23,6 +25,34 @@ namespace sdm {
 void SetExclusiveListenOptions(int socket) {
   const int yes = 1;
   setsockopt(socket, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+}
+
+absl::Status CheckPortFree(const std::string& what, const std::string& host, int port) {
+  if (port <= 0) return absl::OkStatus();
+  std::string name = host;
+  if (name.size() >= 2 && name.front() == '[' && name.back() == ']') {
+    name = name.substr(1, name.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string service = std::to_string(port);
+  if (::getaddrinfo(name.empty() ? nullptr : name.c_str(), service.c_str(), &hints, &found) != 0) {
+    return absl::OkStatus();
+  }
+  std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, &::freeaddrinfo);
+  for (const addrinfo* a = addresses.get(); a != nullptr; a = a->ai_next) {
+    const ScopedFd socket(::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol));
+    if (socket.get() < 0) continue;
+    SetExclusiveListenOptions(socket.get());
+    if (::bind(socket.get(), a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE) {
+      return absl::UnavailableError(
+          absl::StrCat("cannot listen on ", host, ":", port, " for ", what, " (in use)"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::thread> StartAcceptLoop(httplib::Server& server, std::string thread_name) {

@@ -19,6 +19,13 @@ namespace sdm {
 // TIME_WAIT: binding a port another socket listens on fails.
 void SetExclusiveListenOptions(int socket);
 
+// Whether a TCP port `port` of `host` (an address or name; "[::1]" brackets allowed) could be
+// bound now with the listening options above: UNAVAILABLE naming `what` (e.g. "the HTTP API")
+// and the address when another socket holds it. Anything else (a host that does not resolve,
+// port 0: any port) is OK here, left to the real bind. A check, not a reservation: the port may
+// be taken between this and the bind, which then fails as it did before.
+absl::Status CheckPortFree(const std::string& what, const std::string& host, int port);
+
 // Runs the accept loop of `server` (bound already) on a new thread named `thread_name` (its
 // connection threads inherit the name), and returns the thread once the loop runs: httplib's
 // stop() does nothing before, so a server stopped right after its start (a later part of the

@@ -203,16 +203,30 @@ TEST_F(ServiceTest, NegativeShutdownGracesAreRefusedAtStart) {
 
 // A second server on a port another one serves fails to start, naming it (gRPC's default
 // SO_REUSEPORT let it bind, and the kernel split the connections between the two).
+// A port in use fails the start before the model loads and the state directory opens (a typo
+// was found after minutes of loading, the directory locked and its damaged files quarantined).
 TEST_F(ServiceTest, APortInUseFailsTheStart) {
   Served first = Serve(Options());
   ASSERT_NE(first.server, nullptr);
-  ServerOptions o = TestOptions(dir_.path() / "second-state");
-  o.port = first.server->port();
-  absl::StatusOr<std::unique_ptr<SdmServer>> second = SdmServer::Start(o);
-  ASSERT_FALSE(second.ok());
-  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_THAT(std::string(second.status().message()),
-              ::testing::HasSubstr(absl::StrCat(":", first.server->port(), " (in use")));
+  const std::filesystem::path second_state = dir_.path() / "second-state";
+  for (const std::string which : {"gRPC", "metrics"}) {
+    SCOPED_TRACE(which);
+    ServerOptions o = TestOptions(second_state);
+    o.model_dir = dir_.path() / "no-model-here";  // were it loaded first, the start would say so
+    if (which == "gRPC") {
+      o.port = first.server->port();
+    } else {
+      o.metrics_port = first.server->metrics_port();
+    }
+    absl::StatusOr<std::unique_ptr<SdmServer>> second = SdmServer::Start(o);
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable) << second.status();
+    EXPECT_THAT(std::string(second.status().message()),
+                ::testing::HasSubstr(absl::StrCat(
+                    ":", which == "gRPC" ? first.server->port() : first.server->metrics_port(),
+                    " for ", which, " (in use")));
+    EXPECT_FALSE(std::filesystem::exists(second_state));  // nothing made
+  }
 }
 
 TEST_F(ServiceTest, ThirtyTwoConcurrentStreamsEachEqualTheirSoloRun) {
