@@ -27,6 +27,7 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -44,6 +45,7 @@
 #include "absl/strings/strip.h"
 #include "absl/time/time.h"
 #include "base/heap.h"
+#include "base/thread_name.h"
 #include "common/command_line.h"
 #include "server/cluster/etcd_client.h"
 #include "server/cluster/etcd_ownership.h"
@@ -304,6 +306,9 @@ constexpr int kExitUsage = 2;
 // second request threw away every unsaved session. It is ignored, saying so.
 constexpr int64_t kRepeatedSignalWindowNs = 1'000'000'000;  // 1 s; docs/api.md, Shutdown
 int shutdown_pipe[2] = {-1, -1};
+// Set once the server has started. A signal before then exits at once: nothing was served yet,
+// and a start can take minutes (a large model loading) that a stop should not wait for.
+std::atomic<bool> started{false};
 std::atomic<int64_t> first_shutdown_signal_ns{0};  // CLOCK_MONOTONIC; 0: none yet
 static_assert(std::atomic<int64_t>::is_always_lock_free, "used in a signal handler");
 
@@ -313,6 +318,14 @@ void WriteToStderr(const char* message) {
 
 void OnShutdownSignal(int signal_number) {
   // Async-signal-safe: clock_gettime, atomics, write(2) and _exit only.
+  if (!started.load()) {
+    WriteToStderr(signal_number == SIGINT
+                      ? "sdm-server: SIGINT during start-up: exiting now with status 1 (nothing "
+                        "was served yet)\n"
+                      : "sdm-server: SIGTERM during start-up: exiting now with status 1 (nothing "
+                        "was served yet)\n");
+    _exit(kExitFailure);
+  }
   timespec now{};
   clock_gettime(CLOCK_MONOTONIC, &now);
   const int64_t now_ns = std::max<int64_t>(1, int64_t{now.tv_sec} * 1'000'000'000 + now.tv_nsec);
@@ -717,7 +730,9 @@ int main(int argc, char** argv) {
 
   // Signals run OnShutdownSignal. They are blocked while the server starts, so that the threads
   // it starts inherit the mask and main takes them once it waits (threads started before main
-  // may still take one: the handler is the same).
+  // may still take one: the handler is the same); meanwhile the thread started here, which does
+  // nothing else, takes them, so that a stop during a long start (a large model loading) exits
+  // at once rather than once the start is over.
   if (::pipe(shutdown_pipe) != 0) {
     absl::FPrintF(stderr, "sdm-server: cannot create a pipe: %s\n", std::strerror(errno));
     return kExitFailure;
@@ -728,6 +743,10 @@ int main(int argc, char** argv) {
   action.sa_flags = SA_RESTART;
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  std::thread([] {
+    sdm::SetCurrentThreadName("sdm-signals");
+    while (true) ::pause();
+  }).detach();
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
@@ -743,6 +762,7 @@ int main(int argc, char** argv) {
     absl::FPrintF(stderr, "sdm-server: %s\n", server.status().ToString());
     return kExitFailure;
   }
+  started.store(true);  // a signal from now on shuts down gracefully
   std::string metrics = "off";
   if ((*server)->metrics_port() > 0) {
     metrics = absl::StrCat(

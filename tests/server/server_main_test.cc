@@ -1,8 +1,11 @@
 // The sdm-server binary: --help, exit statuses, start-up from a flag file, graceful SIGTERM.
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -467,6 +470,50 @@ TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {
   while (stream->Read(&chunk)) {
   }
   stream->Finish();
+}
+
+// A stop during the start (a large model takes minutes to load, etcd may be slow to answer)
+// exits at once, saying so; it was held until the start was over. The start is held here in its
+// first request to etcd, to a port that accepts connections and never answers: once the test
+// accepted the server's connection, the server is inside the start.
+TEST_F(ServerMainTest, ASignalDuringTheStartExitsAtOnce) {
+  const int hole = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  ASSERT_GE(hole, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(hole, reinterpret_cast<sockaddr*>(&address), sizeof(address)), 0);
+  ASSERT_EQ(::listen(hole, 8), 0);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(::getsockname(hole, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const std::filesystem::path err = dir_.path() / "stderr.txt";
+  const SpawnedServer server = SpawnServer(
+      {absl::StrCat("--model=", TinyModelDir().string()), "--port=0", "--metrics_port=-1",
+       "--threads=1", absl::StrCat("--state_dir=", (dir_.path() / "state").string()),
+       "--shared_state_dir", absl::StrCat("--etcd=http://127.0.0.1:", ntohs(address.sin_port)),
+       "--etcd_request_timeout=10m"},
+      err);
+  ASSERT_GT(server.pid, 0);
+  const int connection = ::accept(hole, nullptr, nullptr);  // the server is asking etcd
+  ASSERT_GE(connection, 0) << ReadFile(err.string());
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
+  int raw = 0;
+  // Held until the start ended (10 minutes here), it would not exit: the test fails, not hangs.
+  const bool exited =
+      Eventually([&] { return ::waitpid(server.pid, &raw, WNOHANG) == server.pid; });
+  if (!exited) {
+    ::kill(server.pid, SIGKILL);
+    ::waitpid(server.pid, &raw, 0);
+  }
+  EXPECT_TRUE(exited) << "the server did not exit on SIGTERM during its start";
+  ::close(connection);
+  ::close(hole);
+  ::close(server.out);
+  const std::string stderr_text = ReadFile(err.string());
+  ASSERT_TRUE(WIFEXITED(raw)) << stderr_text;
+  EXPECT_EQ(WEXITSTATUS(raw), 1);
+  EXPECT_THAT(stderr_text, ::testing::HasSubstr("SIGTERM during start-up: exiting now with status "
+                                                "1 (nothing was served yet)"));
 }
 
 // GNU timeout signals its child and then the child's process group; a script's EXIT trap forwards
