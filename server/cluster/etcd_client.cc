@@ -474,6 +474,12 @@ EtcdClient::Attempt EtcdClient::Exchange(size_t e, const std::string& path, cons
                                : absl::StrCat(" (CA file ", options_.ca_file, ")"));
 #endif
         return {Attempt::Kind::kNotSent, 0, why};
+      case httplib::Error::Read:
+      case httplib::Error::Write:
+        // httplib's word alone ("Read") left an operator guessing.
+        return {Attempt::Kind::kUnanswered, 0,
+                absl::StrCat("no answer within ", absl::FormatDuration(options_.request_timeout),
+                             " (--etcd_request_timeout), or the connection broke (", why, ")")};
       default:  // a 200 whose body did not all come counts as unanswered too
         return {Attempt::Kind::kUnanswered, 0, why};
     }

@@ -788,6 +788,20 @@ TEST_F(EtcdOwnershipTest, ATimedOutEndpointFailsOverAndIsNotTriedFirstAgain) {
   EXPECT_LE(hole.accepted(), holes + failed);  // none at all when etcd was not slow
 }
 
+// An etcd that never answers is named as such, with the timeout, not by cpp-httplib's "Read".
+TEST_F(EtcdOwnershipTest, AnEtcdThatNeverAnswersIsSaidSo) {
+  TcpProxy hole(0);
+  EtcdOwnershipOptions o = Options("a");
+  o.client.endpoints = {hole.endpoint()};
+  o.client.request_timeout = absl::Seconds(1);
+  const absl::StatusOr<std::unique_ptr<EtcdOwnership>> a = EtcdOwnership::Start(o);
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kUnavailable) << a.status();
+  EXPECT_THAT(a.status().message(),
+              ::testing::HasSubstr("no answer within 1s (--etcd_request_timeout), or the "
+                                   "connection broke (Read)"));
+}
+
 // A request held up on the wire (a claim whose transaction the proxy holds) does not hold up the
 // lease's keepalive: each request has a connection of its own.
 TEST_F(EtcdOwnershipTest, AKeepaliveIsNotHeldUpByASlowRequest) {
