@@ -30,23 +30,6 @@ start_control
 via="127.0.0.1:$nginx_port"
 control="127.0.0.1:$CONTROL_PORT"
 
-# turn HOST SESSION K: one greedy turn; prints its token ids. Returns 1 on a failure to retry.
-turn() {
-  local out rc=0
-  out=$("$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" \
-    --max_tokens 4 --json 2>>"$work/client.err") || rc=$?
-  if [ $rc -eq 0 ]; then
-    jq -c '.token_ids' <<<"$out"
-    return 0
-  fi
-  if [ "$(jq -r '.error.turn_in_session // empty' <<<"$out" 2>/dev/null)" = yes ]; then
-    echo >>"$work/ran_unsaved"  # (a subshell: counted in a file)
-    jq -c '.token_ids' <<<"$out"
-    return 0
-  fi
-  return 1
-}
-
 for s in $(seq -w 1 "$sessions"); do
   "$client_bin" sessions create "s$s" --host "$via" >/dev/null || fail "create s$s"
   "$client_bin" sessions create "s$s" --host "$control" >/dev/null || fail "create control s$s"
@@ -83,4 +66,4 @@ fi
 echo "ok: etcd leader m$leader killed under traffic of $sessions sessions on 2 replicas; new leader" \
   "m$new_leader; first turn served $first_ok_ms ms after the kill; every turn equal to the control;" \
   "calls retried: $(cat "$work/retries" 2>/dev/null | wc -l); turns that ran but were reported" \
-  "unsaved: $(cat "$work/ran_unsaved" 2>/dev/null | wc -l)"
+  "unsaved: $(ran_unsaved)"

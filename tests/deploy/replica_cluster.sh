@@ -219,6 +219,27 @@ retry() {
   done
 }
 
+# turn HOST SESSION K: one greedy turn; prints its token ids. Returns 1 on a failure to retry (a
+# failed call prints its JSON too, which a retry must not collect); a turn that ran but was not
+# saved (turn_in_session "yes") is done, counted as a line of $work/ran_unsaved.
+turn() {
+  local out rc=0
+  out=$("$client_bin" generate --host "$1" --session "$2" --prompt "turn $3 of $2" \
+    --max_tokens 4 --json 2>>"$work/client.err") || rc=$?
+  if [ $rc -eq 0 ]; then
+    jq -c '.token_ids' <<<"$out"
+    return 0
+  fi
+  if [ "$(jq -r '.error.turn_in_session // empty' <<<"$out" 2>/dev/null)" = yes ]; then
+    echo >>"$work/ran_unsaved"  # (a subshell: counted in a file)
+    jq -c '.token_ids' <<<"$out"
+    return 0
+  fi
+  return 1
+}
+# ran_unsaved: how many turns so far ran but were reported unsaved (turn).
+ran_unsaved() { { wc -l <"$work/ran_unsaved"; } 2>/dev/null || echo 0; }
+
 # position HOST SESSION: the session's position as sdm-client reads it (0 when it has none).
 position() {
   "$client_bin" sessions get "$2" --host "$1" --json 2>>"$work/client.err" | jq -r '.position // 0'
