@@ -37,9 +37,28 @@ cluster_cleanup() {
   if [ -f "$work/nginx/nginx.pid" ]; then kill "$(cat "$work/nginx/nginx.pid")" 2>/dev/null || true; fi
 }
 
-# A free loopback TCP port (bound and released; the OS does not hand it out again at once).
+# A free loopback TCP port, bound and released for etcd or nginx to bind later. Port 0 would
+# come from the ephemeral range, from which every outgoing connection takes its local port too
+# (this test makes hundreds): one could take it before etcd binds it. So a random port below that
+# range, checked free, is used; only another test's pick of the same port can collide now.
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+  python3 - <<'PY'
+import random, socket
+low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+for _ in range(100):
+    port = random.randint(10000, low - 1) if low > 10001 else 0
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+    except OSError:
+        continue
+    finally:
+        s.close()
+    print(port)
+    break
+else:
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])
+PY
 }
 
 make_model() {
