@@ -11,12 +11,14 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -42,16 +44,39 @@ namespace {
 
 using ::sdm::testing::Eventually;
 
-int FreePort() {
+// Binds a loopback TCP socket to `port` (0: any) and releases it; the port bound, or 0 when the
+// bind failed.
+int BindAndRelease(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  int bound = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    bound = ntohs(addr.sin_port);
+  }
   close(fd);
-  return ntohs(addr.sin_port);
+  return bound;
+}
+
+// A free loopback port for etcd to bind later. Port 0 would come from the ephemeral range, from
+// which every outgoing connection (of this test and the tests beside it) takes its local port
+// too, and one could take it before etcd binds it: a random port below that range, checked
+// free, instead (as tests/deploy/replica_cluster.sh's free_port).
+int FreePort() {
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  if (low > 10001) {
+    std::mt19937 random(std::random_device{}());
+    std::uniform_int_distribution<int> below_ephemeral(10000, low - 1);
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      if (const int port = BindAndRelease(below_ephemeral(random)); port > 0) return port;
+    }
+  }
+  return BindAndRelease(0);
 }
 
 bool EtcdInstalled() { return std::system("command -v etcd >/dev/null 2>&1") == 0; }
