@@ -5,9 +5,17 @@
 #include <limits>
 #include <numeric>
 
+#include "absl/strings/str_cat.h"
 #include "base/check.h"
 
 namespace sdm {
+
+absl::Status CheckTopLogprobs(int64_t n, absl::string_view field) {
+  if (n >= 0 && n <= kMaxTopLogprobs) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, " must be in [0, ", kMaxTopLogprobs,
+      "] (the most probable tokens reported at each position besides the generated one), got ", n));
+}
 
 TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int top_n) {
   SDM_CHECK(!logits.empty());

@@ -16,10 +16,18 @@
 #include <span>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
 namespace sdm {
 
 // The most alternatives a request may ask for per token (OpenAI's top_logprobs limit).
 inline constexpr int kMaxTopLogprobs = 20;
+
+// OK when `n` alternatives per token may be asked for, [0, kMaxTopLogprobs]; else
+// INVALID_ARGUMENT naming `field` as the caller's API spells it (e.g. "logprobs",
+// "'top_logprobs'").
+absl::Status CheckTopLogprobs(int64_t n, absl::string_view field);
 
 struct TokenLogprob {
   int32_t token = 0;

@@ -312,18 +312,27 @@ std::atomic<bool> started{false};
 std::atomic<int64_t> first_shutdown_signal_ns{0};  // CLOCK_MONOTONIC; 0: none yet
 static_assert(std::atomic<int64_t>::is_always_lock_free, "used in a signal handler");
 
-void WriteToStderr(const char* message) {
-  [[maybe_unused]] const ssize_t n = write(STDERR_FILENO, message, std::strlen(message));
+// Writes "sdm-server: " `before` SIGINT|SIGTERM `after` to stderr in one write(2), so that the
+// line does not interleave with other threads' output. Async-signal-safe: no allocation, no
+// locale, no stdio.
+void SaySignal(int signal_number, const char* before, const char* after) {
+  char line[512];
+  size_t n = 0;
+  const auto add = [&](const char* part) {
+    while (*part != '\0' && n < sizeof(line)) line[n++] = *part++;
+  };
+  add("sdm-server: ");
+  add(before);
+  add(signal_number == SIGINT ? "SIGINT" : "SIGTERM");
+  add(after);
+  [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, line, n);
 }
 
 void OnShutdownSignal(int signal_number) {
   // Async-signal-safe: clock_gettime, atomics, write(2) and _exit only.
   if (!started.load()) {
-    WriteToStderr(signal_number == SIGINT
-                      ? "sdm-server: SIGINT during start-up: exiting now with status 1 (nothing "
-                        "was served yet)\n"
-                      : "sdm-server: SIGTERM during start-up: exiting now with status 1 (nothing "
-                        "was served yet)\n");
+    SaySignal(signal_number, "",
+              " during start-up: exiting now with status 1 (nothing was served yet)\n");
     _exit(kExitFailure);
   }
   timespec now{};
@@ -336,20 +345,14 @@ void OnShutdownSignal(int signal_number) {
     return;
   }
   if (now_ns - first_ns < kRepeatedSignalWindowNs) {
-    WriteToStderr(signal_number == SIGINT
-                      ? "sdm-server: SIGINT within 1 s of the first signal: taken as the same "
-                        "request (still shutting down gracefully; signal again to exit at once)\n"
-                      : "sdm-server: SIGTERM within 1 s of the first signal: taken as the same "
-                        "request (still shutting down gracefully; signal again to exit at once)\n");
+    SaySignal(signal_number, "",
+              " within 1 s of the first signal: taken as the same request (still shutting down "
+              "gracefully; signal again to exit at once)\n");
     return;
   }
-  const char* message =
-      signal_number == SIGINT
-          ? "sdm-server: second SIGINT: exiting now with status 1, without waiting for requests "
-            "or saving sessions; changes since a session's last save are lost\n"
-          : "sdm-server: second SIGTERM: exiting now with status 1, without waiting for requests "
-            "or saving sessions; changes since a session's last save are lost\n";
-  WriteToStderr(message);
+  SaySignal(signal_number, "second ",
+            ": exiting now with status 1, without waiting for requests or saving sessions; "
+            "changes since a session's last save are lost\n");
   _exit(kExitFailure);
 }
 

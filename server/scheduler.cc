@@ -112,9 +112,8 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   if (absl::Status s = ValidateSamplingParams(spec.sampling, engine_.vocab_size()); !s.ok()) {
     return s;
   }
-  if (spec.logprobs.has_value() && (*spec.logprobs < 0 || *spec.logprobs > kMaxTopLogprobs)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("logprobs must be in [0, ", kMaxTopLogprobs, "], got ", *spec.logprobs));
+  if (spec.logprobs.has_value()) {
+    if (absl::Status s = CheckTopLogprobs(*spec.logprobs, "logprobs"); !s.ok()) return s;
   }
   {
     absl::MutexLock lock(&mu_);
@@ -423,8 +422,8 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   // The engine draws the tokens (on the device where the backend can): the logits stay there,
   // but for the rows of jobs that asked for log-probabilities.
   std::vector<int32_t> sampled(batch.Draws());
-  std::vector<float> logits(static_cast<size_t>(batch.LogitRows() * engine_.vocab_size()));
-  const absl::Status status = engine_.Step(batch, logits, sampled);
+  step_logits_.resize(static_cast<size_t>(batch.LogitRows() * engine_.vocab_size()));
+  const absl::Status status = engine_.Step(batch, step_logits_, sampled);
   if (absl::IsResourceExhausted(status) &&
       std::none_of(plan.begin(), plan.end(),
                    [](const Planned& p) { return p.job->state->failed(); })) {
@@ -471,16 +470,15 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     if (listener_ != nullptr) listener_->OnStepFailed(status);
     // An operator learns why a batch failed (a device error, an internal one) from the log, not
     // only from the requests' codes; a failure that repeats every step is logged once.
-    if (std::string cause = status.ToString(); cause != logged_step_error_) {
+    if (step_failures_.Failed(status.ToString())) {
       SDM_LOG(ERROR) << "sdm scheduler: an engine step of " << plan.size() << " requests ("
-                     << decodes << " decoding, " << prefilled << " prompt tokens) failed: " << cause
+                     << decodes << " decoding, " << prefilled
+                     << " prompt tokens) failed: " << status
                      << "; its requests end with this error (logged once until a step "
                      << "succeeds)";
-      logged_step_error_ = std::move(cause);
     }
-  } else if (!logged_step_error_.empty()) {
+  } else if (step_failures_.Succeeded()) {
     SDM_LOG(INFO) << "sdm scheduler: engine steps succeed again";
-    logged_step_error_.clear();
   }
   if (status.ok() && ++fitting_steps_ >= kCapProbeSteps) {
     fitting_steps_ = 0;
@@ -515,10 +513,10 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
       continue;
     }
     const int64_t vocab = engine_.vocab_size();
-    const TokenLogprobs logprobs =
-        ComputeLogprobs(std::span<const float>(logits).subspan(
-                            static_cast<size_t>(p.logit_row * vocab), static_cast<size_t>(vocab)),
-                        token, *job.spec.logprobs);
+    const TokenLogprobs logprobs = ComputeLogprobs(
+        std::span<const float>(step_logits_)
+            .subspan(static_cast<size_t>(p.logit_row * vocab), static_cast<size_t>(vocab)),
+        token, *job.spec.logprobs);
     Emit(job, token, &logprobs);
   }
   if (listener_ != nullptr) {

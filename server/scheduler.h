@@ -74,6 +74,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/failure_episode.h"
 #include "engine/engine.h"
 #include "engine/generation.h"
 #include "engine/logprobs.h"
@@ -137,8 +138,8 @@ class JobObserver {
   virtual ~JobObserver() = default;
   // One generated token and the text it completes (may be empty while a character or a possible
   // stop string is incomplete; never text past a stop string). Not called for EOS or stop ids.
-  // `logprobs`: the token's
-  // (GenerateJob::logprobs), null when the job did not ask for them; valid during the call.
+  // `logprobs`: the token's (GenerateJob::logprobs), null when the job did not ask for them;
+  // valid during the call.
   virtual void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) = 0;
   // The token that ended the job, the tokenizer's EOS or a stop id (which OnToken does not
   // report), and the text held back until then (an incomplete character as U+FFFD, or the start
@@ -244,14 +245,17 @@ class Scheduler {
   // them the cap grows by one, so that a batch capped by a passing shortage (or behind jobs that
   // run long) grows back without waiting for a job to end.
   int64_t fitting_steps_ = 0;
+  // The logit rows a step returns (jobs asking for log-probabilities), kept for the next steps
+  // so that they are not allocated every step (step thread only).
+  std::vector<float> step_logits_;
   static constexpr int64_t kCapProbeSteps = 64;
   // Prompt chunks planned so far, and for each tenant the count when it was last given one
   // (step thread only): tenants take prompt chunks in turn (the class comment).
   int64_t feeds_ = 0;
   std::map<std::string, int64_t, std::less<>> last_fed_;
-  // The step failure logged last, until a step succeeds (step thread only): a failure is
-  // logged once per cause and episode, not once per step, and the recovery once.
-  std::string logged_step_error_;
+  // Step failures are logged once per cause and episode, not once per step, and the recovery
+  // once (step thread only).
+  FailureEpisode step_failures_;
   int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
   // Each tenant with jobs waiting or running: how many, and the admission (a count of places
   // given) that last gave it a place in the batch, 0 for none yet. An entry goes with its

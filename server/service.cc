@@ -390,11 +390,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
     job.stop_strings.push_back(s.stop(i));
   }
   if (request.has_logprobs()) {
-    if (request.logprobs() < 0 || request.logprobs() > kMaxTopLogprobs) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "logprobs must be in [0, ", kMaxTopLogprobs, "] (the most probable tokens reported at ",
-          "each position besides the generated one), got ", request.logprobs()));
-    }
+    if (absl::Status s = CheckTopLogprobs(request.logprobs(), "logprobs"); !s.ok()) return s;
     job.logprobs = request.logprobs();
   }
 

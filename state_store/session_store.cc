@@ -561,22 +561,17 @@ void SessionStateStore::ObserveShared(const SessionKey& key) const {
   const auto name = options_.ownership->Observe(key);
   absl::MutexLock lock(&observe_log_mu_);
   if (name.ok()) {
-    if (!logged_observe_cause_.empty()) {
-      SDM_LOG(INFO) << "sdm state store: etcd lookups succeed again (" << unlogged_observe_failures_
+    if (int64_t unlogged = 0; observe_failures_.Succeeded(&unlogged)) {
+      SDM_LOG(INFO) << "sdm state store: etcd lookups succeed again (" << unlogged
                     << " more failed meanwhile, not logged)";
-      logged_observe_cause_.clear();
-      unlogged_observe_failures_ = 0;
     }
     return;
   }
-  if (std::string cause = name.status().ToString(); cause != logged_observe_cause_) {
+  if (observe_failures_.Failed(name.status().ToString())) {
     SDM_LOG(WARNING) << "sdm state store: could not look up session '" << key.id
-                     << "' in etcd: " << cause
+                     << "' in etcd: " << name.status()
                      << " (further failures of this cause are not logged until a lookup "
                         "succeeds)";
-    logged_observe_cause_ = std::move(cause);
-  } else {
-    ++unlogged_observe_failures_;
   }
 }
 

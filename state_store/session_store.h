@@ -157,6 +157,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/failure_episode.h"
 #include "state_store/row_pool.h"
 #include "state_store/session_key.h"
 #include "state_store/session_ownership.h"
@@ -742,11 +743,9 @@ class SessionStateStore {
   // The cause of the last failed write while writes fail; OK otherwise.
   absl::Status persist_error_ ABSL_GUARDED_BY(mu_);
   std::string logged_cause_ ABSL_GUARDED_BY(mu_);  // the last cause logged
-  // ObserveShared's failures: the cause logged last (empty: lookups succeed) and how many
-  // failures were not logged since.
+  // ObserveShared's failures, for its log (once per cause and episode).
   mutable absl::Mutex observe_log_mu_;
-  mutable std::string logged_observe_cause_ ABSL_GUARDED_BY(observe_log_mu_);
-  mutable int64_t unlogged_observe_failures_ ABSL_GUARDED_BY(observe_log_mu_) = 0;
+  mutable FailureEpisode observe_failures_ ABSL_GUARDED_BY(observe_log_mu_);
   bool reported_healthy_ ABSL_GUARDED_BY(mu_) = true;              // as last told on_persist_health
   std::vector<std::function<void()>> ready_ ABSL_GUARDED_BY(mu_);  // settled WhenPersisted calls
   // Work arrived for the worker (Changed(), a waiter): it does not wait for the next signal.

@@ -280,12 +280,8 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
 // need `logprobs`: true), in [0, kMaxTopLogprobs] (the service checks the range again, naming
 // gRPC's field).
 absl::Status ParseLogprobs(const Json& body, OpenAiEndpoint endpoint, std::optional<int32_t>& out) {
-  const auto in_range = [](const char* field, int64_t v, std::optional<int32_t>& to) {
-    if (v < 0 || v > kMaxTopLogprobs) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", field, "' must be in [0, ", kMaxTopLogprobs, "] (the most probable tokens ",
-          "reported at each position besides the generated one), got ", v));
-    }
+  const auto in_range = [](absl::string_view field, int64_t v, std::optional<int32_t>& to) {
+    if (absl::Status s = CheckTopLogprobs(v, absl::StrCat("'", field, "'")); !s.ok()) return s;
     to = static_cast<int32_t>(v);
     return absl::OkStatus();
   };
@@ -480,11 +476,11 @@ nlohmann::json ChatLogprobsJson(const std::vector<LogprobEntry>& entries) {
   for (const LogprobEntry& e : entries) {
     Json top = Json::array();
     for (const LogprobToken& t : e.top) {
-      top.push_back({{"token", t.text},
+      top.push_back({{"token", LogprobTokenText(t.bytes)},
                      {"logprob", LogprobNumber(t.logprob)},
                      {"bytes", BytesJson(t.bytes)}});
     }
-    content.push_back({{"token", e.chosen.text},
+    content.push_back({{"token", LogprobTokenText(e.chosen.bytes)},
                        {"logprob", LogprobNumber(e.chosen.logprob)},
                        {"bytes", BytesJson(e.chosen.bytes)},
                        {"top_logprobs", std::move(top)}});
@@ -497,15 +493,18 @@ nlohmann::json CompletionLogprobsJson(const std::vector<LogprobEntry>& entries,
   Json tokens = Json::array(), logprobs = Json::array(), top = Json::array(),
        offsets = Json::array();
   for (const LogprobEntry& e : entries) {
-    tokens.push_back(e.chosen.text);
+    const std::string text = LogprobTokenText(e.chosen.bytes);
+    tokens.push_back(text);
     logprobs.push_back(LogprobNumber(e.chosen.logprob));
     Json alternatives = Json::object();
     // Two tokens of one string (not possible with distinct valid UTF-8 tokens) keep the first,
     // the more probable.
-    for (const LogprobToken& t : e.top) alternatives.emplace(t.text, LogprobNumber(t.logprob));
+    for (const LogprobToken& t : e.top) {
+      alternatives.emplace(LogprobTokenText(t.bytes), LogprobNumber(t.logprob));
+    }
     top.push_back(std::move(alternatives));
     offsets.push_back(text_offset);
-    text_offset += CharacterCount(e.chosen.text);
+    text_offset += CharacterCount(text);
   }
   return Json{{"tokens", std::move(tokens)},
               {"token_logprobs", std::move(logprobs)},

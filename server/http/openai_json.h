@@ -74,12 +74,9 @@ nlohmann::json SessionToJson(const v1::Session& session);
 nlohmann::json CompletionHead(OpenAiEndpoint endpoint, bool chunk, absl::string_view id,
                               int64_t created, absl::string_view model);
 
-// A token in a response's log-probabilities: its string (OpenAI's: the token's bytes when they
-// are valid UTF-8, otherwise "bytes:" and a \xNN escape per byte, as a byte of a character split
-// between tokens), its bytes, and its log-probability (-inf as -9999, OpenAI's floor: JSON has
-// no infinity).
+// A token in a response's log-probabilities: its bytes (its string is LogprobTokenText's) and
+// its log-probability (rendered -inf as -9999, OpenAI's floor: JSON has no infinity).
 struct LogprobToken {
-  std::string text;
   std::string bytes;
   double logprob = 0;
 };
@@ -89,7 +86,9 @@ struct LogprobEntry {
   std::vector<LogprobToken> top;
 };
 
-// The string OpenAI's logprobs show for a token of these bytes (LogprobToken::text).
+// The string OpenAI's logprobs show for a token of these bytes: the bytes when they are valid
+// UTF-8, otherwise "bytes:" and a \xNN escape per byte (a byte of a character split between
+// tokens).
 std::string LogprobTokenText(absl::string_view bytes);
 
 // A chat choice's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs}], "refusal":

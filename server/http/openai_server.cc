@@ -187,11 +187,7 @@ class HttpJob final : public JobObserver {
     if (entry.has_value()) logprobs_.push_back(*std::move(entry));
   }
   LogprobToken Token(const TokenLogprob& t) const {
-    LogprobToken out;
-    out.bytes = tokenizer_.TokenBytes(t.token);
-    out.text = LogprobTokenText(out.bytes);
-    out.logprob = t.logprob;
-    return out;
+    return LogprobToken{.bytes = tokenizer_.TokenBytes(t.token), .logprob = t.logprob};
   }
 
   ServerMetrics& metrics_;

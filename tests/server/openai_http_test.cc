@@ -472,7 +472,7 @@ TEST_F(OpenAiHttpTest, LogprobsAreGrpcsInBothApisStreamedOrNot) {
     const Reply streamed = Post(port, "/v1/completions", streamed_body);
     ASSERT_EQ(streamed.status, 200) << streamed.raw;
     const Streamed sc = ParseStream(streamed.raw, /*chat=*/false);
-    EXPECT_EQ(sc.logprobs, lp);  // text_offset continues across chunks
+    EXPECT_EQ(sc.logprobs, lp);  // with several chunks, text_offset continues across them
     // Not asked for: null.
     const Reply without = Post(port, "/v1/completions",
                                {{"prompt", "Once upon"}, {"max_tokens", 2}, {"temperature", 0}});

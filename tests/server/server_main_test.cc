@@ -533,13 +533,7 @@ TEST_F(ServerMainTest, ASignalRepeatedAtOnceIsTheSameRequestAndTheShutdownSaves)
   ASSERT_GT(server.pid, 0);
   auto stub = StubFromStartUpLine(ReadLine(server.out, std::chrono::seconds(30)));
   ASSERT_NE(stub, nullptr);
-  {
-    grpc::ClientContext context;
-    v1::CreateSessionRequest create;
-    create.set_session_id("kept");
-    v1::Session session;
-    ASSERT_TRUE(stub->CreateSession(&context, create, &session).ok());
-  }
+  ASSERT_TRUE(CreateSession(*stub, "kept").ok());
   const Completion turn = Generate(*stub, TextRequest("remember this", 3, "kept"));
   ASSERT_TRUE(turn.status.ok()) << turn.status.error_message();
   // SIGINT then SIGTERM, at once: one request to stop.
@@ -561,11 +555,8 @@ TEST_F(ServerMainTest, ASignalRepeatedAtOnceIsTheSameRequestAndTheShutdownSaves)
   ASSERT_GT(again.pid, 0);
   auto stub2 = StubFromStartUpLine(ReadLine(again.out, std::chrono::seconds(30)));
   ASSERT_NE(stub2, nullptr);
-  grpc::ClientContext context;
-  v1::GetSessionRequest get;
-  get.set_session_id("kept");
   v1::Session kept;
-  EXPECT_TRUE(stub2->GetSession(&context, get, &kept).ok());
+  EXPECT_TRUE(GetSession(*stub2, "kept", &kept).ok());
   EXPECT_EQ(kept.position(), turn.usage.prompt_tokens() + turn.usage.generated_tokens());
   ASSERT_EQ(::kill(again.pid, SIGTERM), 0);
   ASSERT_EQ(::waitpid(again.pid, &raw, 0), again.pid);
