@@ -30,6 +30,8 @@ struct StreamOutcome {
   std::string text;
   std::vector<int32_t> token_ids;
   std::vector<sdm::v1::TokenLogprobs> logprobs;  // when asked for: one per token id
+  std::vector<sdm::v1::PromptTokenLogprobs>
+      prompt_logprobs;  // when asked for: one per prompt token
   sdm::v1::FinishReason finish_reason = sdm::v1::FINISH_REASON_UNSPECIFIED;
   sdm::v1::Usage usage;
   double ttft_seconds = -1;    // until the first chunk with tokens; -1: none came
@@ -62,6 +64,8 @@ StreamOutcome StreamGenerate(Command& command, const sdm::v1::GenerateRequest& r
                              chunk.token_ids().end());
     outcome.logprobs.insert(outcome.logprobs.end(), chunk.logprobs().begin(),
                             chunk.logprobs().end());
+    outcome.prompt_logprobs.insert(outcome.prompt_logprobs.end(), chunk.prompt_logprobs().begin(),
+                                   chunk.prompt_logprobs().end());
     outcome.text += chunk.text();
     if (echo != nullptr && !chunk.text().empty()) {
       *echo << chunk.text() << std::flush;
@@ -133,18 +137,30 @@ nlohmann::json GenerateJson(const std::string& session, const StreamOutcome& o) 
   j["session_id"] = session;
   j["text"] = o.text;
   j["token_ids"] = o.token_ids;
+  // As the proto's JSON mapping writes them, but for -inf: null (JSON has no infinity).
+  const auto number = [](double logprob) {
+    return std::isinf(logprob) ? nlohmann::json(nullptr) : nlohmann::json(logprob);
+  };
+  const auto entry_json = [&number](const sdm::v1::TokenLogprobs& entry) {
+    nlohmann::json top = nlohmann::json::array();
+    for (const sdm::v1::TokenLogprob& t : entry.top()) {
+      top.push_back({{"token_id", t.token_id()}, {"logprob", number(t.logprob())}});
+    }
+    return nlohmann::json{{"logprob", number(entry.logprob())}, {"top", std::move(top)}};
+  };
   if (!o.logprobs.empty()) {
-    // As the proto's JSON mapping writes them, but for -inf: null (JSON has no infinity).
-    const auto number = [](double logprob) {
-      return std::isinf(logprob) ? nlohmann::json(nullptr) : nlohmann::json(logprob);
-    };
     nlohmann::json& logprobs = j["logprobs"] = nlohmann::json::array();
-    for (const sdm::v1::TokenLogprobs& entry : o.logprobs) {
-      nlohmann::json top = nlohmann::json::array();
-      for (const sdm::v1::TokenLogprob& t : entry.top()) {
-        top.push_back({{"token_id", t.token_id()}, {"logprob", number(t.logprob())}});
-      }
-      logprobs.push_back({{"logprob", number(entry.logprob())}, {"top", std::move(top)}});
+    for (const sdm::v1::TokenLogprobs& entry : o.logprobs) logprobs.push_back(entry_json(entry));
+  }
+  if (!o.prompt_logprobs.empty()) {
+    // A token with nothing read before it has a null logprob and no alternatives.
+    nlohmann::json& prompt = j["prompt_logprobs"] = nlohmann::json::array();
+    for (const sdm::v1::PromptTokenLogprobs& entry : o.prompt_logprobs) {
+      nlohmann::json e = entry.has_logprobs() ? entry_json(entry.logprobs())
+                                              : nlohmann::json{{"logprob", nullptr},
+                                                               {"top", nlohmann::json::array()}};
+      e["token_id"] = entry.token_id();
+      prompt.push_back(std::move(e));
     }
   }
   if (!o.status.ok()) {
@@ -186,7 +202,7 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   Command command(io, "generate",
                   "sdm-client generate --prompt TEXT [--session ID] [--max_tokens N] "
                   "[--temperature T] [--top_k K] [--top_p P] [--seed S] [--stop STR]... "
-                  "[--stop_ids ID,...] [--json [--logprobs N]]",
+                  "[--stop_ids ID,...] [--json [--logprobs N] [--prompt_logprobs N]]",
                   "Feeds the prompt to a session (or, without --session, to a one-shot sequence)\n"
                   "and streams the completion to stdout as it is generated. The finish reason and\n"
                   "token usage go to stderr. The prompt may also be the one positional argument;\n"
@@ -208,10 +224,21 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
                          "tokens at its position (0 to 20), as \"logprobs\": [{logprob, top: "
                          "[{token_id, logprob}]}]");
   command.flags().SetDefaultText("logprobs", "unset: none");
+  int64_t prompt_logprobs = 0;
+  command.flags().AddInt("prompt_logprobs", &prompt_logprobs,
+                         "with --json: each prompt token's log-probability given what was read "
+                         "before it and the N most probable tokens at its position (0 to 20), as "
+                         "\"prompt_logprobs\": [{token_id, logprob, top}] (logprob null for a "
+                         "token with nothing before it)");
+  command.flags().SetDefaultText("prompt_logprobs", "unset: none");
   AddSamplingFlags(command.flags(), &sampling);
   if (std::optional<int> exit = command.Parse(args)) return *exit;
   if (command.flags().IsSet("logprobs") && !json) {
     return command.UsageError("--logprobs needs --json (the text alone has no place for them)");
+  }
+  if (command.flags().IsSet("prompt_logprobs") && !json) {
+    return command.UsageError(
+        "--prompt_logprobs needs --json (the text alone has no place for them)");
   }
 
   const size_t prompts = command.positional().size() + (command.flags().IsSet("prompt") ? 1 : 0);
@@ -232,6 +259,10 @@ int RunGenerate(absl::Span<const std::string> args, const ClientIo& io) {
   if (command.flags().IsSet("logprobs")) {
     // Out of int32: the server's range message says what is allowed.
     request.set_logprobs(static_cast<int32_t>(std::clamp<int64_t>(logprobs, -1, 1 << 20)));
+  }
+  if (command.flags().IsSet("prompt_logprobs")) {
+    request.set_prompt_logprobs(
+        static_cast<int32_t>(std::clamp<int64_t>(prompt_logprobs, -1, 1 << 20)));
   }
   if (std::optional<int> exit = command.Connect()) return *exit;
 

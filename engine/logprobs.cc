@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <numeric>
 
 #include "absl/strings/str_cat.h"
 #include "base/check.h"
@@ -51,8 +50,6 @@ TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int 
   out.chosen = {token, logprob(token)};
   const size_t n = std::min(static_cast<size_t>(top_n), logits.size());
   if (n == 0) return out;
-  std::vector<int32_t> ids(logits.size());
-  std::iota(ids.begin(), ids.end(), 0);
   // Descending logit (the order of the log-probabilities), ties and NaN as the header says.
   const auto before = [&logits](int32_t a, int32_t b) {
     const float la = logits[static_cast<size_t>(a)];
@@ -62,7 +59,22 @@ TokenLogprobs ComputeLogprobs(std::span<const float> logits, int32_t token, int 
     }
     return la != lb ? la > lb : a < b;
   };
-  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(n), ids.end(), before);
+  // The n best in one pass, without an index per vocabulary entry (this runs for every scored
+  // prompt token): a heap whose front is the worst of those kept so far.
+  std::vector<int32_t> best;
+  best.reserve(n);
+  for (int32_t id = 0; static_cast<size_t>(id) < logits.size(); ++id) {
+    if (best.size() < n) {
+      best.push_back(id);
+      std::push_heap(best.begin(), best.end(), before);
+    } else if (before(id, best.front())) {
+      std::pop_heap(best.begin(), best.end(), before);
+      best.back() = id;
+      std::push_heap(best.begin(), best.end(), before);
+    }
+  }
+  std::sort_heap(best.begin(), best.end(), before);
+  const std::vector<int32_t>& ids = best;
   out.top.reserve(n);
   for (size_t i = 0; i < n; ++i) out.top.push_back({ids[i], logprob(ids[i])});
   return out;

@@ -46,21 +46,41 @@ void GenerateStream::Reject(const absl::Status& status) {
   Pump();
 }
 
+namespace {
+
+void ToProto(const TokenLogprobs& logprobs, v1::TokenLogprobs& out) {
+  out.set_logprob(logprobs.chosen.logprob);
+  for (const TokenLogprob& alternative : logprobs.top) {
+    v1::TokenLogprob& top = *out.add_top();
+    top.set_token_id(alternative.token);
+    top.set_logprob(alternative.logprob);
+  }
+}
+
+}  // namespace
+
 void GenerateStream::OnToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) {
   {
     absl::MutexLock lock(&mu_);
     if (broken_) return;
     pending_.add_token_ids(token);
-    if (logprobs != nullptr) {
-      v1::TokenLogprobs& entry = *pending_.add_logprobs();
-      entry.set_logprob(logprobs->chosen.logprob);
-      for (const TokenLogprob& alternative : logprobs->top) {
-        v1::TokenLogprob& top = *entry.add_top();
-        top.set_token_id(alternative.token);
-        top.set_logprob(alternative.logprob);
-      }
-    }
+    if (logprobs != nullptr) ToProto(*logprobs, *pending_.add_logprobs());
     pending_.mutable_text()->append(text.data(), text.size());
+    has_pending_ = true;
+  }
+  Pump();
+}
+
+void GenerateStream::OnPromptLogprobs(std::span<const PromptTokenLogprobs> tokens,
+                                      bool prompt_done) {
+  {
+    absl::MutexLock lock(&mu_);
+    if (broken_) return;
+    for (const PromptTokenLogprobs& token : tokens) {
+      v1::PromptTokenLogprobs& entry = *pending_.add_prompt_logprobs();
+      entry.set_token_id(token.token);
+      if (token.logprobs.has_value()) ToProto(*token.logprobs, *entry.mutable_logprobs());
+    }
     has_pending_ = true;
   }
   Pump();

@@ -6,7 +6,8 @@
 // write is in flight are merged into one pending chunk, written as soon as the previous write
 // completes; so a client that reads slowly receives fewer, larger chunks rather than slowing
 // the batch. The buffer is bounded by the request's max_tokens (at most the server's
-// max_tokens_limit tokens and their text). A client that stops reading altogether keeps its
+// max_tokens_limit tokens and their text), and by its prompt when it asked for the prompt's
+// log-probabilities. A client that stops reading altogether keeps its
 // job running to its end; the call then waits for the client, its deadline or its cancellation.
 //
 // Ending: the call's status is decided when the job finishes (or when it was rejected before
@@ -41,6 +42,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
@@ -74,6 +76,7 @@ class GenerateStream final : public JobObserver {
   // JobObserver, on the scheduler's step thread.
   void OnToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) override;
   void OnEndToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) override;
+  void OnPromptLogprobs(std::span<const PromptTokenLogprobs> tokens, bool prompt_done) override;
   void OnHeldText(absl::string_view text) override;
   void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override;
   bool IsCancelled() const override { return cancelled_.load(std::memory_order_relaxed); }

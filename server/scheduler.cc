@@ -115,6 +115,11 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   if (spec.logprobs.has_value()) {
     if (absl::Status s = CheckTopLogprobs(*spec.logprobs, "logprobs"); !s.ok()) return s;
   }
+  if (spec.prompt_logprobs.has_value()) {
+    if (absl::Status s = CheckTopLogprobs(*spec.prompt_logprobs, "prompt_logprobs"); !s.ok()) {
+      return s;
+    }
+  }
   {
     absl::MutexLock lock(&mu_);
     if (absl::Status admitted = AdmissionLocked(spec); !admitted.ok()) return admitted;
@@ -353,17 +358,33 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   // engine/engine.h), and other jobs' decode tokens come between a long prompt's chunks.
   struct Planned {
     Job* job;
-    size_t prefill = 0;      // prompt tokens fed (0: a decode token)
-    int64_t draw = -1;       // index of the token the step draws for it (-1: none)
-    int64_t logit_row = -1;  // row of the step's logits for the draw's log-probabilities
+    size_t prefill = 0;       // prompt tokens fed (0: a decode token)
+    int64_t draw = -1;        // index of the token the step draws for it (-1: none)
+    int64_t logit_row = -1;   // row of the step's logits for the draw's log-probabilities
+    int64_t prompt_row = -1;  // first of the chunk's rows when the job scores its prompt
   };
-  // A draw's segment: with its logits when the job asked for log-probabilities.
-  const auto add_draw = [](StepBatch& batch, Planned& planned, std::span<const int32_t> tokens) {
+  // A prompt chunk's or decode token's segment: with every row's logits for a job that scores its
+  // prompt (a prompt chunk), the last row's for one that asked for its tokens' log-probabilities.
+  const auto add_segment = [](StepBatch& batch, Planned& planned, std::span<const int32_t> tokens,
+                              bool draw) {
     Job& job = *planned.job;
-    const bool logits = job.spec.logprobs.has_value();
-    if (logits) planned.logit_row = batch.LogitRows();
-    planned.draw = batch.AddDraw(*job.state, tokens, logits ? StepLogits::kLast : StepLogits::kNone,
-                                 job.spec.sampling, job.state->sampler_draws);
+    StepLogits logits = StepLogits::kNone;
+    if (planned.prefill > 0 && job.spec.prompt_logprobs.has_value()) {
+      logits = StepLogits::kAll;
+      planned.prompt_row = batch.LogitRows();
+      if (draw && job.spec.logprobs.has_value()) {
+        planned.logit_row = planned.prompt_row + static_cast<int64_t>(tokens.size()) - 1;
+      }
+    } else if (draw && job.spec.logprobs.has_value()) {
+      logits = StepLogits::kLast;
+      planned.logit_row = batch.LogitRows();
+    }
+    if (draw) {
+      planned.draw =
+          batch.AddDraw(*job.state, tokens, logits, job.spec.sampling, job.state->sampler_draws);
+    } else {
+      batch.Add(*job.state, tokens, logits);
+    }
   };
   std::vector<Planned> plan;
   StepBatch batch;
@@ -403,18 +424,14 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     last_fed_.insert_or_assign(job->tenant(), ++feeds_);
     const std::span<const int32_t> tokens =
         std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
-    Planned& planned = plan.emplace_back(Planned{.job = job, .prefill = take});
-    if (job->fed + take == job->to_feed.size()) {
-      add_draw(batch, planned, tokens);
-    } else {
-      batch.Add(*job->state, tokens, StepLogits::kNone);
-    }
+    add_segment(batch, plan.emplace_back(Planned{.job = job, .prefill = take}), tokens,
+                /*draw=*/job->fed + take == job->to_feed.size());
   }
   int decodes = 0;
   for (auto& job : running) {
     if (job->done || job->next_input < 0) continue;
-    add_draw(batch, plan.emplace_back(Planned{.job = job.get()}),
-             std::span<const int32_t>(&job->next_input, 1));
+    add_segment(batch, plan.emplace_back(Planned{.job = job.get()}),
+                std::span<const int32_t>(&job->next_input, 1), /*draw=*/true);
     ++decodes;
   }
   if (plan.empty()) return;
@@ -492,6 +509,7 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
       continue;
     }
     if (p.prefill > 0) {
+      if (p.prompt_row >= 0) ScorePrompt(job, p.prompt_row, p.prefill);
       job.fed += p.prefill;
     } else {
       job.next_input = -1;  // fed
@@ -522,6 +540,32 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   if (listener_ != nullptr) {
     listener_->OnStep(decodes, prefilled, Seconds(step_start, Clock::now()));
   }
+}
+
+void Scheduler::ScorePrompt(Job& job, int64_t first_row, size_t length) {
+  // Row k of the chunk holds the logits after to_feed[fed + k]: they score to_feed[fed + k + 1].
+  // The session's pending token (to_feed[0] when carried) is history, not the prompt: it is not
+  // reported, but its row scores the prompt's first token. Without it, the first token of the
+  // prompt has nothing before it in the pass.
+  const size_t carried = job.had_pending ? 1 : 0;
+  const int64_t vocab = engine_.vocab_size();
+  std::vector<PromptTokenLogprobs> scored;
+  scored.reserve(length + 1);
+  if (job.fed == 0 && carried == 0) {
+    scored.push_back({.token = job.to_feed[0], .logprobs = std::nullopt});
+  }
+  for (size_t k = 0; k < length; ++k) {
+    const size_t next = job.fed + k + 1;
+    if (next >= job.to_feed.size()) break;  // the last prompt row: it scores the drawn token
+    const std::span<const float> row =
+        std::span<const float>(step_logits_)
+            .subspan(static_cast<size_t>((first_row + static_cast<int64_t>(k)) * vocab),
+                     static_cast<size_t>(vocab));
+    scored.push_back(
+        {.token = job.to_feed[next],
+         .logprobs = ComputeLogprobs(row, job.to_feed[next], *job.spec.prompt_logprobs)});
+  }
+  job.observer->OnPromptLogprobs(scored, /*prompt_done=*/job.fed + length == job.to_feed.size());
 }
 
 void Scheduler::Emit(Job& job, int32_t token, const TokenLogprobs* logprobs) {

@@ -65,6 +65,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -103,6 +104,11 @@ struct GenerateJob {
   // nullopt: none. N in [0, kMaxTopLogprobs]: each token's log-probability and its position's N
   // most probable tokens (engine/logprobs.h), handed to the observer with the token.
   std::optional<int> logprobs;
+  // nullopt: none. N in [0, kMaxTopLogprobs]: each prompt token's log-probability given what the
+  // session read before it, and its position's N most probable tokens (PromptTokenLogprobs),
+  // handed to the observer as the prompt is read (JobObserver::OnPromptLogprobs). Costs the
+  // logits of every prompt position (a vocabulary-wide row each, on the host).
+  std::optional<int> prompt_logprobs;
   absl::Time deadline = absl::InfiniteFuture();
   // The most jobs of the session's tenant (session.tenant) waiting or running at once, this one
   // included; nullopt: no limit; 0: none, PERMISSION_DENIED (TenantLimits::max_requests).
@@ -120,6 +126,18 @@ struct GenerateJob {
 absl::Status SessionChangedError(absl::string_view session_id, int64_t expected_history,
                                  int64_t history);
 bool IsSessionChanged(const absl::Status& status);
+
+// A prompt token read by a job that asked for the prompt's log-probabilities
+// (GenerateJob::prompt_logprobs), and its log-probability given everything its session read
+// before it (engine/logprobs.h). None for a token that nothing was read before: the first of a
+// sequence (a one-shot request, a session at position 0), or the first of a turn on a session whose
+// previous request left no token to read (one that ended before reading its whole prompt). A
+// session's previous turn otherwise leaves its last generated token pending: it is read first, so
+// the prompt's first token is scored too.
+struct PromptTokenLogprobs {
+  int32_t token = 0;
+  std::optional<TokenLogprobs> logprobs;
+};
 
 // Receives a job's output on the step thread — except OnFinish for a job on a session, which
 // comes once the turn is written to the state directory (SessionLease::ReleaseWhenPersisted: from
@@ -146,6 +164,10 @@ class JobObserver {
   // of a stop string that can no longer complete); `logprobs` as OnToken's. Called just before
   // OnFinish; default: ignored.
   virtual void OnEndToken(int32_t token, absl::string_view text, const TokenLogprobs* logprobs) {}
+  // For a job that asked for them (GenerateJob::prompt_logprobs): the prompt tokens read by a
+  // step, in order, each prompt token once, all before the first OnToken; `prompt_done` on the
+  // call with the prompt's last token. Valid during the call. Default: ignored.
+  virtual void OnPromptLogprobs(std::span<const PromptTokenLogprobs> tokens, bool prompt_done) {}
   // A job that ends for a reason of the scheduler's (cancelled, a deadline, an error) after its
   // tokens' text was held back (a possible stop string's start, an incomplete character): that
   // text, final now (GenerationPolicy::Flush), as the session holds its tokens. Called just
@@ -225,6 +247,9 @@ class Scheduler {
   // comment (fairness between tenants).
   void AdmitLocked(std::vector<std::unique_ptr<Job>>& running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Step(std::vector<std::unique_ptr<Job>>& running);
+  // Hands the observer the log-probabilities of the prompt tokens a chunk of `length` tokens
+  // (from job.fed, not yet advanced) scores, from the step's logits rows from `first_row` on.
+  void ScorePrompt(Job& job, int64_t first_row, size_t length);
   void Emit(Job& job, int32_t token, const TokenLogprobs* logprobs);
   void Finish(Job& job, FinishReason reason, const absl::Status& error = absl::OkStatus())
       ABSL_LOCKS_EXCLUDED(mu_);

@@ -46,6 +46,7 @@
 #include "server/metrics/exposition.h"
 #include "server/metrics/server_metrics.h"
 #include "server/service.h"
+#include "server/stall_watch.h"
 #include "server/tenant_limits.h"
 #include "state_store/session_store.h"
 
@@ -229,6 +230,8 @@ class SdmServer::Impl final : public SchedulerListener {
   // Before the store: its worker reports persistence health here until the store is destroyed.
   absl::Mutex health_mu;
   absl::Status persist_health ABSL_GUARDED_BY(health_mu);
+  // A write to the state directory pending for --persist_stall_timeout or longer (persist_watch).
+  bool persist_stalled ABSL_GUARDED_BY(health_mu) = false;
   // The gRPC server's health service may be told (set once it runs, cleared before it stops).
   bool grpc_health_live ABSL_GUARDED_BY(health_mu) = false;
   ApiKeyAuthenticator auth;
@@ -273,6 +276,10 @@ class SdmServer::Impl final : public SchedulerListener {
   // Tenants whose sdm_tenant_requests series exists (set to 0 when they have none).
   std::set<std::string> tenants_with_requests ABSL_GUARDED_BY(gauges_mu);
 
+  // Polls the store for a stalled write, which no failure reports, and tells the gRPC health
+  // service (/healthz asks the store itself). After the store, so that it stops before it (null
+  // without a state directory or with persist_stall_timeout 0).
+  std::unique_ptr<StallWatch> persist_watch;
   // Last, so that it stops first (null when malloc_trim_interval is zero).
   std::unique_ptr<HeapTrimmer> heap_trimmer;
 };
@@ -476,6 +483,15 @@ absl::Status SdmServer::Impl::Init() {
     grpc_health_live = true;
     ApplyGrpcHealth();
   }
+  if (store != nullptr && options.persist_stall_timeout > absl::ZeroDuration()) {
+    persist_watch = std::make_unique<StallWatch>(
+        options.persist_stall_timeout, [this] { return store->OldestPendingPersist(); },
+        [this](bool stalled) {
+          absl::MutexLock lock(&health_mu);
+          persist_stalled = stalled;
+          ApplyGrpcHealth();
+        });
+  }
 
   if (options.http.port >= 0) {
     SDM_ASSIGN_OR_RETURN(
@@ -529,10 +545,10 @@ void SdmServer::Impl::OnPersistHealth(const absl::Status& persist) {
 
 void SdmServer::Impl::ApplyGrpcHealth() {
   if (!grpc_health_live) return;
-  // NOT_SERVING while sessions cannot be written, so that balancers send new work to replicas
-  // that can keep it; requests still arriving are served (or refused by the store when memory
-  // is full too).
-  const bool serving = !draining.load() && persist_health.ok();
+  // NOT_SERVING while sessions cannot be written (writes fail, or one has hung), so that
+  // balancers send new work to replicas that can keep it; requests still arriving are served (or
+  // refused by the store when memory is full too).
+  const bool serving = !draining.load() && persist_health.ok() && !persist_stalled;
   grpc_server->GetHealthCheckService()->SetServingStatus(kServiceName, serving);
   grpc_server->GetHealthCheckService()->SetServingStatus("", serving);
 }

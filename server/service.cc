@@ -393,6 +393,12 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
     if (absl::Status s = CheckTopLogprobs(request.logprobs(), "logprobs"); !s.ok()) return s;
     job.logprobs = request.logprobs();
   }
+  if (request.has_prompt_logprobs()) {
+    if (absl::Status s = CheckTopLogprobs(request.prompt_logprobs(), "prompt_logprobs"); !s.ok()) {
+      return s;
+    }
+    job.prompt_logprobs = request.prompt_logprobs();
+  }
 
   // The session, and whether the sequence starts here.
   bool at_start = true;

@@ -84,33 +84,20 @@ absl::Status ParseStop(const Json& body, std::vector<std::string>& out) {
   return absl::OkStatus();
 }
 
-absl::Status ParsePrompt(const Json& body, OpenAiRequest& r) {
-  const Json* v = Field(body, "prompt");
-  if (v == nullptr) return absl::InvalidArgumentError("'prompt' is required");
-  if (v->is_string()) {
-    r.prompt_text = v->get<std::string>();
+// One prompt of a completion request: a string, or an array of token ids (`where` names it in
+// messages: "'prompt'" or "'prompt'[i]").
+absl::Status ParseOnePrompt(const Json& v, const std::string& where, CompletionPrompt& out) {
+  if (v.is_string()) {
+    out.text = v.get<std::string>();
     return absl::OkStatus();
   }
-  if (!v->is_array()) {
-    return WrongType("prompt", "a string, an array of token ids, or an array of one of either");
-  }
-  const Json* one = v;
-  // A batch of prompts: only one is served per request (n = 1).
-  if (v->size() == 1 && ((*v)[0].is_string() || (*v)[0].is_array())) one = &(*v)[0];
-  if (one->is_string()) {
-    r.prompt_text = one->get<std::string>();
-    return absl::OkStatus();
-  }
-  if (one != v && !one->is_array()) return WrongType("prompt", "a string or token ids");
-  r.prompt_is_tokens = true;
-  for (size_t i = 0; i < one->size(); ++i) {
-    const Json& t = (*one)[i];
-    if (t.is_string() || t.is_array()) {
-      return absl::InvalidArgumentError(
-          "'prompt' holds several prompts: this server takes one prompt per request");
-    }
+  if (!v.is_array()) return WrongType(where.c_str(), "a string or an array of token ids");
+  out.is_tokens = true;
+  for (size_t i = 0; i < v.size(); ++i) {
+    const Json& t = v[i];
     if (!t.is_number_integer()) {
-      return WrongType("prompt", "a string or an array of integer token ids");
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " must be a string or an array of integer token ids"));
     }
     // Checked as sent: past int64, get<int64_t>() would wrap (18446744073709551615 to -1).
     const bool in_range = t.is_number_unsigned()
@@ -119,9 +106,38 @@ absl::Status ParsePrompt(const Json& body, OpenAiRequest& r) {
                                     t.get<int64_t>() <= std::numeric_limits<int32_t>::max();
     if (!in_range) {
       return absl::InvalidArgumentError(
-          absl::StrCat("'prompt'[", i, "] = ", t.dump(), " is out of range for a token id"));
+          absl::StrCat(where, "[", i, "] = ", t.dump(), " is out of range for a token id"));
     }
-    r.prompt_tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+    out.tokens.push_back(static_cast<int32_t>(t.get<int64_t>()));
+  }
+  return absl::OkStatus();
+}
+
+// `prompt`: a string, an array of token ids, or an array of several of either (a batch: one
+// choice each, in order).
+absl::Status ParsePrompt(const Json& body, OpenAiRequest& r) {
+  const Json* v = Field(body, "prompt");
+  if (v == nullptr) return absl::InvalidArgumentError("'prompt' is required");
+  if (!v->is_string() && !v->is_array()) {
+    return WrongType("prompt", "a string, an array of token ids, or an array of either");
+  }
+  const bool batch = v->is_array() && !v->empty() && ((*v)[0].is_string() || (*v)[0].is_array());
+  if (!batch) return ParseOnePrompt(*v, "'prompt'", r.prompts.emplace_back());
+  if (v->size() > static_cast<size_t>(kMaxOpenAiChoices)) {
+    return absl::InvalidArgumentError(absl::StrCat("'prompt' holds ", v->size(),
+                                                   " prompts; at most ", kMaxOpenAiChoices,
+                                                   " are allowed per request"));
+  }
+  for (size_t i = 0; i < v->size(); ++i) {
+    const Json& one = (*v)[i];
+    if (!one.is_string() && !one.is_array()) {
+      return WrongType("prompt", "a string, an array of token ids, or an array of either");
+    }
+    if (absl::Status s =
+            ParseOnePrompt(one, absl::StrCat("'prompt'[", i, "]"), r.prompts.emplace_back());
+        !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }
@@ -219,7 +235,7 @@ bool ChoiceIs(const Json& body, const char* field, const char* choice) {
 }
 
 // OpenAI fields this server does not implement are refused when they ask for something: a client
-// that asked for an echoed prompt must not read a response without it as if it had it. Their
+// that asked for a suffix must not read a response without one as if it had it. Their
 // "off" values (null, false, 0; best_of 1; response_format "text"; an empty suffix) are accepted,
 // as clients send them by default.
 absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
@@ -234,7 +250,6 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
     std::function<bool(const Json&)> off;
   };
   const Unimplemented fields[] = {
-      {"echo", "it does not echo the prompt", is_false_or_zero},
       // OpenAI's best_of is at least n (1 here): 0 is no off value.
       {"best_of", "it generates one completion per request",
        [](const Json& v) { return v.is_number() && v.get<double>() == 1; }},
@@ -356,9 +371,26 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
   if (absl::Status s = GetBool(j, "ignore_eos", r.ignore_eos); !s.ok()) return s;
   std::optional<int64_t> n;
   if (absl::Status s = GetInteger(j, "n", n); !s.ok()) return s;
-  if (n.has_value() && *n != 1) {
+  if (n.has_value()) {
+    const int64_t prompts = std::max<int64_t>(1, static_cast<int64_t>(r.prompts.size()));
+    if (*n < 1 || *n * prompts > kMaxOpenAiChoices) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'n' must be in [1, ", kMaxOpenAiChoices / prompts, "] (at most ", kMaxOpenAiChoices,
+          " choices per request", prompts > 1 ? absl::StrCat(", over ", prompts, " prompts") : "",
+          "), got ", *n));
+    }
+    r.n = static_cast<int>(*n);
+  }
+  if (endpoint == OpenAiEndpoint::kCompletions) {
+    if (absl::Status s = GetBool(j, "echo", r.echo); !s.ok()) return s;
+  } else if (const Json* echo = Field(j, "echo");
+             echo != nullptr && !(echo->is_boolean() && !echo->get<bool>()) &&
+             !(echo->is_number() && echo->get<double>() == 0)) {
+    // Not a field of OpenAI's chat API: a client that sends it expects something this server
+    // does not do.
     return absl::InvalidArgumentError(
-        absl::StrCat("'n' must be 1 (this server returns one choice per request), got ", *n));
+        "'echo' is a /v1/completions field: chat completions do not echo the messages; leave "
+        "it out");
   }
   if (absl::Status s = RefuseUnimplemented(j, endpoint); !s.ok()) return s;
   if (absl::Status s = ParseLogprobs(j, endpoint, r.logprobs); !s.ok()) return s;
@@ -377,9 +409,9 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
 v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::string& prompt_text,
                                       const std::vector<std::string>& extra_stop) {
   v1::GenerateRequest g;
-  if (request.prompt_is_tokens) {
-    g.mutable_token_ids()->mutable_ids()->Add(request.prompt_tokens.begin(),
-                                              request.prompt_tokens.end());
+  if (!request.prompts.empty() && request.prompts[0].is_tokens) {
+    g.mutable_token_ids()->mutable_ids()->Add(request.prompts[0].tokens.begin(),
+                                              request.prompts[0].tokens.end());
   } else {
     g.set_text(prompt_text);
   }
@@ -391,7 +423,10 @@ v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::s
   if (request.top_k.has_value()) s.set_top_k(*request.top_k);
   if (request.seed.has_value()) s.set_seed(*request.seed);
   s.set_ignore_eos(request.ignore_eos);
-  if (request.logprobs.has_value()) g.set_logprobs(*request.logprobs);
+  if (request.logprobs.has_value()) {
+    g.set_logprobs(*request.logprobs);
+    if (request.echo) g.set_prompt_logprobs(*request.logprobs);
+  }
   for (const std::string& stop : request.stop) s.add_stop(stop);
   for (const std::string& stop : extra_stop) s.add_stop(stop);
   return g;
@@ -495,6 +530,13 @@ nlohmann::json CompletionLogprobsJson(const std::vector<LogprobEntry>& entries,
   for (const LogprobEntry& e : entries) {
     const std::string text = LogprobTokenText(e.chosen.bytes);
     tokens.push_back(text);
+    offsets.push_back(text_offset);
+    text_offset += CharacterCount(text);
+    if (e.unscored) {
+      logprobs.push_back(nullptr);
+      top.push_back(nullptr);
+      continue;
+    }
     logprobs.push_back(LogprobNumber(e.chosen.logprob));
     Json alternatives = Json::object();
     // Two tokens of one string (not possible with distinct valid UTF-8 tokens) keep the first,
@@ -503,8 +545,6 @@ nlohmann::json CompletionLogprobsJson(const std::vector<LogprobEntry>& entries,
       alternatives.emplace(LogprobTokenText(t.bytes), LogprobNumber(t.logprob));
     }
     top.push_back(std::move(alternatives));
-    offsets.push_back(text_offset);
-    text_offset += CharacterCount(text);
   }
   return Json{{"tokens", std::move(tokens)},
               {"token_logprobs", std::move(logprobs)},

@@ -24,15 +24,27 @@ namespace sdm {
 
 enum class OpenAiEndpoint { kCompletions, kChatCompletions };
 
+// The most choices one request may ask for (prompts times `n`): each is a job of its own, taking
+// a place in the scheduler's queue.
+inline constexpr int kMaxOpenAiChoices = 64;
+
+// A /v1/completions prompt: text, or token ids (is_tokens).
+struct CompletionPrompt {
+  std::string text;
+  std::vector<int32_t> tokens;
+  bool is_tokens = false;
+};
+
 struct OpenAiRequest {
   OpenAiEndpoint endpoint = OpenAiEndpoint::kCompletions;
   std::string model;  // empty: not sent
-  // /v1/completions: the prompt as text, or as token ids (prompt_is_tokens).
-  std::string prompt_text;
-  std::vector<int32_t> prompt_tokens;
-  bool prompt_is_tokens = false;
+  // /v1/completions: the prompts, in order (at least one; several are a batch, one choice each).
+  std::vector<CompletionPrompt> prompts;
   // /v1/chat/completions.
   std::vector<ChatMessage> messages;
+  // Choices per prompt (`n`): choice j of a prompt samples with seed + j. Several choices are
+  // one-shot jobs: a session takes one.
+  int n = 1;
 
   std::optional<int64_t> max_tokens;  // max_tokens, or max_completion_tokens (chat)
   std::optional<double> temperature;
@@ -44,6 +56,9 @@ struct OpenAiRequest {
   // Log-probabilities asked for: the alternatives per token (GenerateRequest.logprobs).
   // /v1/completions' `logprobs` (an integer), or chat's `top_logprobs` once `logprobs` is true.
   std::optional<int32_t> logprobs;
+  // /v1/completions' `echo`: the prompt's text before the completion's, and with `logprobs` the
+  // prompt tokens' log-probabilities before the generated ones' (GenerateRequest.prompt_logprobs).
+  bool echo = false;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   std::string user;
@@ -63,7 +78,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
 inline constexpr double kOpenAiDefaultTemperature = 1.0;
 
 // The Generate request of `request` whose prompt is `prompt_text` (the chat template's
-// rendering, or the completion's text) or the request's token ids.
+// rendering, or the completion's text) or its first prompt's token ids.
 v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::string& prompt_text,
                                       const std::vector<std::string>& extra_stop);
 
@@ -84,6 +99,9 @@ struct LogprobToken {
 struct LogprobEntry {
   LogprobToken chosen;
   std::vector<LogprobToken> top;
+  // An echoed prompt token with nothing read before it (the first of a sequence): its
+  // log-probability and alternatives are null.
+  bool unscored = false;
 };
 
 // The string OpenAI's logprobs show for a token of these bytes: the bytes when they are valid

@@ -13,7 +13,7 @@ absl::StatusOr<OpenAiPrompt> RenderOpenAiPrompt(SdmServiceImpl& service, absl::s
                                                 const ChatTemplate& chat_template) {
   OpenAiPrompt prompt;
   if (request.endpoint != OpenAiEndpoint::kChatCompletions) {
-    prompt.text = request.prompt_text;
+    prompt.text = request.prompts.empty() ? std::string() : request.prompts[0].text;
     return prompt;
   }
   if (!request.session_id.empty()) {

@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <regex>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +24,7 @@
 #include "engine/tokenizer.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "server/http/completion_choices.h"
 #include "server/http/connection_pool.h"
 #include "server/http/console_page.h"
 #include "server/http/http_status.h"
@@ -100,107 +102,6 @@ const char* FinishReasonOf(FinishReason reason) {
       return "cancelled";
   }
 }
-
-// One generation's output, from the step thread (JobObserver) to the connection's thread.
-class HttpJob final : public JobObserver {
- public:
-  struct Taken {
-    std::string text;
-    bool done = false;
-    FinishReason reason = FinishReason::kStop;
-    Usage usage;
-    absl::Status error;
-    std::vector<LogprobEntry> logprobs;  // of the tokens whose text is in `text` or before it
-  };
-
-  void OnToken(int32_t, absl::string_view text, const TokenLogprobs* logprobs) override {
-    Append(text, logprobs);
-  }
-  // An end token (EOS, a stop id) is a generated token too (usage counts it): its entry has an
-  // empty string, so the entries' strings still concatenate to the text.
-  void OnEndToken(int32_t, absl::string_view text, const TokenLogprobs* logprobs) override {
-    Append(text, logprobs);
-  }
-  void OnHeldText(absl::string_view text) override { Append(text, nullptr); }
-  // `metrics` count the job's tokens when it ends, whether or not its response was written (a
-  // client that went away still had its prompt read and tokens generated, as over gRPC).
-  // `tokenizer` gives the tokens' strings in log-probabilities.
-  HttpJob(ServerMetrics& metrics, const Tokenizer& tokenizer)
-      : metrics_(metrics), tokenizer_(tokenizer) {}
-
-  void OnFinish(FinishReason reason, const Usage& usage, const absl::Status& error) override {
-    metrics_.prompt_tokens.Increment(static_cast<double>(usage.prompt_tokens));
-    metrics_.history_tokens.Increment(static_cast<double>(usage.history_tokens));
-    metrics_.generated_tokens.Increment(static_cast<double>(usage.generated_tokens));
-    absl::MutexLock lock(&mu_);
-    done_ = true;
-    reason_ = reason;
-    usage_ = usage;
-    error_ = error;
-  }
-  bool IsCancelled() const override { return cancelled_.load(std::memory_order_relaxed); }
-
-  void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
-
-  // Waits up to `timeout` for text or the end, and takes what is there.
-  Taken Take(absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(
-                             +[](HttpJob* job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(job->mu_) {
-                               return job->done_ || !job->text_.empty() || !job->logprobs_.empty();
-                             },
-                             this),
-                         timeout);
-    return TakeLocked();
-  }
-  // Waits up to `timeout` for the end, and takes what is there.
-  Taken TakeEnd(absl::Duration timeout) {
-    absl::MutexLock lock(&mu_);
-    mu_.AwaitWithTimeout(absl::Condition(&done_), timeout);
-    return TakeLocked();
-  }
-
- private:
-  Taken TakeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Taken out;
-    out.text = std::move(text_);
-    text_.clear();
-    out.logprobs = std::move(logprobs_);
-    logprobs_.clear();
-    out.done = done_;
-    out.reason = reason_;
-    out.usage = usage_;
-    out.error = error_;
-    return out;
-  }
-
-  void Append(absl::string_view text, const TokenLogprobs* logprobs) {
-    std::optional<LogprobEntry> entry;
-    if (logprobs != nullptr) {
-      entry.emplace();
-      entry->chosen = Token(logprobs->chosen);
-      for (const TokenLogprob& t : logprobs->top) entry->top.push_back(Token(t));
-    }
-    if (text.empty() && !entry.has_value()) return;
-    absl::MutexLock lock(&mu_);
-    text_.append(text.data(), text.size());
-    if (entry.has_value()) logprobs_.push_back(*std::move(entry));
-  }
-  LogprobToken Token(const TokenLogprob& t) const {
-    return LogprobToken{.bytes = tokenizer_.TokenBytes(t.token), .logprob = t.logprob};
-  }
-
-  ServerMetrics& metrics_;
-  const Tokenizer& tokenizer_;
-  std::atomic<bool> cancelled_{false};
-  absl::Mutex mu_;
-  std::string text_ ABSL_GUARDED_BY(mu_);
-  std::vector<LogprobEntry> logprobs_ ABSL_GUARDED_BY(mu_);
-  bool done_ ABSL_GUARDED_BY(mu_) = false;
-  FinishReason reason_ ABSL_GUARDED_BY(mu_) = FinishReason::kStop;
-  Usage usage_ ABSL_GUARDED_BY(mu_);
-  absl::Status error_ ABSL_GUARDED_BY(mu_);
-};
 
 // A duration in whole seconds as the session endpoints take it ("ttl_seconds").
 absl::Status ParseTtl(const Json& body, google::protobuf::Duration& out, bool& has) {
@@ -512,15 +413,47 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
   if (!named.ok()) return refuse(named.status());
   request->session_id = *std::move(named);
 
-  // The prompt text, rendered again with the job if the session changed before the job took it
-  // (server/http/openai_prompt.h).
-  auto observer = std::make_shared<HttpJob>(metrics_, service_.tokenizer());
+  // Several prompts, or n above 1: a one-shot job per choice, choice i = prompt * n + j
+  // sampling with seed + j.
+  const int prompts =
+      endpoint == OpenAiEndpoint::kCompletions ? static_cast<int>(request->prompts.size()) : 1;
+  const int count = prompts * request->n;
+  if (count > 1 && !request->session_id.empty()) {
+    return refuse(absl::InvalidArgumentError(absl::StrCat(
+        "a session runs one generation at a time: this request asks for ", count, " choices (",
+        prompts, " prompts, n = ", request->n,
+        "); send one prompt with n 1, or leave the session out (several choices are one-shot)")));
+  }
+  const auto choices = CompletionChoices::Create(count, metrics_, service_.tokenizer());
   owner_.active_generations_.fetch_add(1);
-  const absl::StatusOr<int64_t> submitted =
-      SubmitOpenAiRequest(service_, *tenant, *request, chat_template_, observer);
-  if (!submitted.ok()) {
-    owner_.active_generations_.fetch_sub(1);
-    return refuse(submitted.status());
+  for (int i = 0; i < count; ++i) {
+    OpenAiRequest one = *request;
+    if (endpoint == OpenAiEndpoint::kCompletions) {
+      one.prompts = {request->prompts[static_cast<size_t>(i / request->n)]};
+    }
+    one.seed = *request->seed + static_cast<uint64_t>(i % request->n);
+    if (one.echo) {
+      const CompletionPrompt& prompt = one.prompts[0];
+      choices->Echo(i, prompt.is_tokens ? service_.tokenizer().Decode(prompt.tokens) : prompt.text,
+                    /*with_prompt_logprobs=*/one.logprobs.has_value());
+    }
+    // The prompt text, rendered again with the job if the session changed before the job took
+    // it (server/http/openai_prompt.h).
+    const absl::StatusOr<int64_t> submitted =
+        SubmitOpenAiRequest(service_, *tenant, one, chat_template_, choices->Observer(i));
+    if (!submitted.ok()) {
+      choices->Cancel();  // the choices submitted before end within a step
+      owner_.active_generations_.fetch_sub(1);
+      if (count == 1) return refuse(submitted.status());
+      // Which choice, with the refusal's payloads (its error code's, context_length_exceeded's).
+      absl::Status status(submitted.status().code(), absl::StrCat("choice ", i, " of ", count, ": ",
+                                                                  submitted.status().message()));
+      submitted.status().ForEachPayload(
+          [&status](absl::string_view url, const absl::Cord& payload) {
+            status.SetPayload(url, payload);
+          });
+      return refuse(status);
+    }
   }
 
   const std::string id = RandomId(endpoint == OpenAiEndpoint::kCompletions ? "cmpl-" : "chatcmpl-");
@@ -543,46 +476,80 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     return endpoint == OpenAiEndpoint::kCompletions ? CompletionLogprobsJson(entries, text_offset)
                                                     : ChatLogprobsJson(entries);
   };
+  // The request's usage: its choices' together (each read its prompt).
+  const auto total_usage = [](const CompletionChoices::Taken& t) {
+    Usage u;
+    for (const CompletionChoices::Choice& c : t.choices) {
+      u.prompt_tokens += c.usage.prompt_tokens;
+      u.history_tokens += c.usage.history_tokens;
+      u.generated_tokens += c.usage.generated_tokens;
+    }
+    return u;
+  };
+  // The first choice's error, if one ended with one.
+  const auto first_error = [](const CompletionChoices::Taken& t) {
+    for (const CompletionChoices::Choice& c : t.choices) {
+      if (c.reason == FinishReason::kError) return c.error;
+    }
+    return absl::OkStatus();
+  };
+  // Every choice's output so far, for a response written whole.
+  struct ChoiceSoFar {
+    std::string text;
+    std::vector<LogprobEntry> logprobs;
+    bool started = false;     // streaming chat: the choice's first chunk (the role) was sent
+    int64_t text_offset = 0;  // streaming completions: characters of tokens sent
+  };
   // A non-streaming response, whole.
-  const auto whole_body = [=](const HttpJob::Taken& t, const std::string& text,
-                              const std::vector<LogprobEntry>& logprobs) {
+  const auto whole_body = [=](const CompletionChoices::Taken& t,
+                              const std::vector<ChoiceSoFar>& so_far) {
     Json body = CompletionHead(endpoint, /*chunk=*/false, id, created, model);
-    int64_t text_offset = 0;
-    Json c =
-        endpoint == OpenAiEndpoint::kCompletions
-            ? Json{{"index", 0},
-                   {"text", text},
-                   {"logprobs", logprobs_json(logprobs, text_offset)},
-                   {"finish_reason", FinishReasonOf(t.reason)}}
-            : Json{{"index", 0},
-                   {"message", {{"role", "assistant"}, {"content", text}, {"refusal", nullptr}}},
-                   {"logprobs", logprobs_json(logprobs, text_offset)},
-                   {"finish_reason", FinishReasonOf(t.reason)}};
-    body["choices"] = Json::array({std::move(c)});
-    body["usage"] =
-        UsageJson(t.usage.prompt_tokens, t.usage.generated_tokens, t.usage.history_tokens);
-    if (const Json session = session_json(t.usage); !session.is_null()) body["session"] = session;
+    body["choices"] = Json::array();
+    for (size_t i = 0; i < so_far.size(); ++i) {
+      int64_t text_offset = 0;
+      const ChoiceSoFar& c = so_far[i];
+      const char* finish = FinishReasonOf(t.choices[i].reason);
+      body["choices"].push_back(
+          endpoint == OpenAiEndpoint::kCompletions
+              ? Json{{"index", i},
+                     {"text", c.text},
+                     {"logprobs", logprobs_json(c.logprobs, text_offset)},
+                     {"finish_reason", finish}}
+              : Json{
+                    {"index", i},
+                    {"message", {{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}}},
+                    {"logprobs", logprobs_json(c.logprobs, text_offset)},
+                    {"finish_reason", finish}});
+    }
+    const Usage u = total_usage(t);
+    body["usage"] = UsageJson(u.prompt_tokens, u.generated_tokens, u.history_tokens);
+    if (const Json session = session_json(u); !session.is_null()) body["session"] = session;
     return Dump(body);
+  };
+  const auto add_output = [](std::vector<ChoiceSoFar>& so_far, CompletionChoices::Taken& t) {
+    for (size_t i = 0; i < so_far.size(); ++i) {
+      so_far[i].text += t.choices[i].text;
+      std::move(t.choices[i].logprobs.begin(), t.choices[i].logprobs.end(),
+                std::back_inserter(so_far[i].logprobs));
+    }
   };
   // A non-streaming request that ends within status_wait is answered whole, with its own status:
   // an error after admission (a step that did not fit, a turn whose write failed) is then an
   // HTTP error the SDKs raise, not a 200 whose body they take for a completion.
-  std::string text_so_far;
-  std::vector<LogprobEntry> logprobs_so_far;
+  std::vector<ChoiceSoFar> so_far(static_cast<size_t>(count));
   if (!stream) {
-    HttpJob::Taken t = observer->TakeEnd(options_.status_wait);
+    CompletionChoices::Taken t = choices->TakeEnd(options_.status_wait);
+    add_output(so_far, t);
     if (t.done) {
-      const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
+      const absl::Status status = first_error(t);
       service_.RecordRequest(method, status.code(), start);
       owner_.active_generations_.fetch_sub(1);
       if (!status.ok()) return SendError(res, status);
       if (!session_id.empty()) res.set_header("X-Session-Id", session_id);
       res.status = 200;
-      res.set_content(whole_body(t, t.text, t.logprobs), kJsonContentType);
+      res.set_content(whole_body(t, so_far), kJsonContentType);
       return;
     }
-    text_so_far = std::move(t.text);
-    logprobs_so_far = std::move(t.logprobs);
   }
 
   // From here on the status is 200 and the body carries what happens.
@@ -594,17 +561,14 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
   }
 
   struct StreamState {
-    bool started = false;   // the chat stream's first chunk (the role) was sent
     bool finished = false;  // everything was written
     bool recorded = false;  // the request's outcome is in the metrics
+    bool first_take = true;
     absl::Time last_write = absl::InfinitePast();
-    std::string text;                    // non-streaming: everything generated
-    std::vector<LogprobEntry> logprobs;  // non-streaming: every token's
-    int64_t text_offset = 0;             // streaming completions: characters of tokens sent
+    std::vector<ChoiceSoFar> choices;
   };
   auto state = std::make_shared<StreamState>();
-  state->text = std::move(text_so_far);
-  state->logprobs = std::move(logprobs_so_far);
+  state->choices = std::move(so_far);
   const absl::Duration heartbeat = options_.heartbeat;
   SdmServiceImpl* const service = &service_;
   OpenAiServer* const owner = &owner_;
@@ -619,49 +583,62 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     }
     return c;
   };
-  // A stream chunk's choice: `text` and the log-probabilities of its tokens (`logprobs`, or
-  // none: nullptr).
-  const auto choice = [=](const std::string& text, const std::vector<LogprobEntry>* logprobs,
-                          const Json& finish_reason, bool first) {
-    const Json lp =
-        logprobs == nullptr ? Json(nullptr) : logprobs_json(*logprobs, state->text_offset);
+  // A stream chunk's choice `index`: `text` and the log-probabilities of its tokens (`logprobs`,
+  // or none: nullptr).
+  const auto choice = [=](size_t index, const std::string& text,
+                          const std::vector<LogprobEntry>* logprobs, const Json& finish_reason,
+                          bool first) {
+    const Json lp = logprobs == nullptr
+                        ? Json(nullptr)
+                        : logprobs_json(*logprobs, state->choices[index].text_offset);
     if (endpoint == OpenAiEndpoint::kCompletions) {
-      return Json{{"index", 0}, {"text", text}, {"logprobs", lp}, {"finish_reason", finish_reason}};
+      return Json{
+          {"index", index}, {"text", text}, {"logprobs", lp}, {"finish_reason", finish_reason}};
     }
     Json delta = Json::object();
     if (first) delta["role"] = "assistant";
     if (!text.empty() || first) delta["content"] = text;
-    return Json{{"index", 0}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish_reason}};
+    return Json{
+        {"index", index}, {"delta", delta}, {"logprobs", lp}, {"finish_reason", finish_reason}};
   };
 
   const auto provider = [=](size_t, httplib::DataSink& sink) -> bool {
     const auto write = [&](const std::string& data) {
       if (sink.write(data.data(), data.size())) return true;
-      observer->Cancel();  // the client went away: end the job within one step
+      choices->Cancel();  // the client went away: end the jobs within one step
       return false;
     };
     const auto event = [&](const Json& j) {
       return write(absl::StrCat("data: ", Dump(j), "\n\n"));
     };
-    HttpJob::Taken t = observer->Take(heartbeat);
+    CompletionChoices::Taken t = choices->Take(heartbeat);
+    for (const CompletionChoices::Choice& c : t.choices) {
+      // The response is an error once one choice failed: the others stop within a step.
+      if (c.ended && c.reason == FinishReason::kError) choices->Cancel();
+    }
     const absl::Time now = absl::Now();
+    const absl::Status status = t.done ? first_error(t) : absl::OkStatus();
     if (stream) {
-      if (endpoint == OpenAiEndpoint::kChatCompletions && !state->started) {
-        state->started = true;
-        state->last_write = now;
-        if (!event(chunk(choice(t.text, &t.logprobs, nullptr, /*first=*/true), nullptr))) {
-          return false;
+      // A chat stream starts each choice with the role, in the first Take's chunk.
+      const bool first_take = state->first_take;
+      state->first_take = false;
+      for (size_t i = 0; i < t.choices.size(); ++i) {
+        CompletionChoices::Choice& c = t.choices[i];
+        const bool first = endpoint == OpenAiEndpoint::kChatCompletions && first_take;
+        if (first || !c.text.empty() || !c.logprobs.empty()) {
+          state->last_write = now;
+          if (!event(chunk(choice(i, c.text, &c.logprobs, nullptr, first), nullptr))) return false;
         }
-        t.text.clear();
-        t.logprobs.clear();
-      }
-      if (!t.text.empty() || !t.logprobs.empty()) {
-        state->last_write = now;
-        if (!event(chunk(choice(t.text, &t.logprobs, nullptr, false), nullptr))) return false;
+        if (c.ended && c.reason != FinishReason::kError && status.ok()) {
+          Json last = chunk(choice(i, "", nullptr, FinishReasonOf(c.reason), false), nullptr);
+          if (const Json session = session_json(c.usage); !session.is_null()) {
+            last["session"] = session;
+          }
+          if (!event(last)) return false;
+        }
       }
     } else {
-      state->text += t.text;
-      std::move(t.logprobs.begin(), t.logprobs.end(), std::back_inserter(state->logprobs));
+      add_output(state->choices, t);
     }
     if (!t.done) {
       // Nothing written for a while: probe the connection (see the header).
@@ -671,31 +648,26 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     }
 
     // The end.
-    const Usage& u = t.usage;  // counted in the metrics by the job (HttpJob)
-    const absl::Status status = t.reason == FinishReason::kError ? t.error : absl::OkStatus();
     service->RecordRequest(method, status.code(), start);
     state->recorded = true;
+    const Usage u = total_usage(t);  // counted in the metrics by the jobs (CompletionChoices)
     const Json usage = UsageJson(u.prompt_tokens, u.generated_tokens, u.history_tokens);
-    const Json session = session_json(u);
     if (!status.ok()) {
       const std::string body = ToHttpError(status).body;
       write(stream ? absl::StrCat("data: ", body, "\n\n") : body);
     } else if (stream) {
-      Json last = chunk(choice("", nullptr, FinishReasonOf(t.reason), false), nullptr);
-      if (!session.is_null()) last["session"] = session;
-      if (!event(last)) return false;
       if (include_usage && !event(chunk(nullptr, &usage))) return false;
       if (!write("data: [DONE]\n\n")) return false;
     } else {
-      if (!write(whole_body(t, state->text, state->logprobs))) return false;
+      if (!write(whole_body(t, state->choices))) return false;
     }
     state->finished = true;
     sink.done();
     return true;
   };
   // Called when the response is over, written or not: a job still running is cancelled.
-  const auto release = [observer, state, owner, service, method, start](bool) {
-    if (!state->finished) observer->Cancel();
+  const auto release = [choices, state, owner, service, method, start](bool) {
+    if (!state->finished) choices->Cancel();
     if (!state->recorded) service->RecordRequest(method, absl::StatusCode::kCancelled, start);
     owner->active_generations_.fetch_sub(1);
   };

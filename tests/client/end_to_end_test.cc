@@ -138,6 +138,21 @@ TEST_F(EndToEndTest, ClientAndLoadGeneratorAgainstTheRealServer) {
     EXPECT_LE(lp["logprobs"][i]["logprob"].get<double>(), 0.0);
   }
   EXPECT_EQ(lp["token_ids"], j["token_ids"]);  // asking for them changes nothing
+  // The prompt's tokens (BOS, then a byte per character) scored, the first with nothing before
+  // it.
+  r = Client("generate --prompt 'Hello' --max_tokens 1 --json --prompt_logprobs 1");
+  ASSERT_EQ(r.exit, 0) << r.output;
+  const nlohmann::json scored = nlohmann::json::parse(r.output.substr(0, r.output.find('\n')));
+  ASSERT_EQ(scored["prompt_logprobs"].size(), 6u) << r.output;
+  EXPECT_TRUE(scored["prompt_logprobs"][0]["logprob"].is_null()) << r.output;
+  for (size_t i = 1; i < 6; ++i) {
+    EXPECT_EQ(scored["prompt_logprobs"][i]["token_id"], static_cast<int>("Hello"[i - 1]));
+    EXPECT_LE(scored["prompt_logprobs"][i]["logprob"].get<double>(), 0.0) << r.output;
+    EXPECT_EQ(scored["prompt_logprobs"][i]["top"].size(), 1u) << r.output;
+  }
+  r = Client("generate --prompt 'Hello' --prompt_logprobs 2");
+  EXPECT_NE(r.exit, 0);
+  EXPECT_THAT(r.output, HasSubstr("--prompt_logprobs needs --json"));
   r = Client("generate --prompt 'Hello' --logprobs 2");
   EXPECT_EQ(r.exit, 2) << r.output;
   EXPECT_THAT(r.output, HasSubstr("--logprobs needs --json"));

@@ -1,5 +1,6 @@
 #include "engine/logprobs.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <random>
@@ -111,6 +112,33 @@ TEST(LogprobsTest, InfiniteLogitsShareTheProbability) {
   const std::vector<float> finite = {0.0f, -kInf, 0.0f};
   EXPECT_EQ(ComputeLogprobs(finite, 1, 0).chosen.logprob, -std::numeric_limits<double>::infinity());
   EXPECT_NEAR(ComputeLogprobs(finite, 2, 0).chosen.logprob, std::log(0.5), 1e-15);
+}
+
+TEST(LogprobsTest, TopIsTheFullSortsPrefixWithManyTiesAndNans) {
+  // Logits from a few values (many ties), some NaN and infinite: the alternatives are the first
+  // n of the whole vocabulary sorted as the header says (descending, ties by id, NaN last).
+  for (const uint32_t seed : {7u, 20261208u, std::random_device{}()}) {
+    SCOPED_TRACE(seed);
+    std::mt19937 rng(seed);
+    std::uniform_int_distribution<int> pick(0, 9);
+    std::vector<float> logits(97);
+    for (float& l : logits) {
+      const int v = pick(rng);
+      l = v == 0 ? kNan : v == 1 ? -kInf : static_cast<float>(v % 4);
+    }
+    std::vector<int32_t> sorted(logits.size());
+    for (size_t i = 0; i < sorted.size(); ++i) sorted[i] = static_cast<int32_t>(i);
+    std::stable_sort(sorted.begin(), sorted.end(), [&logits](int32_t a, int32_t b) {
+      const float la = logits[a], lb = logits[b];
+      if (std::isnan(la) || std::isnan(lb)) return !std::isnan(la) && std::isnan(lb);
+      return la > lb;
+    });
+    for (const int n : {1, 5, 20}) {
+      const TokenLogprobs lp = ComputeLogprobs(logits, 0, n);
+      ASSERT_EQ(lp.top.size(), static_cast<size_t>(n));
+      for (int i = 0; i < n; ++i) EXPECT_EQ(lp.top[i].token, sorted[i]) << "n " << n << " i " << i;
+    }
+  }
 }
 
 }  // namespace

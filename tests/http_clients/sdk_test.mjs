@@ -77,6 +77,17 @@ const legacy = await client.completions.create({
 });
 assert.equal(legacy.choices[0].logprobs.token_logprobs.length, 6);
 assert.equal(legacy.choices[0].logprobs.top_logprobs[0] !== null, true);
+// Scoring a text (an evaluation harness's loglikelihood): echo with logprobs returns the prompt's
+// tokens first, the first with nothing before it (null), then the generated token.
+const scored = await client.completions.create({
+  model, prompt: 'Once upon a time', max_tokens: 1, temperature: 0, logprobs: 1, echo: true,
+});
+const scoredLp = scored.choices[0].logprobs;
+assert.equal(scored.choices[0].text.startsWith('Once upon a time'), true);
+assert.equal(scoredLp.token_logprobs.length, scored.usage.prompt_tokens + 1);
+assert.equal(scoredLp.token_logprobs[0], null);
+for (const lp of scoredLp.token_logprobs.slice(1)) assert.equal(lp <= 0, true);
+assert.equal(scoredLp.token_logprobs.at(-1), legacy.choices[0].logprobs.token_logprobs[0]);
 console.log(`logprobs: ${content.map((e) => e.logprob.toFixed(3)).join(' ')}`);
 
 // A completion, streamed.
@@ -125,8 +136,15 @@ await assert.rejects(
   client.chat.completions.create({ model: 'no-such-model', messages, max_tokens: 2 }),
   (e) => e instanceof OpenAI.NotFoundError && e.status === 404);
 await assert.rejects(
-  client.chat.completions.create({ model, messages, max_tokens: 2, n: 2 }),
-  (e) => e instanceof OpenAI.BadRequestError && /'n' must be 1/.test(e.message));
+  client.chat.completions.create({ model, messages, max_tokens: 2, n: 65 }),
+  (e) => e instanceof OpenAI.BadRequestError && /'n' must be in \[1, 64\]/.test(e.message));
+// Several choices: n per prompt, and a batch of prompts, each choice with its index.
+const two = await client.chat.completions.create({ model, messages, max_tokens: 3, n: 2, seed: 5 });
+assert.deepEqual(two.choices.map((c) => c.index), [0, 1]);
+const batch = await client.completions.create({
+  model, prompt: ['Once upon', 'Hello'], max_tokens: 3, temperature: 0,
+});
+assert.deepEqual(batch.choices.map((c) => c.index), [0, 1]);
 await assert.rejects(
   new OpenAI({ baseURL, apiKey: 'sk-wrong-key-000000000000', maxRetries: 0 }).models.list(),
   (e) => e instanceof OpenAI.AuthenticationError);

@@ -155,6 +155,11 @@ TEST(ServerDurabilityTest, AWriteThatHangsDegradesHealthUntilItFinishes) {
             std::string::npos)
       << health->body;
   EXPECT_GE(Metric(port, "sdm_persist_oldest_pending_seconds"), 0.2);
+  // The gRPC health service too (it hears of no failure: the server polls for the stall).
+  EXPECT_TRUE(Eventually([&] {
+    return testing::HealthCheck(*s.channel, "sdm.v1.SdmService") == testing::kNotServing;
+  }));
+  EXPECT_EQ(testing::HealthCheck(*s.channel, ""), testing::kNotServing);
 
   files.Open();
   client.join();
@@ -164,6 +169,8 @@ TEST(ServerDurabilityTest, AWriteThatHangsDegradesHealthUntilItFinishes) {
     return h && h->status == 200;
   }));
   EXPECT_EQ(Metric(port, "sdm_persist_oldest_pending_seconds"), 0);
+  EXPECT_TRUE(Eventually(
+      [&] { return testing::HealthCheck(*s.channel, "sdm.v1.SdmService") == testing::kServing; }));
 }
 
 // A full disk: health degrades and says why, turns are served but not acknowledged as saved

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <thread>
@@ -298,7 +299,8 @@ TEST(OpenAiJsonTest, ALoneSurrogateEscapeIsReadAsTheReplacementCharacter) {
     SCOPED_TRACE(json);
     const absl::StatusOr<OpenAiRequest> r = ParseOpenAiRequest(json, OpenAiEndpoint::kCompletions);
     ASSERT_TRUE(r.ok()) << r.status();
-    EXPECT_EQ(r->prompt_text, text);
+    ASSERT_EQ(r->prompts.size(), 1u);
+    EXPECT_EQ(r->prompts[0].text, text);
   }
   EXPECT_EQ(ParseJsonBody(R"({"model": "\udc00"})")["model"], replacement);
   // Still not JSON: a lone surrogate does not mend anything else.
@@ -413,6 +415,257 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   EXPECT_EQ(sch.text, chat_grpc.text);
   EXPECT_EQ(sch.finish_reason, whole.body["choices"][0]["finish_reason"]);
   EXPECT_TRUE(sch.usage.is_null());  // not asked for
+}
+
+// The choices of a streamed response, by index: text, finish reasons, and what came after the
+// last choice chunk.
+struct StreamedChoices {
+  std::map<int, std::string> text;
+  std::map<int, std::vector<std::string>> finish;
+  Json usage;
+  bool done = false;  // ended with [DONE]
+};
+StreamedChoices ParseChoices(const std::string& body) {
+  StreamedChoices out;
+  for (const std::string& data : SseData(body)) {
+    if (data == "[DONE]") {
+      out.done = true;
+      continue;
+    }
+    const Json c = Json::parse(data, nullptr, false);
+    EXPECT_FALSE(c.is_discarded()) << data;
+    EXPECT_FALSE(out.done) << "a chunk after [DONE]";
+    if (c["choices"].empty()) {
+      out.usage = c["usage"];
+      continue;
+    }
+    for (const Json& choice : c["choices"]) {
+      const int index = choice["index"];
+      if (choice.contains("text")) out.text[index] += choice["text"].get<std::string>();
+      if (choice.contains("delta") && choice["delta"].contains("content")) {
+        out.text[index] += choice["delta"]["content"].get<std::string>();
+      }
+      if (!choice["finish_reason"].is_null()) out.finish[index].push_back(choice["finish_reason"]);
+    }
+  }
+  return out;
+}
+
+TEST_F(OpenAiHttpTest, SeveralPromptsAndNChoicesAreOneShotJobsEachAsGrpcs) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const auto grpc = [&](v1::GenerateRequest r, double temperature, uint64_t seed) {
+    r.mutable_sampling()->set_temperature(temperature);
+    r.mutable_sampling()->set_seed(seed);
+    return Generate(*s.stub, r);
+  };
+
+  // A batch of prompts, text and token ids: choice i is prompt i's, greedy, as gRPC's; usage is
+  // the choices' together.
+  const Completion once = grpc(TextRequest("Once upon", 5), 0, 0);
+  const Completion hello = grpc(TextRequest("Hello", 5), 0, 0);
+  const Reply batch =
+      Post(port, "/v1/completions",
+           {{"prompt", {"Once upon", "Hello"}}, {"max_tokens", 5}, {"temperature", 0}});
+  ASSERT_EQ(batch.status, 200) << batch.raw;
+  ASSERT_EQ(batch.body["choices"].size(), 2u) << batch.raw;
+  EXPECT_EQ(batch.body["choices"][0]["index"], 0);
+  EXPECT_EQ(batch.body["choices"][0]["text"], once.text);
+  EXPECT_EQ(batch.body["choices"][1]["index"], 1);
+  EXPECT_EQ(batch.body["choices"][1]["text"], hello.text);
+  EXPECT_EQ(batch.body["usage"]["prompt_tokens"],
+            once.usage.prompt_tokens() + hello.usage.prompt_tokens());
+  EXPECT_EQ(batch.body["usage"]["completion_tokens"],
+            once.usage.generated_tokens() + hello.usage.generated_tokens());
+  const Reply ids = Post(port, "/v1/completions",
+                         {{"prompt", {{5, 6, 7}, {8, 9}}}, {"max_tokens", 4}, {"temperature", 0}});
+  ASSERT_EQ(ids.status, 200) << ids.raw;
+  EXPECT_EQ(ids.body["choices"][0]["text"], grpc(IdsRequest({5, 6, 7}, 4), 0, 0).text);
+  EXPECT_EQ(ids.body["choices"][1]["text"], grpc(IdsRequest({8, 9}, 4), 0, 0).text);
+
+  // n sampled choices of each prompt: choice prompt * n + j samples with seed + j.
+  const Json sampled = {{"prompt", {"Once upon", "Hello"}},
+                        {"max_tokens", 6},
+                        {"temperature", 1.5},
+                        {"seed", 40},
+                        {"n", 3}};
+  const Reply whole = Post(port, "/v1/completions", sampled);
+  ASSERT_EQ(whole.status, 200) << whole.raw;
+  ASSERT_EQ(whole.body["choices"].size(), 6u) << whole.raw;
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(i);
+    const Completion want = grpc(TextRequest(i < 3 ? "Once upon" : "Hello", 6), 1.5, 40 + i % 3);
+    EXPECT_EQ(whole.body["choices"][i]["index"], i);
+    EXPECT_EQ(whole.body["choices"][i]["text"], want.text);
+  }
+  // Streamed: each choice's chunks carry its index, one finish reason each, then usage, [DONE].
+  Json streamed_body = sampled;
+  streamed_body["stream"] = true;
+  streamed_body["stream_options"] = {{"include_usage", true}};
+  const Reply streamed = Post(port, "/v1/completions", streamed_body);
+  ASSERT_EQ(streamed.status, 200) << streamed.raw;
+  const StreamedChoices sc = ParseChoices(streamed.raw);
+  EXPECT_TRUE(sc.done);
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(sc.text.at(i), whole.body["choices"][i]["text"]);
+    ASSERT_EQ(sc.finish.at(i).size(), 1u);
+    EXPECT_EQ(sc.finish.at(i)[0], whole.body["choices"][i]["finish_reason"]);
+  }
+  EXPECT_EQ(sc.usage["completion_tokens"], whole.body["usage"]["completion_tokens"]);
+
+  // Chat: n choices of the template's rendering, seed + j each, whole and streamed.
+  const Json chat = {{"messages", {{{"role", "user"}, {"content", "Hello"}}}},
+                     {"max_tokens", 6},
+                     {"temperature", 1.5},
+                     {"seed", 7},
+                     {"n", 2}};
+  const Reply chat_whole = Post(port, "/v1/chat/completions", chat);
+  ASSERT_EQ(chat_whole.status, 200) << chat_whole.raw;
+  ASSERT_EQ(chat_whole.body["choices"].size(), 2u) << chat_whole.raw;
+  Json chat_stream = chat;
+  chat_stream["stream"] = true;
+  const Reply chat_chunks = Post(port, "/v1/chat/completions", chat_stream);
+  ASSERT_EQ(chat_chunks.status, 200) << chat_chunks.raw;
+  const StreamedChoices cc = ParseChoices(chat_chunks.raw);
+  for (int j = 0; j < 2; ++j) {
+    SCOPED_TRACE(j);
+    v1::GenerateRequest rendered = TextRequest("User: Hello\nAssistant:", 6);
+    rendered.mutable_sampling()->add_stop("\nUser:");
+    const Completion want = grpc(rendered, 1.5, 7 + j);
+    EXPECT_EQ(chat_whole.body["choices"][j]["message"]["content"], want.text);
+    EXPECT_EQ(cc.text.at(j), want.text);
+    EXPECT_EQ(cc.finish.at(j).size(), 1u);
+  }
+
+  // Echo with a batch: each choice leads with its own prompt.
+  const Reply echoed = Post(
+      port, "/v1/completions",
+      {{"prompt", {"Once upon", "Hello"}}, {"max_tokens", 2}, {"temperature", 0}, {"echo", true}});
+  ASSERT_EQ(echoed.status, 200) << echoed.raw;
+  EXPECT_EQ(echoed.body["choices"][0]["text"],
+            "Once upon" + grpc(TextRequest("Once upon", 2), 0, 0).text)
+      << echoed.raw;
+  EXPECT_EQ(echoed.body["choices"][1]["text"], "Hello" + grpc(TextRequest("Hello", 2), 0, 0).text)
+      << echoed.raw;
+
+  // A refused choice refuses the request, naming it; the others submitted before end.
+  const Reply refused =
+      Post(port, "/v1/completions", {{"prompt", {{5, 6}, {7, 99999}}}, {"max_tokens", 2}});
+  EXPECT_EQ(refused.status, 400) << refused.raw;
+  EXPECT_NE(refused.raw.find("choice 1 of 2"), std::string::npos) << refused.raw;
+  EXPECT_NE(refused.raw.find("outside the vocabulary"), std::string::npos) << refused.raw;
+}
+
+TEST_F(OpenAiHttpTest, EchoScoresThePromptAsGrpcsPromptLogprobs) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const std::unique_ptr<Tokenizer> bytes = Tokenizer::CreateByteTokenizer();  // the model's
+  const auto text_of = [&](int32_t id) { return LogprobTokenText(bytes->TokenBytes(id)); };
+
+  // gRPC: every prompt token as read (the BOS the server added first, with nothing before it),
+  // before the first generated token; the generated tokens unchanged.
+  v1::GenerateRequest request = TextRequest("Once upon", 4);
+  request.set_logprobs(2);
+  request.set_prompt_logprobs(2);
+  std::vector<v1::PromptTokenLogprobs> prompt;
+  std::vector<v1::TokenLogprobs> generated;
+  std::vector<int32_t> tokens;
+  std::string text;
+  int64_t prompt_tokens = 0;
+  {
+    grpc::ClientContext context;
+    auto reader = s.stub->Generate(&context, request);
+    v1::GenerateResponse chunk;
+    while (reader->Read(&chunk)) {
+      if (chunk.prompt_logprobs_size() > 0) {
+        EXPECT_TRUE(tokens.empty()) << "prompt log-probabilities after a generated token";
+      }
+      prompt.insert(prompt.end(), chunk.prompt_logprobs().begin(), chunk.prompt_logprobs().end());
+      tokens.insert(tokens.end(), chunk.token_ids().begin(), chunk.token_ids().end());
+      generated.insert(generated.end(), chunk.logprobs().begin(), chunk.logprobs().end());
+      text += chunk.text();
+      if (chunk.has_usage()) prompt_tokens = chunk.usage().prompt_tokens();
+    }
+    ASSERT_TRUE(reader->Finish().ok());
+  }
+  EXPECT_EQ(tokens, Generate(*s.stub, TextRequest("Once upon", 4)).tokens);
+  ASSERT_EQ(static_cast<int64_t>(prompt.size()), prompt_tokens);
+  ASSERT_EQ(prompt_tokens, 1 + 9);  // BOS, then a byte per character
+  EXPECT_EQ(prompt[0].token_id(), bytes->bos_id());
+  EXPECT_FALSE(prompt[0].has_logprobs());
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    SCOPED_TRACE(i);
+    EXPECT_EQ(prompt[i].token_id(), static_cast<uint8_t>("Once upon"[i - 1]));
+    ASSERT_TRUE(prompt[i].has_logprobs());
+    EXPECT_LT(prompt[i].logprobs().logprob(), 0);
+    ASSERT_EQ(prompt[i].logprobs().top_size(), 2);
+    EXPECT_GE(prompt[i].logprobs().top(0).logprob(), prompt[i].logprobs().logprob());
+  }
+
+  // /v1/completions with echo, whole and streamed: the prompt's text leads, and its tokens'
+  // log-probabilities (the first null) come before the generated ones', all gRPC's numbers.
+  const Json body = {{"prompt", "Once upon"},
+                     {"max_tokens", 4},
+                     {"temperature", 0},
+                     {"echo", true},
+                     {"logprobs", 2}};
+  const Reply whole = Post(port, "/v1/completions", body);
+  ASSERT_EQ(whole.status, 200) << whole.raw;
+  EXPECT_EQ(whole.body["choices"][0]["text"], "Once upon" + text);
+  const Json& lp = whole.body["choices"][0]["logprobs"];
+  ASSERT_EQ(lp["tokens"].size(), prompt.size() + tokens.size()) << whole.raw;
+  EXPECT_TRUE(lp["token_logprobs"][0].is_null()) << whole.raw;
+  EXPECT_TRUE(lp["top_logprobs"][0].is_null()) << whole.raw;
+  for (size_t i = 0; i < lp["tokens"].size(); ++i) {
+    SCOPED_TRACE(i);
+    const bool in_prompt = i < prompt.size();
+    EXPECT_EQ(lp["tokens"][i],
+              text_of(in_prompt ? prompt[i].token_id() : tokens[i - prompt.size()]));
+    if (i == 0) continue;
+    const v1::TokenLogprobs& want = in_prompt ? prompt[i].logprobs() : generated[i - prompt.size()];
+    EXPECT_EQ(lp["token_logprobs"][i].get<double>(), want.logprob());
+    ASSERT_EQ(lp["top_logprobs"][i].size(), 2u);
+    EXPECT_EQ(lp["top_logprobs"][i][text_of(want.top(0).token_id())].get<double>(),
+              want.top(0).logprob());
+  }
+  EXPECT_EQ(lp["text_offset"][0], 0);
+  EXPECT_EQ(lp["text_offset"][prompt.size()], 9);  // the generated text starts after the prompt
+  Json streamed_body = body;
+  streamed_body["stream"] = true;
+  const Reply streamed = Post(port, "/v1/completions", streamed_body);
+  ASSERT_EQ(streamed.status, 200) << streamed.raw;
+  const Streamed sc = ParseStream(streamed.raw, /*chat=*/false);
+  EXPECT_EQ(sc.text, "Once upon" + text);
+  EXPECT_EQ(sc.logprobs, lp);
+
+  // Without logprobs the text is echoed alone; token ids echo as their text.
+  const Reply plain =
+      Post(port, "/v1/completions",
+           {{"prompt", "Once upon"}, {"max_tokens", 4}, {"echo", true}, {"seed", 1}});
+  ASSERT_EQ(plain.status, 200) << plain.raw;
+  EXPECT_TRUE(absl::StartsWith(plain.body["choices"][0]["text"].get<std::string>(), "Once upon"))
+      << plain.raw;
+  EXPECT_TRUE(plain.body["choices"][0]["logprobs"].is_null()) << plain.raw;
+  const Reply ids =
+      Post(port, "/v1/completions", {{"prompt", {72, 105}}, {"max_tokens", 1}, {"echo", true}});
+  ASSERT_EQ(ids.status, 200) << ids.raw;
+  EXPECT_TRUE(absl::StartsWith(ids.body["choices"][0]["text"].get<std::string>(), "Hi")) << ids.raw;
+
+  // Chat has no echo; out-of-range prompt log-probabilities are refused with gRPC's field name.
+  const Reply chat = Post(port, "/v1/chat/completions",
+                          {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"echo", true}});
+  EXPECT_EQ(chat.status, 400) << chat.raw;
+  EXPECT_NE(chat.raw.find("'echo' is a /v1/completions field"), std::string::npos) << chat.raw;
+  v1::GenerateRequest too_many = TextRequest("Once upon", 1);
+  too_many.set_prompt_logprobs(kMaxTopLogprobs + 1);
+  const Completion refused = Generate(*s.stub, too_many);
+  EXPECT_EQ(refused.status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(refused.status.error_message().find("prompt_logprobs must be in [0, 20]"),
+            std::string::npos)
+      << refused.status.error_message();
 }
 
 TEST_F(OpenAiHttpTest, LogprobsAreGrpcsInBothApisStreamedOrNot) {
@@ -737,10 +990,16 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", R"({"prompt": [1, 18446744073709551615]})", 400,
        "'prompt'[1] = 18446744073709551615 is out of range for a token id"},
       {"/v1/completions", R"({"prompt": [[5000000000]]})", 400,
-       "'prompt'[0] = 5000000000 is out of range for a token id"},
+       "'prompt'[0][0] = 5000000000 is out of range for a token id"},
       {"/v1/completions", R"({"prompt": [-9223372036854775808]})", 400,
        "'prompt'[0] = -9223372036854775808 is out of range"},
-      {"/v1/completions", with(good, "prompt", {"a", "b"}), 400, "'prompt'"},
+      {"/v1/completions", with(good, "prompt", {"a", 5}), 400, "'prompt'"},
+      {"/v1/completions", R"({"prompt": [[1, 2], [3, 1.5]]})", 400,
+       "'prompt'[1] must be a string or an array of integer token ids"},
+      {"/v1/completions", with(good, "prompt", Json(std::vector<std::string>(65, "a"))), 400,
+       "'prompt' holds 65 prompts; at most 64"},
+      {"/v1/completions", with2(good, "prompt", {"a", "b"}, "n", 33), 400,
+       "'n' must be in [1, 32] (at most 64 choices per request, over 2 prompts), got 33"},
       {"/v1/completions", with(good, "temperature", "hot"), 400, "'temperature'"},
       {"/v1/completions", with(good, "temperature", -1), 400, "temperature"},
       {"/v1/completions", with(good, "top_p", 2), 400, "top_p"},
@@ -752,10 +1011,12 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "stream", "yes"), 400, "'stream'"},
       {"/v1/completions", with(good, "ignore_eos", "yes"), 400, "'ignore_eos'"},
       {"/v1/completions", with(good, "stop", {1}), 400, "'stop'"},
-      {"/v1/completions", with(good, "n", 2), 400, "'n' must be 1"},
+      {"/v1/completions", with(good, "n", 0), 400, "'n' must be in [1, 64]"},
       {"/v1/completions", with(good, "seed", "s"), 400, "'seed'"},
       {"/v1/completions", with(good, "model", "gpt-4"), 404, "'gpt-4' does not exist"},
       {"/v1/completions", with(good, "session_id", "nope"), 404, "'nope' not found"},
+      {"/v1/completions", with2(good, "session_id", "nope", "n", 2), 400,
+       "a session runs one generation at a time: this request asks for 2 choices"},
       {"/v1/completions", with(good, "session_id", "bad id!"), 400, "session_id"},
       {"/v1/chat/completions", with(chat, "messages", "hi"), 400, "'messages'"},
       {"/v1/chat/completions", with(chat, "messages", Json::array()), 400, "'messages'"},
@@ -764,10 +1025,10 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/chat/completions", with(chat, "messages", {{{"role", "user"}, {"content", 3}}}), 400,
        "content"},
       {"/v1/chat/completions", with(chat, "stream_options", 1), 400, "stream_options"},
-      {"/v1/chat/completions", with(chat, "n", 3), 400, "'n' must be 1"},
+      {"/v1/chat/completions", with(chat, "n", 65), 400, "'n' must be in [1, 64]"},
+      {"/v1/chat/completions", with(chat, "echo", true), 400, "'echo' is a /v1/completions field"},
       {"/v1/chat/completions", with(chat, "session_id", "nope"), 404, "'nope' not found"},
       // What this server does not implement is refused when asked for, not silently left out.
-      {"/v1/completions", with(good, "echo", true), 400, "'echo' is not supported"},
       {"/v1/completions", with(good, "best_of", 2), 400, "'best_of' is not supported"},
       // OpenAI's best_of must be at least n (1): 0 is no off value.
       {"/v1/completions", with(good, "best_of", 0), 400, "'best_of' is not supported"},

@@ -47,6 +47,12 @@ class Collector : public JobObserver {
     this->text += std::string(text);
     if (cancel_after > 0 && static_cast<int>(tokens.size()) >= cancel_after) cancelled = true;
   }
+  void OnPromptLogprobs(std::span<const PromptTokenLogprobs> scored, bool done) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    prompt_before_tokens = prompt_before_tokens && tokens.empty() && !prompt_done;
+    prompt.insert(prompt.end(), scored.begin(), scored.end());
+    prompt_done = done;
+  }
   void OnHeldText(absl::string_view text) override {
     std::lock_guard<std::mutex> lock(mu_);
     this->text += std::string(text);
@@ -71,7 +77,10 @@ class Collector : public JobObserver {
   }
 
   std::vector<int32_t> tokens;
-  std::vector<TokenLogprobs> logprobs;  // of `tokens`, when the job asked for them
+  std::vector<TokenLogprobs> logprobs;      // of `tokens`, when the job asked for them
+  std::vector<PromptTokenLogprobs> prompt;  // OnPromptLogprobs's, in order
+  bool prompt_done = false;                 // the last OnPromptLogprobs call said so
+  bool prompt_before_tokens = true;         // every call came before the tokens, none after done
   std::string text;
   FinishReason reason = FinishReason::kError;
   Usage usage;
@@ -286,6 +295,119 @@ TEST_F(SchedulerTest, LogprobsAreTheModelsAtEachTokenAndChangeNothingElse) {
   }
 }
 
+// Engine logits row `row` of `all` ([rows, vocab]).
+std::span<const float> Row(const std::vector<float>& all, int64_t vocab, size_t row) {
+  return std::span<const float>(all).subspan(row * static_cast<size_t>(vocab),
+                                             static_cast<size_t>(vocab));
+}
+
+void ExpectSameLogprobs(const TokenLogprobs& got, const TokenLogprobs& want) {
+  EXPECT_EQ(got.chosen.token, want.chosen.token);
+  EXPECT_EQ(got.chosen.logprob, want.chosen.logprob);
+  ASSERT_EQ(got.top.size(), want.top.size());
+  for (size_t k = 0; k < want.top.size(); ++k) {
+    EXPECT_EQ(got.top[k].token, want.top[k].token);
+    EXPECT_EQ(got.top[k].logprob, want.top[k].logprob);
+  }
+}
+
+TEST_F(SchedulerTest, PromptLogprobsAreTheModelsAtEachPromptTokenAndChangeNothingElse) {
+  // Prompts of several engine chunks, read over several steps beside other jobs: each prompt
+  // token's log-probability is the solo engine's (to the bit), the first token of a one-shot
+  // sequence has none, and asking changes no generated token.
+  EngineOptions options;
+  options.prefill_chunk = 8;
+  store_.reset();
+  auto e = Engine::Create(RandomModel(*PresetConfig("tiny"), 5), options);
+  ASSERT_TRUE(e.ok());
+  engine_ = *std::move(e);
+  OpenStore();
+  SchedulerOptions o;
+  o.prefill_token_budget = 16;
+  StartScheduler(o);
+  const int kJobs = 6, kTokens = 4;
+  const auto job = [&](int i, bool score) {
+    GenerateJob j = Job("", Tokens(3 + 7 * i, 60 + i), kTokens);
+    j.sampling.temperature = 0.8;
+    j.sampling.seed = 7 + i;
+    if (score) j.prompt_logprobs = i % 3;
+    if (i % 2 == 1) j.logprobs = 2;  // the draw's row is the last of the chunk's rows
+    return j;
+  };
+  std::vector<std::shared_ptr<Collector>> with, without;
+  for (int i = 0; i < kJobs; ++i) {
+    with.push_back(std::make_shared<Collector>());
+    without.push_back(std::make_shared<Collector>());
+    ASSERT_TRUE(scheduler_->Submit(job(i, true), with.back()).ok());
+    ASSERT_TRUE(scheduler_->Submit(job(i, false), without.back()).ok());
+  }
+  for (int i = 0; i < kJobs; ++i) {
+    with[i]->Wait();
+    without[i]->Wait();
+  }
+  scheduler_.reset();
+  const int64_t vocab = engine_->vocab_size();
+  for (int i = 0; i < kJobs; ++i) {
+    SCOPED_TRACE(i);
+    const Collector& c = *with[i];
+    EXPECT_EQ(c.tokens, without[i]->tokens);
+    EXPECT_EQ(c.logprobs.size(), without[i]->logprobs.size());
+    EXPECT_TRUE(without[i]->prompt.empty());
+    EXPECT_TRUE(c.prompt_done);
+    EXPECT_TRUE(c.prompt_before_tokens);
+    const GenerateJob spec = job(i, true);
+    ASSERT_EQ(c.prompt.size(), spec.prompt.size());
+    EXPECT_FALSE(c.prompt[0].logprobs.has_value());
+    auto s = engine_->NewSession();
+    std::vector<float> all;
+    ASSERT_TRUE(engine_->Prefill(*s, spec.prompt, /*all_positions=*/true, &all).ok());
+    for (size_t t = 0; t < spec.prompt.size(); ++t) {
+      SCOPED_TRACE(t);
+      EXPECT_EQ(c.prompt[t].token, spec.prompt[t]);
+      if (t == 0) continue;
+      ASSERT_TRUE(c.prompt[t].logprobs.has_value());
+      ExpectSameLogprobs(*c.prompt[t].logprobs,
+                         ComputeLogprobs(Row(all, vocab, t - 1), spec.prompt[t], i % 3));
+    }
+    // The first generated token's, from the prompt's last row.
+    if (spec.logprobs.has_value()) {
+      ASSERT_FALSE(c.logprobs.empty());
+      ExpectSameLogprobs(c.logprobs[0], ComputeLogprobs(Row(all, vocab, spec.prompt.size() - 1),
+                                                        c.tokens[0], *spec.logprobs));
+    }
+  }
+}
+
+TEST_F(SchedulerTest, PromptLogprobsOfASessionsNextTurnScoreItsFirstToken) {
+  // The previous turn's last token is read first (pending): its logits score the new prompt's
+  // first token, and it is not reported itself.
+  StartScheduler();
+  ASSERT_TRUE(store_->Create("chat", "").ok());
+  const auto p1 = Tokens(6, 2), p2 = Tokens(5, 3);
+  auto t1 = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(Job("chat", p1, 4), t1).ok());
+  t1->Wait();
+  GenerateJob second = Job("chat", p2, 3);
+  second.prompt_logprobs = 1;
+  auto t2 = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(std::move(second), t2).ok());
+  t2->Wait();
+  scheduler_.reset();
+  auto s = engine_->NewSession();
+  int32_t pending = -1;
+  ASSERT_EQ(t1->tokens, Direct(*s, p1, 4, &pending));
+  std::vector<float> all;
+  ASSERT_TRUE(engine_->Prefill(*s, AfterPending(pending, p2), true, &all).ok());
+  ASSERT_EQ(t2->prompt.size(), p2.size());
+  for (size_t t = 0; t < p2.size(); ++t) {
+    SCOPED_TRACE(t);
+    EXPECT_EQ(t2->prompt[t].token, p2[t]);
+    ASSERT_TRUE(t2->prompt[t].logprobs.has_value());
+    ExpectSameLogprobs(*t2->prompt[t].logprobs,
+                       ComputeLogprobs(Row(all, engine_->vocab_size(), t), p2[t], 1));
+  }
+}
+
 TEST_F(SchedulerTest, LogprobsOutOfRangeAreRefused) {
   StartScheduler();
   for (const int n : {-1, kMaxTopLogprobs + 1}) {
@@ -294,6 +416,11 @@ TEST_F(SchedulerTest, LogprobsOutOfRangeAreRefused) {
     const absl::Status s = scheduler_->Submit(std::move(j), std::make_shared<Collector>());
     EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << n;
     EXPECT_NE(s.message().find("logprobs must be in [0, 20]"), absl::string_view::npos) << s;
+    GenerateJob prompt = Job("", Tokens(4, 1), 2);
+    prompt.prompt_logprobs = n;
+    const absl::Status p = scheduler_->Submit(std::move(prompt), std::make_shared<Collector>());
+    EXPECT_EQ(p.code(), absl::StatusCode::kInvalidArgument) << n;
+    EXPECT_NE(p.message().find("prompt_logprobs must be in [0, 20]"), absl::string_view::npos) << p;
   }
 }
 
