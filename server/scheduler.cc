@@ -153,7 +153,17 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   // inside the step that resumes it, where every other session would wait (Engine::StageResume;
   // nothing to do on the CPU). Step reports any error of the session's.
   if (absl::Status staged = engine_.StageResume(st); !staged.ok()) {
-    SDM_LOG(WARNING) << "sdm scheduler: staging a resume: " << staged;
+    absl::MutexLock lock(&staging_log_mu_);
+    if (staging_failures_.Failed(staged.ToString())) {
+      SDM_LOG(WARNING) << "sdm scheduler: staging a resume: " << staged
+                       << " (further failures of this cause are not logged until one succeeds)";
+    }
+  } else {
+    absl::MutexLock lock(&staging_log_mu_);
+    if (int64_t unlogged = 0; staging_failures_.Succeeded(&unlogged)) {
+      SDM_LOG(INFO) << "sdm scheduler: staging resumes succeed again (" << unlogged
+                    << " more failed meanwhile, not logged)";
+    }
   }
   absl::Status refused;
   {

@@ -281,6 +281,10 @@ class Scheduler {
   // Step failures are logged once per cause and episode, not once per step, and the recovery
   // once (step thread only).
   FailureEpisode step_failures_;
+  // Submit's StageResume failures, for its log (once per cause and episode; Submit runs on any
+  // thread).
+  absl::Mutex staging_log_mu_;
+  FailureEpisode staging_failures_ ABSL_GUARDED_BY(staging_log_mu_);
   int64_t deferred_jobs_ ABSL_GUARDED_BY(mu_) = 0;
   // Each tenant with jobs waiting or running: how many, and the admission (a count of places
   // given) that last gave it a place in the batch, 0 for none yet. An entry goes with its

@@ -151,6 +151,12 @@ absl::Status ClosedBeforeWrittenError(absl::string_view id) {
                    "the session restarts from its last saved state, without this turn"));
 }
 
+// The end of a failed-writes episode's log line: how many failures it did not log.
+std::string UnloggedFailures(int64_t unlogged) {
+  if (unlogged == 0) return "";
+  return absl::StrCat(" (", unlogged, " more failed writes meanwhile, not logged)");
+}
+
 }  // namespace
 
 absl::string_view PersistPolicyName(PersistPolicy policy) {
@@ -2218,9 +2224,11 @@ int SessionStateStore::PersistChangedLocked(absl::Time now) {
         return kv.second->persist_failing;
       })) {
     // The sessions whose writes failed are gone (deleted, expired): nothing is at risk.
-    SDM_LOG(INFO) << "sdm state store: no session is waiting for a failed write any more";
+    int64_t unlogged = 0;
+    persist_failures_.Succeeded(&unlogged);
+    SDM_LOG(INFO) << "sdm state store: no session is waiting for a failed write any more"
+                  << UnloggedFailures(unlogged);
     persist_error_ = absl::OkStatus();
-    logged_cause_.clear();
   }
   if (options_.dir.empty() || options_.persist == PersistPolicy::kShutdown) return 0;
   std::vector<const Entry*> due;
@@ -2595,12 +2603,12 @@ void SessionStateStore::PersistFailed(Entry& e, const absl::Status& why) {
     ++counters_.persist_failures;
   }
   // One log line per distinct cause (code and system error), not per session or retry.
-  std::string cause = CauseOf(why);
-  if (cause != logged_cause_) {
+  const std::string cause = CauseOf(why);
+  if (persist_failures_.Failed(cause)) {
     SDM_LOG(ERROR) << "sdm state store: cannot persist session '" << e.key.id << "' ("
                    << PathOf(e.key).string() << "): " << why
-                   << "; sessions are not durable until writes succeed again";
-    logged_cause_ = cause;
+                   << "; sessions are not durable until writes succeed again (further failures "
+                   << "of this cause are not logged until then)";
   }
   persist_error_ = absl::UnavailableError(
       absl::StrCat("session state cannot be written to ", options_.dir.string(), ": ", cause));
@@ -2613,9 +2621,11 @@ void SessionStateStore::PersistSucceeded(Entry& e) {
   if (!persist_error_.ok() && std::none_of(entries_.begin(), entries_.end(), [](const auto& kv) {
         return kv.second->persist_failing;
       })) {
-    SDM_LOG(INFO) << "sdm state store: session state is written again";
+    int64_t unlogged = 0;
+    persist_failures_.Succeeded(&unlogged);
+    SDM_LOG(INFO) << "sdm state store: session state is written again"
+                  << UnloggedFailures(unlogged);
     persist_error_ = absl::OkStatus();
-    logged_cause_.clear();
   }
 }
 

@@ -742,7 +742,9 @@ class SessionStateStore {
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;  // LRU order
   // The cause of the last failed write while writes fail; OK otherwise.
   absl::Status persist_error_ ABSL_GUARDED_BY(mu_);
-  std::string logged_cause_ ABSL_GUARDED_BY(mu_);  // the last cause logged
+  // Failed writes, for their log (once per cause and episode; the episode ends when no session
+  // waits for a failed write).
+  FailureEpisode persist_failures_ ABSL_GUARDED_BY(mu_);
   // ObserveShared's failures, for its log (once per cause and episode).
   mutable absl::Mutex observe_log_mu_;
   mutable FailureEpisode observe_failures_ ABSL_GUARDED_BY(observe_log_mu_);

@@ -47,9 +47,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "base/failure_episode.h"
 #include "base/log.h"
 #include "base/status_macros.h"
 #include "engine/cuda/decode_graph_cache.h"
@@ -307,9 +310,21 @@ class CudaBackend : public EngineBackend {
     // Anything else (a position past max_context) is the step's to report, as without staging.
     if (!staged.ok()) {
       if (!absl::IsOutOfRange(staged.status())) {
-        SDM_LOG(WARNING) << "sdm cuda: staging a resume failed: " << staged.status();
+        absl::MutexLock lock(&staging_log_mu_);
+        if (staging_failures_.Failed(staged.status().ToString())) {
+          SDM_LOG(WARNING) << "sdm cuda: staging a resume failed: " << staged.status()
+                           << " (the step converts the session instead; further failures of "
+                              "this cause are not logged until a staging succeeds)";
+        }
       }
       return absl::OkStatus();
+    }
+    {
+      absl::MutexLock lock(&staging_log_mu_);
+      if (int64_t unlogged = 0; staging_failures_.Succeeded(&unlogged)) {
+        SDM_LOG(INFO) << "sdm cuda: staging resumes succeed again (" << unlogged
+                      << " more failed meanwhile, not logged)";
+      }
     }
     if (*staged == nullptr) return absl::OkStatus();  // nothing to convert
     if ((*staged)->device_image() != nullptr) {
@@ -1340,6 +1355,9 @@ class CudaBackend : public EngineBackend {
   ForwardFaultInjector fault_;
   // StageResume's counts (ResumeStagingStats): staging runs on other threads than the step.
   std::atomic<int64_t> staged_count_{0}, staged_used_{0}, staged_refused_{0}, prefetched_{0};
+  // StageResume's failures, for its log (once per cause and episode; from any thread).
+  absl::Mutex staging_log_mu_;
+  FailureEpisode staging_failures_ ABSL_GUARDED_BY(staging_log_mu_);
   ForwardCommit* commit_ = nullptr;     // the pass in progress (Forward), else null
   DecodeGraphCache<GraphExec> graphs_;  // after ws_: destroyed before the buffers they name
   DecodeGraphStats graph_stats_;

@@ -28,6 +28,7 @@
 #include "gtest/gtest.h"
 #include "state_store/session_store.h"
 #include "state_store/state_codec.h"
+#include "tests/base/captured_log.h"
 #include "tests/engine/test_model_util.h"
 #include "tests/state_store/fault_injection_files.h"
 #include "tests/state_store/power_loss_files.h"
@@ -413,6 +414,7 @@ TEST_F(DurabilityTest, MetadataSetOnAParkedSessionIsWritten) {
 // session, health names the cause, new work is refused once host memory is full, and everything
 // recovers when writes succeed again.
 TEST_F(DurabilityTest, FailedWritesAreLoudAndBoundedAndRecover) {
+  testing::CapturedLog log;
   FaultInjectionFiles files;
   host_budget_ = 1;  // any parked session fills host memory
   auto store = OpenStore(dir_.path(), PersistPolicy::kTurn, &files);
@@ -441,11 +443,17 @@ TEST_F(DurabilityTest, FailedWritesAreLoudAndBoundedAndRecover) {
   // Parking to disk fails loudly too, and leaves the session in memory.
   EXPECT_FALSE(store->Park("b", Tier::kDisk).ok());
   EXPECT_EQ(store->Get("b")->tier, Tier::kHost);
+  // Loud once: one line for the cause, however many sessions and retries failed.
+  EXPECT_EQ(log.With("cannot persist session").size(), 1u);
 
-  // The disk comes back: the next pass writes everything and health recovers.
+  // The disk comes back: the next pass writes everything and health recovers, with one line
+  // saying how many failures were not logged.
   files.ClearFaults();
   EXPECT_EQ(store->PersistChanged(absl::Now()), 2);
   EXPECT_TRUE(store->PersistHealth().ok());
+  const std::vector<std::string> recovered = log.With("session state is written again");
+  ASSERT_EQ(recovered.size(), 1u);
+  EXPECT_THAT(recovered[0], ::testing::HasSubstr("more failed writes meanwhile, not logged"));
   EXPECT_EQ(store->Stats().unpersisted, 0);
   EXPECT_TRUE(store->Create("c", "").ok());
   auto restarted = OpenStore(CrashCopy(), PersistPolicy::kTurn, StateFiles::Default());
