@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdint>
 #include <iterator>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <regex>
@@ -180,6 +181,13 @@ std::string SizeText(size_t bytes) {
   return text;
 }
 
+// A request naming a model this server does not serve (OpenAI's model_not_found).
+absl::Status UnknownModelError(absl::string_view asked, absl::string_view served) {
+  return absl::NotFoundError(absl::StrCat("the model '", asked,
+                                          "' does not exist; this server serves '", served,
+                                          "' (GET /v1/models)"));
+}
+
 // A session endpoint's optional JSON object body.
 absl::StatusOr<Json> ParseObjectBody(const std::string& body) {
   if (body.empty()) return Json::object();
@@ -248,6 +256,9 @@ class OpenAiServer::Handlers {
   void Post(
       httplib::Server& http, const std::string& pattern,
       std::function<void(const httplib::Request&, const std::string&, httplib::Response&)> handler);
+  // A body's `model`: absent, or the served model's name; another is NOT_FOUND, with
+  // `error_code` set to OpenAI's model_not_found.
+  absl::Status CheckModelField(const Json& body, std::string& error_code) const;
   // Routes GETs (and HEADs) or DELETEs to `pattern`.
   void Get(httplib::Server& http, const std::string& pattern, httplib::Server::Handler handler);
   void Delete(httplib::Server& http, const std::string& pattern, httplib::Server::Handler handler);
@@ -288,6 +299,16 @@ void OpenAiServer::Handlers::Unary(const httplib::Request& req, httplib::Respons
     return;
   }
   SendJson(res, *out);
+}
+
+absl::Status OpenAiServer::Handlers::CheckModelField(const Json& body,
+                                                     std::string& error_code) const {
+  const auto it = body.find("model");
+  if (it == body.end() || it->is_null()) return absl::OkStatus();
+  if (!it->is_string()) return absl::InvalidArgumentError("'model' must be a string");
+  if (*it == model_name_) return absl::OkStatus();
+  error_code = "model_not_found";
+  return UnknownModelError(it->get<std::string>(), model_name_);
 }
 
 void OpenAiServer::Handlers::Get(httplib::Server& http, const std::string& pattern,
@@ -404,10 +425,7 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
     request->seed = absl::Uniform<uint64_t>(gen);
   }
   if (!request->model.empty() && request->model != model_name_) {
-    return refuse(absl::NotFoundError(absl::StrCat("the model '", request->model,
-                                                   "' does not exist; this server serves '",
-                                                   model_name_, "' (GET /v1/models)")),
-                  "model_not_found");
+    return refuse(UnknownModelError(request->model, model_name_), "model_not_found");
   }
   absl::StatusOr<std::string> named = SessionIdOf(req, request->session_id);
   if (!named.ok()) return refuse(named.status());
@@ -773,6 +791,79 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
   Post(http, "/v1/chat/completions",
        [this](const httplib::Request& req, const std::string& body, httplib::Response& res) {
          Generate(req, body, res, OpenAiEndpoint::kChatCompletions);
+       });
+
+  // vLLM's tokenizer endpoints: what a client counts tokens with, and aligns a prompt's
+  // log-probabilities (echo) with. Text is encoded as a one-shot request's prompt is: with BOS
+  // unless add_special_tokens is false.
+  Post(http, "/tokenize",
+       [this](const httplib::Request& req, const std::string& text, httplib::Response& res) {
+         std::string error_code;
+         Unary(
+             req, res, "OpenAI.Tokenize",
+             [&](absl::string_view) -> absl::StatusOr<Json> {
+               SDM_ASSIGN_OR_RETURN(const Json body, ParseObjectBody(text));
+               SDM_RETURN_IF_ERROR(CheckModelField(body, error_code));
+               bool add_bos = true;
+               if (const auto it = body.find("add_special_tokens");
+                   it != body.end() && !it->is_null()) {
+                 if (!it->is_boolean()) {
+                   return absl::InvalidArgumentError("'add_special_tokens' must be a boolean");
+                 }
+                 add_bos = it->get<bool>();
+               }
+               std::string prompt;
+               if (body.contains("messages") && !body["messages"].is_null()) {
+                 // A chat request's prompt: the template's rendering of its messages.
+                 SDM_ASSIGN_OR_RETURN(const OpenAiRequest chat,
+                                      ParseOpenAiRequest(text, OpenAiEndpoint::kChatCompletions));
+                 prompt = chat_template_.Render(chat.messages, /*continuing=*/false);
+               } else {
+                 const auto it = body.find("prompt");
+                 if (it == body.end() || !it->is_string()) {
+                   return absl::InvalidArgumentError(
+                       "'prompt' (a string) or 'messages' is required");
+                 }
+                 prompt = it->get<std::string>();
+               }
+               const std::vector<int32_t> tokens = service_.tokenizer().Encode(prompt, add_bos);
+               const int64_t max_len = service_.model_info().max_session_tokens();
+               return Json{{"count", tokens.size()},
+                           {"max_model_len", max_len > 0 ? Json(max_len) : Json(nullptr)},
+                           {"tokens", tokens}};
+             },
+             &error_code);
+       });
+  Post(http, "/detokenize",
+       [this](const httplib::Request& req, const std::string& text, httplib::Response& res) {
+         std::string error_code;
+         Unary(
+             req, res, "OpenAI.Detokenize",
+             [&](absl::string_view) -> absl::StatusOr<Json> {
+               SDM_ASSIGN_OR_RETURN(const Json body, ParseObjectBody(text));
+               SDM_RETURN_IF_ERROR(CheckModelField(body, error_code));
+               const auto it = body.find("tokens");
+               if (it == body.end() || !it->is_array()) {
+                 return absl::InvalidArgumentError("'tokens' (an array of token ids) is required");
+               }
+               v1::DetokenizeRequest request;
+               for (size_t i = 0; i < it->size(); ++i) {
+                 const Json& t = (*it)[i];
+                 if (!t.is_number_integer() ||
+                     t.get<int64_t>() < std::numeric_limits<int32_t>::min() ||
+                     t.get<int64_t>() > std::numeric_limits<int32_t>::max() ||
+                     (t.is_number_unsigned() &&
+                      t.get<uint64_t>() > std::numeric_limits<int32_t>::max())) {
+                   return absl::InvalidArgumentError(
+                       absl::StrCat("'tokens'[", i, "] = ", t.dump(), " is not a token id"));
+                 }
+                 request.add_token_ids(static_cast<int32_t>(t.get<int64_t>()));
+               }
+               v1::DetokenizeResponse out;
+               SDM_RETURN_IF_ERROR(service_.DoDetokenize(request, out));
+               return Json{{"prompt", out.text()}};
+             },
+             &error_code);
        });
 
   // Sessions (our extension), with the semantics of the gRPC session RPCs.

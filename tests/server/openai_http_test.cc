@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
@@ -556,6 +557,56 @@ TEST_F(OpenAiHttpTest, SeveralPromptsAndNChoicesAreOneShotJobsEachAsGrpcs) {
   EXPECT_EQ(refused.status, 400) << refused.raw;
   EXPECT_NE(refused.raw.find("choice 1 of 2"), std::string::npos) << refused.raw;
   EXPECT_NE(refused.raw.find("outside the vocabulary"), std::string::npos) << refused.raw;
+}
+
+TEST_F(OpenAiHttpTest, TokenizeAndDetokenizeAsVllmShapesThem) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const std::unique_ptr<Tokenizer> bytes = Tokenizer::CreateByteTokenizer();  // the model's
+  const int32_t bos = bytes->bos_id();
+
+  // As a one-shot prompt is fed: BOS, then the text's tokens (what a completion reports in
+  // usage.prompt_tokens); without special tokens, the text's alone.
+  const Reply hi = Post(port, "/tokenize", {{"prompt", "Hi"}});
+  ASSERT_EQ(hi.status, 200) << hi.raw;
+  EXPECT_EQ(hi.body["tokens"], Json::array({bos, 72, 105})) << hi.raw;
+  EXPECT_EQ(hi.body["count"], 3);
+  EXPECT_TRUE(hi.body.contains("max_model_len")) << hi.raw;
+  const Completion grpc_hi = Generate(*s.stub, TextRequest("Hi", 1));
+  EXPECT_EQ(hi.body["count"], grpc_hi.usage.prompt_tokens());
+  const Reply plain = Post(port, "/tokenize", {{"prompt", "Hi"}, {"add_special_tokens", false}});
+  ASSERT_EQ(plain.status, 200) << plain.raw;
+  EXPECT_EQ(plain.body["tokens"], Json::array({72, 105})) << plain.raw;
+  // Chat messages: the template's rendering.
+  const Reply chat =
+      Post(port, "/tokenize",
+           {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"add_special_tokens", false}});
+  ASSERT_EQ(chat.status, 200) << chat.raw;
+  const std::vector<int32_t> rendered = bytes->Encode("User: Hi\nAssistant:", false);
+  EXPECT_EQ(chat.body["tokens"], Json(rendered)) << chat.raw;
+
+  const Reply back = Post(port, "/detokenize", {{"tokens", {72, 105}}});
+  ASSERT_EQ(back.status, 200) << back.raw;
+  EXPECT_EQ(back.body["prompt"], "Hi");
+
+  for (const auto& [path, body, status, says] :
+       std::vector<std::tuple<std::string, Json, int, std::string>>{
+           {"/tokenize", Json::object(), 400, "'prompt' (a string) or 'messages' is required"},
+           {"/tokenize", {{"prompt", 5}}, 400, "'prompt' (a string) or 'messages' is required"},
+           {"/tokenize",
+            {{"prompt", "x"}, {"add_special_tokens", 1}},
+            400,
+            "'add_special_tokens' must be a boolean"},
+           {"/tokenize", {{"prompt", "x"}, {"model", "gpt-4"}}, 404, "'gpt-4' does not exist"},
+           {"/detokenize", Json::object(), 400, "'tokens' (an array of token ids) is required"},
+           {"/detokenize", {{"tokens", {1.5}}}, 400, "'tokens'[0] = 1.5 is not a token id"},
+           {"/detokenize", {{"tokens", {1, 99999}}}, 400, "outside the vocabulary"}}) {
+    SCOPED_TRACE(path + " " + body.dump());
+    const Reply r = Post(port, path, body);
+    EXPECT_EQ(r.status, status) << r.raw;
+    EXPECT_NE(r.raw.find(says), std::string::npos) << r.raw;
+  }
 }
 
 TEST_F(OpenAiHttpTest, EchoScoresThePromptAsGrpcsPromptLogprobs) {
