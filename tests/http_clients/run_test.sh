@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Real HTTP clients against a real sdm-server: the official `openai` npm SDK (sdk_test.mjs),
-# `curl -N` reading server-sent events, and the web console in headless chromium
-# (console_test.mjs; SDM_CONSOLE_SCREENSHOT=PATH saves its screenshot). Registered in ctest (tests/CMakeLists.txt) as
+# `curl -N` reading server-sent events, and in headless chromium the web console
+# (console_test.mjs; SDM_CONSOLE_SCREENSHOT=PATH saves its screenshot) and calls from another
+# origin (cors_test.mjs). Registered in ctest (tests/CMakeLists.txt) as
 # http_clients.openai_sdk; exits 77 (skipped) when node, the SDK (npm ci, done by
 # scripts/install-deps.sh) or curl is missing.
 #
@@ -30,8 +31,13 @@ echo "$KEY node-tests" >"$WORK/keys.txt"
 # below may read out.txt first, and a missing file ended the script (set -e) on a loaded machine.
 : >"$WORK/out.txt"
 : >"$WORK/err.txt"
+# The origin cors_test.mjs serves its pages from, allowed by the server (a free port now; the
+# page server binds it later).
+PAGE_PORT=$(node -e "const s = require('net').createServer();
+  s.listen(0, '127.0.0.1', () => { console.log(s.address().port); s.close(); });")
 "$BUILD_DIR/server/sdm-server" --model "$WORK/model" --port 0 --metrics_port -1 --http_port 0 \
-  --state_dir "" --threads 1 --api_keys "$WORK/keys.txt" >"$WORK/out.txt" 2>"$WORK/err.txt" &
+  --state_dir "" --threads 1 --api_keys "$WORK/keys.txt" \
+  --http_cors_origins "http://127.0.0.1:$PAGE_PORT" >"$WORK/out.txt" 2>"$WORK/err.txt" &
 server_pid=$!
 BASE=""
 for _ in $(seq 1 600); do
@@ -62,8 +68,9 @@ echo "curl -N: $(wc -l <"$WORK/events.txt") events, ends with [DONE]"
 CHROMIUM=$(command -v chromium || command -v chromium-browser || true)
 if [ -n "$CHROMIUM" ] && [ -f "$HERE/node_modules/puppeteer-core/package.json" ]; then
   node "$HERE/console_test.mjs" "${BASE%/v1}" "$KEY" "$CHROMIUM" "${SDM_CONSOLE_SCREENSHOT:-}"
+  node "$HERE/cors_test.mjs" "$BASE" "$KEY" "$CHROMIUM" "$PAGE_PORT"
 else
-  echo "console: not tested (needs Debian's chromium and puppeteer-core: scripts/install-deps.sh)"
+  echo "console, cors: not tested (needs Debian's chromium and puppeteer-core: scripts/install-deps.sh)"
 fi
 
 kill -TERM "$server_pid"
