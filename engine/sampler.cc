@@ -39,9 +39,9 @@ absl::Status ValidateSamplingParams(const SamplingParams& params, int64_t vocab_
         "top_p must be in [0, 1] (1 means no nucleus limit, 0 the most probable token), got ",
         params.top_p));
   }
-  if (params.max_tokens < 1) {
+  if (params.max_tokens < 0) {
     return absl::InvalidArgumentError(
-        absl::StrCat("max_tokens must be >= 1, got ", params.max_tokens));
+        absl::StrCat("max_tokens must be >= 0 (0: read the prompt only), got ", params.max_tokens));
   }
   for (const int32_t id : params.stop_token_ids) {
     if (id < 0 || id >= vocab_size) {

@@ -32,7 +32,8 @@ struct SamplingParams {
   // Applied after top_k, to the distribution renormalised over the top k.
   double top_p = 1.0;
   uint64_t seed = 0;
-  // Stop after this many generated tokens.
+  // Stop after this many generated tokens; 0: generate none (a request that only reads its
+  // prompt: appends it to a session, or scores it).
   int64_t max_tokens = 256;
   // Stop when one of these is generated (in addition to the tokenizer's EOS).
   std::vector<int32_t> stop_token_ids;
@@ -41,7 +42,7 @@ struct SamplingParams {
 };
 
 // InvalidArgument naming the field and the accepted range if any field is out of range:
-// temperature negative, NaN or infinite; top_k negative; top_p not in [0, 1]; max_tokens < 1;
+// temperature negative, NaN or infinite; top_k negative; top_p not in [0, 1]; max_tokens < 0;
 // a stop id outside [0, vocab_size).
 absl::Status ValidateSamplingParams(const SamplingParams& params, int64_t vocab_size);
 

@@ -6,11 +6,13 @@
 //
 // Prints "listening on HOST:PORT" on stdout once the gRPC port accepts calls. SIGINT or SIGTERM
 // starts a graceful shutdown (server/server.h); a second signal exits at once with status 1, saying
-// on stderr that nothing more is saved.
+// on stderr that nothing more is saved. SIGHUP reads the key and tenant limits files again
+// (SdmServer::ReloadConfig), saying on stderr what it reloaded or why it kept the previous ones.
 //
 // Exit status: 0 after a clean shutdown; 1 when the server cannot start (the model cannot be
 // loaded, a file is invalid, a port cannot be bound: the reason is printed) or when sessions
 // could not be persisted at shutdown; 2 on usage errors.
+#include <fcntl.h>
 #include <signal.h>
 #include <time.h>
 #include <unistd.h>
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -356,6 +359,34 @@ void OnShutdownSignal(int signal_number) {
   _exit(kExitFailure);
 }
 
+// SIGHUP asks for a reload: the handler writes a byte to reload_pipe (non-blocking: a full pipe
+// already holds a request), and the reload thread, started once the server runs, reads it. A
+// SIGHUP during the start is answered once the server runs.
+int reload_pipe[2] = {-1, -1};
+constexpr char kReloadRequest = 'r', kReloadStop = 'q';
+
+void OnReloadSignal(int) {
+  const char c = kReloadRequest;
+  [[maybe_unused]] const ssize_t n = write(reload_pipe[1], &c, 1);  // async-signal-safe
+}
+
+// Runs ReloadConfig for each request on reload_pipe until it reads kReloadStop.
+void ReloadLoop(sdm::SdmServer& server) {
+  sdm::SetCurrentThreadName("sdm-reload");
+  char c = 0;
+  while (true) {
+    const ssize_t n = ::read(reload_pipe[0], &c, 1);
+    if (n < 0 && errno == EINTR) continue;
+    if (n != 1 || c == kReloadStop) return;
+    const absl::StatusOr<std::string> reloaded = server.ReloadConfig();
+    if (reloaded.ok()) {
+      absl::FPrintF(stderr, "sdm-server: SIGHUP: %s\n", *reloaded);
+    } else {
+      absl::FPrintF(stderr, "sdm-server: SIGHUP: %s\n", reloaded.status().ToString());
+    }
+  }
+}
+
 constexpr char kUsage[] =
     "usage: sdm-server --model DIR [flags]\n"
     "\n"
@@ -363,7 +394,8 @@ constexpr char kUsage[] =
     "reflection), with Prometheus metrics and /healthz over HTTP. The defaults serve the model on\n"
     "this machine's GPU when the build has CUDA and a device is present, else on its CPU, at\n"
     "127.0.0.1:50051 (metrics on 127.0.0.1:9090), with sessions saved under ./sdm-state.\n"
-    "SIGINT or SIGTERM shuts it down gracefully.\n"
+    "SIGINT or SIGTERM shuts it down gracefully; SIGHUP reads --api_keys and --tenant_limits\n"
+    "again.\n"
     "\n"
     "Flags may also come from a file: --flagfile=PATH reads one --name=value per line (lines\n"
     "starting with '#' are comments); flags after it on the command line override it.\n";
@@ -736,7 +768,8 @@ int main(int argc, char** argv) {
   // may still take one: the handler is the same); meanwhile the thread started here, which does
   // nothing else, takes them, so that a stop during a long start (a large model loading) exits
   // at once rather than once the start is over.
-  if (::pipe(shutdown_pipe) != 0) {
+  if (::pipe(shutdown_pipe) != 0 || ::pipe2(reload_pipe, O_CLOEXEC) != 0 ||
+      ::fcntl(reload_pipe[1], F_SETFL, O_NONBLOCK) != 0) {
     absl::FPrintF(stderr, "sdm-server: cannot create a pipe: %s\n", std::strerror(errno));
     return kExitFailure;
   }
@@ -746,6 +779,11 @@ int main(int argc, char** argv) {
   action.sa_flags = SA_RESTART;
   sigaction(SIGINT, &action, nullptr);
   sigaction(SIGTERM, &action, nullptr);
+  struct sigaction reload = {};
+  reload.sa_handler = OnReloadSignal;
+  sigemptyset(&reload.sa_mask);
+  reload.sa_flags = SA_RESTART;
+  sigaction(SIGHUP, &reload, nullptr);
   std::thread([] {
     sdm::SetCurrentThreadName("sdm-signals");
     while (true) ::pause();
@@ -754,6 +792,7 @@ int main(int argc, char** argv) {
   sigemptyset(&signals);
   sigaddset(&signals, SIGINT);
   sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   // Values out of range are usage errors (exit 2), found before the model is loaded.
@@ -779,6 +818,7 @@ int main(int argc, char** argv) {
                  http);
   }
   std::fflush(stdout);
+  std::thread reloader([&server] { ReloadLoop(**server); });
 
   pthread_sigmask(SIG_UNBLOCK, &signals, nullptr);
   char received = 0;
@@ -789,6 +829,13 @@ int main(int argc, char** argv) {
       stderr, "sdm-server: %s: shutting down (grace %s; another signal, 1 s on, exits at once)\n",
       signal_number == SIGINT ? "SIGINT" : "SIGTERM", absl::FormatDuration(options.shutdown_grace));
   const absl::Status persisted = (*server)->Shutdown();
+  {
+    const char c = kReloadStop;  // the pipe is empty or holds requests: never full here
+    while (::write(reload_pipe[1], &c, 1) < 0 && errno == EAGAIN) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    reloader.join();
+  }
   if (!persisted.ok()) {
     absl::FPrintF(stderr, "sdm-server: %s\n", persisted.ToString());
     return kExitFailure;

@@ -434,8 +434,10 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     last_fed_.insert_or_assign(job->tenant(), ++feeds_);
     const std::span<const int32_t> tokens =
         std::span<const int32_t>(job->to_feed).subspan(job->fed, take);
-    add_segment(batch, plan.emplace_back(Planned{.job = job, .prefill = take}), tokens,
-                /*draw=*/job->fed + take == job->to_feed.size());
+    // The prompt's last chunk draws the first token, unless the job generates none.
+    add_segment(
+        batch, plan.emplace_back(Planned{.job = job, .prefill = take}), tokens,
+        /*draw=*/job->fed + take == job->to_feed.size() && job->spec.sampling.max_tokens > 0);
   }
   int decodes = 0;
   for (auto& job : running) {
@@ -521,6 +523,10 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     if (p.prefill > 0) {
       if (p.prompt_row >= 0) ScorePrompt(job, p.prompt_row, p.prefill);
       job.fed += p.prefill;
+      if (job.fed == job.to_feed.size() && job.spec.sampling.max_tokens == 0) {
+        Finish(job, FinishReason::kLength);  // read its prompt: all it was to do
+        continue;
+      }
     } else {
       job.next_input = -1;  // fed
     }

@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "absl/synchronization/notification.h"
 #include "base/heap.h"
 #include "base/log.h"
+#include "base/reloadable.h"
 #include "base/status_macros.h"
 #include "base/thread_priority.h"
 #include "common/grpc_keepalive.h"
@@ -108,74 +110,86 @@ absl::StatusOr<std::string> ReadTextFile(const std::filesystem::path& path,
 }  // namespace
 
 absl::Status ValidateServerOptions(const ServerOptions& o) {
-  if (o.model_dir.empty()) return absl::InvalidArgumentError("a model directory is required");
+  // Messages name sdm-server's flags, which mirror the fields (the fields no flag sets by their
+  // own names), and the value given.
+  using absl::InvalidArgumentError;
+  using absl::StrCat;
+  if (o.model_dir.empty()) return InvalidArgumentError("--model (a model directory) is required");
   if (o.port < 0 || o.port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat("port must be in [0, 65535], got ", o.port));
+    return InvalidArgumentError(StrCat("--port must be in [0, 65535], got ", o.port));
   }
   if (o.metrics_port < -1 || o.metrics_port > 65535) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "metrics_port must be in [0, 65535], or -1 for no HTTP endpoint, got ", o.metrics_port));
+    return InvalidArgumentError(StrCat(
+        "--metrics_port must be in [0, 65535], or -1 for no HTTP endpoint, got ", o.metrics_port));
   }
   if (o.http.port < -1 || o.http.port > 65535) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("http_port must be in [0, 65535], or -1 for no HTTP API, got ", o.http.port));
+    return InvalidArgumentError(
+        StrCat("--http_port must be in [0, 65535], or -1 for no HTTP API, got ", o.http.port));
   }
   if (o.http.max_connections < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("http_max_connections must be >= 1, got ", o.http.max_connections));
+    return InvalidArgumentError(
+        StrCat("--http_max_connections must be >= 1, got ", o.http.max_connections));
   }
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
-    return absl::InvalidArgumentError("TLS needs both a certificate and its key (or neither)");
+    return InvalidArgumentError(
+        "TLS needs both --tls_cert and --tls_key (or neither), got only the " +
+        std::string(o.tls_cert_file.empty() ? "key" : "certificate"));
   }
-  if (o.store.resident_budget_bytes < 0 || o.store.host_budget_bytes < 0 ||
-      o.store.device_budget_bytes < 0) {
-    return absl::InvalidArgumentError("state budgets must not be negative");
+  for (const auto& [flag, bytes] : {std::pair{"--resident_budget", o.store.resident_budget_bytes},
+                                    std::pair{"--host_budget", o.store.host_budget_bytes},
+                                    std::pair{"--device_budget", o.store.device_budget_bytes}}) {
+    if (bytes < 0) return InvalidArgumentError(StrCat(flag, " must not be negative, got ", bytes));
   }
-  if (o.engine.num_threads < 0) return absl::InvalidArgumentError("threads must be >= 0");
+  if (o.engine.num_threads < 0) {
+    return InvalidArgumentError(
+        StrCat("--threads must be >= 0 (0: one per CPU), got ", o.engine.num_threads));
+  }
   // The engine checks these too, but only once the model has loaded.
   if (absl::Status nice = CheckNiceIncrement(o.engine.decode_nice); !nice.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("decode_nice: ", nice.message()));
+    return InvalidArgumentError(StrCat("--decode_nice: ", nice.message()));
   }
   if (o.engine.device == EngineDevice::kCuda && o.engine.cpu_dtype != DType::kF32) {
-    return absl::InvalidArgumentError(
-        "cpu_dtype applies to the CPU engine only (the CUDA engine stores bf16 already); "
+    return InvalidArgumentError(
+        "--cpu_dtype applies to the CPU engine only (the CUDA engine stores bf16 already); "
         "use --device cpu or auto");
   }
-  if (o.engine.prefill_chunk < 1) {
-    return absl::InvalidArgumentError("prefill_chunk must be >= 1");
+  for (const auto& [flag, value] :
+       {std::pair{"--prefill_chunk", o.engine.prefill_chunk},
+        std::pair{"--max_running", static_cast<int64_t>(o.scheduler.max_running)},
+        std::pair{"--prefill_token_budget", o.scheduler.prefill_token_budget},
+        std::pair{"--max_prompt_tokens", o.service.max_prompt_tokens},
+        std::pair{"--max_tokens_limit", o.service.max_tokens_limit},
+        std::pair{"--default_max_tokens", o.service.default_max_tokens}}) {
+    if (value < 1) return InvalidArgumentError(StrCat(flag, " must be >= 1, got ", value));
   }
-  if (o.scheduler.max_running < 1 || o.scheduler.max_waiting < 0 ||
-      o.scheduler.prefill_token_budget < 1) {
-    return absl::InvalidArgumentError(
-        "max_running and prefill_token_budget must be >= 1, max_waiting >= 0");
-  }
-  if (o.service.max_prompt_tokens < 1 || o.service.max_tokens_limit < 1 ||
-      o.service.default_max_tokens < 1) {
-    return absl::InvalidArgumentError(
-        "max_prompt_tokens, max_tokens_limit and default_max_tokens must be >= 1");
+  if (o.scheduler.max_waiting < 0) {
+    return InvalidArgumentError(
+        StrCat("--max_waiting must be >= 0, got ", o.scheduler.max_waiting));
   }
   if (o.service.max_session_tokens < -1) {
-    return absl::InvalidArgumentError(
-        "max_session_tokens must be >= 0 (0: no limit), or -1 (what the memory budget holds)");
+    return InvalidArgumentError(
+        StrCat("--max_session_tokens must be >= 0 (0: no limit), or -1 (what the memory budget "
+               "holds), got ",
+               o.service.max_session_tokens));
   }
-  for (const absl::Duration keepalive : {o.grpc_keepalive_time, o.grpc_keepalive_timeout}) {
+  for (const auto& [flag, keepalive] :
+       {std::pair{"grpc_keepalive_time", o.grpc_keepalive_time},
+        std::pair{"grpc_keepalive_timeout", o.grpc_keepalive_timeout}}) {
     if (keepalive < absl::Milliseconds(1) ||
         keepalive > absl::Milliseconds(std::numeric_limits<int>::max())) {
-      return absl::InvalidArgumentError(
-          "grpc_keepalive_time and grpc_keepalive_timeout must be in [1 ms, 2^31 ms)");
+      return InvalidArgumentError(
+          StrCat(flag, " must be in [1ms, 2^31 ms), got ", absl::FormatDuration(keepalive)));
     }
   }
-  if (o.persist_stall_timeout < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("persist_stall_timeout must not be negative (0: off)");
-  }
-  if (o.shutdown_grace < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("shutdown_grace must not be negative");
-  }
-  if (o.final_write_grace < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("final_write_grace must not be negative");
-  }
-  if (o.malloc_trim_interval < absl::ZeroDuration()) {
-    return absl::InvalidArgumentError("malloc_trim_interval must not be negative");
+  for (const auto& [flag, duration] :
+       {std::pair{"--persist_stall_timeout (0: off)", o.persist_stall_timeout},
+        std::pair{"--shutdown_grace", o.shutdown_grace},
+        std::pair{"final_write_grace", o.final_write_grace},
+        std::pair{"--malloc_trim_interval (0: never)", o.malloc_trim_interval}}) {
+    if (duration < absl::ZeroDuration()) {
+      return InvalidArgumentError(
+          StrCat(flag, " must not be negative, got ", absl::FormatDuration(duration)));
+    }
   }
   return absl::OkStatus();
 }
@@ -212,6 +226,7 @@ class SdmServer::Impl final : public SchedulerListener {
 
   absl::Status Init();
   absl::Status Shutdown();
+  absl::StatusOr<std::string> ReloadConfig();
   // Shutdown()'s step 1b: the gRPC server's Shutdown() starts on grpc_stopper.
   void StopListeningEarly();
 
@@ -234,8 +249,9 @@ class SdmServer::Impl final : public SchedulerListener {
   bool persist_stalled ABSL_GUARDED_BY(health_mu) = false;
   // The gRPC server's health service may be told (set once it runs, cleared before it stops).
   bool grpc_health_live ABSL_GUARDED_BY(health_mu) = false;
-  ApiKeyAuthenticator auth;
-  TenantLimitsConfig tenant_limits;
+  // Replaced by ReloadConfig; the service and the HTTP API take a snapshot per request.
+  Reloadable<ApiKeyAuthenticator> auth;
+  Reloadable<TenantLimitsConfig> tenant_limits;
   std::shared_ptr<const Model> model;
   std::unique_ptr<Tokenizer> tokenizer;
   std::unique_ptr<Engine> engine;
@@ -344,12 +360,16 @@ absl::Status SdmServer::Impl::Init() {
   }
   // The small files first: a typo there should not wait for the model to load.
   if (!options.api_keys_file.empty()) {
-    SDM_ASSIGN_OR_RETURN(auth, ApiKeyAuthenticator::FromFile(options.api_keys_file));
+    SDM_ASSIGN_OR_RETURN(ApiKeyAuthenticator keys,
+                         ApiKeyAuthenticator::FromFile(options.api_keys_file));
+    auth.Set(std::move(keys));
   }
   WarnOfOpenAccess(options);
   if (!options.tenant_limits_file.empty()) {
-    SDM_ASSIGN_OR_RETURN(tenant_limits, TenantLimitsConfig::FromFile(options.tenant_limits_file));
-    WarnOfLimitsForUnknownTenants(tenant_limits, auth);
+    SDM_ASSIGN_OR_RETURN(TenantLimitsConfig limits,
+                         TenantLimitsConfig::FromFile(options.tenant_limits_file));
+    tenant_limits.Set(std::move(limits));
+    WarnOfLimitsForUnknownTenants(*tenant_limits.Get(), *auth.Get());
   }
   std::shared_ptr<grpc::ServerCredentials> credentials = grpc::InsecureServerCredentials();
   if (!options.tls_cert_file.empty()) {
@@ -710,6 +730,47 @@ absl::Status SdmServer::Impl::Shutdown() {
   return shutdown_result;
 }
 
+absl::StatusOr<std::string> SdmServer::Impl::ReloadConfig() {
+  if (options.api_keys_file.empty() && options.tenant_limits_file.empty()) {
+    return absl::FailedPreconditionError(
+        "nothing to reload: the server runs without --api_keys and --tenant_limits");
+  }
+  // Both files are read before either is replaced: a reload applies whole or not at all.
+  std::optional<ApiKeyAuthenticator> keys;
+  std::optional<TenantLimitsConfig> limits;
+  const auto kept = [](const absl::Status& why) {
+    return absl::Status(
+        why.code(), absl::StrCat(why.message(), "; the previous keys and limits stay in force"));
+  };
+  if (!options.api_keys_file.empty()) {
+    absl::StatusOr<ApiKeyAuthenticator> read = ApiKeyAuthenticator::FromFile(options.api_keys_file);
+    if (!read.ok()) return kept(read.status());
+    keys = *std::move(read);
+  }
+  if (!options.tenant_limits_file.empty()) {
+    absl::StatusOr<TenantLimitsConfig> read =
+        TenantLimitsConfig::FromFile(options.tenant_limits_file);
+    if (!read.ok()) return kept(read.status());
+    limits = *std::move(read);
+  }
+  std::vector<std::string> what;
+  if (keys.has_value()) {
+    what.push_back(absl::StrCat(keys->num_keys(), " API keys of ", keys->tenants().size(),
+                                " tenants from ", options.api_keys_file.string()));
+    auth.Set(*std::move(keys));
+    WarnOfOpenAccess(options);  // the file's mode, again
+  }
+  if (limits.has_value()) {
+    what.push_back(absl::StrCat("the limits of ", limits->tenant_names().size(),
+                                " tenants and the default from ",
+                                options.tenant_limits_file.string()));
+    tenant_limits.Set(*std::move(limits));
+  }
+  WarnOfLimitsForUnknownTenants(*tenant_limits.Get(), *auth.Get());
+  // Requests already admitted keep the snapshot they took; the next ones use these.
+  return absl::StrCat("reloaded ", absl::StrJoin(what, " and "));
+}
+
 absl::StatusOr<std::unique_ptr<SdmServer>> SdmServer::Start(const ServerOptions& options) {
   auto impl = std::make_unique<Impl>(options);
   if (absl::Status s = impl->Init(); !s.ok()) {
@@ -739,5 +800,7 @@ std::string SdmServer::address() const {
 std::string SdmServer::listen_address() const { return HostPort(impl_->options.host, impl_->port); }
 
 absl::Status SdmServer::Shutdown() { return impl_->Shutdown(); }
+
+absl::StatusOr<std::string> SdmServer::ReloadConfig() { return impl_->ReloadConfig(); }
 
 }  // namespace sdm

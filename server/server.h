@@ -143,6 +143,14 @@ class SdmServer {
   // state directory).
   absl::Status Shutdown();
 
+  // Reads --api_keys and --tenant_limits again (sdm-server does on SIGHUP): new requests are
+  // authenticated and limited by the files as they are now; requests already admitted keep what
+  // they were admitted with. Both files are read before either replaces the one in force, so a
+  // file that does not parse changes nothing (its error, saying the previous keys and limits
+  // stay). Returns what was reloaded; FAILED_PRECONDITION when the server has neither file.
+  // Thread-safe.
+  absl::StatusOr<std::string> ReloadConfig();
+
   class Impl;
   explicit SdmServer(std::unique_ptr<Impl> impl);
 

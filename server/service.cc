@@ -218,7 +218,7 @@ absl::StatusOr<std::string> SdmServiceImpl::TenantOf(
   const auto it = metadata.find("authorization");
   absl::string_view authorization;
   if (it != metadata.end()) authorization = absl::string_view(it->second.data(), it->second.size());
-  return deps_.auth.TenantFor(authorization, KeyCarrier::kGrpcMetadata);
+  return deps_.auth.Get()->TenantFor(authorization, KeyCarrier::kGrpcMetadata);
 }
 
 void SdmServiceImpl::RecordRequest(absl::string_view method, absl::StatusCode code,
@@ -277,7 +277,7 @@ absl::Mutex& SdmServiceImpl::CreateMutexFor(absl::string_view tenant) {
 }
 
 absl::Status SdmServiceImpl::CheckTenantLimits(absl::string_view tenant, bool new_session) const {
-  const TenantLimits limits = deps_.tenant_limits.For(tenant);
+  const TenantLimits limits = deps_.tenant_limits.Get()->For(tenant);
   if (!limits.max_sessions.has_value() && !limits.max_state_bytes.has_value()) {
     return absl::OkStatus();
   }
@@ -323,7 +323,7 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
   // The caller's tenant, a one-shot job's too: the scheduler counts a tenant's requests
   // (max_requests) and shares the batch's places between tenants by it.
   job.session.tenant = std::string(tenant);
-  job.tenant_max_requests = deps_.tenant_limits.For(tenant).max_requests;
+  job.tenant_max_requests = deps_.tenant_limits.Get()->For(tenant).max_requests;
 
   // The prompt, before anything that costs more than a check.
   switch (request.prompt_case()) {
@@ -358,9 +358,10 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
   p.max_tokens = s.has_max_tokens()
                      ? s.max_tokens()
                      : std::min(options_.default_max_tokens, options_.max_tokens_limit);
-  if (p.max_tokens < 1 || p.max_tokens > options_.max_tokens_limit) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "sampling.max_tokens must be in [1, ", options_.max_tokens_limit, "], got ", p.max_tokens));
+  if (p.max_tokens < 0 || p.max_tokens > options_.max_tokens_limit) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.max_tokens must be in [0, ",
+                                                   options_.max_tokens_limit, "] (0: read the ",
+                                                   "prompt only), got ", p.max_tokens));
   }
   p.temperature = s.temperature();
   p.top_k = s.top_k();
@@ -464,7 +465,8 @@ absl::Status SdmServiceImpl::FitInSession(absl::string_view session_id, int64_t 
   const int64_t limit = options_.max_session_tokens;
   if (limit <= 0) return absl::OkStatus();  // none (a negative limit was never resolved)
   const int64_t room = limit - history - prompt_tokens;
-  if (room < 1) {
+  // Room for one generated token, unless the request generates none.
+  if (room < (sampling.max_tokens == 0 ? 0 : 1)) {
     const std::string whose =
         session_id.empty() ? std::string("a one-shot request")
                            : absl::StrCat("session '", session_id, "' (", history, " tokens)");

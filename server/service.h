@@ -41,6 +41,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "base/reloadable.h"
 #include "engine/engine.h"
 #include "engine/model.h"
 #include "engine/tokenizer.h"
@@ -123,8 +124,9 @@ struct ServiceDeps {
   SessionStateStore& store;
   Scheduler& scheduler;
   ServerMetrics& metrics;
-  const ApiKeyAuthenticator& auth;
-  const TenantLimitsConfig& tenant_limits;
+  // Replaced whole on a reload (SdmServer::ReloadConfig); a request uses the snapshot it took.
+  const Reloadable<ApiKeyAuthenticator>& auth;
+  const Reloadable<TenantLimitsConfig>& tenant_limits;
 };
 
 class SdmServiceImpl final : public v1::SdmService::CallbackService {

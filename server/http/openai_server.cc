@@ -225,7 +225,8 @@ absl::StatusOr<std::string> SessionIdOf(const httplib::Request& req, absl::strin
 class OpenAiServer::Handlers {
  public:
   Handlers(OpenAiServer& owner, const OpenAiServerOptions& options, SdmServiceImpl& service,
-           const ApiKeyAuthenticator& auth, ServerMetrics& metrics, ChatTemplate chat_template)
+           const Reloadable<ApiKeyAuthenticator>& auth, ServerMetrics& metrics,
+           ChatTemplate chat_template)
       : owner_(owner),
         options_(options),
         service_(service),
@@ -239,7 +240,7 @@ class OpenAiServer::Handlers {
 
  private:
   absl::StatusOr<std::string> Tenant(const httplib::Request& req) const {
-    return auth_.TenantFor(req.get_header_value("Authorization"), KeyCarrier::kHttpHeader);
+    return auth_.Get()->TenantFor(req.get_header_value("Authorization"), KeyCarrier::kHttpHeader);
   }
   Json ModelJson() const {
     return Json{
@@ -272,7 +273,7 @@ class OpenAiServer::Handlers {
   OpenAiServer& owner_;
   const OpenAiServerOptions options_;
   SdmServiceImpl& service_;
-  const ApiKeyAuthenticator& auth_;
+  const Reloadable<ApiKeyAuthenticator>& auth_;
   ServerMetrics& metrics_;
   const ChatTemplate chat_template_;
   const std::string model_name_;
@@ -728,7 +729,7 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
     // A body from a caller without a valid key is refused before it is read: otherwise anyone
     // who can connect makes the server hold up to max_body_bytes per connection first. The
     // route would refuse it the same way (Tenant); the body is left unread: the connection ends.
-    if (HasBody(req) && auth_.enabled()) {
+    if (HasBody(req) && auth_.Get()->enabled()) {
       if (absl::StatusOr<std::string> tenant = Tenant(req); !tenant.ok()) {
         SendError(res, tenant.status());
         res.set_header("Connection", "close");
@@ -1009,8 +1010,9 @@ void OpenAiServer::Handlers::Install(httplib::Server& http) {
 }
 
 absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
-    const OpenAiServerOptions& options, SdmServiceImpl& service, const ApiKeyAuthenticator& auth,
-    ServerMetrics& metrics, const std::filesystem::path& model_dir, int scheduler_slots) {
+    const OpenAiServerOptions& options, SdmServiceImpl& service,
+    const Reloadable<ApiKeyAuthenticator>& auth, ServerMetrics& metrics,
+    const std::filesystem::path& model_dir, int scheduler_slots) {
   for (const std::string& origin : options.cors_origins) {
     if (!IsCorsOrigin(origin)) {
       return absl::InvalidArgumentError(absl::StrCat(

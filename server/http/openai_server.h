@@ -55,6 +55,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "base/reloadable.h"
 #include "server/auth.h"
 #include "server/http/chat_template.h"
 #include "server/http/connection_pool_options.h"
@@ -113,8 +114,9 @@ class OpenAiServer {
   // threads kept when options.threads is 0). Errors: the chat template file, or an address that
   // cannot be bound (Unavailable).
   static absl::StatusOr<std::unique_ptr<OpenAiServer>> Start(
-      const OpenAiServerOptions& options, SdmServiceImpl& service, const ApiKeyAuthenticator& auth,
-      ServerMetrics& metrics, const std::filesystem::path& model_dir, int scheduler_slots);
+      const OpenAiServerOptions& options, SdmServiceImpl& service,
+      const Reloadable<ApiKeyAuthenticator>& auth, ServerMetrics& metrics,
+      const std::filesystem::path& model_dir, int scheduler_slots);
   ~OpenAiServer();  // Stop()
   OpenAiServer(const OpenAiServer&) = delete;
   OpenAiServer& operator=(const OpenAiServer&) = delete;

@@ -175,9 +175,14 @@ TEST_F(EndToEndTest, ClientAndLoadGeneratorAgainstTheRealServer) {
   EXPECT_THAT(r.output,
               HasSubstr(absl::StrCat("[4 prompt tokens + ", position, " history tokens carried")));
 
-  r = Client("generate --prompt x --max_tokens 0");
+  r = Client("generate --prompt x --max_tokens -1");
   EXPECT_EQ(r.exit, 1);
   EXPECT_THAT(r.output, HasSubstr("INVALID_ARGUMENT"));
+  // max_tokens 0 reads the prompt only.
+  r = Client("generate --prompt x --max_tokens 0");
+  EXPECT_EQ(r.exit, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("finish_reason=length prompt_tokens=2 history_tokens=0 "
+                                  "generated_tokens=0"));
   r = Client("sessions delete talk");
   EXPECT_EQ(r.exit, 0) << r.output;
   r = Client("sessions get talk");

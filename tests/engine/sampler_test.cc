@@ -360,7 +360,7 @@ TEST(ValidateSamplingParamsTest, RejectsEachBadFieldByName) {
   with([](SamplingParams& p) { p.top_p = -0.01; }, "top_p");
   with([](SamplingParams& p) { p.top_p = 1.5; }, "top_p");
   with([](SamplingParams& p) { p.top_p = std::nan(""); }, "top_p");
-  with([](SamplingParams& p) { p.max_tokens = 0; }, "max_tokens");
+  with([](SamplingParams& p) { p.max_tokens = -1; }, "max_tokens");
   with([](SamplingParams& p) { p.stop_token_ids = {3, 258}; }, "258");
   with([](SamplingParams& p) { p.stop_token_ids = {-1}; }, "-1");
   for (const Case& c : cases) {

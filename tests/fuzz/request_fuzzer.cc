@@ -85,8 +85,8 @@ struct Fixture {
   std::unique_ptr<prometheus::Registry> registry;
   std::unique_ptr<sdm::ServerMetrics> metrics;
   std::unique_ptr<sdm::Scheduler> scheduler;
-  sdm::ApiKeyAuthenticator auth;
-  sdm::TenantLimitsConfig limits;
+  sdm::Reloadable<sdm::ApiKeyAuthenticator> auth;
+  sdm::Reloadable<sdm::TenantLimitsConfig> limits;
   std::unique_ptr<sdm::SdmServiceImpl> service;
   sdm::ChatTemplate chat;
 };
@@ -134,7 +134,7 @@ Fixture& Service() {
     absl::StatusOr<sdm::TenantLimitsConfig> limits = sdm::TenantLimitsConfig::Parse(
         absl::StrCat(R"({"default": {"max_sessions": )", kMaxSessions, "}}"));
     if (!limits.ok()) Fail("limits");
-    f->limits = *std::move(limits);
+    f->limits.Set(*std::move(limits));
     sdm::ServiceOptions options;
     options.max_prompt_tokens = kMaxPromptTokens;
     options.max_tokens_limit = kMaxTokensLimit;
@@ -188,8 +188,8 @@ void CheckPrepared(Fixture& f, const GenerateRequest& request, const absl::Statu
   for (const int32_t id : job.prompt) {
     if (id < 0 || id >= f.engine->vocab_size()) Fail("a prepared prompt with an invalid id");
   }
-  if (job.sampling.max_tokens < 1 || job.sampling.max_tokens > kMaxTokensLimit) {
-    Fail("max_tokens outside [1, limit]");
+  if (job.sampling.max_tokens < 0 || job.sampling.max_tokens > kMaxTokensLimit) {
+    Fail("max_tokens outside [0, limit]");
   }
   const int64_t history = request.session_id() == "s1" ? kHistory : 0;
   if (history + static_cast<int64_t>(job.prompt.size()) + job.sampling.max_tokens >

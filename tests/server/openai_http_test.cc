@@ -692,6 +692,21 @@ TEST_F(OpenAiHttpTest, EchoScoresThePromptAsGrpcsPromptLogprobs) {
   EXPECT_EQ(sc.text, "Once upon" + text);
   EXPECT_EQ(sc.logprobs, lp);
 
+  // max_tokens 0 scores the prompt without generating (OpenAI's echo for perplexity): the same
+  // prompt entries, nothing after them.
+  Json scoring = body;
+  scoring["max_tokens"] = 0;
+  const Reply scored = Post(port, "/v1/completions", scoring);
+  ASSERT_EQ(scored.status, 200) << scored.raw;
+  EXPECT_EQ(scored.body["choices"][0]["text"], "Once upon");
+  EXPECT_EQ(scored.body["choices"][0]["finish_reason"], "length");
+  EXPECT_EQ(scored.body["usage"]["completion_tokens"], 0);
+  const Json& scored_lp = scored.body["choices"][0]["logprobs"];
+  ASSERT_EQ(scored_lp["tokens"].size(), prompt.size()) << scored.raw;
+  for (size_t i = 1; i < prompt.size(); ++i) {
+    EXPECT_EQ(scored_lp["token_logprobs"][i].get<double>(), prompt[i].logprobs().logprob());
+  }
+
   // Without logprobs the text is echoed alone; token ids echo as their text.
   const Reply plain =
       Post(port, "/v1/completions",
@@ -1058,7 +1073,7 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       // The service's range check, gRPC's message.
       {"/v1/completions", with(good, "top_k", -1), 400, "sampling.top_k must be >= 0"},
       {"/v1/completions", with(good, "max_tokens", 1.5), 400, "'max_tokens'"},
-      {"/v1/completions", with(good, "max_tokens", 0), 400, "max_tokens"},
+      {"/v1/completions", with(good, "max_tokens", -1), 400, "max_tokens"},
       {"/v1/completions", with(good, "stream", "yes"), 400, "'stream'"},
       {"/v1/completions", with(good, "ignore_eos", "yes"), 400, "'ignore_eos'"},
       {"/v1/completions", with(good, "stop", {1}), 400, "'stop'"},

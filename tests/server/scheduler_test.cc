@@ -408,6 +408,42 @@ TEST_F(SchedulerTest, PromptLogprobsOfASessionsNextTurnScoreItsFirstToken) {
   }
 }
 
+// max_tokens 0: a turn that only reads its prompt (an agent appending a tool's output to its
+// session, or a prompt scored with prompt_logprobs). It ends kLength with nothing generated and
+// nothing pending, and the session's next turn continues from the whole prompt.
+TEST_F(SchedulerTest, ATurnOfZeroTokensReadsItsPromptOnly) {
+  StartScheduler();
+  ASSERT_TRUE(store_->Create("agent", "").ok());
+  const auto p1 = Tokens(6, 21), p2 = Tokens(5, 22), p3 = Tokens(4, 23);
+  auto run = [&](const std::vector<int32_t>& p, int max_tokens, std::optional<int> scored) {
+    GenerateJob job = Job("agent", p, max_tokens);
+    job.prompt_logprobs = scored;
+    auto c = std::make_shared<Collector>();
+    SDM_CHECK(scheduler_->Submit(std::move(job), c).ok());
+    c->Wait();
+    return c;
+  };
+  auto t1 = run(p1, 3, std::nullopt);
+  auto t2 = run(p2, 0, 0);  // appended, and scored
+  auto t3 = run(p3, 3, std::nullopt);
+  scheduler_.reset();
+  EXPECT_EQ(t2->reason, FinishReason::kLength);
+  EXPECT_TRUE(t2->tokens.empty());
+  EXPECT_EQ(t2->usage.generated_tokens, 0);
+  EXPECT_EQ(t2->usage.prompt_tokens, 5);
+  EXPECT_TRUE(t2->prompt_done);
+  ASSERT_EQ(t2->prompt.size(), p2.size());
+  // t1's last token was pending: read first, it scores p2's first token.
+  EXPECT_TRUE(t2->prompt[0].logprobs.has_value());
+  EXPECT_EQ(t3->usage.history_tokens, 6 + t1->usage.generated_tokens + 5);
+  // Reference: one session fed the same history; t2 left nothing pending.
+  auto s = engine_->NewSession();
+  int32_t pending = -1;
+  EXPECT_EQ(t1->tokens, Direct(*s, p1, 3, &pending));
+  ASSERT_TRUE(engine_->Prefill(*s, AfterPending(pending, p2), false, nullptr).ok());
+  EXPECT_EQ(t3->tokens, Direct(*s, p3, 3));
+}
+
 TEST_F(SchedulerTest, LogprobsOutOfRangeAreRefused) {
   StartScheduler();
   for (const int n : {-1, kMaxTopLogprobs + 1}) {

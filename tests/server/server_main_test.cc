@@ -121,11 +121,22 @@ TEST_F(ServerMainTest, UsageErrorsAndModelsThatDoNotLoad) {
   EXPECT_EQ(RunServer("--model x --resident_budget 12parsecs").status, 2);
   EXPECT_EQ(RunServer("--model x --persist_writers 0").status, 2);
   // Values ServerOptions refuses are usage errors too (they were start failures, exit 1).
-  for (const char* flag : {"--max_running 0", "--max_waiting -1", "--port 70000",
-                           "--session_ttl 1000000h", "--decode_nice 25", "--max_session_tokens -2",
-                           "--device cuda --cpu_dtype bf16", "--http_max_connections 0"}) {
+  // Each message names the flag and the value given.
+  for (const auto& [flag, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--max_running 0", "--max_running must be >= 1, got 0"},
+           {"--max_waiting -1", "--max_waiting must be >= 0, got -1"},
+           {"--prefill_token_budget 0", "--prefill_token_budget must be >= 1, got 0"},
+           {"--port 70000", "--port must be in [0, 65535], got 70000"},
+           {"--session_ttl 1000000h", "ttl"},
+           {"--decode_nice 25", "--decode_nice"},
+           {"--max_session_tokens -2", "--max_session_tokens must be >= 0"},
+           {"--device cuda --cpu_dtype bf16", "--cpu_dtype applies to the CPU engine only"},
+           {"--http_max_connections 0", "--http_max_connections must be >= 1, got 0"},
+           {"--shutdown_grace -1s", "--shutdown_grace must not be negative, got -1s"},
+           {"--tls_cert /x.pem", "TLS needs both --tls_cert and --tls_key"}}) {
     const ProcessRun r = RunServer(absl::StrCat("--model x ", flag));
     EXPECT_EQ(r.status, 2) << flag << ": " << r.err;
+    EXPECT_THAT(r.err, ::testing::HasSubstr(says)) << flag;
   }
   // The HTTP API's options without the HTTP API would fail only the day it is turned on.
   for (const char* flag : {"--chat_template /nonexistent.json", "--http_cors_origins notaurl"}) {
@@ -432,6 +443,50 @@ std::unique_ptr<v1::SdmService::Stub> StubFromStartUpLine(const std::string& lin
   if (!line.starts_with("listening on ")) return nullptr;
   const std::string address = line.substr(13, line.find(' ', 13) - 13);
   return v1::SdmService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+}
+
+// SIGHUP reads the key file again (SdmServer::ReloadConfig): a rotated key works from then on,
+// the one it replaced does not, and stderr says what was reloaded. The server keeps serving.
+TEST_F(ServerMainTest, SighupReloadsTheKeyFile) {
+  const std::filesystem::path err = dir_.path() / "stderr.txt", keys = dir_.path() / "keys";
+  const auto write_keys = [&](const std::string& text) {
+    { std::ofstream(keys) << text; }
+    std::filesystem::permissions(
+        keys, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write);
+  };
+  write_keys("sk-0123456789abcdef alice\n");
+  const SpawnedServer server = SpawnServer(
+      {absl::StrCat("--model=", NoEosModelDir().string()), "--port=0", "--metrics_port=-1",
+       "--threads=1", "--state_dir=", absl::StrCat("--api_keys=", keys.string())},
+      err);
+  ASSERT_GT(server.pid, 0);
+  auto stub = StubFromStartUpLine(ReadLine(server.out, std::chrono::seconds(30)));
+  ASSERT_NE(stub, nullptr);
+  const auto tokenize_as = [&](const std::string& key) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", "Bearer " + key);
+    v1::TokenizeRequest request;
+    request.set_text("hi");
+    v1::TokenizeResponse response;
+    return stub->Tokenize(&context, request, &response).error_code();
+  };
+  EXPECT_EQ(tokenize_as("sk-0123456789abcdef"), grpc::StatusCode::OK);
+
+  write_keys("sk-fedcba9876543210 alice\n");
+  ASSERT_EQ(::kill(server.pid, SIGHUP), 0);
+  // Waits for the server's answer on stderr (an event, however long the machine takes).
+  Eventually([&] { return ReadFile(err.string()).find("SIGHUP: ") != std::string::npos; });
+  EXPECT_THAT(ReadFile(err.string()),
+              ::testing::HasSubstr("SIGHUP: reloaded 1 API keys of 1 tenants"));
+  EXPECT_EQ(tokenize_as("sk-fedcba9876543210"), grpc::StatusCode::OK);
+  EXPECT_EQ(tokenize_as("sk-0123456789abcdef"), grpc::StatusCode::UNAUTHENTICATED);
+
+  ASSERT_EQ(::kill(server.pid, SIGTERM), 0);
+  int raw = 0;
+  ASSERT_EQ(::waitpid(server.pid, &raw, 0), server.pid);
+  ::close(server.out);
+  ASSERT_TRUE(WIFEXITED(raw)) << ReadFile(err.string());
+  EXPECT_EQ(WEXITSTATUS(raw), 0) << ReadFile(err.string());
 }
 
 TEST_F(ServerMainTest, ASecondSignalExitsAtOnceAndSaysItSavedNothing) {

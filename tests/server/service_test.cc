@@ -1029,8 +1029,6 @@ TEST_F(ServiceTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
   add("ids over the limit", C::INVALID_ARGUMENT, [](auto& r) {
     for (int i = 0; i < 65; ++i) r.mutable_token_ids()->add_ids(i);
   });
-  add("max_tokens 0", C::INVALID_ARGUMENT,
-      [](auto& r) { r.mutable_sampling()->set_max_tokens(0); });
   add("max_tokens negative", C::INVALID_ARGUMENT,
       [](auto& r) { r.mutable_sampling()->set_max_tokens(-5); });
   add("max_tokens over the limit", C::INVALID_ARGUMENT,
@@ -1626,4 +1624,49 @@ TEST_F(ServiceTest, HealthAndReflectionServices) {
 }
 
 }  // namespace
+// ReloadConfig (SIGHUP): the key file and the tenant limits as they are now apply to the next
+// requests; a file that does not parse changes nothing and says so.
+TEST_F(ServiceTest, AReloadAppliesTheKeyAndLimitsFilesAsTheyAreNow) {
+  ServerOptions o = TwoTenantOptions();
+  o.tenant_limits_file = dir_.path() / "limits.json";
+  WriteFile(o.tenant_limits_file, R"({"tenants": {"tenant-a": {"max_sessions": 1}}})");
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  ASSERT_TRUE(CreateSession(*s.stub, "a1", nullptr, kTenantAKey).ok());
+  const grpc::Status over = CreateSession(*s.stub, "a2", nullptr, kTenantAKey);
+  EXPECT_FALSE(over.ok());
+  EXPECT_THAT(over.error_message(), ::testing::HasSubstr("max_sessions"));
+
+  // Tenant b's key rotated to a new one; tenant a may hold two sessions.
+  constexpr char kNewBKey[] = "sk-cccccccccccccccccccc";
+  WriteFile(o.api_keys_file, absl::StrCat(kTenantAKey, " tenant-a\n", kNewBKey, " tenant-b\n"));
+  WriteFile(o.tenant_limits_file, R"({"tenants": {"tenant-a": {"max_sessions": 2}}})");
+  const absl::StatusOr<std::string> reloaded = s.server->ReloadConfig();
+  ASSERT_TRUE(reloaded.ok()) << reloaded.status();
+  EXPECT_THAT(*reloaded, ::testing::HasSubstr("reloaded 2 API keys of 2 tenants"));
+  EXPECT_THAT(*reloaded, ::testing::HasSubstr("the limits of 1 tenants"));
+  EXPECT_TRUE(CreateSession(*s.stub, "a2", nullptr, kTenantAKey).ok());
+  EXPECT_EQ(CreateSession(*s.stub, "b1", nullptr, kTenantBKey).error_code(),
+            grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_TRUE(CreateSession(*s.stub, "b1", nullptr, kNewBKey).ok());
+
+  // A key file that does not parse: nothing changes, and the error says so.
+  WriteFile(o.api_keys_file, "not a key file\n");
+  WriteFile(o.tenant_limits_file, R"({"tenants": {"tenant-a": {"max_sessions": 9}}})");
+  const absl::StatusOr<std::string> refused = s.server->ReloadConfig();
+  ASSERT_FALSE(refused.ok());
+  EXPECT_THAT(refused.status().message(),
+              ::testing::HasSubstr("the previous keys and limits stay in force"));
+  v1::Session b1;
+  EXPECT_TRUE(GetSession(*s.stub, "b1", &b1, kNewBKey).ok());
+  // The limits file was read but not applied: tenant a still holds at most two.
+  EXPECT_FALSE(CreateSession(*s.stub, "a3", nullptr, kTenantAKey).ok());
+}
+
+TEST_F(ServiceTest, AReloadWithoutKeyOrLimitsFilesHasNothingToDo) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  EXPECT_EQ(s.server->ReloadConfig().status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace sdm::testing

@@ -97,8 +97,8 @@ class StaleSessionReadTest : public ::testing::Test {
   std::unique_ptr<SessionStateStore> store_;
   prometheus::Registry registry_;
   std::unique_ptr<ServerMetrics> metrics_;
-  ApiKeyAuthenticator auth_;
-  TenantLimitsConfig limits_;
+  Reloadable<ApiKeyAuthenticator> auth_;
+  Reloadable<TenantLimitsConfig> limits_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<SdmServiceImpl> service_;
 };
