@@ -1,7 +1,8 @@
 // Reloadable<T>: a value that readers take a snapshot of and a reload replaces whole (the key
 // file and the tenant limits, on SIGHUP). A reader keeps its snapshot for as long as it uses it
-// (a request checks its key and its limits against the one it took), so a reload never changes
-// a value under a reader; the next Get() sees the new one.
+// (a check runs against the one it took), so a reload never changes a value under a reader; the
+// next Get() sees the new one. Two Reloadables are replaced one after the other: a request that
+// reads both may see one old and one new.
 //
 // Thread-safety: Get and Set may run concurrently from any threads.
 #ifndef SDMSERVE_BASE_RELOADABLE_H_

@@ -73,6 +73,7 @@ void GenerateStream::OnToken(int32_t token, absl::string_view text, const TokenL
 
 void GenerateStream::OnPromptLogprobs(std::span<const PromptTokenLogprobs> tokens,
                                       bool prompt_done) {
+  if (tokens.empty()) return;  // a last chunk of one token scores nothing: no empty chunk
   {
     absl::MutexLock lock(&mu_);
     if (broken_) return;

@@ -331,8 +331,22 @@ void SaySignal(int signal_number, const char* before, const char* after) {
   [[maybe_unused]] const ssize_t written = write(STDERR_FILENO, line, n);
 }
 
+// A signal handler's errno as it found it: the interrupted code may be reading errno (the
+// handler's write(2) can set it).
+class SavedErrno {
+ public:
+  SavedErrno() : saved_(errno) {}
+  ~SavedErrno() { errno = saved_; }
+  SavedErrno(const SavedErrno&) = delete;
+  SavedErrno& operator=(const SavedErrno&) = delete;
+
+ private:
+  const int saved_;
+};
+
 void OnShutdownSignal(int signal_number) {
   // Async-signal-safe: clock_gettime, atomics, write(2) and _exit only.
+  const SavedErrno saved_errno;
   if (!started.load()) {
     SaySignal(signal_number, "",
               " during start-up: exiting now with status 1 (nothing was served yet)\n");
@@ -366,6 +380,7 @@ int reload_pipe[2] = {-1, -1};
 constexpr char kReloadRequest = 'r', kReloadStop = 'q';
 
 void OnReloadSignal(int) {
+  const SavedErrno saved_errno;
   const char c = kReloadRequest;
   [[maybe_unused]] const ssize_t n = write(reload_pipe[1], &c, 1);  // async-signal-safe
 }

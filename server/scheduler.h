@@ -131,7 +131,8 @@ bool IsSessionChanged(const absl::Status& status);
 // (GenerateJob::prompt_logprobs), and its log-probability given everything its session read
 // before it (engine/logprobs.h). None for a token that nothing was read before: the first of a
 // sequence (a one-shot request, a session at position 0), or the first of a turn on a session whose
-// previous request left no token to read (one that ended before reading its whole prompt). A
+// previous request left no token to read (one of max_tokens 0, or one that ended before reading
+// its whole prompt). A
 // session's previous turn otherwise leaves its last generated token pending: it is read first, so
 // the prompt's first token is scored too.
 struct PromptTokenLogprobs {

@@ -757,14 +757,17 @@ absl::StatusOr<std::string> SdmServer::Impl::ReloadConfig() {
   if (keys.has_value()) {
     what.push_back(absl::StrCat(keys->num_keys(), " API keys of ", keys->tenants().size(),
                                 " tenants from ", options.api_keys_file.string()));
-    auth.Set(*std::move(keys));
-    WarnOfOpenAccess(options);  // the file's mode, again
   }
   if (limits.has_value()) {
     what.push_back(absl::StrCat("the limits of ", limits->tenant_names().size(),
                                 " tenants and the default from ",
                                 options.tenant_limits_file.string()));
+    // The limits first: a key added now is never served before its tenant's limits are in force.
     tenant_limits.Set(*std::move(limits));
+  }
+  if (keys.has_value()) {
+    auth.Set(*std::move(keys));
+    WarnOfOpenAccess(options);  // the file's mode, again
   }
   WarnOfLimitsForUnknownTenants(*tenant_limits.Get(), *auth.Get());
   // Requests already admitted keep the snapshot they took; the next ones use these.

@@ -164,6 +164,11 @@ class SdmServiceImpl final : public v1::SdmService::CallbackService {
   absl::Status DoForkSession(absl::string_view tenant, const v1::ForkSessionRequest& request,
                              v1::Session& response);
   absl::Status DoDetokenize(const v1::DetokenizeRequest& request, v1::DetokenizeResponse& response);
+  // The most requests `tenant` may have waiting or running (TenantLimits::max_requests; nullopt:
+  // no limit), as the key and limits files say now.
+  std::optional<int64_t> TenantMaxRequests(absl::string_view tenant) const {
+    return deps_.tenant_limits.Get()->For(tenant).max_requests;
+  }
   // Counts one finished request of `method` in the server's metrics.
   void RecordRequest(absl::string_view method, absl::StatusCode code,
                      std::chrono::steady_clock::time_point start);

@@ -158,6 +158,9 @@ void CompletionChoices::Finish(int index, FinishReason reason, const Usage& usag
   metrics_.prompt_tokens.Increment(static_cast<double>(usage.prompt_tokens));
   metrics_.history_tokens.Increment(static_cast<double>(usage.history_tokens));
   metrics_.generated_tokens.Increment(static_cast<double>(usage.generated_tokens));
+  // The response is an error once one choice failed: the others stop within a step, whichever
+  // path (whole, streamed, or waiting for the status) reads the end.
+  if (reason == FinishReason::kError) Cancel();
   absl::MutexLock lock(&mu_);
   Slot& slot = slots_[static_cast<size_t>(index)];
   ReleaseEcho(slot);  // a job that ended before reading its whole prompt

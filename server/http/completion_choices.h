@@ -59,7 +59,8 @@ class CompletionChoices : public std::enable_shared_from_this<CompletionChoices>
   // prompt's text with its tokens; otherwise at once. Before the job is submitted.
   void Echo(int index, std::string prompt, bool with_prompt_logprobs);
 
-  // Every job ends as cancelled within one step (the client went away, or a refusal).
+  // Every job ends as cancelled within one step (the client went away, a refusal, or one
+  // choice's error: Finish cancels the others itself).
   void Cancel() { cancelled_.store(true, std::memory_order_relaxed); }
 
   // Waits up to `timeout` for output or an end, and takes what is there.

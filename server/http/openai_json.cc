@@ -373,7 +373,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
   if (absl::Status s = GetInteger(j, "n", n); !s.ok()) return s;
   if (n.has_value()) {
     const int64_t prompts = std::max<int64_t>(1, static_cast<int64_t>(r.prompts.size()));
-    if (*n < 1 || *n * prompts > kMaxOpenAiChoices) {
+    if (*n < 1 || *n > kMaxOpenAiChoices / prompts) {  // n * prompts could overflow
       return absl::InvalidArgumentError(absl::StrCat(
           "'n' must be in [1, ", kMaxOpenAiChoices / prompts, "] (at most ", kMaxOpenAiChoices,
           " choices per request", prompts > 1 ? absl::StrCat(", over ", prompts, " prompts") : "",

@@ -226,7 +226,7 @@ class OpenAiServer::Handlers {
  public:
   Handlers(OpenAiServer& owner, const OpenAiServerOptions& options, SdmServiceImpl& service,
            const Reloadable<ApiKeyAuthenticator>& auth, ServerMetrics& metrics,
-           ChatTemplate chat_template)
+           ChatTemplate chat_template, int scheduler_slots)
       : owner_(owner),
         options_(options),
         service_(service),
@@ -234,7 +234,8 @@ class OpenAiServer::Handlers {
         metrics_(metrics),
         chat_template_(std::move(chat_template)),
         model_name_(service.model_info().name()),
-        created_(absl::ToUnixSeconds(absl::Now())) {}
+        created_(absl::ToUnixSeconds(absl::Now())),
+        scheduler_slots_(scheduler_slots) {}
 
   void Install(httplib::Server& http);
 
@@ -278,6 +279,7 @@ class OpenAiServer::Handlers {
   const ChatTemplate chat_template_;
   const std::string model_name_;
   const int64_t created_;
+  const int scheduler_slots_;  // max_running + max_waiting: the most jobs admitted at once
   // Every route, as httplib matches it (the whole path against the pattern); set by Install,
   // read-only while serving.
   struct Route {
@@ -443,6 +445,23 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
         prompts, " prompts, n = ", request->n,
         "); send one prompt with n 1, or leave the session out (several choices are one-shot)")));
   }
+  if (count > 1) {
+    // Choices are admitted one job at a time: more than could ever be admitted together would be
+    // refused with a retry hint, and every retry refused again.
+    const std::optional<int64_t> tenant_max = service_.TenantMaxRequests(*tenant);
+    if (count > scheduler_slots_ || (tenant_max.has_value() && count > *tenant_max)) {
+      return refuse(absl::InvalidArgumentError(absl::StrCat(
+          "this request asks for ", count, " choices (", prompts, " prompts, n = ", request->n,
+          "), each a request of its own; at most ",
+          tenant_max.has_value() ? std::min<int64_t>(*tenant_max, scheduler_slots_)
+                                 : scheduler_slots_,
+          " can be admitted at once (",
+          tenant_max.has_value() ? absl::StrCat("the tenant's max_requests ", *tenant_max, ", ")
+                                 : "",
+          "the server's --max_running plus --max_waiting ", scheduler_slots_,
+          "): send fewer per request")));
+    }
+  }
   const auto choices = CompletionChoices::Create(count, metrics_, service_.tokenizer());
   owner_.active_generations_.fetch_add(1);
   for (int i = 0; i < count; ++i) {
@@ -516,7 +535,6 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
   struct ChoiceSoFar {
     std::string text;
     std::vector<LogprobEntry> logprobs;
-    bool started = false;     // streaming chat: the choice's first chunk (the role) was sent
     int64_t text_offset = 0;  // streaming completions: characters of tokens sent
   };
   // A non-streaming response, whole.
@@ -631,10 +649,6 @@ void OpenAiServer::Handlers::Generate(const httplib::Request& req, const std::st
       return write(absl::StrCat("data: ", Dump(j), "\n\n"));
     };
     CompletionChoices::Taken t = choices->Take(heartbeat);
-    for (const CompletionChoices::Choice& c : t.choices) {
-      // The response is an error once one choice failed: the others stop within a step.
-      if (c.ended && c.reason == FinishReason::kError) choices->Cancel();
-    }
     const absl::Time now = absl::Now();
     const absl::Status status = t.done ? first_error(t) : absl::OkStatus();
     if (stream) {
@@ -1044,7 +1058,7 @@ absl::StatusOr<std::unique_ptr<OpenAiServer>> OpenAiServer::Start(
     s->listen_fd_.store(socket);        // the last one made is the one bound (CloseListener)
   });
   server->handlers_ = std::make_unique<Handlers>(*server, options, service, auth, metrics,
-                                                 *std::move(chat_template));
+                                                 *std::move(chat_template), scheduler_slots);
   server->handlers_->Install(http);
 
   if (options.port == 0) {

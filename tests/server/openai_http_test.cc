@@ -609,6 +609,39 @@ TEST_F(OpenAiHttpTest, TokenizeAndDetokenizeAsVllmShapesThem) {
   }
 }
 
+// More choices than could ever be admitted together (the queue's places, the tenant's
+// max_requests) are refused up front, without a retry hint: admitted one at a time, they would be
+// refused with one, and every retry refused again.
+TEST_F(OpenAiHttpTest, MoreChoicesThanCanBeAdmittedAreRefusedUpFront) {
+  ServerOptions o = Options();
+  o.scheduler.max_running = 2;
+  o.scheduler.max_waiting = 2;
+  o.tenant_limits_file = dir_.path() / "limits.json";
+  WriteFile(o.tenant_limits_file, R"({"default": {"max_requests": 3}})");
+  Served s = Serve(o);
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  const Reply fits = Post(port, "/v1/completions",
+                          {{"prompt", "Hi"}, {"max_tokens", 1}, {"temperature", 0}, {"n", 3}});
+  ASSERT_EQ(fits.status, 200) << fits.raw;
+  EXPECT_EQ(fits.body["choices"].size(), 3u);
+  const Reply tenant =
+      Post(port, "/v1/completions", {{"prompt", {"Hi", "Ho"}}, {"max_tokens", 1}, {"n", 2}});
+  EXPECT_EQ(tenant.status, 400) << tenant.raw;
+  EXPECT_NE(tenant.raw.find("asks for 4 choices (2 prompts, n = 2), each a request of its own; "
+                            "at most 3 can be admitted at once (the tenant's max_requests 3"),
+            std::string::npos)
+      << tenant.raw;
+  EXPECT_TRUE(tenant.retry_after.empty()) << tenant.raw;
+  WriteFile(o.tenant_limits_file, R"({"default": {"max_requests": 100}})");
+  ASSERT_TRUE(s.server->ReloadConfig().ok());
+  const Reply queue = Post(port, "/v1/chat/completions",
+                           {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"n", 5}});
+  EXPECT_EQ(queue.status, 400) << queue.raw;
+  EXPECT_NE(queue.raw.find("the server's --max_running plus --max_waiting 4"), std::string::npos)
+      << queue.raw;
+}
+
 TEST_F(OpenAiHttpTest, EchoScoresThePromptAsGrpcsPromptLogprobs) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);
@@ -1078,6 +1111,9 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "ignore_eos", "yes"), 400, "'ignore_eos'"},
       {"/v1/completions", with(good, "stop", {1}), 400, "'stop'"},
       {"/v1/completions", with(good, "n", 0), 400, "'n' must be in [1, 64]"},
+      // n * prompts past int64 (2^62 * 4 wrapped to 0 choices, answered 200 with none).
+      {"/v1/completions", with2(good, "prompt", {"a", "b", "c", "d"}, "n", 4611686018427387904LL),
+       400, "'n' must be in [1, 16]"},
       {"/v1/completions", with(good, "seed", "s"), 400, "'seed'"},
       {"/v1/completions", with(good, "model", "gpt-4"), 404, "'gpt-4' does not exist"},
       {"/v1/completions", with(good, "session_id", "nope"), 404, "'nope' not found"},
