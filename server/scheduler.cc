@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <optional>
 #include <utility>
@@ -118,6 +119,13 @@ absl::Status Scheduler::Submit(GenerateJob spec, std::shared_ptr<JobObserver> ob
   if (spec.prompt_logprobs.has_value()) {
     if (absl::Status s = CheckTopLogprobs(*spec.prompt_logprobs, "prompt_logprobs"); !s.ok()) {
       return s;
+    }
+  }
+  for (const auto& [id, bias] : spec.logit_bias) {
+    if (id < 0 || id >= engine_.vocab_size() || !std::isfinite(bias)) {
+      return absl::InvalidArgumentError(absl::StrCat("logit_bias: token ", id, " with bias ", bias,
+                                                     " (ids in [0, ", engine_.vocab_size(),
+                                                     "), finite biases)"));
     }
   }
   {
@@ -368,28 +376,32 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   // engine/engine.h), and other jobs' decode tokens come between a long prompt's chunks.
   struct Planned {
     Job* job;
-    size_t prefill = 0;       // prompt tokens fed (0: a decode token)
-    int64_t draw = -1;        // index of the token the step draws for it (-1: none)
-    int64_t logit_row = -1;   // row of the step's logits for the draw's log-probabilities
-    int64_t prompt_row = -1;  // first of the chunk's rows when the job scores its prompt
+    size_t prefill = 0;          // prompt tokens fed (0: a decode token)
+    int64_t draw = -1;           // index of the token the engine draws for it (-1: none)
+    int64_t host_draw_row = -1;  // a biased job's draw: the logits row it is drawn from here
+    int64_t logit_row = -1;      // row of the step's logits for the draw's log-probabilities
+    int64_t prompt_row = -1;     // first of the chunk's rows when the job scores its prompt
   };
   // A prompt chunk's or decode token's segment: with every row's logits for a job that scores its
-  // prompt (a prompt chunk), the last row's for one that asked for its tokens' log-probabilities.
+  // prompt (a prompt chunk), the last row's for one that asked for its tokens' log-probabilities
+  // or whose draw is biased (drawn here from that row, not by the engine).
   const auto add_segment = [](StepBatch& batch, Planned& planned, std::span<const int32_t> tokens,
                               bool draw) {
     Job& job = *planned.job;
+    const bool host_draw = draw && !job.spec.logit_bias.empty();
     StepLogits logits = StepLogits::kNone;
+    int64_t last_row = -1;  // the row of the segment's last token, when it has logits
     if (planned.prefill > 0 && job.spec.prompt_logprobs.has_value()) {
       logits = StepLogits::kAll;
       planned.prompt_row = batch.LogitRows();
-      if (draw && job.spec.logprobs.has_value()) {
-        planned.logit_row = planned.prompt_row + static_cast<int64_t>(tokens.size()) - 1;
-      }
-    } else if (draw && job.spec.logprobs.has_value()) {
+      last_row = planned.prompt_row + static_cast<int64_t>(tokens.size()) - 1;
+    } else if (draw && (job.spec.logprobs.has_value() || host_draw)) {
       logits = StepLogits::kLast;
-      planned.logit_row = batch.LogitRows();
+      last_row = batch.LogitRows();
     }
-    if (draw) {
+    if (draw && job.spec.logprobs.has_value()) planned.logit_row = last_row;
+    if (host_draw) planned.host_draw_row = last_row;
+    if (draw && !host_draw) {
       planned.draw =
           batch.AddDraw(*job.state, tokens, logits, job.spec.sampling, job.state->sampler_draws);
     } else {
@@ -530,8 +542,8 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
     } else {
       job.next_input = -1;  // fed
     }
-    if (p.draw < 0) continue;
-    const int32_t token = sampled[p.draw];
+    if (p.draw < 0 && p.host_draw_row < 0) continue;
+    const int32_t token = p.host_draw_row >= 0 ? DrawBiased(job, p.host_draw_row) : sampled[p.draw];
     ++job.state->sampler_draws;  // the draw's index was the count before it
     const Clock::time_point t = Clock::now();
     if (listener_ != nullptr) {
@@ -556,6 +568,17 @@ void Scheduler::Step(std::vector<std::unique_ptr<Job>>& running) {
   if (listener_ != nullptr) {
     listener_->OnStep(decodes, prefilled, Seconds(step_start, Clock::now()));
   }
+}
+
+int32_t Scheduler::DrawBiased(const Job& job, int64_t row) {
+  // What the engine's draw computes (SampleToken, engine/sampler.h), from the biased row.
+  const int64_t vocab = engine_.vocab_size();
+  const std::span<const float> logits =
+      std::span<const float>(step_logits_)
+          .subspan(static_cast<size_t>(row * vocab), static_cast<size_t>(vocab));
+  biased_row_.assign(logits.begin(), logits.end());
+  for (const auto& [id, bias] : job.spec.logit_bias) biased_row_[static_cast<size_t>(id)] += bias;
+  return SampleToken(biased_row_, job.spec.sampling, job.state->sampler_draws);
 }
 
 void Scheduler::ScorePrompt(Job& job, int64_t first_row, size_t length) {

@@ -68,6 +68,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -101,6 +102,11 @@ struct GenerateJob {
   std::vector<int32_t> prompt;  // at least one token (BOS already added by the caller)
   SamplingParams sampling;      // validated by the caller
   std::vector<std::string> stop_strings;
+  // Added to the logits of these token ids before each draw (validated by the caller: ids in the
+  // vocabulary, biases finite). The job's tokens are then drawn on the host from its logits row
+  // (SampleToken of the biased row), whatever the backend; its log-probabilities stay the
+  // model's own.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   // nullopt: none. N in [0, kMaxTopLogprobs]: each token's log-probability and its position's N
   // most probable tokens (engine/logprobs.h), handed to the observer with the token.
   std::optional<int> logprobs;
@@ -248,6 +254,8 @@ class Scheduler {
   // comment (fairness between tenants).
   void AdmitLocked(std::vector<std::unique_ptr<Job>>& running) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Step(std::vector<std::unique_ptr<Job>>& running);
+  // The token a biased job draws from the step's logits row `row` (GenerateJob::logit_bias).
+  int32_t DrawBiased(const Job& job, int64_t row);
   // Hands the observer the log-probabilities of the prompt tokens a chunk of `length` tokens
   // (from job.fed, not yet advanced) scores, from the step's logits rows from `first_row` on.
   void ScorePrompt(Job& job, int64_t first_row, size_t length);
@@ -274,6 +282,7 @@ class Scheduler {
   // The logit rows a step returns (jobs asking for log-probabilities), kept for the next steps
   // so that they are not allocated every step (step thread only).
   std::vector<float> step_logits_;
+  std::vector<float> biased_row_;  // DrawBiased's copy of a row (step thread only)
   static constexpr int64_t kCapProbeSteps = 64;
   // Prompt chunks planned so far, and for each tenant the count when it was last given one
   // (step thread only): tenants take prompt chunks in turn (the class comment).

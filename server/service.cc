@@ -374,6 +374,24 @@ absl::Status SdmServiceImpl::PrepareGenerate(absl::string_view tenant, absl::Tim
   }
   p.stop_token_ids.assign(s.stop_token_ids().begin(), s.stop_token_ids().end());
   p.ignore_eos = s.ignore_eos();
+  if (s.logit_bias_size() > kMaxLogitBias) {
+    return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias has ", s.logit_bias_size(),
+                                                   " ids; at most ", kMaxLogitBias,
+                                                   " are allowed"));
+  }
+  for (const auto& [id, bias] : s.logit_bias()) {
+    if (id < 0 || id >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "sampling.logit_bias: token id ", id, " is outside the vocabulary [0, ", vocab, ")"));
+    }
+    if (!(bias >= -kMaxLogitBiasValue && bias <= kMaxLogitBiasValue)) {  // NaN fails too
+      return absl::InvalidArgumentError(absl::StrCat("sampling.logit_bias[", id, "] = ", bias,
+                                                     " must be in [-", kMaxLogitBiasValue, ", ",
+                                                     kMaxLogitBiasValue, "]"));
+    }
+    job.logit_bias.emplace_back(id, bias);
+  }
+  std::sort(job.logit_bias.begin(), job.logit_bias.end());  // the map's order is unspecified
   if (absl::Status v = ValidateSamplingParams(p, vocab); !v.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("sampling.", v.message()));
   }

@@ -99,6 +99,10 @@ absl::Status TtlTooLongError(absl::string_view field, absl::string_view got);
 inline constexpr int kMaxStopStrings = 16;
 inline constexpr size_t kMaxStopStringBytes = 256;
 inline constexpr int kMaxStopTokenIds = 1024;
+// SamplingParams.logit_bias: at most this many ids, each bias in [-kMaxLogitBiasValue,
+// kMaxLogitBiasValue] (OpenAI's limits).
+inline constexpr int kMaxLogitBias = 300;
+inline constexpr float kMaxLogitBiasValue = 100;
 
 // How many times a front end prepares and submits one Generate when its session changed between
 // the read that prepared it and the lease (IsSessionChanged): another turn or replica wrote the

@@ -8,6 +8,7 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "engine/logprobs.h"
@@ -273,8 +274,6 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
        [](const Json& v) { return v == "none" || v == "auto"; }},
       {"presence_penalty", "it applies no repetition penalties", is_false_or_zero},
       {"frequency_penalty", "it applies no repetition penalties", is_false_or_zero},
-      {"logit_bias", "it does not bias tokens",
-       [](const Json& v) { return v.is_object() && v.empty(); }},
       {"modalities", "it generates text only",
        [](const Json& v) { return v == Json::array({"text"}); }},
       {"audio", "it generates text only", never},
@@ -286,6 +285,26 @@ absl::Status RefuseUnimplemented(const Json& body, OpenAiEndpoint endpoint) {
       return absl::InvalidArgumentError(absl::StrCat(
           "'", u.field, "' is not supported by this server (", u.what, "); leave it out"));
     }
+  }
+  return absl::OkStatus();
+}
+
+// `logit_bias`: an object from token ids (as strings, OpenAI's form) to biases (numbers); the
+// service checks the ids against the vocabulary and the biases' range, naming gRPC's field.
+absl::Status ParseLogitBias(const Json& body, std::vector<std::pair<int32_t, float>>& out) {
+  const Json* v = Field(body, "logit_bias");
+  if (v == nullptr) return absl::OkStatus();
+  if (!v->is_object()) return WrongType("logit_bias", "an object from token ids to biases");
+  for (const auto& [key, bias] : v->items()) {
+    int32_t id = 0;
+    if (!absl::SimpleAtoi(key, &id)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("'logit_bias' key '", key, "' is not a token id"));
+    }
+    if (!bias.is_number()) {
+      return absl::InvalidArgumentError(absl::StrCat("'logit_bias'['", key, "'] must be a number"));
+    }
+    out.emplace_back(id, bias.get<float>());
   }
   return absl::OkStatus();
 }
@@ -393,6 +412,7 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
         "it out");
   }
   if (absl::Status s = RefuseUnimplemented(j, endpoint); !s.ok()) return s;
+  if (absl::Status s = ParseLogitBias(j, r.logit_bias); !s.ok()) return s;
   if (absl::Status s = ParseLogprobs(j, endpoint, r.logprobs); !s.ok()) return s;
   if (absl::Status s = GetBool(j, "stream", r.stream); !s.ok()) return s;
   if (const Json* options = Field(j, "stream_options"); options != nullptr) {
@@ -428,6 +448,7 @@ v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::s
     if (request.echo) g.set_prompt_logprobs(*request.logprobs);
   }
   for (const std::string& stop : request.stop) s.add_stop(stop);
+  for (const auto& [id, bias] : request.logit_bias) (*s.mutable_logit_bias())[id] = bias;
   for (const std::string& stop : extra_stop) s.add_stop(stop);
   return g;
 }

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -53,6 +54,7 @@ struct OpenAiRequest {
   std::optional<uint64_t> seed;
   std::vector<std::string> stop;
   bool ignore_eos = false;  // our extension (vLLM's name): SamplingParams.ignore_eos
+  std::vector<std::pair<int32_t, float>> logit_bias;  // SamplingParams.logit_bias
   // Log-probabilities asked for: the alternatives per token (GenerateRequest.logprobs).
   // /v1/completions' `logprobs` (an integer), or chat's `top_logprobs` once `logprobs` is true.
   std::optional<int32_t> logprobs;

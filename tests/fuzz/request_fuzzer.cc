@@ -235,9 +235,22 @@ void CheckOpenAi(Fixture& f, const std::string& body, sdm::OpenAiEndpoint endpoi
     ExpectCode(request.status(), {absl::StatusCode::kInvalidArgument}, "OpenAI parse");
     return;
   }
-  std::string prompt_text = request->prompt_text;
+  if (endpoint == sdm::OpenAiEndpoint::kCompletions) {
+    // Each prompt of a batch is a request of its own (server/http/openai_server.cc).
+    if (request->prompts.empty() || request->prompts.size() * static_cast<size_t>(request->n) >
+                                        static_cast<size_t>(sdm::kMaxOpenAiChoices)) {
+      Fail("a completion request without a prompt, or with more choices than allowed");
+    }
+    for (const sdm::CompletionPrompt& prompt : request->prompts) {
+      sdm::OpenAiRequest one = *request;
+      one.prompts = {prompt};
+      CheckGenerate(f, sdm::ToGenerateRequest(one, prompt.text, {}));
+    }
+    return;
+  }
+  std::string prompt_text;
   std::vector<std::string> template_stop;
-  if (endpoint == sdm::OpenAiEndpoint::kChatCompletions) {
+  {
     bool continuing = false;
     if (!request->session_id.empty()) {
       sdm::v1::GetSessionRequest get;

@@ -642,6 +642,33 @@ TEST_F(OpenAiHttpTest, MoreChoicesThanCanBeAdmittedAreRefusedUpFront) {
       << queue.raw;
 }
 
+TEST_F(OpenAiHttpTest, LogitBiasIsGrpcsSamplingLogitBias) {
+  Served s = Serve(Options());
+  ASSERT_NE(s.server, nullptr);
+  const int port = s.server->http_port();
+  // +100 on 'A' (the byte tokenizer's id 65) forces it; the same as gRPC's map, sampled too.
+  const Reply forced = Post(port, "/v1/completions",
+                            {{"prompt", "Hi"}, {"max_tokens", 3}, {"logit_bias", {{"65", 100}}}});
+  ASSERT_EQ(forced.status, 200) << forced.raw;
+  EXPECT_EQ(forced.body["choices"][0]["text"], "AAA");
+  v1::GenerateRequest request = TextRequest("Once upon", 8);
+  request.mutable_sampling()->set_temperature(1.2);
+  request.mutable_sampling()->set_seed(9);
+  (*request.mutable_sampling()->mutable_logit_bias())[101] = -100;  // 'e'
+  (*request.mutable_sampling()->mutable_logit_bias())[32] = 3;      // ' '
+  const Completion grpc = Generate(*s.stub, request);
+  ASSERT_TRUE(grpc.status.ok()) << grpc.status.error_message();
+  EXPECT_EQ(grpc.text.find('e'), std::string::npos) << grpc.text;
+  const Reply sampled = Post(port, "/v1/completions",
+                             {{"prompt", "Once upon"},
+                              {"max_tokens", 8},
+                              {"temperature", 1.2},
+                              {"seed", 9},
+                              {"logit_bias", {{"101", -100}, {"32", 3}}}});
+  ASSERT_EQ(sampled.status, 200) << sampled.raw;
+  EXPECT_EQ(sampled.body["choices"][0]["text"], grpc.text);
+}
+
 TEST_F(OpenAiHttpTest, EchoScoresThePromptAsGrpcsPromptLogprobs) {
   Served s = Serve(Options());
   ASSERT_NE(s.server, nullptr);
@@ -1161,8 +1188,15 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
        "'presence_penalty' is not supported by this server (it applies no repetition penalties)"},
       {"/v1/chat/completions", with(chat, "frequency_penalty", -1), 400,
        "'frequency_penalty' is not supported"},
-      {"/v1/completions", with(good, "logit_bias", {{"50", -100}}), 400,
-       "'logit_bias' is not supported"},
+      {"/v1/completions", with(good, "logit_bias", {{"abc", 1}}), 400,
+       "'logit_bias' key 'abc' is not a token id"},
+      {"/v1/completions", with(good, "logit_bias", {{"65", "up"}}), 400,
+       "'logit_bias'['65'] must be a number"},
+      {"/v1/completions", with(good, "logit_bias", {{"65", 200}}), 400,
+       "sampling.logit_bias[65] = 200 must be in [-100, 100]"},
+      {"/v1/completions", with(good, "logit_bias", {{"99999", 1}}), 400,
+       "sampling.logit_bias: token id 99999 is outside the vocabulary"},
+      {"/v1/completions", with(good, "logit_bias", 5), 400, "'logit_bias' must be an object"},
       {"/v1/chat/completions", with(chat, "modalities", {"text", "audio"}), 400,
        "'modalities' is not supported"},
       {"/v1/chat/completions", with(chat, "audio", {{"voice", "alloy"}, {"format", "wav"}}), 400,

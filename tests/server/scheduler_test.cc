@@ -444,6 +444,56 @@ TEST_F(SchedulerTest, ATurnOfZeroTokensReadsItsPromptOnly) {
   EXPECT_EQ(t3->tokens, Direct(*s, p3, 3));
 }
 
+// logit_bias: the job's tokens are drawn here from its biased logits row, exactly
+// SampleToken(row + bias) of a solo engine run; its log-probabilities stay the model's own; and
+// a job without bias in the same batch is unchanged.
+TEST_F(SchedulerTest, LogitBiasDrawsFromTheBiasedRowAndChangesNothingElse) {
+  StartScheduler();
+  const std::vector<int32_t> prompt = Tokens(9, 31);
+  const auto job = [&](std::vector<std::pair<int32_t, float>> bias, double temperature) {
+    GenerateJob j = Job("", prompt, 6);
+    j.sampling.temperature = temperature;
+    j.sampling.seed = 77;
+    j.logit_bias = std::move(bias);
+    j.logprobs = 0;
+    return j;
+  };
+  // Forced: +100 on one token makes it every draw's (greedy).
+  const int32_t forced_token = 'q';
+  auto forced = std::make_shared<Collector>();
+  auto plain = std::make_shared<Collector>();
+  auto banned = std::make_shared<Collector>();
+  ASSERT_TRUE(scheduler_->Submit(job({{forced_token, 100.0f}}, 0), forced).ok());
+  ASSERT_TRUE(scheduler_->Submit(job({}, 0.9), plain).ok());
+  // Sampled, with a few tokens pushed down and one up.
+  const std::vector<std::pair<int32_t, float>> mixed = {{3, -100.0f}, {40, 2.5f}, {200, -7.0f}};
+  ASSERT_TRUE(scheduler_->Submit(job(mixed, 0.9), banned).ok());
+  forced->Wait();
+  plain->Wait();
+  banned->Wait();
+  scheduler_.reset();
+  EXPECT_EQ(forced->tokens, std::vector<int32_t>(6, forced_token));
+  // The references: a solo engine run, drawing from the (biased) row on the host.
+  for (const auto& [c, bias] : {std::pair{plain.get(), std::vector<std::pair<int32_t, float>>{}},
+                                std::pair{banned.get(), mixed}}) {
+    const GenerateJob spec = job(bias, 0.9);
+    auto s = engine_->NewSession();
+    std::vector<float> logits;
+    ASSERT_TRUE(engine_->Prefill(*s, prompt, false, &logits).ok());
+    ASSERT_EQ(c->logprobs.size(), c->tokens.size());
+    for (size_t t = 0; t < c->tokens.size(); ++t) {
+      std::vector<float> biased = logits;
+      for (const auto& [id, b] : bias) biased[id] += b;
+      ASSERT_EQ(c->tokens[t], SampleToken(biased, spec.sampling, t)) << "token " << t;
+      EXPECT_EQ(c->logprobs[t].chosen.logprob,
+                ComputeLogprobs(logits, c->tokens[t], 0).chosen.logprob);
+      SessionState* p = s.get();
+      ASSERT_TRUE(engine_->Decode({&p, 1}, {&c->tokens[t], 1}, logits).ok());
+    }
+  }
+  EXPECT_TRUE(std::find(banned->tokens.begin(), banned->tokens.end(), 3) == banned->tokens.end());
+}
+
 TEST_F(SchedulerTest, LogprobsOutOfRangeAreRefused) {
   StartScheduler();
   for (const int n : {-1, kMaxTopLogprobs + 1}) {
