@@ -83,6 +83,9 @@ void AddSamplingFlags(FlagSet& flags, SamplingFlags* values) {
   flags.AddStringList("stop", &values->stop, "stop when the text contains this string");
   flags.AddString("stop_ids", &values->stop_ids,
                   "comma-separated token ids that stop generation (besides EOS)");
+  flags.AddString("logit_bias", &values->logit_bias,
+                  "comma-separated ID:BIAS pairs added to those tokens' logits before each draw "
+                  "(-100 bans a token, 100 forces it)");
   flags.AddBool("ignore_eos", &values->ignore_eos,
                 "generate past EOS: stop at max_tokens, a stop id or a stop string only");
   flags.AddBool("add_bos", &values->add_bos, "put the tokenizer's BOS before the prompt");
@@ -109,6 +112,19 @@ absl::Status ApplySamplingFlags(const FlagSet& flags, const SamplingFlags& value
   absl::StatusOr<std::vector<int32_t>> ids = ParseTokenIds(values.stop_ids, "--stop_ids");
   if (!ids.ok()) return ids.status();
   for (const int32_t id : *ids) s.add_stop_token_ids(id);
+  if (!absl::StripAsciiWhitespace(values.logit_bias).empty()) {
+    for (absl::string_view pair : absl::StrSplit(values.logit_bias, ',')) {
+      const std::vector<absl::string_view> parts = absl::StrSplit(pair, ':');
+      int32_t id = 0;
+      float bias = 0;
+      if (parts.size() != 2 || !absl::SimpleAtoi(absl::StripAsciiWhitespace(parts[0]), &id) ||
+          !absl::SimpleAtof(absl::StripAsciiWhitespace(parts[1]), &bias)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--logit_bias: '", pair, "' is not ID:BIAS (expected e.g. 65:100,66:-100)"));
+      }
+      (*s.mutable_logit_bias())[id] = bias;
+    }
+  }
   s.set_ignore_eos(values.ignore_eos);
   if (flags.IsSet("add_bos")) request.set_add_bos(values.add_bos);
   return absl::OkStatus();

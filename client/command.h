@@ -76,7 +76,8 @@ class Command {
 std::string RetryAfterMs(const grpc::ClientContext& context);
 
 // The sampling flags shared by generate and chat: --max_tokens, --temperature, --top_k, --top_p,
-// --seed, --stop (repeatable), --stop_ids (comma-separated), --add_bos / --noadd_bos.
+// --seed, --stop (repeatable), --stop_ids (comma-separated), --logit_bias (ID:BIAS,...),
+// --add_bos / --noadd_bos.
 struct SamplingFlags {
   int64_t max_tokens = 0;
   double temperature = 0;
@@ -85,14 +86,15 @@ struct SamplingFlags {
   std::string seed = "0";
   std::vector<std::string> stop;
   std::string stop_ids;
+  std::string logit_bias;
   bool ignore_eos = false;
   bool add_bos = false;
 };
 void AddSamplingFlags(FlagSet& flags, SamplingFlags* values);
 
 // Fills request.sampling and request.add_bos from the flags; a flag left unset leaves the field
-// unset (the server's default). INVALID_ARGUMENT for a malformed --seed or --stop_ids (ranges
-// are the server's to check).
+// unset (the server's default). INVALID_ARGUMENT for a malformed --seed, --stop_ids or
+// --logit_bias (ranges are the server's to check).
 absl::Status ApplySamplingFlags(const FlagSet& flags, const SamplingFlags& values,
                                 sdm::v1::GenerateRequest& request);
 

@@ -178,6 +178,14 @@ TEST_F(EndToEndTest, ClientAndLoadGeneratorAgainstTheRealServer) {
   r = Client("generate --prompt x --max_tokens -1");
   EXPECT_EQ(r.exit, 1);
   EXPECT_THAT(r.output, HasSubstr("INVALID_ARGUMENT"));
+  // --logit_bias: +100 on 'A' (the byte tokenizer's 65) forces it; a malformed pair is a usage
+  // error.
+  r = Client("generate --prompt x --max_tokens 3 --logit_bias 65:100");
+  ASSERT_EQ(r.exit, 0) << r.output;
+  EXPECT_THAT(r.output, HasSubstr("AAA"));
+  r = Client("generate --prompt x --logit_bias 65");
+  EXPECT_NE(r.exit, 0);
+  EXPECT_THAT(r.output, HasSubstr("--logit_bias: '65' is not ID:BIAS"));
   // max_tokens 0 reads the prompt only.
   r = Client("generate --prompt x --max_tokens 0");
   EXPECT_EQ(r.exit, 0) << r.output;
