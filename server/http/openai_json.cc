@@ -402,6 +402,10 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
   }
   if (endpoint == OpenAiEndpoint::kCompletions) {
     if (absl::Status s = GetBool(j, "echo", r.echo); !s.ok()) return s;
+    if (const Json* add = Field(j, "add_special_tokens"); add != nullptr) {
+      if (!add->is_boolean()) return WrongType("add_special_tokens", "a boolean");
+      r.add_special_tokens = add->get<bool>();
+    }
   } else if (const Json* echo = Field(j, "echo");
              echo != nullptr && !(echo->is_boolean() && !echo->get<bool>()) &&
              !(echo->is_number() && echo->get<double>() == 0)) {
@@ -429,9 +433,12 @@ absl::StatusOr<OpenAiRequest> ParseOpenAiRequest(absl::string_view body, OpenAiE
 v1::GenerateRequest ToGenerateRequest(const OpenAiRequest& request, const std::string& prompt_text,
                                       const std::vector<std::string>& extra_stop) {
   v1::GenerateRequest g;
+  if (request.add_special_tokens.has_value()) g.set_add_bos(*request.add_special_tokens);
   if (!request.prompts.empty() && request.prompts[0].is_tokens) {
     g.mutable_token_ids()->mutable_ids()->Add(request.prompts[0].tokens.begin(),
                                               request.prompts[0].tokens.end());
+    // As sent, unless asked: a harness's context length counts its own tokens.
+    if (!request.add_special_tokens.has_value()) g.set_add_bos(false);
   } else {
     g.set_text(prompt_text);
   }

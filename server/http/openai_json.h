@@ -61,6 +61,10 @@ struct OpenAiRequest {
   // /v1/completions' `echo`: the prompt's text before the completion's, and with `logprobs` the
   // prompt tokens' log-probabilities before the generated ones' (GenerateRequest.prompt_logprobs).
   bool echo = false;
+  // /v1/completions' `add_special_tokens` (vLLM's name): BOS before the prompt. Unset: for text
+  // as gRPC decides (BOS when the sequence starts here); token ids are read as sent, no BOS, as
+  // vLLM does (an evaluation harness counts the context's tokens it sent).
+  std::optional<bool> add_special_tokens;
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage
   std::string user;

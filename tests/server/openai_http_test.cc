@@ -351,7 +351,10 @@ TEST_F(OpenAiHttpTest, ModelsCompletionsAndChatMatchGrpc) {
   EXPECT_EQ(c.body["usage"]["total_tokens"], expected.usage.prompt_tokens() + 12);
 
   // Token ids as the prompt; a stop string ends the text before it (finish_reason stop).
-  const Completion ids = Generate(*s.stub, IdsRequest({5, 6, 7}, 6));
+  // Token ids are read as sent (no BOS: vLLM's rule, which evaluation harnesses count on).
+  v1::GenerateRequest ids_request = IdsRequest({5, 6, 7}, 6);
+  ids_request.set_add_bos(false);
+  const Completion ids = Generate(*s.stub, ids_request);
   const Reply by_ids =
       Post(port, "/v1/completions", {{"prompt", {5, 6, 7}}, {"max_tokens", 6}, {"temperature", 0}});
   ASSERT_EQ(by_ids.status, 200) << by_ids.raw;
@@ -482,8 +485,12 @@ TEST_F(OpenAiHttpTest, SeveralPromptsAndNChoicesAreOneShotJobsEachAsGrpcs) {
   const Reply ids = Post(port, "/v1/completions",
                          {{"prompt", {{5, 6, 7}, {8, 9}}}, {"max_tokens", 4}, {"temperature", 0}});
   ASSERT_EQ(ids.status, 200) << ids.raw;
-  EXPECT_EQ(ids.body["choices"][0]["text"], grpc(IdsRequest({5, 6, 7}, 4), 0, 0).text);
-  EXPECT_EQ(ids.body["choices"][1]["text"], grpc(IdsRequest({8, 9}, 4), 0, 0).text);
+  const auto no_bos = [](v1::GenerateRequest r) {
+    r.set_add_bos(false);  // token ids are read as sent
+    return r;
+  };
+  EXPECT_EQ(ids.body["choices"][0]["text"], grpc(no_bos(IdsRequest({5, 6, 7}, 4)), 0, 0).text);
+  EXPECT_EQ(ids.body["choices"][1]["text"], grpc(no_bos(IdsRequest({8, 9}, 4)), 0, 0).text);
 
   // n sampled choices of each prompt: choice prompt * n + j samples with seed + j.
   const Json sampled = {{"prompt", {"Once upon", "Hello"}},
@@ -779,6 +786,23 @@ TEST_F(OpenAiHttpTest, EchoScoresThePromptAsGrpcsPromptLogprobs) {
       Post(port, "/v1/completions", {{"prompt", {72, 105}}, {"max_tokens", 1}, {"echo", true}});
   ASSERT_EQ(ids.status, 200) << ids.raw;
   EXPECT_TRUE(absl::StartsWith(ids.body["choices"][0]["text"].get<std::string>(), "Hi")) << ids.raw;
+  // Token ids are scored as sent (no BOS: one entry per id sent, then the generated token), what
+  // an evaluation harness slices by its context's length; add_special_tokens puts BOS first.
+  for (const bool special : {false, true}) {
+    Json scoring_ids = {{"prompt", {72, 105, 33}},
+                        {"max_tokens", 1},
+                        {"temperature", 0},
+                        {"echo", true},
+                        {"logprobs", 1}};
+    if (special) scoring_ids["add_special_tokens"] = true;
+    const Reply r = Post(port, "/v1/completions", scoring_ids);
+    ASSERT_EQ(r.status, 200) << r.raw;
+    const Json& lp = r.body["choices"][0]["logprobs"];
+    ASSERT_EQ(lp["token_logprobs"].size(), special ? 5u : 4u) << r.raw;
+    EXPECT_TRUE(lp["token_logprobs"][0].is_null()) << r.raw;
+    EXPECT_EQ(lp["tokens"][special ? 1 : 0], "H") << r.raw;
+    EXPECT_EQ(r.body["usage"]["prompt_tokens"], special ? 4 : 3) << r.raw;
+  }
 
   // Chat has no echo; out-of-range prompt log-probabilities are refused with gRPC's field name.
   const Reply chat = Post(port, "/v1/chat/completions",
@@ -1197,6 +1221,8 @@ TEST_F(OpenAiHttpTest, EveryBadInputGetsItsStatusAndTheServerKeepsServing) {
       {"/v1/completions", with(good, "logit_bias", {{"99999", 1}}), 400,
        "sampling.logit_bias: token id 99999 is outside the vocabulary"},
       {"/v1/completions", with(good, "logit_bias", 5), 400, "'logit_bias' must be an object"},
+      {"/v1/completions", with(good, "add_special_tokens", 1), 400,
+       "'add_special_tokens' must be a boolean"},
       {"/v1/chat/completions", with(chat, "modalities", {"text", "audio"}), 400,
        "'modalities' is not supported"},
       {"/v1/chat/completions", with(chat, "audio", {{"voice", "alloy"}, {"format", "wav"}}), 400,
