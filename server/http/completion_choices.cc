@@ -39,7 +39,7 @@ std::shared_ptr<CompletionChoices> CompletionChoices::Create(int count, ServerMe
 }
 
 CompletionChoices::CompletionChoices(int count, ServerMetrics& metrics, const Tokenizer& tokenizer)
-    : count_(count), metrics_(metrics), tokenizer_(tokenizer), slots_(static_cast<size_t>(count)) {}
+    : metrics_(metrics), tokenizer_(tokenizer), slots_(static_cast<size_t>(count)) {}
 
 std::shared_ptr<JobObserver> CompletionChoices::Observer(int index) {
   return std::make_shared<ChoiceObserver>(shared_from_this(), index);

@@ -49,8 +49,6 @@ class CompletionChoices : public std::enable_shared_from_this<CompletionChoices>
   static std::shared_ptr<CompletionChoices> Create(int count, ServerMetrics& metrics,
                                                    const Tokenizer& tokenizer);
 
-  int count() const { return count_; }
-
   // The observer of choice `index`'s job (it keeps this object alive).
   std::shared_ptr<JobObserver> Observer(int index);
 
@@ -93,7 +91,6 @@ class CompletionChoices : public std::enable_shared_from_this<CompletionChoices>
   LogprobEntry Entry(const TokenLogprobs& logprobs) const;
   LogprobToken Token(const TokenLogprob& t) const;
 
-  const int count_;
   ServerMetrics& metrics_;
   const Tokenizer& tokenizer_;
   std::atomic<bool> cancelled_{false};
